@@ -1,0 +1,248 @@
+use super::*;
+use crate::merge::merge_partial;
+use crate::simd::{self, SimdLevel};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Max abs error of attention outputs (values of order 1) against the f64 reference.
+const ATTN_OUT_TOL: f32 = 3e-5;
+/// Max abs error of the log-sum-exp, relative to max(1, |lse|).
+const ATTN_LSE_TOL: f32 = 3e-5;
+/// Split-keys-and-merge against one pass (both f32): same bound as against the reference.
+const MERGE_TOL: f32 = 3e-5;
+/// Max abs error of per-key attention mass (sum over rows; values up to ~rows) per row.
+const SCORES_TOL_PER_ROW: f32 = 2e-6;
+
+/// An attention implementation under test.
+type AttnFn = fn(&AttnShape, &[f32], &[u32], KvRef<'_>, &mut [f32], &mut [f32]) -> crate::Result<()>;
+
+struct Case {
+    shape: AttnShape,
+    q: Vec<f32>,
+    qpos: Vec<u32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    kpos: Vec<u32>,
+}
+
+impl Case {
+    fn kv(&self) -> KvRef<'_> {
+        KvRef { k: &self.k, v: &self.v, pos: &self.kpos }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Layout {
+    /// Prefill of the last m of n tokens: qpos = n-m.., kpos = 0..n.
+    Causal,
+    /// Arbitrary positions with gaps and repeats, some queries before every key.
+    Scattered,
+}
+
+fn case(rng: &mut StdRng, m: usize, n: usize, heads: usize, kv_heads: usize, d: usize, layout: Layout) -> Case {
+    let shape = AttnShape::new(heads, kv_heads, d).unwrap();
+    let mut r = |len: usize, amp: f32| -> Vec<f32> { (0..len).map(|_| rng.random_range(-amp..amp)).collect() };
+    let q = r(m * heads * d, 2.0);
+    let k = r(n * kv_heads * d, 2.0);
+    let v = r(n * kv_heads * d, 1.0);
+    let (qpos, kpos) = match layout {
+        Layout::Causal => {
+            ((n - m.min(n)..n).chain(n..n + m.saturating_sub(n)).map(|p| p as u32).collect(), (0..n as u32).collect())
+        }
+        Layout::Scattered => {
+            let kpos: Vec<u32> = (0..n).map(|_| rng.random_range(5..3000)).collect();
+            let qpos: Vec<u32> =
+                (0..m).map(|i| if i % 7 == 0 { rng.random_range(0..5) } else { rng.random_range(0..3200) }).collect();
+            (qpos, kpos)
+        }
+    };
+    Case { shape, q, qpos, k, v, kpos }
+}
+
+fn run(c: &Case, f: AttnFn) -> (Vec<f32>, Vec<f32>) {
+    let m = c.qpos.len();
+    let mut out = vec![f32::NAN; m * c.shape.q_dim()];
+    let mut lse = vec![f32::NAN; m * c.shape.n_heads];
+    f(&c.shape, &c.q, &c.qpos, c.kv(), &mut out, &mut lse).unwrap();
+    (out, lse)
+}
+
+fn assert_close(tag: &str, a: &(Vec<f32>, Vec<f32>), b: &(Vec<f32>, Vec<f32>), out_tol: f32, lse_tol: f32) {
+    assert_eq!(a.0.len(), b.0.len(), "{tag}: out shapes");
+    assert_eq!(a.1.len(), b.1.len(), "{tag}: lse shapes");
+    let out_err = a.0.iter().zip(&b.0).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    assert!(out_err <= out_tol, "{tag}: max |out diff| {out_err} > {out_tol}");
+    for (x, y) in a.1.iter().zip(&b.1) {
+        if x.is_infinite() || y.is_infinite() {
+            assert_eq!(x, y, "{tag}: one lse is -inf, the other is not");
+        } else {
+            assert!((x - y).abs() <= lse_tol * y.abs().max(1.0), "{tag}: lse {x} vs {y}");
+        }
+    }
+}
+
+const SHAPES: &[(usize, usize)] = &[(1, 1), (1, 300), (5, 5), (97, 257), (200, 129), (33, 1000), (300, 300)];
+const HEADS: &[(usize, usize)] = &[(4, 4), (9, 3), (8, 2)];
+
+#[test]
+fn flash_matches_reference_random_shapes_gqa_1_3_4() {
+    let mut rng = StdRng::seed_from_u64(42);
+    for &(m, n) in SHAPES {
+        for &(h, kvh) in HEADS {
+            for d in [64, 17] {
+                for layout in [Layout::Causal, Layout::Scattered] {
+                    let c = case(&mut rng, m, n, h, kvh, d, layout);
+                    let fast = run(&c, attention);
+                    let slow = run(&c, attention_ref);
+                    assert_close(&format!("m{m} n{n} h{h}/{kvh} d{d}"), &fast, &slow, ATTN_OUT_TOL, ATTN_LSE_TOL);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_simd_level_matches_reference() {
+    let mut rng = StdRng::seed_from_u64(9);
+    let c = case(&mut rng, 70, 390, 9, 3, 64, Layout::Causal);
+    let slow = run(&c, attention_ref);
+    for lvl in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512] {
+        simd::set_override(Some(lvl));
+        let fast = run(&c, attention);
+        simd::set_override(None);
+        assert_close(&format!("{lvl:?}"), &fast, &slow, ATTN_OUT_TOL, ATTN_LSE_TOL);
+    }
+}
+
+#[test]
+fn queries_without_visible_keys_are_empty() {
+    let shape = AttnShape::new(2, 1, 8).unwrap();
+    let q = vec![0.5; 2 * 2 * 8];
+    let k = vec![0.1; 3 * 8];
+    let v = vec![1.0; 3 * 8];
+    let kpos = [10, 11, 12];
+    let qpos = [3, 11];
+    let mut out = vec![f32::NAN; q.len()];
+    let mut lse = vec![f32::NAN; 4];
+    attention(&shape, &q, &qpos, KvRef { k: &k, v: &v, pos: &kpos }, &mut out, &mut lse).unwrap();
+    assert_eq!(&lse[..2], &[f32::NEG_INFINITY; 2]);
+    assert!(out[..16].iter().all(|&x| x == 0.0));
+    assert!(lse[2].is_finite() && (out[16] - 1.0).abs() < 1e-6);
+    // No keys at all.
+    let mut out = vec![f32::NAN; q.len()];
+    let mut lse = vec![f32::NAN; 4];
+    attention(&shape, &q, &qpos, KvRef { k: &[], v: &[], pos: &[] }, &mut out, &mut lse).unwrap();
+    assert!(lse.iter().all(|&l| l == f32::NEG_INFINITY) && out.iter().all(|&x| x == 0.0));
+}
+
+fn subset(c: &Case, idx: &[usize]) -> Case {
+    let kvd = c.shape.kv_dim();
+    let pick = |src: &[f32]| idx.iter().flat_map(|&j| src[j * kvd..(j + 1) * kvd].iter().copied()).collect::<Vec<_>>();
+    Case {
+        shape: c.shape,
+        q: c.q.clone(),
+        qpos: c.qpos.clone(),
+        k: pick(&c.k),
+        v: pick(&c.v),
+        kpos: idx.iter().map(|&j| c.kpos[j]).collect(),
+    }
+}
+
+#[test]
+fn split_keys_and_merge_equals_one_pass() {
+    let mut rng = StdRng::seed_from_u64(1);
+    for &(m, n) in &[(1, 700), (40, 333), (130, 1001)] {
+        for &(h, kvh) in HEADS {
+            let c = case(&mut rng, m, n, h, kvh, 64, Layout::Scattered);
+            let whole = run(&c, attention);
+            // Three key sets: a contiguous prefix, and the rest interleaved (not contiguous).
+            let cut = n / 3;
+            let a: Vec<usize> = (0..cut).collect();
+            let b: Vec<usize> = (cut..n).filter(|j| j % 2 == 0).collect();
+            let cc: Vec<usize> = (cut..n).filter(|j| j % 2 == 1).collect();
+            let (mut out, mut lse) = run(&subset(&c, &a), attention);
+            for part in [&b, &cc] {
+                let (po, pl) = run(&subset(&c, part), attention);
+                merge_partial(&mut out, &mut lse, &po, &pl, 64).unwrap();
+            }
+            assert_close(&format!("split m{m} n{n}"), &(out, lse), &whole, MERGE_TOL, MERGE_TOL);
+        }
+    }
+}
+
+#[test]
+fn merge_order_does_not_matter() {
+    let mut rng = StdRng::seed_from_u64(2);
+    let c = case(&mut rng, 50, 600, 9, 3, 64, Layout::Scattered);
+    let parts: Vec<(Vec<f32>, Vec<f32>)> =
+        (0..3).map(|p| run(&subset(&c, &(0..600).filter(|j| j % 3 == p).collect::<Vec<_>>()), attention)).collect();
+    let merged = |order: &[usize]| {
+        let (mut o, mut l) = parts[order[0]].clone();
+        for &i in &order[1..] {
+            merge_partial(&mut o, &mut l, &parts[i].0, &parts[i].1, 64).unwrap();
+        }
+        (o, l)
+    };
+    // Two operands: exactly symmetric.
+    let ab = merged(&[0, 1]);
+    let ba = merged(&[1, 0]);
+    assert_eq!(ab.0, ba.0);
+    assert_eq!(ab.1, ba.1);
+    // Three operands in every order: equal within rounding.
+    let base = merged(&[0, 1, 2]);
+    for order in [[0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]] {
+        assert_close(&format!("{order:?}"), &merged(&order), &base, MERGE_TOL, MERGE_TOL);
+    }
+    // And it equals one pass.
+    assert_close("vs one pass", &base, &run(&c, attention), MERGE_TOL, MERGE_TOL);
+}
+
+#[test]
+fn merge_with_empty_side_and_extreme_lse() {
+    let mut out = vec![1.0, 2.0, 3.0, 4.0];
+    let mut lse = vec![f32::NEG_INFINITY, 80.0];
+    merge_partial(&mut out, &mut lse, &[5.0, 6.0, 7.0, 8.0], &[3.0, f32::NEG_INFINITY], 2).unwrap();
+    assert_eq!(out, vec![5.0, 6.0, 3.0, 4.0]);
+    assert_eq!(lse, vec![3.0, 80.0]);
+    // Large log-sum-exps (exp would overflow f32) merge without inf/NaN.
+    let mut out = vec![1.0, 1.0];
+    let mut lse = vec![100.0];
+    merge_partial(&mut out, &mut lse, &[3.0, 3.0], &[100.0], 2).unwrap();
+    // lse near 100 carries an absolute rounding of ~1e-5 (f32 ulp), which the weights inherit.
+    assert!((out[0] - 2.0).abs() < MERGE_TOL && (lse[0] - (100.0 + 2f32.ln())).abs() < 1e-4, "{out:?} {lse:?}");
+}
+
+#[test]
+fn scores_match_reference() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for &(m, n) in &[(1, 1), (12, 500), (130, 300)] {
+        for &(h, kvh) in HEADS {
+            for layout in [Layout::Causal, Layout::Scattered] {
+                let c = case(&mut rng, m, n, h, kvh, 64, layout);
+                let (_, lse) = run(&c, attention);
+                let mut fast = vec![0f32; n];
+                let mut slow = vec![0f32; n];
+                attention_scores(&c.shape, &c.q, &c.qpos, c.kv(), &lse, &mut fast).unwrap();
+                attention_scores_ref(&c.shape, &c.q, &c.qpos, c.kv(), &lse, &mut slow).unwrap();
+                let err = fast.iter().zip(&slow).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+                let rows = (m * h) as f32;
+                assert!(err <= SCORES_TOL_PER_ROW * rows, "m{m} n{n}: {err}");
+                // Each visible row distributes probability 1 over the keys.
+                let visible_rows = lse.iter().filter(|l| l.is_finite()).count() as f32;
+                let total: f32 = fast.iter().sum();
+                assert!((total - visible_rows).abs() <= 1e-4 * visible_rows.max(1.0), "mass {total} vs {visible_rows}");
+            }
+        }
+    }
+}
+
+#[test]
+fn rejects_bad_layouts() {
+    assert!(AttnShape::new(9, 2, 64).is_err());
+    assert!(AttnShape::new(9, 0, 64).is_err());
+    let shape = AttnShape::new(2, 1, 4).unwrap();
+    let mut out = vec![0.0; 8];
+    let mut lse = vec![0.0; 2];
+    let err = attention(&shape, &[0.0; 7], &[0], KvRef { k: &[], v: &[], pos: &[] }, &mut out, &mut lse).unwrap_err();
+    assert!(err.to_string().contains("q has 7 elements"), "{err}");
+}

@@ -1,0 +1,31 @@
+//! Math kernels of flowprefill, on f32 slices.
+//!
+//! * [`matmul`]: `x · Wᵀ` through the `gemm` crate's packed micro-kernels;
+//! * [`norm`], [`rope`], [`elementwise`]: RMSNorm, rotary embedding at explicit positions,
+//!   SiLU-gated product, residual add, embedding lookup;
+//! * [`attention`]: blocked online-softmax attention returning `(out, lse)`, with visibility
+//!   decided by positions, plus per-key attention mass ([`attention::attention_scores`]);
+//! * [`merge`]: `merge_partial`, the one place partial attention results combine;
+//! * [`topk`]: deterministic top-k;
+//! * `cuda` (feature `cuda`): GPU discovery through cudarc with dynamic loading;
+//! * [`backend`]: the op set the model is written against ([`backend::Backend`]) and the CPU
+//!   implementation.
+//!
+//! Every fast kernel has a slow reference (`*_ref`) and an equivalence test with a named
+//! tolerance next to it.
+
+pub mod attention;
+pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod elementwise;
+mod error;
+pub mod matmul;
+pub mod merge;
+pub mod norm;
+pub mod rope;
+pub mod simd;
+pub mod topk;
+
+pub use backend::{Backend, Cpu};
+pub use error::{KernelError, Result};

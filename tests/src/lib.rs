@@ -1,0 +1,173 @@
+//! Helpers shared by the integration tests: the real model (fetched once into the user cache),
+//! tiny random-weight GGUF models for pure math checks, comparisons with named tolerances.
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use flowprefill_worker::{Cpu, LoadedModel};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// Path of the default model, fetched into the user's cache on first use.
+pub fn default_model_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        flowprefill_worker::fetch::ensure_default_model(&mut |l| eprintln!("{l}"))
+            .unwrap_or_else(|e| panic!("the tests need the default model: {e}"))
+    })
+    .clone()
+}
+
+/// The default model, loaded once per test binary.
+pub fn default_model() -> &'static LoadedModel<Cpu> {
+    static MODEL: OnceLock<LoadedModel<Cpu>> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        LoadedModel::load(&default_model_path(), Cpu).unwrap_or_else(|e| panic!("loading the default model: {e}"))
+    })
+}
+
+/// A fixed English paragraph used as test input.
+pub const TEXT: &str = "The harbour of Redwater was quiet in the early morning. Fishing boats rested against \
+the stone wall while the gulls waited on the roofs of the old warehouses. Clara, who had kept the lighthouse \
+for eleven years, wrote in her ledger that the tide had come in earlier than the tables promised. In 1874 the \
+town council rebuilt the bridge over the river, and merchants from Castlewick began to bring salt, wool and \
+timber to the market square every Thursday. The children of the village school counted 37 boats and 112 \
+barrels that spring. Nobody could say why the weathered bell of the monastery had been polished twice a year, \
+but the shepherds of the northern ridge said it rang more clearly after the rains. When the storm arrived in \
+October, the carpenter repaired the roof of the bakery and the weaver carried her looms to the town hall.";
+
+/// Maximum absolute difference of two slices (panics on length mismatch).
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Range (max - min) of a slice.
+pub fn range(a: &[f32]) -> f32 {
+    let (lo, hi) = a.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+    hi - lo
+}
+
+/// Options of a tiny random model.
+#[derive(Clone, Debug)]
+pub struct TinySpec {
+    /// `general.architecture`.
+    pub arch: &'static str,
+    /// Layers.
+    pub layers: usize,
+    /// Hidden size.
+    pub d_model: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// FFN size.
+    pub ffn: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// Write a separate output matrix (untied).
+    pub untied: bool,
+    /// Extra tensors to add (name, shape), e.g. to test rejection.
+    pub extra: Vec<(String, Vec<usize>)>,
+    /// RNG seed.
+    pub seed: u64,
+}
+
+impl TinySpec {
+    /// A small model of the given architecture.
+    pub fn new(arch: &'static str) -> Self {
+        Self {
+            arch,
+            layers: 2,
+            d_model: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            ffn: 96,
+            vocab: 97,
+            untied: false,
+            extra: vec![],
+            seed: 1,
+        }
+    }
+}
+
+/// Writes a random-weight F32 GGUF of `spec` to `path` (no tokenizer metadata).
+pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) {
+    let mut rng = StdRng::seed_from_u64(spec.seed);
+    let a = spec.arch;
+    let u = |v: usize| Value::U32(v as u32);
+    let md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(a.into())),
+        ("general.name".into(), Value::String(format!("tiny-{a}"))),
+        (format!("{a}.block_count"), u(spec.layers)),
+        (format!("{a}.embedding_length"), u(spec.d_model)),
+        (format!("{a}.feed_forward_length"), u(spec.ffn)),
+        (format!("{a}.attention.head_count"), u(spec.heads)),
+        (format!("{a}.attention.head_count_kv"), u(spec.kv_heads)),
+        (format!("{a}.attention.key_length"), u(spec.head_dim)),
+        (format!("{a}.attention.value_length"), u(spec.head_dim)),
+        (format!("{a}.rope.dimension_count"), u(spec.head_dim)),
+        (format!("{a}.context_length"), u(512)),
+        (format!("{a}.rope.freq_base"), Value::F32(10000.0)),
+        (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+    ];
+    let (d, q, kv, f) = (spec.d_model, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.ffn);
+    let mut shapes: Vec<(String, Vec<usize>, f32, f32)> = vec![
+        ("token_embd.weight".into(), vec![spec.vocab, d], 0.0, 1.0),
+        ("output_norm.weight".into(), vec![d], 1.0, 0.2),
+    ];
+    if spec.untied {
+        shapes.push(("output.weight".into(), vec![spec.vocab, d], 0.0, 0.2));
+    }
+    for l in 0..spec.layers {
+        let b = |n: &str| format!("blk.{l}.{n}");
+        let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+        shapes.push((b("attn_norm.weight"), vec![d], 1.0, 0.2));
+        shapes.push((b("attn_q.weight"), vec![q, d], 0.0, s(d)));
+        shapes.push((b("attn_k.weight"), vec![kv, d], 0.0, s(d)));
+        shapes.push((b("attn_v.weight"), vec![kv, d], 0.0, s(d)));
+        shapes.push((b("attn_output.weight"), vec![d, q], 0.0, s(q)));
+        shapes.push((b("ffn_norm.weight"), vec![d], 1.0, 0.2));
+        shapes.push((b("ffn_gate.weight"), vec![f, d], 0.0, s(d)));
+        shapes.push((b("ffn_up.weight"), vec![f, d], 0.0, s(d)));
+        shapes.push((b("ffn_down.weight"), vec![d, f], 0.0, s(f)));
+        if a == "qwen2" {
+            shapes.push((b("attn_q.bias"), vec![q], 0.0, 0.3));
+            shapes.push((b("attn_k.bias"), vec![kv], 0.0, 0.3));
+            shapes.push((b("attn_v.bias"), vec![kv], 0.0, 0.3));
+        }
+        if a == "qwen3" {
+            shapes.push((b("attn_q_norm.weight"), vec![spec.head_dim], 1.0, 0.2));
+            shapes.push((b("attn_k_norm.weight"), vec![spec.head_dim], 1.0, 0.2));
+        }
+    }
+    for (n, s) in &spec.extra {
+        shapes.push((n.clone(), s.clone(), 0.0, 0.1));
+    }
+    let tensors: Vec<(String, QTensor)> = shapes
+        .into_iter()
+        .map(|(name, shape, center, amp)| {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = (0..n).map(|_| center + amp * rng.random_range(-1.0f32..1.0)).collect();
+            let t = Tensor::from_vec(data, shape.as_slice(), &Device::Cpu).expect("tensor");
+            (name, QTensor::quantize(&t, GgmlDType::F32).expect("quantize"))
+        })
+        .collect();
+    let mut file = std::fs::File::create(path).expect("create gguf");
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut file, &md_refs, &t_refs).expect("write gguf");
+}
+
+/// A fresh temporary directory under the target dir (removed by the caller if wanted).
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let dir = std::env::temp_dir().join(format!("flowprefill-test-{tag}-{}-{nonce}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}

@@ -1,0 +1,74 @@
+//! Bad model files and bad inputs get errors that name the problem.
+
+use flowprefill_tests::{default_model, default_model_path, temp_dir, write_tiny_gguf, TinySpec};
+use flowprefill_worker::generate::{generate, prefill_into, GenerateConfig};
+use flowprefill_worker::kv::{KeyForm, KvCache};
+use flowprefill_worker::{Cpu, LoadedModel, Model, WorkerError};
+use std::io::{Read, Write};
+
+fn load_err(path: &std::path::Path) -> String {
+    match Model::load(path, Cpu) {
+        Ok(_) => panic!("{} loaded but should not", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn missing_and_garbage_files() {
+    let dir = temp_dir("errors");
+    let e = load_err(&dir.join("nope.gguf"));
+    assert!(e.contains("cannot open") && e.contains("--model"), "{e}");
+    let junk = dir.join("junk.gguf");
+    std::fs::write(&junk, b"this is not a gguf file at all").unwrap();
+    let e = load_err(&junk);
+    assert!(e.contains("not a readable GGUF"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn truncated_model_names_the_tensor() {
+    let dir = temp_dir("trunc");
+    let cut = dir.join("cut.gguf");
+    let mut src = std::fs::File::open(default_model_path()).unwrap();
+    let mut head = vec![0u8; 20 << 20];
+    src.read_exact(&mut head).unwrap();
+    std::fs::File::create(&cut).unwrap().write_all(&head).unwrap();
+    let e = load_err(&cut);
+    assert!(e.contains("tensor `") && e.contains("truncated or corrupt"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn unsupported_architecture_and_tensor_are_named() {
+    let dir = temp_dir("arch");
+    let p = dir.join("mamba.gguf");
+    write_tiny_gguf(&p, &TinySpec::new("mamba"));
+    let e = load_err(&p);
+    assert!(e.contains("architecture `mamba` is not supported"), "{e}");
+    let p = dir.join("moe.gguf");
+    write_tiny_gguf(
+        &p,
+        &TinySpec { extra: vec![("blk.0.ffn_gate_exps.weight".into(), vec![4, 96, 64])], ..TinySpec::new("llama") },
+    );
+    let e = load_err(&p);
+    assert!(e.contains("blk.0.ffn_gate_exps.weight") && e.contains("MoE"), "{e}");
+    // A tiny model has no tokenizer: loading it as a chat model says so.
+    let p = dir.join("tiny.gguf");
+    write_tiny_gguf(&p, &TinySpec::new("llama"));
+    let e = LoadedModel::load(&p, Cpu).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("tokenizer.ggml.model") && e.contains("missing"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn empty_prompt_and_too_long_context() {
+    let lm = default_model();
+    let c = lm.model.config();
+    let mut cache = KvCache::new(lm.model.backend(), c.n_layers, c.kv_dim(), KeyForm::Rotated).unwrap();
+    let e = prefill_into(&lm.model, &mut cache, &[], 0, 16).unwrap_err();
+    assert!(e.to_string().contains("prompt is empty"), "{e}");
+    let long = vec![42u32; c.context_length + 10];
+    let e = generate(&lm.model, &lm.tokenizer, &long, &GenerateConfig::default(), &mut |_| true).unwrap_err();
+    assert!(matches!(e, WorkerError::ContextTooLong { window: 8192, .. }), "{e}");
+    assert!(e.to_string().contains("context window is 8192"), "{e}");
+}

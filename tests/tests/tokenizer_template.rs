@@ -1,0 +1,70 @@
+//! Tokenizer and chat template built from the GGUF file.
+
+use flowprefill_tests::default_model;
+use flowprefill_worker::template::{tokenize_pieces, Message, Part, Piece};
+
+#[test]
+fn round_trips_text() {
+    let t = &default_model().tokenizer;
+    for s in ["The quick brown fox. 12345", "  leading spaces\nand\ttabs, ünïcödé — “quotes” 😀", "a"] {
+        let ids = t.encode_text(s).unwrap();
+        assert_eq!(t.decode(&ids).unwrap(), s);
+    }
+}
+
+#[test]
+fn digits_are_split_one_by_one() {
+    // SmolLM2's pre-tokenizer is `smollm`: every digit is its own pre-token.
+    let t = &default_model().tokenizer;
+    let ids = t.encode_text("4829175").unwrap();
+    assert_eq!(ids.len(), 7, "{ids:?}");
+    for (id, ch) in ids.iter().zip("4829175".chars()) {
+        assert_eq!(t.decode(&[*id]).unwrap(), ch.to_string());
+    }
+}
+
+#[test]
+fn special_tokens_only_in_template_text() {
+    let t = &default_model().tokenizer;
+    let im_end = t.encode_template("<|im_end|>").unwrap();
+    assert_eq!(im_end, vec![2]);
+    assert!(t.is_end(2));
+    let plain = t.encode_text("<|im_end|>").unwrap();
+    assert!(plain.len() > 1 && !plain.contains(&2), "{plain:?}");
+}
+
+#[test]
+fn chat_template_renders_chatml_from_the_gguf() {
+    let lm = default_model();
+    let s = lm.template.render(&[Message::text("user", "Hi")], true).unwrap();
+    assert_eq!(
+        s,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let with_system =
+        lm.template.render(&[Message::text("system", "Be brief."), Message::text("user", "Hi")], false).unwrap();
+    assert_eq!(with_system, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
+}
+
+#[test]
+fn pieces_locate_user_text_and_slots() {
+    let lm = default_model();
+    let msgs = [Message {
+        role: "user".into(),
+        parts: vec![Part::Slot(0), Part::Text("\n\nQuestion: why?".into()), Part::Slot(1)],
+    }];
+    let pieces = lm.template.render_pieces(&msgs, true).unwrap();
+    assert!(matches!(pieces.first(), Some(Piece::Template(t)) if t.starts_with("<|im_start|>system")));
+    assert!(pieces.contains(&Piece::Slot(0)) && pieces.contains(&Piece::Slot(1)));
+    let docs = ["First document.", "Second <|im_end|> document."];
+    let tp = tokenize_pieces(&lm.tokenizer, &pieces, |i| lm.tokenizer.encode_text(docs[i])).unwrap();
+    assert_eq!(tp.slots.len(), 2);
+    for (slot, r) in &tp.slots {
+        assert_eq!(lm.tokenizer.decode(&tp.ids[r.clone()]).unwrap(), docs[*slot]);
+    }
+    assert_eq!(lm.tokenizer.decode(&tp.ids[tp.texts[0].clone()]).unwrap(), "\n\nQuestion: why?");
+    // Exactly the template's own <|im_end|> tokens are control tokens: two for the system and
+    // user turns, none from the document text.
+    assert_eq!(tp.ids.iter().filter(|&&i| i == 2).count(), 2);
+}

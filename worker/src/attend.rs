@@ -1,0 +1,124 @@
+//! What a layer's queries attend to: the [`Attend`] step of the forward.
+//!
+//! The forward computes Q, K (rotated and pre-RoPE) and V for its tokens and hands them to an
+//! `Attend`, which returns the attention output. The implementations here cover a single
+//! process; the coordinator adds sharded ones (probe, recompute, ring) on the same trait.
+
+use crate::error::{Result, WorkerError};
+use crate::kv::{KeyForm, KvCache};
+use flowprefill_kernels::attention::AttnShape;
+use flowprefill_kernels::rope::RopeTable;
+use flowprefill_kernels::Backend;
+
+/// The tensors of one layer's tokens, as the forward computed them.
+pub struct LayerInput<'a, B: Backend> {
+    /// The backend.
+    pub backend: &'a B,
+    /// Head layout.
+    pub shape: &'a AttnShape,
+    /// RoPE table (to place stored pre-RoPE keys).
+    pub rope: &'a RopeTable,
+    /// Layer index.
+    pub layer: usize,
+    /// Positions of the tokens.
+    pub positions: &'a [u32],
+    /// Queries `[m, n_heads, head_dim]`, rotated.
+    pub q: &'a B::Buf,
+    /// Keys `[m, n_kv_heads, head_dim]`, rotated.
+    pub k: &'a B::Buf,
+    /// Keys before RoPE.
+    pub k_pre: &'a B::Buf,
+    /// Values.
+    pub v: &'a B::Buf,
+}
+
+/// Computes the attention output `[m, n_heads, head_dim]` of a layer into `out`.
+pub trait Attend<B: Backend> {
+    /// Called once per layer, in layer order.
+    fn attend(&mut self, input: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()>;
+}
+
+/// The tokens attend to themselves only (causally by position): plain prefill of a sequence
+/// with no cache, e.g. a reference forward in tests.
+pub struct SelfOnly;
+
+impl<B: Backend> Attend<B> for SelfOnly {
+    fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
+        let mut lse = x.backend.zeros(x.positions.len() * x.shape.n_heads)?;
+        x.backend.attention(x.shape, x.q, x.positions, x.k, x.v, x.positions, out, &mut lse)?;
+        Ok(())
+    }
+}
+
+/// Attends to everything in a rotated cache plus the new tokens, and appends the new tokens
+/// (rotated keys) to the cache: prefill in micro-batches and decoding.
+///
+/// The cache is consistent only after [`AppendAttend::commit`]; dropping it uncommitted (a
+/// failed forward) removes the rows appended so far.
+pub struct AppendAttend<'a, B: Backend> {
+    backend: &'a B,
+    cache: &'a mut KvCache<B>,
+    old_len: usize,
+    all_positions: Vec<u32>,
+    layers_done: usize,
+    committed: bool,
+}
+
+impl<'a, B: Backend> AppendAttend<'a, B> {
+    /// Prepares to append `positions.len()` tokens to `cache`.
+    pub fn new(backend: &'a B, cache: &'a mut KvCache<B>, positions: &[u32]) -> Result<Self> {
+        if cache.form() != KeyForm::Rotated {
+            return Err(WorkerError::Input("decoding needs a cache of rotated keys".into()));
+        }
+        let old_len = cache.len();
+        let mut all_positions = Vec::with_capacity(old_len + positions.len());
+        all_positions.extend_from_slice(cache.positions());
+        all_positions.extend_from_slice(positions);
+        Ok(Self { backend, cache, old_len, all_positions, layers_done: 0, committed: false })
+    }
+
+    /// Publishes the new rows' positions; call after the forward succeeded.
+    pub fn commit(mut self) -> Result<()> {
+        if self.layers_done != self.cache.n_layers() {
+            return Err(WorkerError::Input(format!(
+                "commit after {} of {} layers",
+                self.layers_done,
+                self.cache.n_layers()
+            )));
+        }
+        let positions = std::mem::take(&mut self.all_positions);
+        self.cache.set_positions(positions);
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl<B: Backend> Drop for AppendAttend<'_, B> {
+    fn drop(&mut self) {
+        if !self.committed {
+            let n = self.old_len * self.cache.kv_dim();
+            for l in 0..self.layers_done.min(self.cache.n_layers()) {
+                let layer = self.cache.layer_mut(l);
+                // Shrinking cannot fail on any backend that could grow the buffer.
+                let _ = self.backend.resize(&mut layer.k, n);
+                let _ = self.backend.resize(&mut layer.v, n);
+            }
+        }
+    }
+}
+
+impl<B: Backend> Attend<B> for AppendAttend<'_, B> {
+    fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
+        if x.layer != self.layers_done {
+            return Err(WorkerError::Input(format!("layer {} out of order (expected {})", x.layer, self.layers_done)));
+        }
+        let be = self.backend;
+        let layer = self.cache.layer_mut(x.layer);
+        be.append(&mut layer.k, x.k)?;
+        be.append(&mut layer.v, x.v)?;
+        self.layers_done += 1;
+        let mut lse = be.zeros(x.positions.len() * x.shape.n_heads)?;
+        be.attention(x.shape, x.q, x.positions, &layer.k, &layer.v, &self.all_positions, out, &mut lse)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,173 @@
+//! Prefill and decoding over a rotated KV cache.
+
+use crate::attend::AppendAttend;
+use crate::error::{Result, WorkerError};
+use crate::kv::{KeyForm, KvCache};
+use crate::model::{Logits, Model};
+use crate::sampling::{Sampler, SamplingConfig};
+use crate::tokenizer::Tokenizer;
+use flowprefill_kernels::Backend;
+use std::time::{Duration, Instant};
+
+/// Default tokens per prefill forward: big enough for efficient GEMMs, small enough to keep
+/// activations (a few x tokens x 3072 floats) far below the KV cache.
+pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
+
+/// Options of [`generate`].
+#[derive(Clone, Debug)]
+pub struct GenerateConfig {
+    /// Upper bound of generated tokens.
+    pub max_new_tokens: usize,
+    /// Token choice.
+    pub sampling: SamplingConfig,
+    /// Tokens per prefill forward.
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenerateConfig {
+    fn default() -> Self {
+        Self { max_new_tokens: 128, sampling: SamplingConfig::default(), prefill_chunk: DEFAULT_PREFILL_CHUNK }
+    }
+}
+
+/// Why decoding stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The model emitted an end-of-turn token.
+    EndToken,
+    /// `max_new_tokens` reached.
+    MaxTokens,
+    /// The context window is full.
+    ContextFull,
+    /// The caller's callback asked to stop.
+    Cancelled,
+}
+
+/// Result of [`generate`].
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Generated ids (without the end token).
+    pub tokens: Vec<u32>,
+    /// Generated text.
+    pub text: String,
+    /// Time from the start of prefill to the first token chosen.
+    pub ttft: Duration,
+    /// Prefill time.
+    pub prefill: Duration,
+    /// Time after the first token.
+    pub decode: Duration,
+    /// Why it stopped.
+    pub stop: StopReason,
+}
+
+/// Runs `tokens` at positions `start..` over `cache` (rotated keys), appending them, in
+/// forwards of at most `chunk` tokens. Returns the last token's logits.
+pub fn prefill_into<B: Backend>(
+    model: &Model<B>,
+    cache: &mut KvCache<B>,
+    tokens: &[u32],
+    start: u32,
+    chunk: usize,
+) -> Result<Vec<f32>> {
+    if tokens.is_empty() {
+        return Err(WorkerError::Input("nothing to prefill: the prompt is empty".into()));
+    }
+    let chunk = chunk.max(1);
+    let mut last = Vec::new();
+    for (i, piece) in tokens.chunks(chunk).enumerate() {
+        let first = start + (i * chunk) as u32;
+        let positions: Vec<u32> = (first..first + piece.len() as u32).collect();
+        let is_last = (i + 1) * chunk >= tokens.len();
+        let mut attend = AppendAttend::new(model.backend(), cache, &positions)?;
+        let out = model.forward(piece, &positions, &mut attend, if is_last { Logits::Last } else { Logits::None })?;
+        attend.commit()?;
+        if is_last {
+            last = out.last().to_vec();
+        }
+    }
+    Ok(last)
+}
+
+/// Decodes over `cache` starting with `first` (already chosen from the prompt's logits),
+/// appending each token. `on_text` receives each new piece of text and returns false to stop.
+/// Returns the ids (without the end token) and the stop reason.
+pub fn decode<B: Backend>(
+    model: &Model<B>,
+    tokenizer: &Tokenizer,
+    cache: &mut KvCache<B>,
+    first: u32,
+    sampler: &mut Sampler,
+    max_new_tokens: usize,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<(Vec<u32>, StopReason)> {
+    let window = model.config().context_length;
+    let mut ids = Vec::new();
+    let mut shown = 0usize;
+    let mut next = first;
+    loop {
+        if ids.len() >= max_new_tokens {
+            return Ok((ids, StopReason::MaxTokens));
+        }
+        if tokenizer.is_end(next) {
+            return Ok((ids, StopReason::EndToken));
+        }
+        ids.push(next);
+        let text = tokenizer.decode(&ids)?;
+        // Emit only complete characters (a multi-byte character may span tokens).
+        if text.len() > shown && !text.ends_with('\u{FFFD}') {
+            let keep_going = on_text(&text[shown..]);
+            shown = text.len();
+            if !keep_going {
+                return Ok((ids, StopReason::Cancelled));
+            }
+        }
+        if ids.len() >= max_new_tokens {
+            return Ok((ids, StopReason::MaxTokens));
+        }
+        let pos = cache.positions().last().map_or(0, |p| p + 1);
+        if pos as usize >= window {
+            return Ok((ids, StopReason::ContextFull));
+        }
+        let mut attend = AppendAttend::new(model.backend(), cache, &[pos])?;
+        let out = model.forward(&[next], &[pos], &mut attend, Logits::Last)?;
+        attend.commit()?;
+        next = sampler.sample(out.last());
+    }
+}
+
+/// Prefills `prompt` from position 0 and decodes. TTFT is measured from the start of prefill
+/// to the moment the first token is chosen.
+pub fn generate<B: Backend>(
+    model: &Model<B>,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    cfg: &GenerateConfig,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<Generation> {
+    let window = model.config().context_length;
+    if prompt.len() >= window {
+        return Err(WorkerError::ContextTooLong { tokens: prompt.len() + 1, window });
+    }
+    let mut sampler = Sampler::new(cfg.sampling.clone())?;
+    let c = model.config();
+    let mut cache = KvCache::new(model.backend(), c.n_layers, c.kv_dim(), KeyForm::Rotated)?;
+    let t0 = Instant::now();
+    let logits = prefill_into(model, &mut cache, prompt, 0, cfg.prefill_chunk)?;
+    let prefill = t0.elapsed();
+    let first = sampler.sample(&logits);
+    let ttft = t0.elapsed();
+    let (tokens, stop) = decode(model, tokenizer, &mut cache, first, &mut sampler, cfg.max_new_tokens, on_text)?;
+    let text = tokenizer.decode(&tokens)?;
+    Ok(Generation {
+        prompt_tokens: prompt.len(),
+        tokens,
+        text,
+        ttft,
+        prefill,
+        decode: t0.elapsed().saturating_sub(ttft),
+        stop,
+    })
+}

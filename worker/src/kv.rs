@@ -1,0 +1,171 @@
+//! Key/value caches.
+//!
+//! A cache holds, per layer, K and V rows (`[n, kv_dim]`) and one position per row. Keys are
+//! kept in one of two forms:
+//! * [`KeyForm::PreRope`]: K before RoPE. Chunk caches are stored this way so that placing a
+//!   chunk anywhere is one exact rotation (RoPE is never applied twice);
+//! * [`KeyForm::Rotated`]: K rotated to the stored positions, ready for attention (decoding).
+
+use crate::error::{Result, WorkerError};
+use flowprefill_kernels::rope::RopeTable;
+use flowprefill_kernels::Backend;
+
+/// Whether stored keys have RoPE applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyForm {
+    /// Keys before RoPE; positions say where they were computed.
+    PreRope,
+    /// Keys rotated to their positions.
+    Rotated,
+}
+
+/// K and V of one layer, `[n, kv_dim]` each.
+pub struct LayerKv<B: Backend> {
+    /// Keys.
+    pub k: B::Buf,
+    /// Values.
+    pub v: B::Buf,
+}
+
+/// Per-layer K/V of a sequence of tokens with their positions.
+pub struct KvCache<B: Backend> {
+    layers: Vec<LayerKv<B>>,
+    positions: Vec<u32>,
+    form: KeyForm,
+    kv_dim: usize,
+}
+
+impl<B: Backend> std::fmt::Debug for KvCache<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("layers", &self.layers.len())
+            .field("tokens", &self.positions.len())
+            .field("form", &self.form)
+            .finish()
+    }
+}
+
+impl<B: Backend> KvCache<B> {
+    /// An empty cache.
+    pub fn new(backend: &B, n_layers: usize, kv_dim: usize, form: KeyForm) -> Result<Self> {
+        let layers = (0..n_layers)
+            .map(|_| Ok(LayerKv { k: backend.zeros(0)?, v: backend.zeros(0)? }))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { layers, positions: Vec::new(), form, kv_dim })
+    }
+
+    /// Builds a cache from filled layers.
+    pub fn from_parts(
+        backend: &B,
+        layers: Vec<LayerKv<B>>,
+        positions: Vec<u32>,
+        form: KeyForm,
+        kv_dim: usize,
+    ) -> Result<Self> {
+        for (l, layer) in layers.iter().enumerate() {
+            for (name, buf) in [("k", &layer.k), ("v", &layer.v)] {
+                if backend.len(buf) != positions.len() * kv_dim {
+                    return Err(WorkerError::Input(format!(
+                        "cache layer {l} {name}: {} values for {} positions of {kv_dim}",
+                        backend.len(buf),
+                        positions.len()
+                    )));
+                }
+            }
+        }
+        Ok(Self { layers, positions, form, kv_dim })
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
+
+    /// Positions of the rows.
+    pub fn positions(&self) -> &[u32] {
+        &self.positions
+    }
+
+    /// Key form.
+    pub fn form(&self) -> KeyForm {
+        self.form
+    }
+
+    /// Values per row.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+
+    /// Number of layers.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// One layer.
+    pub fn layer(&self, l: usize) -> &LayerKv<B> {
+        &self.layers[l]
+    }
+
+    /// One layer, mutably (callers keep all layers and `positions` consistent).
+    pub fn layer_mut(&mut self, l: usize) -> &mut LayerKv<B> {
+        &mut self.layers[l]
+    }
+
+    /// All layers.
+    pub fn layers(&self) -> &[LayerKv<B>] {
+        &self.layers
+    }
+
+    /// Bytes of K and V held.
+    pub fn bytes(&self) -> usize {
+        2 * self.layers.len() * self.positions.len() * self.kv_dim * std::mem::size_of::<f32>()
+    }
+
+    /// Replaces the positions (rows unchanged).
+    pub(crate) fn set_positions(&mut self, positions: Vec<u32>) {
+        self.positions = positions;
+    }
+
+    /// Drops rows beyond `n` in every layer.
+    pub fn truncate(&mut self, backend: &B, n: usize) -> Result<()> {
+        if n >= self.positions.len() {
+            return Ok(());
+        }
+        for layer in &mut self.layers {
+            backend.resize(&mut layer.k, n * self.kv_dim)?;
+            backend.resize(&mut layer.v, n * self.kv_dim)?;
+        }
+        self.positions.truncate(n);
+        Ok(())
+    }
+
+    /// A rotated copy placed at `positions` (one per row). For a pre-RoPE cache this is one
+    /// rotation per key; a rotated cache can only be copied at its own positions.
+    pub fn placed(&self, backend: &B, rope: &RopeTable, positions: &[u32], n_kv_heads: usize) -> Result<Self> {
+        if positions.len() != self.positions.len() {
+            return Err(WorkerError::Input(format!(
+                "placing {} cached tokens at {} positions",
+                self.positions.len(),
+                positions.len()
+            )));
+        }
+        if self.form == KeyForm::Rotated && positions != self.positions.as_slice() {
+            return Err(WorkerError::Input("a rotated cache cannot be moved: keep chunk caches pre-RoPE".into()));
+        }
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let mut k = backend.upload(&backend.download(&layer.k)?)?;
+            if self.form == KeyForm::PreRope {
+                backend.rope(&mut k, n_kv_heads, positions, rope)?;
+            }
+            let v = backend.upload(&backend.download(&layer.v)?)?;
+            layers.push(LayerKv { k, v });
+        }
+        Ok(Self { layers, positions: positions.to_vec(), form: KeyForm::Rotated, kv_dim: self.kv_dim })
+    }
+}

