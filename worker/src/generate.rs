@@ -91,19 +91,21 @@ pub fn prefill_into<B: Backend>(
     Ok(last)
 }
 
-/// Decodes over `cache` starting with `first` (already chosen from the prompt's logits),
-/// appending each token. `on_text` receives each new piece of text and returns false to stop.
-/// Returns the ids (without the end token) and the stop reason.
-pub fn decode<B: Backend>(
-    model: &Model<B>,
+/// The decoding loop, independent of where the KV lives: `step(token, pos)` runs one token at
+/// `pos` over whatever cache the caller keeps and returns its logits. Starts with `first`
+/// (already chosen), placed at `next_pos`. `on_text` receives each new piece of text and
+/// returns false to stop. Returns the ids (without the end token) and why it stopped.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_with(
     tokenizer: &Tokenizer,
-    cache: &mut KvCache<B>,
     first: u32,
     sampler: &mut Sampler,
     max_new_tokens: usize,
+    window: usize,
+    mut next_pos: u32,
+    step: &mut dyn FnMut(u32, u32) -> Result<Vec<f32>>,
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<(Vec<u32>, StopReason)> {
-    let window = model.config().context_length;
     let mut ids = Vec::new();
     let mut shown = 0usize;
     let mut next = first;
@@ -127,15 +129,34 @@ pub fn decode<B: Backend>(
         if ids.len() >= max_new_tokens {
             return Ok((ids, StopReason::MaxTokens));
         }
-        let pos = cache.positions().last().map_or(0, |p| p + 1);
-        if pos as usize >= window {
+        if next_pos as usize >= window {
             return Ok((ids, StopReason::ContextFull));
         }
-        let mut attend = AppendAttend::new(model.backend(), cache, &[pos])?;
-        let out = model.forward(&[next], &[pos], &mut attend, Logits::Last)?;
-        attend.commit()?;
-        next = sampler.sample(out.last());
+        let logits = step(next, next_pos)?;
+        next_pos += 1;
+        next = sampler.sample(&logits);
     }
+}
+
+/// Decodes over `cache` (rotated keys) starting with `first`, appending each token.
+pub fn decode<B: Backend>(
+    model: &Model<B>,
+    tokenizer: &Tokenizer,
+    cache: &mut KvCache<B>,
+    first: u32,
+    sampler: &mut Sampler,
+    max_new_tokens: usize,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<(Vec<u32>, StopReason)> {
+    let window = model.config().context_length;
+    let next_pos = cache.positions().last().map_or(0, |p| p + 1);
+    let mut step = |tok: u32, pos: u32| -> Result<Vec<f32>> {
+        let mut attend = AppendAttend::new(model.backend(), cache, &[pos])?;
+        let out = model.forward(&[tok], &[pos], &mut attend, Logits::Last)?;
+        attend.commit()?;
+        Ok(out.last().to_vec())
+    };
+    decode_with(tokenizer, first, sampler, max_new_tokens, window, next_pos, &mut step, on_text)
 }
 
 /// Prefills `prompt` from position 0 and decodes. TTFT is measured from the start of prefill

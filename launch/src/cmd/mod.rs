@@ -1,8 +1,11 @@
 //! Subcommands.
 
 pub mod bench;
+pub mod check;
+pub mod demo;
 pub mod fetch;
 pub mod generate;
+pub mod run;
 
 use crate::Common;
 use anyhow::{Context, Result};

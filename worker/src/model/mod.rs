@@ -193,6 +193,31 @@ impl<B: Backend> Model<B> {
         attend: &mut dyn Attend<B>,
         logits: Logits<'_>,
     ) -> Result<ForwardOutput> {
+        self.run_blocks(tokens, positions, attend, logits, self.layers.len())
+    }
+
+    /// Runs only the first `n_layers` blocks (a probe that needs no deeper layer); no logits.
+    pub fn forward_layers(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        attend: &mut dyn Attend<B>,
+        n_layers: usize,
+    ) -> Result<()> {
+        if n_layers > self.layers.len() {
+            return Err(WorkerError::Input(format!("{n_layers} layers requested of {}", self.layers.len())));
+        }
+        self.run_blocks(tokens, positions, attend, Logits::None, n_layers).map(|_| ())
+    }
+
+    fn run_blocks(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        attend: &mut dyn Attend<B>,
+        logits: Logits<'_>,
+        n_layers: usize,
+    ) -> Result<ForwardOutput> {
         let m = tokens.len();
         if positions.len() != m {
             return Err(WorkerError::Input(format!("{m} tokens but {} positions", positions.len())));
@@ -218,7 +243,7 @@ impl<B: Backend> Model<B> {
         let mut act = be.zeros(m * ffn)?;
         OpProfile::add(&prof.elementwise, t);
 
-        for (l, layer) in self.layers.iter().enumerate() {
+        for (l, layer) in self.layers.iter().enumerate().take(n_layers) {
             let _span = tracing::trace_span!("block", layer = l).entered();
             let t = Instant::now();
             be.rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h)?;
@@ -290,6 +315,9 @@ impl<B: Backend> Model<B> {
         }
 
         let t = Instant::now();
+        if n_layers < self.layers.len() {
+            return Ok(ForwardOutput { logits: Vec::new(), rows: Vec::new(), vocab: c.vocab_size });
+        }
         let rows: Vec<usize> = match logits {
             Logits::None => Vec::new(),
             Logits::Last => (m > 0).then(|| m - 1).into_iter().collect(),

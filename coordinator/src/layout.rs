@@ -1,0 +1,128 @@
+//! The token layout of a request and the positions each geometry gives it.
+//!
+//! ```text
+//!   [ head: system turn + user header ][ chunk 0 ][ chunk 1 ] ... [ chunk K-1 ][ prompt ]
+//!     template tokens, never selected   context tokens (selection candidates)   question +
+//!                                                                               template close
+//! ```
+//! The chat template is rendered from the model's own Jinja template with the context as a
+//! slot, so the head and the prompt are exactly what the template produces and the context
+//! tokens are exactly the documents' tokens. `order` lists chunk ids in layout order (identity
+//! unless reordered); positions are derived from it.
+
+use crate::error::{invalid, Result};
+use crate::request::{Context, Geometry, Request};
+use flowprefill_kernels::Backend;
+use flowprefill_worker::template::{tokenize_pieces, Message, Part, Piece};
+use flowprefill_worker::LoadedModel;
+
+/// Separator appended to each document so that documents read as paragraphs.
+pub const DOC_SEPARATOR: &str = "\n\n";
+
+/// Tokenized request.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    /// Template tokens before the context (system turn, user header).
+    pub head: Vec<u32>,
+    /// Context chunks in request order.
+    pub chunks: Vec<Vec<u32>>,
+    /// Tokens after the context: the question and the template's closing part.
+    pub prompt: Vec<u32>,
+}
+
+impl Layout {
+    /// Tokenizes a request with the model's tokenizer and chat template.
+    pub fn build<B: Backend>(lm: &LoadedModel<B>, req: &Request) -> Result<Self> {
+        let mut msgs = Vec::new();
+        if let Some(s) = &req.system {
+            msgs.push(Message::text("system", s));
+        }
+        msgs.push(Message {
+            role: "user".into(),
+            parts: vec![Part::Slot(0), Part::Text(format!("Question: {}", req.query.trim()))],
+        });
+        let pieces = lm.template.render_pieces(&msgs, true)?;
+        let slot_at = pieces.iter().position(|p| *p == Piece::Slot(0));
+        let Some(slot_at) = slot_at.filter(|_| pieces.iter().filter(|p| **p == Piece::Slot(0)).count() == 1) else {
+            return Err(invalid("the model's chat template must render the user message exactly once"));
+        };
+        let none = |_| Ok(Vec::new());
+        let head = tokenize_pieces(&lm.tokenizer, &pieces[..slot_at], none)?.ids;
+        let prompt = tokenize_pieces(&lm.tokenizer, &pieces[slot_at + 1..], none)?.ids;
+        let chunks = match &req.context {
+            Context::Documents(docs) => docs
+                .iter()
+                .map(|d| lm.tokenizer.encode_text(&format!("{}{DOC_SEPARATOR}", d.trim())))
+                .collect::<std::result::Result<Vec<_>, _>>()?,
+            Context::Text { text, chunk_tokens } => {
+                let ids = lm.tokenizer.encode_text(&format!("{}{DOC_SEPARATOR}", text.trim()))?;
+                ids.chunks(*chunk_tokens).map(<[u32]>::to_vec).collect()
+            }
+        };
+        Ok(Self { head, chunks, prompt })
+    }
+
+    /// Context tokens (selection candidates).
+    pub fn n_context(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+
+    /// Head + context + prompt.
+    pub fn total_len(&self) -> usize {
+        self.head.len() + self.n_context() + self.prompt.len()
+    }
+
+    /// First position of the prompt in the global layout.
+    pub fn prompt_start(&self) -> u32 {
+        (self.head.len() + self.n_context()) as u32
+    }
+
+    /// All tokens in layout `order` (for full prefill).
+    pub fn full_tokens(&self, order: &[usize]) -> Vec<u32> {
+        let mut v = Vec::with_capacity(self.total_len());
+        v.extend_from_slice(&self.head);
+        for &c in order {
+            v.extend_from_slice(&self.chunks[c]);
+        }
+        v.extend_from_slice(&self.prompt);
+        v
+    }
+
+    /// Global start position of each chunk (indexed by chunk id) under `order`.
+    pub fn global_offsets(&self, order: &[usize]) -> Vec<u32> {
+        let mut off = vec![0u32; self.chunks.len()];
+        let mut p = self.head.len() as u32;
+        for &c in order {
+            off[c] = p;
+            p += self.chunks[c].len() as u32;
+        }
+        off
+    }
+
+    /// Positions of every chunk (in layout `order`) and of the prompt under `geometry`.
+    /// `local[c]` are chunk c's positions from its prefill. The head always sits at 0..P.
+    pub fn positions(&self, geometry: Geometry, order: &[usize], local: &[&[u32]]) -> (Vec<Vec<u32>>, Vec<u32>) {
+        let global_prompt = self.prompt_start();
+        let m = self.prompt.len() as u32;
+        let offsets = self.global_offsets(order);
+        let chunk_pos: Vec<Vec<u32>> = order
+            .iter()
+            .map(|&c| {
+                let n = self.chunks[c].len() as u32;
+                match geometry {
+                    Geometry::Global => (offsets[c]..offsets[c] + n).collect(),
+                    Geometry::HlHp | Geometry::HlTp => local[c].to_vec(),
+                    Geometry::TlTp => (global_prompt - n..global_prompt).collect(),
+                }
+            })
+            .collect();
+        let prompt_start = match geometry {
+            Geometry::HlHp => {
+                let end = order.iter().filter_map(|&c| local[c].last().map(|p| p + 1)).max().unwrap_or(0);
+                end.max(self.head.len() as u32)
+            }
+            _ => global_prompt,
+        };
+        (chunk_pos, (prompt_start..prompt_start + m).collect())
+    }
+}

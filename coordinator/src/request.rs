@@ -1,0 +1,304 @@
+//! What a user asks for: the context, the question, the method and its knobs.
+
+use crate::error::{invalid, CoordError, Result};
+use flowprefill_worker::sampling::SamplingConfig;
+use std::str::FromStr;
+
+/// How the answer's KV context is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    /// Single-pass full prefill (the exact baseline).
+    Full,
+    /// Chunk caches concatenated, nothing recomputed (ratio 0).
+    None,
+    /// InfoFlow: prompt-to-context attention mass at the scoring layers.
+    Infoflow,
+    /// ProphetKV: query attention averaged over all layers.
+    Prophet,
+    /// CacheBlend: value deviation at check layer 1.
+    Cacheblend,
+    /// EPIC: the first tokens of each chunk.
+    Epic,
+    /// CacheClip: auxiliary model's last-layer query attention, 8/5 windows, shared prefix.
+    Cacheclip,
+    /// Uniformly random tokens (seeded).
+    Random,
+    /// Star Attention: anchor-block prefill, no recomputation.
+    Star,
+}
+
+impl Method {
+    /// Every method, in table order.
+    pub const ALL: [Method; 9] = [
+        Method::Full,
+        Method::None,
+        Method::Infoflow,
+        Method::Prophet,
+        Method::Cacheblend,
+        Method::Epic,
+        Method::Cacheclip,
+        Method::Random,
+        Method::Star,
+    ];
+
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Method::Full => "full",
+            Method::None => "none",
+            Method::Infoflow => "infoflow",
+            Method::Prophet => "prophet",
+            Method::Cacheblend => "cacheblend",
+            Method::Epic => "epic",
+            Method::Cacheclip => "cacheclip",
+            Method::Random => "random",
+            Method::Star => "star",
+        }
+    }
+
+    /// Prefix mode the method is defined with.
+    pub fn default_prefix(self) -> PrefixMode {
+        match self {
+            Method::Cacheclip => PrefixMode::Shared,
+            Method::Star => PrefixMode::Anchor,
+            _ => PrefixMode::None,
+        }
+    }
+
+    /// Whether a recompute ratio applies (selectors); `none` and `star` recompute nothing,
+    /// `full` runs no chunking at all.
+    pub fn selects(self) -> bool {
+        !matches!(self, Method::Full | Method::None | Method::Star)
+    }
+}
+
+impl FromStr for Method {
+    type Err = CoordError;
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim().to_ascii_lowercase();
+        Method::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
+            invalid(format!(
+                "unknown method `{s}`; choose one of: {}",
+                Method::ALL.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ")
+            ))
+        })
+    }
+}
+
+impl std::fmt::Display for Method {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a chunk is prefilled behind (methods.md section 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefixMode {
+    /// Each chunk alone from position 0 (the first chunk follows the template's head, as it does
+    /// in the real sequence).
+    None,
+    /// Every chunk behind the template head (system prompt); one copy of it kept (CacheClip).
+    Shared,
+    /// Every chunk after the first behind the anchor block (template head + first chunk),
+    /// dropped after prefill (Star Attention).
+    Anchor,
+}
+
+impl FromStr for PrefixMode {
+    type Err = CoordError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "none" => Ok(Self::None),
+            "shared" => Ok(Self::Shared),
+            "anchor" => Ok(Self::Anchor),
+            other => Err(invalid(format!("unknown prefix mode `{other}`; choose none, shared or anchor"))),
+        }
+    }
+}
+
+impl PrefixMode {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Shared => "shared",
+            Self::Anchor => "anchor",
+        }
+    }
+}
+
+/// RoPE positions used for scoring (InfoFlow section 4.2). Decoding always uses GLOBAL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Geometry {
+    /// True positions of the final layout.
+    #[serde(rename = "global")]
+    Global,
+    /// Chunks at local positions from 0, prompt right after the longest chunk.
+    #[serde(rename = "hl-hp")]
+    HlHp,
+    /// Chunks at local positions, prompt at its global position.
+    #[serde(rename = "hl-tp")]
+    HlTp,
+    /// Each chunk ends right before the prompt, prompt at its global position.
+    #[serde(rename = "tl-tp")]
+    TlTp,
+}
+
+impl Geometry {
+    /// All geometries.
+    pub const ALL: [Geometry; 4] = [Geometry::Global, Geometry::HlHp, Geometry::HlTp, Geometry::TlTp];
+
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Global => "global",
+            Self::HlHp => "hl-hp",
+            Self::HlTp => "hl-tp",
+            Self::TlTp => "tl-tp",
+        }
+    }
+}
+
+impl FromStr for Geometry {
+    type Err = CoordError;
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim().to_ascii_lowercase().replace('_', "-");
+        Geometry::ALL
+            .into_iter()
+            .find(|g| g.name() == s)
+            .ok_or_else(|| invalid(format!("unknown geometry `{s}`; choose global, hl-hp, hl-tp or tl-tp")))
+    }
+}
+
+/// The context of a request.
+#[derive(Clone, Debug)]
+pub enum Context {
+    /// Independent documents, one chunk each, in retrieval order.
+    Documents(Vec<String>),
+    /// One text cut into pieces of `chunk_tokens` tokens.
+    Text {
+        /// The text.
+        text: String,
+        /// Tokens per chunk.
+        chunk_tokens: usize,
+    },
+}
+
+/// A question over a context.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// The context.
+    pub context: Context,
+    /// The user's question.
+    pub query: String,
+    /// System message (default: the template's own).
+    pub system: Option<String>,
+}
+
+/// How to run a request.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// The method.
+    pub method: Method,
+    /// Fraction of context tokens recomputed, in [0, 1].
+    pub ratio: f64,
+    /// Two-stage chunk reordering (documents only).
+    pub reorder: bool,
+    /// Scoring geometry.
+    pub geometry: Geometry,
+    /// Scoring layers (inclusive, 0-based) for InfoFlow; default: depth 55%..65%.
+    pub score_layers: Option<(usize, usize)>,
+    /// Prefix mode; default: the method's.
+    pub prefix: Option<PrefixMode>,
+    /// Generated tokens at most.
+    pub max_new_tokens: usize,
+    /// Token choice.
+    pub sampling: SamplingConfig,
+    /// Seed of the random selector.
+    pub seed: u64,
+    /// Tokens per recompute forward.
+    pub recompute_batch: usize,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self {
+            method: Method::Infoflow,
+            ratio: 0.15,
+            reorder: false,
+            geometry: Geometry::Global,
+            score_layers: None,
+            prefix: None,
+            max_new_tokens: 64,
+            sampling: SamplingConfig::default(),
+            seed: 0,
+            recompute_batch: 2048,
+        }
+    }
+}
+
+impl RunOptions {
+    /// The prefix mode in effect.
+    pub fn prefix_mode(&self) -> PrefixMode {
+        self.prefix.unwrap_or(self.method.default_prefix())
+    }
+
+    /// The ratio in effect: 0 for `none`/`star`, 1 for `full`.
+    pub fn effective_ratio(&self) -> f64 {
+        match self.method {
+            Method::None | Method::Star => 0.0,
+            Method::Full => 1.0,
+            _ => self.ratio,
+        }
+    }
+}
+
+/// Checks a request and its options before any work (messages say what to change).
+pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
+    if !(0.0..=1.0).contains(&opts.ratio) || !opts.ratio.is_finite() {
+        return Err(invalid(format!(
+            "--ratio {} is outside [0, 1]; give the fraction of context tokens to recompute",
+            opts.ratio
+        )));
+    }
+    if req.query.trim().is_empty() {
+        return Err(invalid("the query is missing or empty; pass --query TEXT"));
+    }
+    match &req.context {
+        Context::Documents(docs) => {
+            if docs.is_empty() {
+                return Err(invalid("no documents given; pass at least one --doc FILE"));
+            }
+            if let Some(i) = docs.iter().position(|d| d.trim().is_empty()) {
+                return Err(invalid(format!("document {} is empty; remove it or give it some text", i + 1)));
+            }
+        }
+        Context::Text { text, chunk_tokens } => {
+            if text.trim().is_empty() {
+                return Err(invalid("the context text is empty"));
+            }
+            if *chunk_tokens == 0 {
+                return Err(invalid("--chunk-tokens must be at least 1"));
+            }
+            if opts.reorder {
+                return Err(invalid(
+                    "--reorder needs independent documents; pieces of one text keep their order (pass the documents separately)",
+                ));
+            }
+        }
+    }
+    if opts.reorder && matches!(opts.method, Method::Full | Method::Star) {
+        return Err(invalid(format!("--reorder does not apply to method {}", opts.method)));
+    }
+    if let Some((a, b)) = opts.score_layers {
+        if a > b {
+            return Err(invalid(format!("--score-layers {a}-{b}: the first layer must not exceed the last")));
+        }
+    }
+    if opts.recompute_batch == 0 {
+        return Err(invalid("recompute batch must be at least 1"));
+    }
+    Ok(())
+}

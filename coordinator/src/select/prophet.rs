@@ -1,0 +1,17 @@
+//! ProphetKV (paper 000, eq. 7 and Algorithm 1): the query's attention to each context token,
+//! averaged uniformly over all L layers of a lightweight pass of the prompt over the assembled
+//! caches; one global top set is recomputed at every layer.
+
+use super::{ScoreCtx, Selector};
+use crate::error::Result;
+use flowprefill_kernels::Backend;
+
+/// The ProphetKV policy.
+pub struct Prophet;
+
+impl<B: Backend> Selector<B> for Prophet {
+    fn score(&self, ctx: &ScoreCtx<'_, B>) -> Result<Vec<Vec<f32>>> {
+        let n = ctx.lm.model.config().n_layers;
+        ctx.probe(ctx.opts.geometry, &vec![1.0 / n as f32; n])
+    }
+}

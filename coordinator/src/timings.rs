@@ -1,0 +1,61 @@
+//! Wall time of each phase of a request.
+
+use std::time::{Duration, Instant};
+
+/// Phase names, in pipeline order.
+pub mod phase {
+    /// Single-pass full prefill (method `full`).
+    pub const PREFILL: &str = "prefill";
+    /// Chunk caches (store hits or chunk prefill).
+    pub const CHUNK_PREFILL: &str = "chunk_prefill";
+    /// Stage-1 scoring and reordering.
+    pub const REORDER: &str = "reorder";
+    /// Placing chunk caches at their global positions.
+    pub const ASSEMBLE: &str = "assemble";
+    /// Scoring (probe or the policy's own signal).
+    pub const PROBE: &str = "probe";
+    /// Top-k and refinement.
+    pub const SELECTION: &str = "selection";
+    /// Recomputing the selected tokens.
+    pub const RECOMPUTE: &str = "recompute";
+    /// The prompt over the assembled cache.
+    pub const FINAL_PROMPT: &str = "final_prompt";
+    /// Choosing the first token.
+    pub const FIRST_TOKEN: &str = "first_token";
+    /// Generating the rest of the answer (after TTFT).
+    pub const DECODE: &str = "decode";
+}
+
+/// Ordered (phase, duration) pairs.
+#[derive(Clone, Debug, Default)]
+pub struct PhaseTimes {
+    entries: Vec<(&'static str, Duration)>,
+}
+
+impl PhaseTimes {
+    /// Times `f` as phase `name` (adding to it if it ran before).
+    pub fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let out = f();
+        self.add(name, t.elapsed());
+        out
+    }
+
+    /// Adds a duration to a phase.
+    pub fn add(&mut self, name: &'static str, d: Duration) {
+        match self.entries.iter_mut().find(|(n, _)| *n == name) {
+            Some(e) => e.1 += d,
+            None => self.entries.push((name, d)),
+        }
+    }
+
+    /// The phases in order.
+    pub fn entries(&self) -> &[(&'static str, Duration)] {
+        &self.entries
+    }
+
+    /// Duration of one phase (zero if it did not run).
+    pub fn get(&self, name: &str) -> Duration {
+        self.entries.iter().find(|(n, _)| *n == name).map_or(Duration::ZERO, |e| e.1)
+    }
+}

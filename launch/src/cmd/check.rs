@@ -1,0 +1,173 @@
+//! `flowprefill check`: needle-in-a-haystack accuracy and TTFT of every method.
+
+use super::demo::{label, TABLE};
+use super::run::engine;
+use crate::Common;
+use anyhow::Result;
+use flowprefill_coordinator::tasks::niah_cases;
+use flowprefill_coordinator::{Context, Request, RunOptions};
+use std::time::Instant;
+
+/// Arguments of `check`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Context lengths in tokens.
+    #[arg(long, default_value = "2048,4096", value_parser = super::parse_list::<usize>)]
+    pub lengths: Vec<Vec<usize>>,
+    /// Needle depths.
+    #[arg(long, default_value = "0.1,0.3,0.5,0.7,0.9", value_parser = super::parse_list::<f64>)]
+    pub depths: Vec<Vec<f64>>,
+    /// Cases per (length, depth).
+    #[arg(long, default_value_t = 3)]
+    pub per_cell: usize,
+    /// Recompute ratio of the selective methods.
+    #[arg(long, default_value_t = 0.15)]
+    pub ratio: f64,
+    /// Seed of the cases.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Keep chunk caches across methods (faster; TTFT then excludes chunk prefill).
+    #[arg(long)]
+    pub warm: bool,
+    /// Print every answer.
+    #[arg(long)]
+    pub verbose: bool,
+    /// Only these methods (comma-separated labels, e.g. full,infoflow,infoflow+reorder).
+    #[arg(long)]
+    pub methods: Option<String>,
+    /// Write each case (documents, query, answer) under this folder, to rerun it with `run`.
+    #[arg(long)]
+    pub dump_cases: Option<std::path::PathBuf>,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Row {
+    label: String,
+    correct: usize,
+    ttft_ms: Vec<f64>,
+    selected: usize,
+}
+
+/// Runs the command.
+pub fn run(common: &Common, args: Args) -> Result<()> {
+    let engine = engine(common, None)?;
+    let lengths = args.lengths.concat();
+    let depths = args.depths.concat();
+    anyhow::ensure!(
+        !lengths.is_empty() && !depths.is_empty() && args.per_cell > 0,
+        "no cases: give --lengths, --depths, --per-cell"
+    );
+    let cases = niah_cases(&engine.model().tokenizer, args.seed, &lengths, &depths, args.per_cell);
+    let table: Vec<(flowprefill_coordinator::Method, bool)> = match &args.methods {
+        None => TABLE.to_vec(),
+        Some(list) => {
+            let wanted: Vec<&str> = list.split(',').map(str::trim).collect();
+            for w in &wanted {
+                anyhow::ensure!(
+                    TABLE.iter().any(|&(m, r)| label(m, r) == *w),
+                    "--methods: unknown `{w}`; choose from {}",
+                    TABLE.iter().map(|&(m, r)| label(m, r)).collect::<Vec<_>>().join(", ")
+                );
+            }
+            TABLE.iter().copied().filter(|&(m, r)| wanted.contains(&label(m, r).as_str())).collect()
+        }
+    };
+    anyhow::ensure!(
+        table.first().is_some_and(|t| t.0 == flowprefill_coordinator::Method::Full),
+        "--methods must include full (the baseline)"
+    );
+    let mut rows: Vec<Row> =
+        table.iter().map(|&(m, r)| Row { label: label(m, r), correct: 0, ttft_ms: vec![], selected: 0 }).collect();
+    if let Some(dir) = &args.dump_cases {
+        for case in &cases {
+            let d = dir.join(&case.id);
+            std::fs::create_dir_all(&d)?;
+            for (i, doc) in case.documents.iter().enumerate() {
+                std::fs::write(d.join(format!("doc{i:02}.txt")), doc)?;
+            }
+            std::fs::write(d.join("query.txt"), &case.query)?;
+            std::fs::write(d.join("answer.txt"), case.answers.join("\n"))?;
+        }
+        eprintln!("wrote {} cases under {}", cases.len(), dir.display());
+    }
+    let t0 = Instant::now();
+    eprintln!("{} cases x {} methods", cases.len(), table.len());
+    for (i, case) in cases.iter().enumerate() {
+        let req =
+            Request { context: Context::Documents(case.documents.clone()), query: case.query.clone(), system: None };
+        for (row, &(method, reorder)) in rows.iter_mut().zip(table.iter()) {
+            if !args.warm {
+                engine.store().clear();
+            }
+            let opts = RunOptions { method, ratio: args.ratio, reorder, max_new_tokens: 32, ..RunOptions::default() };
+            let r = engine.run(&req, &opts, &mut |_| true)?;
+            row.correct += case.is_correct(&r.answer) as usize;
+            if args.verbose {
+                eprintln!("  {:<18} {:>5} {:?}", row.label, case.is_correct(&r.answer), r.answer);
+            }
+            row.ttft_ms.push(r.ttft.as_secs_f64() * 1e3);
+            row.selected += r.n_selected();
+        }
+        engine.store().clear();
+        let done = i + 1;
+        let eta = t0.elapsed().as_secs_f64() / done as f64 * (cases.len() - done) as f64;
+        eprintln!("[{done}/{}] {}  (ETA {:.0} s)", cases.len(), case.id, eta);
+    }
+    let n = cases.len() as f64;
+    let median = |v: &[f64]| {
+        let mut s = v.to_vec();
+        s.sort_by(|a, b| a.total_cmp(b));
+        s[s.len() / 2]
+    };
+    let full_acc = rows[0].correct as f64 / n;
+    let full_ttft = median(&rows[0].ttft_ms);
+    if args.json {
+        let out: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "method": r.label, "accuracy": r.correct as f64 / n, "correct": r.correct, "cases": cases.len(),
+                    "median_ttft_ms": median(&r.ttft_ms), "mean_selected": r.selected as f64 / n,
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "ratio": args.ratio, "lengths": lengths, "depths": depths, "per_cell": args.per_cell,
+                "seed": args.seed, "warm": args.warm, "results": out,
+            }))?
+        );
+        return Ok(());
+    }
+    println!(
+        "needle in a haystack: {} cases (lengths {:?}, depths {:?}, {} per cell, seed {}), ratio {}, {} chunk caches",
+        cases.len(),
+        lengths,
+        depths,
+        args.per_cell,
+        args.seed,
+        args.ratio,
+        if args.warm { "warm" } else { "cold" }
+    );
+    println!(
+        "{:<18} {:>9} {:>9} {:>14} {:>8} {:>14}",
+        "method", "accuracy", "vs full", "median TTFT ms", "speedup", "mean selected"
+    );
+    for r in &rows {
+        let acc = r.correct as f64 / n;
+        let ttft = median(&r.ttft_ms);
+        println!(
+            "{:<18} {:>8.1}% {:>8.1}% {:>14.1} {:>7.2}x {:>14.0}",
+            r.label,
+            100.0 * acc,
+            if full_acc > 0.0 { 100.0 * acc / full_acc } else { f64::NAN },
+            ttft,
+            full_ttft / ttft,
+            r.selected as f64 / n
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,89 @@
+//! `flowprefill demo`: a fact hidden in one of eight documents, answered by every method.
+
+use super::run::engine;
+use crate::Common;
+use anyhow::Result;
+use flowprefill_coordinator::tasks::demo_case;
+use flowprefill_coordinator::{Context, Method, Request, RunOptions};
+
+/// Arguments of `demo`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Recompute ratio of the selective methods.
+    #[arg(long, default_value_t = 0.15)]
+    pub ratio: f64,
+}
+
+/// The methods of the demo and check tables: (method, reorder).
+pub const TABLE: [(Method, bool); 10] = [
+    (Method::Full, false),
+    (Method::None, false),
+    (Method::Infoflow, false),
+    (Method::Infoflow, true),
+    (Method::Prophet, false),
+    (Method::Cacheblend, false),
+    (Method::Epic, false),
+    (Method::Cacheclip, false),
+    (Method::Random, false),
+    (Method::Star, false),
+];
+
+/// Display name of a table row.
+pub fn label(m: Method, reorder: bool) -> String {
+    if reorder {
+        format!("{m}+reorder")
+    } else {
+        m.to_string()
+    }
+}
+
+/// Runs the command.
+pub fn run(common: &Common, args: Args) -> Result<()> {
+    let engine = engine(common, None)?;
+    let case = demo_case(&engine.model().tokenizer);
+    let req = Request { context: Context::Documents(case.documents.clone()), query: case.query.clone(), system: None };
+    println!(
+        "Question: {}  (the answer, {}, is in document {} of {})",
+        case.query,
+        case.answers[0],
+        case.needle_doc + 1,
+        case.documents.len()
+    );
+    println!(
+        "cold: empty chunk store, TTFT includes chunk prefill; warm: the same question again, chunk caches reused.\n"
+    );
+    println!(
+        "{:<17} {:<58} {:>7} {:>9} {:>7} {:>9} {:>7} {:>8}",
+        "method", "answer", "correct", "cold ms", "speedup", "warm ms", "speedup", "selected"
+    );
+    let mut full_ttft = None;
+    for (method, reorder) in TABLE {
+        engine.store().clear();
+        let opts = RunOptions { method, ratio: args.ratio, reorder, max_new_tokens: 24, ..RunOptions::default() };
+        let cold = engine.run(&req, &opts, &mut |_| true)?;
+        let cold_ms = cold.ttft.as_secs_f64() * 1e3;
+        let base = *full_ttft.get_or_insert(cold_ms);
+        let warm = if method == Method::Full {
+            None
+        } else {
+            Some(engine.run(&req, &opts, &mut |_| true)?.ttft.as_secs_f64() * 1e3)
+        };
+        let answer: String = cold.answer.trim().replace('\n', " ").chars().take(58).collect();
+        let (warm_ms, warm_x) = match warm {
+            Some(w) => (format!("{w:.1}"), format!("{:.2}x", base / w)),
+            None => ("-".into(), "-".into()),
+        };
+        println!(
+            "{:<17} {:<58} {:>7} {:>9.1} {:>6.2}x {:>9} {:>7} {:>8}",
+            label(method, reorder),
+            answer,
+            if case.is_correct(&cold.answer) { "yes" } else { "no" },
+            cold_ms,
+            base / cold_ms,
+            warm_ms,
+            warm_x,
+            cold.n_selected()
+        );
+    }
+    Ok(())
+}

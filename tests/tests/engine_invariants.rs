@@ -1,0 +1,214 @@
+//! Invariants of the chunked engine on the real model (run with --release):
+//! ratio 1.0 == full prefill for every selector and geometry; ratio 0 == concatenated chunk
+//! caches; one chunk == full prefill for every method; reordering one chunk changes nothing;
+//! geometries select different tokens at 0.15; a second query reuses the chunk caches.
+
+use flowprefill_coordinator::{Context, Engine, Geometry, Method, Request, RunOptions};
+use flowprefill_tests::{default_model, engine, rel_diff, small_docs};
+use flowprefill_worker::attend::AppendAttend;
+use flowprefill_worker::kv::{KeyForm, KvCache};
+use flowprefill_worker::model::Logits;
+use flowprefill_worker::steps::prefill_chunk;
+use flowprefill_worker::Cpu;
+
+/// First-token logits of two exact-in-math paths (different blocking/merge order), relative
+/// to the logit range.
+const ENGINE_LOGIT_TOL: f32 = 2e-4;
+
+const SELECTORS: [Method; 6] =
+    [Method::Infoflow, Method::Prophet, Method::Cacheblend, Method::Epic, Method::Cacheclip, Method::Random];
+
+fn request(docs: Vec<String>) -> Request {
+    Request {
+        context: Context::Documents(docs),
+        query: "What is the access code for the north gate?".into(),
+        system: None,
+    }
+}
+
+fn run(e: &Engine<Cpu>, req: &Request, opts: RunOptions) -> flowprefill_coordinator::RunResult {
+    e.run(req, &RunOptions { max_new_tokens: 8, ..opts }, &mut |_| true).expect("run")
+}
+
+#[test]
+fn ratio_one_is_full_prefill_for_every_selector_and_geometry() {
+    let e = engine();
+    let req = request(small_docs());
+    let full = run(&e, &req, RunOptions { method: Method::Full, ..Default::default() });
+    for m in SELECTORS {
+        let r = run(&e, &req, RunOptions { method: m, ratio: 1.0, ..Default::default() });
+        assert_eq!(r.n_selected(), r.n_context_tokens, "{m}: everything is recomputed");
+        let d = rel_diff(&r.first_logits, &full.first_logits);
+        assert!(d <= ENGINE_LOGIT_TOL, "{m} at ratio 1.0: relative logit difference {d}");
+        assert_eq!(r.answer, full.answer, "{m}");
+    }
+    for g in Geometry::ALL {
+        let r = run(&e, &req, RunOptions { method: Method::Infoflow, ratio: 1.0, geometry: g, ..Default::default() });
+        let d = rel_diff(&r.first_logits, &full.first_logits);
+        assert!(d <= ENGINE_LOGIT_TOL, "geometry {}: {d}", g.name());
+    }
+}
+
+#[test]
+fn ratio_zero_is_the_concatenation_of_chunk_caches() {
+    let e = engine();
+    let lm = default_model();
+    let model = &lm.model;
+    let be = model.backend();
+    let cfg = model.config();
+    let docs = small_docs();
+    let req = request(docs);
+    let r = run(&e, &req, RunOptions { method: Method::None, ..Default::default() });
+    assert_eq!(r.n_selected(), 0);
+    for m in SELECTORS {
+        // Ratio 0 of any selector is `none` with the same prefix mode (CacheClip: shared).
+        let z = run(&e, &req, RunOptions { method: m, ratio: 0.0, ..Default::default() });
+        let none =
+            run(&e, &req, RunOptions { method: Method::None, prefix: Some(m.default_prefix()), ..Default::default() });
+        assert_eq!(z.n_selected(), 0, "{m}");
+        assert!(z.first_logits == none.first_logits, "{m} at ratio 0 differs from `none`");
+    }
+
+    // Built independently: one concatenated cache of [head, chunk0 behind head, chunk1, chunk2
+    // alone], rotated to global positions, then the prompt over it.
+    let layout = flowprefill_coordinator::layout::Layout::build(lm, &req).unwrap();
+    let p = layout.head.len() as u32;
+    let head = prefill_chunk(model, &[], &layout.head, 0).unwrap();
+    let head_rot = head.placed(be, model.rope(), head.positions(), cfg.n_kv_heads).unwrap();
+    let mut parts = vec![head];
+    for (c, toks) in layout.chunks.iter().enumerate() {
+        parts.push(
+            if c == 0 { prefill_chunk(model, &[&head_rot], toks, p) } else { prefill_chunk(model, &[], toks, 0) }
+                .unwrap(),
+        );
+    }
+    let mut concat = KvCache::new(be, cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated).unwrap();
+    let mut pos = 0u32;
+    for part in &parts {
+        let global: Vec<u32> = (pos..pos + part.len() as u32).collect();
+        pos += part.len() as u32;
+        let placed = part.placed(be, model.rope(), &global, cfg.n_kv_heads).unwrap();
+        // Appending a forward-free "prefill": copy rows layer by layer.
+        for l in 0..cfg.n_layers {
+            let layer = concat.layer_mut(l);
+            layer.k.extend_from_slice(&placed.layer(l).k);
+            layer.v.extend_from_slice(&placed.layer(l).v);
+        }
+        let mut all = concat.positions().to_vec();
+        all.extend(global);
+        concat = KvCache::from_parts(
+            be,
+            (0..cfg.n_layers)
+                .map(|l| {
+                    let x = concat.layer(l);
+                    flowprefill_worker::kv::LayerKv { k: x.k.clone(), v: x.v.clone() }
+                })
+                .collect(),
+            all,
+            KeyForm::Rotated,
+            cfg.kv_dim(),
+        )
+        .unwrap();
+    }
+    let prompt_pos: Vec<u32> = (pos..pos + layout.prompt.len() as u32).collect();
+    let mut att = AppendAttend::new(be, &mut concat, &prompt_pos).unwrap();
+    let out = model.forward(&layout.prompt, &prompt_pos, &mut att, Logits::Last).unwrap();
+    att.commit().unwrap();
+    let d = rel_diff(out.last(), &r.first_logits);
+    assert!(d <= ENGINE_LOGIT_TOL, "none vs concatenated caches: {d}");
+}
+
+#[test]
+fn one_chunk_is_full_prefill_for_every_method_and_reorder_changes_nothing() {
+    let e = engine();
+    let docs = small_docs();
+    let req = request(vec![docs[1].clone()]);
+    let full = run(&e, &req, RunOptions { method: Method::Full, ..Default::default() });
+    for m in Method::ALL {
+        let r = run(&e, &req, RunOptions { method: m, ratio: 0.15, ..Default::default() });
+        let d = rel_diff(&r.first_logits, &full.first_logits);
+        assert!(d <= ENGINE_LOGIT_TOL, "{m} with one chunk: {d}");
+    }
+    let plain = run(&e, &req, RunOptions { method: Method::Infoflow, ..Default::default() });
+    let reordered = run(&e, &req, RunOptions { method: Method::Infoflow, reorder: true, ..Default::default() });
+    assert_eq!(reordered.order, vec![0]);
+    assert_eq!(reordered.selected_rows, plain.selected_rows);
+    assert!(reordered.first_logits == plain.first_logits, "reorder of one chunk changed the logits");
+}
+
+fn jaccard(a: &[Vec<usize>], b: &[Vec<usize>]) -> f64 {
+    let (mut inter, mut union) = (0usize, 0usize);
+    for (x, y) in a.iter().zip(b) {
+        let i = x.iter().filter(|r| y.contains(r)).count();
+        inter += i;
+        union += x.len() + y.len() - i;
+    }
+    inter as f64 / union.max(1) as f64
+}
+
+#[test]
+fn geometries_select_different_tokens_at_015() {
+    let e = engine();
+    let req = request(small_docs());
+    let sel: Vec<(Geometry, Vec<Vec<usize>>)> = Geometry::ALL
+        .iter()
+        .map(|&g| {
+            (g, run(&e, &req, RunOptions { method: Method::Infoflow, geometry: g, ..Default::default() }).selected_rows)
+        })
+        .collect();
+    for i in 0..sel.len() {
+        for j in i + 1..sel.len() {
+            let jac = jaccard(&sel[i].1, &sel[j].1);
+            eprintln!("{} vs {}: Jaccard {jac:.3}", sel[i].0.name(), sel[j].0.name());
+            assert!(
+                jac < 0.9,
+                "{} and {} select nearly the same tokens (Jaccard {jac})",
+                sel[i].0.name(),
+                sel[j].0.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn second_query_reuses_chunk_caches_and_answers_like_a_cold_run() {
+    let e = engine();
+    let docs = small_docs();
+    let req = request(docs.clone());
+    let first = run(&e, &req, RunOptions::default());
+    assert_eq!((first.cache_hits, first.cache_misses), (0, 4), "head + 3 chunks prefilled");
+    let q2 = Request { query: "Which town is mentioned first?".into(), ..req.clone() };
+    let warm = run(&e, &q2, RunOptions::default());
+    assert_eq!((warm.cache_hits, warm.cache_misses), (4, 0), "no chunk prefill the second time");
+    let cold_engine = engine();
+    let cold = run(&cold_engine, &q2, RunOptions::default());
+    assert_eq!(cold.cache_misses, 4);
+    assert_eq!(warm.answer, cold.answer);
+    assert_eq!(warm.selected_rows, cold.selected_rows);
+    assert!(warm.first_logits == cold.first_logits, "reused caches gave different logits");
+    assert!(warm.phases.get("chunk_prefill") < cold.phases.get("chunk_prefill"));
+}
+
+#[test]
+fn bad_requests_say_what_to_change() {
+    let e = engine();
+    let docs = small_docs();
+    let err = |req: &Request, opts: RunOptions| {
+        e.run(req, &opts, &mut |_| true).err().map(|x| x.to_string()).unwrap_or_default()
+    };
+    let m = err(&request(vec![docs[0].clone(), "  ".into()]), RunOptions::default());
+    assert!(m.contains("document 2 is empty"), "{m}");
+    let m = err(&Request { query: " ".into(), ..request(docs.clone()) }, RunOptions::default());
+    assert!(m.contains("query is missing"), "{m}");
+    for ratio in [-0.1, 1.5, f64::NAN] {
+        let m = err(&request(docs.clone()), RunOptions { ratio, ..Default::default() });
+        assert!(m.contains("outside [0, 1]"), "{ratio}: {m}");
+    }
+    let huge = vec![docs[0].repeat(80)];
+    let m = err(&request(huge), RunOptions::default());
+    assert!(m.contains("context window is 8192"), "{m}");
+    let m = "magic".parse::<Method>().unwrap_err().to_string();
+    assert!(m.contains("unknown method `magic`") && m.contains("infoflow"), "{m}");
+    let m = err(&request(vec![]), RunOptions::default());
+    assert!(m.contains("no documents"), "{m}");
+}

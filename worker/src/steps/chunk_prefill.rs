@@ -1,0 +1,149 @@
+//! Phase 1: prefill chunks on their own at local positions, each optionally behind a head (the
+//! shared prefix, or the anchor block of Star Attention), keeping K before RoPE.
+//!
+//! ```text
+//!   one forward, several chunks (GEMMs run on all rows at once):
+//!   rows:   [ chunk a: pos 0..na ][ chunk b: pos P..P+nb ][ chunk c: pos 0..nc ]
+//!   attend: a -> a only            b -> head + b            c -> c only
+//! ```
+//! Chunks are independent (block-diagonal attention, chosen per chunk, not by positions, since
+//! local positions overlap), so batching them changes nothing but the GEMM sizes. The result of
+//! a chunk depends only on its head and its tokens, never on the query: it is cached by content
+//! and placed anywhere later by one rotation.
+
+use crate::attend::{attend_over, Attend, KvSource, LayerInput};
+use crate::error::{Result, WorkerError};
+use crate::kv::{KeyForm, KvCache, LayerKv};
+use crate::model::{Logits, Model};
+use flowprefill_kernels::Backend;
+
+/// Default rows per batched chunk-prefill forward.
+pub const DEFAULT_BATCH_TOKENS: usize = 4096;
+
+/// One chunk to prefill.
+pub struct ChunkJob<'a, B: Backend> {
+    /// Rotated caches the chunk attends to (not stored with it).
+    pub head: Vec<&'a KvCache<B>>,
+    /// The chunk's tokens.
+    pub tokens: &'a [u32],
+    /// Position of its first token.
+    pub start: u32,
+}
+
+struct Batched<'a, 'j, B: Backend> {
+    jobs: &'j [ChunkJob<'a, B>],
+    /// Row range of each job in the forward.
+    ranges: Vec<std::ops::Range<usize>>,
+    /// Recorded layers per job.
+    layers: Vec<Vec<LayerKv<B>>>,
+}
+
+impl<B: Backend> Attend<B> for Batched<'_, '_, B> {
+    fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
+        let be = x.backend;
+        let (qd, kvd, h) = (x.shape.q_dim(), x.shape.kv_dim(), x.shape.n_heads);
+        let single = self.jobs.len() == 1;
+        for (j, (job, r)) in self.jobs.iter().zip(&self.ranges).enumerate() {
+            let n = r.len();
+            let rows: Vec<usize> = r.clone().collect();
+            let local: Vec<usize> = (0..n).collect();
+            let pos = &x.positions[r.clone()];
+            // Gather this chunk's rows; a forward of one chunk uses the buffers as they are.
+            let gather = |src: &B::Buf, width: usize| -> Result<Option<B::Buf>> {
+                if single {
+                    return Ok(None);
+                }
+                let mut dst = be.zeros(n * width)?;
+                be.copy_rows(src, &rows, &mut dst, &local, width)?;
+                Ok(Some(dst))
+            };
+            let (gq, gk, gv, gp) = (gather(x.q, qd)?, gather(x.k, kvd)?, gather(x.v, kvd)?, gather(x.k_pre, kvd)?);
+            let (q, k, v, k_pre) = (
+                gq.as_ref().unwrap_or(x.q),
+                gk.as_ref().unwrap_or(x.k),
+                gv.as_ref().unwrap_or(x.v),
+                gp.as_ref().unwrap_or(x.k_pre),
+            );
+            let rec = &mut self.layers[j][x.layer];
+            be.append(&mut rec.k, k_pre)?;
+            be.append(&mut rec.v, v)?;
+            let mut sources = Vec::with_capacity(job.head.len() + 1);
+            for hd in &job.head {
+                sources.push(KvSource::layer(hd, x.layer)?);
+            }
+            sources.push(KvSource { k, v, pos });
+            let mut lse = be.zeros(n * h)?;
+            if single {
+                attend_over(be, x.shape, q, pos, &sources, out, &mut lse)?;
+            } else {
+                let mut o = be.zeros(n * qd)?;
+                attend_over(be, x.shape, q, pos, &sources, &mut o, &mut lse)?;
+                be.copy_rows(&o, &local, out, &rows, qd)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Prefills several chunks, batching them into forwards of at most `batch_tokens` rows (a
+/// longer chunk runs alone). Returns one pre-RoPE cache per job, in order.
+pub fn prefill_chunks<B: Backend>(
+    model: &Model<B>,
+    jobs: &[ChunkJob<'_, B>],
+    batch_tokens: usize,
+) -> Result<Vec<KvCache<B>>> {
+    let be = model.backend();
+    let c = model.config();
+    let mut out = Vec::with_capacity(jobs.len());
+    let mut i = 0;
+    while i < jobs.len() {
+        // Greedy batch: at least one job, then while the rows fit.
+        let mut end = i + 1;
+        let mut rows = jobs[i].tokens.len();
+        while end < jobs.len() && rows + jobs[end].tokens.len() <= batch_tokens {
+            rows += jobs[end].tokens.len();
+            end += 1;
+        }
+        let batch = &jobs[i..end];
+        let mut tokens = Vec::with_capacity(rows);
+        let mut positions = Vec::with_capacity(rows);
+        let mut ranges = Vec::with_capacity(batch.len());
+        for job in batch {
+            let s = tokens.len();
+            tokens.extend_from_slice(job.tokens);
+            positions.extend(job.start..job.start + job.tokens.len() as u32);
+            ranges.push(s..tokens.len());
+        }
+        let layers = batch
+            .iter()
+            .map(|_| {
+                (0..c.n_layers).map(|_| Ok(LayerKv { k: be.zeros(0)?, v: be.zeros(0)? })).collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut att = Batched { jobs: batch, ranges, layers };
+        if !tokens.is_empty() {
+            model.forward(&tokens, &positions, &mut att, Logits::None)?;
+        }
+        for (job, layers) in batch.iter().zip(att.layers) {
+            let pos: Vec<u32> = (job.start..job.start + job.tokens.len() as u32).collect();
+            out.push(KvCache::from_parts(be, layers, pos, KeyForm::PreRope, c.kv_dim())?);
+        }
+        i = end;
+    }
+    if out.len() != jobs.len() {
+        return Err(WorkerError::Input("chunk prefill lost a job".into()));
+    }
+    Ok(out)
+}
+
+/// Prefills one chunk `tokens` at positions `start..` behind `head`; returns its pre-RoPE cache.
+pub fn prefill_chunk<B: Backend>(
+    model: &Model<B>,
+    head: &[&KvCache<B>],
+    tokens: &[u32],
+    start: u32,
+) -> Result<KvCache<B>> {
+    let job = ChunkJob { head: head.to_vec(), tokens, start };
+    let mut v = prefill_chunks(model, std::slice::from_ref(&job), usize::MAX)?;
+    v.pop().ok_or_else(|| WorkerError::Input("chunk prefill returned nothing".into()))
+}

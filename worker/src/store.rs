@@ -1,0 +1,154 @@
+//! The chunk KV store: pre-RoPE chunk caches keyed by content.
+//!
+//! A chunk's cache depends only on the model, the head it was prefilled behind (none, the
+//! shared prefix, the anchor block) and its tokens, never on the query, so a second query over
+//! the same documents reuses it. Entries are immutable (`Arc`): recomputed KV is query-specific
+//! and lives in placed copies, never here. Memory is bounded by a byte budget with
+//! least-recently-used eviction.
+
+use crate::kv::KvCache;
+use flowprefill_kernels::Backend;
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Content key of a chunk cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ChunkKey([u8; 32]);
+
+impl ChunkKey {
+    /// Key of `tokens` prefilled from position `start` behind `head` (its token ids, in order).
+    pub fn new(head: &[u32], start: u32, tokens: &[u32]) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"flowprefill-chunk-v1");
+        h.update((head.len() as u64).to_le_bytes());
+        for t in head {
+            h.update(t.to_le_bytes());
+        }
+        h.update(start.to_le_bytes());
+        h.update((tokens.len() as u64).to_le_bytes());
+        for t in tokens {
+            h.update(t.to_le_bytes());
+        }
+        Self(h.finalize().into())
+    }
+
+    /// Short hex form for logs.
+    pub fn short(&self) -> String {
+        self.0[..6].iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// Counters of a store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StoreStats {
+    /// Entries held.
+    pub entries: usize,
+    /// Bytes held.
+    pub bytes: usize,
+    /// Lookups that found an entry.
+    pub hits: u64,
+    /// Lookups that did not.
+    pub misses: u64,
+    /// Entries evicted for the budget.
+    pub evictions: u64,
+}
+
+struct Entry<B: Backend> {
+    kv: Arc<KvCache<B>>,
+    last_used: u64,
+}
+
+struct Inner<B: Backend> {
+    map: HashMap<ChunkKey, Entry<B>>,
+    tick: u64,
+    stats: StoreStats,
+}
+
+/// A bounded, thread-safe chunk cache store.
+pub struct ChunkStore<B: Backend> {
+    inner: Mutex<Inner<B>>,
+    budget_bytes: usize,
+}
+
+impl<B: Backend> std::fmt::Debug for ChunkStore<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkStore").field("budget_bytes", &self.budget_bytes).field("stats", &self.stats()).finish()
+    }
+}
+
+impl<B: Backend> ChunkStore<B> {
+    /// A store that keeps at most `budget_bytes` of K/V (the newest entry is always kept).
+    pub fn new(budget_bytes: usize) -> Self {
+        Self { inner: Mutex::new(Inner { map: HashMap::new(), tick: 0, stats: StoreStats::default() }), budget_bytes }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner<B>> {
+        // A panic while holding the lock cannot leave the map inconsistent (every mutation is
+        // a single insert/remove), so a poisoned lock is still usable.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The cache for `key`, counting a hit or a miss.
+    pub fn get(&self, key: &ChunkKey) -> Option<Arc<KvCache<B>>> {
+        let mut g = self.lock();
+        g.tick += 1;
+        let tick = g.tick;
+        match g.map.get_mut(key) {
+            Some(e) => {
+                e.last_used = tick;
+                let kv = e.kv.clone();
+                g.stats.hits += 1;
+                Some(kv)
+            }
+            None => {
+                g.stats.misses += 1;
+                None
+            }
+        }
+    }
+
+    /// Stores a cache and returns the shared handle; evicts least recently used entries while
+    /// over budget.
+    pub fn insert(&self, key: ChunkKey, kv: KvCache<B>) -> Arc<KvCache<B>> {
+        let kv = Arc::new(kv);
+        let mut g = self.lock();
+        g.tick += 1;
+        let tick = g.tick;
+        let bytes = kv.bytes();
+        if let Some(old) = g.map.insert(key, Entry { kv: kv.clone(), last_used: tick }) {
+            g.stats.bytes -= old.kv.bytes();
+            g.stats.entries -= 1;
+        }
+        g.stats.bytes += bytes;
+        g.stats.entries += 1;
+        while g.stats.bytes > self.budget_bytes && g.map.len() > 1 {
+            let victim = g.map.iter().filter(|(k, _)| **k != key).min_by_key(|(_, e)| e.last_used).map(|(k, _)| *k);
+            let Some(victim) = victim else { break };
+            if let Some(e) = g.map.remove(&victim) {
+                g.stats.bytes -= e.kv.bytes();
+                g.stats.entries -= 1;
+                g.stats.evictions += 1;
+            }
+        }
+        kv
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> StoreStats {
+        self.lock().stats
+    }
+
+    /// Drops every entry (counters of hits/misses are kept).
+    pub fn clear(&self) {
+        let mut g = self.lock();
+        g.map.clear();
+        g.stats.entries = 0;
+        g.stats.bytes = 0;
+    }
+
+    /// The byte budget.
+    pub fn budget_bytes(&self) -> usize {
+        self.budget_bytes
+    }
+}
