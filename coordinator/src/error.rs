@@ -13,6 +13,12 @@ pub enum CoordError {
     Worker(#[from] WorkerError),
 }
 
+impl From<flowprefill_comm::CommError> for CoordError {
+    fn from(e: flowprefill_comm::CommError) -> Self {
+        Self::Worker(WorkerError::Comm(e))
+    }
+}
+
 impl From<flowprefill_kernels::KernelError> for CoordError {
     fn from(e: flowprefill_kernels::KernelError) -> Self {
         Self::Worker(WorkerError::Kernel(e))

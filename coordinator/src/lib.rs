@@ -5,19 +5,25 @@
 //! * [`select`]: one selection policy per file (InfoFlow, ProphetKV, CacheBlend, EPIC,
 //!   CacheClip, random);
 //! * [`reorder`]: two-stage chunk reordering;
-//! * [`engine`]: the phase pipeline with the chunk store, TTFT and per-phase timings;
+//! * [`shard`]: which rank holds which chunk;
+//! * [`engine`]: the phase pipeline on every rank, with the chunk store, TTFT and per-phase
+//!   timings and communication statistics;
 //! * [`explain`], [`tasks`]: selected spans in context; built-in question sets.
 
 pub mod engine;
 mod error;
 pub mod explain;
+pub mod fault;
 pub mod layout;
 pub mod reorder;
 pub mod request;
 pub mod select;
+pub mod shard;
 pub mod tasks;
 pub mod timings;
+pub mod world;
 
-pub use engine::{Engine, RunResult, DEFAULT_STORE_BYTES};
+pub use engine::{Engine, RankStats, RunResult, DEFAULT_STORE_BYTES};
 pub use error::{CoordError, Result};
-pub use request::{Context, Geometry, Method, PrefixMode, Request, RunOptions};
+pub use request::{Context, Geometry, Job, Method, PrefixMode, Request, RunOptions, Scope};
+pub use world::{run_rank, ThreadRanks};

@@ -8,20 +8,25 @@
 //! important chunk ends right before the prompt. Stage 2 is the normal selection under GLOBAL
 //! positions of the new layout. Only positions change; no KV data moves.
 
-use crate::error::Result;
+use crate::error::{invalid, Result};
 use crate::request::Geometry;
 use crate::select::ScoreCtx;
+use flowprefill_comm::all_gather_value;
 use flowprefill_kernels::topk::count_for_ratio;
 use flowprefill_kernels::Backend;
 
 /// The new order (chunk ids, first = farthest from the prompt) and each chunk's importance
-/// (indexed by chunk id). `ctx.order` must be the request order.
-pub fn reorder<B: Backend>(ctx: &ScoreCtx<'_, B>, ratio: f64) -> Result<(Vec<usize>, Vec<f32>)> {
+/// (indexed by chunk id). `ctx.order` must be the request order. Collective: each rank scores
+/// its chunks, the importances are all-gathered, every rank derives the same order.
+pub fn reorder<B: Backend>(ctx: &mut ScoreCtx<'_, '_, B>, ratio: f64) -> Result<(Vec<usize>, Vec<f32>)> {
     let w = ctx.score_layer_weights()?;
     let scores = ctx.probe(Geometry::HlTp, &w)?;
+    let local: Vec<(usize, f32)> =
+        ctx.local.iter().zip(&scores).map(|(&c, s)| (c, chunk_importance(s, ratio))).collect();
+    let all: Vec<Vec<(usize, f32)>> = all_gather_value(ctx.comm, "reorder.importance", &local)?;
     let mut importance = vec![0f32; ctx.layout.chunks.len()];
-    for (&c, s) in ctx.order.iter().zip(&scores) {
-        importance[c] = chunk_importance(s, ratio);
+    for (c, v) in all.into_iter().flatten() {
+        *importance.get_mut(c).ok_or_else(|| invalid(format!("importance of unknown chunk {c}")))? = v;
     }
     Ok((order_by_importance(&importance), importance))
 }

@@ -2,6 +2,7 @@
 
 use crate::error::{invalid, CoordError, Result};
 use flowprefill_worker::sampling::SamplingConfig;
+pub use flowprefill_worker::steps::Scope;
 use std::str::FromStr;
 
 /// How the answer's KV context is built.
@@ -26,11 +27,13 @@ pub enum Method {
     Random,
     /// Star Attention: anchor-block prefill, no recomputation.
     Star,
+    /// Ring attention: exact full prefill spread over the ranks (zigzag).
+    Ring,
 }
 
 impl Method {
     /// Every method, in table order.
-    pub const ALL: [Method; 9] = [
+    pub const ALL: [Method; 10] = [
         Method::Full,
         Method::None,
         Method::Infoflow,
@@ -40,6 +43,7 @@ impl Method {
         Method::Cacheclip,
         Method::Random,
         Method::Star,
+        Method::Ring,
     ];
 
     /// Lower-case name.
@@ -54,6 +58,7 @@ impl Method {
             Method::Cacheclip => "cacheclip",
             Method::Random => "random",
             Method::Star => "star",
+            Method::Ring => "ring",
         }
     }
 
@@ -69,7 +74,12 @@ impl Method {
     /// Whether a recompute ratio applies (selectors); `none` and `star` recompute nothing,
     /// `full` runs no chunking at all.
     pub fn selects(self) -> bool {
-        !matches!(self, Method::Full | Method::None | Method::Star)
+        !matches!(self, Method::Full | Method::None | Method::Star | Method::Ring)
+    }
+
+    /// Methods that prefill the whole sequence exactly (no chunk caches).
+    pub fn is_exact_prefill(self) -> bool {
+        matches!(self, Method::Full | Method::Ring)
     }
 }
 
@@ -173,7 +183,7 @@ impl FromStr for Geometry {
 }
 
 /// The context of a request.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub enum Context {
     /// Independent documents, one chunk each, in retrieval order.
     Documents(Vec<String>),
@@ -187,7 +197,7 @@ pub enum Context {
 }
 
 /// A question over a context.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Request {
     /// The context.
     pub context: Context,
@@ -198,7 +208,7 @@ pub struct Request {
 }
 
 /// How to run a request.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct RunOptions {
     /// The method.
     pub method: Method,
@@ -220,6 +230,8 @@ pub struct RunOptions {
     pub seed: u64,
     /// Tokens per recompute forward.
     pub recompute_batch: usize,
+    /// Cross-rank scope of recomputation.
+    pub scope: Scope,
 }
 
 impl Default for RunOptions {
@@ -235,6 +247,7 @@ impl Default for RunOptions {
             sampling: SamplingConfig::default(),
             seed: 0,
             recompute_batch: 2048,
+            scope: Scope::Exact,
         }
     }
 }
@@ -249,10 +262,19 @@ impl RunOptions {
     pub fn effective_ratio(&self) -> f64 {
         match self.method {
             Method::None | Method::Star => 0.0,
-            Method::Full => 1.0,
+            Method::Full | Method::Ring => 1.0,
             _ => self.ratio,
         }
     }
+}
+
+/// A request and how to run it: what rank 0 broadcasts to the other ranks.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Job {
+    /// The request.
+    pub request: Request,
+    /// Its options.
+    pub options: RunOptions,
 }
 
 /// Checks a request and its options before any work (messages say what to change).
@@ -289,7 +311,7 @@ pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
             }
         }
     }
-    if opts.reorder && matches!(opts.method, Method::Full | Method::Star) {
+    if opts.reorder && matches!(opts.method, Method::Full | Method::Star | Method::Ring) {
         return Err(invalid(format!("--reorder does not apply to method {}", opts.method)));
     }
     if let Some((a, b)) = opts.score_layers {

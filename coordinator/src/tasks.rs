@@ -27,12 +27,28 @@ pub struct QaCase {
     pub depth: f64,
     /// Context length the case was built for (tokens).
     pub target_tokens: usize,
+    /// The inserted needle sentence.
+    pub needle: String,
 }
 
 impl QaCase {
     /// Substring match of any acceptable answer.
     pub fn is_correct(&self, answer: &str) -> bool {
         self.answers.iter().any(|a| answer.contains(a.as_str()))
+    }
+
+    /// Token rows of the needle sentence and of its answer inside the needle document's chunk
+    /// (documents mode; the chunk tokens are those of the document plus its separator).
+    pub fn needle_rows(&self, tok: &Tokenizer) -> Option<(std::ops::Range<usize>, std::ops::Range<usize>)> {
+        let doc = self.documents.get(self.needle_doc)?.trim();
+        let at = doc.find(&self.needle)?;
+        let before = tok.encode_text(&doc[..at]).ok()?.len();
+        let with = tok.encode_text(&doc[..at + self.needle.len()]).ok()?.len();
+        let answer = self.answers.first()?;
+        let a_at = at + self.needle.find(answer.as_str())?;
+        let a_before = tok.encode_text(&doc[..a_at]).ok()?.len();
+        let a_with = tok.encode_text(&doc[..a_at + answer.len()]).ok()?.len();
+        Some((before..with, a_before..a_with))
     }
 }
 
@@ -116,6 +132,7 @@ pub fn demo_case(tok: &Tokenizer) -> QaCase {
         needle_doc,
         depth: 0.62,
         target_tokens: 1900,
+        needle: needle.into(),
     }
 }
 
@@ -133,6 +150,7 @@ pub fn niah_cases(tok: &Tokenizer, seed: u64, lengths: &[usize], depths: &[f64],
                 let n_docs = rng.random_range(6..=10);
                 let needle = format!("The special magic number for {key} is {number}.");
                 let (documents, needle_doc) = haystack(&mut rng, tok, len, n_docs, &needle, depth);
+                let needle = needle.clone();
                 cases.push(QaCase {
                     id: format!("niah-{len}-d{depth:.2}-{rep}"),
                     documents,
@@ -141,6 +159,7 @@ pub fn niah_cases(tok: &Tokenizer, seed: u64, lengths: &[usize], depths: &[f64],
                     needle_doc,
                     depth,
                     target_tokens: len,
+                    needle,
                 });
             }
         }

@@ -64,9 +64,26 @@ fn main() {
     }
 }
 
+/// Ranks of this job on this machine, when started by an MPI launcher.
+fn local_mpi_ranks() -> Option<usize> {
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().and_then(|s| s.parse().ok()))
+}
+
 fn run(cli: Cli) -> Result<()> {
-    if let Some(n) = cli.common.threads {
-        anyhow::ensure!(n > 0, "--threads must be at least 1");
+    let threads = match cli.common.threads {
+        Some(n) => {
+            anyhow::ensure!(n > 0, "--threads must be at least 1");
+            Some(n)
+        }
+        // Several MPI ranks on one machine share its cores instead of oversubscribing them.
+        None => local_mpi_ranks().filter(|&l| l > 1).map(|l| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / l).max(1)
+        }),
+    };
+    if let Some(n) = threads {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;
     }
     match cli.command {

@@ -114,7 +114,10 @@ fn run_json_reports_answer_phases_and_selection() {
         ],
     );
     args.splice(0..0, ["run".to_string()]);
-    args.extend(["--query", "Who is the lighthouse keeper of Redwater?", "--method", "infoflow", "--ratio", "0.3", "--json"].map(String::from));
+    args.extend(
+        ["--query", "Who is the lighthouse keeper of Redwater?", "--method", "infoflow", "--ratio", "0.3", "--json"]
+            .map(String::from),
+    );
     let out = bin().args(&args).output().expect("run");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
@@ -152,5 +155,32 @@ fn run_errors_say_what_to_change() {
     let long = dir.join("long.txt");
     std::fs::write(&long, "The harbour was quiet and the boats rested. ".repeat(1200)).unwrap();
     check(&["--query", "q?"], &["--doc".into(), long.to_string_lossy().into_owned()], "context window is 8192");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_failed_thread_rank_is_named_and_nothing_hangs() {
+    let (dir, docs) = write_docs(
+        "fault",
+        &[
+            "Boats rest in the harbour of Redwater.",
+            "The access code for the north gate is 4729.",
+            "Salt and wool reach the market.",
+        ],
+    );
+    let run = |fault: &str, timeout: &str| {
+        let mut a = vec!["run".to_string()];
+        a.extend(docs.iter().cloned());
+        a.extend(["--query", "What is the access code?", "--ranks", "2", "--comm-timeout", timeout].map(String::from));
+        let t = std::time::Instant::now();
+        let out = bin().args(&a).env("FLOWPREFILL_FAULT", fault).output().expect("run");
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned(), t.elapsed())
+    };
+    let (ok, err, took) = run("rank:1,phase:probe,mode:panic", "60");
+    assert!(!ok && err.contains("rank 1 panicked") && err.contains("rank 1 was lost"), "{err}");
+    assert!(took < std::time::Duration::from_secs(30), "{took:?}");
+    let (ok, err, took) = run("rank:1,phase:final_prompt,mode:hang", "3");
+    assert!(!ok && err.contains("rank 1 did not answer within 3 s during `final`"), "{err}");
+    assert!(took < std::time::Duration::from_secs(30), "{took:?}");
     let _ = std::fs::remove_dir_all(dir);
 }

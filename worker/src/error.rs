@@ -67,6 +67,9 @@ pub enum WorkerError {
     /// Fetching the default model failed.
     #[error("fetching the default model: {0}")]
     Fetch(String),
+    /// Another rank was lost or did not answer.
+    #[error(transparent)]
+    Comm(#[from] flowprefill_comm::CommError),
     /// A kernel rejected its inputs.
     #[error(transparent)]
     Kernel(#[from] flowprefill_kernels::KernelError),

@@ -6,6 +6,7 @@
 use super::{ScoreCtx, Selector};
 use crate::error::Result;
 use flowprefill_kernels::Backend;
+use flowprefill_worker::kv::KvCache;
 use flowprefill_worker::steps::{value_deviation, Target};
 
 /// The CacheBlend policy.
@@ -21,18 +22,25 @@ impl Default for CacheBlend {
 }
 
 impl<B: Backend> Selector<B> for CacheBlend {
-    fn score(&self, ctx: &ScoreCtx<'_, B>) -> Result<Vec<Vec<f32>>> {
+    fn score(&self, ctx: &mut ScoreCtx<'_, '_, B>) -> Result<Vec<Vec<f32>>> {
         let check = self.check_layer.min(ctx.lm.model.config().n_layers - 1);
-        let mut targets = Vec::with_capacity(ctx.layout.n_context());
-        let mut tokens = Vec::with_capacity(ctx.layout.n_context());
-        for (i, &c) in ctx.order.iter().enumerate() {
+        // Local segments: the head on rank 0, then the placed local chunks.
+        let mut segs: Vec<&KvCache<B>> = ctx.head.into_iter().collect();
+        let first_chunk = segs.len();
+        segs.extend(ctx.placed.iter());
+        let mut targets = Vec::new();
+        let mut tokens = Vec::new();
+        for (j, &c) in ctx.local.iter().enumerate() {
             for (row, &t) in ctx.layout.chunks[c].iter().enumerate() {
-                targets.push(Target { segment: i + 1, row });
+                targets.push(Target { segment: first_chunk + j, row });
                 tokens.push(t);
             }
         }
-        let dev = value_deviation(&ctx.lm.model, ctx.segments, &targets, &tokens, check)?;
+        // Every context token of every rank is recomputed through the first layers.
+        let p = ctx.layout.head.len() as u32;
+        let all: Vec<u32> = (p..p + ctx.layout.n_context() as u32).collect();
+        let dev = value_deviation(&ctx.lm.model, ctx.comm, &segs, &targets, &tokens, &all, check)?;
         let mut it = dev.into_iter();
-        Ok(ctx.order.iter().map(|&c| it.by_ref().take(ctx.layout.chunks[c].len()).collect()).collect())
+        Ok(ctx.local.iter().map(|&c| it.by_ref().take(ctx.layout.chunks[c].len()).collect()).collect())
     }
 }

@@ -10,10 +10,12 @@
 //! selects everything; (2) dropped tokens are not replaced, so CacheClip recomputes at most
 //! the budget (the run reports how many tokens were actually selected).
 
+use super::probe_local;
 use super::{ScoreCtx, Selector};
 use crate::error::{invalid, Result};
+use flowprefill_comm::local::LocalComm;
 use flowprefill_kernels::Backend;
-use flowprefill_worker::steps::{probe, ProbeSource};
+use flowprefill_worker::steps::LocalSegment;
 
 /// The CacheClip policy.
 pub struct CacheClip {
@@ -30,9 +32,9 @@ impl Default for CacheClip {
 }
 
 impl<B: Backend> Selector<B> for CacheClip {
-    fn score(&self, ctx: &ScoreCtx<'_, B>) -> Result<Vec<Vec<f32>>> {
+    fn score(&self, ctx: &mut ScoreCtx<'_, '_, B>) -> Result<Vec<Vec<f32>>> {
         let aux = ctx.aux.aux_model();
-        let (head, chunks) = ctx.aux.aux_caches(ctx.layout)?;
+        let (head, chunks) = ctx.aux.aux_caches(ctx.layout, ctx.local)?;
         let be = aux.model.backend();
         let cfg = aux.model.config();
         let head_placed = head.placed(be, aux.model.rope(), head.positions(), cfg.n_kv_heads)?;
@@ -40,16 +42,18 @@ impl<B: Backend> Selector<B> for CacheClip {
         *weights.last_mut().ok_or_else(|| invalid("the auxiliary model has no layers"))? = 1.0;
         let m = ctx.layout.prompt.len();
         let norm = 1.0 / (m * cfg.n_heads).max(1) as f32;
-        let mut out = Vec::with_capacity(ctx.order.len());
-        for &c in ctx.order {
-            let chunk = &chunks[c];
+        // Each chunk is scored on its own (no communication): a world of one.
+        let mut solo = LocalComm::group(1).pop().ok_or_else(|| invalid("no local communicator"))?;
+        let mut out = Vec::with_capacity(ctx.local.len());
+        for chunk in &chunks {
             let end = chunk.positions().last().map_or(head.len() as u32, |p| p + 1);
             let prompt_pos: Vec<u32> = (end..end + m as u32).collect();
-            let sources = vec![
-                ProbeSource { cache: &head_placed, positions: head_placed.positions().to_vec() },
-                ProbeSource { cache: chunk, positions: chunk.positions().to_vec() },
+            let segs = vec![
+                LocalSegment::placed(0, &head_placed),
+                LocalSegment { id: 1, cache: chunk, positions: chunk.positions().to_vec() },
             ];
-            let scores = probe(&aux.model, sources, &ctx.layout.prompt, &prompt_pos, &weights)?;
+            let scores =
+                probe_local(&aux.model, &mut solo, "cacheclip.probe", segs, &ctx.layout.prompt, &prompt_pos, &weights)?;
             out.push(scores[1].iter().map(|s| s * norm).collect());
         }
         Ok(out)

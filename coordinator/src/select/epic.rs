@@ -11,7 +11,7 @@ use flowprefill_kernels::Backend;
 pub struct Epic;
 
 impl<B: Backend> Selector<B> for Epic {
-    fn score(&self, ctx: &ScoreCtx<'_, B>) -> Result<Vec<Vec<f32>>> {
-        Ok(ctx.order.iter().map(|&c| (0..ctx.layout.chunks[c].len()).map(|i| -(i as f32)).collect()).collect())
+    fn score(&self, ctx: &mut ScoreCtx<'_, '_, B>) -> Result<Vec<Vec<f32>>> {
+        Ok(ctx.local.iter().map(|&c| (0..ctx.layout.chunks[c].len()).map(|i| -(i as f32)).collect()).collect())
     }
 }

@@ -16,8 +16,9 @@ use flowprefill_kernels::Backend;
 pub struct InfoFlow;
 
 impl<B: Backend> Selector<B> for InfoFlow {
-    fn score(&self, ctx: &ScoreCtx<'_, B>) -> Result<Vec<Vec<f32>>> {
+    fn score(&self, ctx: &mut ScoreCtx<'_, '_, B>) -> Result<Vec<Vec<f32>>> {
         let w = ctx.score_layer_weights()?;
-        ctx.probe(ctx.opts.geometry, &w)
+        let g = ctx.opts.geometry;
+        ctx.probe(g, &w)
     }
 }

@@ -24,60 +24,100 @@ pub mod random;
 use crate::error::{invalid, Result};
 use crate::layout::Layout;
 use crate::request::{Geometry, Method, RunOptions};
+use flowprefill_comm::Communicator;
 use flowprefill_kernels::topk::top_k;
 use flowprefill_kernels::Backend;
-use flowprefill_worker::kv::KvCache;
-use flowprefill_worker::steps::{probe, ProbeSource};
-use flowprefill_worker::LoadedModel;
+use flowprefill_worker::kv::{KeyForm, KvCache};
+use flowprefill_worker::steps::{LocalSegment, Replicated};
+use flowprefill_worker::{LoadedModel, Model};
 use std::sync::Arc;
 
-/// A head cache and the chunk caches (request order) of one layout.
+/// A head cache and the caches of the requested chunks.
 pub type HeadAndChunks<B> = (Arc<KvCache<B>>, Vec<Arc<KvCache<B>>>);
 
 /// Caches of an auxiliary model over the same layout (CacheClip).
 pub trait AuxCaches<B: Backend> {
     /// The auxiliary model.
     fn aux_model(&self) -> &LoadedModel<B>;
-    /// Its head cache (pre-RoPE, 0..P) and per-chunk caches (request order), each chunk
-    /// prefilled behind the head (shared prefix).
-    fn aux_caches(&self, layout: &Layout) -> Result<HeadAndChunks<B>>;
+    /// Its head cache (pre-RoPE, 0..P) and the caches of `chunks` (ids), each prefilled
+    /// behind the head (shared prefix).
+    fn aux_caches(&self, layout: &Layout, chunks: &[usize]) -> Result<HeadAndChunks<B>>;
 }
 
-/// What a policy can look at.
-pub struct ScoreCtx<'a, B: Backend> {
+/// What a policy can look at on this rank.
+pub struct ScoreCtx<'a, 'c, B: Backend> {
     /// The main model.
     pub lm: &'a LoadedModel<B>,
     /// The request's tokens.
     pub layout: &'a Layout,
-    /// Chunk ids in layout order.
+    /// Chunk ids in layout order (all ranks).
     pub order: &'a [usize],
-    /// Chunk caches, pre-RoPE, in request order.
+    /// Chunk ids this rank holds, in layout order.
+    pub local: &'a [usize],
+    /// Pre-RoPE caches of the local chunks (same order as `local`).
     pub chunks: &'a [Arc<KvCache<B>>],
-    /// Placed segments: `[head, chunk order[0], ...]` rotated to GLOBAL positions. Only the
-    /// head is required when scoring under another geometry.
-    pub segments: &'a [KvCache<B>],
+    /// The head placed at 0..P, contributed by rank 0 only (segment 0).
+    pub head: Option<&'a KvCache<B>>,
+    /// The local chunks placed at their GLOBAL positions (same order as `local`); empty when
+    /// only other geometries are scored.
+    pub placed: &'a [KvCache<B>],
     /// Options of the run.
     pub opts: &'a RunOptions,
     /// Auxiliary caches provider.
     pub aux: &'a dyn AuxCaches<B>,
+    /// The world.
+    pub comm: &'c mut dyn Communicator,
 }
 
-impl<B: Backend> ScoreCtx<'_, B> {
-    /// Attention mass of each context token (per chunk, layout order) from the prompt, with
-    /// `weights[l]` per layer, under `geometry`.
-    pub fn probe(&self, geometry: Geometry, weights: &[f32]) -> Result<Vec<Vec<f32>>> {
-        let head = self.segments.first().ok_or_else(|| invalid("no head segment"))?;
-        let local: Vec<&[u32]> = self.chunks.iter().map(|c| c.positions()).collect();
-        let (chunk_pos, prompt_pos) = self.layout.positions(geometry, self.order, &local);
-        let mut sources = vec![ProbeSource { cache: head, positions: head.positions().to_vec() }];
-        for (i, (&c, pos)) in self.order.iter().zip(chunk_pos).enumerate() {
-            let placed = self.segments.get(i + 1).filter(|_| geometry == Geometry::Global);
-            let cache: &KvCache<B> = placed.unwrap_or(&self.chunks[c]);
-            sources.push(ProbeSource { cache, positions: pos });
+/// Global segment id of the chunk at layout index `i` (the head is segment 0).
+pub fn segment_id(layout_index: usize) -> usize {
+    layout_index + 1
+}
+
+impl<B: Backend> ScoreCtx<'_, '_, B> {
+    /// Layout index of each local chunk.
+    pub fn local_layout_indices(&self) -> Vec<usize> {
+        self.local.iter().map(|c| self.order.iter().position(|o| o == c).unwrap_or(usize::MAX)).collect()
+    }
+
+    /// Attention mass of each local context token from the prompt (per local chunk), with
+    /// `weights[l]` per layer, under `geometry`; a collective over all ranks.
+    pub fn probe(&mut self, geometry: Geometry, weights: &[f32]) -> Result<Vec<Vec<f32>>> {
+        let positions_of: Vec<Vec<u32>> = self.order.iter().map(|&c| self.layout_positions(c)).collect();
+        let local_pos: Vec<&[u32]> = positions_of.iter().map(Vec::as_slice).collect();
+        let by_id: Vec<&[u32]> = (0..self.layout.chunks.len())
+            .map(|c| self.order.iter().position(|&o| o == c).map_or(&[][..], |i| local_pos[i]))
+            .collect();
+        let (chunk_pos, prompt_pos) = self.layout.positions(geometry, self.order, &by_id);
+        let mut segs = Vec::with_capacity(self.local.len() + 1);
+        if let Some(h) = self.head {
+            segs.push(LocalSegment::placed(0, h));
         }
-        let mut scores = probe(&self.lm.model, sources, &self.layout.prompt, &prompt_pos, weights)?;
-        scores.remove(0);
+        for (j, (&c, li)) in self.local.iter().zip(self.local_layout_indices()).enumerate() {
+            let id = segment_id(li);
+            let seg = match (geometry, self.placed.get(j)) {
+                (Geometry::Global, Some(p)) => LocalSegment::placed(id, p),
+                _ => LocalSegment { id, cache: &self.chunks[j], positions: chunk_pos[li].clone() },
+            };
+            debug_assert_eq!(self.layout.chunks[c].len(), seg.positions.len());
+            segs.push(seg);
+        }
+        let mut scores =
+            probe_local(&self.lm.model, self.comm, "probe", segs, &self.layout.prompt, &prompt_pos, weights)?;
+        if self.head.is_some() {
+            scores.remove(0);
+        }
         Ok(scores)
+    }
+
+    /// Positions chunk `c` was prefilled at (its local positions).
+    fn layout_positions(&self, c: usize) -> Vec<u32> {
+        match self.local.iter().position(|&l| l == c) {
+            Some(j) => self.chunks[j].positions().to_vec(),
+            // Other ranks' chunks: only their lengths and starts matter for HL-HP; a chunk
+            // behind the head starts at P, others at 0 (see the prefix modes).
+            None => local_start(self.opts, self.layout, c),
+        }
     }
 
     /// InfoFlow's scoring layers (inclusive): `--score-layers`, else depth 55%..65%
@@ -97,6 +137,52 @@ impl<B: Backend> ScoreCtx<'_, B> {
         let n = self.lm.model.config().n_layers;
         Ok((0..n).map(|l| if (a..=b).contains(&l) { 1.0 } else { 0.0 }).collect())
     }
+
+    /// Global index (layout order, over all context tokens) of row 0 of each local chunk.
+    pub fn local_global_starts(&self) -> Vec<usize> {
+        let mut start = vec![0usize; self.layout.chunks.len()];
+        let mut acc = 0;
+        for &c in self.order {
+            start[c] = acc;
+            acc += self.layout.chunks[c].len();
+        }
+        self.local.iter().map(|&c| start[c]).collect()
+    }
+}
+
+/// Local positions of chunk `c` as its prefill placed it: behind the head (P..) for the first
+/// chunk and under the shared prefix, after the anchor for later chunks in anchor mode, else 0..
+pub fn local_start(opts: &RunOptions, layout: &Layout, c: usize) -> Vec<u32> {
+    let p = layout.head.len() as u32;
+    let n = layout.chunks[c].len() as u32;
+    let start = match (opts.prefix_mode(), c) {
+        (_, 0) | (crate::request::PrefixMode::Shared, _) => p,
+        (crate::request::PrefixMode::None, _) => 0,
+        (crate::request::PrefixMode::Anchor, _) => p + layout.chunks[0].len() as u32,
+    };
+    (start..start + n).collect()
+}
+
+/// Runs `prompt` over local segments (a collective over `comm`) and returns the weighted
+/// attention mass of each segment row; stops after the last weighted layer.
+pub fn probe_local<B: Backend>(
+    model: &Model<B>,
+    comm: &mut dyn Communicator,
+    op: &'static str,
+    segs: Vec<LocalSegment<'_, B>>,
+    prompt: &[u32],
+    prompt_pos: &[u32],
+    weights: &[f32],
+) -> Result<Vec<Vec<f32>>> {
+    let Some(last) = weights.iter().rposition(|&w| w > 0.0) else {
+        return Ok(segs.iter().map(|s| vec![0.0; s.cache.len()]).collect());
+    };
+    let be = model.backend();
+    let c = model.config();
+    let mut tail = KvCache::new(be, c.n_layers, c.kv_dim(), KeyForm::Rotated)?;
+    let mut rep = Replicated::new(be, comm, op, segs, &mut tail, prompt_pos, weights.to_vec())?;
+    model.forward_layers(prompt, prompt_pos, &mut rep, last + 1)?;
+    Ok(rep.commit()?)
 }
 
 /// Default InfoFlow scoring layers for a model of `n` layers: `[round(0.55 n), round(0.65 n))`.
@@ -108,8 +194,9 @@ pub fn default_score_layers(n: usize) -> (usize, usize) {
 
 /// A selection policy.
 pub trait Selector<B: Backend> {
-    /// One score per context token, per chunk in layout order (higher = recompute first).
-    fn score(&self, ctx: &ScoreCtx<'_, B>) -> Result<Vec<Vec<f32>>>;
+    /// One score per context token of each local chunk (`ctx.local` order; higher =
+    /// recompute first). Collective: every rank calls it, also with no local chunk.
+    fn score(&self, ctx: &mut ScoreCtx<'_, '_, B>) -> Result<Vec<Vec<f32>>>;
 
     /// Adjusts the top-k flags (per chunk, layout order). Default: unchanged.
     fn refine(&self, _scores: &[Vec<f32>], selected: Vec<Vec<bool>>) -> Vec<Vec<bool>> {
@@ -126,7 +213,7 @@ pub fn selector_for<B: Backend>(method: Method) -> Option<Box<dyn Selector<B>>> 
         Method::Epic => Box::new(epic::Epic),
         Method::Cacheclip => Box::new(cacheclip::CacheClip::default()),
         Method::Random => Box::new(random::Random),
-        Method::Full | Method::None | Method::Star => return None,
+        Method::Full | Method::None | Method::Star | Method::Ring => return None,
     })
 }
 

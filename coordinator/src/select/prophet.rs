@@ -10,8 +10,9 @@ use flowprefill_kernels::Backend;
 pub struct Prophet;
 
 impl<B: Backend> Selector<B> for Prophet {
-    fn score(&self, ctx: &ScoreCtx<'_, B>) -> Result<Vec<Vec<f32>>> {
+    fn score(&self, ctx: &mut ScoreCtx<'_, '_, B>) -> Result<Vec<Vec<f32>>> {
         let n = ctx.lm.model.config().n_layers;
-        ctx.probe(ctx.opts.geometry, &vec![1.0 / n as f32; n])
+        let g = ctx.opts.geometry;
+        ctx.probe(g, &vec![1.0 / n as f32; n])
     }
 }

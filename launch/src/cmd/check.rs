@@ -29,6 +29,15 @@ pub struct Args {
     /// Keep chunk caches across methods (faster; TTFT then excludes chunk prefill).
     #[arg(long)]
     pub warm: bool,
+    /// Scoring geometry of the selective methods.
+    #[arg(long, default_value = "global")]
+    pub geometry: String,
+    /// InfoFlow scoring layers, e.g. 17-19 (default: 55%-65% depth).
+    #[arg(long)]
+    pub score_layers: Option<String>,
+    /// Prefix mode for every chunked method (default: each method's own).
+    #[arg(long)]
+    pub prefix: Option<String>,
     /// Print every answer.
     #[arg(long)]
     pub verbose: bool,
@@ -48,6 +57,10 @@ struct Row {
     correct: usize,
     ttft_ms: Vec<f64>,
     selected: usize,
+    /// Fraction of needle-sentence tokens selected, summed over cases.
+    needle_cov: f64,
+    /// Fraction of answer tokens selected, summed over cases.
+    answer_cov: f64,
 }
 
 /// Runs the command.
@@ -78,8 +91,17 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         table.first().is_some_and(|t| t.0 == flowprefill_coordinator::Method::Full),
         "--methods must include full (the baseline)"
     );
-    let mut rows: Vec<Row> =
-        table.iter().map(|&(m, r)| Row { label: label(m, r), correct: 0, ttft_ms: vec![], selected: 0 }).collect();
+    let mut rows: Vec<Row> = table
+        .iter()
+        .map(|&(m, r)| Row {
+            label: label(m, r),
+            correct: 0,
+            ttft_ms: vec![],
+            selected: 0,
+            needle_cov: 0.0,
+            answer_cov: 0.0,
+        })
+        .collect();
     if let Some(dir) = &args.dump_cases {
         for case in &cases {
             let d = dir.join(&case.id);
@@ -97,12 +119,30 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     for (i, case) in cases.iter().enumerate() {
         let req =
             Request { context: Context::Documents(case.documents.clone()), query: case.query.clone(), system: None };
+        let needle_rows = case.needle_rows(&engine.model().tokenizer);
         for (row, &(method, reorder)) in rows.iter_mut().zip(table.iter()) {
             if !args.warm {
                 engine.store().clear();
             }
-            let opts = RunOptions { method, ratio: args.ratio, reorder, max_new_tokens: 32, ..RunOptions::default() };
+            let opts = RunOptions {
+                method,
+                ratio: args.ratio,
+                reorder,
+                max_new_tokens: 32,
+                geometry: args.geometry.parse()?,
+                score_layers: parse_layers(args.score_layers.as_deref())?,
+                prefix: args.prefix.as_deref().map(str::parse).transpose()?,
+                ..RunOptions::default()
+            };
             let r = engine.run(&req, &opts, &mut |_| true)?;
+            if let Some((needle, answer)) = &needle_rows {
+                let sel = &r.selected_rows[case.needle_doc];
+                let cov = |rg: &std::ops::Range<usize>| {
+                    sel.iter().filter(|x| rg.contains(x)).count() as f64 / rg.len().max(1) as f64
+                };
+                row.needle_cov += cov(needle);
+                row.answer_cov += cov(answer);
+            }
             row.correct += case.is_correct(&r.answer) as usize;
             if args.verbose {
                 eprintln!("  {:<18} {:>5} {:?}", row.label, case.is_correct(&r.answer), r.answer);
@@ -130,6 +170,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
                 serde_json::json!({
                     "method": r.label, "accuracy": r.correct as f64 / n, "correct": r.correct, "cases": cases.len(),
                     "median_ttft_ms": median(&r.ttft_ms), "mean_selected": r.selected as f64 / n,
+                    "needle_tokens_selected": r.needle_cov / n, "answer_tokens_selected": r.answer_cov / n,
                 })
             })
             .collect();
@@ -153,21 +194,32 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         if args.warm { "warm" } else { "cold" }
     );
     println!(
-        "{:<18} {:>9} {:>9} {:>14} {:>8} {:>14}",
-        "method", "accuracy", "vs full", "median TTFT ms", "speedup", "mean selected"
+        "{:<18} {:>9} {:>9} {:>14} {:>8} {:>9} {:>10} {:>10}",
+        "method", "accuracy", "vs full", "median TTFT ms", "speedup", "selected", "needle sel", "answer sel"
     );
     for r in &rows {
         let acc = r.correct as f64 / n;
         let ttft = median(&r.ttft_ms);
         println!(
-            "{:<18} {:>8.1}% {:>8.1}% {:>14.1} {:>7.2}x {:>14.0}",
+            "{:<18} {:>8.1}% {:>8.1}% {:>14.1} {:>7.2}x {:>9.0} {:>9.0}% {:>9.0}%",
             r.label,
             100.0 * acc,
             if full_acc > 0.0 { 100.0 * acc / full_acc } else { f64::NAN },
             ttft,
             full_ttft / ttft,
-            r.selected as f64 / n
+            r.selected as f64 / n,
+            100.0 * r.needle_cov / n,
+            100.0 * r.answer_cov / n
         );
     }
     Ok(())
+}
+
+fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
+    let Some(s) = s else { return Ok(None) };
+    let (a, b) = s.split_once('-').unwrap_or((s, s));
+    let p = |x: &str| {
+        x.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("--score-layers `{s}`: expected A-B, e.g. 17-19"))
+    };
+    Ok(Some((p(a)?, p(b)?)))
 }

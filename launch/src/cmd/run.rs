@@ -4,7 +4,9 @@ use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
-use flowprefill_coordinator::{explain, Context, Engine, Geometry, Method, PrefixMode, Request, RunOptions};
+use flowprefill_coordinator::{
+    explain, Context, Engine, Geometry, Job, Method, PrefixMode, Request, RunOptions, ThreadRanks,
+};
 use flowprefill_worker::sampling::SamplingConfig;
 use flowprefill_worker::{Cpu, LoadedModel};
 use std::io::Write;
@@ -22,6 +24,15 @@ pub struct Args {
     pub query: Option<String>,
     #[command(flatten)]
     pub method: MethodArgs,
+    /// Ranks as threads of this process (under mpirun, each process is one rank instead).
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// Seconds a rank waits for another before declaring it lost.
+    #[arg(long, default_value_t = 60.0)]
+    pub comm_timeout: f64,
+    /// Print per-rank phase times and bytes per collective.
+    #[arg(long)]
+    pub stats: bool,
     /// Show the selected spans in context.
     #[arg(long)]
     pub explain: bool,
@@ -63,6 +74,9 @@ pub struct MethodArgs {
     /// Seed of the random selector.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Recompute scope across ranks: exact (pass-Q, equals one rank) or sparse (the paper's).
+    #[arg(long, default_value = "exact")]
+    pub scope: String,
 }
 
 impl MethodArgs {
@@ -88,6 +102,7 @@ impl MethodArgs {
             max_new_tokens: self.max_tokens,
             sampling: SamplingConfig::default(),
             seed: self.seed,
+            scope: self.scope.parse()?,
             ..RunOptions::default()
         })
     }
@@ -128,39 +143,127 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     }
     let opts = args.method.options()?;
     let req = Request { context: args.method.context(docs), query, system: None };
-    let engine = engine(common, args.method.aux_model.as_ref())?;
+    let job = Job { request: req.clone(), options: opts };
+    anyhow::ensure!(args.comm_timeout > 0.0, "--comm-timeout must be positive");
+    let timeout = std::time::Duration::from_secs_f64(args.comm_timeout);
     let stream = !args.json;
     let mut stdout = std::io::stdout();
-    if stream {
-        print!("answer: ");
-    }
-    let r = engine.run(&req, &opts, &mut |s| {
+    let mut on_text = |s: &str| {
         if stream {
             let _ = write!(stdout, "{s}");
             let _ = stdout.flush();
         }
         true
-    })?;
+    };
+    let Some((r, engine_model)) = run_job(common, &args, &job, timeout, &mut on_text)? else {
+        return Ok(()); // a follower rank under mpirun: rank 0 prints
+    };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&to_json(&r))?);
     } else {
         println!();
         print_summary(&r);
+        if args.stats {
+            print_stats(&r);
+        }
         if args.explain {
-            let layout = Layout::build(engine.model(), &req)?;
-            println!("{}", explain::render(&engine.model().tokenizer, &layout, &r, 12));
+            let layout = Layout::build(&engine_model, &req)?;
+            println!("{}", explain::render(&engine_model.tokenizer, &layout, &r, 12));
         }
     }
     Ok(())
 }
 
+/// Runs `job` over thread ranks, or as this process's rank under mpirun. Returns the result
+/// and the model on rank 0; `None` on other MPI ranks.
+fn run_job(
+    common: &Common,
+    args: &Args,
+    job: &Job,
+    timeout: std::time::Duration,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<Option<(RunResult, Arc<LoadedModel<Cpu>>)>> {
+    let lm = Arc::new(super::load_model(common)?);
+    let aux = match &args.method.aux_model {
+        Some(p) => {
+            Some(Arc::new(LoadedModel::load(p, Cpu).with_context(|| format!("loading --aux-model {}", p.display()))?))
+        }
+        None => None,
+    };
+    #[cfg(feature = "mpi")]
+    if flowprefill_comm::mpi::launched_by_mpirun() {
+        use flowprefill_comm::Communicator;
+        anyhow::ensure!(
+            args.ranks.is_none_or(|r| r == 1),
+            "--ranks is for thread ranks; under mpirun every process is one rank (use -np N)"
+        );
+        let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
+        comm.set_timeout(timeout);
+        let mut engine = Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES);
+        if let Some(a) = aux {
+            engine = engine.with_aux(a)?;
+        }
+        let r = flowprefill_coordinator::run_rank(&engine, &mut comm, job, on_text)?;
+        return Ok(r.map(|r| (r, lm)));
+    }
+    let ranks = args.ranks.unwrap_or(1);
+    let mut world = ThreadRanks::new(lm.clone(), ranks, flowprefill_coordinator::DEFAULT_STORE_BYTES, timeout)?;
+    if let Some(a) = aux {
+        world = world.with_aux(a)?;
+    }
+    Ok(Some((world.run(job, on_text)?, lm)))
+}
+
+/// Per-rank phase times and bytes per collective.
+pub fn print_stats(r: &RunResult) {
+    let mut names: Vec<&str> = Vec::new();
+    for s in &r.rank_stats {
+        for (n, _) in &s.phases {
+            if !names.contains(&n.as_str()) {
+                names.push(n);
+            }
+        }
+    }
+    print!("{:>4} {:>6} {:>7} {:>8}", "rank", "chunks", "tokens", "selected");
+    for n in &names {
+        print!(" {:>13}", n);
+    }
+    println!("   (ms)");
+    for s in &r.rank_stats {
+        print!("{:>4} {:>6} {:>7} {:>8}", s.rank, s.chunks, s.tokens, s.selected);
+        for n in &names {
+            let v = s.phases.iter().find(|(p, _)| p == n).map_or(0.0, |p| p.1);
+            print!(" {:>13.1}", v);
+        }
+        println!();
+    }
+    println!(
+        "{:>4} {:<22} {:>6} {:>12} {:>12} {:>10}",
+        "rank", "collective", "calls", "sent bytes", "recv bytes", "wait ms"
+    );
+    for s in &r.rank_stats {
+        for (op, o) in &s.comm.ops {
+            println!(
+                "{:>4} {:<22} {:>6} {:>12} {:>12} {:>10.1}",
+                s.rank,
+                op,
+                o.calls,
+                o.bytes_sent,
+                o.bytes_received,
+                o.wait_s * 1e3
+            );
+        }
+    }
+}
+
 /// Human-readable summary of a run.
 pub fn print_summary(r: &RunResult) {
     println!(
-        "method {}{}  ratio {:.2}  context {} tokens in {} chunks  selected {} (budget {})  TTFT {:.1} ms",
+        "method {}{}  ratio {:.2}  ranks {}  context {} tokens in {} chunks  selected {} (budget {})  TTFT {:.1} ms",
         r.method,
         if r.opts.reorder { "+reorder" } else { "" },
         r.ratio,
+        r.ranks,
         r.n_context_tokens,
         r.chunk_tokens.len(),
         r.n_selected(),
@@ -204,5 +307,18 @@ pub fn to_json(r: &RunResult) -> serde_json::Value {
         "cache_hits": r.cache_hits,
         "cache_misses": r.cache_misses,
         "stop": r.stop,
+        "ranks": r.ranks,
+        "scope": r.opts.scope.name(),
+        "owners": r.owners,
+        "rank_stats": r.rank_stats,
+        "first_top_logits": top_logits(&r.first_logits, 10),
     })
+}
+
+/// The `n` largest logits as (token id, value), for comparing runs.
+pub fn top_logits(logits: &[f32], n: usize) -> Vec<(usize, f32)> {
+    let mut v: Vec<(usize, f32)> = logits.iter().copied().enumerate().collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    v.truncate(n);
+    v
 }

@@ -1,80 +1,357 @@
-//! Phase 4: selective recomputation (InfoFlow "KV Recomputation", ProphetKV stage II).
+//! Phase 4: selective recomputation (InfoFlow "KV Recomputation", ProphetKV stage II), on one
+//! rank or many.
 //!
 //! The selected tokens run through every layer at their global positions. At each layer their
 //! new K/V are written into the placed segments (their own rows) before attention, and they
-//! attend causally (by position) to all segments: to the recomputed rows of this layer and to
-//! the cached rows of everything else. Non-selected rows keep their cached values.
+//! attend causally (by position) to every segment: to recomputed rows of this layer and to the
+//! cached rows of everything else. Non-selected rows keep their cached values.
 //!
 //! ```text
-//!  segments:  [prefix][ chunk a: . . X . . X ][ chunk b: X . . . ]     X = selected rows
-//!  layer l:   write K/V of X  ->  X attends to all rows with pos <= its pos  ->  MLP
+//!  rank 0: [head][chunk a: . X . X]     rank 1: [chunk b: X . . .][chunk c: . . X .]
+//!  exact (pass-Q), per layer:                 sparse (the paper's), per layer:
+//!   write own X rows                           write own X rows
+//!   all-gather Q of every X                    all-gather K/V of every X
+//!   partial of all Q over local segments      own X attend to local segments
+//!   partials back to their owners, merged        + other ranks' X rows (not their caches)
+//!   == one rank                                == one rank when everything is selected
 //! ```
-//! Processing the targets in increasing position order in several forwards is exact: a target
-//! never sees a later target's stale row (causality), and earlier targets have already written
-//! all their layers.
+//! Targets are processed in global position batches: a target never sees a later target's
+//! stale row (causality) and every earlier target has written all its layers, so batching is
+//! exact; every rank runs the same number of batches (possibly empty) so collectives match.
 
-use super::group_targets;
+use super::{clone_buf, comm_err, group_targets, pack, unpack, TargetGroup};
 use crate::attend::{attend_over, Attend, KvSource, LayerInput};
 use crate::error::{Result, WorkerError};
 use crate::kv::{KeyForm, KvCache};
 use crate::model::{Logits, Model};
+use flowprefill_comm::{all_gather_bytes, Communicator};
 use flowprefill_kernels::Backend;
 
-/// One selected row: `segments[segment]` row `row`.
+/// One selected row of this rank: `segments[segment]` row `row`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Target {
-    /// Segment index.
+    /// Local segment index.
     pub segment: usize,
     /// Row within the segment.
     pub row: usize,
 }
 
-struct Recompute<'a, B: Backend> {
-    segments: &'a mut [KvCache<B>],
-    groups: Vec<super::TargetGroup>,
+/// How far a recomputed token looks across ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scope {
+    /// Pass-Q: every rank's cache, exactly as on one rank.
+    Exact,
+    /// Only the selected tokens of other ranks travel (InfoFlow section 7).
+    Sparse,
 }
 
-impl<B: Backend> Attend<B> for Recompute<'_, B> {
-    fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
-        let be = x.backend;
-        let kvd = x.shape.kv_dim();
-        for (seg, toks, rows) in &self.groups {
-            let layer = self.segments[*seg].layer_mut(x.layer);
-            be.copy_rows(x.k, toks, &mut layer.k, rows, kvd)?;
-            be.copy_rows(x.v, toks, &mut layer.v, rows, kvd)?;
+impl Scope {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Scope::Exact => "exact",
+            Scope::Sparse => "sparse",
         }
-        let sources = self.segments.iter().map(|s| KvSource::layer(s, x.layer)).collect::<Result<Vec<_>>>()?;
-        let mut lse = be.zeros(x.positions.len() * x.shape.n_heads)?;
-        attend_over(be, x.shape, x.q, x.positions, &sources, out, &mut lse)
     }
 }
 
-/// Recomputes `targets` (token ids `tokens[i]` for `targets[i]`) in `segments` (rotated, at
-/// their global positions), in forwards of at most `batch` tokens.
-pub fn recompute<B: Backend>(
-    model: &Model<B>,
-    segments: &mut [KvCache<B>],
+impl std::str::FromStr for Scope {
+    type Err = WorkerError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "exact" => Ok(Scope::Exact),
+            "sparse" => Ok(Scope::Sparse),
+            other => Err(WorkerError::Input(format!("unknown scope `{other}`; choose exact or sparse"))),
+        }
+    }
+}
+
+enum Rows<'a, B: Backend> {
+    /// Rows are written into the segments (the recompute phase).
+    InPlace(&'a mut [KvCache<B>]),
+    /// Rows go into per-layer copies; value deviation is measured at `check` (CacheBlend).
+    Copies { segments: &'a [&'a KvCache<B>], check: usize, dev: Vec<f32> },
+}
+
+struct Step<'a, 'c, B: Backend> {
+    comm: &'c mut dyn Communicator,
+    scope: Scope,
+    /// Read-only context every rank holds a copy of (the template head), attended to in the
+    /// sparse scope by ranks that do not hold it as a segment.
+    replicated: Option<&'a KvCache<B>>,
+    op: &'static str,
+    rows: Rows<'a, B>,
+    groups: Vec<TargetGroup>,
+}
+
+impl<B: Backend> Attend<B> for Step<'_, '_, B> {
+    fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
+        let be = x.backend;
+        let (qd, kvd, h, d) = (x.shape.q_dim(), x.shape.kv_dim(), x.shape.n_heads, x.shape.head_dim);
+        let m = x.positions.len();
+        // The segments of this layer with this rank's new rows written in.
+        let mut copies: Vec<(B::Buf, B::Buf)> = Vec::new();
+        match &mut self.rows {
+            Rows::InPlace(segs) => {
+                for (seg, toks, rows) in &self.groups {
+                    let layer = segs[*seg].layer_mut(x.layer);
+                    be.copy_rows(x.k, toks, &mut layer.k, rows, kvd)?;
+                    be.copy_rows(x.v, toks, &mut layer.v, rows, kvd)?;
+                }
+            }
+            Rows::Copies { segments, check, dev } => {
+                for s in segments.iter() {
+                    let l = s.layer(x.layer);
+                    copies.push((clone_buf(be, &l.k, kvd)?, clone_buf(be, &l.v, kvd)?));
+                }
+                for (seg, toks, rows) in &self.groups {
+                    let (k, v) = &mut copies[*seg];
+                    be.copy_rows(x.k, toks, k, rows, kvd)?;
+                    be.copy_rows(x.v, toks, v, rows, kvd)?;
+                }
+                if x.layer == *check {
+                    let new_v = be.download(x.v)?;
+                    for (seg, toks, rows) in &self.groups {
+                        let old_v = be.download(&segments[*seg].layer(x.layer).v)?;
+                        for (&t, &r) in toks.iter().zip(rows) {
+                            let a = &new_v[t * kvd..(t + 1) * kvd];
+                            let b = &old_v[r * kvd..(r + 1) * kvd];
+                            dev[t] = a.iter().zip(b).map(|(p, q)| (p - q) * (p - q)).sum();
+                        }
+                    }
+                }
+            }
+        }
+        let local: Vec<KvSource<'_, B>> = match &self.rows {
+            Rows::InPlace(segs) => segs.iter().map(|s| KvSource::layer(s, x.layer)).collect::<Result<_>>()?,
+            Rows::Copies { segments, .. } => {
+                copies.iter().zip(segments.iter()).map(|((k, v), s)| KvSource { k, v, pos: s.positions() }).collect()
+            }
+        };
+        let me = self.comm.rank();
+        let n = self.comm.size();
+        match self.scope {
+            Scope::Sparse => {
+                // Other ranks' selected rows travel; own rows are already in the segments.
+                let kd = be.download(x.k)?;
+                let vd = be.download(x.v)?;
+                let op = format!("{}.kv", self.op);
+                let got = all_gather_bytes(self.comm, &op, pack(x.positions, &[&kd, &vd])).map_err(comm_err)?;
+                let mut remote = Vec::new();
+                for (r, b) in got.iter().enumerate() {
+                    if r == me {
+                        continue;
+                    }
+                    let (pos, f) = unpack(r, b)?;
+                    let cnt = pos.len();
+                    if f.len() != 2 * cnt * kvd {
+                        return Err(WorkerError::Input(format!("rank {r} sent {} values for {cnt} rows", f.len())));
+                    }
+                    remote.push((pos, be.upload(&f[..cnt * kvd])?, be.upload(&f[cnt * kvd..])?));
+                }
+                let mut sources = local;
+                if let Some(r) = self.replicated {
+                    sources.insert(0, KvSource::layer(r, x.layer)?);
+                }
+                for (pos, k, v) in &remote {
+                    sources.push(KvSource { k, v, pos });
+                }
+                let mut lse = be.zeros(m * h)?;
+                attend_over(be, x.shape, x.q, x.positions, &sources, out, &mut lse)
+            }
+            Scope::Exact => {
+                // Pass-Q: every rank's queries visit every rank's segments.
+                let qh = be.download(x.q)?;
+                let op = format!("{}.q", self.op);
+                let got = all_gather_bytes(self.comm, &op, pack(x.positions, &[&qh])).map_err(comm_err)?;
+                let mut all_pos = Vec::new();
+                let mut all_q = Vec::new();
+                let mut counts = Vec::with_capacity(n);
+                for (r, b) in got.iter().enumerate() {
+                    let (pos, q) = unpack(r, b)?;
+                    if q.len() != pos.len() * qd {
+                        return Err(WorkerError::Input(format!(
+                            "rank {r} sent {} query values for {} rows",
+                            q.len(),
+                            pos.len()
+                        )));
+                    }
+                    counts.push(pos.len());
+                    all_pos.extend(pos);
+                    all_q.extend(q);
+                }
+                let total = all_pos.len();
+                let mut po = be.zeros(total * qd)?;
+                let mut pl = be.zeros(total * h)?;
+                if total > 0 {
+                    attend_over(be, x.shape, &be.upload(&all_q)?, &all_pos, &local, &mut po, &mut pl)?;
+                }
+                let (po, pl) = (be.download(&po)?, be.download(&pl)?);
+                // Rows of rank r's queries start at offsets[r].
+                let offsets: Vec<usize> = counts
+                    .iter()
+                    .scan(0, |acc, &c| {
+                        let s = *acc;
+                        *acc += c;
+                        Some(s)
+                    })
+                    .collect();
+                let rows_of = |r: usize| -> (Vec<f32>, Vec<f32>) {
+                    let (s, c) = (offsets[r], counts[r]);
+                    (po[s * qd..(s + c) * qd].to_vec(), pl[s * h..(s + c) * h].to_vec())
+                };
+                let sends: Vec<(usize, Vec<u8>)> = (0..n)
+                    .filter(|&r| r != me)
+                    .map(|r| {
+                        let (o, l) = rows_of(r);
+                        (r, pack(&[], &[&o, &l]))
+                    })
+                    .collect();
+                let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
+                self.comm.post(&format!("{}.partials", self.op), sends, others).map_err(comm_err)?;
+                let back = self.comm.wait().map_err(comm_err)?;
+                // Merge the partials for this rank's queries in rank order.
+                let mut acc_o = vec![0f32; m * qd];
+                let mut acc_l = vec![f32::NEG_INFINITY; m * h];
+                let mut back = back.into_iter();
+                for r in 0..n {
+                    let (o, l) = if r == me {
+                        rows_of(r)
+                    } else {
+                        let b = back.next().ok_or_else(|| WorkerError::Input(format!("no partials from rank {r}")))?;
+                        let (_, f) = unpack(r, &b)?;
+                        if f.len() != m * (qd + h) {
+                            return Err(WorkerError::Input(format!(
+                                "rank {r} sent {} partial values for {m} rows",
+                                f.len()
+                            )));
+                        }
+                        (f[..m * qd].to_vec(), f[m * qd..].to_vec())
+                    };
+                    flowprefill_kernels::merge::merge_partial(&mut acc_o, &mut acc_l, &o, &l, d)?;
+                }
+                *out = be.upload(&acc_o)?;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Global position batches of at most `batch` targets, from every rank's target positions
+/// (sorted, unique); returns the inclusive position range of each batch.
+fn global_batches(all_positions: &[u32], batch: usize) -> Vec<(u32, u32)> {
+    let mut sorted = all_positions.to_vec();
+    sorted.sort_unstable();
+    sorted.chunks(batch.max(1)).map(|c| (c[0], c[c.len() - 1])).collect()
+}
+
+/// A local target: (global position, target, token id, index in the caller's list).
+type Planned = (u32, Target, u32, usize);
+/// An inclusive range of positions.
+type PositionRange = (u32, u32);
+
+/// This rank's targets sorted by position; the batch ranges.
+fn plan<S: std::ops::Deref<Target = KvCache<B>>, B: Backend>(
+    segments: &[S],
     targets: &[Target],
     tokens: &[u32],
+    all_positions: &[u32],
     batch: usize,
-) -> Result<()> {
+) -> Result<(Vec<Planned>, Vec<PositionRange>)> {
     if targets.len() != tokens.len() {
         return Err(WorkerError::Input(format!("{} targets but {} tokens", targets.len(), tokens.len())));
     }
+    group_targets(targets, segments)?;
+    let mut mine: Vec<Planned> = targets
+        .iter()
+        .zip(tokens)
+        .enumerate()
+        .map(|(i, (t, &tok))| (segments[t.segment].positions()[t.row], *t, tok, i))
+        .collect();
+    mine.sort_unstable();
+    let mut global = all_positions.to_vec();
+    global.sort_unstable();
+    if let Some(p) = mine.iter().find(|x| global.binary_search(&x.0).is_err()) {
+        return Err(WorkerError::Input(format!(
+            "local target at position {} is missing from the global selection",
+            p.0
+        )));
+    }
+    Ok((mine, global_batches(&global, batch)))
+}
+
+/// Recomputes this rank's `targets` (token `tokens[i]` for `targets[i]`) in its `segments`
+/// (rotated, at global positions). `all_positions` are the positions of every rank's targets
+/// (the global selection); every rank calls this with the same `all_positions`, `scope` and
+/// `batch`, also with no targets of its own. `replicated` is context this rank attends to in
+/// the sparse scope without holding it as a segment (the template head on ranks other than 0).
+#[allow(clippy::too_many_arguments)]
+pub fn recompute<B: Backend>(
+    model: &Model<B>,
+    comm: &mut dyn Communicator,
+    segments: &mut [KvCache<B>],
+    replicated: Option<&KvCache<B>>,
+    targets: &[Target],
+    tokens: &[u32],
+    all_positions: &[u32],
+    scope: Scope,
+    batch: usize,
+) -> Result<()> {
     if segments.iter().any(|s| s.form() != KeyForm::Rotated) {
         return Err(WorkerError::Input("recomputation needs placed (rotated) segments".into()));
     }
-    group_targets(targets, segments)?;
-    // Increasing position order (ties: segment, row) so that batches are exact.
-    let mut order: Vec<usize> = (0..targets.len()).collect();
-    order.sort_by_key(|&i| (segments[targets[i].segment].positions()[targets[i].row], targets[i]));
-    for part in order.chunks(batch.max(1)) {
-        let t: Vec<Target> = part.iter().map(|&i| targets[i]).collect();
-        let ids: Vec<u32> = part.iter().map(|&i| tokens[i]).collect();
-        let pos: Vec<u32> = t.iter().map(|t| segments[t.segment].positions()[t.row]).collect();
-        let groups = group_targets(&t, segments)?;
-        let mut att = Recompute { segments: &mut *segments, groups };
-        model.forward(&ids, &pos, &mut att, Logits::None)?;
+    let (mine, batches) = {
+        let refs: Vec<&KvCache<B>> = segments.iter().collect();
+        plan(&refs, targets, tokens, all_positions, batch)?
+    };
+    for (lo, hi) in batches {
+        let part: Vec<&Planned> = mine.iter().filter(|x| (lo..=hi).contains(&x.0)).collect();
+        let t: Vec<Target> = part.iter().map(|x| x.1).collect();
+        let ids: Vec<u32> = part.iter().map(|x| x.2).collect();
+        let pos: Vec<u32> = part.iter().map(|x| x.0).collect();
+        let groups = group_targets(&t, &segments.iter().collect::<Vec<_>>())?;
+        let mut step =
+            Step { comm: &mut *comm, scope, replicated, op: "recompute", rows: Rows::InPlace(&mut *segments), groups };
+        model.forward(&ids, &pos, &mut step, Logits::None)?;
     }
     Ok(())
+}
+
+/// CacheBlend's signal: `||V_new - V_cached||^2` at `check_layer` for each of this rank's
+/// targets (in the order given), recomputing every rank's targets jointly through layers
+/// `0..=check_layer` (exact scope) without modifying the segments.
+pub fn value_deviation<B: Backend>(
+    model: &Model<B>,
+    comm: &mut dyn Communicator,
+    segments: &[&KvCache<B>],
+    targets: &[Target],
+    tokens: &[u32],
+    all_positions: &[u32],
+    check_layer: usize,
+) -> Result<Vec<f32>> {
+    if segments.iter().any(|s| s.form() != KeyForm::Rotated) {
+        return Err(WorkerError::Input("deviation scoring needs placed (rotated) segments".into()));
+    }
+    let (mine, _) = plan(segments, targets, tokens, all_positions, usize::MAX)?;
+    let t: Vec<Target> = mine.iter().map(|x| x.1).collect();
+    let ids: Vec<u32> = mine.iter().map(|x| x.2).collect();
+    let pos: Vec<u32> = mine.iter().map(|x| x.0).collect();
+    let groups = group_targets(&t, segments)?;
+    let mut step = Step {
+        comm,
+        scope: Scope::Exact,
+        replicated: None,
+        op: "blend",
+        rows: Rows::Copies { segments, check: check_layer, dev: vec![0.0; t.len()] },
+        groups,
+    };
+    model.forward_layers(&ids, &pos, &mut step, check_layer + 1)?;
+    let Rows::Copies { dev, .. } = step.rows else { return Err(WorkerError::Input("deviation lost".into())) };
+    // Back to the caller's target order.
+    let mut out = vec![0f32; targets.len()];
+    for (d, x) in dev.into_iter().zip(&mine) {
+        out[x.3] = d;
+    }
+    Ok(out)
 }

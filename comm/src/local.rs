@@ -1,0 +1,170 @@
+//! Ranks as threads of one process, connected by unbounded channels (one per ordered pair).
+//!
+//! ```text
+//!   rank 0 ──tx[0→1]──> rank 1      each pair has its own FIFO channel, so messages between
+//!      ^  <──tx[1→0]──     │        two ranks arrive in the order they were sent; sends never
+//!      └────── ... ────────┘        block; a rank whose thread ended drops its channels and
+//!                                   every peer waiting on it gets `RankLost` at once.
+//! ```
+
+use crate::{check_rank, CommError, CommStats, Communicator, Result, DEFAULT_TIMEOUT};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+struct Pending {
+    op: String,
+    from: Vec<usize>,
+    sent: usize,
+}
+
+/// One thread rank.
+pub struct LocalComm {
+    rank: usize,
+    size: usize,
+    to: Vec<Option<Sender<Vec<u8>>>>,
+    from: Vec<Option<Receiver<Vec<u8>>>>,
+    timeout: Duration,
+    pending: Option<Pending>,
+    stats: CommStats,
+}
+
+impl std::fmt::Debug for LocalComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalComm").field("rank", &self.rank).field("size", &self.size).finish()
+    }
+}
+
+impl LocalComm {
+    /// A connected world of `n` ranks (index = rank).
+    pub fn group(n: usize) -> Vec<LocalComm> {
+        let mut to: Vec<Vec<Option<Sender<Vec<u8>>>>> = (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        let mut from: Vec<Vec<Option<Receiver<Vec<u8>>>>> = (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        for (a, row) in to.iter_mut().enumerate() {
+            for (b, slot) in row.iter_mut().enumerate() {
+                if a != b {
+                    let (tx, rx) = channel();
+                    *slot = Some(tx);
+                    from[b][a] = Some(rx);
+                }
+            }
+        }
+        to.into_iter()
+            .zip(from)
+            .enumerate()
+            .map(|(rank, (to, from))| LocalComm {
+                rank,
+                size: n,
+                to,
+                from,
+                timeout: DEFAULT_TIMEOUT,
+                pending: None,
+                stats: CommStats::default(),
+            })
+            .collect()
+    }
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn backend(&self) -> &'static str {
+        "local"
+    }
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    fn post(&mut self, op: &str, sends: Vec<(usize, Vec<u8>)>, from: Vec<usize>) -> Result<()> {
+        if let Some(p) = &self.pending {
+            return Err(CommError::Misuse(format!("`{op}` posted while `{}` is still pending (wait first)", p.op)));
+        }
+        for &r in sends.iter().map(|(r, _)| r).chain(&from) {
+            check_rank(r, self.size)?;
+            if r == self.rank {
+                return Err(CommError::Misuse(format!("`{op}`: rank {r} cannot message itself")));
+            }
+        }
+        let mut sent = 0;
+        for (r, data) in sends {
+            sent += data.len();
+            let tx = self.to[r].as_ref().ok_or(CommError::BadRank { rank: r, size: self.size })?;
+            tx.send(data).map_err(|_| CommError::RankLost {
+                rank: r,
+                op: op.to_string(),
+                detail: "its thread has ended".into(),
+            })?;
+        }
+        self.pending = Some(Pending { op: op.to_string(), from, sent });
+        Ok(())
+    }
+
+    fn wait(&mut self) -> Result<Vec<Vec<u8>>> {
+        let p = self.pending.take().ok_or_else(|| CommError::Misuse("wait without a posted exchange".into()))?;
+        let t0 = Instant::now();
+        let deadline = t0 + self.timeout;
+        let mut got = Vec::with_capacity(p.from.len());
+        for &r in &p.from {
+            let rx = self.from[r].as_ref().ok_or(CommError::BadRank { rank: r, size: self.size })?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(m) => got.push(m),
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(CommError::Timeout { rank: r, op: p.op, secs: self.timeout.as_secs_f64() })
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(CommError::RankLost { rank: r, op: p.op, detail: "its thread has ended".into() })
+                }
+            }
+        }
+        let received = got.iter().map(Vec::len).sum();
+        self.stats.record(&p.op, p.sent, received, t0.elapsed());
+        Ok(got)
+    }
+
+    fn stats(&self) -> &CommStats {
+        &self.stats
+    }
+
+    fn reset_stats(&mut self) {
+        self.stats = CommStats::default();
+    }
+}
+
+/// Runs `f` on `n` thread ranks and returns each rank's result in rank order. A rank that
+/// panics drops its channels (its peers get `RankLost`), and the panic is re-raised here once
+/// every rank has finished.
+pub fn run_ranks<T: Send>(n: usize, f: impl Fn(LocalComm) -> T + Sync) -> Vec<T> {
+    let comms = LocalComm::group(n);
+    let results: Vec<std::thread::Result<T>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let f = &f;
+                let name = format!("rank-{}", c.rank);
+                std::thread::Builder::new().name(name).spawn_scoped(s, move || f(c))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h {
+                Ok(h) => h.join(),
+                Err(e) => Err(Box::new(e.to_string()) as Box<dyn std::any::Any + Send>),
+            })
+            .collect()
+    });
+    let mut out = Vec::with_capacity(n);
+    for r in results {
+        match r {
+            Ok(v) => out.push(v),
+            Err(p) => std::panic::resume_unwind(p),
+        }
+    }
+    out
+}

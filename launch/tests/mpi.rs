@@ -1,0 +1,199 @@
+//! The sharded pipeline under real MPI processes (built with `--features mpi`; the README's
+//! test command enables it whenever OpenMPI is installed, and `.ci/run` installs it).
+#![cfg(feature = "mpi")]
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Top first-token logits of an MPI run vs a one-rank run, absolute (logit range is ~40).
+const MPI_TOP_LOGIT_TOL: f64 = 1e-2;
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_flowprefill")
+}
+
+fn mpirun(np: usize) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--oversubscribe", "-np", &np.to_string()])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1");
+    c
+}
+
+fn docs(tag: &str, n_docs: usize, sentences: usize) -> (PathBuf, Vec<String>) {
+    let dir = std::env::temp_dir().join(format!("fp-mpi-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut args = Vec::new();
+    for i in 0..n_docs {
+        let mut text = String::new();
+        for s in 0..sentences {
+            text.push_str(&format!(
+                "The keeper of tower {i} counted {} lanterns near the river in year {}. ",
+                s * 7 + i,
+                1800 + s
+            ));
+            if i == n_docs / 2 && s == sentences / 2 {
+                text.push_str("The access code for the north gate is 4729. ");
+            }
+        }
+        let p = dir.join(format!("d{i}.txt"));
+        std::fs::write(&p, text).unwrap();
+        args.push("--doc".into());
+        args.push(p.to_string_lossy().into_owned());
+    }
+    (dir, args)
+}
+
+fn json(out: &std::process::Output) -> serde_json::Value {
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+#[test]
+fn mpi_np2_and_np4_equal_one_rank() {
+    let (dir, doc_args) = docs("eq", 5, 9);
+    for (method, extra) in [
+        ("infoflow", vec![]),
+        ("infoflow", vec!["--reorder"]),
+        ("cacheblend", vec![]),
+        ("star", vec![]),
+        ("ring", vec![]),
+    ] {
+        let mut args: Vec<String> = vec!["run".into()];
+        args.extend(doc_args.iter().cloned());
+        args.extend(
+            [
+                "--query",
+                "What is the access code for the north gate?",
+                "--method",
+                method,
+                "--max-tokens",
+                "8",
+                "--json",
+            ]
+            .map(String::from),
+        );
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let one = json(&Command::new(bin()).args(&args).output().unwrap());
+        for np in [2, 4] {
+            let t = Instant::now();
+            let many = json(&mpirun(np).arg(bin()).args(&args).output().unwrap());
+            let tag = format!("{method} {extra:?} -np {np}");
+            assert_eq!(many["ranks"], np, "{tag}");
+            assert_eq!(many["answer"], one["answer"], "{tag}");
+            assert_eq!(many["selected"], one["selected"], "{tag}");
+            assert_eq!(many["order"], one["order"], "{tag}");
+            let (a, b) = (many["first_top_logits"].as_array().unwrap(), one["first_top_logits"].as_array().unwrap());
+            for (x, y) in a.iter().zip(b) {
+                assert_eq!(x[0], y[0], "{tag}: top token ids");
+                let d = (x[1].as_f64().unwrap() - y[1].as_f64().unwrap()).abs();
+                assert!(d <= MPI_TOP_LOGIT_TOL, "{tag}: logit differs by {d}");
+            }
+            let sent: u64 = many["rank_stats"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|r| r["comm"]["ops"].as_object().unwrap().values())
+                .map(|o| o["bytes_sent"].as_u64().unwrap())
+                .sum();
+            assert!(sent > 0, "{tag}: ranks communicated");
+            eprintln!("{tag}: {:.1} s", t.elapsed().as_secs_f64());
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// PIDs of processes whose environment says they are MPI rank `rank` of a job started with
+/// `marker` in their command line.
+fn rank_pids(marker: &str, rank: usize) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&cmd).contains(marker) {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if env.split(|&b| b == 0).any(|kv| kv == format!("OMPI_COMM_WORLD_RANK={rank}").as_bytes()) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+fn wait_with_deadline(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    None
+}
+
+#[test]
+fn a_killed_mpi_rank_ends_the_job_within_30_seconds_naming_it() {
+    let (dir, doc_args) = docs("kill", 6, 25);
+    let marker = dir.to_string_lossy().into_owned();
+    let mut child = mpirun(2)
+        .arg(bin())
+        .arg("run")
+        .args(&doc_args)
+        .args(["--query", "What is the access code for the north gate?", "--method", "infoflow", "--max-tokens", "400"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until rank 1 exists and has started working, then kill it.
+    let t = Instant::now();
+    let victim = loop {
+        let pids = rank_pids(&marker, 1);
+        if let Some(&p) = pids.first() {
+            break p;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "rank 1 never started");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(child.try_wait().unwrap().is_none(), "the job should still be running");
+    let killed_at = Instant::now();
+    Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap();
+    let status =
+        wait_with_deadline(&mut child, Duration::from_secs(30)).expect("the job must end within 30 s of the kill");
+    let took = killed_at.elapsed();
+    let out = child.wait_with_output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!status.success(), "{text}");
+    assert!(text.contains("rank 1"), "the lost rank is named: {text}");
+    eprintln!(
+        "job ended {:.1} s after the kill: {}",
+        took.as_secs_f64(),
+        text.lines().filter(|l| l.contains("rank 1")).collect::<Vec<_>>().join(" | ")
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_hung_mpi_rank_is_named_by_the_deadline() {
+    let (dir, doc_args) = docs("hang", 4, 12);
+    let mut child = mpirun(2)
+        .arg(bin())
+        .arg("run")
+        .args(&doc_args)
+        .args(["--query", "What is the access code for the north gate?", "--method", "infoflow", "--comm-timeout", "5"])
+        .env("FLOWPREFILL_FAULT", "rank:1,phase:recompute,mode:hang")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_with_deadline(&mut child, Duration::from_secs(60)).expect("no hang");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!status.success());
+    assert!(err.contains("rank 1 did not answer within 5 s during `recompute"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}

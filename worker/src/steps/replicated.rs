@@ -1,0 +1,255 @@
+//! Replicated queries over a sharded context: the probe (phase 2), the final prompt pass and
+//! decoding (phase 5, flash-decoding across ranks).
+//!
+//! ```text
+//!   rank 0: [head][chunk 0][chunk 1]   rank 1: [chunk 2][chunk 3]   (segments, global ids 0..4)
+//!   every rank: the same query tokens, the same tail (the queries' own K/V + earlier tokens)
+//!
+//!   per layer: partial (out, lse) of the queries over each local segment
+//!              all-gather the partials (O(M d) per segment)
+//!              merge in global segment order, then the tail   -> identical on every rank
+//!              scores (probe): attention mass of the local keys under the merged lse
+//! ```
+//! Merging per segment in a fixed global order makes the result independent of how segments
+//! are spread over ranks, bit for bit: one rank and four ranks select the same tokens.
+
+use crate::attend::{Attend, KvSource, LayerInput};
+use crate::error::{Result, WorkerError};
+use crate::kv::{KeyForm, KvCache};
+use crate::steps::{clone_buf, comm_err};
+use flowprefill_comm::{all_gather_bytes, Communicator};
+use flowprefill_kernels::Backend;
+
+/// A context segment held by this rank.
+pub struct LocalSegment<'a, B: Backend> {
+    /// Global segment id (merge order).
+    pub id: usize,
+    /// The cache: rotated (used at its own positions) or pre-RoPE (rotated to `positions` per
+    /// layer, e.g. for a scoring geometry).
+    pub cache: &'a KvCache<B>,
+    /// Positions the segment is attended at.
+    pub positions: Vec<u32>,
+}
+
+impl<'a, B: Backend> LocalSegment<'a, B> {
+    /// A rotated segment at its own positions.
+    pub fn placed(id: usize, cache: &'a KvCache<B>) -> Self {
+        Self { id, cache, positions: cache.positions().to_vec() }
+    }
+}
+
+/// Attend for queries replicated on every rank (see the module docs).
+pub struct Replicated<'a, 'c, B: Backend> {
+    be: &'a B,
+    comm: &'c mut dyn Communicator,
+    op: &'static str,
+    local: Vec<LocalSegment<'a, B>>,
+    tail: &'c mut KvCache<B>,
+    tail_positions: Vec<u32>,
+    old_tail: usize,
+    layers_done: usize,
+    weights: Vec<f32>,
+    /// Weighted attention mass per local segment row (probe).
+    pub scores: Vec<Vec<f32>>,
+}
+
+impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
+    /// Queries at `positions` over the local segments and `tail` (rotated; the queries' K/V
+    /// are appended to it). `weights[l] > 0` accumulates scores at layer l. `op` names the
+    /// collectives in the statistics.
+    pub fn new(
+        be: &'a B,
+        comm: &'c mut dyn Communicator,
+        op: &'static str,
+        local: Vec<LocalSegment<'a, B>>,
+        tail: &'c mut KvCache<B>,
+        positions: &[u32],
+        weights: Vec<f32>,
+    ) -> Result<Self> {
+        if tail.form() != KeyForm::Rotated {
+            return Err(WorkerError::Input("the tail cache must hold rotated keys".into()));
+        }
+        for s in &local {
+            if s.positions.len() != s.cache.len() {
+                return Err(WorkerError::Input(format!(
+                    "segment {}: {} positions for {} rows",
+                    s.id,
+                    s.positions.len(),
+                    s.cache.len()
+                )));
+            }
+            if s.cache.form() == KeyForm::Rotated && s.positions != s.cache.positions() {
+                return Err(WorkerError::Input(format!(
+                    "segment {} is rotated and can only be used at its own positions",
+                    s.id
+                )));
+            }
+        }
+        let old_tail = tail.len();
+        let mut tail_positions = tail.positions().to_vec();
+        tail_positions.extend_from_slice(positions);
+        let scores = local.iter().map(|s| vec![0.0; s.cache.len()]).collect();
+        Ok(Self { be, comm, op, local, tail, tail_positions, old_tail, layers_done: 0, weights, scores })
+    }
+
+    /// Publishes the appended tail rows; call after a successful forward.
+    pub fn commit(mut self) -> Result<Vec<Vec<f32>>> {
+        if self.layers_done != self.tail.n_layers() {
+            // A probe that stopped early: drop its rows, keep the tail as it was.
+            self.rollback();
+        } else {
+            let p = std::mem::take(&mut self.tail_positions);
+            self.tail.set_positions(p);
+            self.layers_done = usize::MAX;
+        }
+        Ok(std::mem::take(&mut self.scores))
+    }
+
+    fn rollback(&mut self) {
+        let n = self.old_tail * self.tail.kv_dim();
+        for l in 0..self.layers_done.min(self.tail.n_layers()) {
+            let layer = self.tail.layer_mut(l);
+            // Shrinking cannot fail on a backend that could grow the buffer.
+            let _ = self.be.resize(&mut layer.k, n);
+            let _ = self.be.resize(&mut layer.v, n);
+        }
+        self.layers_done = usize::MAX;
+    }
+}
+
+impl<B: Backend> Drop for Replicated<'_, '_, B> {
+    fn drop(&mut self) {
+        if self.layers_done != usize::MAX {
+            self.rollback();
+        }
+    }
+}
+
+/// One segment's partial attention: (segment id, out, lse).
+pub(crate) type Partial = (usize, Vec<f32>, Vec<f32>);
+
+/// Encodes per-segment partials: `[count u32] ([id u32][out f32 x m*qd][lse f32 x m*h])*`.
+pub(crate) fn encode_partials(parts: &[Partial]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(4 + parts.iter().map(|p| 4 + 4 * (p.1.len() + p.2.len())).sum::<usize>());
+    b.extend_from_slice(&(parts.len() as u32).to_le_bytes());
+    for (id, o, l) in parts {
+        b.extend_from_slice(&(*id as u32).to_le_bytes());
+        b.extend_from_slice(bytemuck::cast_slice(o));
+        b.extend_from_slice(bytemuck::cast_slice(l));
+    }
+    b
+}
+
+/// Decodes [`encode_partials`] given the row sizes.
+pub(crate) fn decode_partials(rank: usize, b: &[u8], out_len: usize, lse_len: usize) -> Result<Vec<Partial>> {
+    let bad = || WorkerError::Input(format!("malformed attention partials from rank {rank}"));
+    let rd_u32 = |at: usize| -> Result<u32> {
+        b.get(at..at + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]])).ok_or_else(bad)
+    };
+    let rd_f32 = |at: usize, n: usize| -> Result<Vec<f32>> {
+        let s = b.get(at..at + 4 * n).ok_or_else(bad)?;
+        Ok(s.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    };
+    let n = rd_u32(0)? as usize;
+    let mut at = 4;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let id = rd_u32(at)? as usize;
+        at += 4;
+        let o = rd_f32(at, out_len)?;
+        at += 4 * out_len;
+        let l = rd_f32(at, lse_len)?;
+        at += 4 * lse_len;
+        out.push((id, o, l));
+    }
+    if at != b.len() {
+        return Err(bad());
+    }
+    Ok(out)
+}
+
+impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
+    fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
+        if x.layer != self.layers_done {
+            return Err(WorkerError::Input(format!("layer {} out of order (expected {})", x.layer, self.layers_done)));
+        }
+        let be = x.backend;
+        let m = x.positions.len();
+        let (qd, kvd, h, d) = (x.shape.q_dim(), x.shape.kv_dim(), x.shape.n_heads, x.shape.head_dim);
+        // Local partials, one per segment.
+        let mut rotated: Vec<Option<B::Buf>> = Vec::with_capacity(self.local.len());
+        let mut parts = Vec::with_capacity(self.local.len());
+        for s in &self.local {
+            let layer = s.cache.layer(x.layer);
+            let rot = match s.cache.form() {
+                KeyForm::PreRope if !s.positions.is_empty() => {
+                    let mut k = clone_buf(be, &layer.k, kvd)?;
+                    be.rope(&mut k, x.shape.n_kv_heads, &s.positions, x.rope)?;
+                    Some(k)
+                }
+                _ => None,
+            };
+            let mut o = be.zeros(m * qd)?;
+            let mut l = be.upload(&vec![f32::NEG_INFINITY; m * h])?;
+            if !s.positions.is_empty() && m > 0 {
+                be.attention(
+                    x.shape,
+                    x.q,
+                    x.positions,
+                    rot.as_ref().unwrap_or(&layer.k),
+                    &layer.v,
+                    &s.positions,
+                    &mut o,
+                    &mut l,
+                )?;
+            }
+            parts.push((s.id, be.download(&o)?, be.download(&l)?));
+            rotated.push(rot);
+        }
+        // Every rank's partials, merged in global segment order.
+        let gathered = all_gather_bytes(self.comm, self.op, encode_partials(&parts)).map_err(comm_err)?;
+        let mut all = Vec::new();
+        for (r, b) in gathered.iter().enumerate() {
+            all.extend(decode_partials(r, b, m * qd, m * h)?);
+        }
+        all.sort_by_key(|p| p.0);
+        let mut acc_o = vec![0f32; m * qd];
+        let mut acc_l = vec![f32::NEG_INFINITY; m * h];
+        for (_, o, l) in &all {
+            flowprefill_kernels::merge::merge_partial(&mut acc_o, &mut acc_l, o, l, d)?;
+        }
+        // The tail (earlier replicated tokens + these queries), identical on every rank.
+        {
+            let layer = self.tail.layer_mut(x.layer);
+            be.append(&mut layer.k, x.k)?;
+            be.append(&mut layer.v, x.v)?;
+        }
+        self.layers_done += 1;
+        let layer = self.tail.layer(x.layer);
+        let tail = KvSource::<B> { k: &layer.k, v: &layer.v, pos: &self.tail_positions };
+        let mut to = be.zeros(m * qd)?;
+        let mut tl = be.zeros(m * h)?;
+        if m > 0 {
+            be.attention(x.shape, x.q, x.positions, tail.k, tail.v, tail.pos, &mut to, &mut tl)?;
+        }
+        flowprefill_kernels::merge::merge_partial(&mut acc_o, &mut acc_l, &be.download(&to)?, &be.download(&tl)?, d)?;
+        *out = be.upload(&acc_o)?;
+        // Scores of the local keys under the merged normaliser.
+        let w = self.weights.get(x.layer).copied().unwrap_or(0.0);
+        if w > 0.0 && m > 0 {
+            let lse = be.upload(&acc_l)?;
+            for ((s, rot), acc) in self.local.iter().zip(&rotated).zip(&mut self.scores) {
+                if s.positions.is_empty() {
+                    continue;
+                }
+                let k = rot.as_ref().unwrap_or(&s.cache.layer(x.layer).k);
+                let mut sc = be.zeros(s.positions.len())?;
+                be.attention_scores(x.shape, x.q, x.positions, k, &s.positions, &lse, &mut sc)?;
+                for (a, v) in acc.iter_mut().zip(be.download(&sc)?) {
+                    *a += w * v;
+                }
+            }
+        }
+        Ok(())
+    }
+}
