@@ -91,15 +91,19 @@ impl Communicator for LocalComm {
                 return Err(CommError::Misuse(format!("`{op}`: rank {r} cannot message itself")));
             }
         }
+        // Deliver to every live peer before reporting a lost one: the survivors then
+        // see the dead rank in their own wait, not this rank's early exit.
         let mut sent = 0;
+        let mut lost = None;
         for (r, data) in sends {
             sent += data.len();
             let tx = self.to[r].as_ref().ok_or(CommError::BadRank { rank: r, size: self.size })?;
-            tx.send(data).map_err(|_| CommError::RankLost {
-                rank: r,
-                op: op.to_string(),
-                detail: "its thread has ended".into(),
-            })?;
+            if tx.send(data).is_err() && lost.is_none() {
+                lost = Some(r);
+            }
+        }
+        if let Some(rank) = lost {
+            return Err(CommError::RankLost { rank, op: op.to_string(), detail: "its thread has ended".into() });
         }
         self.pending = Some(Pending { op: op.to_string(), from, sent });
         Ok(())

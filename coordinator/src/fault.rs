@@ -1,8 +1,8 @@
 //! Fault injection for the failure tests: `FLOWPREFILL_FAULT=rank:R,phase:P,mode:M` makes
 //! rank R misbehave when it reaches phase P (`chunk_prefill`, `probe`, `recompute`,
 //! `final_prompt`, `decode`). Modes: `exit` (the process exits with status 3, like a crashed
-//! MPI rank), `panic` (the rank's thread panics), `hang` (the rank stops answering). Unset,
-//! it costs one lookup per phase.
+//! MPI rank), `panic` (the rank's thread panics), `hang` (the rank stops answering). It fires
+//! once per process. Unset, it costs one lookup per phase.
 
 use std::sync::OnceLock;
 
@@ -32,10 +32,12 @@ fn configured() -> Option<&'static Fault> {
     F.get_or_init(|| std::env::var("FLOWPREFILL_FAULT").ok().and_then(|s| parse(&s))).as_ref()
 }
 
-/// Misbehaves here if the environment asks this rank to.
+/// Misbehaves here if the environment asks this rank to (once per process, so that a
+/// service can recover by rebuilding its ranks).
 pub fn point(rank: usize, phase: &str) {
+    static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let Some(f) = configured() else { return };
-    if f.rank != rank || f.phase != phase {
+    if f.rank != rank || f.phase != phase || FIRED.swap(true, std::sync::atomic::Ordering::Relaxed) {
         return;
     }
     tracing::warn!(rank, phase, mode = %f.mode, "injected fault");

@@ -1,7 +1,10 @@
 //! `flowprefill`: long-context prefill with query-selected KV recomputation.
 
 mod cmd;
+mod http;
+mod plot;
 mod rss;
+mod serve;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -41,10 +44,15 @@ enum Command {
     Run(cmd::run::Args),
     /// Needle-in-a-haystack accuracy and TTFT of every method.
     Check(cmd::check::Args),
+    /// Accuracy of every method and ratio on RULER-style tasks and multi-document QA: tables,
+    /// plots, selection diagnostics; resumable.
+    Eval(cmd::eval::Args),
     /// Answer a prompt (optionally over a context file) with full prefill; prints TTFT.
     Generate(cmd::generate::Args),
     /// List the GPUs this build can use (needs a build with `--features cuda`).
     Devices,
+    /// Serve jobs over HTTP (with /metrics, /healthz, /readyz); under mpirun rank 0 serves.
+    Serve(serve::Args),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
@@ -91,8 +99,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Demo(a) => cmd::demo::run(&cli.common, a),
         Command::Run(a) => cmd::run::run(&cli.common, a),
         Command::Check(a) => cmd::check::run(&cli.common, a),
+        Command::Eval(a) => cmd::eval::run(&cli.common, a),
         Command::Generate(a) => cmd::generate::run(&cli.common, a),
         Command::Bench(b) => cmd::bench::run(&cli.common, b),
         Command::Devices => cmd::devices(),
+        Command::Serve(a) => serve::run(&cli.common, a),
     }
 }

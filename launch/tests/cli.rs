@@ -180,7 +180,7 @@ fn a_failed_thread_rank_is_named_and_nothing_hangs() {
     assert!(!ok && err.contains("rank 1 panicked") && err.contains("rank 1 was lost"), "{err}");
     assert!(took < std::time::Duration::from_secs(30), "{took:?}");
     let (ok, err, took) = run("rank:1,phase:final_prompt,mode:hang", "3");
-    assert!(!ok && err.contains("rank 1 did not answer within 3 s during `final`"), "{err}");
+    assert!(!ok && err.contains("rank 1 did not answer within 3 s during `final."), "{err}");
     assert!(took < std::time::Duration::from_secs(30), "{took:?}");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -14,6 +14,75 @@ pub enum Bench {
     /// Full prefill of generated English prose at several lengths: tokens/s, spread, peak RSS,
     /// and where the time goes.
     Prefill(PrefillArgs),
+    /// TTFT against context length per method and rank count: a CSV, a PNG plot and speedups.
+    Ttft(TtftArgs),
+    /// Concurrent clients against a `serve` process: latency percentiles, throughput,
+    /// failures by kind, server memory over time.
+    Load(LoadArgs),
+}
+
+/// Arguments of `bench load`.
+#[derive(clap::Args, Debug)]
+pub struct LoadArgs {
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 4)]
+    pub clients: usize,
+    /// Seconds to keep issuing jobs (jobs in flight are then awaited).
+    #[arg(long, default_value_t = 60.0)]
+    pub duration: f64,
+    /// Upper bound of jobs issued in total.
+    #[arg(long, default_value_t = 1000)]
+    pub max_jobs: usize,
+    /// Context tokens per job.
+    #[arg(long, default_value_t = 2048)]
+    pub doc_tokens: usize,
+    /// Distinct document sets the jobs draw from (chunk caches are reused across jobs).
+    #[arg(long, default_value_t = 4)]
+    pub doc_sets: usize,
+    /// Method of every job.
+    #[arg(long, default_value = "infoflow")]
+    pub method: String,
+    /// Answer tokens per job.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// Target an already running server (host:port) instead of starting one.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Thread ranks of the started server.
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
+    /// Queue capacity of the started server.
+    #[arg(long, default_value_t = 16)]
+    pub queue: usize,
+}
+
+/// Arguments of `bench ttft`.
+#[derive(clap::Args, Debug)]
+pub struct TtftArgs {
+    /// Context lengths in tokens.
+    #[arg(long, default_value = "2048,4096,8000", value_parser = super::parse_list::<usize>)]
+    pub lengths: Vec<Vec<usize>>,
+    /// Rank counts (thread ranks of this process).
+    #[arg(long, default_value = "1,2,4", value_parser = super::parse_list::<usize>)]
+    pub ranks: Vec<Vec<usize>>,
+    /// Methods: full, ring, infoflow, infoflow+reorder, or any other method name.
+    #[arg(long, default_value = "full,ring,infoflow,infoflow+reorder")]
+    pub methods: String,
+    /// Runs per point (each with empty chunk stores); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Recompute ratio of the selective methods.
+    #[arg(long, default_value_t = 0.15)]
+    pub ratio: f64,
+    /// Recompute scope across ranks.
+    #[arg(long, default_value = "exact")]
+    pub scope: String,
+    /// Tokens per document (one chunk each).
+    #[arg(long, default_value_t = 512)]
+    pub doc_tokens: usize,
+    /// Output folder for ttft.csv and ttft.png.
+    #[arg(long, default_value = "bench-out")]
+    pub out: std::path::PathBuf,
 }
 
 /// Arguments of `bench prefill`.
@@ -40,6 +109,8 @@ pub struct PrefillArgs {
 pub fn run(common: &Common, bench: Bench) -> Result<()> {
     match bench {
         Bench::Prefill(a) => prefill(common, a),
+        Bench::Ttft(a) => ttft(common, a),
+        Bench::Load(a) => load(common, a),
     }
 }
 
@@ -147,5 +218,343 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
         });
         println!("{}", serde_json::to_string_pretty(&obj)?);
     }
+    Ok(())
+}
+
+/// Documents of about `doc_tokens` tokens each, about `total` tokens in all, with a needle.
+fn bench_docs(
+    tok: &flowprefill_worker::tokenizer::Tokenizer,
+    total: usize,
+    doc_tokens: usize,
+    seed: u64,
+) -> Vec<String> {
+    let n_docs = total.div_ceil(doc_tokens.max(1)).max(1);
+    let text = corpus::prose(seed, total * 6);
+    let ids = tok.encode_text(&text).unwrap_or_default();
+    let per = total / n_docs;
+    (0..n_docs)
+        .map(|i| {
+            let piece = &ids[(i * per).min(ids.len())..((i + 1) * per).min(ids.len())];
+            let mut d = tok.decode(piece).unwrap_or_default();
+            if i == n_docs / 2 {
+                d.push_str(" The access code for the north gate is 4729.");
+            }
+            d
+        })
+        .collect()
+}
+
+fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
+    use flowprefill_coordinator::{Context, Job, Method, Request, RunOptions, ThreadRanks};
+    let lengths = a.lengths.concat();
+    let ranks = a.ranks.concat();
+    anyhow::ensure!(a.runs >= 1 && !lengths.is_empty() && !ranks.is_empty(), "give --lengths, --ranks and --runs >= 1");
+    anyhow::ensure!(ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
+    let methods: Vec<(String, Method, bool)> = a
+        .methods
+        .split(',')
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .map(|m| {
+            let (name, reorder) = m.strip_suffix("+reorder").map_or((m, false), |n| (n, true));
+            Ok((m.to_string(), name.parse::<Method>()?, reorder))
+        })
+        .collect::<Result<_>>()?;
+    let scope: flowprefill_coordinator::Scope = a.scope.parse()?;
+    let lm = std::sync::Arc::new(super::load_model(common)?);
+    let window = lm.model.config().context_length;
+    std::fs::create_dir_all(&a.out)?;
+    let csv_path = a.out.join("ttft.csv");
+    let mut csv = String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent\n");
+    // (length, ranks, label) -> median TTFT ms
+    let mut med: Vec<(usize, usize, String, f64, usize)> = Vec::new();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "TTFT (median of {} cold runs), thread ranks sharing {} cores, ratio {}, scope {}",
+        a.runs,
+        cores,
+        a.ratio,
+        scope.name()
+    );
+    for &len in &lengths {
+        let docs = bench_docs(&lm.tokenizer, len, a.doc_tokens, 11);
+        let req = Request {
+            context: Context::Documents(docs),
+            query: "What is the access code for the north gate?".into(),
+            system: None,
+        };
+        let n_ctx = flowprefill_coordinator::layout::Layout::build(&lm, &req)?.n_context();
+        anyhow::ensure!(n_ctx + 64 < window, "--lengths {len} does not fit the model's window of {window}");
+        for &p in &ranks {
+            for (label, method, reorder) in &methods {
+                if *method == Method::Full && p > 1 {
+                    continue; // single-device baseline
+                }
+                let mut times = Vec::new();
+                for run in 0..a.runs {
+                    let mut world = ThreadRanks::new(
+                        lm.clone(),
+                        p,
+                        flowprefill_coordinator::DEFAULT_STORE_BYTES,
+                        std::time::Duration::from_secs(600),
+                    )?;
+                    let opts = RunOptions {
+                        method: *method,
+                        reorder: *reorder,
+                        ratio: a.ratio,
+                        scope,
+                        max_new_tokens: 1,
+                        ..RunOptions::default()
+                    };
+                    let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
+                    let ms = r.ttft.as_secs_f64() * 1e3;
+                    let ph = |n: &str| r.phases.get(n).as_secs_f64() * 1e3;
+                    let bytes: u64 = r.rank_stats.iter().map(|s| s.comm.bytes_sent()).sum();
+                    csv.push_str(&format!(
+                        "{len},{n_ctx},{p},{label},{},{run},{ms:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes}\n",
+                        scope.name(),
+                        ph("chunk_prefill"),
+                        ph("probe"),
+                        ph("recompute"),
+                        ph("final_prompt"),
+                        ph("prefill")
+                    ));
+                    times.push(ms);
+                }
+                let m = median(&mut times);
+                eprintln!("  {len:>5} tokens  P={p}  {label:<18} {m:>9.1} ms");
+                med.push((len, p, label.clone(), m, n_ctx));
+            }
+        }
+        std::fs::write(&csv_path, &csv)?;
+    }
+    // Table with speedups against single-rank full prefill and ring at the same rank count.
+    let find =
+        |len: usize, p: usize, label: &str| med.iter().find(|m| m.0 == len && m.1 == p && m.2 == label).map(|m| m.3);
+    println!(
+        "{:>7} {:>6} {:>5} {:<18} {:>11} {:>10} {:>10}",
+        "length", "tokens", "ranks", "method", "TTFT ms", "vs full@1", "vs ring@P"
+    );
+    for (len, p, label, ms, n_ctx) in &med {
+        let vs_full = find(*len, 1, "full").map_or("-".to_string(), |f| format!("{:.2}x", f / ms));
+        let vs_ring = find(*len, *p, "ring").map_or("-".to_string(), |r| format!("{:.2}x", r / ms));
+        println!("{len:>7} {n_ctx:>6} {p:>5} {label:<18} {ms:>11.1} {vs_full:>10} {vs_ring:>10}");
+    }
+    let mut series = Vec::new();
+    for &p in &ranks {
+        for (label, method, _) in &methods {
+            if *method == Method::Full && p > 1 {
+                continue;
+            }
+            let points: Vec<(f64, f64)> =
+                med.iter().filter(|m| m.1 == p && &m.2 == label).map(|m| (m.4 as f64, m.3 / 1e3)).collect();
+            if !points.is_empty() {
+                series.push(crate::plot::Series { name: format!("{label} P={p}"), points });
+            }
+        }
+    }
+    let png = a.out.join("ttft.png");
+    crate::plot::line_chart(
+        &png,
+        &format!("TTFT vs context length ({cores} CPU cores, thread ranks)"),
+        "context tokens",
+        "TTFT (s)",
+        &series,
+    )?;
+    println!("wrote {} and {}", csv_path.display(), png.display());
+    Ok(())
+}
+
+fn status_kb(pid: u32, key: &str) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
+    line[key.len()..].trim().trim_end_matches("kB").trim().parse::<f64>().ok().map(|kb| kb / 1024.0)
+}
+
+fn load(common: &Common, a: LoadArgs) -> Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    anyhow::ensure!(
+        a.clients >= 1 && a.duration > 0.0 && a.doc_sets >= 1,
+        "give --clients >= 1, --duration > 0, --doc-sets >= 1"
+    );
+    // The server: started here as a child process (so its memory is measured), or given.
+    let mut child = None;
+    let addr = match &a.url {
+        Some(u) => u.trim_start_matches("http://").trim_end_matches('/').to_string(),
+        None => {
+            let exe = std::env::current_exe()?;
+            let mut cmd = std::process::Command::new(exe);
+            if let Some(m) = &common.model {
+                cmd.arg("--model").arg(m);
+            }
+            cmd.args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--ranks",
+                &a.ranks.to_string(),
+                "--queue",
+                &a.queue.to_string(),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit());
+            let mut c = cmd.spawn()?;
+            let out = c.stdout.take().ok_or_else(|| anyhow::anyhow!("no server stdout"))?;
+            let mut lines = std::io::BufRead::lines(std::io::BufReader::new(out));
+            let addr = loop {
+                let l = lines.next().ok_or_else(|| anyhow::anyhow!("the server exited before listening"))??;
+                if let Some(rest) = l.split("http://").nth(1) {
+                    break rest.split_whitespace().next().unwrap_or("").to_string();
+                }
+            };
+            std::thread::spawn(move || for _ in lines {});
+            child = Some(c);
+            addr
+        }
+    };
+    let pid = child.as_ref().map(|c| c.id());
+    // Job bodies: document sets of about doc_tokens tokens each.
+    let tok_lm = flowprefill_worker::LoadedModel::load(&super::model_path(common)?, flowprefill_worker::Cpu)?;
+    let bodies: Vec<Vec<u8>> = (0..a.doc_sets)
+        .map(|i| {
+            let docs = bench_docs(&tok_lm.tokenizer, a.doc_tokens, 256, 100 + i as u64);
+            serde_json::to_vec(&serde_json::json!({
+                "documents": docs, "query": "What is the access code for the north gate?",
+                "method": a.method, "ratio": 0.15, "max_tokens": a.max_tokens,
+            }))
+            .unwrap_or_default()
+        })
+        .collect();
+    drop(tok_lm);
+    let bodies = Arc::new(bodies);
+    let issued = Arc::new(AtomicUsize::new(0));
+    let results: Arc<Mutex<Vec<(f64, u16, String)>>> = Arc::new(Mutex::new(Vec::new()));
+    let rss: Arc<Mutex<Vec<(f64, f64)>>> = Arc::new(Mutex::new(Vec::new()));
+    let t0 = Instant::now();
+    let stop_at = t0 + std::time::Duration::from_secs_f64(a.duration);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = pid.map(|p| {
+        let (rss, done) = (rss.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                if let Some(mb) = status_kb(p, "VmRSS:") {
+                    rss.lock().unwrap_or_else(|e| e.into_inner()).push((t0.elapsed().as_secs_f64(), mb));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
+        })
+    });
+    let clients: Vec<_> = (0..a.clients)
+        .map(|c| {
+            let (addr, bodies, issued, results) = (addr.clone(), bodies.clone(), issued.clone(), results.clone());
+            let max_jobs = a.max_jobs;
+            std::thread::spawn(move || loop {
+                if Instant::now() >= stop_at {
+                    return;
+                }
+                let n = issued.fetch_add(1, Ordering::Relaxed);
+                if n >= max_jobs {
+                    return;
+                }
+                let body = &bodies[(n + c) % bodies.len()];
+                let t = Instant::now();
+                let r = crate::http::request(
+                    &addr,
+                    "POST",
+                    "/v1/jobs",
+                    &[("Content-Type", "application/json")],
+                    body,
+                    std::time::Duration::from_secs(3600),
+                );
+                let secs = t.elapsed().as_secs_f64();
+                let (status, kind, retry) = match r {
+                    Ok(resp) => {
+                        let kind = serde_json::from_slice::<serde_json::Value>(&resp.body)
+                            .ok()
+                            .and_then(|v| v["error"]["kind"].as_str().map(String::from))
+                            .unwrap_or_else(|| {
+                                if resp.status == 200 {
+                                    "ok".into()
+                                } else {
+                                    format!("http_{}", resp.status)
+                                }
+                            });
+                        (resp.status, kind, resp.header("retry-after").and_then(|v| v.parse::<f64>().ok()))
+                    }
+                    Err(e) => (0, format!("lost ({})", e.kind()), None),
+                };
+                results.lock().unwrap_or_else(|e| e.into_inner()).push((secs, status, kind));
+                if let Some(s) = retry {
+                    // A well-behaved client waits as told before trying again.
+                    std::thread::sleep(std::time::Duration::from_secs_f64(s.min(5.0)));
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        let _ = c.join();
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    done.store(true, Ordering::Relaxed);
+    if let Some(s) = sampler {
+        let _ = s.join();
+    }
+    let peak = pid.and_then(|p| status_kb(p, "VmHWM:"));
+    if let Some(mut c) = child {
+        let _ = std::process::Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+        let _ = c.wait();
+    }
+    let results = results.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let ok: Vec<f64> = results.iter().filter(|r| r.1 == 200).map(|r| r.0).collect();
+    let mut by_kind: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
+    for r in &results {
+        *by_kind.entry(r.2.clone()).or_default() += 1;
+    }
+    let pctl = |v: &[f64], q: f64| -> f64 {
+        if v.is_empty() {
+            return f64::NAN;
+        }
+        let mut s = v.to_vec();
+        s.sort_by(|a, b| a.total_cmp(b));
+        s[((q * (s.len() - 1) as f64).round() as usize).min(s.len() - 1)]
+    };
+    println!(
+        "load: {} clients, {:.0} s issuing + drain ({:.1} s wall), {} requests, {} ok",
+        a.clients,
+        a.duration,
+        wall,
+        results.len(),
+        ok.len()
+    );
+    println!(
+        "latency of ok jobs: p50 {:.2} s  p90 {:.2} s  p99 {:.2} s  max {:.2} s;  throughput {:.3} jobs/s",
+        pctl(&ok, 0.5),
+        pctl(&ok, 0.9),
+        pctl(&ok, 0.99),
+        pctl(&ok, 1.0),
+        ok.len() as f64 / wall
+    );
+    println!("outcomes: {by_kind:?}");
+    let lost = results.iter().filter(|r| r.1 == 0).count();
+    println!("lost (no response at all): {lost}");
+    let rss = rss.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    if let (Some(first), Some(last)) = (rss.first(), rss.last()) {
+        let (lo, hi) = rss.iter().fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(r.1), hi.max(r.1)));
+        // Memory after warm-up: the first third of the run fills the chunk store.
+        let settled: Vec<f64> = rss.iter().filter(|r| r.0 > wall / 3.0).map(|r| r.1).collect();
+        let (slo, shi) = settled.iter().fold((f64::MAX, 0f64), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+        println!(
+            "server RSS: first {:.0} MB, last {:.0} MB, min {:.0}, max {:.0}; after warm-up {:.0}..{:.0} MB; peak (VmHWM) {:.0} MB",
+            first.1,
+            last.1,
+            lo,
+            hi,
+            slo,
+            shi,
+            peak.unwrap_or(f64::NAN)
+        );
+    }
+    anyhow::ensure!(lost == 0, "{lost} requests got no response");
     Ok(())
 }

@@ -135,8 +135,8 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
                 ..RunOptions::default()
             };
             let r = engine.run(&req, &opts, &mut |_| true)?;
-            if let Some((needle, answer)) = &needle_rows {
-                let sel = &r.selected_rows[case.needle_doc];
+            if let Some((doc, needle, Some(answer))) = needle_rows.first() {
+                let sel = &r.selected_rows[*doc];
                 let cov = |rg: &std::ops::Range<usize>| {
                     sel.iter().filter(|x| rg.contains(x)).count() as f64 / rg.len().max(1) as f64
                 };

@@ -46,7 +46,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         "Question: {}  (the answer, {}, is in document {} of {})",
         case.query,
         case.answers[0],
-        case.needle_doc + 1,
+        case.needles.first().map_or(0, |n| n.doc) + 1,
         case.documents.len()
     );
     println!(

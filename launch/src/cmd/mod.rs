@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod check;
 pub mod demo;
+pub mod eval;
 pub mod fetch;
 pub mod generate;
 pub mod run;

@@ -6,8 +6,9 @@
 //!   every rank: the same query tokens, the same tail (the queries' own K/V + earlier tokens)
 //!
 //!   per layer: partial (out, lse) of the queries over each local segment
-//!              all-gather the partials (O(M d) per segment)
-//!              merge in global segment order, then the tail   -> identical on every rank
+//!              gather the partials at rank 0 (O(M d) per segment), merge them in global
+//!              segment order, broadcast the merged (out, lse); merge the tail -> identical
+//!              on every rank
 //!              scores (probe): attention mass of the local keys under the merged lse
 //! ```
 //! Merging per segment in a fixed global order makes the result independent of how segments
@@ -17,7 +18,7 @@ use crate::attend::{Attend, KvSource, LayerInput};
 use crate::error::{Result, WorkerError};
 use crate::kv::{KeyForm, KvCache};
 use crate::steps::{clone_buf, comm_err};
-use flowprefill_comm::{all_gather_bytes, Communicator};
+use flowprefill_comm::{exchange, Communicator};
 use flowprefill_kernels::Backend;
 
 /// A context segment held by this rank.
@@ -168,6 +169,52 @@ pub(crate) fn decode_partials(rank: usize, b: &[u8], out_len: usize, lse_len: us
     Ok(out)
 }
 
+/// Merges per-segment partials of all ranks in segment order at rank 0 and broadcasts the
+/// result: `(out, lse)`, the same bits on every rank.
+fn merge_at_root(
+    comm: &mut dyn Communicator,
+    op: &str,
+    parts: Vec<Partial>,
+    out_len: usize,
+    lse_len: usize,
+    head_dim: usize,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (me, n) = (comm.rank(), comm.size());
+    let merge = |mut all: Vec<Partial>| -> Result<(Vec<f32>, Vec<f32>)> {
+        all.sort_by_key(|p| p.0);
+        let mut o = vec![0f32; out_len];
+        let mut l = vec![f32::NEG_INFINITY; lse_len];
+        for (_, po, pl) in &all {
+            flowprefill_kernels::merge::merge_partial(&mut o, &mut l, po, pl, head_dim)?;
+        }
+        Ok((o, l))
+    };
+    if n == 1 {
+        return merge(parts);
+    }
+    let gather = format!("{op}.gather");
+    let bcast = format!("{op}.merged");
+    if me == 0 {
+        let others: Vec<usize> = (1..n).collect();
+        let got = exchange(comm, &gather, vec![], others.clone()).map_err(comm_err)?;
+        let mut all = parts;
+        for (r, b) in others.iter().zip(&got) {
+            all.extend(decode_partials(*r, b, out_len, lse_len)?);
+        }
+        let (o, l) = merge(all)?;
+        let msg = encode_partials(&[(0, o.clone(), l.clone())]);
+        exchange(comm, &bcast, others.iter().map(|&r| (r, msg.clone())).collect(), vec![]).map_err(comm_err)?;
+        Ok((o, l))
+    } else {
+        exchange(comm, &gather, vec![(0, encode_partials(&parts))], vec![]).map_err(comm_err)?;
+        let got = exchange(comm, &bcast, vec![], vec![0]).map_err(comm_err)?;
+        let b = got.first().ok_or_else(|| WorkerError::Input("no merged partial from rank 0".into()))?;
+        let mut merged = decode_partials(0, b, out_len, lse_len)?;
+        let (_, o, l) = merged.pop().ok_or_else(|| WorkerError::Input("empty merged partial from rank 0".into()))?;
+        Ok((o, l))
+    }
+}
+
 impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
     fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
         if x.layer != self.layers_done {
@@ -206,18 +253,9 @@ impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
             parts.push((s.id, be.download(&o)?, be.download(&l)?));
             rotated.push(rot);
         }
-        // Every rank's partials, merged in global segment order.
-        let gathered = all_gather_bytes(self.comm, self.op, encode_partials(&parts)).map_err(comm_err)?;
-        let mut all = Vec::new();
-        for (r, b) in gathered.iter().enumerate() {
-            all.extend(decode_partials(r, b, m * qd, m * h)?);
-        }
-        all.sort_by_key(|p| p.0);
-        let mut acc_o = vec![0f32; m * qd];
-        let mut acc_l = vec![f32::NEG_INFINITY; m * h];
-        for (_, o, l) in &all {
-            flowprefill_kernels::merge::merge_partial(&mut acc_o, &mut acc_l, o, l, d)?;
-        }
+        // Every rank's partials, merged at rank 0 in global segment order, then broadcast:
+        // identical on every rank, and (P-1) x (local + merged) bytes instead of an all-gather.
+        let (mut acc_o, mut acc_l) = merge_at_root(self.comm, self.op, parts, m * qd, m * h, d)?;
         // The tail (earlier replicated tokens + these queries), identical on every rank.
         {
             let layer = self.tail.layer_mut(x.layer);

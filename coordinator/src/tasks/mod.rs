@@ -1,0 +1,304 @@
+//! Built-in question sets, generated here from a seed (no downloaded data): the demo's
+//! question, needle-in-a-haystack cases for `flowprefill check`, and the RULER-style and
+//! multi-document QA tasks of `flowprefill eval`.
+//!
+//! Haystacks are the project's own seeded prose ([`flowprefill_worker::corpus`]); needle
+//! sentences are inserted at sentence boundaries at the requested depths (fraction of the
+//! context's tokens before them). Every case is a pure function of its seed.
+
+pub mod qa;
+pub mod ruler;
+
+use flowprefill_worker::corpus;
+use flowprefill_worker::tokenizer::Tokenizer;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::ops::Range;
+
+/// How an answer is scored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scoring {
+    /// 1 if the output contains any expected string.
+    AnyOf,
+    /// Fraction of the expected strings the output contains (RULER multi-value tasks).
+    AllOf,
+    /// Multi-document QA: the score is containment of the normalized answer (models restate
+    /// the question before answering); token F1 and exact match of the first sentence are
+    /// reported beside it.
+    Qa,
+}
+
+/// A needle inserted into a document.
+#[derive(Clone, Debug)]
+pub struct Needle {
+    /// Document holding it.
+    pub doc: usize,
+    /// The inserted sentence.
+    pub text: String,
+    /// The part of the sentence that answers the question, if any.
+    pub answer: Option<String>,
+    /// Depth in [0, 1] it was placed at.
+    pub depth: f64,
+}
+
+/// A question over documents with its expected answers.
+#[derive(Clone, Debug)]
+pub struct QaCase {
+    /// Identifier (task, length, sample).
+    pub id: String,
+    /// Task name.
+    pub task: String,
+    /// The documents, in order (one chunk each).
+    pub documents: Vec<String>,
+    /// The question.
+    pub query: String,
+    /// Expected answers.
+    pub answers: Vec<String>,
+    /// Scoring rule.
+    pub scoring: Scoring,
+    /// The inserted sentences.
+    pub needles: Vec<Needle>,
+    /// Depth of the (first) answer-bearing needle.
+    pub depth: f64,
+    /// Context length the case was built for (tokens).
+    pub target_tokens: usize,
+}
+
+/// Score of one answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Score {
+    /// In [0, 1] (substring match, recall, or F1).
+    pub value: f64,
+    /// Exact match (QA only).
+    pub em: Option<bool>,
+    /// Token F1 (QA only).
+    pub f1: Option<f64>,
+}
+
+/// Lower-case, punctuation and articles removed, whitespace collapsed (SQuAD-style).
+pub fn normalize(s: &str) -> String {
+    let lower: String =
+        s.to_lowercase().chars().map(|c| if c.is_alphanumeric() || c.is_whitespace() { c } else { ' ' }).collect();
+    lower.split_whitespace().filter(|w| !matches!(*w, "a" | "an" | "the")).collect::<Vec<_>>().join(" ")
+}
+
+/// Token F1 between a prediction and a reference after [`normalize`].
+pub fn token_f1(pred: &str, reference: &str) -> f64 {
+    let p: Vec<String> = normalize(pred).split_whitespace().map(String::from).collect();
+    let r: Vec<String> = normalize(reference).split_whitespace().map(String::from).collect();
+    if p.is_empty() || r.is_empty() {
+        return (p.is_empty() && r.is_empty()) as u8 as f64;
+    }
+    let mut remaining = r.clone();
+    let mut common = 0usize;
+    for t in &p {
+        if let Some(i) = remaining.iter().position(|x| x == t) {
+            remaining.swap_remove(i);
+            common += 1;
+        }
+    }
+    if common == 0 {
+        return 0.0;
+    }
+    let prec = common as f64 / p.len() as f64;
+    let rec = common as f64 / r.len() as f64;
+    2.0 * prec * rec / (prec + rec)
+}
+
+impl QaCase {
+    /// Scores an output.
+    pub fn score(&self, output: &str) -> Score {
+        match self.scoring {
+            Scoring::AnyOf => Score {
+                value: self.answers.iter().any(|a| output.contains(a.as_str())) as u8 as f64,
+                ..Default::default()
+            },
+            Scoring::AllOf => {
+                let hit = self.answers.iter().filter(|a| output.contains(a.as_str())).count();
+                Score { value: hit as f64 / self.answers.len().max(1) as f64, ..Default::default() }
+            }
+            Scoring::Qa => {
+                let f1 = self.answers.iter().map(|a| token_f1(first_sentence(output), a)).fold(0.0, f64::max);
+                let em = self.answers.iter().any(|a| normalize(first_sentence(output)) == normalize(a));
+                let norm = format!(" {} ", normalize(output));
+                let contains = self.answers.iter().any(|a| norm.contains(&format!(" {} ", normalize(a))));
+                Score { value: contains as u8 as f64, em: Some(em), f1: Some(f1) }
+            }
+        }
+    }
+
+    /// Substring / full-credit correctness (score 1).
+    pub fn is_correct(&self, output: &str) -> bool {
+        self.score(output).value >= 1.0 - 1e-9
+    }
+
+    /// Rows of each needle (and of its answer span) in its document's chunk: `(doc, needle
+    /// rows, answer rows)`. The chunk's tokens are those of the trimmed document (plus the
+    /// separator), so prefix tokenization locates them.
+    pub fn needle_rows(&self, tok: &Tokenizer) -> Vec<(usize, Range<usize>, Option<Range<usize>>)> {
+        let mut out = Vec::new();
+        for n in &self.needles {
+            let Some(doc) = self.documents.get(n.doc).map(|d| d.trim()) else { continue };
+            let Some(at) = doc.find(&n.text) else { continue };
+            let count = |end: usize| tok.encode_text(&doc[..end]).map_or(0, |v| v.len());
+            let rows = count(at)..count(at + n.text.len());
+            let ans =
+                n.answer.as_ref().and_then(|a| n.text.find(a.as_str()).map(|o| count(at + o)..count(at + o + a.len())));
+            out.push((n.doc, rows, ans));
+        }
+        out
+    }
+}
+
+fn first_sentence(s: &str) -> &str {
+    let s = s.trim();
+    match s.find(['.', '\n']) {
+        Some(i) if i > 0 => &s[..i],
+        _ => s,
+    }
+}
+
+/// Sentences of generated prose adding up to about `tokens` tokens, with their token counts.
+pub(crate) fn sentences(rng: &mut StdRng, tok: &Tokenizer, tokens: usize) -> Vec<(String, usize)> {
+    let mut out = Vec::new();
+    let mut total = 0;
+    while total < tokens {
+        let s = corpus::sentence(rng);
+        let n = tok.encode_text(&format!(" {s}")).map(|v| v.len()).unwrap_or(s.len() / 4);
+        total += n;
+        out.push((s, n));
+    }
+    out
+}
+
+/// A haystack of `n_docs` documents totalling about `tokens` tokens, with each `(sentence,
+/// depth)` inserted at a sentence boundary at its depth. Returns the documents and the
+/// document of each inserted sentence.
+pub fn haystack(
+    rng: &mut StdRng,
+    tok: &Tokenizer,
+    tokens: usize,
+    n_docs: usize,
+    inserts: &[(String, f64)],
+) -> (Vec<String>, Vec<usize>) {
+    let n_docs = n_docs.max(1);
+    let insert_tokens: usize = inserts.iter().map(|(s, _)| tok.encode_text(s).map_or(0, |v| v.len() + 1)).sum();
+    let per_doc = tokens.saturating_sub(insert_tokens) / n_docs;
+    let mut docs: Vec<Vec<(String, usize)>> = (0..n_docs).map(|_| sentences(rng, tok, per_doc)).collect();
+    let total: usize = docs.iter().flatten().map(|s| s.1).sum();
+    let mut where_: Vec<usize> = Vec::with_capacity(inserts.len());
+    // Insert deepest first so that earlier positions stay valid.
+    let mut order: Vec<usize> = (0..inserts.len()).collect();
+    order.sort_by(|&a, &b| inserts[b].1.total_cmp(&inserts[a].1));
+    let mut placed = vec![(0usize, 0usize); inserts.len()];
+    for &i in &order {
+        let target = (inserts[i].1.clamp(0.0, 1.0) * total as f64) as usize;
+        let mut acc = 0;
+        let mut at = (n_docs - 1, docs[n_docs - 1].len());
+        'find: for (d, doc) in docs.iter().enumerate() {
+            for (j, s) in doc.iter().enumerate() {
+                if acc + s.1 > target {
+                    at = (d, j);
+                    break 'find;
+                }
+                acc += s.1;
+            }
+        }
+        let at_row = at.1.min(docs[at.0].len());
+        docs[at.0].insert(at_row, (inserts[i].0.clone(), 0));
+        placed[i] = at;
+    }
+    where_.extend(placed.iter().map(|p| p.0));
+    let texts = docs.into_iter().map(|doc| doc.into_iter().map(|s| s.0).collect::<Vec<_>>().join(" ")).collect();
+    (texts, where_)
+}
+
+/// The demo's question: a fact hidden in one of eight documents (~2K tokens).
+pub fn demo_case(tok: &Tokenizer) -> QaCase {
+    let mut rng = StdRng::seed_from_u64(2026);
+    let needle = "The access code for the north gate of Brackenford is 4729.".to_string();
+    let (documents, docs_of) = haystack(&mut rng, tok, 1900, 8, &[(needle.clone(), 0.62)]);
+    QaCase {
+        id: "demo".into(),
+        task: "demo".into(),
+        documents,
+        query: "What is the access code for the north gate of Brackenford?".into(),
+        answers: vec!["4729".into()],
+        scoring: Scoring::AnyOf,
+        needles: vec![Needle { doc: docs_of[0], text: needle, answer: Some("4729".into()), depth: 0.62 }],
+        depth: 0.62,
+        target_tokens: 1900,
+    }
+}
+
+/// Needle-in-a-haystack cases for `check`: for each length and depth, `per_cell` cases, each
+/// with 6 to 10 documents and a 7-digit number to retrieve.
+pub fn niah_cases(tok: &Tokenizer, seed: u64, lengths: &[usize], depths: &[f64], per_cell: usize) -> Vec<QaCase> {
+    let mut cases = Vec::new();
+    for &len in lengths {
+        for &depth in depths {
+            for rep in 0..per_cell {
+                let case_seed = seed ^ ((len as u64) << 20) ^ (((depth * 1000.0) as u64) << 8) ^ rep as u64;
+                let mut c = ruler::niah_single(tok, case_seed, len, depth, ruler::NeedleKind::Number);
+                c.id = format!("niah-{len}-d{depth:.2}-{rep}");
+                cases.push(c);
+            }
+        }
+    }
+    cases
+}
+
+/// A seeded RNG for one case.
+pub(crate) fn case_rng(seed: u64) -> StdRng {
+    StdRng::seed_from_u64(seed)
+}
+
+/// Between 6 and 10 documents.
+pub(crate) fn doc_count(rng: &mut StdRng) -> usize {
+    rng.random_range(6..=10)
+}
+
+/// Every task `flowprefill eval` knows.
+pub fn all_tasks() -> Vec<&'static str> {
+    ruler::TASKS.iter().chain(qa::TASKS.iter()).copied().collect()
+}
+
+/// Case `sample` of any task (RULER depths cycle through `depths`).
+pub fn generate(task: &str, tok: &Tokenizer, seed: u64, len: usize, sample: usize, depths: &[f64]) -> Option<QaCase> {
+    ruler::generate(task, tok, seed, len, sample, depths).or_else(|| qa::generate(task, tok, seed, len, sample))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scoring_rules() {
+        assert_eq!(normalize("The  Quick, brown fox!"), "quick brown fox");
+        assert!((token_f1("Valmora city", "Valmora") - 2.0 / 3.0).abs() < 1e-9);
+        assert_eq!(token_f1("", "x"), 0.0);
+        let mut c = QaCase {
+            id: "t".into(),
+            task: "t".into(),
+            documents: vec![],
+            query: "q".into(),
+            answers: vec!["12".into(), "34".into()],
+            scoring: Scoring::AllOf,
+            needles: vec![],
+            depth: 0.0,
+            target_tokens: 0,
+        };
+        assert_eq!(c.score("12 and 99").value, 0.5);
+        c.scoring = Scoring::AnyOf;
+        assert_eq!(c.score("12 and 99").value, 1.0);
+        c.scoring = Scoring::Qa;
+        c.answers = vec!["Valmora".into()];
+        let s = c.score("Valmora.");
+        assert_eq!((s.em, s.f1), (Some(true), Some(1.0)));
+        let s = c.score("He was born in Valmora.");
+        assert_eq!((s.value, s.em), (1.0, Some(false)));
+        assert!((s.f1.unwrap() - 1.0 / 3.0).abs() < 1e-9);
+        assert_eq!(c.score("Valmoran").value, 0.0, "whole words only");
+    }
+}

@@ -1,0 +1,566 @@
+//! `flowprefill eval`: accuracy of every method and ratio on RULER-style tasks and multi-
+//! document QA, with tables, plots and selection diagnostics.
+//!
+//! Every (task, length, sample) case runs full prefill once, `none` and `star` once, and each
+//! selective method at each ratio. Chunk caches are primed for every prefix mode before a
+//! case's runs, so every recorded TTFT is warm (the multi-query RAG setting: chunk caches
+//! reused) and comparable across methods. `results.json` is rewritten after every case;
+//! an interrupted run resumes from it.
+
+use crate::{plot, Common};
+use anyhow::{Context as _, Result};
+use flowprefill_coordinator::tasks::{all_tasks, generate, QaCase};
+use flowprefill_coordinator::{Context, Job, Method, PrefixMode, Request, RunOptions, ThreadRanks};
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Arguments of `eval`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Tasks (comma-separated): niah_single, niah_multikey, niah_multivalue, niah_multiquery,
+    /// variable_tracking, qa_onehop, qa_twohop.
+    #[arg(
+        long,
+        default_value = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,variable_tracking,qa_onehop,qa_twohop"
+    )]
+    pub tasks: String,
+    /// Context lengths in tokens.
+    #[arg(long, default_value = "2048,4096", value_parser = super::parse_list::<usize>)]
+    pub lengths: Vec<Vec<usize>>,
+    /// Methods (labels; `infoflow+reorder` reorders).
+    #[arg(long, default_value = "full,none,infoflow,infoflow+reorder,prophet,cacheblend,epic,cacheclip,star")]
+    pub methods: String,
+    /// Recompute ratios of the selective methods.
+    #[arg(long, default_value = "0.05,0.1,0.15,0.2,0.3", value_parser = super::parse_list::<f64>)]
+    pub ratios: Vec<Vec<f64>>,
+    /// Samples per task and length.
+    #[arg(long, default_value_t = 20)]
+    pub samples: usize,
+    /// Needle depths the samples cycle through.
+    #[arg(long, default_value = "0.1,0.3,0.5,0.7,0.9", value_parser = super::parse_list::<f64>)]
+    pub depths: Vec<Vec<f64>>,
+    /// Ratio shown in the per-task tables and heat maps.
+    #[arg(long, default_value_t = 0.15)]
+    pub table_ratio: f64,
+    /// Thread ranks (the sharded pipeline).
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
+    /// Seed of the cases.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Maximum answer tokens (default: per task, 32, or 64 for the four-value tasks).
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Output folder (results.json, results.md, PNG plots).
+    #[arg(long, default_value = "eval-out")]
+    pub out: PathBuf,
+}
+
+/// One scored run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Record {
+    /// Task.
+    pub task: String,
+    /// Target context length.
+    pub length: usize,
+    /// Sample index.
+    pub sample: usize,
+    /// Needle depth of the case.
+    pub depth: f64,
+    /// Method label.
+    pub method: String,
+    /// Ratio (selective methods only).
+    pub ratio: Option<f64>,
+    /// Score in [0, 1].
+    pub score: f64,
+    /// Exact match (QA).
+    pub em: Option<bool>,
+    /// Token F1 (QA).
+    pub f1: Option<f64>,
+    /// Warm TTFT.
+    pub ttft_ms: f64,
+    /// Tokens recomputed.
+    pub selected: usize,
+    /// Context tokens.
+    pub context_tokens: usize,
+    /// Fraction of needle-sentence tokens selected.
+    pub needle_selected: f64,
+    /// Fraction of answer tokens selected.
+    pub answer_selected: f64,
+    /// Distance of the answer-bearing chunk from the prompt in the final layout (0 = last).
+    pub needle_chunk_rank: Option<usize>,
+    /// The model's output.
+    pub answer: String,
+}
+
+impl Record {
+    fn key(&self) -> String {
+        key(&self.task, self.length, self.sample, &self.method, self.ratio)
+    }
+}
+
+fn key(task: &str, length: usize, sample: usize, method: &str, ratio: Option<f64>) -> String {
+    format!("{task}|{length}|{sample}|{method}|{}", ratio.map_or("-".into(), |r| format!("{r:.4}")))
+}
+
+#[derive(Serialize, Deserialize)]
+struct ResultsFile {
+    config: serde_json::Value,
+    records: Vec<Record>,
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// Progress line on stderr: bar, counts, elapsed, ETA.
+struct Progress {
+    total: usize,
+    done: usize,
+    computed: usize,
+    t0: Instant,
+}
+
+impl Progress {
+    fn tick(&mut self, computed: bool, what: &str) {
+        self.done += 1;
+        self.computed += computed as usize;
+        let el = self.t0.elapsed().as_secs_f64();
+        let rate = if self.computed > 0 { el / self.computed as f64 } else { 0.0 };
+        let eta = rate * (self.total - self.done) as f64;
+        let w = 30;
+        let fill = (w * self.done / self.total.max(1)).min(w);
+        eprint!(
+            "\r[{}{}] {}/{} runs  elapsed {}  ETA {}  {:<40}",
+            "=".repeat(fill),
+            " ".repeat(w - fill),
+            self.done,
+            self.total,
+            hms(el),
+            hms(eta),
+            what.chars().take(40).collect::<String>()
+        );
+        let _ = std::io::stderr().flush();
+    }
+}
+
+fn hms(s: f64) -> String {
+    let s = s as u64;
+    format!("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60)
+}
+
+/// Runs the command.
+pub fn run(common: &Common, a: Args) -> Result<()> {
+    let tasks: Vec<String> = a.tasks.split(',').map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).collect();
+    let known = all_tasks();
+    for t in &tasks {
+        anyhow::ensure!(known.contains(&t.as_str()), "unknown task `{t}`; choose from {}", known.join(", "));
+    }
+    let lengths = a.lengths.concat();
+    let ratios = a.ratios.concat();
+    let depths = a.depths.concat();
+    anyhow::ensure!(
+        !tasks.is_empty() && !lengths.is_empty() && a.samples > 0 && !depths.is_empty(),
+        "nothing to evaluate"
+    );
+    anyhow::ensure!(ratios.iter().all(|r| (0.0..=1.0).contains(r)), "--ratios must lie in [0, 1]");
+    let methods: Vec<(String, Method, bool)> = a
+        .methods
+        .split(',')
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .map(|m| {
+            let (name, reorder) = m.strip_suffix("+reorder").map_or((m, false), |n| (n, true));
+            Ok((m.to_string(), name.parse::<Method>()?, reorder))
+        })
+        .collect::<Result<_>>()?;
+    anyhow::ensure!(
+        methods.iter().any(|m| m.1 == Method::Full),
+        "--methods must include full (the baseline for retention)"
+    );
+    let model_path = super::model_path(common)?;
+    let config = serde_json::json!({
+        "model": model_path.file_name().map(|n| n.to_string_lossy().into_owned()),
+        "seed": a.seed,
+        "max_tokens": a.max_tokens,
+        "depths": depths,
+        "ranks": a.ranks,
+    });
+    std::fs::create_dir_all(&a.out)?;
+    let results_path = a.out.join("results.json");
+    let mut records: Vec<Record> = Vec::new();
+    if results_path.exists() {
+        let prev: ResultsFile = serde_json::from_slice(&std::fs::read(&results_path)?)
+            .with_context(|| format!("{} is not a results file; pass another --out", results_path.display()))?;
+        anyhow::ensure!(
+            prev.config == config,
+            "{} was made with other settings ({}); pass another --out or delete it",
+            results_path.display(),
+            prev.config
+        );
+        records = prev.records;
+        eprintln!("resuming: {} runs already in {}", records.len(), results_path.display());
+    }
+    let have: HashSet<String> = records.iter().map(Record::key).collect();
+
+    let lm = std::sync::Arc::new(super::load_model(common)?);
+    let tok = &lm.tokenizer;
+    let mut world = ThreadRanks::new(
+        lm.clone(),
+        a.ranks,
+        flowprefill_coordinator::DEFAULT_STORE_BYTES,
+        std::time::Duration::from_secs(600),
+    )?;
+    let runs_per_case: usize = methods.iter().map(|(_, m, _)| if m.selects() { ratios.len() } else { 1 }).sum();
+    let total = tasks.len() * lengths.len() * a.samples * runs_per_case;
+    let mut progress = Progress { total, done: 0, computed: 0, t0: Instant::now() };
+    for task in &tasks {
+        for &len in &lengths {
+            for sample in 0..a.samples {
+                let case =
+                    generate(task, tok, a.seed, len, sample, &depths).ok_or_else(|| anyhow::anyhow!("task {task}"))?;
+                let req = Request {
+                    context: Context::Documents(case.documents.clone()),
+                    query: case.query.clone(),
+                    system: None,
+                };
+                let needles = case.needle_rows(tok);
+                let mut primed = false;
+                for (label_s, method, reorder) in &methods {
+                    let rs: Vec<Option<f64>> =
+                        if method.selects() { ratios.iter().map(|&r| Some(r)).collect() } else { vec![None] };
+                    for ratio in rs {
+                        let k = key(task, len, sample, label_s, ratio);
+                        if have.contains(&k) {
+                            progress.tick(false, &k);
+                            continue;
+                        }
+                        if !primed {
+                            prime(&mut world, &req)?;
+                            primed = true;
+                        }
+                        let opts = RunOptions {
+                            method: *method,
+                            reorder: *reorder,
+                            ratio: ratio.unwrap_or(0.0),
+                            max_new_tokens: a.max_tokens.unwrap_or_else(|| answer_budget(task)),
+                            ..RunOptions::default()
+                        };
+                        let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
+                        records.push(record(&case, label_s, ratio, &r, &needles));
+                        progress.tick(true, &k);
+                    }
+                }
+                let file = ResultsFile { config: config.clone(), records: records.clone() };
+                write_atomic(&results_path, &serde_json::to_vec_pretty(&file)?)?;
+            }
+        }
+    }
+    eprintln!();
+    let labels: Vec<String> = methods.iter().map(|m| m.0.clone()).collect();
+    let md = summarize(&records, &tasks, &lengths, &labels, &ratios, a.table_ratio);
+    let md_path = a.out.join("results.md");
+    write_atomic(&md_path, md.as_bytes())?;
+    println!("{md}");
+    plots(&records, &tasks, &lengths, &labels, &ratios, &depths, a.table_ratio, &a.out)?;
+    println!("wrote {}, {} and plots in {}", results_path.display(), md_path.display(), a.out.display());
+    Ok(())
+}
+
+/// Answer tokens a task needs: the model restates the question before the answer; the
+/// four-value tasks list four numbers (RULER also sets a budget per task).
+fn answer_budget(task: &str) -> usize {
+    match task {
+        "niah_multivalue" | "niah_multiquery" => 64,
+        _ => 32,
+    }
+}
+
+/// Fills the chunk stores for every prefix mode so that every recorded TTFT is warm.
+fn prime(world: &mut ThreadRanks<flowprefill_worker::Cpu>, req: &Request) -> Result<()> {
+    for prefix in [PrefixMode::None, PrefixMode::Shared, PrefixMode::Anchor] {
+        let opts =
+            RunOptions { method: Method::None, prefix: Some(prefix), max_new_tokens: 1, ..RunOptions::default() };
+        world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
+    }
+    Ok(())
+}
+
+/// A needle's document, its rows, and its answer's rows.
+type NeedleRows = (usize, std::ops::Range<usize>, Option<std::ops::Range<usize>>);
+
+fn record(
+    case: &QaCase,
+    method: &str,
+    ratio: Option<f64>,
+    r: &flowprefill_coordinator::RunResult,
+    needles: &[NeedleRows],
+) -> Record {
+    let s = case.score(&r.answer);
+    let (mut n_tot, mut n_sel, mut a_tot, mut a_sel) = (0usize, 0usize, 0usize, 0usize);
+    for (doc, rows, ans) in needles {
+        let sel = &r.selected_rows[*doc];
+        n_tot += rows.len();
+        n_sel += sel.iter().filter(|x| rows.contains(x)).count();
+        if let Some(a) = ans {
+            a_tot += a.len();
+            a_sel += sel.iter().filter(|x| a.contains(x)).count();
+        }
+    }
+    // The answer-bearing needle's chunk, counted from the prompt in the final order.
+    let needle_chunk_rank = needles
+        .iter()
+        .find(|n| n.2.is_some())
+        .and_then(|(doc, _, _)| r.order.iter().position(|c| c == doc).map(|p| r.order.len() - 1 - p));
+    Record {
+        task: case.task.clone(),
+        length: case.target_tokens,
+        sample: case.id.rsplit('-').next().and_then(|s| s.parse().ok()).unwrap_or(0),
+        depth: case.depth,
+        method: method.to_string(),
+        ratio,
+        score: s.value,
+        em: s.em,
+        f1: s.f1,
+        ttft_ms: r.ttft.as_secs_f64() * 1e3,
+        selected: r.n_selected(),
+        context_tokens: r.n_context_tokens,
+        needle_selected: n_sel as f64 / n_tot.max(1) as f64,
+        answer_selected: a_sel as f64 / a_tot.max(1) as f64,
+        needle_chunk_rank,
+        answer: r.answer.clone(),
+    }
+}
+
+fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
+    let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    (n > 0).then(|| s / n as f64)
+}
+
+/// Whether a record belongs to `method` at `ratio` (ratio-free methods match any ratio).
+fn at(r: &Record, method: &str, ratio: f64) -> bool {
+    r.method == method && r.ratio.is_none_or(|x| (x - ratio).abs() < 1e-9)
+}
+
+fn pct(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{:.1}", 100.0 * v))
+}
+
+/// The markdown report (deterministic: accuracy only, no timings).
+pub fn summarize(
+    records: &[Record],
+    tasks: &[String],
+    lengths: &[usize],
+    labels: &[String],
+    ratios: &[f64],
+    tr: f64,
+) -> String {
+    let mut md = String::new();
+    let n_cases = records.iter().map(|r| (&r.task, r.length, r.sample)).collect::<HashSet<_>>().len();
+    md.push_str(&format!(
+        "# flowprefill eval\n\n{n_cases} cases; lengths {lengths:?}; ratios {ratios:?}; scores in %.\n\n"
+    ));
+    for &len in lengths {
+        md.push_str(&format!("## Accuracy at ratio {tr} ({len} tokens)\n\n| task |"));
+        for l in labels {
+            md.push_str(&format!(" {l} |"));
+        }
+        md.push_str("\n|---|");
+        md.push_str(&"---:|".repeat(labels.len()));
+        md.push('\n');
+        let mut col_means: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
+        for t in tasks {
+            md.push_str(&format!("| {t} |"));
+            for (i, l) in labels.iter().enumerate() {
+                let v =
+                    mean(records.iter().filter(|r| &r.task == t && r.length == len && at(r, l, tr)).map(|r| r.score));
+                if let Some(v) = v {
+                    col_means[i].push(v);
+                }
+                md.push_str(&format!(" {} |", pct(v)));
+            }
+            md.push('\n');
+        }
+        md.push_str("| **mean** |");
+        for c in &col_means {
+            md.push_str(&format!(" **{}** |", pct(mean(c.iter().copied()))));
+        }
+        md.push_str("\n\n");
+        // Retention: method / full, per task, then the mean of the per-task retentions.
+        md.push_str(&format!("Retention (method / full) at ratio {tr}, {len} tokens:\n\n| task |"));
+        for l in labels {
+            md.push_str(&format!(" {l} |"));
+        }
+        md.push_str("\n|---|");
+        md.push_str(&"---:|".repeat(labels.len()));
+        md.push('\n');
+        let mut ret_cols: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
+        for t in tasks {
+            let full =
+                mean(records.iter().filter(|r| &r.task == t && r.length == len && r.method == "full").map(|r| r.score));
+            md.push_str(&format!("| {t} |"));
+            for (i, l) in labels.iter().enumerate() {
+                let v =
+                    mean(records.iter().filter(|r| &r.task == t && r.length == len && at(r, l, tr)).map(|r| r.score));
+                let ret = match (v, full) {
+                    (Some(v), Some(f)) if f > 0.0 => Some(v / f),
+                    _ => None,
+                };
+                if let Some(x) = ret {
+                    ret_cols[i].push(x);
+                }
+                md.push_str(&format!(" {} |", pct(ret)));
+            }
+            md.push('\n');
+        }
+        md.push_str("| **mean** |");
+        for c in &ret_cols {
+            md.push_str(&format!(" **{}** |", pct(mean(c.iter().copied()))));
+        }
+        md.push_str("\n\n");
+    }
+    md.push_str("## Mean accuracy over tasks and lengths, by ratio\n\n| method |");
+    for r in ratios {
+        md.push_str(&format!(" {r} |"));
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---:|".repeat(ratios.len()));
+    md.push('\n');
+    for l in labels {
+        md.push_str(&format!("| {l} |"));
+        for &r in ratios {
+            md.push_str(&format!(" {} |", pct(mean(records.iter().filter(|x| at(x, l, r)).map(|x| x.score)))));
+        }
+        md.push('\n');
+    }
+    md.push_str(&format!(
+        "\n## Multi-document QA at ratio {tr}: token F1 / exact match\n\n| method | F1 | EM |\n|---|---:|---:|\n"
+    ));
+    for l in labels {
+        let qa: Vec<&Record> = records.iter().filter(|r| r.f1.is_some() && at(r, l, tr)).collect();
+        let f1 = mean(qa.iter().filter_map(|r| r.f1));
+        let em = mean(qa.iter().filter_map(|r| r.em.map(|e| e as u8 as f64)));
+        md.push_str(&format!("| {l} | {} | {} |\n", pct(f1), pct(em)));
+    }
+    md.push_str(&format!(
+        "\n## Selection diagnostics at ratio {tr}\n\nShare of needle-sentence and answer tokens recomputed; mean distance of the \
+         answer-bearing chunk from the prompt (0 = nearest) in the final layout.\n\n| method | needle tokens | answer tokens | chunk distance |\n|---|---:|---:|---:|\n"
+    ));
+    for l in labels {
+        let rs: Vec<&Record> = records.iter().filter(|r| at(r, l, tr)).collect();
+        let dist = mean(rs.iter().filter_map(|r| r.needle_chunk_rank.map(|x| x as f64)));
+        md.push_str(&format!(
+            "| {l} | {} | {} | {} |\n",
+            pct(mean(rs.iter().map(|r| r.needle_selected))),
+            pct(mean(rs.iter().map(|r| r.answer_selected))),
+            dist.map_or("-".into(), |d| format!("{d:.2}"))
+        ));
+    }
+    md
+}
+
+#[allow(clippy::too_many_arguments)]
+fn plots(
+    records: &[Record],
+    tasks: &[String],
+    lengths: &[usize],
+    labels: &[String],
+    ratios: &[f64],
+    depths: &[f64],
+    tr: f64,
+    out: &Path,
+) -> Result<()> {
+    // Accuracy vs ratio (ratio-free methods as flat lines).
+    let series: Vec<plot::Series> = labels
+        .iter()
+        .map(|l| plot::Series {
+            name: l.clone(),
+            points: ratios
+                .iter()
+                .filter_map(|&r| mean(records.iter().filter(|x| at(x, l, r)).map(|x| x.score)).map(|v| (r, 100.0 * v)))
+                .collect(),
+        })
+        .collect();
+    plot::line_chart(
+        &out.join("accuracy_vs_ratio.png"),
+        "Accuracy vs recompute ratio (mean over tasks and lengths)",
+        "recompute ratio",
+        "accuracy (%)",
+        &series,
+    )?;
+    // Pareto: accuracy vs median warm TTFT per (method, ratio).
+    let mut pareto = Vec::new();
+    for l in labels {
+        let mut pts = Vec::new();
+        for &r in ratios {
+            let rs: Vec<&Record> = records.iter().filter(|x| at(x, l, r)).collect();
+            if rs.is_empty() {
+                continue;
+            }
+            let mut t: Vec<f64> = rs.iter().map(|x| x.ttft_ms).collect();
+            t.sort_by(|a, b| a.total_cmp(b));
+            let acc = mean(rs.iter().map(|x| x.score)).unwrap_or(0.0);
+            pts.push((t[t.len() / 2] / 1e3, 100.0 * acc));
+            if rs.iter().all(|x| x.ratio.is_none()) {
+                break;
+            }
+        }
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        pareto.push(plot::Series { name: l.clone(), points: pts });
+    }
+    plot::line_chart(
+        &out.join("pareto.png"),
+        "Accuracy vs TTFT (warm chunk caches; points: ratios)",
+        "median TTFT (s)",
+        "accuracy (%)",
+        &pareto,
+    )?;
+    // Needle depth x length heat maps on the NIAH tasks.
+    let niah: HashSet<&str> = tasks.iter().map(String::as_str).filter(|t| t.starts_with("niah")).collect();
+    if !niah.is_empty() {
+        for l in labels {
+            let cols: Vec<String> = lengths.iter().map(|l| l.to_string()).collect();
+            let rows: Vec<String> = depths.iter().map(|d| format!("{d:.1}")).collect();
+            let mut values = vec![vec![0.0; cols.len()]; rows.len()];
+            let mut any = false;
+            for (ri, &d) in depths.iter().enumerate() {
+                for (ci, &len) in lengths.iter().enumerate() {
+                    let v = mean(
+                        records
+                            .iter()
+                            .filter(|x| {
+                                niah.contains(x.task.as_str())
+                                    && x.length == len
+                                    && (x.depth - d).abs() < 1e-6
+                                    && at(x, l, tr)
+                            })
+                            .map(|x| x.score),
+                    );
+                    if let Some(v) = v {
+                        values[ri][ci] = v;
+                        any = true;
+                    }
+                }
+            }
+            if any {
+                let name = l.replace('+', "_");
+                plot::heatmap(
+                    &out.join(format!("heatmap_{name}.png")),
+                    &format!("{l}: NIAH accuracy (ratio {tr})"),
+                    "context tokens",
+                    "needle depth",
+                    &cols,
+                    &rows,
+                    &values,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,152 @@
+//! PNG charts (plotters, bitmap backend). Text is drawn with a TrueType font read at run time
+//! (`FLOWPREFILL_FONT`, else common system locations such as Debian's fonts-dejavu-core), so
+//! the build needs no font library.
+
+use anyhow::{Context, Result};
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+use std::path::Path;
+use std::sync::OnceLock;
+
+const FONT_PATHS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/liberation/LiberationSans-Regular.ttf",
+    "/System/Library/Fonts/Supplemental/Arial.ttf",
+];
+
+/// Registers a font as "sans-serif" once; says how to get one when none is found.
+pub fn init_font() -> Result<()> {
+    static DONE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let candidates: Vec<String> =
+            std::env::var("FLOWPREFILL_FONT").ok().into_iter().chain(FONT_PATHS.iter().map(|s| s.to_string())).collect();
+        let path = candidates.iter().find(|p| Path::new(p).is_file()).ok_or_else(|| {
+            "no TrueType font found for the plots; install one (Debian: apt-get install fonts-dejavu-core) or set FLOWPREFILL_FONT".to_string()
+        })?;
+        let bytes = std::fs::read(path).map_err(|e| format!("reading font {path}: {e}"))?;
+        // plotters keeps fonts for the whole process; the bytes are leaked once on purpose.
+        let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).map_err(|_| format!("{path} is not a usable font"))
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
+/// One line of a chart.
+pub struct Series {
+    /// Legend label.
+    pub name: String,
+    /// (x, y) points, in x order.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// A distinct color per series index.
+fn color(i: usize) -> RGBColor {
+    const C: [RGBColor; 10] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
+        RGBColor(188, 189, 34),
+        RGBColor(23, 190, 207),
+    ];
+    C[i % C.len()]
+}
+
+/// A line chart with markers and a legend.
+pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series]) -> Result<()> {
+    init_font()?;
+    let pts = series.iter().flat_map(|s| s.points.iter());
+    let (mut x0, mut x1, mut y1) = (f64::MAX, f64::MIN, 0f64);
+    for &(x, y) in pts {
+        x0 = x0.min(x);
+        x1 = x1.max(x);
+        y1 = y1.max(y);
+    }
+    if x0 > x1 {
+        (x0, x1) = (0.0, 1.0);
+    }
+    let pad = ((x1 - x0) * 0.05).max(1e-9);
+    let root = BitMapBackend::new(path, (1100, 700)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 26))
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..(y1 * 1.1).max(1e-9))?;
+    chart.configure_mesh().x_desc(x_label).y_desc(y_label).label_style(("sans-serif", 16)).draw()?;
+    for (i, s) in series.iter().enumerate() {
+        let c = color(i);
+        chart
+            .draw_series(LineSeries::new(s.points.iter().copied(), c.stroke_width(2)))?
+            .label(&s.name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+        chart.draw_series(s.points.iter().map(|&p| Circle::new(p, 4, c.filled())))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 16))
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// A heat map of `values[row][col]` in [0, 1] with row/column labels and the value printed
+/// in each cell.
+pub fn heatmap(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    cols: &[String],
+    rows: &[String],
+    values: &[Vec<f64>],
+) -> Result<()> {
+    init_font()?;
+    let root =
+        BitMapBackend::new(path, (160 + 110 * cols.len() as u32, 140 + 60 * rows.len() as u32)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(50)
+        .y_label_area_size(90)
+        .build_cartesian_2d(0..cols.len(), 0..rows.len())?;
+    chart
+        .configure_mesh()
+        .disable_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .x_labels(cols.len())
+        .y_labels(rows.len())
+        .x_label_formatter(&|x| cols.get(*x).cloned().unwrap_or_default())
+        .y_label_formatter(&|y| rows.get(*y).cloned().unwrap_or_default())
+        .label_style(("sans-serif", 15))
+        .draw()?;
+    for (r, row) in values.iter().enumerate() {
+        for (c, &v) in row.iter().enumerate() {
+            let v = v.clamp(0.0, 1.0);
+            // Red (0) to green (1).
+            let fill = RGBColor((220.0 * (1.0 - v)) as u8 + 30, (190.0 * v) as u8 + 40, 60);
+            chart.draw_series(std::iter::once(Rectangle::new([(c, r), (c + 1, r + 1)], fill.filled())))?;
+            chart.draw_series(std::iter::once(Text::new(
+                format!("{:.0}%", 100.0 * v),
+                (c, r + 1),
+                ("sans-serif", 16).into_font().color(&WHITE),
+            )))?;
+        }
+    }
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

@@ -1,0 +1,403 @@
+//! Request and response bodies of the HTTP API, and their validation.
+//!
+//! `POST /v1/jobs` takes a [`JobRequest`]; `POST /v1/chat/completions` takes an
+//! OpenAI-style [`ChatRequest`] whose last user message holds the documents and the
+//! question, separated by lines containing only `---`:
+//!
+//! ```text
+//!   <document 1>
+//!   ---
+//!   <document 2>
+//!   ---
+//!   <the question>
+//! ```
+//! Unknown fields are rejected (a misspelt `ratoi` is an error, not a silent default) and
+//! every error names the field to fix.
+
+use flowprefill_coordinator::{Context, Geometry, Job, Method, PrefixMode, Request, RunOptions, Scope};
+use flowprefill_worker::sampling::SamplingConfig;
+use serde::Deserialize;
+
+/// The separator between documents and the question in a chat message.
+pub const DOC_SEPARATOR: &str = "---";
+
+/// An error answered to the client: HTTP status, a kind (metrics label) and a message.
+#[derive(Clone, Debug)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: u16,
+    /// Bounded kind: bad_request, unauthorized, too_large, queue_full, deadline, cancelled,
+    /// rank_failure, shutting_down, internal.
+    pub kind: &'static str,
+    /// What to change.
+    pub message: String,
+    /// Seconds for a Retry-After header.
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    /// 400 naming what is wrong.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self { status: 400, kind: "bad_request", message: message.into(), retry_after: None }
+    }
+
+    /// Any status.
+    pub fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
+        Self { status, kind, message: message.into(), retry_after: None }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({ "error": { "kind": self.kind, "message": self.message } })
+    }
+}
+
+/// `POST /v1/jobs`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobRequest {
+    /// Documents, one chunk each (or give `text` and `chunk_tokens`).
+    #[serde(default)]
+    pub documents: Option<Vec<String>>,
+    /// One long text, cut into `chunk_tokens` pieces.
+    #[serde(default)]
+    pub text: Option<String>,
+    /// Tokens per piece of `text`.
+    #[serde(default)]
+    pub chunk_tokens: Option<usize>,
+    /// The question.
+    pub query: String,
+    /// System message.
+    #[serde(default)]
+    pub system: Option<String>,
+    /// Method (default infoflow).
+    #[serde(default)]
+    pub method: Option<String>,
+    /// Recompute ratio (default 0.15).
+    #[serde(default)]
+    pub ratio: Option<f64>,
+    /// Reorder chunks.
+    #[serde(default)]
+    pub reorder: Option<bool>,
+    /// exact or sparse.
+    #[serde(default)]
+    pub scope: Option<String>,
+    /// Scoring geometry.
+    #[serde(default)]
+    pub geometry: Option<String>,
+    /// Prefix mode.
+    #[serde(default)]
+    pub prefix: Option<String>,
+    /// InfoFlow scoring layers [first, last].
+    #[serde(default)]
+    pub score_layers: Option<[usize; 2]>,
+    /// Answer tokens at most (default 64).
+    #[serde(default)]
+    pub max_tokens: Option<usize>,
+    /// Sampling temperature (0 = greedy).
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    /// Nucleus mass.
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// Sampler and random-selector seed.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Server-sent events instead of one JSON body.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Seconds the job may take, queueing included (capped by the server's limit).
+    #[serde(default)]
+    pub deadline_s: Option<f64>,
+}
+
+/// Method knobs shared by both endpoints.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MethodFields {
+    /// Method.
+    #[serde(default)]
+    pub method: Option<String>,
+    /// Ratio.
+    #[serde(default)]
+    pub ratio: Option<f64>,
+    /// Reorder.
+    #[serde(default)]
+    pub reorder: Option<bool>,
+    /// Scope.
+    #[serde(default)]
+    pub scope: Option<String>,
+    /// Geometry.
+    #[serde(default)]
+    pub geometry: Option<String>,
+    /// Prefix mode.
+    #[serde(default)]
+    pub prefix: Option<String>,
+}
+
+fn field<T, E: std::fmt::Display>(name: &str, v: std::result::Result<T, E>) -> Result<T, ApiError> {
+    v.map_err(|e| ApiError::bad_request(format!("field `{name}`: {e}")))
+}
+
+/// Options from the method fields.
+fn options(
+    m: &MethodFields,
+    max_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    seed: Option<u64>,
+) -> Result<RunOptions, ApiError> {
+    let mut o = RunOptions::default();
+    if let Some(s) = &m.method {
+        o.method = field("method", s.parse::<Method>())?;
+    }
+    if let Some(r) = m.ratio {
+        if !(0.0..=1.0).contains(&r) {
+            return Err(ApiError::bad_request(format!("field `ratio`: {r} is outside [0, 1]")));
+        }
+        o.ratio = r;
+    }
+    o.reorder = m.reorder.unwrap_or(false);
+    if let Some(s) = &m.scope {
+        o.scope = field("scope", s.parse::<Scope>())?;
+    }
+    if let Some(s) = &m.geometry {
+        o.geometry = field("geometry", s.parse::<Geometry>())?;
+    }
+    if let Some(s) = &m.prefix {
+        o.prefix = Some(field("prefix", s.parse::<PrefixMode>())?);
+    }
+    if let Some(n) = max_tokens {
+        if n == 0 || n > 4096 {
+            return Err(ApiError::bad_request(format!("field `max_tokens`: {n} must be between 1 and 4096")));
+        }
+        o.max_new_tokens = n;
+    }
+    o.sampling = SamplingConfig {
+        temperature: temperature.unwrap_or(0.0),
+        top_p: top_p.unwrap_or(1.0),
+        seed: seed.unwrap_or(0),
+    };
+    if !(o.sampling.temperature >= 0.0 && o.sampling.temperature.is_finite()) {
+        return Err(ApiError::bad_request("field `temperature`: must be a finite number >= 0"));
+    }
+    if !(o.sampling.top_p > 0.0 && o.sampling.top_p <= 1.0) {
+        return Err(ApiError::bad_request("field `top_p`: must be in (0, 1]"));
+    }
+    o.seed = seed.unwrap_or(0);
+    Ok(o)
+}
+
+/// Parses JSON with the path of the offending field in the error.
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let syntax = matches!(inner.classify(), serde_json::error::Category::Syntax | serde_json::error::Category::Eof);
+        if syntax || path == "." || path == "?" || path.is_empty() {
+            ApiError::bad_request(format!("malformed JSON body: {inner}"))
+        } else {
+            ApiError::bad_request(format!("field `{path}`: {inner}"))
+        }
+    })
+}
+
+impl JobRequest {
+    /// The job, checked. Also returns whether to stream and the requested deadline.
+    pub fn into_job(self) -> Result<(Job, bool, Option<f64>), ApiError> {
+        let context = match (self.documents, self.text) {
+            (Some(_), Some(_)) => return Err(ApiError::bad_request("give either `documents` or `text`, not both")),
+            (Some(docs), None) => {
+                if self.chunk_tokens.is_some() {
+                    return Err(ApiError::bad_request("field `chunk_tokens`: only with `text`"));
+                }
+                Context::Documents(docs)
+            }
+            (None, Some(text)) => Context::Text { text, chunk_tokens: self.chunk_tokens.unwrap_or(512) },
+            (None, None) => {
+                return Err(ApiError::bad_request("field `documents`: missing (or give `text` and `chunk_tokens`)"))
+            }
+        };
+        let m = MethodFields {
+            method: self.method,
+            ratio: self.ratio,
+            reorder: self.reorder,
+            scope: self.scope,
+            geometry: self.geometry,
+            prefix: self.prefix,
+        };
+        let mut options = options(&m, self.max_tokens, self.temperature, self.top_p, self.seed)?;
+        options.score_layers = self.score_layers.map(|[a, b]| (a, b));
+        let request = Request { context, query: self.query, system: self.system };
+        check(&request, &options)?;
+        if let Some(d) = self.deadline_s {
+            if !(d > 0.0 && d.is_finite()) {
+                return Err(ApiError::bad_request("field `deadline_s`: must be a positive number of seconds"));
+            }
+        }
+        Ok((Job { request, options }, self.stream.unwrap_or(false), self.deadline_s))
+    }
+}
+
+fn check(request: &Request, options: &RunOptions) -> Result<(), ApiError> {
+    flowprefill_coordinator::request::validate(request, options).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// One OpenAI chat message.
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    /// system, user or assistant.
+    pub role: String,
+    /// Text, or a list of parts with `text`.
+    pub content: serde_json::Value,
+}
+
+/// `POST /v1/chat/completions` (OpenAI-compatible subset; extra knobs under `flowprefill`).
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    /// Ignored (one model is served); echoed back.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// The conversation; the last user message holds documents and question.
+    pub messages: Vec<ChatMessage>,
+    /// Answer tokens at most.
+    #[serde(default, alias = "max_completion_tokens")]
+    pub max_tokens: Option<usize>,
+    /// Temperature.
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    /// Nucleus mass.
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// Seed.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Server-sent events.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// flowprefill's method knobs.
+    #[serde(default)]
+    pub flowprefill: Option<MethodFields>,
+}
+
+fn text_of(content: &serde_json::Value, i: usize) -> Result<String, ApiError> {
+    match content {
+        serde_json::Value::String(s) => Ok(s.clone()),
+        serde_json::Value::Array(parts) => {
+            Ok(parts.iter().filter_map(|p| p.get("text").and_then(|t| t.as_str())).collect::<Vec<_>>().join(""))
+        }
+        _ => Err(ApiError::bad_request(format!(
+            "field `messages[{i}].content`: expected a string or a list of text parts"
+        ))),
+    }
+}
+
+/// Splits a user message into documents and the question on lines of `---`.
+pub fn split_documents(message: &str) -> (Vec<String>, String) {
+    let mut parts: Vec<String> = Vec::new();
+    let mut cur = String::new();
+    for line in message.lines() {
+        if line.trim() == DOC_SEPARATOR {
+            parts.push(std::mem::take(&mut cur));
+        } else {
+            if !cur.is_empty() {
+                cur.push('\n');
+            }
+            cur.push_str(line);
+        }
+    }
+    parts.push(cur);
+    let question = parts.pop().unwrap_or_default();
+    (parts.into_iter().map(|p| p.trim().to_string()).filter(|p| !p.is_empty()).collect(), question.trim().to_string())
+}
+
+impl ChatRequest {
+    /// The job, checked; whether to stream; the model name to echo.
+    pub fn into_job(self) -> Result<(Job, bool, String), ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::bad_request("field `messages`: empty"));
+        }
+        let mut system = None;
+        let mut last_user = None;
+        for (i, m) in self.messages.iter().enumerate() {
+            match m.role.as_str() {
+                "system" | "developer" => system = Some(text_of(&m.content, i)?),
+                "user" => last_user = Some((i, text_of(&m.content, i)?)),
+                "assistant" | "tool" => {}
+                other => {
+                    return Err(ApiError::bad_request(format!("field `messages[{i}].role`: unknown role `{other}`")))
+                }
+            }
+        }
+        let (i, user) = last_user.ok_or_else(|| ApiError::bad_request("field `messages`: no user message"))?;
+        let (docs, question) = split_documents(&user);
+        if docs.is_empty() {
+            return Err(ApiError::bad_request(format!(
+                "field `messages[{i}].content`: put the documents before the question, separated by lines containing only `{DOC_SEPARATOR}`"
+            )));
+        }
+        if question.is_empty() {
+            return Err(ApiError::bad_request(format!(
+                "field `messages[{i}].content`: the question after the last `{DOC_SEPARATOR}` is empty"
+            )));
+        }
+        let m = self.flowprefill.unwrap_or_default();
+        let options = options(&m, self.max_tokens, self.temperature, self.top_p, self.seed)?;
+        let request = Request { context: Context::Documents(docs), query: question, system };
+        check(&request, &options)?;
+        Ok((Job { request, options }, self.stream.unwrap_or(false), self.model.unwrap_or_else(|| "flowprefill".into())))
+    }
+}
+
+/// Constant-time comparison of a presented bearer token with the expected one.
+pub fn token_matches(presented: &str, expected: &str) -> bool {
+    let (a, b) = (presented.as_bytes(), expected.as_bytes());
+    // Compare over the expected length whatever the presented length, so timing does not
+    // reveal a prefix; the length check is folded in at the end.
+    let mut diff = (a.len() != b.len()) as u8;
+    for (i, &y) in b.iter().enumerate() {
+        let x = a.get(i).copied().unwrap_or(0);
+        diff |= x ^ y;
+    }
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_documents_on_separator_lines() {
+        let (d, q) = split_documents("first doc\nline two\n---\nsecond\n  ---  \nWhat is it?");
+        assert_eq!(d, vec!["first doc\nline two".to_string(), "second".to_string()]);
+        assert_eq!(q, "What is it?");
+        let (d, q) = split_documents("just a question");
+        assert!(d.is_empty());
+        assert_eq!(q, "just a question");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = parse::<JobRequest>(br#"{"documents": ["a"], "query": "q", "ratio": "high"}"#).unwrap_err();
+        assert!(e.message.contains("field `ratio`"), "{}", e.message);
+        let e = parse::<JobRequest>(br#"{"documents": ["a"], "query": "q", "ratoi": 0.1}"#).unwrap_err();
+        assert!(e.message.contains("ratoi"), "{}", e.message);
+        let e = parse::<JobRequest>(br#"{"documents": ["a"]}"#).unwrap_err();
+        assert!(e.message.contains("query"), "{}", e.message);
+        let e = parse::<JobRequest>(b"{not json").unwrap_err();
+        assert!(e.message.contains("malformed JSON"), "{}", e.message);
+        let r: JobRequest = parse(br#"{"documents": ["a"], "query": "q", "ratio": 1.5}"#).unwrap();
+        assert!(r.into_job().unwrap_err().message.contains("field `ratio`"));
+        let r: JobRequest = parse(br#"{"documents": ["a"], "query": "q", "method": "magic"}"#).unwrap();
+        assert!(r.into_job().unwrap_err().message.contains("unknown method `magic`"));
+    }
+
+    #[test]
+    fn constant_time_compare() {
+        assert!(token_matches("secret", "secret"));
+        assert!(!token_matches("secreT", "secret"));
+        assert!(!token_matches("secret-longer", "secret"));
+        assert!(!token_matches("", "secret"));
+    }
+}

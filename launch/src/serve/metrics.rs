@@ -1,0 +1,179 @@
+//! Prometheus metrics of the service. Rank 0 aggregates: every job's per-rank statistics
+//! (phase times, bytes per collective, selected tokens) travel back to rank 0 with the job,
+//! so one `/metrics` endpoint covers every rank of a thread or MPI deployment, with a
+//! `rank` label. Names carry their unit; labels are bounded (method, phase, rank,
+//! collective, kind, outcome), never request ids.
+
+use flowprefill_coordinator::RunResult;
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::sync::OnceLock;
+
+/// Time to first token, by method.
+pub const TTFT_SECONDS: &str = "flowprefill_ttft_seconds";
+/// Whole job (queueing excluded), by method.
+pub const JOB_SECONDS: &str = "flowprefill_job_duration_seconds";
+/// Time spent queued before a job starts.
+pub const QUEUE_WAIT_SECONDS: &str = "flowprefill_queue_wait_seconds";
+/// Wall time of each phase on each rank, by method, phase, rank.
+pub const PHASE_SECONDS: &str = "flowprefill_phase_duration_seconds";
+/// Slowest minus fastest rank per phase, by phase.
+pub const STRAGGLER_GAP_SECONDS: &str = "flowprefill_straggler_gap_seconds";
+/// Payload bytes sent per collective and rank.
+pub const COLLECTIVE_BYTES: &str = "flowprefill_collective_bytes_total";
+/// Tokens recomputed per rank.
+pub const SELECTED_TOKENS: &str = "flowprefill_selected_tokens_total";
+/// Context tokens processed, by method.
+pub const CONTEXT_TOKENS: &str = "flowprefill_context_tokens_total";
+/// Recomputed fraction of the context per job, by method.
+pub const RECOMPUTE_RATIO: &str = "flowprefill_recompute_ratio";
+/// Chunk-store lookups that hit.
+pub const CACHE_HITS: &str = "flowprefill_chunk_cache_hits_total";
+/// Chunk-store lookups that missed (chunks prefilled).
+pub const CACHE_MISSES: &str = "flowprefill_chunk_cache_misses_total";
+/// Bytes held by rank 0's chunk store.
+pub const CACHE_BYTES: &str = "flowprefill_chunk_cache_bytes";
+/// Jobs waiting in the queue.
+pub const QUEUE_DEPTH: &str = "flowprefill_queue_depth";
+/// Jobs the queue can hold.
+pub const QUEUE_CAPACITY: &str = "flowprefill_queue_capacity";
+/// Jobs being computed (0 or 1: one model, one world).
+pub const JOBS_IN_FLIGHT: &str = "flowprefill_jobs_in_flight";
+/// Finished jobs, by method and outcome (ok, error, cancelled, deadline).
+pub const JOBS_TOTAL: &str = "flowprefill_jobs_total";
+/// Errors answered, by kind.
+pub const ERRORS_TOTAL: &str = "flowprefill_errors_total";
+/// Ranks of the world.
+pub const RANKS: &str = "flowprefill_ranks";
+/// Ranks currently usable.
+pub const RANKS_UP: &str = "flowprefill_ranks_up";
+
+/// Latency buckets in seconds, up to 2560 s: vLLM's TTFT buckets (mistral.rs uses the same),
+/// long-context jobs on CPU take minutes.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+];
+/// Buckets of a fraction in [0, 1].
+pub const RATIO_BUCKETS: &[f64] = &[0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0];
+
+/// Installs the global recorder once (the exporter renders on `/metrics`).
+pub fn install() -> anyhow::Result<PrometheusHandle> {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    if let Some(h) = HANDLE.get() {
+        return Ok(h.clone());
+    }
+    let mut b = PrometheusBuilder::new();
+    for name in [TTFT_SECONDS, JOB_SECONDS, QUEUE_WAIT_SECONDS, PHASE_SECONDS, STRAGGLER_GAP_SECONDS] {
+        b = b.set_buckets_for_metric(Matcher::Full(name.into()), LATENCY_BUCKETS)?;
+    }
+    b = b.set_buckets_for_metric(Matcher::Full(RECOMPUTE_RATIO.into()), RATIO_BUCKETS)?;
+    let h = b.install_recorder()?;
+    describe();
+    Ok(HANDLE.get_or_init(|| h).clone())
+}
+
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_histogram!(TTFT_SECONDS, Unit::Seconds, "Time to first token");
+    describe_histogram!(JOB_SECONDS, Unit::Seconds, "Job duration, queueing excluded");
+    describe_histogram!(QUEUE_WAIT_SECONDS, Unit::Seconds, "Time queued before a job starts");
+    describe_histogram!(PHASE_SECONDS, Unit::Seconds, "Wall time per phase and rank");
+    describe_histogram!(STRAGGLER_GAP_SECONDS, Unit::Seconds, "Slowest minus fastest rank per phase");
+    describe_counter!(COLLECTIVE_BYTES, Unit::Bytes, "Payload bytes sent per collective and rank");
+    describe_counter!(SELECTED_TOKENS, Unit::Count, "Tokens recomputed per rank");
+    describe_counter!(CONTEXT_TOKENS, Unit::Count, "Context tokens processed");
+    describe_histogram!(RECOMPUTE_RATIO, Unit::Count, "Recomputed fraction of the context per job");
+    describe_counter!(CACHE_HITS, Unit::Count, "Chunk-store hits");
+    describe_counter!(CACHE_MISSES, Unit::Count, "Chunk-store misses");
+    describe_gauge!(CACHE_BYTES, Unit::Bytes, "Bytes in rank 0's chunk store");
+    describe_gauge!(QUEUE_DEPTH, Unit::Count, "Jobs waiting");
+    describe_gauge!(QUEUE_CAPACITY, Unit::Count, "Jobs the queue can hold");
+    describe_gauge!(JOBS_IN_FLIGHT, Unit::Count, "Jobs computing");
+    describe_counter!(JOBS_TOTAL, Unit::Count, "Finished jobs by outcome");
+    describe_counter!(ERRORS_TOTAL, Unit::Count, "Errors answered by kind");
+    describe_gauge!(RANKS, Unit::Count, "Ranks of the world");
+    describe_gauge!(RANKS_UP, Unit::Count, "Ranks usable");
+}
+
+/// Counts `kind` errors.
+pub fn error(kind: &'static str) {
+    counter!(ERRORS_TOTAL, "kind" => kind).increment(1);
+}
+
+/// Counts a finished job.
+pub fn job_outcome(method: &str, outcome: &'static str) {
+    counter!(JOBS_TOTAL, "method" => method.to_string(), "outcome" => outcome).increment(1);
+}
+
+/// Records everything a successful job reports.
+pub fn record_job(r: &RunResult, cache_bytes: usize) {
+    let method = if r.opts.reorder { format!("{}+reorder", r.method) } else { r.method.to_string() };
+    histogram!(TTFT_SECONDS, "method" => method.clone()).record(r.ttft.as_secs_f64());
+    histogram!(JOB_SECONDS, "method" => method.clone()).record(r.total.as_secs_f64());
+    counter!(CONTEXT_TOKENS, "method" => method.clone()).increment(r.n_context_tokens as u64);
+    if r.n_context_tokens > 0 {
+        histogram!(RECOMPUTE_RATIO, "method" => method.clone())
+            .record(r.n_selected() as f64 / r.n_context_tokens as f64);
+    }
+    counter!(CACHE_HITS).increment(r.cache_hits);
+    counter!(CACHE_MISSES).increment(r.cache_misses);
+    gauge!(CACHE_BYTES).set(cache_bytes as f64);
+    let mut phases: Vec<&str> = Vec::new();
+    for s in &r.rank_stats {
+        let rank = s.rank.to_string();
+        for (p, ms) in &s.phases {
+            histogram!(PHASE_SECONDS, "method" => method.clone(), "phase" => p.clone(), "rank" => rank.clone())
+                .record(ms / 1e3);
+            if !phases.contains(&p.as_str()) {
+                phases.push(p);
+            }
+        }
+        for (op, o) in &s.comm.ops {
+            counter!(COLLECTIVE_BYTES, "collective" => op.clone(), "rank" => rank.clone()).increment(o.bytes_sent);
+        }
+        counter!(SELECTED_TOKENS, "rank" => rank.clone()).increment(s.selected as u64);
+    }
+    for p in phases {
+        let times: Vec<f64> =
+            r.rank_stats.iter().filter_map(|s| s.phases.iter().find(|(n, _)| n == p).map(|x| x.1)).collect();
+        if times.len() == r.rank_stats.len() && !times.is_empty() {
+            let (lo, hi) = times.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+            histogram!(STRAGGLER_GAP_SECONDS, "phase" => p.to_string()).record((hi - lo) / 1e3);
+        }
+    }
+    job_outcome(&method, "ok");
+}
+
+/// Sets the rank gauges.
+pub fn ranks(total: usize, up: usize) {
+    gauge!(RANKS).set(total as f64);
+    gauge!(RANKS_UP).set(up as f64);
+}
+
+/// Queue depth gauge.
+pub fn queue_depth(n: usize) {
+    gauge!(QUEUE_DEPTH).set(n as f64);
+}
+
+/// Queue capacity gauge.
+pub fn queue_capacity(n: usize) {
+    gauge!(QUEUE_CAPACITY).set(n as f64);
+}
+
+/// Marks a job as computing while alive (RAII).
+pub struct InFlight;
+
+impl InFlight {
+    /// Increments the gauge.
+    pub fn start() -> Self {
+        gauge!(JOBS_IN_FLIGHT).increment(1.0);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        gauge!(JOBS_IN_FLIGHT).decrement(1.0);
+    }
+}

@@ -1,0 +1,335 @@
+//! `flowprefill serve` end to end: a real server process, real HTTP, real model.
+
+#[path = "../src/http.rs"]
+#[allow(dead_code)]
+mod http;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(args: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_flowprefill"));
+        c.arg("serve").arg("--listen").arg("127.0.0.1:0").args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let mut child = c.spawn().expect("start server");
+        let out = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(out).lines();
+        let addr = loop {
+            let l = lines.next().expect("server exited before listening").unwrap();
+            if let Some(rest) = l.split("http://").nth(1) {
+                break rest.split_whitespace().next().unwrap().to_string();
+            }
+        };
+        std::thread::spawn(move || for _ in lines {});
+        Server { child, addr }
+    }
+
+    fn req(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> http::Response {
+        http::request(&self.addr, method, path, headers, body, Duration::from_secs(300)).expect("request")
+    }
+
+    fn post(&self, path: &str, body: &serde_json::Value) -> http::Response {
+        self.req("POST", path, &[("Content-Type", "application/json")], body.to_string().as_bytes())
+    }
+
+    fn metrics(&self) -> String {
+        self.req("GET", "/metrics", &[], b"").text()
+    }
+
+    fn term(&mut self) -> (bool, String) {
+        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(60) {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                let mut err = String::new();
+                if let Some(mut e) = self.child.stderr.take() {
+                    let _ = e.read_to_string(&mut err);
+                }
+                return (s.success(), err);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        panic!("the server did not stop within 60 s of SIGTERM");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn docs(n: usize, sentences: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            let mut t = String::new();
+            for s in 0..sentences {
+                t.push_str(&format!(
+                    "The keeper of tower {i} counted {} lanterns by the river in {}. ",
+                    s * 3 + i,
+                    1800 + s
+                ));
+                if i == n / 2 && s == sentences / 2 {
+                    t.push_str("The access code for the north gate is 4729. ");
+                }
+            }
+            t
+        })
+        .collect()
+}
+
+fn job(docs: &[String]) -> serde_json::Value {
+    serde_json::json!({ "documents": docs, "query": "What is the access code for the north gate?", "max_tokens": 12 })
+}
+
+fn json(r: &http::Response) -> serde_json::Value {
+    serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("{e}: {}", r.text()))
+}
+
+#[test]
+fn endpoints_streaming_openai_and_metrics() {
+    let s = Server::start(&["--ranks", "2"], &[]);
+    assert_eq!(s.req("GET", "/healthz", &[], b"").status, 200);
+    let ready = s.req("GET", "/readyz", &[], b"");
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    assert_eq!(json(&ready)["ranks"], 2);
+
+    let d = docs(3, 6);
+    let r = s.post("/v1/jobs", &job(&d));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = json(&r);
+    assert!(!v["answer"].as_str().unwrap().is_empty());
+    assert!(v["ttft_ms"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["ranks"], 2);
+    assert!(v["phases"]["recompute"].as_f64().is_some());
+
+    // Streamed: token events, then a done event carrying the stats.
+    let mut body = job(&d);
+    body["stream"] = true.into();
+    let r = s.post("/v1/jobs", &body);
+    assert_eq!(r.status, 200);
+    assert!(r.header("content-type").unwrap().starts_with("text/event-stream"));
+    let t = r.text();
+    assert!(t.contains("event: token") && t.contains("event: done") && t.contains("\"ttft_ms\""), "{t}");
+
+    // OpenAI-style: documents and question separated by `---` lines.
+    let content = format!("{}\n---\n{}\n---\n{}\n---\nWhat is the access code for the north gate?", d[0], d[1], d[2]);
+    let chat = serde_json::json!({
+        "model": "smollm2", "messages": [{"role": "user", "content": content}], "max_tokens": 12,
+        "flowprefill": {"method": "infoflow", "ratio": 0.2}
+    });
+    let r = s.post("/v1/chat/completions", &chat);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = json(&r);
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 100);
+    assert_eq!(v["flowprefill"]["ratio"], 0.2);
+    let mut chat_stream = chat.clone();
+    chat_stream["stream"] = true.into();
+    let t = s.post("/v1/chat/completions", &chat_stream).text();
+    assert!(t.contains("chat.completion.chunk") && t.trim_end().ends_with("data: [DONE]"), "{t}");
+
+    // Errors name what to change.
+    let bad = |body: &[u8], want: &str| {
+        let r = s.req("POST", "/v1/jobs", &[("Content-Type", "application/json")], body);
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert!(r.text().contains(want), "{want}: {}", r.text());
+    };
+    bad(b"{not json", "malformed JSON");
+    bad(br#"{"documents": ["a"]}"#, "query");
+    bad(br#"{"documents": ["a"], "query": "q", "method": "magic"}"#, "unknown method `magic`");
+    bad(br#"{"documents": ["a"], "query": "q", "ratio": 2}"#, "field `ratio`");
+    bad(br#"{"documents": ["a", " "], "query": "q"}"#, "document 2 is empty");
+    bad(br#"{"documents": ["a"], "query": "q", "ratoi": 0.1}"#, "ratoi");
+
+    // Every metric the dashboard and the alert rules query is exported.
+    let m = s.metrics();
+    let mut wanted = std::collections::BTreeSet::new();
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string("../dashboards/grafana-flowprefill.json").unwrap()).unwrap();
+    let mut exprs = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().unwrap() {
+            exprs.push(t["expr"].as_str().unwrap().to_string());
+        }
+    }
+    exprs.push(std::fs::read_to_string("../dashboards/alerts.yml").unwrap());
+    for e in &exprs {
+        for w in e.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if w.starts_with("flowprefill_") {
+                wanted.insert(
+                    w.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count").to_string(),
+                );
+            }
+        }
+    }
+    assert!(wanted.len() >= 12, "{wanted:?}");
+    for name in &wanted {
+        assert!(m.contains(&format!("# TYPE {name} ")), "{name} is queried by the dashboards but not exported:\n{m}");
+    }
+    assert!(m.contains("rank=\"1\""), "per-rank series");
+    assert!(m.contains("flowprefill_errors_total{kind=\"bad_request\"}"), "{m}");
+}
+
+#[test]
+fn auth_body_limit_and_loopback_default() {
+    let s = Server::start(&["--token", "s3cret", "--max-body-bytes", "20000"], &[]);
+    let d = docs(2, 4);
+    let body = job(&d).to_string();
+    let r = s.req("POST", "/v1/jobs", &[("Content-Type", "application/json")], body.as_bytes());
+    assert_eq!(r.status, 401);
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    let r = s.req("POST", "/v1/jobs", &[("Authorization", "Bearer wrong")], body.as_bytes());
+    assert_eq!(r.status, 401);
+    let r = s.req("POST", "/v1/jobs", &[("Authorization", "Bearer s3cret")], body.as_bytes());
+    assert_eq!(r.status, 200, "{}", r.text());
+    let big = serde_json::json!({"documents": ["x".repeat(50_000)], "query": "q"}).to_string();
+    let r = s.req("POST", "/v1/jobs", &[("Authorization", "Bearer s3cret")], big.as_bytes());
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert!(r.text().contains("too_large"));
+    // A public address without a token is refused at start.
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_flowprefill")).args(["serve", "--listen", "0.0.0.0:0"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("without --token"));
+}
+
+#[test]
+fn queue_full_disconnect_and_graceful_shutdown() {
+    let mut s = Server::start(&["--queue", "1"], &[]);
+    let d = docs(8, 30);
+    let body = job(&d).to_string();
+    // Fill: one job computing, one queued; the next gets 429 with Retry-After.
+    let spawn = |addr: String, body: String| {
+        std::thread::spawn(move || {
+            http::request(&addr, "POST", "/v1/jobs", &[], body.as_bytes(), Duration::from_secs(300)).unwrap()
+        })
+    };
+    let a = spawn(s.addr.clone(), body.clone());
+    std::thread::sleep(Duration::from_millis(400));
+    let b = spawn(s.addr.clone(), body.clone());
+    std::thread::sleep(Duration::from_millis(400));
+    let r = s.req("POST", "/v1/jobs", &[], body.as_bytes());
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert!(r.header("retry-after").is_some_and(|v| v.parse::<u64>().is_ok()));
+    assert_eq!(a.join().unwrap().status, 200);
+    assert_eq!(b.join().unwrap().status, 200);
+
+    // A client that disconnects mid-job: the job is cancelled, the server carries on.
+    let mut stream_body = job(&d);
+    stream_body["stream"] = true.into();
+    stream_body["max_tokens"] = 200.into();
+    let payload = stream_body.to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
+        payload.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    let _ = c.read(&mut first).unwrap();
+    drop(c);
+    let t = Instant::now();
+    loop {
+        let m = s.metrics();
+        if m.contains("flowprefill_errors_total{kind=\"cancelled\"}") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "the cancelled job was not recorded:\n{m}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert_eq!(s.req("GET", "/readyz", &[], b"").status, 200);
+
+    // SIGTERM with a job in flight: it completes, then the server exits cleanly.
+    let inflight = spawn(s.addr.clone(), body.clone());
+    std::thread::sleep(Duration::from_millis(500));
+    let addr = s.addr.clone();
+    let (ok, err) = s.term();
+    let r = inflight.join().unwrap();
+    assert_eq!(r.status, 200, "the in-flight job finished: {}", r.text());
+    assert!(ok, "clean exit: {err}");
+    assert!(err.contains("shutting down") && err.contains("stopped"), "{err}");
+    assert!(TcpStream::connect(&addr).is_err(), "no longer accepting");
+}
+
+#[test]
+fn a_failed_thread_rank_gives_503_and_the_service_recovers() {
+    let s = Server::start(
+        &["--ranks", "2", "--comm-timeout", "5"],
+        &[("FLOWPREFILL_FAULT", "rank:1,phase:probe,mode:panic")],
+    );
+    let d = docs(3, 6);
+    let r = s.post("/v1/jobs", &job(&d));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.text().contains("rank 1 panicked"), "{}", r.text());
+    // The ranks are rebuilt: the next job succeeds.
+    let r = s.post("/v1/jobs", &job(&d));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let m = s.metrics();
+    assert!(m.contains("flowprefill_errors_total{kind=\"rank_failure\"} 1"), "{m}");
+    assert_eq!(s.req("GET", "/readyz", &[], b"").status, 200);
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_hung_mpi_rank_gives_503_and_a_clean_exit() {
+    let mut c = Command::new("mpirun");
+    c.args([
+        "--oversubscribe",
+        "-np",
+        "2",
+        env!("CARGO_BIN_EXE_flowprefill"),
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--comm-timeout",
+        "5",
+    ])
+    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    .env("FLOWPREFILL_FAULT", "rank:1,phase:probe,mode:hang")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = loop {
+        let l = lines.next().expect("server exited").unwrap();
+        if let Some(rest) = l.split("http://").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    let r = http::request(
+        &addr,
+        "POST",
+        "/v1/jobs",
+        &[],
+        job(&docs(3, 6)).to_string().as_bytes(),
+        Duration::from_secs(120),
+    )
+    .unwrap();
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.text().contains("rank 1 did not answer"), "{}", r.text());
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "mpirun did not exit");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(!status.success(), "an unrecoverable rank failure ends the job with an error status");
+}
