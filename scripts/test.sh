@@ -14,4 +14,11 @@ if command -v mpirun >/dev/null 2>&1 && command -v mpicc >/dev/null 2>&1; then
 else
   echo "OpenMPI not found: MPI tests skipped (install openmpi-bin and libopenmpi-dev to run them)"
 fi
+# The shipped Prometheus configs and alert rules must load (promtool: Debian package `prometheus`).
+if command -v promtool >/dev/null 2>&1; then
+  for cfg in dashboards/prometheus-local.yml dashboards/prometheus-mpirun.yml; do promtool check config "$cfg"; done
+  promtool check rules dashboards/alerts.yml
+else
+  echo "promtool not found: Prometheus config/rule validation skipped (install the \`prometheus\` package)"
+fi
 cargo test --release --workspace "${features[@]}"

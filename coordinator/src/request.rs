@@ -277,14 +277,19 @@ pub struct Job {
     pub options: RunOptions,
 }
 
-/// Checks a request and its options before any work (messages say what to change).
-pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
-    if !(0.0..=1.0).contains(&opts.ratio) || !opts.ratio.is_finite() {
+/// A recompute ratio must be a fraction in [0, 1]; checked before any model work starts.
+pub fn check_ratio(ratio: f64) -> Result<()> {
+    if !(0.0..=1.0).contains(&ratio) || !ratio.is_finite() {
         return Err(invalid(format!(
-            "--ratio {} is outside [0, 1]; give the fraction of context tokens to recompute",
-            opts.ratio
+            "--ratio {ratio} is outside [0, 1]; give the fraction of context tokens to recompute"
         )));
     }
+    Ok(())
+}
+
+/// Checks a request and its options before any work (messages say what to change).
+pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
+    check_ratio(opts.ratio)?;
     if req.query.trim().is_empty() {
         return Err(invalid("the query is missing or empty; pass --query TEXT"));
     }

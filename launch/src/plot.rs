@@ -4,6 +4,7 @@
 
 use anyhow::{Context, Result};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::FontStyle;
 use std::path::Path;
 use std::sync::OnceLock;
@@ -96,14 +97,15 @@ pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .label_font(("sans-serif", 16))
-        .position(SeriesLabelPosition::UpperLeft)
+        .position(SeriesLabelPosition::LowerRight)
         .draw()?;
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
 
-/// A heat map of `values[row][col]` in [0, 1] with row/column labels and the value printed
-/// in each cell.
+/// A grid of fractions in [0, 1], red (0) to green (1), with the value written in each cell;
+/// cells without data (`None`) are grey and say so. `values[row][col]`; row 0 is drawn at the
+/// bottom.
 pub fn heatmap(
     path: &Path,
     title: &str,
@@ -111,18 +113,27 @@ pub fn heatmap(
     y_label: &str,
     cols: &[String],
     rows: &[String],
-    values: &[Vec<f64>],
+    values: &[Vec<Option<f64>>],
 ) -> Result<()> {
     init_font()?;
-    let root =
-        BitMapBackend::new(path, (160 + 110 * cols.len() as u32, 140 + 60 * rows.len() as u32)).into_drawing_area();
+    let size = ((180 + 120 * cols.len() as u32).max(480), 150 + 60 * rows.len() as u32);
+    let root = BitMapBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 22))
+        .caption(title, ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(50)
         .y_label_area_size(90)
-        .build_cartesian_2d(0..cols.len(), 0..rows.len())?;
+        .build_cartesian_2d(-0.5..cols.len() as f64 - 0.5, -0.5..rows.len() as f64 - 0.5)?;
+    // Cell i spans [i - 0.5, i + 0.5], so the integer ticks sit at the cell centres.
+    let label = |names: &[String], v: f64| {
+        let i = v.round();
+        if (v - i).abs() < 1e-6 && i >= 0.0 {
+            names.get(i as usize).cloned().unwrap_or_default()
+        } else {
+            String::new()
+        }
+    };
     chart
         .configure_mesh()
         .disable_mesh()
@@ -130,21 +141,26 @@ pub fn heatmap(
         .y_desc(y_label)
         .x_labels(cols.len())
         .y_labels(rows.len())
-        .x_label_formatter(&|x| cols.get(*x).cloned().unwrap_or_default())
-        .y_label_formatter(&|y| rows.get(*y).cloned().unwrap_or_default())
+        .x_label_formatter(&|x| label(cols, *x))
+        .y_label_formatter(&|y| label(rows, *y))
         .label_style(("sans-serif", 15))
         .draw()?;
     for (r, row) in values.iter().enumerate() {
-        for (c, &v) in row.iter().enumerate() {
-            let v = v.clamp(0.0, 1.0);
-            // Red (0) to green (1).
-            let fill = RGBColor((220.0 * (1.0 - v)) as u8 + 30, (190.0 * v) as u8 + 40, 60);
-            chart.draw_series(std::iter::once(Rectangle::new([(c, r), (c + 1, r + 1)], fill.filled())))?;
-            chart.draw_series(std::iter::once(Text::new(
-                format!("{:.0}%", 100.0 * v),
-                (c, r + 1),
-                ("sans-serif", 16).into_font().color(&WHITE),
+        for (c, v) in row.iter().enumerate() {
+            let (fill, text) = match v {
+                Some(v) => {
+                    let v = v.clamp(0.0, 1.0);
+                    (RGBColor((220.0 * (1.0 - v)) as u8 + 30, (190.0 * v) as u8 + 40, 60), format!("{:.0}%", 100.0 * v))
+                }
+                None => (RGBColor(200, 200, 200), "no data".to_string()),
+            };
+            let (x, y) = (c as f64, r as f64);
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [(x - 0.5, y - 0.5), (x + 0.5, y + 0.5)],
+                fill.filled(),
             )))?;
+            let style = ("sans-serif", 16).into_font().color(&WHITE).pos(Pos::new(HPos::Center, VPos::Center));
+            chart.draw_series(std::iter::once(Text::new(text, (x, y), style)))?;
         }
     }
     root.present().with_context(|| format!("writing {}", path.display()))?;

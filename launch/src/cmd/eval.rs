@@ -353,6 +353,9 @@ fn pct(x: Option<f64>) -> String {
 }
 
 /// The markdown report (deterministic: accuracy only, no timings).
+/// Full-prefill accuracy below which a task is left out of the mean retention.
+const RETENTION_FLOOR: f64 = 0.2;
+
 pub fn summarize(
     records: &[Record],
     tasks: &[String],
@@ -412,8 +415,12 @@ pub fn summarize(
                     (Some(v), Some(f)) if f > 0.0 => Some(v / f),
                     _ => None,
                 };
-                if let Some(x) = ret {
-                    ret_cols[i].push(x);
+                // A task full prefill rarely solves says nothing about retention: keep it out
+                // of the mean (its ratio is still shown).
+                if let (Some(x), Some(f)) = (ret, full) {
+                    if f >= RETENTION_FLOOR {
+                        ret_cols[i].push(x);
+                    }
                 }
                 md.push_str(&format!(" {} |", pct(ret)));
             }
@@ -423,7 +430,10 @@ pub fn summarize(
         for c in &ret_cols {
             md.push_str(&format!(" **{}** |", pct(mean(c.iter().copied()))));
         }
-        md.push_str("\n\n");
+        md.push_str(&format!(
+            "\n\nThe mean leaves out tasks where full prefill scores below {:.0}%.\n\n",
+            100.0 * RETENTION_FLOOR
+        ));
     }
     md.push_str("## Mean accuracy over tasks and lengths, by ratio\n\n| method |");
     for r in ratios {
@@ -527,7 +537,7 @@ fn plots(
         for l in labels {
             let cols: Vec<String> = lengths.iter().map(|l| l.to_string()).collect();
             let rows: Vec<String> = depths.iter().map(|d| format!("{d:.1}")).collect();
-            let mut values = vec![vec![0.0; cols.len()]; rows.len()];
+            let mut values = vec![vec![None; cols.len()]; rows.len()];
             let mut any = false;
             for (ri, &d) in depths.iter().enumerate() {
                 for (ci, &len) in lengths.iter().enumerate() {
@@ -543,7 +553,7 @@ fn plots(
                             .map(|x| x.score),
                     );
                     if let Some(v) = v {
-                        values[ri][ci] = v;
+                        values[ri][ci] = Some(v);
                         any = true;
                     }
                 }

@@ -92,6 +92,7 @@ impl MethodArgs {
                 Some((p(a)?, p(b)?))
             }
         };
+        flowprefill_coordinator::request::check_ratio(self.ratio)?;
         Ok(RunOptions {
             method: self.method.parse::<Method>()?,
             ratio: self.ratio,
