@@ -15,6 +15,8 @@ struct Pending {
     op: String,
     from: Vec<usize>,
     sent: usize,
+    /// The first peer a send could not reach (its thread had ended), reported after the wait.
+    unsent: Option<usize>,
 }
 
 /// One thread rank.
@@ -91,21 +93,19 @@ impl Communicator for LocalComm {
                 return Err(CommError::Misuse(format!("`{op}`: rank {r} cannot message itself")));
             }
         }
-        // Deliver to every live peer before reporting a lost one: the survivors then
-        // see the dead rank in their own wait, not this rank's early exit.
+        // Deliver to every live peer and report a failed send only after the wait: a peer
+        // that ended after sending its part is not the one to blame, and the survivors then
+        // name the rank that ended without contributing.
         let mut sent = 0;
-        let mut lost = None;
+        let mut unsent = None;
         for (r, data) in sends {
             sent += data.len();
             let tx = self.to[r].as_ref().ok_or(CommError::BadRank { rank: r, size: self.size })?;
-            if tx.send(data).is_err() && lost.is_none() {
-                lost = Some(r);
+            if tx.send(data).is_err() && unsent.is_none() {
+                unsent = Some(r);
             }
         }
-        if let Some(rank) = lost {
-            return Err(CommError::RankLost { rank, op: op.to_string(), detail: "its thread has ended".into() });
-        }
-        self.pending = Some(Pending { op: op.to_string(), from, sent });
+        self.pending = Some(Pending { op: op.to_string(), from, sent, unsent });
         Ok(())
     }
 
@@ -129,6 +129,9 @@ impl Communicator for LocalComm {
         }
         let received = got.iter().map(Vec::len).sum();
         self.stats.record(&p.op, p.sent, received, t0.elapsed());
+        if let Some(rank) = p.unsent {
+            return Err(CommError::RankLost { rank, op: p.op, detail: "its thread has ended".into() });
+        }
         Ok(got)
     }
 
