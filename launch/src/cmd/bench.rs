@@ -250,16 +250,7 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
     let ranks = a.ranks.concat();
     anyhow::ensure!(a.runs >= 1 && !lengths.is_empty() && !ranks.is_empty(), "give --lengths, --ranks and --runs >= 1");
     anyhow::ensure!(ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
-    let methods: Vec<(String, Method, bool)> = a
-        .methods
-        .split(',')
-        .map(str::trim)
-        .filter(|m| !m.is_empty())
-        .map(|m| {
-            let (name, reorder) = m.strip_suffix("+reorder").map_or((m, false), |n| (n, true));
-            Ok((m.to_string(), name.parse::<Method>()?, reorder))
-        })
-        .collect::<Result<_>>()?;
+    let methods = super::method_labels(&a.methods)?;
     let scope: flowprefill_coordinator::Scope = a.scope.parse()?;
     let lm = std::sync::Arc::new(super::load_model(common)?);
     let window = lm.model.config().context_length;

@@ -169,17 +169,10 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         !tasks.is_empty() && !lengths.is_empty() && a.samples > 0 && !depths.is_empty(),
         "nothing to evaluate"
     );
-    anyhow::ensure!(ratios.iter().all(|r| (0.0..=1.0).contains(r)), "--ratios must lie in [0, 1]");
-    let methods: Vec<(String, Method, bool)> = a
-        .methods
-        .split(',')
-        .map(str::trim)
-        .filter(|m| !m.is_empty())
-        .map(|m| {
-            let (name, reorder) = m.strip_suffix("+reorder").map_or((m, false), |n| (n, true));
-            Ok((m.to_string(), name.parse::<Method>()?, reorder))
-        })
-        .collect::<Result<_>>()?;
+    for &r in &ratios {
+        flowprefill_coordinator::request::check_ratio(r)?;
+    }
+    let methods = super::method_labels(&a.methods)?;
     anyhow::ensure!(
         methods.iter().any(|m| m.1 == Method::Full),
         "--methods must include full (the baseline for retention)"

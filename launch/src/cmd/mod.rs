@@ -50,6 +50,18 @@ pub fn parse_list<T: std::str::FromStr>(s: &str) -> std::result::Result<Vec<T>, 
 }
 
 /// `flowprefill devices`: the GPUs visible to a `cuda` build.
+/// Comma-separated method labels (`infoflow+reorder` reorders): (label, method, reorder).
+pub fn method_labels(list: &str) -> Result<Vec<(String, flowprefill_coordinator::Method, bool)>> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .map(|m| {
+            let (name, reorder) = m.strip_suffix("+reorder").map_or((m, false), |n| (n, true));
+            Ok((m.to_string(), name.parse()?, reorder))
+        })
+        .collect()
+}
+
 pub fn devices() -> Result<()> {
     println!("cpu: {} threads, SIMD {:?}", rayon::current_num_threads(), flowprefill_kernels::simd::level());
     #[cfg(feature = "cuda")]
