@@ -66,5 +66,24 @@ fn same_command_same_table_resume_and_plots() {
         .unwrap();
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("other settings"));
+    // So is an ablation (another scoring geometry) ...
+    let ablation = |dir: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_flowprefill"))
+            .args(["eval", "--tasks", "niah_single", "--lengths", "400", "--samples", "1"])
+            .args(["--methods", "full,infoflow", "--ratios", "0.15", "--geometry", "tl-tp"])
+            .arg("--out")
+            .arg(dir)
+            .output()
+            .unwrap()
+    };
+    let o = ablation(&a);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("other settings"));
+    // ... which runs in its own folder and says what it changed.
+    let c = base.join("c");
+    let o = ablation(&c);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let tc = std::fs::read_to_string(c.join("results.md")).unwrap();
+    assert!(tc.contains("Selection settings: geometry \"tl-tp\""), "{tc}");
     let _ = std::fs::remove_dir_all(base);
 }

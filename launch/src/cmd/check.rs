@@ -130,7 +130,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
                 reorder,
                 max_new_tokens: 32,
                 geometry: args.geometry.parse()?,
-                score_layers: parse_layers(args.score_layers.as_deref())?,
+                score_layers: super::parse_layers(args.score_layers.as_deref())?,
                 prefix: args.prefix.as_deref().map(str::parse).transpose()?,
                 ..RunOptions::default()
             };
@@ -213,13 +213,4 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
-    let Some(s) = s else { return Ok(None) };
-    let (a, b) = s.split_once('-').unwrap_or((s, s));
-    let p = |x: &str| {
-        x.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("--score-layers `{s}`: expected A-B, e.g. 17-19"))
-    };
-    Ok(Some((p(a)?, p(b)?)))
 }

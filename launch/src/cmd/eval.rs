@@ -10,7 +10,7 @@
 use crate::{plot, Common};
 use anyhow::{Context as _, Result};
 use flowprefill_coordinator::tasks::{all_tasks, generate, QaCase};
-use flowprefill_coordinator::{Context, Job, Method, PrefixMode, Request, RunOptions, ThreadRanks};
+use flowprefill_coordinator::{Context, Geometry, Job, Method, PrefixMode, Request, RunOptions, ThreadRanks};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::io::Write;
@@ -51,6 +51,15 @@ pub struct Args {
     /// Seed of the cases.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Scoring geometry of the selective methods (an ablation; results go to their own --out).
+    #[arg(long, default_value = "global")]
+    pub geometry: String,
+    /// InfoFlow scoring layers, e.g. 27-29 (default: 55%-65% depth).
+    #[arg(long)]
+    pub score_layers: Option<String>,
+    /// Prefix mode for every chunked method (default: each method's own).
+    #[arg(long)]
+    pub prefix: Option<String>,
     /// Maximum answer tokens (default: per task, 32, or 64 for the four-value tasks).
     #[arg(long)]
     pub max_tokens: Option<usize>,
@@ -177,14 +186,27 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         methods.iter().any(|m| m.1 == Method::Full),
         "--methods must include full (the baseline for retention)"
     );
+    let geometry: Geometry = a.geometry.parse()?;
+    let score_layers = super::parse_layers(a.score_layers.as_deref())?;
+    let prefix: Option<PrefixMode> = a.prefix.as_deref().map(str::parse).transpose()?;
     let model_path = super::model_path(common)?;
-    let config = serde_json::json!({
+    let mut config = serde_json::json!({
         "model": model_path.file_name().map(|n| n.to_string_lossy().into_owned()),
         "seed": a.seed,
         "max_tokens": a.max_tokens,
         "depths": depths,
         "ranks": a.ranks,
     });
+    // Ablation settings join the key only when set, so results made with the defaults resume.
+    if geometry != Geometry::Global {
+        config["geometry"] = serde_json::json!(geometry.name());
+    }
+    if let Some((lo, hi)) = score_layers {
+        config["score_layers"] = serde_json::json!([lo, hi]);
+    }
+    if let Some(p) = prefix {
+        config["prefix"] = serde_json::json!(p.name());
+    }
     std::fs::create_dir_all(&a.out)?;
     let results_path = a.out.join("results.json");
     let mut records: Vec<Record> = Vec::new();
@@ -243,6 +265,9 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
                             reorder: *reorder,
                             ratio: ratio.unwrap_or(0.0),
                             max_new_tokens: a.max_tokens.unwrap_or_else(|| answer_budget(task)),
+                            geometry,
+                            score_layers,
+                            prefix,
                             ..RunOptions::default()
                         };
                         let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
@@ -257,7 +282,11 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     }
     eprintln!();
     let labels: Vec<String> = methods.iter().map(|m| m.0.clone()).collect();
-    let md = summarize(&records, &tasks, &lengths, &labels, &ratios, a.table_ratio);
+    let settings: Vec<String> = ["geometry", "score_layers", "prefix"]
+        .iter()
+        .filter_map(|k| config.get(*k).map(|v| format!("{k} {v}")))
+        .collect();
+    let md = summarize(&records, &tasks, &lengths, &labels, &ratios, a.table_ratio, &settings);
     let md_path = a.out.join("results.md");
     write_atomic(&md_path, md.as_bytes())?;
     println!("{md}");
@@ -345,10 +374,12 @@ fn pct(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{:.1}", 100.0 * v))
 }
 
-/// The markdown report (deterministic: accuracy only, no timings).
 /// Full-prefill accuracy below which a task is left out of the mean retention.
 const RETENTION_FLOOR: f64 = 0.2;
 
+/// The markdown report (deterministic: accuracy only, no timings). `settings` lists the
+/// non-default selection settings (ablations), if any.
+#[allow(clippy::too_many_arguments)]
 pub fn summarize(
     records: &[Record],
     tasks: &[String],
@@ -356,12 +387,16 @@ pub fn summarize(
     labels: &[String],
     ratios: &[f64],
     tr: f64,
+    settings: &[String],
 ) -> String {
     let mut md = String::new();
     let n_cases = records.iter().map(|r| (&r.task, r.length, r.sample)).collect::<HashSet<_>>().len();
     md.push_str(&format!(
         "# flowprefill eval\n\n{n_cases} cases; lengths {lengths:?}; ratios {ratios:?}; scores in %.\n\n"
     ));
+    if !settings.is_empty() {
+        md.push_str(&format!("Selection settings: {}.\n\n", settings.join("; ")));
+    }
     for &len in lengths {
         md.push_str(&format!("## Accuracy at ratio {tr} ({len} tokens)\n\n| task |"));
         for l in labels {

@@ -85,3 +85,13 @@ pub fn devices() -> Result<()> {
     println!("cuda: not compiled in (build with `cargo build --release --features cuda`)");
     Ok(())
 }
+
+/// `--score-layers A-B` (or one layer `A`), inclusive and 0-based.
+pub(crate) fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
+    let Some(s) = s else { return Ok(None) };
+    let (a, b) = s.split_once('-').unwrap_or((s, s));
+    let p = |x: &str| {
+        x.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("--score-layers `{s}`: expected A-B, e.g. 17-19"))
+    };
+    Ok(Some((p(a)?, p(b)?)))
+}

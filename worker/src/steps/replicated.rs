@@ -32,6 +32,13 @@ pub struct LocalSegment<'a, B: Backend> {
     pub positions: Vec<u32>,
 }
 
+// Manual: `B` itself need not be `Clone` (the segment only borrows its cache).
+impl<B: Backend> Clone for LocalSegment<'_, B> {
+    fn clone(&self) -> Self {
+        Self { id: self.id, cache: self.cache, positions: self.positions.clone() }
+    }
+}
+
 impl<'a, B: Backend> LocalSegment<'a, B> {
     /// A rotated segment at its own positions.
     pub fn placed(id: usize, cache: &'a KvCache<B>) -> Self {

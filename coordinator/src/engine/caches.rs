@@ -1,0 +1,149 @@
+//! Chunk caches: looked up in the rank's store, or prefilled (the missing chunks of one stage
+//! in batched forwards) under the request's prefix mode.
+
+use super::Engine;
+use crate::error::{invalid, Result};
+use crate::layout::Layout;
+use crate::request::PrefixMode;
+use crate::select::AuxCaches;
+use flowprefill_kernels::Backend;
+use flowprefill_worker::kv::KvCache;
+use flowprefill_worker::steps::{prefill_chunks, ChunkJob, DEFAULT_BATCH_TOKENS};
+use flowprefill_worker::store::{ChunkKey, ChunkStore};
+use flowprefill_worker::LoadedModel;
+use std::sync::Arc;
+
+/// Head cache and the caches of the requested chunks.
+pub(super) struct Caches<B: Backend> {
+    pub(super) head: Arc<KvCache<B>>,
+    pub(super) chunks: Vec<Arc<KvCache<B>>>,
+    pub(super) hits: u64,
+    pub(super) misses: u64,
+}
+
+/// A chunk to look up or prefill.
+struct Spec<'a, B: Backend> {
+    head_tokens: Vec<u32>,
+    head: Vec<&'a KvCache<B>>,
+    tokens: &'a [u32],
+    start: u32,
+}
+
+/// Looks every spec up in the store and prefills the missing ones together.
+fn resolve<B: Backend>(
+    model: &flowprefill_worker::Model<B>,
+    store: &ChunkStore<B>,
+    specs: Vec<Spec<'_, B>>,
+    stats: &mut (u64, u64),
+) -> Result<Vec<Arc<KvCache<B>>>> {
+    let keys: Vec<ChunkKey> = specs.iter().map(|s| ChunkKey::new(&s.head_tokens, s.start, s.tokens)).collect();
+    let mut found: Vec<Option<Arc<KvCache<B>>>> = keys.iter().map(|k| store.get(k)).collect();
+    let missing: Vec<usize> = (0..specs.len()).filter(|&i| found[i].is_none()).collect();
+    stats.0 += (specs.len() - missing.len()) as u64;
+    stats.1 += missing.len() as u64;
+    let jobs: Vec<ChunkJob<'_, B>> = missing
+        .iter()
+        .map(|&i| ChunkJob { head: specs[i].head.clone(), tokens: specs[i].tokens, start: specs[i].start })
+        .collect();
+    let made = prefill_chunks(model, &jobs, DEFAULT_BATCH_TOKENS)?;
+    for (&i, kv) in missing.iter().zip(made) {
+        found[i] = Some(store.insert(keys[i], kv));
+    }
+    found.into_iter().map(|f| f.ok_or_else(|| invalid("chunk cache missing after prefill"))).collect()
+}
+
+impl<B: Backend> Engine<B> {
+    /// Head and the caches of `chunks` (ids) under `mode`, from `store` or prefilled (the
+    /// missing chunks of one stage in batched forwards).
+    pub(super) fn caches(
+        &self,
+        lm: &LoadedModel<B>,
+        store: &ChunkStore<B>,
+        layout: &Layout,
+        mode: PrefixMode,
+        chunks: &[usize],
+    ) -> Result<Caches<B>> {
+        let model = &lm.model;
+        let be = model.backend();
+        let n_kv = model.config().n_kv_heads;
+        let mut stats = (0u64, 0u64);
+        let head = resolve(
+            model,
+            store,
+            vec![Spec { head_tokens: vec![], head: vec![], tokens: &layout.head, start: 0 }],
+            &mut stats,
+        )?
+        .pop()
+        .ok_or_else(|| invalid("head cache missing"))?;
+        let head_placed = head.placed(be, model.rope(), head.positions(), n_kv)?;
+        let p = layout.head.len() as u32;
+        let behind_head = |c: usize| Spec {
+            head_tokens: layout.head.clone(),
+            head: vec![&head_placed],
+            tokens: &layout.chunks[c],
+            start: p,
+        };
+        let alone = |c: usize| Spec { head_tokens: vec![], head: vec![], tokens: &layout.chunks[c], start: 0 };
+        let out = match mode {
+            PrefixMode::None => resolve(
+                model,
+                store,
+                chunks.iter().map(|&c| if c == 0 { behind_head(c) } else { alone(c) }).collect(),
+                &mut stats,
+            )?,
+            PrefixMode::Shared => resolve(model, store, chunks.iter().map(|&c| behind_head(c)).collect(), &mut stats)?,
+            PrefixMode::Anchor => {
+                if chunks.is_empty() {
+                    Vec::new()
+                } else {
+                    // The anchor (head + chunk 0) is needed by every rank holding a later chunk
+                    // (Star Attention replicates it); it is prefilled here if not held.
+                    let first = resolve(model, store, vec![behind_head(0)], &mut stats)?
+                        .pop()
+                        .ok_or_else(|| invalid("anchor missing"))?;
+                    let anchor = first.placed(be, model.rope(), first.positions(), n_kv)?;
+                    let mut toks = layout.head.clone();
+                    toks.extend_from_slice(&layout.chunks[0]);
+                    let start = toks.len() as u32;
+                    let later: Vec<usize> = chunks.iter().copied().filter(|&c| c != 0).collect();
+                    let specs = later
+                        .iter()
+                        .map(|&c| Spec {
+                            head_tokens: toks.clone(),
+                            head: vec![&head_placed, &anchor],
+                            tokens: &layout.chunks[c],
+                            start,
+                        })
+                        .collect();
+                    let mut rest = resolve(model, store, specs, &mut stats)?.into_iter();
+                    let mut out = Vec::with_capacity(chunks.len());
+                    for &c in chunks {
+                        out.push(if c == 0 {
+                            first.clone()
+                        } else {
+                            rest.next().ok_or_else(|| invalid("chunk missing"))?
+                        });
+                    }
+                    out
+                }
+            }
+        };
+        Ok(Caches { head, chunks: out, hits: stats.0, misses: stats.1 })
+    }
+}
+
+impl<B: Backend> AuxCaches<B> for Engine<B> {
+    fn aux_model(&self) -> &LoadedModel<B> {
+        self.aux.as_deref().unwrap_or(&self.lm)
+    }
+
+    fn aux_caches(&self, layout: &Layout, chunks: &[usize]) -> Result<crate::select::HeadAndChunks<B>> {
+        // The same model shares the main store (its shared-prefix chunk caches are the same).
+        let (lm, store) = match &self.aux {
+            Some(a) => (&**a, &self.aux_store),
+            None => (&*self.lm, &self.store),
+        };
+        let c = self.caches(lm, store, layout, PrefixMode::Shared, chunks)?;
+        Ok((c.head, c.chunks))
+    }
+}

@@ -1,0 +1,102 @@
+//! The prompt over sharded segments and the decoding loop (rank 0 samples and broadcasts
+//! each token; every rank attends its own segments).
+
+use super::{Engine, Role, Turn};
+use crate::error::Result;
+use crate::timings::phase;
+use flowprefill_comm::{broadcast_value, Communicator};
+use flowprefill_kernels::Backend;
+use flowprefill_worker::generate::{decode_with, StopReason};
+use flowprefill_worker::kv::{KeyForm, KvCache};
+use flowprefill_worker::model::Logits;
+use flowprefill_worker::steps::{LocalSegment, Replicated};
+use std::time::Instant;
+
+impl<B: Backend> Engine<B> {
+    /// Runs the prompt over `segs`, then decodes (see [`Engine::decode_with_tail`]).
+    pub(super) fn prompt_and_decode(
+        &self,
+        comm: &mut dyn Communicator,
+        segs: Vec<LocalSegment<'_, B>>,
+        prompt: &[u32],
+        prompt_pos: &[u32],
+        turn: &mut Turn<'_>,
+    ) -> Result<Option<(Vec<u32>, StopReason)>> {
+        let model = &self.lm.model;
+        let be = model.backend();
+        let mut tail = self.empty_tail()?;
+        crate::fault::point(comm.rank(), phase::FINAL_PROMPT);
+        let logits = turn.phases.time(phase::FINAL_PROMPT, || -> Result<Vec<f32>> {
+            let local = segs.clone();
+            let mut rep = Replicated::new(be, comm, "final", local, &mut tail, prompt_pos, vec![])?;
+            let out = model.forward(prompt, prompt_pos, &mut rep, Logits::Last)?;
+            rep.commit()?;
+            Ok(out.last().to_vec())
+        })?;
+        let next_pos = prompt_pos.last().map_or(0, |p| p + 1);
+        self.decode_with_tail(comm, segs, tail, logits, next_pos, turn)
+    }
+
+    /// An empty replicated tail (the prompt's and the answer's K/V go there).
+    pub(super) fn empty_tail(&self) -> Result<KvCache<B>> {
+        let cfg = self.lm.model.config();
+        Ok(KvCache::new(self.lm.model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?)
+    }
+
+    /// Rank 0 picks each token and broadcasts it; every rank runs it over its segments and the
+    /// replicated tail (flash-decoding across ranks); `None` ends the loop.
+    pub(super) fn decode_with_tail(
+        &self,
+        comm: &mut dyn Communicator,
+        segs: Vec<LocalSegment<'_, B>>,
+        mut tail: KvCache<B>,
+        logits: Vec<f32>,
+        next_pos: u32,
+        turn: &mut Turn<'_>,
+    ) -> Result<Option<(Vec<u32>, StopReason)>> {
+        let model = &self.lm.model;
+        let be = model.backend();
+        let window = model.config().context_length;
+        let mut step = |comm: &mut dyn Communicator, tok: u32, pos: u32| -> flowprefill_worker::Result<Vec<f32>> {
+            let local = segs.clone();
+            let mut rep = Replicated::new(be, comm, "decode", local, &mut tail, &[pos], vec![])?;
+            let out = model.forward(&[tok], &[pos], &mut rep, Logits::Last)?;
+            rep.commit()?;
+            Ok(out.last().to_vec())
+        };
+        match &mut turn.role {
+            Role::Lead { sampler, on_text } => {
+                let first = turn.phases.time(phase::FIRST_TOKEN, || sampler.sample(&logits));
+                turn.result.ttft = turn.t0.elapsed();
+                turn.result.first_logits = logits;
+                let t = Instant::now();
+                let mut lead_step = |tok: u32, pos: u32| -> flowprefill_worker::Result<Vec<f32>> {
+                    broadcast_value(comm, "decode.token", 0, Some(&Some((tok, pos))))?;
+                    step(comm, tok, pos)
+                };
+                let out = decode_with(
+                    &self.lm.tokenizer,
+                    first,
+                    sampler,
+                    turn.opts.max_new_tokens,
+                    window,
+                    next_pos,
+                    &mut lead_step,
+                    *on_text,
+                )?;
+                broadcast_value::<Option<(u32, u32)>>(comm, "decode.token", 0, Some(&None))?;
+                turn.phases.add(phase::DECODE, t.elapsed());
+                Ok(Some(out))
+            }
+            Role::Follow => {
+                let t = Instant::now();
+                crate::fault::point(comm.rank(), phase::DECODE);
+                while let Some((tok, pos)) = broadcast_value::<Option<(u32, u32)>>(comm, "decode.token", 0, None)? {
+                    step(comm, tok, pos)?;
+                }
+                turn.phases.add(phase::DECODE, t.elapsed());
+                Ok(None)
+            }
+        }
+    }
+}

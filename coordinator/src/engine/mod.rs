@@ -1,0 +1,372 @@
+//! The phase pipeline of one request, run by every rank of a world (a single process is a
+//! world of one: no special case).
+//!
+//! ```text
+//!  rank 0 broadcasts the job; every rank tokenizes it the same way
+//!  chunk caches of the rank's own chunks (store or batched prefill)         [chunk_prefill]  no comm
+//!  reorder (optional): HL-TP scores, importances all-gathered               [reorder]        O(K)
+//!  place own chunks at global positions (rotation only)                     [assemble]       no comm
+//!  score (policy), local top-k candidates -> rank 0 cuts -> broadcast       [probe, selection] O(M d)/layer, O(k)
+//!  recompute selected tokens, exact (pass-Q) or sparse (selected K/V only)   [recompute]      O(k d)/layer
+//!  prompt over the sharded segments, merged in segment order -> rank 0 picks [final_prompt, first_token]
+//!  decode: rank 0 broadcasts each token, every rank attends its segments     [decode]         O(d)/layer/token
+//! ```
+//! Ring attention replaces the first five phases with an exact ring prefill; `full` runs on
+//! rank 0 alone. No rank ever gathers the whole cache.
+//!
+//! This file holds the request lifecycle (lead / follow / stop, `full`, `ring`); the phases
+//! live beside it: `caches` (store lookups and batched chunk prefill per prefix mode),
+//! `chunked` (reorder, placement, selection, recomputation), `decode` (the prompt over the
+//! sharded segments and the token loop).
+
+mod caches;
+mod chunked;
+mod decode;
+
+use crate::error::{invalid, CoordError, Result};
+use crate::layout::Layout;
+use crate::request::{validate, Job, Method, PrefixMode, Request, RunOptions};
+use crate::shard;
+use crate::timings::{phase, PhaseTimes};
+use flowprefill_comm::local::LocalComm;
+use flowprefill_comm::{all_gather_value, broadcast_value, CommStats, Communicator};
+use flowprefill_kernels::topk::count_for_ratio;
+use flowprefill_kernels::Backend;
+use flowprefill_worker::generate::{decode, prefill_into, StopReason, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::kv::{KeyForm, KvCache};
+use flowprefill_worker::sampling::Sampler;
+use flowprefill_worker::steps::{ring_prefill, zigzag_pieces, LocalSegment};
+use flowprefill_worker::store::ChunkStore;
+use flowprefill_worker::{LoadedModel, WorkerError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Default byte budget of the chunk store.
+pub const DEFAULT_STORE_BYTES: usize = 2 << 30;
+
+/// What one rank did during a request.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct RankStats {
+    /// The rank.
+    pub rank: usize,
+    /// Milliseconds per phase, in pipeline order.
+    pub phases: Vec<(String, f64)>,
+    /// Bytes and wait time per collective.
+    pub comm: CommStats,
+    /// Chunks held.
+    pub chunks: usize,
+    /// Context tokens held.
+    pub tokens: usize,
+    /// Selected tokens held.
+    pub selected: usize,
+    /// Chunk-store hits and misses.
+    pub cache_hits: u64,
+    /// Chunk-store misses (chunks prefilled).
+    pub cache_misses: u64,
+}
+
+/// Outcome of one request (on rank 0).
+#[derive(Clone, Debug)]
+pub struct RunResult {
+    /// The answer text.
+    pub answer: String,
+    /// Answer token ids.
+    pub tokens: Vec<u32>,
+    /// Why decoding stopped.
+    pub stop: StopReason,
+    /// Time to first token (from the start of the request, tokenization included).
+    pub ttft: Duration,
+    /// Total time including decoding.
+    pub total: Duration,
+    /// Rank 0's time per phase, in pipeline order.
+    pub phases: PhaseTimes,
+    /// Method run.
+    pub method: Method,
+    /// Ratio in effect.
+    pub ratio: f64,
+    /// Options as given.
+    pub opts: RunOptions,
+    /// Prefix mode in effect.
+    pub prefix: PrefixMode,
+    /// Ranks.
+    pub ranks: usize,
+    /// Template head tokens.
+    pub n_head_tokens: usize,
+    /// Context tokens (candidates).
+    pub n_context_tokens: usize,
+    /// Prompt tokens after the context.
+    pub n_prompt_tokens: usize,
+    /// Tokens per chunk (request order).
+    pub chunk_tokens: Vec<usize>,
+    /// Owner rank of each chunk (request order).
+    pub owners: Vec<usize>,
+    /// Chunk ids in the final layout order.
+    pub order: Vec<usize>,
+    /// Chunk importance from reordering (request order), if reordered.
+    pub importance: Option<Vec<f32>>,
+    /// Selected rows per chunk (request order).
+    pub selected_rows: Vec<Vec<usize>>,
+    /// Token budget `round(ratio * N)`.
+    pub budget: usize,
+    /// Chunk-store lookups that hit during this request (all ranks).
+    pub cache_hits: u64,
+    /// Chunk-store lookups that missed (chunks prefilled, all ranks).
+    pub cache_misses: u64,
+    /// Logits of the first answer token (for equivalence checks).
+    pub first_logits: Vec<f32>,
+    /// Per-rank phase times and communication.
+    pub rank_stats: Vec<RankStats>,
+}
+
+impl RunResult {
+    /// Selected tokens per chunk (request order).
+    pub fn selected_counts(&self) -> Vec<usize> {
+        self.selected_rows.iter().map(Vec::len).collect()
+    }
+
+    /// Total selected tokens.
+    pub fn n_selected(&self) -> usize {
+        self.selected_rows.iter().map(Vec::len).sum()
+    }
+}
+
+/// A model, an optional auxiliary model, and this rank's chunk store.
+pub struct Engine<B: Backend> {
+    lm: Arc<LoadedModel<B>>,
+    aux: Option<Arc<LoadedModel<B>>>,
+    store: ChunkStore<B>,
+    aux_store: ChunkStore<B>,
+}
+
+/// Per-rank part of the decoding loop: the sampler and the text sink live on rank 0 only.
+enum Role<'a> {
+    Lead { sampler: Box<Sampler>, on_text: &'a mut dyn FnMut(&str) -> bool },
+    Follow,
+}
+
+/// One job's state on this rank, threaded through the phases.
+struct Turn<'a> {
+    opts: &'a RunOptions,
+    phases: PhaseTimes,
+    /// Filled on every rank; only rank 0's is returned.
+    result: RunResult,
+    mine: RankStats,
+    role: Role<'a>,
+    /// Start of the request (TTFT is measured from it).
+    t0: Instant,
+}
+
+impl<B: Backend> Engine<B> {
+    /// An engine with a chunk store of `store_bytes`.
+    pub fn new(lm: Arc<LoadedModel<B>>, store_bytes: usize) -> Self {
+        Self { lm, aux: None, store: ChunkStore::new(store_bytes), aux_store: ChunkStore::new(store_bytes / 4) }
+    }
+
+    /// Uses `aux` as CacheClip's auxiliary model; it must share the main model's vocabulary.
+    pub fn with_aux(mut self, aux: Arc<LoadedModel<B>>) -> Result<Self> {
+        let (a, b) = (&self.lm.tokenizer, &aux.tokenizer);
+        let same = a.vocab_size() == b.vocab_size() && (0..a.vocab_size() as u32).all(|i| a.token(i) == b.token(i));
+        if !same {
+            return Err(invalid(
+                "--aux-model must use the same tokenizer vocabulary as --model (token alignment between \
+                 different vocabularies is not implemented)",
+            ));
+        }
+        self.aux = Some(aux);
+        Ok(self)
+    }
+
+    /// The main model.
+    pub fn model(&self) -> &LoadedModel<B> {
+        &self.lm
+    }
+
+    /// This rank's chunk store.
+    pub fn store(&self) -> &ChunkStore<B> {
+        &self.store
+    }
+
+    /// Runs one request in a world of one.
+    pub fn run(&self, req: &Request, opts: &RunOptions, on_text: &mut dyn FnMut(&str) -> bool) -> Result<RunResult> {
+        let mut solo = LocalComm::group(1).pop().ok_or_else(|| invalid("no communicator"))?;
+        let job = Job { request: req.clone(), options: opts.clone() };
+        self.lead(&mut solo, &job, on_text)
+    }
+
+    /// Rank 0: broadcasts `job` and runs it with the other ranks (which are in [`Engine::follow`]).
+    pub fn lead(
+        &self,
+        comm: &mut dyn Communicator,
+        job: &Job,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<RunResult> {
+        if comm.rank() != 0 {
+            return Err(invalid("only rank 0 leads"));
+        }
+        let t0 = Instant::now();
+        comm.reset_stats();
+        let job: Option<Job> = broadcast_value(comm, "request", 0, Some(&Some(job.clone())))?;
+        let job = job.ok_or_else(|| invalid("broadcast lost the job"))?;
+        self.run_job(comm, &job, t0, on_text)?.ok_or_else(|| invalid("rank 0 produced no result"))
+    }
+
+    /// Rank 0: tells the followers there is no more work.
+    pub fn stop(comm: &mut dyn Communicator) -> Result<()> {
+        broadcast_value::<Option<Job>>(comm, "request", 0, Some(&None))?;
+        Ok(())
+    }
+
+    /// Ranks other than 0: runs the jobs rank 0 broadcasts until it stops; returns how many.
+    /// Errors every rank sees alike (bad input) are skipped; anything else ends the rank.
+    pub fn follow(&self, comm: &mut dyn Communicator) -> Result<usize> {
+        let mut done = 0;
+        loop {
+            let t0 = Instant::now();
+            comm.reset_stats();
+            let job: Option<Job> = broadcast_value(comm, "request", 0, None)?;
+            let Some(job) = job else { return Ok(done) };
+            match self.run_job(comm, &job, t0, &mut |_| true) {
+                Ok(_) | Err(CoordError::Invalid(_)) => done += 1,
+                Err(CoordError::Worker(WorkerError::Input(_)))
+                | Err(CoordError::Worker(WorkerError::ContextTooLong { .. })) => done += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The pipeline of one job on this rank (see the module docs); `Some` on rank 0.
+    fn run_job(
+        &self,
+        comm: &mut dyn Communicator,
+        job: &Job,
+        t0: Instant,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Option<RunResult>> {
+        let (req, opts) = (&job.request, &job.options);
+        validate(req, opts)?;
+        let lm = &*self.lm;
+        let model = &lm.model;
+        let cfg = model.config();
+        let layout = Layout::build(lm, req)?;
+        let window = cfg.context_length;
+        if layout.total_len() + 1 > window {
+            return Err(WorkerError::ContextTooLong { tokens: layout.total_len() + 1, window }.into());
+        }
+        let (rank, size) = (comm.rank(), comm.size());
+        let lead = rank == 0;
+        let sampler = Sampler::new(opts.sampling.clone())?;
+        let ratio = opts.effective_ratio();
+        let n = layout.n_context();
+        let chunk_tokens: Vec<usize> = layout.chunks.iter().map(Vec::len).collect();
+        let owners =
+            if opts.method == Method::Full { vec![0; chunk_tokens.len()] } else { shard::plan(&chunk_tokens, size) };
+        let result = RunResult {
+            answer: String::new(),
+            tokens: Vec::new(),
+            stop: StopReason::MaxTokens,
+            ttft: Duration::ZERO,
+            total: Duration::ZERO,
+            phases: PhaseTimes::default(),
+            method: opts.method,
+            ratio,
+            opts: opts.clone(),
+            prefix: opts.prefix_mode(),
+            ranks: size,
+            n_head_tokens: layout.head.len(),
+            n_context_tokens: n,
+            n_prompt_tokens: layout.prompt.len(),
+            chunk_tokens: chunk_tokens.clone(),
+            owners: owners.clone(),
+            order: (0..layout.chunks.len()).collect(),
+            importance: None,
+            selected_rows: vec![Vec::new(); layout.chunks.len()],
+            budget: count_for_ratio(ratio, n),
+            cache_hits: 0,
+            cache_misses: 0,
+            first_logits: Vec::new(),
+            rank_stats: Vec::new(),
+        };
+        let mut turn = Turn {
+            opts,
+            phases: PhaseTimes::default(),
+            result,
+            mine: RankStats { rank, ..Default::default() },
+            role: if lead { Role::Lead { sampler: Box::new(sampler), on_text } } else { Role::Follow },
+            t0,
+        };
+
+        let decoded = match opts.method {
+            Method::Full => {
+                if lead {
+                    Some(self.full(&layout, &mut turn)?)
+                } else {
+                    None
+                }
+            }
+            Method::Ring => self.ring(comm, &layout, &mut turn)?,
+            _ => self.chunked(comm, &layout, &owners, &mut turn)?,
+        };
+
+        // Statistics of every rank, gathered once the answer is complete.
+        let Turn { phases, mut result, mut mine, .. } = turn;
+        mine.phases = phases.entries().iter().map(|(n, d)| (n.to_string(), d.as_secs_f64() * 1e3)).collect();
+        mine.comm = comm.stats().clone();
+        let all: Vec<RankStats> = all_gather_value(comm, "stats", &mine)?;
+        if !lead {
+            return Ok(None);
+        }
+        let (tokens, stop) = decoded.ok_or_else(|| invalid("rank 0 did not decode"))?;
+        result.cache_hits = all.iter().map(|r| r.cache_hits).sum();
+        result.cache_misses = all.iter().map(|r| r.cache_misses).sum();
+        result.rank_stats = all;
+        result.answer = lm.tokenizer.decode(&tokens)?;
+        result.tokens = tokens;
+        result.stop = stop;
+        result.phases = phases;
+        result.total = t0.elapsed();
+        Ok(Some(result))
+    }
+
+    /// Method `full`: single-pass prefill on rank 0.
+    fn full(&self, layout: &Layout, turn: &mut Turn<'_>) -> Result<(Vec<u32>, StopReason)> {
+        let model = &self.lm.model;
+        let cfg = model.config();
+        let Role::Lead { sampler, on_text } = &mut turn.role else {
+            return Err(invalid("full prefill runs on rank 0"));
+        };
+        let tokens = layout.full_tokens(&turn.result.order);
+        let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
+        let logits =
+            turn.phases.time(phase::PREFILL, || prefill_into(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK))?;
+        let first = turn.phases.time(phase::FIRST_TOKEN, || sampler.sample(&logits));
+        turn.result.ttft = turn.t0.elapsed();
+        turn.result.first_logits = logits;
+        turn.result.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
+        let t = Instant::now();
+        let out = decode(model, &self.lm.tokenizer, &mut cache, first, sampler, turn.opts.max_new_tokens, *on_text)?;
+        turn.phases.add(phase::DECODE, t.elapsed());
+        Ok(out)
+    }
+
+    /// Method `ring`: exact ring prefill of the whole sequence, then sharded decoding.
+    fn ring(
+        &self,
+        comm: &mut dyn Communicator,
+        layout: &Layout,
+        turn: &mut Turn<'_>,
+    ) -> Result<Option<(Vec<u32>, StopReason)>> {
+        let tokens = layout.full_tokens(&turn.result.order);
+        let out = turn.phases.time(phase::PREFILL, || ring_prefill(&self.lm.model, comm, &tokens))?;
+        let pieces = zigzag_pieces(tokens.len(), comm.size());
+        let last = tokens.len() - 1;
+        let owner = pieces.iter().position(|p| p.iter().any(|r| r.contains(&last))).unwrap_or(0);
+        let logits: Vec<f32> = broadcast_value(comm, "ring.logits", owner, out.last_logits.as_ref())?;
+        turn.result.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
+        // Each rank's rows are one segment, merged in rank order.
+        let rank = comm.rank();
+        let segs = vec![LocalSegment::placed(rank, &out.cache)];
+        let next_pos = tokens.len() as u32;
+        let tail = self.empty_tail()?;
+        self.decode_with_tail(comm, segs, tail, logits, next_pos, turn)
+    }
+}
