@@ -53,7 +53,7 @@ fn same_command_same_table_resume_and_plots() {
     assert!(ok, "{err}");
     assert!(err.contains("resuming: 24 runs already"), "{err}");
     assert_eq!(runs(&a), 36);
-    for f in ["accuracy_vs_ratio.png", "pareto.png", "heatmap_infoflow.png", "heatmap_full.png"] {
+    for f in ["accuracy_vs_ratio.png", "pareto.png", "pareto_400.png", "heatmap_infoflow.png", "heatmap_full.png"] {
         let m = std::fs::metadata(a.join(f)).unwrap_or_else(|_| panic!("{f} missing"));
         assert!(m.len() > 5_000, "{f} is {} bytes", m.len());
     }

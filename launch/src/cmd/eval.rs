@@ -532,33 +532,38 @@ fn plots(
         "accuracy (%)",
         &series,
     )?;
-    // Pareto: accuracy vs median warm TTFT per (method, ratio).
-    let mut pareto = Vec::new();
-    for l in labels {
-        let mut pts = Vec::new();
-        for &r in ratios {
-            let rs: Vec<&Record> = records.iter().filter(|x| at(x, l, r)).collect();
-            if rs.is_empty() {
-                continue;
+    // Pareto: accuracy vs median warm TTFT per (method, ratio), one chart per length (TTFT
+    // grows with the length, so lengths are not pooled); `pareto.png` is the longest one.
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    for &len in lengths {
+        let mut pareto = Vec::new();
+        for l in labels {
+            let mut pts = Vec::new();
+            for &r in ratios {
+                let rs: Vec<&Record> = records.iter().filter(|x| x.length == len && at(x, l, r)).collect();
+                if rs.is_empty() {
+                    continue;
+                }
+                let mut t: Vec<f64> = rs.iter().map(|x| x.ttft_ms).collect();
+                t.sort_by(|a, b| a.total_cmp(b));
+                let acc = mean(rs.iter().map(|x| x.score)).unwrap_or(0.0);
+                pts.push((t[t.len() / 2] / 1e3, 100.0 * acc));
+                if rs.iter().all(|x| x.ratio.is_none()) {
+                    break;
+                }
             }
-            let mut t: Vec<f64> = rs.iter().map(|x| x.ttft_ms).collect();
-            t.sort_by(|a, b| a.total_cmp(b));
-            let acc = mean(rs.iter().map(|x| x.score)).unwrap_or(0.0);
-            pts.push((t[t.len() / 2] / 1e3, 100.0 * acc));
-            if rs.iter().all(|x| x.ratio.is_none()) {
-                break;
-            }
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            pareto.push(plot::Series { name: l.clone(), points: pts });
         }
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        pareto.push(plot::Series { name: l.clone(), points: pts });
+        let title = format!("Accuracy vs TTFT, {len} tokens (warm chunk caches; points: ratios)");
+        let mut files = vec![format!("pareto_{len}.png")];
+        if len == longest {
+            files.push("pareto.png".to_string());
+        }
+        for f in files {
+            plot::line_chart(&out.join(f), &title, "median TTFT (s)", "accuracy (%)", &pareto)?;
+        }
     }
-    plot::line_chart(
-        &out.join("pareto.png"),
-        "Accuracy vs TTFT (warm chunk caches; points: ratios)",
-        "median TTFT (s)",
-        "accuracy (%)",
-        &pareto,
-    )?;
     // Needle depth x length heat maps on the NIAH tasks.
     let niah: HashSet<&str> = tasks.iter().map(String::as_str).filter(|t| t.starts_with("niah")).collect();
     if !niah.is_empty() {
