@@ -57,6 +57,18 @@ fn same_command_same_table_resume_and_plots() {
         let m = std::fs::metadata(a.join(f)).unwrap_or_else(|_| panic!("{f} missing"));
         assert!(m.len() > 5_000, "{f} is {} bytes", m.len());
     }
+    // A narrower rerun over the same folder computes nothing and reports only what it asked for.
+    let o = Command::new(env!("CARGO_BIN_EXE_flowprefill"))
+        .args(["eval", "--tasks", "niah_single", "--lengths", "400", "--samples", "3"])
+        .args(["--methods", "full,none,infoflow,infoflow+reorder", "--ratios", "0.15,0.3", "--table-ratio", "0.15"])
+        .arg("--out")
+        .arg(&a)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let narrow = std::fs::read_to_string(a.join("results.md")).unwrap();
+    assert!(narrow.contains("3 cases;") && !narrow.contains("qa_twohop"), "{narrow}");
+    assert_eq!(runs(&a), 36, "results.json keeps every run");
     // Another configuration in the same folder is refused instead of mixed in.
     let o = Command::new(env!("CARGO_BIN_EXE_flowprefill"))
         .args(["eval", "--tasks", "niah_single", "--lengths", "400", "--samples", "1", "--seed", "99"])

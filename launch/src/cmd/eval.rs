@@ -286,11 +286,15 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         .iter()
         .filter_map(|k| config.get(*k).map(|v| format!("{k} {v}")))
         .collect();
-    let md = summarize(&records, &tasks, &lengths, &labels, &ratios, a.table_ratio, &settings);
+    // Tables and plots cover the tasks and lengths asked for; results.json keeps every run (an
+    // earlier, wider run in the same folder would otherwise leak into the means).
+    let shown: Vec<Record> =
+        records.into_iter().filter(|r| tasks.contains(&r.task) && lengths.contains(&r.length)).collect();
+    let md = summarize(&shown, &tasks, &lengths, &labels, &ratios, a.table_ratio, &settings);
     let md_path = a.out.join("results.md");
     write_atomic(&md_path, md.as_bytes())?;
     println!("{md}");
-    plots(&records, &tasks, &lengths, &labels, &ratios, &depths, a.table_ratio, &a.out)?;
+    plots(&shown, &tasks, &lengths, &labels, &ratios, &depths, a.table_ratio, &a.out)?;
     println!("wrote {}, {} and plots in {}", results_path.display(), md_path.display(), a.out.display());
     Ok(())
 }
