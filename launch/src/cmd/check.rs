@@ -29,15 +29,9 @@ pub struct Args {
     /// Keep chunk caches across methods (faster; TTFT then excludes chunk prefill).
     #[arg(long)]
     pub warm: bool,
-    /// Scoring geometry of the selective methods.
-    #[arg(long, default_value = "global")]
-    pub geometry: String,
-    /// InfoFlow scoring layers, e.g. 17-19 (default: 55%-65% depth).
-    #[arg(long)]
-    pub score_layers: Option<String>,
-    /// Prefix mode for every chunked method (default: each method's own).
-    #[arg(long)]
-    pub prefix: Option<String>,
+    /// Scoring settings of the selective methods.
+    #[command(flatten)]
+    pub scoring: super::ScoringArgs,
     /// Print every answer.
     #[arg(long)]
     pub verbose: bool,
@@ -65,6 +59,8 @@ struct Row {
 
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
+    // Parsed once, before the model loads, so a bad flag fails fast.
+    let (geometry, score_layers, prefix) = args.scoring.parse()?;
     let engine = engine(common, None)?;
     let lengths = args.lengths.concat();
     let depths = args.depths.concat();
@@ -129,9 +125,9 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
                 ratio: args.ratio,
                 reorder,
                 max_new_tokens: 32,
-                geometry: args.geometry.parse()?,
-                score_layers: super::parse_layers(args.score_layers.as_deref())?,
-                prefix: args.prefix.as_deref().map(str::parse).transpose()?,
+                geometry,
+                score_layers,
+                prefix,
                 ..RunOptions::default()
             };
             let r = engine.run(&req, &opts, &mut |_| true)?;

@@ -51,15 +51,9 @@ pub struct Args {
     /// Seed of the cases.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Scoring geometry of the selective methods (an ablation; results go to their own --out).
-    #[arg(long, default_value = "global")]
-    pub geometry: String,
-    /// InfoFlow scoring layers, e.g. 27-29 (default: 55%-65% depth).
-    #[arg(long)]
-    pub score_layers: Option<String>,
-    /// Prefix mode for every chunked method (default: each method's own).
-    #[arg(long)]
-    pub prefix: Option<String>,
+    /// Scoring settings (ablations; non-default ones need their own --out).
+    #[command(flatten)]
+    pub scoring: super::ScoringArgs,
     /// Maximum answer tokens (default: per task, 32, or 64 for the four-value tasks).
     #[arg(long)]
     pub max_tokens: Option<usize>,
@@ -186,9 +180,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         methods.iter().any(|m| m.1 == Method::Full),
         "--methods must include full (the baseline for retention)"
     );
-    let geometry: Geometry = a.geometry.parse()?;
-    let score_layers = super::parse_layers(a.score_layers.as_deref())?;
-    let prefix: Option<PrefixMode> = a.prefix.as_deref().map(str::parse).transpose()?;
+    let (geometry, score_layers, prefix) = a.scoring.parse()?;
     let model_path = super::model_path(common)?;
     let mut config = serde_json::json!({
         "model": model_path.file_name().map(|n| n.to_string_lossy().into_owned()),

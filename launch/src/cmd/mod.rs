@@ -95,3 +95,32 @@ pub(crate) fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
     };
     Ok(Some((p(a)?, p(b)?)))
 }
+
+/// Parsed [`ScoringArgs`]: geometry, scoring layers, prefix mode.
+pub type Scoring =
+    (flowprefill_coordinator::Geometry, Option<(usize, usize)>, Option<flowprefill_coordinator::PrefixMode>);
+
+/// How the selective methods score tokens (`check` and `eval`; ablations of InfoFlow §4.2).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ScoringArgs {
+    /// Scoring geometry of the selective methods: global, hl-hp, hl-tp, tl-tp.
+    #[arg(long, default_value = "global")]
+    pub geometry: String,
+    /// InfoFlow scoring layers, inclusive and 0-based, e.g. 17-19 (default: 55%-65% depth).
+    #[arg(long)]
+    pub score_layers: Option<String>,
+    /// Chunk prefix mode for every chunked method: none, shared, anchor (default: each method's own).
+    #[arg(long)]
+    pub prefix: Option<String>,
+}
+
+impl ScoringArgs {
+    /// The parsed settings: geometry, scoring layers, prefix mode.
+    pub fn parse(&self) -> Result<Scoring> {
+        Ok((
+            self.geometry.parse()?,
+            parse_layers(self.score_layers.as_deref())?,
+            self.prefix.as_deref().map(str::parse).transpose()?,
+        ))
+    }
+}

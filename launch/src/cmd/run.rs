@@ -4,9 +4,7 @@ use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
-use flowprefill_coordinator::{
-    explain, Context, Engine, Geometry, Job, Method, PrefixMode, Request, RunOptions, ThreadRanks,
-};
+use flowprefill_coordinator::{explain, Context, Engine, Job, Method, Request, RunOptions, ThreadRanks};
 use flowprefill_worker::sampling::SamplingConfig;
 use flowprefill_worker::{Cpu, LoadedModel};
 use std::io::Write;
@@ -53,18 +51,12 @@ pub struct MethodArgs {
     /// Two-stage chunk reordering (documents only).
     #[arg(long)]
     pub reorder: bool,
-    /// Scoring geometry: global, hl-hp, hl-tp, tl-tp.
-    #[arg(long, default_value = "global")]
-    pub geometry: String,
-    /// InfoFlow scoring layers, inclusive and 0-based, e.g. 17-19 (default: 55%-65% depth).
-    #[arg(long)]
-    pub score_layers: Option<String>,
+    /// Scoring geometry, layers and prefix mode.
+    #[command(flatten)]
+    pub scoring: super::ScoringArgs,
     /// Split the joined documents into chunks of this many tokens instead of one chunk each.
     #[arg(long)]
     pub chunk_tokens: Option<usize>,
-    /// Chunk prefix mode: none, shared, anchor (default: the method's).
-    #[arg(long)]
-    pub prefix: Option<String>,
     /// Auxiliary model for CacheClip (default: the main model).
     #[arg(long)]
     pub aux_model: Option<PathBuf>,
@@ -82,24 +74,15 @@ pub struct MethodArgs {
 impl MethodArgs {
     /// Options for the coordinator.
     pub fn options(&self) -> Result<RunOptions> {
-        let score_layers = match &self.score_layers {
-            None => None,
-            Some(s) => {
-                let (a, b) = s.split_once('-').unwrap_or((s, s));
-                let p = |x: &str| {
-                    x.trim().parse::<usize>().with_context(|| format!("--score-layers `{s}`: expected A-B, e.g. 17-19"))
-                };
-                Some((p(a)?, p(b)?))
-            }
-        };
+        let (geometry, score_layers, prefix) = self.scoring.parse()?;
         flowprefill_coordinator::request::check_ratio(self.ratio)?;
         Ok(RunOptions {
             method: self.method.parse::<Method>()?,
             ratio: self.ratio,
             reorder: self.reorder,
-            geometry: self.geometry.parse::<Geometry>()?,
+            geometry,
             score_layers,
-            prefix: self.prefix.as_deref().map(str::parse::<PrefixMode>).transpose()?,
+            prefix,
             max_new_tokens: self.max_tokens,
             sampling: SamplingConfig::default(),
             seed: self.seed,
