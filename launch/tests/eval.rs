@@ -52,6 +52,8 @@ fn same_command_same_table_resume_and_plots() {
     let (ok, _, err) = eval(&a, 3);
     assert!(ok, "{err}");
     assert!(err.contains("resuming: 24 runs already"), "{err}");
+    // The ETA counts only the runs left to compute, not the ones the resume skips.
+    assert!(err.contains("24 of 36 planned runs are already done; 12 to compute"), "{err}");
     assert_eq!(runs(&a), 36);
     for f in ["accuracy_vs_ratio.png", "pareto.png", "pareto_400.png", "heatmap_infoflow.png", "heatmap_full.png"] {
         let m = std::fs::metadata(a.join(f)).unwrap_or_else(|_| panic!("{f} missing"));

@@ -123,9 +123,13 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Progress line on stderr: bar, counts, elapsed, ETA.
+///
+/// `pending` counts the runs this invocation has to compute (the plan minus what
+/// `results.json` already holds), so a resumed run's ETA is not inflated by the runs it skips.
 struct Progress {
     total: usize,
     done: usize,
+    pending: usize,
     computed: usize,
     t0: Instant,
 }
@@ -136,7 +140,7 @@ impl Progress {
         self.computed += computed as usize;
         let el = self.t0.elapsed().as_secs_f64();
         let rate = if self.computed > 0 { el / self.computed as f64 } else { 0.0 };
-        let eta = rate * (self.total - self.done) as f64;
+        let eta = rate * self.pending.saturating_sub(self.computed) as f64;
         let w = 30;
         let fill = (w * self.done / self.total.max(1)).min(w);
         eprint!(
@@ -224,9 +228,24 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         flowprefill_coordinator::DEFAULT_STORE_BYTES,
         std::time::Duration::from_secs(600),
     )?;
-    let runs_per_case: usize = methods.iter().map(|(_, m, _)| if m.selects() { ratios.len() } else { 1 }).sum();
-    let total = tasks.len() * lengths.len() * a.samples * runs_per_case;
-    let mut progress = Progress { total, done: 0, computed: 0, t0: Instant::now() };
+    let method_ratios = |method: &Method| -> Vec<Option<f64>> {
+        if method.selects() { ratios.iter().map(|&r| Some(r)).collect() } else { vec![None] }
+    };
+    let mut plan: Vec<String> = Vec::new();
+    for task in &tasks {
+        for &len in &lengths {
+            for sample in 0..a.samples {
+                for (label_s, method, _) in &methods {
+                    plan.extend(method_ratios(method).into_iter().map(|r| key(task, len, sample, label_s, r)));
+                }
+            }
+        }
+    }
+    let pending = plan.iter().filter(|k| !have.contains(*k)).count();
+    if !have.is_empty() {
+        eprintln!("{} of {} planned runs are already done; {pending} to compute", plan.len() - pending, plan.len());
+    }
+    let mut progress = Progress { total: plan.len(), done: 0, pending, computed: 0, t0: Instant::now() };
     for task in &tasks {
         for &len in &lengths {
             for sample in 0..a.samples {
@@ -240,9 +259,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
                 let needles = case.needle_rows(tok);
                 let mut primed = false;
                 for (label_s, method, reorder) in &methods {
-                    let rs: Vec<Option<f64>> =
-                        if method.selects() { ratios.iter().map(|&r| Some(r)).collect() } else { vec![None] };
-                    for ratio in rs {
+                    for ratio in method_ratios(method) {
                         let k = key(task, len, sample, label_s, ratio);
                         if have.contains(&k) {
                             progress.tick(false, &k);
