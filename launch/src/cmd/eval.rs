@@ -229,7 +229,11 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         std::time::Duration::from_secs(600),
     )?;
     let method_ratios = |method: &Method| -> Vec<Option<f64>> {
-        if method.selects() { ratios.iter().map(|&r| Some(r)).collect() } else { vec![None] }
+        if method.selects() {
+            ratios.iter().map(|&r| Some(r)).collect()
+        } else {
+            vec![None]
+        }
     };
     let mut plan: Vec<String> = Vec::new();
     for task in &tasks {

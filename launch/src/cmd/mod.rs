@@ -87,7 +87,7 @@ pub fn devices() -> Result<()> {
 }
 
 /// `--score-layers A-B` (or one layer `A`), inclusive and 0-based.
-pub(crate) fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
+fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
     let Some(s) = s else { return Ok(None) };
     let (a, b) = s.split_once('-').unwrap_or((s, s));
     let p = |x: &str| {
@@ -100,7 +100,7 @@ pub(crate) fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
 pub type Scoring =
     (flowprefill_coordinator::Geometry, Option<(usize, usize)>, Option<flowprefill_coordinator::PrefixMode>);
 
-/// How the selective methods score tokens (`check` and `eval`; ablations of InfoFlow §4.2).
+/// How the selective methods score tokens (`run`, `check` and `eval`; ablations of InfoFlow §4.2).
 #[derive(clap::Args, Debug, Clone)]
 pub struct ScoringArgs {
     /// Scoring geometry of the selective methods: global, hl-hp, hl-tp, tl-tp.
