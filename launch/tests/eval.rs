@@ -55,7 +55,14 @@ fn same_command_same_table_resume_and_plots() {
     // The ETA counts only the runs left to compute, not the ones the resume skips.
     assert!(err.contains("24 of 36 planned runs are already done; 12 to compute"), "{err}");
     assert_eq!(runs(&a), 36);
-    for f in ["accuracy_vs_ratio.png", "pareto.png", "pareto_400.png", "heatmap_infoflow.png", "heatmap_full.png"] {
+    for f in [
+        "accuracy_vs_ratio.png",
+        "accuracy_vs_ratio_400.png",
+        "pareto.png",
+        "pareto_400.png",
+        "heatmap_infoflow.png",
+        "heatmap_full.png",
+    ] {
         let m = std::fs::metadata(a.join(f)).unwrap_or_else(|_| panic!("{f} missing"));
         assert!(m.len() > 5_000, "{f} is {} bytes", m.len());
     }
@@ -71,6 +78,31 @@ fn same_command_same_table_resume_and_plots() {
     let narrow = std::fs::read_to_string(a.join("results.md")).unwrap();
     assert!(narrow.contains("3 cases;") && !narrow.contains("qa_twohop"), "{narrow}");
     assert_eq!(runs(&a), 36, "results.json keeps every run");
+    // --report-only computes nothing: it counts what is missing and reports what is there.
+    let report = |dir: &std::path::Path, samples: &str| {
+        Command::new(env!("CARGO_BIN_EXE_flowprefill"))
+            .args(["eval", "--tasks", "niah_single,qa_twohop", "--lengths", "400", "--samples", samples])
+            .args(["--methods", "full,none,infoflow,infoflow+reorder", "--ratios", "0.15,0.3", "--table-ratio", "0.15"])
+            .arg("--report-only")
+            .arg("--out")
+            .arg(dir)
+            .output()
+            .unwrap()
+    };
+    let o = report(&a, "5");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("report only: 36 of 60 planned runs are in") && err.contains("24 missing"), "{err}");
+    assert!(!err.contains("loaded "), "a report loads no model: {err}");
+    assert_eq!(runs(&a), 36);
+    let full_report = std::fs::read_to_string(a.join("results.md")).unwrap();
+    assert!(
+        full_report.contains("6 cases;") && full_report.contains("Accuracy by ratio (400 tokens)"),
+        "{full_report}"
+    );
+    let o = report(&base.join("nothing-here"), "1");
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("needs the runs of an earlier eval"));
     // Another configuration in the same folder is refused instead of mixed in.
     let o = Command::new(env!("CARGO_BIN_EXE_flowprefill"))
         .args(["eval", "--tasks", "niah_single", "--lengths", "400", "--samples", "1", "--seed", "99"])

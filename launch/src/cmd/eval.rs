@@ -60,6 +60,10 @@ pub struct Args {
     /// Output folder (results.json, results.md, PNG plots).
     #[arg(long, default_value = "eval-out")]
     pub out: PathBuf,
+    /// Compute nothing: rewrite the tables and plots from the runs already in
+    /// `<out>/results.json` (the planned runs still missing are counted and left out).
+    #[arg(long)]
+    pub report_only: bool,
 }
 
 /// One scored run.
@@ -203,7 +207,6 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     if let Some(p) = prefix {
         config["prefix"] = serde_json::json!(p.name());
     }
-    std::fs::create_dir_all(&a.out)?;
     let results_path = a.out.join("results.json");
     let mut records: Vec<Record> = Vec::new();
     if results_path.exists() {
@@ -217,17 +220,16 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         );
         records = prev.records;
         eprintln!("resuming: {} runs already in {}", records.len(), results_path.display());
+    } else {
+        anyhow::ensure!(
+            !a.report_only,
+            "--report-only needs the runs of an earlier eval, but {} does not exist; pass that eval's --out",
+            results_path.display()
+        );
     }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let have: HashSet<String> = records.iter().map(Record::key).collect();
 
-    let lm = std::sync::Arc::new(super::load_model(common)?);
-    let tok = &lm.tokenizer;
-    let mut world = ThreadRanks::new(
-        lm.clone(),
-        a.ranks,
-        flowprefill_coordinator::DEFAULT_STORE_BYTES,
-        std::time::Duration::from_secs(600),
-    )?;
     let method_ratios = |method: &Method| -> Vec<Option<f64>> {
         if method.selects() {
             ratios.iter().map(|&r| Some(r)).collect()
@@ -246,54 +248,71 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         }
     }
     let pending = plan.iter().filter(|k| !have.contains(*k)).count();
-    if !have.is_empty() {
+    if a.report_only {
+        eprintln!(
+            "report only: {} of {} planned runs are in {}; the {pending} missing ones are left out",
+            plan.len() - pending,
+            plan.len(),
+            results_path.display()
+        );
+    } else if !have.is_empty() {
         eprintln!("{} of {} planned runs are already done; {pending} to compute", plan.len() - pending, plan.len());
     }
-    let mut progress = Progress { total: plan.len(), done: 0, pending, computed: 0, t0: Instant::now() };
-    for task in &tasks {
-        for &len in &lengths {
-            for sample in 0..a.samples {
-                let case =
-                    generate(task, tok, a.seed, len, sample, &depths).ok_or_else(|| anyhow::anyhow!("task {task}"))?;
-                let req = Request {
-                    context: Context::Documents(case.documents.clone()),
-                    query: case.query.clone(),
-                    system: None,
-                };
-                let needles = case.needle_rows(tok);
-                let mut primed = false;
-                for (label_s, method, reorder) in &methods {
-                    for ratio in method_ratios(method) {
-                        let k = key(task, len, sample, label_s, ratio);
-                        if have.contains(&k) {
-                            progress.tick(false, &k);
-                            continue;
+    if !a.report_only && pending > 0 {
+        let lm = std::sync::Arc::new(super::load_model(common)?);
+        let tok = &lm.tokenizer;
+        let mut world = ThreadRanks::new(
+            lm.clone(),
+            a.ranks,
+            flowprefill_coordinator::DEFAULT_STORE_BYTES,
+            std::time::Duration::from_secs(600),
+        )?;
+        let mut progress = Progress { total: plan.len(), done: 0, pending, computed: 0, t0: Instant::now() };
+        for task in &tasks {
+            for &len in &lengths {
+                for sample in 0..a.samples {
+                    let case = generate(task, tok, a.seed, len, sample, &depths)
+                        .ok_or_else(|| anyhow::anyhow!("task {task}"))?;
+                    let req = Request {
+                        context: Context::Documents(case.documents.clone()),
+                        query: case.query.clone(),
+                        system: None,
+                    };
+                    let needles = case.needle_rows(tok);
+                    let mut primed = false;
+                    for (label_s, method, reorder) in &methods {
+                        for ratio in method_ratios(method) {
+                            let k = key(task, len, sample, label_s, ratio);
+                            if have.contains(&k) {
+                                progress.tick(false, &k);
+                                continue;
+                            }
+                            if !primed {
+                                prime(&mut world, &req)?;
+                                primed = true;
+                            }
+                            let opts = RunOptions {
+                                method: *method,
+                                reorder: *reorder,
+                                ratio: ratio.unwrap_or(0.0),
+                                max_new_tokens: a.max_tokens.unwrap_or_else(|| answer_budget(task)),
+                                geometry,
+                                score_layers,
+                                prefix,
+                                ..RunOptions::default()
+                            };
+                            let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
+                            records.push(record(&case, label_s, ratio, &r, &needles));
+                            progress.tick(true, &k);
                         }
-                        if !primed {
-                            prime(&mut world, &req)?;
-                            primed = true;
-                        }
-                        let opts = RunOptions {
-                            method: *method,
-                            reorder: *reorder,
-                            ratio: ratio.unwrap_or(0.0),
-                            max_new_tokens: a.max_tokens.unwrap_or_else(|| answer_budget(task)),
-                            geometry,
-                            score_layers,
-                            prefix,
-                            ..RunOptions::default()
-                        };
-                        let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
-                        records.push(record(&case, label_s, ratio, &r, &needles));
-                        progress.tick(true, &k);
                     }
+                    let file = ResultsFile { config: config.clone(), records: records.clone() };
+                    write_atomic(&results_path, &serde_json::to_vec_pretty(&file)?)?;
                 }
-                let file = ResultsFile { config: config.clone(), records: records.clone() };
-                write_atomic(&results_path, &serde_json::to_vec_pretty(&file)?)?;
             }
         }
+        eprintln!();
     }
-    eprintln!();
     let labels: Vec<String> = methods.iter().map(|m| m.0.clone()).collect();
     let settings: Vec<String> = ["geometry", "score_layers", "prefix"]
         .iter()
@@ -391,6 +410,11 @@ fn pct(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{:.1}", 100.0 * v))
 }
 
+/// A percentage without decimals (the ratio-sweep cells list five of them).
+fn pct0(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{:.0}", 100.0 * v))
+}
+
 /// Full-prefill accuracy below which a task is left out of the mean retention.
 const RETENTION_FLOOR: f64 = 0.2;
 
@@ -480,22 +504,11 @@ pub fn summarize(
             100.0 * RETENTION_FLOOR
         ));
     }
-    md.push_str("## Mean accuracy over tasks and lengths, by ratio\n\n| method |");
-    for r in ratios {
-        md.push_str(&format!(" {r} |"));
-    }
-    md.push_str("\n|---|");
-    md.push_str(&"---:|".repeat(ratios.len()));
-    md.push('\n');
-    for l in labels {
-        md.push_str(&format!("| {l} |"));
-        for &r in ratios {
-            md.push_str(&format!(" {} |", pct(mean(records.iter().filter(|x| at(x, l, r)).map(|x| x.score)))));
-        }
-        md.push('\n');
+    for &len in lengths {
+        sweep_tables(&mut md, records, tasks, len, labels, ratios);
     }
     md.push_str(&format!(
-        "\n## Multi-document QA at ratio {tr}: token F1 / exact match\n\n| method | F1 | EM |\n|---|---:|---:|\n"
+        "## Multi-document QA at ratio {tr}: token F1 / exact match\n\n| method | F1 | EM |\n|---|---:|---:|\n"
     ));
     for l in labels {
         let qa: Vec<&Record> = records.iter().filter(|r| r.f1.is_some() && at(r, l, tr)).collect();
@@ -520,6 +533,121 @@ pub fn summarize(
     md
 }
 
+/// A case: task and sample at one length.
+type Case<'a> = (&'a str, usize);
+
+/// The cases at `len` that have a run of every label at every ratio in `rs` (a ratio-free label:
+/// its one run), so that means at different ratios compare the same cases. A sweep that is
+/// still running (or was stopped) has more cases at some ratios than at others.
+fn complete_cases<'a>(records: &'a [Record], len: usize, labels: &[String], rs: &[f64]) -> HashSet<Case<'a>> {
+    let mut runs: std::collections::HashMap<Case<'a>, Vec<&Record>> = std::collections::HashMap::new();
+    for r in records.iter().filter(|r| r.length == len) {
+        runs.entry((r.task.as_str(), r.sample)).or_default().push(r);
+    }
+    runs.into_iter()
+        .filter(|(_, rs_)| labels.iter().all(|l| rs.iter().all(|&x| rs_.iter().any(|r| at(r, l, x)))))
+        .map(|(c, _)| c)
+        .collect()
+}
+
+/// Whether a label's runs at `len` carry no ratio (full, none, star).
+fn ratio_free(records: &[Record], len: usize, label: &str) -> bool {
+    records.iter().filter(|r| r.length == len && r.method == label).all(|r| r.ratio.is_none())
+}
+
+/// The ratio sweep at one length: accuracy by ratio, and retention by ratio per task, over the
+/// cases that have every method at every ratio.
+fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usize, labels: &[String], ratios: &[f64]) {
+    if ratios.len() < 2 {
+        return;
+    }
+    let cases = complete_cases(records, len, labels, ratios);
+    if cases.is_empty() {
+        md.push_str(&format!("No case at {len} tokens has every method at every ratio yet: no ratio sweep table.\n\n"));
+        return;
+    }
+    let in_sweep = |r: &&Record| r.length == len && cases.contains(&(r.task.as_str(), r.sample));
+    let present: Vec<&String> = tasks.iter().filter(|t| cases.iter().any(|c| c.0 == t.as_str())).collect();
+    let per_task = |t: &str, l: &str, x: f64| {
+        mean(records.iter().filter(in_sweep).filter(|r| r.task == t && at(r, l, x)).map(|r| r.score))
+    };
+    let counts: Vec<String> =
+        present.iter().map(|t| format!("{t} {}", cases.iter().filter(|c| c.0 == t.as_str()).count())).collect();
+    md.push_str(&format!(
+        "## Accuracy by ratio ({len} tokens)\n\nOver the {} cases that have every method at every ratio ({}); \
+         mean over tasks of the task means.\n\n| method |",
+        cases.len(),
+        counts.join(", ")
+    ));
+    for r in ratios {
+        md.push_str(&format!(" {r} |"));
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---:|".repeat(ratios.len()));
+    md.push('\n');
+    for l in labels {
+        md.push_str(&format!("| {l} |"));
+        for &x in ratios {
+            md.push_str(&format!(" {} |", pct(mean(present.iter().filter_map(|t| per_task(t, l, x))))));
+        }
+        md.push('\n');
+    }
+    let shown: Vec<&String> = labels.iter().filter(|l| l.as_str() != "full").collect();
+    let ratio_list: Vec<String> = ratios.iter().map(|r| r.to_string()).collect();
+    md.push_str(&format!(
+        "\nRetention (method / full, %) by ratio, {len} tokens, same cases; each cell lists ratios {}:\n\n| task |",
+        ratio_list.join(" / ")
+    ));
+    for l in &shown {
+        md.push_str(&format!(" {l} |"));
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---:|".repeat(shown.len()));
+    md.push('\n');
+    let mut ret_means: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); ratios.len()]; shown.len()];
+    for t in &present {
+        let full =
+            mean(records.iter().filter(in_sweep).filter(|r| &r.task == *t && r.method == "full").map(|r| r.score));
+        md.push_str(&format!("| {t} |"));
+        for (i, l) in shown.iter().enumerate() {
+            let free = ratio_free(records, len, l);
+            let cells: Vec<String> = ratios
+                .iter()
+                .enumerate()
+                .take(if free { 1 } else { ratios.len() })
+                .map(|(j, &x)| {
+                    let ret = match (per_task(t, l, x), full) {
+                        (Some(v), Some(f)) if f > 0.0 => Some(v / f),
+                        _ => None,
+                    };
+                    if let (Some(v), Some(f)) = (ret, full) {
+                        if f >= RETENTION_FLOOR {
+                            ret_means[i][j].push(v);
+                        }
+                    }
+                    pct0(ret)
+                })
+                .collect();
+            md.push_str(&format!(" {} |", cells.join(" / ")));
+        }
+        md.push('\n');
+    }
+    md.push_str("| **mean** |");
+    for (i, l) in shown.iter().enumerate() {
+        let free = ratio_free(records, len, l);
+        let cells: Vec<String> = ret_means[i]
+            .iter()
+            .take(if free { 1 } else { ratios.len() })
+            .map(|v| pct0(mean(v.iter().copied())))
+            .collect();
+        md.push_str(&format!(" **{}** |", cells.join(" / ")));
+    }
+    md.push_str(&format!(
+        "\n\nThe mean leaves out tasks where full prefill scores below {:.0}% on these cases.\n\n",
+        100.0 * RETENTION_FLOOR
+    ));
+}
+
 #[allow(clippy::too_many_arguments)]
 fn plots(
     records: &[Record],
@@ -531,54 +659,77 @@ fn plots(
     tr: f64,
     out: &Path,
 ) -> Result<()> {
-    // Accuracy vs ratio (ratio-free methods as flat lines).
-    let series: Vec<plot::Series> = labels
-        .iter()
-        .map(|l| plot::Series {
-            name: l.clone(),
-            points: ratios
+    // Accuracy vs ratio and the Pareto view, one chart each per length (TTFT grows with the
+    // length, so lengths are not pooled); the unsuffixed files show the longest length that has
+    // a chart. Both use only the cases that have every method at every ratio, so that the points
+    // of a line compare the same cases; where no case has them all yet, the Pareto chart falls
+    // back to every case at the table ratio and the ratio chart is left out.
+    let mut ratio_chart: Option<PathBuf> = None;
+    let mut pareto_chart: Option<PathBuf> = None;
+    let mut sorted_lengths = lengths.to_vec();
+    sorted_lengths.sort_unstable();
+    for &len in &sorted_lengths {
+        let mut cases = complete_cases(records, len, labels, ratios);
+        let swept = !cases.is_empty();
+        if !swept {
+            cases = complete_cases(records, len, labels, &[tr]);
+        }
+        if cases.is_empty() {
+            continue;
+        }
+        let rs_at = |l: &str, x: f64| -> Vec<&Record> {
+            records
                 .iter()
-                .filter_map(|&r| mean(records.iter().filter(|x| at(x, l, r)).map(|x| x.score)).map(|v| (r, 100.0 * v)))
-                .collect(),
-        })
-        .collect();
-    plot::line_chart(
-        &out.join("accuracy_vs_ratio.png"),
-        "Accuracy vs recompute ratio (mean over tasks and lengths)",
-        "recompute ratio",
-        "accuracy (%)",
-        &series,
-    )?;
-    // Pareto: accuracy vs median warm TTFT per (method, ratio), one chart per length (TTFT
-    // grows with the length, so lengths are not pooled); `pareto.png` is the longest one.
-    let longest = lengths.iter().copied().max().unwrap_or(0);
-    for &len in lengths {
+                .filter(|r| r.length == len && cases.contains(&(r.task.as_str(), r.sample)) && at(r, l, x))
+                .collect()
+        };
+        // Mean over tasks of the task means, as in the tables.
+        let acc = |rs: &[&Record]| {
+            let ts: Vec<&str> = tasks.iter().map(String::as_str).filter(|t| rs.iter().any(|r| r.task == *t)).collect();
+            mean(ts.iter().filter_map(|t| mean(rs.iter().filter(|r| r.task == *t).map(|r| r.score))))
+        };
+        if swept && ratios.len() > 1 {
+            let series: Vec<plot::Series> = labels
+                .iter()
+                .map(|l| plot::Series {
+                    name: l.clone(),
+                    points: ratios.iter().filter_map(|&x| acc(&rs_at(l, x)).map(|v| (x, 100.0 * v))).collect(),
+                })
+                .collect();
+            let f = out.join(format!("accuracy_vs_ratio_{len}.png"));
+            let title = format!("Accuracy vs recompute ratio, {len} tokens ({} cases)", cases.len());
+            plot::line_chart(&f, &title, "recompute ratio", "accuracy (%)", &series)?;
+            ratio_chart = Some(f);
+        }
+        let points: &[f64] = if swept { ratios } else { std::slice::from_ref(&tr) };
         let mut pareto = Vec::new();
         for l in labels {
             let mut pts = Vec::new();
-            for &r in ratios {
-                let rs: Vec<&Record> = records.iter().filter(|x| x.length == len && at(x, l, r)).collect();
-                if rs.is_empty() {
-                    continue;
-                }
-                let mut t: Vec<f64> = rs.iter().map(|x| x.ttft_ms).collect();
+            for &x in points {
+                let rs = rs_at(l, x);
+                let Some(a) = acc(&rs) else { continue };
+                let mut t: Vec<f64> = rs.iter().map(|r| r.ttft_ms).collect();
                 t.sort_by(|a, b| a.total_cmp(b));
-                let acc = mean(rs.iter().map(|x| x.score)).unwrap_or(0.0);
-                pts.push((t[t.len() / 2] / 1e3, 100.0 * acc));
-                if rs.iter().all(|x| x.ratio.is_none()) {
+                pts.push((t[t.len() / 2] / 1e3, 100.0 * a));
+                if rs.iter().all(|r| r.ratio.is_none()) {
                     break;
                 }
             }
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
             pareto.push(plot::Series { name: l.clone(), points: pts });
         }
-        let title = format!("Accuracy vs TTFT, {len} tokens (warm chunk caches; points: ratios)");
-        let mut files = vec![format!("pareto_{len}.png")];
-        if len == longest {
-            files.push("pareto.png".to_string());
-        }
-        for f in files {
-            plot::line_chart(&out.join(f), &title, "median TTFT (s)", "accuracy (%)", &pareto)?;
+        let title = format!(
+            "Accuracy vs TTFT, {len} tokens, {} cases (warm chunk caches; points: {})",
+            cases.len(),
+            if swept { "ratios".to_string() } else { format!("ratio {tr}") }
+        );
+        let f = out.join(format!("pareto_{len}.png"));
+        plot::line_chart(&f, &title, "median TTFT (s)", "accuracy (%)", &pareto)?;
+        pareto_chart = Some(f);
+    }
+    for (chart, name) in [(ratio_chart, "accuracy_vs_ratio.png"), (pareto_chart, "pareto.png")] {
+        if let Some(f) = chart {
+            std::fs::copy(&f, out.join(name)).with_context(|| format!("copying {} to {name}", f.display()))?;
         }
     }
     // Needle depth x length heat maps on the NIAH tasks.
@@ -623,4 +774,60 @@ fn plots(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(task: &str, sample: usize, method: &str, ratio: Option<f64>, score: f64) -> Record {
+        Record {
+            task: task.into(),
+            length: 100,
+            sample,
+            depth: 0.5,
+            method: method.into(),
+            ratio,
+            score,
+            em: None,
+            f1: None,
+            ttft_ms: 1.0,
+            selected: 0,
+            context_tokens: 100,
+            needle_selected: 0.0,
+            answer_selected: 0.0,
+            needle_chunk_rank: None,
+            answer: String::new(),
+        }
+    }
+
+    /// A sweep stopped half-way: sample 0 has both ratios, sample 1 only the table ratio. The
+    /// table at 0.15 uses both samples; the by-ratio tables use sample 0 only, so that the two
+    /// ratios compare the same cases.
+    #[test]
+    fn ratio_tables_compare_the_same_cases() {
+        let t = "niah_single";
+        let records = vec![
+            rec(t, 0, "full", None, 1.0),
+            rec(t, 0, "infoflow", Some(0.15), 0.5),
+            rec(t, 0, "infoflow", Some(0.3), 1.0),
+            rec(t, 1, "full", None, 1.0),
+            rec(t, 1, "infoflow", Some(0.15), 0.0),
+        ];
+        let labels = vec!["full".to_string(), "infoflow".to_string()];
+        let tasks = vec![t.to_string()];
+        let complete = complete_cases(&records, 100, &labels, &[0.15, 0.3]);
+        assert_eq!(complete, HashSet::from([(t, 0)]));
+        assert_eq!(complete_cases(&records, 100, &labels, &[0.15]).len(), 2);
+        let md = summarize(&records, &tasks, &[100], &labels, &[0.15, 0.3], 0.15, &[]);
+        // Per-task table at 0.15: both samples, (0.5 + 0.0) / 2.
+        assert!(md.contains("| niah_single | 100.0 | 25.0 |"), "{md}");
+        // By ratio: sample 0 only.
+        assert!(md.contains("Over the 1 cases that have every method at every ratio (niah_single 1)"), "{md}");
+        assert!(md.contains("| infoflow | 50.0 | 100.0 |"), "{md}");
+        assert!(md.contains("| niah_single | 50 / 100 |"), "{md}");
+        // Without any complete case the sweep table says so instead of mixing cases.
+        let md = summarize(&records[3..], &tasks, &[100], &labels, &[0.15, 0.3], 0.15, &[]);
+        assert!(md.contains("No case at 100 tokens has every method at every ratio yet"), "{md}");
+    }
 }
