@@ -1,0 +1,444 @@
+//! The report of `flowprefill eval`: markdown tables (per task at the table ratio, and the
+//! ratio sweep over the cases that have every ratio) and PNG plots, from the scored runs.
+
+use super::Record;
+use crate::plot;
+use anyhow::{Context as _, Result};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
+    let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    (n > 0).then(|| s / n as f64)
+}
+
+/// Whether a record belongs to `method` at `ratio` (ratio-free methods match any ratio).
+fn at(r: &Record, method: &str, ratio: f64) -> bool {
+    r.method == method && r.ratio.is_none_or(|x| (x - ratio).abs() < 1e-9)
+}
+
+fn pct(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{:.1}", 100.0 * v))
+}
+
+/// A percentage without decimals (the ratio-sweep cells list five of them).
+fn pct0(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{:.0}", 100.0 * v))
+}
+
+/// Full-prefill accuracy below which a task is left out of the mean retention.
+const RETENTION_FLOOR: f64 = 0.2;
+
+/// The markdown report (deterministic: accuracy only, no timings). `settings` lists the
+/// non-default selection settings (ablations), if any.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn summarize(
+    records: &[Record],
+    tasks: &[String],
+    lengths: &[usize],
+    labels: &[String],
+    ratios: &[f64],
+    tr: f64,
+    settings: &[String],
+) -> String {
+    let mut md = String::new();
+    let n_cases = records.iter().map(|r| (&r.task, r.length, r.sample)).collect::<HashSet<_>>().len();
+    md.push_str(&format!(
+        "# flowprefill eval\n\n{n_cases} cases; lengths {lengths:?}; ratios {ratios:?}; scores in %.\n\n"
+    ));
+    if !settings.is_empty() {
+        md.push_str(&format!("Selection settings: {}.\n\n", settings.join("; ")));
+    }
+    for &len in lengths {
+        md.push_str(&format!("## Accuracy at ratio {tr} ({len} tokens)\n\n| task |"));
+        for l in labels {
+            md.push_str(&format!(" {l} |"));
+        }
+        md.push_str("\n|---|");
+        md.push_str(&"---:|".repeat(labels.len()));
+        md.push('\n');
+        let mut col_means: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
+        for t in tasks {
+            md.push_str(&format!("| {t} |"));
+            for (i, l) in labels.iter().enumerate() {
+                let v =
+                    mean(records.iter().filter(|r| &r.task == t && r.length == len && at(r, l, tr)).map(|r| r.score));
+                if let Some(v) = v {
+                    col_means[i].push(v);
+                }
+                md.push_str(&format!(" {} |", pct(v)));
+            }
+            md.push('\n');
+        }
+        md.push_str("| **mean** |");
+        for c in &col_means {
+            md.push_str(&format!(" **{}** |", pct(mean(c.iter().copied()))));
+        }
+        md.push_str("\n\n");
+        // Retention: method / full, per task, then the mean of the per-task retentions.
+        md.push_str(&format!("Retention (method / full) at ratio {tr}, {len} tokens:\n\n| task |"));
+        for l in labels {
+            md.push_str(&format!(" {l} |"));
+        }
+        md.push_str("\n|---|");
+        md.push_str(&"---:|".repeat(labels.len()));
+        md.push('\n');
+        let mut ret_cols: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
+        for t in tasks {
+            let full =
+                mean(records.iter().filter(|r| &r.task == t && r.length == len && r.method == "full").map(|r| r.score));
+            md.push_str(&format!("| {t} |"));
+            for (i, l) in labels.iter().enumerate() {
+                let v =
+                    mean(records.iter().filter(|r| &r.task == t && r.length == len && at(r, l, tr)).map(|r| r.score));
+                let ret = match (v, full) {
+                    (Some(v), Some(f)) if f > 0.0 => Some(v / f),
+                    _ => None,
+                };
+                // A task full prefill rarely solves says nothing about retention: keep it out
+                // of the mean (its ratio is still shown).
+                if let (Some(x), Some(f)) = (ret, full) {
+                    if f >= RETENTION_FLOOR {
+                        ret_cols[i].push(x);
+                    }
+                }
+                md.push_str(&format!(" {} |", pct(ret)));
+            }
+            md.push('\n');
+        }
+        md.push_str("| **mean** |");
+        for c in &ret_cols {
+            md.push_str(&format!(" **{}** |", pct(mean(c.iter().copied()))));
+        }
+        md.push_str(&format!(
+            "\n\nThe mean leaves out tasks where full prefill scores below {:.0}%.\n\n",
+            100.0 * RETENTION_FLOOR
+        ));
+    }
+    for &len in lengths {
+        sweep_tables(&mut md, records, tasks, len, labels, ratios);
+    }
+    md.push_str(&format!(
+        "## Multi-document QA at ratio {tr}: token F1 / exact match\n\n| method | F1 | EM |\n|---|---:|---:|\n"
+    ));
+    for l in labels {
+        let qa: Vec<&Record> = records.iter().filter(|r| r.f1.is_some() && at(r, l, tr)).collect();
+        let f1 = mean(qa.iter().filter_map(|r| r.f1));
+        let em = mean(qa.iter().filter_map(|r| r.em.map(|e| e as u8 as f64)));
+        md.push_str(&format!("| {l} | {} | {} |\n", pct(f1), pct(em)));
+    }
+    md.push_str(&format!(
+        "\n## Selection diagnostics at ratio {tr}\n\nShare of needle-sentence and answer tokens recomputed; mean distance of the \
+         answer-bearing chunk from the prompt (0 = nearest) in the final layout.\n\n| method | needle tokens | answer tokens | chunk distance |\n|---|---:|---:|---:|\n"
+    ));
+    for l in labels {
+        let rs: Vec<&Record> = records.iter().filter(|r| at(r, l, tr)).collect();
+        let dist = mean(rs.iter().filter_map(|r| r.needle_chunk_rank.map(|x| x as f64)));
+        md.push_str(&format!(
+            "| {l} | {} | {} | {} |\n",
+            pct(mean(rs.iter().map(|r| r.needle_selected))),
+            pct(mean(rs.iter().map(|r| r.answer_selected))),
+            dist.map_or("-".into(), |d| format!("{d:.2}"))
+        ));
+    }
+    md
+}
+
+/// A case: task and sample at one length.
+type Case<'a> = (&'a str, usize);
+
+/// The cases at `len` that have a run of every label at every ratio in `rs` (a ratio-free label:
+/// its one run), so that means at different ratios compare the same cases. A sweep that is
+/// still running (or was stopped) has more cases at some ratios than at others.
+fn complete_cases<'a>(records: &'a [Record], len: usize, labels: &[String], rs: &[f64]) -> HashSet<Case<'a>> {
+    let mut runs: std::collections::HashMap<Case<'a>, Vec<&Record>> = std::collections::HashMap::new();
+    for r in records.iter().filter(|r| r.length == len) {
+        runs.entry((r.task.as_str(), r.sample)).or_default().push(r);
+    }
+    runs.into_iter()
+        .filter(|(_, rs_)| labels.iter().all(|l| rs.iter().all(|&x| rs_.iter().any(|r| at(r, l, x)))))
+        .map(|(c, _)| c)
+        .collect()
+}
+
+/// Whether a label's runs at `len` carry no ratio (full, none, star).
+fn ratio_free(records: &[Record], len: usize, label: &str) -> bool {
+    records.iter().filter(|r| r.length == len && r.method == label).all(|r| r.ratio.is_none())
+}
+
+/// The ratio sweep at one length: accuracy by ratio, and retention by ratio per task, over the
+/// cases that have every method at every ratio.
+fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usize, labels: &[String], ratios: &[f64]) {
+    if ratios.len() < 2 {
+        return;
+    }
+    let cases = complete_cases(records, len, labels, ratios);
+    if cases.is_empty() {
+        md.push_str(&format!("No case at {len} tokens has every method at every ratio yet: no ratio sweep table.\n\n"));
+        return;
+    }
+    let in_sweep = |r: &&Record| r.length == len && cases.contains(&(r.task.as_str(), r.sample));
+    let present: Vec<&String> = tasks.iter().filter(|t| cases.iter().any(|c| c.0 == t.as_str())).collect();
+    let per_task = |t: &str, l: &str, x: f64| {
+        mean(records.iter().filter(in_sweep).filter(|r| r.task == t && at(r, l, x)).map(|r| r.score))
+    };
+    let counts: Vec<String> =
+        present.iter().map(|t| format!("{t} {}", cases.iter().filter(|c| c.0 == t.as_str()).count())).collect();
+    md.push_str(&format!(
+        "## Accuracy by ratio ({len} tokens)\n\nOver the {} cases that have every method at every ratio ({}); \
+         mean over tasks of the task means.\n\n| method |",
+        cases.len(),
+        counts.join(", ")
+    ));
+    for r in ratios {
+        md.push_str(&format!(" {r} |"));
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---:|".repeat(ratios.len()));
+    md.push('\n');
+    for l in labels {
+        md.push_str(&format!("| {l} |"));
+        for &x in ratios {
+            md.push_str(&format!(" {} |", pct(mean(present.iter().filter_map(|t| per_task(t, l, x))))));
+        }
+        md.push('\n');
+    }
+    let shown: Vec<&String> = labels.iter().filter(|l| l.as_str() != "full").collect();
+    let ratio_list: Vec<String> = ratios.iter().map(|r| r.to_string()).collect();
+    md.push_str(&format!(
+        "\nRetention (method / full, %) by ratio, {len} tokens, same cases; each cell lists ratios {}:\n\n| task |",
+        ratio_list.join(" / ")
+    ));
+    for l in &shown {
+        md.push_str(&format!(" {l} |"));
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---:|".repeat(shown.len()));
+    md.push('\n');
+    let mut ret_means: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); ratios.len()]; shown.len()];
+    for t in &present {
+        let full =
+            mean(records.iter().filter(in_sweep).filter(|r| &r.task == *t && r.method == "full").map(|r| r.score));
+        md.push_str(&format!("| {t} |"));
+        for (i, l) in shown.iter().enumerate() {
+            let free = ratio_free(records, len, l);
+            let cells: Vec<String> = ratios
+                .iter()
+                .enumerate()
+                .take(if free { 1 } else { ratios.len() })
+                .map(|(j, &x)| {
+                    let ret = match (per_task(t, l, x), full) {
+                        (Some(v), Some(f)) if f > 0.0 => Some(v / f),
+                        _ => None,
+                    };
+                    if let (Some(v), Some(f)) = (ret, full) {
+                        if f >= RETENTION_FLOOR {
+                            ret_means[i][j].push(v);
+                        }
+                    }
+                    pct0(ret)
+                })
+                .collect();
+            md.push_str(&format!(" {} |", cells.join(" / ")));
+        }
+        md.push('\n');
+    }
+    md.push_str("| **mean** |");
+    for (i, l) in shown.iter().enumerate() {
+        let free = ratio_free(records, len, l);
+        let cells: Vec<String> = ret_means[i]
+            .iter()
+            .take(if free { 1 } else { ratios.len() })
+            .map(|v| pct0(mean(v.iter().copied())))
+            .collect();
+        md.push_str(&format!(" **{}** |", cells.join(" / ")));
+    }
+    md.push_str(&format!(
+        "\n\nThe mean leaves out tasks where full prefill scores below {:.0}% on these cases.\n\n",
+        100.0 * RETENTION_FLOOR
+    ));
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn plots(
+    records: &[Record],
+    tasks: &[String],
+    lengths: &[usize],
+    labels: &[String],
+    ratios: &[f64],
+    depths: &[f64],
+    tr: f64,
+    out: &Path,
+) -> Result<()> {
+    // Accuracy vs ratio and the Pareto view, one chart each per length (TTFT grows with the
+    // length, so lengths are not pooled); the unsuffixed files show the longest length that has
+    // a chart. Both use only the cases that have every method at every ratio, so that the points
+    // of a line compare the same cases; where no case has them all yet, the Pareto chart falls
+    // back to every case at the table ratio and the ratio chart is left out.
+    let mut ratio_chart: Option<PathBuf> = None;
+    let mut pareto_chart: Option<PathBuf> = None;
+    let mut sorted_lengths = lengths.to_vec();
+    sorted_lengths.sort_unstable();
+    for &len in &sorted_lengths {
+        let mut cases = complete_cases(records, len, labels, ratios);
+        let swept = !cases.is_empty();
+        if !swept {
+            cases = complete_cases(records, len, labels, &[tr]);
+        }
+        if cases.is_empty() {
+            continue;
+        }
+        let rs_at = |l: &str, x: f64| -> Vec<&Record> {
+            records
+                .iter()
+                .filter(|r| r.length == len && cases.contains(&(r.task.as_str(), r.sample)) && at(r, l, x))
+                .collect()
+        };
+        // Mean over tasks of the task means, as in the tables.
+        let acc = |rs: &[&Record]| {
+            let ts: Vec<&str> = tasks.iter().map(String::as_str).filter(|t| rs.iter().any(|r| r.task == *t)).collect();
+            mean(ts.iter().filter_map(|t| mean(rs.iter().filter(|r| r.task == *t).map(|r| r.score))))
+        };
+        if swept && ratios.len() > 1 {
+            let series: Vec<plot::Series> = labels
+                .iter()
+                .map(|l| plot::Series {
+                    name: l.clone(),
+                    points: ratios.iter().filter_map(|&x| acc(&rs_at(l, x)).map(|v| (x, 100.0 * v))).collect(),
+                })
+                .collect();
+            let f = out.join(format!("accuracy_vs_ratio_{len}.png"));
+            let title = format!("Accuracy vs recompute ratio, {len} tokens ({} cases)", cases.len());
+            plot::line_chart(&f, &title, "recompute ratio", "accuracy (%)", &series)?;
+            ratio_chart = Some(f);
+        }
+        let points: &[f64] = if swept { ratios } else { std::slice::from_ref(&tr) };
+        let mut pareto = Vec::new();
+        for l in labels {
+            let mut pts = Vec::new();
+            for &x in points {
+                let rs = rs_at(l, x);
+                let Some(a) = acc(&rs) else { continue };
+                let mut t: Vec<f64> = rs.iter().map(|r| r.ttft_ms).collect();
+                t.sort_by(|a, b| a.total_cmp(b));
+                pts.push((t[t.len() / 2] / 1e3, 100.0 * a));
+                if rs.iter().all(|r| r.ratio.is_none()) {
+                    break;
+                }
+            }
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            pareto.push(plot::Series { name: l.clone(), points: pts });
+        }
+        let title = format!(
+            "Accuracy vs TTFT, {len} tokens, {} cases (warm chunk caches; points: {})",
+            cases.len(),
+            if swept { "ratios".to_string() } else { format!("ratio {tr}") }
+        );
+        let f = out.join(format!("pareto_{len}.png"));
+        plot::line_chart(&f, &title, "median TTFT (s)", "accuracy (%)", &pareto)?;
+        pareto_chart = Some(f);
+    }
+    for (chart, name) in [(ratio_chart, "accuracy_vs_ratio.png"), (pareto_chart, "pareto.png")] {
+        if let Some(f) = chart {
+            std::fs::copy(&f, out.join(name)).with_context(|| format!("copying {} to {name}", f.display()))?;
+        }
+    }
+    // Needle depth x length heat maps on the NIAH tasks.
+    let niah: HashSet<&str> = tasks.iter().map(String::as_str).filter(|t| t.starts_with("niah")).collect();
+    if !niah.is_empty() {
+        for l in labels {
+            let cols: Vec<String> = lengths.iter().map(|l| l.to_string()).collect();
+            let rows: Vec<String> = depths.iter().map(|d| format!("{d:.1}")).collect();
+            let mut values = vec![vec![None; cols.len()]; rows.len()];
+            let mut any = false;
+            for (ri, &d) in depths.iter().enumerate() {
+                for (ci, &len) in lengths.iter().enumerate() {
+                    let v = mean(
+                        records
+                            .iter()
+                            .filter(|x| {
+                                niah.contains(x.task.as_str())
+                                    && x.length == len
+                                    && (x.depth - d).abs() < 1e-6
+                                    && at(x, l, tr)
+                            })
+                            .map(|x| x.score),
+                    );
+                    if let Some(v) = v {
+                        values[ri][ci] = Some(v);
+                        any = true;
+                    }
+                }
+            }
+            if any {
+                let name = l.replace('+', "_");
+                plot::heatmap(
+                    &out.join(format!("heatmap_{name}.png")),
+                    &format!("{l}: NIAH accuracy (ratio {tr})"),
+                    "context tokens",
+                    "needle depth",
+                    &cols,
+                    &rows,
+                    &values,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(task: &str, sample: usize, method: &str, ratio: Option<f64>, score: f64) -> Record {
+        Record {
+            task: task.into(),
+            length: 100,
+            sample,
+            depth: 0.5,
+            method: method.into(),
+            ratio,
+            score,
+            em: None,
+            f1: None,
+            ttft_ms: 1.0,
+            selected: 0,
+            context_tokens: 100,
+            needle_selected: 0.0,
+            answer_selected: 0.0,
+            needle_chunk_rank: None,
+            answer: String::new(),
+        }
+    }
+
+    /// A sweep stopped half-way: sample 0 has both ratios, sample 1 only the table ratio. The
+    /// table at 0.15 uses both samples; the by-ratio tables use sample 0 only, so that the two
+    /// ratios compare the same cases.
+    #[test]
+    fn ratio_tables_compare_the_same_cases() {
+        let t = "niah_single";
+        let records = vec![
+            rec(t, 0, "full", None, 1.0),
+            rec(t, 0, "infoflow", Some(0.15), 0.5),
+            rec(t, 0, "infoflow", Some(0.3), 1.0),
+            rec(t, 1, "full", None, 1.0),
+            rec(t, 1, "infoflow", Some(0.15), 0.0),
+        ];
+        let labels = vec!["full".to_string(), "infoflow".to_string()];
+        let tasks = vec![t.to_string()];
+        let complete = complete_cases(&records, 100, &labels, &[0.15, 0.3]);
+        assert_eq!(complete, HashSet::from([(t, 0)]));
+        assert_eq!(complete_cases(&records, 100, &labels, &[0.15]).len(), 2);
+        let md = summarize(&records, &tasks, &[100], &labels, &[0.15, 0.3], 0.15, &[]);
+        // Per-task table at 0.15: both samples, (0.5 + 0.0) / 2.
+        assert!(md.contains("| niah_single | 100.0 | 25.0 |"), "{md}");
+        // By ratio: sample 0 only.
+        assert!(md.contains("Over the 1 cases that have every method at every ratio (niah_single 1)"), "{md}");
+        assert!(md.contains("| infoflow | 50.0 | 100.0 |"), "{md}");
+        assert!(md.contains("| niah_single | 50 / 100 |"), "{md}");
+        // Without any complete case the sweep table says so instead of mixing cases.
+        let md = summarize(&records[3..], &tasks, &[100], &labels, &[0.15, 0.3], 0.15, &[]);
+        assert!(md.contains("No case at 100 tokens has every method at every ratio yet"), "{md}");
+    }
+}
