@@ -26,6 +26,18 @@ fn pct0(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{:.0}", 100.0 * v))
 }
 
+/// A markdown table's header row (`first`, then one right-aligned column per entry) and its
+/// separator row.
+fn table_head(md: &mut String, first: &str, cols: &[impl std::fmt::Display]) {
+    md.push_str(&format!("| {first} |"));
+    for c in cols {
+        md.push_str(&format!(" {c} |"));
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---:|".repeat(cols.len()));
+    md.push('\n');
+}
+
 /// Full-prefill accuracy below which a task is left out of the mean retention.
 const RETENTION_FLOOR: f64 = 0.2;
 
@@ -50,19 +62,26 @@ pub(super) fn summarize(
         md.push_str(&format!("Selection settings: {}.\n\n", settings.join("; ")));
     }
     for &len in lengths {
-        md.push_str(&format!("## Accuracy at ratio {tr} ({len} tokens)\n\n| task |"));
-        for l in labels {
-            md.push_str(&format!(" {l} |"));
-        }
-        md.push_str("\n|---|");
-        md.push_str(&"---:|".repeat(labels.len()));
-        md.push('\n');
+        // Per task and method: the mean score at the table ratio (both tables below use it).
+        let acc: Vec<Vec<Option<f64>>> = tasks
+            .iter()
+            .map(|t| {
+                labels
+                    .iter()
+                    .map(|l| {
+                        mean(
+                            records.iter().filter(|r| &r.task == t && r.length == len && at(r, l, tr)).map(|r| r.score),
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        md.push_str(&format!("## Accuracy at ratio {tr} ({len} tokens)\n\n"));
+        table_head(&mut md, "task", labels);
         let mut col_means: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
-        for t in tasks {
+        for (t, row) in tasks.iter().zip(&acc) {
             md.push_str(&format!("| {t} |"));
-            for (i, l) in labels.iter().enumerate() {
-                let v =
-                    mean(records.iter().filter(|r| &r.task == t && r.length == len && at(r, l, tr)).map(|r| r.score));
+            for (i, &v) in row.iter().enumerate() {
                 if let Some(v) = v {
                     col_means[i].push(v);
                 }
@@ -76,21 +95,14 @@ pub(super) fn summarize(
         }
         md.push_str("\n\n");
         // Retention: method / full, per task, then the mean of the per-task retentions.
-        md.push_str(&format!("Retention (method / full) at ratio {tr}, {len} tokens:\n\n| task |"));
-        for l in labels {
-            md.push_str(&format!(" {l} |"));
-        }
-        md.push_str("\n|---|");
-        md.push_str(&"---:|".repeat(labels.len()));
-        md.push('\n');
+        md.push_str(&format!("Retention (method / full) at ratio {tr}, {len} tokens:\n\n"));
+        table_head(&mut md, "task", labels);
         let mut ret_cols: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
-        for t in tasks {
+        for (t, row) in tasks.iter().zip(&acc) {
             let full =
                 mean(records.iter().filter(|r| &r.task == t && r.length == len && r.method == "full").map(|r| r.score));
             md.push_str(&format!("| {t} |"));
-            for (i, l) in labels.iter().enumerate() {
-                let v =
-                    mean(records.iter().filter(|r| &r.task == t && r.length == len && at(r, l, tr)).map(|r| r.score));
+            for (i, &v) in row.iter().enumerate() {
                 let ret = match (v, full) {
                     (Some(v), Some(f)) if f > 0.0 => Some(v / f),
                     _ => None,
@@ -186,16 +198,11 @@ fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usiz
         present.iter().map(|t| format!("{t} {}", cases.iter().filter(|c| c.0 == t.as_str()).count())).collect();
     md.push_str(&format!(
         "## Accuracy by ratio ({len} tokens)\n\nOver the {} cases that have every method at every ratio ({}); \
-         mean over tasks of the task means.\n\n| method |",
+         mean over tasks of the task means.\n\n",
         cases.len(),
         counts.join(", ")
     ));
-    for r in ratios {
-        md.push_str(&format!(" {r} |"));
-    }
-    md.push_str("\n|---|");
-    md.push_str(&"---:|".repeat(ratios.len()));
-    md.push('\n');
+    table_head(md, "method", ratios);
     for l in labels {
         md.push_str(&format!("| {l} |"));
         for &x in ratios {
@@ -206,15 +213,10 @@ fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usiz
     let shown: Vec<&String> = labels.iter().filter(|l| l.as_str() != "full").collect();
     let ratio_list: Vec<String> = ratios.iter().map(|r| r.to_string()).collect();
     md.push_str(&format!(
-        "\nRetention (method / full, %) by ratio, {len} tokens, same cases; each cell lists ratios {}:\n\n| task |",
+        "\nRetention (method / full, %) by ratio, {len} tokens, same cases; each cell lists ratios {}:\n\n",
         ratio_list.join(" / ")
     ));
-    for l in &shown {
-        md.push_str(&format!(" {l} |"));
-    }
-    md.push_str("\n|---|");
-    md.push_str(&"---:|".repeat(shown.len()));
-    md.push('\n');
+    table_head(md, "task", &shown);
     let mut ret_means: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); ratios.len()]; shown.len()];
     for t in &present {
         let full =
