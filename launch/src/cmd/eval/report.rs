@@ -41,6 +41,16 @@ fn table_head(md: &mut String, first: &str, cols: &[impl std::fmt::Display]) {
 /// Full-prefill accuracy below which a task is left out of the mean retention.
 const RETENTION_FLOOR: f64 = 0.2;
 
+/// A method's accuracy over full prefill's on the same cases (`None` where either is missing or
+/// full prefill scores 0), and whether it enters the mean retention: a task full prefill rarely
+/// solves says nothing about retention, so it is shown but left out of the mean.
+fn retention(v: Option<f64>, full: Option<f64>) -> (Option<f64>, bool) {
+    match (v, full) {
+        (Some(v), Some(f)) if f > 0.0 => (Some(v / f), f >= RETENTION_FLOOR),
+        _ => (None, false),
+    }
+}
+
 /// The markdown report (deterministic: accuracy only, no timings). `settings` lists the
 /// non-default selection settings (ablations), if any.
 #[allow(clippy::too_many_arguments)]
@@ -103,16 +113,9 @@ pub(super) fn summarize(
                 mean(records.iter().filter(|r| &r.task == t && r.length == len && r.method == "full").map(|r| r.score));
             md.push_str(&format!("| {t} |"));
             for (i, &v) in row.iter().enumerate() {
-                let ret = match (v, full) {
-                    (Some(v), Some(f)) if f > 0.0 => Some(v / f),
-                    _ => None,
-                };
-                // A task full prefill rarely solves says nothing about retention: keep it out
-                // of the mean (its ratio is still shown).
-                if let (Some(x), Some(f)) = (ret, full) {
-                    if f >= RETENTION_FLOOR {
-                        ret_cols[i].push(x);
-                    }
+                let (ret, in_mean) = retention(v, full);
+                if let (Some(x), true) = (ret, in_mean) {
+                    ret_cols[i].push(x);
                 }
                 md.push_str(&format!(" {} |", pct(ret)));
             }
@@ -191,9 +194,29 @@ fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usiz
     }
     let in_sweep = |r: &&Record| r.length == len && cases.contains(&(r.task.as_str(), r.sample));
     let present: Vec<&String> = tasks.iter().filter(|t| cases.iter().any(|c| c.0 == t.as_str())).collect();
-    let per_task = |t: &str, l: &str, x: f64| {
-        mean(records.iter().filter(in_sweep).filter(|r| r.task == t && at(r, l, x)).map(|r| r.score))
-    };
+    // Per task, label and ratio: the mean score over the sweep's cases (both tables below use it).
+    let acc: Vec<Vec<Vec<Option<f64>>>> = present
+        .iter()
+        .map(|t| {
+            labels
+                .iter()
+                .map(|l| {
+                    ratios
+                        .iter()
+                        .map(|&x| {
+                            mean(
+                                records
+                                    .iter()
+                                    .filter(in_sweep)
+                                    .filter(|r| &r.task == *t && at(r, l, x))
+                                    .map(|r| r.score),
+                            )
+                        })
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
     let counts: Vec<String> =
         present.iter().map(|t| format!("{t} {}", cases.iter().filter(|c| c.0 == t.as_str()).count())).collect();
     md.push_str(&format!(
@@ -203,40 +226,36 @@ fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usiz
         counts.join(", ")
     ));
     table_head(md, "method", ratios);
-    for l in labels {
+    for (li, l) in labels.iter().enumerate() {
         md.push_str(&format!("| {l} |"));
-        for &x in ratios {
-            md.push_str(&format!(" {} |", pct(mean(present.iter().filter_map(|t| per_task(t, l, x))))));
+        for xi in 0..ratios.len() {
+            md.push_str(&format!(" {} |", pct(mean(acc.iter().filter_map(|task| task[li][xi])))));
         }
         md.push('\n');
     }
-    let shown: Vec<&String> = labels.iter().filter(|l| l.as_str() != "full").collect();
+    // The labels of the retention table (all but full), by index into `labels`, and how many
+    // ratio cells each shows (one for a ratio-free label).
+    let shown: Vec<usize> = (0..labels.len()).filter(|&li| labels[li] != "full").collect();
+    let n_cells: Vec<usize> =
+        shown.iter().map(|&li| if ratio_free(records, len, &labels[li]) { 1 } else { ratios.len() }).collect();
     let ratio_list: Vec<String> = ratios.iter().map(|r| r.to_string()).collect();
     md.push_str(&format!(
         "\nRetention (method / full, %) by ratio, {len} tokens, same cases; each cell lists ratios {}:\n\n",
         ratio_list.join(" / ")
     ));
-    table_head(md, "task", &shown);
+    let shown_names: Vec<&String> = shown.iter().map(|&li| &labels[li]).collect();
+    table_head(md, "task", &shown_names);
     let mut ret_means: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); ratios.len()]; shown.len()];
-    for t in &present {
+    for (t, task) in present.iter().zip(&acc) {
         let full =
             mean(records.iter().filter(in_sweep).filter(|r| &r.task == *t && r.method == "full").map(|r| r.score));
         md.push_str(&format!("| {t} |"));
-        for (i, l) in shown.iter().enumerate() {
-            let free = ratio_free(records, len, l);
-            let cells: Vec<String> = ratios
-                .iter()
-                .enumerate()
-                .take(if free { 1 } else { ratios.len() })
-                .map(|(j, &x)| {
-                    let ret = match (per_task(t, l, x), full) {
-                        (Some(v), Some(f)) if f > 0.0 => Some(v / f),
-                        _ => None,
-                    };
-                    if let (Some(v), Some(f)) = (ret, full) {
-                        if f >= RETENTION_FLOOR {
-                            ret_means[i][j].push(v);
-                        }
+        for (i, &li) in shown.iter().enumerate() {
+            let cells: Vec<String> = (0..n_cells[i])
+                .map(|j| {
+                    let (ret, in_mean) = retention(task[li][j], full);
+                    if let (Some(v), true) = (ret, in_mean) {
+                        ret_means[i][j].push(v);
                     }
                     pct0(ret)
                 })
@@ -246,13 +265,8 @@ fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usiz
         md.push('\n');
     }
     md.push_str("| **mean** |");
-    for (i, l) in shown.iter().enumerate() {
-        let free = ratio_free(records, len, l);
-        let cells: Vec<String> = ret_means[i]
-            .iter()
-            .take(if free { 1 } else { ratios.len() })
-            .map(|v| pct0(mean(v.iter().copied())))
-            .collect();
+    for (i, means) in ret_means.iter().enumerate() {
+        let cells: Vec<String> = means.iter().take(n_cells[i]).map(|v| pct0(mean(v.iter().copied()))).collect();
         md.push_str(&format!(" **{}** |", cells.join(" / ")));
     }
     md.push_str(&format!(
