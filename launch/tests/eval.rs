@@ -100,6 +100,9 @@ fn same_command_same_table_resume_and_plots() {
         full_report.contains("6 cases;") && full_report.contains("Accuracy by ratio (400 tokens)"),
         "{full_report}"
     );
+    let o = report(&a, "3");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("report only: all 36 planned runs are in"), "{err}");
     let o = report(&base.join("nothing-here"), "1");
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("needs the runs of an earlier eval"));

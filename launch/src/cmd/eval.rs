@@ -251,7 +251,9 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         }
     }
     let pending = plan.iter().filter(|k| !have.contains(*k)).count();
-    if a.report_only {
+    if a.report_only && pending == 0 {
+        eprintln!("report only: all {} planned runs are in {}", plan.len(), results_path.display());
+    } else if a.report_only {
         eprintln!(
             "report only: {} of {} planned runs are in {}; the {pending} missing ones are left out",
             plan.len() - pending,
