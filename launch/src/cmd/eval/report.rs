@@ -246,9 +246,10 @@ fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usiz
     let shown_names: Vec<&String> = shown.iter().map(|&li| &labels[li]).collect();
     table_head(md, "task", &shown_names);
     let mut ret_means: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); ratios.len()]; shown.len()];
+    // Full prefill is ratio-free: its mean is the same in every ratio column of `acc`.
+    let full_li = labels.iter().position(|l| l == "full");
     for (t, task) in present.iter().zip(&acc) {
-        let full =
-            mean(records.iter().filter(in_sweep).filter(|r| &r.task == *t && r.method == "full").map(|r| r.score));
+        let full = full_li.and_then(|fi| task[fi][0]);
         md.push_str(&format!("| {t} |"));
         for (i, &li) in shown.iter().enumerate() {
             let cells: Vec<String> = (0..n_cells[i])
