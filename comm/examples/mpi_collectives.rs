@@ -31,6 +31,40 @@ fn main() {
     let ranks: Vec<usize> = all_gather_value(&mut c, "ranks", &me).expect("ranks");
     assert_eq!(ranks, (0..n).collect::<Vec<_>>());
     barrier(&mut c, "barrier").expect("barrier");
+    if n > 1 {
+        use flowprefill_comm::{CommError, ErrorClass};
+        // The last rank gives a job up: every other rank's gather says so, naming it.
+        c.end_job();
+        if me == n - 1 {
+            c.abort(ErrorClass::Deadline, "deadline at layer 3");
+        } else {
+            match all_gather_f32(&mut c, "probe.layer3", &big) {
+                Err(CommError::Aborted { rank, class: ErrorClass::Deadline, .. }) if rank == n - 1 => {}
+                other => panic!("rank {me}: expected an abort from rank {}, got {other:?}", n - 1),
+            }
+        }
+        c.end_job();
+        // The next job is clean: what the aborted one left in flight is dropped.
+        let g = all_gather_f32(&mut c, "after", &[me as f32]).expect("gather after an abort");
+        assert!(g.iter().enumerate().all(|(src, v)| v == &vec![src as f32]));
+        // A rank computing without communicating sees an abort by polling.
+        c.end_job();
+        if me == 0 {
+            c.abort(ErrorClass::Cancelled, "client went away");
+        } else {
+            let t = std::time::Instant::now();
+            loop {
+                match c.poll_abort("chunk_prefill") {
+                    Ok(()) => assert!(t.elapsed().as_secs() < 10, "rank {me}: the abort never arrived"),
+                    Err(CommError::Aborted { rank: 0, class: ErrorClass::Cancelled, .. }) => break,
+                    Err(e) => panic!("rank {me}: {e}"),
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        }
+        c.end_job();
+        barrier(&mut c, "final").expect("barrier after aborts");
+    }
     println!("rank {me}/{n}: ok, sent {} bytes", c.stats().bytes_sent());
 }
 

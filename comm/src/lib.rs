@@ -16,6 +16,20 @@
 //! same collectives in the same order, also when it has nothing to contribute (an empty
 //! message is still a message), and variable-size payloads carry their own length.
 //!
+//! Jobs and aborts: every message carries the number of the job (epoch) it belongs to. A rank
+//! that cannot finish a job (its own error, a cancellation, a deadline) calls
+//! [`Communicator::abort`]: each peer's next wait in that job returns [`CommError::Aborted`]
+//! naming the rank and why, instead of waiting for a message that will never come. Every rank
+//! then calls [`Communicator::end_job`], and whatever the job left in flight is dropped on
+//! arrival, so the next job starts clean. Ranks that compute without communicating (chunk
+//! prefill) look for aborts between layers with [`Communicator::poll_abort`].
+//!
+//! ```text
+//!   rank 1: ... layer 5 fails ── abort(class, why) ──> every peer ── end_job
+//!   rank 0: ... wait(layer 5) -> Aborted { rank 1, why } ───────────── end_job
+//!   rank 2: ... chunk prefill: poll_abort() -> Aborted { rank 1, why } ─ end_job
+//! ```
+//!
 //! Backends: [`local`] (ranks are threads of one process; used by every test) and `mpi`
 //! (feature `mpi`: one process per rank under `mpirun`). Both count bytes and time per named
 //! collective ([`CommStats`]). A device backend (NCCL) fits the same trait: callers only use
@@ -24,11 +38,13 @@
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod wire;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::time::Duration;
+pub use wire::{decode, encode, Packet, Unpack};
 
 /// Default deadline of a wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -83,6 +99,59 @@ pub enum CommError {
     /// The MPI layer failed.
     #[error("MPI: {0}")]
     Mpi(String),
+    /// A peer gave the current job up (its own error, a cancellation or a deadline) and told
+    /// every rank why; the world itself is fine and the next job can run.
+    #[error("rank {rank} gave the job up during `{op}`: {reason}")]
+    Aborted {
+        /// The rank that gave up.
+        rank: usize,
+        /// The collective this rank was in when it learnt of it.
+        op: String,
+        /// Whose fault the peer's error was.
+        class: ErrorClass,
+        /// The peer's error message.
+        reason: String,
+    },
+}
+
+impl CommError {
+    /// Whether the world of ranks is still usable after this error: only an abort leaves
+    /// every rank in step (the others mean a rank is lost, stuck or out of step).
+    pub fn world_intact(&self) -> bool {
+        matches!(self, CommError::Aborted { .. })
+    }
+}
+
+/// Whose fault an error is: decides the HTTP status and exit code, and travels with an abort
+/// so that every rank reports a job's failure the same way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum ErrorClass {
+    /// The caller's input (a bad option, an oversized request): fix the request.
+    Caller,
+    /// The model file or the configuration of the process.
+    Model,
+    /// Another rank was lost, stuck or out of step.
+    Peer,
+    /// A broken invariant: a bug.
+    Internal,
+    /// The caller went away.
+    Cancelled,
+    /// The job's deadline passed.
+    Deadline,
+}
+
+impl ErrorClass {
+    /// Lower-case name (a bounded metrics label).
+    pub fn name(self) -> &'static str {
+        match self {
+            ErrorClass::Caller => "caller",
+            ErrorClass::Model => "model",
+            ErrorClass::Peer => "peer",
+            ErrorClass::Internal => "internal",
+            ErrorClass::Cancelled => "cancelled",
+            ErrorClass::Deadline => "deadline",
+        }
+    }
 }
 
 /// Result alias of this crate.
@@ -152,8 +221,21 @@ pub trait Communicator: Send {
     /// Starts an exchange: queues `sends` (to, payload) and the ranks one message is expected
     /// from. Fails if an exchange is already pending.
     fn post(&mut self, op: &str, sends: Vec<(usize, Vec<u8>)>, from: Vec<usize>) -> Result<()>;
-    /// Completes the pending exchange; messages come in the order of `from`.
+    /// Completes the pending exchange; messages come in the order of `from`. A peer that gave
+    /// the job up makes it [`CommError::Aborted`].
     fn wait(&mut self) -> Result<Vec<Vec<u8>>>;
+    /// Gives the current job up: every peer's next wait in this job returns
+    /// [`CommError::Aborted`] with `class` and `reason`, and a pending exchange is forgotten.
+    /// Best effort (a lost peer is not told); never blocks longer than the deadline.
+    fn abort(&mut self, class: ErrorClass, reason: &str);
+    /// Without blocking: [`CommError::Aborted`] if a peer has already given the current job
+    /// up. Ranks that compute for long without communicating call it between layers.
+    fn poll_abort(&mut self, op: &str) -> Result<()>;
+    /// Ends the current job on this rank (every rank calls it once per job, success or not);
+    /// messages of that job still in flight are dropped when they arrive.
+    fn end_job(&mut self);
+    /// The current job's number (starts at 0, one more per [`Communicator::end_job`]).
+    fn epoch(&self) -> u64;
     /// Counters so far.
     fn stats(&self) -> &CommStats;
     /// Clears the counters.
@@ -214,55 +296,30 @@ pub fn barrier(comm: &mut dyn Communicator, op: &str) -> Result<()> {
     all_gather_bytes(comm, op, Vec::new()).map(|_| ())
 }
 
-fn f32_bytes(data: &[f32]) -> Vec<u8> {
-    bytemuck::cast_slice::<f32, u8>(data).to_vec()
-}
-
-fn bytes_f32(rank: usize, op: &str, b: &[u8]) -> Result<Vec<f32>> {
-    if b.len() % 4 != 0 {
-        return Err(CommError::Decode {
-            rank,
-            op: op.into(),
-            detail: format!("{} bytes is not a whole number of f32", b.len()),
-        });
-    }
-    // Received buffers are not necessarily 4-byte aligned: copy element by element.
-    Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
-}
-
 /// All-gather of f32 slices of any length (the lengths travel with the data).
 pub fn all_gather_f32(comm: &mut dyn Communicator, op: &str, data: &[f32]) -> Result<Vec<Vec<f32>>> {
-    let got = all_gather_bytes(comm, op, f32_bytes(data))?;
-    got.iter().enumerate().map(|(r, b)| bytes_f32(r, op, b)).collect()
+    let got = all_gather_bytes(comm, op, Packet::new().f32s(data).into_bytes())?;
+    got.iter().enumerate().map(|(r, b)| unpack_f32(r, op, b)).collect()
+}
+
+fn unpack_f32(rank: usize, op: &str, b: &[u8]) -> Result<Vec<f32>> {
+    let mut u = Unpack::new(rank, op, b);
+    let v = u.f32s()?;
+    u.finish()?;
+    Ok(v)
 }
 
 /// Sends f32 data to `to` and receives from `from` (a ring step), split-phase: returns after
 /// posting; complete with [`wait_f32`].
 pub fn post_f32(comm: &mut dyn Communicator, op: &str, to: usize, data: &[f32], from: usize) -> Result<()> {
-    comm.post(op, vec![(to, f32_bytes(data))], vec![from])
+    comm.post(op, vec![(to, Packet::new().f32s(data).into_bytes())], vec![from])
 }
 
 /// Completes a [`post_f32`].
 pub fn wait_f32(comm: &mut dyn Communicator, op: &str, from: usize) -> Result<Vec<f32>> {
     let got = comm.wait()?;
     let b = got.into_iter().next().ok_or_else(|| CommError::Misuse("ring step lost its message".into()))?;
-    bytes_f32(from, op, &b)
-}
-
-/// Encodes a control message.
-pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
-    bincode::serde::encode_to_vec(value, bincode::config::standard()).map_err(|e| CommError::Decode {
-        rank: usize::MAX,
-        op: "encode".into(),
-        detail: e.to_string(),
-    })
-}
-
-/// Decodes a control message from `rank`.
-pub fn decode<T: DeserializeOwned>(rank: usize, op: &str, bytes: &[u8]) -> Result<T> {
-    bincode::serde::decode_from_slice(bytes, bincode::config::standard())
-        .map(|(v, _)| v)
-        .map_err(|e| CommError::Decode { rank, op: op.into(), detail: e.to_string() })
+    unpack_f32(from, op, &b)
 }
 
 /// Rank `root`'s value on every rank (bincode-encoded control message).
@@ -341,7 +398,8 @@ mod tests {
             let want: Vec<f32> = (0..n).map(|s| ((r + n - s) % n) as f32).collect();
             assert_eq!(seen, want);
             let ring = stats.ops["ring"];
-            assert_eq!((ring.calls, ring.bytes_sent, ring.bytes_received), (2, 32, 32));
+            // 4 floats and the packet's 4-byte length, twice.
+            assert_eq!((ring.calls, ring.bytes_sent, ring.bytes_received), (2, 40, 40));
         }
     }
 
@@ -374,6 +432,77 @@ mod tests {
             let e = r.as_ref().unwrap_err().to_string();
             assert!(e.contains("rank 2 was lost") && e.contains("probe.layer3"), "{e}");
         }
+    }
+
+    #[test]
+    fn an_abort_reaches_every_rank_and_the_next_job_starts_clean() {
+        let out = run_ranks(3, |mut c: local::LocalComm| -> Result<(String, Vec<Vec<f32>>)> {
+            c.set_timeout(Duration::from_secs(20));
+            let me = c.rank();
+            // Job 0: rank 1 gives up instead of joining the layer's gather; the others had
+            // already sent their parts (left in flight) and learn why at once.
+            let first = if me == 1 {
+                c.abort(ErrorClass::Deadline, "the deadline passed at layer 5");
+                String::new()
+            } else {
+                let t = std::time::Instant::now();
+                let e = all_gather_f32(&mut c, "probe.layer5", &[me as f32; 1000]).unwrap_err();
+                assert!(t.elapsed() < Duration::from_secs(5));
+                assert!(matches!(&e, CommError::Aborted { rank: 1, class: ErrorClass::Deadline, .. }), "{e}");
+                assert!(e.world_intact());
+                e.to_string()
+            };
+            c.end_job();
+            // Job 1: what job 0 left in flight is dropped; the gather sees only job 1's data.
+            let g = all_gather_f32(&mut c, "next", &[10.0 + me as f32])?;
+            c.end_job();
+            Ok((first, g))
+        });
+        for (r, res) in out.into_iter().enumerate() {
+            let (first, g) = res.unwrap();
+            if r != 1 {
+                assert!(
+                    first.contains("rank 1 gave the job up during `probe.layer5`") && first.contains("layer 5"),
+                    "{first}"
+                );
+            }
+            assert_eq!(g, vec![vec![10.0], vec![11.0], vec![12.0]], "rank {r}");
+        }
+    }
+
+    #[test]
+    fn a_computing_rank_polls_an_abort_behind_data() {
+        let out = run_ranks(2, |mut c: local::LocalComm| -> Result<()> {
+            c.set_timeout(Duration::from_secs(20));
+            if c.rank() == 0 {
+                // Data of a later collective, then the abort: the poll must look past the data.
+                c.post("probe.layer0", vec![(1, vec![1, 2, 3])], vec![])?;
+                c.wait()?;
+                c.abort(ErrorClass::Cancelled, "the client went away");
+                // A barrier rank 1 is no longer in: its next job's message says so at once
+                // (and is kept for that job).
+                let e = barrier(&mut c, "late").unwrap_err();
+                assert!(e.to_string().contains("moved on to a later job"), "{e}");
+                c.end_job();
+                barrier(&mut c, "next")
+            } else {
+                let t = std::time::Instant::now();
+                let e = loop {
+                    if let Err(e) = c.poll_abort("chunk_prefill") {
+                        break e;
+                    }
+                    assert!(t.elapsed() < Duration::from_secs(5), "the abort was never seen");
+                    std::thread::sleep(Duration::from_millis(5));
+                };
+                assert!(
+                    matches!(&e, CommError::Aborted { rank: 0, class: ErrorClass::Cancelled, op, .. } if op == "chunk_prefill"),
+                    "{e}"
+                );
+                c.end_job();
+                barrier(&mut c, "next")
+            }
+        });
+        out.into_iter().for_each(|r| r.unwrap());
     }
 
     #[test]

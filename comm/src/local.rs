@@ -7,8 +7,10 @@
 //!                                   every peer waiting on it gets `RankLost` at once.
 //! ```
 
-use crate::{check_rank, CommError, CommStats, Communicator, Result, DEFAULT_TIMEOUT};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use crate::wire::{find_abort, next_message, seal_abort, seal_data};
+use crate::{check_rank, CommError, CommStats, Communicator, ErrorClass, Result, DEFAULT_TIMEOUT};
+use std::collections::VecDeque;
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
 struct Pending {
@@ -28,6 +30,9 @@ pub struct LocalComm {
     timeout: Duration,
     pending: Option<Pending>,
     stats: CommStats,
+    epoch: u64,
+    /// Messages that arrived before they were waited for (seen by `poll_abort`), per peer.
+    early: Vec<VecDeque<Vec<u8>>>,
 }
 
 impl std::fmt::Debug for LocalComm {
@@ -61,6 +66,8 @@ impl LocalComm {
                 timeout: DEFAULT_TIMEOUT,
                 pending: None,
                 stats: CommStats::default(),
+                epoch: 0,
+                early: (0..n).map(|_| VecDeque::new()).collect(),
             })
             .collect()
     }
@@ -101,7 +108,7 @@ impl Communicator for LocalComm {
         for (r, data) in sends {
             sent += data.len();
             let tx = self.to[r].as_ref().ok_or(CommError::BadRank { rank: r, size: self.size })?;
-            if tx.send(data).is_err() && unsent.is_none() {
+            if tx.send(seal_data(data, self.epoch)).is_err() && unsent.is_none() {
                 unsent = Some(r);
             }
         }
@@ -116,16 +123,15 @@ impl Communicator for LocalComm {
         let mut got = Vec::with_capacity(p.from.len());
         for &r in &p.from {
             let rx = self.from[r].as_ref().ok_or(CommError::BadRank { rank: r, size: self.size })?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(m) => got.push(m),
-                Err(RecvTimeoutError::Timeout) => {
-                    return Err(CommError::Timeout { rank: r, op: p.op, secs: self.timeout.as_secs_f64() })
-                }
+            let (op, secs) = (&p.op, self.timeout.as_secs_f64());
+            let recv = || match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(m) => Ok(m),
+                Err(RecvTimeoutError::Timeout) => Err(CommError::Timeout { rank: r, op: op.clone(), secs }),
                 Err(RecvTimeoutError::Disconnected) => {
-                    return Err(CommError::RankLost { rank: r, op: p.op, detail: "its thread has ended".into() })
+                    Err(CommError::RankLost { rank: r, op: op.clone(), detail: "its thread has ended".into() })
                 }
-            }
+            };
+            got.push(next_message(r, op, self.epoch, &mut self.early[r], recv)?);
         }
         let received = got.iter().map(Vec::len).sum();
         self.stats.record(&p.op, p.sent, received, t0.elapsed());
@@ -133,6 +139,44 @@ impl Communicator for LocalComm {
             return Err(CommError::RankLost { rank, op: p.op, detail: "its thread has ended".into() });
         }
         Ok(got)
+    }
+
+    fn abort(&mut self, class: ErrorClass, reason: &str) {
+        self.pending = None;
+        for tx in self.to.iter().flatten() {
+            // A peer whose thread has ended needs no telling.
+            let _ = tx.send(seal_abort(self.epoch, class, reason));
+        }
+    }
+
+    fn poll_abort(&mut self, op: &str) -> Result<()> {
+        for r in 0..self.size {
+            let Some(rx) = self.from[r].as_ref() else { continue };
+            let ended = loop {
+                match rx.try_recv() {
+                    Ok(m) => self.early[r].push_back(m),
+                    Err(TryRecvError::Empty) => break false,
+                    Err(TryRecvError::Disconnected) => break true,
+                }
+            };
+            // A peer that said why it gave up before its thread ended is reported with its reason.
+            if let Some(e) = find_abort(r, op, self.epoch, &mut self.early[r])? {
+                return Err(e);
+            }
+            if ended {
+                return Err(CommError::RankLost { rank: r, op: op.to_string(), detail: "its thread has ended".into() });
+            }
+        }
+        Ok(())
+    }
+
+    fn end_job(&mut self) {
+        self.pending = None;
+        self.epoch += 1;
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     fn stats(&self) -> &CommStats {

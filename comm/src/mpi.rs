@@ -5,18 +5,24 @@
 //!
 //! ```text
 //!   compute thread                       comm thread (owns MPI)
-//!   post(sends, from) ── job ──────────> isend all (scope) ; probe+recv each `from` ; wait sends
-//!   ... compute the current block ...
-//!   wait() <── reply (deadline) ──────── messages in the order of `from`
+//!   post(sends, from) ── job ──────────> isend all; until every `from` message is in and
+//!   ... compute the current block ...                 every send completed: receive whatever
+//!   wait() <── reply (deadline) ──────── messages     arrived (from anyone) into per-peer queues
+//!   poll_abort() ─── poll ─────────────> receive whatever arrived; any abort of this job?
+//!   (idle)                               every millisecond: receive whatever arrived
 //! ```
-//! Sends are immediate (non-blocking) and completed after the receives, so two ranks sending
-//! to each other cannot deadlock whatever the message size. The compute side waits with a
-//! deadline: a peer that died or hangs becomes [`CommError::Timeout`] naming the rank the comm
-//! thread was blocked on. The comm thread is then abandoned and the process should exit.
+//! Sends are immediate (non-blocking) and the comm thread keeps receiving everything that
+//! arrives while it completes them, so two ranks sending to each other cannot deadlock whatever
+//! the message size, and a message nobody waits for any more (a job that was aborted) is still
+//! taken off the wire and dropped. The compute side waits with a deadline: a peer that died or
+//! hangs becomes [`CommError::Timeout`] naming the rank the comm thread was waiting on. The comm
+//! thread is then abandoned and the process should exit.
 
-use crate::{check_rank, CommError, CommStats, Communicator, Result, DEFAULT_TIMEOUT};
+use crate::wire::{find_abort, seal_abort, seal_data, take_ready};
+use crate::{check_rank, CommError, CommStats, Communicator, ErrorClass, Result, DEFAULT_TIMEOUT};
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::Communicator as _;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -24,9 +30,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 enum Job {
-    Exchange { sends: Vec<(usize, Vec<u8>)>, from: Vec<usize> },
+    Exchange { sends: Vec<(usize, Vec<u8>)>, from: Vec<usize>, epoch: u64, op: String },
+    Poll { epoch: u64, op: String },
     Shutdown,
 }
+
+type Reply = Result<Vec<Vec<u8>>>;
 
 struct Pending {
     op: String,
@@ -39,13 +48,14 @@ pub struct MpiComm {
     rank: usize,
     size: usize,
     jobs: Sender<Job>,
-    replies: Receiver<Vec<Vec<u8>>>,
+    replies: Receiver<Reply>,
     waiting_on: Arc<AtomicUsize>,
     timeout: Duration,
     pending: Option<Pending>,
     stats: CommStats,
     thread: Option<JoinHandle<()>>,
     healthy: bool,
+    epoch: u64,
 }
 
 /// True when this process was started by an MPI launcher (OpenMPI, MPICH/PMI, PMIx).
@@ -58,7 +68,7 @@ impl MpiComm {
     /// rank 0 of a world of 1.
     pub fn init() -> Result<Self> {
         let (jobs_tx, jobs_rx) = channel::<Job>();
-        let (reply_tx, reply_rx) = channel::<Vec<Vec<u8>>>();
+        let (reply_tx, reply_rx) = channel::<Reply>();
         let (init_tx, init_rx) = channel::<Result<(usize, usize)>>();
         let waiting_on = Arc::new(AtomicUsize::new(usize::MAX));
         let waiting = waiting_on.clone();
@@ -80,13 +90,109 @@ impl MpiComm {
             stats: CommStats::default(),
             thread: Some(thread),
             healthy: true,
+            epoch: 0,
         })
     }
+
+    /// Sends a job to the comm thread and waits for its reply (the deadline applies).
+    fn call(&mut self, job: Job) -> Reply {
+        self.jobs.send(job).map_err(|_| CommError::Mpi("the communication thread has stopped".into()))?;
+        self.reply()
+    }
+
+    fn reply(&mut self) -> Reply {
+        match self.replies.recv_timeout(self.timeout) {
+            Ok(r) => r,
+            Err(RecvTimeoutError::Timeout) => {
+                self.healthy = false;
+                Err(CommError::Timeout {
+                    rank: self.waiting_on.load(Ordering::Relaxed),
+                    op: "mpi".into(),
+                    secs: self.timeout.as_secs_f64(),
+                })
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                self.healthy = false;
+                Err(CommError::Mpi("the communication thread stopped (MPI error)".into()))
+            }
+        }
+    }
+}
+
+/// Waits a little when nothing arrived: spin briefly (a reply is often microseconds away),
+/// then sleep in short steps so that a waiting rank leaves the cores to computing ones.
+fn backoff(idle: &mut u32) {
+    *idle += 1;
+    if *idle < 64 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+/// Receives every message that has arrived, into the sender's queue; true if any did.
+fn drain(world: &mpi::topology::SimpleCommunicator, early: &mut [VecDeque<Vec<u8>>]) -> bool {
+    let mut any = false;
+    while let Some(probed) = world.any_process().immediate_matched_probe() {
+        let (v, status) = probed.matched_receive_vec::<u8>();
+        if let Some(q) = early.get_mut(status.source_rank() as usize) {
+            q.push_back(v);
+        }
+        any = true;
+    }
+    any
+}
+
+fn exchange(
+    world: &mpi::topology::SimpleCommunicator,
+    early: &mut [VecDeque<Vec<u8>>],
+    waiting: &AtomicUsize,
+    job: (Vec<(usize, Vec<u8>)>, Vec<usize>, u64, String),
+) -> Reply {
+    let (sends, from, epoch, op) = job;
+    mpi::request::scope(|scope| {
+        let mut reqs: Vec<(usize, mpi::request::Request<'_, [u8], _>)> = sends
+            .iter()
+            .map(|(to, d)| (*to, world.process_at_rank(*to as i32).immediate_send(scope, &d[..])))
+            .collect();
+        let mut got: Vec<Option<Vec<u8>>> = vec![None; from.len()];
+        let mut outcome: Result<()> = Ok(());
+        let mut idle = 0;
+        loop {
+            if outcome.is_ok() {
+                for (slot, &src) in got.iter_mut().zip(&from) {
+                    if slot.is_none() {
+                        match take_ready(src, &op, epoch, &mut early[src]) {
+                            Ok(d) => *slot = d,
+                            Err(e) => {
+                                outcome = Err(e);
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            reqs = reqs.into_iter().filter_map(|(to, r)| r.test().err().map(|r| (to, r))).collect();
+            let missing = if outcome.is_ok() { got.iter().position(Option::is_none) } else { None };
+            match (missing, reqs.first()) {
+                (None, None) => break,
+                (Some(i), _) => waiting.store(from[i], Ordering::Relaxed),
+                (None, Some((to, _))) => waiting.store(*to, Ordering::Relaxed),
+            }
+            if drain(world, early) {
+                idle = 0;
+            } else {
+                backoff(&mut idle);
+            }
+        }
+        waiting.store(usize::MAX, Ordering::Relaxed);
+        outcome.map(|()| got.into_iter().map(Option::unwrap_or_default).collect())
+    })
 }
 
 fn comm_thread(
     jobs: Receiver<Job>,
-    replies: Sender<Vec<Vec<u8>>>,
+    replies: Sender<Reply>,
     init: Sender<Result<(usize, usize)>>,
     waiting: Arc<AtomicUsize>,
 ) {
@@ -95,34 +201,34 @@ fn comm_thread(
         return;
     };
     let world = universe.world();
-    let _ = init.send(Ok((world.rank() as usize, world.size() as usize)));
-    while let Ok(job) = jobs.recv() {
-        match job {
-            Job::Exchange { sends, from } => {
-                let got = mpi::request::scope(|scope| {
-                    let reqs: Vec<_> = sends
-                        .iter()
-                        .map(|(to, d)| world.process_at_rank(*to as i32).immediate_send(scope, &d[..]))
-                        .collect();
-                    let mut got = Vec::with_capacity(from.len());
-                    for &src in &from {
-                        waiting.store(src, Ordering::Relaxed);
-                        let probed = world.process_at_rank(src as i32).matched_probe();
-                        let (v, _status) = probed.matched_receive_vec::<u8>();
-                        got.push(v);
-                    }
-                    for (i, r) in reqs.into_iter().enumerate() {
-                        waiting.store(sends[i].0, Ordering::Relaxed);
-                        r.wait();
-                    }
-                    waiting.store(usize::MAX, Ordering::Relaxed);
-                    got
-                });
-                if replies.send(got).is_err() {
-                    break;
-                }
+    let size = world.size() as usize;
+    let _ = init.send(Ok((world.rank() as usize, size)));
+    let mut early: Vec<VecDeque<Vec<u8>>> = (0..size).map(|_| VecDeque::new()).collect();
+    loop {
+        let job = match jobs.recv_timeout(Duration::from_millis(1)) {
+            Ok(j) => j,
+            Err(RecvTimeoutError::Timeout) => {
+                // Idle: keep taking messages off the wire, so that a peer's send completes
+                // even when nobody here waits for it (an abort after this rank ended the job).
+                drain(&world, &mut early);
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+        };
+        let reply = match job {
+            Job::Exchange { sends, from, epoch, op } => {
+                exchange(&world, &mut early, &waiting, (sends, from, epoch, op))
+            }
+            Job::Poll { epoch, op } => {
+                drain(&world, &mut early);
+                (0..size)
+                    .find_map(|r| find_abort(r, &op, epoch, &mut early[r]).transpose())
+                    .map_or(Ok(Vec::new()), |e| e.and_then(Err))
             }
             Job::Shutdown => break,
+        };
+        if replies.send(reply).is_err() {
+            break;
         }
     }
     drop(world);
@@ -161,8 +267,9 @@ impl Communicator for MpiComm {
         }
         let sent = sends.iter().map(|(_, d)| d.len()).sum();
         let first_from = from.first().copied().or(sends.first().map(|s| s.0));
+        let sends = sends.into_iter().map(|(to, d)| (to, seal_data(d, self.epoch))).collect();
         self.jobs
-            .send(Job::Exchange { sends, from })
+            .send(Job::Exchange { sends, from, epoch: self.epoch, op: op.to_string() })
             .map_err(|_| CommError::Mpi("the communication thread has stopped".into()))?;
         self.pending = Some(Pending { op: op.to_string(), sent, first_from });
         Ok(())
@@ -171,23 +278,50 @@ impl Communicator for MpiComm {
     fn wait(&mut self) -> Result<Vec<Vec<u8>>> {
         let p = self.pending.take().ok_or_else(|| CommError::Misuse("wait without a posted exchange".into()))?;
         let t0 = Instant::now();
-        match self.replies.recv_timeout(self.timeout) {
+        match self.reply() {
             Ok(got) => {
                 let received = got.iter().map(Vec::len).sum();
                 self.stats.record(&p.op, p.sent, received, t0.elapsed());
                 Ok(got)
             }
-            Err(RecvTimeoutError::Timeout) => {
-                self.healthy = false;
-                let w = self.waiting_on.load(Ordering::Relaxed);
-                let rank = if w == usize::MAX { p.first_from.unwrap_or(0) } else { w };
-                Err(CommError::Timeout { rank, op: p.op, secs: self.timeout.as_secs_f64() })
+            Err(CommError::Timeout { rank, secs, .. }) => {
+                let rank = if rank == usize::MAX { p.first_from.unwrap_or(0) } else { rank };
+                Err(CommError::Timeout { rank, op: p.op, secs })
             }
-            Err(RecvTimeoutError::Disconnected) => {
-                self.healthy = false;
-                Err(CommError::Mpi("the communication thread stopped (MPI error)".into()))
-            }
+            Err(e) => Err(e),
         }
+    }
+
+    fn abort(&mut self, class: ErrorClass, reason: &str) {
+        if !self.healthy {
+            return;
+        }
+        // A posted exchange completes on the comm thread (peers answer it or abort it too):
+        // take its reply so that replies stay in step, then tell every peer.
+        if self.pending.take().is_some() && self.reply().is_err() {
+            return;
+        }
+        let sends =
+            (0..self.size).filter(|&r| r != self.rank).map(|r| (r, seal_abort(self.epoch, class, reason))).collect();
+        let _ = self.call(Job::Exchange { sends, from: vec![], epoch: self.epoch, op: "abort".into() });
+    }
+
+    fn poll_abort(&mut self, op: &str) -> Result<()> {
+        if let Some(p) = &self.pending {
+            return Err(CommError::Misuse(format!("poll during `{}` (wait first)", p.op)));
+        }
+        self.call(Job::Poll { epoch: self.epoch, op: op.to_string() }).map(|_| ())
+    }
+
+    fn end_job(&mut self) {
+        if self.pending.take().is_some() && self.healthy {
+            let _ = self.reply();
+        }
+        self.epoch += 1;
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     fn stats(&self) -> &CommStats {

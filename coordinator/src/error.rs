@@ -1,20 +1,50 @@
-//! Typed errors of the coordinator. Input errors say what to change.
+//! Typed errors of the coordinator. Every error says whose fault it is ([`CoordError::class`]),
+//! which is what the service maps to an HTTP status and the CLI to an exit code, and whether
+//! the world of ranks survives it ([`CoordError::breaks_world`]).
 
-use flowprefill_worker::WorkerError;
+use flowprefill_comm::{CommError, ErrorClass};
+use flowprefill_worker::{InputError, WorkerError};
 
 /// What can go wrong running a request.
 #[derive(Debug, thiserror::Error)]
 pub enum CoordError {
-    /// The request or its options are invalid.
-    #[error("{0}")]
-    Invalid(String),
-    /// A worker step failed (model, tokenizer, kernels).
+    /// The caller's input (request or options) is invalid.
+    #[error(transparent)]
+    Input(#[from] InputError),
+    /// A worker step failed (model, tokenizer, kernels, communication, a stopped job).
     #[error(transparent)]
     Worker(#[from] WorkerError),
+    /// Another rank found the job's input invalid before any work started (every rank runs the
+    /// same checks; they agree on the outcome).
+    #[error("{message}")]
+    Remote {
+        /// The rank that reported it.
+        rank: usize,
+        /// Whose fault.
+        class: ErrorClass,
+        /// Its message (as the CLI words it).
+        message: String,
+        /// Its message for the HTTP API.
+        api_message: String,
+    },
+    /// A rank panicked: a bug; the world must be rebuilt.
+    #[error("rank {rank} panicked: {message} (a bug in flowprefill; please report it)")]
+    Panicked {
+        /// The rank.
+        rank: usize,
+        /// The panic's message.
+        message: String,
+    },
+    /// The ranks cannot run jobs any more (a rank was lost earlier).
+    #[error("the ranks are down: {0}")]
+    WorldDown(String),
+    /// An invariant of the coordinator does not hold: a bug.
+    #[error("internal error: {0} (a bug in flowprefill; please report it)")]
+    Internal(String),
 }
 
-impl From<flowprefill_comm::CommError> for CoordError {
-    fn from(e: flowprefill_comm::CommError) -> Self {
+impl From<CommError> for CoordError {
+    fn from(e: CommError) -> Self {
         Self::Worker(WorkerError::Comm(e))
     }
 }
@@ -25,9 +55,49 @@ impl From<flowprefill_kernels::KernelError> for CoordError {
     }
 }
 
+impl CoordError {
+    /// Whose fault the error is.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            CoordError::Input(_) => ErrorClass::Caller,
+            CoordError::Worker(e) => e.class(),
+            CoordError::Remote { class, .. } => *class,
+            CoordError::Panicked { .. } | CoordError::Internal(_) => ErrorClass::Internal,
+            CoordError::WorldDown(_) => ErrorClass::Peer,
+        }
+    }
+
+    /// Whether the world of ranks is unusable after this error (a rank lost, stuck or
+    /// panicked): thread ranks must be rebuilt, an MPI job must end. Everything else leaves
+    /// every rank in step for the next job.
+    pub fn breaks_world(&self) -> bool {
+        match self {
+            CoordError::Worker(WorkerError::Comm(e)) => !e.world_intact(),
+            CoordError::Panicked { .. } | CoordError::WorldDown(_) => true,
+            _ => false,
+        }
+    }
+
+    /// Whether this rank learnt of the error from a peer's abort (the peer told every rank).
+    pub fn from_peer_abort(&self) -> bool {
+        matches!(self, CoordError::Worker(WorkerError::Comm(CommError::Aborted { .. })))
+    }
+
+    /// The message for the HTTP API: input errors name JSON fields rather than flags.
+    pub fn api_message(&self) -> String {
+        match self {
+            CoordError::Input(e) => e.api_message(),
+            CoordError::Worker(e) => e.api_message(),
+            CoordError::Remote { api_message, .. } => api_message.clone(),
+            e => e.to_string(),
+        }
+    }
+}
+
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, CoordError>;
 
-pub(crate) fn invalid(msg: impl Into<String>) -> CoordError {
-    CoordError::Invalid(msg.into())
+/// An internal-invariant error (a bug).
+pub(crate) fn internal(msg: impl Into<String>) -> CoordError {
+    CoordError::Internal(msg.into())
 }

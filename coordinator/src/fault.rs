@@ -1,53 +1,102 @@
-//! Fault injection for the failure tests: `FLOWPREFILL_FAULT=rank:R,phase:P,mode:M` makes
-//! rank R misbehave when it reaches phase P (`chunk_prefill`, `probe`, `recompute`,
-//! `final_prompt`, `decode`). Modes: `exit` (the process exits with status 3, like a crashed
-//! MPI rank), `panic` (the rank's thread panics), `hang` (the rank stops answering). It fires
-//! once per process. Unset, it costs one lookup per phase.
+//! Fault injection for the failure tests: a [`FaultPlan`] makes rank R misbehave when it
+//! reaches phase P (`chunk_prefill`, `probe`, `recompute`, `final_prompt`, `decode`). Modes:
+//! `exit` (the process exits with status [`EXIT_STATUS`], like a crashed MPI rank), `panic`
+//! (the rank's thread panics), `hang` (the rank stops answering), `stall:MS` (the rank is
+//! busy for MS milliseconds without looking at cancellations or deadlines, then goes on: a
+//! slow step, for timing what happens after it).
+//!
+//! A plan fires once (so that a service can recover by rebuilding its ranks) and is shared by
+//! the engines of a world. Processes read it from `FLOWPREFILL_FAULT=rank:R,phase:P,mode:M`
+//! ([`FaultPlan::from_env`]); tests build one directly.
 
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Fault {
-    rank: usize,
-    phase: String,
-    mode: String,
+/// Exit status of the `exit` mode.
+pub const EXIT_STATUS: i32 = 99;
+
+/// What the rank does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultMode {
+    /// The process exits.
+    Exit,
+    /// The rank's thread panics.
+    Panic,
+    /// The rank stops answering (sleeps forever).
+    Hang,
+    /// The rank is busy for this long, then continues.
+    Stall(Duration),
 }
 
-fn parse(s: &str) -> Option<Fault> {
-    let mut f = Fault { rank: usize::MAX, phase: String::new(), mode: String::new() };
-    for part in s.split(',') {
-        let (k, v) = part.split_once(':')?;
-        match k.trim() {
-            "rank" => f.rank = v.trim().parse().ok()?,
-            "phase" => f.phase = v.trim().to_string(),
-            "mode" => f.mode = v.trim().to_string(),
-            _ => return None,
+/// One planned fault.
+#[derive(Debug)]
+pub struct FaultPlan {
+    /// The rank that misbehaves.
+    pub rank: usize,
+    /// Where.
+    pub phase: String,
+    /// How.
+    pub mode: FaultMode,
+    fired: AtomicBool,
+}
+
+impl FaultPlan {
+    /// A plan: `rank` misbehaves as `mode` when it reaches `phase`.
+    pub fn new(rank: usize, phase: &str, mode: FaultMode) -> Arc<Self> {
+        Arc::new(Self { rank, phase: phase.to_string(), mode, fired: AtomicBool::new(false) })
+    }
+
+    /// Parses `rank:R,phase:P,mode:M` (`None` if malformed).
+    pub fn parse(s: &str) -> Option<Arc<Self>> {
+        let (mut rank, mut phase, mut mode) = (None, None, None);
+        for part in s.split(',') {
+            let (k, v) = part.split_once(':')?;
+            let v = v.trim();
+            match k.trim() {
+                "rank" => rank = Some(v.parse().ok()?),
+                "phase" => phase = Some(v.to_string()),
+                "mode" => {
+                    mode = Some(match v {
+                        "exit" => FaultMode::Exit,
+                        "panic" => FaultMode::Panic,
+                        "hang" => FaultMode::Hang,
+                        _ => {
+                            let ms = v.strip_prefix("stall")?.trim_start_matches([':', '=']);
+                            FaultMode::Stall(Duration::from_millis(ms.parse().ok()?))
+                        }
+                    })
+                }
+                _ => return None,
+            }
         }
+        Some(Self::new(rank?, &phase.filter(|p| !p.is_empty())?, mode?))
     }
-    (f.rank != usize::MAX && !f.phase.is_empty() && !f.mode.is_empty()).then_some(f)
-}
 
-fn configured() -> Option<&'static Fault> {
-    static F: OnceLock<Option<Fault>> = OnceLock::new();
-    F.get_or_init(|| std::env::var("FLOWPREFILL_FAULT").ok().and_then(|s| parse(&s))).as_ref()
-}
-
-/// Misbehaves here if the environment asks this rank to (once per process, so that a
-/// service can recover by rebuilding its ranks).
-pub fn point(rank: usize, phase: &str) {
-    static FIRED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    let Some(f) = configured() else { return };
-    if f.rank != rank || f.phase != phase || FIRED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        return;
+    /// The plan in `FLOWPREFILL_FAULT`, if any (a malformed value is reported and ignored).
+    pub fn from_env() -> Option<Arc<Self>> {
+        let s = std::env::var("FLOWPREFILL_FAULT").ok()?;
+        let plan = Self::parse(&s);
+        if plan.is_none() {
+            tracing::warn!(value = %s, "FLOWPREFILL_FAULT ignored: expected rank:R,phase:P,mode:exit|panic|hang|stall:MS");
+        }
+        plan
     }
-    tracing::warn!(rank, phase, mode = %f.mode, "injected fault");
-    match f.mode.as_str() {
-        "exit" => std::process::exit(3),
-        "panic" => panic!("injected fault: rank {rank} at {phase}"),
-        "hang" => loop {
-            std::thread::sleep(std::time::Duration::from_secs(3600));
-        },
-        _ => {}
+
+    /// Misbehaves here if the plan says so (once).
+    pub fn point(&self, rank: usize, phase: &str) {
+        if self.rank != rank || self.phase != phase || self.fired.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        tracing::warn!(rank, phase, mode = ?self.mode, "injected fault");
+        match self.mode {
+            FaultMode::Exit => std::process::exit(EXIT_STATUS),
+            FaultMode::Panic => panic!("injected fault: rank {rank} at {phase}"),
+            FaultMode::Hang => loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            },
+            FaultMode::Stall(d) => std::thread::sleep(d),
+        }
     }
 }
 
@@ -57,11 +106,22 @@ mod tests {
 
     #[test]
     fn parses_specs() {
-        assert_eq!(
-            parse("rank:1,phase:probe,mode:hang"),
-            Some(Fault { rank: 1, phase: "probe".into(), mode: "hang".into() })
-        );
-        assert_eq!(parse("rank:x,phase:probe,mode:hang"), None);
-        assert_eq!(parse("phase:probe"), None);
+        let p = FaultPlan::parse("rank:1,phase:probe,mode:hang").unwrap();
+        assert_eq!((p.rank, p.phase.as_str(), p.mode), (1, "probe", FaultMode::Hang));
+        let p = FaultPlan::parse("rank:0, phase:decode, mode:stall:250").unwrap();
+        assert_eq!(p.mode, FaultMode::Stall(Duration::from_millis(250)));
+        assert!(FaultPlan::parse("rank:x,phase:probe,mode:hang").is_none());
+        assert!(FaultPlan::parse("phase:probe").is_none());
+        assert!(FaultPlan::parse("rank:1,phase:probe,mode:explode").is_none());
+    }
+
+    #[test]
+    fn fires_once_and_only_where_planned() {
+        let p = FaultPlan::new(1, "probe", FaultMode::Stall(Duration::from_millis(1)));
+        p.point(0, "probe");
+        p.point(1, "decode");
+        assert!(!p.fired.load(Ordering::Relaxed));
+        p.point(1, "probe");
+        assert!(p.fired.load(Ordering::Relaxed));
     }
 }

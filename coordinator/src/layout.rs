@@ -10,7 +10,7 @@
 //! tokens are exactly the documents' tokens. `order` lists chunk ids in layout order (identity
 //! unless reordered); positions are derived from it.
 
-use crate::error::{invalid, Result};
+use crate::error::Result;
 use crate::request::{Context, Geometry, Request};
 use flowprefill_kernels::Backend;
 use flowprefill_worker::template::{tokenize_pieces, Message, Part, Piece};
@@ -44,7 +44,10 @@ impl Layout {
         let pieces = lm.template.render_pieces(&msgs, true)?;
         let slot_at = pieces.iter().position(|p| *p == Piece::Slot(0));
         let Some(slot_at) = slot_at.filter(|_| pieces.iter().filter(|p| **p == Piece::Slot(0)).count() == 1) else {
-            return Err(invalid("the model's chat template must render the user message exactly once"));
+            return Err(flowprefill_worker::WorkerError::Template(
+                "the model's chat template must render the user message exactly once".into(),
+            )
+            .into());
         };
         let none = |_| Ok(Vec::new());
         let head = tokenize_pieces(&lm.tokenizer, &pieces[..slot_at], none)?.ids;

@@ -1,6 +1,7 @@
 //! The coordinator: a request becomes a plan and runs phase by phase.
 //!
 //! * [`request`]: methods, prefix modes, geometries, options and their validation;
+//! * [`admit`]: the checks that need the model, and per-request cost bounds;
 //! * [`layout`]: tokenization through the model's chat template, positions per geometry;
 //! * [`select`]: one selection policy per file (InfoFlow, ProphetKV, CacheBlend, EPIC,
 //!   CacheClip, random);
@@ -10,6 +11,7 @@
 //!   timings and communication statistics;
 //! * [`explain`], [`tasks`]: selected spans in context; built-in question sets.
 
+pub mod admit;
 pub mod engine;
 mod error;
 pub mod explain;
@@ -23,7 +25,9 @@ pub mod tasks;
 pub mod timings;
 pub mod world;
 
-pub use engine::{Engine, RankStats, RunResult, DEFAULT_STORE_BYTES};
+pub use admit::{admit, Admitted, Limits};
+pub use engine::{Control, Engine, RankStats, RunResult, DEFAULT_STORE_BYTES};
 pub use error::{CoordError, Result};
+pub use flowprefill_comm::ErrorClass;
 pub use request::{Context, Geometry, Job, Method, PrefixMode, Request, RunOptions, Scope};
 pub use world::{run_rank, ThreadRanks};

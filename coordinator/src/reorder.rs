@@ -8,7 +8,7 @@
 //! important chunk ends right before the prompt. Stage 2 is the normal selection under GLOBAL
 //! positions of the new layout. Only positions change; no KV data moves.
 
-use crate::error::{invalid, Result};
+use crate::error::{internal, Result};
 use crate::request::Geometry;
 use crate::select::ScoreCtx;
 use flowprefill_comm::all_gather_value;
@@ -26,7 +26,7 @@ pub fn reorder<B: Backend>(ctx: &mut ScoreCtx<'_, '_, B>, ratio: f64) -> Result<
     let all: Vec<Vec<(usize, f32)>> = all_gather_value(ctx.comm, "reorder.importance", &local)?;
     let mut importance = vec![0f32; ctx.layout.chunks.len()];
     for (c, v) in all.into_iter().flatten() {
-        *importance.get_mut(c).ok_or_else(|| invalid(format!("importance of unknown chunk {c}")))? = v;
+        *importance.get_mut(c).ok_or_else(|| internal(format!("importance of unknown chunk {c}")))? = v;
     }
     Ok((order_by_importance(&importance), importance))
 }

@@ -1,13 +1,15 @@
 //! What a user asks for: the context, the question, the method and its knobs.
 
-use crate::error::{invalid, CoordError, Result};
+use crate::error::Result;
 use flowprefill_worker::sampling::SamplingConfig;
 pub use flowprefill_worker::steps::Scope;
+use flowprefill_worker::{Field, InputError};
 use std::str::FromStr;
 
 /// How the answer's KV context is built.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Method {
     /// Single-pass full prefill (the exact baseline).
     Full,
@@ -84,14 +86,17 @@ impl Method {
 }
 
 impl FromStr for Method {
-    type Err = CoordError;
-    fn from_str(s: &str) -> Result<Self> {
+    type Err = InputError;
+    fn from_str(s: &str) -> std::result::Result<Self, InputError> {
         let s = s.trim().to_ascii_lowercase();
         Method::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
-            invalid(format!(
-                "unknown method `{s}`; choose one of: {}",
-                Method::ALL.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ")
-            ))
+            InputError::new(
+                Field::Method,
+                format!(
+                    "unknown method `{s}`; choose one of: {}",
+                    Method::ALL.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ")
+                ),
+            )
         })
     }
 }
@@ -105,6 +110,7 @@ impl std::fmt::Display for Method {
 /// What a chunk is prefilled behind (methods.md section 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum PrefixMode {
     /// Each chunk alone from position 0 (the first chunk follows the template's head, as it does
     /// in the real sequence).
@@ -117,13 +123,16 @@ pub enum PrefixMode {
 }
 
 impl FromStr for PrefixMode {
-    type Err = CoordError;
-    fn from_str(s: &str) -> Result<Self> {
+    type Err = InputError;
+    fn from_str(s: &str) -> std::result::Result<Self, InputError> {
         match s.trim().to_ascii_lowercase().as_str() {
             "none" => Ok(Self::None),
             "shared" => Ok(Self::Shared),
             "anchor" => Ok(Self::Anchor),
-            other => Err(invalid(format!("unknown prefix mode `{other}`; choose none, shared or anchor"))),
+            other => Err(InputError::new(
+                Field::Prefix,
+                format!("unknown prefix mode `{other}`; choose none, shared or anchor"),
+            )),
         }
     }
 }
@@ -141,18 +150,23 @@ impl PrefixMode {
 
 /// RoPE positions used for scoring (InfoFlow section 4.2). Decoding always uses GLOBAL.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Geometry {
     /// True positions of the final layout.
     #[serde(rename = "global")]
+    #[cfg_attr(feature = "clap", value(name = "global"))]
     Global,
     /// Chunks at local positions from 0, prompt right after the longest chunk.
     #[serde(rename = "hl-hp")]
+    #[cfg_attr(feature = "clap", value(name = "hl-hp"))]
     HlHp,
     /// Chunks at local positions, prompt at its global position.
     #[serde(rename = "hl-tp")]
+    #[cfg_attr(feature = "clap", value(name = "hl-tp"))]
     HlTp,
     /// Each chunk ends right before the prompt, prompt at its global position.
     #[serde(rename = "tl-tp")]
+    #[cfg_attr(feature = "clap", value(name = "tl-tp"))]
     TlTp,
 }
 
@@ -172,13 +186,12 @@ impl Geometry {
 }
 
 impl FromStr for Geometry {
-    type Err = CoordError;
-    fn from_str(s: &str) -> Result<Self> {
+    type Err = InputError;
+    fn from_str(s: &str) -> std::result::Result<Self, InputError> {
         let s = s.trim().to_ascii_lowercase().replace('_', "-");
-        Geometry::ALL
-            .into_iter()
-            .find(|g| g.name() == s)
-            .ok_or_else(|| invalid(format!("unknown geometry `{s}`; choose global, hl-hp, hl-tp or tl-tp")))
+        Geometry::ALL.into_iter().find(|g| g.name() == s).ok_or_else(|| {
+            InputError::new(Field::Geometry, format!("unknown geometry `{s}`; choose global, hl-hp, hl-tp or tl-tp"))
+        })
     }
 }
 
@@ -278,54 +291,65 @@ pub struct Job {
 }
 
 /// A recompute ratio must be a fraction in [0, 1]; checked before any model work starts.
-pub fn check_ratio(ratio: f64) -> Result<()> {
+pub fn check_ratio(ratio: f64) -> std::result::Result<(), InputError> {
     if !(0.0..=1.0).contains(&ratio) || !ratio.is_finite() {
-        return Err(invalid(format!(
-            "--ratio {ratio} is outside [0, 1]; give the fraction of context tokens to recompute"
-        )));
+        return Err(InputError::new(
+            Field::Ratio,
+            format!("{ratio} is outside [0, 1]; give the fraction of context tokens to recompute"),
+        ));
     }
     Ok(())
 }
 
-/// Checks a request and its options before any work (messages say what to change).
+fn bad(field: Field, problem: impl Into<String>) -> crate::error::CoordError {
+    InputError::new(field, problem).into()
+}
+
+/// Checks a request and its options before any work (messages say what to change). The
+/// checks that need the model (token counts, the context window, scoring layers) are in
+/// [`crate::admit`].
 pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
     check_ratio(opts.ratio)?;
     if req.query.trim().is_empty() {
-        return Err(invalid("the query is missing or empty; pass --query TEXT"));
+        return Err(bad(Field::Query, "is missing or empty; give the question to answer"));
     }
     match &req.context {
         Context::Documents(docs) => {
             if docs.is_empty() {
-                return Err(invalid("no documents given; pass at least one --doc FILE"));
+                return Err(bad(Field::Documents, "no documents given; give at least one"));
             }
             if let Some(i) = docs.iter().position(|d| d.trim().is_empty()) {
-                return Err(invalid(format!("document {} is empty; remove it or give it some text", i + 1)));
+                return Err(bad(Field::Document(i), "the document is empty; remove it or give it some text"));
             }
         }
         Context::Text { text, chunk_tokens } => {
             if text.trim().is_empty() {
-                return Err(invalid("the context text is empty"));
+                return Err(bad(Field::Text, "is empty"));
             }
             if *chunk_tokens == 0 {
-                return Err(invalid("--chunk-tokens must be at least 1"));
+                return Err(bad(Field::ChunkTokens, "must be at least 1"));
             }
             if opts.reorder {
-                return Err(invalid(
-                    "--reorder needs independent documents; pieces of one text keep their order (pass the documents separately)",
+                return Err(bad(
+                    Field::Reorder,
+                    "needs independent documents; pieces of one text keep their order (give the documents separately)",
                 ));
             }
         }
     }
     if opts.reorder && matches!(opts.method, Method::Full | Method::Star | Method::Ring) {
-        return Err(invalid(format!("--reorder does not apply to method {}", opts.method)));
+        return Err(bad(Field::Reorder, format!("does not apply to method {}", opts.method)));
     }
     if let Some((a, b)) = opts.score_layers {
         if a > b {
-            return Err(invalid(format!("--score-layers {a}-{b}: the first layer must not exceed the last")));
+            return Err(bad(Field::ScoreLayers, format!("{a}-{b}: the first layer must not exceed the last")));
         }
     }
     if opts.recompute_batch == 0 {
-        return Err(invalid("recompute batch must be at least 1"));
+        return Err(bad(Field::RecomputeBatch, "must be at least 1"));
+    }
+    if opts.max_new_tokens == 0 {
+        return Err(bad(Field::MaxTokens, "must be at least 1"));
     }
     Ok(())
 }

@@ -4,18 +4,21 @@
 //!   rank 0 (the caller's thread):  lead(job) ... lead(job) ... stop()
 //!   ranks 1..P (threads or processes):  follow()  -- run each job rank 0 broadcasts, until stop
 //! ```
-//! A follower that panics or stops answering breaks the world: rank 0's collective fails with
-//! an error naming it (immediately for a dead thread, after the deadline for a hung one), the
-//! world is marked broken, and [`ThreadRanks::rebuild`] starts fresh followers. A hung thread
-//! cannot be killed; it is abandoned, never waited for.
+//! A job that fails (bad input, a cancellation, a deadline, an error on one rank) is over on
+//! every rank and the world runs the next one (see the engine's module docs). A rank that
+//! panics or stops answering breaks the world: rank 0's collective fails with an error naming
+//! it (immediately for a dead thread, after the deadline for a hung one), or rank 0's own
+//! panic is caught; the world is marked broken, and [`ThreadRanks::rebuild`] starts fresh
+//! ranks. A hung thread cannot be killed; it is abandoned, never waited for.
 
-use crate::engine::{Engine, RunResult};
-use crate::error::{invalid, CoordError, Result};
+use crate::engine::{Control, Engine, RunResult};
+use crate::error::{internal, CoordError, Result};
+use crate::fault::FaultPlan;
 use crate::request::Job;
 use flowprefill_comm::local::LocalComm;
 use flowprefill_comm::Communicator;
 use flowprefill_kernels::Backend;
-use flowprefill_worker::{LoadedModel, WorkerError};
+use flowprefill_worker::{Field, InputError, LoadedModel};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -41,7 +44,8 @@ pub fn run_rank<B: Backend>(
     }
 }
 
-fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+/// The message of a caught panic.
+pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>()
         .cloned()
         .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
@@ -53,6 +57,7 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 pub struct ThreadRanks<B: Backend> {
     lm: Arc<LoadedModel<B>>,
     aux: Option<Arc<LoadedModel<B>>>,
+    faults: Option<Arc<FaultPlan>>,
     store_bytes: usize,
     timeout: Duration,
     ranks: usize,
@@ -65,20 +70,29 @@ pub struct ThreadRanks<B: Backend> {
 impl<B: Backend> ThreadRanks<B> {
     /// Starts `ranks - 1` follower threads.
     pub fn new(lm: Arc<LoadedModel<B>>, ranks: usize, store_bytes: usize, timeout: Duration) -> Result<Self> {
-        Self::build(lm, None, ranks, store_bytes, timeout)
+        Self::build(lm, None, None, ranks, store_bytes, timeout)
     }
 
     /// The same world with `aux` as CacheClip's auxiliary model on every rank.
     pub fn with_aux(self, aux: Arc<LoadedModel<B>>) -> Result<Self> {
         let ranks = self.size();
-        let (lm, store_bytes, timeout) = (self.lm.clone(), self.store_bytes, self.timeout);
+        let (lm, faults, store_bytes, timeout) = (self.lm.clone(), self.faults.clone(), self.store_bytes, self.timeout);
         drop(self);
-        Self::build(lm, Some(aux), ranks, store_bytes, timeout)
+        Self::build(lm, Some(aux), faults, ranks, store_bytes, timeout)
     }
 
-    fn engine(lm: &Arc<LoadedModel<B>>, aux: &Option<Arc<LoadedModel<B>>>, store_bytes: usize) -> Result<Engine<B>> {
-        let e = Engine::new(lm.clone(), store_bytes);
-        match aux {
+    /// The same world with the faults of `plan` injected (failure tests; the plan fires once,
+    /// also across rebuilds).
+    pub fn with_faults(self, plan: Option<Arc<FaultPlan>>) -> Result<Self> {
+        let ranks = self.size();
+        let (lm, aux, store_bytes, timeout) = (self.lm.clone(), self.aux.clone(), self.store_bytes, self.timeout);
+        drop(self);
+        Self::build(lm, aux, plan, ranks, store_bytes, timeout)
+    }
+
+    fn engine(&self) -> Result<Engine<B>> {
+        let e = Engine::new(self.lm.clone(), self.store_bytes).with_faults(self.faults.clone());
+        match &self.aux {
             Some(a) => e.with_aux(a.clone()),
             None => Ok(e),
         }
@@ -87,41 +101,50 @@ impl<B: Backend> ThreadRanks<B> {
     fn build(
         lm: Arc<LoadedModel<B>>,
         aux: Option<Arc<LoadedModel<B>>>,
+        faults: Option<Arc<FaultPlan>>,
         ranks: usize,
         store_bytes: usize,
         timeout: Duration,
     ) -> Result<Self> {
         if ranks == 0 {
-            return Err(invalid("--ranks must be at least 1"));
+            return Err(InputError::new(Field::Ranks, "must be at least 1").into());
         }
-        let leader = Self::engine(&lm, &aux, store_bytes)?;
-        let (comm, followers) = Self::spawn(&lm, &aux, ranks, store_bytes, timeout)?;
-        Ok(Self { lm, aux, store_bytes, timeout, ranks, leader, comm, followers, broken: None })
+        let leader = Engine::new(lm.clone(), store_bytes);
+        let mut w = Self {
+            lm,
+            aux,
+            faults,
+            store_bytes,
+            timeout,
+            ranks,
+            leader,
+            comm: LocalComm::group(1).pop().ok_or_else(|| internal("no rank 0"))?,
+            followers: Vec::new(),
+            broken: None,
+        };
+        w.leader = w.engine()?;
+        let (comm, followers) = w.spawn()?;
+        (w.comm, w.followers) = (comm, followers);
+        Ok(w)
     }
 
-    fn spawn(
-        lm: &Arc<LoadedModel<B>>,
-        aux: &Option<Arc<LoadedModel<B>>>,
-        ranks: usize,
-        store_bytes: usize,
-        timeout: Duration,
-    ) -> Result<(LocalComm, Vec<JoinHandle<Result<usize>>>)> {
-        let mut comms = LocalComm::group(ranks).into_iter();
-        let mut comm = comms.next().ok_or_else(|| invalid("no rank 0"))?;
-        comm.set_timeout(timeout);
-        let mut followers = Vec::with_capacity(ranks - 1);
+    fn spawn(&self) -> Result<(LocalComm, Vec<JoinHandle<Result<usize>>>)> {
+        let mut comms = LocalComm::group(self.ranks).into_iter();
+        let mut comm = comms.next().ok_or_else(|| internal("no rank 0"))?;
+        comm.set_timeout(self.timeout);
+        let mut followers = Vec::with_capacity(self.ranks - 1);
         for mut c in comms {
-            c.set_timeout(timeout);
-            let engine = Self::engine(lm, aux, store_bytes)?;
+            c.set_timeout(self.timeout);
+            let engine = self.engine()?;
             let rank = c.rank();
             let h = std::thread::Builder::new()
                 .name(format!("rank-{rank}"))
                 .spawn(move || {
                     let run = std::panic::AssertUnwindSafe(|| engine.follow(&mut c));
                     std::panic::catch_unwind(run)
-                        .unwrap_or_else(|p| Err(invalid(format!("rank {rank} panicked: {}", panic_message(p)))))
+                        .unwrap_or_else(|p| Err(CoordError::Panicked { rank, message: panic_message(p) }))
                 })
-                .map_err(|e| invalid(format!("cannot start rank {rank}: {e}")))?;
+                .map_err(|e| internal(format!("cannot start rank {rank}: {e}")))?;
             followers.push(h);
         }
         Ok((comm, followers))
@@ -144,21 +167,37 @@ impl<B: Backend> ThreadRanks<B> {
 
     /// Runs one job on every rank; `on_text` receives the answer as it is generated.
     pub fn run(&mut self, job: &Job, on_text: &mut dyn FnMut(&str) -> bool) -> Result<RunResult> {
+        self.run_with(job, Control::default(), on_text)
+    }
+
+    /// [`ThreadRanks::run`] under the caller's [`Control`]. A panic on rank 0 is caught: the
+    /// job fails with [`CoordError::Panicked`] and the world is marked broken.
+    pub fn run_with(
+        &mut self,
+        job: &Job,
+        ctl: Control<'_>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<RunResult> {
         if let Some(why) = &self.broken {
-            return Err(invalid(format!("the ranks are down ({why}); restart them")));
+            return Err(CoordError::WorldDown(why.clone()));
         }
-        match self.leader.lead(&mut self.comm, job, on_text) {
-            Ok(r) => Ok(r),
-            Err(e @ CoordError::Worker(WorkerError::Comm(_))) => {
-                let root = self.root_cause();
-                let msg = match root {
-                    Some(r) => format!("{r} (rank 0 saw: {e})"),
-                    None => e.to_string(),
+        let (leader, comm) = (&self.leader, &mut self.comm);
+        let run = std::panic::AssertUnwindSafe(|| leader.lead_with(comm, job, ctl, on_text));
+        let out = std::panic::catch_unwind(run)
+            .unwrap_or_else(|p| Err(CoordError::Panicked { rank: 0, message: panic_message(p) }));
+        match out {
+            Err(e) if e.breaks_world() => {
+                let msg = match (&e, self.root_cause()) {
+                    (CoordError::Panicked { .. }, _) | (_, None) => e.to_string(),
+                    (_, Some(r)) => format!("{r} (rank 0 saw: {e})"),
                 };
-                self.broken = Some(msg.clone());
-                Err(invalid(msg))
+                self.broken = Some(msg);
+                match e {
+                    CoordError::Panicked { .. } => Err(e),
+                    _ => Err(CoordError::WorldDown(self.broken.clone().unwrap_or_default())),
+                }
             }
-            Err(e) => Err(e),
+            out => out,
         }
     }
 
@@ -187,13 +226,16 @@ impl<B: Backend> ThreadRanks<B> {
         None
     }
 
-    /// Abandons the current followers (a hung thread is left behind, never waited for) and
-    /// starts new ones with empty chunk stores.
+    /// Abandons the current ranks (a hung thread is left behind, never waited for) and starts
+    /// new ones with empty chunk stores; rank 0's engine is new too (a panic may have left its
+    /// store mid-update).
     pub fn rebuild(&mut self) -> Result<()> {
-        let (comm, followers) = Self::spawn(&self.lm, &self.aux, self.ranks, self.store_bytes, self.timeout)?;
+        let leader = self.engine()?;
+        let (comm, followers) = self.spawn()?;
         // Dropping the old rank-0 communicator disconnects every old follower that still reads.
         self.comm = comm;
         self.followers = followers;
+        self.leader = leader;
         self.broken = None;
         Ok(())
     }

@@ -1,25 +1,9 @@
 //! `flowprefill`: long-context prefill with query-selected KV recomputation.
 
-mod cmd;
-mod http;
-mod plot;
-mod rss;
-mod serve;
-
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use std::path::PathBuf;
-
-/// Options every command takes.
-#[derive(clap::Args, Debug, Clone)]
-pub struct Common {
-    /// GGUF model file (llama, qwen2, qwen3); default: SmolLM2-135M-Instruct, fetched on first use.
-    #[arg(long, global = true, env = "FLOWPREFILL_MODEL")]
-    pub model: Option<PathBuf>,
-    /// Worker threads for the CPU kernels (default: all cores).
-    #[arg(long, global = true)]
-    pub threads: Option<usize>,
-}
+use flowprefill::{cmd, serve, Common};
+use std::io::IsTerminal;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -64,11 +48,12 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_env("FLOWPREFILL_LOG").unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        std::process::exit(flowprefill::exit::code_of(&e));
     }
 }
 

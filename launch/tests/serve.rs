@@ -150,9 +150,9 @@ fn endpoints_streaming_openai_and_metrics() {
     };
     bad(b"{not json", "malformed JSON");
     bad(br#"{"documents": ["a"]}"#, "query");
-    bad(br#"{"documents": ["a"], "query": "q", "method": "magic"}"#, "unknown method `magic`");
+    bad(br#"{"documents": ["a"], "query": "q", "method": "magic"}"#, "unknown variant `magic`");
     bad(br#"{"documents": ["a"], "query": "q", "ratio": 2}"#, "field `ratio`");
-    bad(br#"{"documents": ["a", " "], "query": "q"}"#, "document 2 is empty");
+    bad(br#"{"documents": ["a", " "], "query": "q"}"#, "field `documents[1]`: the document is empty");
     bad(br#"{"documents": ["a"], "query": "q", "ratoi": 0.1}"#, "ratoi");
 
     // Every metric the dashboard and the alert rules query is exported.
@@ -284,26 +284,32 @@ fn a_failed_thread_rank_gives_503_and_the_service_recovers() {
     assert_eq!(s.req("GET", "/readyz", &[], b"").status, 200);
 }
 
-#[cfg(feature = "mpi")]
 #[test]
-fn a_hung_mpi_rank_gives_503_and_a_clean_exit() {
+fn sigterm_with_a_half_sent_request_still_exits() {
+    let mut s = Server::start(&["--shutdown-grace", "1"], &[]);
+    // Headers and half the body, then silence: the server must not wait for the rest.
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(c, "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{}", "{".repeat(300)).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let (ok, err) = s.term();
+    assert!(ok, "clean exit: {err}");
+    assert!(t.elapsed() < Duration::from_secs(15), "exited {:?} after SIGTERM", t.elapsed());
+    drop(c);
+}
+
+#[cfg(feature = "mpi")]
+fn mpirun_serve(env: &[(&str, &str)], extra: &[&str]) -> (Child, String) {
     let mut c = Command::new("mpirun");
-    c.args([
-        "--oversubscribe",
-        "-np",
-        "2",
-        env!("CARGO_BIN_EXE_flowprefill"),
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--comm-timeout",
-        "5",
-    ])
-    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    .env("FLOWPREFILL_FAULT", "rank:1,phase:probe,mode:hang")
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    c.args(["--oversubscribe", "-np", "2", env!("CARGO_BIN_EXE_flowprefill"), "serve", "--listen", "127.0.0.1:0"])
+        .args(extra)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        c.env(k, v);
+    }
     let mut child = c.spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let addr = loop {
@@ -312,6 +318,73 @@ fn a_hung_mpi_rank_gives_503_and_a_clean_exit() {
             break rest.split_whitespace().next().unwrap().to_string();
         }
     };
+    std::thread::spawn(move || for _ in lines {});
+    (child, addr)
+}
+
+#[cfg(feature = "mpi")]
+fn exit_within(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(t.elapsed() < limit, "mpirun did not exit within {limit:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn under_mpirun_a_deadline_stops_every_rank_and_the_next_job_runs() {
+    let (mut child, addr) = mpirun_serve(&[], &["--comm-timeout", "20"]);
+    let post = |body: &serde_json::Value| {
+        http::request(&addr, "POST", "/v1/jobs", &[], body.to_string().as_bytes(), Duration::from_secs(300)).unwrap()
+    };
+    // About 6000 context tokens over two processes with a 1 s deadline: rank 0 and the
+    // follower stop between layers, the job ends on both, and the world stays in step.
+    let mut body = job(&docs(60, 4));
+    body["deadline_s"] = 1.0.into();
+    let r = post(&body);
+    assert_eq!(r.status, 504, "{}", r.text());
+    assert!(r.text().contains("deadline"), "{}", r.text());
+    let t = Instant::now();
+    let r = post(&job(&docs(3, 6)));
+    assert_eq!(r.status, 200, "the next job runs on the same processes: {}", r.text());
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    assert_eq!(json(&r)["ranks"], 2);
+    // mpirun forwards SIGUSR1 to every rank: rank 0 drains and stops the follower.
+    Command::new("kill").args(["-USR1", &child.id().to_string()]).status().unwrap();
+    let status = exit_within(&mut child, Duration::from_secs(60));
+    assert!(status.success(), "a clean exit on SIGUSR1: {status:?}");
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn under_mpirun_a_panic_on_rank_0_fails_the_job_and_stops_with_an_error() {
+    let (mut child, addr) =
+        mpirun_serve(&[("FLOWPREFILL_FAULT", "rank:0,phase:probe,mode:panic")], &["--comm-timeout", "10"]);
+    let r = http::request(
+        &addr,
+        "POST",
+        "/v1/jobs",
+        &[],
+        job(&docs(3, 6)).to_string().as_bytes(),
+        Duration::from_secs(120),
+    )
+    .unwrap();
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert!(r.text().contains("rank 0 panicked"), "{}", r.text());
+    // An MPI world cannot be rebuilt: the service stops, with an error status.
+    let status = exit_within(&mut child, Duration::from_secs(60));
+    assert!(!status.success());
+}
+
+#[cfg(feature = "mpi")]
+#[test]
+fn a_hung_mpi_rank_gives_503_and_a_clean_exit() {
+    let (mut child, addr) =
+        mpirun_serve(&[("FLOWPREFILL_FAULT", "rank:1,phase:probe,mode:hang")], &["--comm-timeout", "5"]);
     let r = http::request(
         &addr,
         "POST",
@@ -323,13 +396,6 @@ fn a_hung_mpi_rank_gives_503_and_a_clean_exit() {
     .unwrap();
     assert_eq!(r.status, 503, "{}", r.text());
     assert!(r.text().contains("rank 1 did not answer"), "{}", r.text());
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t.elapsed() < Duration::from_secs(60), "mpirun did not exit");
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let status = exit_within(&mut child, Duration::from_secs(60));
     assert!(!status.success(), "an unrecoverable rank failure ends the job with an error status");
 }

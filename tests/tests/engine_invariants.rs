@@ -194,12 +194,14 @@ fn bad_requests_say_what_to_change() {
     let e = engine();
     let docs = small_docs();
     let err = |req: &Request, opts: RunOptions| {
-        e.run(req, &opts, &mut |_| true).err().map(|x| x.to_string()).unwrap_or_default()
+        let e = e.run(req, &opts, &mut |_| true).err().expect("a bad request fails");
+        assert_eq!(e.class(), flowprefill_coordinator::ErrorClass::Caller, "{e}");
+        e.to_string()
     };
     let m = err(&request(vec![docs[0].clone(), "  ".into()]), RunOptions::default());
-    assert!(m.contains("document 2 is empty"), "{m}");
+    assert!(m.contains("--doc #2: the document is empty"), "{m}");
     let m = err(&Request { query: " ".into(), ..request(docs.clone()) }, RunOptions::default());
-    assert!(m.contains("query is missing"), "{m}");
+    assert!(m.contains("--query: is missing"), "{m}");
     for ratio in [-0.1, 1.5, f64::NAN] {
         let m = err(&request(docs.clone()), RunOptions { ratio, ..Default::default() });
         assert!(m.contains("outside [0, 1]"), "{ratio}: {m}");

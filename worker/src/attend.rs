@@ -6,7 +6,7 @@
 //! is one kernel call per source, combined with `merge_partial` ([`attend_over`]), which is
 //! exactly what a rank does with its local shards before merging across ranks.
 
-use crate::error::{Result, WorkerError};
+use crate::error::Result;
 use crate::kv::{KeyForm, KvCache};
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::rope::RopeTable;
@@ -55,7 +55,7 @@ impl<'a, B: Backend> KvSource<'a, B> {
     /// Layer `l` of a rotated cache.
     pub fn layer(cache: &'a KvCache<B>, l: usize) -> Result<Self> {
         if cache.form() != KeyForm::Rotated {
-            return Err(WorkerError::Input("attention needs rotated keys; place the cache first".into()));
+            return Err(crate::error::internal("attention needs rotated keys; place the cache first"));
         }
         let layer = cache.layer(l);
         Ok(Self { k: &layer.k, v: &layer.v, pos: cache.positions() })
@@ -84,7 +84,7 @@ pub fn attend_over<B: Backend>(
             if tmp.is_none() {
                 tmp = Some((be.zeros(m * shape.q_dim())?, be.zeros(m * shape.n_heads)?));
             }
-            let (to, tl) = tmp.as_mut().ok_or_else(|| WorkerError::Input("scratch missing".into()))?;
+            let (to, tl) = tmp.as_mut().ok_or_else(|| crate::error::internal("scratch missing"))?;
             be.attention(shape, q, qpos, s.k, s.v, s.pos, to, tl)?;
             be.merge_partial(out, lse, to, tl, shape.head_dim)?;
         }
@@ -138,7 +138,7 @@ impl<'a, B: Backend> AppendAttend<'a, B> {
         positions: &[u32],
     ) -> Result<Self> {
         if cache.form() != KeyForm::Rotated || context.iter().any(|c| c.form() != KeyForm::Rotated) {
-            return Err(WorkerError::Input("decoding needs caches of rotated keys".into()));
+            return Err(crate::error::internal("decoding needs caches of rotated keys"));
         }
         let old_len = cache.len();
         let mut all_positions = Vec::with_capacity(old_len + positions.len());
@@ -150,7 +150,7 @@ impl<'a, B: Backend> AppendAttend<'a, B> {
     /// Publishes the new rows' positions; call after the forward succeeded.
     pub fn commit(mut self) -> Result<()> {
         if self.layers_done != self.cache.n_layers() {
-            return Err(WorkerError::Input(format!(
+            return Err(crate::error::internal(format!(
                 "commit after {} of {} layers",
                 self.layers_done,
                 self.cache.n_layers()
@@ -180,7 +180,10 @@ impl<B: Backend> Drop for AppendAttend<'_, B> {
 impl<B: Backend> Attend<B> for AppendAttend<'_, B> {
     fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
         if x.layer != self.layers_done {
-            return Err(WorkerError::Input(format!("layer {} out of order (expected {})", x.layer, self.layers_done)));
+            return Err(crate::error::internal(format!(
+                "layer {} out of order (expected {})",
+                x.layer, self.layers_done
+            )));
         }
         let be = self.backend;
         {

@@ -1,6 +1,142 @@
-//! Typed errors of the worker crate. Messages say what to change.
+//! Typed errors of the worker crate. Messages say what to change, and every error knows
+//! whose fault it is ([`WorkerError::class`]): the caller's input, the model or configuration,
+//! another rank, a bug, or a job that was stopped (cancelled, past its deadline).
 
+pub use flowprefill_comm::ErrorClass;
 use std::path::PathBuf;
+
+/// The input a caller's error concerns. Rendered as a command-line flag by the CLI
+/// ([`Field::flag`]) and as a JSON field by the HTTP API ([`Field::api`]), so that each
+/// interface names what its user typed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Field {
+    /// The question.
+    Query,
+    /// A plain prompt (`generate`).
+    Prompt,
+    /// The list of documents.
+    Documents,
+    /// One document (0-based).
+    Document(usize),
+    /// One long text.
+    Text,
+    /// Tokens per piece of a long text.
+    ChunkTokens,
+    /// The method.
+    Method,
+    /// The recompute ratio.
+    Ratio,
+    /// Chunk reordering.
+    Reorder,
+    /// The scoring geometry.
+    Geometry,
+    /// InfoFlow's scoring layers.
+    ScoreLayers,
+    /// The chunk prefix mode.
+    Prefix,
+    /// The recompute scope.
+    Scope,
+    /// The answer length.
+    MaxTokens,
+    /// The sampling temperature.
+    Temperature,
+    /// The nucleus mass.
+    TopP,
+    /// Tokens per recompute forward.
+    RecomputeBatch,
+    /// Thread ranks.
+    Ranks,
+    /// CacheClip's auxiliary model.
+    AuxModel,
+    /// The job's deadline.
+    Deadline,
+}
+
+impl Field {
+    /// The command-line flag (`--ratio`).
+    pub fn flag(self) -> String {
+        match self {
+            Field::Query => "--query".into(),
+            Field::Prompt => "--prompt".into(),
+            Field::Documents => "--doc".into(),
+            Field::Document(i) => format!("--doc #{}", i + 1),
+            Field::Text => "the context text".into(),
+            Field::ChunkTokens => "--chunk-tokens".into(),
+            Field::Method => "--method".into(),
+            Field::Ratio => "--ratio".into(),
+            Field::Reorder => "--reorder".into(),
+            Field::Geometry => "--geometry".into(),
+            Field::ScoreLayers => "--score-layers".into(),
+            Field::Prefix => "--prefix".into(),
+            Field::Scope => "--scope".into(),
+            Field::MaxTokens => "--max-tokens".into(),
+            Field::Temperature => "--temperature".into(),
+            Field::TopP => "--top-p".into(),
+            Field::RecomputeBatch => "--recompute-batch".into(),
+            Field::Ranks => "--ranks".into(),
+            Field::AuxModel => "--aux-model".into(),
+            Field::Deadline => "--deadline".into(),
+        }
+    }
+
+    /// The JSON field of the HTTP API (`ratio`, `documents[2]`).
+    pub fn api(self) -> String {
+        match self {
+            Field::Query => "query".into(),
+            Field::Prompt => "prompt".into(),
+            Field::Documents => "documents".into(),
+            Field::Document(i) => format!("documents[{i}]"),
+            Field::Text => "text".into(),
+            Field::ChunkTokens => "chunk_tokens".into(),
+            Field::Method => "method".into(),
+            Field::Ratio => "ratio".into(),
+            Field::Reorder => "reorder".into(),
+            Field::Geometry => "geometry".into(),
+            Field::ScoreLayers => "score_layers".into(),
+            Field::Prefix => "prefix".into(),
+            Field::Scope => "scope".into(),
+            Field::MaxTokens => "max_tokens".into(),
+            Field::Temperature => "temperature".into(),
+            Field::TopP => "top_p".into(),
+            Field::RecomputeBatch => "recompute_batch".into(),
+            Field::Ranks => "ranks".into(),
+            Field::AuxModel => "aux_model".into(),
+            Field::Deadline => "deadline_s".into(),
+        }
+    }
+}
+
+/// A caller's mistake: which input, and what is wrong with it (worded to follow either the
+/// flag or the field name).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{}: {problem}", field.flag())]
+pub struct InputError {
+    /// The input to change.
+    pub field: Field,
+    /// What is wrong and what to do.
+    pub problem: String,
+}
+
+impl InputError {
+    /// An error about `field`.
+    pub fn new(field: Field, problem: impl Into<String>) -> Self {
+        Self { field, problem: problem.into() }
+    }
+
+    /// The message for the HTTP API: names the JSON field instead of the flag.
+    pub fn api_message(&self) -> String {
+        format!("field `{}`: {}", self.field.api(), self.problem)
+    }
+}
+
+/// Why a job stopped before its end.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum StopCause {
+    /// Whoever asked for it went away.
+    Cancelled,
+    /// It ran past its deadline (seconds allowed).
+    Deadline(f64),
+}
 
 /// What can go wrong loading a model, tokenizing, templating, running the model or fetching.
 #[derive(Debug, thiserror::Error)]
@@ -50,13 +186,13 @@ pub enum WorkerError {
     /// Rendering the chat template failed.
     #[error("chat template: {0}")]
     Template(String),
-    /// Invalid request input (empty prompt, bad option).
-    #[error("{0}")]
-    Input(String),
+    /// The caller's input is invalid.
+    #[error(transparent)]
+    Input(#[from] InputError),
     /// More tokens than the model's context window.
     #[error(
         "the input needs {tokens} token positions but the model's context window is {window}; \
-         shorten the documents or the prompt, or lower --max-tokens"
+         shorten the documents or the prompt, or ask for fewer answer tokens"
     )]
     ContextTooLong {
         /// Positions needed.
@@ -73,6 +209,25 @@ pub enum WorkerError {
     /// A kernel rejected its inputs.
     #[error(transparent)]
     Kernel(#[from] flowprefill_kernels::KernelError),
+    /// A peer sent a message that does not fit the protocol.
+    #[error("message from rank {rank}: {detail}")]
+    Protocol {
+        /// The sender.
+        rank: usize,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// An invariant of flowprefill itself does not hold: a bug.
+    #[error("internal error: {0} (a bug in flowprefill; please report it)")]
+    Internal(String),
+    /// The job was stopped between two layers.
+    #[error("{}", stopped_message(*.cause, phase))]
+    Stopped {
+        /// Where it stopped.
+        phase: String,
+        /// Why.
+        cause: StopCause,
+    },
     /// Filesystem error with the path or action it concerns.
     #[error("{what}: {source}")]
     Io {
@@ -82,6 +237,54 @@ pub enum WorkerError {
         #[source]
         source: std::io::Error,
     },
+}
+
+fn stopped_message(cause: StopCause, phase: &str) -> String {
+    match cause {
+        StopCause::Cancelled => format!("the job was cancelled during {phase} (its client went away)"),
+        StopCause::Deadline(s) => format!("the job ran past its deadline of {s:.1} s during {phase}"),
+    }
+}
+
+impl WorkerError {
+    /// Whose fault the error is (see [`ErrorClass`]).
+    pub fn class(&self) -> ErrorClass {
+        use flowprefill_kernels::KernelError;
+        match self {
+            WorkerError::Input(_) | WorkerError::ContextTooLong { .. } => ErrorClass::Caller,
+            WorkerError::ModelFile { .. }
+            | WorkerError::UnsupportedArch { .. }
+            | WorkerError::UnsupportedTensor { .. }
+            | WorkerError::Metadata { .. }
+            | WorkerError::Tokenizer(_)
+            | WorkerError::Template(_)
+            | WorkerError::Fetch(_)
+            | WorkerError::Io { .. } => ErrorClass::Model,
+            WorkerError::Comm(flowprefill_comm::CommError::Aborted { class, .. }) => *class,
+            WorkerError::Comm(_) | WorkerError::Protocol { .. } => ErrorClass::Peer,
+            WorkerError::Kernel(KernelError::Backend { .. } | KernelError::HeadLayout { .. }) => ErrorClass::Model,
+            WorkerError::Kernel(KernelError::Shape { .. }) | WorkerError::Internal(_) => ErrorClass::Internal,
+            WorkerError::Stopped { cause: StopCause::Cancelled, .. } => ErrorClass::Cancelled,
+            WorkerError::Stopped { cause: StopCause::Deadline(_), .. } => ErrorClass::Deadline,
+        }
+    }
+
+    /// The message for the HTTP API (input errors name JSON fields, not flags).
+    pub fn api_message(&self) -> String {
+        match self {
+            WorkerError::Input(e) => e.api_message(),
+            WorkerError::ContextTooLong { tokens, window } => format!(
+                "the input needs {tokens} token positions but the model's context window is {window}; \
+                 shorten the documents or the query, or lower `max_tokens`"
+            ),
+            e => e.to_string(),
+        }
+    }
+}
+
+/// An internal-invariant error (a bug).
+pub(crate) fn internal(msg: impl Into<String>) -> WorkerError {
+    WorkerError::Internal(msg.into())
 }
 
 /// Result alias of this crate.

@@ -1,7 +1,8 @@
 //! Prefill and decoding over a rotated KV cache.
 
 use crate::attend::AppendAttend;
-use crate::error::{Result, WorkerError};
+use crate::error::{Field, InputError, Result, WorkerError};
+use crate::interrupt::Check;
 use crate::kv::{KeyForm, KvCache};
 use crate::model::{Logits, Model};
 use crate::sampling::{Sampler, SamplingConfig};
@@ -72,8 +73,20 @@ pub fn prefill_into<B: Backend>(
     start: u32,
     chunk: usize,
 ) -> Result<Vec<f32>> {
+    prefill_into_checked(model, cache, tokens, start, chunk, &mut crate::interrupt::never)
+}
+
+/// As [`prefill_into`], calling `check` before every layer of every forward.
+pub fn prefill_into_checked<B: Backend>(
+    model: &Model<B>,
+    cache: &mut KvCache<B>,
+    tokens: &[u32],
+    start: u32,
+    chunk: usize,
+    check: Check<'_>,
+) -> Result<Vec<f32>> {
     if tokens.is_empty() {
-        return Err(WorkerError::Input("nothing to prefill: the prompt is empty".into()));
+        return Err(InputError::new(Field::Prompt, "is empty: there is nothing to prefill").into());
     }
     let chunk = chunk.max(1);
     let mut last = Vec::new();
@@ -82,7 +95,8 @@ pub fn prefill_into<B: Backend>(
         let positions: Vec<u32> = (first..first + piece.len() as u32).collect();
         let is_last = (i + 1) * chunk >= tokens.len();
         let mut attend = AppendAttend::new(model.backend(), cache, &positions)?;
-        let out = model.forward(piece, &positions, &mut attend, if is_last { Logits::Last } else { Logits::None })?;
+        let rows = if is_last { Logits::Last } else { Logits::None };
+        let out = model.forward_checked(piece, &positions, &mut attend, rows, &mut *check)?;
         attend.commit()?;
         if is_last {
             last = out.last().to_vec();
@@ -148,11 +162,26 @@ pub fn decode<B: Backend>(
     max_new_tokens: usize,
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<(Vec<u32>, StopReason)> {
+    decode_checked(model, tokenizer, cache, first, sampler, max_new_tokens, on_text, &mut crate::interrupt::never)
+}
+
+/// As [`decode`], calling `check` before every layer of every token.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_checked<B: Backend>(
+    model: &Model<B>,
+    tokenizer: &Tokenizer,
+    cache: &mut KvCache<B>,
+    first: u32,
+    sampler: &mut Sampler,
+    max_new_tokens: usize,
+    on_text: &mut dyn FnMut(&str) -> bool,
+    check: Check<'_>,
+) -> Result<(Vec<u32>, StopReason)> {
     let window = model.config().context_length;
     let next_pos = cache.positions().last().map_or(0, |p| p + 1);
     let mut step = |tok: u32, pos: u32| -> Result<Vec<f32>> {
         let mut attend = AppendAttend::new(model.backend(), cache, &[pos])?;
-        let out = model.forward(&[tok], &[pos], &mut attend, Logits::Last)?;
+        let out = model.forward_checked(&[tok], &[pos], &mut attend, Logits::Last, &mut *check)?;
         attend.commit()?;
         Ok(out.last().to_vec())
     };

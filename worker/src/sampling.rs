@@ -1,6 +1,6 @@
 //! Next-token choice: greedy by default, temperature and nucleus (top-p) sampling optional.
 
-use crate::error::{Result, WorkerError};
+use crate::error::{Field, InputError, Result};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -45,10 +45,14 @@ impl Sampler {
     /// Checks the configuration.
     pub fn new(cfg: SamplingConfig) -> Result<Self> {
         if !(cfg.temperature >= 0.0 && cfg.temperature.is_finite()) {
-            return Err(WorkerError::Input(format!("temperature {} must be a finite number >= 0", cfg.temperature)));
+            return Err(InputError::new(
+                Field::Temperature,
+                format!("{} must be a finite number >= 0", cfg.temperature),
+            )
+            .into());
         }
         if !(cfg.top_p > 0.0 && cfg.top_p <= 1.0) {
-            return Err(WorkerError::Input(format!("top-p {} must be in (0, 1]", cfg.top_p)));
+            return Err(InputError::new(Field::TopP, format!("{} must be in (0, 1]", cfg.top_p)).into());
         }
         let rng = StdRng::seed_from_u64(cfg.seed);
         Ok(Self { cfg, rng })

@@ -2,11 +2,12 @@
 //! in batched forwards) under the request's prefix mode.
 
 use super::Engine;
-use crate::error::{invalid, Result};
+use crate::error::{internal, Result};
 use crate::layout::Layout;
 use crate::request::PrefixMode;
 use crate::select::AuxCaches;
 use flowprefill_kernels::Backend;
+use flowprefill_worker::interrupt::Check;
 use flowprefill_worker::kv::KvCache;
 use flowprefill_worker::steps::{prefill_chunks, ChunkJob, DEFAULT_BATCH_TOKENS};
 use flowprefill_worker::store::{ChunkKey, ChunkStore};
@@ -35,6 +36,7 @@ fn resolve<B: Backend>(
     store: &ChunkStore<B>,
     specs: Vec<Spec<'_, B>>,
     stats: &mut (u64, u64),
+    check: Check<'_>,
 ) -> Result<Vec<Arc<KvCache<B>>>> {
     let keys: Vec<ChunkKey> = specs.iter().map(|s| ChunkKey::new(&s.head_tokens, s.start, s.tokens)).collect();
     let mut found: Vec<Option<Arc<KvCache<B>>>> = keys.iter().map(|k| store.get(k)).collect();
@@ -45,16 +47,16 @@ fn resolve<B: Backend>(
         .iter()
         .map(|&i| ChunkJob { head: specs[i].head.clone(), tokens: specs[i].tokens, start: specs[i].start })
         .collect();
-    let made = prefill_chunks(model, &jobs, DEFAULT_BATCH_TOKENS)?;
+    let made = prefill_chunks(model, &jobs, DEFAULT_BATCH_TOKENS, check)?;
     for (&i, kv) in missing.iter().zip(made) {
         found[i] = Some(store.insert(keys[i], kv));
     }
-    found.into_iter().map(|f| f.ok_or_else(|| invalid("chunk cache missing after prefill"))).collect()
+    found.into_iter().map(|f| f.ok_or_else(|| internal("chunk cache missing after prefill"))).collect()
 }
 
 impl<B: Backend> Engine<B> {
     /// Head and the caches of `chunks` (ids) under `mode`, from `store` or prefilled (the
-    /// missing chunks of one stage in batched forwards).
+    /// missing chunks of one stage in batched forwards; `check` runs before every layer).
     pub(super) fn caches(
         &self,
         lm: &LoadedModel<B>,
@@ -62,6 +64,7 @@ impl<B: Backend> Engine<B> {
         layout: &Layout,
         mode: PrefixMode,
         chunks: &[usize],
+        check: Check<'_>,
     ) -> Result<Caches<B>> {
         let model = &lm.model;
         let be = model.backend();
@@ -72,9 +75,10 @@ impl<B: Backend> Engine<B> {
             store,
             vec![Spec { head_tokens: vec![], head: vec![], tokens: &layout.head, start: 0 }],
             &mut stats,
+            &mut *check,
         )?
         .pop()
-        .ok_or_else(|| invalid("head cache missing"))?;
+        .ok_or_else(|| internal("head cache missing"))?;
         let head_placed = head.placed(be, model.rope(), head.positions(), n_kv)?;
         let p = layout.head.len() as u32;
         let behind_head = |c: usize| Spec {
@@ -90,17 +94,20 @@ impl<B: Backend> Engine<B> {
                 store,
                 chunks.iter().map(|&c| if c == 0 { behind_head(c) } else { alone(c) }).collect(),
                 &mut stats,
+                check,
             )?,
-            PrefixMode::Shared => resolve(model, store, chunks.iter().map(|&c| behind_head(c)).collect(), &mut stats)?,
+            PrefixMode::Shared => {
+                resolve(model, store, chunks.iter().map(|&c| behind_head(c)).collect(), &mut stats, check)?
+            }
             PrefixMode::Anchor => {
                 if chunks.is_empty() {
                     Vec::new()
                 } else {
                     // The anchor (head + chunk 0) is needed by every rank holding a later chunk
                     // (Star Attention replicates it); it is prefilled here if not held.
-                    let first = resolve(model, store, vec![behind_head(0)], &mut stats)?
+                    let first = resolve(model, store, vec![behind_head(0)], &mut stats, &mut *check)?
                         .pop()
-                        .ok_or_else(|| invalid("anchor missing"))?;
+                        .ok_or_else(|| internal("anchor missing"))?;
                     let anchor = first.placed(be, model.rope(), first.positions(), n_kv)?;
                     let mut toks = layout.head.clone();
                     toks.extend_from_slice(&layout.chunks[0]);
@@ -115,13 +122,13 @@ impl<B: Backend> Engine<B> {
                             start,
                         })
                         .collect();
-                    let mut rest = resolve(model, store, specs, &mut stats)?.into_iter();
+                    let mut rest = resolve(model, store, specs, &mut stats, check)?.into_iter();
                     let mut out = Vec::with_capacity(chunks.len());
                     for &c in chunks {
                         out.push(if c == 0 {
                             first.clone()
                         } else {
-                            rest.next().ok_or_else(|| invalid("chunk missing"))?
+                            rest.next().ok_or_else(|| internal("chunk missing"))?
                         });
                     }
                     out
@@ -137,13 +144,18 @@ impl<B: Backend> AuxCaches<B> for Engine<B> {
         self.aux.as_deref().unwrap_or(&self.lm)
     }
 
-    fn aux_caches(&self, layout: &Layout, chunks: &[usize]) -> Result<crate::select::HeadAndChunks<B>> {
+    fn aux_caches(
+        &self,
+        layout: &Layout,
+        chunks: &[usize],
+        check: Check<'_>,
+    ) -> Result<crate::select::HeadAndChunks<B>> {
         // The same model shares the main store (its shared-prefix chunk caches are the same).
         let (lm, store) = match &self.aux {
             Some(a) => (&**a, &self.aux_store),
             None => (&*self.lm, &self.store),
         };
-        let c = self.caches(lm, store, layout, PrefixMode::Shared, chunks)?;
+        let c = self.caches(lm, store, layout, PrefixMode::Shared, chunks, check)?;
         Ok((c.head, c.chunks))
     }
 }

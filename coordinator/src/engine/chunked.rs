@@ -2,7 +2,7 @@
 //! the prompt (see the parent module's diagram).
 
 use super::{Engine, Turn};
-use crate::error::{invalid, Result};
+use crate::error::{internal, Result};
 use crate::layout::Layout;
 use crate::reorder::reorder;
 use crate::select::{segment_id, selector_for, ScoreCtx};
@@ -14,6 +14,7 @@ use flowprefill_kernels::Backend;
 use flowprefill_worker::generate::StopReason;
 use flowprefill_worker::kv::KvCache;
 use flowprefill_worker::steps::{recompute, LocalSegment, Target};
+use flowprefill_worker::WorkerError;
 use std::sync::Arc;
 
 impl<B: Backend> Engine<B> {
@@ -34,15 +35,21 @@ impl<B: Backend> Engine<B> {
         let lead = rank == 0;
         let n = layout.n_context();
         if n == 0 {
-            return Err(invalid("the context has no tokens"));
+            return Err(internal("a context without tokens passed admission"));
         }
         let local_ids = shard::local_chunks(owners, rank);
 
-        // Phase 1: this rank's chunk caches.
-        crate::fault::point(rank, phase::CHUNK_PREFILL);
+        // Phase 1: this rank's chunk caches (no communication: look for aborts between layers).
+        self.fault_point(rank, phase::CHUNK_PREFILL);
+        let watch = &turn.watch;
+        let mut check = || {
+            watch.check(phase::CHUNK_PREFILL)?;
+            comm.poll_abort(phase::CHUNK_PREFILL).map_err(WorkerError::Comm)
+        };
+        let prefix = turn.result.prefix;
         let caches = turn
             .phases
-            .time(phase::CHUNK_PREFILL, || self.caches(lm, &self.store, layout, turn.result.prefix, &local_ids))?;
+            .time(phase::CHUNK_PREFILL, || self.caches(lm, &self.store, layout, prefix, &local_ids, &mut check))?;
         turn.mine.cache_hits = caches.hits;
         turn.mine.cache_misses = caches.misses;
         turn.mine.chunks = local_ids.len();
@@ -64,8 +71,10 @@ impl<B: Backend> Engine<B> {
                 opts,
                 aux: self,
                 comm: &mut *comm,
+                watch: &turn.watch,
             };
-            let (o, imp) = turn.phases.time(phase::REORDER, || reorder(&mut ctx, turn.result.ratio))?;
+            let ratio = turn.result.ratio;
+            let (o, imp) = turn.phases.time(phase::REORDER, || reorder(&mut ctx, ratio))?;
             order = o;
             turn.result.importance = Some(imp);
         }
@@ -78,7 +87,7 @@ impl<B: Backend> Engine<B> {
                     .iter()
                     .position(|l| l == c)
                     .map(|j| caches.chunks[j].clone())
-                    .ok_or_else(|| invalid("chunk not held"))
+                    .ok_or_else(|| internal("chunk not held"))
             })
             .collect::<Result<_>>()?;
         let layout_index: Vec<usize> = local.iter().map(|c| order.iter().position(|o| o == c).unwrap_or(0)).collect();
@@ -110,7 +119,7 @@ impl<B: Backend> Engine<B> {
             (0..n as u32).collect()
         } else {
             let selector =
-                selector_for::<B>(opts.method).ok_or_else(|| invalid(format!("{} selects nothing", opts.method)))?;
+                selector_for::<B>(opts.method).ok_or_else(|| internal(format!("{} selects nothing", opts.method)))?;
             let (head, placed) = segments.split_at(first_chunk_seg);
             let mut ctx = ScoreCtx {
                 lm,
@@ -123,8 +132,9 @@ impl<B: Backend> Engine<B> {
                 opts,
                 aux: self,
                 comm: &mut *comm,
+                watch: &turn.watch,
             };
-            crate::fault::point(rank, phase::PROBE);
+            self.fault_point(rank, phase::PROBE);
             let scores = turn.phases.time(phase::PROBE, || selector.score(&mut ctx))?;
             let starts = ctx.local_global_starts();
             turn.phases.time(phase::SELECTION, || -> Result<Vec<u32>> {
@@ -177,14 +187,16 @@ impl<B: Backend> Engine<B> {
             all_positions.push(offsets[c] + row as u32);
             turn.result.selected_rows[c].push(row);
             if owners[c] == rank {
-                let j = local.iter().position(|&l| l == c).ok_or_else(|| invalid("selected chunk not held"))?;
+                let j = local.iter().position(|&l| l == c).ok_or_else(|| internal("selected chunk not held"))?;
                 targets.push(Target { segment: first_chunk_seg + j, row });
                 tokens.push(layout.chunks[c][row]);
             }
         }
         turn.mine.selected = targets.len();
-        crate::fault::point(rank, phase::RECOMPUTE);
+        self.fault_point(rank, phase::RECOMPUTE);
         if !all_positions.is_empty() {
+            let watch = &turn.watch;
+            let mut check = || watch.check(phase::RECOMPUTE);
             turn.phases.time(phase::RECOMPUTE, || {
                 let replicated = (!lead).then_some(&head_placed);
                 recompute(
@@ -197,6 +209,7 @@ impl<B: Backend> Engine<B> {
                     &all_positions,
                     opts.scope,
                     opts.recompute_batch,
+                    &mut check,
                 )
             })?;
         }

@@ -25,11 +25,13 @@ impl<B: Backend> Engine<B> {
         let model = &self.lm.model;
         let be = model.backend();
         let mut tail = self.empty_tail()?;
-        crate::fault::point(comm.rank(), phase::FINAL_PROMPT);
+        self.fault_point(comm.rank(), phase::FINAL_PROMPT);
+        let watch = &turn.watch;
         let logits = turn.phases.time(phase::FINAL_PROMPT, || -> Result<Vec<f32>> {
             let local = segs.clone();
             let mut rep = Replicated::new(be, comm, "final", local, &mut tail, prompt_pos, vec![])?;
-            let out = model.forward(prompt, prompt_pos, &mut rep, Logits::Last)?;
+            let mut check = || watch.check(phase::FINAL_PROMPT);
+            let out = model.forward_checked(prompt, prompt_pos, &mut rep, Logits::Last, &mut check)?;
             rep.commit()?;
             Ok(out.last().to_vec())
         })?;
@@ -57,10 +59,12 @@ impl<B: Backend> Engine<B> {
         let model = &self.lm.model;
         let be = model.backend();
         let window = model.config().context_length;
+        let watch = turn.watch.clone();
         let mut step = |comm: &mut dyn Communicator, tok: u32, pos: u32| -> flowprefill_worker::Result<Vec<f32>> {
             let local = segs.clone();
             let mut rep = Replicated::new(be, comm, "decode", local, &mut tail, &[pos], vec![])?;
-            let out = model.forward(&[tok], &[pos], &mut rep, Logits::Last)?;
+            let mut check = || watch.check(phase::DECODE);
+            let out = model.forward_checked(&[tok], &[pos], &mut rep, Logits::Last, &mut check)?;
             rep.commit()?;
             Ok(out.last().to_vec())
         };
@@ -69,6 +73,7 @@ impl<B: Backend> Engine<B> {
                 let first = turn.phases.time(phase::FIRST_TOKEN, || sampler.sample(&logits));
                 turn.result.ttft = turn.t0.elapsed();
                 turn.result.first_logits = logits;
+                self.fault_point(0, phase::DECODE);
                 let t = Instant::now();
                 let mut lead_step = |tok: u32, pos: u32| -> flowprefill_worker::Result<Vec<f32>> {
                     broadcast_value(comm, "decode.token", 0, Some(&Some((tok, pos))))?;
@@ -90,7 +95,7 @@ impl<B: Backend> Engine<B> {
             }
             Role::Follow => {
                 let t = Instant::now();
-                crate::fault::point(comm.rank(), phase::DECODE);
+                self.fault_point(comm.rank(), phase::DECODE);
                 while let Some((tok, pos)) = broadcast_value::<Option<(u32, u32)>>(comm, "decode.token", 0, None)? {
                     step(comm, tok, pos)?;
                 }

@@ -14,6 +14,28 @@
 //! Ring attention replaces the first five phases with an exact ring prefill; `full` runs on
 //! rank 0 alone. No rank ever gathers the whole cache.
 //!
+//! # Errors and the ranks staying in step
+//!
+//! Every rank must issue the same collectives in the same order, so an error seen by one rank
+//! must end the job on all of them. The rule:
+//!
+//! 1. **Admission is agreed.** Every check of the job's input ([`crate::admit`]: validation,
+//!    tokens, the context window, the scoring layers, sampling) runs on every rank before any
+//!    other collective; the `job.admit` all-gather then carries each rank's verdict, and if any
+//!    rank refused the job every rank ends it with that error (rank 0 reports it to the caller,
+//!    as a caller's error). Nothing is assumed to fail "alike everywhere".
+//! 2. **After admission, any error aborts the job everywhere.** The rank that meets it
+//!    (a kernel error, a malformed peer message, a cancellation, a deadline) calls
+//!    [`Communicator::abort`]: each peer's next wait, or its poll between chunk-prefill layers,
+//!    returns `Aborted` naming the rank, its error class and message.
+//! 3. **Every rank ends every job** with [`Communicator::end_job`], success or not; messages
+//!    the job left in flight are dropped. Only a lost, stuck or panicked rank breaks the world
+//!    ([`CoordError::breaks_world`]); everything else leaves it ready for the next job.
+//!
+//! Cancellation and deadlines are checked before every layer of every long forward, on every
+//! rank: rank 0 knows the client's cancellation flag; the deadline travels with the job as a
+//! time budget, so followers stop on it by themselves.
+//!
 //! This file holds the request lifecycle (lead / follow / stop, `full`, `ring`); the phases
 //! live beside it: `caches` (store lookups and batched chunk prefill per prefix mode),
 //! `chunked` (reorder, placement, selection, recomputation), `decode` (the prompt over the
@@ -23,21 +45,25 @@ mod caches;
 mod chunked;
 mod decode;
 
-use crate::error::{invalid, CoordError, Result};
+use crate::admit::{admit, Limits};
+use crate::error::{internal, CoordError, Result};
+use crate::fault::FaultPlan;
 use crate::layout::Layout;
-use crate::request::{validate, Job, Method, PrefixMode, Request, RunOptions};
+use crate::request::{Job, Method, PrefixMode, Request, RunOptions};
 use crate::shard;
 use crate::timings::{phase, PhaseTimes};
 use flowprefill_comm::local::LocalComm;
-use flowprefill_comm::{all_gather_value, broadcast_value, CommStats, Communicator};
+use flowprefill_comm::{all_gather_value, broadcast_value, CommStats, Communicator, ErrorClass};
 use flowprefill_kernels::topk::count_for_ratio;
 use flowprefill_kernels::Backend;
-use flowprefill_worker::generate::{decode, prefill_into, StopReason, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::generate::{decode_checked, prefill_into_checked, StopReason, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::interrupt::Watch;
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::sampling::Sampler;
 use flowprefill_worker::steps::{ring_prefill, zigzag_pieces, LocalSegment};
 use flowprefill_worker::store::ChunkStore;
-use flowprefill_worker::{LoadedModel, WorkerError};
+use flowprefill_worker::{Field, InputError, LoadedModel};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -136,6 +162,35 @@ pub struct Engine<B: Backend> {
     aux: Option<Arc<LoadedModel<B>>>,
     store: ChunkStore<B>,
     aux_store: ChunkStore<B>,
+    faults: Option<Arc<FaultPlan>>,
+}
+
+/// How the caller of [`Engine::lead_with`] steers the job: its client's cancellation flag,
+/// its deadline, and a signal once every rank has admitted it (its input passed every check,
+/// no work done yet: the moment a service can still choose an error status).
+#[derive(Default)]
+pub struct Control<'a> {
+    /// Set when the job's client went away.
+    pub cancel: Option<Arc<AtomicBool>>,
+    /// When the job must be finished.
+    pub deadline: Option<Instant>,
+    /// Called once on rank 0 when every rank has admitted the job.
+    pub on_admitted: Option<Box<dyn FnMut() + Send + 'a>>,
+}
+
+/// What rank 0 broadcasts: the job and the time it may still take.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Envelope {
+    job: Job,
+    budget_ms: Option<u64>,
+}
+
+/// A rank's verdict on a job's admission, as the other ranks receive it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Refusal {
+    class: ErrorClass,
+    message: String,
+    api_message: String,
 }
 
 /// Per-rank part of the decoding loop: the sampler and the text sink live on rank 0 only.
@@ -154,12 +209,20 @@ struct Turn<'a> {
     role: Role<'a>,
     /// Start of the request (TTFT is measured from it).
     t0: Instant,
+    /// Cancellation and deadline.
+    watch: Watch,
 }
 
 impl<B: Backend> Engine<B> {
     /// An engine with a chunk store of `store_bytes`.
     pub fn new(lm: Arc<LoadedModel<B>>, store_bytes: usize) -> Self {
-        Self { lm, aux: None, store: ChunkStore::new(store_bytes), aux_store: ChunkStore::new(store_bytes / 4) }
+        Self {
+            lm,
+            aux: None,
+            store: ChunkStore::new(store_bytes),
+            aux_store: ChunkStore::new(store_bytes / 4),
+            faults: None,
+        }
     }
 
     /// Uses `aux` as CacheClip's auxiliary model; it must share the main model's vocabulary.
@@ -167,13 +230,21 @@ impl<B: Backend> Engine<B> {
         let (a, b) = (&self.lm.tokenizer, &aux.tokenizer);
         let same = a.vocab_size() == b.vocab_size() && (0..a.vocab_size() as u32).all(|i| a.token(i) == b.token(i));
         if !same {
-            return Err(invalid(
-                "--aux-model must use the same tokenizer vocabulary as --model (token alignment between \
+            return Err(InputError::new(
+                Field::AuxModel,
+                "must use the same tokenizer vocabulary as the main model (token alignment between \
                  different vocabularies is not implemented)",
-            ));
+            )
+            .into());
         }
         self.aux = Some(aux);
         Ok(self)
+    }
+
+    /// Injects the faults of `plan` (failure tests).
+    pub fn with_faults(mut self, plan: Option<Arc<FaultPlan>>) -> Self {
+        self.faults = plan;
+        self
     }
 
     /// The main model.
@@ -186,9 +257,16 @@ impl<B: Backend> Engine<B> {
         &self.store
     }
 
+    /// A planned fault, if this rank has one at `phase`.
+    fn fault_point(&self, rank: usize, phase: &str) {
+        if let Some(f) = &self.faults {
+            f.point(rank, phase);
+        }
+    }
+
     /// Runs one request in a world of one.
     pub fn run(&self, req: &Request, opts: &RunOptions, on_text: &mut dyn FnMut(&str) -> bool) -> Result<RunResult> {
-        let mut solo = LocalComm::group(1).pop().ok_or_else(|| invalid("no communicator"))?;
+        let mut solo = LocalComm::group(1).pop().ok_or_else(|| internal("no communicator"))?;
         let job = Job { request: req.clone(), options: opts.clone() };
         self.lead(&mut solo, &job, on_text)
     }
@@ -200,37 +278,110 @@ impl<B: Backend> Engine<B> {
         job: &Job,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<RunResult> {
+        self.lead_with(comm, job, Control::default(), on_text)
+    }
+
+    /// [`Engine::lead`] under the caller's [`Control`] (cancellation, deadline, admission).
+    pub fn lead_with(
+        &self,
+        comm: &mut dyn Communicator,
+        job: &Job,
+        ctl: Control<'_>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<RunResult> {
         if comm.rank() != 0 {
-            return Err(invalid("only rank 0 leads"));
+            return Err(internal("only rank 0 leads"));
         }
         let t0 = Instant::now();
         comm.reset_stats();
-        let job: Option<Job> = broadcast_value(comm, "request", 0, Some(&Some(job.clone())))?;
-        let job = job.ok_or_else(|| invalid("broadcast lost the job"))?;
-        self.run_job(comm, &job, t0, on_text)?.ok_or_else(|| invalid("rank 0 produced no result"))
+        let budget = ctl.deadline.map(|d| d.saturating_duration_since(t0));
+        let env = Envelope { job: job.clone(), budget_ms: budget.map(|b| b.as_millis().min(u64::MAX as u128) as u64) };
+        let sent = broadcast_value(comm, "request", 0, Some(&Some(env)));
+        let env: Option<Envelope> = match sent {
+            Ok(e) => e,
+            Err(e) => {
+                comm.end_job();
+                return Err(e.into());
+            }
+        };
+        let env = env.ok_or_else(|| internal("broadcast lost the job"))?;
+        let watch = Watch::new(ctl.cancel, budget);
+        let r = self.job_on_rank(comm, &env.job, watch, t0, ctl.on_admitted, on_text)?;
+        r.ok_or_else(|| internal("rank 0 produced no result"))
     }
 
     /// Rank 0: tells the followers there is no more work.
     pub fn stop(comm: &mut dyn Communicator) -> Result<()> {
-        broadcast_value::<Option<Job>>(comm, "request", 0, Some(&None))?;
+        broadcast_value::<Option<Envelope>>(comm, "request", 0, Some(&None))?;
         Ok(())
     }
 
     /// Ranks other than 0: runs the jobs rank 0 broadcasts until it stops; returns how many.
-    /// Errors every rank sees alike (bad input) are skipped; anything else ends the rank.
+    /// A job that fails is over on every rank (see the module docs); only an error that breaks
+    /// the world ends the rank.
     pub fn follow(&self, comm: &mut dyn Communicator) -> Result<usize> {
         let mut done = 0;
         loop {
             let t0 = Instant::now();
             comm.reset_stats();
-            let job: Option<Job> = broadcast_value(comm, "request", 0, None)?;
-            let Some(job) = job else { return Ok(done) };
-            match self.run_job(comm, &job, t0, &mut |_| true) {
-                Ok(_) | Err(CoordError::Invalid(_)) => done += 1,
-                Err(CoordError::Worker(WorkerError::Input(_)))
-                | Err(CoordError::Worker(WorkerError::ContextTooLong { .. })) => done += 1,
-                Err(e) => return Err(e),
+            let env: Option<Envelope> = match broadcast_value(comm, "request", 0, None) {
+                Ok(e) => e,
+                Err(e) => {
+                    let e = CoordError::from(e);
+                    if e.breaks_world() {
+                        return Err(e);
+                    }
+                    comm.end_job();
+                    continue;
+                }
+            };
+            let Some(env) = env else { return Ok(done) };
+            let watch = Watch::new(None, env.budget_ms.map(Duration::from_millis));
+            match self.job_on_rank(comm, &env.job, watch, t0, None, &mut |_| true) {
+                Err(e) if e.breaks_world() => return Err(e),
+                Err(e) => tracing::debug!(rank = comm.rank(), error = %e, "job failed"),
+                Ok(_) => {}
             }
+            done += 1;
+        }
+    }
+
+    /// One job on this rank, from admission to its end: an error is reported to the other
+    /// ranks (unless they reported it, or the world is broken) and the job is ended here.
+    fn job_on_rank(
+        &self,
+        comm: &mut dyn Communicator,
+        job: &Job,
+        watch: Watch,
+        t0: Instant,
+        on_admitted: Option<Box<dyn FnMut() + Send + '_>>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Option<RunResult>> {
+        let r = self.run_job(comm, job, watch, t0, on_admitted, on_text);
+        if let Err(e) = &r {
+            if !e.breaks_world() && !e.from_peer_abort() {
+                comm.abort(e.class(), &e.to_string());
+            }
+        }
+        comm.end_job();
+        r
+    }
+
+    /// Every rank checks the job (see [`crate::admit`]) and all agree on the outcome.
+    fn agree(&self, comm: &mut dyn Communicator, job: &Job) -> Result<Layout> {
+        let mine = admit(&self.lm, job, &Limits::NONE);
+        let verdict = mine.as_ref().err().map(|e| Refusal {
+            class: e.class(),
+            message: e.to_string(),
+            api_message: e.api_message(),
+        });
+        let all: Vec<Option<Refusal>> = all_gather_value(comm, "job.admit", &verdict)?;
+        let admitted = mine?;
+        match all.into_iter().enumerate().find_map(|(r, v)| v.map(|v| (r, v))) {
+            Some((rank, v)) => {
+                Err(CoordError::Remote { rank, class: v.class, message: v.message, api_message: v.api_message })
+            }
+            None => Ok(admitted.layout),
         }
     }
 
@@ -239,18 +390,18 @@ impl<B: Backend> Engine<B> {
         &self,
         comm: &mut dyn Communicator,
         job: &Job,
+        watch: Watch,
         t0: Instant,
+        on_admitted: Option<Box<dyn FnMut() + Send + '_>>,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Option<RunResult>> {
-        let (req, opts) = (&job.request, &job.options);
-        validate(req, opts)?;
-        let lm = &*self.lm;
-        let model = &lm.model;
-        let cfg = model.config();
-        let layout = Layout::build(lm, req)?;
-        let window = cfg.context_length;
-        if layout.total_len() + 1 > window {
-            return Err(WorkerError::ContextTooLong { tokens: layout.total_len() + 1, window }.into());
+        let opts = &job.options;
+        let layout = self.agree(comm, job)?;
+        // A job already cancelled or late stops before any work (and before a service starts
+        // streaming its answer).
+        watch.check("admission")?;
+        if let Some(mut f) = on_admitted {
+            f();
         }
         let (rank, size) = (comm.rank(), comm.size());
         let lead = rank == 0;
@@ -293,6 +444,7 @@ impl<B: Backend> Engine<B> {
             mine: RankStats { rank, ..Default::default() },
             role: if lead { Role::Lead { sampler: Box::new(sampler), on_text } } else { Role::Follow },
             t0,
+            watch,
         };
 
         let decoded = match opts.method {
@@ -315,11 +467,11 @@ impl<B: Backend> Engine<B> {
         if !lead {
             return Ok(None);
         }
-        let (tokens, stop) = decoded.ok_or_else(|| invalid("rank 0 did not decode"))?;
+        let (tokens, stop) = decoded.ok_or_else(|| internal("rank 0 did not decode"))?;
         result.cache_hits = all.iter().map(|r| r.cache_hits).sum();
         result.cache_misses = all.iter().map(|r| r.cache_misses).sum();
         result.rank_stats = all;
-        result.answer = lm.tokenizer.decode(&tokens)?;
+        result.answer = self.lm.tokenizer.decode(&tokens)?;
         result.tokens = tokens;
         result.stop = stop;
         result.phases = phases;
@@ -332,18 +484,24 @@ impl<B: Backend> Engine<B> {
         let model = &self.lm.model;
         let cfg = model.config();
         let Role::Lead { sampler, on_text } = &mut turn.role else {
-            return Err(invalid("full prefill runs on rank 0"));
+            return Err(internal("full prefill runs on rank 0"));
         };
         let tokens = layout.full_tokens(&turn.result.order);
         let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
-        let logits =
-            turn.phases.time(phase::PREFILL, || prefill_into(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK))?;
+        self.fault_point(0, phase::PREFILL);
+        let watch = &turn.watch;
+        let mut check = || watch.check(phase::PREFILL);
+        let logits = turn.phases.time(phase::PREFILL, || {
+            prefill_into_checked(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK, &mut check)
+        })?;
         let first = turn.phases.time(phase::FIRST_TOKEN, || sampler.sample(&logits));
         turn.result.ttft = turn.t0.elapsed();
         turn.result.first_logits = logits;
         turn.result.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
         let t = Instant::now();
-        let out = decode(model, &self.lm.tokenizer, &mut cache, first, sampler, turn.opts.max_new_tokens, *on_text)?;
+        let mut check = || watch.check(phase::DECODE);
+        let max = turn.opts.max_new_tokens;
+        let out = decode_checked(model, &self.lm.tokenizer, &mut cache, first, sampler, max, *on_text, &mut check)?;
         turn.phases.add(phase::DECODE, t.elapsed());
         Ok(out)
     }
@@ -356,7 +514,10 @@ impl<B: Backend> Engine<B> {
         turn: &mut Turn<'_>,
     ) -> Result<Option<(Vec<u32>, StopReason)>> {
         let tokens = layout.full_tokens(&turn.result.order);
-        let out = turn.phases.time(phase::PREFILL, || ring_prefill(&self.lm.model, comm, &tokens))?;
+        self.fault_point(comm.rank(), phase::PREFILL);
+        let watch = &turn.watch;
+        let mut check = || watch.check(phase::PREFILL);
+        let out = turn.phases.time(phase::PREFILL, || ring_prefill(&self.lm.model, comm, &tokens, &mut check))?;
         let pieces = zigzag_pieces(tokens.len(), comm.size());
         let last = tokens.len() - 1;
         let owner = pieces.iter().position(|p| p.iter().any(|r| r.contains(&last))).unwrap_or(0);

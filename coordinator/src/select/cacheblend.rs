@@ -39,7 +39,9 @@ impl<B: Backend> Selector<B> for CacheBlend {
         // Every context token of every rank is recomputed through the first layers.
         let p = ctx.layout.head.len() as u32;
         let all: Vec<u32> = (p..p + ctx.layout.n_context() as u32).collect();
-        let dev = value_deviation(&ctx.lm.model, ctx.comm, &segs, &targets, &tokens, &all, check)?;
+        let watch = ctx.watch;
+        let mut stop = || watch.check(crate::timings::phase::PROBE);
+        let dev = value_deviation(&ctx.lm.model, ctx.comm, &segs, &targets, &tokens, &all, check, &mut stop)?;
         let mut it = dev.into_iter();
         Ok(ctx.local.iter().map(|&c| it.by_ref().take(ctx.layout.chunks[c].len()).collect()).collect())
     }

@@ -12,10 +12,12 @@
 
 use super::probe_local;
 use super::{ScoreCtx, Selector};
-use crate::error::{invalid, Result};
+use crate::error::{internal, Result};
+use crate::timings::phase;
 use flowprefill_comm::local::LocalComm;
 use flowprefill_kernels::Backend;
 use flowprefill_worker::steps::LocalSegment;
+use flowprefill_worker::WorkerError;
 
 /// The CacheClip policy.
 pub struct CacheClip {
@@ -34,16 +36,22 @@ impl Default for CacheClip {
 impl<B: Backend> Selector<B> for CacheClip {
     fn score(&self, ctx: &mut ScoreCtx<'_, '_, B>) -> Result<Vec<Vec<f32>>> {
         let aux = ctx.aux.aux_model();
-        let (head, chunks) = ctx.aux.aux_caches(ctx.layout, ctx.local)?;
+        // The auxiliary caches are prefilled without communicating: look for aborts too.
+        let (watch, comm) = (ctx.watch, &mut *ctx.comm);
+        let mut check = || {
+            watch.check(phase::PROBE)?;
+            comm.poll_abort(phase::PROBE).map_err(WorkerError::Comm)
+        };
+        let (head, chunks) = ctx.aux.aux_caches(ctx.layout, ctx.local, &mut check)?;
         let be = aux.model.backend();
         let cfg = aux.model.config();
         let head_placed = head.placed(be, aux.model.rope(), head.positions(), cfg.n_kv_heads)?;
         let mut weights = vec![0.0f32; cfg.n_layers];
-        *weights.last_mut().ok_or_else(|| invalid("the auxiliary model has no layers"))? = 1.0;
+        *weights.last_mut().ok_or_else(|| internal("the auxiliary model has no layers"))? = 1.0;
         let m = ctx.layout.prompt.len();
         let norm = 1.0 / (m * cfg.n_heads).max(1) as f32;
         // Each chunk is scored on its own (no communication): a world of one.
-        let mut solo = LocalComm::group(1).pop().ok_or_else(|| invalid("no local communicator"))?;
+        let mut solo = LocalComm::group(1).pop().ok_or_else(|| internal("no local communicator"))?;
         let mut out = Vec::with_capacity(ctx.local.len());
         for chunk in &chunks {
             let end = chunk.positions().last().map_or(head.len() as u32, |p| p + 1);
@@ -52,8 +60,10 @@ impl<B: Backend> Selector<B> for CacheClip {
                 LocalSegment::placed(0, &head_placed),
                 LocalSegment { id: 1, cache: chunk, positions: chunk.positions().to_vec() },
             ];
+            let mut check = || ctx.watch.check(phase::PROBE);
+            let prompt = &ctx.layout.prompt;
             let scores =
-                probe_local(&aux.model, &mut solo, "cacheclip.probe", segs, &ctx.layout.prompt, &prompt_pos, &weights)?;
+                probe_local(&aux.model, &mut solo, "cacheclip.probe", segs, prompt, &prompt_pos, &weights, &mut check)?;
             out.push(scores[1].iter().map(|s| s * norm).collect());
         }
         Ok(out)

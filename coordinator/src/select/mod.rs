@@ -21,12 +21,13 @@ pub mod infoflow;
 pub mod prophet;
 pub mod random;
 
-use crate::error::{invalid, Result};
+use crate::error::{internal, Result};
 use crate::layout::Layout;
 use crate::request::{Geometry, Method, RunOptions};
 use flowprefill_comm::Communicator;
 use flowprefill_kernels::topk::top_k;
 use flowprefill_kernels::Backend;
+use flowprefill_worker::interrupt::{Check, Watch};
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::steps::{LocalSegment, Replicated};
 use flowprefill_worker::{LoadedModel, Model};
@@ -41,7 +42,7 @@ pub trait AuxCaches<B: Backend> {
     fn aux_model(&self) -> &LoadedModel<B>;
     /// Its head cache (pre-RoPE, 0..P) and the caches of `chunks` (ids), each prefilled
     /// behind the head (shared prefix).
-    fn aux_caches(&self, layout: &Layout, chunks: &[usize]) -> Result<HeadAndChunks<B>>;
+    fn aux_caches(&self, layout: &Layout, chunks: &[usize], check: Check<'_>) -> Result<HeadAndChunks<B>>;
 }
 
 /// What a policy can look at on this rank.
@@ -67,6 +68,8 @@ pub struct ScoreCtx<'a, 'c, B: Backend> {
     pub aux: &'a dyn AuxCaches<B>,
     /// The world.
     pub comm: &'c mut dyn Communicator,
+    /// The job's cancellation and deadline (checked before every layer of the probe).
+    pub watch: &'a Watch,
 }
 
 /// Global segment id of the chunk at layout index `i` (the head is segment 0).
@@ -102,8 +105,18 @@ impl<B: Backend> ScoreCtx<'_, '_, B> {
             debug_assert_eq!(self.layout.chunks[c].len(), seg.positions.len());
             segs.push(seg);
         }
-        let mut scores =
-            probe_local(&self.lm.model, self.comm, "probe", segs, &self.layout.prompt, &prompt_pos, weights)?;
+        let watch = self.watch;
+        let mut check = || watch.check(crate::timings::phase::PROBE);
+        let mut scores = probe_local(
+            &self.lm.model,
+            self.comm,
+            "probe",
+            segs,
+            &self.layout.prompt,
+            &prompt_pos,
+            weights,
+            &mut check,
+        )?;
         if self.head.is_some() {
             scores.remove(0);
         }
@@ -126,7 +139,7 @@ impl<B: Backend> ScoreCtx<'_, '_, B> {
         let n = self.lm.model.config().n_layers;
         let (a, b) = self.opts.score_layers.unwrap_or_else(|| default_score_layers(n));
         if b >= n {
-            return Err(invalid(format!("--score-layers {a}-{b}: the model has layers 0-{}", n - 1)));
+            return Err(internal(format!("scoring layers {a}-{b} of a model of {n} layers passed admission")));
         }
         Ok((a, b))
     }
@@ -165,6 +178,7 @@ pub fn local_start(opts: &RunOptions, layout: &Layout, c: usize) -> Vec<u32> {
 
 /// Runs `prompt` over local segments (a collective over `comm`) and returns the weighted
 /// attention mass of each segment row; stops after the last weighted layer.
+#[allow(clippy::too_many_arguments)]
 pub fn probe_local<B: Backend>(
     model: &Model<B>,
     comm: &mut dyn Communicator,
@@ -173,6 +187,7 @@ pub fn probe_local<B: Backend>(
     prompt: &[u32],
     prompt_pos: &[u32],
     weights: &[f32],
+    check: Check<'_>,
 ) -> Result<Vec<Vec<f32>>> {
     let Some(last) = weights.iter().rposition(|&w| w > 0.0) else {
         return Ok(segs.iter().map(|s| vec![0.0; s.cache.len()]).collect());
@@ -181,7 +196,7 @@ pub fn probe_local<B: Backend>(
     let c = model.config();
     let mut tail = KvCache::new(be, c.n_layers, c.kv_dim(), KeyForm::Rotated)?;
     let mut rep = Replicated::new(be, comm, op, segs, &mut tail, prompt_pos, weights.to_vec())?;
-    model.forward_layers(prompt, prompt_pos, &mut rep, last + 1)?;
+    model.forward_layers(prompt, prompt_pos, &mut rep, last + 1, check)?;
     Ok(rep.commit()?)
 }
 

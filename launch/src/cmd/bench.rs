@@ -40,8 +40,8 @@ pub struct LoadArgs {
     #[arg(long, default_value_t = 4)]
     pub doc_sets: usize,
     /// Method of every job.
-    #[arg(long, default_value = "infoflow")]
-    pub method: String,
+    #[arg(long, value_enum, default_value_t = flowprefill_coordinator::Method::Infoflow)]
+    pub method: flowprefill_coordinator::Method,
     /// Answer tokens per job.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
@@ -75,8 +75,8 @@ pub struct TtftArgs {
     #[arg(long, default_value_t = 0.15)]
     pub ratio: f64,
     /// Recompute scope across ranks.
-    #[arg(long, default_value = "exact")]
-    pub scope: String,
+    #[arg(long, value_enum, default_value_t = flowprefill_coordinator::Scope::Exact)]
+    pub scope: flowprefill_coordinator::Scope,
     /// Tokens per document (one chunk each).
     #[arg(long, default_value_t = 512)]
     pub doc_tokens: usize,
@@ -251,7 +251,7 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
     anyhow::ensure!(a.runs >= 1 && !lengths.is_empty() && !ranks.is_empty(), "give --lengths, --ranks and --runs >= 1");
     anyhow::ensure!(ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
     let methods = super::method_labels(&a.methods)?;
-    let scope: flowprefill_coordinator::Scope = a.scope.parse()?;
+    let scope = a.scope;
     let lm = std::sync::Arc::new(super::load_model(common)?);
     let window = lm.model.config().context_length;
     std::fs::create_dir_all(&a.out)?;

@@ -25,6 +25,7 @@ pub fn model_path(common: &Common) -> Result<PathBuf> {
 /// Loads the model on the CPU backend, reporting the time on stderr.
 pub fn load_model(common: &Common) -> Result<LoadedModel<Cpu>> {
     let path = model_path(common)?;
+    tracing::info!(path = %path.display(), "loading the model");
     let t = Instant::now();
     let m = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
     let c = m.model.config();
@@ -103,24 +104,20 @@ pub type Scoring =
 /// How the selective methods score tokens (`run`, `check` and `eval`; ablations of InfoFlow §4.2).
 #[derive(clap::Args, Debug, Clone)]
 pub struct ScoringArgs {
-    /// Scoring geometry of the selective methods: global, hl-hp, hl-tp, tl-tp.
-    #[arg(long, default_value = "global")]
-    pub geometry: String,
+    /// Scoring geometry of the selective methods.
+    #[arg(long, value_enum, default_value_t = flowprefill_coordinator::Geometry::Global)]
+    pub geometry: flowprefill_coordinator::Geometry,
     /// InfoFlow scoring layers, inclusive and 0-based, e.g. 17-19 (default: 55%-65% depth).
     #[arg(long)]
     pub score_layers: Option<String>,
-    /// Chunk prefix mode for every chunked method: none, shared, anchor (default: each method's own).
-    #[arg(long)]
-    pub prefix: Option<String>,
+    /// Chunk prefix mode for every chunked method (default: each method's own).
+    #[arg(long, value_enum)]
+    pub prefix: Option<flowprefill_coordinator::PrefixMode>,
 }
 
 impl ScoringArgs {
     /// The parsed settings: geometry, scoring layers, prefix mode.
     pub fn parse(&self) -> Result<Scoring> {
-        Ok((
-            self.geometry.parse()?,
-            parse_layers(self.score_layers.as_deref())?,
-            self.prefix.as_deref().map(str::parse).transpose()?,
-        ))
+        Ok((self.geometry, parse_layers(self.score_layers.as_deref())?, self.prefix))
     }
 }

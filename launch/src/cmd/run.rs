@@ -4,7 +4,7 @@ use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
-use flowprefill_coordinator::{explain, Context, Engine, Job, Method, Request, RunOptions, ThreadRanks};
+use flowprefill_coordinator::{explain, Context, Engine, Job, Method, Request, RunOptions, Scope, ThreadRanks};
 use flowprefill_worker::sampling::SamplingConfig;
 use flowprefill_worker::{Cpu, LoadedModel};
 use std::io::Write;
@@ -42,9 +42,9 @@ pub struct Args {
 /// Method options shared by `run`, `demo` and `check`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct MethodArgs {
-    /// full, none, infoflow, prophet, cacheblend, epic, cacheclip, random, star.
-    #[arg(long, default_value = "infoflow")]
-    pub method: String,
+    /// The method.
+    #[arg(long, value_enum, default_value_t = Method::Infoflow)]
+    pub method: Method,
     /// Fraction of context tokens to recompute, in [0, 1].
     #[arg(long, default_value_t = 0.15)]
     pub ratio: f64,
@@ -67,8 +67,8 @@ pub struct MethodArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Recompute scope across ranks: exact (pass-Q, equals one rank) or sparse (the paper's).
-    #[arg(long, default_value = "exact")]
-    pub scope: String,
+    #[arg(long, value_enum, default_value_t = Scope::Exact)]
+    pub scope: Scope,
 }
 
 impl MethodArgs {
@@ -77,7 +77,7 @@ impl MethodArgs {
         let (geometry, score_layers, prefix) = self.scoring.parse()?;
         flowprefill_coordinator::request::check_ratio(self.ratio)?;
         Ok(RunOptions {
-            method: self.method.parse::<Method>()?,
+            method: self.method,
             ratio: self.ratio,
             reorder: self.reorder,
             geometry,
@@ -86,7 +86,7 @@ impl MethodArgs {
             max_new_tokens: self.max_tokens,
             sampling: SamplingConfig::default(),
             seed: self.seed,
-            scope: self.scope.parse()?,
+            scope: self.scope,
             ..RunOptions::default()
         })
     }

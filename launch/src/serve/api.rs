@@ -11,10 +11,12 @@
 //!   ---
 //!   <the question>
 //! ```
-//! Unknown fields are rejected (a misspelt `ratoi` is an error, not a silent default) and
-//! every error names the field to fix.
+//! Bodies must be JSON objects; unknown fields are rejected (a misspelt `ratoi` is an error,
+//! not a silent default), and so are OpenAI options this server does not implement (`n > 1`,
+//! `stop`, `tools`, `logprobs`, penalties) instead of being ignored. Every error names the
+//! field to fix, by its JSON name.
 
-use flowprefill_coordinator::{Context, Geometry, Job, Method, PrefixMode, Request, RunOptions, Scope};
+use flowprefill_coordinator::{Context, CoordError, Geometry, Job, Method, PrefixMode, Request, RunOptions, Scope};
 use flowprefill_worker::sampling::SamplingConfig;
 use serde::Deserialize;
 
@@ -50,6 +52,22 @@ impl ApiError {
     pub fn body(&self) -> serde_json::Value {
         serde_json::json!({ "error": { "kind": self.kind, "message": self.message } })
     }
+
+    /// The answer to a job that failed with `e`: status and kind by whose fault it is
+    /// ([`crate::exit::http`]), the message naming JSON fields.
+    pub fn from_coord(e: &CoordError) -> Self {
+        let (status, kind) = crate::exit::http(e.class());
+        Self::new(status, kind, e.api_message())
+    }
+
+    /// The `outcome` label of the jobs counter for a job that failed with this error.
+    pub fn outcome(&self) -> &'static str {
+        match self.kind {
+            "cancelled" => "cancelled",
+            "deadline" => "deadline",
+            _ => "error",
+        }
+    }
 }
 
 /// `POST /v1/jobs`.
@@ -72,7 +90,7 @@ pub struct JobRequest {
     pub system: Option<String>,
     /// Method (default infoflow).
     #[serde(default)]
-    pub method: Option<String>,
+    pub method: Option<Method>,
     /// Recompute ratio (default 0.15).
     #[serde(default)]
     pub ratio: Option<f64>,
@@ -81,13 +99,13 @@ pub struct JobRequest {
     pub reorder: Option<bool>,
     /// exact or sparse.
     #[serde(default)]
-    pub scope: Option<String>,
+    pub scope: Option<Scope>,
     /// Scoring geometry.
     #[serde(default)]
-    pub geometry: Option<String>,
+    pub geometry: Option<Geometry>,
     /// Prefix mode.
     #[serde(default)]
-    pub prefix: Option<String>,
+    pub prefix: Option<PrefixMode>,
     /// InfoFlow scoring layers [first, last].
     #[serde(default)]
     pub score_layers: Option<[usize; 2]>,
@@ -117,7 +135,7 @@ pub struct JobRequest {
 pub struct MethodFields {
     /// Method.
     #[serde(default)]
-    pub method: Option<String>,
+    pub method: Option<Method>,
     /// Ratio.
     #[serde(default)]
     pub ratio: Option<f64>,
@@ -126,17 +144,13 @@ pub struct MethodFields {
     pub reorder: Option<bool>,
     /// Scope.
     #[serde(default)]
-    pub scope: Option<String>,
+    pub scope: Option<Scope>,
     /// Geometry.
     #[serde(default)]
-    pub geometry: Option<String>,
+    pub geometry: Option<Geometry>,
     /// Prefix mode.
     #[serde(default)]
-    pub prefix: Option<String>,
-}
-
-fn field<T, E: std::fmt::Display>(name: &str, v: std::result::Result<T, E>) -> Result<T, ApiError> {
-    v.map_err(|e| ApiError::bad_request(format!("field `{name}`: {e}")))
+    pub prefix: Option<PrefixMode>,
 }
 
 /// Options from the method fields.
@@ -148,25 +162,17 @@ fn options(
     seed: Option<u64>,
 ) -> Result<RunOptions, ApiError> {
     let mut o = RunOptions::default();
-    if let Some(s) = &m.method {
-        o.method = field("method", s.parse::<Method>())?;
+    if let Some(method) = m.method {
+        o.method = method;
     }
     if let Some(r) = m.ratio {
-        if !(0.0..=1.0).contains(&r) {
-            return Err(ApiError::bad_request(format!("field `ratio`: {r} is outside [0, 1]")));
-        }
+        flowprefill_coordinator::request::check_ratio(r).map_err(|e| ApiError::bad_request(e.api_message()))?;
         o.ratio = r;
     }
     o.reorder = m.reorder.unwrap_or(false);
-    if let Some(s) = &m.scope {
-        o.scope = field("scope", s.parse::<Scope>())?;
-    }
-    if let Some(s) = &m.geometry {
-        o.geometry = field("geometry", s.parse::<Geometry>())?;
-    }
-    if let Some(s) = &m.prefix {
-        o.prefix = Some(field("prefix", s.parse::<PrefixMode>())?);
-    }
+    o.scope = m.scope.unwrap_or(o.scope);
+    o.geometry = m.geometry.unwrap_or(o.geometry);
+    o.prefix = m.prefix;
     if let Some(n) = max_tokens {
         if n == 0 || n > 4096 {
             return Err(ApiError::bad_request(format!("field `max_tokens`: {n} must be between 1 and 4096")));
@@ -188,8 +194,14 @@ fn options(
     Ok(o)
 }
 
-/// Parses JSON with the path of the offending field in the error.
+/// Parses a JSON object with the path of the offending field in the error. Anything but an
+/// object (an array would fill the fields by position) is refused.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    match body.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') => {}
+        None => return Err(ApiError::bad_request("the request body is empty; send a JSON object")),
+        Some(_) => return Err(ApiError::bad_request("the request body must be a JSON object (`{...}`)")),
+    }
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -241,20 +253,28 @@ impl JobRequest {
 }
 
 fn check(request: &Request, options: &RunOptions) -> Result<(), ApiError> {
-    flowprefill_coordinator::request::validate(request, options).map_err(|e| ApiError::bad_request(e.to_string()))
+    flowprefill_coordinator::request::validate(request, options).map_err(|e| ApiError::bad_request(e.api_message()))
 }
 
 /// One OpenAI chat message.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ChatMessage {
     /// system, user or assistant.
     pub role: String,
     /// Text, or a list of parts with `text`.
     pub content: serde_json::Value,
+    /// A participant name (accepted, not used).
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 /// `POST /v1/chat/completions` (OpenAI-compatible subset; extra knobs under `flowprefill`).
+/// Options of the OpenAI API that this server does not implement are refused when they ask
+/// for something (`n: 2`, a `stop` list, `tools`, `logprobs: true`, a penalty), accepted when
+/// they ask for the default (`n: 1`, `stop: null`, `logprobs: false`, penalties 0).
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ChatRequest {
     /// Ignored (one model is served); echoed back.
     #[serde(default)]
@@ -279,6 +299,70 @@ pub struct ChatRequest {
     /// flowprefill's method knobs.
     #[serde(default)]
     pub flowprefill: Option<MethodFields>,
+    /// Choices to generate: only 1.
+    #[serde(default)]
+    pub n: Option<u32>,
+    /// Stop sequences: not supported.
+    #[serde(default)]
+    pub stop: Option<serde_json::Value>,
+    /// Tools: not supported.
+    #[serde(default)]
+    pub tools: Option<serde_json::Value>,
+    /// Tool choice: not supported.
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
+    /// Log-probabilities: not supported.
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    /// Top log-probabilities: not supported.
+    #[serde(default)]
+    pub top_logprobs: Option<u32>,
+    /// Presence penalty: only 0.
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
+    /// Frequency penalty: only 0.
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+    /// End-user id (accepted, not used).
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Streaming options (accepted, not used).
+    #[serde(default)]
+    pub stream_options: Option<serde_json::Value>,
+}
+
+impl ChatRequest {
+    /// Refuses options that ask for something this server does not do.
+    fn refuse_unsupported(&self) -> Result<(), ApiError> {
+        let no = |f: &str, why: &str| Err(ApiError::bad_request(format!("field `{f}`: {why}")));
+        let empty = |v: &Option<serde_json::Value>| match v {
+            None | Some(serde_json::Value::Null) => true,
+            Some(serde_json::Value::Array(a)) => a.is_empty(),
+            Some(serde_json::Value::String(s)) => s.is_empty(),
+            Some(_) => false,
+        };
+        if self.n.is_some_and(|n| n != 1) {
+            return no("n", "only one choice per request is generated (n = 1)");
+        }
+        if !empty(&self.stop) {
+            return no(
+                "stop",
+                "stop sequences are not supported; the answer ends at the model's end token or max_tokens",
+            );
+        }
+        if !empty(&self.tools) || !empty(&self.tool_choice) {
+            return no("tools", "tool calls are not supported");
+        }
+        if self.logprobs == Some(true) || self.top_logprobs.is_some_and(|k| k > 0) {
+            return no("logprobs", "log-probabilities are not returned");
+        }
+        for (f, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if v.is_some_and(|p| p != 0.0) {
+                return no(f, "penalties are not supported (only 0)");
+            }
+        }
+        Ok(())
+    }
 }
 
 fn text_of(content: &serde_json::Value, i: usize) -> Result<String, ApiError> {
@@ -315,6 +399,7 @@ pub fn split_documents(message: &str) -> (Vec<String>, String) {
 impl ChatRequest {
     /// The job, checked; whether to stream; the model name to echo.
     pub fn into_job(self) -> Result<(Job, bool, String), ApiError> {
+        self.refuse_unsupported()?;
         if self.messages.is_empty() {
             return Err(ApiError::bad_request("field `messages`: empty"));
         }
@@ -389,8 +474,42 @@ mod tests {
         assert!(e.message.contains("malformed JSON"), "{}", e.message);
         let r: JobRequest = parse(br#"{"documents": ["a"], "query": "q", "ratio": 1.5}"#).unwrap();
         assert!(r.into_job().unwrap_err().message.contains("field `ratio`"));
-        let r: JobRequest = parse(br#"{"documents": ["a"], "query": "q", "method": "magic"}"#).unwrap();
-        assert!(r.into_job().unwrap_err().message.contains("unknown method `magic`"));
+        let e = parse::<JobRequest>(br#"{"documents": ["a"], "query": "q", "method": "magic"}"#).unwrap_err();
+        assert!(e.message.contains("field `method`") && e.message.contains("unknown variant `magic`"), "{}", e.message);
+        let e = parse::<JobRequest>(br#"{"documents": ["a"], "query": "q", "geometry": "hl_hp"}"#).unwrap_err();
+        assert!(e.message.contains("field `geometry`") && e.message.contains("hl-hp"), "{}", e.message);
+        let r: JobRequest = parse(br#"{"documents": ["a", " "], "query": "q"}"#).unwrap();
+        let e = r.into_job().unwrap_err().message;
+        assert!(e.contains("field `documents[1]`") && !e.contains("--"), "API errors name fields, not flags: {e}");
+    }
+
+    #[test]
+    fn only_json_objects_are_bodies() {
+        // A JSON array would fill the struct's fields by position.
+        let e = parse::<JobRequest>(br#"[["a"], null, null, "q"]"#).unwrap_err();
+        assert!(e.message.contains("must be a JSON object"), "{}", e.message);
+        assert!(parse::<JobRequest>(b"  ").unwrap_err().message.contains("empty"));
+    }
+
+    #[test]
+    fn chat_refuses_what_it_would_ignore() {
+        let base = r#""messages": [{"role": "user", "content": "doc\n---\nq?"}]"#;
+        let chat =
+            |extra: &str| parse::<ChatRequest>(format!("{{{base}{extra}}}").as_bytes()).and_then(ChatRequest::into_job);
+        assert!(chat("").is_ok());
+        assert!(chat(r#", "n": 1, "stop": null, "logprobs": false, "user": "u1", "presence_penalty": 0"#).is_ok());
+        for (extra, field) in [
+            (r#", "n": 2"#, "field `n`"),
+            (r#", "stop": ["\n"]"#, "field `stop`"),
+            (r#", "tools": [{"type": "function"}]"#, "field `tools`"),
+            (r#", "logprobs": true"#, "field `logprobs`"),
+            (r#", "frequency_penalty": 0.5"#, "field `frequency_penalty`"),
+            (r#", "temprature": 0.5"#, "temprature"),
+        ] {
+            let e = chat(extra).unwrap_err();
+            assert_eq!(e.status, 400);
+            assert!(e.message.contains(field), "{extra}: {}", e.message);
+        }
     }
 
     #[test]

@@ -9,35 +9,33 @@
 //!   GET  /metrics               Prometheus text (rank 0 aggregates every rank)
 //! ```
 //! Loopback by default; a non-loopback address needs `--token` (bearer, compared in constant
-//! time) unless `--insecure` is given. A bounded queue answers 429 with Retry-After when full,
-//! bodies above `--max-body-bytes` get 413, malformed JSON or fields 400 naming the field,
-//! jobs past their deadline 504, a failed rank 503. SIGTERM (or Ctrl-C) stops accepting,
-//! finishes every accepted job, stops the ranks and exits. Under `mpirun`, rank 0 serves and
-//! the other ranks follow its broadcasts.
+//! time; checked before the body is read) unless `--insecure` is given. A bounded queue
+//! answers 429 with Retry-After when full, bodies above `--max-body-bytes` get 413, bodies
+//! slower than `--read-timeout` 408, malformed JSON or fields 400 naming the field, requests
+//! over the cost bounds (`--max-documents`, `--max-chunks`) or the model's window 400 before
+//! queueing, jobs past their deadline 504, a failed rank 503. SIGTERM (or Ctrl-C) stops
+//! accepting, finishes every accepted job, gives slow clients `--shutdown-grace`, stops the
+//! ranks and exits. Under `mpirun`, rank 0 serves and the other ranks follow its broadcasts.
+//!
+//! In-process use (tests, embedding): [`Service::start`] with a world of ranks, then
+//! [`serve`] with a listener and a shutdown future, in the manner of mini-redis.
 
 pub mod api;
+mod app;
 pub mod metrics;
 pub mod queue;
+mod server;
 
-use crate::cmd::run::to_json;
 use crate::Common;
 use anyhow::{Context as _, Result};
-use api::{ApiError, ChatRequest, JobRequest};
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::Router;
-use flowprefill_coordinator::{Job, RunResult, ThreadRanks};
-use metrics_exporter_prometheus::PrometheusHandle;
-use queue::{CancelOnDrop, Event, Queue, Queued, Shared, World};
+use flowprefill_coordinator::{Limits, ThreadRanks};
+use flowprefill_worker::{Cpu, LoadedModel};
+use queue::{Queue, Shared, World, WorldFactory};
+use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Arguments of `serve`.
 #[derive(clap::Args, Debug)]
@@ -48,8 +46,8 @@ pub struct Args {
     /// Thread ranks (under mpirun every process is one rank instead).
     #[arg(long)]
     pub ranks: Option<usize>,
-    /// Bearer token required on the job endpoints.
-    #[arg(long, env = "FLOWPREFILL_TOKEN")]
+    /// Bearer token required on the job endpoints and /metrics.
+    #[arg(long, env = "FLOWPREFILL_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// Allow a non-loopback address without a token.
     #[arg(long)]
@@ -60,301 +58,274 @@ pub struct Args {
     /// Largest request body.
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// Documents per request.
+    #[arg(long, default_value_t = Limits::default().max_documents)]
+    pub max_documents: usize,
+    /// Chunks per request (documents, or pieces of a text).
+    #[arg(long, default_value_t = Limits::default().max_chunks)]
+    pub max_chunks: usize,
     /// Longest a job may take, queueing included (a request may ask for less).
     #[arg(long, default_value_t = 900.0)]
     pub job_timeout: f64,
+    /// Seconds a client has to send the request headers, and again the body.
+    #[arg(long, default_value_t = 30.0)]
+    pub read_timeout: f64,
+    /// After SIGTERM and the last accepted job, seconds open connections may still take.
+    #[arg(long, default_value_t = 5.0)]
+    pub shutdown_grace: f64,
+    /// Connections open at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_connections: usize,
     /// Seconds a rank waits for another before declaring it lost.
     #[arg(long, default_value_t = 120.0)]
     pub comm_timeout: f64,
-    /// Also serve /metrics on this address.
+    /// Also serve /metrics on this address (non-loopback needs --token or --insecure).
     #[arg(long)]
     pub metrics_listen: Option<String>,
 }
 
-struct AppState {
-    queue: Queue,
-    shared: Arc<Shared>,
-    token: Option<String>,
-    prom: PrometheusHandle,
-    job_limit: Duration,
-    model: String,
-    shutting_down: AtomicBool,
-    next_id: AtomicU64,
+/// How the service behaves (everything but the world and the listener).
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// Bearer token of the job endpoints and /metrics (`None`: no authentication).
+    pub token: Option<String>,
+    /// Jobs that may wait.
+    pub queue: usize,
+    /// Largest request body.
+    pub max_body_bytes: usize,
+    /// Longest a job may take, queueing included.
+    pub job_timeout: Duration,
+    /// Time a client has for the headers, and again for the body.
+    pub read_timeout: Duration,
+    /// After the last accepted job at shutdown, time open connections may still take.
+    pub shutdown_grace: Duration,
+    /// Past its deadline, how long a job may run before rank 0 is declared stuck (the ranks'
+    /// own deadline, the comm timeout, comes first).
+    pub hang_grace: Duration,
+    /// Connections open at once.
+    pub max_connections: usize,
+    /// Cost bounds of one request.
+    pub limits: Limits,
+    /// Model name for /readyz.
+    pub model_name: String,
 }
 
-fn error_response(e: &ApiError) -> Response {
-    metrics::error(e.kind);
-    let mut r = (StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR), axum::Json(e.body()))
-        .into_response();
-    if let Some(s) = e.retry_after {
-        if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
-            r.headers_mut().insert(header::RETRY_AFTER, v);
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            token: None,
+            queue: 16,
+            max_body_bytes: 8 << 20,
+            job_timeout: Duration::from_secs(900),
+            read_timeout: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(5),
+            hang_grace: Duration::from_secs(125),
+            max_connections: 256,
+            limits: Limits::default(),
+            model_name: "model".into(),
         }
     }
-    if e.status == 401 {
-        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    }
-    r
 }
 
-impl AppState {
-    fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
-        let Some(expected) = &self.token else { return Ok(()) };
-        let presented = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
-        if api::token_matches(presented, expected) {
-            Ok(())
-        } else {
-            Err(ApiError::new(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)"))
-        }
+/// A running service: the queue, its executor and watchdog, and the routes.
+pub struct Service {
+    state: Arc<app::AppState>,
+    workers: Option<queue::Workers>,
+}
+
+impl Service {
+    /// Starts the executor on `world`; `rebuild` makes a fresh world when rank 0 is stuck
+    /// (thread ranks; `None` for MPI, where the service stops instead).
+    pub fn start(
+        lm: Arc<LoadedModel<Cpu>>,
+        world: World,
+        rebuild: Option<WorldFactory>,
+        cfg: ServeConfig,
+    ) -> Result<Self> {
+        anyhow::ensure!(cfg.token.as_deref() != Some(""), "the bearer token is empty; give a real token or none");
+        let prom = metrics::install()?;
+        let (queue, shared, workers) = Queue::start(world, rebuild, cfg.queue, cfg.hang_grace)?;
+        let state = Arc::new(app::AppState::new(queue, shared, lm, cfg, prom));
+        Ok(Self { state, workers: Some(workers) })
     }
 
-    fn body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-        body.map_err(|r| {
-            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(413, "too_large", "the request body is larger than the server's --max-body-bytes")
-            } else {
-                ApiError::bad_request(format!("cannot read the request body: {r}"))
-            }
-        })
-    }
-
-    fn enqueue(
-        &self,
-        job: Job,
-        deadline_s: Option<f64>,
-    ) -> Result<(tokio::sync::mpsc::UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
-        if self.shutting_down.load(Ordering::Relaxed) {
-            return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
-        }
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let cancel = Arc::new(AtomicBool::new(false));
-        let q = Queued {
-            job,
-            accepted: Instant::now(),
-            deadline: queue::deadline_of(deadline_s, self.job_limit),
-            cancel: cancel.clone(),
-            events: tx,
+    /// A thread-rank world of `ranks` on `lm`, and the factory that rebuilds it.
+    pub fn thread_world(
+        lm: Arc<LoadedModel<Cpu>>,
+        ranks: usize,
+        comm_timeout: Duration,
+        faults: Option<Arc<flowprefill_coordinator::fault::FaultPlan>>,
+    ) -> Result<(World, WorldFactory)> {
+        let make = move || -> Result<World> {
+            let w = ThreadRanks::new(lm.clone(), ranks, flowprefill_coordinator::DEFAULT_STORE_BYTES, comm_timeout)?
+                .with_faults(faults.clone())?;
+            Ok(World::Threads(w))
         };
-        self.queue.submit(q)?;
-        Ok((rx, CancelOnDrop::new(cancel)))
+        let world = make()?;
+        Ok((world, Box::new(make)))
     }
-}
 
-/// Waits for a job's result (not streamed).
-async fn wait(
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
-    mut guard: CancelOnDrop,
-) -> Result<Box<RunResult>, ApiError> {
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Text(_) => {}
-            Event::Done(r) => {
-                guard.disarm();
-                return Ok(r);
-            }
-            Event::Failed(e) => {
-                guard.disarm();
-                return Err(e);
-            }
+    /// All routes.
+    pub fn router(&self) -> axum::Router {
+        app::router(self.state.clone())
+    }
+
+    /// The state the executor shares (readiness, queue depth, failure).
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.state.shared
+    }
+
+    /// Stops taking jobs, lets the executor finish the queued ones and stop the ranks
+    /// (waiting at most `limit`). Returns whether the world was still usable at the end.
+    pub fn finish(mut self, limit: Duration) -> bool {
+        self.state.shutting_down.store(true, Ordering::Relaxed);
+        self.state.queue.close();
+        if let Some(w) = self.workers.take() {
+            w.join(limit);
         }
-    }
-    guard.disarm();
-    Err(ApiError::new(500, "internal", "the job ended without a result"))
-}
-
-async fn jobs(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<(Job, bool, Option<f64>), ApiError> {
-        st.authorize(&headers)?;
-        let body = st.body(body)?;
-        api::parse::<JobRequest>(&body)?.into_job()
-    };
-    let (job, stream, deadline) = match run() {
-        Ok(x) => x,
-        Err(e) => return error_response(&e),
-    };
-    let (rx, guard) = match st.enqueue(job, deadline) {
-        Ok(x) => x,
-        Err(e) => return error_response(&e),
-    };
-    if !stream {
-        return match wait(rx, guard).await {
-            Ok(r) => axum::Json(to_json(&r)).into_response(),
-            Err(e) => error_response(&e),
-        };
-    }
-    let events = futures_util::stream::unfold((rx, guard, false), |(mut rx, mut guard, ended)| async move {
-        if ended {
-            return None;
-        }
-        let ev = match rx.recv().await {
-            Some(Event::Text(s)) => {
-                SseEvent::default().event("token").data(serde_json::json!({ "text": s }).to_string())
-            }
-            Some(Event::Done(r)) => {
-                guard.disarm();
-                return Some((
-                    Ok::<_, std::convert::Infallible>(SseEvent::default().event("done").data(to_json(&r).to_string())),
-                    (rx, guard, true),
-                ));
-            }
-            Some(Event::Failed(e)) => {
-                guard.disarm();
-                metrics::error(e.kind);
-                return Some((Ok(SseEvent::default().event("error").data(e.body().to_string())), (rx, guard, true)));
-            }
-            None => return None,
-        };
-        Some((Ok(ev), (rx, guard, false)))
-    });
-    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
-}
-
-fn finish_reason(r: &RunResult) -> &'static str {
-    match r.stop {
-        flowprefill_worker::generate::StopReason::MaxTokens | flowprefill_worker::generate::StopReason::ContextFull => {
-            "length"
-        }
-        _ => "stop",
+        !self.state.shared.fatal.load(Ordering::Relaxed)
     }
 }
 
-async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<(Job, bool, String), ApiError> {
-        st.authorize(&headers)?;
-        let body = st.body(body)?;
-        api::parse::<ChatRequest>(&body)?.into_job()
-    };
-    let (job, stream, model) = match run() {
-        Ok(x) => x,
-        Err(e) => return error_response(&e),
-    };
-    let (rx, guard) = match st.enqueue(job, None) {
-        Ok(x) => x,
-        Err(e) => return error_response(&e),
-    };
-    let id = format!("chatcmpl-{}", st.next_id.fetch_add(1, Ordering::Relaxed));
-    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    if !stream {
-        return match wait(rx, guard).await {
-            Ok(r) => {
-                let prompt_tokens = r.n_head_tokens + r.n_context_tokens + r.n_prompt_tokens;
-                axum::Json(serde_json::json!({
-                    "id": id,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [{
-                        "index": 0,
-                        "message": { "role": "assistant", "content": r.answer },
-                        "finish_reason": finish_reason(&r),
-                    }],
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": r.tokens.len(),
-                        "total_tokens": prompt_tokens + r.tokens.len(),
-                    },
-                    "flowprefill": to_json(&r),
-                }))
-                .into_response()
-            }
-            Err(e) => error_response(&e),
-        };
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.state.queue.close();
     }
-    let chunk = move |delta: serde_json::Value, finish: Option<&str>| {
-        serde_json::json!({
-            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
-        })
-        .to_string()
+}
+
+/// Serves `service` on `listener` until `shutdown` completes or the world fails for good, then
+/// drains: accepted jobs finish, slow clients get `shutdown_grace` (see [`server`]). Returns an
+/// error when the world failed.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    service: &Service,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
+    let st = &service.state;
+    let limits = server::ConnLimits {
+        header_timeout: st.cfg.read_timeout,
+        max_connections: st.cfg.max_connections,
+        grace: st.cfg.shutdown_grace,
     };
-    let first = chunk(serde_json::json!({ "role": "assistant", "content": "" }), None);
-    let events =
-        futures_util::stream::unfold((rx, guard, Some(first), 0u8), move |(mut rx, mut guard, pending, state)| {
-            let chunk = chunk.clone();
-            async move {
-                if let Some(p) = pending {
-                    return Some((
-                        Ok::<_, std::convert::Infallible>(SseEvent::default().data(p)),
-                        (rx, guard, None, state),
-                    ));
-                }
-                match state {
-                    0 => {}
-                    1 => return Some((Ok(SseEvent::default().data("[DONE]")), (rx, guard, None, 2))),
-                    _ => return None,
-                }
-                match rx.recv().await {
-                    Some(Event::Text(s)) => Some((
-                        Ok(SseEvent::default().data(chunk(serde_json::json!({ "content": s }), None))),
-                        (rx, guard, None, 0),
-                    )),
-                    Some(Event::Done(r)) => {
-                        guard.disarm();
-                        Some((
-                            Ok(SseEvent::default().data(chunk(serde_json::json!({}), Some(finish_reason(&r))))),
-                            (rx, guard, None, 1),
-                        ))
-                    }
-                    Some(Event::Failed(e)) => {
-                        guard.disarm();
-                        metrics::error(e.kind);
-                        Some((Ok(SseEvent::default().data(e.body().to_string())), (rx, guard, None, 1)))
-                    }
-                    None => None,
-                }
-            }
-        });
-    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
-}
-
-async fn healthz() -> Response {
-    axum::Json(serde_json::json!({ "status": "ok" })).into_response()
-}
-
-async fn readyz(State(st): State<Arc<AppState>>) -> Response {
-    let ready = st.shared.ready.load(Ordering::Relaxed) && !st.shutting_down.load(Ordering::Relaxed);
-    let reason = st.shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let body = serde_json::json!({
-        "ready": ready,
-        "model": st.model,
-        "ranks": st.shared.ranks,
-        "queue_depth": st.shared.depth.load(Ordering::Relaxed),
-        "reason": if st.shutting_down.load(Ordering::Relaxed) { Some("shutting down".to_string()) } else { reason },
-    });
-    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, axum::Json(body)).into_response()
-}
-
-async fn render_metrics(State(st): State<Arc<AppState>>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.prom.render()).into_response()
+    let stop = || st.shutting_down.store(true, Ordering::Relaxed);
+    server::run(listener, service.router(), st.shared.clone(), limits, shutdown, stop).await;
+    if st.shared.fatal.load(Ordering::Relaxed) {
+        let why = st.shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
+        anyhow::bail!(flowprefill_coordinator::CoordError::WorldDown(why));
+    }
+    Ok(())
 }
 
 fn is_loopback(addr: &SocketAddr) -> bool {
     addr.ip().is_loopback()
 }
 
+/// Makes SIGTERM, SIGINT and SIGUSR1 no longer end this process (a follower rank: rank 0
+/// decides when the job ends). Registering a handler replaces the default action for the
+/// process's life.
+#[cfg(feature = "mpi")]
+fn keep_running_on_sigterm() -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        #[cfg(unix)]
+        for kind in [
+            tokio::signal::unix::SignalKind::terminate(),
+            tokio::signal::unix::SignalKind::interrupt(),
+            tokio::signal::unix::SignalKind::user_defined1(),
+        ] {
+            tokio::signal::unix::signal(kind)?;
+        }
+        std::io::Result::Ok(())
+    })?;
+    Ok(())
+}
+
+/// SIGTERM, Ctrl-C, or SIGUSR1 (what mpirun forwards to every rank without killing them: its
+/// own SIGTERM kills every rank a second later, OpenMPI's `odls_base_sigkill_timeout`).
+async fn signal() {
+    #[cfg(unix)]
+    let on = |kind| async move {
+        match tokio::signal::unix::signal(kind) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(unix)]
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = on(tokio::signal::unix::SignalKind::terminate()) => {},
+        _ = on(tokio::signal::unix::SignalKind::user_defined1()) => {},
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+impl Args {
+    fn config(&self, model_name: String) -> Result<ServeConfig> {
+        anyhow::ensure!(self.queue >= 1, "--queue must be at least 1");
+        let secs = |name: &str, v: f64| -> Result<Duration> {
+            anyhow::ensure!(v > 0.0 && v.is_finite(), "{name} must be a positive number of seconds");
+            Duration::try_from_secs_f64(v).with_context(|| format!("{name} {v} is too large"))
+        };
+        anyhow::ensure!(
+            self.max_documents >= 1 && self.max_chunks >= 1,
+            "--max-documents and --max-chunks must be at least 1"
+        );
+        Ok(ServeConfig {
+            token: self.token.clone(),
+            queue: self.queue,
+            max_body_bytes: self.max_body_bytes,
+            job_timeout: secs("--job-timeout", self.job_timeout)?,
+            read_timeout: secs("--read-timeout", self.read_timeout)?,
+            shutdown_grace: secs("--shutdown-grace", self.shutdown_grace)?,
+            hang_grace: secs("--comm-timeout", self.comm_timeout)? + Duration::from_secs(5),
+            max_connections: self.max_connections.max(1),
+            limits: Limits { max_documents: self.max_documents, max_chunks: self.max_chunks, ..Limits::default() },
+            model_name,
+        })
+    }
+
+    /// A non-loopback address needs a token or `--insecure`.
+    fn guard(&self, addr: &SocketAddr, flag: &str) -> Result<()> {
+        anyhow::ensure!(
+            is_loopback(addr) || self.token.is_some() || self.insecure,
+            "refusing to serve on non-loopback address {addr} ({flag}) without --token (pass --insecure to allow it)"
+        );
+        Ok(())
+    }
+}
+
 /// Runs the command.
 pub fn run(common: &Common, a: Args) -> Result<()> {
+    if a.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+        anyhow::bail!("the token (--token or FLOWPREFILL_TOKEN) is empty: that would turn authentication off; give a real token, or unset it and stay on loopback");
+    }
     let addr: SocketAddr =
         a.listen.parse().with_context(|| format!("--listen {}: expected IP:PORT, e.g. 127.0.0.1:8080", a.listen))?;
-    anyhow::ensure!(
-        is_loopback(&addr) || a.token.is_some() || a.insecure,
-        "refusing to serve on non-loopback address {addr} without --token (pass --insecure to allow it)"
-    );
-    anyhow::ensure!(a.queue >= 1, "--queue must be at least 1");
-    anyhow::ensure!(a.job_timeout > 0.0 && a.comm_timeout > 0.0, "--job-timeout and --comm-timeout must be positive");
-    let comm_timeout = Duration::from_secs_f64(a.comm_timeout);
+    a.guard(&addr, "--listen")?;
+    let maddr = match &a.metrics_listen {
+        Some(m) => {
+            let maddr: SocketAddr = m.parse().with_context(|| format!("--metrics-listen {m}: expected IP:PORT"))?;
+            a.guard(&maddr, "--metrics-listen")?;
+            Some(maddr)
+        }
+        None => None,
+    };
+    let comm_timeout = Duration::try_from_secs_f64(a.comm_timeout)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .context("--comm-timeout must be a positive number of seconds")?;
     let lm = Arc::new(crate::cmd::load_model(common)?);
     let model = crate::cmd::model_path(common)?
         .file_name()
         .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+    let cfg = a.config(model)?;
+    let faults = flowprefill_coordinator::fault::FaultPlan::from_env();
 
     #[cfg(feature = "mpi")]
-    let world = if flowprefill_comm::mpi::launched_by_mpirun() {
+    let (world, rebuild) = if flowprefill_comm::mpi::launched_by_mpirun() {
         use flowprefill_comm::Communicator;
         anyhow::ensure!(
             a.ranks.is_none_or(|r| r == 1),
@@ -362,69 +333,51 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         );
         let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
         comm.set_timeout(comm_timeout);
-        let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES);
+        let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
+            .with_faults(faults);
         if comm.rank() != 0 {
-            // Followers run rank 0's jobs until it stops them.
+            // Followers run rank 0's jobs until it stops them; mpirun forwards signals to every
+            // rank, and only rank 0 acts on them (it drains, then stops the followers).
+            keep_running_on_sigterm()?;
             let n = engine.follow(&mut comm)?;
             eprintln!("rank {}: stopped after {n} jobs", comm.rank());
             return Ok(());
         }
-        World::Mpi { comm, engine }
+        (World::Mpi { comm, engine }, None)
     } else {
-        World::Threads(ThreadRanks::new(
-            lm.clone(),
-            a.ranks.unwrap_or(1),
-            flowprefill_coordinator::DEFAULT_STORE_BYTES,
-            comm_timeout,
-        )?)
+        let (w, f) = Service::thread_world(lm.clone(), a.ranks.unwrap_or(1), comm_timeout, faults)?;
+        (w, Some(f))
     };
     #[cfg(not(feature = "mpi"))]
-    let world = World::Threads(ThreadRanks::new(
-        lm.clone(),
-        a.ranks.unwrap_or(1),
-        flowprefill_coordinator::DEFAULT_STORE_BYTES,
-        comm_timeout,
-    )?);
+    let (world, rebuild) = {
+        let (w, f) = Service::thread_world(lm.clone(), a.ranks.unwrap_or(1), comm_timeout, faults)?;
+        (w, Some(f))
+    };
 
-    let prom = metrics::install()?;
-    let (queue, shared, worker) = Queue::start(world, a.queue);
-    let state = Arc::new(AppState {
-        queue,
-        shared: shared.clone(),
-        token: a.token.clone(),
-        prom: prom.clone(),
-        job_limit: Duration::from_secs_f64(a.job_timeout),
-        model,
-        shutting_down: AtomicBool::new(false),
-        next_id: AtomicU64::new(1),
-    });
+    let service = Service::start(lm, world, rebuild, cfg)?;
+    let ranks = service.shared().ranks;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let served = rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
             format!("cannot listen on {addr} (is the port in use? pass another --listen, or port 0 for a free one)")
         })?;
-        let local = listener.local_addr()?;
-        println!("flowprefill serving on http://{local} ({} rank(s), queue {})", shared.ranks, a.queue);
-        let app = Router::new()
-            .route("/v1/jobs", post(jobs))
-            .route("/v1/chat/completions", post(chat))
-            .route("/healthz", get(healthz))
-            .route("/readyz", get(readyz))
-            .route("/metrics", get(render_metrics))
-            .layer(DefaultBodyLimit::max(a.max_body_bytes))
-            .with_state(state.clone());
-        if let Some(m) = &a.metrics_listen {
-            let maddr: SocketAddr = m.parse().with_context(|| format!("--metrics-listen {m}"))?;
+        println!(
+            "flowprefill serving on http://{} ({ranks} rank(s), queue {}, pid {})",
+            listener.local_addr()?,
+            a.queue,
+            std::process::id()
+        );
+        if let Some(maddr) = maddr {
             let ml = tokio::net::TcpListener::bind(maddr)
                 .await
-                .with_context(|| format!("cannot listen on {maddr} for metrics"))?;
+                .with_context(|| format!("cannot listen on {maddr} for metrics (is the port in use?)"))?;
             println!("metrics on http://{}/metrics", ml.local_addr()?);
-            let mapp = Router::new().route("/metrics", get(render_metrics)).with_state(state.clone());
+            let mapp = app::metrics_router(service.state.clone());
             tokio::spawn(async move {
                 let _ = axum::serve(ml, mapp).await;
             });
         }
-        let upkeep = prom.clone();
+        let upkeep = service.state.prom.clone();
         tokio::spawn(async move {
             let mut t = tokio::time::interval(Duration::from_secs(5));
             loop {
@@ -432,35 +385,14 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
                 upkeep.run_upkeep();
             }
         });
-        let st = state.clone();
-        let shutdown = async move {
-            let term = async {
-                #[cfg(unix)]
-                if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                    s.recv().await;
-                    return;
-                }
-                std::future::pending::<()>().await
-            };
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {},
-                _ = term => {},
-                _ = st.shared.fatal.notified() => eprintln!("a rank failed and the world cannot be rebuilt"),
-            }
-            st.shutting_down.store(true, Ordering::Relaxed);
-            eprintln!("shutting down: finishing {} queued job(s)", st.shared.depth.load(Ordering::Relaxed));
-        };
-        axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
-        anyhow::Ok(())
+        serve(listener, &service, signal()).await
     });
-    let ready = shared.ready.load(Ordering::Relaxed);
     // Background tasks (metrics listener, upkeep) hold the state: stop them first.
-    rt.shutdown_timeout(Duration::from_secs(5));
-    drop(state);
-    // The queue's last sender is gone: the worker drains, stops the ranks and ends.
-    let _ = worker.join();
+    rt.shutdown_timeout(Duration::from_secs(2));
+    // The executor drains (nothing is queued any more), stops the ranks and ends.
+    let intact = service.finish(Duration::from_secs(30));
     served?;
-    anyhow::ensure!(ready, "stopped after a rank failure");
+    anyhow::ensure!(intact, "stopped after a rank failure");
     eprintln!("stopped");
     Ok(())
 }

@@ -1,22 +1,29 @@
-//! The bounded job queue and the worker that owns the world of ranks.
+//! The bounded job queue, the executor that owns the world of ranks, and the watchdog that
+//! replaces an executor stuck on a job.
 //!
 //! ```text
-//!   HTTP handlers ── try_send ──> [ queue (bounded) ] ──> worker thread (rank 0)
-//!        ^                          full: 429 + Retry-After       │ runs one job at a time
-//!        └──── events (text pieces, result or error) ─────────────┘ over all ranks
+//!   HTTP handlers ── try_send ──> [ queue (bounded) ] ──> executor thread (rank 0)
+//!        ^                          full: 429 + Retry-After     │ one job at a time, over all
+//!        │                                                      │ ranks; a panic fails the job
+//!        └──── events (admitted, text, result or error) ────────┘ and the world is rebuilt
+//!   watchdog: a job still running well past its deadline means rank 0 is stuck: the job gets
+//!             503, and a new executor with a new world takes the queue over (thread ranks),
+//!             or the service stops with an error (MPI: a world cannot be rebuilt)
 //! ```
-//! A handler that goes away (client disconnected) drops its [`CancelOnDrop`], which flags
-//! the job: a queued job is skipped, a running one stops at its next generated token. Each
-//! job has a deadline (queueing included). A failed rank marks the world down: the job gets a
-//! 503, `/readyz` reports it, and thread ranks are rebuilt before the next job; an MPI world
-//! cannot be rebuilt, so the service shuts down cleanly instead. Errors are counted where they
-//! are answered (the handler); the worker counts only cancellations, which nobody answers.
+//! A handler that goes away (client disconnected) drops its [`CancelOnDrop`], which flags the
+//! job: a queued job is skipped, a running one stops before its next layer on every rank.
+//! Each job has a deadline (queueing included), checked the same way. A failed rank marks the
+//! world down: the job gets a 503, `/readyz` says why, and thread ranks are rebuilt before the
+//! next job. Errors are counted where they are answered (the handler); the executor counts
+//! only cancellations, which nobody answers.
 
 use super::api::ApiError;
 use super::metrics;
-use flowprefill_coordinator::{Engine, Job, RunResult, ThreadRanks};
+use flowprefill_coordinator::world::panic_message;
+use flowprefill_coordinator::{Control, CoordError, Engine, Job, RunResult, ThreadRanks};
 use flowprefill_worker::Cpu;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -25,6 +32,8 @@ use tokio::sync::mpsc::UnboundedSender;
 /// What a job sends back to its handler.
 #[derive(Debug)]
 pub enum Event {
+    /// Every rank accepted the job (its input passed every check); work starts.
+    Admitted,
     /// A piece of the answer.
     Text(String),
     /// The finished job.
@@ -73,7 +82,7 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// The ranks the worker computes with.
+/// The ranks the executor computes with.
 pub enum World {
     /// Thread ranks of this process.
     Threads(ThreadRanks<Cpu>),
@@ -86,6 +95,9 @@ pub enum World {
         engine: Engine<Cpu>,
     },
 }
+
+/// Builds a fresh world (thread ranks) when the executor's is stuck.
+pub type WorldFactory = Box<dyn Fn() -> anyhow::Result<World> + Send + Sync>;
 
 impl World {
     fn size(&self) -> usize {
@@ -104,15 +116,16 @@ impl World {
         }
     }
 
-    fn run(&mut self, job: &Job, on_text: &mut dyn FnMut(&str) -> bool) -> Result<RunResult, (bool, String)> {
+    fn run(
+        &mut self,
+        job: &Job,
+        ctl: Control<'_>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<RunResult, CoordError> {
         match self {
-            World::Threads(t) => t.run(job, on_text).map_err(|e| (t.broken().is_some(), e.to_string())),
+            World::Threads(t) => t.run_with(job, ctl, on_text),
             #[cfg(feature = "mpi")]
-            World::Mpi { comm, engine } => engine.lead(comm, job, on_text).map_err(|e| {
-                let lost =
-                    matches!(e, flowprefill_coordinator::CoordError::Worker(flowprefill_worker::WorkerError::Comm(_)));
-                (lost, e.to_string())
-            }),
+            World::Mpi { comm, engine } => engine.lead_with(comm, job, ctl, on_text),
         }
     }
 
@@ -137,10 +150,20 @@ impl World {
     }
 }
 
-/// State shared between the worker and the handlers.
+/// A job being computed, as the watchdog sees it.
+struct Running {
+    method: String,
+    /// Past this, rank 0 is considered stuck.
+    hard_deadline: Instant,
+    events: UnboundedSender<Event>,
+}
+
+/// State shared between the executor, the watchdog and the handlers.
 pub struct Shared {
     /// Jobs waiting.
     pub depth: AtomicUsize,
+    /// Jobs accepted and not finished (waiting or computing).
+    pub outstanding: AtomicUsize,
     /// Queue capacity.
     pub capacity: usize,
     /// All ranks usable.
@@ -149,10 +172,17 @@ pub struct Shared {
     pub reason: Mutex<Option<String>>,
     /// Ranks of the world.
     pub ranks: usize,
-    /// Set when the worker wants the server to stop (unrecoverable rank failure).
-    pub fatal: tokio::sync::Notify,
+    /// Set when the world failed and cannot be rebuilt: the service must stop.
+    pub fatal: AtomicBool,
+    /// Wakes whoever waits for a fatal failure or for the last job to finish.
+    pub changed: tokio::sync::Notify,
     /// Recent job durations (seconds), for Retry-After.
     pub recent: Mutex<Vec<f64>>,
+    /// The executor that owns the world; an older one is abandoned (stuck).
+    generation: AtomicU64,
+    running: Mutex<Option<Running>>,
+    /// How long past its deadline a job may run before rank 0 is declared stuck.
+    hang_grace: Duration,
 }
 
 impl Shared {
@@ -168,51 +198,119 @@ impl Shared {
     fn set_ready(&self, ready: bool, reason: Option<String>) {
         self.ready.store(ready, Ordering::Relaxed);
         *self.reason.lock().unwrap_or_else(|p| p.into_inner()) = reason;
-        metrics::ranks(self.ranks, if ready { self.ranks } else { 1 });
+        metrics::ranks(self.ranks, if ready { self.ranks } else { 0 });
+    }
+
+    fn set_fatal(&self, reason: String) {
+        self.set_ready(false, Some(reason));
+        self.fatal.store(true, Ordering::Relaxed);
+        self.changed.notify_waiters();
+    }
+
+    fn finished_one(&self) {
+        if self.outstanding.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.changed.notify_waiters();
+        }
+    }
+
+    fn record_duration(&self, secs: f64) {
+        let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        r.push(secs);
+        let n = r.len();
+        if n > 32 {
+            r.drain(..n - 32);
+        }
     }
 }
 
 /// Handle to submit jobs.
 #[derive(Clone)]
 pub struct Queue {
-    tx: SyncSender<Queued>,
+    tx: Arc<Mutex<Option<SyncSender<Queued>>>>,
     shared: Arc<Shared>,
 }
 
+/// The threads behind a queue.
+pub struct Workers {
+    executor: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+    watchdog: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Workers {
+    /// Waits for the current executor to drain the queue and stop its world, at most `limit`
+    /// (a stuck executor is left behind).
+    pub fn join(mut self, limit: Duration) {
+        let t = Instant::now();
+        let exec = self.executor.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = exec {
+            while !h.is_finished() && t.elapsed() < limit {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
+        }
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
+        }
+    }
+}
+
 impl Queue {
-    /// Starts the worker thread owning `world`; returns the queue and the worker's handle.
-    pub fn start(world: World, capacity: usize) -> (Self, Arc<Shared>, std::thread::JoinHandle<()>) {
+    /// Starts the executor owning `world` and the watchdog; `factory` builds a replacement
+    /// world when an executor is stuck (none: the service stops instead).
+    pub fn start(
+        world: World,
+        factory: Option<WorldFactory>,
+        capacity: usize,
+        hang_grace: Duration,
+    ) -> std::io::Result<(Self, Arc<Shared>, Workers)> {
         let (tx, rx) = sync_channel::<Queued>(capacity.max(1));
         let shared = Arc::new(Shared {
             depth: AtomicUsize::new(0),
+            outstanding: AtomicUsize::new(0),
             capacity: capacity.max(1),
             ready: AtomicBool::new(true),
             reason: Mutex::new(None),
             ranks: world.size(),
-            fatal: tokio::sync::Notify::new(),
+            fatal: AtomicBool::new(false),
+            changed: tokio::sync::Notify::new(),
             recent: Mutex::new(Vec::new()),
+            generation: AtomicU64::new(0),
+            running: Mutex::new(None),
+            hang_grace,
         });
         metrics::ranks(shared.ranks, shared.ranks);
         metrics::queue_capacity(shared.capacity);
         metrics::queue_depth(0);
-        let s = shared.clone();
-        let h = std::thread::Builder::new()
-            .name("job-worker".into())
-            .spawn(move || worker(world, rx, s))
-            .unwrap_or_else(|e| panic!("cannot start the job worker: {e}"));
-        (Self { tx, shared: shared.clone() }, shared, h)
+        let rx = Arc::new(Mutex::new(rx));
+        let executor = Arc::new(Mutex::new(Some(spawn_executor(world, rx.clone(), shared.clone(), 0)?)));
+        let watchdog = {
+            let (shared, executor) = (shared.clone(), executor.clone());
+            std::thread::Builder::new()
+                .name("job-watchdog".into())
+                .spawn(move || watchdog(shared, rx, executor, factory))?
+        };
+        let queue = Self { tx: Arc::new(Mutex::new(Some(tx))), shared: shared.clone() };
+        Ok((queue, shared, Workers { executor, watchdog: Some(watchdog) }))
     }
 
     /// Enqueues a job, or says the queue is full.
     pub fn submit(&self, q: Queued) -> Result<(), ApiError> {
+        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let Some(tx) = tx else {
+            return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
+        };
         self.shared.depth.fetch_add(1, Ordering::Relaxed);
-        match self.tx.try_send(q) {
+        self.shared.outstanding.fetch_add(1, Ordering::Relaxed);
+        match tx.try_send(q) {
             Ok(()) => {
                 metrics::queue_depth(self.shared.depth.load(Ordering::Relaxed));
                 Ok(())
             }
             Err(e) => {
                 self.shared.depth.fetch_sub(1, Ordering::Relaxed);
+                self.shared.finished_one();
                 let mut err = match e {
                     TrySendError::Full(_) => ApiError::new(
                         429,
@@ -228,111 +326,191 @@ impl Queue {
             }
         }
     }
+
+    /// Takes no more jobs: the executor finishes the queued ones, stops the ranks and ends.
+    pub fn close(&self) {
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
 }
 
-fn worker(mut world: World, rx: Receiver<Queued>, shared: Arc<Shared>) {
-    for q in rx.iter() {
+fn spawn_executor(
+    world: World,
+    rx: Arc<Mutex<Receiver<Queued>>>,
+    shared: Arc<Shared>,
+    generation: u64,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name(format!("job-executor-{generation}")).spawn(move || {
+        executor(world, rx, shared, generation);
+    })
+}
+
+/// The executor's loop: one job at a time until the queue closes or a newer executor took
+/// over (this one was declared stuck).
+fn executor(mut world: World, rx: Arc<Mutex<Receiver<Queued>>>, shared: Arc<Shared>, generation: u64) {
+    let current = |s: &Shared| s.generation.load(Ordering::Relaxed) == generation;
+    loop {
+        let next = {
+            let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
+            if !current(&shared) {
+                break;
+            }
+            rx.recv()
+        };
+        let Ok(q) = next else { break };
         let depth = shared.depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
         metrics::queue_depth(depth);
-        let method = q.job.options.method.to_string();
-        if q.cancel.load(Ordering::Relaxed) {
+        execute(&mut world, q, &shared, generation);
+        if !current(&shared) {
+            // Declared stuck while computing: the job was already answered; a newer executor
+            // owns the queue now.
+            return;
+        }
+        if shared.fatal.load(Ordering::Relaxed) {
+            break;
+        }
+    }
+    if current(&shared) {
+        world.shutdown();
+    }
+}
+
+/// Runs one dequeued job and answers it.
+fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
+    let method = q.job.options.method.to_string();
+    let answer = |e: ApiError| {
+        let _ = q.events.send(Event::Failed(e));
+    };
+    if q.cancel.load(Ordering::Relaxed) {
+        metrics::job_outcome(&method, "cancelled");
+        metrics::error("cancelled");
+        shared.finished_one();
+        return;
+    }
+    let now = Instant::now();
+    ::metrics::histogram!(metrics::QUEUE_WAIT_SECONDS).record(now.duration_since(q.accepted).as_secs_f64());
+    if now >= q.deadline {
+        metrics::job_outcome(&method, "deadline");
+        answer(ApiError::new(504, "deadline", "the job's deadline passed while it was queued"));
+        shared.finished_one();
+        return;
+    }
+    if !shared.ready.load(Ordering::Relaxed) {
+        if world.repair() {
+            shared.set_ready(true, None);
+        } else {
+            answer(ApiError::new(503, "rank_failure", "the ranks are down"));
+            shared.finished_one();
+            return;
+        }
+    }
+    let _guard = metrics::InFlight::start();
+    *shared.running.lock().unwrap_or_else(|p| p.into_inner()) = Some(Running {
+        method: method.clone(),
+        hard_deadline: q.deadline + shared.hang_grace,
+        events: q.events.clone(),
+    });
+    let (cancel, events) = (q.cancel.clone(), q.events.clone());
+    let admitted = q.events.clone();
+    let ctl = Control {
+        cancel: Some(q.cancel.clone()),
+        deadline: Some(q.deadline),
+        on_admitted: Some(Box::new(move || {
+            let _ = admitted.send(Event::Admitted);
+        })),
+    };
+    let mut on_text = |s: &str| !cancel.load(Ordering::Relaxed) && events.send(Event::Text(s.to_string())).is_ok();
+    let t = Instant::now();
+    let out = std::panic::catch_unwind(AssertUnwindSafe(|| world.run(&q.job, ctl, &mut on_text)))
+        .unwrap_or_else(|p| Err(CoordError::Panicked { rank: 0, message: panic_message(p) }));
+    shared.record_duration(t.elapsed().as_secs_f64());
+    // The watchdog may have given up on this job (and this executor) meanwhile.
+    let still_mine = shared.generation.load(Ordering::Relaxed) == generation
+        && shared.running.lock().unwrap_or_else(|p| p.into_inner()).take().is_some();
+    if !still_mine {
+        return;
+    }
+    match out {
+        Ok(_) if q.cancel.load(Ordering::Relaxed) => {
             metrics::job_outcome(&method, "cancelled");
             metrics::error("cancelled");
-            continue;
         }
-        let now = Instant::now();
-        ::metrics::histogram!(metrics::QUEUE_WAIT_SECONDS).record(now.duration_since(q.accepted).as_secs_f64());
-        if now >= q.deadline {
-            metrics::job_outcome(&method, "deadline");
-            let _ = q.events.send(Event::Failed(ApiError::new(
-                504,
-                "deadline",
-                "the job's deadline passed while it was queued",
-            )));
-            continue;
+        Ok(r) => {
+            metrics::record_job(&r, world.leader().store().stats().bytes);
+            let _ = q.events.send(Event::Done(Box::new(r)));
         }
-        if !shared.ready.load(Ordering::Relaxed) {
-            if world.repair() {
-                shared.set_ready(true, None);
-            } else {
-                let _ = q.events.send(Event::Failed(ApiError::new(503, "rank_failure", "the ranks are down")));
-                continue;
-            }
-        }
-        let _guard = metrics::InFlight::start();
-        let (cancel, deadline, events) = (q.cancel.clone(), q.deadline, q.events.clone());
-        let mut timed_out = false;
-        let mut on_text = |s: &str| {
-            if cancel.load(Ordering::Relaxed) {
-                return false;
-            }
-            if Instant::now() >= deadline {
-                timed_out = true;
-                return false;
-            }
-            events.send(Event::Text(s.to_string())).is_ok()
-        };
-        let t = Instant::now();
-        let out = world.run(&q.job, &mut on_text);
-        let secs = t.elapsed().as_secs_f64();
-        {
-            let mut r = shared.recent.lock().unwrap_or_else(|p| p.into_inner());
-            r.push(secs);
-            let n = r.len();
-            if n > 32 {
-                r.drain(..n - 32);
-            }
-        }
-        match out {
-            Ok(_) if q.cancel.load(Ordering::Relaxed) => {
-                metrics::job_outcome(&method, "cancelled");
+        Err(e) => {
+            let err = ApiError::from_coord(&e);
+            metrics::job_outcome(&method, err.outcome());
+            if err.kind == "cancelled" {
                 metrics::error("cancelled");
             }
-            Ok(_) if timed_out => {
-                metrics::job_outcome(&method, "deadline");
-                let secs = q.deadline.duration_since(q.accepted).as_secs_f64();
-                let _ = q.events.send(Event::Failed(ApiError::new(
-                    504,
-                    "deadline",
-                    format!("the job exceeded its deadline of {secs:.0} s"),
-                )));
-            }
-            Ok(r) => {
-                metrics::record_job(&r, world.leader().store().stats().bytes);
-                let _ = q.events.send(Event::Done(Box::new(r)));
-            }
-            Err((lost, msg)) => {
-                if lost {
-                    metrics::job_outcome(&method, "error");
-                    shared.set_ready(false, Some(msg.clone()));
-                    let _ = q.events.send(Event::Failed(ApiError::new(
-                        503,
-                        "rank_failure",
-                        format!("a rank failed: {msg}"),
-                    )));
-                    if world.repair() {
-                        shared.set_ready(true, None);
-                    } else {
-                        shared.fatal.notify_one();
-                    }
+            if e.breaks_world() {
+                shared.set_ready(false, Some(e.to_string()));
+                answer(err);
+                if world.repair() {
+                    shared.set_ready(true, None);
                 } else {
-                    metrics::job_outcome(&method, "error");
-                    let (status, kind) =
-                        if msg.contains("context window") || msg.contains("empty") || msg.contains("missing") {
-                            (400, "bad_request")
-                        } else {
-                            (500, "internal")
-                        };
-                    let _ = q.events.send(Event::Failed(ApiError::new(status, kind, msg)));
+                    shared.set_fatal(format!("the world of ranks failed and cannot be rebuilt: {e}"));
                 }
+            } else {
+                answer(err);
             }
         }
     }
-    world.shutdown();
+    shared.finished_one();
+}
+
+/// Declares an executor stuck when its job runs `hang_grace` past its deadline, answers that
+/// job, and hands the queue to a new executor with a new world (or stops the service).
+fn watchdog(
+    shared: Arc<Shared>,
+    rx: Arc<Mutex<Receiver<Queued>>>,
+    executor: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+    factory: Option<WorldFactory>,
+) {
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let finished = executor.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_none_or(|h| h.is_finished());
+        if finished || shared.fatal.load(Ordering::Relaxed) {
+            return;
+        }
+        let stuck = {
+            let mut running = shared.running.lock().unwrap_or_else(|p| p.into_inner());
+            match running.as_ref() {
+                Some(r) if Instant::now() >= r.hard_deadline => running.take(),
+                _ => None,
+            }
+        };
+        let Some(job) = stuck else { continue };
+        let generation = shared.generation.fetch_add(1, Ordering::Relaxed) + 1;
+        let why = format!(
+            "rank 0 did not finish a job within {:.0} s after its deadline (stuck)",
+            shared.hang_grace.as_secs_f64()
+        );
+        tracing::error!("{why}");
+        metrics::job_outcome(&job.method, "error");
+        shared.set_ready(false, Some(why.clone()));
+        let _ = job.events.send(Event::Failed(ApiError::new(503, "rank_failure", why.clone())));
+        shared.finished_one();
+        let fresh =
+            factory.as_ref().map(|f| f().and_then(|w| Ok(spawn_executor(w, rx.clone(), shared.clone(), generation)?)));
+        match fresh {
+            Some(Ok(h)) => {
+                // The stuck thread is abandoned, never joined.
+                *executor.lock().unwrap_or_else(|p| p.into_inner()) = Some(h);
+                shared.set_ready(true, None);
+            }
+            Some(Err(e)) => return shared.set_fatal(format!("{why}, but a new world could not be built: {e}")),
+            None => return shared.set_fatal(format!("{why}; an MPI world cannot be rebuilt: stopping")),
+        }
+    }
 }
 
 /// Deadline of a job: its own, capped by the server's limit.
 pub fn deadline_of(requested: Option<f64>, limit: Duration) -> Instant {
-    let d = requested.map_or(limit, |s| Duration::from_secs_f64(s).min(limit));
-    Instant::now() + d
+    let now = Instant::now();
+    // `try_from_secs_f64` refuses what does not fit a Duration (1e20 s): the server's limit
+    // applies then, as it does to any request above it.
+    let d = requested.and_then(|s| Duration::try_from_secs_f64(s).ok()).map_or(limit, |d| d.min(limit));
+    now.checked_add(d).unwrap_or(now + limit)
 }

@@ -20,7 +20,8 @@ mod load;
 
 use crate::attend::{Attend, LayerInput};
 use crate::config::ModelConfig;
-use crate::error::{Result, WorkerError};
+use crate::error::Result;
+use crate::interrupt::Check;
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::rope::RopeTable;
 use flowprefill_kernels::Backend;
@@ -193,7 +194,20 @@ impl<B: Backend> Model<B> {
         attend: &mut dyn Attend<B>,
         logits: Logits<'_>,
     ) -> Result<ForwardOutput> {
-        self.run_blocks(tokens, positions, attend, logits, self.layers.len())
+        self.run_blocks(tokens, positions, attend, logits, self.layers.len(), &mut crate::interrupt::never)
+    }
+
+    /// As [`Model::forward`], calling `check` before every layer: an error (a cancelled job,
+    /// a deadline, an abort by another rank) stops the forward there.
+    pub fn forward_checked(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        attend: &mut dyn Attend<B>,
+        logits: Logits<'_>,
+        check: Check<'_>,
+    ) -> Result<ForwardOutput> {
+        self.run_blocks(tokens, positions, attend, logits, self.layers.len(), check)
     }
 
     /// Runs only the first `n_layers` blocks (a probe that needs no deeper layer); no logits.
@@ -203,11 +217,12 @@ impl<B: Backend> Model<B> {
         positions: &[u32],
         attend: &mut dyn Attend<B>,
         n_layers: usize,
+        check: Check<'_>,
     ) -> Result<()> {
         if n_layers > self.layers.len() {
-            return Err(WorkerError::Input(format!("{n_layers} layers requested of {}", self.layers.len())));
+            return Err(crate::error::internal(format!("{n_layers} layers requested of {}", self.layers.len())));
         }
-        self.run_blocks(tokens, positions, attend, Logits::None, n_layers).map(|_| ())
+        self.run_blocks(tokens, positions, attend, Logits::None, n_layers, check).map(|_| ())
     }
 
     fn run_blocks(
@@ -217,10 +232,11 @@ impl<B: Backend> Model<B> {
         attend: &mut dyn Attend<B>,
         logits: Logits<'_>,
         n_layers: usize,
+        check: Check<'_>,
     ) -> Result<ForwardOutput> {
         let m = tokens.len();
         if positions.len() != m {
-            return Err(WorkerError::Input(format!("{m} tokens but {} positions", positions.len())));
+            return Err(crate::error::internal(format!("{m} tokens but {} positions", positions.len())));
         }
         let be = &self.backend;
         let c = &self.cfg;
@@ -244,6 +260,7 @@ impl<B: Backend> Model<B> {
         OpProfile::add(&prof.elementwise, t);
 
         for (l, layer) in self.layers.iter().enumerate().take(n_layers) {
+            check()?;
             let _span = tracing::trace_span!("block", layer = l).entered();
             let t = Instant::now();
             be.rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h)?;
@@ -324,7 +341,9 @@ impl<B: Backend> Model<B> {
             Logits::All => (0..m).collect(),
             Logits::Rows(r) => {
                 if let Some(&bad) = r.iter().find(|&&i| i >= m) {
-                    return Err(WorkerError::Input(format!("logit row {bad} requested from a forward of {m} tokens")));
+                    return Err(crate::error::internal(format!(
+                        "logit row {bad} requested from a forward of {m} tokens"
+                    )));
                 }
                 r.to_vec()
             }

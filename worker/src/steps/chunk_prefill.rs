@@ -12,7 +12,8 @@
 //! and placed anywhere later by one rotation.
 
 use crate::attend::{attend_over, Attend, KvSource, LayerInput};
-use crate::error::{Result, WorkerError};
+use crate::error::Result;
+use crate::interrupt::Check;
 use crate::kv::{KeyForm, KvCache, LayerKv};
 use crate::model::{Logits, Model};
 use flowprefill_kernels::Backend;
@@ -86,11 +87,13 @@ impl<B: Backend> Attend<B> for Batched<'_, '_, B> {
 }
 
 /// Prefills several chunks, batching them into forwards of at most `batch_tokens` rows (a
-/// longer chunk runs alone). Returns one pre-RoPE cache per job, in order.
+/// longer chunk runs alone). Returns one pre-RoPE cache per job, in order. `check` runs
+/// before every layer of every forward; its error stops the prefill.
 pub fn prefill_chunks<B: Backend>(
     model: &Model<B>,
     jobs: &[ChunkJob<'_, B>],
     batch_tokens: usize,
+    check: Check<'_>,
 ) -> Result<Vec<KvCache<B>>> {
     let be = model.backend();
     let c = model.config();
@@ -122,7 +125,7 @@ pub fn prefill_chunks<B: Backend>(
             .collect::<Result<Vec<_>>>()?;
         let mut att = Batched { jobs: batch, ranges, layers };
         if !tokens.is_empty() {
-            model.forward(&tokens, &positions, &mut att, Logits::None)?;
+            model.forward_checked(&tokens, &positions, &mut att, Logits::None, &mut *check)?;
         }
         for (job, layers) in batch.iter().zip(att.layers) {
             let pos: Vec<u32> = (job.start..job.start + job.tokens.len() as u32).collect();
@@ -131,7 +134,7 @@ pub fn prefill_chunks<B: Backend>(
         i = end;
     }
     if out.len() != jobs.len() {
-        return Err(WorkerError::Input("chunk prefill lost a job".into()));
+        return Err(crate::error::internal("chunk prefill lost a job"));
     }
     Ok(out)
 }
@@ -144,6 +147,6 @@ pub fn prefill_chunk<B: Backend>(
     start: u32,
 ) -> Result<KvCache<B>> {
     let job = ChunkJob { head: head.to_vec(), tokens, start };
-    let mut v = prefill_chunks(model, std::slice::from_ref(&job), usize::MAX)?;
-    v.pop().ok_or_else(|| WorkerError::Input("chunk prefill returned nothing".into()))
+    let mut v = prefill_chunks(model, std::slice::from_ref(&job), usize::MAX, &mut crate::interrupt::never)?;
+    v.pop().ok_or_else(|| crate::error::internal("chunk prefill returned nothing"))
 }

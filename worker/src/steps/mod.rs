@@ -29,6 +29,7 @@ pub(crate) fn comm_err(e: flowprefill_comm::CommError) -> WorkerError {
 
 use crate::error::{Result, WorkerError};
 use crate::kv::KvCache;
+use flowprefill_comm::{Packet, Unpack};
 use flowprefill_kernels::Backend;
 
 /// Copy of a buffer on the backend.
@@ -53,9 +54,9 @@ pub(crate) fn group_targets<S: std::ops::Deref<Target = KvCache<B>>, B: Backend>
     for (i, t) in targets.iter().enumerate() {
         let seg = segments
             .get(t.segment)
-            .ok_or_else(|| WorkerError::Input(format!("segment {} does not exist", t.segment)))?;
+            .ok_or_else(|| crate::error::internal(format!("segment {} does not exist", t.segment)))?;
         if t.row >= seg.len() {
-            return Err(WorkerError::Input(format!(
+            return Err(crate::error::internal(format!(
                 "row {} outside segment {} of {} rows",
                 t.row,
                 t.segment,
@@ -73,31 +74,40 @@ pub(crate) fn group_targets<S: std::ops::Deref<Target = KvCache<B>>, B: Backend>
     Ok(groups)
 }
 
-/// Packs row positions and f32 payloads: `[n u32][positions u32 x n][floats...]`.
+/// Packs row positions and f32 payloads (one section each; see [`flowprefill_comm::wire`]).
 pub(crate) fn pack(positions: &[u32], parts: &[&[f32]]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(4 + 4 * positions.len() + parts.iter().map(|p| 4 * p.len()).sum::<usize>());
-    b.extend_from_slice(&(positions.len() as u32).to_le_bytes());
-    b.extend_from_slice(bytemuck::cast_slice(positions));
-    for p in parts {
-        b.extend_from_slice(bytemuck::cast_slice(p));
-    }
-    b
+    parts.iter().fold(Packet::new().u32s(positions), |p, f| p.f32s(f)).into_bytes()
 }
 
-/// `(positions, floats)` from [`pack`].
-pub(crate) fn unpack(rank: usize, b: &[u8]) -> Result<(Vec<u32>, Vec<f32>)> {
-    let bad = || WorkerError::Input(format!("malformed message from rank {rank}"));
-    let n = b.get(..4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]])).ok_or_else(bad)? as usize;
-    let pos_end = 4 + 4 * n;
-    let pos = b
-        .get(4..pos_end)
-        .ok_or_else(bad)?
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    let rest = b.get(pos_end..).ok_or_else(bad)?;
-    if rest.len() % 4 != 0 {
-        return Err(bad());
+/// `(positions, parts)` from [`pack`]: `N` f32 sections of `widths[i]` values per position.
+pub(crate) fn unpack<const N: usize>(
+    rank: usize,
+    op: &str,
+    b: &[u8],
+    widths: [usize; N],
+) -> Result<(Vec<u32>, [Vec<f32>; N])> {
+    let mut u = Unpack::new(rank, op, b);
+    let pos = u.u32s().map_err(protocol)?;
+    let mut parts: [Vec<f32>; N] = std::array::from_fn(|_| Vec::new());
+    for (part, w) in parts.iter_mut().zip(widths) {
+        *part = u.f32s().map_err(protocol)?;
+        if part.len() != pos.len() * w {
+            return Err(WorkerError::Protocol {
+                rank,
+                detail: format!("`{op}`: {} values for {} rows of {w}", part.len(), pos.len()),
+            });
+        }
     }
-    Ok((pos, rest.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()))
+    u.finish().map_err(protocol)?;
+    Ok((pos, parts))
+}
+
+/// A message that cannot be decoded is the sender's protocol error.
+pub(crate) fn protocol(e: flowprefill_comm::CommError) -> WorkerError {
+    match e {
+        flowprefill_comm::CommError::Decode { rank, op, detail } => {
+            WorkerError::Protocol { rank, detail: format!("`{op}`: {detail}") }
+        }
+        e => WorkerError::Comm(e),
+    }
 }

@@ -21,7 +21,8 @@
 
 use super::{clone_buf, comm_err, group_targets, pack, unpack, TargetGroup};
 use crate::attend::{attend_over, Attend, KvSource, LayerInput};
-use crate::error::{Result, WorkerError};
+use crate::error::{Field, InputError, Result, WorkerError};
+use crate::interrupt::Check;
 use crate::kv::{KeyForm, KvCache};
 use crate::model::{Logits, Model};
 use flowprefill_comm::{all_gather_bytes, Communicator};
@@ -39,6 +40,7 @@ pub struct Target {
 /// How far a recomputed token looks across ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Scope {
     /// Pass-Q: every rank's cache, exactly as on one rank.
     Exact,
@@ -62,7 +64,9 @@ impl std::str::FromStr for Scope {
         match s.trim().to_ascii_lowercase().as_str() {
             "exact" => Ok(Scope::Exact),
             "sparse" => Ok(Scope::Sparse),
-            other => Err(WorkerError::Input(format!("unknown scope `{other}`; choose exact or sparse"))),
+            other => {
+                Err(InputError::new(Field::Scope, format!("unknown scope `{other}`; choose exact or sparse")).into())
+            }
         }
     }
 }
@@ -143,12 +147,8 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                     if r == me {
                         continue;
                     }
-                    let (pos, f) = unpack(r, b)?;
-                    let cnt = pos.len();
-                    if f.len() != 2 * cnt * kvd {
-                        return Err(WorkerError::Input(format!("rank {r} sent {} values for {cnt} rows", f.len())));
-                    }
-                    remote.push((pos, be.upload(&f[..cnt * kvd])?, be.upload(&f[cnt * kvd..])?));
+                    let (pos, [k, v]) = unpack(r, &op, b, [kvd, kvd])?;
+                    remote.push((pos, be.upload(&k)?, be.upload(&v)?));
                 }
                 let mut sources = local;
                 if let Some(r) = self.replicated {
@@ -169,14 +169,7 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                 let mut all_q = Vec::new();
                 let mut counts = Vec::with_capacity(n);
                 for (r, b) in got.iter().enumerate() {
-                    let (pos, q) = unpack(r, b)?;
-                    if q.len() != pos.len() * qd {
-                        return Err(WorkerError::Input(format!(
-                            "rank {r} sent {} query values for {} rows",
-                            q.len(),
-                            pos.len()
-                        )));
-                    }
+                    let (pos, [q]) = unpack(r, &op, b, [qd])?;
                     counts.push(pos.len());
                     all_pos.extend(pos);
                     all_q.extend(q);
@@ -205,11 +198,13 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                     .filter(|&r| r != me)
                     .map(|r| {
                         let (o, l) = rows_of(r);
-                        (r, pack(&[], &[&o, &l]))
+                        let rows: Vec<u32> = (0..counts[r] as u32).collect();
+                        (r, pack(&rows, &[&o, &l]))
                     })
                     .collect();
                 let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
-                self.comm.post(&format!("{}.partials", self.op), sends, others).map_err(comm_err)?;
+                let op = format!("{}.partials", self.op);
+                self.comm.post(&op, sends, others).map_err(comm_err)?;
                 let back = self.comm.wait().map_err(comm_err)?;
                 // Merge the partials for this rank's queries in rank order.
                 let mut acc_o = vec![0f32; m * qd];
@@ -219,15 +214,17 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                     let (o, l) = if r == me {
                         rows_of(r)
                     } else {
-                        let b = back.next().ok_or_else(|| WorkerError::Input(format!("no partials from rank {r}")))?;
-                        let (_, f) = unpack(r, &b)?;
-                        if f.len() != m * (qd + h) {
-                            return Err(WorkerError::Input(format!(
-                                "rank {r} sent {} partial values for {m} rows",
-                                f.len()
-                            )));
+                        let b = back
+                            .next()
+                            .ok_or_else(|| WorkerError::Protocol { rank: r, detail: format!("`{op}`: no partials") })?;
+                        let (rows, [o, l]) = unpack(r, &op, &b, [qd, h])?;
+                        if rows.len() != m {
+                            return Err(WorkerError::Protocol {
+                                rank: r,
+                                detail: format!("`{op}`: partials for {} rows, expected {m}", rows.len()),
+                            });
                         }
-                        (f[..m * qd].to_vec(), f[m * qd..].to_vec())
+                        (o, l)
                     };
                     flowprefill_kernels::merge::merge_partial(&mut acc_o, &mut acc_l, &o, &l, d)?;
                 }
@@ -260,7 +257,7 @@ fn plan<S: std::ops::Deref<Target = KvCache<B>>, B: Backend>(
     batch: usize,
 ) -> Result<(Vec<Planned>, Vec<PositionRange>)> {
     if targets.len() != tokens.len() {
-        return Err(WorkerError::Input(format!("{} targets but {} tokens", targets.len(), tokens.len())));
+        return Err(crate::error::internal(format!("{} targets but {} tokens", targets.len(), tokens.len())));
     }
     group_targets(targets, segments)?;
     let mut mine: Vec<Planned> = targets
@@ -273,7 +270,7 @@ fn plan<S: std::ops::Deref<Target = KvCache<B>>, B: Backend>(
     let mut global = all_positions.to_vec();
     global.sort_unstable();
     if let Some(p) = mine.iter().find(|x| global.binary_search(&x.0).is_err()) {
-        return Err(WorkerError::Input(format!(
+        return Err(crate::error::internal(format!(
             "local target at position {} is missing from the global selection",
             p.0
         )));
@@ -297,9 +294,10 @@ pub fn recompute<B: Backend>(
     all_positions: &[u32],
     scope: Scope,
     batch: usize,
+    check: Check<'_>,
 ) -> Result<()> {
     if segments.iter().any(|s| s.form() != KeyForm::Rotated) {
-        return Err(WorkerError::Input("recomputation needs placed (rotated) segments".into()));
+        return Err(crate::error::internal("recomputation needs placed (rotated) segments"));
     }
     let (mine, batches) = {
         let refs: Vec<&KvCache<B>> = segments.iter().collect();
@@ -313,7 +311,7 @@ pub fn recompute<B: Backend>(
         let groups = group_targets(&t, &segments.iter().collect::<Vec<_>>())?;
         let mut step =
             Step { comm: &mut *comm, scope, replicated, op: "recompute", rows: Rows::InPlace(&mut *segments), groups };
-        model.forward(&ids, &pos, &mut step, Logits::None)?;
+        model.forward_checked(&ids, &pos, &mut step, Logits::None, &mut *check)?;
     }
     Ok(())
 }
@@ -329,9 +327,10 @@ pub fn value_deviation<B: Backend>(
     tokens: &[u32],
     all_positions: &[u32],
     check_layer: usize,
+    check: Check<'_>,
 ) -> Result<Vec<f32>> {
     if segments.iter().any(|s| s.form() != KeyForm::Rotated) {
-        return Err(WorkerError::Input("deviation scoring needs placed (rotated) segments".into()));
+        return Err(crate::error::internal("deviation scoring needs placed (rotated) segments"));
     }
     let (mine, _) = plan(segments, targets, tokens, all_positions, usize::MAX)?;
     let t: Vec<Target> = mine.iter().map(|x| x.1).collect();
@@ -346,8 +345,8 @@ pub fn value_deviation<B: Backend>(
         rows: Rows::Copies { segments, check: check_layer, dev: vec![0.0; t.len()] },
         groups,
     };
-    model.forward_layers(&ids, &pos, &mut step, check_layer + 1)?;
-    let Rows::Copies { dev, .. } = step.rows else { return Err(WorkerError::Input("deviation lost".into())) };
+    model.forward_layers(&ids, &pos, &mut step, check_layer + 1, check)?;
+    let Rows::Copies { dev, .. } = step.rows else { return Err(crate::error::internal("deviation lost")) };
     // Back to the caller's target order.
     let mut out = vec![0f32; targets.len()];
     for (d, x) in dev.into_iter().zip(&mine) {

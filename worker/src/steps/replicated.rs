@@ -17,8 +17,8 @@
 use crate::attend::{Attend, KvSource, LayerInput};
 use crate::error::{Result, WorkerError};
 use crate::kv::{KeyForm, KvCache};
-use crate::steps::{clone_buf, comm_err};
-use flowprefill_comm::{exchange, Communicator};
+use crate::steps::{clone_buf, comm_err, protocol};
+use flowprefill_comm::{exchange, Communicator, Packet, Unpack};
 use flowprefill_kernels::Backend;
 
 /// A context segment held by this rank.
@@ -75,11 +75,11 @@ impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
         weights: Vec<f32>,
     ) -> Result<Self> {
         if tail.form() != KeyForm::Rotated {
-            return Err(WorkerError::Input("the tail cache must hold rotated keys".into()));
+            return Err(crate::error::internal("the tail cache must hold rotated keys"));
         }
         for s in &local {
             if s.positions.len() != s.cache.len() {
-                return Err(WorkerError::Input(format!(
+                return Err(crate::error::internal(format!(
                     "segment {}: {} positions for {} rows",
                     s.id,
                     s.positions.len(),
@@ -87,7 +87,7 @@ impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
                 )));
             }
             if s.cache.form() == KeyForm::Rotated && s.positions != s.cache.positions() {
-                return Err(WorkerError::Input(format!(
+                return Err(crate::error::internal(format!(
                     "segment {} is rotated and can only be used at its own positions",
                     s.id
                 )));
@@ -136,43 +136,28 @@ impl<B: Backend> Drop for Replicated<'_, '_, B> {
 /// One segment's partial attention: (segment id, out, lse).
 pub(crate) type Partial = (usize, Vec<f32>, Vec<f32>);
 
-/// Encodes per-segment partials: `[count u32] ([id u32][out f32 x m*qd][lse f32 x m*h])*`.
+/// Encodes per-segment partials: the segment ids, then each segment's `out` and `lse`.
 pub(crate) fn encode_partials(parts: &[Partial]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(4 + parts.iter().map(|p| 4 + 4 * (p.1.len() + p.2.len())).sum::<usize>());
-    b.extend_from_slice(&(parts.len() as u32).to_le_bytes());
-    for (id, o, l) in parts {
-        b.extend_from_slice(&(*id as u32).to_le_bytes());
-        b.extend_from_slice(bytemuck::cast_slice(o));
-        b.extend_from_slice(bytemuck::cast_slice(l));
-    }
-    b
+    let ids: Vec<u32> = parts.iter().map(|p| p.0 as u32).collect();
+    parts.iter().fold(Packet::new().u32s(&ids), |b, (_, o, l)| b.f32s(o).f32s(l)).into_bytes()
 }
 
 /// Decodes [`encode_partials`] given the row sizes.
-pub(crate) fn decode_partials(rank: usize, b: &[u8], out_len: usize, lse_len: usize) -> Result<Vec<Partial>> {
-    let bad = || WorkerError::Input(format!("malformed attention partials from rank {rank}"));
-    let rd_u32 = |at: usize| -> Result<u32> {
-        b.get(at..at + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]])).ok_or_else(bad)
-    };
-    let rd_f32 = |at: usize, n: usize| -> Result<Vec<f32>> {
-        let s = b.get(at..at + 4 * n).ok_or_else(bad)?;
-        Ok(s.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
-    };
-    let n = rd_u32(0)? as usize;
-    let mut at = 4;
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let id = rd_u32(at)? as usize;
-        at += 4;
-        let o = rd_f32(at, out_len)?;
-        at += 4 * out_len;
-        let l = rd_f32(at, lse_len)?;
-        at += 4 * lse_len;
-        out.push((id, o, l));
+pub(crate) fn decode_partials(rank: usize, op: &str, b: &[u8], out_len: usize, lse_len: usize) -> Result<Vec<Partial>> {
+    let mut u = Unpack::new(rank, op, b);
+    let ids = u.u32s().map_err(protocol)?;
+    let mut out = Vec::with_capacity(ids.len());
+    for id in ids {
+        let (o, l) = (u.f32s().map_err(protocol)?, u.f32s().map_err(protocol)?);
+        if o.len() != out_len || l.len() != lse_len {
+            return Err(WorkerError::Protocol {
+                rank,
+                detail: format!("`{op}`: partial of {}+{} values, expected {out_len}+{lse_len}", o.len(), l.len()),
+            });
+        }
+        out.push((id as usize, o, l));
     }
-    if at != b.len() {
-        return Err(bad());
-    }
+    u.finish().map_err(protocol)?;
     Ok(out)
 }
 
@@ -206,7 +191,7 @@ fn merge_at_root(
         let got = exchange(comm, &gather, vec![], others.clone()).map_err(comm_err)?;
         let mut all = parts;
         for (r, b) in others.iter().zip(&got) {
-            all.extend(decode_partials(*r, b, out_len, lse_len)?);
+            all.extend(decode_partials(*r, &gather, b, out_len, lse_len)?);
         }
         let (o, l) = merge(all)?;
         let msg = encode_partials(&[(0, o.clone(), l.clone())]);
@@ -215,9 +200,10 @@ fn merge_at_root(
     } else {
         exchange(comm, &gather, vec![(0, encode_partials(&parts))], vec![]).map_err(comm_err)?;
         let got = exchange(comm, &bcast, vec![], vec![0]).map_err(comm_err)?;
-        let b = got.first().ok_or_else(|| WorkerError::Input("no merged partial from rank 0".into()))?;
-        let mut merged = decode_partials(0, b, out_len, lse_len)?;
-        let (_, o, l) = merged.pop().ok_or_else(|| WorkerError::Input("empty merged partial from rank 0".into()))?;
+        let missing = || WorkerError::Protocol { rank: 0, detail: format!("`{bcast}`: no merged partial") };
+        let b = got.first().ok_or_else(missing)?;
+        let mut merged = decode_partials(0, &bcast, b, out_len, lse_len)?;
+        let (_, o, l) = merged.pop().ok_or_else(missing)?;
         Ok((o, l))
     }
 }
@@ -225,7 +211,10 @@ fn merge_at_root(
 impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
     fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
         if x.layer != self.layers_done {
-            return Err(WorkerError::Input(format!("layer {} out of order (expected {})", x.layer, self.layers_done)));
+            return Err(crate::error::internal(format!(
+                "layer {} out of order (expected {})",
+                x.layer, self.layers_done
+            )));
         }
         let be = x.backend;
         let m = x.positions.len();

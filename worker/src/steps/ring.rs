@@ -19,7 +19,8 @@
 
 use super::{comm_err, pack, unpack};
 use crate::attend::{Attend, LayerInput};
-use crate::error::{Result, WorkerError};
+use crate::error::Result;
+use crate::interrupt::Check;
 use crate::kv::{KeyForm, KvCache};
 use crate::model::{Logits, Model};
 use flowprefill_comm::Communicator;
@@ -81,18 +82,9 @@ impl<B: Backend> Attend<B> for Ring<'_, B> {
             }
             if !last {
                 let got = self.comm.wait().map_err(comm_err)?;
-                let b = got.into_iter().next().ok_or_else(|| WorkerError::Input("ring step lost its block".into()))?;
-                let (pos, f) = unpack(prev, &b)?;
-                if f.len() != 2 * pos.len() * kvd {
-                    return Err(WorkerError::Input(format!(
-                        "rank {prev} sent {} values for {} rows",
-                        f.len(),
-                        pos.len()
-                    )));
-                }
-                blk_k = f[..pos.len() * kvd].to_vec();
-                blk_v = f[pos.len() * kvd..].to_vec();
-                blk_pos = pos;
+                let b = got.into_iter().next().ok_or_else(|| crate::error::internal("ring step lost its block"))?;
+                let (pos, [k, v]) = unpack(prev, "ring.kv", &b, [kvd, kvd])?;
+                (blk_pos, blk_k, blk_v) = (pos, k, v);
             }
         }
         *out = be.upload(&acc_o)?;
@@ -101,11 +93,12 @@ impl<B: Backend> Attend<B> for Ring<'_, B> {
 }
 
 /// Exact prefill of `tokens` (positions 0..) spread over the ranks of `comm` with ring
-/// attention. Every rank calls it with the same tokens.
+/// attention. Every rank calls it with the same tokens; `check` runs before every layer.
 pub fn ring_prefill<B: Backend>(
     model: &Model<B>,
     comm: &mut dyn Communicator,
     tokens: &[u32],
+    check: Check<'_>,
 ) -> Result<RingOutput<B>> {
     let be = model.backend();
     let c = model.config();
@@ -119,7 +112,7 @@ pub fn ring_prefill<B: Backend>(
     let logit_rows: Vec<usize> = last_row.into_iter().collect();
     let out = {
         let mut ring = Ring { comm, cache: &mut cache };
-        model.forward(&ids, &positions, &mut ring, Logits::Rows(&logit_rows))?
+        model.forward_checked(&ids, &positions, &mut ring, Logits::Rows(&logit_rows), check)?
     };
     cache.set_positions(positions);
     Ok(RingOutput { cache, last_logits: last_row.map(|_| out.last().to_vec()) })

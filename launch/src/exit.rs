@@ -1,0 +1,83 @@
+//! Whose fault an error is, mapped once: to the process's exit code (CLI) and to the HTTP
+//! status and error kind (service).
+//!
+//! | class | exit code | HTTP | kind |
+//! | --- | --- | --- | --- |
+//! | caller's input | 2 | 400 | `bad_request` |
+//! | model or configuration | 3 | 500 | `model` |
+//! | another rank lost, stuck or out of step | 4 | 503 | `rank_failure` |
+//! | deadline passed | 5 | 504 | `deadline` |
+//! | cancelled | 6 | 499 | `cancelled` |
+//! | internal (a bug) | 70 | 500 | `internal` |
+//!
+//! Any other failure (an IO error of the command itself, a bad flag value caught by the
+//! command) exits with 1; clap's own usage errors exit with 2.
+
+use flowprefill_coordinator::{CoordError, ErrorClass};
+use flowprefill_worker::WorkerError;
+
+/// Exit code of a command that failed with an error of `class`.
+pub fn code(class: ErrorClass) -> i32 {
+    match class {
+        ErrorClass::Caller => 2,
+        ErrorClass::Model => 3,
+        ErrorClass::Peer => 4,
+        ErrorClass::Deadline => 5,
+        ErrorClass::Cancelled => 6,
+        ErrorClass::Internal => 70,
+    }
+}
+
+/// HTTP status and bounded error kind (a metrics label) of an error of `class`.
+pub fn http(class: ErrorClass) -> (u16, &'static str) {
+    match class {
+        ErrorClass::Caller => (400, "bad_request"),
+        ErrorClass::Model => (500, "model"),
+        ErrorClass::Peer => (503, "rank_failure"),
+        ErrorClass::Deadline => (504, "deadline"),
+        ErrorClass::Cancelled => (499, "cancelled"),
+        ErrorClass::Internal => (500, "internal"),
+    }
+}
+
+/// The class of the first typed error in an `anyhow` chain, if any.
+pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
+    e.chain().find_map(|c| {
+        c.downcast_ref::<CoordError>()
+            .map(CoordError::class)
+            .or_else(|| c.downcast_ref::<WorkerError>().map(WorkerError::class))
+            .or_else(|| c.downcast_ref::<flowprefill_worker::InputError>().map(|_| ErrorClass::Caller))
+            .or_else(|| c.downcast_ref::<flowprefill_comm::CommError>().map(|_| ErrorClass::Peer))
+    })
+}
+
+/// Exit code for an `anyhow` error: by its class, else 1.
+pub fn code_of(e: &anyhow::Error) -> i32 {
+    class_of(e).map_or(1, code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flowprefill_worker::{Field, InputError};
+
+    #[test]
+    fn classes_map_to_distinct_codes_and_statuses() {
+        let all = [
+            ErrorClass::Caller,
+            ErrorClass::Model,
+            ErrorClass::Peer,
+            ErrorClass::Deadline,
+            ErrorClass::Cancelled,
+            ErrorClass::Internal,
+        ];
+        let codes: std::collections::BTreeSet<i32> = all.iter().map(|&c| code(c)).collect();
+        assert_eq!(codes.len(), all.len());
+        assert!(!codes.contains(&0) && !codes.contains(&1));
+        let e = anyhow::Error::from(CoordError::from(InputError::new(Field::Ratio, "1.5 is outside [0, 1]")))
+            .context("running the job");
+        assert_eq!(code_of(&e), 2);
+        assert_eq!(http(class_of(&e).unwrap()), (400, "bad_request"));
+        assert_eq!(code_of(&anyhow::anyhow!("plain")), 1);
+    }
+}

@@ -1,0 +1,381 @@
+//! The routes and their handlers.
+//!
+//! A job request goes through, in order: the bearer token (before any of the body is read),
+//! the body (bounded in size and in time), the JSON (fields named in errors), admission
+//! against the model and the server's limits (tokens counted, the context window, scoring
+//! layers: 400 at once, before queueing), the queue (429 when full), then the job. A streamed
+//! job's status is chosen when every rank has admitted it, so errors found before any work
+//! still get their own status; only failures during the work arrive as an `error` event.
+
+use super::api::{self, ApiError, ChatRequest, JobRequest};
+use super::metrics;
+use super::queue::{CancelOnDrop, Event, Queue, Queued, Shared};
+use super::ServeConfig;
+use crate::cmd::run::to_json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use flowprefill_coordinator::{admit, Job, RunResult};
+use flowprefill_worker::generate::StopReason;
+use flowprefill_worker::{Cpu, LoadedModel};
+use futures_util::stream::{self, Stream};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// A handler answers by itself this long after a job's deadline if the executor has not.
+const ANSWER_GRACE: Duration = Duration::from_secs(2);
+
+/// What the handlers share.
+pub struct AppState {
+    pub(super) queue: Queue,
+    pub(super) shared: Arc<Shared>,
+    pub(super) lm: Arc<LoadedModel<Cpu>>,
+    pub(super) cfg: ServeConfig,
+    pub(super) prom: metrics_exporter_prometheus::PrometheusHandle,
+    pub(super) shutting_down: AtomicBool,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub(super) fn new(
+        queue: Queue,
+        shared: Arc<Shared>,
+        lm: Arc<LoadedModel<Cpu>>,
+        cfg: ServeConfig,
+        prom: metrics_exporter_prometheus::PrometheusHandle,
+    ) -> Self {
+        Self { queue, shared, lm, cfg, prom, shutting_down: AtomicBool::new(false), next_id: AtomicU64::new(1) }
+    }
+
+    /// The bearer token check (scheme case-insensitive, token compared in constant time).
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let Some(expected) = &self.cfg.token else { return Ok(()) };
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map_or("", |(_, t)| t.trim());
+        if api::token_matches(presented, expected) {
+            Ok(())
+        } else {
+            Err(ApiError::new(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)"))
+        }
+    }
+
+    /// Reads the body after the token was checked: at most `max_body_bytes`, within
+    /// `read_timeout`.
+    async fn body(&self, headers: &HeaderMap, body: Body) -> Result<axum::body::Bytes, ApiError> {
+        let limit = self.cfg.max_body_bytes;
+        let too_large = || ApiError::new(413, "too_large", format!("the request body is larger than {limit} bytes"));
+        let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(too_large());
+        }
+        match tokio::time::timeout(self.cfg.read_timeout, axum::body::to_bytes(body, limit)).await {
+            Err(_) => Err(ApiError::new(
+                408,
+                "timeout",
+                format!("the request body did not arrive within {:.0} s", self.cfg.read_timeout.as_secs_f64()),
+            )),
+            Ok(Err(e)) if is_length_limit(&e) => Err(too_large()),
+            Ok(Err(e)) => Err(ApiError::bad_request(format!("cannot read the request body: {e}"))),
+            Ok(Ok(b)) => Ok(b),
+        }
+    }
+
+    /// Admission before queueing (see [`flowprefill_coordinator::admit`]), off the async
+    /// threads (it tokenizes).
+    async fn admit(&self, job: Job) -> Result<Job, ApiError> {
+        let (lm, limits) = (self.lm.clone(), self.cfg.limits);
+        let checked = tokio::task::spawn_blocking(move || admit(&lm, &job, &limits).map(|_| job)).await;
+        match checked {
+            Ok(Ok(job)) => Ok(job),
+            Ok(Err(e)) => Err(ApiError::from_coord(&e)),
+            Err(e) => Err(ApiError::new(500, "internal", format!("admission failed: {e}"))),
+        }
+    }
+
+    fn enqueue(&self, job: Job, deadline_s: Option<f64>) -> Result<Pending, ApiError> {
+        if self.shutting_down.load(Ordering::Relaxed) {
+            return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
+        }
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let deadline = super::queue::deadline_of(deadline_s, self.cfg.job_timeout);
+        let q = Queued { job, accepted: Instant::now(), deadline, cancel: cancel.clone(), events: tx };
+        self.queue.submit(q)?;
+        Ok(Pending { rx, guard: CancelOnDrop::new(cancel), answer_by: deadline + ANSWER_GRACE })
+    }
+
+    /// Token, body, JSON, admission, queue: a job waiting for its first event.
+    async fn accept<T: serde::de::DeserializeOwned>(
+        &self,
+        headers: &HeaderMap,
+        body: Body,
+        into_job: impl FnOnce(T) -> Result<(Job, bool, Option<f64>), ApiError>,
+    ) -> Result<(Pending, bool), ApiError> {
+        self.authorize(headers)?;
+        let body = self.body(headers, body).await?;
+        let (job, stream, deadline) = into_job(api::parse::<T>(&body)?)?;
+        let job = self.admit(job).await?;
+        Ok((self.enqueue(job, deadline)?, stream))
+    }
+}
+
+fn is_length_limit(e: &axum::Error) -> bool {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = src {
+        if s.to_string().contains("length limit") {
+            return true;
+        }
+        src = s.source();
+    }
+    false
+}
+
+/// A queued job as its handler sees it.
+struct Pending {
+    rx: UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+    /// The handler answers 504 by itself at this time.
+    answer_by: Instant,
+}
+
+impl Pending {
+    /// The next event, or a deadline error when the executor has said nothing in time.
+    async fn next(&mut self) -> Event {
+        match tokio::time::timeout_at(self.answer_by.into(), self.rx.recv()).await {
+            Ok(Some(ev)) => ev,
+            Ok(None) => Event::Failed(ApiError::new(500, "internal", "the job ended without a result")),
+            Err(_) => Event::Failed(ApiError::new(504, "deadline", "the job did not finish before its deadline")),
+        }
+    }
+
+    /// Waits for the result, skipping progress events.
+    async fn result(mut self) -> Result<Box<RunResult>, ApiError> {
+        loop {
+            match self.next().await {
+                Event::Admitted | Event::Text(_) => {}
+                Event::Done(r) => {
+                    self.guard.disarm();
+                    return Ok(r);
+                }
+                Event::Failed(e) => {
+                    self.guard.disarm();
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Waits until the job is admitted by every rank (or fails first: then that error is the
+    /// response's status).
+    async fn admitted(mut self) -> Result<(Self, Option<Event>), ApiError> {
+        match self.next().await {
+            Event::Admitted => Ok((self, None)),
+            Event::Failed(e) => {
+                self.guard.disarm();
+                Err(e)
+            }
+            ev => Ok((self, Some(ev))),
+        }
+    }
+
+    /// The remaining events as a stream (ends after the result or the error).
+    fn events(self, first: Option<Event>) -> impl Stream<Item = Event> + Send {
+        stream::unfold((self, first, false), |(mut p, first, ended)| async move {
+            if ended {
+                return None;
+            }
+            let ev = match first {
+                Some(ev) => ev,
+                None => p.next().await,
+            };
+            let last = matches!(ev, Event::Done(_) | Event::Failed(_));
+            if last {
+                p.guard.disarm();
+            }
+            Some((ev, (p, None, last)))
+        })
+    }
+}
+
+pub(super) fn error_response(e: &ApiError) -> Response {
+    metrics::error(e.kind);
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut r = (status, axum::Json(e.body())).into_response();
+    if let Some(s) = e.retry_after {
+        if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
+            r.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+    }
+    if e.status == 401 {
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    r
+}
+
+fn sse<S: Stream<Item = SseEvent> + Send + 'static>(events: S) -> Response {
+    use futures_util::StreamExt;
+    Sse::new(events.map(Ok::<_, Infallible>)).keep_alive(KeepAlive::default()).into_response()
+}
+
+async fn jobs(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let (pending, stream) = match st.accept::<JobRequest>(&headers, body, JobRequest::into_job).await {
+        Ok(x) => x,
+        Err(e) => return error_response(&e),
+    };
+    if !stream {
+        return match pending.result().await {
+            Ok(r) => axum::Json(to_json(&r)).into_response(),
+            Err(e) => error_response(&e),
+        };
+    }
+    let (pending, first) = match pending.admitted().await {
+        Ok(x) => x,
+        Err(e) => return error_response(&e),
+    };
+    use futures_util::StreamExt;
+    sse(pending.events(first).filter_map(|ev| async move {
+        match ev {
+            Event::Admitted => None,
+            Event::Text(s) => {
+                Some(SseEvent::default().event("token").data(serde_json::json!({ "text": s }).to_string()))
+            }
+            Event::Done(r) => Some(SseEvent::default().event("done").data(to_json(&r).to_string())),
+            Event::Failed(e) => {
+                metrics::error(e.kind);
+                Some(SseEvent::default().event("error").data(e.body().to_string()))
+            }
+        }
+    }))
+}
+
+fn finish_reason(r: &RunResult) -> &'static str {
+    match r.stop {
+        StopReason::MaxTokens | StopReason::ContextFull => "length",
+        _ => "stop",
+    }
+}
+
+async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    let mut model = String::new();
+    let into_job = |r: ChatRequest| {
+        r.into_job().map(|(job, stream, m)| {
+            model = m;
+            (job, stream, None)
+        })
+    };
+    let (pending, stream) = match st.accept::<ChatRequest>(&headers, body, into_job).await {
+        Ok(x) => x,
+        Err(e) => return error_response(&e),
+    };
+    let id = format!("chatcmpl-{}", st.next_id.fetch_add(1, Ordering::Relaxed));
+    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    if !stream {
+        return match pending.result().await {
+            Ok(r) => {
+                let prompt_tokens = r.n_head_tokens + r.n_context_tokens + r.n_prompt_tokens;
+                axum::Json(serde_json::json!({
+                    "id": id,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [{
+                        "index": 0,
+                        "message": { "role": "assistant", "content": r.answer },
+                        "finish_reason": finish_reason(&r),
+                    }],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": r.tokens.len(),
+                        "total_tokens": prompt_tokens + r.tokens.len(),
+                    },
+                    "flowprefill": to_json(&r),
+                }))
+                .into_response()
+            }
+            Err(e) => error_response(&e),
+        };
+    }
+    let (pending, first) = match pending.admitted().await {
+        Ok(x) => x,
+        Err(e) => return error_response(&e),
+    };
+    let chunk = move |delta: serde_json::Value, finish: Option<&str>| {
+        serde_json::json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+        })
+        .to_string()
+    };
+    let opening = SseEvent::default().data(chunk(serde_json::json!({ "role": "assistant", "content": "" }), None));
+    use futures_util::StreamExt;
+    let body = pending.events(first).filter_map(move |ev| {
+        let data = match ev {
+            Event::Admitted => None,
+            Event::Text(s) => Some(vec![chunk(serde_json::json!({ "content": s }), None)]),
+            Event::Done(r) => Some(vec![chunk(serde_json::json!({}), Some(finish_reason(&r))), "[DONE]".to_string()]),
+            Event::Failed(e) => {
+                metrics::error(e.kind);
+                Some(vec![e.body().to_string(), "[DONE]".to_string()])
+            }
+        };
+        async move { data }
+    });
+    let events = stream::once(async move { opening })
+        .chain(body.flat_map(|d| stream::iter(d.into_iter().map(|x| SseEvent::default().data(x)))));
+    sse(events)
+}
+
+async fn healthz() -> Response {
+    axum::Json(serde_json::json!({ "status": "ok" })).into_response()
+}
+
+async fn readyz(State(st): State<Arc<AppState>>) -> Response {
+    let shutting = st.shutting_down.load(Ordering::Relaxed);
+    let ready = st.shared.ready.load(Ordering::Relaxed) && !shutting;
+    let reason = st.shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let body = serde_json::json!({
+        "ready": ready,
+        "model": st.cfg.model_name,
+        "ranks": st.shared.ranks,
+        "ranks_up": if st.shared.ready.load(Ordering::Relaxed) { st.shared.ranks } else { 0 },
+        "queue_depth": st.shared.depth.load(Ordering::Relaxed),
+        "reason": if shutting { Some("shutting down".to_string()) } else { reason },
+    });
+    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, axum::Json(body)).into_response()
+}
+
+/// `/metrics`: behind the bearer token when the server has one.
+async fn render_metrics(State(st): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = st.authorize(&headers) {
+        return error_response(&e);
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.prom.render()).into_response()
+}
+
+/// Every route.
+pub(super) fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/jobs", post(jobs))
+        .route("/v1/chat/completions", post(chat))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(render_metrics))
+        .with_state(state)
+}
+
+/// Only `/metrics` (the separate metrics listener).
+pub(super) fn metrics_router(state: Arc<AppState>) -> Router {
+    Router::new().route("/metrics", get(render_metrics)).with_state(state)
+}

@@ -1,0 +1,106 @@
+//! The accept loop: HTTP/1.1 connections with a header deadline, a bound on open
+//! connections, and a graceful shutdown that waits for accepted jobs but not for slow clients.
+//!
+//! ```text
+//!   accept ── connections >= max?  drop it (the client retries)
+//!      └──── http1 (headers within read_timeout) ── router
+//!   shutdown (signal, or the world failed for good):
+//!      stop accepting ─ every job accepted so far finishes ─ open connections get `grace`
+//!      to write their answers ─ the rest are closed
+//! ```
+
+use super::queue::Shared;
+use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// How connections are handled.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnLimits {
+    /// Time a client has to send the request headers.
+    pub header_timeout: Duration,
+    /// Connections open at once; more are closed at accept.
+    pub max_connections: usize,
+    /// After the last accepted job finished, how long open connections may still take.
+    pub grace: Duration,
+}
+
+/// Serves `app` on `listener` until `shutdown` completes or the world of ranks fails for good
+/// (`shared.fatal`); then drains as described in the module docs. `on_stop` runs when
+/// accepting stops (it flips the service to "shutting down").
+pub async fn run(
+    listener: TcpListener,
+    app: Router,
+    shared: Arc<Shared>,
+    limits: ConnLimits,
+    shutdown: impl Future<Output = ()>,
+    on_stop: impl FnOnce(),
+) {
+    let graceful = GracefulShutdown::new();
+    let open = Arc::new(tokio::sync::Semaphore::new(limits.max_connections.max(1)));
+    tokio::pin!(shutdown);
+    loop {
+        let fatal = async {
+            while !shared.fatal.load(Ordering::Relaxed) {
+                let changed = shared.changed.notified();
+                if shared.fatal.load(Ordering::Relaxed) {
+                    break;
+                }
+                changed.await;
+            }
+        };
+        tokio::select! {
+            accepted = listener.accept() => {
+                let stream = match accepted {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Ok(permit) = open.clone().try_acquire_owned() else {
+                    tracing::warn!(max = limits.max_connections, "too many open connections; closing a new one");
+                    continue;
+                };
+                let conn = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(limits.header_timeout)
+                    .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+                let conn = graceful.watch(conn);
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                    drop(permit);
+                });
+            }
+            _ = &mut shutdown => break,
+            _ = fatal => {
+                eprintln!("a rank failed and the world cannot be rebuilt: stopping");
+                break;
+            }
+        }
+    }
+    drop(listener);
+    on_stop();
+    eprintln!("shutting down: finishing {} accepted job(s)", shared.outstanding.load(Ordering::Relaxed));
+    // Accepted jobs finish (each is bounded by its deadline, and a stuck one by the watchdog).
+    while shared.outstanding.load(Ordering::Relaxed) > 0 && !shared.fatal.load(Ordering::Relaxed) {
+        let changed = shared.changed.notified();
+        if shared.outstanding.load(Ordering::Relaxed) == 0 {
+            break;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(200), changed).await;
+    }
+    // Then connections get a bounded time to write their answers; slow clients are cut off.
+    if tokio::time::timeout(limits.grace, graceful.shutdown()).await.is_err() {
+        eprintln!("closing connections still open after {:.0} s", limits.grace.as_secs_f64());
+    }
+}
