@@ -21,4 +21,13 @@ if command -v promtool >/dev/null 2>&1; then
 else
   echo "promtool not found: Prometheus config/rule validation skipped (install the \`prometheus\` package)"
 fi
+# Style and lints first (cheap, and they fail fast): formatting, then clippy on every target
+# with every feature this machine can build (the CUDA code builds without CUDA installed:
+# cudarc loads its libraries at run time).
+cargo fmt --all -- --check
+lint_features=(--features flowprefill/cuda)
+[ ${#features[@]} -gt 0 ] && lint_features=(--features "flowprefill/mpi flowprefill/cuda")
+cargo clippy --workspace --all-targets "${lint_features[@]}" -- -D warnings
 cargo test --release --workspace "${features[@]}"
+# The `cuda` feature must build (and link) too.
+cargo build --release -p flowprefill --features cuda

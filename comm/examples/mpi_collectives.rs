@@ -1,6 +1,6 @@
 //! `mpirun -np N target/release/examples/mpi_collectives` (build with `--features mpi`):
 //! runs the collectives over MPI processes and checks their results; exits non-zero on a
-//! mismatch. Used by the MPI integration test.
+//! mismatch. Run by `comm/tests/mpi.rs`.
 
 #[cfg(feature = "mpi")]
 fn main() {
@@ -64,6 +64,16 @@ fn main() {
         }
         c.end_job();
         barrier(&mut c, "final").expect("barrier after aborts");
+        // A rank that leaves the world is named by every other rank at once.
+        c.end_job();
+        if me == n - 1 {
+            c.leave("rank is leaving: test");
+        } else {
+            match barrier(&mut c, "after leave") {
+                Err(CommError::RankLost { rank, detail, .. }) if rank == n - 1 && detail.contains("test") => {}
+                other => panic!("rank {me}: expected rank {} lost, got {other:?}", n - 1),
+            }
+        }
     }
     println!("rank {me}/{n}: ok, sent {} bytes", c.stats().bytes_sent());
 }

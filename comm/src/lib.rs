@@ -99,6 +99,18 @@ pub enum CommError {
     /// The MPI layer failed.
     #[error("MPI: {0}")]
     Mpi(String),
+    /// A peer sent a message of another collective than the one this rank waits for: the
+    /// ranks no longer issue the same collectives in the same order (a bug).
+    #[error(
+        "rank {rank} sent a message of another collective while this rank waited for `{op}`: the ranks are \
+         out of step (a bug in flowprefill; please report it)"
+    )]
+    OutOfStep {
+        /// The sender.
+        rank: usize,
+        /// The collective this rank waited for.
+        op: String,
+    },
     /// A peer gave the current job up (its own error, a cancellation or a deadline) and told
     /// every rank why; the world itself is fine and the next job can run.
     #[error("rank {rank} gave the job up during `{op}`: {reason}")]
@@ -231,6 +243,10 @@ pub trait Communicator: Send {
     /// Without blocking: [`CommError::Aborted`] if a peer has already given the current job
     /// up. Ranks that compute for long without communicating call it between layers.
     fn poll_abort(&mut self, op: &str) -> Result<()>;
+    /// Leaves the world for good (this rank panicked, or lost another one): every peer that
+    /// waits for it from now on, in any job, gets [`CommError::RankLost`] with `reason` at once
+    /// instead of after its deadline. Best effort.
+    fn leave(&mut self, reason: &str);
     /// Ends the current job on this rank (every rank calls it once per job, success or not);
     /// messages of that job still in flight are dropped when they arrive.
     fn end_job(&mut self);
@@ -501,6 +517,30 @@ mod tests {
                 c.end_job();
                 barrier(&mut c, "next")
             }
+        });
+        out.into_iter().for_each(|r| r.unwrap());
+    }
+
+    #[test]
+    fn a_rank_that_leaves_is_named_at_once_even_while_its_thread_lives() {
+        let out = run_ranks(3, |mut c: local::LocalComm| -> Result<()> {
+            c.set_timeout(Duration::from_secs(20));
+            if c.rank() == 2 {
+                c.leave("rank 2 panicked: boom");
+                std::thread::sleep(Duration::from_millis(1500));
+                return Ok(());
+            }
+            let t = std::time::Instant::now();
+            let e = all_gather_f32(&mut c, "probe.layer1", &[1.0]).unwrap_err();
+            assert!(t.elapsed() < Duration::from_secs(1), "named before the thread ended");
+            assert!(!e.world_intact());
+            let m = e.to_string();
+            assert!(m.contains("rank 2 was lost during `probe.layer1`") && m.contains("rank 2 panicked: boom"), "{m}");
+            // In a later job too.
+            c.end_job();
+            let e = barrier(&mut c, "next").unwrap_err();
+            assert!(e.to_string().contains("rank 2 panicked"), "{e}");
+            Ok(())
         });
         out.into_iter().for_each(|r| r.unwrap());
     }

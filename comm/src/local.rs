@@ -7,7 +7,7 @@
 //!                                   every peer waiting on it gets `RankLost` at once.
 //! ```
 
-use crate::wire::{find_abort, next_message, seal_abort, seal_data};
+use crate::wire::{find_abort, next_message, seal_abort, seal_data, seal_leave};
 use crate::{check_rank, CommError, CommStats, Communicator, ErrorClass, Result, DEFAULT_TIMEOUT};
 use std::collections::VecDeque;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender, TryRecvError};
@@ -108,7 +108,7 @@ impl Communicator for LocalComm {
         for (r, data) in sends {
             sent += data.len();
             let tx = self.to[r].as_ref().ok_or(CommError::BadRank { rank: r, size: self.size })?;
-            if tx.send(seal_data(data, self.epoch)).is_err() && unsent.is_none() {
+            if tx.send(seal_data(data, op, self.epoch)).is_err() && unsent.is_none() {
                 unsent = Some(r);
             }
         }
@@ -146,6 +146,13 @@ impl Communicator for LocalComm {
         for tx in self.to.iter().flatten() {
             // A peer whose thread has ended needs no telling.
             let _ = tx.send(seal_abort(self.epoch, class, reason));
+        }
+    }
+
+    fn leave(&mut self, reason: &str) {
+        self.pending = None;
+        for tx in self.to.iter().flatten() {
+            let _ = tx.send(seal_leave(self.epoch, reason));
         }
     }
 

@@ -18,7 +18,7 @@
 //! hangs becomes [`CommError::Timeout`] naming the rank the comm thread was waiting on. The comm
 //! thread is then abandoned and the process should exit.
 
-use crate::wire::{find_abort, seal_abort, seal_data, take_ready};
+use crate::wire::{find_abort, seal_abort, seal_data, seal_leave, take_ready};
 use crate::{check_rank, CommError, CommStats, Communicator, ErrorClass, Result, DEFAULT_TIMEOUT};
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::Communicator as _;
@@ -29,8 +29,16 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// One exchange for the comm thread: sealed messages out, one message in from each `from`.
+struct Exchange {
+    sends: Vec<(usize, Vec<u8>)>,
+    from: Vec<usize>,
+    epoch: u64,
+    op: String,
+}
+
 enum Job {
-    Exchange { sends: Vec<(usize, Vec<u8>)>, from: Vec<usize>, epoch: u64, op: String },
+    Exchange(Exchange),
     Poll { epoch: u64, op: String },
     Shutdown,
 }
@@ -147,9 +155,9 @@ fn exchange(
     world: &mpi::topology::SimpleCommunicator,
     early: &mut [VecDeque<Vec<u8>>],
     waiting: &AtomicUsize,
-    job: (Vec<(usize, Vec<u8>)>, Vec<usize>, u64, String),
+    job: Exchange,
 ) -> Reply {
-    let (sends, from, epoch, op) = job;
+    let Exchange { sends, from, epoch, op } = job;
     mpi::request::scope(|scope| {
         let mut reqs: Vec<(usize, mpi::request::Request<'_, [u8], _>)> = sends
             .iter()
@@ -216,9 +224,7 @@ fn comm_thread(
             Err(RecvTimeoutError::Disconnected) => break,
         };
         let reply = match job {
-            Job::Exchange { sends, from, epoch, op } => {
-                exchange(&world, &mut early, &waiting, (sends, from, epoch, op))
-            }
+            Job::Exchange(x) => exchange(&world, &mut early, &waiting, x),
             Job::Poll { epoch, op } => {
                 drain(&world, &mut early);
                 (0..size)
@@ -267,9 +273,9 @@ impl Communicator for MpiComm {
         }
         let sent = sends.iter().map(|(_, d)| d.len()).sum();
         let first_from = from.first().copied().or(sends.first().map(|s| s.0));
-        let sends = sends.into_iter().map(|(to, d)| (to, seal_data(d, self.epoch))).collect();
+        let sends = sends.into_iter().map(|(to, d)| (to, seal_data(d, op, self.epoch))).collect();
         self.jobs
-            .send(Job::Exchange { sends, from, epoch: self.epoch, op: op.to_string() })
+            .send(Job::Exchange(Exchange { sends, from, epoch: self.epoch, op: op.to_string() }))
             .map_err(|_| CommError::Mpi("the communication thread has stopped".into()))?;
         self.pending = Some(Pending { op: op.to_string(), sent, first_from });
         Ok(())
@@ -303,7 +309,18 @@ impl Communicator for MpiComm {
         }
         let sends =
             (0..self.size).filter(|&r| r != self.rank).map(|r| (r, seal_abort(self.epoch, class, reason))).collect();
-        let _ = self.call(Job::Exchange { sends, from: vec![], epoch: self.epoch, op: "abort".into() });
+        let _ = self.call(Job::Exchange(Exchange { sends, from: vec![], epoch: self.epoch, op: "abort".into() }));
+    }
+
+    fn leave(&mut self, reason: &str) {
+        if !self.healthy {
+            return;
+        }
+        if self.pending.take().is_some() && self.reply().is_err() {
+            return;
+        }
+        let sends = (0..self.size).filter(|&r| r != self.rank).map(|r| (r, seal_leave(self.epoch, reason))).collect();
+        let _ = self.call(Job::Exchange(Exchange { sends, from: vec![], epoch: self.epoch, op: "leave".into() }));
     }
 
     fn poll_abort(&mut self, op: &str) -> Result<()> {

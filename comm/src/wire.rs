@@ -4,8 +4,11 @@
 //!
 //! ```text
 //!   numeric payload:  [len u32][values ...] [len u32][values ...] ...      (Packet / Unpack)
-//!   envelope:         [payload ...][epoch u64][kind u8]                   (a trailer, so that
+//!   envelope:         [payload ...][op tag u32][epoch u64][kind u8]       (a trailer, so that
 //!                                                                           framing never copies)
+//!   op tag: a hash of the collective's name; a data message of another collective than the
+//!   one waited for means the ranks are out of step (a bug), reported as such at once instead
+//!   of being decoded as something else.
 //! ```
 //! Values are in the machine's byte order: every rank of a world runs the same binary on the
 //! same architecture. Decoding copies into aligned vectors (`pod_collect_to_vec`), since a
@@ -125,21 +128,35 @@ pub fn decode<T: DeserializeOwned>(rank: usize, op: &str, bytes: &[u8]) -> Resul
 
 const KIND_DATA: u8 = 0;
 const KIND_ABORT: u8 = 1;
-const TRAILER: usize = 9;
+const KIND_LEAVE: u8 = 2;
+const TRAILER: usize = 13;
 
-/// Seals a data payload for sending in job `epoch`.
-pub(crate) fn seal_data(mut payload: Vec<u8>, epoch: u64) -> Vec<u8> {
+/// FNV-1a of a collective's name: what a data message says it belongs to.
+pub(crate) fn op_tag(op: &str) -> u32 {
+    op.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ b as u32).wrapping_mul(0x0100_0193))
+}
+
+fn seal(mut payload: Vec<u8>, tag: u32, epoch: u64, kind: u8) -> Vec<u8> {
+    payload.extend_from_slice(bytemuck::bytes_of(&tag));
     payload.extend_from_slice(bytemuck::bytes_of(&epoch));
-    payload.push(KIND_DATA);
+    payload.push(kind);
     payload
+}
+
+/// Seals a data payload of collective `op` for sending in job `epoch`.
+pub(crate) fn seal_data(payload: Vec<u8>, op: &str, epoch: u64) -> Vec<u8> {
+    seal(payload, op_tag(op), epoch, KIND_DATA)
 }
 
 /// An abort notice for job `epoch`: why this rank gave the job up.
 pub(crate) fn seal_abort(epoch: u64, class: ErrorClass, reason: &str) -> Vec<u8> {
-    let mut b = encode(&(class, reason)).unwrap_or_default();
-    b.extend_from_slice(bytemuck::bytes_of(&epoch));
-    b.push(KIND_ABORT);
-    b
+    seal(encode(&(class, reason)).unwrap_or_default(), 0, epoch, KIND_ABORT)
+}
+
+/// A farewell: this rank is leaving the world (it panicked, or lost another rank) and will
+/// send nothing more. Whatever the job, a peer that reads it reports the rank lost at once.
+pub(crate) fn seal_leave(epoch: u64, reason: &str) -> Vec<u8> {
+    seal(reason.as_bytes().to_vec(), 0, epoch, KIND_LEAVE)
 }
 
 /// What a received message means to a rank in job `epoch`.
@@ -154,23 +171,31 @@ pub(crate) enum Opened {
     /// The sender is already in a later job (this one ended elsewhere); the message is kept
     /// for the next job.
     Ahead(Vec<u8>),
+    /// The sender left the world, for this reason.
+    Left(String),
 }
 
-/// Opens a sealed message received from `rank` while in job `epoch`.
-pub(crate) fn open(rank: usize, epoch: u64, mut msg: Vec<u8>) -> Result<Opened> {
+/// Opens a sealed message received from `rank` while in job `epoch`, waiting for `op`.
+pub(crate) fn open(rank: usize, epoch: u64, op: &str, mut msg: Vec<u8>) -> Result<Opened> {
     if msg.len() < TRAILER {
         return Err(CommError::Decode { rank, op: "envelope".into(), detail: format!("{} bytes", msg.len()) });
     }
     let kind = msg[msg.len() - 1];
-    let e: u64 = bytemuck::pod_read_unaligned(&msg[msg.len() - TRAILER..msg.len() - 1]);
+    if kind == KIND_LEAVE {
+        msg.truncate(msg.len() - TRAILER);
+        return Ok(Opened::Left(String::from_utf8_lossy(&msg).into_owned()));
+    }
+    let e = epoch_of(&msg).unwrap_or(epoch);
     if e < epoch {
         return Ok(Opened::Stale);
     }
     if e > epoch {
         return Ok(Opened::Ahead(msg));
     }
+    let tag: u32 = bytemuck::pod_read_unaligned(&msg[msg.len() - TRAILER..msg.len() - 9]);
     msg.truncate(msg.len() - TRAILER);
     match kind {
+        KIND_DATA if tag != op_tag(op) => Err(CommError::OutOfStep { rank, op: op.to_string() }),
         KIND_DATA => Ok(Opened::Data(msg)),
         KIND_ABORT => {
             let (class, reason): (ErrorClass, String) = decode(rank, "abort", &msg)?;
@@ -181,7 +206,7 @@ pub(crate) fn open(rank: usize, epoch: u64, mut msg: Vec<u8>) -> Result<Opened> 
 }
 
 fn epoch_of(msg: &[u8]) -> Option<u64> {
-    (msg.len() >= TRAILER).then(|| bytemuck::pod_read_unaligned(&msg[msg.len() - TRAILER..msg.len() - 1]))
+    (msg.len() >= TRAILER).then(|| bytemuck::pod_read_unaligned(&msg[msg.len() - 9..msg.len() - 1]))
 }
 
 /// Whether a sealed message belongs to a job before `epoch` (it will be dropped on arrival).
@@ -192,7 +217,13 @@ pub(crate) fn is_stale(epoch: u64, msg: &[u8]) -> bool {
 /// Whether a sealed message is an abort of job `epoch`, or from a later job (the job ended
 /// elsewhere): what [`crate::Communicator::poll_abort`] looks for among early arrivals.
 pub(crate) fn ends_job(epoch: u64, msg: &[u8]) -> bool {
-    epoch_of(msg).is_some_and(|e| e > epoch || (e == epoch && msg[msg.len() - 1] == KIND_ABORT))
+    let kind = msg.last().copied();
+    kind == Some(KIND_LEAVE) || epoch_of(msg).is_some_and(|e| e > epoch || (e == epoch && kind == Some(KIND_ABORT)))
+}
+
+/// The error for a peer that left.
+fn left(rank: usize, op: &str, reason: String) -> CommError {
+    CommError::RankLost { rank, op: op.to_string(), detail: format!("it left the world: {reason}") }
 }
 
 /// The error a rank reports when it learns during `op` that `rank` ended the job: with the
@@ -211,14 +242,16 @@ pub(crate) fn find_abort(
     epoch: u64,
     queue: &mut std::collections::VecDeque<Vec<u8>>,
 ) -> Result<Option<CommError>> {
-    queue.retain(|m| !is_stale(epoch, m));
+    queue.retain(|m| m.last() == Some(&KIND_LEAVE) || !is_stale(epoch, m));
     let Some(i) = queue.iter().position(|m| ends_job(epoch, m)) else { return Ok(None) };
-    if epoch_of(&queue[i]).is_some_and(|e| e > epoch) {
+    if queue[i].last() != Some(&KIND_LEAVE) && epoch_of(&queue[i]).is_some_and(|e| e > epoch) {
         return Ok(Some(aborted_by(rank, op, None)));
     }
-    let msg = queue.remove(i).unwrap_or_default();
-    match open(rank, epoch, msg)? {
+    // A farewell stays queued: the peer is gone for every later wait too.
+    let msg = if queue[i].last() == Some(&KIND_LEAVE) { queue[i].clone() } else { queue.remove(i).unwrap_or_default() };
+    match open(rank, epoch, op, msg)? {
         Opened::Abort { class, reason } => Ok(Some(aborted_by(rank, op, Some((class, reason))))),
+        Opened::Left(reason) => Ok(Some(left(rank, op, reason))),
         _ => Ok(None),
     }
 }
@@ -233,13 +266,18 @@ pub(crate) fn take_ready(
     queue: &mut std::collections::VecDeque<Vec<u8>>,
 ) -> Result<Option<Vec<u8>>> {
     while let Some(msg) = queue.pop_front() {
-        match open(rank, epoch, msg)? {
+        match open(rank, epoch, op, msg)? {
             Opened::Stale => continue,
             Opened::Data(d) => return Ok(Some(d)),
             Opened::Abort { class, reason } => return Err(aborted_by(rank, op, Some((class, reason)))),
             Opened::Ahead(m) => {
                 queue.push_front(m);
                 return Err(aborted_by(rank, op, None));
+            }
+            Opened::Left(reason) => {
+                // It stays queued: the peer is gone for every later wait too.
+                queue.push_front(seal_leave(epoch, &reason));
+                return Err(left(rank, op, reason));
             }
         }
     }
@@ -295,17 +333,21 @@ mod tests {
 
     #[test]
     fn envelopes_sort_messages_by_epoch_and_kind() {
-        let d = seal_data(vec![7, 8], 5);
-        assert!(matches!(open(1, 5, d.clone()).unwrap(), Opened::Data(p) if p == vec![7, 8]));
-        assert!(matches!(open(1, 6, d.clone()).unwrap(), Opened::Stale));
-        assert!(matches!(open(1, 4, d.clone()).unwrap(), Opened::Ahead(_)));
+        let d = seal_data(vec![7, 8], "probe.gather", 5);
+        assert!(matches!(open(1, 5, "probe.gather", d.clone()).unwrap(), Opened::Data(p) if p == vec![7, 8]));
+        assert!(matches!(open(1, 6, "probe.gather", d.clone()).unwrap(), Opened::Stale));
+        assert!(matches!(open(1, 4, "probe.gather", d.clone()).unwrap(), Opened::Ahead(_)));
+        // Data of another collective than the one waited for: the ranks are out of step.
+        let e = open(1, 5, "recompute.q", d.clone()).unwrap_err();
+        assert!(matches!(&e, CommError::OutOfStep { rank: 1, op } if op == "recompute.q"), "{e}");
+        assert!(!e.world_intact());
         assert!(!ends_job(5, &d) && ends_job(4, &d) && !ends_job(6, &d));
         let a = seal_abort(5, ErrorClass::Deadline, "too slow");
         assert!(ends_job(5, &a) && !ends_job(6, &a));
-        match open(1, 5, a).unwrap() {
+        match open(1, 5, "anything", a).unwrap() {
             Opened::Abort { class, reason } => assert_eq!((class, reason.as_str()), (ErrorClass::Deadline, "too slow")),
             o => panic!("{o:?}"),
         }
-        assert!(open(1, 5, vec![1, 2]).is_err());
+        assert!(open(1, 5, "x", vec![1, 2]).is_err());
     }
 }

@@ -6,8 +6,8 @@
 //! slow step, for timing what happens after it).
 //!
 //! A plan fires once (so that a service can recover by rebuilding its ranks) and is shared by
-//! the engines of a world. Processes read it from `FLOWPREFILL_FAULT=rank:R,phase:P,mode:M`
-//! ([`FaultPlan::from_env`]); tests build one directly.
+//! the engines of a world. Every engine starts with the process's plan from
+//! `FLOWPREFILL_FAULT=rank:R,phase:P,mode:M` ([`FaultPlan::from_env`]); tests set one directly.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -73,14 +73,20 @@ impl FaultPlan {
         Some(Self::new(rank?, &phase.filter(|p| !p.is_empty())?, mode?))
     }
 
-    /// The plan in `FLOWPREFILL_FAULT`, if any (a malformed value is reported and ignored).
+    /// The plan in `FLOWPREFILL_FAULT`, if any (a malformed value is reported and ignored):
+    /// one per process, so that it fires once whatever the engines built (every engine starts
+    /// with it; see [`crate::Engine::with_faults`]).
     pub fn from_env() -> Option<Arc<Self>> {
-        let s = std::env::var("FLOWPREFILL_FAULT").ok()?;
-        let plan = Self::parse(&s);
-        if plan.is_none() {
-            tracing::warn!(value = %s, "FLOWPREFILL_FAULT ignored: expected rank:R,phase:P,mode:exit|panic|hang|stall:MS");
-        }
-        plan
+        static PLAN: std::sync::OnceLock<Option<Arc<FaultPlan>>> = std::sync::OnceLock::new();
+        PLAN.get_or_init(|| {
+            let s = std::env::var("FLOWPREFILL_FAULT").ok()?;
+            let plan = Self::parse(&s);
+            if plan.is_none() {
+                tracing::warn!(value = %s, "FLOWPREFILL_FAULT ignored: expected rank:R,phase:P,mode:exit|panic|hang|stall:MS");
+            }
+            plan
+        })
+        .clone()
     }
 
     /// Misbehaves here if the plan says so (once).

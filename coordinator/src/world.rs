@@ -70,7 +70,7 @@ pub struct ThreadRanks<B: Backend> {
 impl<B: Backend> ThreadRanks<B> {
     /// Starts `ranks - 1` follower threads.
     pub fn new(lm: Arc<LoadedModel<B>>, ranks: usize, store_bytes: usize, timeout: Duration) -> Result<Self> {
-        Self::build(lm, None, None, ranks, store_bytes, timeout)
+        Self::build(lm, None, FaultPlan::from_env(), ranks, store_bytes, timeout)
     }
 
     /// The same world with `aux` as CacheClip's auxiliary model on every rank.
@@ -139,11 +139,7 @@ impl<B: Backend> ThreadRanks<B> {
             let rank = c.rank();
             let h = std::thread::Builder::new()
                 .name(format!("rank-{rank}"))
-                .spawn(move || {
-                    let run = std::panic::AssertUnwindSafe(|| engine.follow(&mut c));
-                    std::panic::catch_unwind(run)
-                        .unwrap_or_else(|p| Err(CoordError::Panicked { rank, message: panic_message(p) }))
-                })
+                .spawn(move || engine.follow(&mut c))
                 .map_err(|e| internal(format!("cannot start rank {rank}: {e}")))?;
             followers.push(h);
         }

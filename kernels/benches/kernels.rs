@@ -1,27 +1,18 @@
-//! `cargo bench -p flowprefill-kernels`: throughput of the attention kernel (causal prefill
-//! and single-query decode) and of the weight GEMM at SmolLM2-135M shapes. Prints GFLOP/s,
-//! median of several runs.
+//! `cargo bench -p flowprefill-kernels`: the attention kernel (causal prefill and one-query
+//! decode) and the weight GEMM at SmolLM2-135M shapes, on divan.
+//!
+//! Throughput columns: `item/s` counts floating-point operations (so `Gitem/s` reads GFLOP/s)
+//! for the causal attention and the GEMMs; `B/s` counts the K/V bytes read by a decode step.
+//! Filter like any divan bench: `cargo bench -p flowprefill-kernels -- matmul`.
 
+use divan::counter::{BytesCount, ItemsCount};
+use divan::Bencher;
 use flowprefill_kernels::attention::{attention, AttnShape, KvRef};
 use flowprefill_kernels::matmul::{matmul_t, Matrix};
-use std::time::Instant;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-fn time<F: FnMut()>(runs: usize, mut f: F) -> f64 {
-    f();
-    median(
-        (0..runs)
-            .map(|_| {
-                let t = Instant::now();
-                f();
-                t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    )
+fn main() {
+    println!("threads: {}, simd: {:?}", rayon::current_num_threads(), flowprefill_kernels::simd::level());
+    divan::main();
 }
 
 fn fill(n: usize, seed: u32) -> Vec<f32> {
@@ -36,45 +27,56 @@ fn fill(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
-fn main() {
-    let filter: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
-    let want = |name: &str| filter.is_empty() || filter.iter().any(|f| name.contains(f.as_str()));
-    let shape = AttnShape::new(9, 3, 64).unwrap();
-    println!("threads: {}, simd: {:?}", rayon::current_num_threads(), flowprefill_kernels::simd::level());
-    for &n in &[512usize, 2048, 8000] {
-        if !want("attention") {
-            break;
-        }
-        let q = fill(n * shape.q_dim(), 1);
-        let k = fill(n * shape.kv_dim(), 2);
-        let v = fill(n * shape.kv_dim(), 3);
-        let pos: Vec<u32> = (0..n as u32).collect();
-        let mut out = vec![0f32; q.len()];
-        let mut lse = vec![0f32; n * 9];
-        let s = time(5, || attention(&shape, &q, &pos, KvRef { k: &k, v: &v, pos: &pos }, &mut out, &mut lse).unwrap());
-        // Causal: about n^2/2 visible pairs, 2 GEMMs of 2*d flops per pair and head.
-        let flops = (n * n) as f64 / 2.0 * 9.0 * 64.0 * 4.0;
-        println!("attention causal n={n:5}: {:8.2} ms  {:6.1} GFLOP/s", s * 1e3, flops / s / 1e9);
-        let qpos = [n as u32];
-        let q1 = fill(shape.q_dim(), 4);
-        let mut o1 = vec![0f32; shape.q_dim()];
-        let mut l1 = vec![0f32; 9];
-        let s =
-            time(20, || attention(&shape, &q1, &qpos, KvRef { k: &k, v: &v, pos: &pos }, &mut o1, &mut l1).unwrap());
-        println!(
-            "attention decode  n={n:5}: {:8.3} ms  {:6.2} GB/s of K/V",
-            s * 1e3,
-            (2 * k.len() * 4) as f64 / s / 1e9
-        );
-    }
-    for &(m, k, nn) in &[(2048usize, 576usize, 960usize), (2048, 576, 3072), (2048, 1536, 576), (1, 576, 3072)] {
-        if !want("matmul") {
-            break;
-        }
-        let x = fill(m * k, 5);
-        let w = Matrix::new(nn, k, fill(nn * k, 6)).unwrap();
-        let mut out = vec![0f32; m * nn];
-        let s = time(5, || matmul_t(&x, m, &w, &mut out).unwrap());
-        println!("matmul {m}x{k}x{nn}: {:8.3} ms  {:6.1} GFLOP/s", s * 1e3, 2.0 * (m * k * nn) as f64 / s / 1e9);
-    }
+/// SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64.
+fn shape() -> AttnShape {
+    AttnShape::new(9, 3, 64).unwrap_or_else(|e| panic!("{e}"))
+}
+
+struct Kv {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    pos: Vec<u32>,
+}
+
+fn kv(n: usize) -> Kv {
+    let s = shape();
+    Kv { k: fill(n * s.kv_dim(), 2), v: fill(n * s.kv_dim(), 3), pos: (0..n as u32).collect() }
+}
+
+#[divan::bench(args = [512, 2048, 8000], sample_count = 10, sample_size = 1)]
+fn attention_causal(b: Bencher, n: usize) {
+    let s = shape();
+    let q = fill(n * s.q_dim(), 1);
+    let c = kv(n);
+    let (mut out, mut lse) = (vec![0f32; q.len()], vec![0f32; n * s.n_heads]);
+    // Causal: about n^2/2 visible pairs, 2 products of 2*head_dim flops per pair and head.
+    let flops = (n * n) as f64 / 2.0 * s.n_heads as f64 * s.head_dim as f64 * 4.0;
+    b.counter(ItemsCount::new(flops as u64)).bench_local(|| {
+        attention(&s, &q, &c.pos, KvRef { k: &c.k, v: &c.v, pos: &c.pos }, &mut out, &mut lse)
+            .unwrap_or_else(|e| panic!("{e}"))
+    });
+}
+
+#[divan::bench(args = [512, 2048, 8000], sample_count = 30)]
+fn attention_decode(b: Bencher, n: usize) {
+    let s = shape();
+    let q = fill(s.q_dim(), 4);
+    let c = kv(n);
+    let qpos = [n as u32];
+    let (mut out, mut lse) = (vec![0f32; s.q_dim()], vec![0f32; s.n_heads]);
+    b.counter(BytesCount::new(2 * c.k.len() * 4)).bench_local(|| {
+        attention(&s, &q, &qpos, KvRef { k: &c.k, v: &c.v, pos: &c.pos }, &mut out, &mut lse)
+            .unwrap_or_else(|e| panic!("{e}"))
+    });
+}
+
+/// `(rows, inner, outputs)`: the QKV, gate-up and down projections of a 2048-token prefill
+/// forward, and one decoded token's gate-up.
+#[divan::bench(args = [(2048, 576, 960), (2048, 576, 3072), (2048, 1536, 576), (1, 576, 3072)], sample_count = 10)]
+fn matmul(b: Bencher, (m, k, n): (usize, usize, usize)) {
+    let x = fill(m * k, 5);
+    let w = Matrix::new(n, k, fill(n * k, 6)).unwrap_or_else(|e| panic!("{e}"));
+    let mut out = vec![0f32; m * n];
+    b.counter(ItemsCount::new(2 * m * k * n))
+        .bench_local(|| matmul_t(&x, m, &w, &mut out).unwrap_or_else(|e| panic!("{e}")));
 }

@@ -16,6 +16,29 @@
 use flowprefill_coordinator::{CoordError, ErrorClass};
 use flowprefill_worker::WorkerError;
 
+/// A mistake in a command's arguments that clap cannot see (a list that names nothing, an
+/// output folder made with other settings): the caller's fault, exit code 2.
+#[derive(Debug)]
+pub struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// `anyhow::ensure!` for argument checks: fails with [`Usage`] (exit code 2).
+#[macro_export]
+macro_rules! ensure_usage {
+    ($cond:expr, $($arg:tt)+) => {
+        if !$cond {
+            return Err(anyhow::Error::new($crate::exit::Usage(format!($($arg)+))));
+        }
+    };
+}
+
 /// Exit code of a command that failed with an error of `class`.
 pub fn code(class: ErrorClass) -> i32 {
     match class {
@@ -47,6 +70,7 @@ pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
             .map(CoordError::class)
             .or_else(|| c.downcast_ref::<WorkerError>().map(WorkerError::class))
             .or_else(|| c.downcast_ref::<flowprefill_worker::InputError>().map(|_| ErrorClass::Caller))
+            .or_else(|| c.downcast_ref::<Usage>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<flowprefill_comm::CommError>().map(|_| ErrorClass::Peer))
     })
 }

@@ -6,6 +6,7 @@ pub mod cmd;
 pub mod exit;
 pub mod http;
 pub mod plot;
+pub mod progress;
 pub mod rss;
 pub mod serve;
 

@@ -146,12 +146,13 @@ fn run_errors_say_what_to_change() {
         let out = bin().args(&a).output().expect("run");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(want), "{a:?}: {err}");
+        assert_eq!(out.status.code(), Some(2), "a caller's error exits with 2: {err}");
     };
     check(&["--query", "q?"], both, "is empty; remove it");
     check(&[], one, "query is missing");
     check(&["--query", "q?", "--ratio", "1.5"], one, "outside [0, 1]");
-    check(&["--query", "q?", "--method", "magic"], one, "unknown method `magic`");
-    check(&["--query", "q?", "--geometry", "sideways"], one, "unknown geometry");
+    check(&["--query", "q?", "--method", "magic"], one, "invalid value 'magic' for '--method");
+    check(&["--query", "q?", "--geometry", "sideways"], one, "invalid value 'sideways' for '--geometry");
     let long = dir.join("long.txt");
     std::fs::write(&long, "The harbour was quiet and the boats rested. ".repeat(1200)).unwrap();
     check(&["--query", "q?"], &["--doc".into(), long.to_string_lossy().into_owned()], "context window is 8192");

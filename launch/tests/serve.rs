@@ -323,6 +323,12 @@ fn mpirun_serve(env: &[(&str, &str)], extra: &[&str]) -> (Child, String) {
 }
 
 #[cfg(feature = "mpi")]
+fn post_small_job(addr: &str) -> http::Response {
+    let body = job(&docs(3, 6)).to_string();
+    http::request(addr, "POST", "/v1/jobs", &[], body.as_bytes(), Duration::from_secs(120)).unwrap()
+}
+
+#[cfg(feature = "mpi")]
 fn exit_within(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     let t = Instant::now();
     loop {
@@ -364,15 +370,7 @@ fn under_mpirun_a_deadline_stops_every_rank_and_the_next_job_runs() {
 fn under_mpirun_a_panic_on_rank_0_fails_the_job_and_stops_with_an_error() {
     let (mut child, addr) =
         mpirun_serve(&[("FLOWPREFILL_FAULT", "rank:0,phase:probe,mode:panic")], &["--comm-timeout", "10"]);
-    let r = http::request(
-        &addr,
-        "POST",
-        "/v1/jobs",
-        &[],
-        job(&docs(3, 6)).to_string().as_bytes(),
-        Duration::from_secs(120),
-    )
-    .unwrap();
+    let r = post_small_job(&addr);
     assert_eq!(r.status, 500, "{}", r.text());
     assert!(r.text().contains("rank 0 panicked"), "{}", r.text());
     // An MPI world cannot be rebuilt: the service stops, with an error status.
@@ -385,15 +383,7 @@ fn under_mpirun_a_panic_on_rank_0_fails_the_job_and_stops_with_an_error() {
 fn a_hung_mpi_rank_gives_503_and_a_clean_exit() {
     let (mut child, addr) =
         mpirun_serve(&[("FLOWPREFILL_FAULT", "rank:1,phase:probe,mode:hang")], &["--comm-timeout", "5"]);
-    let r = http::request(
-        &addr,
-        "POST",
-        "/v1/jobs",
-        &[],
-        job(&docs(3, 6)).to_string().as_bytes(),
-        Duration::from_secs(120),
-    )
-    .unwrap();
+    let r = post_small_job(&addr);
     assert_eq!(r.status, 503, "{}", r.text());
     assert!(r.text().contains("rank 1 did not answer"), "{}", r.text());
     let status = exit_within(&mut child, Duration::from_secs(60));

@@ -1,88 +1,69 @@
 //! Full-prefill throughput of flowprefill next to candle-transformers' `quantized_llama` with
-//! f32 weights (`CANDLE_DEQUANTIZE_ALL=1`), same model file, same tokens, same process.
+//! f32 weights (`CANDLE_DEQUANTIZE_ALL=1`), same model file, same tokens, same process, on
+//! divan (`item/s` counts prompt tokens, so it reads tokens/s).
 //!
-//! `cargo bench -p flowprefill-tests --bench prefill_vs_candle -- --tokens 512,2048,4096,8000 --runs 3`
-//!
-//! candle's quantized_llama refuses prompts beyond its hard-coded MAX_SEQ_LEN (4096); those
-//! rows print n/a for candle.
+//! `cargo bench -p flowprefill-tests --bench prefill_vs_candle` (filter: `-- candle`,
+//! `-- flowprefill`). candle's quantized_llama refuses prompts beyond its hard-coded
+//! MAX_SEQ_LEN (4096), so it runs to 4096 only; flowprefill runs to 8000 as well.
 
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama;
+use divan::counter::ItemsCount;
+use divan::Bencher;
 use flowprefill_tests::default_model_path;
 use flowprefill_worker::corpus;
 use flowprefill_worker::generate::{prefill_into, DEFAULT_PREFILL_CHUNK};
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::{Cpu, LoadedModel};
-use std::time::Instant;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
-}
+use std::sync::{Mutex, OnceLock};
 
 fn main() {
     std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
-    let lengths: Vec<usize> = arg("--tokens")
-        .unwrap_or_else(|| "512,2048,4096,8000".into())
-        .split(',')
-        .map(|s| s.trim().parse().expect("--tokens: numbers"))
-        .collect();
-    let runs: usize = arg("--runs").map_or(3, |s| s.parse().expect("--runs: a number"));
-    let path = default_model_path();
-    let lm = LoadedModel::load(&path, Cpu).expect("load");
-    let model = &lm.model;
+    println!("threads {}", flowprefill_kernels::simd::threads());
+    divan::main();
+}
+
+fn lm() -> &'static LoadedModel<Cpu> {
+    static LM: OnceLock<LoadedModel<Cpu>> = OnceLock::new();
+    LM.get_or_init(|| LoadedModel::load(&default_model_path(), Cpu).unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// The first `n` tokens of generated English prose (the same for both implementations).
+fn tokens(n: usize) -> Vec<u32> {
+    let ids = lm().tokenizer.encode_text(&corpus::prose(1, n * 6)).unwrap_or_else(|e| panic!("{e}"));
+    ids[..n].to_vec()
+}
+
+#[divan::bench(args = [512, 2048, 4096, 8000], sample_count = 3, sample_size = 1)]
+fn flowprefill(b: Bencher, n: usize) {
+    let (model, ids) = (&lm().model, tokens(n));
     let cfg = model.config();
-    let max_len = lengths.iter().copied().max().unwrap_or(0);
-    let ids_all = lm.tokenizer.encode_text(&corpus::prose(1, max_len * 6)).expect("tokenize");
+    b.counter(ItemsCount::new(n)).bench_local(|| {
+        let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)
+            .unwrap_or_else(|e| panic!("{e}"));
+        prefill_into(model, &mut cache, &ids, 0, DEFAULT_PREFILL_CHUNK).unwrap_or_else(|e| panic!("{e}"))
+    });
+}
 
-    let mut file = std::fs::File::open(&path).expect("open");
-    let content = gguf_file::Content::read(&mut file).expect("gguf");
-    let mut candle = quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).expect("candle load");
+fn candle_model() -> &'static Mutex<quantized_llama::ModelWeights> {
+    static M: OnceLock<Mutex<quantized_llama::ModelWeights>> = OnceLock::new();
+    M.get_or_init(|| {
+        let path = default_model_path();
+        let mut file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{e}"));
+        let content = gguf_file::Content::read(&mut file).unwrap_or_else(|e| panic!("{e}"));
+        Mutex::new(
+            quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu)
+                .unwrap_or_else(|e| panic!("{e}")),
+        )
+    })
+}
 
-    println!("threads {}, {} runs per length (+1 warm-up), median", flowprefill_kernels::simd::threads(), runs);
-    println!("{:>7} {:>14} {:>14} {:>9}", "tokens", "ours tok/s", "candle tok/s", "speedup");
-    for &n in &lengths {
-        let ids = &ids_all[..n];
-        let ours: Vec<f64> = (0..=runs)
-            .map(|_| {
-                let mut cache =
-                    KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated).expect("cache");
-                let t = Instant::now();
-                prefill_into(model, &mut cache, ids, 0, DEFAULT_PREFILL_CHUNK).expect("prefill");
-                t.elapsed().as_secs_f64()
-            })
-            .skip(1)
-            .collect();
-        let ours = n as f64 / median(ours);
-        let theirs = if n <= quantized_llama::MAX_SEQ_LEN {
-            let input = Tensor::new(ids, &Device::Cpu).and_then(|t| t.unsqueeze(0)).expect("input");
-            let times: Vec<f64> = (0..=runs)
-                .map(|_| {
-                    let t = Instant::now();
-                    let out = candle.forward(&input, 0).expect("candle forward");
-                    drop(out);
-                    t.elapsed().as_secs_f64()
-                })
-                .skip(1)
-                .collect();
-            Some(n as f64 / median(times))
-        } else {
-            None
-        };
-        match theirs {
-            Some(c) => println!("{n:>7} {ours:>14.1} {c:>14.1} {:>8.2}x", ours / c),
-            None => println!("{n:>7} {ours:>14.1} {:>14} {:>9}", "n/a (>4096)", "-"),
-        }
-    }
+#[divan::bench(args = [512, 2048, 4096], sample_count = 3, sample_size = 1)]
+fn candle(b: Bencher, n: usize) {
+    let ids = tokens(n);
+    let input =
+        Tensor::new(ids.as_slice(), &Device::Cpu).and_then(|t| t.unsqueeze(0)).unwrap_or_else(|e| panic!("{e}"));
+    let mut model = candle_model().lock().unwrap_or_else(|p| p.into_inner());
+    b.counter(ItemsCount::new(n)).bench_local(|| model.forward(&input, 0).unwrap_or_else(|e| panic!("{e}")));
 }

@@ -194,7 +194,7 @@ fn bad_requests_say_what_to_change() {
     let e = engine();
     let docs = small_docs();
     let err = |req: &Request, opts: RunOptions| {
-        let e = e.run(req, &opts, &mut |_| true).err().expect("a bad request fails");
+        let e = e.run(req, &opts, &mut |_| true).expect_err("a bad request fails");
         assert_eq!(e.class(), flowprefill_coordinator::ErrorClass::Caller, "{e}");
         e.to_string()
     };

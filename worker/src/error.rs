@@ -261,6 +261,9 @@ impl WorkerError {
             | WorkerError::Fetch(_)
             | WorkerError::Io { .. } => ErrorClass::Model,
             WorkerError::Comm(flowprefill_comm::CommError::Aborted { class, .. }) => *class,
+            WorkerError::Comm(
+                flowprefill_comm::CommError::OutOfStep { .. } | flowprefill_comm::CommError::Misuse(_),
+            ) => ErrorClass::Internal,
             WorkerError::Comm(_) | WorkerError::Protocol { .. } => ErrorClass::Peer,
             WorkerError::Kernel(KernelError::Backend { .. } | KernelError::HeadLayout { .. }) => ErrorClass::Model,
             WorkerError::Kernel(KernelError::Shape { .. }) | WorkerError::Internal(_) => ErrorClass::Internal,

@@ -152,22 +152,10 @@ pub fn decode_with(
     }
 }
 
-/// Decodes over `cache` (rotated keys) starting with `first`, appending each token.
-pub fn decode<B: Backend>(
-    model: &Model<B>,
-    tokenizer: &Tokenizer,
-    cache: &mut KvCache<B>,
-    first: u32,
-    sampler: &mut Sampler,
-    max_new_tokens: usize,
-    on_text: &mut dyn FnMut(&str) -> bool,
-) -> Result<(Vec<u32>, StopReason)> {
-    decode_checked(model, tokenizer, cache, first, sampler, max_new_tokens, on_text, &mut crate::interrupt::never)
-}
-
-/// As [`decode`], calling `check` before every layer of every token.
+/// Decodes over `cache` (rotated keys) starting with `first`, appending each token; `check`
+/// runs before every layer of every token ([`crate::interrupt::never`] for none).
 #[allow(clippy::too_many_arguments)]
-pub fn decode_checked<B: Backend>(
+pub fn decode<B: Backend>(
     model: &Model<B>,
     tokenizer: &Tokenizer,
     cache: &mut KvCache<B>,
@@ -209,7 +197,9 @@ pub fn generate<B: Backend>(
     let prefill = t0.elapsed();
     let first = sampler.sample(&logits);
     let ttft = t0.elapsed();
-    let (tokens, stop) = decode(model, tokenizer, &mut cache, first, &mut sampler, cfg.max_new_tokens, on_text)?;
+    let max = cfg.max_new_tokens;
+    let (tokens, stop) =
+        decode(model, tokenizer, &mut cache, first, &mut sampler, max, on_text, &mut crate::interrupt::never)?;
     let text = tokenizer.decode(&tokens)?;
     Ok(Generation {
         prompt_tokens: prompt.len(),

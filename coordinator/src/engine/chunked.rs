@@ -13,7 +13,7 @@ use flowprefill_kernels::topk::rank_order;
 use flowprefill_kernels::Backend;
 use flowprefill_worker::generate::StopReason;
 use flowprefill_worker::kv::KvCache;
-use flowprefill_worker::steps::{recompute, LocalSegment, Target};
+use flowprefill_worker::steps::{recompute, LocalSegment, RecomputeMode, Selection, Target};
 use flowprefill_worker::WorkerError;
 use std::sync::Arc;
 
@@ -199,18 +199,9 @@ impl<B: Backend> Engine<B> {
             let mut check = || watch.check(phase::RECOMPUTE);
             turn.phases.time(phase::RECOMPUTE, || {
                 let replicated = (!lead).then_some(&head_placed);
-                recompute(
-                    model,
-                    comm,
-                    &mut segments,
-                    replicated,
-                    &targets,
-                    &tokens,
-                    &all_positions,
-                    opts.scope,
-                    opts.recompute_batch,
-                    &mut check,
-                )
+                let sel = Selection { targets: &targets, tokens: &tokens, all_positions: &all_positions };
+                let mode = RecomputeMode { scope: opts.scope, batch: opts.recompute_batch };
+                recompute(model, comm, &mut segments, replicated, &sel, mode, &mut check)
             })?;
         }
         turn.result.order = order;

@@ -56,7 +56,7 @@ use flowprefill_comm::local::LocalComm;
 use flowprefill_comm::{all_gather_value, broadcast_value, CommStats, Communicator, ErrorClass};
 use flowprefill_kernels::topk::count_for_ratio;
 use flowprefill_kernels::Backend;
-use flowprefill_worker::generate::{decode_checked, prefill_into_checked, StopReason, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::generate::{decode, prefill_into_checked, StopReason, DEFAULT_PREFILL_CHUNK};
 use flowprefill_worker::interrupt::Watch;
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::sampling::Sampler;
@@ -185,6 +185,15 @@ struct Envelope {
     budget_ms: Option<u64>,
 }
 
+/// How this rank's caller steers one job: its cancellation and deadline, the admission
+/// signal, where the answer's text goes (rank 0).
+struct Steer<'a, 'b> {
+    watch: Watch,
+    t0: Instant,
+    on_admitted: Option<Box<dyn FnMut() + Send + 'a>>,
+    on_text: &'b mut dyn FnMut(&str) -> bool,
+}
+
 /// A rank's verdict on a job's admission, as the other ranks receive it.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Refusal {
@@ -221,7 +230,7 @@ impl<B: Backend> Engine<B> {
             aux: None,
             store: ChunkStore::new(store_bytes),
             aux_store: ChunkStore::new(store_bytes / 4),
-            faults: None,
+            faults: FaultPlan::from_env(),
         }
     }
 
@@ -241,7 +250,7 @@ impl<B: Backend> Engine<B> {
         Ok(self)
     }
 
-    /// Injects the faults of `plan` (failure tests).
+    /// Injects the faults of `plan` instead of the process's (failure tests).
     pub fn with_faults(mut self, plan: Option<Arc<FaultPlan>>) -> Self {
         self.faults = plan;
         self
@@ -306,7 +315,8 @@ impl<B: Backend> Engine<B> {
         };
         let env = env.ok_or_else(|| internal("broadcast lost the job"))?;
         let watch = Watch::new(ctl.cancel, budget);
-        let r = self.job_on_rank(comm, &env.job, watch, t0, ctl.on_admitted, on_text)?;
+        let steer = Steer { watch, t0, on_admitted: ctl.on_admitted, on_text };
+        let r = self.job_on_rank(comm, &env.job, steer)?;
         r.ok_or_else(|| internal("rank 0 produced no result"))
     }
 
@@ -318,8 +328,19 @@ impl<B: Backend> Engine<B> {
 
     /// Ranks other than 0: runs the jobs rank 0 broadcasts until it stops; returns how many.
     /// A job that fails is over on every rank (see the module docs); only an error that breaks
-    /// the world ends the rank.
+    /// the world ends the rank, and a panic: the rank then leaves the world, telling the others
+    /// why, so that they do not wait for it until their deadline.
     pub fn follow(&self, comm: &mut dyn Communicator) -> Result<usize> {
+        let rank = comm.rank();
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.follow_jobs(comm)))
+            .unwrap_or_else(|p| Err(CoordError::Panicked { rank, message: crate::world::panic_message(p) }));
+        if let Err(e) = &out {
+            comm.leave(&e.to_string());
+        }
+        out
+    }
+
+    fn follow_jobs(&self, comm: &mut dyn Communicator) -> Result<usize> {
         let mut done = 0;
         loop {
             let t0 = Instant::now();
@@ -337,7 +358,8 @@ impl<B: Backend> Engine<B> {
             };
             let Some(env) = env else { return Ok(done) };
             let watch = Watch::new(None, env.budget_ms.map(Duration::from_millis));
-            match self.job_on_rank(comm, &env.job, watch, t0, None, &mut |_| true) {
+            let steer = Steer { watch, t0, on_admitted: None, on_text: &mut |_| true };
+            match self.job_on_rank(comm, &env.job, steer) {
                 Err(e) if e.breaks_world() => return Err(e),
                 Err(e) => tracing::debug!(rank = comm.rank(), error = %e, "job failed"),
                 Ok(_) => {}
@@ -348,16 +370,8 @@ impl<B: Backend> Engine<B> {
 
     /// One job on this rank, from admission to its end: an error is reported to the other
     /// ranks (unless they reported it, or the world is broken) and the job is ended here.
-    fn job_on_rank(
-        &self,
-        comm: &mut dyn Communicator,
-        job: &Job,
-        watch: Watch,
-        t0: Instant,
-        on_admitted: Option<Box<dyn FnMut() + Send + '_>>,
-        on_text: &mut dyn FnMut(&str) -> bool,
-    ) -> Result<Option<RunResult>> {
-        let r = self.run_job(comm, job, watch, t0, on_admitted, on_text);
+    fn job_on_rank(&self, comm: &mut dyn Communicator, job: &Job, steer: Steer<'_, '_>) -> Result<Option<RunResult>> {
+        let r = self.run_job(comm, job, steer);
         if let Err(e) = &r {
             if !e.breaks_world() && !e.from_peer_abort() {
                 comm.abort(e.class(), &e.to_string());
@@ -386,15 +400,8 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The pipeline of one job on this rank (see the module docs); `Some` on rank 0.
-    fn run_job(
-        &self,
-        comm: &mut dyn Communicator,
-        job: &Job,
-        watch: Watch,
-        t0: Instant,
-        on_admitted: Option<Box<dyn FnMut() + Send + '_>>,
-        on_text: &mut dyn FnMut(&str) -> bool,
-    ) -> Result<Option<RunResult>> {
+    fn run_job(&self, comm: &mut dyn Communicator, job: &Job, steer: Steer<'_, '_>) -> Result<Option<RunResult>> {
+        let Steer { watch, t0, on_admitted, on_text } = steer;
         let opts = &job.options;
         let layout = self.agree(comm, job)?;
         // A job already cancelled or late stops before any work (and before a service starts
@@ -501,7 +508,7 @@ impl<B: Backend> Engine<B> {
         let t = Instant::now();
         let mut check = || watch.check(phase::DECODE);
         let max = turn.opts.max_new_tokens;
-        let out = decode_checked(model, &self.lm.tokenizer, &mut cache, first, sampler, max, *on_text, &mut check)?;
+        let out = decode(model, &self.lm.tokenizer, &mut cache, first, sampler, max, *on_text, &mut check)?;
         turn.phases.add(phase::DECODE, t.elapsed());
         Ok(out)
     }

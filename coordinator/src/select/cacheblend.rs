@@ -7,7 +7,7 @@ use super::{ScoreCtx, Selector};
 use crate::error::Result;
 use flowprefill_kernels::Backend;
 use flowprefill_worker::kv::KvCache;
-use flowprefill_worker::steps::{value_deviation, Target};
+use flowprefill_worker::steps::{value_deviation, Selection, Target};
 
 /// The CacheBlend policy.
 pub struct CacheBlend {
@@ -41,7 +41,8 @@ impl<B: Backend> Selector<B> for CacheBlend {
         let all: Vec<u32> = (p..p + ctx.layout.n_context() as u32).collect();
         let watch = ctx.watch;
         let mut stop = || watch.check(crate::timings::phase::PROBE);
-        let dev = value_deviation(&ctx.lm.model, ctx.comm, &segs, &targets, &tokens, &all, check, &mut stop)?;
+        let sel = Selection { targets: &targets, tokens: &tokens, all_positions: &all };
+        let dev = value_deviation(&ctx.lm.model, ctx.comm, &segs, &sel, check, &mut stop)?;
         let mut it = dev.into_iter();
         Ok(ctx.local.iter().map(|&c| it.by_ref().take(ctx.layout.chunks[c].len()).collect()).collect())
     }

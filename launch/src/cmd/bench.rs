@@ -19,6 +19,9 @@ pub enum Bench {
     /// Concurrent clients against a `serve` process: latency percentiles, throughput,
     /// failures by kind, server memory over time.
     Load(LoadArgs),
+    /// The service's fault matrix: every injected fault (panic, hang, exit on each rank and
+    /// phase; client disconnects; deadlines) against what a client sees.
+    Faults(super::faults::Args),
 }
 
 /// Arguments of `bench load`.
@@ -111,6 +114,7 @@ pub fn run(common: &Common, bench: Bench) -> Result<()> {
         Bench::Prefill(a) => prefill(common, a),
         Bench::Ttft(a) => ttft(common, a),
         Bench::Load(a) => load(common, a),
+        Bench::Faults(a) => super::faults::run(common, a),
     }
 }
 
@@ -126,18 +130,18 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     let lengths: Vec<usize> = a.tokens.concat();
-    anyhow::ensure!(!lengths.is_empty(), "--tokens needs at least one length");
-    anyhow::ensure!(a.runs >= 1, "--runs must be at least 1");
+    crate::ensure_usage!(!lengths.is_empty(), "--tokens needs at least one length");
+    crate::ensure_usage!(a.runs >= 1, "--runs must be at least 1");
     let lm = super::load_model(common)?;
     let model = &lm.model;
     let cfg = model.config();
     let max_len = *lengths.iter().max().unwrap_or(&0);
-    anyhow::ensure!(
+    crate::ensure_usage!(
         max_len <= cfg.context_length,
         "--tokens {max_len} exceeds the model's context window of {} tokens",
         cfg.context_length
     );
-    anyhow::ensure!(lengths.iter().all(|&n| n > 0), "--tokens lengths must be positive");
+    crate::ensure_usage!(lengths.iter().all(|&n| n > 0), "--tokens lengths must be positive");
     // Enough prose for the longest length (about 4 characters per token).
     let text = corpus::prose(a.seed, max_len * 6);
     let all_ids = lm.tokenizer.encode_text(&text)?;
@@ -248,8 +252,11 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
     use flowprefill_coordinator::{Context, Job, Method, Request, RunOptions, ThreadRanks};
     let lengths = a.lengths.concat();
     let ranks = a.ranks.concat();
-    anyhow::ensure!(a.runs >= 1 && !lengths.is_empty() && !ranks.is_empty(), "give --lengths, --ranks and --runs >= 1");
-    anyhow::ensure!(ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
+    crate::ensure_usage!(
+        a.runs >= 1 && !lengths.is_empty() && !ranks.is_empty(),
+        "give --lengths, --ranks and --runs >= 1"
+    );
+    crate::ensure_usage!(ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
     let methods = super::method_labels(&a.methods)?;
     let scope = a.scope;
     let lm = std::sync::Arc::new(super::load_model(common)?);
@@ -275,7 +282,7 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
             system: None,
         };
         let n_ctx = flowprefill_coordinator::layout::Layout::build(&lm, &req)?.n_context();
-        anyhow::ensure!(n_ctx + 64 < window, "--lengths {len} does not fit the model's window of {window}");
+        crate::ensure_usage!(n_ctx + 64 < window, "--lengths {len} does not fit the model's window of {window}");
         for &p in &ranks {
             for (label, method, reorder) in &methods {
                 if *method == Method::Full && p > 1 {
@@ -365,7 +372,7 @@ fn status_kb(pid: u32, key: &str) -> Option<f64> {
 fn load(common: &Common, a: LoadArgs) -> Result<()> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
-    anyhow::ensure!(
+    crate::ensure_usage!(
         a.clients >= 1 && a.duration > 0.0 && a.doc_sets >= 1,
         "give --clients >= 1, --duration > 0, --doc-sets >= 1"
     );
@@ -374,33 +381,10 @@ fn load(common: &Common, a: LoadArgs) -> Result<()> {
     let addr = match &a.url {
         Some(u) => u.trim_start_matches("http://").trim_end_matches('/').to_string(),
         None => {
-            let exe = std::env::current_exe()?;
-            let mut cmd = std::process::Command::new(exe);
-            if let Some(m) = &common.model {
-                cmd.arg("--model").arg(m);
-            }
-            cmd.args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--ranks",
-                &a.ranks.to_string(),
-                "--queue",
-                &a.queue.to_string(),
-            ])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::inherit());
-            let mut c = cmd.spawn()?;
-            let out = c.stdout.take().ok_or_else(|| anyhow::anyhow!("no server stdout"))?;
-            let mut lines = std::io::BufRead::lines(std::io::BufReader::new(out));
-            let addr = loop {
-                let l = lines.next().ok_or_else(|| anyhow::anyhow!("the server exited before listening"))??;
-                if let Some(rest) = l.split("http://").nth(1) {
-                    break rest.split_whitespace().next().unwrap_or("").to_string();
-                }
-            };
-            std::thread::spawn(move || for _ in lines {});
-            child = Some(c);
+            let (ranks, queue) = (a.ranks.to_string(), a.queue.to_string());
+            let s = super::faults::spawn_server(common, &["--ranks", &ranks, "--queue", &queue], &[], None)?;
+            let addr = s.addr.clone();
+            child = Some(s);
             addr
         }
     };
@@ -492,9 +476,8 @@ fn load(common: &Common, a: LoadArgs) -> Result<()> {
         let _ = s.join();
     }
     let peak = pid.and_then(|p| status_kb(p, "VmHWM:"));
-    if let Some(mut c) = child {
-        let _ = std::process::Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
-        let _ = c.wait();
+    if let Some(c) = child {
+        c.stop("-TERM", std::time::Duration::from_secs(60));
     }
     let results = results.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let ok: Vec<f64> = results.iter().filter(|r| r.1 == 200).map(|r| r.0).collect();

@@ -6,7 +6,6 @@ use crate::Common;
 use anyhow::Result;
 use flowprefill_coordinator::tasks::niah_cases;
 use flowprefill_coordinator::{Context, Request, RunOptions};
-use std::time::Instant;
 
 /// Arguments of `check`.
 #[derive(clap::Args, Debug)]
@@ -64,7 +63,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let engine = engine(common, None)?;
     let lengths = args.lengths.concat();
     let depths = args.depths.concat();
-    anyhow::ensure!(
+    crate::ensure_usage!(
         !lengths.is_empty() && !depths.is_empty() && args.per_cell > 0,
         "no cases: give --lengths, --depths, --per-cell"
     );
@@ -74,7 +73,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         Some(list) => {
             let wanted: Vec<&str> = list.split(',').map(str::trim).collect();
             for w in &wanted {
-                anyhow::ensure!(
+                crate::ensure_usage!(
                     TABLE.iter().any(|&(m, r)| label(m, r) == *w),
                     "--methods: unknown `{w}`; choose from {}",
                     TABLE.iter().map(|&(m, r)| label(m, r)).collect::<Vec<_>>().join(", ")
@@ -83,7 +82,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             TABLE.iter().copied().filter(|&(m, r)| wanted.contains(&label(m, r).as_str())).collect()
         }
     };
-    anyhow::ensure!(
+    crate::ensure_usage!(
         table.first().is_some_and(|t| t.0 == flowprefill_coordinator::Method::Full),
         "--methods must include full (the baseline)"
     );
@@ -110,9 +109,9 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         }
         eprintln!("wrote {} cases under {}", cases.len(), dir.display());
     }
-    let t0 = Instant::now();
     eprintln!("{} cases x {} methods", cases.len(), table.len());
-    for (i, case) in cases.iter().enumerate() {
+    let mut progress = crate::progress::Progress::new(cases.len(), "cases");
+    for case in &cases {
         let req =
             Request { context: Context::Documents(case.documents.clone()), query: case.query.clone(), system: None };
         let needle_rows = case.needle_rows(&engine.model().tokenizer);
@@ -141,15 +140,13 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             }
             row.correct += case.is_correct(&r.answer) as usize;
             if args.verbose {
-                eprintln!("  {:<18} {:>5} {:?}", row.label, case.is_correct(&r.answer), r.answer);
+                progress.println(&format!("  {:<18} {:>5} {:?}", row.label, case.is_correct(&r.answer), r.answer));
             }
             row.ttft_ms.push(r.ttft.as_secs_f64() * 1e3);
             row.selected += r.n_selected();
         }
         engine.store().clear();
-        let done = i + 1;
-        let eta = t0.elapsed().as_secs_f64() / done as f64 * (cases.len() - done) as f64;
-        eprintln!("[{done}/{}] {}  (ETA {:.0} s)", cases.len(), case.id, eta);
+        progress.inc(&case.id);
     }
     let n = cases.len() as f64;
     let median = |v: &[f64]| {

@@ -13,12 +13,10 @@ use flowprefill_coordinator::tasks::{all_tasks, generate, QaCase};
 use flowprefill_coordinator::{Context, Geometry, Job, Method, PrefixMode, Request, RunOptions, ThreadRanks};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 mod report;
 use report::{plots, summarize};
-use std::time::Instant;
 
 /// Arguments of `eval`.
 #[derive(clap::Args, Debug)]
@@ -129,57 +127,17 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Progress line on stderr: bar, counts, elapsed, ETA.
-///
-/// `pending` counts the runs this invocation has to compute (the plan minus what
-/// `results.json` already holds), so a resumed run's ETA is not inflated by the runs it skips.
-struct Progress {
-    total: usize,
-    done: usize,
-    pending: usize,
-    computed: usize,
-    t0: Instant,
-}
-
-impl Progress {
-    fn tick(&mut self, computed: bool, what: &str) {
-        self.done += 1;
-        self.computed += computed as usize;
-        let el = self.t0.elapsed().as_secs_f64();
-        let rate = if self.computed > 0 { el / self.computed as f64 } else { 0.0 };
-        let eta = rate * self.pending.saturating_sub(self.computed) as f64;
-        let w = 30;
-        let fill = (w * self.done / self.total.max(1)).min(w);
-        eprint!(
-            "\r[{}{}] {}/{} runs  elapsed {}  ETA {}  {:<40}",
-            "=".repeat(fill),
-            " ".repeat(w - fill),
-            self.done,
-            self.total,
-            hms(el),
-            hms(eta),
-            what.chars().take(40).collect::<String>()
-        );
-        let _ = std::io::stderr().flush();
-    }
-}
-
-fn hms(s: f64) -> String {
-    let s = s as u64;
-    format!("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60)
-}
-
 /// Runs the command.
 pub fn run(common: &Common, a: Args) -> Result<()> {
     let tasks: Vec<String> = a.tasks.split(',').map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).collect();
     let known = all_tasks();
     for t in &tasks {
-        anyhow::ensure!(known.contains(&t.as_str()), "unknown task `{t}`; choose from {}", known.join(", "));
+        crate::ensure_usage!(known.contains(&t.as_str()), "unknown task `{t}`; choose from {}", known.join(", "));
     }
     let lengths = a.lengths.concat();
     let ratios = a.ratios.concat();
     let depths = a.depths.concat();
-    anyhow::ensure!(
+    crate::ensure_usage!(
         !tasks.is_empty() && !lengths.is_empty() && a.samples > 0 && !depths.is_empty(),
         "nothing to evaluate"
     );
@@ -187,7 +145,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         flowprefill_coordinator::request::check_ratio(r)?;
     }
     let methods = super::method_labels(&a.methods)?;
-    anyhow::ensure!(
+    crate::ensure_usage!(
         methods.iter().any(|m| m.1 == Method::Full),
         "--methods must include full (the baseline for retention)"
     );
@@ -215,7 +173,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     if results_path.exists() {
         let prev: ResultsFile = serde_json::from_slice(&std::fs::read(&results_path)?)
             .with_context(|| format!("{} is not a results file; pass another --out", results_path.display()))?;
-        anyhow::ensure!(
+        crate::ensure_usage!(
             prev.config == config,
             "{} was made with other settings ({}); pass another --out or delete it",
             results_path.display(),
@@ -224,7 +182,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         records = prev.records;
         eprintln!("resuming: {} runs already in {}", records.len(), results_path.display());
     } else {
-        anyhow::ensure!(
+        crate::ensure_usage!(
             !a.report_only,
             "--report-only needs the runs of an earlier eval, but {} does not exist; pass that eval's --out",
             results_path.display()
@@ -272,7 +230,9 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
             flowprefill_coordinator::DEFAULT_STORE_BYTES,
             std::time::Duration::from_secs(600),
         )?;
-        let mut progress = Progress { total: plan.len(), done: 0, pending, computed: 0, t0: Instant::now() };
+        // The bar counts the runs to compute (those already in results.json are skipped), so
+        // a resumed eval's ETA is not inflated by them.
+        let mut progress = crate::progress::Progress::new(pending, "runs");
         for task in &tasks {
             for &len in &lengths {
                 for sample in 0..a.samples {
@@ -289,7 +249,6 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
                         for ratio in method_ratios(method) {
                             let k = key(task, len, sample, label_s, ratio);
                             if have.contains(&k) {
-                                progress.tick(false, &k);
                                 continue;
                             }
                             if !primed {
@@ -308,7 +267,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
                             };
                             let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
                             records.push(record(&case, label_s, ratio, &r, &needles));
-                            progress.tick(true, &k);
+                            progress.inc(&k);
                         }
                     }
                     let file = ResultsFile { config: config.clone(), records: records.clone() };
@@ -316,7 +275,6 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
                 }
             }
         }
-        eprintln!();
     }
     let labels: Vec<String> = methods.iter().map(|m| m.0.clone()).collect();
     let settings: Vec<String> = ["geometry", "score_layers", "prefix"]

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod check;
 pub mod demo;
 pub mod eval;
+pub mod faults;
 pub mod fetch;
 pub mod generate;
 pub mod run;

@@ -6,7 +6,7 @@ use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
 use flowprefill_coordinator::{explain, Context, Engine, Job, Method, Request, RunOptions, Scope, ThreadRanks};
 use flowprefill_worker::sampling::SamplingConfig;
-use flowprefill_worker::{Cpu, LoadedModel};
+use flowprefill_worker::{Cpu, Field, InputError, LoadedModel};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -116,20 +116,27 @@ pub fn engine(common: &Common, aux: Option<&PathBuf>) -> Result<Engine<Cpu>> {
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
     let query = args.query.clone().unwrap_or_default();
-    anyhow::ensure!(!query.trim().is_empty(), "the query is missing: pass --query TEXT");
+    if query.trim().is_empty() {
+        return Err(InputError::new(Field::Query, "the query is missing: pass --query TEXT").into());
+    }
     let docs = args
         .docs
         .iter()
         .map(|p| std::fs::read_to_string(p).with_context(|| format!("reading --doc {}", p.display())))
         .collect::<Result<Vec<_>>>()?;
-    for (p, d) in args.docs.iter().zip(&docs) {
-        anyhow::ensure!(!d.trim().is_empty(), "--doc {} is empty; remove it or give it some text", p.display());
+    for (i, (p, d)) in args.docs.iter().zip(&docs).enumerate() {
+        if d.trim().is_empty() {
+            let problem = format!("{} is empty; remove it or give it some text", p.display());
+            return Err(InputError::new(Field::Document(i), problem).into());
+        }
     }
     let opts = args.method.options()?;
     let req = Request { context: args.method.context(docs), query, system: None };
     let job = Job { request: req.clone(), options: opts };
-    anyhow::ensure!(args.comm_timeout > 0.0, "--comm-timeout must be positive");
-    let timeout = std::time::Duration::from_secs_f64(args.comm_timeout);
+    let timeout = std::time::Duration::try_from_secs_f64(args.comm_timeout)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .context("--comm-timeout must be a positive number of seconds")?;
     let stream = !args.json;
     let mut stdout = std::io::stdout();
     let mut on_text = |s: &str| {

@@ -41,6 +41,8 @@ pub struct AppState {
     pub(super) prom: metrics_exporter_prometheus::PrometheusHandle,
     pub(super) shutting_down: AtomicBool,
     next_id: AtomicU64,
+    /// Admissions (tokenization) running at once.
+    admitting: tokio::sync::Semaphore,
 }
 
 impl AppState {
@@ -51,7 +53,17 @@ impl AppState {
         cfg: ServeConfig,
         prom: metrics_exporter_prometheus::PrometheusHandle,
     ) -> Self {
-        Self { queue, shared, lm, cfg, prom, shutting_down: AtomicBool::new(false), next_id: AtomicU64::new(1) }
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Self {
+            queue,
+            shared,
+            lm,
+            cfg,
+            prom,
+            shutting_down: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            admitting: tokio::sync::Semaphore::new(cores),
+        }
     }
 
     /// The bearer token check (scheme case-insensitive, token compared in constant time).
@@ -85,15 +97,27 @@ impl AppState {
                 "timeout",
                 format!("the request body did not arrive within {:.0} s", self.cfg.read_timeout.as_secs_f64()),
             )),
-            Ok(Err(e)) if is_length_limit(&e) => Err(too_large()),
-            Ok(Err(e)) => Err(ApiError::bad_request(format!("cannot read the request body: {e}"))),
+            Ok(Err(e)) => {
+                let e = e.into_inner();
+                if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                    Err(too_large())
+                } else {
+                    Err(ApiError::bad_request(format!("cannot read the request body: {e}")))
+                }
+            }
             Ok(Ok(b)) => Ok(b),
         }
     }
 
     /// Admission before queueing (see [`flowprefill_coordinator::admit`]), off the async
-    /// threads (it tokenizes).
+    /// threads (it tokenizes), a few at a time (a burst of large bodies must not take every
+    /// core from the job being computed).
     async fn admit(&self, job: Job) -> Result<Job, ApiError> {
+        let _turn = self
+            .admitting
+            .acquire()
+            .await
+            .map_err(|_| ApiError::new(503, "shutting_down", "the service is shutting down"))?;
         let (lm, limits) = (self.lm.clone(), self.cfg.limits);
         let checked = tokio::task::spawn_blocking(move || admit(&lm, &job, &limits).map(|_| job)).await;
         match checked {
@@ -128,17 +152,6 @@ impl AppState {
         let job = self.admit(job).await?;
         Ok((self.enqueue(job, deadline)?, stream))
     }
-}
-
-fn is_length_limit(e: &axum::Error) -> bool {
-    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(s) = src {
-        if s.to_string().contains("length limit") {
-            return true;
-        }
-        src = s.source();
-    }
-    false
 }
 
 /// A queued job as its handler sees it.

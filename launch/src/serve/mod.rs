@@ -233,7 +233,8 @@ fn keep_running_on_sigterm() -> Result<()> {
             tokio::signal::unix::SignalKind::interrupt(),
             tokio::signal::unix::SignalKind::user_defined1(),
         ] {
-            tokio::signal::unix::signal(kind)?;
+            // The registration is what matters; the stream itself is never polled.
+            let _registered = tokio::signal::unix::signal(kind)?;
         }
         std::io::Result::Ok(())
     })?;

@@ -129,6 +129,21 @@ impl World {
         }
     }
 
+    /// After rank 0 panicked mid-job: tells the other ranks the job is over, so that they wait
+    /// for the next one (thread ranks are rebuilt instead).
+    fn abandon_job(&mut self, why: &str) {
+        match self {
+            World::Threads(_) => {}
+            #[cfg(feature = "mpi")]
+            World::Mpi { comm, .. } => {
+                use flowprefill_comm::Communicator;
+                comm.abort(flowprefill_comm::ErrorClass::Internal, why);
+                comm.end_job();
+            }
+        }
+        let _ = why;
+    }
+
     /// Tries to get all ranks back; false when impossible (MPI).
     fn repair(&mut self) -> bool {
         match self {
@@ -444,17 +459,20 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
             if err.kind == "cancelled" {
                 metrics::error("cancelled");
             }
+            if matches!(e, CoordError::Panicked { rank: 0, .. }) {
+                world.abandon_job(&e.to_string());
+            }
             if e.breaks_world() {
+                // Settle the world before answering: a client that retries at once finds the
+                // ranks rebuilt (or the service stopping).
                 shared.set_ready(false, Some(e.to_string()));
-                answer(err);
                 if world.repair() {
                     shared.set_ready(true, None);
                 } else {
                     shared.set_fatal(format!("the world of ranks failed and cannot be rebuilt: {e}"));
                 }
-            } else {
-                answer(err);
             }
+            answer(err);
         }
     }
     shared.finished_one();

@@ -278,30 +278,46 @@ fn plan<S: std::ops::Deref<Target = KvCache<B>>, B: Backend>(
     Ok((mine, global_batches(&global, batch)))
 }
 
-/// Recomputes this rank's `targets` (token `tokens[i]` for `targets[i]`) in its `segments`
-/// (rotated, at global positions). `all_positions` are the positions of every rank's targets
-/// (the global selection); every rank calls this with the same `all_positions`, `scope` and
-/// `batch`, also with no targets of its own. `replicated` is context this rank attends to in
-/// the sparse scope without holding it as a segment (the template head on ranks other than 0).
-#[allow(clippy::too_many_arguments)]
+/// The selected tokens as one rank sees them.
+#[derive(Clone, Copy, Debug)]
+pub struct Selection<'a> {
+    /// This rank's targets.
+    pub targets: &'a [Target],
+    /// The token id of each target.
+    pub tokens: &'a [u32],
+    /// The positions of every rank's targets (the global selection).
+    pub all_positions: &'a [u32],
+}
+
+/// How recomputation crosses ranks and batches its tokens.
+#[derive(Clone, Copy, Debug)]
+pub struct RecomputeMode {
+    /// Exact (pass-Q) or sparse.
+    pub scope: Scope,
+    /// Selected tokens per forward (every rank's, by global position).
+    pub batch: usize,
+}
+
+/// Recomputes this rank's targets of `sel` in its `segments` (rotated, at global positions).
+/// Every rank calls this with the same `sel.all_positions` and `mode`, also with no targets of
+/// its own. `replicated` is context this rank attends to in the sparse scope without holding
+/// it as a segment (the template head on ranks other than 0).
 pub fn recompute<B: Backend>(
     model: &Model<B>,
     comm: &mut dyn Communicator,
     segments: &mut [KvCache<B>],
     replicated: Option<&KvCache<B>>,
-    targets: &[Target],
-    tokens: &[u32],
-    all_positions: &[u32],
-    scope: Scope,
-    batch: usize,
+    sel: &Selection<'_>,
+    mode: RecomputeMode,
     check: Check<'_>,
 ) -> Result<()> {
     if segments.iter().any(|s| s.form() != KeyForm::Rotated) {
         return Err(crate::error::internal("recomputation needs placed (rotated) segments"));
     }
+    let RecomputeMode { scope, batch } = mode;
     let (mine, batches) = {
         let refs: Vec<&KvCache<B>> = segments.iter().collect();
-        plan(&refs, targets, tokens, all_positions, batch)?
+        plan(&refs, sel.targets, sel.tokens, sel.all_positions, batch)?
     };
     for (lo, hi) in batches {
         let part: Vec<&Planned> = mine.iter().filter(|x| (lo..=hi).contains(&x.0)).collect();
@@ -323,16 +339,14 @@ pub fn value_deviation<B: Backend>(
     model: &Model<B>,
     comm: &mut dyn Communicator,
     segments: &[&KvCache<B>],
-    targets: &[Target],
-    tokens: &[u32],
-    all_positions: &[u32],
+    sel: &Selection<'_>,
     check_layer: usize,
     check: Check<'_>,
 ) -> Result<Vec<f32>> {
     if segments.iter().any(|s| s.form() != KeyForm::Rotated) {
         return Err(crate::error::internal("deviation scoring needs placed (rotated) segments"));
     }
-    let (mine, _) = plan(segments, targets, tokens, all_positions, usize::MAX)?;
+    let (mine, _) = plan(segments, sel.targets, sel.tokens, sel.all_positions, usize::MAX)?;
     let t: Vec<Target> = mine.iter().map(|x| x.1).collect();
     let ids: Vec<u32> = mine.iter().map(|x| x.2).collect();
     let pos: Vec<u32> = mine.iter().map(|x| x.0).collect();
@@ -348,7 +362,7 @@ pub fn value_deviation<B: Backend>(
     model.forward_layers(&ids, &pos, &mut step, check_layer + 1, check)?;
     let Rows::Copies { dev, .. } = step.rows else { return Err(crate::error::internal("deviation lost")) };
     // Back to the caller's target order.
-    let mut out = vec![0f32; targets.len()];
+    let mut out = vec![0f32; sel.targets.len()];
     for (d, x) in dev.into_iter().zip(&mine) {
         out[x.3] = d;
     }
