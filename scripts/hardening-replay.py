@@ -182,7 +182,8 @@ def item9():
     p, a = start(["--token", "s3cret"])
     body = job(docs(2, 3, "l"))
     show("9", "Authorization: bearer s3cret (lower case)", fmt(post(a, body, headers={"Authorization": "bearer s3cret"})))
-    show("9", "ratio 2", fmt(post(a, job(docs(1, 2, "m"), ratio=2), headers={"Authorization": "Bearer s3cret"})))
+    blank = {"documents": ["a document"], "query": " "}
+    show("9", "an empty query (does the error name a CLI flag?)", fmt(post(a, blank, headers={"Authorization": "Bearer s3cret"})))
     arr = json.dumps([docs(1, 2, "n"), None, None, "What is it?"]).encode()
     show("9", "a JSON array as the body", fmt(post(a, arr, headers={"Authorization": "Bearer s3cret"})))
     stop(p)

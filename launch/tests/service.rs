@@ -234,8 +234,8 @@ fn item4_an_empty_token_does_not_turn_authentication_off() {
             c.env("FLOWPREFILL_TOKEN", v);
         }
         let out = c.output().unwrap();
-        assert!(!out.status.success());
         let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "a usage error: {err}");
         assert!(err.contains("empty"), "{err}");
     }
 }

@@ -142,7 +142,7 @@ impl Service {
         rebuild: Option<WorldFactory>,
         cfg: ServeConfig,
     ) -> Result<Self> {
-        anyhow::ensure!(cfg.token.as_deref() != Some(""), "the bearer token is empty; give a real token or none");
+        crate::ensure_usage!(cfg.token.as_deref() != Some(""), "the bearer token is empty; give a real token or none");
         let prom = metrics::install()?;
         let (queue, shared, workers) = Queue::start(world, rebuild, cfg.queue, cfg.hang_grace)?;
         let state = Arc::new(app::AppState::new(queue, shared, lm, cfg, prom));
@@ -265,12 +265,12 @@ async fn signal() {
 
 impl Args {
     fn config(&self, model_name: String) -> Result<ServeConfig> {
-        anyhow::ensure!(self.queue >= 1, "--queue must be at least 1");
+        crate::ensure_usage!(self.queue >= 1, "--queue must be at least 1");
         let secs = |name: &str, v: f64| -> Result<Duration> {
-            anyhow::ensure!(v > 0.0 && v.is_finite(), "{name} must be a positive number of seconds");
+            crate::ensure_usage!(v > 0.0 && v.is_finite(), "{name} must be a positive number of seconds");
             Duration::try_from_secs_f64(v).with_context(|| format!("{name} {v} is too large"))
         };
-        anyhow::ensure!(
+        crate::ensure_usage!(
             self.max_documents >= 1 && self.max_chunks >= 1,
             "--max-documents and --max-chunks must be at least 1"
         );
@@ -290,7 +290,7 @@ impl Args {
 
     /// A non-loopback address needs a token or `--insecure`.
     fn guard(&self, addr: &SocketAddr, flag: &str) -> Result<()> {
-        anyhow::ensure!(
+        crate::ensure_usage!(
             is_loopback(addr) || self.token.is_some() || self.insecure,
             "refusing to serve on non-loopback address {addr} ({flag}) without --token (pass --insecure to allow it)"
         );
@@ -301,14 +301,21 @@ impl Args {
 /// Runs the command.
 pub fn run(common: &Common, a: Args) -> Result<()> {
     if a.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
-        anyhow::bail!("the token (--token or FLOWPREFILL_TOKEN) is empty: that would turn authentication off; give a real token, or unset it and stay on loopback");
+        crate::ensure_usage!(
+            false,
+            "the token (--token or FLOWPREFILL_TOKEN) is empty: that would turn authentication off; give a real \
+             token, or unset it and stay on loopback"
+        );
     }
-    let addr: SocketAddr =
-        a.listen.parse().with_context(|| format!("--listen {}: expected IP:PORT, e.g. 127.0.0.1:8080", a.listen))?;
+    let addr: SocketAddr = a
+        .listen
+        .parse()
+        .map_err(|_| crate::exit::Usage(format!("--listen {}: expected IP:PORT, e.g. 127.0.0.1:8080", a.listen)))?;
     a.guard(&addr, "--listen")?;
     let maddr = match &a.metrics_listen {
         Some(m) => {
-            let maddr: SocketAddr = m.parse().with_context(|| format!("--metrics-listen {m}: expected IP:PORT"))?;
+            let maddr: SocketAddr =
+                m.parse().map_err(|_| crate::exit::Usage(format!("--metrics-listen {m}: expected IP:PORT")))?;
             a.guard(&maddr, "--metrics-listen")?;
             Some(maddr)
         }
@@ -328,7 +335,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     #[cfg(feature = "mpi")]
     let (world, rebuild) = if flowprefill_comm::mpi::launched_by_mpirun() {
         use flowprefill_comm::Communicator;
-        anyhow::ensure!(
+        crate::ensure_usage!(
             a.ranks.is_none_or(|r| r == 1),
             "--ranks is for thread ranks; under mpirun every process is one rank"
         );
