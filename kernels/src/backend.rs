@@ -32,6 +32,9 @@ pub trait Backend: Send + Sync + 'static {
     fn len(&self, buf: &Self::Buf) -> usize;
     /// Resizes `buf` to `len` elements (new elements are zero; contents up to `len` kept).
     fn resize(&self, buf: &mut Self::Buf, len: usize) -> Result<()>;
+    /// Makes room for `capacity` elements without changing the contents, so that appends up to
+    /// it do not reallocate (a KV cache reserves its final size up front).
+    fn reserve(&self, buf: &mut Self::Buf, capacity: usize) -> Result<()>;
     /// Moves a host weight matrix to the device.
     fn matrix(&self, m: Matrix) -> Result<Self::Mat>;
     /// `(rows, cols)` of a weight matrix.
@@ -148,6 +151,10 @@ impl Backend for Cpu {
     }
     fn resize(&self, buf: &mut Vec<f32>, len: usize) -> Result<()> {
         buf.resize(len, 0.0);
+        Ok(())
+    }
+    fn reserve(&self, buf: &mut Vec<f32>, capacity: usize) -> Result<()> {
+        buf.reserve(capacity.saturating_sub(buf.len()));
         Ok(())
     }
     fn matrix(&self, m: Matrix) -> Result<Matrix> {

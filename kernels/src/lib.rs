@@ -7,9 +7,11 @@
 //!   decided by positions, plus per-key attention mass ([`attention::attention_scores`]);
 //! * [`merge`]: `merge_partial`, the one place partial attention results combine;
 //! * [`topk`]: deterministic top-k;
-//! * `cuda` (feature `cuda`): GPU discovery through cudarc with dynamic loading;
+//! * [`gpu`]: the CUDA kernels as data (their `.cu` sources, resource budgets, launch shapes);
+//! * `cuda` (feature `cuda`): the CUDA backend, NVRTC compilation, device discovery, through
+//!   cudarc with dynamic loading (builds and links without any CUDA install);
 //! * [`backend`]: the op set the model is written against ([`backend::Backend`]) and the CPU
-//!   implementation.
+//!   implementation; [`device`]: the backend chosen at run time (`--device cpu|cuda[:N]`).
 //!
 //! Every fast kernel has a slow reference (`*_ref`) and an equivalence test with a named
 //! tolerance next to it.
@@ -18,8 +20,10 @@ pub mod attention;
 pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
 pub mod elementwise;
 mod error;
+pub mod gpu;
 pub mod matmul;
 pub mod merge;
 pub mod norm;
@@ -28,4 +32,5 @@ pub mod simd;
 pub mod topk;
 
 pub use backend::{Backend, Cpu};
+pub use device::{Device, DeviceSpec, WeightType};
 pub use error::{KernelError, Result};

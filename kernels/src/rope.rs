@@ -81,6 +81,26 @@ impl RopeTable {
         self.style
     }
 
+    /// Rotated dimensions per head (even, at most `head_dim`).
+    pub fn rot_dim(&self) -> usize {
+        self.rot_dim
+    }
+
+    /// Positions below this come from the table; above, cos/sin are computed.
+    pub fn table_len(&self) -> usize {
+        self.table_len
+    }
+
+    /// The cos and sin tables, `[table_len, rot_dim / 2]` each (what a device backend uploads).
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
+    /// The frequencies (f64), one per rotated pair.
+    pub fn inv_freq(&self) -> &[f64] {
+        &self.inv_freq
+    }
+
     /// cos/sin of `pos` for every frequency, from the table or computed on the spot.
     fn cos_sin(&self, pos: u32, cos: &mut [f32], sin: &mut [f32]) {
         let half = self.rot_dim / 2;

@@ -21,4 +21,10 @@ pub struct Common {
     /// Worker threads for the CPU kernels (default: all cores).
     #[arg(long, global = true)]
     pub threads: Option<usize>,
+    /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
+    #[arg(long, global = true, default_value = "cpu", env = "FLOWPREFILL_DEVICE")]
+    pub device: flowprefill_kernels::DeviceSpec,
+    /// How a GPU keeps the weights: bf16 (half the memory) or f32 (as the CPU).
+    #[arg(long, global = true, default_value = "bf16")]
+    pub weights: flowprefill_kernels::WeightType,
 }

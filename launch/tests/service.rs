@@ -8,17 +8,18 @@
 use flowprefill::http;
 use flowprefill::serve::{self, ServeConfig, Service};
 use flowprefill_coordinator::fault::{FaultMode, FaultPlan};
-use flowprefill_worker::{Cpu, LoadedModel};
+use flowprefill_kernels::{Cpu, Device};
+use flowprefill_worker::LoadedModel;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-fn lm() -> Arc<LoadedModel<Cpu>> {
-    static LM: OnceLock<Arc<LoadedModel<Cpu>>> = OnceLock::new();
+fn lm() -> Arc<LoadedModel<Device>> {
+    static LM: OnceLock<Arc<LoadedModel<Device>>> = OnceLock::new();
     LM.get_or_init(|| {
         let path = flowprefill_worker::fetch::ensure_default_model(&mut |l| eprintln!("{l}")).expect("default model");
-        Arc::new(LoadedModel::load(&path, Cpu).expect("load the default model"))
+        Arc::new(LoadedModel::load(&path, Device::Cpu(Cpu)).expect("load the default model"))
     })
     .clone()
 }

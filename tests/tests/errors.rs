@@ -66,7 +66,8 @@ fn empty_prompt_and_too_long_context() {
     let c = lm.model.config();
     let mut cache = KvCache::new(lm.model.backend(), c.n_layers, c.kv_dim(), KeyForm::Rotated).unwrap();
     let e = prefill_into(&lm.model, &mut cache, &[], 0, 16).unwrap_err();
-    assert!(e.to_string().contains("prompt is empty"), "{e}");
+    assert!(e.to_string().contains("--prompt: is empty"), "{e}");
+    assert_eq!(e.class(), flowprefill_worker::ErrorClass::Caller);
     let long = vec![42u32; c.context_length + 10];
     let e = generate(&lm.model, &lm.tokenizer, &long, &GenerateConfig::default(), &mut |_| true).unwrap_err();
     assert!(matches!(e, WorkerError::ContextTooLong { window: 8192, .. }), "{e}");

@@ -62,6 +62,8 @@ pub struct Generation {
     pub decode: Duration,
     /// Why it stopped.
     pub stop: StopReason,
+    /// Logits the first token was chosen from.
+    pub first_logits: Vec<f32>,
 }
 
 /// Runs `tokens` at positions `start..` over `cache` (rotated keys), appending them, in
@@ -86,7 +88,7 @@ pub fn prefill_into_checked<B: Backend>(
     check: Check<'_>,
 ) -> Result<Vec<f32>> {
     if tokens.is_empty() {
-        return Err(InputError::new(Field::Prompt, "is empty: there is nothing to prefill").into());
+        return Err(InputError::new(Field::Prompt, "is empty; there is nothing to prefill").into());
     }
     let chunk = chunk.max(1);
     let mut last = Vec::new();
@@ -192,11 +194,13 @@ pub fn generate<B: Backend>(
     let mut sampler = Sampler::new(cfg.sampling.clone())?;
     let c = model.config();
     let mut cache = KvCache::new(model.backend(), c.n_layers, c.kv_dim(), KeyForm::Rotated)?;
+    cache.reserve(model.backend(), prompt.len() + cfg.max_new_tokens)?;
     let t0 = Instant::now();
     let logits = prefill_into(model, &mut cache, prompt, 0, cfg.prefill_chunk)?;
     let prefill = t0.elapsed();
     let first = sampler.sample(&logits);
     let ttft = t0.elapsed();
+    let first_logits = logits;
     let max = cfg.max_new_tokens;
     let (tokens, stop) =
         decode(model, tokenizer, &mut cache, first, &mut sampler, max, on_text, &mut crate::interrupt::never)?;
@@ -209,5 +213,6 @@ pub fn generate<B: Backend>(
         prefill,
         decode: t0.elapsed().saturating_sub(ttft),
         stop,
+        first_logits,
     })
 }

@@ -54,6 +54,16 @@ impl<B: Backend> KvCache<B> {
         Ok(Self { layers, positions: Vec::new(), form, kv_dim })
     }
 
+    /// Makes room for `tokens` rows in every layer up front, so that appending up to that many
+    /// (a prefill, then the decoded tokens) never reallocates on the device.
+    pub fn reserve(&mut self, backend: &B, tokens: usize) -> Result<()> {
+        for layer in &mut self.layers {
+            backend.reserve(&mut layer.k, tokens * self.kv_dim)?;
+            backend.reserve(&mut layer.v, tokens * self.kv_dim)?;
+        }
+        Ok(())
+    }
+
     /// Builds a cache from filled layers.
     pub fn from_parts(
         backend: &B,
@@ -157,14 +167,21 @@ impl<B: Backend> KvCache<B> {
         if self.form == KeyForm::Rotated && positions != self.positions.as_slice() {
             return Err(crate::error::internal("a rotated cache cannot be moved: keep chunk caches pre-RoPE"));
         }
+        // Device to device: a copy (all columns of the rows) and a rotation, no host round trip.
+        let copy = |src: &B::Buf| -> Result<B::Buf> {
+            let mut dst = backend.zeros(backend.len(src))?;
+            if !self.positions.is_empty() {
+                backend.copy_columns(src, self.kv_dim, 0, self.kv_dim, &mut dst)?;
+            }
+            Ok(dst)
+        };
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            let mut k = backend.upload(&backend.download(&layer.k)?)?;
+            let mut k = copy(&layer.k)?;
             if self.form == KeyForm::PreRope {
                 backend.rope(&mut k, n_kv_heads, positions, rope)?;
             }
-            let v = backend.upload(&backend.download(&layer.v)?)?;
-            layers.push(LayerKv { k, v });
+            layers.push(LayerKv { k, v: copy(&layer.v)? });
         }
         Ok(Self { layers, positions: positions.to_vec(), form: KeyForm::Rotated, kv_dim: self.kv_dim })
     }

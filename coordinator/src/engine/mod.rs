@@ -495,6 +495,7 @@ impl<B: Backend> Engine<B> {
         };
         let tokens = layout.full_tokens(&turn.result.order);
         let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
+        cache.reserve(model.backend(), tokens.len() + turn.opts.max_new_tokens)?;
         self.fault_point(0, phase::PREFILL);
         let watch = &turn.watch;
         let mut check = || watch.check(phase::PREFILL);

@@ -304,7 +304,7 @@ fn answer_budget(task: &str) -> usize {
 }
 
 /// Fills the chunk stores for every prefix mode so that every recorded TTFT is warm.
-fn prime(world: &mut ThreadRanks<flowprefill_worker::Cpu>, req: &Request) -> Result<()> {
+fn prime(world: &mut ThreadRanks<flowprefill_kernels::Device>, req: &Request) -> Result<()> {
     for prefix in [PrefixMode::None, PrefixMode::Shared, PrefixMode::Anchor] {
         let opts =
             RunOptions { method: Method::None, prefix: Some(prefix), max_new_tokens: 1, ..RunOptions::default() };

@@ -75,6 +75,8 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             "prefill_ms": g.prefill.as_secs_f64() * 1e3,
             "decode_ms": g.decode.as_secs_f64() * 1e3,
             "stop": g.stop,
+            "device": common.device.to_string(),
+            "first_top_logits": super::run::top_logits(&g.first_logits, 10),
         });
         println!("{}", serde_json::to_string_pretty(&obj)?);
     } else {

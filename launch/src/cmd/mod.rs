@@ -11,7 +11,8 @@ pub mod run;
 
 use crate::Common;
 use anyhow::{Context, Result};
-use flowprefill_worker::{Cpu, LoadedModel};
+use flowprefill_kernels::{Device, DeviceSpec, WeightType};
+use flowprefill_worker::LoadedModel;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -24,11 +25,27 @@ pub fn model_path(common: &Common) -> Result<PathBuf> {
 }
 
 /// Loads the model on the CPU backend, reporting the time on stderr.
-pub fn load_model(common: &Common) -> Result<LoadedModel<Cpu>> {
+/// The device of `--device`, opened once per process (a GPU: its context and kernels).
+pub fn device(common: &Common) -> Result<Device> {
+    type Opened = Option<(DeviceSpec, WeightType, Device)>;
+    static OPEN: std::sync::Mutex<Opened> = std::sync::Mutex::new(None);
+    let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((spec, weights, d)) = open.as_ref() {
+        if (*spec, *weights) == (common.device, common.weights) {
+            return Ok(d.clone());
+        }
+    }
+    let d = Device::open(common.device, common.weights).with_context(|| format!("--device {}", common.device))?;
+    *open = Some((common.device, common.weights, d.clone()));
+    Ok(d)
+}
+
+/// Loads the model on the device of `--device`, reporting the time on stderr.
+pub fn load_model(common: &Common) -> Result<LoadedModel<Device>> {
     let path = model_path(common)?;
     tracing::info!(path = %path.display(), "loading the model");
     let t = Instant::now();
-    let m = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
+    let m = LoadedModel::load(&path, device(common)?).with_context(|| format!("loading {}", path.display()))?;
     let c = m.model.config();
     eprintln!(
         "loaded {} ({} layers, d={}, {} heads / {} KV heads, window {}) in {:.1} s",
@@ -66,6 +83,14 @@ pub fn method_labels(list: &str) -> Result<Vec<(String, flowprefill_coordinator:
 
 pub fn devices() -> Result<()> {
     println!("cpu: {} threads, SIMD {:?}", rayon::current_num_threads(), flowprefill_kernels::simd::level());
+    #[cfg(feature = "cuda")]
+    {
+        let v = flowprefill_kernels::cuda::versions();
+        let driver = v.driver.map_or("none".into(), |d| format!("{}.{} (CUDA API {d})", d / 1000, (d % 1000) / 10));
+        let nvrtc = v.nvrtc.map_or("not found".into(), |(a, b)| format!("{a}.{b}"));
+        let cublas = v.cublas.map_or("not found".into(), |(a, b, c)| format!("{a}.{b}.{c}"));
+        println!("cuda: driver {driver}, NVRTC {nvrtc}, cuBLAS {cublas}");
+    }
     #[cfg(feature = "cuda")]
     match flowprefill_kernels::cuda::devices() {
         Ok(list) if list.is_empty() => println!("cuda: driver present, no devices"),

@@ -5,8 +5,9 @@ use anyhow::{Context as _, Result};
 use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
 use flowprefill_coordinator::{explain, Context, Engine, Job, Method, Request, RunOptions, Scope, ThreadRanks};
+use flowprefill_kernels::Device;
 use flowprefill_worker::sampling::SamplingConfig;
-use flowprefill_worker::{Cpu, Field, InputError, LoadedModel};
+use flowprefill_worker::{Field, InputError, LoadedModel};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -101,13 +102,14 @@ impl MethodArgs {
 }
 
 /// Builds the engine (main model, optional auxiliary model).
-pub fn engine(common: &Common, aux: Option<&PathBuf>) -> Result<Engine<Cpu>> {
+pub fn engine(common: &Common, aux: Option<&PathBuf>) -> Result<Engine<Device>> {
     let lm = Arc::new(super::load_model(common)?);
     let engine = Engine::new(lm, flowprefill_coordinator::DEFAULT_STORE_BYTES);
     match aux {
         None => Ok(engine),
         Some(p) => {
-            let aux = LoadedModel::load(p, Cpu).with_context(|| format!("loading --aux-model {}", p.display()))?;
+            let aux = LoadedModel::load(p, super::device(common)?)
+                .with_context(|| format!("loading --aux-model {}", p.display()))?;
             Ok(engine.with_aux(Arc::new(aux))?)
         }
     }
@@ -173,12 +175,13 @@ fn run_job(
     job: &Job,
     timeout: std::time::Duration,
     on_text: &mut dyn FnMut(&str) -> bool,
-) -> Result<Option<(RunResult, Arc<LoadedModel<Cpu>>)>> {
+) -> Result<Option<(RunResult, Arc<LoadedModel<Device>>)>> {
     let lm = Arc::new(super::load_model(common)?);
     let aux = match &args.method.aux_model {
-        Some(p) => {
-            Some(Arc::new(LoadedModel::load(p, Cpu).with_context(|| format!("loading --aux-model {}", p.display()))?))
-        }
+        Some(p) => Some(Arc::new(
+            LoadedModel::load(p, super::device(common)?)
+                .with_context(|| format!("loading --aux-model {}", p.display()))?,
+        )),
         None => None,
     };
     #[cfg(feature = "mpi")]

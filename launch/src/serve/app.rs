@@ -20,8 +20,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use flowprefill_coordinator::{admit, Job, RunResult};
+use flowprefill_kernels::Device;
 use flowprefill_worker::generate::StopReason;
-use flowprefill_worker::{Cpu, LoadedModel};
+use flowprefill_worker::LoadedModel;
 use futures_util::stream::{self, Stream};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,7 +37,7 @@ const ANSWER_GRACE: Duration = Duration::from_secs(2);
 pub struct AppState {
     pub(super) queue: Queue,
     pub(super) shared: Arc<Shared>,
-    pub(super) lm: Arc<LoadedModel<Cpu>>,
+    pub(super) lm: Arc<LoadedModel<Device>>,
     pub(super) cfg: ServeConfig,
     pub(super) prom: metrics_exporter_prometheus::PrometheusHandle,
     pub(super) shutting_down: AtomicBool,
@@ -49,7 +50,7 @@ impl AppState {
     pub(super) fn new(
         queue: Queue,
         shared: Arc<Shared>,
-        lm: Arc<LoadedModel<Cpu>>,
+        lm: Arc<LoadedModel<Device>>,
         cfg: ServeConfig,
         prom: metrics_exporter_prometheus::PrometheusHandle,
     ) -> Self {

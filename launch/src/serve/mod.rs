@@ -29,7 +29,8 @@ mod server;
 use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_coordinator::{Limits, ThreadRanks};
-use flowprefill_worker::{Cpu, LoadedModel};
+use flowprefill_kernels::Device;
+use flowprefill_worker::LoadedModel;
 use queue::{Queue, Shared, World, WorldFactory};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -137,7 +138,7 @@ impl Service {
     /// Starts the executor on `world`; `rebuild` makes a fresh world when rank 0 is stuck
     /// (thread ranks; `None` for MPI, where the service stops instead).
     pub fn start(
-        lm: Arc<LoadedModel<Cpu>>,
+        lm: Arc<LoadedModel<Device>>,
         world: World,
         rebuild: Option<WorldFactory>,
         cfg: ServeConfig,
@@ -151,7 +152,7 @@ impl Service {
 
     /// A thread-rank world of `ranks` on `lm`, and the factory that rebuilds it.
     pub fn thread_world(
-        lm: Arc<LoadedModel<Cpu>>,
+        lm: Arc<LoadedModel<Device>>,
         ranks: usize,
         comm_timeout: Duration,
         faults: Option<Arc<flowprefill_coordinator::fault::FaultPlan>>,

@@ -21,7 +21,7 @@ use super::api::ApiError;
 use super::metrics;
 use flowprefill_coordinator::world::panic_message;
 use flowprefill_coordinator::{Control, CoordError, Engine, Job, RunResult, ThreadRanks};
-use flowprefill_worker::Cpu;
+use flowprefill_kernels::Device;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
@@ -85,14 +85,14 @@ impl Drop for CancelOnDrop {
 /// The ranks the executor computes with.
 pub enum World {
     /// Thread ranks of this process.
-    Threads(ThreadRanks<Cpu>),
+    Threads(ThreadRanks<Device>),
     /// This process is rank 0 of an MPI job; the other ranks follow.
     #[cfg(feature = "mpi")]
     Mpi {
         /// Rank 0's communicator.
         comm: flowprefill_comm::mpi::MpiComm,
         /// Rank 0's engine.
-        engine: Engine<Cpu>,
+        engine: Engine<Device>,
     },
 }
 
@@ -108,7 +108,7 @@ impl World {
         }
     }
 
-    fn leader(&self) -> &Engine<Cpu> {
+    fn leader(&self) -> &Engine<Device> {
         match self {
             World::Threads(t) => t.leader(),
             #[cfg(feature = "mpi")]
@@ -159,7 +159,7 @@ impl World {
             World::Threads(t) => drop(t),
             #[cfg(feature = "mpi")]
             World::Mpi { mut comm, .. } => {
-                let _ = Engine::<Cpu>::stop(&mut comm);
+                let _ = Engine::<Device>::stop(&mut comm);
             }
         }
     }

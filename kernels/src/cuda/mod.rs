@@ -1,0 +1,115 @@
+//! CUDA (feature `cuda`): device discovery, NVRTC ([`nvrtc`]) and the backend
+//! ([`CudaBackend`]).
+//!
+//! cudarc is built with dynamic loading, so this compiles and links on machines without any
+//! CUDA install; at run time each library is looked up first and its absence is a typed error,
+//! never a panic (cudarc's `CudaContext::new` panics when libcuda is missing).
+
+mod backend;
+pub mod nvrtc;
+
+pub use backend::{to_bf16, CudaBackend, DeviceBuf, DeviceMat, WeightType};
+
+use crate::error::{KernelError, Result};
+use cudarc::driver::CudaContext;
+
+/// One visible GPU.
+#[derive(Clone, Debug)]
+pub struct CudaDevice {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// Marketing name.
+    pub name: String,
+    /// (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Device memory in bytes.
+    pub total_mem_bytes: usize,
+}
+
+fn err(detail: impl Into<String>) -> KernelError {
+    KernelError::Backend { backend: "cuda", detail: detail.into() }
+}
+
+/// True when the CUDA driver library can be loaded.
+pub fn driver_present() -> bool {
+    // SAFETY: only attempts to dlopen the driver library by its usual names; no symbol of it
+    // is called.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Versions of the CUDA pieces this process found, for `flowprefill devices`.
+#[derive(Clone, Debug, Default)]
+pub struct Versions {
+    /// The CUDA version the driver supports (e.g. 12090), if a driver is present.
+    pub driver: Option<i32>,
+    /// NVRTC (major, minor), if libnvrtc was found.
+    pub nvrtc: Option<(i32, i32)>,
+    /// cuBLAS (major, minor, patch), if libcublas was found.
+    pub cublas: Option<(i32, i32, i32)>,
+}
+
+/// What this machine has of the CUDA stack (nothing is required to call it).
+pub fn versions() -> Versions {
+    let driver = driver_present()
+        .then(|| {
+            let mut v = 0;
+            // SAFETY: cuInit is idempotent; `v` is a valid out-pointer.
+            unsafe {
+                let _ = cudarc::driver::sys::cuInit(0);
+                cudarc::driver::sys::cuDriverGetVersion(&mut v)
+            }
+            .result()
+            .ok()
+            .map(|()| v)
+        })
+        .flatten();
+    // SAFETY: only tries to dlopen the library by its usual names.
+    let cublas = unsafe { cudarc::cublas::sys::is_culib_present() }
+        .then(|| {
+            use cudarc::cublas::sys::{cublasGetProperty, libraryPropertyType};
+            let part = |p| {
+                let mut v = 0;
+                // SAFETY: a valid out-pointer; cublasGetProperty needs no handle.
+                unsafe { cublasGetProperty(p, &mut v) }.result().ok().map(|()| v)
+            };
+            Some((
+                part(libraryPropertyType::MAJOR_VERSION)?,
+                part(libraryPropertyType::MINOR_VERSION)?,
+                part(libraryPropertyType::PATCH_LEVEL)?,
+            ))
+        })
+        .flatten();
+    Versions { driver, nvrtc: nvrtc::version().ok(), cublas }
+}
+
+/// Lists the GPUs, or says why there are none.
+pub fn devices() -> Result<Vec<CudaDevice>> {
+    if !driver_present() {
+        return Err(err("the CUDA driver (libcuda) was not found: no NVIDIA driver on this machine"));
+    }
+    let n = CudaContext::device_count().map_err(|e| err(format!("cuInit/cuDeviceGetCount failed: {e:?}")))?;
+    (0..n.max(0) as usize)
+        .map(|ordinal| {
+            let ctx = CudaContext::new(ordinal).map_err(|e| err(format!("device {ordinal}: {e:?}")))?;
+            Ok(CudaDevice {
+                ordinal,
+                name: ctx.name().map_err(|e| err(format!("device {ordinal} name: {e:?}")))?,
+                compute_capability: ctx
+                    .compute_capability()
+                    .map_err(|e| err(format!("device {ordinal} capability: {e:?}")))?,
+                total_mem_bytes: ctx.total_mem().map_err(|e| err(format!("device {ordinal} memory: {e:?}")))?,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn devices_errors_cleanly_or_lists() {
+        match super::devices() {
+            Ok(list) => assert!(list.iter().all(|d| d.total_mem_bytes > 0)),
+            Err(e) => assert!(e.to_string().contains("cuda"), "{e}"),
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! NVRTC: CUDA C++ to machine code (CUBIN) for one architecture, with the ptxas report.
+//!
+//! NVRTC runs without a GPU (only `libnvrtc.so` is needed), so the compile gate runs in CI. The
+//! backend compiles for its device's architecture and keeps the CUBIN on disk, keyed by the
+//! sources' hash and the architecture, so a process compiles each file once per machine.
+
+use crate::error::{KernelError, Result};
+use cudarc::nvrtc::{result, sys};
+use std::ffi::{c_char, CStr, CString};
+use std::path::PathBuf;
+
+fn err(detail: impl Into<String>) -> KernelError {
+    KernelError::Backend { backend: "nvrtc", detail: detail.into() }
+}
+
+/// True when `libnvrtc` can be loaded.
+pub fn available() -> bool {
+    // SAFETY: only tries to dlopen the library by its usual names; no symbol is called.
+    unsafe { sys::is_culib_present() }
+}
+
+/// The NVRTC version (major, minor).
+pub fn version() -> Result<(i32, i32)> {
+    if !available() {
+        return Err(err(missing()));
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two valid out-pointers.
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }.result().map_err(|e| err(format!("nvrtcVersion: {e:?}")))?;
+    Ok((major, minor))
+}
+
+fn missing() -> String {
+    "libnvrtc was not found; install the PyPI wheel nvidia-cuda-nvrtc-cu12 (scripts/cuda-wheels.sh does) \
+     and put its lib folder on LD_LIBRARY_PATH, or install the CUDA toolkit"
+        .into()
+}
+
+/// Machine code of one program for one architecture, and what ptxas said about it.
+#[derive(Debug)]
+pub struct Compiled {
+    /// The CUBIN.
+    pub cubin: Vec<u8>,
+    /// NVRTC's log, with ptxas's `-v` report.
+    pub log: String,
+}
+
+fn log_of(prog: sys::nvrtcProgram) -> String {
+    // SAFETY: `prog` is a live program; the returned buffer is NUL-terminated by NVRTC.
+    match unsafe { result::get_program_log(prog) } {
+        Ok(raw) => unsafe { CStr::from_ptr(raw.as_ptr() as *const c_char) }.to_string_lossy().into_owned(),
+        Err(_) => String::new(),
+    }
+}
+
+/// Compiles `source` (named `name` in messages) to machine code for `arch` (`sm_80`,
+/// `sm_90a`, ...) with `-O3` and the ptxas report.
+pub fn compile(name: &str, source: &str, arch: &str) -> Result<Compiled> {
+    if !available() {
+        return Err(err(missing()));
+    }
+    let src = CString::new(source).map_err(|_| err(format!("{name}: the source contains a NUL byte")))?;
+    let cname = CString::new(name).map_err(|_| err(format!("{name}: a NUL byte in the name")))?;
+    let prog = result::create_program(&src, Some(&cname)).map_err(|e| err(format!("{name}: {e:?}")))?;
+    let options = [
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        "--ptxas-options=-v".into(),
+        "-default-device".into(),
+    ];
+    // SAFETY: `prog` was just created; the options outlive the call.
+    let compiled = unsafe { result::compile_program(prog, &options) };
+    let log = log_of(prog);
+    let out = compiled.map_err(|e| err(format!("{name} for {arch} did not compile ({e:?}):\n{log}"))).and_then(|()| {
+        let mut size = 0usize;
+        // SAFETY: `prog` compiled; `size` is a valid out-pointer.
+        unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result().map_err(|e| {
+            err(format!("{name}: no CUBIN for {arch} ({e:?}); is the architecture a real one (sm_XY)?"))
+        })?;
+        let mut cubin = vec![0u8; size];
+        // SAFETY: the buffer holds `size` bytes, as NVRTC asked.
+        unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char) }
+            .result()
+            .map_err(|e| err(format!("{name}: reading the CUBIN: {e:?}")))?;
+        Ok(Compiled { cubin, log: log.clone() })
+    });
+    // SAFETY: `prog` is not used after this.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
+/// What ptxas reported for one kernel.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KernelReport {
+    /// The kernel.
+    pub kernel: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Static shared memory, bytes.
+    pub shared_bytes: u32,
+    /// Spill stores, bytes.
+    pub spill_stores: u32,
+    /// Spill loads, bytes.
+    pub spill_loads: u32,
+    /// Stack frame, bytes.
+    pub stack_bytes: u32,
+}
+
+fn number_before(line: &str, unit: &str) -> Option<u32> {
+    let at = line.find(unit)?;
+    line[..at].split_whitespace().last()?.parse().ok()
+}
+
+/// Parses ptxas's `-v` report (per kernel: `Compiling entry function '...'`, then the stack
+/// and spill line, then `Used N registers, M bytes smem`).
+pub fn parse_report(log: &str) -> Vec<KernelReport> {
+    let mut out: Vec<KernelReport> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let kernel = rest.split('\'').next().unwrap_or("").to_string();
+            out.push(KernelReport { kernel, ..Default::default() });
+            continue;
+        }
+        let Some(k) = out.last_mut() else { continue };
+        if line.contains("spill stores") {
+            k.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+            k.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+            k.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
+        }
+        if line.contains("Used") && line.contains("registers") {
+            k.registers = number_before(line, "registers").unwrap_or(0);
+            k.shared_bytes = number_before(line, "bytes smem").unwrap_or(0);
+        }
+    }
+    out
+}
+
+/// Where compiled kernels are kept: `$FLOWPREFILL_HOME/kernels` (default: the user cache
+/// folder + `flowprefill/kernels`).
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("FLOWPREFILL_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("flowprefill")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("kernels")
+}
+
+/// The CUBIN of `name` for `arch`: from the cache if this exact source was compiled for it
+/// before, else compiled now and kept (a cache that cannot be written is only a slower start).
+pub fn cached(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in source.bytes().chain(arch.bytes()) {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    let path = cache_dir().join(format!("{}-{arch}-{h:016x}.cubin", name.trim_end_matches(".cu")));
+    if let Ok(bytes) = std::fs::read(&path) {
+        if !bytes.is_empty() {
+            return Ok(bytes);
+        }
+    }
+    let c = compile(name, source, arch)?;
+    if let Some(dir) = path.parent() {
+        let tmp = path.with_extension("tmp");
+        if std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, &c.cubin).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(c.cubin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_ptxas_report() {
+        let log = "ptxas info    : 0 bytes gmem\n\
+            ptxas info    : Compiling entry function 'fp_attention' for 'sm_90a'\n\
+            ptxas info    : Function properties for fp_attention\n\
+                0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n\
+            ptxas info    : Used 56 registers, 4096 bytes smem, 428 bytes cmem[0]\n\
+            ptxas info    : Compiling entry function 'fp_fill' for 'sm_90a'\n\
+            ptxas info    : Function properties for fp_fill\n\
+                0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+            ptxas info    : Used 10 registers, 372 bytes cmem[0]\n";
+        let r = parse_report(log);
+        assert_eq!(r.len(), 2);
+        assert_eq!(
+            r[0],
+            KernelReport {
+                kernel: "fp_attention".into(),
+                registers: 56,
+                shared_bytes: 4096,
+                spill_stores: 8,
+                spill_loads: 12,
+                stack_bytes: 0
+            }
+        );
+        assert_eq!((r[1].kernel.as_str(), r[1].registers, r[1].shared_bytes), ("fp_fill", 10, 0));
+    }
+}

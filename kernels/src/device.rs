@@ -1,0 +1,395 @@
+//! The backend chosen at run time (`--device cpu|cuda[:N]`): one type for the command line to
+//! hold, dispatching each op to the CPU or to a GPU. The model and the engine stay generic
+//! over [`Backend`]; this is only how a binary picks one without being generic itself (a
+//! match per op call, negligible next to the op).
+//!
+//! A build without the `cuda` feature has only the CPU; asking it for `cuda` is an error that
+//! says how to build with it.
+
+use crate::attention::AttnShape;
+use crate::backend::{Backend, Cpu};
+use crate::error::{KernelError, Result};
+use crate::matmul::Matrix;
+use crate::rope::RopeTable;
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
+
+/// Where the model runs.
+#[derive(Clone)]
+pub enum Device {
+    /// The CPU backend.
+    Cpu(Cpu),
+    /// A GPU (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<crate::cuda::CudaBackend>),
+}
+
+/// A buffer of a [`Device`].
+pub enum DevBuf {
+    /// On the CPU.
+    Cpu(Vec<f32>),
+    /// On a GPU.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::DeviceBuf),
+}
+
+/// A weight matrix of a [`Device`].
+pub enum DevMat {
+    /// On the CPU.
+    Cpu(Matrix),
+    /// On a GPU.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::DeviceMat),
+}
+
+/// How a GPU keeps the weights (the CPU always keeps f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum WeightType {
+    /// bf16: half the memory; GEMMs in bf16 with f32 accumulation.
+    #[default]
+    Bf16,
+    /// f32: exact weights; FP32 GEMMs (for comparing with the CPU).
+    F32,
+}
+
+impl std::str::FromStr for WeightType {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "bf16" => Ok(WeightType::Bf16),
+            "f32" => Ok(WeightType::F32),
+            other => Err(format!("`{other}`: give bf16 or f32")),
+        }
+    }
+}
+
+/// A parsed `--device` value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// `cpu`.
+    Cpu,
+    /// `cuda` or `cuda:N`.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceSpec {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let s = s.trim().to_ascii_lowercase();
+        match s.as_str() {
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "cuda" | "gpu" => Ok(DeviceSpec::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceSpec::Cuda)
+                .ok_or_else(|| format!("`{s}` is not a device; give cpu, cuda or cuda:N")),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceSpec::Cpu => f.write_str("cpu"),
+            DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl Device {
+    /// Opens the device `spec` names (for a GPU: context, kernels, cuBLAS; weights kept as
+    /// `weights`).
+    pub fn open(spec: DeviceSpec, weights: WeightType) -> Result<Self> {
+        match spec {
+            DeviceSpec::Cpu => Ok(Device::Cpu(Cpu)),
+            #[cfg(feature = "cuda")]
+            DeviceSpec::Cuda(n) => Ok(Device::Cuda(Arc::new(crate::cuda::CudaBackend::new(n, weights)?))),
+            #[cfg(not(feature = "cuda"))]
+            DeviceSpec::Cuda(n) => Err(KernelError::Backend {
+                backend: "cuda",
+                detail: format!(
+                    "--device cuda:{n} needs a build with CUDA support: cargo build --release --features cuda \
+                     ({weights:?} weights asked for)"
+                ),
+            }),
+        }
+    }
+}
+
+fn mixed(op: &'static str) -> KernelError {
+    KernelError::Backend { backend: "device", detail: format!("{op}: buffers of different devices") }
+}
+
+/// Dispatches an op: `$cpu` / `$cuda` are the backends, the listed buffers are unwrapped to
+/// their variant (all must be on the op's device).
+macro_rules! dispatch {
+    ($self:ident, $op:literal, |$be:ident| $body:expr, $($buf:ident),*) => {
+        match $self {
+            Device::Cpu($be) => {
+                $( let DevBufRef::Cpu($buf) = $buf.by_device() else { return Err(mixed($op)) }; )*
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda($be) => {
+                let $be = &**$be;
+                $( let DevBufRef::Cuda($buf) = $buf.by_device() else { return Err(mixed($op)) }; )*
+                $body
+            }
+        }
+    };
+}
+
+/// A borrowed view of a buffer or matrix, by device (what [`dispatch!`] matches on).
+enum DevBufRef<C, G> {
+    Cpu(C),
+    #[cfg(feature = "cuda")]
+    #[allow(dead_code)]
+    Cuda(G),
+    #[cfg(not(feature = "cuda"))]
+    #[allow(dead_code)]
+    Never(std::marker::PhantomData<G>, std::convert::Infallible),
+}
+
+trait ByDevice {
+    type C;
+    type G;
+    fn by_device(self) -> DevBufRef<Self::C, Self::G>;
+}
+
+#[cfg(feature = "cuda")]
+type GBuf = crate::cuda::DeviceBuf;
+#[cfg(not(feature = "cuda"))]
+type GBuf = ();
+#[cfg(feature = "cuda")]
+type GMat = crate::cuda::DeviceMat;
+#[cfg(not(feature = "cuda"))]
+type GMat = ();
+
+impl<'a> ByDevice for &'a DevBuf {
+    type C = &'a Vec<f32>;
+    type G = &'a GBuf;
+    fn by_device(self) -> DevBufRef<Self::C, Self::G> {
+        match self {
+            DevBuf::Cpu(b) => DevBufRef::Cpu(b),
+            #[cfg(feature = "cuda")]
+            DevBuf::Cuda(b) => DevBufRef::Cuda(b),
+        }
+    }
+}
+
+impl<'a> ByDevice for &'a mut DevBuf {
+    type C = &'a mut Vec<f32>;
+    type G = &'a mut GBuf;
+    fn by_device(self) -> DevBufRef<Self::C, Self::G> {
+        match self {
+            DevBuf::Cpu(b) => DevBufRef::Cpu(b),
+            #[cfg(feature = "cuda")]
+            DevBuf::Cuda(b) => DevBufRef::Cuda(b),
+        }
+    }
+}
+
+impl<'a> ByDevice for &'a DevMat {
+    type C = &'a Matrix;
+    type G = &'a GMat;
+    fn by_device(self) -> DevBufRef<Self::C, Self::G> {
+        match self {
+            DevMat::Cpu(m) => DevBufRef::Cpu(m),
+            #[cfg(feature = "cuda")]
+            DevMat::Cuda(m) => DevBufRef::Cuda(m),
+        }
+    }
+}
+
+/// Wraps a backend's result buffer in its variant.
+macro_rules! wrap {
+    ($self:ident, |$be:ident| $body:expr, $variant:ident) => {
+        match $self {
+            Device::Cpu($be) => Ok($variant::Cpu($body?)),
+            #[cfg(feature = "cuda")]
+            Device::Cuda($be) => {
+                let $be = &**$be;
+                Ok($variant::Cuda($body?))
+            }
+        }
+    };
+}
+
+// In a build without `cuda` every buffer is a CPU buffer: the unwrapping is irrefutable there.
+#[cfg_attr(not(feature = "cuda"), allow(irrefutable_let_patterns))]
+impl Backend for Device {
+    type Buf = DevBuf;
+    type Mat = DevMat;
+
+    fn name(&self) -> &'static str {
+        match self {
+            Device::Cpu(b) => b.name(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(b) => b.name(),
+        }
+    }
+    fn upload(&self, host: &[f32]) -> Result<DevBuf> {
+        wrap!(self, |be| be.upload(host), DevBuf)
+    }
+    fn download(&self, buf: &DevBuf) -> Result<Vec<f32>> {
+        dispatch!(self, "download", |be| be.download(buf), buf)
+    }
+    fn download_range(&self, buf: &DevBuf, start: usize, len: usize) -> Result<Vec<f32>> {
+        dispatch!(self, "download_range", |be| be.download_range(buf, start, len), buf)
+    }
+    fn zeros(&self, len: usize) -> Result<DevBuf> {
+        wrap!(self, |be| be.zeros(len), DevBuf)
+    }
+    fn len(&self, buf: &DevBuf) -> usize {
+        match buf {
+            DevBuf::Cpu(b) => b.len(),
+            #[cfg(feature = "cuda")]
+            DevBuf::Cuda(b) => b.len(),
+        }
+    }
+    fn resize(&self, buf: &mut DevBuf, len: usize) -> Result<()> {
+        dispatch!(self, "resize", |be| be.resize(buf, len), buf)
+    }
+    fn reserve(&self, buf: &mut DevBuf, capacity: usize) -> Result<()> {
+        dispatch!(self, "reserve", |be| be.reserve(buf, capacity), buf)
+    }
+    fn matrix(&self, m: Matrix) -> Result<DevMat> {
+        wrap!(self, |be| be.matrix(m), DevMat)
+    }
+    fn mat_shape(&self, m: &DevMat) -> (usize, usize) {
+        match m {
+            DevMat::Cpu(m) => (m.rows(), m.cols()),
+            #[cfg(feature = "cuda")]
+            DevMat::Cuda(m) => match self {
+                Device::Cuda(be) => be.mat_shape(m),
+                Device::Cpu(_) => (0, 0),
+            },
+        }
+    }
+    fn embedding(&self, table: &DevMat, ids: &[u32], out: &mut DevBuf) -> Result<()> {
+        dispatch!(self, "embedding", |be| be.embedding(table, ids, out), table, out)
+    }
+    fn matmul_t(&self, x: &DevBuf, rows: usize, w: &DevMat, out: &mut DevBuf) -> Result<()> {
+        dispatch!(self, "matmul_t", |be| be.matmul_t(x, rows, w, out), x, w, out)
+    }
+    fn add_bias(&self, x: &mut DevBuf, bias: &DevBuf) -> Result<()> {
+        dispatch!(self, "add_bias", |be| be.add_bias(x, bias), x, bias)
+    }
+    fn rms_norm(&self, x: &DevBuf, w: &DevBuf, eps: f32, out: &mut DevBuf) -> Result<()> {
+        dispatch!(self, "rms_norm", |be| be.rms_norm(x, w, eps, out), x, w, out)
+    }
+    fn rope(&self, x: &mut DevBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
+        dispatch!(self, "rope", |be| be.rope(x, n_heads, positions, table), x)
+    }
+    fn attention(
+        &self,
+        shape: &AttnShape,
+        q: &DevBuf,
+        qpos: &[u32],
+        k: &DevBuf,
+        v: &DevBuf,
+        kpos: &[u32],
+        out: &mut DevBuf,
+        lse: &mut DevBuf,
+    ) -> Result<()> {
+        dispatch!(self, "attention", |be| be.attention(shape, q, qpos, k, v, kpos, out, lse), q, k, v, out, lse)
+    }
+    fn attention_scores(
+        &self,
+        shape: &AttnShape,
+        q: &DevBuf,
+        qpos: &[u32],
+        k: &DevBuf,
+        kpos: &[u32],
+        lse: &DevBuf,
+        scores: &mut DevBuf,
+    ) -> Result<()> {
+        dispatch!(
+            self,
+            "attention_scores",
+            |be| be.attention_scores(shape, q, qpos, k, kpos, lse, scores),
+            q,
+            k,
+            lse,
+            scores
+        )
+    }
+    fn merge_partial(
+        &self,
+        out: &mut DevBuf,
+        lse: &mut DevBuf,
+        block_out: &DevBuf,
+        block_lse: &DevBuf,
+        head_dim: usize,
+    ) -> Result<()> {
+        dispatch!(
+            self,
+            "merge_partial",
+            |be| be.merge_partial(out, lse, block_out, block_lse, head_dim),
+            out,
+            lse,
+            block_out,
+            block_lse
+        )
+    }
+    fn silu_mul(&self, gate_up: &DevBuf, ffn: usize, out: &mut DevBuf) -> Result<()> {
+        dispatch!(self, "silu_mul", |be| be.silu_mul(gate_up, ffn, out), gate_up, out)
+    }
+    fn add_assign(&self, x: &mut DevBuf, y: &DevBuf) -> Result<()> {
+        dispatch!(self, "add_assign", |be| be.add_assign(x, y), x, y)
+    }
+    fn copy_columns(&self, src: &DevBuf, src_cols: usize, col: usize, width: usize, dst: &mut DevBuf) -> Result<()> {
+        dispatch!(self, "copy_columns", |be| be.copy_columns(src, src_cols, col, width, dst), src, dst)
+    }
+    fn copy_rows(
+        &self,
+        src: &DevBuf,
+        src_rows: &[usize],
+        dst: &mut DevBuf,
+        dst_rows: &[usize],
+        row_len: usize,
+    ) -> Result<()> {
+        dispatch!(self, "copy_rows", |be| be.copy_rows(src, src_rows, dst, dst_rows, row_len), src, dst)
+    }
+    fn append(&self, dst: &mut DevBuf, src: &DevBuf) -> Result<()> {
+        dispatch!(self, "append", |be| be.append(dst, src), dst, src)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_and_cpu_runs_through_the_enum() {
+        assert_eq!("cpu".parse::<DeviceSpec>(), Ok(DeviceSpec::Cpu));
+        assert_eq!("CUDA".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(0)));
+        assert_eq!("cuda:3".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(3)));
+        assert!("tpu".parse::<DeviceSpec>().unwrap_err().contains("cpu, cuda or cuda:N"));
+        let d = Device::open(DeviceSpec::Cpu, WeightType::F32).unwrap();
+        let mut x = d.upload(&[1.0, 2.0, 3.0]).unwrap();
+        let y = d.upload(&[0.5, 0.5, 0.5]).unwrap();
+        d.add_assign(&mut x, &y).unwrap();
+        assert_eq!(d.download(&x).unwrap(), vec![1.5, 2.5, 3.5]);
+        assert_eq!(d.len(&x), 3);
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn a_build_without_cuda_says_how_to_get_it() {
+        let e = Device::open(DeviceSpec::Cuda(0), WeightType::Bf16).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("--features cuda"), "{e}");
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn a_machine_without_a_gpu_says_so() {
+        if crate::cuda::devices().is_ok_and(|d| !d.is_empty()) {
+            eprintln!("skipped: this machine has a GPU");
+            return;
+        }
+        let e = Device::open(DeviceSpec::Cuda(0), WeightType::Bf16).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("cuda"), "{e}");
+    }
+}

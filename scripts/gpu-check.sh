@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# What a GPU owner runs first. Nothing here has run on a GPU yet (none was available to the
+# project): it checks what was only verified by compilation and CPU emulation.
+#   1. the devices and the CUDA libraries found;
+#   2. the kernels' compile gate for this GPU, and every CUDA op against the CPU backend;
+#   3. the real model on the GPU against the CPU (first logits, greedy answers);
+#   4. full-prefill throughput on the GPU (bench prefill --device cuda);
+#   5. the attention kernel in TFLOP/s and as a share of the device's FP32 peak.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+libs=$(bash scripts/cuda-wheels.sh --runtime)
+export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export FLOWPREFILL_REQUIRE_NVRTC=1
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+cargo build --release --features cuda
+./target/release/flowprefill devices
+cargo test --release -p flowprefill-kernels --features cuda -- --nocapture
+cargo test --release -p flowprefill --features cuda --test cuda -- --nocapture
+./target/release/flowprefill bench prefill --device cuda --tokens 512,2048,4096,8000 --runs 3
+./target/release/flowprefill bench prefill --device cuda --weights f32 --tokens 2048 --runs 3
+cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench
