@@ -35,5 +35,8 @@ cargo clippy --workspace --all-targets "${features[@]}" -- -D warnings
 # Every test, with the CUDA backend built in: the compile gate (sm_80, sm_90a), the kernels run
 # on the CPU against the references, the GPU tests (they say SKIPPED without a GPU).
 cargo test --release --workspace "${features[@]}"
+# The CUDA tests again with their output: the compile gate's ptxas table, and what the GPU
+# tests did (on a machine without a GPU: SKIPPED, with the reason).
+cargo test --release --workspace "${features[@]}" --test cuda_compile_gate --test cuda_ops --test cuda -- --nocapture
 # The default build (no CUDA: the README's first command) must type-check too.
 cargo check -p flowprefill-kernels

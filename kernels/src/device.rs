@@ -106,13 +106,14 @@ impl Device {
             #[cfg(feature = "cuda")]
             DeviceSpec::Cuda(n) => Ok(Device::Cuda(Arc::new(crate::cuda::CudaBackend::new(n, weights)?))),
             #[cfg(not(feature = "cuda"))]
-            DeviceSpec::Cuda(n) => Err(KernelError::Backend {
-                backend: "cuda",
-                detail: format!(
-                    "--device cuda:{n} needs a build with CUDA support: cargo build --release --features cuda \
-                     ({weights:?} weights asked for)"
-                ),
-            }),
+            DeviceSpec::Cuda(_) => {
+                let _ = weights;
+                Err(KernelError::Backend {
+                    backend: "cuda",
+                    detail: "this build has no CUDA support: rebuild with `cargo build --release --features cuda`"
+                        .into(),
+                })
+            }
         }
     }
 }

@@ -72,6 +72,13 @@ pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
             .or_else(|| c.downcast_ref::<flowprefill_worker::InputError>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<Usage>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<flowprefill_comm::CommError>().map(|_| ErrorClass::Peer))
+            .or_else(|| {
+                // A device that cannot be used (no driver, no GPU) is the machine's configuration.
+                c.downcast_ref::<flowprefill_kernels::KernelError>().map(|e| match e {
+                    flowprefill_kernels::KernelError::Shape { .. } => ErrorClass::Internal,
+                    _ => ErrorClass::Model,
+                })
+            })
     })
 }
 
