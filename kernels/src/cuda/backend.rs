@@ -222,38 +222,45 @@ impl CudaBackend {
         let algo = cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
         let f32t = cublas_sys::cudaDataType_t::CUDA_R_32F;
         let (c_ptr, _c_rec) = out.data.device_ptr_mut(&self.stream);
+        let handle = *self.blas.handle();
+        let run = |a: cudarc::driver::sys::CUdeviceptr, b: cudarc::driver::sys::CUdeviceptr, t, what: &str| {
+            // SAFETY: `a`, `b` and `c_ptr` are live device allocations of at least n*k, rows*k
+            // and rows*n elements (the caller checked the lengths; the bf16 scratch holds
+            // rows*k); alpha and beta outlive the call; the allocations' stream-order guards
+            // are held by the caller until it returns.
+            unsafe {
+                cublas::gemm_ex(
+                    handle,
+                    op_t,
+                    op_n,
+                    m_,
+                    n_,
+                    k_,
+                    &alpha as *const f32 as *const _,
+                    a as *const _,
+                    t,
+                    k_,
+                    b as *const _,
+                    t,
+                    k_,
+                    &beta as *const f32 as *const _,
+                    c_ptr as *mut _,
+                    f32t,
+                    m_,
+                    compute,
+                    algo,
+                )
+            }
+            .map_err(|e| err(what, e))
+        };
         match &w.data {
             MatData::F32(wd) => {
                 let (a_ptr, _a) = wd.device_ptr(&self.stream);
                 let (b_ptr, _b) = x.data.device_ptr(&self.stream);
-                // SAFETY: the pointers are live device allocations of at least n*k, rows*k and
-                // rows*n f32 (checked by the caller); alpha and beta outlive the call.
-                unsafe {
-                    cublas::gemm_ex(
-                        *self.blas.handle(),
-                        op_t,
-                        op_n,
-                        m_,
-                        n_,
-                        k_,
-                        &alpha as *const f32 as *const _,
-                        a_ptr as *const _,
-                        f32t,
-                        k_,
-                        b_ptr as *const _,
-                        f32t,
-                        k_,
-                        &beta as *const f32 as *const _,
-                        c_ptr as *mut _,
-                        f32t,
-                        m_,
-                        compute,
-                        algo,
-                    )
-                }
-                .map_err(|e| err("gemm (f32)", e))
+                run(a_ptr, b_ptr, f32t, "gemm (f32)")
             }
             MatData::Bf16(wd) => {
+                // The activations go to bf16 in a scratch buffer reused across calls.
                 let need = rows * k;
                 let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
                 if scratch.as_ref().is_none_or(|s| s.len() < need) {
@@ -266,34 +273,9 @@ impl CudaBackend {
                 b.arg(&x.data).arg(&mut *xb).arg(&nn);
                 // SAFETY: the kernel reads `need` f32 and writes `need` bf16, within both buffers.
                 unsafe { b.launch(Self::config(gpu::stride_launch(nn))) }.map_err(|e| err("f32_to_bf16", e))?;
-                let bf = cublas_sys::cudaDataType_t::CUDA_R_16BF;
                 let (a_ptr, _a) = wd.device_ptr(&self.stream);
                 let (b_ptr, _b) = xb.device_ptr(&self.stream);
-                // SAFETY: as above, with bf16 A and B.
-                unsafe {
-                    cublas::gemm_ex(
-                        *self.blas.handle(),
-                        op_t,
-                        op_n,
-                        m_,
-                        n_,
-                        k_,
-                        &alpha as *const f32 as *const _,
-                        a_ptr as *const _,
-                        bf,
-                        k_,
-                        b_ptr as *const _,
-                        bf,
-                        k_,
-                        &beta as *const f32 as *const _,
-                        c_ptr as *mut _,
-                        f32t,
-                        m_,
-                        compute,
-                        algo,
-                    )
-                }
-                .map_err(|e| err("gemm (bf16)", e))
+                run(a_ptr, b_ptr, cublas_sys::cudaDataType_t::CUDA_R_16BF, "gemm (bf16)")
             }
         }
     }
