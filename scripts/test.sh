@@ -39,4 +39,4 @@ cargo test --release --workspace "${features[@]}"
 # tests did (on a machine without a GPU: SKIPPED, with the reason).
 cargo test --release --workspace "${features[@]}" --test cuda_compile_gate --test cuda_ops --test cuda -- --nocapture
 # The default build (no CUDA: the README's first command) must type-check too.
-cargo check -p flowprefill-kernels
+cargo check -p flowprefill

@@ -212,7 +212,8 @@ fn item3_deadlines_and_disconnects_stop_the_prefill_on_every_rank() {
     let next = t.elapsed();
     assert!(next < full / 2, "the next job took {next:?}; the abandoned job alone takes {full:?}");
 
-    // A request of thousands of one-token chunks is refused before it is queued.
+    // Requests over the cost bounds are refused before they are queued: thousands of one-token
+    // chunks, more context tokens than the server takes.
     let tiny = serde_json::json!({ "text": "word ".repeat(3000), "chunk_tokens": 1, "query": "q?" });
     let r = s.post("/v1/jobs", &tiny);
     assert_eq!(r.status, 400, "{}", r.text());

@@ -73,3 +73,42 @@ fn empty_prompt_and_too_long_context() {
     assert!(matches!(e, WorkerError::ContextTooLong { window: 8192, .. }), "{e}");
     assert!(e.to_string().contains("context window is 8192"), "{e}");
 }
+
+#[test]
+fn admission_checks_the_cost_bounds_and_the_model() {
+    use flowprefill_coordinator::{admit, Context, ErrorClass, Job, Limits, Request, RunOptions};
+    let lm = default_model();
+    let doc = "The harbour of Redwater keeps its boats in the north basin. ".repeat(4);
+    let job = |docs: usize, opts: RunOptions| Job {
+        request: Request {
+            context: Context::Documents(vec![doc.clone(); docs]),
+            query: "Which basin?".into(),
+            system: None,
+        },
+        options: opts,
+    };
+    let limits = Limits { max_documents: 3, max_chunks: 3, max_context_tokens: 120 };
+    let ok = admit(lm, &job(1, RunOptions::default()), &limits).expect("a small job passes");
+    assert_eq!(ok.chunks(), 1);
+    assert!(ok.context_tokens() > 20 && ok.context_tokens() <= 120);
+    let refused = |j: Job| {
+        let e = admit(lm, &j, &limits).expect_err("refused");
+        assert_eq!(e.class(), ErrorClass::Caller, "{e}");
+        e.api_message()
+    };
+    assert!(refused(job(4, RunOptions::default())).contains("field `documents`: 4 documents"));
+    assert!(refused(job(3, RunOptions::default())).contains("this server takes at most 120"));
+    let text = Job {
+        request: Request {
+            context: Context::Text { text: doc.clone(), chunk_tokens: 2 },
+            query: "q?".into(),
+            system: None,
+        },
+        options: RunOptions::default(),
+    };
+    assert!(refused(text).contains("field `chunk_tokens`"));
+    let layers = RunOptions { score_layers: Some((10, 40)), ..RunOptions::default() };
+    assert!(refused(job(1, layers)).contains("field `score_layers`: 10-40: the model has layers 0-29"));
+    // Without limits only the model bounds a job.
+    assert!(admit(lm, &job(4, RunOptions::default()), &Limits::NONE).is_ok());
+}

@@ -65,6 +65,9 @@ pub struct Args {
     /// Chunks per request (documents, or pieces of a text).
     #[arg(long, default_value_t = Limits::default().max_chunks)]
     pub max_chunks: usize,
+    /// Context tokens per request (default: the model's window is the only bound).
+    #[arg(long)]
+    pub max_context_tokens: Option<usize>,
     /// Longest a job may take, queueing included (a request may ask for less).
     #[arg(long, default_value_t = 900.0)]
     pub job_timeout: f64,
@@ -284,7 +287,11 @@ impl Args {
             shutdown_grace: secs("--shutdown-grace", self.shutdown_grace)?,
             hang_grace: secs("--comm-timeout", self.comm_timeout)? + Duration::from_secs(5),
             max_connections: self.max_connections.max(1),
-            limits: Limits { max_documents: self.max_documents, max_chunks: self.max_chunks, ..Limits::default() },
+            limits: Limits {
+                max_documents: self.max_documents,
+                max_chunks: self.max_chunks,
+                max_context_tokens: self.max_context_tokens.unwrap_or(Limits::default().max_context_tokens),
+            },
             model_name,
         })
     }
