@@ -122,86 +122,63 @@ fn mixed(op: &'static str) -> KernelError {
     KernelError::Backend { backend: "device", detail: format!("{op}: buffers of different devices") }
 }
 
-/// Dispatches an op: `$cpu` / `$cuda` are the backends, the listed buffers are unwrapped to
-/// their variant (all must be on the op's device).
+/// Dispatches an op to the device's backend, unwrapping each listed buffer or matrix to that
+/// device's variant (one on another device is an error).
 macro_rules! dispatch {
     ($self:ident, $op:literal, |$be:ident| $body:expr, $($buf:ident),*) => {
         match $self {
             Device::Cpu($be) => {
-                $( let DevBufRef::Cpu($buf) = $buf.by_device() else { return Err(mixed($op)) }; )*
+                $( let Some($buf) = $buf.on_cpu() else { return Err(mixed($op)) }; )*
                 $body
             }
             #[cfg(feature = "cuda")]
             Device::Cuda($be) => {
                 let $be = &**$be;
-                $( let DevBufRef::Cuda($buf) = $buf.by_device() else { return Err(mixed($op)) }; )*
+                $( let Some($buf) = $buf.on_cuda() else { return Err(mixed($op)) }; )*
                 $body
             }
         }
     };
 }
 
-/// A borrowed view of a buffer or matrix, by device (what [`dispatch!`] matches on).
-enum DevBufRef<C, G> {
-    Cpu(C),
+/// A buffer or matrix reference unwrapped to one device's variant.
+trait Variant: Sized {
+    type Cpu;
     #[cfg(feature = "cuda")]
-    #[allow(dead_code)]
-    Cuda(G),
-    #[cfg(not(feature = "cuda"))]
-    #[allow(dead_code)]
-    Never(std::marker::PhantomData<G>, std::convert::Infallible),
+    type Cuda;
+    fn on_cpu(self) -> Option<Self::Cpu>;
+    #[cfg(feature = "cuda")]
+    fn on_cuda(self) -> Option<Self::Cuda>;
 }
 
-trait ByDevice {
-    type C;
-    type G;
-    fn by_device(self) -> DevBufRef<Self::C, Self::G>;
-}
-
-#[cfg(feature = "cuda")]
-type GBuf = crate::cuda::DeviceBuf;
-#[cfg(not(feature = "cuda"))]
-type GBuf = ();
-#[cfg(feature = "cuda")]
-type GMat = crate::cuda::DeviceMat;
-#[cfg(not(feature = "cuda"))]
-type GMat = ();
-
-impl<'a> ByDevice for &'a DevBuf {
-    type C = &'a Vec<f32>;
-    type G = &'a GBuf;
-    fn by_device(self) -> DevBufRef<Self::C, Self::G> {
-        match self {
-            DevBuf::Cpu(b) => DevBufRef::Cpu(b),
+/// Implements [`Variant`] for a reference to an enum of [`Device`]'s buffers or matrices.
+macro_rules! variant {
+    ($ty:ty, $enum:ident, $cpu:ty, $cuda:ty) => {
+        impl<'a> Variant for $ty {
+            type Cpu = $cpu;
             #[cfg(feature = "cuda")]
-            DevBuf::Cuda(b) => DevBufRef::Cuda(b),
+            type Cuda = $cuda;
+            fn on_cpu(self) -> Option<$cpu> {
+                match self {
+                    $enum::Cpu(x) => Some(x),
+                    #[cfg(feature = "cuda")]
+                    _ => None,
+                }
+            }
+            #[cfg(feature = "cuda")]
+            fn on_cuda(self) -> Option<$cuda> {
+                match self {
+                    $enum::Cuda(x) => Some(x),
+                    _ => None,
+                }
+            }
         }
-    }
+    };
 }
 
-impl<'a> ByDevice for &'a mut DevBuf {
-    type C = &'a mut Vec<f32>;
-    type G = &'a mut GBuf;
-    fn by_device(self) -> DevBufRef<Self::C, Self::G> {
-        match self {
-            DevBuf::Cpu(b) => DevBufRef::Cpu(b),
-            #[cfg(feature = "cuda")]
-            DevBuf::Cuda(b) => DevBufRef::Cuda(b),
-        }
-    }
-}
-
-impl<'a> ByDevice for &'a DevMat {
-    type C = &'a Matrix;
-    type G = &'a GMat;
-    fn by_device(self) -> DevBufRef<Self::C, Self::G> {
-        match self {
-            DevMat::Cpu(m) => DevBufRef::Cpu(m),
-            #[cfg(feature = "cuda")]
-            DevMat::Cuda(m) => DevBufRef::Cuda(m),
-        }
-    }
-}
+variant!(&'a DevBuf, DevBuf, &'a Vec<f32>, &'a crate::cuda::DeviceBuf);
+variant!(&'a mut DevBuf, DevBuf, &'a mut Vec<f32>, &'a mut crate::cuda::DeviceBuf);
+variant!(&'a DevMat, DevMat, &'a Matrix, &'a crate::cuda::DeviceMat);
 
 /// Wraps a backend's result buffer in its variant.
 macro_rules! wrap {
@@ -217,8 +194,6 @@ macro_rules! wrap {
     };
 }
 
-// In a build without `cuda` every buffer is a CPU buffer: the unwrapping is irrefutable there.
-#[cfg_attr(not(feature = "cuda"), allow(irrefutable_let_patterns))]
 impl Backend for Device {
     type Buf = DevBuf;
     type Mat = DevMat;
@@ -262,10 +237,7 @@ impl Backend for Device {
         match m {
             DevMat::Cpu(m) => (m.rows(), m.cols()),
             #[cfg(feature = "cuda")]
-            DevMat::Cuda(m) => match self {
-                Device::Cuda(be) => be.mat_shape(m),
-                Device::Cpu(_) => (0, 0),
-            },
+            DevMat::Cuda(m) => m.shape(),
         }
     }
     fn embedding(&self, table: &DevMat, ids: &[u32], out: &mut DevBuf) -> Result<()> {

@@ -84,6 +84,13 @@ pub struct DeviceMat {
     data: MatData,
 }
 
+impl DeviceMat {
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+}
+
 struct DeviceRope {
     cos: CudaSlice<f32>,
     sin: CudaSlice<f32>,
@@ -377,7 +384,7 @@ impl Backend for CudaBackend {
     }
 
     fn mat_shape(&self, m: &DeviceMat) -> (usize, usize) {
-        (m.rows, m.cols)
+        m.shape()
     }
 
     fn embedding(&self, table: &DeviceMat, ids: &[u32], out: &mut DeviceBuf) -> Result<()> {

@@ -131,6 +131,7 @@ impl World {
 
     /// After rank 0 panicked mid-job: tells the other ranks the job is over, so that they wait
     /// for the next one (thread ranks are rebuilt instead).
+    #[cfg_attr(not(feature = "mpi"), allow(unused_variables))]
     fn abandon_job(&mut self, why: &str) {
         match self {
             World::Threads(_) => {}
@@ -141,7 +142,6 @@ impl World {
                 comm.end_job();
             }
         }
-        let _ = why;
     }
 
     /// Tries to get all ranks back; false when impossible (MPI).
