@@ -9,7 +9,8 @@
 //! * [`shard`]: which rank holds which chunk;
 //! * [`engine`]: the phase pipeline on every rank, with the chunk store, TTFT and per-phase
 //!   timings and communication statistics;
-//! * [`explain`], [`tasks`]: selected spans in context; built-in question sets.
+//! * [`explain`], [`tasks`]: selected spans in context; built-in question sets;
+//! * [`project`]: the engine's work accounting turned into projected TTFT on other hardware.
 
 pub mod admit;
 pub mod engine;
@@ -17,6 +18,7 @@ mod error;
 pub mod explain;
 pub mod fault;
 pub mod layout;
+pub mod project;
 pub mod reorder;
 pub mod request;
 pub mod select;

@@ -1,0 +1,613 @@
+//! Work accounting: what every rank computes and sends, phase by phase, for one request.
+//!
+//! The plan is derived from the same functions the engine runs: [`shard::plan`] (who holds
+//! which chunk), [`zigzag_pieces`] (the ring's split), [`count_for_ratio`] (the selection
+//! budget), [`default_score_layers`] (the probe's depth), the chunk-prefill batching
+//! ([`DEFAULT_BATCH_TOKENS`]), the full prefill's pieces ([`DEFAULT_PREFILL_CHUNK`]), the
+//! recompute batches (`RunOptions::recompute_batch`) and the prefix mode in effect. What it
+//! adds is the visibility rule every attention call applies (a key is seen when its position
+//! is not after the query's), counted in closed form over position ranges, and the wire size
+//! of every message (`comm::wire` sections: a 4-byte count, then the values).
+//!
+//! A test in `tests/tests/projection_counts.rs` runs the real engine on a backend that counts
+//! GEMM rows and visible attention pairs, and the communicator's own byte counters, and
+//! demands the same numbers from this module: if the pipeline changes, that test fails until
+//! this accounting follows.
+
+use super::{ProjectError, Shape};
+use crate::request::{Method, PrefixMode, RunOptions, Scope};
+use crate::select::default_score_layers;
+use crate::shard;
+use crate::timings::phase;
+use flowprefill_kernels::topk::count_for_ratio;
+use flowprefill_worker::generate::DEFAULT_PREFILL_CHUNK;
+use flowprefill_worker::steps::{zigzag_pieces, DEFAULT_BATCH_TOKENS};
+use std::ops::Range;
+
+/// One model forward: `rows` tokens through `layers` blocks, `logit_rows` of them to logits.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Forward {
+    /// Rows (tokens) of the GEMMs.
+    pub rows: usize,
+    /// Blocks run.
+    pub layers: usize,
+    /// Rows projected to the vocabulary.
+    pub logit_rows: usize,
+}
+
+/// Attention calls with the same shape on `layers` blocks: `queries` over `keys`, of which
+/// `pairs` (query, key) pairs are visible (per head, per layer).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Attn {
+    /// Query rows.
+    pub queries: usize,
+    /// Keys read.
+    pub keys: usize,
+    /// Visible (query, key) pairs per head and layer.
+    pub pairs: u64,
+    /// Blocks this call repeats on.
+    pub layers: usize,
+    /// Ring step this call belongs to (its transfer may overlap it).
+    pub step: Option<usize>,
+}
+
+/// One collective as one rank sees it, repeated `calls` times.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Message {
+    /// The collective's name (as in the communicator's statistics).
+    pub op: String,
+    /// Times it runs.
+    pub calls: usize,
+    /// Payload bytes this rank sends per call (all peers together).
+    pub sent: u64,
+    /// Payload bytes this rank receives per call.
+    pub received: u64,
+    /// Ring step (the transfer that overlaps the attention of the same step).
+    pub step: Option<usize>,
+}
+
+/// The work of one rank in one phase.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct PhaseWork {
+    /// Phase name (as in the engine's timings).
+    pub phase: &'static str,
+    /// Model forwards.
+    pub forwards: Vec<Forward>,
+    /// Attention calls (softmax attention with its value product).
+    pub attn: Vec<Attn>,
+    /// Attention-mass passes (the probe's scores: QK and exp, no value product).
+    pub scores: Vec<Attn>,
+    /// Collectives.
+    pub messages: Vec<Message>,
+}
+
+/// Counted quantities of a phase (or a sum of phases) for a model shape.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Counts {
+    /// Rows x blocks through the GEMMs.
+    pub gemm_row_layers: u64,
+    /// Rows projected to logits.
+    pub logit_rows: u64,
+    /// GEMM FLOPs (blocks and logits).
+    pub gemm_flops: f64,
+    /// Visible pairs x blocks of the attention calls (per head).
+    pub attn_pair_layers: u64,
+    /// Attention FLOPs (QK and PV: 4 per pair, head dimension and head).
+    pub attn_flops: f64,
+    /// Visible pairs x blocks of the score passes (per head).
+    pub score_pair_layers: u64,
+    /// Score FLOPs (QK: 2 per pair, head dimension and head).
+    pub score_flops: f64,
+    /// Weights read (bytes at `weight_bytes` each): once per forward and block.
+    pub weight_bytes: f64,
+    /// K/V read by attention (bytes at `kv_bytes` per element): once per call and block.
+    pub kv_bytes: f64,
+    /// Payload bytes sent.
+    pub sent: u64,
+    /// Payload bytes received.
+    pub received: u64,
+}
+
+impl PhaseWork {
+    fn new(phase: &'static str) -> Self {
+        Self { phase, ..Default::default() }
+    }
+
+    /// Counted quantities for `shape` (`weight_bytes`, `kv_bytes`: bytes per element).
+    pub fn counts(&self, shape: &Shape, weight_bytes: f64, kv_bytes: f64) -> Counts {
+        let mut c = Counts::default();
+        let head_flops = (shape.n_heads * shape.head_dim) as f64;
+        for f in &self.forwards {
+            c.gemm_row_layers += (f.rows * f.layers) as u64;
+            c.logit_rows += f.logit_rows as u64;
+            c.gemm_flops += (f.rows * f.layers) as f64 * shape.gemm_flops_per_row_layer()
+                + f.logit_rows as f64 * shape.logits_flops_per_row();
+            c.weight_bytes += f.layers as f64 * shape.layer_params() * weight_bytes;
+            if f.logit_rows > 0 {
+                c.weight_bytes += (shape.d_model * shape.vocab_size) as f64 * weight_bytes;
+            }
+        }
+        for a in &self.attn {
+            c.attn_pair_layers += a.pairs * a.layers as u64;
+            c.attn_flops += 4.0 * (a.pairs * a.layers as u64) as f64 * head_flops;
+            c.kv_bytes += (a.keys * a.layers * 2 * shape.kv_dim()) as f64 * kv_bytes;
+        }
+        for s in &self.scores {
+            c.score_pair_layers += s.pairs * s.layers as u64;
+            c.score_flops += 2.0 * (s.pairs * s.layers as u64) as f64 * head_flops;
+            c.kv_bytes += (s.keys * s.layers * shape.kv_dim()) as f64 * kv_bytes;
+        }
+        for m in &self.messages {
+            c.sent += m.sent * m.calls as u64;
+            c.received += m.received * m.calls as u64;
+        }
+        c
+    }
+}
+
+impl std::ops::AddAssign for Counts {
+    fn add_assign(&mut self, o: Self) {
+        self.gemm_row_layers += o.gemm_row_layers;
+        self.logit_rows += o.logit_rows;
+        self.gemm_flops += o.gemm_flops;
+        self.attn_pair_layers += o.attn_pair_layers;
+        self.attn_flops += o.attn_flops;
+        self.score_pair_layers += o.score_pair_layers;
+        self.score_flops += o.score_flops;
+        self.weight_bytes += o.weight_bytes;
+        self.kv_bytes += o.kv_bytes;
+        self.sent += o.sent;
+        self.received += o.received;
+    }
+}
+
+/// The request as the planner sees it: token counts, not tokens.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Template tokens before the context.
+    pub head: usize,
+    /// Tokens per context chunk (request order).
+    pub chunks: Vec<usize>,
+    /// Tokens after the context (question and template close).
+    pub prompt: usize,
+    /// Selected context indices (sorted); `None`: the budget spread evenly over the context
+    /// (which tokens a real query selects is data-dependent; the spread decides how many keys
+    /// each recomputed row sees under causality).
+    pub selected: Option<Vec<usize>>,
+}
+
+impl Request {
+    /// Documents of `doc_tokens` tokens each making `context` tokens, with a head and prompt.
+    pub fn documents(context: usize, doc_tokens: usize, head: usize, prompt: usize) -> Self {
+        let per = doc_tokens.max(1);
+        let mut chunks = vec![per; context / per];
+        if context % per > 0 {
+            chunks.push(context % per);
+        }
+        Self { head, chunks, prompt, selected: None }
+    }
+
+    /// Context tokens.
+    pub fn n_context(&self) -> usize {
+        self.chunks.iter().sum()
+    }
+}
+
+/// Every rank's phases for one request.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Work {
+    /// Method planned.
+    pub method: Method,
+    /// Ranks.
+    pub ranks: usize,
+    /// Per rank, phases in pipeline order.
+    pub per_rank: Vec<Vec<PhaseWork>>,
+}
+
+impl Work {
+    /// Counted quantities of `rank`, summed over its phases.
+    pub fn rank_counts(&self, rank: usize, shape: &Shape, weight_bytes: f64, kv_bytes: f64) -> Counts {
+        let mut c = Counts::default();
+        for p in self.per_rank.get(rank).into_iter().flatten() {
+            c += p.counts(shape, weight_bytes, kv_bytes);
+        }
+        c
+    }
+}
+
+/// Visible (query, key) pairs between a range of query positions and a range of key
+/// positions: keys at or before the query's position.
+pub fn range_pairs(q: Range<u64>, k: Range<u64>) -> u64 {
+    if q.is_empty() || k.is_empty() {
+        return 0;
+    }
+    let klen = k.end - k.start;
+    // Queries before k.start see nothing; in [k.start, k.end) query i sees i + 1 - k.start
+    // keys; from k.end on, all of them.
+    let (a, b) = (q.start.max(k.start), q.end.min(k.end));
+    let ramp = if a < b {
+        let (lo, hi) = (a + 1 - k.start, b - k.start); // an arithmetic series lo..=hi
+        (lo + hi) * (hi - lo + 1) / 2
+    } else {
+        0
+    };
+    let full = q.end.saturating_sub(q.start.max(k.end));
+    ramp + full * klen
+}
+
+/// Keys among sorted positions `keys` at or before `q`.
+fn points_before(keys: &[u64], q: u64) -> u64 {
+    keys.partition_point(|&k| k <= q) as u64
+}
+
+/// Bytes of a `comm::wire` packet: one section per entry of `sections` (a 4-byte count, then
+/// 4-byte values).
+fn packet(sections: &[usize]) -> u64 {
+    sections.iter().map(|&n| 4 + 4 * n as u64).sum()
+}
+
+/// Bytes of the partials `Replicated` sends (ids, then out and lse per segment).
+fn partials(n_segments: usize, m: usize, shape: &Shape) -> u64 {
+    packet(&[n_segments]) + n_segments as u64 * packet(&[m * shape.q_dim(), m * shape.n_heads])
+}
+
+/// Plans one request: every rank's work per phase, for the method and options given.
+pub fn plan(shape: &Shape, opts: &RunOptions, ranks: usize, req: &Request) -> Result<Work, ProjectError> {
+    let p = ranks.max(1);
+    let l = shape.n_layers;
+    let per_rank = match opts.method {
+        Method::Full => {
+            if p != 1 {
+                return Err(ProjectError::Invalid("full prefill runs on one rank".into()));
+            }
+            vec![full(req, l)]
+        }
+        Method::Ring => ring(shape, req, p),
+        Method::Infoflow | Method::None => chunked(shape, opts, p, req)?,
+        other => return Err(ProjectError::Unsupported { method: other.name().to_string() }),
+    };
+    Ok(Work { method: opts.method, ranks: p, per_rank })
+}
+
+/// `full`: the whole sequence in pieces of [`DEFAULT_PREFILL_CHUNK`], each over the cache so far.
+fn full(req: &Request, l: usize) -> Vec<PhaseWork> {
+    let t = (req.head + req.n_context() + req.prompt) as u64;
+    let mut ph = PhaseWork::new(phase::PREFILL);
+    let mut s = 0u64;
+    while s < t {
+        let e = (s + DEFAULT_PREFILL_CHUNK as u64).min(t);
+        ph.forwards.push(Forward { rows: (e - s) as usize, layers: l, logit_rows: usize::from(e == t) });
+        ph.attn.push(Attn { queries: (e - s) as usize, keys: e as usize, pairs: range_pairs(s..e, 0..e), layers: l, step: None });
+        s = e;
+    }
+    vec![ph]
+}
+
+/// `ring`: zigzag pieces, K/V blocks passed P-1 times per layer, overlapped with attention.
+fn ring(shape: &Shape, req: &Request, p: usize) -> Vec<Vec<PhaseWork>> {
+    let t = req.head + req.n_context() + req.prompt;
+    let l = shape.n_layers;
+    let pieces = zigzag_pieces(t, p);
+    let as_u64 = |r: &Range<usize>| r.start as u64..r.end as u64;
+    (0..p)
+        .map(|me| {
+            let mine = &pieces[me];
+            let rows: usize = mine.iter().map(|r| r.len()).sum();
+            let owns_last = t > 0 && mine.iter().any(|r| r.contains(&(t - 1)));
+            let mut ph = PhaseWork::new(phase::PREFILL);
+            ph.forwards.push(Forward { rows, layers: l, logit_rows: usize::from(owns_last) });
+            for step in 0..p {
+                // At step s this rank holds the block of rank me - s.
+                let from = (me + p - step) % p;
+                let blk = &pieces[from];
+                let blk_rows: usize = blk.iter().map(|r| r.len()).sum();
+                if rows > 0 && blk_rows > 0 {
+                    let pairs: u64 =
+                        mine.iter().flat_map(|q| blk.iter().map(move |k| range_pairs(as_u64(q), as_u64(k)))).sum();
+                    ph.attn.push(Attn { queries: rows, keys: blk_rows, pairs, layers: l, step: Some(step) });
+                }
+                if step + 1 < p {
+                    // Send the block held now to the next rank, receive the previous rank's.
+                    let prev_blk: usize = pieces[(from + p - 1) % p].iter().map(|r| r.len()).sum();
+                    let bytes = |n: usize| packet(&[n, n * shape.kv_dim(), n * shape.kv_dim()]);
+                    ph.messages.push(Message {
+                        op: "ring.kv".into(),
+                        calls: l,
+                        sent: bytes(blk_rows),
+                        received: bytes(prev_blk),
+                        step: Some(step),
+                    });
+                }
+            }
+            vec![ph]
+        })
+        .collect()
+}
+
+/// Chunked methods: chunk prefill, probe, selection, recompute, final prompt.
+fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<Vec<Vec<PhaseWork>>, ProjectError> {
+    if opts.reorder {
+        return Err(ProjectError::Unsupported { method: format!("{}+reorder", opts.method.name()) });
+    }
+    let prefix = opts.prefix_mode();
+    if prefix == PrefixMode::Anchor {
+        return Err(ProjectError::Unsupported { method: "the anchor prefix mode".into() });
+    }
+    let l = shape.n_layers;
+    let (h, m) = (req.head as u64, req.prompt);
+    let n = req.n_context();
+    if n == 0 {
+        return Err(ProjectError::Invalid("the context has no tokens".into()));
+    }
+    let owners = shard::plan(&req.chunks, p);
+    // Global start of each chunk (identity order: no reordering).
+    let starts: Vec<u64> = req
+        .chunks
+        .iter()
+        .scan(h, |acc, &c| {
+            let s = *acc;
+            *acc += c as u64;
+            Some(s)
+        })
+        .collect();
+    let prompt = (h + n as u64)..(h + n as u64 + m as u64);
+    let k = count_for_ratio(opts.effective_ratio(), n);
+    let probes = opts.method.selects() && k > 0 && k < n;
+    let selected: Vec<usize> = if k == 0 || !opts.method.selects() {
+        Vec::new()
+    } else if k >= n {
+        (0..n).collect()
+    } else {
+        match &req.selected {
+            Some(s) => s.clone(),
+            None => (0..k).map(|i| (2 * i + 1) * n / (2 * k)).collect(),
+        }
+    };
+    // Global position and owner of every selected token.
+    let chunk_of = |g: usize| -> usize {
+        let mut acc = 0;
+        for (c, &len) in req.chunks.iter().enumerate() {
+            if g < acc + len {
+                return c;
+            }
+            acc += len;
+        }
+        req.chunks.len().saturating_sub(1)
+    };
+    let sel: Vec<(u64, usize)> = selected.iter().map(|&g| (h + g as u64, owners[chunk_of(g)])).collect();
+    let (a, b) = opts.score_layers.unwrap_or_else(|| default_score_layers(l));
+    let probe_layers = b + 1;
+
+    let mut all = Vec::with_capacity(p);
+    for r in 0..p {
+        let local = shard::local_chunks(&owners, r);
+        // This rank's segments at their global positions: the head on rank 0, own chunks.
+        let segs: Vec<Range<u64>> = (r == 0)
+            .then_some(0..h)
+            .into_iter()
+            .chain(local.iter().map(|&c| starts[c]..starts[c] + req.chunks[c] as u64))
+            .collect();
+        let mut phases = Vec::new();
+
+        // Chunk prefill: the head on every rank, then own chunks in batches.
+        let mut cp = PhaseWork::new(phase::CHUNK_PREFILL);
+        cp.forwards.push(Forward { rows: req.head, layers: l, logit_rows: 0 });
+        cp.attn.push(Attn { queries: req.head, keys: req.head, pairs: range_pairs(0..h, 0..h), layers: l, step: None });
+        let behind_head = |c: usize| prefix == PrefixMode::Shared || c == 0;
+        let mut i = 0;
+        while i < local.len() {
+            let mut end = i + 1;
+            let mut rows = req.chunks[local[i]];
+            while end < local.len() && rows + req.chunks[local[end]] <= DEFAULT_BATCH_TOKENS {
+                rows += req.chunks[local[end]];
+                end += 1;
+            }
+            cp.forwards.push(Forward { rows, layers: l, logit_rows: 0 });
+            for &c in &local[i..end] {
+                let len = req.chunks[c] as u64;
+                let (start, head) = if behind_head(c) { (h, h) } else { (0, 0) };
+                let own = start..start + len;
+                if head > 0 {
+                    cp.attn.push(Attn {
+                        queries: len as usize,
+                        keys: head as usize,
+                        pairs: range_pairs(own.clone(), 0..head),
+                        layers: l,
+                        step: None,
+                    });
+                }
+                cp.attn.push(Attn {
+                    queries: len as usize,
+                    keys: len as usize,
+                    pairs: range_pairs(own.clone(), own),
+                    layers: l,
+                    step: None,
+                });
+            }
+            i = end;
+        }
+        phases.push(cp);
+
+        // The prompt over the sharded segments (probe: up to the last scoring layer).
+        let over_segments = |ph: &mut PhaseWork, layers: usize, op: &str, scores: Option<usize>| {
+            ph.forwards.push(Forward { rows: m, layers, logit_rows: usize::from(scores.is_none() && m > 0) });
+            for s in &segs {
+                if s.is_empty() || m == 0 {
+                    continue;
+                }
+                let keys = (s.end - s.start) as usize;
+                ph.attn.push(Attn { queries: m, keys, pairs: range_pairs(prompt.clone(), s.clone()), layers, step: None });
+                if let Some(sl) = scores {
+                    ph.scores.push(Attn {
+                        queries: m,
+                        keys,
+                        pairs: range_pairs(prompt.clone(), s.clone()),
+                        layers: sl,
+                        step: None,
+                    });
+                }
+            }
+            if m > 0 {
+                ph.attn.push(Attn {
+                    queries: m,
+                    keys: m,
+                    pairs: range_pairs(prompt.clone(), prompt.clone()),
+                    layers,
+                    step: None,
+                });
+            }
+            if p > 1 {
+                let own = partials(segs.len(), m, shape);
+                let merged = partials(1, m, shape);
+                let others: u64 = (1..p)
+                    .map(|o| {
+                        let n_o = shard::local_chunks(&owners, o).len();
+                        partials(n_o, m, shape)
+                    })
+                    .sum();
+                let (gs, gr, bs, br) =
+                    if r == 0 { (0, others, merged * (p as u64 - 1), 0) } else { (own, 0, 0, merged) };
+                ph.messages.push(Message {
+                    op: format!("{op}.gather"),
+                    calls: layers,
+                    sent: gs,
+                    received: gr,
+                    step: None,
+                });
+                ph.messages.push(Message {
+                    op: format!("{op}.merged"),
+                    calls: layers,
+                    sent: bs,
+                    received: br,
+                    step: None,
+                });
+            }
+        };
+        if probes {
+            let mut pr = PhaseWork::new(phase::PROBE);
+            over_segments(&mut pr, probe_layers, "probe", Some(b + 1 - a));
+            phases.push(pr);
+        }
+
+        // Recomputation of the selected tokens, in global position batches.
+        if !sel.is_empty() {
+            let mut rc = PhaseWork::new(phase::RECOMPUTE);
+            let mut sorted = sel.clone();
+            sorted.sort_unstable();
+            for batch in sorted.chunks(opts.recompute_batch.max(1)) {
+                let count = |o: usize| batch.iter().filter(|x| x.1 == o).count();
+                let mine: Vec<u64> = batch.iter().filter(|x| x.1 == r).map(|x| x.0).collect();
+                rc.forwards.push(Forward { rows: mine.len(), layers: l, logit_rows: 0 });
+                match opts.scope {
+                    Scope::Exact => {
+                        // Every rank's queries of the batch over this rank's segments.
+                        for s in &segs {
+                            let pairs: u64 = batch.iter().map(|x| range_pairs(x.0..x.0 + 1, s.clone())).sum();
+                            if pairs > 0 || !s.is_empty() {
+                                rc.attn.push(Attn {
+                                    queries: batch.len(),
+                                    keys: (s.end - s.start) as usize,
+                                    pairs,
+                                    layers: l,
+                                    step: None,
+                                });
+                            }
+                        }
+                        // Every rank takes part in the collectives, alone too.
+                        {
+                            let q = |c: usize| packet(&[c, c * shape.q_dim()]);
+                            let others: u64 = (0..p).filter(|&o| o != r).map(|o| q(count(o))).sum();
+                            rc.messages.push(Message {
+                                op: "recompute.q".into(),
+                                calls: l,
+                                sent: q(mine.len()) * (p as u64 - 1),
+                                received: others,
+                                step: None,
+                            });
+                            let part = |c: usize| packet(&[c, c * shape.q_dim(), c * shape.n_heads]);
+                            let to_others: u64 = (0..p).filter(|&o| o != r).map(|o| part(count(o))).sum();
+                            rc.messages.push(Message {
+                                op: "recompute.partials".into(),
+                                calls: l,
+                                sent: to_others,
+                                received: part(mine.len()) * (p as u64 - 1),
+                                step: None,
+                            });
+                        }
+                    }
+                    Scope::Sparse => {
+                        // Own queries over own segments, the head (replicated off rank 0) and
+                        // the other ranks' rows of this batch.
+                        let mut sources: Vec<(usize, Box<dyn Fn(u64) -> u64>)> = Vec::new();
+                        if r != 0 {
+                            sources.push((h as usize, Box::new(move |q| range_pairs(q..q + 1, 0..h))));
+                        }
+                        for s in segs.clone() {
+                            let keys = (s.end - s.start) as usize;
+                            sources.push((keys, Box::new(move |q| range_pairs(q..q + 1, s.clone()))));
+                        }
+                        for o in (0..p).filter(|&o| o != r) {
+                            let theirs: Vec<u64> = batch.iter().filter(|x| x.1 == o).map(|x| x.0).collect();
+                            let keys = theirs.len();
+                            sources.push((keys, Box::new(move |q| points_before(&theirs, q))));
+                        }
+                        for (keys, f) in &sources {
+                            if *keys == 0 || mine.is_empty() {
+                                continue;
+                            }
+                            let pairs: u64 = mine.iter().map(|&q| f(q)).sum();
+                            rc.attn.push(Attn { queries: mine.len(), keys: *keys, pairs, layers: l, step: None });
+                        }
+                        {
+                            let kv = |c: usize| packet(&[c, c * shape.kv_dim(), c * shape.kv_dim()]);
+                            let others: u64 = (0..p).filter(|&o| o != r).map(|o| kv(count(o))).sum();
+                            rc.messages.push(Message {
+                                op: "recompute.kv".into(),
+                                calls: l,
+                                sent: kv(mine.len()) * (p as u64 - 1),
+                                received: others,
+                                step: None,
+                            });
+                        }
+                    }
+                }
+            }
+            phases.push(rc);
+        }
+
+        let mut fp = PhaseWork::new(phase::FINAL_PROMPT);
+        over_segments(&mut fp, l, "final", None);
+        phases.push(fp);
+        all.push(phases);
+    }
+    Ok(all)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn brute(q: Range<u64>, k: Range<u64>) -> u64 {
+        q.flat_map(|i| k.clone().map(move |j| u64::from(j <= i))).sum()
+    }
+
+    #[test]
+    fn range_pairs_matches_a_brute_force_count() {
+        for qs in 0..12 {
+            for qe in qs..14 {
+                for ks in 0..12 {
+                    for ke in ks..14 {
+                        assert_eq!(range_pairs(qs..qe, ks..ke), brute(qs..qe, ks..ke), "q {qs}..{qe} k {ks}..{ke}");
+                    }
+                }
+            }
+        }
+        assert_eq!(range_pairs(0..8192, 0..8192), 8192 * 8193 / 2);
+    }
+
+    #[test]
+    fn packets_are_counted_like_the_wire() {
+        let bytes = flowprefill_comm::Packet::new().u32s(&[1, 2, 3]).f32s(&[0.0; 5]).into_bytes();
+        assert_eq!(packet(&[3, 5]), bytes.len() as u64);
+    }
+}
