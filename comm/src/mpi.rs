@@ -39,7 +39,14 @@ struct Exchange {
 
 enum Job {
     Exchange(Exchange),
-    Poll { epoch: u64, op: String },
+    Poll {
+        epoch: u64,
+        op: String,
+    },
+    /// Make the first `size` world ranks the active group (collective over the world).
+    Group {
+        size: usize,
+    },
     Shutdown,
 }
 
@@ -64,6 +71,8 @@ pub struct MpiComm {
     thread: Option<JoinHandle<()>>,
     healthy: bool,
     epoch: u64,
+    world_rank: usize,
+    world_size: usize,
 }
 
 /// True when this process was started by an MPI launcher (OpenMPI, MPICH/PMI, PMIx).
@@ -99,7 +108,45 @@ impl MpiComm {
             thread: Some(thread),
             healthy: true,
             epoch: 0,
+            world_rank: rank,
+            world_size: size,
         })
+    }
+
+    /// Makes the first `size` processes of the world the group this communicator works in
+    /// (all of them: `size` = world size), so that one `mpirun` can measure several rank
+    /// counts. Collective over the whole world: every process calls it with the same `size`,
+    /// between jobs. Returns whether this process is in the group; a process outside it waits
+    /// for the next call (which returns once the group's members make it too), with `timeout`.
+    pub fn use_group(&mut self, size: usize, timeout: Duration) -> Result<bool> {
+        if self.pending.is_some() || !self.healthy {
+            return Err(CommError::Misuse("use_group between jobs only, on a healthy communicator".into()));
+        }
+        let world_rank = self.world_rank;
+        if size == 0 || size > self.world_size {
+            return Err(CommError::Misuse(format!("a group of {size} ranks in a world of {}", self.world_size)));
+        }
+        let saved = std::mem::replace(&mut self.timeout, timeout);
+        let got = self.call(Job::Group { size });
+        self.timeout = saved;
+        let got = got?;
+        let word = |i: usize| -> usize {
+            got.get(i).and_then(|b| b.get(..4)).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        };
+        self.rank = word(0);
+        self.size = word(1);
+        self.epoch += 1;
+        Ok(world_rank < size)
+    }
+
+    /// Rank in the whole world (not the group).
+    pub fn world_rank(&self) -> usize {
+        self.world_rank
+    }
+
+    /// Processes in the world.
+    pub fn world_size(&self) -> usize {
+        self.world_size
     }
 
     /// Sends a job to the comm thread and waits for its reply (the deadline applies).
@@ -208,28 +255,39 @@ fn comm_thread(
         let _ = init.send(Err(CommError::Mpi("MPI was already initialised in this process".into())));
         return;
     };
-    let world = universe.world();
-    let size = world.size() as usize;
-    let _ = init.send(Ok((world.rank() as usize, size)));
+    let whole = universe.world();
+    let (world_rank, world_size) = (whole.rank() as usize, whole.size() as usize);
+    let _ = init.send(Ok((world_rank, world_size)));
+    let mut size = world_size;
     let mut early: Vec<VecDeque<Vec<u8>>> = (0..size).map(|_| VecDeque::new()).collect();
+    // The active group: the world, or the first ranks of it (see `MpiComm::use_group`).
+    let mut group: Option<mpi::topology::SimpleCommunicator> = None;
     loop {
         let job = match jobs.recv_timeout(Duration::from_millis(1)) {
             Ok(j) => j,
             Err(RecvTimeoutError::Timeout) => {
                 // Idle: keep taking messages off the wire, so that a peer's send completes
                 // even when nobody here waits for it (an abort after this rank ended the job).
-                drain(&world, &mut early);
+                drain(group.as_ref().unwrap_or(&whole), &mut early);
                 continue;
             }
             Err(RecvTimeoutError::Disconnected) => break,
         };
         let reply = match job {
-            Job::Exchange(x) => exchange(&world, &mut early, &waiting, x),
+            Job::Exchange(x) => exchange(group.as_ref().unwrap_or(&whole), &mut early, &waiting, x),
             Job::Poll { epoch, op } => {
-                drain(&world, &mut early);
+                drain(group.as_ref().unwrap_or(&whole), &mut early);
                 (0..size)
                     .find_map(|r| find_abort(r, &op, epoch, &mut early[r]).transpose())
                     .map_or(Ok(Vec::new()), |e| e.and_then(Err))
+            }
+            Job::Group { size: want } => {
+                let color = mpi::topology::Color::with_value(i32::from(world_rank >= want));
+                group = whole.split_by_color(color);
+                let g = group.as_ref().unwrap_or(&whole);
+                size = g.size() as usize;
+                early = (0..size).map(|_| VecDeque::new()).collect();
+                Ok(vec![(g.rank() as u32).to_le_bytes().to_vec(), (size as u32).to_le_bytes().to_vec()])
             }
             Job::Shutdown => break,
         };
@@ -237,7 +295,8 @@ fn comm_thread(
             break;
         }
     }
-    drop(world);
+    drop(group);
+    drop(whole);
     drop(universe); // MPI_Finalize
 }
 

@@ -103,6 +103,46 @@ pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series
     Ok(())
 }
 
+/// A line chart on log-log axes (lengths and times spanning decades), markers and a legend.
+pub fn line_chart_log(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series]) -> Result<()> {
+    init_font()?;
+    let pts = series.iter().flat_map(|s| s.points.iter()).filter(|p| p.0 > 0.0 && p.1 > 0.0);
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for &(x, y) in pts {
+        (x0, x1, y0, y1) = (x0.min(x), x1.max(x), y0.min(y), y1.max(y));
+    }
+    if x0 > x1 || y0 > y1 {
+        (x0, x1, y0, y1) = (1.0, 10.0, 1.0, 10.0);
+    }
+    let root = BitMapBackend::new(path, (1100, 700)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(80)
+        .build_cartesian_2d((x0 / 1.2..x1 * 1.2).log_scale(), (y0 / 1.3..y1 * 1.3).log_scale())?;
+    chart.configure_mesh().x_desc(x_label).y_desc(y_label).label_style(("sans-serif", 16)).draw()?;
+    for (i, s) in series.iter().enumerate() {
+        let c = color(i);
+        let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.0 > 0.0 && p.1 > 0.0).collect();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
+            .label(&s.name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
 /// A grid of fractions in [0, 1], red (0) to green (1), with the value written in each cell;
 /// cells without data (`None`) are grey and say so. `values[row][col]`; row 0 is drawn at the
 /// bottom.

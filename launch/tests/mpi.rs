@@ -197,3 +197,55 @@ fn a_hung_mpi_rank_is_named_by_the_deadline() {
     assert!(err.contains("rank 1 did not answer within 5 s during `recompute"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `bench calibrate` then `bench ttft` under `mpirun -np 3`: the rank counts 1, 2 and 3 run on
+/// the first processes of the world (the others sit each block out), every count is measured,
+/// and each run's projection from the calibrated profile is printed beside it.
+#[test]
+fn bench_ttft_measures_every_rank_count_of_one_mpirun_with_its_projection() {
+    let dir = std::env::temp_dir().join(format!("fp-mpi-ttft-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let profile = dir.join("cpu-local.json");
+    let out = mpirun(2)
+        .arg(bin())
+        .args(["--threads", "1", "bench", "calibrate", "--seconds", "0.02", "--out"])
+        .arg(&profile)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "calibrate: {}", String::from_utf8_lossy(&out.stderr));
+    let p: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
+    assert!(p["devices"]["cpu-local"]["peak_flops"]["value"].as_f64().unwrap() > 0.0, "{p}");
+    for link in ["cpu-threads", "cpu-mpi"] {
+        let l = &p["links"][link];
+        assert!(
+            l["bytes_per_s"]["value"].as_f64().unwrap() > 0.0 && l["latency_s"]["source"].is_string(),
+            "{link}: {p}"
+        );
+    }
+    let t = Instant::now();
+    let out = mpirun(3)
+        .arg(bin())
+        .args(["--threads", "1", "bench", "ttft", "--lengths", "300", "--doc-tokens", "100", "--ranks", "1,2,3"])
+        .args(["--runs", "1", "--methods", "full,ring,infoflow", "--project", "cpu-local", "--profiles"])
+        .arg(&profile)
+        .arg("--out")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "ttft: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    assert!(t.elapsed() < Duration::from_secs(300), "bench ttft took {:?}", t.elapsed());
+    assert!(stdout.contains("MPI ranks (of 3 processes)"), "{stdout}");
+    let csv = std::fs::read_to_string(dir.join("ttft.csv")).unwrap();
+    let rows: Vec<Vec<&str>> = csv.lines().skip(1).map(|l| l.split(',').collect()).collect();
+    let has = |ranks: &str, method: &str| rows.iter().any(|r| r[2] == ranks && r[3] == method);
+    assert!(has("1", "full") && has("1", "infoflow"), "{csv}");
+    for p in ["2", "3"] {
+        assert!(has(p, "ring") && has(p, "infoflow"), "rank count {p} missing: {csv}");
+    }
+    for r in &rows {
+        let (measured, projected): (f64, f64) = (r[6].parse().unwrap(), r[7].parse().unwrap());
+        assert!(measured > 0.0 && projected > 0.0, "{r:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -140,7 +140,14 @@ impl Backend for Counting {
     fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<()> {
         Cpu.add_assign(x, y)
     }
-    fn copy_columns(&self, src: &Vec<f32>, src_cols: usize, col: usize, width: usize, dst: &mut Vec<f32>) -> Result<()> {
+    fn copy_columns(
+        &self,
+        src: &Vec<f32>,
+        src_cols: usize,
+        col: usize,
+        width: usize,
+        dst: &mut Vec<f32>,
+    ) -> Result<()> {
         Cpu.copy_columns(src, src_cols, col, width, dst)
     }
     fn copy_rows(
@@ -208,11 +215,7 @@ fn projected_work_equals_what_the_engine_runs() {
         ("ring P=3", 3, RunOptions { method: Method::Ring, ..RunOptions::default() }),
         ("infoflow P=1", 1, RunOptions::default()),
         ("infoflow exact P=2", 2, RunOptions::default()),
-        (
-            "infoflow exact P=3, batches of 7",
-            3,
-            RunOptions { ratio: 0.2, recompute_batch: 7, ..RunOptions::default() },
-        ),
+        ("infoflow exact P=3, batches of 7", 3, RunOptions { ratio: 0.2, recompute_batch: 7, ..RunOptions::default() }),
         ("infoflow sparse P=2", 2, RunOptions { scope: Scope::Sparse, recompute_batch: 5, ..RunOptions::default() }),
         (
             "infoflow shared prefix P=2",

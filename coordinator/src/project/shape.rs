@@ -24,9 +24,11 @@ pub struct Shape {
     pub vocab_size: usize,
 }
 
-/// Built-in shapes: `(name, layers, d_model, heads, kv heads, head dim, ffn, vocab, source)`.
-/// Every number is the model's published `config.json`.
-const BUILTIN: &[(&str, usize, usize, usize, usize, usize, usize, usize, &str)] = &[
+/// `(name, layers, d_model, heads, kv heads, head dim, ffn, vocab, source)`.
+type BuiltinShape = (&'static str, usize, usize, usize, usize, usize, usize, usize, &'static str);
+
+/// Built-in shapes. Every number is the model's published `config.json`.
+const BUILTIN: &[BuiltinShape] = &[
     ("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, "HuggingFaceTB/SmolLM2-135M-Instruct config.json"),
     ("qwen2.5-0.5b", 24, 896, 14, 2, 64, 4864, 151936, "Qwen/Qwen2.5-Coder-0.5B-Instruct config.json"),
     ("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, "meta-llama/Llama-3.1-8B config.json"),
@@ -68,7 +70,10 @@ impl Shape {
                 ffn_dim,
                 vocab_size,
             })
-            .ok_or_else(|| ProjectError::UnknownShape { name: name.to_string(), known: Self::builtin_names().join(", ") })
+            .ok_or_else(|| ProjectError::UnknownShape {
+                name: name.to_string(),
+                known: Self::builtin_names().join(", "),
+            })
     }
 
     /// Names of the built-in shapes with the source of their numbers.

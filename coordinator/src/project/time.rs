@@ -139,7 +139,9 @@ impl Profiles {
                     return bad(format!("device {name}: {field} must be in (0, 1]"));
                 }
             }
-            for (field, c) in [("gemm_efficiency", &d.gemm_efficiency), ("attention_efficiency", &d.attention_efficiency)] {
+            for (field, c) in
+                [("gemm_efficiency", &d.gemm_efficiency), ("attention_efficiency", &d.attention_efficiency)]
+            {
                 if c.points.is_empty()
                     || c.points.iter().any(|p| !(p.0 >= 1.0 && p.1 > 0.0 && p.1 <= 1.0))
                     || c.points.windows(2).any(|w| w[1].0 <= w[0].0)
@@ -265,8 +267,9 @@ impl Model<'_> {
     fn phase(&self, w: &PhaseWork) -> [f64; 6] {
         let gemm: f64 = w.forwards.iter().map(|f| self.gemm(f)).sum();
         let other: f64 = w.forwards.iter().map(|f| self.other(f)).sum();
-        let serial_attn: f64 = w.attn.iter().filter(|a| a.step.is_none()).map(|a| self.attention(a, 4.0, 2.0)).sum::<f64>()
-            + w.scores.iter().map(|a| self.attention(a, 2.0, 1.0)).sum::<f64>();
+        let serial_attn: f64 =
+            w.attn.iter().filter(|a| a.step.is_none()).map(|a| self.attention(a, 4.0, 2.0)).sum::<f64>()
+                + w.scores.iter().map(|a| self.attention(a, 2.0, 1.0)).sum::<f64>();
         let serial_comm: f64 = w.messages.iter().filter(|m| m.step.is_none()).map(|m| self.message(m)).sum();
         // Ring steps: the transfer of a step overlaps the attention of the same step.
         let steps = w.attn.iter().filter_map(|a| a.step).chain(w.messages.iter().filter_map(|m| m.step)).max();
@@ -346,6 +349,57 @@ mod tests {
         for (name, l) in &p.links {
             assert!(l.bytes_per_s.source.len() > 8 && l.latency_s.source.len() > 8, "link {name}");
         }
+    }
+
+    fn flat_device(ring_efficiency: f64) -> Device {
+        let k = |v: f64| Const { value: v, source: "test".into() };
+        let flat = Curve { points: vec![(1.0, 1.0)], source: "test".into() };
+        Device {
+            description: "test".into(),
+            peak_flops: k(1e12),
+            mem_bytes_per_s: k(1e15),
+            gemm_efficiency: flat.clone(),
+            attention_efficiency: flat,
+            other_efficiency: k(1.0),
+            layer_overhead_s: k(0.0),
+            weight_bytes: k(2.0),
+            kv_bytes: k(2.0),
+            ring_efficiency: k(ring_efficiency),
+        }
+    }
+
+    #[test]
+    fn ring_steps_overlap_transfers_and_phases_wait_for_the_slowest_rank() {
+        use crate::project::work::{Attn, Message, PhaseWork, Work};
+        let shape = Shape::builtin("smollm2-135m").expect("built in");
+        let link = Link {
+            description: "test".into(),
+            bytes_per_s: Const { value: 1e9, source: "test".into() },
+            latency_s: Const { value: 0.0, source: "test".into() },
+        };
+        // Attention of 1e6 pairs x 1 layer = 4e6 x 576 FLOPs = 2.304 ms at 1 TFLOP/s.
+        let attn = |step| Attn { queries: 10, keys: 10, pairs: 1_000_000, layers: 1, step };
+        let msg = |bytes, step| Message { op: "x".into(), calls: 1, sent: bytes, received: bytes, step };
+        let ring = PhaseWork {
+            phase: "prefill",
+            attn: vec![attn(Some(0)), attn(Some(1))],
+            // Step 0: 1 ms of transfer (hidden); step 1: 5 ms (2.696 ms exposed).
+            messages: vec![msg(1_000_000, Some(0)), msg(5_000_000, Some(1))],
+            ..Default::default()
+        };
+        let idle = PhaseWork { phase: "prefill", ..Default::default() };
+        let work = Work { method: crate::Method::Ring, ranks: 2, per_rank: vec![vec![idle], vec![ring]] };
+        let p = project(&work, &shape, &flat_device(1.0), &link, 1.0);
+        let a = 2.304e-3;
+        assert!((p.ttft_s - (a + 5e-3)).abs() < 1e-9, "{}", p.ttft_s);
+        assert!((p.phases[0].exposed_comm_s - (5e-3 - a)).abs() < 1e-9);
+        assert!((p.phases[0].comm_s - 6e-3).abs() < 1e-9);
+        // A ring implementation at half the ideal doubles the overlapped section.
+        let half = project(&work, &shape, &flat_device(0.5), &link, 1.0);
+        assert!((half.ttft_s - 2.0 * (a + 5e-3)).abs() < 1e-9);
+        // A global efficiency of 0.5 doubles the compute, not the transfers.
+        let slow = project(&work, &shape, &flat_device(1.0), &link, 0.5);
+        assert!((slow.ttft_s - (2.0 * a + 5e-3)).abs() < 1e-9, "{}", slow.ttft_s);
     }
 
     #[test]

@@ -240,6 +240,9 @@ fn points_before(keys: &[u64], q: u64) -> u64 {
     keys.partition_point(|&k| k <= q) as u64
 }
 
+/// Keys of one attention source at or before a query position.
+type KeysBefore = Box<dyn Fn(u64) -> u64>;
+
 /// Bytes of a `comm::wire` packet: one section per entry of `sections` (a 4-byte count, then
 /// 4-byte values).
 fn packet(sections: &[usize]) -> u64 {
@@ -277,7 +280,13 @@ fn full(req: &Request, l: usize) -> Vec<PhaseWork> {
     while s < t {
         let e = (s + DEFAULT_PREFILL_CHUNK as u64).min(t);
         ph.forwards.push(Forward { rows: (e - s) as usize, layers: l, logit_rows: usize::from(e == t) });
-        ph.attn.push(Attn { queries: (e - s) as usize, keys: e as usize, pairs: range_pairs(s..e, 0..e), layers: l, step: None });
+        ph.attn.push(Attn {
+            queries: (e - s) as usize,
+            keys: e as usize,
+            pairs: range_pairs(s..e, 0..e),
+            layers: l,
+            step: None,
+        });
         s = e;
     }
     vec![ph]
@@ -436,7 +445,13 @@ fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<
                     continue;
                 }
                 let keys = (s.end - s.start) as usize;
-                ph.attn.push(Attn { queries: m, keys, pairs: range_pairs(prompt.clone(), s.clone()), layers, step: None });
+                ph.attn.push(Attn {
+                    queries: m,
+                    keys,
+                    pairs: range_pairs(prompt.clone(), s.clone()),
+                    layers,
+                    step: None,
+                });
                 if let Some(sl) = scores {
                     ph.scores.push(Attn {
                         queries: m,
@@ -538,7 +553,7 @@ fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<
                     Scope::Sparse => {
                         // Own queries over own segments, the head (replicated off rank 0) and
                         // the other ranks' rows of this batch.
-                        let mut sources: Vec<(usize, Box<dyn Fn(u64) -> u64>)> = Vec::new();
+                        let mut sources: Vec<(usize, KeysBefore)> = Vec::new();
                         if r != 0 {
                             sources.push((h as usize, Box::new(move |q| range_pairs(q..q + 1, 0..h))));
                         }
@@ -603,6 +618,139 @@ mod tests {
             }
         }
         assert_eq!(range_pairs(0..8192, 0..8192), 8192 * 8193 / 2);
+    }
+
+    fn tiny() -> Shape {
+        Shape {
+            name: "tiny".into(),
+            n_layers: 3,
+            d_model: 16,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 4,
+            ffn_dim: 24,
+            vocab_size: 50,
+        }
+    }
+
+    fn causal(n: u64) -> u64 {
+        (0..n).map(|i| i + 1).sum()
+    }
+
+    fn opts(method: Method) -> RunOptions {
+        RunOptions { method, max_new_tokens: 1, ..RunOptions::default() }
+    }
+
+    #[test]
+    fn full_and_ring_count_every_causal_pair_once() {
+        let s = tiny();
+        let req = Request { head: 5, chunks: vec![7, 300, 12, 40], prompt: 9, selected: None };
+        let t = 5 + 359 + 9;
+        let full = plan(&s, &opts(Method::Full), 1, &req).expect("plans");
+        let c = full.rank_counts(0, &s, 2.0, 2.0);
+        assert_eq!(c.attn_pair_layers, causal(t) * 3, "full: causal pairs x layers");
+        assert_eq!(c.gemm_row_layers, t * 3);
+        assert_eq!(c.logit_rows, 1);
+        // FLOPs per row: 2 x parameters of a block (fused QKV, O, gate+up, down).
+        let params = 16 * (16 + 2 * 8) + 16 * 16 + 3 * 24 * 16;
+        assert_eq!(c.gemm_flops, (2 * params * t as usize * 3 + 2 * 16 * 50) as f64);
+        assert_eq!(c.attn_flops, 4.0 * (causal(t) * 3) as f64 * 16.0);
+        // Weights once per forward and block; the whole cache so far per piece (one piece here).
+        assert_eq!(c.weight_bytes, (3 * params * 2 + 16 * 50 * 2) as f64);
+        assert_eq!(c.kv_bytes, (t as usize * 3 * 2 * 8 * 2) as f64);
+        for p in 1..=5 {
+            let ring = plan(&s, &opts(Method::Ring), p, &req).expect("plans");
+            let total: u64 = (0..p).map(|r| ring.rank_counts(r, &s, 2.0, 2.0).attn_pair_layers).sum();
+            assert_eq!(total, causal(t) * 3, "ring P={p}: every causal pair once");
+            let rows: u64 = (0..p).map(|r| ring.rank_counts(r, &s, 2.0, 2.0).gemm_row_layers).sum();
+            assert_eq!(rows, t * 3);
+            // Each block crosses P-1 links per layer: all of K and V (+ positions) sent P-1 times.
+            let sent: u64 = (0..p).map(|r| ring.rank_counts(r, &s, 2.0, 2.0).sent).sum();
+            let received: u64 = (0..p).map(|r| ring.rank_counts(r, &s, 2.0, 2.0).received).sum();
+            let per_block = |n: u64| 12 + 4 * n + 2 * 4 * n * 8;
+            let pieces = zigzag_pieces(t as usize, p);
+            let want: u64 =
+                pieces.iter().map(|r| per_block((r[0].len() + r[1].len()) as u64)).sum::<u64>() * (p as u64 - 1) * 3;
+            assert_eq!((sent, received), (want, want), "ring P={p} bytes");
+        }
+    }
+
+    #[test]
+    fn chunked_counts_match_a_brute_force_over_positions() {
+        let s = tiny();
+        let chunks = vec![7, 30, 12, 40, 9];
+        let (h, m) = (5u64, 6u64);
+        let n: usize = chunks.iter().sum();
+        for p in 1..=4 {
+            for scope in [Scope::Exact, Scope::Sparse] {
+                let selected: Vec<usize> = vec![0, 3, 8, 20, 37, 38, 50, 77, 97];
+                let req = Request {
+                    head: h as usize,
+                    chunks: chunks.clone(),
+                    prompt: m as usize,
+                    selected: Some(selected.clone()),
+                };
+                let o = RunOptions {
+                    ratio: selected.len() as f64 / n as f64,
+                    scope,
+                    recompute_batch: 4,
+                    ..opts(Method::Infoflow)
+                };
+                let w = plan(&s, &o, p, &req).expect("plans");
+                let phase = |r: usize, name: &str| {
+                    w.per_rank[r].iter().find(|x| x.phase == name).map(|x| x.counts(&s, 4.0, 4.0)).unwrap_or_default()
+                };
+                let sum = |name: &str, f: &dyn Fn(&Counts) -> u64| (0..p).map(|r| f(&phase(r, name))).sum::<u64>();
+                // Chunk prefill: the head on every rank, chunk 0 behind it, the rest alone.
+                let want_chunk: u64 = p as u64 * causal(h)
+                    + chunks
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &c)| causal(c as u64) + if i == 0 { c as u64 * h } else { 0 })
+                        .sum::<u64>();
+                assert_eq!(sum(phase::CHUNK_PREFILL, &|c| c.attn_pair_layers), want_chunk * 3, "P={p}");
+                // Probe and final prompt: the prompt sees the whole context once and itself on
+                // every rank (replicated tail).
+                let (a, b) = default_score_layers(3);
+                let see_all = m * (h + n as u64) + p as u64 * causal(m);
+                assert_eq!(sum(phase::PROBE, &|c| c.attn_pair_layers), see_all * (b as u64 + 1), "P={p}");
+                assert_eq!(sum(phase::PROBE, &|c| c.score_pair_layers), m * (h + n as u64) * (b - a + 1) as u64);
+                assert_eq!(sum(phase::FINAL_PROMPT, &|c| c.attn_pair_layers), see_all * 3, "P={p}");
+                assert_eq!(sum(phase::FINAL_PROMPT, &|c| c.logit_rows), p as u64);
+                // Recompute: every selected token through every layer once.
+                assert_eq!(sum(phase::RECOMPUTE, &|c| c.gemm_row_layers), selected.len() as u64 * 3);
+                let pos: Vec<u64> = selected.iter().map(|&g| h + g as u64).collect();
+                let pairs = sum(phase::RECOMPUTE, &|c| c.attn_pair_layers);
+                if scope == Scope::Exact {
+                    // Exact: a selected token at position g sees every key at or before g.
+                    assert_eq!(pairs, pos.iter().map(|g| g + 1).sum::<u64>() * 3, "exact P={p}");
+                } else {
+                    // Sparse: its own rank's keys and the head, plus other ranks' selected tokens
+                    // of the same batch that precede it.
+                    let owners = shard::plan(&chunks, p);
+                    let bounds: Vec<u64> = chunks
+                        .iter()
+                        .scan(h, |acc, &c| {
+                            *acc += c as u64;
+                            Some(*acc)
+                        })
+                        .collect();
+                    let owner_of = |g: u64| owners[bounds.iter().position(|&b| g < b).unwrap_or(0)];
+                    let mut want = 0u64;
+                    for batch in pos.chunks(4) {
+                        for &q in batch {
+                            let r = owner_of(q);
+                            for k in 0..=q {
+                                let mine = k < h || owner_of(k) == r;
+                                let remote = batch.contains(&k) && owner_of(k) != r;
+                                want += u64::from(mine || remote);
+                            }
+                        }
+                    }
+                    assert_eq!(pairs, want * 3, "sparse P={p}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -19,6 +19,12 @@ pub enum Bench {
     /// Concurrent clients against a `serve` process: latency percentiles, throughput,
     /// failures by kind, server memory over time.
     Load(LoadArgs),
+    /// PROJECTED TTFT for hardware we do not have (a device and link profile, the engine's own
+    /// work accounting): table, CSV and plots per method, rank count and length.
+    Project(super::project::ProjectArgs),
+    /// Measures this machine's GEMM and attention rates, memory bandwidth and links into a
+    /// `cpu-local` profile for `bench project` and `bench ttft --project`.
+    Calibrate(super::project::CalibrateArgs),
     /// The service's fault matrix: every injected fault (panic, hang, exit on each rank and
     /// phase; client disconnects; deadlines) against what a client sees.
     Faults(super::faults::Args),
@@ -65,7 +71,8 @@ pub struct TtftArgs {
     /// Context lengths in tokens.
     #[arg(long, default_value = "2048,4096,8000", value_parser = super::parse_list::<usize>)]
     pub lengths: Vec<Vec<usize>>,
-    /// Rank counts (thread ranks of this process).
+    /// Rank counts: thread ranks of this process, or under `mpirun -np N` the first ranks of
+    /// the N processes (each count at most N).
     #[arg(long, default_value = "1,2,4", value_parser = super::parse_list::<usize>)]
     pub ranks: Vec<Vec<usize>>,
     /// Methods: full, ring, infoflow, infoflow+reorder, or any other method name.
@@ -86,6 +93,16 @@ pub struct TtftArgs {
     /// Output folder for ttft.csv and ttft.png.
     #[arg(long, default_value = "bench-out")]
     pub out: std::path::PathBuf,
+    /// Print the projection of every run beside it, for this device profile (e.g. `cpu-local`
+    /// from `bench calibrate`, given with --profiles).
+    #[arg(long)]
+    pub project: Option<String>,
+    /// Link profile of the projection (default: cpu-mpi under mpirun, else cpu-threads).
+    #[arg(long)]
+    pub link: Option<String>,
+    /// Profile files for --project.
+    #[arg(long)]
+    pub profiles: Vec<std::path::PathBuf>,
 }
 
 /// Arguments of `bench prefill`.
@@ -115,6 +132,8 @@ pub fn run(common: &Common, bench: Bench) -> Result<()> {
         Bench::Ttft(a) => ttft(common, a),
         Bench::Load(a) => load(common, a),
         Bench::Faults(a) => super::faults::run(common, a),
+        Bench::Project(a) => super::project::run_project(common, a),
+        Bench::Calibrate(a) => super::project::run_calibrate(common, a),
     }
 }
 
@@ -248,8 +267,90 @@ fn bench_docs(
         .collect()
 }
 
+/// Where `bench ttft` runs its jobs: thread ranks of this process, or the first ranks of an
+/// `mpirun` world (every process runs the same loop; world rank 0 leads and reports).
+trait Ranks {
+    /// Enters a block of jobs on `p` ranks; false: this process sits the block out.
+    fn enter(&mut self, p: usize) -> Result<bool>;
+    /// Runs one job on the `p` ranks of the block (fresh chunk stores); `Some` on the leader.
+    fn run(
+        &mut self,
+        p: usize,
+        job: &flowprefill_coordinator::Job,
+    ) -> Result<Option<flowprefill_coordinator::RunResult>>;
+    /// Whether this process reports.
+    fn lead(&self) -> bool;
+    /// Most ranks a block may have.
+    fn max_ranks(&self) -> Option<usize>;
+    /// What the ranks are, for the table's title.
+    fn describe(&self) -> String;
+}
+
+struct Threads(std::sync::Arc<flowprefill_worker::LoadedModel<flowprefill_kernels::Device>>);
+
+impl Ranks for Threads {
+    fn enter(&mut self, _p: usize) -> Result<bool> {
+        Ok(true)
+    }
+    fn run(
+        &mut self,
+        p: usize,
+        job: &flowprefill_coordinator::Job,
+    ) -> Result<Option<flowprefill_coordinator::RunResult>> {
+        let mut world = flowprefill_coordinator::ThreadRanks::new(
+            self.0.clone(),
+            p,
+            flowprefill_coordinator::DEFAULT_STORE_BYTES,
+            std::time::Duration::from_secs(600),
+        )?;
+        Ok(Some(world.run(job, &mut |_| true)?))
+    }
+    fn lead(&self) -> bool {
+        true
+    }
+    fn max_ranks(&self) -> Option<usize> {
+        None
+    }
+    fn describe(&self) -> String {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        format!("thread ranks sharing {cores} cores")
+    }
+}
+
+#[cfg(feature = "mpi")]
+struct MpiRanks {
+    lm: std::sync::Arc<flowprefill_worker::LoadedModel<flowprefill_kernels::Device>>,
+    comm: flowprefill_comm::mpi::MpiComm,
+}
+
+#[cfg(feature = "mpi")]
+impl Ranks for MpiRanks {
+    fn enter(&mut self, p: usize) -> Result<bool> {
+        // Processes outside the block wait here for the next one, however long it takes.
+        Ok(self.comm.use_group(p, std::time::Duration::from_secs(24 * 3600))?)
+    }
+    fn run(
+        &mut self,
+        _p: usize,
+        job: &flowprefill_coordinator::Job,
+    ) -> Result<Option<flowprefill_coordinator::RunResult>> {
+        let engine =
+            flowprefill_coordinator::Engine::new(self.lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES);
+        Ok(flowprefill_coordinator::run_rank(&engine, &mut self.comm, job, &mut |_| true)?)
+    }
+    fn lead(&self) -> bool {
+        self.comm.world_rank() == 0
+    }
+    fn max_ranks(&self) -> Option<usize> {
+        Some(self.comm.world_size())
+    }
+    fn describe(&self) -> String {
+        format!("MPI ranks (of {} processes), {} threads each", self.comm.world_size(), rayon::current_num_threads())
+    }
+}
+
 fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
-    use flowprefill_coordinator::{Context, Job, Method, Request, RunOptions, ThreadRanks};
+    use flowprefill_coordinator::{Context, Job, Method, Request, RunOptions};
     let lengths = a.lengths.concat();
     let ranks = a.ranks.concat();
     crate::ensure_usage!(
@@ -260,20 +361,58 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
     let methods = super::method_labels(&a.methods)?;
     let scope = a.scope;
     let lm = std::sync::Arc::new(super::load_model(common)?);
+    #[cfg(feature = "mpi")]
+    let mut world: Box<dyn Ranks> = if flowprefill_comm::mpi::launched_by_mpirun() {
+        let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
+        flowprefill_comm::Communicator::set_timeout(&mut comm, std::time::Duration::from_secs(600));
+        Box::new(MpiRanks { lm: lm.clone(), comm })
+    } else {
+        Box::new(Threads(lm.clone()))
+    };
+    #[cfg(not(feature = "mpi"))]
+    let mut world: Box<dyn Ranks> = Box::new(Threads(lm.clone()));
+    if let Some(max) = world.max_ranks() {
+        crate::ensure_usage!(
+            ranks.iter().all(|&r| r <= max),
+            "--ranks {ranks:?}: under mpirun every rank count must be at most the {max} processes (-np)"
+        );
+    }
+    // The projection printed beside the measurement, if asked for.
+    let projection = match &a.project {
+        Some(target) => {
+            let profiles = super::project::load_profiles(&a.profiles)?;
+            let link = a.link.clone().unwrap_or_else(|| {
+                if world.max_ranks().is_some() {
+                    "cpu-mpi".into()
+                } else {
+                    "cpu-threads".into()
+                }
+            });
+            let dev = profiles.device(target)?.clone();
+            let link = profiles.link(&link)?.clone();
+            Some((dev, link))
+        }
+        None => None,
+    };
+    let shape = flowprefill_coordinator::project::Shape::of_config(lm.model.config());
+    let lead = world.lead();
     let window = lm.model.config().context_length;
-    std::fs::create_dir_all(&a.out)?;
+    if lead {
+        std::fs::create_dir_all(&a.out)?;
+    }
     let csv_path = a.out.join("ttft.csv");
-    let mut csv = String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent\n");
-    // (length, ranks, label) -> median TTFT ms
-    let mut med: Vec<(usize, usize, String, f64, usize)> = Vec::new();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!(
-        "TTFT (median of {} cold runs), thread ranks sharing {} cores, ratio {}, scope {}",
-        a.runs,
-        cores,
-        a.ratio,
-        scope.name()
-    );
+    let mut csv = String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent\n");
+    // (length, ranks, label, median TTFT ms, context tokens, median projected ms)
+    let mut med: Vec<(usize, usize, String, f64, usize, Option<f64>)> = Vec::new();
+    if lead {
+        println!(
+            "TTFT (median of {} cold runs), {}, ratio {}, scope {}",
+            a.runs,
+            world.describe(),
+            a.ratio,
+            scope.name()
+        );
+    }
     for &len in &lengths {
         let docs = bench_docs(&lm.tokenizer, len, a.doc_tokens, 11);
         let req = Request {
@@ -284,18 +423,16 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
         let n_ctx = flowprefill_coordinator::layout::Layout::build(&lm, &req)?.n_context();
         crate::ensure_usage!(n_ctx + 64 < window, "--lengths {len} does not fit the model's window of {window}");
         for &p in &ranks {
+            if !world.enter(p)? {
+                continue;
+            }
             for (label, method, reorder) in &methods {
-                if *method == Method::Full && p > 1 {
-                    continue; // single-device baseline
+                if (*method == Method::Full && p > 1) || (*method == Method::Ring && p == 1 && ranks.len() > 1) {
+                    continue; // full is the single-device baseline; a ring of one is full prefill
                 }
                 let mut times = Vec::new();
+                let mut projected = Vec::new();
                 for run in 0..a.runs {
-                    let mut world = ThreadRanks::new(
-                        lm.clone(),
-                        p,
-                        flowprefill_coordinator::DEFAULT_STORE_BYTES,
-                        std::time::Duration::from_secs(600),
-                    )?;
                     let opts = RunOptions {
                         method: *method,
                         reorder: *reorder,
@@ -304,13 +441,21 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
                         max_new_tokens: 1,
                         ..RunOptions::default()
                     };
-                    let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
+                    let Some(r) = world.run(p, &Job { request: req.clone(), options: opts })? else { continue };
                     let ms = r.ttft.as_secs_f64() * 1e3;
+                    let proj = match &projection {
+                        Some((dev, link)) => super::project::project_run(&r, &shape, dev, link)
+                            .map(|p| p.ttft_s * 1e3)
+                            .map_err(|e| tracing::warn!(%e, "no projection for {label}"))
+                            .ok(),
+                        None => None,
+                    };
                     let ph = |n: &str| r.phases.get(n).as_secs_f64() * 1e3;
                     let bytes: u64 = r.rank_stats.iter().map(|s| s.comm.bytes_sent()).sum();
                     csv.push_str(&format!(
-                        "{len},{n_ctx},{p},{label},{},{run},{ms:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes}\n",
+                        "{len},{n_ctx},{p},{label},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes}\n",
                         scope.name(),
+                        proj.map_or(String::new(), |x| format!("{x:.1}")),
                         ph("chunk_prefill"),
                         ph("probe"),
                         ph("recompute"),
@@ -318,30 +463,49 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
                         ph("prefill")
                     ));
                     times.push(ms);
+                    projected.extend(proj);
+                }
+                if !lead {
+                    continue;
                 }
                 let m = median(&mut times);
-                eprintln!("  {len:>5} tokens  P={p}  {label:<18} {m:>9.1} ms");
-                med.push((len, p, label.clone(), m, n_ctx));
+                let pm = (!projected.is_empty()).then(|| median(&mut projected));
+                match pm {
+                    Some(x) => eprintln!("  {len:>5} tokens  P={p}  {label:<18} {m:>9.1} ms  (projected {x:.1} ms)"),
+                    None => eprintln!("  {len:>5} tokens  P={p}  {label:<18} {m:>9.1} ms"),
+                }
+                med.push((len, p, label.clone(), m, n_ctx, pm));
             }
         }
-        std::fs::write(&csv_path, &csv)?;
+        if lead {
+            std::fs::write(&csv_path, &csv)?;
+        }
+    }
+    if let Some(max) = world.max_ranks() {
+        // Everyone back in one group, so that no process finishes MPI while others still work.
+        world.enter(max)?;
+    }
+    if !lead {
+        return Ok(());
     }
     // Table with speedups against single-rank full prefill and ring at the same rank count.
     let find =
         |len: usize, p: usize, label: &str| med.iter().find(|m| m.0 == len && m.1 == p && m.2 == label).map(|m| m.3);
     println!(
-        "{:>7} {:>6} {:>5} {:<18} {:>11} {:>10} {:>10}",
-        "length", "tokens", "ranks", "method", "TTFT ms", "vs full@1", "vs ring@P"
+        "{:>7} {:>6} {:>5} {:<18} {:>11} {:>10} {:>10} {:>13} {:>8}",
+        "length", "tokens", "ranks", "method", "TTFT ms", "vs full@1", "vs ring@P", "projected ms", "proj/meas"
     );
-    for (len, p, label, ms, n_ctx) in &med {
+    for (len, p, label, ms, n_ctx, pm) in &med {
         let vs_full = find(*len, 1, "full").map_or("-".to_string(), |f| format!("{:.2}x", f / ms));
         let vs_ring = find(*len, *p, "ring").map_or("-".to_string(), |r| format!("{:.2}x", r / ms));
-        println!("{len:>7} {n_ctx:>6} {p:>5} {label:<18} {ms:>11.1} {vs_full:>10} {vs_ring:>10}");
+        let (proj, ratio) =
+            pm.map_or(("-".to_string(), "-".to_string()), |x| (format!("{x:.1}"), format!("{:.2}", x / ms)));
+        println!("{len:>7} {n_ctx:>6} {p:>5} {label:<18} {ms:>11.1} {vs_full:>10} {vs_ring:>10} {proj:>13} {ratio:>8}");
     }
     let mut series = Vec::new();
     for &p in &ranks {
         for (label, method, _) in &methods {
-            if *method == Method::Full && p > 1 {
+            if (*method == Method::Full && p > 1) || (*method == Method::Ring && p == 1 && ranks.len() > 1) {
                 continue;
             }
             let points: Vec<(f64, f64)> =
@@ -354,7 +518,7 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
     let png = a.out.join("ttft.png");
     crate::plot::line_chart(
         &png,
-        &format!("TTFT vs context length ({cores} CPU cores, thread ranks)"),
+        &format!("TTFT vs context length ({})", world.describe()),
         "context tokens",
         "TTFT (s)",
         &series,
