@@ -122,7 +122,16 @@ pub fn line_chart_log(path: &Path, title: &str, x_label: &str, y_label: &str, se
         .x_label_area_size(50)
         .y_label_area_size(80)
         .build_cartesian_2d((x0 / 1.2..x1 * 1.2).log_scale(), (y0 / 1.3..y1 * 1.3).log_scale())?;
-    chart.configure_mesh().x_desc(x_label).y_desc(y_label).label_style(("sans-serif", 16)).draw()?;
+    let short = |v: &f64| if *v >= 100.0 { format!("{v:.0}") } else { format!("{v:.2}") };
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .x_label_formatter(&short)
+        .y_label_formatter(&short)
+        .y_labels(12)
+        .label_style(("sans-serif", 16))
+        .draw()?;
     for (i, s) in series.iter().enumerate() {
         let c = color(i);
         let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.0 > 0.0 && p.1 > 0.0).collect();

@@ -353,6 +353,21 @@ pub fn run_project(common: &Common, a: ProjectArgs) -> Result<()> {
             }
         }
     }
+    // Published cells beside the projection (dashed in spirit: their own series).
+    if let Some(c) = &a.compare {
+        let mut published: Vec<crate::plot::Series> = Vec::new();
+        for (m, p, n, ms) in parse_cells(c, "--compare")? {
+            let name = format!("published {m} P={p}");
+            match published.iter_mut().find(|s| s.name == name) {
+                Some(s) => s.points.push((n as f64, ms)),
+                None => published.push(crate::plot::Series { name, points: vec![(n as f64, ms)] }),
+            }
+        }
+        for s in &mut published {
+            s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        }
+        ttft.extend(published);
+    }
     let title = format!("PROJECTED TTFT, {} on {} over {} (not measured)", shape.name, a.target, a.link);
     let png = a.out.join("projection_ttft.png");
     crate::plot::line_chart_log(&png, &title, "context tokens", "TTFT (ms)", &ttft)?;
