@@ -6,7 +6,7 @@
 //! follows.
 
 use flowprefill_coordinator::project::{plan, Request, Shape};
-use flowprefill_coordinator::{Context, Job, Method, PrefixMode, RunOptions, RunResult, Scope, ThreadRanks};
+use flowprefill_coordinator::{Context, Job, Method, PrefixMode, RunOptions, Scope, ThreadRanks};
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::rope::RopeTable;
@@ -177,23 +177,6 @@ const COUNTED_OPS: &[&str] = &[
     "recompute.kv",
 ];
 
-/// The request of a finished run, as the planner takes it (with the run's own selection).
-fn request_of(r: &RunResult) -> Request {
-    let mut selected = Vec::new();
-    let mut start = 0;
-    for (c, rows) in r.selected_rows.iter().enumerate() {
-        selected.extend(rows.iter().map(|&row| start + row));
-        start += r.chunk_tokens[c];
-    }
-    selected.sort_unstable();
-    Request {
-        head: r.n_head_tokens,
-        chunks: r.chunk_tokens.clone(),
-        prompt: r.n_prompt_tokens,
-        selected: Some(selected),
-    }
-}
-
 fn key(r: &Ran) -> (u64, u64, u64) {
     (r.gemm_flops as u64, r.attn_pairs, r.score_pairs)
 }
@@ -233,7 +216,7 @@ fn projected_work_equals_what_the_engine_runs() {
         let r = world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{name}: {e}"));
         let ran = lm.model.backend().take();
         drop(world);
-        let work = plan(&shape, &opts, ranks, &request_of(&r)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let work = plan(&shape, &opts, ranks, &Request::of_run(&r)).unwrap_or_else(|e| panic!("{name}: {e}"));
         let projected: Vec<Ran> = (0..ranks)
             .map(|rank| {
                 let c = work.rank_counts(rank, &shape, 4.0, 4.0);

@@ -187,6 +187,23 @@ impl Request {
         Self { head, chunks, prompt, selected: None }
     }
 
+    /// The request of a finished run, with the run's own selection.
+    pub fn of_run(r: &crate::RunResult) -> Self {
+        let mut selected = Vec::new();
+        let mut start = 0;
+        for (rows, &len) in r.selected_rows.iter().zip(&r.chunk_tokens) {
+            selected.extend(rows.iter().map(|&row| start + row));
+            start += len;
+        }
+        selected.sort_unstable();
+        Self {
+            head: r.n_head_tokens,
+            chunks: r.chunk_tokens.clone(),
+            prompt: r.n_prompt_tokens,
+            selected: Some(selected),
+        }
+    }
+
     /// Context tokens.
     pub fn n_context(&self) -> usize {
         self.chunks.iter().sum()

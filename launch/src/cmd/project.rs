@@ -146,19 +146,7 @@ pub fn project_run(
     dev: &Device,
     link: &Link,
 ) -> std::result::Result<Projection, project::ProjectError> {
-    let mut selected = Vec::new();
-    let mut start = 0;
-    for (c, rows) in r.selected_rows.iter().enumerate() {
-        selected.extend(rows.iter().map(|&row| start + row));
-        start += r.chunk_tokens[c];
-    }
-    selected.sort_unstable();
-    let req = Request {
-        head: r.n_head_tokens,
-        chunks: r.chunk_tokens.clone(),
-        prompt: r.n_prompt_tokens,
-        selected: Some(selected),
-    };
+    let req = Request::of_run(r);
     let work = plan(shape, &r.opts, r.ranks, &req)?;
     Ok(project::project(&work, shape, dev, link, 1.0))
 }
