@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs CUDA libraries from PyPI into the user cache and prints the folders to put on
 # LD_LIBRARY_PATH (colon-separated). No GPU and no CUDA toolkit are needed for NVRTC, which is
-# all the tests need (the compile gate). `--runtime` adds cuBLAS, for a GPU machine without a
-# CUDA toolkit. Installed once; later runs only print the folders.
+# all the compile gate needs. `--runtime` adds cuBLAS, for a GPU machine without a CUDA
+# toolkit; `--nccl` adds NCCL (its version and unique ids need no GPU: the CI smoke test).
+# Options combine. Installed once; later runs only print the folders.
 #
 #   export LD_LIBRARY_PATH="$(bash scripts/cuda-wheels.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 set -euo pipefail
@@ -10,18 +11,37 @@ home="${FLOWPREFILL_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/flowprefill}"
 dir="$home/cuda-wheels"
 py="${FLOWPREFILL_PYTHON:-python3}"
 # NVRTC 12.9: what cudarc's `cuda-12090` bindings were generated for.
+# Each wheel in its own folder: `pip install --target` replaces a top-level folder that is
+# already there, and every one of these wheels installs into `nvidia/`.
 wheels=("nvidia-cuda-nvrtc-cu12==12.9.86")
-libs=("$dir/nvidia/cuda_nvrtc/lib")
-if [ "${1:-}" = "--runtime" ]; then
-  wheels+=("nvidia-cublas-cu12==12.9.1.4")
-  libs+=("$dir/nvidia/cublas/lib")
-fi
-missing=()
-for i in "${!wheels[@]}"; do
-  ls "${libs[$i]}"/lib*.so* >/dev/null 2>&1 || missing+=("${wheels[$i]}")
+libs=("$dir/nvrtc/nvidia/cuda_nvrtc/lib")
+for opt in "$@"; do
+  case "$opt" in
+    --runtime)
+      wheels+=("nvidia-cublas-cu12==12.9.1.4")
+      libs+=("$dir/cublas/nvidia/cublas/lib")
+      ;;
+    # NCCL 2.30: what cudarc's `nccl` bindings (nccl-02030) were generated for.
+    --nccl)
+      wheels+=("nvidia-nccl-cu12==2.30.7")
+      libs+=("$dir/nccl/nvidia/nccl/lib")
+      ;;
+    *)
+      echo "cuda-wheels.sh: unknown option $opt (use --runtime, --nccl)" >&2
+      exit 2
+      ;;
+  esac
 done
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "installing from PyPI into $dir: ${missing[*]}" >&2
-  "$py" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$dir" --upgrade "${missing[@]}" >&2
+for i in "${!wheels[@]}"; do
+  lib="${libs[$i]}"
+  ls "$lib"/lib*.so* >/dev/null 2>&1 && continue
+  target="${lib%/nvidia/*}"
+  echo "installing ${wheels[$i]} from PyPI into $target" >&2
+  "$py" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$target" --upgrade "${wheels[$i]}" >&2
+done
+# The NCCL wheel ships libnccl.so.2 only; cudarc loads libnccl.so.
+nccl="$dir/nccl/nvidia/nccl/lib"
+if [ -e "$nccl/libnccl.so.2" ] && [ ! -e "$nccl/libnccl.so" ]; then
+  ln -s libnccl.so.2 "$nccl/libnccl.so"
 fi
 (IFS=:; echo "${libs[*]}")

@@ -24,9 +24,11 @@ fi
 # The CUDA code builds without CUDA installed (cudarc loads its libraries at run time) and its
 # kernels compile without a GPU: NVRTC comes from PyPI (cached in the user cache), and the
 # compile gate must find it.
-nvrtc_lib=$(bash scripts/cuda-wheels.sh)
-export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# NCCL (PyPI wheel) too: its smoke test gets the version and unique ids without a GPU.
+cuda_libs=$(bash scripts/cuda-wheels.sh --nccl)
+export LD_LIBRARY_PATH="$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export FLOWPREFILL_REQUIRE_NVRTC=1
+export FLOWPREFILL_REQUIRE_NCCL=1
 features+=(--features flowprefill/cuda)
 # Style and lints first (cheap, and they fail fast): formatting, then clippy on every target
 # with every feature this machine can build.
@@ -37,6 +39,6 @@ cargo clippy --workspace --all-targets "${features[@]}" -- -D warnings
 cargo test --release --workspace "${features[@]}"
 # The CUDA tests again with their output: the compile gate's ptxas table, and what the GPU
 # tests did (on a machine without a GPU: SKIPPED, with the reason).
-cargo test --release --workspace "${features[@]}" --test cuda_compile_gate --test cuda_ops --test cuda -- --nocapture
+cargo test --release --workspace "${features[@]}" --test cuda_compile_gate --test cuda_ops --test cuda --test nccl_smoke -- --nocapture
 # The default build (no CUDA: the README's first command) must type-check too.
 cargo check -p flowprefill

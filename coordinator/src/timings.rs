@@ -32,11 +32,23 @@ pub struct PhaseTimes {
     entries: Vec<(&'static str, Duration)>,
 }
 
+thread_local! {
+    static CURRENT: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+}
+
+/// The phase this thread is inside ([`PhaseTimes::time`]), if any: lets instrumentation (a
+/// counting backend in the tests, a profiler) attribute work to the engine's phases.
+pub fn current_phase() -> Option<&'static str> {
+    CURRENT.with(std::cell::Cell::get)
+}
+
 impl PhaseTimes {
     /// Times `f` as phase `name` (adding to it if it ran before).
     pub fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
+        let outer = CURRENT.with(|c| c.replace(Some(name)));
         let out = f();
+        CURRENT.with(|c| c.set(outer));
         self.add(name, t.elapsed());
         out
     }

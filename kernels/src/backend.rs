@@ -108,6 +108,17 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
     /// Appends all of `src` to the end of `dst`.
     fn append(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
+
+    /// Copies a buffer to the host for a transport that moves host memory (the thread and MPI
+    /// communicators). Separate from [`Backend::download`] so that a transport's staging can be
+    /// told apart from the copies the steps make themselves (a device transport makes none).
+    fn stage_out(&self, buf: &Self::Buf) -> Result<Vec<f32>> {
+        self.download(buf)
+    }
+    /// The receiving side of [`Backend::stage_out`].
+    fn stage_in(&self, host: &[f32]) -> Result<Self::Buf> {
+        self.upload(host)
+    }
 }
 
 /// The CPU backend: rayon threads, runtime-dispatched SIMD, `gemm` micro-kernels.

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests: the real model (fetched once into the user cache),
 //! tiny random-weight GGUF models for pure math checks, comparisons with named tolerances.
 
+pub mod counting;
+
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};

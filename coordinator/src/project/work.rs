@@ -489,7 +489,7 @@ fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<
                 });
             }
             if p > 1 {
-                let own = partials(segs.len(), m, shape);
+                let own = partials(segs.iter().filter(|r| !r.is_empty()).count(), m, shape);
                 let merged = partials(1, m, shape);
                 let others: u64 = (1..p)
                     .map(|o| {

@@ -6,6 +6,7 @@
 //! never a panic (cudarc's `CudaContext::new` panics when libcuda is missing).
 
 mod backend;
+pub mod nccl;
 pub mod nvrtc;
 
 pub use backend::{to_bf16, CudaBackend, DeviceBuf, DeviceMat, WeightType};

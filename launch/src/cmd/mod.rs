@@ -90,7 +90,9 @@ pub fn devices() -> Result<()> {
         let driver = v.driver.map_or("none".into(), |d| format!("{}.{} (CUDA API {d})", d / 1000, (d % 1000) / 10));
         let nvrtc = v.nvrtc.map_or("not found".into(), |(a, b)| format!("{a}.{b}"));
         let cublas = v.cublas.map_or("not found".into(), |(a, b, c)| format!("{a}.{b}.{c}"));
-        println!("cuda: driver {driver}, NVRTC {nvrtc}, cuBLAS {cublas}");
+        let nccl =
+            flowprefill_kernels::cuda::nccl::version().map_or("not found".into(), |(a, b, c)| format!("{a}.{b}.{c}"));
+        println!("cuda: driver {driver}, NVRTC {nvrtc}, cuBLAS {cublas}, NCCL {nccl}");
     }
     #[cfg(feature = "cuda")]
     match flowprefill_kernels::cuda::devices() {

@@ -74,12 +74,52 @@ pub(crate) fn group_targets<S: std::ops::Deref<Target = KvCache<B>>, B: Backend>
     Ok(groups)
 }
 
-/// Packs row positions and f32 payloads (one section each; see [`flowprefill_comm::wire`]).
-pub(crate) fn pack(positions: &[u32], parts: &[&[f32]]) -> Vec<u8> {
-    parts.iter().fold(Packet::new().u32s(positions), |p, f| p.f32s(f)).into_bytes()
+/// Seals device buffers for a peer: `rows` (control data, on the host) and each buffer staged
+/// out through [`Backend::stage_out`] (the transport's copy: the thread and MPI communicators move
+/// host bytes; one section each, see [`flowprefill_comm::wire`]). The distributed steps leave the device only here and in [`open`].
+pub(crate) fn seal<B: Backend>(be: &B, rows: &[u32], bufs: &[&B::Buf]) -> Result<Vec<u8>> {
+    let mut p = Packet::new().u32s(rows);
+    for b in bufs {
+        p = p.f32s(&be.stage_out(b)?);
+    }
+    Ok(p.into_bytes())
 }
 
-/// `(positions, parts)` from [`pack`]: `N` f32 sections of `widths[i]` values per position.
+/// Opens what [`seal`] made: the rows and `N` buffers of `widths[i]` values per row, staged in.
+pub(crate) fn open<B: Backend, const N: usize>(
+    be: &B,
+    rank: usize,
+    op: &str,
+    b: &[u8],
+    widths: [usize; N],
+) -> Result<(Vec<u32>, [B::Buf; N])> {
+    let (rows, parts) = unpack(rank, op, b, widths)?;
+    let mut bufs = Vec::with_capacity(N);
+    for p in &parts {
+        bufs.push(be.stage_in(p)?);
+    }
+    let bufs: [B::Buf; N] =
+        bufs.try_into().map_err(|_| crate::error::internal(format!("`{op}`: buffers lost while staging in")))?;
+    Ok((rows, bufs))
+}
+
+/// Merges a partial attention result into an accumulator on the device; the first partial
+/// becomes the accumulator (what `merge_partial` does with an empty one, bit for bit).
+pub(crate) fn merge_into<B: Backend>(
+    be: &B,
+    acc: &mut Option<(B::Buf, B::Buf)>,
+    out: B::Buf,
+    lse: B::Buf,
+    head_dim: usize,
+) -> Result<()> {
+    match acc {
+        None => *acc = Some((out, lse)),
+        Some((ao, al)) => be.merge_partial(ao, al, &out, &lse, head_dim)?,
+    }
+    Ok(())
+}
+
+/// `(rows, parts)` of a [`seal`]ed message, on the host: `N` f32 sections of `widths[i]` values per row.
 pub(crate) fn unpack<const N: usize>(
     rank: usize,
     op: &str,

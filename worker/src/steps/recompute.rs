@@ -19,7 +19,7 @@
 //! stale row (causality) and every earlier target has written all its layers, so batching is
 //! exact; every rank runs the same number of batches (possibly empty) so collectives match.
 
-use super::{clone_buf, comm_err, group_targets, pack, unpack, TargetGroup};
+use super::{clone_buf, comm_err, group_targets, merge_into, open, seal, TargetGroup};
 use crate::attend::{attend_over, Attend, KvSource, LayerInput};
 use crate::error::{Field, InputError, Result, WorkerError};
 use crate::interrupt::Check;
@@ -138,17 +138,17 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
         match self.scope {
             Scope::Sparse => {
                 // Other ranks' selected rows travel; own rows are already in the segments.
-                let kd = be.download(x.k)?;
-                let vd = be.download(x.v)?;
                 let op = format!("{}.kv", self.op);
-                let got = all_gather_bytes(self.comm, &op, pack(x.positions, &[&kd, &vd])).map_err(comm_err)?;
+                // A world of one has nobody to send to: nothing is staged.
+                let msg = if n > 1 { seal(be, x.positions, &[x.k, x.v])? } else { Vec::new() };
+                let got = all_gather_bytes(self.comm, &op, msg).map_err(comm_err)?;
                 let mut remote = Vec::new();
                 for (r, b) in got.iter().enumerate() {
                     if r == me {
                         continue;
                     }
-                    let (pos, [k, v]) = unpack(r, &op, b, [kvd, kvd])?;
-                    remote.push((pos, be.upload(&k)?, be.upload(&v)?));
+                    let (pos, [k, v]) = open(be, r, &op, b, [kvd, kvd])?;
+                    remote.push((pos, k, v));
                 }
                 let mut sources = local;
                 if let Some(r) = self.replicated {
@@ -162,26 +162,31 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
             }
             Scope::Exact => {
                 // Pass-Q: every rank's queries visit every rank's segments.
-                let qh = be.download(x.q)?;
                 let op = format!("{}.q", self.op);
-                let got = all_gather_bytes(self.comm, &op, pack(x.positions, &[&qh])).map_err(comm_err)?;
+                let msg = if n > 1 { seal(be, x.positions, &[x.q])? } else { Vec::new() };
+                let got = all_gather_bytes(self.comm, &op, msg).map_err(comm_err)?;
                 let mut all_pos = Vec::new();
-                let mut all_q = Vec::new();
+                let mut all_q = be.zeros(0)?;
                 let mut counts = Vec::with_capacity(n);
                 for (r, b) in got.iter().enumerate() {
-                    let (pos, [q]) = unpack(r, &op, b, [qd])?;
-                    counts.push(pos.len());
-                    all_pos.extend(pos);
-                    all_q.extend(q);
+                    if r == me {
+                        counts.push(m);
+                        all_pos.extend_from_slice(x.positions);
+                        be.append(&mut all_q, x.q)?;
+                    } else {
+                        let (pos, [q]) = open(be, r, &op, b, [qd])?;
+                        counts.push(pos.len());
+                        all_pos.extend(pos);
+                        be.append(&mut all_q, &q)?;
+                    }
                 }
                 let total = all_pos.len();
                 let mut po = be.zeros(total * qd)?;
                 let mut pl = be.zeros(total * h)?;
                 if total > 0 {
-                    attend_over(be, x.shape, &be.upload(&all_q)?, &all_pos, &local, &mut po, &mut pl)?;
+                    attend_over(be, x.shape, &all_q, &all_pos, &local, &mut po, &mut pl)?;
                 }
-                let (po, pl) = (be.download(&po)?, be.download(&pl)?);
-                // Rows of rank r's queries start at offsets[r].
+                // Rows of rank r's queries start at offsets[r]; cut them out on the device.
                 let offsets: Vec<usize> = counts
                     .iter()
                     .scan(0, |acc, &c| {
@@ -190,34 +195,38 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                         Some(s)
                     })
                     .collect();
-                let rows_of = |r: usize| -> (Vec<f32>, Vec<f32>) {
+                let rows_of = |r: usize| -> Result<(B::Buf, B::Buf)> {
                     let (s, c) = (offsets[r], counts[r]);
-                    (po[s * qd..(s + c) * qd].to_vec(), pl[s * h..(s + c) * h].to_vec())
+                    let (mut o, mut l) = (be.zeros(c * qd)?, be.zeros(c * h)?);
+                    if c > 0 {
+                        let src: Vec<usize> = (s..s + c).collect();
+                        let dst: Vec<usize> = (0..c).collect();
+                        be.copy_rows(&po, &src, &mut o, &dst, qd)?;
+                        be.copy_rows(&pl, &src, &mut l, &dst, h)?;
+                    }
+                    Ok((o, l))
                 };
-                let sends: Vec<(usize, Vec<u8>)> = (0..n)
-                    .filter(|&r| r != me)
-                    .map(|r| {
-                        let (o, l) = rows_of(r);
-                        let rows: Vec<u32> = (0..counts[r] as u32).collect();
-                        (r, pack(&rows, &[&o, &l]))
-                    })
-                    .collect();
+                let mut sends: Vec<(usize, Vec<u8>)> = Vec::with_capacity(n.saturating_sub(1));
+                for r in (0..n).filter(|&r| r != me) {
+                    let (o, l) = rows_of(r)?;
+                    let rows: Vec<u32> = (0..counts[r] as u32).collect();
+                    sends.push((r, seal(be, &rows, &[&o, &l])?));
+                }
                 let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
                 let op = format!("{}.partials", self.op);
                 self.comm.post(&op, sends, others).map_err(comm_err)?;
                 let back = self.comm.wait().map_err(comm_err)?;
-                // Merge the partials for this rank's queries in rank order.
-                let mut acc_o = vec![0f32; m * qd];
-                let mut acc_l = vec![f32::NEG_INFINITY; m * h];
+                // Merge the partials for this rank's queries in rank order, on the device.
+                let mut acc: Option<(B::Buf, B::Buf)> = None;
                 let mut back = back.into_iter();
                 for r in 0..n {
                     let (o, l) = if r == me {
-                        rows_of(r)
+                        rows_of(r)?
                     } else {
                         let b = back
                             .next()
                             .ok_or_else(|| WorkerError::Protocol { rank: r, detail: format!("`{op}`: no partials") })?;
-                        let (rows, [o, l]) = unpack(r, &op, &b, [qd, h])?;
+                        let (rows, [o, l]) = open(be, r, &op, &b, [qd, h])?;
                         if rows.len() != m {
                             return Err(WorkerError::Protocol {
                                 rank: r,
@@ -226,9 +235,12 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                         }
                         (o, l)
                     };
-                    flowprefill_kernels::merge::merge_partial(&mut acc_o, &mut acc_l, &o, &l, d)?;
+                    merge_into(be, &mut acc, o, l, d)?;
                 }
-                *out = be.upload(&acc_o)?;
+                *out = match acc {
+                    Some((o, _)) => o,
+                    None => be.zeros(m * qd)?,
+                };
                 Ok(())
             }
         }

@@ -17,8 +17,8 @@
 use crate::attend::{Attend, KvSource, LayerInput};
 use crate::error::{Result, WorkerError};
 use crate::kv::{KeyForm, KvCache};
-use crate::steps::{clone_buf, comm_err, protocol};
-use flowprefill_comm::{exchange, Communicator, Packet, Unpack};
+use crate::steps::{clone_buf, comm_err, merge_into, protocol, seal};
+use flowprefill_comm::{exchange, Communicator, Unpack};
 use flowprefill_kernels::Backend;
 
 /// A context segment held by this rank.
@@ -133,17 +133,25 @@ impl<B: Backend> Drop for Replicated<'_, '_, B> {
     }
 }
 
-/// One segment's partial attention: (segment id, out, lse).
-pub(crate) type Partial = (usize, Vec<f32>, Vec<f32>);
+/// One segment's partial attention on the device: (segment id, out, lse).
+pub(crate) type Partial<B> = (usize, <B as Backend>::Buf, <B as Backend>::Buf);
 
-/// Encodes per-segment partials: the segment ids, then each segment's `out` and `lse`.
-pub(crate) fn encode_partials(parts: &[Partial]) -> Vec<u8> {
+/// Seals per-segment partials: the segment ids, then each segment's `out` and `lse`.
+fn seal_partials<B: Backend>(be: &B, parts: &[Partial<B>]) -> Result<Vec<u8>> {
     let ids: Vec<u32> = parts.iter().map(|p| p.0 as u32).collect();
-    parts.iter().fold(Packet::new().u32s(&ids), |b, (_, o, l)| b.f32s(o).f32s(l)).into_bytes()
+    let bufs: Vec<&B::Buf> = parts.iter().flat_map(|(_, o, l)| [o, l]).collect();
+    seal(be, &ids, &bufs)
 }
 
-/// Decodes [`encode_partials`] given the row sizes.
-pub(crate) fn decode_partials(rank: usize, op: &str, b: &[u8], out_len: usize, lse_len: usize) -> Result<Vec<Partial>> {
+/// Opens [`seal_partials`] given the sizes of one partial.
+fn open_partials<B: Backend>(
+    be: &B,
+    rank: usize,
+    op: &str,
+    b: &[u8],
+    out_len: usize,
+    lse_len: usize,
+) -> Result<Vec<Partial<B>>> {
     let mut u = Unpack::new(rank, op, b);
     let ids = u.u32s().map_err(protocol)?;
     let mut out = Vec::with_capacity(ids.len());
@@ -155,31 +163,32 @@ pub(crate) fn decode_partials(rank: usize, op: &str, b: &[u8], out_len: usize, l
                 detail: format!("`{op}`: partial of {}+{} values, expected {out_len}+{lse_len}", o.len(), l.len()),
             });
         }
-        out.push((id as usize, o, l));
+        out.push((id as usize, be.stage_in(&o)?, be.stage_in(&l)?));
     }
     u.finish().map_err(protocol)?;
     Ok(out)
 }
 
 /// Merges per-segment partials of all ranks in segment order at rank 0 and broadcasts the
-/// result: `(out, lse)`, the same bits on every rank.
-fn merge_at_root(
+/// result: `(out, lse)` on the device, the same bits on every rank; `None` when no rank had
+/// a partial (nothing visible anywhere).
+fn merge_at_root<B: Backend>(
+    be: &B,
     comm: &mut dyn Communicator,
     op: &str,
-    parts: Vec<Partial>,
+    parts: Vec<Partial<B>>,
     out_len: usize,
     lse_len: usize,
     head_dim: usize,
-) -> Result<(Vec<f32>, Vec<f32>)> {
+) -> Result<Option<(B::Buf, B::Buf)>> {
     let (me, n) = (comm.rank(), comm.size());
-    let merge = |mut all: Vec<Partial>| -> Result<(Vec<f32>, Vec<f32>)> {
+    let merge = |mut all: Vec<Partial<B>>| -> Result<Option<(B::Buf, B::Buf)>> {
         all.sort_by_key(|p| p.0);
-        let mut o = vec![0f32; out_len];
-        let mut l = vec![f32::NEG_INFINITY; lse_len];
-        for (_, po, pl) in &all {
-            flowprefill_kernels::merge::merge_partial(&mut o, &mut l, po, pl, head_dim)?;
+        let mut acc = None;
+        for (_, po, pl) in all {
+            merge_into(be, &mut acc, po, pl, head_dim)?;
         }
-        Ok((o, l))
+        Ok(acc)
     };
     if n == 1 {
         return merge(parts);
@@ -191,20 +200,22 @@ fn merge_at_root(
         let got = exchange(comm, &gather, vec![], others.clone()).map_err(comm_err)?;
         let mut all = parts;
         for (r, b) in others.iter().zip(&got) {
-            all.extend(decode_partials(*r, &gather, b, out_len, lse_len)?);
+            all.extend(open_partials(be, *r, &gather, b, out_len, lse_len)?);
         }
-        let (o, l) = merge(all)?;
-        let msg = encode_partials(&[(0, o.clone(), l.clone())]);
+        let merged = merge(all)?;
+        let msg = match &merged {
+            Some((o, l)) => seal(be, &[0], &[o, l])?,
+            None => seal::<B>(be, &[], &[])?,
+        };
         exchange(comm, &bcast, others.iter().map(|&r| (r, msg.clone())).collect(), vec![]).map_err(comm_err)?;
-        Ok((o, l))
+        Ok(merged)
     } else {
-        exchange(comm, &gather, vec![(0, encode_partials(&parts))], vec![]).map_err(comm_err)?;
+        exchange(comm, &gather, vec![(0, seal_partials(be, &parts)?)], vec![]).map_err(comm_err)?;
         let got = exchange(comm, &bcast, vec![], vec![0]).map_err(comm_err)?;
-        let missing = || WorkerError::Protocol { rank: 0, detail: format!("`{bcast}`: no merged partial") };
-        let b = got.first().ok_or_else(missing)?;
-        let mut merged = decode_partials(0, &bcast, b, out_len, lse_len)?;
-        let (_, o, l) = merged.pop().ok_or_else(missing)?;
-        Ok((o, l))
+        let b =
+            got.first().ok_or_else(|| WorkerError::Protocol { rank: 0, detail: format!("`{bcast}`: no message") })?;
+        let mut merged = open_partials(be, 0, &bcast, b, out_len, lse_len)?;
+        Ok(merged.pop().map(|(_, o, l)| (o, l)))
     }
 }
 
@@ -219,9 +230,9 @@ impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
         let be = x.backend;
         let m = x.positions.len();
         let (qd, kvd, h, d) = (x.shape.q_dim(), x.shape.kv_dim(), x.shape.n_heads, x.shape.head_dim);
-        // Local partials, one per segment.
+        // Local partials, one per segment that has keys (an empty one contributes nothing).
         let mut rotated: Vec<Option<B::Buf>> = Vec::with_capacity(self.local.len());
-        let mut parts = Vec::with_capacity(self.local.len());
+        let mut parts: Vec<Partial<B>> = Vec::with_capacity(self.local.len());
         for s in &self.local {
             let layer = s.cache.layer(x.layer);
             let rot = match s.cache.form() {
@@ -232,9 +243,9 @@ impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
                 }
                 _ => None,
             };
-            let mut o = be.zeros(m * qd)?;
-            let mut l = be.upload(&vec![f32::NEG_INFINITY; m * h])?;
             if !s.positions.is_empty() && m > 0 {
+                let mut o = be.zeros(m * qd)?;
+                let mut l = be.zeros(m * h)?;
                 be.attention(
                     x.shape,
                     x.q,
@@ -245,13 +256,13 @@ impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
                     &mut o,
                     &mut l,
                 )?;
+                parts.push((s.id, o, l));
             }
-            parts.push((s.id, be.download(&o)?, be.download(&l)?));
             rotated.push(rot);
         }
         // Every rank's partials, merged at rank 0 in global segment order, then broadcast:
         // identical on every rank, and (P-1) x (local + merged) bytes instead of an all-gather.
-        let (mut acc_o, mut acc_l) = merge_at_root(self.comm, self.op, parts, m * qd, m * h, d)?;
+        let mut acc = merge_at_root(be, self.comm, self.op, parts, m * qd, m * h, d)?;
         // The tail (earlier replicated tokens + these queries), identical on every rank.
         {
             let layer = self.tail.layer_mut(x.layer);
@@ -261,17 +272,21 @@ impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
         self.layers_done += 1;
         let layer = self.tail.layer(x.layer);
         let tail = KvSource::<B> { k: &layer.k, v: &layer.v, pos: &self.tail_positions };
-        let mut to = be.zeros(m * qd)?;
-        let mut tl = be.zeros(m * h)?;
         if m > 0 {
+            let mut to = be.zeros(m * qd)?;
+            let mut tl = be.zeros(m * h)?;
             be.attention(x.shape, x.q, x.positions, tail.k, tail.v, tail.pos, &mut to, &mut tl)?;
+            merge_into(be, &mut acc, to, tl, d)?;
         }
-        flowprefill_kernels::merge::merge_partial(&mut acc_o, &mut acc_l, &be.download(&to)?, &be.download(&tl)?, d)?;
-        *out = be.upload(&acc_o)?;
+        let Some((acc_o, acc_l)) = acc else {
+            *out = be.zeros(m * qd)?;
+            return Ok(());
+        };
+        *out = acc_o;
         // Scores of the local keys under the merged normaliser.
         let w = self.weights.get(x.layer).copied().unwrap_or(0.0);
         if w > 0.0 && m > 0 {
-            let lse = be.upload(&acc_l)?;
+            let lse = acc_l;
             for ((s, rot), acc) in self.local.iter().zip(&rotated).zip(&mut self.scores) {
                 if s.positions.is_empty() {
                     continue;

@@ -17,14 +17,13 @@
 //! Partials merge through `merge_partial` in fp32; the result equals single-device prefill up
 //! to rounding (InfoFlow appendix B). Each rank keeps its own rows' K/V for decoding.
 
-use super::{comm_err, pack, unpack};
+use super::{clone_buf, comm_err, merge_into, open, seal};
 use crate::attend::{Attend, LayerInput};
 use crate::error::Result;
 use crate::interrupt::Check;
 use crate::kv::{KeyForm, KvCache};
 use crate::model::{Logits, Model};
 use flowprefill_comm::Communicator;
-use flowprefill_kernels::merge::merge_partial;
 use flowprefill_kernels::Backend;
 use std::ops::Range;
 
@@ -60,34 +59,35 @@ impl<B: Backend> Attend<B> for Ring<'_, B> {
         }
         let (me, n) = (self.comm.rank(), self.comm.size());
         let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+        // The block held at this step, on the device: own K/V first.
         let mut blk_pos = x.positions.to_vec();
-        let mut blk_k = be.download(x.k)?;
-        let mut blk_v = be.download(x.v)?;
-        let mut acc_o = vec![0f32; m * qd];
-        let mut acc_l = vec![f32::NEG_INFINITY; m * h];
+        let mut blk_k = clone_buf(be, x.k, kvd)?;
+        let mut blk_v = clone_buf(be, x.v, kvd)?;
+        let mut acc: Option<(B::Buf, B::Buf)> = None;
         for step in 0..n {
             let last = step + 1 == n;
             if !last {
-                // Post the next transfer before computing on the current block.
-                self.comm
-                    .post("ring.kv", vec![(next, pack(&blk_pos, &[&blk_k, &blk_v]))], vec![prev])
-                    .map_err(comm_err)?;
+                // Post the block before computing on it: the transfer overlaps the attention.
+                let msg = seal(be, &blk_pos, &[&blk_k, &blk_v])?;
+                self.comm.post("ring.kv", vec![(next, msg)], vec![prev]).map_err(comm_err)?;
             }
             if m > 0 && !blk_pos.is_empty() {
-                let (k, v) = (be.upload(&blk_k)?, be.upload(&blk_v)?);
                 let mut o = be.zeros(m * qd)?;
                 let mut l = be.zeros(m * h)?;
-                be.attention(x.shape, x.q, x.positions, &k, &v, &blk_pos, &mut o, &mut l)?;
-                merge_partial(&mut acc_o, &mut acc_l, &be.download(&o)?, &be.download(&l)?, d)?;
+                be.attention(x.shape, x.q, x.positions, &blk_k, &blk_v, &blk_pos, &mut o, &mut l)?;
+                merge_into(be, &mut acc, o, l, d)?;
             }
             if !last {
                 let got = self.comm.wait().map_err(comm_err)?;
                 let b = got.into_iter().next().ok_or_else(|| crate::error::internal("ring step lost its block"))?;
-                let (pos, [k, v]) = unpack(prev, "ring.kv", &b, [kvd, kvd])?;
+                let (pos, [k, v]) = open(be, prev, "ring.kv", &b, [kvd, kvd])?;
                 (blk_pos, blk_k, blk_v) = (pos, k, v);
             }
         }
-        *out = be.upload(&acc_o)?;
+        *out = match acc {
+            Some((o, _)) => o,
+            None => be.zeros(m * qd)?,
+        };
         Ok(())
     }
 }
