@@ -68,8 +68,35 @@ impl std::str::FromStr for WeightType {
 pub enum DeviceSpec {
     /// `cpu`.
     Cpu,
-    /// `cuda` or `cuda:N`.
+    /// `cuda:N`.
     Cuda(usize),
+    /// `cuda`: this process's GPU, the node-local rank's under a launcher (see
+    /// [`DeviceSpec::resolve`]), else GPU 0.
+    CudaLocal,
+}
+
+/// This process's rank among the processes of its node, as the MPI launchers and Slurm set it.
+pub fn node_local_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().and_then(|s| s.trim().parse().ok()))
+}
+
+impl DeviceSpec {
+    /// The concrete device: `cuda` becomes `cuda:L mod G` for node-local rank `L` and `G`
+    /// visible GPUs (`cuda:0` outside a launcher or when no GPU is visible), so that `mpirun -np
+    /// N ... --device cuda` gives each rank of a node its own GPU.
+    pub fn resolve(self, gpus: usize) -> DeviceSpec {
+        self.resolve_for(node_local_rank(), gpus)
+    }
+
+    /// [`DeviceSpec::resolve`] for a given node-local rank.
+    pub fn resolve_for(self, local_rank: Option<usize>, gpus: usize) -> DeviceSpec {
+        match self {
+            DeviceSpec::CudaLocal => DeviceSpec::Cuda(local_rank.unwrap_or(0) % gpus.max(1)),
+            other => other,
+        }
+    }
 }
 
 impl std::str::FromStr for DeviceSpec {
@@ -78,7 +105,7 @@ impl std::str::FromStr for DeviceSpec {
         let s = s.trim().to_ascii_lowercase();
         match s.as_str() {
             "cpu" => Ok(DeviceSpec::Cpu),
-            "cuda" | "gpu" => Ok(DeviceSpec::Cuda(0)),
+            "cuda" | "gpu" => Ok(DeviceSpec::CudaLocal),
             _ => s
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse().ok())
@@ -93,6 +120,7 @@ impl std::fmt::Display for DeviceSpec {
         match self {
             DeviceSpec::Cpu => f.write_str("cpu"),
             DeviceSpec::Cuda(n) => write!(f, "cuda:{n}"),
+            DeviceSpec::CudaLocal => f.write_str("cuda"),
         }
     }
 }
@@ -105,8 +133,13 @@ impl Device {
             DeviceSpec::Cpu => Ok(Device::Cpu(Cpu)),
             #[cfg(feature = "cuda")]
             DeviceSpec::Cuda(n) => Ok(Device::Cuda(Arc::new(crate::cuda::CudaBackend::new(n, weights)?))),
+            #[cfg(feature = "cuda")]
+            DeviceSpec::CudaLocal => {
+                let gpus = crate::cuda::devices().map_or(0, |d| d.len());
+                Self::open(spec.resolve(gpus), weights)
+            }
             #[cfg(not(feature = "cuda"))]
-            DeviceSpec::Cuda(_) => {
+            DeviceSpec::Cuda(_) | DeviceSpec::CudaLocal => {
                 let _ = weights;
                 Err(KernelError::Backend {
                     backend: "cuda",
@@ -337,7 +370,19 @@ mod tests {
     #[test]
     fn specs_parse_and_cpu_runs_through_the_enum() {
         assert_eq!("cpu".parse::<DeviceSpec>(), Ok(DeviceSpec::Cpu));
-        assert_eq!("CUDA".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(0)));
+        assert_eq!("CUDA".parse::<DeviceSpec>(), Ok(DeviceSpec::CudaLocal));
+        assert_eq!(DeviceSpec::CudaLocal.to_string(), "cuda");
+        assert_eq!(DeviceSpec::Cuda(2).resolve(4), DeviceSpec::Cuda(2), "an explicit GPU stays");
+        assert_eq!(DeviceSpec::Cpu.resolve(4), DeviceSpec::Cpu);
+        // Under a launcher, rank L of a node takes GPU L (wrapping when ranks outnumber GPUs).
+        assert_eq!(DeviceSpec::CudaLocal.resolve_for(Some(3), 8), DeviceSpec::Cuda(3));
+        assert_eq!(DeviceSpec::CudaLocal.resolve_for(Some(9), 8), DeviceSpec::Cuda(1));
+        assert_eq!(DeviceSpec::CudaLocal.resolve_for(None, 8), DeviceSpec::Cuda(0));
+        assert_eq!(
+            DeviceSpec::CudaLocal.resolve_for(Some(2), 0),
+            DeviceSpec::Cuda(0),
+            "no GPU visible: cuda:0's error"
+        );
         assert_eq!("cuda:3".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(3)));
         assert!("tpu".parse::<DeviceSpec>().unwrap_err().contains("cpu, cuda or cuda:N"));
         let d = Device::open(DeviceSpec::Cpu, WeightType::F32).unwrap();
