@@ -66,15 +66,15 @@ impl Counting {
         let mut m = self.ran.lock().unwrap_or_else(|e| e.into_inner());
         m.drain().map(|((t, p), r)| (t, p, r)).collect()
     }
+}
 
-    /// [`Counting::take`] summed per thread (one entry per rank thread that ran anything).
-    pub fn take_by_thread(&self) -> Vec<Ran> {
-        let mut by: HashMap<ThreadId, Ran> = HashMap::new();
-        for (t, _, r) in self.take() {
-            *by.entry(t).or_default() += r;
-        }
-        by.into_values().collect()
+/// What ran, summed per thread (one entry per rank thread that ran anything).
+pub fn per_thread(ran: &[(ThreadId, &'static str, Ran)]) -> Vec<Ran> {
+    let mut by: HashMap<ThreadId, Ran> = HashMap::new();
+    for (t, _, r) in ran {
+        *by.entry(*t).or_default() += *r;
     }
+    by.into_values().collect()
 }
 
 /// Visible (query, key) pairs: keys at or before the query's position.
@@ -224,4 +224,33 @@ impl Backend for Counting {
     fn append(&self, dst: &mut Vec<f32>, src: &Vec<f32>) -> Result<()> {
         Cpu.append(dst, src)
     }
+}
+
+/// The three small documents and the north-gate question.
+pub fn needle_request() -> flowprefill_coordinator::Request {
+    flowprefill_coordinator::Request {
+        context: flowprefill_coordinator::Context::Documents(crate::small_docs()),
+        query: "What is the access code for the north gate?".into(),
+        system: None,
+    }
+}
+
+/// Runs `opts` (one answer token) on `ranks` fresh thread ranks over `lm`; returns the result
+/// and what ran, by (thread, phase). `name` labels a failure.
+pub fn run_counted(
+    lm: &std::sync::Arc<flowprefill_worker::LoadedModel<Counting>>,
+    name: &str,
+    ranks: usize,
+    request: &flowprefill_coordinator::Request,
+    opts: &flowprefill_coordinator::RunOptions,
+) -> (flowprefill_coordinator::RunResult, Vec<(ThreadId, &'static str, Ran)>) {
+    let options = flowprefill_coordinator::RunOptions { max_new_tokens: 1, ..opts.clone() };
+    let mut world =
+        flowprefill_coordinator::ThreadRanks::new(lm.clone(), ranks, 1 << 30, std::time::Duration::from_secs(300))
+            .unwrap_or_else(|e| panic!("{name}: thread ranks: {e}"));
+    lm.model.backend().take();
+    let job = flowprefill_coordinator::Job { request: request.clone(), options };
+    let r = world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let ran = lm.model.backend().take();
+    (r, ran)
 }

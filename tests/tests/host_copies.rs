@@ -6,8 +6,8 @@
 //! on any rank, in any phase.
 
 use flowprefill_coordinator::timings::phase;
-use flowprefill_coordinator::{Context, Job, Method, RunOptions, Scope, ThreadRanks};
-use flowprefill_tests::counting::{Counting, Ran};
+use flowprefill_coordinator::{Method, RunOptions, Scope};
+use flowprefill_tests::counting::{needle_request, run_counted, Counting, Ran};
 use flowprefill_worker::LoadedModel;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -19,11 +19,7 @@ fn distributed_steps_copy_nothing_but_logits_and_scores() {
     let vocab = lm.model.config().vocab_size as u64;
     let n_layers = lm.model.config().n_layers;
     let (a, b) = flowprefill_coordinator::select::default_score_layers(n_layers);
-    let request = flowprefill_coordinator::Request {
-        context: Context::Documents(flowprefill_tests::small_docs()),
-        query: "What is the access code for the north gate?".into(),
-        system: None,
-    };
+    let request = needle_request();
     let cases: Vec<(&str, usize, RunOptions)> = vec![
         ("full", 1, RunOptions { method: Method::Full, ..RunOptions::default() }),
         ("ring P=2", 2, RunOptions { method: Method::Ring, ..RunOptions::default() }),
@@ -34,16 +30,9 @@ fn distributed_steps_copy_nothing_but_logits_and_scores() {
         ("infoflow sparse P=2", 2, RunOptions { scope: Scope::Sparse, ..RunOptions::default() }),
     ];
     for (name, ranks, opts) in cases {
-        let opts = RunOptions { max_new_tokens: 1, ..opts };
-        let mut world = ThreadRanks::new(lm.clone(), ranks, 1 << 30, std::time::Duration::from_secs(300))
-            .expect("thread ranks start");
-        lm.model.backend().take();
-        let r = world
-            .run(&Job { request: request.clone(), options: opts.clone() }, &mut |_| true)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        drop(world);
+        let (r, ran) = run_counted(&lm, name, ranks, &request, &opts);
         let mut by_phase: BTreeMap<&str, Ran> = BTreeMap::new();
-        for (_, p, ran) in lm.model.backend().take() {
+        for (_, p, ran) in ran {
             *by_phase.entry(p).or_default() += ran;
         }
         eprintln!("{name}: phase: downloads (floats), uploads (floats), staged by the transport (floats)");

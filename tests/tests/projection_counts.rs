@@ -6,8 +6,8 @@
 //! follows.
 
 use flowprefill_coordinator::project::{plan, Request, Shape};
-use flowprefill_coordinator::{Context, Job, Method, PrefixMode, RunOptions, Scope, ThreadRanks};
-use flowprefill_tests::counting::{Counting, Ran};
+use flowprefill_coordinator::{Method, PrefixMode, RunOptions, Scope};
+use flowprefill_tests::counting::{needle_request, per_thread, run_counted, Counting, Ran};
 use flowprefill_worker::LoadedModel;
 use std::sync::Arc;
 
@@ -32,12 +32,7 @@ fn projected_work_equals_what_the_engine_runs() {
     let path = flowprefill_tests::default_model_path();
     let lm = Arc::new(LoadedModel::load(&path, Counting::default()).expect("model loads"));
     let shape = Shape::of_config(lm.model.config());
-    let docs = flowprefill_tests::small_docs();
-    let request = flowprefill_coordinator::Request {
-        context: Context::Documents(docs),
-        query: "What is the access code for the north gate?".into(),
-        system: None,
-    };
+    let request = needle_request();
     let cases: Vec<(&str, usize, RunOptions)> = vec![
         ("full", 1, RunOptions { method: Method::Full, ..RunOptions::default() }),
         ("ring P=2", 2, RunOptions { method: Method::Ring, ..RunOptions::default() }),
@@ -54,14 +49,8 @@ fn projected_work_equals_what_the_engine_runs() {
         ("none P=2", 2, RunOptions { method: Method::None, ..RunOptions::default() }),
     ];
     for (name, ranks, opts) in cases {
-        let opts = RunOptions { max_new_tokens: 1, ..opts };
-        let mut world = ThreadRanks::new(lm.clone(), ranks, 1 << 30, std::time::Duration::from_secs(300))
-            .expect("thread ranks start");
-        lm.model.backend().take();
-        let job = Job { request: request.clone(), options: opts.clone() };
-        let r = world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let ran = lm.model.backend().take_by_thread();
-        drop(world);
+        let (r, ran) = run_counted(&lm, name, ranks, &request, &opts);
+        let ran = per_thread(&ran);
         let work = plan(&shape, &opts, ranks, &Request::of_run(&r)).unwrap_or_else(|e| panic!("{name}: {e}"));
         let projected: Vec<Ran> = (0..ranks)
             .map(|rank| {
