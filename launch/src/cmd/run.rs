@@ -179,7 +179,7 @@ fn run_job(
     let lm = Arc::new(super::load_model(common)?);
     let aux = match &args.method.aux_model {
         Some(p) => Some(Arc::new(
-            LoadedModel::load(p, super::device(common)?)
+            LoadedModel::load(&super::resolve_model(Some(p))?, super::device(common)?)
                 .with_context(|| format!("loading --aux-model {}", p.display()))?,
         )),
         None => None,
