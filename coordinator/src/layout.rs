@@ -51,7 +51,11 @@ impl Layout {
         };
         let none = |_| Ok(Vec::new());
         let head = tokenize_pieces(&lm.tokenizer, &pieces[..slot_at], none)?.ids;
-        let prompt = tokenize_pieces(&lm.tokenizer, &pieces[slot_at + 1..], none)?.ids;
+        let mut prompt = tokenize_pieces(&lm.tokenizer, &pieces[slot_at + 1..], none)?.ids;
+        // The answer prefix opens the assistant's turn, after the template's generation prompt.
+        if let Some(p) = req.answer_prefix.as_deref().filter(|p| !p.trim().is_empty()) {
+            prompt.extend(lm.tokenizer.encode_text(p.trim_end())?);
+        }
         let chunks = match &req.context {
             Context::Documents(docs) => docs
                 .iter()

@@ -218,6 +218,10 @@ pub struct Request {
     pub query: String,
     /// System message (default: the template's own).
     pub system: Option<String>,
+    /// What the answer starts with: the assistant's turn opens with it and the model continues
+    /// it (RULER's prompts end this way). The probe scores with it as part of the prompt.
+    #[serde(default)]
+    pub answer_prefix: Option<String>,
 }
 
 /// How to run a request.

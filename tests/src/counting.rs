@@ -232,6 +232,7 @@ pub fn needle_request() -> flowprefill_coordinator::Request {
         context: flowprefill_coordinator::Context::Documents(crate::small_docs()),
         query: "What is the access code for the north gate?".into(),
         system: None,
+        answer_prefix: None,
     }
 }
 

@@ -23,6 +23,7 @@ fn request(docs: Vec<String>) -> Request {
         context: Context::Documents(docs),
         query: "What is the access code for the north gate?".into(),
         system: None,
+        answer_prefix: None,
     }
 }
 

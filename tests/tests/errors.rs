@@ -84,6 +84,7 @@ fn admission_checks_the_cost_bounds_and_the_model() {
             context: Context::Documents(vec![doc.clone(); docs]),
             query: "Which basin?".into(),
             system: None,
+            answer_prefix: None,
         },
         options: opts,
     };
@@ -103,6 +104,7 @@ fn admission_checks_the_cost_bounds_and_the_model() {
             context: Context::Text { text: doc.clone(), chunk_tokens: 2 },
             query: "q?".into(),
             system: None,
+            answer_prefix: None,
         },
         options: RunOptions::default(),
     };

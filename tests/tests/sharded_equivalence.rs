@@ -35,6 +35,7 @@ fn request() -> Request {
             context: Context::Documents(docs.clone()),
             query: format!("What is the access code for the north gate{extra}?"),
             system: None,
+            answer_prefix: None,
         };
         let l = flowprefill_coordinator::layout::Layout::build(&lm, &req).expect("layout");
         if l.total_len() % 2 == 1 {

@@ -68,3 +68,26 @@ fn pieces_locate_user_text_and_slots() {
     // user turns, none from the document text.
     assert_eq!(tp.ids.iter().filter(|&&i| i == 2).count(), 2);
 }
+
+/// An answer prefix opens the assistant's turn: the prompt is the plain prompt followed by the
+/// prefix's own tokens (so the probe scores with it), and the context is untouched.
+#[test]
+fn an_answer_prefix_ends_the_prompt() {
+    let lm = flowprefill_tests::default_model();
+    let mut req = flowprefill_coordinator::Request {
+        context: flowprefill_coordinator::Context::Documents(vec!["The gate code is 4729.".into()]),
+        query: "What is the gate code?".into(),
+        system: None,
+        answer_prefix: None,
+    };
+    let plain = flowprefill_coordinator::layout::Layout::build(lm, &req).expect("layout");
+    req.answer_prefix = Some("The gate code mentioned in the provided text is".into());
+    let with = flowprefill_coordinator::layout::Layout::build(lm, &req).expect("layout");
+    let prefix = lm.tokenizer.encode_text("The gate code mentioned in the provided text is").expect("tokens");
+    assert_eq!((&with.head, &with.chunks), (&plain.head, &plain.chunks));
+    assert_eq!(with.prompt.len(), plain.prompt.len() + prefix.len());
+    assert_eq!(&with.prompt[..plain.prompt.len()], &plain.prompt[..]);
+    assert_eq!(&with.prompt[plain.prompt.len()..], &prefix[..]);
+    let text = lm.tokenizer.decode(&with.prompt).expect("decodes");
+    assert!(text.ends_with("assistant\nThe gate code mentioned in the provided text is"), "{text:?}");
+}

@@ -29,6 +29,35 @@ pub enum Scoring {
     Qa,
 }
 
+/// Which prompts the built-in tasks use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum PromptStyle {
+    /// RULER's: the question, then the assistant's turn opened with the task's answer prefix
+    /// ("The special magic number for X mentioned in the provided text is"); an expected answer
+    /// matches case-insensitively with whitespace collapsed.
+    #[default]
+    Ruler,
+    /// The question alone and exact substring matching (the evaluations before 2026-11-22).
+    Plain,
+}
+
+impl PromptStyle {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            PromptStyle::Ruler => "ruler",
+            PromptStyle::Plain => "plain",
+        }
+    }
+}
+
+/// Lower case, whitespace runs collapsed to one space (RULER's matching).
+fn fold(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ").to_lowercase()
+}
+
 /// A needle inserted into a document.
 #[derive(Clone, Debug)]
 pub struct Needle {
@@ -63,6 +92,8 @@ pub struct QaCase {
     pub depth: f64,
     /// Context length the case was built for (tokens).
     pub target_tokens: usize,
+    /// RULER's answer prefix for this question (used with [`PromptStyle::Ruler`]).
+    pub answer_prefix: Option<String>,
 }
 
 /// Score of one answer.
@@ -107,7 +138,39 @@ pub fn token_f1(pred: &str, reference: &str) -> f64 {
 }
 
 impl QaCase {
-    /// Scores an output.
+    /// The request of this case with `style`'s prompt.
+    pub fn request(&self, style: PromptStyle) -> crate::Request {
+        crate::Request {
+            context: crate::Context::Documents(self.documents.clone()),
+            query: self.query.clone(),
+            system: None,
+            answer_prefix: match style {
+                PromptStyle::Ruler => self.answer_prefix.clone(),
+                PromptStyle::Plain => None,
+            },
+        }
+    }
+
+    /// Scores an output under `style`'s matching (the QA tasks score alike under both).
+    pub fn score_with(&self, output: &str, style: PromptStyle) -> Score {
+        if style == PromptStyle::Plain || self.scoring == Scoring::Qa {
+            return self.score(output);
+        }
+        let out = fold(output);
+        let hits = self.answers.iter().filter(|a| out.contains(&fold(a))).count();
+        let value = match self.scoring {
+            Scoring::AnyOf => (hits > 0) as u8 as f64,
+            _ => hits as f64 / self.answers.len().max(1) as f64,
+        };
+        Score { value, ..Default::default() }
+    }
+
+    /// Full-credit correctness under `style`'s matching.
+    pub fn is_correct_with(&self, output: &str, style: PromptStyle) -> bool {
+        self.score_with(output, style).value >= 1.0 - 1e-9
+    }
+
+    /// Scores an output (plain matching: exact substrings).
     pub fn score(&self, output: &str) -> Score {
         match self.scoring {
             Scoring::AnyOf => Score {
@@ -229,6 +292,7 @@ pub fn demo_case(tok: &Tokenizer) -> QaCase {
         needles: vec![Needle { doc: docs_of[0], text: needle, answer: Some("4729".into()), depth: 0.62 }],
         depth: 0.62,
         target_tokens: 1900,
+        answer_prefix: None,
     }
 }
 
@@ -288,6 +352,7 @@ mod tests {
             needles: vec![],
             depth: 0.0,
             target_tokens: 0,
+            answer_prefix: None,
         };
         assert_eq!(c.score("12 and 99").value, 0.5);
         c.scoring = Scoring::AnyOf;
@@ -300,5 +365,32 @@ mod tests {
         assert_eq!((s.value, s.em), (1.0, Some(false)));
         assert!((s.f1.unwrap() - 1.0 / 3.0).abs() < 1e-9);
         assert_eq!(c.score("Valmoran").value, 0.0, "whole words only");
+    }
+
+    #[test]
+    fn ruler_prompts_carry_the_answer_prefix_and_match_like_ruler() {
+        let c = QaCase {
+            id: "t".into(),
+            task: "niah_multivalue".into(),
+            documents: vec!["d".into()],
+            query: "What are all the special magic words for the blue heron?".into(),
+            answers: vec!["Marigold".into(), "glacier".into()],
+            scoring: Scoring::AllOf,
+            needles: vec![],
+            depth: 0.0,
+            target_tokens: 0,
+            answer_prefix: Some("The special magic words for the blue heron mentioned in the provided text are".into()),
+        };
+        assert_eq!(c.request(PromptStyle::Ruler).answer_prefix, c.answer_prefix);
+        assert_eq!(c.request(PromptStyle::Plain).answer_prefix, None, "plain prompts reproduce the old runs");
+        assert_eq!(c.request(PromptStyle::Ruler).query, c.query);
+        // RULER: case-insensitive, whitespace collapsed; plain: exact substrings.
+        let out = " marigold and\n  GLACIER.";
+        assert_eq!(c.score_with(out, PromptStyle::Ruler).value, 1.0);
+        assert_eq!(c.score_with(out, PromptStyle::Plain).value, 0.0);
+        assert_eq!(c.score_with("Marigold", PromptStyle::Plain).value, 0.5);
+        let spaced = QaCase { answers: vec!["a b".into()], scoring: Scoring::AnyOf, ..c.clone() };
+        assert!(spaced.is_correct_with("x A\tB y", PromptStyle::Ruler));
+        assert!(!spaced.is_correct_with("x A\tB y", PromptStyle::Plain));
     }
 }

@@ -147,5 +147,7 @@ pub fn generate(task: &str, tok: &Tokenizer, seed: u64, len: usize, sample: usiz
         needles,
         depth,
         target_tokens: len,
+        // RULER's QA template ends with "Answer:".
+        answer_prefix: Some("Answer:".into()),
     })
 }

@@ -116,6 +116,7 @@ fn build(
         needles,
         depth,
         target_tokens: len,
+        answer_prefix: None,
     }
 }
 
@@ -130,7 +131,7 @@ pub fn niah_single(tok: &Tokenizer, seed: u64, len: usize, depth: f64, kind: Nee
     };
     let needle = format!("The special magic {what} for {key} is {value}.");
     let query = format!("What is the special magic {what} for {key}?");
-    build(
+    let mut c = build(
         "niah_single",
         &mut rng,
         tok,
@@ -139,7 +140,9 @@ pub fn niah_single(tok: &Tokenizer, seed: u64, len: usize, depth: f64, kind: Nee
         query,
         vec![value],
         Scoring::AnyOf,
-    )
+    );
+    c.answer_prefix = Some(format!("The special magic {what} for {key} mentioned in the provided text is"));
+    c
 }
 
 /// Four keys with numbers; the one at `depth` is asked.
@@ -157,7 +160,9 @@ pub fn niah_multikey(tok: &Tokenizer, seed: u64, len: usize, depth: f64) -> QaCa
         inserts.push((format!("The special magic number for {k} is {v}."), d, (i == 0).then(|| v.clone())));
     }
     let query = format!("What is the special magic number for {}?", ks[0]);
-    build("niah_multikey", &mut rng, tok, len, inserts, query, vec![answer], Scoring::AnyOf)
+    let mut c = build("niah_multikey", &mut rng, tok, len, inserts, query, vec![answer], Scoring::AnyOf);
+    c.answer_prefix = Some(format!("The special magic number for {} mentioned in the provided text is", ks[0]));
+    c
 }
 
 /// One key with four numbers spread from `depth`; all are asked.
@@ -173,7 +178,9 @@ pub fn niah_multivalue(tok: &Tokenizer, seed: u64, len: usize, depth: f64) -> Qa
         answers.push(v);
     }
     let query = format!("What are all the special magic numbers for {key}?");
-    build("niah_multivalue", &mut rng, tok, len, inserts, query, answers, Scoring::AllOf)
+    let mut c = build("niah_multivalue", &mut rng, tok, len, inserts, query, answers, Scoring::AllOf);
+    c.answer_prefix = Some(format!("The special magic numbers for {key} mentioned in the provided text are"));
+    c
 }
 
 /// Four keys with numbers spread from `depth`; all are asked.
@@ -189,7 +196,12 @@ pub fn niah_multiquery(tok: &Tokenizer, seed: u64, len: usize, depth: f64) -> Qa
         answers.push(v);
     }
     let query = format!("What are the special magic numbers for {}, {}, {} and {}?", ks[0], ks[1], ks[2], ks[3]);
-    build("niah_multiquery", &mut rng, tok, len, inserts, query, answers, Scoring::AllOf)
+    let mut c = build("niah_multiquery", &mut rng, tok, len, inserts, query, answers, Scoring::AllOf);
+    c.answer_prefix = Some(format!(
+        "The special magic numbers for {}, {}, {} and {} mentioned in the provided text are",
+        ks[0], ks[1], ks[2], ks[3]
+    ));
+    c
 }
 
 fn var_name(rng: &mut StdRng) -> String {
@@ -220,7 +232,12 @@ pub fn variable_tracking(tok: &Tokenizer, seed: u64, len: usize, depth: f64) -> 
     }
     let query = format!("Find all variables that are assigned the value {value} in the text above, directly or through other variables.");
     let answers = names[..4].to_vec();
-    build("variable_tracking", &mut rng, tok, len, inserts, query, answers, Scoring::AllOf)
+    let mut c = build("variable_tracking", &mut rng, tok, len, inserts, query, answers, Scoring::AllOf);
+    // RULER's variable-tracking answer prefix.
+    c.answer_prefix = Some(format!(
+        "Answer: According to the chain(s) of variable assignment in the text above, 4 variables are assigned the value {value}, they are:"
+    ));
+    c
 }
 
 /// Case `sample` of `task` at `len` tokens; depths cycle through `depths`.

@@ -419,6 +419,7 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
             context: Context::Documents(docs),
             query: "What is the access code for the north gate?".into(),
             system: None,
+            answer_prefix: None,
         };
         let n_ctx = flowprefill_coordinator::layout::Layout::build(&lm, &req)?.n_context();
         crate::ensure_usage!(n_ctx + 64 < window, "--lengths {len} does not fit the model's window of {window}");

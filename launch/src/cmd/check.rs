@@ -5,7 +5,7 @@ use super::run::engine;
 use crate::Common;
 use anyhow::Result;
 use flowprefill_coordinator::tasks::niah_cases;
-use flowprefill_coordinator::{Context, Request, RunOptions};
+use flowprefill_coordinator::RunOptions;
 
 /// Arguments of `check`.
 #[derive(clap::Args, Debug)]
@@ -112,8 +112,8 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     eprintln!("{} cases x {} methods", cases.len(), table.len());
     let mut progress = crate::progress::Progress::new(cases.len(), "cases");
     for case in &cases {
-        let req =
-            Request { context: Context::Documents(case.documents.clone()), query: case.query.clone(), system: None };
+        // `check` keeps its plain prompts (its figures in docs/results.md were made with them).
+        let req = case.request(flowprefill_coordinator::tasks::PromptStyle::Plain);
         let needle_rows = case.needle_rows(&engine.model().tokenizer);
         for (row, &(method, reorder)) in rows.iter_mut().zip(table.iter()) {
             if !args.warm {

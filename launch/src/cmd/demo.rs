@@ -4,7 +4,7 @@ use super::run::engine;
 use crate::Common;
 use anyhow::Result;
 use flowprefill_coordinator::tasks::demo_case;
-use flowprefill_coordinator::{Context, Method, Request, RunOptions};
+use flowprefill_coordinator::{Method, RunOptions};
 
 /// Arguments of `demo`.
 #[derive(clap::Args, Debug)]
@@ -41,7 +41,7 @@ pub fn label(m: Method, reorder: bool) -> String {
 pub fn run(common: &Common, args: Args) -> Result<()> {
     let engine = engine(common, None)?;
     let case = demo_case(&engine.model().tokenizer);
-    let req = Request { context: Context::Documents(case.documents.clone()), query: case.query.clone(), system: None };
+    let req = case.request(flowprefill_coordinator::tasks::PromptStyle::Plain);
     println!(
         "Question: {}  (the answer, {}, is in document {} of {})",
         case.query,

@@ -10,7 +10,7 @@
 use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_coordinator::tasks::{all_tasks, generate, QaCase};
-use flowprefill_coordinator::{Context, Geometry, Job, Method, PrefixMode, Request, RunOptions, ThreadRanks};
+use flowprefill_coordinator::{Geometry, Job, Method, PrefixMode, Request, RunOptions, ThreadRanks};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -55,6 +55,11 @@ pub struct Args {
     /// Scoring settings (ablations; non-default ones need their own --out).
     #[command(flatten)]
     pub scoring: super::ScoringArgs,
+    /// Prompts: `ruler` (the question, then the assistant's turn opened with RULER's answer
+    /// prefix; case-insensitive matching) or `plain` (the question alone, exact substrings: how
+    /// the evaluations before 2026-11-22 were made, so their results.json files resume).
+    #[arg(long, value_enum, default_value_t = flowprefill_coordinator::tasks::PromptStyle::Ruler)]
+    pub prompts: flowprefill_coordinator::tasks::PromptStyle,
     /// Maximum answer tokens (default: per task, 32, or 64 for the four-value tasks).
     #[arg(long)]
     pub max_tokens: Option<usize>,
@@ -168,6 +173,9 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     if let Some(p) = prefix {
         config["prefix"] = serde_json::json!(p.name());
     }
+    if a.prompts != flowprefill_coordinator::tasks::PromptStyle::Plain {
+        config["prompts"] = serde_json::json!(a.prompts.name());
+    }
     let results_path = a.out.join("results.json");
     let mut records: Vec<Record> = Vec::new();
     if results_path.exists() {
@@ -238,11 +246,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
                 for sample in 0..a.samples {
                     let case = generate(task, tok, a.seed, len, sample, &depths)
                         .ok_or_else(|| anyhow::anyhow!("task {task}"))?;
-                    let req = Request {
-                        context: Context::Documents(case.documents.clone()),
-                        query: case.query.clone(),
-                        system: None,
-                    };
+                    let req = case.request(a.prompts);
                     let needles = case.needle_rows(tok);
                     let mut primed = false;
                     for (label_s, method, reorder) in &methods {
@@ -266,7 +270,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
                                 ..RunOptions::default()
                             };
                             let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
-                            records.push(record(&case, label_s, ratio, &r, &needles));
+                            records.push(record(&case, a.prompts, label_s, ratio, &r, &needles));
                             progress.inc(&k);
                         }
                     }
@@ -277,7 +281,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         }
     }
     let labels: Vec<String> = methods.iter().map(|m| m.0.clone()).collect();
-    let settings: Vec<String> = ["geometry", "score_layers", "prefix"]
+    let settings: Vec<String> = ["geometry", "score_layers", "prefix", "prompts"]
         .iter()
         .filter_map(|k| config.get(*k).map(|v| format!("{k} {v}")))
         .collect();
@@ -318,12 +322,13 @@ type NeedleRows = (usize, std::ops::Range<usize>, Option<std::ops::Range<usize>>
 
 fn record(
     case: &QaCase,
+    prompts: flowprefill_coordinator::tasks::PromptStyle,
     method: &str,
     ratio: Option<f64>,
     r: &flowprefill_coordinator::RunResult,
     needles: &[NeedleRows],
 ) -> Record {
-    let s = case.score(&r.answer);
+    let s = case.score_with(&r.answer, prompts);
     let (mut n_tot, mut n_sel, mut a_tot, mut a_sel) = (0usize, 0usize, 0usize, 0usize);
     for (doc, rows, ans) in needles {
         let sel = &r.selected_rows[*doc];

@@ -21,6 +21,10 @@ pub struct Args {
     /// The question.
     #[arg(long)]
     pub query: Option<String>,
+    /// What the answer starts with: the assistant's turn opens with it and the answer continues
+    /// it (e.g. "The access code is"); the probe scores with it as part of the prompt.
+    #[arg(long)]
+    pub answer_prefix: Option<String>,
     #[command(flatten)]
     pub method: MethodArgs,
     /// Ranks as threads of this process (under mpirun, each process is one rank instead).
@@ -133,7 +137,8 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         }
     }
     let opts = args.method.options()?;
-    let req = Request { context: args.method.context(docs), query, system: None };
+    let req =
+        Request { context: args.method.context(docs), query, system: None, answer_prefix: args.answer_prefix.clone() };
     let job = Job { request: req.clone(), options: opts };
     let timeout = std::time::Duration::try_from_secs_f64(args.comm_timeout)
         .ok()

@@ -88,6 +88,9 @@ pub struct JobRequest {
     /// System message.
     #[serde(default)]
     pub system: Option<String>,
+    /// What the answer starts with (the assistant's turn opens with it; the answer continues it).
+    #[serde(default)]
+    pub answer_prefix: Option<String>,
     /// Method (default infoflow).
     #[serde(default)]
     pub method: Option<Method>,
@@ -241,7 +244,7 @@ impl JobRequest {
         };
         let mut options = options(&m, self.max_tokens, self.temperature, self.top_p, self.seed)?;
         options.score_layers = self.score_layers.map(|[a, b]| (a, b));
-        let request = Request { context, query: self.query, system: self.system };
+        let request = Request { context, query: self.query, system: self.system, answer_prefix: self.answer_prefix };
         check(&request, &options)?;
         if let Some(d) = self.deadline_s {
             if !(d > 0.0 && d.is_finite()) {
@@ -429,7 +432,7 @@ impl ChatRequest {
         }
         let m = self.flowprefill.unwrap_or_default();
         let options = options(&m, self.max_tokens, self.temperature, self.top_p, self.seed)?;
-        let request = Request { context: Context::Documents(docs), query: question, system };
+        let request = Request { context: Context::Documents(docs), query: question, system, answer_prefix: None };
         check(&request, &options)?;
         Ok((Job { request, options }, self.stream.unwrap_or(false), self.model.unwrap_or_else(|| "flowprefill".into())))
     }
