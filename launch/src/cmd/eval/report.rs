@@ -51,6 +51,79 @@ fn retention(v: Option<f64>, full: Option<f64>) -> (Option<f64>, bool) {
     }
 }
 
+/// Two-sided exact sign test: the probability of a split at least as uneven as `wins` against
+/// `losses` when either side is equally likely (ties are left out before calling).
+fn sign_test(wins: usize, losses: usize) -> f64 {
+    let n = wins + losses;
+    if n == 0 {
+        return 1.0;
+    }
+    let k = wins.min(losses);
+    // P(X <= k) for X ~ Binomial(n, 1/2), through log binomial coefficients.
+    let ln_fact = |m: usize| (1..=m).map(|i| (i as f64).ln()).sum::<f64>();
+    let ln_n = ln_fact(n);
+    let tail: f64 = (0..=k).map(|i| (ln_n - ln_fact(i) - ln_fact(n - i) - n as f64 * 2f64.ln()).exp()).sum();
+    (2.0 * tail).min(1.0)
+}
+
+/// Tasks that are needle-in-a-haystack retrieval (the paper's retention target is on these).
+fn is_niah(task: &str) -> bool {
+    task.starts_with("niah_")
+}
+
+/// Conditional retention against full prefill on the same cases at ratio `tr`: of the cases
+/// full prefill answers fully, the share the method answers fully too (NIAH tasks and all
+/// tasks), and a paired sign test against full prefill over every case both ran.
+fn conditional_retention(md: &mut String, records: &[Record], len: usize, labels: &[String], tr: f64) {
+    let full: std::collections::HashMap<(&str, usize), f64> = records
+        .iter()
+        .filter(|r| r.length == len && r.method == "full")
+        .map(|r| ((r.task.as_str(), r.sample), r.score))
+        .collect();
+    if full.is_empty() {
+        return;
+    }
+    md.push_str(&format!(
+        "Conditional retention at ratio {tr}, {len} tokens: of the cases full prefill answers fully, the share \
+         the method answers fully too; sign test against full prefill over every case both ran (wins / losses, \
+         two-sided p):\n\n| method | NIAH kept | all tasks kept | vs full: wins / losses | p |\n|---|---:|---:|---:|---:|\n"
+    ));
+    let solved = |x: f64| x >= 1.0 - 1e-9;
+    for l in labels.iter().filter(|l| l.as_str() != "full") {
+        let (mut kept_niah, mut base_niah, mut kept_all, mut base_all, mut wins, mut losses) = (0, 0, 0, 0, 0, 0);
+        for r in records.iter().filter(|r| r.length == len && at(r, l, tr)) {
+            let Some(&f) = full.get(&(r.task.as_str(), r.sample)) else { continue };
+            if solved(f) {
+                base_all += 1;
+                kept_all += usize::from(solved(r.score));
+                if is_niah(&r.task) {
+                    base_niah += 1;
+                    kept_niah += usize::from(solved(r.score));
+                }
+            }
+            if r.score > f + 1e-9 {
+                wins += 1;
+            } else if f > r.score + 1e-9 {
+                losses += 1;
+            }
+        }
+        let share = |k: usize, b: usize| {
+            if b == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.1} ({k}/{b})", 100.0 * k as f64 / b as f64)
+            }
+        };
+        md.push_str(&format!(
+            "| {l} | {} | {} | {wins} / {losses} | {:.3} |\n",
+            share(kept_niah, base_niah),
+            share(kept_all, base_all),
+            sign_test(wins, losses)
+        ));
+    }
+    md.push('\n');
+}
+
 /// The markdown report (deterministic: accuracy only, no timings). `settings` lists the
 /// non-default selection settings (ablations), if any.
 #[allow(clippy::too_many_arguments)]
@@ -129,6 +202,7 @@ pub(super) fn summarize(
             "\n\nThe mean leaves out tasks where full prefill scores below {:.0}%.\n\n",
             100.0 * RETENTION_FLOOR
         ));
+        conditional_retention(&mut md, records, len, labels, tr);
     }
     for &len in lengths {
         sweep_tables(&mut md, records, tasks, len, labels, ratios);
@@ -429,6 +503,18 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_sign_test_matches_the_binomial() {
+        assert_eq!(sign_test(0, 0), 1.0);
+        assert!((sign_test(0, 2) - 0.5).abs() < 1e-12);
+        assert!((sign_test(3, 3) - 1.0).abs() < 1e-12);
+        // 10 against 2: 2 x (1 + 12 + 66) / 4096.
+        assert!((sign_test(10, 2) - 2.0 * 79.0 / 4096.0).abs() < 1e-12);
+        assert!((sign_test(2, 10) - sign_test(10, 2)).abs() < 1e-15);
+        // 0 against 6: 2 / 64.
+        assert!((sign_test(0, 6) - 2.0 / 64.0).abs() < 1e-12);
+    }
+
     /// A sweep stopped half-way: sample 0 has both ratios, sample 1 only the table ratio. The
     /// table at 0.15 uses both samples; the by-ratio tables use sample 0 only, so that the two
     /// ratios compare the same cases.
@@ -454,6 +540,8 @@ mod tests {
         assert!(md.contains("Over the 1 cases that have every method at every ratio (niah_single 1)"), "{md}");
         assert!(md.contains("| infoflow | 50.0 | 100.0 |"), "{md}");
         assert!(md.contains("| niah_single | 50 / 100 |"), "{md}");
+        // Conditional retention: full solves both samples; infoflow solves neither fully.
+        assert!(md.contains("| infoflow | 0.0 (0/2) | 0.0 (0/2) | 0 / 2 | 0.500 |"), "{md}");
         // Without any complete case the sweep table says so instead of mixing cases.
         let md = summarize(&records[3..], &tasks, &[100], &labels, &[0.15, 0.3], 0.15, &[]);
         assert!(md.contains("No case at 100 tokens has every method at every ratio yet"), "{md}");
