@@ -84,22 +84,39 @@ pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series
         .y_label_area_size(70)
         .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..(y1 * 1.1).max(1e-9))?;
     chart.configure_mesh().x_desc(x_label).y_desc(y_label).label_style(("sans-serif", 16)).draw()?;
+    draw_lines(&mut chart, series, |_| true, SeriesLabelPosition::LowerRight)?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// Each series as a line with markers in its color (points that `keep` refuses are left out),
+/// and the legend at `legend`.
+fn draw_lines<'a, X, Y>(
+    chart: &mut ChartContext<'a, BitMapBackend<'a>, Cartesian2d<X, Y>>,
+    series: &[Series],
+    keep: impl Fn(&(f64, f64)) -> bool,
+    legend: SeriesLabelPosition,
+) -> Result<()>
+where
+    X: Ranged<ValueType = f64>,
+    Y: Ranged<ValueType = f64>,
+{
     for (i, s) in series.iter().enumerate() {
         let c = color(i);
+        let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| keep(p)).collect();
         chart
-            .draw_series(LineSeries::new(s.points.iter().copied(), c.stroke_width(2)))?
+            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
             .label(&s.name)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
-        chart.draw_series(s.points.iter().map(|&p| Circle::new(p, 4, c.filled())))?;
+        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
     }
     chart
         .configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .label_font(("sans-serif", 16))
-        .position(SeriesLabelPosition::LowerRight)
+        .position(legend)
         .draw()?;
-    root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
 
@@ -132,22 +149,8 @@ pub fn line_chart_log(path: &Path, title: &str, x_label: &str, y_label: &str, se
         .y_labels(12)
         .label_style(("sans-serif", 16))
         .draw()?;
-    for (i, s) in series.iter().enumerate() {
-        let c = color(i);
-        let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.0 > 0.0 && p.1 > 0.0).collect();
-        chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
-            .label(&s.name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
-        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, c.filled())))?;
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()?;
+    // Log axes have no place for zero or negative values.
+    draw_lines(&mut chart, series, |p| p.0 > 0.0 && p.1 > 0.0, SeriesLabelPosition::UpperLeft)?;
     root.present().with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }

@@ -529,6 +529,12 @@ fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<
             for batch in sorted.chunks(opts.recompute_batch.max(1)) {
                 let count = |o: usize| batch.iter().filter(|x| x.1 == o).count();
                 let mine: Vec<u64> = batch.iter().filter(|x| x.1 == r).map(|x| x.0).collect();
+                // Bytes of an all-gather of `size(rows)` per rank: this rank's message to each of
+                // the others, and the others' messages to it.
+                let gathered = |size: &dyn Fn(usize) -> u64| -> (u64, u64) {
+                    let others: u64 = (0..p).filter(|&o| o != r).map(|o| size(count(o))).sum();
+                    (size(mine.len()) * (p as u64 - 1), others)
+                };
                 rc.forwards.push(Forward { rows: mine.len(), layers: l, logit_rows: 0 });
                 match opts.scope {
                     Scope::Exact => {
@@ -545,27 +551,24 @@ fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<
                                 });
                             }
                         }
-                        // Every rank takes part in the collectives, alone too.
-                        {
-                            let q = |c: usize| packet(&[c, c * shape.q_dim()]);
-                            let others: u64 = (0..p).filter(|&o| o != r).map(|o| q(count(o))).sum();
-                            rc.messages.push(Message {
-                                op: "recompute.q".into(),
-                                calls: l,
-                                sent: q(mine.len()) * (p as u64 - 1),
-                                received: others,
-                                step: None,
-                            });
-                            let part = |c: usize| packet(&[c, c * shape.q_dim(), c * shape.n_heads]);
-                            let to_others: u64 = (0..p).filter(|&o| o != r).map(|o| part(count(o))).sum();
-                            rc.messages.push(Message {
-                                op: "recompute.partials".into(),
-                                calls: l,
-                                sent: to_others,
-                                received: part(mine.len()) * (p as u64 - 1),
-                                step: None,
-                            });
-                        }
+                        // Every rank takes part in the collectives, alone too: its queries go
+                        // to every other rank, and the partials for each rank's queries go back.
+                        let (own, theirs) = gathered(&|c| packet(&[c, c * shape.q_dim()]));
+                        rc.messages.push(Message {
+                            op: "recompute.q".into(),
+                            calls: l,
+                            sent: own,
+                            received: theirs,
+                            step: None,
+                        });
+                        let (own, theirs) = gathered(&|c| packet(&[c, c * shape.q_dim(), c * shape.n_heads]));
+                        rc.messages.push(Message {
+                            op: "recompute.partials".into(),
+                            calls: l,
+                            sent: theirs,
+                            received: own,
+                            step: None,
+                        });
                     }
                     Scope::Sparse => {
                         // Own queries over own segments, the head (replicated off rank 0) and
@@ -590,17 +593,14 @@ fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<
                             let pairs: u64 = mine.iter().map(|&q| f(q)).sum();
                             rc.attn.push(Attn { queries: mine.len(), keys: *keys, pairs, layers: l, step: None });
                         }
-                        {
-                            let kv = |c: usize| packet(&[c, c * shape.kv_dim(), c * shape.kv_dim()]);
-                            let others: u64 = (0..p).filter(|&o| o != r).map(|o| kv(count(o))).sum();
-                            rc.messages.push(Message {
-                                op: "recompute.kv".into(),
-                                calls: l,
-                                sent: kv(mine.len()) * (p as u64 - 1),
-                                received: others,
-                                step: None,
-                            });
-                        }
+                        let (own, theirs) = gathered(&|c| packet(&[c, c * shape.kv_dim(), c * shape.kv_dim()]));
+                        rc.messages.push(Message {
+                            op: "recompute.kv".into(),
+                            calls: l,
+                            sent: own,
+                            received: theirs,
+                            step: None,
+                        });
                     }
                 }
             }
