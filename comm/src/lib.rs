@@ -38,6 +38,7 @@
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod plane;
 pub mod wire;
 
 use serde::de::DeserializeOwned;
@@ -256,6 +257,15 @@ pub trait Communicator: Send {
     fn stats(&self) -> &CommStats;
     /// Clears the counters.
     fn reset_stats(&mut self);
+    /// Counts traffic of this rank that went around the communicator (over its device plane):
+    /// shows in [`Communicator::stats`] like the communicator's own collectives.
+    fn note(&mut self, op: &str, sent: usize, received: usize, wait: Duration);
+    /// The device plane of this rank, if it has one (see [`plane`]).
+    fn plane(&mut self) -> Option<&mut (dyn plane::Plane + 'static)>;
+    /// Gives this rank a device plane (NCCL on a GPU world): from now on the buffer-typed
+    /// collectives move buffers over it and only control data through the communicator. The
+    /// plane follows the communicator's deadline, jobs and departure.
+    fn set_plane(&mut self, plane: Box<dyn plane::Plane>);
 }
 
 /// Checks a rank number.

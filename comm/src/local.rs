@@ -30,6 +30,7 @@ pub struct LocalComm {
     timeout: Duration,
     pending: Option<Pending>,
     stats: CommStats,
+    plane: Option<Box<dyn crate::plane::Plane>>,
     epoch: u64,
     /// Messages that arrived before they were waited for (seen by `poll_abort`), per peer.
     early: Vec<VecDeque<Vec<u8>>>,
@@ -66,6 +67,7 @@ impl LocalComm {
                 timeout: DEFAULT_TIMEOUT,
                 pending: None,
                 stats: CommStats::default(),
+                plane: None,
                 epoch: 0,
                 early: (0..n).map(|_| VecDeque::new()).collect(),
             })
@@ -88,6 +90,9 @@ impl Communicator for LocalComm {
     }
     fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+        if let Some(p) = &mut self.plane {
+            p.set_timeout(timeout);
+        }
     }
 
     fn post(&mut self, op: &str, sends: Vec<(usize, Vec<u8>)>, from: Vec<usize>) -> Result<()> {
@@ -150,6 +155,9 @@ impl Communicator for LocalComm {
     }
 
     fn leave(&mut self, reason: &str) {
+        if let Some(p) = &mut self.plane {
+            p.abort(reason);
+        }
         self.pending = None;
         for tx in self.to.iter().flatten() {
             let _ = tx.send(seal_leave(self.epoch, reason));
@@ -178,6 +186,9 @@ impl Communicator for LocalComm {
     }
 
     fn end_job(&mut self) {
+        if let Some(p) = &mut self.plane {
+            p.end_job();
+        }
         self.pending = None;
         self.epoch += 1;
     }
@@ -192,6 +203,19 @@ impl Communicator for LocalComm {
 
     fn reset_stats(&mut self) {
         self.stats = CommStats::default();
+    }
+
+    fn note(&mut self, op: &str, sent: usize, received: usize, wait: Duration) {
+        self.stats.record(op, sent, received, wait);
+    }
+
+    fn plane(&mut self) -> Option<&mut (dyn crate::plane::Plane + 'static)> {
+        self.plane.as_deref_mut()
+    }
+
+    fn set_plane(&mut self, mut plane: Box<dyn crate::plane::Plane>) {
+        plane.set_timeout(self.timeout);
+        self.plane = Some(plane);
     }
 }
 

@@ -68,6 +68,7 @@ pub struct MpiComm {
     timeout: Duration,
     pending: Option<Pending>,
     stats: CommStats,
+    plane: Option<Box<dyn crate::plane::Plane>>,
     thread: Option<JoinHandle<()>>,
     healthy: bool,
     epoch: u64,
@@ -105,6 +106,7 @@ impl MpiComm {
             timeout: DEFAULT_TIMEOUT,
             pending: None,
             stats: CommStats::default(),
+            plane: None,
             thread: Some(thread),
             healthy: true,
             epoch: 0,
@@ -315,6 +317,9 @@ impl Communicator for MpiComm {
     }
     fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+        if let Some(p) = &mut self.plane {
+            p.set_timeout(timeout);
+        }
     }
 
     fn post(&mut self, op: &str, sends: Vec<(usize, Vec<u8>)>, from: Vec<usize>) -> Result<()> {
@@ -372,6 +377,9 @@ impl Communicator for MpiComm {
     }
 
     fn leave(&mut self, reason: &str) {
+        if let Some(p) = &mut self.plane {
+            p.abort(reason);
+        }
         if !self.healthy {
             return;
         }
@@ -390,6 +398,9 @@ impl Communicator for MpiComm {
     }
 
     fn end_job(&mut self) {
+        if let Some(p) = &mut self.plane {
+            p.end_job();
+        }
         if self.pending.take().is_some() && self.healthy {
             let _ = self.reply();
         }
@@ -406,6 +417,19 @@ impl Communicator for MpiComm {
 
     fn reset_stats(&mut self) {
         self.stats = CommStats::default();
+    }
+
+    fn note(&mut self, op: &str, sent: usize, received: usize, wait: Duration) {
+        self.stats.record(op, sent, received, wait);
+    }
+
+    fn plane(&mut self) -> Option<&mut (dyn crate::plane::Plane + 'static)> {
+        self.plane.as_deref_mut()
+    }
+
+    fn set_plane(&mut self, mut plane: Box<dyn crate::plane::Plane>) {
+        plane.set_timeout(self.timeout);
+        self.plane = Some(plane);
     }
 }
 

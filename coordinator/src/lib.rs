@@ -32,4 +32,4 @@ pub use engine::{Control, Engine, RankStats, RunResult, DEFAULT_STORE_BYTES};
 pub use error::{CoordError, Result};
 pub use flowprefill_comm::ErrorClass;
 pub use request::{Context, Geometry, Job, Method, PrefixMode, Request, RunOptions, Scope};
-pub use world::{run_rank, ThreadRanks};
+pub use world::{run_rank, PlaneSetup, ThreadRanks};

@@ -52,12 +52,19 @@ pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
-/// A persistent world of thread ranks sharing one model; each rank has its own engine (and
-/// chunk store). Rank 0 runs on the caller's thread.
+/// Sets a rank's device plane up (NCCL on its GPU) on the rank's own thread, every rank at
+/// once (NCCL's communicator creation waits for all of them): given the rank's communicator
+/// and its model's backend.
+pub type PlaneSetup<B> = Arc<dyn Fn(&mut dyn Communicator, &B) -> std::result::Result<(), String> + Send + Sync>;
+
+/// A persistent world of thread ranks; each rank has its own engine (and chunk store) and
+/// either one shared model (the CPU) or a model of its own (one GPU per rank, with a device
+/// plane between them). Rank 0 runs on the caller's thread.
 pub struct ThreadRanks<B: Backend> {
-    lm: Arc<LoadedModel<B>>,
-    aux: Option<Arc<LoadedModel<B>>>,
+    lms: Vec<Arc<LoadedModel<B>>>,
+    aux: Vec<Arc<LoadedModel<B>>>,
     faults: Option<Arc<FaultPlan>>,
+    plane: Option<PlaneSetup<B>>,
     store_bytes: usize,
     timeout: Duration,
     ranks: usize,
@@ -67,62 +74,103 @@ pub struct ThreadRanks<B: Backend> {
     broken: Option<String>,
 }
 
+/// What a world is built from.
+struct Parts<B: Backend> {
+    lms: Vec<Arc<LoadedModel<B>>>,
+    aux: Vec<Arc<LoadedModel<B>>>,
+    faults: Option<Arc<FaultPlan>>,
+    plane: Option<PlaneSetup<B>>,
+    ranks: usize,
+    store_bytes: usize,
+    timeout: Duration,
+}
+
 impl<B: Backend> ThreadRanks<B> {
-    /// Starts `ranks - 1` follower threads.
+    /// Starts `ranks - 1` follower threads sharing `lm`.
     pub fn new(lm: Arc<LoadedModel<B>>, ranks: usize, store_bytes: usize, timeout: Duration) -> Result<Self> {
-        Self::build(lm, None, FaultPlan::from_env(), ranks, store_bytes, timeout)
+        let faults = FaultPlan::from_env();
+        Self::build(Parts { lms: vec![lm], aux: vec![], faults, plane: None, ranks, store_bytes, timeout })
+    }
+
+    /// A world of one rank per model (each on its own device): rank r runs `lms[r]`.
+    pub fn per_rank(lms: Vec<Arc<LoadedModel<B>>>, store_bytes: usize, timeout: Duration) -> Result<Self> {
+        let (ranks, faults) = (lms.len(), FaultPlan::from_env());
+        Self::build(Parts { lms, aux: vec![], faults, plane: None, ranks, store_bytes, timeout })
+    }
+
+    fn parts(&self) -> Parts<B> {
+        Parts {
+            lms: self.lms.clone(),
+            aux: self.aux.clone(),
+            faults: self.faults.clone(),
+            plane: self.plane.clone(),
+            ranks: self.ranks,
+            store_bytes: self.store_bytes,
+            timeout: self.timeout,
+        }
     }
 
     /// The same world with `aux` as CacheClip's auxiliary model on every rank.
     pub fn with_aux(self, aux: Arc<LoadedModel<B>>) -> Result<Self> {
-        let ranks = self.size();
-        let (lm, faults, store_bytes, timeout) = (self.lm.clone(), self.faults.clone(), self.store_bytes, self.timeout);
+        self.with_aux_per_rank(vec![aux])
+    }
+
+    /// The same world with an auxiliary model per rank (`aux[r]` on rank r; one is shared).
+    pub fn with_aux_per_rank(self, aux: Vec<Arc<LoadedModel<B>>>) -> Result<Self> {
+        let parts = Parts { aux, ..self.parts() };
         drop(self);
-        Self::build(lm, Some(aux), faults, ranks, store_bytes, timeout)
+        Self::build(parts)
     }
 
     /// The same world with the faults of `plan` injected (failure tests; the plan fires once,
     /// also across rebuilds).
     pub fn with_faults(self, plan: Option<Arc<FaultPlan>>) -> Result<Self> {
-        let ranks = self.size();
-        let (lm, aux, store_bytes, timeout) = (self.lm.clone(), self.aux.clone(), self.store_bytes, self.timeout);
+        let parts = Parts { faults: plan, ..self.parts() };
         drop(self);
-        Self::build(lm, aux, plan, ranks, store_bytes, timeout)
+        Self::build(parts)
     }
 
-    fn engine(&self) -> Result<Engine<B>> {
-        let e = Engine::new(self.lm.clone(), self.store_bytes).with_faults(self.faults.clone());
-        match &self.aux {
-            Some(a) => e.with_aux(a.clone()),
-            None => Ok(e),
+    /// The same world with a device plane on every rank, made by `setup` (also after a rebuild).
+    pub fn with_plane(self, setup: PlaneSetup<B>) -> Result<Self> {
+        let parts = Parts { plane: Some(setup), ..self.parts() };
+        drop(self);
+        Self::build(parts)
+    }
+
+    fn model(&self, rank: usize) -> Result<&Arc<LoadedModel<B>>> {
+        self.lms.get(rank % self.lms.len().max(1)).ok_or_else(|| internal("a world without a model"))
+    }
+
+    fn engine(&self, rank: usize) -> Result<Engine<B>> {
+        let e = Engine::new(self.model(rank)?.clone(), self.store_bytes).with_faults(self.faults.clone());
+        match self.aux.len() {
+            0 => Ok(e),
+            n => e.with_aux(self.aux[rank % n].clone()),
         }
     }
 
-    fn build(
-        lm: Arc<LoadedModel<B>>,
-        aux: Option<Arc<LoadedModel<B>>>,
-        faults: Option<Arc<FaultPlan>>,
-        ranks: usize,
-        store_bytes: usize,
-        timeout: Duration,
-    ) -> Result<Self> {
-        if ranks == 0 {
+    fn build(p: Parts<B>) -> Result<Self> {
+        if p.ranks == 0 {
             return Err(InputError::new(Field::Ranks, "must be at least 1").into());
         }
-        let leader = Engine::new(lm.clone(), store_bytes);
+        if p.lms.is_empty() || (p.lms.len() > 1 && p.lms.len() != p.ranks) {
+            return Err(internal(format!("{} models for {} ranks", p.lms.len(), p.ranks)));
+        }
+        let leader = Engine::new(p.lms[0].clone(), p.store_bytes);
         let mut w = Self {
-            lm,
-            aux,
-            faults,
-            store_bytes,
-            timeout,
-            ranks,
+            lms: p.lms,
+            aux: p.aux,
+            faults: p.faults,
+            plane: p.plane,
+            store_bytes: p.store_bytes,
+            timeout: p.timeout,
+            ranks: p.ranks,
             leader,
             comm: LocalComm::group(1).pop().ok_or_else(|| internal("no rank 0"))?,
             followers: Vec::new(),
             broken: None,
         };
-        w.leader = w.engine()?;
+        w.leader = w.engine(0)?;
         let (comm, followers) = w.spawn()?;
         (w.comm, w.followers) = (comm, followers);
         Ok(w)
@@ -135,13 +183,30 @@ impl<B: Backend> ThreadRanks<B> {
         let mut followers = Vec::with_capacity(self.ranks - 1);
         for mut c in comms {
             c.set_timeout(self.timeout);
-            let engine = self.engine()?;
             let rank = c.rank();
+            let engine = self.engine(rank)?;
+            let (lm, plane) = (self.model(rank)?.clone(), self.plane.clone());
             let h = std::thread::Builder::new()
                 .name(format!("rank-{rank}"))
-                .spawn(move || engine.follow(&mut c))
+                .spawn(move || {
+                    if let Some(setup) = plane {
+                        if let Err(why) = setup(&mut c, lm.model.backend()) {
+                            let e = internal(format!("rank {rank}: its device plane: {why}"));
+                            c.leave(&e.to_string());
+                            return Err(e);
+                        }
+                    }
+                    engine.follow(&mut c)
+                })
                 .map_err(|e| internal(format!("cannot start rank {rank}: {e}")))?;
             followers.push(h);
+        }
+        if let Some(setup) = &self.plane {
+            if let Err(why) = setup(&mut comm, self.model(0)?.model.backend()) {
+                let e = internal(format!("rank 0: its device plane: {why}"));
+                comm.leave(&e.to_string());
+                return Err(e);
+            }
         }
         Ok((comm, followers))
     }
@@ -226,7 +291,7 @@ impl<B: Backend> ThreadRanks<B> {
     /// new ones with empty chunk stores; rank 0's engine is new too (a panic may have left its
     /// store mid-update).
     pub fn rebuild(&mut self) -> Result<()> {
-        let leader = self.engine()?;
+        let leader = self.engine(0)?;
         let (comm, followers) = self.spawn()?;
         // Dropping the old rank-0 communicator disconnects every old follower that still reads.
         self.comm = comm;

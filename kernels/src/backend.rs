@@ -14,7 +14,7 @@ use crate::{elementwise, merge, norm};
 /// Device operations over f32 buffers. Every op checks lengths and returns a typed error.
 pub trait Backend: Send + Sync + 'static {
     /// A contiguous f32 buffer on the device.
-    type Buf: Send + Sync;
+    type Buf: Send + Sync + 'static;
     /// A weight matrix `[out, in]` prepared for [`Backend::matmul_t`].
     type Mat: Send + Sync;
 

@@ -151,6 +151,85 @@ impl Device {
     }
 }
 
+/// NCCL between the GPUs of a world: [`Device::attach_nccl`] puts this on each rank's
+/// communicator; it moves the GPU variant of [`DevBuf`].
+#[cfg(feature = "cuda")]
+struct NcclDevicePlane(crate::cuda::nccl::NcclPlane);
+
+#[cfg(feature = "cuda")]
+impl flowprefill_comm::plane::BufPlane<DevBuf> for NcclDevicePlane {
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+    fn issue(
+        &mut self,
+        op: &str,
+        sends: &[(usize, &DevBuf)],
+        receives: &[(usize, usize)],
+    ) -> flowprefill_comm::Result<()> {
+        let mut on_gpu = Vec::with_capacity(sends.len());
+        for &(peer, b) in sends {
+            match b {
+                DevBuf::Cuda(d) => on_gpu.push((peer, d)),
+                DevBuf::Cpu(_) => {
+                    return Err(flowprefill_comm::CommError::Misuse(format!(
+                        "`{op}`: a CPU buffer cannot go over NCCL (the model is not on the GPU)"
+                    )))
+                }
+            }
+        }
+        flowprefill_comm::plane::BufPlane::issue(&mut self.0, op, &on_gpu, receives)
+    }
+    fn complete(&mut self) -> flowprefill_comm::Result<Vec<DevBuf>> {
+        Ok(flowprefill_comm::plane::BufPlane::complete(&mut self.0)?.into_iter().map(DevBuf::Cuda).collect())
+    }
+    fn abort(&mut self, reason: &str) {
+        flowprefill_comm::plane::BufPlane::abort(&mut self.0, reason)
+    }
+    fn set_timeout(&mut self, timeout: std::time::Duration) {
+        flowprefill_comm::plane::BufPlane::set_timeout(&mut self.0, timeout)
+    }
+    fn end_job(&mut self) {
+        flowprefill_comm::plane::BufPlane::end_job(&mut self.0)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Device {
+    /// Gives the ranks of `comm` NCCL between their GPUs (every rank calls it at once, each
+    /// with its own GPU): rank 0 makes the unique id and broadcasts it over `comm`, each rank
+    /// creates its communicator (with `comm`'s deadline) and a plane on its own stream. A
+    /// world of one needs none. Errors name the rank and what failed.
+    pub fn attach_nccl(&self, comm: &mut dyn flowprefill_comm::Communicator) -> Result<()> {
+        let backend_err = |detail: String| KernelError::Backend { backend: "nccl", detail };
+        let (rank, size) = (comm.rank(), comm.size());
+        let Device::Cuda(be) = self else {
+            return Err(backend_err(format!("rank {rank}: NCCL moves GPU buffers, but this rank runs on the CPU")));
+        };
+        if size == 1 {
+            return Ok(());
+        }
+        // Rank 0 sends an empty id when it cannot make one, so nobody waits for it in vain.
+        let made = if rank == 0 { Some(crate::cuda::nccl::unique_id()) } else { None };
+        let bytes = match &made {
+            Some(Ok(id)) => id.to_vec(),
+            _ => Vec::new(),
+        };
+        if let Some(Err(e)) = made {
+            let _ = flowprefill_comm::broadcast_bytes(comm, "nccl.id", 0, bytes);
+            return Err(e);
+        }
+        let got = flowprefill_comm::broadcast_bytes(comm, "nccl.id", 0, bytes)
+            .map_err(|e| backend_err(format!("rank {rank}: the NCCL unique id: {e}")))?;
+        let id: [u8; crate::cuda::nccl::ID_BYTES] =
+            got.try_into().map_err(|_| backend_err(format!("rank {rank}: rank 0 could not make an NCCL unique id")))?;
+        let nc = crate::cuda::nccl::communicator(be.ordinal(), rank, size, &id, comm.timeout())?;
+        let plane = crate::cuda::nccl::NcclPlane::new(nc, be)?;
+        comm.set_plane(Box::new(flowprefill_comm::plane::Typed::<DevBuf>(Box::new(NcclDevicePlane(plane)))));
+        Ok(())
+    }
+}
+
 fn mixed(op: &'static str) -> KernelError {
     KernelError::Backend { backend: "device", detail: format!("{op}: buffers of different devices") }
 }

@@ -28,9 +28,9 @@ fn nccl_version_and_unique_ids_without_a_gpu_and_a_clear_error_for_a_communicato
     assert!(a.iter().any(|&x| x != 0), "an all-zero unique id");
     assert_ne!(a, b, "two unique ids are equal");
     println!("unique id: {} bytes, starts {:02x?}", a.len(), &a[..8]);
-    let e = nccl::communicator(0, 1, 1, &a).expect_err("rank 1 of a world of 1");
+    let e = nccl::communicator(0, 1, 1, &a, std::time::Duration::from_secs(30)).expect_err("rank 1 of a world of 1");
     assert!(e.to_string().contains("rank 1 outside a world of 1"), "{e}");
-    match nccl::communicator(0, 0, 1, &a) {
+    match nccl::communicator(0, 0, 1, &a, std::time::Duration::from_secs(30)) {
         Ok(c) => {
             assert!(cuda::driver_present());
             assert_eq!((c.rank(), c.world_size()), (0, 1));

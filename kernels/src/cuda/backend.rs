@@ -70,6 +70,21 @@ impl DeviceBuf {
     pub fn capacity(&self) -> usize {
         self.data.len()
     }
+
+    /// A buffer of `len` values in `data` (at least that long).
+    pub(crate) fn from_parts(data: CudaSlice<f32>, len: usize) -> Self {
+        Self { data, len }
+    }
+
+    /// The allocation.
+    pub(crate) fn data(&self) -> &CudaSlice<f32> {
+        &self.data
+    }
+
+    /// The allocation, writable.
+    pub(crate) fn data_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.data
+    }
 }
 
 enum MatData {
@@ -163,6 +178,12 @@ impl CudaBackend {
     /// `sm_XY` of the device.
     pub fn arch(&self) -> &str {
         &self.arch
+    }
+
+    /// The stream every op of this backend runs on (the device plane orders its own stream
+    /// against it).
+    pub fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     /// Waits for everything queued on the stream.

@@ -6,8 +6,14 @@
 //! The PyPI wheel `nvidia-nccl-cu12` ships `libnccl.so.2`; cudarc looks for `libnccl.so`, so
 //! `scripts/cuda-wheels.sh --nccl` links that name to it.
 
-use super::err;
+use super::{err, CudaBackend, DeviceBuf};
 use crate::error::Result;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::nccl::sys;
+use flowprefill_comm::plane::BufPlane;
+use flowprefill_comm::{CommError, Result as CommResult};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Bytes of an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
 pub const ID_BYTES: usize = 128;
@@ -47,14 +53,104 @@ pub fn unique_id() -> Result<[u8; ID_BYTES]> {
     Ok(out)
 }
 
+/// An NCCL communicator this process owns: destroyed when dropped, or aborted
+/// (`ncclCommAbort`) once something went wrong, never left behind.
+pub struct NcclComm {
+    raw: sys::ncclComm_t,
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    rank: usize,
+    world: usize,
+    aborted: bool,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NcclComm(rank {} of {} on cuda:{}{})",
+            self.rank,
+            self.world,
+            self.ordinal,
+            if self.aborted { ", aborted" } else { "" }
+        )
+    }
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as one thread uses it at a
+// time; `NcclComm` is only used through `&mut self` or dropped.
+unsafe impl Send for NcclComm {}
+
+impl NcclComm {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// Device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// `ncclCommAbort`: operations in flight are abandoned; the communicator is gone.
+    pub fn abort(&mut self) {
+        if !self.aborted {
+            self.aborted = true;
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: `raw` came from a successful ncclCommInitRank and is aborted once.
+            let _ = unsafe { cudarc::nccl::result::comm_abort(self.raw) };
+        }
+    }
+
+    /// The asynchronous error NCCL recorded for this communicator, if any.
+    fn async_error(&self) -> Option<String> {
+        if self.aborted {
+            return Some("the communicator was aborted".into());
+        }
+        let mut st = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `raw` is a live communicator; `st` is a valid out pointer.
+        let r = unsafe { sys::ncclCommGetAsyncError(self.raw, &mut st) };
+        match (r, st) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) => {
+                None
+            }
+            (sys::ncclResult_t::ncclSuccess, st) => Some(format!("NCCL reported {st:?}")),
+            (r, _) => Some(format!("ncclCommGetAsyncError failed: {r:?}")),
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if !self.aborted {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: `raw` is live and destroyed once; nothing is pending (the plane completes or
+            // aborts its exchanges first).
+            let _ = unsafe { cudarc::nccl::result::comm_destroy(self.raw) };
+        }
+    }
+}
+
+/// A raw communicator handle that may cross to the thread that waits for its creation.
+struct RawComm(sys::ncclComm_t);
+// SAFETY: handed from the creating thread to the caller once, never shared.
+unsafe impl Send for RawComm {}
+
 /// The NCCL communicator of `rank` in a world of `world`, on GPU `ordinal`, from the unique id
-/// rank 0 made. Blocks until every rank has called it (NCCL's rule).
+/// rank 0 made. Every rank must call it (NCCL's rule); a rank that has not joined within
+/// `timeout` makes it an error instead of a hang (the waiting thread is left behind).
 pub fn communicator(
     ordinal: usize,
     rank: usize,
     world: usize,
     id: &[u8; ID_BYTES],
-) -> Result<cudarc::nccl::safe::Comm> {
+    timeout: Duration,
+) -> Result<NcclComm> {
     require()?;
     if rank >= world {
         return Err(err(format!("NCCL rank {rank} outside a world of {world}")));
@@ -64,12 +160,228 @@ pub fn communicator(
             "an NCCL communicator needs a GPU: the CUDA driver (libcuda) was not found (rank {rank} of {world}, cuda:{ordinal})"
         )));
     }
-    let ctx = cudarc::driver::CudaContext::new(ordinal)
-        .map_err(|e| err(format!("cuda:{ordinal} for NCCL rank {rank}: {e:?}")))?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| err(format!("cuda:{ordinal} for NCCL rank {rank}: {e:?}")))?;
     let mut internal = [0 as std::ffi::c_char; ID_BYTES];
     for (i, &b) in internal.iter_mut().zip(id.iter()) {
         *i = b as std::ffi::c_char;
     }
-    cudarc::nccl::safe::Comm::from_rank(ctx.default_stream(), rank, world, cudarc::nccl::safe::Id::uninit(internal))
-        .map_err(|e| err(format!("ncclCommInitRank (rank {rank} of {world}, cuda:{ordinal}): {e:?}")))
+    let (tx, rx) = std::sync::mpsc::channel();
+    let thread_ctx = ctx.clone();
+    let (n, r) = (world as std::ffi::c_int, rank as std::ffi::c_int);
+    std::thread::Builder::new()
+        .name(format!("nccl-init-{rank}"))
+        .spawn(move || {
+            let made = thread_ctx.bind_to_thread().map_err(|e| format!("{e:?}")).and_then(|()| {
+                let mut raw = std::mem::MaybeUninit::uninit();
+                // SAFETY: `raw` is a valid out pointer; the id is the one rank 0 made.
+                unsafe { cudarc::nccl::result::comm_init_rank(raw.as_mut_ptr(), n, sys::ncclUniqueId { internal }, r) }
+                    .map(|_| RawComm(unsafe { raw.assume_init() }))
+                    .map_err(|e| format!("{e:?}"))
+            });
+            let _ = tx.send(made);
+        })
+        .map_err(|e| err(format!("cannot start NCCL initialization: {e}")))?;
+    match rx.recv_timeout(timeout) {
+        Ok(Ok(RawComm(raw))) => Ok(NcclComm { raw, ctx, ordinal, rank, world, aborted: false }),
+        Ok(Err(e)) => Err(err(format!("ncclCommInitRank (rank {rank} of {world}, cuda:{ordinal}): {e}"))),
+        Err(_) => Err(err(format!(
+            "ncclCommInitRank (rank {rank} of {world}, cuda:{ordinal}): not every rank joined within {:.0} s",
+            timeout.as_secs_f64()
+        ))),
+    }
+}
+
+/// One exchange in flight on the communication stream.
+struct Pending {
+    op: String,
+    receives: Vec<DeviceBuf>,
+    peers: Vec<usize>,
+    done: CudaEvent,
+}
+
+/// The device plane of one GPU rank (see [`flowprefill_comm::plane`]): grouped `ncclSend` /
+/// `ncclRecv` on a communication stream of its own, ordered against the backend's compute
+/// stream by events, so a ring step's transfer runs while the compute stream works:
+///
+/// ```text
+///   compute:  ... K/V of block s ready ──record──┐        attention(block s) ... wait(done) ── attention(s+1)
+///   comm:                                       wait ── send s / recv s+1 ── record(done) ──┘
+/// ```
+/// `complete` polls the event and `ncclCommGetAsyncError` until the deadline; a timeout or an
+/// NCCL error aborts the communicator (`ncclCommAbort`) and names the peer and the operation.
+pub struct NcclPlane {
+    comm: NcclComm,
+    compute: Arc<CudaStream>,
+    stream: Arc<CudaStream>,
+    pending: Option<Pending>,
+    timeout: Duration,
+    broken: Option<String>,
+}
+
+impl NcclPlane {
+    /// The plane of `backend`'s GPU over `comm` (made on the same GPU).
+    pub fn new(comm: NcclComm, backend: &CudaBackend) -> Result<Self> {
+        if comm.ordinal != backend.ordinal() {
+            return Err(err(format!(
+                "the NCCL communicator is on cuda:{} but the backend on cuda:{}",
+                comm.ordinal,
+                backend.ordinal()
+            )));
+        }
+        let compute = backend.compute_stream().clone();
+        let stream = compute.context().new_stream().map_err(|e| err(format!("NCCL stream: {e:?}")))?;
+        Ok(Self { comm, compute, stream, pending: None, timeout: flowprefill_comm::DEFAULT_TIMEOUT, broken: None })
+    }
+
+    fn fail(&mut self, e: CommError) -> CommError {
+        self.pending = None;
+        self.comm.abort();
+        self.broken.get_or_insert_with(|| e.to_string());
+        e
+    }
+
+    fn issue_on_stream(
+        &mut self,
+        sends: &[(usize, &DeviceBuf)],
+        receives: &mut [(usize, DeviceBuf)],
+    ) -> std::result::Result<(), String> {
+        let ctx = self.compute.context().clone();
+        ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        // The sends read what the compute stream wrote: the communication stream waits for it.
+        let ready = self.compute.record_event(None).map_err(|e| format!("record: {e:?}"))?;
+        self.stream.wait(&ready).map_err(|e| format!("wait: {e:?}"))?;
+        let float = sys::ncclDataType_t::ncclFloat32;
+        let cu = self.stream.cu_stream() as sys::cudaStream_t;
+        let mut guards = Vec::with_capacity(sends.len() + receives.len());
+        cudarc::nccl::result::group_start().map_err(|e| format!("ncclGroupStart: {e:?}"))?;
+        let mut issued: std::result::Result<(), String> = Ok(());
+        for (peer, b) in sends {
+            // The first `b.len()` values of the allocation.
+            let (ptr, g) = b.data().device_ptr(&self.stream);
+            guards.push(g);
+            // SAFETY: `ptr` addresses `b.len()` f32 values kept alive until the exchange completes
+            // (the caller holds the buffer until `complete`); stream and communicator are live.
+            let r = unsafe {
+                cudarc::nccl::result::send(ptr as _, b.len(), float, *peer as std::ffi::c_int, self.comm.raw, cu)
+            };
+            if let Err(e) = r {
+                issued = Err(format!("ncclSend to rank {peer}: {e:?}"));
+                break;
+            }
+        }
+        if issued.is_ok() {
+            for (peer, b) in receives.iter_mut() {
+                let len = b.len();
+                let (ptr, g) = b.data_mut().device_ptr_mut(&self.stream);
+                guards.push(g);
+                // SAFETY: `ptr` addresses at least `len` f32 values owned by the pending exchange.
+                let r = unsafe {
+                    cudarc::nccl::result::recv(ptr as _, len, float, *peer as std::ffi::c_int, self.comm.raw, cu)
+                };
+                if let Err(e) = r {
+                    issued = Err(format!("ncclRecv from rank {peer}: {e:?}"));
+                    break;
+                }
+            }
+        }
+        let ended = cudarc::nccl::result::group_end().map_err(|e| format!("ncclGroupEnd: {e:?}"));
+        drop(guards);
+        issued.and(ended.map(|_| ()))
+    }
+}
+
+impl BufPlane<DeviceBuf> for NcclPlane {
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn issue(&mut self, op: &str, sends: &[(usize, &DeviceBuf)], receives: &[(usize, usize)]) -> CommResult<()> {
+        if let Some(why) = &self.broken {
+            return Err(CommError::Misuse(format!("`{op}`: the NCCL communicator was aborted earlier: {why}")));
+        }
+        if self.pending.is_some() {
+            return Err(CommError::Misuse(format!("`{op}` issued while another device exchange is pending")));
+        }
+        for &(peer, _) in sends {
+            flowprefill_comm::check_rank(peer, self.comm.world)?;
+        }
+        let mut bufs = Vec::with_capacity(receives.len());
+        for &(peer, len) in receives {
+            flowprefill_comm::check_rank(peer, self.comm.world)?;
+            let data = self.stream.alloc_zeros::<f32>(len.max(1)).map_err(|e| {
+                CommError::Misuse(format!(
+                    "`{op}`: cannot allocate {len} values on cuda:{} to receive from rank {peer}: {e:?}",
+                    self.comm.ordinal
+                ))
+            })?;
+            bufs.push((peer, DeviceBuf::from_parts(data, len)));
+        }
+        let first_peer = receives.first().map(|r| r.0).or(sends.first().map(|s| s.0)).unwrap_or(0);
+        if let Err(detail) = self.issue_on_stream(sends, &mut bufs) {
+            let e = CommError::RankLost { rank: first_peer, op: op.to_string(), detail };
+            return Err(self.fail(e));
+        }
+        let done = match self.stream.record_event(None) {
+            Ok(ev) => ev,
+            Err(e) => {
+                let e = CommError::RankLost { rank: first_peer, op: op.to_string(), detail: format!("record: {e:?}") };
+                return Err(self.fail(e));
+            }
+        };
+        let peers = bufs.iter().map(|b| b.0).chain(sends.iter().map(|s| s.0)).collect();
+        self.pending =
+            Some(Pending { op: op.to_string(), receives: bufs.into_iter().map(|b| b.1).collect(), peers, done });
+        Ok(())
+    }
+
+    fn complete(&mut self) -> CommResult<Vec<DeviceBuf>> {
+        let p = self.pending.take().ok_or_else(|| CommError::Misuse("device complete without issue".into()))?;
+        let peer = p.peers.first().copied().unwrap_or(0);
+        let deadline = Instant::now() + self.timeout;
+        let mut nap = Duration::from_micros(10);
+        loop {
+            match p.done.try_is_complete() {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => {
+                    let e = CommError::RankLost { rank: peer, op: p.op.clone(), detail: format!("CUDA error: {e:?}") };
+                    return Err(self.fail(e));
+                }
+            }
+            if let Some(detail) = self.comm.async_error() {
+                let e = CommError::RankLost { rank: peer, op: p.op.clone(), detail };
+                return Err(self.fail(e));
+            }
+            if Instant::now() >= deadline {
+                let e = CommError::Timeout { rank: peer, op: p.op.clone(), secs: self.timeout.as_secs_f64() };
+                return Err(self.fail(e));
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(1));
+        }
+        // Later kernels on the compute stream read the received buffers.
+        if let Err(e) = self.compute.wait(&p.done) {
+            let e = CommError::RankLost { rank: peer, op: p.op.clone(), detail: format!("wait: {e:?}") };
+            return Err(self.fail(e));
+        }
+        Ok(p.receives)
+    }
+
+    fn abort(&mut self, reason: &str) {
+        self.pending = None;
+        self.comm.abort();
+        self.broken.get_or_insert_with(|| reason.to_string());
+    }
+
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    fn end_job(&mut self) {
+        // Matching operations were issued on every rank (each device exchange follows a
+        // control exchange): let the pending one finish, or abort on its deadline.
+        if self.pending.is_some() {
+            let _ = self.complete();
+        }
+    }
 }

@@ -73,6 +73,90 @@ pub fn load_model(common: &Common) -> Result<LoadedModel<Device>> {
     Ok(m)
 }
 
+/// The world of `ranks` thread ranks for `--device`: on the CPU they share `lm`; with
+/// `--device cuda` and more than one rank, rank r runs its own copy of the model on GPU r and
+/// the ranks move buffers over NCCL (one process driving every GPU of the machine).
+pub fn thread_world(
+    common: &Common,
+    lm: std::sync::Arc<LoadedModel<Device>>,
+    ranks: usize,
+    timeout: std::time::Duration,
+) -> Result<flowprefill_coordinator::ThreadRanks<Device>> {
+    use flowprefill_coordinator::ThreadRanks;
+    let store = flowprefill_coordinator::DEFAULT_STORE_BYTES;
+    if ranks <= 1 || common.device == DeviceSpec::Cpu {
+        return Ok(ThreadRanks::new(lm, ranks, store, timeout)?);
+    }
+    gpu_world(common, lm, ranks, timeout)
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_world(
+    common: &Common,
+    lm: std::sync::Arc<LoadedModel<Device>>,
+    ranks: usize,
+    timeout: std::time::Duration,
+) -> Result<flowprefill_coordinator::ThreadRanks<Device>> {
+    use std::sync::Arc;
+    anyhow::ensure!(
+        common.device == DeviceSpec::CudaLocal,
+        "--device {} pins one GPU, but --ranks {ranks} drives one GPU per rank: use --device cuda (ranks 0..{} on \
+         cuda:0..{}), or mpirun with one process per GPU",
+        common.device,
+        ranks - 1,
+        ranks - 1
+    );
+    let gpus = flowprefill_kernels::cuda::devices().map_or(0, |d| d.len());
+    anyhow::ensure!(
+        gpus >= ranks,
+        "--ranks {ranks} --device cuda needs {ranks} GPUs, this machine has {gpus}: use fewer ranks or --device cpu"
+    );
+    let path = model_path(common)?;
+    let mut lms = vec![lm];
+    for r in 1..ranks {
+        let dev = Device::open(DeviceSpec::Cuda(r), common.weights).with_context(|| format!("rank {r}: cuda:{r}"))?;
+        let m = LoadedModel::load(&path, dev)
+            .with_context(|| format!("rank {r}: loading {} on cuda:{r}", path.display()))?;
+        lms.push(Arc::new(m));
+    }
+    let setup: flowprefill_coordinator::PlaneSetup<Device> =
+        Arc::new(|comm, dev: &Device| dev.attach_nccl(comm).map_err(|e| e.to_string()));
+    let store = flowprefill_coordinator::DEFAULT_STORE_BYTES;
+    Ok(flowprefill_coordinator::ThreadRanks::per_rank(lms, store, timeout)?.with_plane(setup)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_world(
+    common: &Common,
+    _lm: std::sync::Arc<LoadedModel<Device>>,
+    _ranks: usize,
+    _timeout: std::time::Duration,
+) -> Result<flowprefill_coordinator::ThreadRanks<Device>> {
+    anyhow::bail!(
+        "--device {}: this build has no CUDA support: rebuild with `cargo build --release --features cuda`",
+        common.device
+    )
+}
+
+/// Under mpirun with `--device cuda`: NCCL between the ranks' GPUs on `comm` (each process
+/// drives the GPU of its node-local rank). Nothing on the CPU.
+#[cfg(feature = "mpi")]
+pub fn attach_device_plane(common: &Common, comm: &mut dyn flowprefill_comm::Communicator) -> Result<()> {
+    if common.device == DeviceSpec::Cpu {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let rank = comm.rank();
+        device(common)?.attach_nccl(comm).with_context(|| format!("rank {rank}: NCCL between the GPUs"))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = comm;
+        anyhow::bail!("--device {}: this build has no CUDA support", common.device)
+    }
+}
+
 /// Parses a comma-separated list of numbers.
 pub fn parse_list<T: std::str::FromStr>(s: &str) -> std::result::Result<Vec<T>, String> {
     s.split(',')

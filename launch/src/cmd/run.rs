@@ -4,7 +4,7 @@ use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
-use flowprefill_coordinator::{explain, Context, Engine, Job, Method, Request, RunOptions, Scope, ThreadRanks};
+use flowprefill_coordinator::{explain, Context, Engine, Job, Method, Request, RunOptions, Scope};
 use flowprefill_kernels::Device;
 use flowprefill_worker::sampling::SamplingConfig;
 use flowprefill_worker::{Field, InputError, LoadedModel};
@@ -198,6 +198,7 @@ fn run_job(
         );
         let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
         comm.set_timeout(timeout);
+        super::attach_device_plane(common, &mut comm)?;
         let mut engine = Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES);
         if let Some(a) = aux {
             engine = engine.with_aux(a)?;
@@ -206,7 +207,7 @@ fn run_job(
         return Ok(r.map(|r| (r, lm)));
     }
     let ranks = args.ranks.unwrap_or(1);
-    let mut world = ThreadRanks::new(lm.clone(), ranks, flowprefill_coordinator::DEFAULT_STORE_BYTES, timeout)?;
+    let mut world = super::thread_world(common, lm.clone(), ranks, timeout)?;
     if let Some(a) = aux {
         world = world.with_aux(a)?;
     }

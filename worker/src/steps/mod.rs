@@ -16,6 +16,7 @@ mod chunk_prefill;
 mod recompute;
 mod replicated;
 mod ring;
+mod transport;
 
 pub use chunk_prefill::{prefill_chunk, prefill_chunks, ChunkJob, DEFAULT_BATCH_TOKENS};
 pub use recompute::{recompute, value_deviation, RecomputeMode, Scope, Selection, Target};
@@ -29,7 +30,6 @@ pub(crate) fn comm_err(e: flowprefill_comm::CommError) -> WorkerError {
 
 use crate::error::{Result, WorkerError};
 use crate::kv::KvCache;
-use flowprefill_comm::{Packet, Unpack};
 use flowprefill_kernels::Backend;
 
 /// Copy of a buffer on the backend.
@@ -74,35 +74,6 @@ pub(crate) fn group_targets<S: std::ops::Deref<Target = KvCache<B>>, B: Backend>
     Ok(groups)
 }
 
-/// Seals device buffers for a peer: `rows` (control data, on the host) and each buffer staged
-/// out through [`Backend::stage_out`] (the transport's copy: the thread and MPI communicators move
-/// host bytes; one section each, see [`flowprefill_comm::wire`]). The distributed steps leave the device only here and in [`open`].
-pub(crate) fn seal<B: Backend>(be: &B, rows: &[u32], bufs: &[&B::Buf]) -> Result<Vec<u8>> {
-    let mut p = Packet::new().u32s(rows);
-    for b in bufs {
-        p = p.f32s(&be.stage_out(b)?);
-    }
-    Ok(p.into_bytes())
-}
-
-/// Opens what [`seal`] made: the rows and `N` buffers of `widths[i]` values per row, staged in.
-pub(crate) fn open<B: Backend, const N: usize>(
-    be: &B,
-    rank: usize,
-    op: &str,
-    b: &[u8],
-    widths: [usize; N],
-) -> Result<(Vec<u32>, [B::Buf; N])> {
-    let (rows, parts) = unpack(rank, op, b, widths)?;
-    let mut bufs = Vec::with_capacity(N);
-    for p in &parts {
-        bufs.push(be.stage_in(p)?);
-    }
-    let bufs: [B::Buf; N] =
-        bufs.try_into().map_err(|_| crate::error::internal(format!("`{op}`: buffers lost while staging in")))?;
-    Ok((rows, bufs))
-}
-
 /// Merges a partial attention result into an accumulator on the device; the first partial
 /// becomes the accumulator (what `merge_partial` does with an empty one, bit for bit).
 pub(crate) fn merge_into<B: Backend>(
@@ -117,29 +88,6 @@ pub(crate) fn merge_into<B: Backend>(
         Some((ao, al)) => be.merge_partial(ao, al, &out, &lse, head_dim)?,
     }
     Ok(())
-}
-
-/// `(rows, parts)` of a [`seal`]ed message, on the host: `N` f32 sections of `widths[i]` values per row.
-pub(crate) fn unpack<const N: usize>(
-    rank: usize,
-    op: &str,
-    b: &[u8],
-    widths: [usize; N],
-) -> Result<(Vec<u32>, [Vec<f32>; N])> {
-    let mut u = Unpack::new(rank, op, b);
-    let pos = u.u32s().map_err(protocol)?;
-    let mut parts: [Vec<f32>; N] = std::array::from_fn(|_| Vec::new());
-    for (part, w) in parts.iter_mut().zip(widths) {
-        *part = u.f32s().map_err(protocol)?;
-        if part.len() != pos.len() * w {
-            return Err(WorkerError::Protocol {
-                rank,
-                detail: format!("`{op}`: {} values for {} rows of {w}", part.len(), pos.len()),
-            });
-        }
-    }
-    u.finish().map_err(protocol)?;
-    Ok((pos, parts))
 }
 
 /// A message that cannot be decoded is the sender's protocol error.

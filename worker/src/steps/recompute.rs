@@ -19,13 +19,14 @@
 //! stale row (causality) and every earlier target has written all its layers, so batching is
 //! exact; every rank runs the same number of batches (possibly empty) so collectives match.
 
-use super::{clone_buf, comm_err, group_targets, merge_into, open, seal, TargetGroup};
+use super::transport::{all_gather_bufs, exchange_bufs, per_row};
+use super::{clone_buf, group_targets, merge_into, TargetGroup};
 use crate::attend::{attend_over, Attend, KvSource, LayerInput};
 use crate::error::{Field, InputError, Result, WorkerError};
 use crate::interrupt::Check;
 use crate::kv::{KeyForm, KvCache};
 use crate::model::{Logits, Model};
-use flowprefill_comm::{all_gather_bytes, Communicator};
+use flowprefill_comm::Communicator;
 use flowprefill_kernels::Backend;
 
 /// One selected row of this rank: `segments[segment]` row `row`.
@@ -140,14 +141,12 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                 // Other ranks' selected rows travel; own rows are already in the segments.
                 let op = format!("{}.kv", self.op);
                 // A world of one has nobody to send to: nothing is staged.
-                let msg = if n > 1 { seal(be, x.positions, &[x.k, x.v])? } else { Vec::new() };
-                let got = all_gather_bytes(self.comm, &op, msg).map_err(comm_err)?;
+                let lens = per_row([kvd, kvd]);
+                let got = all_gather_bufs(&mut *self.comm, be, &op, x.positions, &[x.k, x.v], &lens)?;
                 let mut remote = Vec::new();
-                for (r, b) in got.iter().enumerate() {
-                    if r == me {
-                        continue;
-                    }
-                    let (pos, [k, v]) = open(be, r, &op, b, [kvd, kvd])?;
+                for (_, (pos, bufs)) in got {
+                    let [k, v]: [B::Buf; 2] =
+                        bufs.try_into().map_err(|_| crate::error::internal(format!("`{op}`: rows without K and V")))?;
                     remote.push((pos, k, v));
                 }
                 let mut sources = local;
@@ -163,21 +162,26 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
             Scope::Exact => {
                 // Pass-Q: every rank's queries visit every rank's segments.
                 let op = format!("{}.q", self.op);
-                let msg = if n > 1 { seal(be, x.positions, &[x.q])? } else { Vec::new() };
-                let got = all_gather_bytes(self.comm, &op, msg).map_err(comm_err)?;
+                let lens = per_row([qd]);
+                let got = all_gather_bufs(&mut *self.comm, be, &op, x.positions, &[x.q], &lens)?;
+                let mut got = got.into_iter();
                 let mut all_pos = Vec::new();
                 let mut all_q = be.zeros(0)?;
                 let mut counts = Vec::with_capacity(n);
-                for (r, b) in got.iter().enumerate() {
+                for r in 0..n {
                     if r == me {
                         counts.push(m);
                         all_pos.extend_from_slice(x.positions);
                         be.append(&mut all_q, x.q)?;
                     } else {
-                        let (pos, [q]) = open(be, r, &op, b, [qd])?;
+                        let (_, (pos, bufs)) = got
+                            .next()
+                            .ok_or_else(|| WorkerError::Protocol { rank: r, detail: format!("`{op}`: no queries") })?;
+                        let q =
+                            bufs.first().ok_or_else(|| crate::error::internal(format!("`{op}`: rows without Q")))?;
                         counts.push(pos.len());
                         all_pos.extend(pos);
-                        be.append(&mut all_q, &q)?;
+                        be.append(&mut all_q, q)?;
                     }
                 }
                 let total = all_pos.len();
@@ -206,16 +210,16 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                     }
                     Ok((o, l))
                 };
-                let mut sends: Vec<(usize, Vec<u8>)> = Vec::with_capacity(n.saturating_sub(1));
-                for r in (0..n).filter(|&r| r != me) {
-                    let (o, l) = rows_of(r)?;
-                    let rows: Vec<u32> = (0..counts[r] as u32).collect();
-                    sends.push((r, seal(be, &rows, &[&o, &l])?));
-                }
+                let mine: Vec<(B::Buf, B::Buf)> = (0..n).filter(|&r| r != me).map(&rows_of).collect::<Result<_>>()?;
                 let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
+                let sends = others
+                    .iter()
+                    .zip(&mine)
+                    .map(|(&r, (o, l))| (r, (0..counts[r] as u32).collect(), vec![o, l]))
+                    .collect();
                 let op = format!("{}.partials", self.op);
-                self.comm.post(&op, sends, others).map_err(comm_err)?;
-                let back = self.comm.wait().map_err(comm_err)?;
+                let lens = per_row([qd, h]);
+                let back = exchange_bufs(&mut *self.comm, be, &op, sends, others.clone(), &lens)?;
                 // Merge the partials for this rank's queries in rank order, on the device.
                 let mut acc: Option<(B::Buf, B::Buf)> = None;
                 let mut back = back.into_iter();
@@ -223,16 +227,18 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                     let (o, l) = if r == me {
                         rows_of(r)?
                     } else {
-                        let b = back
+                        let (rows, bufs) = back
                             .next()
                             .ok_or_else(|| WorkerError::Protocol { rank: r, detail: format!("`{op}`: no partials") })?;
-                        let (rows, [o, l]) = open(be, r, &op, &b, [qd, h])?;
                         if rows.len() != m {
                             return Err(WorkerError::Protocol {
                                 rank: r,
                                 detail: format!("`{op}`: partials for {} rows, expected {m}", rows.len()),
                             });
                         }
+                        let [o, l]: [B::Buf; 2] = bufs
+                            .try_into()
+                            .map_err(|_| crate::error::internal(format!("`{op}`: partials without out and lse")))?;
                         (o, l)
                     };
                     merge_into(be, &mut acc, o, l, d)?;

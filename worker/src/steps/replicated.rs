@@ -17,8 +17,9 @@
 use crate::attend::{Attend, KvSource, LayerInput};
 use crate::error::{Result, WorkerError};
 use crate::kv::{KeyForm, KvCache};
-use crate::steps::{clone_buf, comm_err, merge_into, protocol, seal};
-use flowprefill_comm::{exchange, Communicator, Unpack};
+use crate::steps::transport::exchange_bufs;
+use crate::steps::{clone_buf, merge_into};
+use flowprefill_comm::Communicator;
 use flowprefill_kernels::Backend;
 
 /// A context segment held by this rank.
@@ -136,39 +137,6 @@ impl<B: Backend> Drop for Replicated<'_, '_, B> {
 /// One segment's partial attention on the device: (segment id, out, lse).
 pub(crate) type Partial<B> = (usize, <B as Backend>::Buf, <B as Backend>::Buf);
 
-/// Seals per-segment partials: the segment ids, then each segment's `out` and `lse`.
-fn seal_partials<B: Backend>(be: &B, parts: &[Partial<B>]) -> Result<Vec<u8>> {
-    let ids: Vec<u32> = parts.iter().map(|p| p.0 as u32).collect();
-    let bufs: Vec<&B::Buf> = parts.iter().flat_map(|(_, o, l)| [o, l]).collect();
-    seal(be, &ids, &bufs)
-}
-
-/// Opens [`seal_partials`] given the sizes of one partial.
-fn open_partials<B: Backend>(
-    be: &B,
-    rank: usize,
-    op: &str,
-    b: &[u8],
-    out_len: usize,
-    lse_len: usize,
-) -> Result<Vec<Partial<B>>> {
-    let mut u = Unpack::new(rank, op, b);
-    let ids = u.u32s().map_err(protocol)?;
-    let mut out = Vec::with_capacity(ids.len());
-    for id in ids {
-        let (o, l) = (u.f32s().map_err(protocol)?, u.f32s().map_err(protocol)?);
-        if o.len() != out_len || l.len() != lse_len {
-            return Err(WorkerError::Protocol {
-                rank,
-                detail: format!("`{op}`: partial of {}+{} values, expected {out_len}+{lse_len}", o.len(), l.len()),
-            });
-        }
-        out.push((id as usize, be.stage_in(&o)?, be.stage_in(&l)?));
-    }
-    u.finish().map_err(protocol)?;
-    Ok(out)
-}
-
 /// Merges per-segment partials of all ranks in segment order at rank 0 and broadcasts the
 /// result: `(out, lse)` on the device, the same bits on every rank; `None` when no rank had
 /// a partial (nothing visible anywhere).
@@ -195,27 +163,42 @@ fn merge_at_root<B: Backend>(
     }
     let gather = format!("{op}.gather");
     let bcast = format!("{op}.merged");
+    // A message is segment ids as rows and (out, lse) per segment.
+    let lens = |ids: &[u32]| ids.iter().flat_map(|_| [out_len, lse_len]).collect::<Vec<usize>>();
     if me == 0 {
         let others: Vec<usize> = (1..n).collect();
-        let got = exchange(comm, &gather, vec![], others.clone()).map_err(comm_err)?;
+        let got = exchange_bufs(comm, be, &gather, vec![], others.clone(), &lens)?;
         let mut all = parts;
-        for (r, b) in others.iter().zip(&got) {
-            all.extend(open_partials(be, *r, &gather, b, out_len, lse_len)?);
+        for (ids, bufs) in got {
+            let mut bufs = bufs.into_iter();
+            for id in ids {
+                let (Some(o), Some(l)) = (bufs.next(), bufs.next()) else {
+                    return Err(crate::error::internal(format!("`{gather}`: a partial without its buffers")));
+                };
+                all.push((id as usize, o, l));
+            }
         }
         let merged = merge(all)?;
-        let msg = match &merged {
-            Some((o, l)) => seal(be, &[0], &[o, l])?,
-            None => seal::<B>(be, &[], &[])?,
+        let sends = match &merged {
+            Some((o, l)) => others.iter().map(|&r| (r, vec![0], vec![o, l])).collect(),
+            None => others.iter().map(|&r| (r, vec![], vec![])).collect(),
         };
-        exchange(comm, &bcast, others.iter().map(|&r| (r, msg.clone())).collect(), vec![]).map_err(comm_err)?;
+        exchange_bufs(comm, be, &bcast, sends, vec![], &lens)?;
         Ok(merged)
     } else {
-        exchange(comm, &gather, vec![(0, seal_partials(be, &parts)?)], vec![]).map_err(comm_err)?;
-        let got = exchange(comm, &bcast, vec![], vec![0]).map_err(comm_err)?;
-        let b =
-            got.first().ok_or_else(|| WorkerError::Protocol { rank: 0, detail: format!("`{bcast}`: no message") })?;
-        let mut merged = open_partials(be, 0, &bcast, b, out_len, lse_len)?;
-        Ok(merged.pop().map(|(_, o, l)| (o, l)))
+        let ids: Vec<u32> = parts.iter().map(|p| p.0 as u32).collect();
+        let bufs: Vec<&B::Buf> = parts.iter().flat_map(|(_, o, l)| [o, l]).collect();
+        exchange_bufs(comm, be, &gather, vec![(0, ids, bufs)], vec![], &lens)?;
+        let got = exchange_bufs(comm, be, &bcast, vec![], vec![0], &lens)?;
+        let (_, bufs) = got
+            .into_iter()
+            .next()
+            .ok_or_else(|| WorkerError::Protocol { rank: 0, detail: format!("`{bcast}`: no message") })?;
+        let mut bufs = bufs.into_iter();
+        Ok(match (bufs.next(), bufs.next()) {
+            (Some(o), Some(l)) => Some((o, l)),
+            _ => None,
+        })
     }
 }
 

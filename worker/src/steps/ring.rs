@@ -17,7 +17,8 @@
 //! Partials merge through `merge_partial` in fp32; the result equals single-device prefill up
 //! to rounding (InfoFlow appendix B). Each rank keeps its own rows' K/V for decoding.
 
-use super::{clone_buf, comm_err, merge_into, open, seal};
+use super::transport::{per_row, post_bufs, wait_bufs};
+use super::{clone_buf, merge_into};
 use crate::attend::{Attend, LayerInput};
 use crate::error::Result;
 use crate::interrupt::Check;
@@ -64,23 +65,29 @@ impl<B: Backend> Attend<B> for Ring<'_, B> {
         let mut blk_k = clone_buf(be, x.k, kvd)?;
         let mut blk_v = clone_buf(be, x.v, kvd)?;
         let mut acc: Option<(B::Buf, B::Buf)> = None;
+        let lens = per_row([kvd, kvd]);
         for step in 0..n {
             let last = step + 1 == n;
-            if !last {
-                // Post the block before computing on it: the transfer overlaps the attention.
-                let msg = seal(be, &blk_pos, &[&blk_k, &blk_v])?;
-                self.comm.post("ring.kv", vec![(next, msg)], vec![prev]).map_err(comm_err)?;
-            }
+            // Post the block before computing on it: the transfer overlaps the attention
+            // (on a device plane it runs on the communication stream meanwhile).
+            let posted = if last {
+                None
+            } else {
+                let sends = vec![(next, blk_pos.clone(), vec![&blk_k, &blk_v])];
+                Some(post_bufs(&mut *self.comm, be, "ring.kv", sends, vec![prev], &lens)?)
+            };
             if m > 0 && !blk_pos.is_empty() {
                 let mut o = be.zeros(m * qd)?;
                 let mut l = be.zeros(m * h)?;
                 be.attention(x.shape, x.q, x.positions, &blk_k, &blk_v, &blk_pos, &mut o, &mut l)?;
                 merge_into(be, &mut acc, o, l, d)?;
             }
-            if !last {
-                let got = self.comm.wait().map_err(comm_err)?;
-                let b = got.into_iter().next().ok_or_else(|| crate::error::internal("ring step lost its block"))?;
-                let (pos, [k, v]) = open(be, prev, "ring.kv", &b, [kvd, kvd])?;
+            if let Some(posted) = posted {
+                let got = wait_bufs(&mut *self.comm, be, posted, &lens)?;
+                let (pos, bufs) =
+                    got.into_iter().next().ok_or_else(|| crate::error::internal("ring step lost its block"))?;
+                let [k, v]: [B::Buf; 2] =
+                    bufs.try_into().map_err(|_| crate::error::internal("ring block without K and V"))?;
                 (blk_pos, blk_k, blk_v) = (pos, k, v);
             }
         }

@@ -1,0 +1,245 @@
+//! The device plane: collectives that move a backend's buffers between ranks without passing
+//! through host memory (NCCL between GPUs; a channel between thread ranks in tests).
+//!
+//! A rank's [`Communicator`](crate::Communicator) stays the control plane: every buffer-typed
+//! exchange first sends its small control part (row indices, positions, segment ids) there,
+//! which tells every receiver how long each buffer is; then the buffers go over the plane, as
+//! one grouped set of point-to-point transfers:
+//!
+//! ```text
+//!   control (host):  post(rows to each peer, from peers) ─ wait ─> lengths of every buffer
+//!   data (device):   issue(sends, receives of known lengths) ── [compute] ── complete()
+//! ```
+//! A rank without a plane sends control and buffers together through the communicator
+//! (host staging); both give the same bits.
+//!
+//! A plane has the communicator's deadline: [`BufPlane::complete`] returns
+//! [`CommError::Timeout`] naming a peer and the operation instead of waiting for ever, and
+//! after a timeout or a transport error the plane is torn down (NCCL: `ncclCommAbort`); every
+//! later call fails at once with the first error.
+
+use crate::{CommError, Result};
+use std::any::Any;
+use std::time::Duration;
+
+/// The part of a device plane that does not depend on the buffer type.
+pub trait Plane: Send {
+    /// Name (`nccl`, `threads`), used in counter names: `<op>@<name>`.
+    fn name(&self) -> &'static str;
+    /// Tears the plane down (NCCL: `ncclCommAbort`): transfers in flight are abandoned and
+    /// every later call fails with `reason`. Used when the world breaks.
+    fn abort(&mut self, reason: &str);
+    /// Changes the deadline of [`BufPlane::complete`].
+    fn set_timeout(&mut self, timeout: Duration);
+    /// The job ended (see [`Communicator::end_job`](crate::Communicator::end_job)): a pending
+    /// exchange is finished and dropped, and nothing of this job reaches the next one.
+    fn end_job(&mut self);
+    /// For the typed part: `self` as [`Any`] (a [`Typed`] holder).
+    fn as_any(&mut self) -> &mut dyn Any;
+}
+
+/// Transfers of `Buf`s: one grouped set of sends and receives at a time.
+pub trait BufPlane<Buf>: Send {
+    /// Name (`nccl`, `threads`).
+    fn name(&self) -> &'static str;
+    /// Starts the transfers of one exchange: `sends` (to, buffer) and `receives` (from, number
+    /// of f32 values), in an order both sides agree on (per peer, the order of posting).
+    /// Returns at once; the transfers run while the caller computes. Fails if an exchange is
+    /// already pending.
+    fn issue(&mut self, op: &str, sends: &[(usize, &Buf)], receives: &[(usize, usize)]) -> Result<()>;
+    /// Waits for the pending exchange: the received buffers in the order of `receives`.
+    fn complete(&mut self) -> Result<Vec<Buf>>;
+    /// See [`Plane::abort`].
+    fn abort(&mut self, reason: &str);
+    /// See [`Plane::set_timeout`].
+    fn set_timeout(&mut self, timeout: Duration);
+    /// See [`Plane::end_job`].
+    fn end_job(&mut self);
+}
+
+/// A [`BufPlane`] behind the type-free [`Plane`] a communicator holds; the worker, which knows
+/// the buffer type, gets it back with [`typed`].
+pub struct Typed<Buf: 'static>(pub Box<dyn BufPlane<Buf>>);
+
+impl<Buf: 'static> Plane for Typed<Buf> {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn abort(&mut self, reason: &str) {
+        self.0.abort(reason)
+    }
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.0.set_timeout(timeout)
+    }
+    fn end_job(&mut self) {
+        self.0.end_job()
+    }
+    fn as_any(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// The typed plane of `plane`, or an error if it moves another kind of buffer.
+pub fn typed<Buf: 'static>(plane: &mut dyn Plane) -> Result<&mut dyn BufPlane<Buf>> {
+    let name = plane.name();
+    match plane.as_any().downcast_mut::<Typed<Buf>>() {
+        Some(t) => Ok(t.0.as_mut()),
+        None => Err(CommError::Misuse(format!(
+            "the `{name}` device plane does not move this backend's buffers (the plane and the model are on \
+             different backends)"
+        ))),
+    }
+}
+
+/// A device plane for thread ranks that moves buffers through channels, with NCCL's contract
+/// (lengths known on both sides, grouped point-to-point transfers, a deadline): lets the tests
+/// run the device path of every distributed step without a GPU. `Buf` is moved, never
+/// serialized.
+pub mod threads {
+    use super::*;
+    use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+
+    /// (job, operation, buffer).
+    type Msg<Buf> = (u64, String, Buf);
+
+    /// One rank's end.
+    pub struct ThreadPlane<Buf> {
+        to: Vec<Option<Sender<Msg<Buf>>>>,
+        from: Vec<Option<Receiver<Msg<Buf>>>>,
+        epoch: u64,
+        pending: Option<(String, Vec<(usize, usize)>)>,
+        timeout: Duration,
+        broken: Option<String>,
+        clone: fn(&Buf) -> Buf,
+        len: fn(&Buf) -> usize,
+    }
+
+    /// Planes for `n` thread ranks; `clone` copies a buffer (a device-to-device copy) and
+    /// `len` gives its number of values.
+    pub fn group<Buf: Send + 'static>(
+        n: usize,
+        clone: fn(&Buf) -> Buf,
+        len: fn(&Buf) -> usize,
+    ) -> Vec<ThreadPlane<Buf>> {
+        let mut to: Vec<Vec<Option<Sender<Msg<Buf>>>>> = (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        let mut from: Vec<Vec<Option<Receiver<Msg<Buf>>>>> = (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        for (a, row) in to.iter_mut().enumerate() {
+            for (b, slot) in row.iter_mut().enumerate() {
+                if a != b {
+                    let (s, r) = channel();
+                    *slot = Some(s);
+                    from[b][a] = Some(r);
+                }
+            }
+        }
+        to.into_iter()
+            .zip(from)
+            .map(|(to, from)| ThreadPlane {
+                to,
+                from,
+                epoch: 0,
+                pending: None,
+                timeout: crate::DEFAULT_TIMEOUT,
+                broken: None,
+                clone,
+                len,
+            })
+            .collect()
+    }
+
+    impl<Buf: Send + 'static> BufPlane<Buf> for ThreadPlane<Buf> {
+        fn name(&self) -> &'static str {
+            "threads"
+        }
+
+        fn issue(&mut self, op: &str, sends: &[(usize, &Buf)], receives: &[(usize, usize)]) -> Result<()> {
+            if let Some(why) = &self.broken {
+                return Err(CommError::Misuse(format!("the device plane was torn down: {why}")));
+            }
+            if self.pending.is_some() {
+                return Err(CommError::Misuse(format!("`{op}` issued while another device exchange is pending")));
+            }
+            let n = self.to.len();
+            for &(peer, b) in sends {
+                crate::check_rank(peer, n)?;
+                let tx = self.to[peer].as_ref().ok_or_else(|| CommError::Misuse(format!("`{op}`: send to self")))?;
+                if tx.send((self.epoch, op.to_string(), (self.clone)(b))).is_err() {
+                    return Err(CommError::RankLost {
+                        rank: peer,
+                        op: op.to_string(),
+                        detail: "its end of the device plane is gone".into(),
+                    });
+                }
+            }
+            for &(peer, _) in receives {
+                crate::check_rank(peer, n)?;
+            }
+            self.pending = Some((op.to_string(), receives.to_vec()));
+            Ok(())
+        }
+
+        fn complete(&mut self) -> Result<Vec<Buf>> {
+            let (op, receives) =
+                self.pending.take().ok_or_else(|| CommError::Misuse("device complete without issue".into()))?;
+            let deadline = std::time::Instant::now() + self.timeout;
+            let mut out = Vec::with_capacity(receives.len());
+            for (peer, want) in receives {
+                let rx =
+                    self.from[peer].as_ref().ok_or_else(|| CommError::Misuse(format!("`{op}`: receive from self")))?;
+                let (got_op, b) = loop {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    match rx.recv_timeout(left) {
+                        // Left over from a job that ended early: dropped.
+                        Ok((epoch, _, _)) if epoch < self.epoch => continue,
+                        Ok((_, o, b)) => break (o, b),
+                        Err(RecvTimeoutError::Timeout) => {
+                            let e = CommError::Timeout { rank: peer, op: op.clone(), secs: self.timeout.as_secs_f64() };
+                            self.broken = Some(e.to_string());
+                            return Err(e);
+                        }
+                        Err(RecvTimeoutError::Disconnected) => {
+                            let e = CommError::RankLost {
+                                rank: peer,
+                                op: op.clone(),
+                                detail: "its end of the device plane is gone".into(),
+                            };
+                            self.broken = Some(e.to_string());
+                            return Err(e);
+                        }
+                    }
+                };
+                if got_op != op {
+                    return Err(CommError::OutOfStep { rank: peer, op });
+                }
+                if (self.len)(&b) != want {
+                    return Err(CommError::Decode {
+                        rank: peer,
+                        op,
+                        detail: format!("a buffer of {} values, expected {want}", (self.len)(&b)),
+                    });
+                }
+                out.push(b);
+            }
+            Ok(out)
+        }
+
+        fn abort(&mut self, reason: &str) {
+            self.pending = None;
+            self.broken.get_or_insert_with(|| reason.to_string());
+            // Dropping the senders makes the peers' receives fail at once.
+            for t in &mut self.to {
+                *t = None;
+            }
+        }
+
+        fn set_timeout(&mut self, timeout: Duration) {
+            self.timeout = timeout;
+        }
+
+        fn end_job(&mut self) {
+            // Whatever this job sent and nobody received is dropped on arrival (its epoch).
+            self.pending = None;
+            self.epoch += 1;
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! The device path of every distributed step, without a GPU: thread ranks with a device plane
+//! (`comm::plane::threads`, NCCL's contract: control rows through the communicator, buffers
+//! as grouped point-to-point transfers of lengths known on both sides) give the same bits as
+//! the same ranks staging buffers through the communicator, and equal one rank under the
+//! exact scope; ring attention over the plane equals full prefill. The plane's traffic is
+//! counted beside the communicator's (`<op>@threads`), and only control rows stay on the
+//! communicator.
+
+use flowprefill_comm::plane::{threads, Typed};
+use flowprefill_comm::Communicator;
+use flowprefill_coordinator::{Context, Job, Method, PlaneSetup, Request, RunOptions, RunResult, Scope, ThreadRanks};
+use flowprefill_tests::{default_model_path, rel_diff, small_docs};
+use flowprefill_worker::{Cpu, LoadedModel};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+/// First-token logits of P ranks vs one rank (different merge association), relative to the
+/// logit range (as in `sharded_equivalence`).
+const RANKS_LOGIT_TOL: f32 = 2e-4;
+
+fn lm() -> Arc<LoadedModel<Cpu>> {
+    static LM: OnceLock<Arc<LoadedModel<Cpu>>> = OnceLock::new();
+    LM.get_or_init(|| Arc::new(LoadedModel::load(&default_model_path(), Cpu).expect("load"))).clone()
+}
+
+/// A setup that hands each rank its end of one group of thread planes.
+fn thread_planes(ranks: usize) -> PlaneSetup<Cpu> {
+    let ends = threads::group::<Vec<f32>>(ranks, Vec::clone, Vec::len);
+    let ends = Mutex::new(ends.into_iter().map(Some).collect::<Vec<_>>());
+    Arc::new(move |comm: &mut dyn Communicator, _: &Cpu| {
+        let end = ends.lock().map_err(|_| "poisoned".to_string())?[comm.rank()]
+            .take()
+            .ok_or_else(|| format!("rank {}: its plane was taken already", comm.rank()))?;
+        comm.set_plane(Box::new(Typed::<Vec<f32>>(Box::new(end))));
+        Ok(())
+    })
+}
+
+fn run(ranks: usize, plane: bool, req: &Request, opts: RunOptions) -> RunResult {
+    let mut world = ThreadRanks::new(lm(), ranks, 1 << 30, Duration::from_secs(60)).expect("ranks");
+    if plane {
+        world = world.with_plane(thread_planes(ranks)).expect("planes");
+    }
+    let job = Job { request: req.clone(), options: RunOptions { max_new_tokens: 4, ..opts } };
+    world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{ranks} ranks (plane: {plane}): {e}"))
+}
+
+fn request() -> Request {
+    let mut docs = small_docs();
+    docs.push("The ferry leaves the harbour at dawn.".into());
+    Request {
+        context: Context::Documents(docs),
+        query: "What is the access code for the north gate?".into(),
+        system: None,
+        answer_prefix: None,
+    }
+}
+
+/// (bytes sent over the plane, bytes sent through the communicator) summed over ranks.
+fn traffic(r: &RunResult) -> (u64, u64) {
+    let mut plane = 0;
+    let mut host = 0;
+    for s in &r.rank_stats {
+        for (op, o) in &s.comm.ops {
+            if op.ends_with("@threads") {
+                plane += o.bytes_sent;
+            } else {
+                host += o.bytes_sent;
+            }
+        }
+    }
+    (plane, host)
+}
+
+#[test]
+fn every_method_over_a_device_plane_equals_staging_bit_for_bit_and_one_rank() {
+    let req = request();
+    let cases: Vec<(Method, bool, Scope)> = vec![
+        (Method::None, false, Scope::Exact),
+        (Method::Infoflow, false, Scope::Exact),
+        (Method::Infoflow, true, Scope::Exact),
+        (Method::Infoflow, false, Scope::Sparse),
+        (Method::Prophet, false, Scope::Exact),
+        (Method::Cacheblend, false, Scope::Exact),
+        (Method::Epic, false, Scope::Exact),
+        (Method::Star, false, Scope::Exact),
+        (Method::Ring, false, Scope::Exact),
+    ];
+    let full = run(1, false, &req, RunOptions { method: Method::Full, ..Default::default() });
+    for (m, reorder, scope) in cases {
+        let opts = RunOptions { method: m, reorder, ratio: 0.15, scope, ..Default::default() };
+        let one = if m == Method::Ring { full.clone() } else { run(1, false, &req, opts.clone()) };
+        for p in [2, 3] {
+            let tag = format!("{m}{} {} on {p} ranks", if reorder { "+reorder" } else { "" }, scope.name());
+            let staged = run(p, false, &req, opts.clone());
+            let dev = run(p, true, &req, opts.clone());
+            assert_eq!(dev.tokens, staged.tokens, "{tag}: answer, plane vs staging");
+            assert_eq!(dev.selected_rows, staged.selected_rows, "{tag}: selection, plane vs staging");
+            assert_eq!(dev.order, staged.order, "{tag}: order, plane vs staging");
+            assert!(dev.first_logits == staged.first_logits, "{tag}: the plane changed the logits' bits");
+            if scope == Scope::Exact {
+                assert_eq!(dev.tokens, one.tokens, "{tag}: answer vs one rank");
+                let d = rel_diff(&dev.first_logits, &one.first_logits);
+                assert!(d <= RANKS_LOGIT_TOL, "{tag}: relative logit difference to one rank {d}");
+                if m != Method::Ring {
+                    assert_eq!(dev.selected_rows, one.selected_rows, "{tag}: selection vs one rank");
+                }
+            }
+            let ((dev_plane, dev_host), (st_plane, st_host)) = (traffic(&dev), traffic(&staged));
+            assert_eq!(st_plane, 0, "{tag}: staging uses no plane");
+            assert!(dev_plane > 0, "{tag}: buffers travelled over the plane");
+            assert!(dev_host < st_host, "{tag}: only control rows stay on the communicator ({dev_host} vs {st_host})");
+            eprintln!("{tag}: plane {dev_plane} B + control {dev_host} B, staged {st_host} B");
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! Buffer-typed collectives: what the distributed steps send each other is *control rows*
+//! (positions, row or segment numbers: host data) plus backend buffers whose lengths follow
+//! from the rows. One primitive, split-phase like the communicator's exchange, serves the ring
+//! step, the all-gathers and the gather/broadcast of partials:
+//!
+//! ```text
+//!   post_bufs(sends: (to, rows, buffers), from, lens)  ──> [compute] ──>  wait_bufs -> (rows, buffers) per sender
+//!
+//!   no device plane (thread and MPI ranks, CPU):  rows and buffers staged out into one message
+//!                                                 through the communicator, staged in on arrival
+//!   device plane (NCCL):  rows through the communicator (wait for them: they give the lengths),
+//!                         buffers as one group of device sends/receives that runs while the
+//!                         caller computes; complete() waits on the device, with the deadline
+//! ```
+//! Both give the same bits. `lens(rows)` is the number of f32 values of each buffer of a
+//! message with those rows: senders are checked against it, receivers allocate by it.
+
+use super::{comm_err, protocol};
+use crate::error::{internal, Result, WorkerError};
+use flowprefill_comm::plane::typed;
+use flowprefill_comm::{Communicator, Packet, Unpack};
+use flowprefill_kernels::Backend;
+use std::time::Instant;
+
+/// Lengths (f32 values) of the buffers of a message, from its control rows.
+pub(crate) type Lens<'a> = &'a dyn Fn(&[u32]) -> Vec<usize>;
+
+/// A message: control rows and the buffers they describe.
+pub(crate) type Parcel<B> = (Vec<u32>, Vec<<B as Backend>::Buf>);
+
+/// One message to send: (to, rows, buffers).
+pub(crate) type Send<'b, B> = (usize, Vec<u32>, Vec<&'b <B as Backend>::Buf>);
+
+/// A posted exchange, completed by [`wait_bufs`].
+pub(crate) enum Posted {
+    /// Rows and buffers in one host message per peer.
+    Staged { op: String, from: Vec<usize> },
+    /// Rows already here; buffers in flight on the device plane.
+    Device { op: String, from: Vec<usize>, rows: Vec<Vec<u32>>, lens: Vec<Vec<usize>>, sent: usize, t0: Instant },
+}
+
+/// Starts an exchange of rows and buffers (see the module docs).
+pub(crate) fn post_bufs<B: Backend>(
+    comm: &mut dyn Communicator,
+    be: &B,
+    op: &str,
+    sends: Vec<Send<'_, B>>,
+    from: Vec<usize>,
+    lens: Lens<'_>,
+) -> Result<Posted> {
+    for (to, rows, bufs) in &sends {
+        let want = lens(rows);
+        let have: Vec<usize> = bufs.iter().map(|b| be.len(b)).collect();
+        if want != have {
+            return Err(internal(format!(
+                "`{op}` to rank {to}: buffers of {have:?} values for rows that need {want:?}"
+            )));
+        }
+    }
+    if comm.plane().is_none() {
+        let mut msgs: Vec<(usize, Vec<u8>)> = Vec::with_capacity(sends.len());
+        for (i, (to, rows, bufs)) in sends.iter().enumerate() {
+            // The same rows and buffers to several peers (an all-gather) are staged once.
+            let same = i > 0 && {
+                let (_, r0, b0) = &sends[i - 1];
+                r0 == rows && b0.len() == bufs.len() && b0.iter().zip(bufs).all(|(a, b)| std::ptr::eq(*a, *b))
+            };
+            let bytes = match msgs.last() {
+                Some((_, prev)) if same => prev.clone(),
+                _ => {
+                    let mut p = Packet::new().u32s(rows);
+                    for b in bufs {
+                        p = p.f32s(&be.stage_out(b)?);
+                    }
+                    p.into_bytes()
+                }
+            };
+            msgs.push((*to, bytes));
+        }
+        comm.post(op, msgs, from.clone()).map_err(comm_err)?;
+        return Ok(Posted::Staged { op: op.to_string(), from });
+    }
+    // Control first: it tells every receiver how much to receive.
+    let control = sends.iter().map(|(to, rows, _)| (*to, Packet::new().u32s(rows).into_bytes())).collect();
+    comm.post(op, control, from.clone()).map_err(comm_err)?;
+    let got = comm.wait().map_err(comm_err)?;
+    let mut rows = Vec::with_capacity(from.len());
+    for (&r, b) in from.iter().zip(&got) {
+        let mut u = Unpack::new(r, op, b);
+        let v = u.u32s().map_err(protocol)?;
+        u.finish().map_err(protocol)?;
+        rows.push(v);
+    }
+    let lens: Vec<Vec<usize>> = rows.iter().map(|r| lens(r)).collect();
+    // Empty buffers are not transferred (both sides know their length is zero).
+    let dev_sends: Vec<(usize, &B::Buf)> = sends
+        .iter()
+        .flat_map(|(to, _, bufs)| bufs.iter().map(move |b| (*to, *b)))
+        .filter(|(_, b)| be.len(b) > 0)
+        .collect();
+    let receives: Vec<(usize, usize)> =
+        from.iter().zip(&lens).flat_map(|(&r, l)| l.iter().map(move |&n| (r, n))).filter(|&(_, n)| n > 0).collect();
+    let sent = dev_sends.iter().map(|(_, b)| be.len(b) * 4).sum();
+    let plane = comm.plane().ok_or_else(|| internal("the device plane went away"))?;
+    typed::<B::Buf>(plane).and_then(|p| p.issue(op, &dev_sends, &receives)).map_err(comm_err)?;
+    Ok(Posted::Device { op: op.to_string(), from, rows, lens, sent, t0: Instant::now() })
+}
+
+/// Completes [`post_bufs`]: (rows, buffers) of each rank of `from`, in that order.
+pub(crate) fn wait_bufs<B: Backend>(
+    comm: &mut dyn Communicator,
+    be: &B,
+    posted: Posted,
+    lens: Lens<'_>,
+) -> Result<Vec<Parcel<B>>> {
+    match posted {
+        Posted::Staged { op, from } => {
+            let got = comm.wait().map_err(comm_err)?;
+            if got.len() != from.len() {
+                return Err(internal(format!("`{op}`: {} messages for {} senders", got.len(), from.len())));
+            }
+            let mut out = Vec::with_capacity(got.len());
+            for (&r, b) in from.iter().zip(&got) {
+                let mut u = Unpack::new(r, &op, b);
+                let rows = u.u32s().map_err(protocol)?;
+                let mut bufs = Vec::new();
+                for want in lens(&rows) {
+                    let v = u.f32s().map_err(protocol)?;
+                    if v.len() != want {
+                        return Err(WorkerError::Protocol {
+                            rank: r,
+                            detail: format!(
+                                "`{op}`: a buffer of {} values, expected {want} for {} rows",
+                                v.len(),
+                                rows.len()
+                            ),
+                        });
+                    }
+                    bufs.push(be.stage_in(&v)?);
+                }
+                u.finish().map_err(protocol)?;
+                out.push((rows, bufs));
+            }
+            Ok(out)
+        }
+        Posted::Device { op, from, rows, lens, sent, t0 } => {
+            let plane = comm.plane().ok_or_else(|| internal("the device plane went away"))?;
+            let name = plane.name();
+            let mut got = typed::<B::Buf>(plane).and_then(|p| p.complete()).map_err(comm_err)?.into_iter();
+            let mut received = 0;
+            let mut out = Vec::with_capacity(from.len());
+            for (r, l) in rows.into_iter().zip(lens) {
+                let mut bufs = Vec::with_capacity(l.len());
+                for n in l {
+                    let b = if n == 0 {
+                        be.zeros(0)?
+                    } else {
+                        got.next().ok_or_else(|| internal(format!("`{op}`: the device plane lost a buffer")))?
+                    };
+                    received += be.len(&b) * 4;
+                    bufs.push(b);
+                }
+                out.push((r, bufs));
+            }
+            comm.note(&format!("{op}@{name}"), sent, received, t0.elapsed());
+            Ok(out)
+        }
+    }
+}
+
+/// [`post_bufs`] and [`wait_bufs`] in one.
+pub(crate) fn exchange_bufs<B: Backend>(
+    comm: &mut dyn Communicator,
+    be: &B,
+    op: &str,
+    sends: Vec<Send<'_, B>>,
+    from: Vec<usize>,
+    lens: Lens<'_>,
+) -> Result<Vec<Parcel<B>>> {
+    let posted = post_bufs(comm, be, op, sends, from, lens)?;
+    wait_bufs(comm, be, posted, lens)
+}
+
+/// Every other rank's (rows, buffers), in rank order (this rank's own are not returned).
+pub(crate) fn all_gather_bufs<B: Backend>(
+    comm: &mut dyn Communicator,
+    be: &B,
+    op: &str,
+    rows: &[u32],
+    bufs: &[&B::Buf],
+    lens: Lens<'_>,
+) -> Result<Vec<(usize, Parcel<B>)>> {
+    let (me, n) = (comm.rank(), comm.size());
+    let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
+    let sends = others.iter().map(|&r| (r, rows.to_vec(), bufs.to_vec())).collect();
+    let got = exchange_bufs(comm, be, op, sends, others.clone(), lens)?;
+    Ok(others.into_iter().zip(got).collect())
+}
+
+/// `lens` of messages whose rows each carry one row of every width in `widths`.
+pub(crate) fn per_row<const N: usize>(widths: [usize; N]) -> impl Fn(&[u32]) -> Vec<usize> {
+    move |rows: &[u32]| widths.iter().map(|w| rows.len() * w).collect()
+}
