@@ -243,3 +243,78 @@ pub mod threads {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::threads::group;
+    use super::*;
+
+    fn planes(n: usize) -> Vec<threads::ThreadPlane<Vec<f32>>> {
+        group::<Vec<f32>>(n, Vec::clone, Vec::len)
+    }
+
+    #[test]
+    fn grouped_transfers_arrive_in_order_with_their_lengths() {
+        let mut p = planes(3);
+        let (a, b) = (vec![1.0, 2.0], vec![3.0]);
+        p[0].issue("x", &[(1, &a), (1, &b), (2, &a)], &[]).unwrap();
+        p[1].issue("x", &[], &[(0, 2), (0, 1)]).unwrap();
+        p[2].issue("x", &[], &[(0, 2)]).unwrap();
+        assert_eq!(p[1].complete().unwrap(), vec![a.clone(), b]);
+        assert_eq!(p[2].complete().unwrap(), vec![a]);
+        assert!(p[0].complete().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_peer_that_never_sends_is_named_by_the_deadline_and_the_plane_is_torn_down() {
+        let mut p = planes(2);
+        p[1].set_timeout(Duration::from_millis(50));
+        p[1].issue("ring.kv", &[], &[(0, 4)]).unwrap();
+        match p[1].complete() {
+            Err(CommError::Timeout { rank: 0, op, .. }) => assert_eq!(op, "ring.kv"),
+            other => panic!("{other:?}"),
+        }
+        let e = p[1].issue("next", &[], &[(0, 1)]).unwrap_err().to_string();
+        assert!(e.contains("torn down") && e.contains("rank 0"), "{e}");
+    }
+
+    #[test]
+    fn an_aborted_peer_is_reported_lost_at_once_and_lengths_are_checked() {
+        let mut p = planes(2);
+        let v = vec![0.5; 3];
+        p[0].issue("a", &[(1, &v)], &[]).unwrap();
+        p[1].issue("a", &[], &[(0, 2)]).unwrap();
+        let e = p[1].complete().unwrap_err().to_string();
+        assert!(e.contains("3 values, expected 2"), "{e}");
+        p[1].end_job();
+        p[0].end_job();
+        p[0].abort("rank 0 failed");
+        p[1].issue("b", &[], &[(0, 1)]).unwrap();
+        let t = std::time::Instant::now();
+        assert!(matches!(p[1].complete(), Err(CommError::RankLost { rank: 0, .. })));
+        assert!(t.elapsed() < Duration::from_secs(5), "lost at once, not after the deadline");
+    }
+
+    #[test]
+    fn what_a_job_left_behind_never_reaches_the_next_one() {
+        let mut p = planes(2);
+        let (old, new) = (vec![1.0], vec![2.0]);
+        // Rank 0 sends in job 0; rank 1 gave the job up before receiving it.
+        p[0].issue("ring.kv", &[(1, &old)], &[]).unwrap();
+        p[0].complete().unwrap();
+        p[0].end_job();
+        p[1].end_job();
+        p[0].issue("ring.kv", &[(1, &new)], &[]).unwrap();
+        p[1].issue("ring.kv", &[], &[(0, 1)]).unwrap();
+        assert_eq!(p[1].complete().unwrap(), vec![new]);
+    }
+
+    #[test]
+    fn a_plane_of_another_buffer_type_is_a_clear_error() {
+        let end = planes(1).pop().unwrap();
+        let mut held: Box<dyn Plane> = Box::new(Typed::<Vec<f32>>(Box::new(end)));
+        assert!(typed::<Vec<f32>>(held.as_mut()).is_ok());
+        let e = typed::<Vec<u8>>(held.as_mut()).err().unwrap().to_string();
+        assert!(e.contains("does not move this backend's buffers"), "{e}");
+    }
+}

@@ -76,3 +76,103 @@ fn gpu_logits_and_answers_match_the_cpu() {
         }
     }
 }
+
+/// GPUs of this machine (0 without a driver).
+fn gpus() -> usize {
+    flowprefill_kernels::cuda::devices().map_or(0, |d| d.len())
+}
+
+fn run_json(args: &[String]) -> serde_json::Value {
+    let out = bin().arg("run").args(args).args(["--json", "--max-tokens", "8"]).output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn same_top_logits(a: &serde_json::Value, b: &serde_json::Value, tag: &str) {
+    let (a, b) = (a["first_top_logits"].as_array().unwrap(), b["first_top_logits"].as_array().unwrap());
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x[0], y[0], "{tag}: the same top tokens in the same order");
+        let d = (x[1].as_f64().unwrap() - y[1].as_f64().unwrap()).abs();
+        assert!(d <= F32_LOGIT_TOL, "{tag}: logit of token {} differs by {d}", x[0]);
+    }
+}
+
+/// One process driving P GPUs (`--ranks P --device cuda`, NCCL between them): the exact scope
+/// equals one GPU, ring attention equals full prefill on one GPU. Needs two GPUs.
+#[test]
+fn p_gpus_equal_one_gpu_and_ring_equals_full_over_nccl() {
+    let n = gpus();
+    if n < 2 {
+        eprintln!("SKIPPED (needs 2 CUDA devices, found {n}): P GPUs == 1 GPU over NCCL");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fp-gpus-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut docs = Vec::new();
+    for i in 0..6 {
+        let p = dir.join(format!("d{i}.txt"));
+        let mut text = format!("Tower {i} stands by the river. ").repeat(30);
+        if i == 3 {
+            text.push_str("The access code for the north gate is 4729. ");
+        }
+        std::fs::write(&p, text).unwrap();
+        docs.push("--doc".to_string());
+        docs.push(p.to_string_lossy().into_owned());
+    }
+    let base: Vec<&str> = docs.iter().map(String::as_str).collect();
+    let q = ["--query", "What is the access code for the north gate?", "--device", "cuda", "--weights", "f32"];
+    let with = |extra: &[&str]| -> Vec<String> { base.iter().chain(&q).chain(extra).map(|s| s.to_string()).collect() };
+    for p in 2..=n.min(4) {
+        let ps = p.to_string();
+        for method in ["infoflow", "none"] {
+            let one = run_json(&with(&["--method", method, "--scope", "exact", "--ranks", "1"]));
+            let many = run_json(&with(&["--method", method, "--scope", "exact", "--ranks", &ps]));
+            let tag = format!("{method} on {p} GPUs");
+            assert_eq!(many["answer"], one["answer"], "{tag}: answer");
+            assert_eq!(many["selected"], one["selected"], "{tag}: selection");
+            same_top_logits(&many, &one, &tag);
+        }
+        let full = run_json(&with(&["--method", "full", "--ranks", "1"]));
+        let ring = run_json(&with(&["--method", "ring", "--ranks", &ps]));
+        assert_eq!(ring["answer"], full["answer"], "ring on {p} GPUs: answer");
+        same_top_logits(&ring, &full, &format!("ring on {p} GPUs"));
+        let nccl_bytes: u64 = ring["rank_stats"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|s| s["comm"]["ops"].as_object().unwrap().iter())
+            .filter(|(op, _)| op.ends_with("@nccl"))
+            .map(|(_, o)| o["bytes_sent"].as_u64().unwrap())
+            .sum();
+        assert!(nccl_bytes > 0, "ring on {p} GPUs: K/V blocks went over NCCL");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn more_ranks_than_gpus_is_a_clear_error() {
+    let n = gpus();
+    let dir = std::env::temp_dir().join(format!("fp-gpus-err-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let doc = dir.join("d.txt");
+    std::fs::write(&doc, "The harbour of Redwater is quiet.").unwrap();
+    let ranks = (n + 1).max(2).to_string();
+    let out = bin()
+        .args([
+            "run",
+            "--device",
+            "cuda",
+            "--ranks",
+            &ranks,
+            "--doc",
+            doc.to_str().unwrap(),
+            "--query",
+            "Which harbour?",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains(&format!("needs {ranks} GPUs")) && err.contains(&format!("has {n}")), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -137,13 +137,33 @@ fn wait_with_deadline(child: &mut std::process::Child, limit: Duration) -> Optio
 
 #[test]
 fn a_killed_mpi_rank_ends_the_job_within_30_seconds_naming_it() {
-    let (dir, doc_args) = docs("kill", 6, 25);
+    killed_rank_is_named_within_30_seconds("kill", &[]);
+}
+
+/// With `--device cuda` every rank drives its GPU and the ranks move K/V over NCCL; a killed
+/// rank is named within 30 s (the control exchange before every NCCL transfer has the
+/// deadline, and the NCCL communicator is aborted). Needs two GPUs.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_killed_gpu_rank_is_named_within_30_seconds() {
+    let n = flowprefill_kernels::cuda::devices().map_or(0, |d| d.len());
+    if n < 2 {
+        eprintln!("SKIPPED (needs 2 CUDA devices, found {n}): a killed GPU rank under mpirun");
+        return;
+    }
+    killed_rank_is_named_within_30_seconds("kill-gpu", &["--device", "cuda", "--comm-timeout", "20"]);
+}
+
+/// Kills rank 1 of a 2-process job while it works; the job must end within 30 s naming it.
+fn killed_rank_is_named_within_30_seconds(tag: &str, extra: &[&str]) {
+    let (dir, doc_args) = docs(tag, 6, 25);
     let marker = dir.to_string_lossy().into_owned();
     let mut child = mpirun(2)
         .arg(bin())
         .arg("run")
         .args(&doc_args)
         .args(["--query", "What is the access code for the north gate?", "--method", "infoflow", "--max-tokens", "400"])
+        .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

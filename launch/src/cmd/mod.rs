@@ -90,14 +90,12 @@ pub fn thread_world(
     gpu_world(common, lm, ranks, timeout)
 }
 
-#[cfg(feature = "cuda")]
-fn gpu_world(
-    common: &Common,
-    lm: std::sync::Arc<LoadedModel<Device>>,
-    ranks: usize,
-    timeout: std::time::Duration,
-) -> Result<flowprefill_coordinator::ThreadRanks<Device>> {
-    use std::sync::Arc;
+/// Checks, before anything is loaded, that `--ranks` thread ranks fit `--device`: with
+/// `--device cuda`, one GPU per rank.
+pub fn check_thread_world(common: &Common, ranks: usize) -> Result<()> {
+    if ranks <= 1 || common.device == DeviceSpec::Cpu {
+        return Ok(());
+    }
     anyhow::ensure!(
         common.device == DeviceSpec::CudaLocal,
         "--device {} pins one GPU, but --ranks {ranks} drives one GPU per rank: use --device cuda (ranks 0..{} on \
@@ -106,11 +104,26 @@ fn gpu_world(
         ranks - 1,
         ranks - 1
     );
+    #[cfg(feature = "cuda")]
     let gpus = flowprefill_kernels::cuda::devices().map_or(0, |d| d.len());
+    #[cfg(not(feature = "cuda"))]
+    let gpus = 0;
     anyhow::ensure!(
         gpus >= ranks,
         "--ranks {ranks} --device cuda needs {ranks} GPUs, this machine has {gpus}: use fewer ranks or --device cpu"
     );
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_world(
+    common: &Common,
+    lm: std::sync::Arc<LoadedModel<Device>>,
+    ranks: usize,
+    timeout: std::time::Duration,
+) -> Result<flowprefill_coordinator::ThreadRanks<Device>> {
+    use std::sync::Arc;
+    check_thread_world(common, ranks)?;
     let path = model_path(common)?;
     let mut lms = vec![lm];
     for r in 1..ranks {

@@ -181,6 +181,18 @@ fn run_job(
     timeout: std::time::Duration,
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<Option<(RunResult, Arc<LoadedModel<Device>>)>> {
+    #[cfg(feature = "mpi")]
+    let under_mpirun = flowprefill_comm::mpi::launched_by_mpirun();
+    #[cfg(not(feature = "mpi"))]
+    let under_mpirun = false;
+    let ranks = args.ranks.unwrap_or(1);
+    if !under_mpirun {
+        super::check_thread_world(common, ranks)?;
+        anyhow::ensure!(
+            ranks <= 1 || common.device == flowprefill_kernels::DeviceSpec::Cpu || args.method.aux_model.is_none(),
+            "--aux-model with --ranks {ranks} --device cuda is not supported: run under mpirun, one process per GPU"
+        );
+    }
     let lm = Arc::new(super::load_model(common)?);
     let aux = match &args.method.aux_model {
         Some(p) => Some(Arc::new(
@@ -206,7 +218,6 @@ fn run_job(
         let r = flowprefill_coordinator::run_rank(&engine, &mut comm, job, on_text)?;
         return Ok(r.map(|r| (r, lm)));
     }
-    let ranks = args.ranks.unwrap_or(1);
     let mut world = super::thread_world(common, lm.clone(), ranks, timeout)?;
     if let Some(a) = aux {
         world = world.with_aux(a)?;

@@ -19,8 +19,10 @@ pub const QUEUE_WAIT_SECONDS: &str = "flowprefill_queue_wait_seconds";
 pub const PHASE_SECONDS: &str = "flowprefill_phase_duration_seconds";
 /// Slowest minus fastest rank per phase, by phase.
 pub const STRAGGLER_GAP_SECONDS: &str = "flowprefill_straggler_gap_seconds";
-/// Payload bytes sent per collective and rank.
+/// Payload bytes sent per collective, transport (`host` or the device plane, `nccl`) and rank.
 pub const COLLECTIVE_BYTES: &str = "flowprefill_collective_bytes_total";
+/// Microseconds spent waiting per collective, transport and rank.
+pub const COLLECTIVE_WAIT_MICROS: &str = "flowprefill_collective_wait_microseconds_total";
 /// Tokens recomputed per rank.
 pub const SELECTED_TOKENS: &str = "flowprefill_selected_tokens_total";
 /// Context tokens processed, by method.
@@ -80,7 +82,12 @@ fn describe() {
     describe_histogram!(QUEUE_WAIT_SECONDS, Unit::Seconds, "Time queued before a job starts");
     describe_histogram!(PHASE_SECONDS, Unit::Seconds, "Wall time per phase and rank");
     describe_histogram!(STRAGGLER_GAP_SECONDS, Unit::Seconds, "Slowest minus fastest rank per phase");
-    describe_counter!(COLLECTIVE_BYTES, Unit::Bytes, "Payload bytes sent per collective and rank");
+    describe_counter!(COLLECTIVE_BYTES, Unit::Bytes, "Payload bytes sent per collective, transport and rank");
+    describe_counter!(
+        COLLECTIVE_WAIT_MICROS,
+        Unit::Microseconds,
+        "Microseconds waited per collective, transport (host or nccl) and rank"
+    );
     describe_counter!(SELECTED_TOKENS, Unit::Count, "Tokens recomputed per rank");
     describe_counter!(CONTEXT_TOKENS, Unit::Count, "Context tokens processed");
     describe_histogram!(RECOMPUTE_RATIO, Unit::Count, "Recomputed fraction of the context per job");
@@ -130,7 +137,13 @@ pub fn record_job(r: &RunResult, cache_bytes: usize) {
             }
         }
         for (op, o) in &s.comm.ops {
-            counter!(COLLECTIVE_BYTES, "collective" => op.clone(), "rank" => rank.clone()).increment(o.bytes_sent);
+            // `<collective>@<plane>`: buffers that went over a device plane (NCCL); the rest
+            // went through the communicator (host).
+            let (collective, transport) = op.split_once('@').unwrap_or((op.as_str(), "host"));
+            let labels =
+                [("collective", collective.to_string()), ("transport", transport.to_string()), ("rank", rank.clone())];
+            counter!(COLLECTIVE_BYTES, &labels).increment(o.bytes_sent);
+            counter!(COLLECTIVE_WAIT_MICROS, &labels).increment((o.wait_s * 1e6) as u64);
         }
         counter!(SELECTED_TOKENS, "rank" => rank.clone()).increment(s.selected as u64);
     }
