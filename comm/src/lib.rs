@@ -32,8 +32,9 @@
 //!
 //! Backends: [`local`] (ranks are threads of one process; used by every test) and `mpi`
 //! (feature `mpi`: one process per rank under `mpirun`). Both count bytes and time per named
-//! collective ([`CommStats`]). A device backend (NCCL) fits the same trait: callers only use
-//! the helpers below.
+//! collective ([`CommStats`]). A rank may also hold a device plane ([`plane`]: NCCL between
+//! GPUs) that moves backend buffers while the communicator carries only control data; its
+//! traffic is counted here too (`<op>@nccl`).
 
 pub mod local;
 #[cfg(feature = "mpi")]

@@ -286,7 +286,7 @@ trait Ranks {
     fn describe(&self) -> String;
 }
 
-struct Threads(std::sync::Arc<flowprefill_worker::LoadedModel<flowprefill_kernels::Device>>);
+struct Threads(std::sync::Arc<flowprefill_worker::LoadedModel<flowprefill_kernels::Device>>, crate::Common);
 
 impl Ranks for Threads {
     fn enter(&mut self, _p: usize) -> Result<bool> {
@@ -297,12 +297,8 @@ impl Ranks for Threads {
         p: usize,
         job: &flowprefill_coordinator::Job,
     ) -> Result<Option<flowprefill_coordinator::RunResult>> {
-        let mut world = flowprefill_coordinator::ThreadRanks::new(
-            self.0.clone(),
-            p,
-            flowprefill_coordinator::DEFAULT_STORE_BYTES,
-            std::time::Duration::from_secs(600),
-        )?;
+        // On the CPU the ranks share the model; with --device cuda each has a GPU (NCCL).
+        let mut world = super::thread_world(&self.1, self.0.clone(), p, std::time::Duration::from_secs(600))?;
         Ok(Some(world.run(job, &mut |_| true)?))
     }
     fn lead(&self) -> bool {
@@ -321,13 +317,19 @@ impl Ranks for Threads {
 struct MpiRanks {
     lm: std::sync::Arc<flowprefill_worker::LoadedModel<flowprefill_kernels::Device>>,
     comm: flowprefill_comm::mpi::MpiComm,
+    common: crate::Common,
 }
 
 #[cfg(feature = "mpi")]
 impl Ranks for MpiRanks {
     fn enter(&mut self, p: usize) -> Result<bool> {
         // Processes outside the block wait here for the next one, however long it takes.
-        Ok(self.comm.use_group(p, std::time::Duration::from_secs(24 * 3600))?)
+        let inside = self.comm.use_group(p, std::time::Duration::from_secs(24 * 3600))?;
+        if inside {
+            // With --device cuda: NCCL between this block's GPUs (a communicator per block).
+            super::attach_device_plane(&self.common, &mut self.comm)?;
+        }
+        Ok(inside)
     }
     fn run(
         &mut self,
@@ -365,12 +367,12 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
     let mut world: Box<dyn Ranks> = if flowprefill_comm::mpi::launched_by_mpirun() {
         let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
         flowprefill_comm::Communicator::set_timeout(&mut comm, std::time::Duration::from_secs(600));
-        Box::new(MpiRanks { lm: lm.clone(), comm })
+        Box::new(MpiRanks { lm: lm.clone(), comm, common: common.clone() })
     } else {
-        Box::new(Threads(lm.clone()))
+        Box::new(Threads(lm.clone(), common.clone()))
     };
     #[cfg(not(feature = "mpi"))]
-    let mut world: Box<dyn Ranks> = Box::new(Threads(lm.clone()));
+    let mut world: Box<dyn Ranks> = Box::new(Threads(lm.clone(), common.clone()));
     if let Some(max) = world.max_ranks() {
         crate::ensure_usage!(
             ranks.iter().all(|&r| r <= max),

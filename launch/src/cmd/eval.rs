@@ -232,12 +232,8 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     if !a.report_only && pending > 0 {
         let lm = std::sync::Arc::new(super::load_model(common)?);
         let tok = &lm.tokenizer;
-        let mut world = ThreadRanks::new(
-            lm.clone(),
-            a.ranks,
-            flowprefill_coordinator::DEFAULT_STORE_BYTES,
-            std::time::Duration::from_secs(600),
-        )?;
+        super::check_thread_world(common, a.ranks)?;
+        let mut world = super::thread_world(common, lm.clone(), a.ranks, std::time::Duration::from_secs(600))?;
         // The bar counts the runs to compute (those already in results.json are skipped), so
         // a resumed eval's ETA is not inflated by them.
         let mut progress = crate::progress::Progress::new(pending, "runs");
