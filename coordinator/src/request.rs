@@ -249,6 +249,10 @@ pub struct RunOptions {
     pub recompute_batch: usize,
     /// Cross-rank scope of recomputation.
     pub scope: Scope,
+    /// Return every context token's selection score ([`RunResult::scores`](crate::RunResult)):
+    /// one more all-gather of the scores to rank 0 (for inspecting the selection signal).
+    #[serde(default)]
+    pub keep_scores: bool,
 }
 
 impl Default for RunOptions {
@@ -265,6 +269,7 @@ impl Default for RunOptions {
             seed: 0,
             recompute_batch: 2048,
             scope: Scope::Exact,
+            keep_scores: false,
         }
     }
 }

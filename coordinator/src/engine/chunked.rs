@@ -137,6 +137,20 @@ impl<B: Backend> Engine<B> {
             self.fault_point(rank, phase::PROBE);
             let scores = turn.phases.time(phase::PROBE, || selector.score(&mut ctx))?;
             let starts = ctx.local_global_starts();
+            if opts.keep_scores {
+                // Every rank's scores of its chunks, to rank 0 (request order).
+                let all: Vec<(Vec<usize>, Vec<Vec<f32>>)> =
+                    all_gather_value(comm, "select.scores", &(local.clone(), scores.clone()))?;
+                if lead {
+                    let mut by_chunk = vec![Vec::new(); layout.chunks.len()];
+                    for (ids, s) in all {
+                        for (c, v) in ids.into_iter().zip(s) {
+                            *by_chunk.get_mut(c).ok_or_else(|| internal(format!("scores of chunk {c}")))? = v;
+                        }
+                    }
+                    turn.result.scores = Some(by_chunk);
+                }
+            }
             turn.phases.time(phase::SELECTION, || -> Result<Vec<u32>> {
                 // Local candidates: this rank's best k (score, global index).
                 let mut cand: Vec<(f32, u32)> = scores

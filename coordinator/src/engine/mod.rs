@@ -130,6 +130,9 @@ pub struct RunResult {
     pub order: Vec<usize>,
     /// Chunk importance from reordering (request order), if reordered.
     pub importance: Option<Vec<f32>>,
+    /// The selection policy's score of every context token (request order of chunks, then
+    /// rows), when asked for with `keep_scores` and the policy scored.
+    pub scores: Option<Vec<Vec<f32>>>,
     /// Selected rows per chunk (request order).
     pub selected_rows: Vec<Vec<usize>>,
     /// Token budget `round(ratio * N)`.
@@ -437,6 +440,7 @@ impl<B: Backend> Engine<B> {
             owners: owners.clone(),
             order: (0..layout.chunks.len()).collect(),
             importance: None,
+            scores: None,
             selected_rows: vec![Vec::new(); layout.chunks.len()],
             budget: count_for_ratio(ratio, n),
             cache_hits: 0,

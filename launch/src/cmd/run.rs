@@ -42,6 +42,10 @@ pub struct Args {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// With --json: every context token's selection score (`scores`, per chunk in request
+    /// order), to inspect the signal the method selected by.
+    #[arg(long, requires = "json")]
+    pub scores: bool,
 }
 
 /// Method options shared by `run`, `demo` and `check`.
@@ -136,7 +140,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             return Err(InputError::new(Field::Document(i), problem).into());
         }
     }
-    let opts = args.method.options()?;
+    let opts = RunOptions { keep_scores: args.scores, ..args.method.options()? };
     let req =
         Request { context: args.method.context(docs), query, system: None, answer_prefix: args.answer_prefix.clone() };
     let job = Job { request: req.clone(), options: opts };
@@ -315,6 +319,7 @@ pub fn to_json(r: &RunResult) -> serde_json::Value {
         "chunk_tokens": r.chunk_tokens,
         "order": r.order,
         "importance": r.importance,
+        "scores": r.scores,
         "cache_hits": r.cache_hits,
         "cache_misses": r.cache_misses,
         "stop": r.stop,
