@@ -29,7 +29,8 @@ cuda_libs=$(bash scripts/cuda-wheels.sh --nccl)
 export LD_LIBRARY_PATH="$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export FLOWPREFILL_REQUIRE_NVRTC=1
 export FLOWPREFILL_REQUIRE_NCCL=1
-features+=(--features flowprefill/cuda)
+# `nccl` implies `cuda`: the CUDA backend and NCCL between GPUs (the multi-GPU device plane).
+features+=(--features flowprefill/cuda --features flowprefill/nccl)
 # Style and lints first (cheap, and they fail fast): formatting, then clippy on every target
 # with every feature this machine can build.
 cargo fmt --all -- --check

@@ -153,10 +153,10 @@ impl Device {
 
 /// NCCL between the GPUs of a world: [`Device::attach_nccl`] puts this on each rank's
 /// communicator; it moves the GPU variant of [`DevBuf`].
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 struct NcclDevicePlane(crate::cuda::nccl::NcclPlane);
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 impl flowprefill_comm::plane::BufPlane<DevBuf> for NcclDevicePlane {
     fn name(&self) -> &'static str {
         "nccl"
@@ -194,7 +194,7 @@ impl flowprefill_comm::plane::BufPlane<DevBuf> for NcclDevicePlane {
     }
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 impl Device {
     /// Gives the ranks of `comm` NCCL between their GPUs (every rank calls it at once, each
     /// with its own GPU): rank 0 makes the unique id and broadcasts it over `comm`, each rank

@@ -3,7 +3,7 @@
 //! test says it was skipped) gives its version and unique ids without a GPU; creating a
 //! communicator then needs a GPU: here it fails with an error that says so, on a GPU machine a
 //! world of one is created.
-#![cfg(feature = "cuda")]
+#![cfg(feature = "nccl")]
 
 use flowprefill_kernels::cuda::{self, nccl};
 

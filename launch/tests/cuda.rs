@@ -99,6 +99,7 @@ fn same_top_logits(a: &serde_json::Value, b: &serde_json::Value, tag: &str) {
 
 /// One process driving P GPUs (`--ranks P --device cuda`, NCCL between them): the exact scope
 /// equals one GPU, ring attention equals full prefill on one GPU. Needs two GPUs.
+#[cfg(feature = "nccl")]
 #[test]
 fn p_gpus_equal_one_gpu_and_ring_equals_full_over_nccl() {
     let n = gpus();

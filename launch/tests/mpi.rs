@@ -143,7 +143,7 @@ fn a_killed_mpi_rank_ends_the_job_within_30_seconds_naming_it() {
 /// With `--device cuda` every rank drives its GPU and the ranks move K/V over NCCL; a killed
 /// rank is named within 30 s (the control exchange before every NCCL transfer has the
 /// deadline, and the NCCL communicator is aborted). Needs two GPUs.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 #[test]
 fn a_killed_gpu_rank_is_named_within_30_seconds() {
     let n = flowprefill_kernels::cuda::devices().map_or(0, |d| d.len());

@@ -72,16 +72,19 @@ impl DeviceBuf {
     }
 
     /// A buffer of `len` values in `data` (at least that long).
+    #[cfg(feature = "nccl")]
     pub(crate) fn from_parts(data: CudaSlice<f32>, len: usize) -> Self {
         Self { data, len }
     }
 
     /// The allocation.
+    #[cfg(feature = "nccl")]
     pub(crate) fn data(&self) -> &CudaSlice<f32> {
         &self.data
     }
 
     /// The allocation, writable.
+    #[cfg(feature = "nccl")]
     pub(crate) fn data_mut(&mut self) -> &mut CudaSlice<f32> {
         &mut self.data
     }

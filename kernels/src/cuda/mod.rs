@@ -6,6 +6,7 @@
 //! never a panic (cudarc's `CudaContext::new` panics when libcuda is missing).
 
 mod backend;
+#[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod nvrtc;
 

@@ -105,17 +105,22 @@ pub fn check_thread_world(common: &Common, ranks: usize) -> Result<()> {
         ranks - 1
     );
     #[cfg(feature = "cuda")]
-    let gpus = flowprefill_kernels::cuda::devices().map_or(0, |d| d.len());
+    {
+        let gpus = flowprefill_kernels::cuda::devices().map_or(0, |d| d.len());
+        anyhow::ensure!(
+            gpus >= ranks,
+            "--ranks {ranks} --device cuda needs {ranks} GPUs, this machine has {gpus}: use fewer ranks or --device cpu"
+        );
+        Ok(())
+    }
     #[cfg(not(feature = "cuda"))]
-    let gpus = 0;
-    anyhow::ensure!(
-        gpus >= ranks,
-        "--ranks {ranks} --device cuda needs {ranks} GPUs, this machine has {gpus}: use fewer ranks or --device cpu"
-    );
-    Ok(())
+    anyhow::bail!(
+        "--device {}: this build has no CUDA support: rebuild with `cargo build --release --features nccl`",
+        common.device
+    )
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 fn gpu_world(
     common: &Common,
     lm: std::sync::Arc<LoadedModel<Device>>,
@@ -138,15 +143,17 @@ fn gpu_world(
     Ok(flowprefill_coordinator::ThreadRanks::per_rank(lms, store, timeout)?.with_plane(setup)?)
 }
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "nccl"))]
 fn gpu_world(
     common: &Common,
     _lm: std::sync::Arc<LoadedModel<Device>>,
-    _ranks: usize,
+    ranks: usize,
     _timeout: std::time::Duration,
 ) -> Result<flowprefill_coordinator::ThreadRanks<Device>> {
+    check_thread_world(common, ranks)?;
     anyhow::bail!(
-        "--device {}: this build has no CUDA support: rebuild with `cargo build --release --features cuda`",
+        "--ranks {ranks} --device {}: GPU ranks move K/V over NCCL, which this build lacks: rebuild with \
+         `cargo build --release --features nccl`",
         common.device
     )
 }
@@ -158,15 +165,22 @@ pub fn attach_device_plane(common: &Common, comm: &mut dyn flowprefill_comm::Com
     if common.device == DeviceSpec::Cpu {
         return Ok(());
     }
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "nccl")]
     {
         let rank = comm.rank();
         device(common)?.attach_nccl(comm).with_context(|| format!("rank {rank}: NCCL between the GPUs"))
     }
-    #[cfg(not(feature = "cuda"))]
+    #[cfg(not(feature = "nccl"))]
     {
-        let _ = comm;
-        anyhow::bail!("--device {}: this build has no CUDA support", common.device)
+        if comm.size() == 1 {
+            return Ok(());
+        }
+        anyhow::bail!(
+            "--device {} on {} MPI ranks: GPU ranks move K/V over NCCL, which this build lacks: rebuild with \
+             `--features mpi,nccl`",
+            common.device,
+            comm.size()
+        )
     }
 }
 
@@ -199,8 +213,11 @@ pub fn devices() -> Result<()> {
         let driver = v.driver.map_or("none".into(), |d| format!("{}.{} (CUDA API {d})", d / 1000, (d % 1000) / 10));
         let nvrtc = v.nvrtc.map_or("not found".into(), |(a, b)| format!("{a}.{b}"));
         let cublas = v.cublas.map_or("not found".into(), |(a, b, c)| format!("{a}.{b}.{c}"));
+        #[cfg(feature = "nccl")]
         let nccl =
             flowprefill_kernels::cuda::nccl::version().map_or("not found".into(), |(a, b, c)| format!("{a}.{b}.{c}"));
+        #[cfg(not(feature = "nccl"))]
+        let nccl = "not compiled in (--features nccl)";
         println!("cuda: driver {driver}, NVRTC {nvrtc}, cuBLAS {cublas}, NCCL {nccl}");
     }
     #[cfg(feature = "cuda")]
