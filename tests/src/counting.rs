@@ -245,10 +245,27 @@ pub fn run_counted(
     request: &flowprefill_coordinator::Request,
     opts: &flowprefill_coordinator::RunOptions,
 ) -> (flowprefill_coordinator::RunResult, Vec<(ThreadId, &'static str, Ran)>) {
+    run_counted_on(lm, name, ranks, false, request, opts)
+}
+
+/// [`run_counted`], with a device plane between the ranks when `plane` ([`crate::thread_planes`]:
+/// buffers move between ranks as device buffers, nothing is staged).
+pub fn run_counted_on(
+    lm: &std::sync::Arc<flowprefill_worker::LoadedModel<Counting>>,
+    name: &str,
+    ranks: usize,
+    plane: bool,
+    request: &flowprefill_coordinator::Request,
+    opts: &flowprefill_coordinator::RunOptions,
+) -> (flowprefill_coordinator::RunResult, Vec<(ThreadId, &'static str, Ran)>) {
     let options = flowprefill_coordinator::RunOptions { max_new_tokens: 1, ..opts.clone() };
     let mut world =
         flowprefill_coordinator::ThreadRanks::new(lm.clone(), ranks, 1 << 30, std::time::Duration::from_secs(300))
             .unwrap_or_else(|e| panic!("{name}: thread ranks: {e}"));
+    if plane {
+        world =
+            world.with_plane(crate::thread_planes::<Counting>(ranks)).unwrap_or_else(|e| panic!("{name}: planes: {e}"));
+    }
     lm.model.backend().take();
     let job = flowprefill_coordinator::Job { request: request.clone(), options };
     let r = world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{name}: {e}"));

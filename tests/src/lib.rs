@@ -204,3 +204,22 @@ pub fn temp_dir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
 }
+
+/// A device-plane setup for a world of `ranks` thread ranks on a backend whose buffers are
+/// host vectors: each rank gets its end of one group of `comm::plane::threads` planes (NCCL's
+/// contract, buffers moved between threads without serialization).
+pub fn thread_planes<B>(ranks: usize) -> flowprefill_coordinator::PlaneSetup<B>
+where
+    B: flowprefill_kernels::Backend<Buf = Vec<f32>>,
+{
+    use flowprefill_comm::plane::{threads, Typed};
+    let ends = threads::group::<Vec<f32>>(ranks, Vec::clone, Vec::len);
+    let ends = std::sync::Mutex::new(ends.into_iter().map(Some).collect::<Vec<_>>());
+    std::sync::Arc::new(move |comm: &mut dyn flowprefill_comm::Communicator, _: &B| {
+        let end = ends.lock().map_err(|_| "poisoned".to_string())?[comm.rank()]
+            .take()
+            .ok_or_else(|| format!("rank {}: its plane was taken already", comm.rank()))?;
+        comm.set_plane(Box::new(Typed::<Vec<f32>>(Box::new(end))));
+        Ok(())
+    })
+}

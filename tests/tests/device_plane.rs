@@ -6,12 +6,10 @@
 //! counted beside the communicator's (`<op>@threads`), and only control rows stay on the
 //! communicator.
 
-use flowprefill_comm::plane::{threads, Typed};
-use flowprefill_comm::Communicator;
-use flowprefill_coordinator::{Context, Job, Method, PlaneSetup, Request, RunOptions, RunResult, Scope, ThreadRanks};
-use flowprefill_tests::{default_model_path, rel_diff, small_docs};
+use flowprefill_coordinator::{Context, Job, Method, Request, RunOptions, RunResult, Scope, ThreadRanks};
+use flowprefill_tests::{default_model_path, rel_diff, small_docs, thread_planes};
 use flowprefill_worker::{Cpu, LoadedModel};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// First-token logits of P ranks vs one rank (different merge association), relative to the
@@ -23,23 +21,10 @@ fn lm() -> Arc<LoadedModel<Cpu>> {
     LM.get_or_init(|| Arc::new(LoadedModel::load(&default_model_path(), Cpu).expect("load"))).clone()
 }
 
-/// A setup that hands each rank its end of one group of thread planes.
-fn thread_planes(ranks: usize) -> PlaneSetup<Cpu> {
-    let ends = threads::group::<Vec<f32>>(ranks, Vec::clone, Vec::len);
-    let ends = Mutex::new(ends.into_iter().map(Some).collect::<Vec<_>>());
-    Arc::new(move |comm: &mut dyn Communicator, _: &Cpu| {
-        let end = ends.lock().map_err(|_| "poisoned".to_string())?[comm.rank()]
-            .take()
-            .ok_or_else(|| format!("rank {}: its plane was taken already", comm.rank()))?;
-        comm.set_plane(Box::new(Typed::<Vec<f32>>(Box::new(end))));
-        Ok(())
-    })
-}
-
 fn run(ranks: usize, plane: bool, req: &Request, opts: RunOptions) -> RunResult {
     let mut world = ThreadRanks::new(lm(), ranks, 1 << 30, Duration::from_secs(60)).expect("ranks");
     if plane {
-        world = world.with_plane(thread_planes(ranks)).expect("planes");
+        world = world.with_plane(thread_planes::<Cpu>(ranks)).expect("planes");
     }
     let job = Job { request: req.clone(), options: RunOptions { max_new_tokens: 4, ..opts } };
     world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{ranks} ranks (plane: {plane}): {e}"))

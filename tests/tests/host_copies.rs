@@ -3,11 +3,13 @@
 //! transport stages apart (the thread and MPI communicators move host bytes; a device
 //! communicator would not). What the steps themselves may copy: the logits of the row that picks
 //! the first token, and the probe's scores (read by the selection on the host). Nothing else,
-//! on any rank, in any phase.
+//! on any rank, in any phase. With a device plane between the ranks (NCCL's contract; here
+//! `comm::plane::threads`), the transport stages nothing either: the same copies as above and
+//! not one more.
 
 use flowprefill_coordinator::timings::phase;
 use flowprefill_coordinator::{Method, RunOptions, Scope};
-use flowprefill_tests::counting::{needle_request, run_counted, Counting, Ran};
+use flowprefill_tests::counting::{needle_request, run_counted_on, Counting, Ran};
 use flowprefill_worker::LoadedModel;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -29,13 +31,18 @@ fn distributed_steps_copy_nothing_but_logits_and_scores() {
         ("infoflow exact P=3", 3, RunOptions { recompute_batch: 9, ..RunOptions::default() }),
         ("infoflow sparse P=2", 2, RunOptions { scope: Scope::Sparse, ..RunOptions::default() }),
     ];
-    for (name, ranks, opts) in cases {
-        let (r, ran) = run_counted(&lm, name, ranks, &request, &opts);
+    let planes = cases.iter().filter(|c| c.1 > 1).map(|(n, r, o)| (*n, *r, o.clone(), true));
+    let cases: Vec<(&str, usize, RunOptions, bool)> =
+        cases.iter().map(|(n, r, o)| (*n, *r, o.clone(), false)).chain(planes.collect::<Vec<_>>()).collect();
+    let mut staged_copies: BTreeMap<&str, BTreeMap<&str, (u64, u64)>> = BTreeMap::new();
+    for (name, ranks, opts, plane) in cases {
+        let (r, ran) = run_counted_on(&lm, name, ranks, plane, &request, &opts);
         let mut by_phase: BTreeMap<&str, Ran> = BTreeMap::new();
         for (_, p, ran) in ran {
             *by_phase.entry(p).or_default() += ran;
         }
-        eprintln!("{name}: phase: downloads (floats), uploads (floats), staged by the transport (floats)");
+        let over = if plane { ", device plane" } else { "" };
+        eprintln!("{name}{over}: phase: downloads (floats), uploads (floats), staged by the transport (floats)");
         for (p, c) in &by_phase {
             eprintln!(
                 "  {p:<18} {:>4} ({:>8}) {:>4} ({:>8}) {:>6} ({:>9})",
@@ -61,6 +68,14 @@ fn distributed_steps_copy_nothing_but_logits_and_scores() {
             }
         }
         let staged: u64 = by_phase.values().map(|c| c.staged_floats).sum();
+        let copies: BTreeMap<&str, (u64, u64)> =
+            by_phase.iter().map(|(p, c)| (*p, (c.downloads, c.download_floats))).collect();
+        if plane {
+            assert_eq!(staged, 0, "{name}: over a device plane nothing is staged");
+            assert_eq!(Some(&copies), staged_copies.get(name), "{name}: the plane changed the steps' own copies");
+            continue;
+        }
+        staged_copies.insert(name, copies);
         if ranks == 1 {
             assert_eq!(staged, 0, "{name}: a world of one stages nothing");
         } else {
