@@ -349,6 +349,8 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         );
         let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
         comm.set_timeout(comm_timeout);
+        // With --device cuda: NCCL between the ranks' GPUs.
+        crate::cmd::attach_device_plane(common, &mut comm)?;
         let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
             .with_faults(faults);
         if comm.rank() != 0 {
