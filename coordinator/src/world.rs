@@ -61,13 +61,7 @@ pub type PlaneSetup<B> = Arc<dyn Fn(&mut dyn Communicator, &B) -> std::result::R
 /// either one shared model (the CPU) or a model of its own (one GPU per rank, with a device
 /// plane between them). Rank 0 runs on the caller's thread.
 pub struct ThreadRanks<B: Backend> {
-    lms: Vec<Arc<LoadedModel<B>>>,
-    aux: Vec<Arc<LoadedModel<B>>>,
-    faults: Option<Arc<FaultPlan>>,
-    plane: Option<PlaneSetup<B>>,
-    store_bytes: usize,
-    timeout: Duration,
-    ranks: usize,
+    parts: Parts<B>,
     leader: Engine<B>,
     comm: LocalComm,
     followers: Vec<JoinHandle<Result<usize>>>,
@@ -99,15 +93,8 @@ impl<B: Backend> ThreadRanks<B> {
     }
 
     fn parts(&self) -> Parts<B> {
-        Parts {
-            lms: self.lms.clone(),
-            aux: self.aux.clone(),
-            faults: self.faults.clone(),
-            plane: self.plane.clone(),
-            ranks: self.ranks,
-            store_bytes: self.store_bytes,
-            timeout: self.timeout,
-        }
+        let p = &self.parts;
+        Parts { lms: p.lms.clone(), aux: p.aux.clone(), faults: p.faults.clone(), plane: p.plane.clone(), ..*p }
     }
 
     /// The same world with `aux` as CacheClip's auxiliary model on every rank.
@@ -138,14 +125,14 @@ impl<B: Backend> ThreadRanks<B> {
     }
 
     fn model(&self, rank: usize) -> Result<&Arc<LoadedModel<B>>> {
-        self.lms.get(rank % self.lms.len().max(1)).ok_or_else(|| internal("a world without a model"))
+        self.parts.lms.get(rank % self.parts.lms.len().max(1)).ok_or_else(|| internal("a world without a model"))
     }
 
     fn engine(&self, rank: usize) -> Result<Engine<B>> {
-        let e = Engine::new(self.model(rank)?.clone(), self.store_bytes).with_faults(self.faults.clone());
-        match self.aux.len() {
+        let e = Engine::new(self.model(rank)?.clone(), self.parts.store_bytes).with_faults(self.parts.faults.clone());
+        match self.parts.aux.len() {
             0 => Ok(e),
-            n => e.with_aux(self.aux[rank % n].clone()),
+            n => e.with_aux(self.parts.aux[rank % n].clone()),
         }
     }
 
@@ -158,13 +145,7 @@ impl<B: Backend> ThreadRanks<B> {
         }
         let leader = Engine::new(p.lms[0].clone(), p.store_bytes);
         let mut w = Self {
-            lms: p.lms,
-            aux: p.aux,
-            faults: p.faults,
-            plane: p.plane,
-            store_bytes: p.store_bytes,
-            timeout: p.timeout,
-            ranks: p.ranks,
+            parts: p,
             leader,
             comm: LocalComm::group(1).pop().ok_or_else(|| internal("no rank 0"))?,
             followers: Vec::new(),
@@ -177,15 +158,15 @@ impl<B: Backend> ThreadRanks<B> {
     }
 
     fn spawn(&self) -> Result<(LocalComm, Vec<JoinHandle<Result<usize>>>)> {
-        let mut comms = LocalComm::group(self.ranks).into_iter();
+        let mut comms = LocalComm::group(self.parts.ranks).into_iter();
         let mut comm = comms.next().ok_or_else(|| internal("no rank 0"))?;
-        comm.set_timeout(self.timeout);
-        let mut followers = Vec::with_capacity(self.ranks - 1);
+        comm.set_timeout(self.parts.timeout);
+        let mut followers = Vec::with_capacity(self.parts.ranks - 1);
         for mut c in comms {
-            c.set_timeout(self.timeout);
+            c.set_timeout(self.parts.timeout);
             let rank = c.rank();
             let engine = self.engine(rank)?;
-            let (lm, plane) = (self.model(rank)?.clone(), self.plane.clone());
+            let (lm, plane) = (self.model(rank)?.clone(), self.parts.plane.clone());
             let h = std::thread::Builder::new()
                 .name(format!("rank-{rank}"))
                 .spawn(move || {
@@ -201,7 +182,7 @@ impl<B: Backend> ThreadRanks<B> {
                 .map_err(|e| internal(format!("cannot start rank {rank}: {e}")))?;
             followers.push(h);
         }
-        if let Some(setup) = &self.plane {
+        if let Some(setup) = &self.parts.plane {
             if let Err(why) = setup(&mut comm, self.model(0)?.model.backend()) {
                 let e = internal(format!("rank 0: its device plane: {why}"));
                 comm.leave(&e.to_string());
@@ -213,7 +194,7 @@ impl<B: Backend> ThreadRanks<B> {
 
     /// Number of ranks.
     pub fn size(&self) -> usize {
-        self.ranks
+        self.parts.ranks
     }
 
     /// Rank 0's engine.
@@ -306,7 +287,7 @@ impl<B: Backend> Drop for ThreadRanks<B> {
     fn drop(&mut self) {
         if self.broken.is_none() {
             let _ = Engine::<B>::stop(&mut self.comm);
-            let deadline = Instant::now() + self.timeout.min(Duration::from_secs(10));
+            let deadline = Instant::now() + self.parts.timeout.min(Duration::from_secs(10));
             for h in self.followers.drain(..) {
                 while !h.is_finished() && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_millis(5));
