@@ -29,7 +29,7 @@ pub(crate) type Lens<'a> = &'a dyn Fn(&[u32]) -> Vec<usize>;
 pub(crate) type Parcel<B> = (Vec<u32>, Vec<<B as Backend>::Buf>);
 
 /// One message to send: (to, rows, buffers).
-pub(crate) type Send<'b, B> = (usize, Vec<u32>, Vec<&'b <B as Backend>::Buf>);
+pub(crate) type Outgoing<'b, B> = (usize, Vec<u32>, Vec<&'b <B as Backend>::Buf>);
 
 /// A posted exchange, completed by [`wait_bufs`].
 pub(crate) enum Posted {
@@ -44,7 +44,7 @@ pub(crate) fn post_bufs<B: Backend>(
     comm: &mut dyn Communicator,
     be: &B,
     op: &str,
-    sends: Vec<Send<'_, B>>,
+    sends: Vec<Outgoing<'_, B>>,
     from: Vec<usize>,
     lens: Lens<'_>,
 ) -> Result<Posted> {
@@ -173,7 +173,7 @@ pub(crate) fn exchange_bufs<B: Backend>(
     comm: &mut dyn Communicator,
     be: &B,
     op: &str,
-    sends: Vec<Send<'_, B>>,
+    sends: Vec<Outgoing<'_, B>>,
     from: Vec<usize>,
     lens: Lens<'_>,
 ) -> Result<Vec<Parcel<B>>> {
