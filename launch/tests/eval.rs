@@ -48,6 +48,15 @@ fn same_command_same_table_resume_and_plots() {
         v["records"].as_array().unwrap().len()
     };
     assert_eq!(runs(&a), 24);
+    // Each run records the answer budget it decoded under (RULER's: 128 for the needle tasks,
+    // 32 for QA) and whether it ran out of it.
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(a.join("results.json")).unwrap()).unwrap();
+    for r in v["records"].as_array().unwrap() {
+        let want = if r["task"] == "niah_single" { 128 } else { 32 };
+        assert_eq!(r["max_new_tokens"], want, "{r}");
+        assert!(r["hit_budget"].is_boolean(), "{r}");
+    }
+    assert!(ta.contains("| at budget |"), "{ta}");
     // Resume: one more sample only computes the new runs.
     let (ok, _, err) = eval(&a, 3);
     assert!(ok, "{err}");
@@ -77,6 +86,7 @@ fn same_command_same_table_resume_and_plots() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let narrow = std::fs::read_to_string(a.join("results.md")).unwrap();
     assert!(narrow.contains("3 cases;") && !narrow.contains("qa_twohop"), "{narrow}");
+    assert!(!narrow.contains("token F1"), "no QA table without a QA task: {narrow}");
     assert_eq!(runs(&a), 36, "results.json keeps every run");
     // --report-only computes nothing: it counts what is missing and reports what is there.
     let report = |dir: &std::path::Path, samples: &str| {

@@ -207,24 +207,42 @@ pub(super) fn summarize(
     for &len in lengths {
         sweep_tables(&mut md, records, tasks, len, labels, ratios);
     }
-    md.push_str(&format!(
-        "## Multi-document QA at ratio {tr}: token F1 / exact match\n\n| method | F1 | EM |\n|---|---:|---:|\n"
-    ));
-    for l in labels {
-        let qa: Vec<&Record> = records.iter().filter(|r| r.f1.is_some() && at(r, l, tr)).collect();
-        let f1 = mean(qa.iter().filter_map(|r| r.f1));
-        let em = mean(qa.iter().filter_map(|r| r.em.map(|e| e as u8 as f64)));
-        md.push_str(&format!("| {l} | {} | {} |\n", pct(f1), pct(em)));
+    // QA (token F1 / exact match) per length; left out when no QA task ran.
+    if records.iter().any(|r| r.f1.is_some()) {
+        md.push_str(&format!("## Multi-document QA at ratio {tr}: token F1 / exact match\n\n| method |"));
+        for &len in lengths {
+            md.push_str(&format!(" F1 {len} | EM {len} |"));
+        }
+        md.push_str(&format!("\n|---|{}\n", "---:|".repeat(2 * lengths.len())));
+        for l in labels {
+            md.push_str(&format!("| {l} |"));
+            for &len in lengths {
+                let qa: Vec<&Record> =
+                    records.iter().filter(|r| r.f1.is_some() && r.length == len && at(r, l, tr)).collect();
+                let f1 = mean(qa.iter().filter_map(|r| r.f1));
+                let em = mean(qa.iter().filter_map(|r| r.em.map(|e| e as u8 as f64)));
+                md.push_str(&format!(" {} | {} |", pct(f1), pct(em)));
+            }
+            md.push('\n');
+        }
+        md.push('\n');
     }
     md.push_str(&format!(
-        "\n## Selection diagnostics at ratio {tr}\n\nShare of needle-sentence and answer tokens recomputed; mean distance of the \
-         answer-bearing chunk from the prompt (0 = nearest) in the final layout.\n\n| method | needle tokens | answer tokens | chunk distance |\n|---|---:|---:|---:|\n"
+        "## Selection diagnostics at ratio {tr} (all lengths)\n\nShare of needle-sentence and answer tokens recomputed; mean distance of the \
+         answer-bearing chunk from the prompt (0 = nearest) in the final layout; answers that ran to the token budget (of the runs that \
+         recorded it).\n\n| method | needle tokens | answer tokens | chunk distance | at budget |\n|---|---:|---:|---:|---:|\n"
     ));
     for l in labels {
         let rs: Vec<&Record> = records.iter().filter(|r| at(r, l, tr)).collect();
         let dist = mean(rs.iter().filter_map(|r| r.needle_chunk_rank.map(|x| x as f64)));
+        let known: Vec<bool> = rs.iter().filter_map(|r| r.hit_budget).collect();
+        let cut = if known.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{}/{}", known.iter().filter(|&&b| b).count(), known.len())
+        };
         md.push_str(&format!(
-            "| {l} | {} | {} | {} |\n",
+            "| {l} | {} | {} | {} | {cut} |\n",
             pct(mean(rs.iter().map(|r| r.needle_selected))),
             pct(mean(rs.iter().map(|r| r.answer_selected))),
             dist.map_or("-".into(), |d| format!("{d:.2}"))
@@ -500,6 +518,8 @@ mod tests {
             answer_selected: 0.0,
             needle_chunk_rank: None,
             answer: String::new(),
+            max_new_tokens: None,
+            hit_budget: None,
         }
     }
 
