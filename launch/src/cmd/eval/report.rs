@@ -124,6 +124,57 @@ fn conditional_retention(md: &mut String, records: &[Record], len: usize, labels
     md.push('\n');
 }
 
+/// A task's family for the per-family comparisons: needle retrieval, variable tracking, QA.
+fn family(task: &str) -> &'static str {
+    if is_niah(task) {
+        "NIAH"
+    } else if task.starts_with("qa_") {
+        "QA"
+    } else {
+        "variable tracking"
+    }
+}
+
+/// InfoFlow against every other method (full prefill aside) case by case, per task family at
+/// ratio `tr`: cases where InfoFlow scores higher / lower, with the two-sided sign test (the
+/// paper's claim is that it is ahead of CacheBlend and EPIC on every family).
+fn infoflow_against_others(md: &mut String, records: &[Record], len: usize, labels: &[String], tr: f64) {
+    let mine: std::collections::HashMap<(&str, usize), f64> = records
+        .iter()
+        .filter(|r| r.length == len && at(r, "infoflow", tr))
+        .map(|r| ((r.task.as_str(), r.sample), r.score))
+        .collect();
+    let others: Vec<&String> = labels.iter().filter(|l| !matches!(l.as_str(), "full" | "infoflow")).collect();
+    if mine.is_empty() || others.is_empty() {
+        return;
+    }
+    let families: Vec<&str> =
+        ["NIAH", "variable tracking", "QA"].into_iter().filter(|f| mine.keys().any(|(t, _)| family(t) == *f)).collect();
+    md.push_str(&format!(
+        "InfoFlow against each method at ratio {tr}, {len} tokens, case by case: cases where InfoFlow scores higher / \
+         lower, two-sided sign test p.\n\n| method |{}\n|---|{}\n",
+        families.iter().map(|f| format!(" {f} |")).collect::<String>(),
+        "---:|".repeat(families.len())
+    ));
+    for l in others {
+        md.push_str(&format!("| {l} |"));
+        for f in &families {
+            let (mut better, mut worse) = (0, 0);
+            for r in records.iter().filter(|r| r.length == len && family(&r.task) == *f && at(r, l, tr)) {
+                let Some(&m) = mine.get(&(r.task.as_str(), r.sample)) else { continue };
+                if m > r.score + 1e-9 {
+                    better += 1;
+                } else if r.score > m + 1e-9 {
+                    worse += 1;
+                }
+            }
+            md.push_str(&format!(" {better} / {worse}, p = {:.3} |", sign_test(better, worse)));
+        }
+        md.push('\n');
+    }
+    md.push('\n');
+}
+
 /// The markdown report (deterministic: accuracy only, no timings). `settings` lists the
 /// non-default selection settings (ablations), if any.
 #[allow(clippy::too_many_arguments)]
@@ -203,6 +254,7 @@ pub(super) fn summarize(
             100.0 * RETENTION_FLOOR
         ));
         conditional_retention(&mut md, records, len, labels, tr);
+        infoflow_against_others(&mut md, records, len, labels, tr);
     }
     for &len in lengths {
         sweep_tables(&mut md, records, tasks, len, labels, ratios);
@@ -565,5 +617,28 @@ mod tests {
         // Without any complete case the sweep table says so instead of mixing cases.
         let md = summarize(&records[3..], &tasks, &[100], &labels, &[0.15, 0.3], 0.15, &[]);
         assert!(md.contains("No case at 100 tokens has every method at every ratio yet"), "{md}");
+    }
+
+    /// InfoFlow against the other methods per task family: wins and losses come from the
+    /// paired cases of each family only, and a family no task of which ran has no column.
+    #[test]
+    fn infoflow_is_compared_per_task_family() {
+        let mut records = Vec::new();
+        for s in 0..3 {
+            records.push(rec("niah_multikey", s, "full", None, 1.0));
+            records.push(rec("niah_multikey", s, "infoflow", Some(0.15), 1.0));
+            records.push(rec("niah_multikey", s, "epic", Some(0.15), 0.0));
+        }
+        records.push(rec("variable_tracking", 0, "full", None, 1.0));
+        records.push(rec("variable_tracking", 0, "infoflow", Some(0.15), 0.25));
+        records.push(rec("variable_tracking", 0, "epic", Some(0.15), 0.75));
+        // An epic run without its infoflow pair is not counted.
+        records.push(rec("variable_tracking", 1, "epic", Some(0.15), 1.0));
+        let labels: Vec<String> = ["full", "infoflow", "epic"].iter().map(|s| s.to_string()).collect();
+        let tasks = vec!["niah_multikey".to_string(), "variable_tracking".to_string()];
+        let md = summarize(&records, &tasks, &[100], &labels, &[0.15], 0.15, &[]);
+        assert!(md.contains("| method | NIAH | variable tracking |\n"), "{md}");
+        assert!(md.contains("| epic | 3 / 0, p = 0.250 | 0 / 1, p = 1.000 |"), "{md}");
+        assert!(!md.contains("| QA |"), "{md}");
     }
 }
