@@ -71,15 +71,26 @@ fn is_niah(task: &str) -> bool {
     task.starts_with("niah_")
 }
 
+/// One method's score per case (task, sample) at `len` tokens and ratio `tr`: the side of a
+/// paired comparison.
+fn scores_by_case<'a>(
+    records: &'a [Record],
+    len: usize,
+    method: &str,
+    tr: f64,
+) -> std::collections::HashMap<(&'a str, usize), f64> {
+    records
+        .iter()
+        .filter(|r| r.length == len && at(r, method, tr))
+        .map(|r| ((r.task.as_str(), r.sample), r.score))
+        .collect()
+}
+
 /// Conditional retention against full prefill on the same cases at ratio `tr`: of the cases
 /// full prefill answers fully, the share the method answers fully too (NIAH tasks and all
 /// tasks), and a paired sign test against full prefill over every case both ran.
 fn conditional_retention(md: &mut String, records: &[Record], len: usize, labels: &[String], tr: f64) {
-    let full: std::collections::HashMap<(&str, usize), f64> = records
-        .iter()
-        .filter(|r| r.length == len && r.method == "full")
-        .map(|r| ((r.task.as_str(), r.sample), r.score))
-        .collect();
+    let full = scores_by_case(records, len, "full", tr);
     if full.is_empty() {
         return;
     }
@@ -139,11 +150,7 @@ fn family(task: &str) -> &'static str {
 /// ratio `tr`: cases where InfoFlow scores higher / lower, with the two-sided sign test (the
 /// paper's claim is that it is ahead of CacheBlend and EPIC on every family).
 fn infoflow_against_others(md: &mut String, records: &[Record], len: usize, labels: &[String], tr: f64) {
-    let mine: std::collections::HashMap<(&str, usize), f64> = records
-        .iter()
-        .filter(|r| r.length == len && at(r, "infoflow", tr))
-        .map(|r| ((r.task.as_str(), r.sample), r.score))
-        .collect();
+    let mine = scores_by_case(records, len, "infoflow", tr);
     let others: Vec<&String> = labels.iter().filter(|l| !matches!(l.as_str(), "full" | "infoflow")).collect();
     if mine.is_empty() || others.is_empty() {
         return;
