@@ -13,18 +13,23 @@ py="${FLOWPREFILL_PYTHON:-python3}"
 # NVRTC 12.9: what cudarc's `cuda-12090` bindings were generated for.
 # Each wheel in its own folder: `pip install --target` replaces a top-level folder that is
 # already there, and every one of these wheels installs into `nvidia/`.
+# `needs` names the files the loaders open (cudarc dlopens by soname; NVRTC loads its builtins):
+# a wheel counts as installed when they are there, not when any library is.
 wheels=("nvidia-cuda-nvrtc-cu12==12.9.86")
 libs=("$dir/nvrtc/nvidia/cuda_nvrtc/lib")
+needs=("libnvrtc.so.12 libnvrtc-builtins.so.12.9")
 for opt in "$@"; do
   case "$opt" in
     --runtime)
       wheels+=("nvidia-cublas-cu12==12.9.1.4")
       libs+=("$dir/cublas/nvidia/cublas/lib")
+      needs+=("libcublas.so.12 libcublasLt.so.12")
       ;;
     # NCCL 2.30: what cudarc's `nccl` bindings (nccl-02030) were generated for.
     --nccl)
       wheels+=("nvidia-nccl-cu12==2.30.7")
       libs+=("$dir/nccl/nvidia/nccl/lib")
+      needs+=("libnccl.so.2")
       ;;
     *)
       echo "cuda-wheels.sh: unknown option $opt (use --runtime, --nccl)" >&2
@@ -34,7 +39,9 @@ for opt in "$@"; do
 done
 for i in "${!wheels[@]}"; do
   lib="${libs[$i]}"
-  ls "$lib"/lib*.so* >/dev/null 2>&1 && continue
+  have=1
+  for f in ${needs[$i]}; do [ -e "$lib/$f" ] || have=0; done
+  [ $have = 1 ] && continue
   target="${lib%/nvidia/*}"
   echo "installing ${wheels[$i]} from PyPI into $target" >&2
   "$py" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --target "$target" --upgrade "${wheels[$i]}" >&2
