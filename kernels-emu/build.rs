@@ -1,17 +1,58 @@
-//! Compiles the CUDA kernel sources of `kernels/cuda/` as C++ with the CPU launch shim.
+//! Compiles the CUDA kernel sources of `kernels/cuda/` as C++ with the CPU launch shim. The
+//! list of files and of `extern "C"` kernels is read from the sources (not written down here):
+//! `files.inc` includes every `.cu` file, `kernels.inc` has one `FP_EMU_KERNEL` per kernel.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// The kernel names declared in a `.cu` source: `extern "C" __global__ void [__launch_bounds__(..)] NAME(`.
+fn kernel_names(source: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = source;
+    let marker = "extern \"C\" __global__ void";
+    while let Some(at) = rest.find(marker) {
+        let mut s = rest[at + marker.len()..].trim_start();
+        if let Some(after) = s.strip_prefix("__launch_bounds__") {
+            s = after.find(')').map_or("", |c| after[c + 1..].trim_start());
+        }
+        let name: String = s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        names.push(name);
+        rest = s;
+    }
+    names
+}
 
 fn main() {
-    let cuda = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernels/cuda");
-    for f in
-        ["cpu_shim.h", "common.cuh", "elementwise.cu", "norm.cu", "rope.cu", "attention.cu", "scores.cu", "merge.cu"]
-    {
-        println!("cargo:rerun-if-changed={}", cuda.join(f).display());
+    let cuda = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernels/cuda");
+    println!("cargo:rerun-if-changed={}", cuda.display());
+    let mut files: Vec<_> = std::fs::read_dir(&cuda)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", cuda.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    files.sort();
+    let (mut includes, mut inc) = (String::new(), String::new());
+    for path in &files {
+        println!("cargo:rerun-if-changed={}", path.display());
+        if path.extension().and_then(|e| e.to_str()) != Some("cu") {
+            continue;
+        }
+        let source = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        let _ = writeln!(includes, "#include \"{}\"", path.display());
+        for name in kernel_names(&source) {
+            let _ = writeln!(inc, "FP_EMU_KERNEL({name})");
+        }
+    }
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    for (name, text) in [("files.inc", includes), ("kernels.inc", inc)] {
+        let path = out_dir.join(name);
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
     }
     println!("cargo:rerun-if-changed=src/emu.cpp");
     cc::Build::new()
         .cpp(true)
         .file("src/emu.cpp")
         .include(&cuda)
+        .include(&out_dir)
         .flag_if_supported("-std=c++20")
         .flag_if_supported("-pthread")
         // The kernels are written for NVRTC: unused parameters and C-style casts are fine there.

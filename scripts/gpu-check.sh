@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# What a GPU owner runs first. Nothing here has run on a GPU yet (none was available to the
-# project): it checks what was only verified by compilation and CPU emulation.
+# What a GPU owner runs first. It first ran on an H100 on 2026-11-23 (docs/gpu.md); the
+# tensor-core attention, the bf16 KV cache and flash-decoding came after that run and have been
+# verified only by compilation and CPU emulation: this checks them on the hardware.
 #   1. the devices and the CUDA libraries found;
-#   2. the kernels' compile gate for this GPU, and every CUDA op against the CPU backend;
+#   2. the kernels' compile gate for this GPU, every CUDA op against the CPU backend, the
+#      tensor-core self-check (fragment layouts) and the tensor-core attention over a bf16 cache;
 #   3. the real model on the GPU against the CPU (first logits, greedy answers);
-#   4. full-prefill throughput on the GPU (bench prefill --device cuda);
-#   5. the attention kernel in TFLOP/s and as a share of the device's FP32 peak;
+#   4. full-prefill throughput on the GPU (bench prefill --device cuda; bf16 and f32 caches);
+#   5. the attention kernels in TFLOP/s and as a share of the device's dense BF16 peak, the
+#      simple kernel beside the tensor-core one, prefill and decode shapes;
 #   6. with two or more GPUs: NCCL between them (P GPUs == 1 GPU, ring == full, one process
 #      driving every GPU; a killed rank under mpirun named within 30 s) and TTFT over the GPUs.
 set -euo pipefail
@@ -19,7 +22,8 @@ cargo build --release --features cuda
 cargo test --release -p flowprefill-kernels --features cuda -- --nocapture
 cargo test --release -p flowprefill --features cuda --test cuda -- --nocapture
 ./target/release/flowprefill bench prefill --device cuda --tokens 512,2048,4096,8000 --runs 3
-./target/release/flowprefill bench prefill --device cuda --weights f32 --tokens 2048 --runs 3
+./target/release/flowprefill bench prefill --device cuda --kv-dtype f32 --tokens 2048,8000 --runs 3
+./target/release/flowprefill bench prefill --device cuda --weights f32 --kv-dtype f32 --tokens 2048 --runs 3
 cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench
 gpus=$(./target/release/flowprefill devices | grep -c '^cuda:[0-9]' || true)
 if [ "$gpus" -ge 2 ]; then

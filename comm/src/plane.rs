@@ -42,11 +42,11 @@ pub trait Plane: Send {
 pub trait BufPlane<Buf>: Send {
     /// Name (`nccl`, `threads`).
     fn name(&self) -> &'static str;
-    /// Starts the transfers of one exchange: `sends` (to, buffer) and `receives` (from, number
-    /// of f32 values), in an order both sides agree on (per peer, the order of posting).
-    /// Returns at once; the transfers run while the caller computes. Fails if an exchange is
-    /// already pending.
-    fn issue(&mut self, op: &str, sends: &[(usize, &Buf)], receives: &[(usize, usize)]) -> Result<()>;
+    /// Starts the transfers of one exchange: `sends` (to, buffer) and `receives` (from, the
+    /// buffer to receive into: its length and element type are what the sender must send), in
+    /// an order both sides agree on (per peer, the order of posting). Returns at once; the
+    /// transfers run while the caller computes. Fails if an exchange is already pending.
+    fn issue(&mut self, op: &str, sends: &[(usize, &Buf)], receives: Vec<(usize, Buf)>) -> Result<()>;
     /// Waits for the pending exchange: the received buffers in the order of `receives`.
     fn complete(&mut self) -> Result<Vec<Buf>>;
     /// See [`Plane::abort`].
@@ -107,19 +107,20 @@ pub mod threads {
         to: Vec<Option<Sender<Msg<Buf>>>>,
         from: Vec<Option<Receiver<Msg<Buf>>>>,
         epoch: u64,
-        pending: Option<(String, Vec<(usize, usize)>)>,
+        pending: Option<(String, Vec<(usize, Buf)>)>,
         timeout: Duration,
         broken: Option<String>,
         clone: fn(&Buf) -> Buf,
-        len: fn(&Buf) -> usize,
+        describe: fn(&Buf) -> String,
     }
 
     /// Planes for `n` thread ranks; `clone` copies a buffer (a device-to-device copy) and
-    /// `len` gives its number of values.
+    /// `describe` names its length and element type (a received buffer must match the one
+    /// posted to receive it).
     pub fn group<Buf: Send + 'static>(
         n: usize,
         clone: fn(&Buf) -> Buf,
-        len: fn(&Buf) -> usize,
+        describe: fn(&Buf) -> String,
     ) -> Vec<ThreadPlane<Buf>> {
         let mut to: Vec<Vec<Option<Sender<Msg<Buf>>>>> = (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
         let mut from: Vec<Vec<Option<Receiver<Msg<Buf>>>>> = (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
@@ -142,7 +143,7 @@ pub mod threads {
                 timeout: crate::DEFAULT_TIMEOUT,
                 broken: None,
                 clone,
-                len,
+                describe,
             })
             .collect()
     }
@@ -152,7 +153,7 @@ pub mod threads {
             "threads"
         }
 
-        fn issue(&mut self, op: &str, sends: &[(usize, &Buf)], receives: &[(usize, usize)]) -> Result<()> {
+        fn issue(&mut self, op: &str, sends: &[(usize, &Buf)], receives: Vec<(usize, Buf)>) -> Result<()> {
             if let Some(why) = &self.broken {
                 return Err(CommError::Misuse(format!("the device plane was torn down: {why}")));
             }
@@ -171,10 +172,10 @@ pub mod threads {
                     });
                 }
             }
-            for &(peer, _) in receives {
-                crate::check_rank(peer, n)?;
+            for (peer, _) in &receives {
+                crate::check_rank(*peer, n)?;
             }
-            self.pending = Some((op.to_string(), receives.to_vec()));
+            self.pending = Some((op.to_string(), receives));
             Ok(())
         }
 
@@ -211,12 +212,9 @@ pub mod threads {
                 if got_op != op {
                     return Err(CommError::OutOfStep { rank: peer, op });
                 }
-                if (self.len)(&b) != want {
-                    return Err(CommError::Decode {
-                        rank: peer,
-                        op,
-                        detail: format!("a buffer of {} values, expected {want}", (self.len)(&b)),
-                    });
+                let (got, expected) = ((self.describe)(&b), (self.describe)(&want));
+                if got != expected {
+                    return Err(CommError::Decode { rank: peer, op, detail: format!("{got}, expected {expected}") });
                 }
                 out.push(b);
             }
@@ -250,16 +248,20 @@ mod tests {
     use super::*;
 
     fn planes(n: usize) -> Vec<threads::ThreadPlane<Vec<f32>>> {
-        group::<Vec<f32>>(n, Vec::clone, Vec::len)
+        group::<Vec<f32>>(n, Vec::clone, |v| format!("a buffer of {} values", v.len()))
+    }
+
+    fn recv(from: usize, len: usize) -> (usize, Vec<f32>) {
+        (from, vec![0.0; len])
     }
 
     #[test]
     fn grouped_transfers_arrive_in_order_with_their_lengths() {
         let mut p = planes(3);
         let (a, b) = (vec![1.0, 2.0], vec![3.0]);
-        p[0].issue("x", &[(1, &a), (1, &b), (2, &a)], &[]).unwrap();
-        p[1].issue("x", &[], &[(0, 2), (0, 1)]).unwrap();
-        p[2].issue("x", &[], &[(0, 2)]).unwrap();
+        p[0].issue("x", &[(1, &a), (1, &b), (2, &a)], vec![]).unwrap();
+        p[1].issue("x", &[], vec![recv(0, 2), recv(0, 1)]).unwrap();
+        p[2].issue("x", &[], vec![recv(0, 2)]).unwrap();
         assert_eq!(p[1].complete().unwrap(), vec![a.clone(), b]);
         assert_eq!(p[2].complete().unwrap(), vec![a]);
         assert!(p[0].complete().unwrap().is_empty());
@@ -269,12 +271,12 @@ mod tests {
     fn a_peer_that_never_sends_is_named_by_the_deadline_and_the_plane_is_torn_down() {
         let mut p = planes(2);
         p[1].set_timeout(Duration::from_millis(50));
-        p[1].issue("ring.kv", &[], &[(0, 4)]).unwrap();
+        p[1].issue("ring.kv", &[], vec![recv(0, 4)]).unwrap();
         match p[1].complete() {
             Err(CommError::Timeout { rank: 0, op, .. }) => assert_eq!(op, "ring.kv"),
             other => panic!("{other:?}"),
         }
-        let e = p[1].issue("next", &[], &[(0, 1)]).unwrap_err().to_string();
+        let e = p[1].issue("next", &[], vec![recv(0, 1)]).unwrap_err().to_string();
         assert!(e.contains("torn down") && e.contains("rank 0"), "{e}");
     }
 
@@ -282,14 +284,14 @@ mod tests {
     fn an_aborted_peer_is_reported_lost_at_once_and_lengths_are_checked() {
         let mut p = planes(2);
         let v = vec![0.5; 3];
-        p[0].issue("a", &[(1, &v)], &[]).unwrap();
-        p[1].issue("a", &[], &[(0, 2)]).unwrap();
+        p[0].issue("a", &[(1, &v)], vec![]).unwrap();
+        p[1].issue("a", &[], vec![recv(0, 2)]).unwrap();
         let e = p[1].complete().unwrap_err().to_string();
-        assert!(e.contains("3 values, expected 2"), "{e}");
+        assert!(e.contains("3 values, expected a buffer of 2"), "{e}");
         p[1].end_job();
         p[0].end_job();
         p[0].abort("rank 0 failed");
-        p[1].issue("b", &[], &[(0, 1)]).unwrap();
+        p[1].issue("b", &[], vec![recv(0, 1)]).unwrap();
         let t = std::time::Instant::now();
         assert!(matches!(p[1].complete(), Err(CommError::RankLost { rank: 0, .. })));
         assert!(t.elapsed() < Duration::from_secs(5), "lost at once, not after the deadline");
@@ -300,12 +302,12 @@ mod tests {
         let mut p = planes(2);
         let (old, new) = (vec![1.0], vec![2.0]);
         // Rank 0 sends in job 0; rank 1 gave the job up before receiving it.
-        p[0].issue("ring.kv", &[(1, &old)], &[]).unwrap();
+        p[0].issue("ring.kv", &[(1, &old)], vec![]).unwrap();
         p[0].complete().unwrap();
         p[0].end_job();
         p[1].end_job();
-        p[0].issue("ring.kv", &[(1, &new)], &[]).unwrap();
-        p[1].issue("ring.kv", &[], &[(0, 1)]).unwrap();
+        p[0].issue("ring.kv", &[(1, &new)], vec![]).unwrap();
+        p[1].issue("ring.kv", &[], vec![recv(0, 1)]).unwrap();
         assert_eq!(p[1].complete().unwrap(), vec![new]);
     }
 

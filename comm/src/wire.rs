@@ -1,5 +1,5 @@
-//! The bytes that travel between ranks: one codec for numeric payloads (sections of `u32` or
-//! `f32` values through `bytemuck`), bincode for control messages, and the envelope every
+//! The bytes that travel between ranks: one codec for numeric payloads (sections of `u32`,
+//! `f32` or `u16` (bf16 bits) values through `bytemuck`), bincode for control messages, and the envelope every
 //! message carries (the job epoch and whether it is data or an abort).
 //!
 //! ```text
@@ -44,6 +44,11 @@ impl Packet {
 
     /// Appends a section of `f32` values.
     pub fn f32s(self, values: &[f32]) -> Self {
+        self.section(values)
+    }
+
+    /// Appends a section of `u16` values (bf16 bits).
+    pub fn u16s(self, values: &[u16]) -> Self {
         self.section(values)
     }
 
@@ -97,6 +102,11 @@ impl<'a> Unpack<'a> {
 
     /// The next section, as `f32` values.
     pub fn f32s(&mut self) -> Result<Vec<f32>> {
+        self.section()
+    }
+
+    /// The next section, as `u16` values (bf16 bits).
+    pub fn u16s(&mut self) -> Result<Vec<u16>> {
         self.section()
     }
 

@@ -1,61 +1,90 @@
-// The CUDA kernels of kernels/cuda/, compiled for the CPU with the launch shim, and one
-// C entry point per kernel taking the launch shape and the kernel's arguments.
+// The CUDA kernels of kernels/cuda/, compiled for the CPU with the launch shim, behind one C
+// entry point shaped like cuLaunchKernel: a kernel name, the launch shape, and one 8-byte cell
+// per argument. The files and the table of kernels come from the sources (build.rs writes
+// files.inc and kernels.inc); the argument types are checked here against each kernel's real
+// C++ parameter types, besides the check of the Rust side against the `.cu` declarations
+// (flowprefill_kernels::gpu::Call::check).
 
 #include "cpu_shim.h"
 // clang-format off
 #include "common.cuh"
-#include "elementwise.cu"
-#include "norm.cu"
-#include "rope.cu"
-#include "attention.cu"
-#include "scores.cu"
-#include "merge.cu"
+#include "files.inc"
 // clang-format on
 
-using fp_shim::launch;
+#include <cstdio>
+#include <type_traits>
+#include <utility>
 
-#define FP_EMU(name, ...) extern "C" void emu_##name(unsigned gx, unsigned gy, unsigned block, __VA_ARGS__)
+namespace {
 
-FP_EMU(embedding_f32, const float* table, const u32* ids, float* out, u32 n, u32 cols) {
-    launch(dim3(gx, gy), dim3(block), fp_embedding_f32, table, ids, out, n, cols);
+// The codes of flowprefill_kernels::gpu::Param::code.
+template <typename T>
+constexpr int type_code() {
+    using P = std::remove_cv_t<std::remove_pointer_t<T>>;
+    if constexpr (std::is_pointer_v<T>) {
+        if constexpr (std::is_same_v<P, float>) return 1;
+        if constexpr (std::is_same_v<P, bf16_t>) return 2;
+        if constexpr (std::is_same_v<P, u32>) return 3;
+        if constexpr (std::is_same_v<P, double>) return 4;
+        return -1;
+    } else {
+        if constexpr (std::is_same_v<T, u32>) return 5;
+        if constexpr (std::is_same_v<T, u64>) return 6;
+        if constexpr (std::is_same_v<T, float>) return 7;
+        return -1;
+    }
 }
-FP_EMU(embedding_bf16, const bf16_t* table, const u32* ids, float* out, u32 n, u32 cols) {
-    launch(dim3(gx, gy), dim3(block), fp_embedding_bf16, table, ids, out, n, cols);
+
+template <typename T>
+T from_cell(uint64_t cell) {
+    static_assert(sizeof(T) <= 8);
+    T v;
+    std::memcpy(&v, &cell, sizeof(T));  // 4-byte values sit in the low half (little-endian)
+    return v;
 }
-FP_EMU(add_bias, float* x, const float* bias, u64 n, u32 cols) {
-    launch(dim3(gx, gy), dim3(block), fp_add_bias, x, bias, n, cols);
+
+template <typename... P, size_t... I>
+std::string call(void (*kernel)(P...), dim3 grid, dim3 block, unsigned shared, const uint64_t* cells,
+                 std::index_sequence<I...>) {
+    return fp_shim::launch(grid, block, shared, kernel, from_cell<P>(cells[I])...);
 }
-FP_EMU(add_assign, float* x, const float* y, u64 n) { launch(dim3(gx, gy), dim3(block), fp_add_assign, x, y, n); }
-FP_EMU(silu_mul, const float* gate_up, float* out, u64 rows, u32 ffn) {
-    launch(dim3(gx, gy), dim3(block), fp_silu_mul, gate_up, out, rows, ffn);
+
+template <typename... P>
+std::string invoke(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, unsigned shared,
+                   const uint64_t* cells, const int* codes, int nargs) {
+    constexpr int want[] = {type_code<P>()...};
+    if (nargs != (int)sizeof...(P)) {
+        return std::string(name) + ": " + std::to_string(nargs) + " arguments for " +
+               std::to_string(sizeof...(P)) + " parameters";
+    }
+    for (int i = 0; i < nargs; i++) {
+        if (codes[i] != want[i]) {
+            return std::string(name) + ": argument " + std::to_string(i) + " has type code " +
+                   std::to_string(codes[i]) + ", the kernel's parameter " + std::to_string(want[i]);
+        }
+    }
+    return call(kernel, grid, block, shared, cells, std::index_sequence_for<P...>{});
 }
-FP_EMU(copy_columns, const float* src, u32 src_cols, u32 col, u32 width, float* dst, u64 rows) {
-    launch(dim3(gx, gy), dim3(block), fp_copy_columns, src, src_cols, col, width, dst, rows);
-}
-FP_EMU(copy_rows, const float* src, const u32* src_rows, float* dst, const u32* dst_rows, u32 n, u32 row_len) {
-    launch(dim3(gx, gy), dim3(block), fp_copy_rows, src, src_rows, dst, dst_rows, n, row_len);
-}
-FP_EMU(fill, float* x, float v, u64 n) { launch(dim3(gx, gy), dim3(block), fp_fill, x, v, n); }
-FP_EMU(f32_to_bf16, const float* x, bf16_t* y, u64 n) { launch(dim3(gx, gy), dim3(block), fp_f32_to_bf16, x, y, n); }
-FP_EMU(bf16_to_f32, const bf16_t* x, float* y, u64 n) { launch(dim3(gx, gy), dim3(block), fp_bf16_to_f32, x, y, n); }
-FP_EMU(rms_norm, const float* x, const float* w, float eps, float* out, u32 rows, u32 cols) {
-    launch(dim3(gx, gy), dim3(block), fp_rms_norm, x, w, eps, out, rows, cols);
-}
-FP_EMU(rope, float* x, u32 tokens, u32 n_heads, u32 head_dim, u32 rot_dim, u32 interleaved, const u32* positions,
-       const float* cos_t, const float* sin_t, u32 table_len, const double* inv_freq) {
-    launch(dim3(gx, gy), dim3(block), fp_rope, x, tokens, n_heads, head_dim, rot_dim, interleaved, positions, cos_t,
-           sin_t, table_len, inv_freq);
-}
-FP_EMU(attention, const float* q, const u32* qpos, const float* k, const float* v, const u32* kpos, float* out,
-       float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads, u32 head_dim, float scale) {
-    launch(dim3(gx, gy), dim3(block), fp_attention, q, qpos, k, v, kpos, out, lse, m, n, n_heads, n_kv_heads, head_dim,
-           scale);
-}
-FP_EMU(attention_scores, const float* q, const u32* qpos, const float* k, const u32* kpos, const float* lse,
-       float* scores, u32 m, u32 n, u32 n_heads, u32 n_kv_heads, u32 head_dim, float scale) {
-    launch(dim3(gx, gy), dim3(block), fp_attention_scores, q, qpos, k, kpos, lse, scores, m, n, n_heads, n_kv_heads,
-           head_dim, scale);
-}
-FP_EMU(merge_partial, float* out, float* lse, const float* block_out, const float* block_lse, u32 rows, u32 head_dim) {
-    launch(dim3(gx, gy), dim3(block), fp_merge_partial, out, lse, block_out, block_lse, rows, head_dim);
+
+}  // namespace
+
+// Launches `kernel` and waits for it. Returns 0, or 1 with a message in err (NUL-terminated,
+// at most err_len bytes): an unknown kernel, wrong arguments, or what a primitive reported.
+extern "C" int emu_launch(const char* kernel, const unsigned* grid, const unsigned* block, unsigned shared_bytes,
+                          const uint64_t* cells, const int* codes, int nargs, char* err, unsigned err_len) {
+    dim3 g(grid[0], grid[1], grid[2]), b(block[0], block[1], block[2]);
+    std::string e = std::string(kernel) + ": no such kernel";
+    bool found = false;
+#define FP_EMU_KERNEL(name)                                                     \
+    if (!found && std::strcmp(kernel, #name) == 0) {                            \
+        found = true;                                                           \
+        e = invoke(#name, name, g, b, shared_bytes, cells, codes, nargs);       \
+    }
+#include "kernels.inc"
+#undef FP_EMU_KERNEL
+    if (e.empty()) {
+        return 0;
+    }
+    std::snprintf(err, err_len, "%s", e.c_str());
+    return 1;
 }

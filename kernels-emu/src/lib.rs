@@ -1,138 +1,97 @@
 //! flowprefill's CUDA kernels run on the CPU: the same `.cu` files the CUDA backend compiles
 //! with NVRTC, compiled here as C++ with `kernels/cuda/cpu_shim.h` (a thread per CUDA thread of
-//! a block, barriers for `__syncthreads` and warp shuffles), launched with the same shapes as
-//! the backend ([`flowprefill_kernels::gpu`]). The tests compare every kernel with the Rust
+//! a block, barriers for `__syncthreads`, warp shuffles, and emulations of `mma.sync`,
+//! `ldmatrix` and `cp.async`), launched through the very [`Call`]s the backend launches (built
+//! by [`flowprefill_kernels::gpu::ops`]). The tests compare every kernel with the Rust
 //! references. Host slices stand for device buffers; lengths are checked here before any
 //! pointer reaches C++.
 
 use flowprefill_kernels::attention::AttnShape;
-use flowprefill_kernels::gpu::{attention_launch, norm_launch, stride_launch, Launch, ATTENTION_MAX_DIM};
+pub use flowprefill_kernels::gpu::ops::FlashPlan;
+use flowprefill_kernels::gpu::ops::{self, AttnDims, RopeArgs};
+use flowprefill_kernels::gpu::{Call, Elem, Ptr, ATTENTION_MAX_DIM};
 use flowprefill_kernels::rope::{RopeStyle, RopeTable};
+use std::ffi::{c_char, CStr, CString};
 
 mod ffi {
+    use std::ffi::c_char;
     extern "C" {
-        pub fn emu_embedding_f32(
-            gx: u32,
-            gy: u32,
-            b: u32,
-            table: *const f32,
-            ids: *const u32,
-            out: *mut f32,
-            n: u32,
-            cols: u32,
-        );
-        pub fn emu_embedding_bf16(
-            gx: u32,
-            gy: u32,
-            b: u32,
-            table: *const u16,
-            ids: *const u32,
-            out: *mut f32,
-            n: u32,
-            cols: u32,
-        );
-        pub fn emu_add_bias(gx: u32, gy: u32, b: u32, x: *mut f32, bias: *const f32, n: u64, cols: u32);
-        pub fn emu_add_assign(gx: u32, gy: u32, b: u32, x: *mut f32, y: *const f32, n: u64);
-        pub fn emu_silu_mul(gx: u32, gy: u32, b: u32, gate_up: *const f32, out: *mut f32, rows: u64, ffn: u32);
-        pub fn emu_copy_columns(
-            gx: u32,
-            gy: u32,
-            b: u32,
-            src: *const f32,
-            src_cols: u32,
-            col: u32,
-            width: u32,
-            dst: *mut f32,
-            rows: u64,
-        );
-        pub fn emu_copy_rows(
-            gx: u32,
-            gy: u32,
-            b: u32,
-            src: *const f32,
-            src_rows: *const u32,
-            dst: *mut f32,
-            dst_rows: *const u32,
-            n: u32,
-            row_len: u32,
-        );
-        pub fn emu_fill(gx: u32, gy: u32, b: u32, x: *mut f32, v: f32, n: u64);
-        pub fn emu_f32_to_bf16(gx: u32, gy: u32, b: u32, x: *const f32, y: *mut u16, n: u64);
-        pub fn emu_bf16_to_f32(gx: u32, gy: u32, b: u32, x: *const u16, y: *mut f32, n: u64);
-        pub fn emu_rms_norm(
-            gx: u32,
-            gy: u32,
-            b: u32,
-            x: *const f32,
-            w: *const f32,
-            eps: f32,
-            out: *mut f32,
-            rows: u32,
-            cols: u32,
-        );
-        pub fn emu_rope(
-            gx: u32,
-            gy: u32,
-            b: u32,
-            x: *mut f32,
-            tokens: u32,
-            n_heads: u32,
-            head_dim: u32,
-            rot_dim: u32,
-            interleaved: u32,
-            positions: *const u32,
-            cos_t: *const f32,
-            sin_t: *const f32,
-            table_len: u32,
-            inv_freq: *const f64,
-        );
-        pub fn emu_attention(
-            gx: u32,
-            gy: u32,
-            b: u32,
-            q: *const f32,
-            qpos: *const u32,
-            k: *const f32,
-            v: *const f32,
-            kpos: *const u32,
-            out: *mut f32,
-            lse: *mut f32,
-            m: u32,
-            n: u32,
-            n_heads: u32,
-            n_kv_heads: u32,
-            head_dim: u32,
-            scale: f32,
-        );
-        pub fn emu_attention_scores(
-            gx: u32,
-            gy: u32,
-            b: u32,
-            q: *const f32,
-            qpos: *const u32,
-            k: *const f32,
-            kpos: *const u32,
-            lse: *const f32,
-            scores: *mut f32,
-            m: u32,
-            n: u32,
-            n_heads: u32,
-            n_kv_heads: u32,
-            head_dim: u32,
-            scale: f32,
-        );
-        pub fn emu_merge_partial(
-            gx: u32,
-            gy: u32,
-            b: u32,
-            out: *mut f32,
-            lse: *mut f32,
-            block_out: *const f32,
-            block_lse: *const f32,
-            rows: u32,
-            head_dim: u32,
-        );
+        pub fn emu_launch(
+            kernel: *const c_char,
+            grid: *const u32,
+            block: *const u32,
+            shared_bytes: u32,
+            cells: *const u64,
+            codes: *const i32,
+            nargs: i32,
+            err: *mut c_char,
+            err_len: u32,
+        ) -> i32;
     }
+}
+
+/// Launches `call` on the CPU and waits for it. Panics (these are test helpers) if the call does
+/// not match the kernel's declaration, or a primitive reported misuse (a `cp.async` group left
+/// in flight, a misaligned `ldmatrix` row).
+pub fn run(call: &Call) {
+    if let Err(e) = call.check() {
+        panic!("{e}");
+    }
+    let cells: Vec<u64> = call.args.iter().map(|a| a.cell()).collect();
+    let codes: Vec<i32> = call.args.iter().map(|a| a.param().code()).collect();
+    let name = CString::new(call.kernel).expect("a kernel name without NUL");
+    let mut err = vec![0 as c_char; 512];
+    // SAFETY: the call matches the kernel's declaration (checked above, and again by type on
+    // the C++ side); every pointer in it comes from a slice whose length the wrapper checked
+    // against the sizes passed with it; the shim joins every thread before returning.
+    let rc = unsafe {
+        ffi::emu_launch(
+            name.as_ptr(),
+            call.launch.grid.as_ptr(),
+            call.launch.block.as_ptr(),
+            call.launch.shared_bytes,
+            cells.as_ptr(),
+            codes.as_ptr(),
+            cells.len() as i32,
+            err.as_mut_ptr(),
+            err.len() as u32,
+        )
+    };
+    if rc != 0 {
+        // SAFETY: the C++ side wrote a NUL-terminated message of at most err.len() bytes.
+        let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
+        panic!("emulated launch failed: {msg}");
+    }
+}
+
+fn run_all(calls: &[Call]) {
+    calls.iter().for_each(run);
+}
+
+/// Element types a host slice can stand for.
+pub trait EmuElem {
+    /// The kernel-side type.
+    const ELEM: Elem;
+}
+impl EmuElem for f32 {
+    const ELEM: Elem = Elem::F32;
+}
+impl EmuElem for u16 {
+    const ELEM: Elem = Elem::Bf16;
+}
+impl EmuElem for u32 {
+    const ELEM: Elem = Elem::U32;
+}
+impl EmuElem for f64 {
+    const ELEM: Elem = Elem::F64;
+}
+
+fn p<T: EmuElem>(s: &[T]) -> Ptr {
+    Ptr::new(s.as_ptr() as u64, T::ELEM)
+}
+
+fn pm<T: EmuElem>(s: &mut [T]) -> Ptr {
+    Ptr::new(s.as_mut_ptr() as u64, T::ELEM)
 }
 
 /// Panics unless `len == want`: these wrappers are test helpers, and a wrong length here is a
@@ -145,48 +104,29 @@ fn u32_of(n: usize) -> u32 {
     u32::try_from(n).unwrap_or_else(|_| panic!("{n} does not fit the kernels' 32-bit sizes"))
 }
 
-macro_rules! run {
-    ($launch:expr, $f:ident($($arg:expr),* $(,)?)) => {{
-        let Launch { grid_x, grid_y, block } = $launch;
-        // SAFETY: every pointer comes from a slice whose length was checked against the sizes
-        // passed with it; the shim joins every thread before returning.
-        unsafe { ffi::$f(grid_x, grid_y, block, $($arg),*) }
-    }};
+fn built(call: flowprefill_kernels::Result<Call>) -> Call {
+    call.unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// `out[r] = table[ids[r]]` (f32 table of `cols` columns).
-pub fn embedding_f32(table: &[f32], cols: usize, ids: &[u32], out: &mut [f32]) {
+/// `out[r] = table[ids[r]]` (f32 or bf16 table of `cols` columns).
+pub fn embedding<T: EmuElem>(table: &[T], cols: usize, ids: &[u32], out: &mut [f32]) {
     check("out", out.len(), ids.len() * cols);
     assert!(ids.iter().all(|&i| (i as usize + 1) * cols <= table.len()), "an id outside the table");
-    run!(
-        stride_launch((ids.len() * cols) as u64),
-        emu_embedding_f32(table.as_ptr(), ids.as_ptr(), out.as_mut_ptr(), u32_of(ids.len()), u32_of(cols))
-    );
-}
-
-/// `out[r] = table[ids[r]]` (bf16 table, raw bits).
-pub fn embedding_bf16(table: &[u16], cols: usize, ids: &[u32], out: &mut [f32]) {
-    check("out", out.len(), ids.len() * cols);
-    assert!(ids.iter().all(|&i| (i as usize + 1) * cols <= table.len()), "an id outside the table");
-    run!(
-        stride_launch((ids.len() * cols) as u64),
-        emu_embedding_bf16(table.as_ptr(), ids.as_ptr(), out.as_mut_ptr(), u32_of(ids.len()), u32_of(cols))
-    );
+    run(&built(ops::embedding(p(table), p(ids), pm(out), u32_of(ids.len()), u32_of(cols))));
 }
 
 /// `x[r, c] += bias[c]`.
 pub fn add_bias(x: &mut [f32], bias: &[f32]) {
     assert!(!bias.is_empty() && x.len() % bias.len() == 0);
-    run!(
-        stride_launch(x.len() as u64),
-        emu_add_bias(x.as_mut_ptr(), bias.as_ptr(), x.len() as u64, u32_of(bias.len()))
-    );
+    let n = x.len() as u64;
+    run(&built(ops::add_bias(pm(x), p(bias), n, u32_of(bias.len()))));
 }
 
 /// `x += y`.
 pub fn add_assign(x: &mut [f32], y: &[f32]) {
     check("y", y.len(), x.len());
-    run!(stride_launch(x.len() as u64), emu_add_assign(x.as_mut_ptr(), y.as_ptr(), x.len() as u64));
+    let n = x.len() as u64;
+    run(&built(ops::add_assign(pm(x), p(y), n)));
 }
 
 /// `silu(gate) * up` of `[gate | up]` rows.
@@ -194,54 +134,45 @@ pub fn silu_mul(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
     let rows = out.len() / ffn.max(1);
     check("out", out.len(), rows * ffn);
     check("gate_up", gate_up.len(), rows * 2 * ffn);
-    run!(stride_launch(out.len() as u64), emu_silu_mul(gate_up.as_ptr(), out.as_mut_ptr(), rows as u64, u32_of(ffn)));
+    run(&built(ops::silu_mul(p(gate_up), pm(out), rows as u64, u32_of(ffn))));
 }
 
-/// Columns `[col, col + width)` of `[rows, src_cols]`.
-pub fn copy_columns(src: &[f32], src_cols: usize, col: usize, width: usize, dst: &mut [f32]) {
+/// Columns `[col, col + width)` of `[rows, src_cols]` (f32 or bf16 source, f32 or bf16
+/// destination: the kernels convert f32 to bf16 and copy bf16).
+pub fn copy_columns<S: EmuElem, D: EmuElem>(src: &[S], src_cols: usize, col: usize, width: usize, dst: &mut [D]) {
     let rows = src.len() / src_cols.max(1);
     assert!(col + width <= src_cols);
     check("dst", dst.len(), rows * width);
-    run!(
-        stride_launch(dst.len() as u64),
-        emu_copy_columns(src.as_ptr(), u32_of(src_cols), u32_of(col), u32_of(width), dst.as_mut_ptr(), rows as u64)
-    );
+    let c = ops::copy_columns(p(src), u32_of(src_cols), u32_of(col), u32_of(width), pm(dst), rows as u64);
+    run(&built(c));
 }
 
 /// Row `src_rows[i]` of `src` to row `dst_rows[i]` of `dst`.
-pub fn copy_rows(src: &[f32], src_rows: &[u32], dst: &mut [f32], dst_rows: &[u32], row_len: usize) {
+pub fn copy_rows<T: EmuElem>(src: &[T], src_rows: &[u32], dst: &mut [T], dst_rows: &[u32], row_len: usize) {
     check("dst_rows", dst_rows.len(), src_rows.len());
     assert!(src_rows.iter().all(|&r| (r as usize + 1) * row_len <= src.len()));
     assert!(dst_rows.iter().all(|&r| (r as usize + 1) * row_len <= dst.len()));
-    run!(
-        stride_launch((src_rows.len() * row_len) as u64),
-        emu_copy_rows(
-            src.as_ptr(),
-            src_rows.as_ptr(),
-            dst.as_mut_ptr(),
-            dst_rows.as_ptr(),
-            u32_of(src_rows.len()),
-            u32_of(row_len)
-        )
-    );
+    let n = u32_of(src_rows.len());
+    run(&built(ops::copy_rows(p(src), p(src_rows), pm(dst), p(dst_rows), n, u32_of(row_len))));
 }
 
 /// Every element set to `v`.
 pub fn fill(x: &mut [f32], v: f32) {
-    run!(stride_launch(x.len() as u64), emu_fill(x.as_mut_ptr(), v, x.len() as u64));
+    let n = x.len() as u64;
+    run(&built(ops::fill(pm(x), v, n)));
 }
 
 /// f32 to bf16 bits.
 pub fn f32_to_bf16(x: &[f32]) -> Vec<u16> {
     let mut y = vec![0u16; x.len()];
-    run!(stride_launch(x.len() as u64), emu_f32_to_bf16(x.as_ptr(), y.as_mut_ptr(), x.len() as u64));
+    run(&built(ops::convert(p(x), pm(&mut y), x.len() as u64)));
     y
 }
 
 /// bf16 bits to f32.
 pub fn bf16_to_f32(x: &[u16]) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
-    run!(stride_launch(x.len() as u64), emu_bf16_to_f32(x.as_ptr(), y.as_mut_ptr(), x.len() as u64));
+    run(&built(ops::convert(p(x), pm(&mut y), x.len() as u64)));
     y
 }
 
@@ -251,106 +182,87 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     assert!(cols > 0 && x.len() % cols == 0);
     check("out", out.len(), x.len());
     let rows = u32_of(x.len() / cols);
-    run!(norm_launch(rows), emu_rms_norm(x.as_ptr(), w.as_ptr(), eps, out.as_mut_ptr(), rows, u32_of(cols)));
+    run(&built(ops::rms_norm(p(x), p(w), eps, pm(out), rows, u32_of(cols))));
 }
 
-/// RoPE in place at `positions`, with the cos/sin table the CPU kernel uses.
-pub fn rope(x: &mut [f32], n_heads: usize, positions: &[u32], table: &RopeTable) {
+/// RoPE in place at `positions` (f32, or bf16 rounded once after the rotation), with the
+/// cos/sin table the CPU kernel uses.
+pub fn rope<T: EmuElem>(x: &mut [T], n_heads: usize, positions: &[u32], table: &RopeTable) {
     let d = table.head_dim();
     check("x", x.len(), positions.len() * n_heads * d);
     let (cos, sin) = table.tables();
-    let half = table.rot_dim() / 2;
-    run!(
-        stride_launch((positions.len() * n_heads * half) as u64),
-        emu_rope(
-            x.as_mut_ptr(),
-            u32_of(positions.len()),
-            u32_of(n_heads),
-            u32_of(d),
-            u32_of(table.rot_dim()),
-            u32::from(table.style() == RopeStyle::Interleaved),
-            positions.as_ptr(),
-            cos.as_ptr(),
-            sin.as_ptr(),
-            u32_of(table.table_len()),
-            table.inv_freq().as_ptr(),
-        )
-    );
+    let t = RopeArgs {
+        cos: p(cos),
+        sin: p(sin),
+        table_len: u32_of(table.table_len()),
+        inv_freq: p(table.inv_freq()),
+        head_dim: u32_of(d),
+        rot_dim: u32_of(table.rot_dim()),
+        interleaved: table.style() == RopeStyle::Interleaved,
+    };
+    run(&built(ops::rope(pm(x), u32_of(positions.len()), u32_of(n_heads), p(positions), &t)));
 }
 
-/// Attention with log-sum-exp (the CPU kernel's contract).
+/// Checks the lengths of an attention call (`v`: `None` for the scores, which read no values;
+/// `out_len`: the output's, or `None`) and returns its sizes.
 #[allow(clippy::too_many_arguments)]
-pub fn attention(
+fn attn_dims(
+    shape: &AttnShape,
+    q_len: usize,
+    qpos: &[u32],
+    k_len: usize,
+    v_len: Option<usize>,
+    kpos: &[u32],
+    out_len: Option<usize>,
+    lse_len: usize,
+) -> AttnDims {
+    check("q", q_len, qpos.len() * shape.q_dim());
+    check("k", k_len, kpos.len() * shape.kv_dim());
+    if let Some(v) = v_len {
+        check("v", v, kpos.len() * shape.kv_dim());
+    }
+    if let Some(o) = out_len {
+        check("out", o, q_len);
+    }
+    check("lse", lse_len, qpos.len() * shape.n_heads);
+    let _ = u32_of(qpos.len().max(kpos.len()));
+    AttnDims::of(shape, qpos.len(), kpos.len())
+}
+
+/// The simple attention kernel (f32 queries; f32 or bf16 keys and values).
+#[allow(clippy::too_many_arguments)]
+pub fn attention<T: EmuElem>(
     shape: &AttnShape,
     q: &[f32],
     qpos: &[u32],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     kpos: &[u32],
     out: &mut [f32],
     lse: &mut [f32],
 ) {
     assert!(shape.head_dim <= ATTENTION_MAX_DIM);
-    check("q", q.len(), qpos.len() * shape.q_dim());
-    check("k", k.len(), kpos.len() * shape.kv_dim());
-    check("v", v.len(), kpos.len() * shape.kv_dim());
-    check("out", out.len(), q.len());
-    check("lse", lse.len(), qpos.len() * shape.n_heads);
+    let d = attn_dims(shape, q.len(), qpos, k.len(), Some(v.len()), kpos, Some(out.len()), lse.len());
     if qpos.is_empty() {
         return;
     }
-    run!(
-        attention_launch(u32_of(qpos.len()), u32_of(shape.n_heads)),
-        emu_attention(
-            q.as_ptr(),
-            qpos.as_ptr(),
-            k.as_ptr(),
-            v.as_ptr(),
-            kpos.as_ptr(),
-            out.as_mut_ptr(),
-            lse.as_mut_ptr(),
-            u32_of(qpos.len()),
-            u32_of(kpos.len()),
-            u32_of(shape.n_heads),
-            u32_of(shape.n_kv_heads),
-            u32_of(shape.head_dim),
-            shape.scale,
-        )
-    );
+    run(&built(ops::attention(d, p(q), p(qpos), p(k), p(v), p(kpos), pm(out), pm(lse), shape.scale)));
 }
 
-/// Adds each key's attention mass to `scores`.
+/// The simple per-key attention mass kernel (f32 queries; f32 or bf16 keys).
 #[allow(clippy::too_many_arguments)]
-pub fn attention_scores(
+pub fn attention_scores<T: EmuElem>(
     shape: &AttnShape,
     q: &[f32],
     qpos: &[u32],
-    k: &[f32],
+    k: &[T],
     kpos: &[u32],
     lse: &[f32],
     scores: &mut [f32],
 ) {
-    check("q", q.len(), qpos.len() * shape.q_dim());
-    check("k", k.len(), kpos.len() * shape.kv_dim());
-    check("lse", lse.len(), qpos.len() * shape.n_heads);
+    let d = attn_dims(shape, q.len(), qpos, k.len(), None, kpos, None, lse.len());
     check("scores", scores.len(), kpos.len());
-    run!(
-        stride_launch(kpos.len() as u64),
-        emu_attention_scores(
-            q.as_ptr(),
-            qpos.as_ptr(),
-            k.as_ptr(),
-            kpos.as_ptr(),
-            lse.as_ptr(),
-            scores.as_mut_ptr(),
-            u32_of(qpos.len()),
-            u32_of(kpos.len()),
-            u32_of(shape.n_heads),
-            u32_of(shape.n_kv_heads),
-            u32_of(shape.head_dim),
-            shape.scale,
-        )
-    );
+    run(&built(ops::attention_scores(d, p(q), p(qpos), p(k), p(kpos), p(lse), pm(scores), shape.scale)));
 }
 
 /// Merges `(block_out, block_lse)` into `(out, lse)`.
@@ -358,15 +270,66 @@ pub fn merge_partial(out: &mut [f32], lse: &mut [f32], block_out: &[f32], block_
     check("block_lse", block_lse.len(), lse.len());
     check("out", out.len(), lse.len() * head_dim);
     check("block_out", block_out.len(), lse.len() * head_dim);
-    run!(
-        stride_launch(lse.len() as u64),
-        emu_merge_partial(
-            out.as_mut_ptr(),
-            lse.as_mut_ptr(),
-            block_out.as_ptr(),
-            block_lse.as_ptr(),
-            u32_of(lse.len()),
-            u32_of(head_dim)
-        )
-    );
+    let rows = u32_of(lse.len());
+    run(&built(ops::merge_partial(pm(out), pm(lse), p(block_out), p(block_lse), rows, u32_of(head_dim))));
+}
+
+/// The tensor-core attention (bf16 `q`, `k`, `v`), planned as the backend plans it for a GPU
+/// of `sm_count` SMs, or with `splits` key splits forced; returns the plan it ran.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention(
+    shape: &AttnShape,
+    q: &[u16],
+    qpos: &[u32],
+    k: &[u16],
+    v: &[u16],
+    kpos: &[u32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    sm_count: u32,
+    splits: Option<u32>,
+) -> FlashPlan {
+    let d = attn_dims(shape, q.len(), qpos, k.len(), Some(v.len()), kpos, Some(out.len()), lse.len());
+    let plan = ops::flash_plan(d, sm_count, splits);
+    if qpos.is_empty() {
+        return plan;
+    }
+    let meta = ops::key_meta(kpos);
+    let (po, pl) = ops::flash_partial_lens(d, &plan);
+    let (mut part_out, mut part_lse) = (vec![0f32; po], vec![0f32; pl]);
+    let partial = (plan.splits > 1).then(|| (pm(&mut part_out), pm(&mut part_lse)));
+    let calls =
+        ops::flash_attention(d, &plan, p(q), p(qpos), p(k), p(v), p(&meta), pm(out), pm(lse), partial, shape.scale);
+    run_all(&calls.unwrap_or_else(|e| panic!("{e}")));
+    plan
+}
+
+/// Per-key attention mass on tensor cores (bf16 `q`, `k`), added to `scores`.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_scores(
+    shape: &AttnShape,
+    q: &[u16],
+    qpos: &[u32],
+    k: &[u16],
+    kpos: &[u32],
+    lse: &[f32],
+    scores: &mut [f32],
+) {
+    let d = attn_dims(shape, q.len(), qpos, k.len(), None, kpos, None, lse.len());
+    check("scores", scores.len(), kpos.len());
+    if qpos.is_empty() || kpos.is_empty() {
+        return;
+    }
+    run(&built(ops::flash_scores(d, p(q), p(qpos), p(k), p(kpos), p(lse), pm(scores), shape.scale)));
+}
+
+/// The tensor-core self-check (`probe.cu`, one warp): `(A B through an [n][k] B, A B through
+/// a [k][n] B)` for bf16 `a [16][16]`, `b_nk [n][k]`, `b_kn [k][n]`.
+pub fn probe_mma(a: &[u16], b_nk: &[u16], b_kn: &[u16]) -> (Vec<f32>, Vec<f32>) {
+    for (what, x) in [("a", a), ("b_nk", b_nk), ("b_kn", b_kn)] {
+        check(what, x.len(), 256);
+    }
+    let (mut d_nk, mut d_kn) = (vec![0f32; 256], vec![0f32; 256]);
+    run(&built(ops::probe_mma(p(a), p(b_nk), p(b_kn), pm(&mut d_nk), pm(&mut d_kn))));
+    (d_nk, d_kn)
 }

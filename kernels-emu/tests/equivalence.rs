@@ -1,17 +1,20 @@
 //! Every CUDA kernel, run on the CPU through the launch shim, against the Rust references of
 //! the kernels crate, on seeded random inputs with odd shapes: grouped-query ratios 1, 3 and 7,
 //! lengths that are not multiples of any tile (warp of 32 keys, 4 query rows per block, 256
-//! threads per row), queries that see no key, positions with gaps and repeats.
+//! threads per row), queries that see no key, positions with gaps and repeats. The tensor-core
+//! kernels (flash.cu) have their own file, `tensor_cores.rs`.
 
-use flowprefill_kernels::attention::{attention_ref, attention_scores_ref, AttnShape, KvRef};
+use flowprefill_kernels::attention::{attention_ref, attention_scores_ref, KvRef};
 use flowprefill_kernels::elementwise::{add_assign as cpu_add_assign, add_bias as cpu_add_bias, silu_mul_ref};
 use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::merge::merge_partial as cpu_merge;
 use flowprefill_kernels::norm::rms_norm_ref;
 use flowprefill_kernels::rope::{rope_ref, RopeStyle, RopeTable};
 use flowprefill_kernels_emu as emu;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+
+mod common;
+use common::{assert_close, bf16_ref, case, rand_vec, rng};
+use rand::Rng;
 
 /// Attention outputs (values of order 1) against the f64 reference: f32 accumulation in a
 /// different order (a key per lane, online rescaling per tile of 32).
@@ -31,35 +34,6 @@ const MERGE_TOL: f32 = 2e-6;
 /// Exact: copies, gathers, bias and residual adds, bf16 conversion.
 const EXACT: f32 = 0.0;
 
-fn rng(seed: u64) -> StdRng {
-    StdRng::seed_from_u64(seed)
-}
-
-fn rand_vec(r: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
-    (0..n).map(|_| r.random_range(-amp..amp)).collect()
-}
-
-/// Max of |a - b| / max(1, |b|) (absolute below 1), with infinities required to match.
-fn max_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "lengths");
-    a.iter()
-        .zip(b)
-        .map(|(&x, &y)| {
-            if x.is_infinite() || y.is_infinite() {
-                assert_eq!(x, y, "infinities differ");
-                0.0
-            } else {
-                (x - y).abs() / y.abs().max(1.0)
-            }
-        })
-        .fold(0.0, f32::max)
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    let e = max_err(got, want);
-    assert!(e <= tol, "{what}: max error {e:e} above the tolerance {tol:e}");
-}
-
 #[test]
 fn elementwise_kernels_match_exactly() {
     let mut r = rng(1);
@@ -67,7 +41,7 @@ fn elementwise_kernels_match_exactly() {
     let table = rand_vec(&mut r, 101 * cols, 3.0);
     let ids: Vec<u32> = (0..rows).map(|_| r.random_range(0..101)).collect();
     let mut got = vec![0f32; rows * cols];
-    emu::embedding_f32(&table, cols, &ids, &mut got);
+    emu::embedding(&table, cols, &ids, &mut got);
     let mut want = vec![0f32; rows * cols];
     flowprefill_kernels::elementwise::embedding(&Matrix::new(101, cols, table.clone()).unwrap(), &ids, &mut want)
         .unwrap();
@@ -109,16 +83,6 @@ fn elementwise_kernels_match_exactly() {
     assert!(f.iter().all(|&v| v == f32::NEG_INFINITY));
 }
 
-/// bf16 rounding of the reference: nearest, ties to even (the f32 bits' high half).
-fn bf16_ref(x: f32) -> u16 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) | 0x40) as u16;
-    }
-    let round = 0x7fff + ((b >> 16) & 1);
-    (b.wrapping_add(round) >> 16) as u16
-}
-
 #[test]
 fn bf16_conversions_round_to_nearest_even() {
     let mut r = rng(2);
@@ -141,7 +105,7 @@ fn bf16_conversions_round_to_nearest_even() {
     let table: Vec<u16> = emu::f32_to_bf16(&rand_vec(&mut r, 50 * cols, 2.0));
     let ids = [4u32, 49, 0, 4];
     let mut got = vec![0f32; ids.len() * cols];
-    emu::embedding_bf16(&table, cols, &ids, &mut got);
+    emu::embedding(&table, cols, &ids, &mut got);
     let wide = emu::bf16_to_f32(&table);
     for (i, &id) in ids.iter().enumerate() {
         assert_close("embedding_bf16", &got[i * cols..][..cols], &wide[id as usize * cols..][..cols], EXACT);
@@ -192,34 +156,6 @@ fn rope_matches_the_reference_inside_and_beyond_the_table() {
         rope_ref(&mut want, n_heads, &positions, &table).unwrap();
         assert_close(&format!("rope {style:?} {head_dim}/{rot_dim}"), &got, &want, ROPE_TOL);
     }
-}
-
-struct Case {
-    shape: AttnShape,
-    q: Vec<f32>,
-    qpos: Vec<u32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    kpos: Vec<u32>,
-}
-
-/// `m` queries over `n` keys; `scattered`: positions with gaps and repeats, every seventh query
-/// before all keys (it sees nothing: out 0, lse -inf).
-fn case(r: &mut StdRng, m: usize, n: usize, heads: usize, kv_heads: usize, d: usize, scattered: bool) -> Case {
-    let shape = AttnShape::new(heads, kv_heads, d).unwrap();
-    let (q, k, v) =
-        (rand_vec(r, m * heads * d, 2.0), rand_vec(r, n * kv_heads * d, 2.0), rand_vec(r, n * kv_heads * d, 1.0));
-    let (qpos, kpos) = if scattered {
-        let kpos = (0..n).map(|_| r.random_range(5..3000)).collect();
-        let qpos = (0..m).map(|i| if i % 7 == 0 { r.random_range(0..5) } else { r.random_range(0..3200) }).collect();
-        (qpos, kpos)
-    } else {
-        (
-            (n - m.min(n)..n).map(|p| p as u32).chain((n..).take(m.saturating_sub(n)).map(|p| p as u32)).collect(),
-            (0..n as u32).collect(),
-        )
-    };
-    Case { shape, q, qpos, k, v, kpos }
 }
 
 #[test]

@@ -10,15 +10,18 @@
 // tiles of 32, one key per lane: the lane computes its key's score (the query, pre-scaled to
 // base 2, sits in shared memory), the warp takes the tile's maximum and updates the online
 // softmax; then each lane accumulates its own head_dim / 32 output coordinates over the tile's
-// keys, their probabilities broadcast by shuffles. head_dim <= FP_ATT_MAX_DIM.
+// keys, their probabilities broadcast by shuffles. head_dim <= FP_ATT_MAX_DIM. Keys and values
+// are f32 or bf16 (a bf16 KV cache); the arithmetic is f32 either way. The tensor-core kernel
+// (flash.cu) replaces this one for head_dim 64 and 128 with bf16 K/V.
 
 #define FP_ATT_WARPS 4
 #define FP_ATT_MAX_DIM 256
 #define FP_ATT_PER_LANE (FP_ATT_MAX_DIM / 32)
 
-extern "C" __global__ void fp_attention(const float* q, const u32* qpos, const float* k, const float* v, const u32* kpos,
-                                        float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
-                                        u32 head_dim, float scale) {
+template <typename KV>
+__device__ __forceinline__ void fp_attention_impl(const float* q, const u32* qpos, const KV* k, const KV* v,
+                                                  const u32* kpos, float* out, float* lse, u32 m, u32 n, u32 n_heads,
+                                                  u32 n_kv_heads, u32 head_dim, float scale) {
     __shared__ float q_s[FP_ATT_WARPS][FP_ATT_MAX_DIM];
     u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     u32 h = blockIdx.y;
@@ -41,10 +44,10 @@ extern "C" __global__ void fp_attention(const float* q, const u32* qpos, const f
         u32 j = base + lane;
         float s = -FP_INF;
         if (active && j < n && kpos[j] <= p) {
-            const float* kj = k + (u64)j * kv_stride + (u64)kh * head_dim;
+            const KV* kj = k + (u64)j * kv_stride + (u64)kh * head_dim;
             float dot = 0.0f;
             for (u32 d = 0; d < head_dim; d++) {
-                dot += q_s[warp][d] * kj[d];
+                dot += q_s[warp][d] * fp_ld(kj + d);
             }
             s = dot;
         }
@@ -63,11 +66,11 @@ extern "C" __global__ void fp_attention(const float* q, const u32* qpos, const f
         for (u32 jj = 0; jj < tile; jj++) {
             float wj = __shfl_sync(FP_FULL_MASK, w, jj);
             if (wj != 0.0f) {
-                const float* vj = v + (u64)(base + jj) * kv_stride + (u64)kh * head_dim;
+                const KV* vj = v + (u64)(base + jj) * kv_stride + (u64)kh * head_dim;
                 for (int t = 0; t < FP_ATT_PER_LANE; t++) {
                     u32 d = lane + 32 * t;
                     if (d < head_dim) {
-                        acc[t] += wj * vj[d];
+                        acc[t] += wj * fp_ld(vj + d);
                     }
                 }
             }
@@ -88,4 +91,16 @@ extern "C" __global__ void fp_attention(const float* q, const u32* qpos, const f
     if (lane == 0) {
         lse[(u64)row * n_heads + h] = sum > 0.0f ? (mx + log2f(sum)) * FP_LN2 : -FP_INF;
     }
+}
+
+extern "C" __global__ void fp_attention(const float* q, const u32* qpos, const float* k, const float* v, const u32* kpos,
+                                        float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
+                                        u32 head_dim, float scale) {
+    fp_attention_impl(q, qpos, k, v, kpos, out, lse, m, n, n_heads, n_kv_heads, head_dim, scale);
+}
+
+extern "C" __global__ void fp_attention_kvbf16(const float* q, const u32* qpos, const bf16_t* k, const bf16_t* v,
+                                               const u32* kpos, float* out, float* lse, u32 m, u32 n, u32 n_heads,
+                                               u32 n_kv_heads, u32 head_dim, float scale) {
+    fp_attention_impl(q, qpos, k, v, kpos, out, lse, m, n, n_heads, n_kv_heads, head_dim, scale);
 }

@@ -2,9 +2,18 @@
 // compiles it for a GPU, and included after `cpu_shim.h` when the same source runs on the CPU
 // in the tests. It needs no CUDA header: bf16 is handled as raw bits.
 //
-// Conventions of the kernels: one-dimensional blocks; element counts as 64-bit integers;
-// every thread of a warp takes part in every shuffle (no early return before one); no
-// dynamic shared memory.
+// Conventions of the kernels: element counts as 64-bit integers; every thread of a warp takes
+// part in every shuffle and every tensor-core instruction (no early return before one);
+// dynamic shared memory only through FP_DYNAMIC_SMEM (the shim gives each launch its own);
+// inline PTX only in the wrappers at the end of this file, each with a C++ twin in cpu_shim.h.
+
+// Full unrolling of a loop with a constant trip count (register arrays indexed by the loop
+// variable must not fall back to local memory); nothing on the CPU.
+#ifndef FP_CPU_SHIM
+#define FP_UNROLL _Pragma("unroll")
+#else
+#define FP_UNROLL
+#endif
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -52,3 +61,123 @@ __device__ __forceinline__ u64 fp_gid() {
 __device__ __forceinline__ u64 fp_gstride() {
     return (u64)gridDim.x * blockDim.x;
 }
+
+__device__ __forceinline__ u32 fp_warp_min_u32(u32 v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        v = min(v, __shfl_xor_sync(FP_FULL_MASK, v, o));
+    }
+    return v;
+}
+
+__device__ __forceinline__ u32 fp_warp_max_u32(u32 v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        v = max(v, __shfl_xor_sync(FP_FULL_MASK, v, o));
+    }
+    return v;
+}
+
+// Loads of f32 or bf16 elements as f32 (kernels templated over a buffer's element type).
+__device__ __forceinline__ float fp_ld(const float* p) {
+    return *p;
+}
+__device__ __forceinline__ float fp_ld(const bf16_t* p) {
+    return fp_bf16_to_f32(*p);
+}
+__device__ __forceinline__ void fp_st(float* p, float v) {
+    *p = v;
+}
+__device__ __forceinline__ void fp_st(bf16_t* p, float v) {
+    *p = fp_f32_to_bf16(v);
+}
+
+// Row and column (in elements) that lane `lane` addresses for an ldmatrix.x4 over a 16x16 bf16
+// tile. Rows first: matrices (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15), which
+// gives the A operand of mma.m16n8k16 from a row-major [m][k] tile, and (with .trans) the B
+// operands of two n8 tiles from a [k][n] tile. Columns first: (0-7, 0-7), (0-7, 8-15),
+// (8-15, 0-7), (8-15, 8-15), which gives the B operands of two n8 tiles from an [n][k] tile.
+__device__ __forceinline__ u32 fp_ldm_row_rows_first(u32 lane) {
+    return (lane & 7) + ((lane >> 3) & 1) * 8;
+}
+__device__ __forceinline__ u32 fp_ldm_col_rows_first(u32 lane) {
+    return (lane >> 4) * 8;
+}
+__device__ __forceinline__ u32 fp_ldm_row_cols_first(u32 lane) {
+    return (lane & 7) + (lane >> 4) * 8;
+}
+__device__ __forceinline__ u32 fp_ldm_col_cols_first(u32 lane) {
+    return ((lane >> 3) & 1) * 8;
+}
+
+#ifndef FP_CPU_SHIM
+// ---- Tensor-core and asynchronous-copy wrappers (sm_80 and up): the only inline PTX. ----
+// PTX ISA, "Warp-level matrix fragments for mma.m16n8k16" and "ldmatrix": lane = 4 g + t,
+//   A 16x16 (row): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
+//   B 16x8  (col): b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
+//   C 16x8  (f32): c0, c1 = C[g][2t, 2t+1]; c2, c3 = C[g+8][2t, 2t+1]
+// a b32 register holds two bf16, the lower index in the low half.
+
+// Dynamic shared memory of the launch, 16-byte aligned.
+#define FP_DYNAMIC_SMEM(name)                                       \
+    extern __shared__ __align__(16) unsigned char fp_dynamic_smem[]; \
+    unsigned char* name = fp_dynamic_smem
+
+__device__ __forceinline__ u32 fp_smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// D += A B (bf16 inputs, f32 accumulators).
+__device__ __forceinline__ void fp_mma_bf16_16816(float d[4], const u32 a[4], const u32 b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Four 8x8 bf16 matrices from shared memory; lanes 8i..8i+7 give the rows of matrix i.
+__device__ __forceinline__ void fp_ldmatrix_x4(u32 r[4], const bf16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(fp_smem_addr(row)));
+}
+
+// The same, transposed: r[i] holds (row 2t, column g) and (row 2t+1, column g) of matrix i.
+__device__ __forceinline__ void fp_ldmatrix_x4_trans(u32 r[4], const bf16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(fp_smem_addr(row)));
+}
+
+// 16 bytes global -> shared, asynchronously; only the first src_bytes are read, the rest of
+// the 16 are zero-filled (src_bytes = 0: a zero row, nothing read).
+__device__ __forceinline__ void fp_cp_async16(void* dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fp_smem_addr(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+
+__device__ __forceinline__ void fp_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void fp_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Two floats to a bf16 pair (round to nearest even), lo in the low half.
+__device__ __forceinline__ u32 fp_pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 2^x on the special-function unit (relative error ~2^-22; subnormal results flush to 0).
+__device__ __forceinline__ float fp_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+#endif

@@ -1,21 +1,34 @@
 // Runs flowprefill's CUDA kernels on the CPU, for the tests that compare them with the Rust
 // references on machines without a GPU. It maps the CUDA launch model onto threads:
 //
-//   launch(grid, block):  one launch at a time (like one stream); block.x std::threads,
-//                         created once per launch; each runs every
-//                         block of the grid in turn (blockIdx set per block), with a barrier
-//                         between blocks, so `__shared__` (a function-local static) belongs to
-//                         one block at a time
+//   launch(grid, block, dynamic shared bytes):  one launch at a time (like one stream); one
+//                         std::thread per thread of a block (blocks of 1 to 3 dimensions),
+//                         created once per launch; each runs every block of the grid in turn
+//                         (blockIdx set per block), with barriers between blocks, so
+//                         `__shared__` (a function-local static) and the dynamic shared memory
+//                         (one buffer per launch, refilled with 0xff bytes before every block:
+//                         a read before a write shows up as NaN) belong to one block at a time
 //   __syncthreads()       a barrier of the block's threads
 //   __syncwarp(), shuffles  a barrier of the warp's threads (32, or fewer in a last, partial
 //                         warp) and an exchange array per warp
+//   mma.sync m16n8k16     the lanes scatter their fragments into a per-warp staging tile by the
+//                         PTX ISA's layouts, meet at a barrier, and each computes its four
+//                         outputs (bf16 products are exact in f32; sums in a fixed order)
+//   ldmatrix (.trans)     each lane posts its row address; each reads its words by the layout
+//   cp.async              the 16 destination bytes are poisoned (0xff) at issue and written
+//                         when a wait_group retires the group, so a read without the wait sees
+//                         NaN or an impossible position; a group still in flight when a block
+//                         ends is reported as an error of the launch
 //
 // What it cannot show (the README lists it): races between blocks (blocks run one after the
-// other), memory-ordering and coherence bugs, tensor-core instructions, the real warp
-// scheduler (lanes of a warp are threads that meet at barriers, not lock-step), occupancy and
-// speed. Kernels must keep every lane of a warp in every shuffle, and one-dimensional blocks.
+// other), memory-ordering and coherence bugs, the hardware's summation order inside mma,
+// shared-memory bank conflicts, the real warp scheduler (lanes of a warp are threads that meet
+// at barriers, not lock-step), occupancy and speed. Kernels must keep every lane of a warp in
+// every shuffle, mma and ldmatrix.
 
 #pragma once
+
+#define FP_CPU_SHIM 1
 
 #include <math.h>
 
@@ -24,8 +37,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -40,6 +55,9 @@ struct Warp {
     explicit Warp(std::ptrdiff_t lanes) : bar(lanes) {}
     std::barrier<> bar;
     uint64_t slot[32] = {};
+    // mma staging: A 16x16, B 16x8 (k x n), as floats (bf16 values are exact in f32).
+    float mma_a[16][16] = {};
+    float mma_b[16][8] = {};
 };
 
 struct Block {
@@ -53,22 +71,42 @@ struct Block {
     std::vector<std::unique_ptr<Warp>> warps;
 };
 
+// One 16-byte asynchronous copy: src_bytes from src, zeros after.
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    unsigned src_bytes;
+};
+
 inline thread_local dim3 thread_idx;
+inline thread_local unsigned thread_linear = 0;
 inline thread_local dim3 block_idx;
 inline thread_local Block* block = nullptr;
+inline thread_local std::vector<AsyncCopy> open_group;
+inline thread_local std::deque<std::vector<AsyncCopy>> committed;
 inline dim3 block_dim;
 inline dim3 grid_dim;
+inline std::vector<unsigned char> dynamic_shared;
+inline std::mutex error_lock;
+inline std::string launch_error;
 
-inline Warp& warp() { return *block->warps[thread_idx.x / 32]; }
+inline unsigned lane() { return thread_linear % 32; }
+inline Warp& warp() { return *block->warps[thread_linear / 32]; }
+
+inline void fail(const std::string& what) {
+    std::lock_guard<std::mutex> g(error_lock);
+    if (launch_error.empty()) {
+        launch_error = what;
+    }
+}
 
 template <typename T>
 inline T exchange(T v, unsigned src_lane) {
     static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
     Warp& w = warp();
-    unsigned lane = thread_idx.x % 32;
     uint64_t bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    w.slot[lane] = bits;
+    w.slot[lane()] = bits;
     w.bar.arrive_and_wait();
     uint64_t got = w.slot[src_lane % 32];
     w.bar.arrive_and_wait();
@@ -76,6 +114,8 @@ inline T exchange(T v, unsigned src_lane) {
     std::memcpy(&out, &got, sizeof(T));
     return out;
 }
+
+inline unsigned char* dynamic_smem() { return dynamic_shared.data(); }
 
 }  // namespace fp_shim
 
@@ -89,13 +129,15 @@ inline T exchange(T v, unsigned src_lane) {
 #define __forceinline__ inline
 #define __shared__ static
 #define __restrict__
+#define __launch_bounds__(...)
+#define FP_DYNAMIC_SMEM(name) unsigned char* name = fp_shim::dynamic_smem()
 
 inline void __syncthreads() { fp_shim::block->bar.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { fp_shim::warp().bar.arrive_and_wait(); }
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
-    return fp_shim::exchange(v, (fp_shim::thread_idx.x % 32) ^ (unsigned)lane_mask);
+    return fp_shim::exchange(v, fp_shim::lane() ^ (unsigned)lane_mask);
 }
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src_lane) {
@@ -117,33 +159,154 @@ inline void sincos(double x, double* s, double* c) {
     *s = std::sin(x);
     *c = std::cos(x);
 }
+using std::max;
 using std::min;
+
+// ---- The twins of common.cuh's PTX wrappers. ----
+
+namespace fp_shim {
+inline unsigned short bf16_round(float f) {
+    unsigned x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (unsigned short)((x >> 16) | 0x40u);
+    }
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (unsigned short)(x >> 16);
+}
+inline float bf16_lo(unsigned r) { return __uint_as_float(r << 16); }
+inline float bf16_hi(unsigned r) { return __uint_as_float(r & 0xffff0000u); }
+}  // namespace fp_shim
+
+inline void fp_mma_bf16_16816(float d[4], const unsigned a[4], const unsigned b[2]) {
+    using namespace fp_shim;
+    Warp& w = warp();
+    unsigned g = lane() / 4, t = lane() % 4;
+    w.mma_a[g][2 * t] = bf16_lo(a[0]);
+    w.mma_a[g][2 * t + 1] = bf16_hi(a[0]);
+    w.mma_a[g + 8][2 * t] = bf16_lo(a[1]);
+    w.mma_a[g + 8][2 * t + 1] = bf16_hi(a[1]);
+    w.mma_a[g][2 * t + 8] = bf16_lo(a[2]);
+    w.mma_a[g][2 * t + 9] = bf16_hi(a[2]);
+    w.mma_a[g + 8][2 * t + 8] = bf16_lo(a[3]);
+    w.mma_a[g + 8][2 * t + 9] = bf16_hi(a[3]);
+    w.mma_b[2 * t][g] = bf16_lo(b[0]);
+    w.mma_b[2 * t + 1][g] = bf16_hi(b[0]);
+    w.mma_b[2 * t + 8][g] = bf16_lo(b[1]);
+    w.mma_b[2 * t + 9][g] = bf16_hi(b[1]);
+    w.bar.arrive_and_wait();
+    for (int e = 0; e < 4; e++) {
+        unsigned row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+        float acc = 0.0f;
+        for (int k = 0; k < 16; k++) {
+            acc += w.mma_a[row][k] * w.mma_b[k][col];
+        }
+        d[e] += acc;
+    }
+    w.bar.arrive_and_wait();
+}
+
+namespace fp_shim {
+template <bool Trans>
+inline void ldmatrix_x4(unsigned r[4], const unsigned short* row) {
+    Warp& w = warp();
+    unsigned l = lane(), g = l / 4, t = l % 4;
+    uint64_t addr = (uint64_t)(uintptr_t)row;
+    if (addr % 16 != 0) {
+        fail("ldmatrix: a row address is not 16-byte aligned");
+    }
+    w.slot[l] = addr;
+    w.bar.arrive_and_wait();
+    for (int i = 0; i < 4; i++) {
+        unsigned short lo, hi;
+        if (Trans) {
+            lo = ((const unsigned short*)(uintptr_t)w.slot[8 * i + 2 * t])[g];
+            hi = ((const unsigned short*)(uintptr_t)w.slot[8 * i + 2 * t + 1])[g];
+        } else {
+            const unsigned short* p = (const unsigned short*)(uintptr_t)w.slot[8 * i + g];
+            lo = p[2 * t];
+            hi = p[2 * t + 1];
+        }
+        r[i] = (unsigned)lo | ((unsigned)hi << 16);
+    }
+    w.bar.arrive_and_wait();
+}
+}  // namespace fp_shim
+
+inline void fp_ldmatrix_x4(unsigned r[4], const unsigned short* row) { fp_shim::ldmatrix_x4<false>(r, row); }
+inline void fp_ldmatrix_x4_trans(unsigned r[4], const unsigned short* row) { fp_shim::ldmatrix_x4<true>(r, row); }
+
+inline void fp_cp_async16(void* dst, const void* src, unsigned src_bytes) {
+    if ((uintptr_t)dst % 16 != 0 || (src_bytes > 0 && (uintptr_t)src % 16 != 0) || src_bytes > 16) {
+        fp_shim::fail("cp.async: a misaligned address or more than 16 bytes");
+    }
+    std::memset(dst, 0xff, 16);
+    fp_shim::open_group.push_back({dst, src, src_bytes});
+}
+
+inline void fp_cp_async_commit() {
+    fp_shim::committed.push_back(std::move(fp_shim::open_group));
+    fp_shim::open_group.clear();
+}
+
+template <int N>
+inline void fp_cp_async_wait() {
+    while (fp_shim::committed.size() > (size_t)N) {
+        for (const fp_shim::AsyncCopy& c : fp_shim::committed.front()) {
+            std::memcpy(c.dst, c.src, c.src_bytes);
+            std::memset((unsigned char*)c.dst + c.src_bytes, 0, 16 - c.src_bytes);
+        }
+        fp_shim::committed.pop_front();
+    }
+}
+
+inline unsigned fp_pack_bf16x2(float lo, float hi) {
+    return (unsigned)fp_shim::bf16_round(lo) | ((unsigned)fp_shim::bf16_round(hi) << 16);
+}
+
+inline float fp_exp2(float x) { return exp2f(x); }
 
 namespace fp_shim {
 
-// One launch at a time, like one stream: `blockDim`, `gridDim` and every `__shared__` array
-// are process-wide here, so two launches from two threads would share them.
+// One launch at a time, like one stream: `blockDim`, `gridDim`, the dynamic shared memory and
+// every `__shared__` array are process-wide here, so two launches from two threads would
+// share them.
 inline std::mutex launch_lock;
 
-// Runs `kernel(args...)` over `grid` x `block` (one-dimensional blocks).
+// Runs `kernel(args...)` over `grid` x `block` with `shared_bytes` of dynamic shared memory.
+// Returns the first error a primitive reported (empty: none).
 template <typename... P, typename... A>
-void launch(dim3 grid, dim3 block_shape, void (*kernel)(P...), A... args) {
+std::string launch(dim3 grid, dim3 block_shape, unsigned shared_bytes, void (*kernel)(P...), A... args) {
     std::lock_guard<std::mutex> one_at_a_time(launch_lock);
-    unsigned threads = block_shape.x;
+    unsigned threads = block_shape.x * block_shape.y * block_shape.z;
     block_dim = block_shape;
     grid_dim = grid;
+    launch_error.clear();
+    dynamic_shared.assign(shared_bytes + 16, 0xff);
     Block shared_block(threads);
     std::vector<std::thread> pool;
     pool.reserve(threads);
     for (unsigned t = 0; t < threads; t++) {
         pool.emplace_back([&, t] {
-            thread_idx = dim3(t, 0, 0);
+            thread_linear = t;
+            thread_idx = dim3(t % block_shape.x, (t / block_shape.x) % block_shape.y,
+                              t / (block_shape.x * block_shape.y));
             block = &shared_block;
+            open_group.clear();
+            committed.clear();
             for (unsigned z = 0; z < grid.z; z++) {
                 for (unsigned y = 0; y < grid.y; y++) {
                     for (unsigned x = 0; x < grid.x; x++) {
                         block_idx = dim3(x, y, z);
+                        if (t == 0) {
+                            std::fill(dynamic_shared.begin(), dynamic_shared.end(), 0xff);
+                        }
+                        shared_block.bar.arrive_and_wait();
                         kernel(args...);
+                        if (!committed.empty() || !open_group.empty()) {
+                            fail("cp.async groups still in flight when a block ended (a missing wait_group)");
+                            open_group.clear();
+                            committed.clear();
+                        }
                         shared_block.bar.arrive_and_wait();
                     }
                 }
@@ -153,6 +316,7 @@ void launch(dim3 grid, dim3 block_shape, void (*kernel)(P...), A... args) {
     for (auto& th : pool) {
         th.join();
     }
+    return launch_error;
 }
 
 }  // namespace fp_shim

@@ -1,27 +1,90 @@
-//! `cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench`:
-//! the CUDA attention kernel on causal prefill shapes, in TFLOP/s and as a share of the
-//! device's FP32 (non-tensor-core) peak from its spec sheet. The kernel runs on the FP32 cores
-//! (no tensor cores yet), so that is the peak it can be held to. Needs a GPU.
+//! `cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench`
+//! (`-- --quick` for fewer shapes and runs): the CUDA attention kernels on prefill and decode
+//! shapes, the tensor-core kernel (bf16 K/V, `flash.cu`) beside the simple FP32-core kernel
+//! (f32 K/V, `attention.cu`). Prefill: median ms, TFLOP/s (4 x head_dim x heads x visible
+//! pairs, the convention of FlashAttention's and PyTorch's figures) and the share of the dense
+//! BF16 tensor peak of the device's spec sheet (H100 SXM 989). Decode (one query over N keys):
+//! median ms and the K/V bytes read per second. Timed with the stream synchronized around each
+//! run, after a warm-up; needs a GPU.
 
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::cuda::{devices, CudaBackend, WeightType};
-use flowprefill_kernels::Backend;
+use flowprefill_kernels::{Backend, DType};
 use std::time::Instant;
 
-/// Spec-sheet FP32 peaks (TFLOP/s, non-tensor), by a part of the device name.
-const FP32_PEAK_TFLOPS: &[(&str, f64)] = &[
-    ("H100 PCIe", 51.2),
-    ("H100", 66.9),
-    ("H200", 66.9),
-    ("A100", 19.5),
-    ("L40S", 91.6),
-    ("L4", 30.3),
-    ("A10", 31.2),
-    ("RTX 4090", 82.6),
-    ("V100", 15.7),
+/// Spec-sheet dense BF16 tensor-core peaks (TFLOP/s) and memory bandwidths (TB/s), by a part of
+/// the device name (the first match wins: put specific names first).
+const PEAKS: &[(&str, f64, f64)] = &[
+    ("H100 PCIe", 756.0, 2.0),
+    ("H100 NVL", 835.0, 3.9),
+    ("H100", 989.0, 3.35),
+    ("H200", 989.0, 4.8),
+    ("A100", 312.0, 2.0),
+    ("L40S", 362.0, 0.86),
+    ("L4", 121.0, 0.3),
+    ("RTX 4090", 165.0, 1.0),
 ];
 
+/// PyTorch SDPA (bf16, causal) on one H100 80GB HBM3, measured 2026-11-23
+/// (`../shared/notes/gpu-measured.md`): (n, heads, kv heads, head_dim, TFLOP/s).
+const SDPA_H100: &[(usize, usize, usize, usize, f64)] =
+    &[(2048, 9, 3, 64, 91.6), (8192, 14, 2, 64, 240.9), (8192, 32, 8, 128, 319.9), (32768, 32, 8, 128, 349.3)];
+
+fn fill(len: usize, seed: usize) -> Vec<f32> {
+    (0..len).map(|i| (((i + seed) * 2654435761) % 1000) as f32 / 1000.0 - 0.5).collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+struct Bufs {
+    q: flowprefill_kernels::cuda::DeviceBuf,
+    k: flowprefill_kernels::cuda::DeviceBuf,
+    v: flowprefill_kernels::cuda::DeviceBuf,
+    out: flowprefill_kernels::cuda::DeviceBuf,
+    lse: flowprefill_kernels::cuda::DeviceBuf,
+}
+
+fn buffers(be: &CudaBackend, m: usize, n: usize, h: usize, kv: usize, d: usize, dtype: DType) -> Bufs {
+    let ok = |e: flowprefill_kernels::KernelError| -> ! { panic!("{e}") };
+    let kvd = kv * d;
+    let typed = |seed| {
+        let mut b = be.zeros_as(n * kvd, dtype).unwrap_or_else(|e| ok(e));
+        be.copy_columns(&be.upload(&fill(n * kvd, seed)).unwrap_or_else(|e| ok(e)), kvd, 0, kvd, &mut b)
+            .unwrap_or_else(|e| ok(e));
+        b
+    };
+    Bufs {
+        q: be.upload(&fill(m * h * d, 1)).unwrap_or_else(|e| ok(e)),
+        k: typed(2),
+        v: typed(3),
+        out: be.zeros(m * h * d).unwrap_or_else(|e| ok(e)),
+        lse: be.zeros(m * h).unwrap_or_else(|e| ok(e)),
+    }
+}
+
+/// Median seconds of `runs` calls of `attention` (after one warm-up).
+fn time(be: &CudaBackend, shape: &AttnShape, b: &mut Bufs, qpos: &[u32], kpos: &[u32], runs: usize) -> f64 {
+    let mut run = || {
+        be.attention(shape, &b.q, qpos, &b.k, &b.v, kpos, &mut b.out, &mut b.lse).unwrap_or_else(|e| panic!("{e}"));
+        be.synchronize().unwrap_or_else(|e| panic!("{e}"));
+    };
+    run();
+    median(
+        (0..runs)
+            .map(|_| {
+                let t = Instant::now();
+                run();
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
 fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
     let list = match devices() {
         Ok(l) if !l.is_empty() => l,
         other => {
@@ -30,46 +93,80 @@ fn main() {
         }
     };
     let d = &list[0];
-    let peak = FP32_PEAK_TFLOPS.iter().find(|(n, _)| d.name.contains(n)).map(|p| p.1);
+    let (peak, bw) = PEAKS.iter().find(|(n, _, _)| d.name.contains(n)).map_or((None, None), |p| (Some(p.1), Some(p.2)));
+    let be = CudaBackend::new(0, WeightType::Bf16, DType::Bf16).unwrap_or_else(|e| panic!("{e}"));
     println!(
-        "{} (sm_{}{}), FP32 peak {}",
+        "{} (sm_{}{}, {} SMs), dense BF16 peak {}, memory {}",
         d.name,
         d.compute_capability.0,
         d.compute_capability.1,
-        peak.map_or("unknown".into(), |p| format!("{p} TFLOP/s"))
+        be.sm_count(),
+        peak.map_or("unknown".into(), |p| format!("{p} TFLOP/s")),
+        bw.map_or("unknown".into(), |b| format!("{b} TB/s"))
     );
-    let be = CudaBackend::new(0, WeightType::Bf16).unwrap_or_else(|e| panic!("{e}"));
-    // (tokens, query heads, KV heads, head_dim): SmolLM2-135M, Qwen2.5-0.5B, Llama-3.1-8B.
-    for &(n, h, kv, dim) in
-        &[(2048usize, 9usize, 3usize, 64usize), (8192, 14, 2, 64), (8192, 32, 8, 128), (32768, 32, 8, 128)]
-    {
+    let runs = if quick { 5 } else { 21 };
+    println!("\nprefill (causal), median of {runs}; old = simple kernel (f32 K/V, FP32 cores), new = tensor cores (bf16 K/V)");
+    println!(
+        "{:>6} {:>9} {:>4} {:>11} {:>9} {:>11} {:>9} {:>7} {:>7} {:>12}",
+        "n", "heads", "d", "old ms", "old TF/s", "new ms", "new TF/s", "% peak", "x old", "SDPA H100"
+    );
+    let mut shapes: Vec<(usize, usize, usize, usize)> = vec![
+        (2048, 9, 3, 64),
+        (4096, 14, 2, 64),
+        (8192, 14, 2, 64),
+        (2048, 32, 8, 128),
+        (8192, 32, 8, 128),
+        (16384, 32, 8, 128),
+        (32768, 32, 8, 128),
+        (32768, 14, 2, 64),
+    ];
+    if quick {
+        shapes.retain(|s| s.0 <= 8192);
+    }
+    for &(n, h, kv, dim) in &shapes {
         let shape = AttnShape::new(h, kv, dim).unwrap_or_else(|e| panic!("{e}"));
-        let fill = |len: usize| (0..len).map(|i| ((i * 2654435761) % 1000) as f32 / 1000.0 - 0.5).collect::<Vec<f32>>();
-        let (q, k, v) = (
-            be.upload(&fill(n * h * dim)).unwrap(),
-            be.upload(&fill(n * kv * dim)).unwrap(),
-            be.upload(&fill(n * kv * dim)).unwrap(),
-        );
         let pos: Vec<u32> = (0..n as u32).collect();
-        let (mut out, mut lse) = (be.zeros(n * h * dim).unwrap(), be.zeros(n * h).unwrap());
-        let mut run = || {
-            be.attention(&shape, &q, &pos, &k, &v, &pos, &mut out, &mut lse).unwrap_or_else(|e| panic!("{e}"));
-            be.synchronize().unwrap_or_else(|e| panic!("{e}"));
-        };
-        run();
-        let runs = 5;
-        let mut times: Vec<f64> = (0..runs)
-            .map(|_| {
-                let t = Instant::now();
-                run();
-                t.elapsed().as_secs_f64()
-            })
-            .collect();
-        times.sort_by(|a, b| a.total_cmp(b));
-        let s = times[runs / 2];
-        // Causal: n^2/2 visible pairs, two products of 2*head_dim flops per pair and head.
-        let tflops = (n * n) as f64 / 2.0 * (h * dim) as f64 * 4.0 / s / 1e12;
-        let share = peak.map_or(String::new(), |p| format!("  {:.1}% of peak", 100.0 * tflops / p));
-        println!("attention n={n:>6} heads {h}/{kv} d={dim}: {:9.3} ms  {tflops:7.2} TFLOP/s{share}", s * 1e3);
+        let flops = (n * (n + 1)) as f64 / 2.0 * (h * dim) as f64 * 4.0;
+        let mut nb = buffers(&be, n, n, h, kv, dim, DType::Bf16);
+        let new = time(&be, &shape, &mut nb, &pos, &pos, runs);
+        drop(nb);
+        // The old kernel takes seconds at 32K: a few runs, and only up to 16K unless asked.
+        let old = (n <= 16384 || std::env::args().any(|a| a == "--old-all")).then(|| {
+            let mut ob = buffers(&be, n, n, h, kv, dim, DType::F32);
+            time(&be, &shape, &mut ob, &pos, &pos, 3)
+        });
+        let tf = |s: f64| flops / s / 1e12;
+        let sdpa = SDPA_H100.iter().find(|s| (s.0, s.1, s.2, s.3) == (n, h, kv, dim)).map(|s| s.4);
+        println!(
+            "{n:>6} {:>9} {dim:>4} {:>11} {:>9} {:>11.3} {:>9.1} {:>7} {:>7} {:>12}",
+            format!("{h}/{kv}"),
+            old.map_or("-".into(), |s| format!("{:.3}", s * 1e3)),
+            old.map_or("-".into(), |s| format!("{:.2}", tf(s))),
+            new * 1e3,
+            tf(new),
+            peak.map_or("-".into(), |p| format!("{:.1}%", 100.0 * tf(new) / p)),
+            old.map_or("-".into(), |s| format!("{:.0}x", s / new)),
+            sdpa.map_or("-".into(), |t| format!("{t:.1} TF/s")),
+        );
+    }
+    println!("\ndecode (one query over n keys), median of {runs}");
+    println!("{:>6} {:>9} {:>4} {:>11} {:>11} {:>9} {:>9}", "n", "heads", "d", "old ms", "new ms", "GB/s", "% of BW");
+    for &(n, h, kv, dim) in &[(8192, 9, 3, 64), (32768, 9, 3, 64), (8192, 32, 8, 128), (32768, 32, 8, 128)] {
+        let shape = AttnShape::new(h, kv, dim).unwrap_or_else(|e| panic!("{e}"));
+        let kpos: Vec<u32> = (0..n as u32).collect();
+        let qpos = [n as u32];
+        let mut nb = buffers(&be, 1, n, h, kv, dim, DType::Bf16);
+        let new = time(&be, &shape, &mut nb, &qpos, &kpos, runs);
+        drop(nb);
+        let mut ob = buffers(&be, 1, n, h, kv, dim, DType::F32);
+        let old = time(&be, &shape, &mut ob, &qpos, &kpos, runs.min(5));
+        let gbs = (2 * n * kv * dim * 2) as f64 / new / 1e9;
+        println!(
+            "{n:>6} {:>9} {dim:>4} {:>11.3} {:>11.3} {gbs:>9.0} {:>9}",
+            format!("{h}/{kv}"),
+            old * 1e3,
+            new * 1e3,
+            bw.map_or("-".into(), |b| format!("{:.1}%", 100.0 * gbs / (b * 1e3)))
+        );
     }
 }

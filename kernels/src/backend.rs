@@ -4,6 +4,12 @@
 //! device backend (CUDA: cuBLAS GEMMs + NVRTC kernels) implements this trait and runs the same
 //! model code; there is no second copy of the layer math. Positions and token ids stay on the
 //! host (they are small and the scheduler owns them).
+//!
+//! Buffers have an element type ([`DType`]): activations, outputs and log-sum-exps are f32;
+//! key/value caches are [`Backend::kv_dtype`] (bf16 halves their memory and the bytes that
+//! cross the network). Lengths are always counted in elements. The ops that read or write
+//! caches take both types (copies, gathers, RoPE, attention's K and V, the scores' K); the
+//! others take f32 and refuse anything else with [`KernelError::Dtype`].
 
 use crate::attention::{self, AttnShape, KvRef};
 use crate::error::{check_len, KernelError, Result};
@@ -11,25 +17,197 @@ use crate::matmul::{self, Matrix};
 use crate::rope::{self, RopeTable};
 use crate::{elementwise, merge, norm};
 
-/// Device operations over f32 buffers. Every op checks lengths and returns a typed error.
+/// Element type of a buffer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit float.
+    #[default]
+    F32,
+    /// bfloat16 (the upper half of an f32), rounded to nearest even when stored.
+    Bf16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 => 2,
+        }
+    }
+
+    /// `f32` or `bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+        }
+    }
+
+    /// The code that identifies it on the wire.
+    pub fn code(self) -> u32 {
+        match self {
+            DType::F32 => 0,
+            DType::Bf16 => 1,
+        }
+    }
+
+    /// The type of a wire code.
+    pub fn from_code(code: u32) -> Option<Self> {
+        match code {
+            0 => Some(DType::F32),
+            1 => Some(DType::Bf16),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" => Ok(DType::F32),
+            "bf16" => Ok(DType::Bf16),
+            other => Err(format!("`{other}`: give bf16 or f32")),
+        }
+    }
+}
+
+/// bf16 bits of `x`, rounding to nearest even (NaN stays NaN): what every bf16 store does, on
+/// the CPU and in the CUDA kernels (`fp_f32_to_bf16`).
+pub fn to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// The f32 value of bf16 bits.
+pub fn from_bf16(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// A buffer in host memory: the CPU backend's buffers, and what a transport stages a device
+/// buffer into.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostBuf {
+    /// f32 values.
+    F32(Vec<f32>),
+    /// bf16 bits.
+    Bf16(Vec<u16>),
+}
+
+impl Default for HostBuf {
+    fn default() -> Self {
+        HostBuf::F32(Vec::new())
+    }
+}
+
+impl From<Vec<f32>> for HostBuf {
+    fn from(v: Vec<f32>) -> Self {
+        HostBuf::F32(v)
+    }
+}
+
+impl HostBuf {
+    /// `len` zeros of `dtype`.
+    pub fn zeros(len: usize, dtype: DType) -> Self {
+        match dtype {
+            DType::F32 => HostBuf::F32(vec![0.0; len]),
+            DType::Bf16 => HostBuf::Bf16(vec![0; len]),
+        }
+    }
+
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        match self {
+            HostBuf::F32(v) => v.len(),
+            HostBuf::Bf16(v) => v.len(),
+        }
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostBuf::F32(_) => DType::F32,
+            HostBuf::Bf16(_) => DType::Bf16,
+        }
+    }
+
+    /// The values as f32 (bf16 widened exactly).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            HostBuf::F32(v) => v.clone(),
+            HostBuf::Bf16(v) => v.iter().map(|&b| from_bf16(b)).collect(),
+        }
+    }
+
+    /// The f32 values, or a [`KernelError::Dtype`] naming `op` and `what`.
+    pub fn f32s(&self, op: &'static str, what: &str) -> Result<&Vec<f32>> {
+        match self {
+            HostBuf::F32(v) => Ok(v),
+            HostBuf::Bf16(_) => Err(f32_only(op, what)),
+        }
+    }
+
+    /// The f32 values, writable.
+    pub fn f32s_mut(&mut self, op: &'static str, what: &str) -> Result<&mut Vec<f32>> {
+        match self {
+            HostBuf::F32(v) => Ok(v),
+            HostBuf::Bf16(_) => Err(f32_only(op, what)),
+        }
+    }
+}
+
+/// The error of an op that takes only f32 buffers.
+pub fn f32_only(op: &'static str, what: &str) -> KernelError {
+    KernelError::Dtype { op, detail: format!("{what} holds bf16 values; this operation takes f32") }
+}
+
+/// Device operations over typed buffers. Every op checks lengths and element types and
+/// returns a typed error.
 pub trait Backend: Send + Sync + 'static {
-    /// A contiguous f32 buffer on the device.
+    /// A contiguous buffer on the device, of one [`DType`].
     type Buf: Send + Sync + 'static;
     /// A weight matrix `[out, in]` prepared for [`Backend::matmul_t`].
     type Mat: Send + Sync;
 
     /// Short name for logs and errors.
     fn name(&self) -> &'static str;
-    /// Copies host data to a new device buffer.
+    /// Copies host data to a new f32 device buffer.
     fn upload(&self, host: &[f32]) -> Result<Self::Buf>;
-    /// Copies a device buffer to the host.
+    /// Copies a device buffer to the host, as f32 (bf16 widened exactly).
     fn download(&self, buf: &Self::Buf) -> Result<Vec<f32>>;
-    /// Copies `buf[start..start+len]` to the host.
+    /// Copies `buf[start..start+len]` to the host, as f32.
     fn download_range(&self, buf: &Self::Buf, start: usize, len: usize) -> Result<Vec<f32>>;
-    /// A zeroed buffer.
-    fn zeros(&self, len: usize) -> Result<Self::Buf>;
-    /// Length in f32 elements.
+    /// A zeroed f32 buffer.
+    fn zeros(&self, len: usize) -> Result<Self::Buf> {
+        self.zeros_as(len, DType::F32)
+    }
+    /// A zeroed buffer of `dtype`.
+    fn zeros_as(&self, len: usize, dtype: DType) -> Result<Self::Buf>;
+    /// Element type of a buffer.
+    fn dtype(&self, buf: &Self::Buf) -> DType;
+    /// Element type of the key/value caches on this backend (`--kv-dtype`).
+    fn kv_dtype(&self) -> DType;
+    /// Length in elements.
     fn len(&self, buf: &Self::Buf) -> usize;
+    /// Size in bytes (length times element size).
+    fn bytes(&self, buf: &Self::Buf) -> usize {
+        self.len(buf) * self.dtype(buf).size()
+    }
     /// Resizes `buf` to `len` elements (new elements are zero; contents up to `len` kept).
     fn resize(&self, buf: &mut Self::Buf, len: usize) -> Result<()>;
     /// Makes room for `capacity` elements without changing the contents, so that appends up to
@@ -88,7 +266,8 @@ pub trait Backend: Send + Sync + 'static {
     fn silu_mul(&self, gate_up: &Self::Buf, ffn: usize, out: &mut Self::Buf) -> Result<()>;
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf) -> Result<()>;
-    /// Columns `[col, col+width)` of a `[rows, src_cols]` matrix into `dst`.
+    /// Columns `[col, col+width)` of a `[rows, src_cols]` matrix into `dst`, converting
+    /// between f32 and bf16 when their types differ (f32 to bf16 rounds to nearest even).
     fn copy_columns(
         &self,
         src: &Self::Buf,
@@ -97,7 +276,8 @@ pub trait Backend: Send + Sync + 'static {
         width: usize,
         dst: &mut Self::Buf,
     ) -> Result<()>;
-    /// Copies row `src_rows[i]` of `src` to row `dst_rows[i]` of `dst` (rows of `row_len`).
+    /// Copies row `src_rows[i]` of `src` to row `dst_rows[i]` of `dst` (rows of `row_len`; the
+    /// same element type).
     fn copy_rows(
         &self,
         src: &Self::Buf,
@@ -106,24 +286,45 @@ pub trait Backend: Send + Sync + 'static {
         dst_rows: &[usize],
         row_len: usize,
     ) -> Result<()>;
-    /// Appends all of `src` to the end of `dst`.
+    /// Appends all of `src` to the end of `dst` (the same element type).
     fn append(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
 
+    /// A buffer's exact contents in host memory, in its own element type.
+    fn download_typed(&self, buf: &Self::Buf) -> Result<HostBuf>;
+    /// A device buffer with exactly these contents and element type.
+    fn upload_typed(&self, host: &HostBuf) -> Result<Self::Buf>;
+
     /// Copies a buffer to the host for a transport that moves host memory (the thread and MPI
-    /// communicators). Separate from [`Backend::download`] so that a transport's staging can be
-    /// told apart from the copies the steps make themselves (a device transport makes none).
-    fn stage_out(&self, buf: &Self::Buf) -> Result<Vec<f32>> {
-        self.download(buf)
+    /// communicators), in its own element type (a bf16 buffer crosses the network as bf16).
+    /// Separate from [`Backend::download_typed`] so that a transport's staging can be told apart
+    /// from the copies the steps make themselves (a device transport makes none).
+    fn stage_out(&self, buf: &Self::Buf) -> Result<HostBuf> {
+        self.download_typed(buf)
     }
     /// The receiving side of [`Backend::stage_out`].
-    fn stage_in(&self, host: &[f32]) -> Result<Self::Buf> {
-        self.upload(host)
+    fn stage_in(&self, host: &HostBuf) -> Result<Self::Buf> {
+        self.upload_typed(host)
     }
 }
 
-/// The CPU backend: rayon threads, runtime-dispatched SIMD, `gemm` micro-kernels.
+/// The CPU backend: rayon threads, runtime-dispatched SIMD, `gemm` micro-kernels. Its KV
+/// caches are f32 unless made with [`Cpu::with_kv_dtype`] (bf16 halves their memory; the
+/// attention widens bf16 keys and values to f32 per call).
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Cpu;
+pub struct Cpu {
+    kv: DType,
+}
+
+/// The CPU backend with f32 KV caches (the default): `Cpu.matmul_t(..)`, `LoadedModel::load(.., Cpu)`.
+#[allow(non_upper_case_globals)]
+pub const Cpu: Cpu = Cpu { kv: DType::F32 };
+
+impl Cpu {
+    /// A CPU backend whose KV caches hold `kv` elements.
+    pub fn with_kv_dtype(kv: DType) -> Self {
+        Self { kv }
+    }
+}
 
 fn check_rows(op: &'static str, len: usize, rows: &[usize], row_len: usize) -> Result<()> {
     if let Some(&r) = rows.iter().find(|&&r| (r + 1) * row_len > len) {
@@ -135,37 +336,71 @@ fn check_rows(op: &'static str, len: usize, rows: &[usize], row_len: usize) -> R
     Ok(())
 }
 
+/// The f32 view of a key or value buffer: borrowed when f32, widened when bf16.
+fn widened(b: &HostBuf) -> std::borrow::Cow<'_, [f32]> {
+    match b {
+        HostBuf::F32(v) => std::borrow::Cow::Borrowed(v.as_slice()),
+        HostBuf::Bf16(_) => std::borrow::Cow::Owned(b.to_f32()),
+    }
+}
+
+fn same_dtype(op: &'static str, a: &HostBuf, b: &HostBuf) -> Result<()> {
+    if a.dtype() == b.dtype() {
+        Ok(())
+    } else {
+        Err(KernelError::Dtype { op, detail: format!("a {} buffer and a {} buffer", a.dtype(), b.dtype()) })
+    }
+}
+
 impl Backend for Cpu {
-    type Buf = Vec<f32>;
+    type Buf = HostBuf;
     type Mat = Matrix;
 
     fn name(&self) -> &'static str {
         "cpu"
     }
-    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
-        Ok(host.to_vec())
+    fn upload(&self, host: &[f32]) -> Result<HostBuf> {
+        Ok(HostBuf::F32(host.to_vec()))
     }
-    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
-        Ok(buf.clone())
+    fn download(&self, buf: &HostBuf) -> Result<Vec<f32>> {
+        Ok(buf.to_f32())
     }
-    fn download_range(&self, buf: &Vec<f32>, start: usize, len: usize) -> Result<Vec<f32>> {
-        buf.get(start..start + len).map(<[f32]>::to_vec).ok_or_else(|| KernelError::Shape {
+    fn download_range(&self, buf: &HostBuf, start: usize, len: usize) -> Result<Vec<f32>> {
+        let range = || KernelError::Shape {
             op: "download_range",
             detail: format!("range {start}..{} of a buffer of {}", start + len, buf.len()),
-        })
+        };
+        match buf {
+            HostBuf::F32(v) => v.get(start..start + len).map(<[f32]>::to_vec).ok_or_else(range),
+            HostBuf::Bf16(v) => {
+                v.get(start..start + len).map(|s| s.iter().map(|&b| from_bf16(b)).collect()).ok_or_else(range)
+            }
+        }
     }
-    fn zeros(&self, len: usize) -> Result<Vec<f32>> {
-        Ok(vec![0.0; len])
+    fn zeros_as(&self, len: usize, dtype: DType) -> Result<HostBuf> {
+        Ok(HostBuf::zeros(len, dtype))
     }
-    fn len(&self, buf: &Vec<f32>) -> usize {
+    fn dtype(&self, buf: &HostBuf) -> DType {
+        buf.dtype()
+    }
+    fn kv_dtype(&self) -> DType {
+        self.kv
+    }
+    fn len(&self, buf: &HostBuf) -> usize {
         buf.len()
     }
-    fn resize(&self, buf: &mut Vec<f32>, len: usize) -> Result<()> {
-        buf.resize(len, 0.0);
+    fn resize(&self, buf: &mut HostBuf, len: usize) -> Result<()> {
+        match buf {
+            HostBuf::F32(v) => v.resize(len, 0.0),
+            HostBuf::Bf16(v) => v.resize(len, 0),
+        }
         Ok(())
     }
-    fn reserve(&self, buf: &mut Vec<f32>, capacity: usize) -> Result<()> {
-        buf.reserve(capacity.saturating_sub(buf.len()));
+    fn reserve(&self, buf: &mut HostBuf, capacity: usize) -> Result<()> {
+        match buf {
+            HostBuf::F32(v) => v.reserve(capacity.saturating_sub(v.len())),
+            HostBuf::Bf16(v) => v.reserve(capacity.saturating_sub(v.len())),
+        }
         Ok(())
     }
     fn matrix(&self, m: Matrix) -> Result<Matrix> {
@@ -174,90 +409,183 @@ impl Backend for Cpu {
     fn mat_shape(&self, m: &Matrix) -> (usize, usize) {
         (m.rows(), m.cols())
     }
-    fn embedding(&self, table: &Matrix, ids: &[u32], out: &mut Vec<f32>) -> Result<()> {
-        elementwise::embedding(table, ids, out)
+    fn embedding(&self, table: &Matrix, ids: &[u32], out: &mut HostBuf) -> Result<()> {
+        elementwise::embedding(table, ids, out.f32s_mut("embedding", "out")?)
     }
-    fn matmul_t(&self, x: &Vec<f32>, rows: usize, w: &Matrix, out: &mut Vec<f32>) -> Result<()> {
-        matmul::matmul_t(x, rows, w, out)
+    fn matmul_t(&self, x: &HostBuf, rows: usize, w: &Matrix, out: &mut HostBuf) -> Result<()> {
+        matmul::matmul_t(x.f32s("matmul_t", "x")?, rows, w, out.f32s_mut("matmul_t", "out")?)
     }
-    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>) -> Result<()> {
-        elementwise::add_bias(x, bias)
+    fn add_bias(&self, x: &mut HostBuf, bias: &HostBuf) -> Result<()> {
+        elementwise::add_bias(x.f32s_mut("add_bias", "x")?, bias.f32s("add_bias", "bias")?)
     }
-    fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, out: &mut Vec<f32>) -> Result<()> {
-        norm::rms_norm(x, w, eps, out)
+    fn rms_norm(&self, x: &HostBuf, w: &HostBuf, eps: f32, out: &mut HostBuf) -> Result<()> {
+        norm::rms_norm(x.f32s("rms_norm", "x")?, w.f32s("rms_norm", "w")?, eps, out.f32s_mut("rms_norm", "out")?)
     }
-    fn rope(&self, x: &mut Vec<f32>, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
-        rope::rope(x, n_heads, positions, table)
+    fn rope(&self, x: &mut HostBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
+        match x {
+            HostBuf::F32(v) => rope::rope(v, n_heads, positions, table),
+            HostBuf::Bf16(v) => {
+                // Rotated in f32 from the stored values, rounded once: as the CUDA kernel does.
+                let mut wide: Vec<f32> = v.iter().map(|&b| from_bf16(b)).collect();
+                rope::rope(&mut wide, n_heads, positions, table)?;
+                v.iter_mut().zip(&wide).for_each(|(b, &w)| *b = to_bf16(w));
+                Ok(())
+            }
+        }
     }
     fn attention(
         &self,
         shape: &AttnShape,
-        q: &Vec<f32>,
+        q: &HostBuf,
         qpos: &[u32],
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        k: &HostBuf,
+        v: &HostBuf,
         kpos: &[u32],
-        out: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
+        out: &mut HostBuf,
+        lse: &mut HostBuf,
     ) -> Result<()> {
-        attention::attention(shape, q, qpos, KvRef { k, v, pos: kpos }, out, lse)
+        let op = "attention";
+        same_dtype(op, k, v)?;
+        let (k, v) = (widened(k), widened(v));
+        let kv = KvRef { k: &k, v: &v, pos: kpos };
+        attention::attention(shape, q.f32s(op, "q")?, qpos, kv, out.f32s_mut(op, "out")?, lse.f32s_mut(op, "lse")?)
     }
     fn attention_scores(
         &self,
         shape: &AttnShape,
-        q: &Vec<f32>,
+        q: &HostBuf,
         qpos: &[u32],
-        k: &Vec<f32>,
+        k: &HostBuf,
         kpos: &[u32],
-        lse: &Vec<f32>,
-        scores: &mut Vec<f32>,
+        lse: &HostBuf,
+        scores: &mut HostBuf,
     ) -> Result<()> {
-        attention::attention_scores(shape, q, qpos, KvRef { k, v: &[], pos: kpos }, lse, scores)
+        let op = "attention_scores";
+        let k = widened(k);
+        let kv = KvRef { k: &k, v: &[], pos: kpos };
+        attention::attention_scores(
+            shape,
+            q.f32s(op, "q")?,
+            qpos,
+            kv,
+            lse.f32s(op, "lse")?,
+            scores.f32s_mut(op, "scores")?,
+        )
     }
     fn merge_partial(
         &self,
-        out: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-        block_out: &Vec<f32>,
-        block_lse: &Vec<f32>,
+        out: &mut HostBuf,
+        lse: &mut HostBuf,
+        block_out: &HostBuf,
+        block_lse: &HostBuf,
         head_dim: usize,
     ) -> Result<()> {
-        merge::merge_partial(out, lse, block_out, block_lse, head_dim)
+        let op = "merge_partial";
+        merge::merge_partial(
+            out.f32s_mut(op, "out")?,
+            lse.f32s_mut(op, "lse")?,
+            block_out.f32s(op, "block_out")?,
+            block_lse.f32s(op, "block_lse")?,
+            head_dim,
+        )
     }
-    fn silu_mul(&self, gate_up: &Vec<f32>, ffn: usize, out: &mut Vec<f32>) -> Result<()> {
-        elementwise::silu_mul(gate_up, ffn, out)
+    fn silu_mul(&self, gate_up: &HostBuf, ffn: usize, out: &mut HostBuf) -> Result<()> {
+        elementwise::silu_mul(gate_up.f32s("silu_mul", "gate_up")?, ffn, out.f32s_mut("silu_mul", "out")?)
     }
-    fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<()> {
-        elementwise::add_assign(x, y)
+    fn add_assign(&self, x: &mut HostBuf, y: &HostBuf) -> Result<()> {
+        elementwise::add_assign(x.f32s_mut("add_assign", "x")?, y.f32s("add_assign", "y")?)
     }
-    fn copy_columns(
-        &self,
-        src: &Vec<f32>,
-        src_cols: usize,
-        col: usize,
-        width: usize,
-        dst: &mut Vec<f32>,
-    ) -> Result<()> {
-        elementwise::copy_columns(src, src_cols, col, width, dst)
+    fn copy_columns(&self, src: &HostBuf, src_cols: usize, col: usize, width: usize, dst: &mut HostBuf) -> Result<()> {
+        match (src, dst) {
+            (HostBuf::F32(s), HostBuf::F32(d)) => elementwise::copy_columns(s, src_cols, col, width, d),
+            (HostBuf::Bf16(s), HostBuf::Bf16(d)) => elementwise::copy_columns(s, src_cols, col, width, d),
+            (src, dst) => {
+                // Converting: through f32, each element rounded once when stored in bf16.
+                let mut wide = vec![0f32; dst.len()];
+                elementwise::copy_columns(&src.to_f32(), src_cols, col, width, &mut wide)?;
+                match dst {
+                    HostBuf::F32(d) => *d = wide,
+                    HostBuf::Bf16(d) => d.iter_mut().zip(&wide).for_each(|(b, &w)| *b = to_bf16(w)),
+                }
+                Ok(())
+            }
+        }
     }
     fn copy_rows(
         &self,
-        src: &Vec<f32>,
+        src: &HostBuf,
         src_rows: &[usize],
-        dst: &mut Vec<f32>,
+        dst: &mut HostBuf,
         dst_rows: &[usize],
         row_len: usize,
     ) -> Result<()> {
         check_len("copy_rows", "dst_rows", dst_rows.len(), src_rows.len())?;
+        same_dtype("copy_rows", src, dst)?;
         check_rows("copy_rows", src.len(), src_rows, row_len)?;
         check_rows("copy_rows", dst.len(), dst_rows, row_len)?;
-        for (&s, &d) in src_rows.iter().zip(dst_rows) {
-            dst[d * row_len..(d + 1) * row_len].copy_from_slice(&src[s * row_len..(s + 1) * row_len]);
+        fn rows<T: Copy>(src: &[T], src_rows: &[usize], dst: &mut [T], dst_rows: &[usize], row_len: usize) {
+            for (&s, &d) in src_rows.iter().zip(dst_rows) {
+                dst[d * row_len..(d + 1) * row_len].copy_from_slice(&src[s * row_len..(s + 1) * row_len]);
+            }
+        }
+        match (src, dst) {
+            (HostBuf::F32(s), HostBuf::F32(d)) => rows(s, src_rows, d, dst_rows, row_len),
+            (HostBuf::Bf16(s), HostBuf::Bf16(d)) => rows(s, src_rows, d, dst_rows, row_len),
+            _ => unreachable!("same_dtype checked above"),
         }
         Ok(())
     }
-    fn append(&self, dst: &mut Vec<f32>, src: &Vec<f32>) -> Result<()> {
-        dst.extend_from_slice(src);
+    fn append(&self, dst: &mut HostBuf, src: &HostBuf) -> Result<()> {
+        same_dtype("append", src, dst)?;
+        match (dst, src) {
+            (HostBuf::F32(d), HostBuf::F32(s)) => d.extend_from_slice(s),
+            (HostBuf::Bf16(d), HostBuf::Bf16(s)) => d.extend_from_slice(s),
+            _ => unreachable!("same_dtype checked above"),
+        }
         Ok(())
+    }
+    fn download_typed(&self, buf: &HostBuf) -> Result<HostBuf> {
+        Ok(buf.clone())
+    }
+    fn upload_typed(&self, host: &HostBuf) -> Result<HostBuf> {
+        Ok(host.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even_and_widens_exactly() {
+        assert_eq!(to_bf16(1.0), 0x3f80);
+        // 1 + 2^-8 is halfway between two bf16 values: ties go to the even one (1.0).
+        assert_eq!(to_bf16(1.0 + 1.0 / 256.0), 0x3f80);
+        assert_eq!(to_bf16(1.0 + 3.0 / 256.0), 0x3f82);
+        assert!(from_bf16(to_bf16(f32::NAN)).is_nan());
+        assert_eq!(from_bf16(to_bf16(-2.5)), -2.5);
+        assert_eq!("BF16".parse::<DType>(), Ok(DType::Bf16));
+        assert!("f16".parse::<DType>().is_err());
+        assert_eq!(DType::from_code(DType::Bf16.code()), Some(DType::Bf16));
+    }
+
+    #[test]
+    fn cpu_buffers_keep_their_type_through_the_cache_ops() {
+        let be = Cpu::with_kv_dtype(DType::Bf16);
+        assert_eq!(be.kv_dtype(), DType::Bf16);
+        assert_eq!(Cpu.kv_dtype(), DType::F32);
+        let src = be.upload(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let mut kv = be.zeros_as(4, DType::Bf16).unwrap();
+        be.copy_columns(&src, 3, 1, 2, &mut kv).unwrap();
+        assert_eq!(be.dtype(&kv), DType::Bf16);
+        assert_eq!(be.download(&kv).unwrap(), vec![2.0, 3.0, 5.0, 6.0]);
+        assert_eq!(be.bytes(&kv), 8);
+        let mut more = be.zeros_as(0, DType::Bf16).unwrap();
+        be.append(&mut more, &kv).unwrap();
+        assert!(be.append(&mut more, &src).is_err(), "appending f32 to bf16");
+        let e = be.add_assign(&mut kv, &src).unwrap_err().to_string();
+        assert!(e.contains("bf16") && e.contains("f32"), "{e}");
+        // Staging moves the bits as they are.
+        assert_eq!(be.stage_in(&be.stage_out(&kv).unwrap()).unwrap(), kv);
     }
 }

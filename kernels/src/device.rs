@@ -7,7 +7,7 @@
 //! says how to build with it.
 
 use crate::attention::AttnShape;
-use crate::backend::{Backend, Cpu};
+use crate::backend::{Backend, Cpu, DType, HostBuf};
 use crate::error::{KernelError, Result};
 use crate::matmul::Matrix;
 use crate::rope::RopeTable;
@@ -27,7 +27,7 @@ pub enum Device {
 /// A buffer of a [`Device`].
 pub enum DevBuf {
     /// On the CPU.
-    Cpu(Vec<f32>),
+    Cpu(HostBuf),
     /// On a GPU.
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::DeviceBuf),
@@ -127,20 +127,23 @@ impl std::fmt::Display for DeviceSpec {
 
 impl Device {
     /// Opens the device `spec` names (for a GPU: context, kernels, cuBLAS; weights kept as
-    /// `weights`).
-    pub fn open(spec: DeviceSpec, weights: WeightType) -> Result<Self> {
+    /// `weights`). KV caches hold `kv` elements, by default bf16 on a GPU and f32 on the CPU.
+    pub fn open(spec: DeviceSpec, weights: WeightType, kv: Option<DType>) -> Result<Self> {
         match spec {
-            DeviceSpec::Cpu => Ok(Device::Cpu(Cpu)),
+            DeviceSpec::Cpu => Ok(Device::Cpu(Cpu::with_kv_dtype(kv.unwrap_or(DType::F32)))),
             #[cfg(feature = "cuda")]
-            DeviceSpec::Cuda(n) => Ok(Device::Cuda(Arc::new(crate::cuda::CudaBackend::new(n, weights)?))),
+            DeviceSpec::Cuda(n) => {
+                let kv = kv.unwrap_or(DType::Bf16);
+                Ok(Device::Cuda(Arc::new(crate::cuda::CudaBackend::new(n, weights, kv)?)))
+            }
             #[cfg(feature = "cuda")]
             DeviceSpec::CudaLocal => {
                 let gpus = crate::cuda::devices().map_or(0, |d| d.len());
-                Self::open(spec.resolve(gpus), weights)
+                Self::open(spec.resolve(gpus), weights, kv)
             }
             #[cfg(not(feature = "cuda"))]
             DeviceSpec::Cuda(_) | DeviceSpec::CudaLocal => {
-                let _ = weights;
+                let _ = (weights, kv);
                 Err(KernelError::Backend {
                     backend: "cuda",
                     detail: "this build has no CUDA support: rebuild with `cargo build --release --features cuda`"
@@ -165,7 +168,7 @@ impl flowprefill_comm::plane::BufPlane<DevBuf> for NcclDevicePlane {
         &mut self,
         op: &str,
         sends: &[(usize, &DevBuf)],
-        receives: &[(usize, usize)],
+        receives: Vec<(usize, DevBuf)>,
     ) -> flowprefill_comm::Result<()> {
         let mut on_gpu = Vec::with_capacity(sends.len());
         for &(peer, b) in sends {
@@ -178,7 +181,18 @@ impl flowprefill_comm::plane::BufPlane<DevBuf> for NcclDevicePlane {
                 }
             }
         }
-        flowprefill_comm::plane::BufPlane::issue(&mut self.0, op, &on_gpu, receives)
+        let mut into = Vec::with_capacity(receives.len());
+        for (peer, b) in receives {
+            match b {
+                DevBuf::Cuda(d) => into.push((peer, d)),
+                DevBuf::Cpu(_) => {
+                    return Err(flowprefill_comm::CommError::Misuse(format!(
+                        "`{op}`: NCCL cannot receive into a CPU buffer (the model is not on the GPU)"
+                    )))
+                }
+            }
+        }
+        flowprefill_comm::plane::BufPlane::issue(&mut self.0, op, &on_gpu, into)
     }
     fn complete(&mut self) -> flowprefill_comm::Result<Vec<DevBuf>> {
         Ok(flowprefill_comm::plane::BufPlane::complete(&mut self.0)?.into_iter().map(DevBuf::Cuda).collect())
@@ -288,8 +302,8 @@ macro_rules! variant {
     };
 }
 
-variant!(&'a DevBuf, DevBuf, &'a Vec<f32>, &'a crate::cuda::DeviceBuf);
-variant!(&'a mut DevBuf, DevBuf, &'a mut Vec<f32>, &'a mut crate::cuda::DeviceBuf);
+variant!(&'a DevBuf, DevBuf, &'a HostBuf, &'a crate::cuda::DeviceBuf);
+variant!(&'a mut DevBuf, DevBuf, &'a mut HostBuf, &'a mut crate::cuda::DeviceBuf);
 variant!(&'a DevMat, DevMat, &'a Matrix, &'a crate::cuda::DeviceMat);
 
 /// Wraps a backend's result buffer in its variant.
@@ -326,8 +340,22 @@ impl Backend for Device {
     fn download_range(&self, buf: &DevBuf, start: usize, len: usize) -> Result<Vec<f32>> {
         dispatch!(self, "download_range", |be| be.download_range(buf, start, len), buf)
     }
-    fn zeros(&self, len: usize) -> Result<DevBuf> {
-        wrap!(self, |be| be.zeros(len), DevBuf)
+    fn zeros_as(&self, len: usize, dtype: DType) -> Result<DevBuf> {
+        wrap!(self, |be| be.zeros_as(len, dtype), DevBuf)
+    }
+    fn dtype(&self, buf: &DevBuf) -> DType {
+        match buf {
+            DevBuf::Cpu(b) => b.dtype(),
+            #[cfg(feature = "cuda")]
+            DevBuf::Cuda(b) => b.dtype(),
+        }
+    }
+    fn kv_dtype(&self) -> DType {
+        match self {
+            Device::Cpu(b) => b.kv_dtype(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(b) => b.kv_dtype(),
+        }
     }
     fn len(&self, buf: &DevBuf) -> usize {
         match buf {
@@ -440,6 +468,12 @@ impl Backend for Device {
     fn append(&self, dst: &mut DevBuf, src: &DevBuf) -> Result<()> {
         dispatch!(self, "append", |be| be.append(dst, src), dst, src)
     }
+    fn download_typed(&self, buf: &DevBuf) -> Result<HostBuf> {
+        dispatch!(self, "download_typed", |be| be.download_typed(buf), buf)
+    }
+    fn upload_typed(&self, host: &HostBuf) -> Result<DevBuf> {
+        wrap!(self, |be| be.upload_typed(host), DevBuf)
+    }
 }
 
 #[cfg(test)]
@@ -464,7 +498,9 @@ mod tests {
         );
         assert_eq!("cuda:3".parse::<DeviceSpec>(), Ok(DeviceSpec::Cuda(3)));
         assert!("tpu".parse::<DeviceSpec>().unwrap_err().contains("cpu, cuda or cuda:N"));
-        let d = Device::open(DeviceSpec::Cpu, WeightType::F32).unwrap();
+        let d = Device::open(DeviceSpec::Cpu, WeightType::F32, None).unwrap();
+        assert_eq!(d.kv_dtype(), DType::F32, "f32 KV caches on the CPU by default");
+        assert_eq!(Device::open(DeviceSpec::Cpu, WeightType::F32, Some(DType::Bf16)).unwrap().kv_dtype(), DType::Bf16);
         let mut x = d.upload(&[1.0, 2.0, 3.0]).unwrap();
         let y = d.upload(&[0.5, 0.5, 0.5]).unwrap();
         d.add_assign(&mut x, &y).unwrap();
@@ -475,7 +511,8 @@ mod tests {
     #[cfg(not(feature = "cuda"))]
     #[test]
     fn a_build_without_cuda_says_how_to_get_it() {
-        let e = Device::open(DeviceSpec::Cuda(0), WeightType::Bf16).err().map(|e| e.to_string()).unwrap_or_default();
+        let e =
+            Device::open(DeviceSpec::Cuda(0), WeightType::Bf16, None).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("--features cuda"), "{e}");
     }
 
@@ -486,7 +523,8 @@ mod tests {
             eprintln!("skipped: this machine has a GPU");
             return;
         }
-        let e = Device::open(DeviceSpec::Cuda(0), WeightType::Bf16).err().map(|e| e.to_string()).unwrap_or_default();
+        let e =
+            Device::open(DeviceSpec::Cuda(0), WeightType::Bf16, None).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("cuda"), "{e}");
     }
 }

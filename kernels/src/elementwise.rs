@@ -102,7 +102,7 @@ pub fn embedding(table: &Matrix, ids: &[u32], out: &mut [f32]) -> Result<()> {
 
 /// Copies columns `[col, col + width)` of a row-major `[rows, src_cols]` matrix into `dst`
 /// (`[rows, width]`), e.g. to split a fused QKV projection.
-pub fn copy_columns(src: &[f32], src_cols: usize, col: usize, width: usize, dst: &mut [f32]) -> Result<()> {
+pub fn copy_columns<T: Copy>(src: &[T], src_cols: usize, col: usize, width: usize, dst: &mut [T]) -> Result<()> {
     if src_cols == 0 || src.len() % src_cols != 0 || col + width > src_cols {
         return Err(KernelError::Shape {
             op: "copy_columns",

@@ -24,6 +24,15 @@ pub enum KernelError {
         /// Key/value heads.
         n_kv_heads: usize,
     },
+    /// A buffer of an element type the operation does not take (e.g. a bf16 buffer into a
+    /// GEMM, whose activations are f32).
+    #[error("{op}: {detail}")]
+    Dtype {
+        /// The operation that rejected its inputs.
+        op: &'static str,
+        /// Which buffer, its type, and what the operation takes.
+        detail: String,
+    },
     /// A backend (e.g. CUDA) is not available or failed.
     #[error("backend {backend}: {detail}")]
     Backend {

@@ -1,12 +1,23 @@
 //! The compile gate: every CUDA kernel compiled by NVRTC to machine code for sm_80 (A100) and
-//! sm_90a (H100) with the ptxas report; fails on a compile error, any register spill, or
-//! registers / shared memory above the budgets of `flowprefill_kernels::gpu`. NVRTC needs no
+//! sm_90a (H100) with the ptxas report; fails on a compile error, any register spill, a stack
+//! frame (a register array that fell back to local memory), registers or static shared memory
+//! above the budgets of `flowprefill_kernels::gpu`, or static + dynamic shared memory above
+//! what a block may have on the architecture. The table shows the blocks per SM that the
+//! registers and the shared memory allow (64K registers, 228 / 164 KiB shared per SM). NVRTC needs no
 //! GPU: `scripts/test.sh` installs it from PyPI and sets `FLOWPREFILL_REQUIRE_NVRTC=1`, so in
 //! CI a missing NVRTC is a failure; elsewhere this test says it was skipped.
 #![cfg(feature = "cuda")]
 
 use flowprefill_kernels::cuda::nvrtc;
-use flowprefill_kernels::gpu::FILES;
+use flowprefill_kernels::gpu::{FILES, SHARED_LIMITS};
+
+/// Shared memory per SM (bytes) and registers per SM, by architecture.
+fn per_sm(arch: &str) -> (u32, u32) {
+    match arch {
+        "sm_80" => (164 * 1024, 65536),
+        _ => (228 * 1024, 65536),
+    }
+}
 
 const ARCHS: [&str; 2] = ["sm_80", "sm_90a"];
 
@@ -24,8 +35,8 @@ fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
     let (major, minor) = nvrtc::version().expect("NVRTC version");
     println!("NVRTC {major}.{minor}");
     println!(
-        "{:<7} {:<22} {:>4} {:>5} {:>6} {:>6} {:>6}   budget",
-        "arch", "kernel", "regs", "smem", "spillS", "spillL", "stack"
+        "{:<7} {:<26} {:>4} {:>5} {:>6} {:>6} {:>6} {:>6} {:>7}   budget",
+        "arch", "kernel", "regs", "smem", "dyn", "spillS", "spillL", "stack", "blk/SM"
     );
     let mut failures = Vec::new();
     for arch in ARCHS {
@@ -39,17 +50,33 @@ fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
                     failures.push(format!("{arch} {}: no ptxas report (log:\n{})", b.kernel, c.log));
                     continue;
                 };
+                // Blocks per SM of the launchers' block size, bounded by registers and by shared
+                // memory.
+                let threads = b.threads;
+                let (smem_sm, regs_sm) = per_sm(arch);
+                let by_regs = regs_sm / (r.registers.max(1) * threads);
+                let smem = r.shared_bytes + b.dynamic_shared_bytes;
+                let by_smem = if smem == 0 { u32::MAX } else { smem_sm / (smem + 1024) };
                 println!(
-                    "{arch:<7} {:<22} {:>4} {:>5} {:>6} {:>6} {:>6}   <= {} regs, <= {} B smem",
+                    "{arch:<7} {:<26} {:>4} {:>5} {:>6} {:>6} {:>6} {:>6} {:>7}   <= {} regs, <= {} B smem",
                     r.kernel,
                     r.registers,
                     r.shared_bytes,
+                    b.dynamic_shared_bytes,
                     r.spill_stores,
                     r.spill_loads,
                     r.stack_bytes,
+                    by_regs.min(by_smem),
                     b.max_registers,
                     b.max_shared_bytes
                 );
+                if r.stack_bytes > 0 {
+                    failures.push(format!("{arch} {}: a {} B stack frame (local memory)", r.kernel, r.stack_bytes));
+                }
+                let limit = SHARED_LIMITS.iter().find(|(a, _)| *a == arch).map_or(0, |l| l.1);
+                if smem > limit {
+                    failures.push(format!("{arch} {}: {smem} B of shared memory > {limit} per block", r.kernel));
+                }
                 if r.spill_stores > 0 || r.spill_loads > 0 {
                     failures.push(format!(
                         "{arch} {}: spills ({} B stores, {} B loads)",

@@ -1,13 +1,16 @@
 //! Every op of the CUDA backend against the CPU backend on the same inputs (odd shapes,
-//! grouped-query heads, no visible key). Needs a GPU: without one each test says SKIPPED and
-//! returns (it does not pass silently: run `scripts/gpu-check.sh` on a GPU machine).
+//! grouped-query heads, no visible key), the tensor-core self-check against a plain product,
+//! and the tensor-core attention over a bf16 KV cache at sizes the emulation cannot reach
+//! (prefill at 2K-4K tokens, a decode step over 8K keys split over many blocks). Needs a GPU:
+//! without one each test says SKIPPED and returns (it does not pass silently: run
+//! `scripts/gpu-check.sh` on a GPU machine).
 #![cfg(feature = "cuda")]
 
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::cuda::{CudaBackend, WeightType};
 use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::rope::{RopeStyle, RopeTable};
-use flowprefill_kernels::{Backend, Cpu};
+use flowprefill_kernels::{Backend, Cpu, DType, HostBuf};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -16,10 +19,22 @@ const OP_TOL: f32 = 1e-4;
 /// bf16 GEMM against the f32 CPU GEMM: inputs rounded to 8 significant bits, relative to the
 /// output scale.
 const BF16_GEMM_TOL: f32 = 2e-2;
+/// Tensor-core attention over bf16 Q/K/V against the CPU on the same bf16 values: the bf16
+/// rounding of the probabilities moves each weight by at most 2^-9 of itself (FlashAttention-2's
+/// bound), so the outputs differ by at most this times max|V|.
+const FLASH_OUT_TOL: f32 = 4e-3;
+/// Its log-sum-exp, relative to max(1, |lse|).
+const FLASH_LSE_TOL: f32 = 2e-5;
+/// The mma self-check: exact bf16 products, f32 sums of 16 terms, relative to the scale.
+const PROBE_TOL: f32 = 1e-5;
 
 fn gpu(weights: WeightType) -> Option<CudaBackend> {
+    gpu_with(weights, DType::F32)
+}
+
+fn gpu_with(weights: WeightType, kv: DType) -> Option<CudaBackend> {
     match flowprefill_kernels::cuda::devices() {
-        Ok(d) if !d.is_empty() => Some(CudaBackend::new(0, weights).unwrap_or_else(|e| panic!("{e}"))),
+        Ok(d) if !d.is_empty() => Some(CudaBackend::new(0, weights, kv).unwrap_or_else(|e| panic!("{e}"))),
         other => {
             eprintln!(
                 "SKIPPED (no CUDA device): {}",
@@ -32,6 +47,21 @@ fn gpu(weights: WeightType) -> Option<CudaBackend> {
 
 fn rand_vec(r: &mut StdRng, n: usize, amp: f32) -> Vec<f32> {
     (0..n).map(|_| r.random_range(-amp..amp)).collect()
+}
+
+/// A CPU buffer of `v`.
+fn h(v: &[f32]) -> HostBuf {
+    HostBuf::F32(v.to_vec())
+}
+
+/// A zeroed CPU buffer.
+fn hz(n: usize) -> HostBuf {
+    HostBuf::zeros(n, DType::F32)
+}
+
+/// `x` rounded to bf16 and widened back (the values a bf16 buffer holds).
+fn bf16_values(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| flowprefill_kernels::backend::from_bf16(flowprefill_kernels::backend::to_bf16(v))).collect()
 }
 
 fn max_err(a: &[f32], b: &[f32]) -> f32 {
@@ -63,25 +93,33 @@ fn elementwise_norm_rope_merge_match_the_cpu() {
     let (gx, gw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
     let mut go = g.zeros(x.len()).unwrap();
     g.rms_norm(&gx, &gw, 1e-5, &mut go).unwrap();
-    let mut co = vec![0f32; x.len()];
-    c.rms_norm(&x, &w, 1e-5, &mut co).unwrap();
-    assert!(max_err(&g.download(&go).unwrap(), &co) <= OP_TOL, "rms_norm");
+    let mut co = hz(x.len());
+    c.rms_norm(&h(&x), &h(&w), 1e-5, &mut co).unwrap();
+    assert!(max_err(&g.download(&go).unwrap(), &co.to_f32()) <= OP_TOL, "rms_norm");
 
     let table = RopeTable::new(64, 64, 10000.0, RopeStyle::Neox, None, 50).unwrap();
     let pos: Vec<u32> = vec![0, 3, 49, 50, 900];
     let xr = rand_vec(&mut r, pos.len() * 3 * 64, 2.0);
     let mut gxr = g.upload(&xr).unwrap();
     g.rope(&mut gxr, 3, &pos, &table).unwrap();
-    let mut cxr = xr.clone();
+    let mut cxr = h(&xr);
     c.rope(&mut cxr, 3, &pos, &table).unwrap();
-    assert!(max_err(&g.download(&gxr).unwrap(), &cxr) <= OP_TOL, "rope");
+    assert!(max_err(&g.download(&gxr).unwrap(), &cxr.to_f32()) <= OP_TOL, "rope");
+    // RoPE on a bf16 buffer: the same rotation, rounded once.
+    let mut gxb = g.zeros_as(xr.len(), DType::Bf16).unwrap();
+    g.copy_columns(&g.upload(&xr).unwrap(), 64, 0, 64, &mut gxb).unwrap();
+    g.rope(&mut gxb, 3, &pos, &table).unwrap();
+    let mut cxb = HostBuf::zeros(xr.len(), DType::Bf16);
+    c.copy_columns(&h(&xr), 64, 0, 64, &mut cxb).unwrap();
+    c.rope(&mut cxb, 3, &pos, &table).unwrap();
+    assert_eq!(g.download_typed(&gxb).unwrap(), cxb, "rope on bf16: the same bits as the CPU");
 
     let gu = rand_vec(&mut r, rows * 2 * 33, 4.0);
     let mut gs = g.zeros(rows * 33).unwrap();
     g.silu_mul(&g.upload(&gu).unwrap(), 33, &mut gs).unwrap();
-    let mut cs = vec![0f32; rows * 33];
-    c.silu_mul(&gu, 33, &mut cs).unwrap();
-    assert!(max_err(&g.download(&gs).unwrap(), &cs) <= OP_TOL, "silu_mul");
+    let mut cs = hz(rows * 33);
+    c.silu_mul(&h(&gu), 33, &mut cs).unwrap();
+    assert!(max_err(&g.download(&gs).unwrap(), &cs.to_f32()) <= OP_TOL, "silu_mul");
 
     // Appends grow the buffer without losing what it held; rows move device to device.
     let mut acc = g.zeros(0).unwrap();
@@ -112,15 +150,17 @@ fn attention_and_scores_match_the_cpu() {
         );
         let qpos: Vec<u32> = (0..m as u32).map(|i| i * 17 % 130).collect();
         let kpos: Vec<u32> = (0..n as u32).collect();
-        let (mut co, mut cl) = (vec![0f32; q.len()], vec![0f32; m * heads]);
-        c.attention(&shape, &q, &qpos, &k, &v, &kpos, &mut co, &mut cl).unwrap();
+        let (mut co, mut cl) = (hz(q.len()), hz(m * heads));
+        c.attention(&shape, &h(&q), &qpos, &h(&k), &h(&v), &kpos, &mut co, &mut cl).unwrap();
+        let (co, cl) = (co.to_f32(), cl.to_f32());
         let (gq, gk, gv) = (g.upload(&q).unwrap(), g.upload(&k).unwrap(), g.upload(&v).unwrap());
         let (mut go, mut gl) = (g.zeros(q.len()).unwrap(), g.zeros(m * heads).unwrap());
         g.attention(&shape, &gq, &qpos, &gk, &gv, &kpos, &mut go, &mut gl).unwrap();
         assert!(max_err(&g.download(&go).unwrap(), &co) <= OP_TOL, "attention out m={m} n={n}");
         assert!(max_err(&g.download(&gl).unwrap(), &cl) <= OP_TOL, "attention lse m={m} n={n}");
-        let mut cs = vec![0f32; n];
-        c.attention_scores(&shape, &q, &qpos, &k, &kpos, &cl, &mut cs).unwrap();
+        let mut cs = hz(n);
+        c.attention_scores(&shape, &h(&q), &qpos, &h(&k), &kpos, &h(&cl), &mut cs).unwrap();
+        let cs = cs.to_f32();
         let mut gs = g.zeros(n).unwrap();
         g.attention_scores(&shape, &gq, &qpos, &gk, &kpos, &gl, &mut gs).unwrap();
         assert!(max_err(&g.download(&gs).unwrap(), &cs) <= OP_TOL * (m * heads) as f32, "scores m={m} n={n}");
@@ -133,8 +173,9 @@ fn gemms_match_the_cpu_in_f32_and_in_bf16() {
     let (m, k, n) = (33, 577, 129);
     let x = rand_vec(&mut r, m * k, 1.0);
     let w = Matrix::new(n, k, rand_vec(&mut r, n * k, 0.1)).unwrap();
-    let mut want = vec![0f32; m * n];
-    Cpu.matmul_t(&x, m, &w, &mut want).unwrap();
+    let mut want = hz(m * n);
+    Cpu.matmul_t(&h(&x), m, &w, &mut want).unwrap();
+    let want = want.to_f32();
     for (weights, tol) in [(WeightType::F32, OP_TOL), (WeightType::Bf16, BF16_GEMM_TOL)] {
         let Some(g) = gpu(weights) else { return };
         let gw = g.matrix(w.clone()).unwrap();
@@ -145,8 +186,91 @@ fn gemms_match_the_cpu_in_f32_and_in_bf16() {
         let ids = [0u32, 128, 5];
         let mut emb = g.zeros(ids.len() * k).unwrap();
         g.embedding(&gw, &ids, &mut emb).unwrap();
-        let mut cemb = vec![0f32; ids.len() * k];
+        let mut cemb = hz(ids.len() * k);
         Cpu.embedding(&w, &ids, &mut cemb).unwrap();
-        assert!(max_err(&g.download(&emb).unwrap(), &cemb) <= tol, "{weights:?} embedding");
+        assert!(max_err(&g.download(&emb).unwrap(), &cemb.to_f32()) <= tol, "{weights:?} embedding");
+    }
+}
+
+#[test]
+fn tensor_core_layouts_match_a_plain_product_on_the_hardware() {
+    let Some(g) = gpu(WeightType::Bf16) else { return };
+    let mut r = StdRng::seed_from_u64(4);
+    let a = bf16_values(&rand_vec(&mut r, 256, 2.0));
+    let b = bf16_values(&rand_vec(&mut r, 256, 2.0));
+    let bits = |v: &[f32]| v.iter().map(|&x| flowprefill_kernels::backend::to_bf16(x)).collect::<Vec<u16>>();
+    let b_nk: Vec<f32> = (0..256).map(|i| b[(i % 16) * 16 + i / 16]).collect();
+    let (d_nk, d_kn) = g.probe_mma(&bits(&a), &bits(&b_nk), &bits(&b)).unwrap_or_else(|e| panic!("{e}"));
+    let want: Vec<f32> = (0..256)
+        .map(|e| (0..16).map(|k| a[(e / 16) * 16 + k] as f64 * b[k * 16 + e % 16] as f64).sum::<f64>() as f32 / 64.0)
+        .collect();
+    let scaled = |d: &[f32]| d.iter().map(|x| x / 64.0).collect::<Vec<f32>>();
+    assert!(max_err(&scaled(&d_nk), &want) <= PROBE_TOL, "mma with an [n][k] B (how K is loaded)");
+    assert!(max_err(&scaled(&d_kn), &want) <= PROBE_TOL, "mma with a [k][n] B (how V is loaded)");
+}
+
+#[test]
+fn tensor_core_attention_over_a_bf16_cache_matches_the_cpu() {
+    let Some(g) = gpu_with(WeightType::Bf16, DType::Bf16) else { return };
+    let c = Cpu::with_kv_dtype(DType::Bf16);
+    let mut r = StdRng::seed_from_u64(5);
+    // (queries, keys, heads, KV heads, head_dim, scattered positions): prefill of SmolLM2's and
+    // an 8B model's heads, a decode step over 8K keys (split over many blocks), a prompt over a
+    // long context, and positions out of order with queries that see nothing.
+    for &(m, n, heads, kv, d, scattered) in &[
+        (2048, 2048, 9, 3, 64, false),
+        (1024, 4096, 32, 8, 128, false),
+        (1, 8192, 9, 3, 64, false),
+        (1, 8191, 32, 8, 128, false),
+        (40, 5000, 14, 2, 64, false),
+        (333, 1000, 28, 4, 128, true),
+    ] {
+        let shape = AttnShape::new(heads, kv, d).unwrap();
+        // bf16 values from the start: the GPU rounds its queries to bf16, the CPU does not.
+        let q = bf16_values(&rand_vec(&mut r, m * heads * d, 2.0));
+        let (k, v) = (rand_vec(&mut r, n * kv * d, 2.0), rand_vec(&mut r, n * kv * d, 1.0));
+        let (qpos, kpos): (Vec<u32>, Vec<u32>) = if scattered {
+            let kpos = (0..n).map(|_| r.random_range(5..3000)).collect();
+            ((0..m).map(|i| if i % 7 == 0 { r.random_range(0..5) } else { r.random_range(0..3200) }).collect(), kpos)
+        } else {
+            ((n - m..n).map(|p| p as u32).collect(), (0..n as u32).collect())
+        };
+        let kvd = kv * d;
+        let (mut gk, mut gv) = (g.zeros_as(n * kvd, DType::Bf16).unwrap(), g.zeros_as(n * kvd, DType::Bf16).unwrap());
+        g.copy_columns(&g.upload(&k).unwrap(), kvd, 0, kvd, &mut gk).unwrap();
+        g.copy_columns(&g.upload(&v).unwrap(), kvd, 0, kvd, &mut gv).unwrap();
+        let (mut ck, mut cv) = (HostBuf::zeros(n * kvd, DType::Bf16), HostBuf::zeros(n * kvd, DType::Bf16));
+        c.copy_columns(&h(&k), kvd, 0, kvd, &mut ck).unwrap();
+        c.copy_columns(&h(&v), kvd, 0, kvd, &mut cv).unwrap();
+        assert_eq!(g.download_typed(&gk).unwrap(), ck, "the same bf16 keys on both");
+        let gq = g.upload(&q).unwrap();
+        let (mut go, mut gl) = (g.zeros(q.len()).unwrap(), g.zeros(m * heads).unwrap());
+        g.attention(&shape, &gq, &qpos, &gk, &gv, &kpos, &mut go, &mut gl).unwrap();
+        let (mut co, mut cl) = (hz(q.len()), hz(m * heads));
+        c.attention(&shape, &h(&q), &qpos, &ck, &cv, &kpos, &mut co, &mut cl).unwrap();
+        let label = format!("m={m} n={n} heads={heads}/{kv} d={d}");
+        let out_err = max_err(&g.download(&go).unwrap(), &co.to_f32());
+        assert!(out_err <= FLASH_OUT_TOL, "{label}: out error {out_err:e}");
+        let lse_err = max_err(&g.download(&gl).unwrap(), &cl.to_f32());
+        assert!(lse_err <= FLASH_LSE_TOL, "{label}: lse error {lse_err:e}");
+        // The per-key mass of the first queries on tensor cores, against the CPU.
+        let mp = m.min(32);
+        let (qp, lp) = (&q[(m - mp) * heads * d..], &cl.to_f32()[(m - mp) * heads..]);
+        let mut gs = g.zeros(n).unwrap();
+        g.attention_scores(
+            &shape,
+            &g.upload(qp).unwrap(),
+            &qpos[m - mp..],
+            &gk,
+            &kpos,
+            &g.upload(lp).unwrap(),
+            &mut gs,
+        )
+        .unwrap();
+        let mut cs = hz(n);
+        c.attention_scores(&shape, &h(qp), &qpos[m - mp..], &ck, &kpos, &h(lp), &mut cs).unwrap();
+        let (gs, cs) = (g.download(&gs).unwrap(), cs.to_f32());
+        let worst = gs.iter().zip(&cs).map(|(a, b)| (a - b).abs() / b.abs().max(1e-3)).fold(0f32, f32::max);
+        assert!(worst <= 1e-4, "{label}: scores error {worst:e}");
     }
 }

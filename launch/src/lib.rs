@@ -28,4 +28,8 @@ pub struct Common {
     /// How a GPU keeps the weights: bf16 (half the memory) or f32 (as the CPU).
     #[arg(long, global = true, default_value = "bf16")]
     pub weights: flowprefill_kernels::WeightType,
+    /// Element type of the KV caches: bf16 (half the memory and of the bytes sent between
+    /// ranks; on a GPU, attention on tensor cores) or f32. Default: bf16 on a GPU, f32 on the CPU.
+    #[arg(long, global = true, env = "FLOWPREFILL_KV_DTYPE")]
+    pub kv_dtype: Option<flowprefill_kernels::DType>,
 }

@@ -166,6 +166,42 @@ fn run_json_reports_answer_phases_and_selection() {
 }
 
 #[test]
+fn a_bf16_kv_cache_answers_like_f32_and_a_bad_type_is_a_usage_error() {
+    let (dir, docs) = write_docs(
+        "kvdtype",
+        &[
+            "Boats rest in the harbour of Redwater.",
+            "The access code for the north gate is 4729.",
+            "Salt and wool reach the market.",
+        ],
+    );
+    let answer = |kv: &str, ranks: &str| {
+        let mut a = vec!["run".to_string()];
+        a.extend(docs.iter().cloned());
+        a.extend(
+            ["--query", "What is the access code for the north gate?", "--kv-dtype", kv, "--ranks", ranks, "--json"]
+                .map(String::from),
+        );
+        let out = bin().args(&a).output().expect("run");
+        assert!(out.status.success(), "--kv-dtype {kv}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        v["answer"].as_str().unwrap_or("").to_string()
+    };
+    let f32_answer = answer("f32", "1");
+    assert!(f32_answer.contains("4729"), "{f32_answer}");
+    assert_eq!(answer("bf16", "1"), f32_answer);
+    assert_eq!(answer("bf16", "2"), f32_answer, "bf16 caches over two thread ranks");
+    let mut a = vec!["run".to_string()];
+    a.extend(docs.iter().cloned());
+    a.extend(["--query", "q?", "--kv-dtype", "f16"].map(String::from));
+    let out = bin().args(&a).output().expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("give bf16 or f32"), "{err}");
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
 fn run_errors_say_what_to_change() {
     let (dir, docs) = write_docs("err", &["Some text about the harbour.", "   "]);
     let one = &docs[..2];

@@ -5,9 +5,13 @@
 
 use std::process::Command;
 
-/// First-token logits, GPU (f32 weights) against CPU: same weights, GEMMs and attention in
-/// another order (logits span about 40).
+/// First-token logits, GPU (f32 weights, f32 KV cache) against CPU: same weights, GEMMs and
+/// attention in another order (logits span about 40).
 const F32_LOGIT_TOL: f64 = 5e-2;
+/// GPU (f32 weights, bf16 KV cache: tensor-core attention, which also rounds the queries and the
+/// probabilities to bf16) against the CPU with a bf16 KV cache: bf16 rounding of Q and P on top
+/// of the same cache values.
+const BF16_KV_LOGIT_TOL: f64 = 0.5;
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_flowprefill"))
@@ -47,9 +51,9 @@ fn cuda_without_a_gpu_is_a_clear_error() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-fn generate(device: &str, weights: &str) -> serde_json::Value {
+fn generate(device: &str, weights: &str, kv: &str) -> serde_json::Value {
     let out = bin()
-        .args(["generate", "--device", device, "--weights", weights, "--json", "--max-tokens", "16"])
+        .args(["generate", "--device", device, "--weights", weights, "--kv-dtype", kv, "--json", "--max-tokens", "16"])
         .args(["--prompt", "What is the capital of France? Answer in one sentence."])
         .output()
         .unwrap();
@@ -62,17 +66,24 @@ fn gpu_logits_and_answers_match_the_cpu() {
     if !has_gpu() {
         return;
     }
-    let cpu = generate("cpu", "f32");
-    for weights in ["f32", "bf16"] {
-        let gpu = generate("cuda", weights);
-        assert_eq!(gpu["answer"], cpu["answer"], "{weights}: greedy answers differ");
-        if weights == "f32" {
-            let (a, b) = (cpu["first_top_logits"].as_array().unwrap(), gpu["first_top_logits"].as_array().unwrap());
-            for (x, y) in a.iter().zip(b) {
-                assert_eq!(x[0], y[0], "the same top tokens in the same order");
-                let d = (x[1].as_f64().unwrap() - y[1].as_f64().unwrap()).abs();
-                assert!(d <= F32_LOGIT_TOL, "logit of token {} differs by {d}", x[0]);
-            }
+    let close = |cpu: &serde_json::Value, gpu: &serde_json::Value, tol: f64, what: &str| {
+        let (a, b) = (cpu["first_top_logits"].as_array().unwrap(), gpu["first_top_logits"].as_array().unwrap());
+        for (x, y) in a.iter().zip(b).take(3) {
+            assert_eq!(x[0], y[0], "{what}: the same top tokens in the same order");
+            let d = (x[1].as_f64().unwrap() - y[1].as_f64().unwrap()).abs();
+            assert!(d <= tol, "{what}: logit of token {} differs by {d}", x[0]);
+        }
+    };
+    let cpu = generate("cpu", "f32", "f32");
+    let cpu_bf16_kv = generate("cpu", "f32", "bf16");
+    for (weights, kv) in [("f32", "f32"), ("f32", "bf16"), ("bf16", "f32"), ("bf16", "bf16")] {
+        let gpu = generate("cuda", weights, kv);
+        eprintln!("cuda, {weights} weights, {kv} KV cache: {}", gpu["answer"]);
+        assert_eq!(gpu["answer"], cpu["answer"], "{weights} weights, {kv} KV: greedy answers differ");
+        match (weights, kv) {
+            ("f32", "f32") => close(&cpu, &gpu, F32_LOGIT_TOL, "f32 weights, f32 KV (simple attention)"),
+            ("f32", "bf16") => close(&cpu_bf16_kv, &gpu, BF16_KV_LOGIT_TOL, "f32 weights, bf16 KV (tensor cores)"),
+            _ => {}
         }
     }
 }

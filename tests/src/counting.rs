@@ -6,7 +6,7 @@
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::rope::RopeTable;
-use flowprefill_kernels::{Backend, Cpu, Result};
+use flowprefill_kernels::{Backend, Cpu, DType, HostBuf, Result};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::thread::ThreadId;
@@ -22,16 +22,18 @@ pub struct Ran {
     pub score_pairs: u64,
     /// Downloads made by the steps (not a transport's staging).
     pub downloads: u64,
-    /// Floats they moved.
+    /// Elements they moved.
     pub download_floats: u64,
     /// Uploads made by the steps.
     pub uploads: u64,
-    /// Floats they moved.
+    /// Elements they moved.
     pub upload_floats: u64,
     /// Buffers a transport staged out or in.
     pub staged: u64,
-    /// Floats staged.
+    /// Elements staged.
     pub staged_floats: u64,
+    /// Bytes staged (a bf16 buffer stages 2 bytes per element).
+    pub staged_bytes: u64,
 }
 
 impl std::ops::AddAssign for Ran {
@@ -45,16 +47,23 @@ impl std::ops::AddAssign for Ran {
         self.upload_floats += o.upload_floats;
         self.staged += o.staged;
         self.staged_floats += o.staged_floats;
+        self.staged_bytes += o.staged_bytes;
     }
 }
 
-/// The counting CPU backend.
+/// The counting CPU backend (f32 KV caches by default).
 #[derive(Default)]
 pub struct Counting {
+    cpu: Cpu,
     ran: Mutex<HashMap<(ThreadId, &'static str), Ran>>,
 }
 
 impl Counting {
+    /// A counting backend whose KV caches hold `kv` elements.
+    pub fn with_kv_dtype(kv: DType) -> Self {
+        Self { cpu: Cpu::with_kv_dtype(kv), ran: Mutex::default() }
+    }
+
     fn add(&self, f: impl FnOnce(&mut Ran)) {
         let phase = flowprefill_coordinator::timings::current_phase().unwrap_or("(outside phases)");
         let mut m = self.ran.lock().unwrap_or_else(|e| e.into_inner());
@@ -83,146 +92,161 @@ fn visible(qpos: &[u32], kpos: &[u32]) -> u64 {
 }
 
 impl Backend for Counting {
-    type Buf = Vec<f32>;
+    type Buf = HostBuf;
     type Mat = Matrix;
     fn name(&self) -> &'static str {
         "counting-cpu"
     }
-    fn upload(&self, host: &[f32]) -> Result<Vec<f32>> {
+    fn upload(&self, host: &[f32]) -> Result<HostBuf> {
         self.add(|r| {
             r.uploads += 1;
             r.upload_floats += host.len() as u64;
         });
-        Cpu.upload(host)
+        self.cpu.upload(host)
     }
-    fn download(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
+    fn download(&self, buf: &HostBuf) -> Result<Vec<f32>> {
         self.add(|r| {
             r.downloads += 1;
             r.download_floats += buf.len() as u64;
         });
-        Cpu.download(buf)
+        self.cpu.download(buf)
     }
-    fn download_range(&self, buf: &Vec<f32>, start: usize, len: usize) -> Result<Vec<f32>> {
+    fn download_range(&self, buf: &HostBuf, start: usize, len: usize) -> Result<Vec<f32>> {
         self.add(|r| {
             r.downloads += 1;
             r.download_floats += len as u64;
         });
-        Cpu.download_range(buf, start, len)
+        self.cpu.download_range(buf, start, len)
     }
-    fn stage_out(&self, buf: &Vec<f32>) -> Result<Vec<f32>> {
+    fn stage_out(&self, buf: &HostBuf) -> Result<HostBuf> {
         self.add(|r| {
             r.staged += 1;
             r.staged_floats += buf.len() as u64;
+            r.staged_bytes += (buf.len() * buf.dtype().size()) as u64;
         });
-        Cpu.download(buf)
+        self.cpu.download_typed(buf)
     }
-    fn stage_in(&self, host: &[f32]) -> Result<Vec<f32>> {
+    fn stage_in(&self, host: &HostBuf) -> Result<HostBuf> {
         self.add(|r| {
             r.staged += 1;
             r.staged_floats += host.len() as u64;
+            r.staged_bytes += (host.len() * host.dtype().size()) as u64;
         });
-        Cpu.upload(host)
+        self.cpu.upload_typed(host)
     }
-    fn zeros(&self, len: usize) -> Result<Vec<f32>> {
-        Cpu.zeros(len)
+    fn download_typed(&self, buf: &HostBuf) -> Result<HostBuf> {
+        self.add(|r| {
+            r.downloads += 1;
+            r.download_floats += buf.len() as u64;
+        });
+        self.cpu.download_typed(buf)
     }
-    fn len(&self, buf: &Vec<f32>) -> usize {
+    fn upload_typed(&self, host: &HostBuf) -> Result<HostBuf> {
+        self.add(|r| {
+            r.uploads += 1;
+            r.upload_floats += host.len() as u64;
+        });
+        self.cpu.upload_typed(host)
+    }
+    fn zeros_as(&self, len: usize, dtype: DType) -> Result<HostBuf> {
+        self.cpu.zeros_as(len, dtype)
+    }
+    fn dtype(&self, buf: &HostBuf) -> DType {
+        buf.dtype()
+    }
+    fn kv_dtype(&self) -> DType {
+        self.cpu.kv_dtype()
+    }
+    fn len(&self, buf: &HostBuf) -> usize {
         buf.len()
     }
-    fn resize(&self, buf: &mut Vec<f32>, len: usize) -> Result<()> {
-        Cpu.resize(buf, len)
+    fn resize(&self, buf: &mut HostBuf, len: usize) -> Result<()> {
+        self.cpu.resize(buf, len)
     }
-    fn reserve(&self, buf: &mut Vec<f32>, capacity: usize) -> Result<()> {
-        Cpu.reserve(buf, capacity)
+    fn reserve(&self, buf: &mut HostBuf, capacity: usize) -> Result<()> {
+        self.cpu.reserve(buf, capacity)
     }
     fn matrix(&self, m: Matrix) -> Result<Matrix> {
-        Cpu.matrix(m)
+        self.cpu.matrix(m)
     }
     fn mat_shape(&self, m: &Matrix) -> (usize, usize) {
-        Cpu.mat_shape(m)
+        self.cpu.mat_shape(m)
     }
-    fn embedding(&self, table: &Matrix, ids: &[u32], out: &mut Vec<f32>) -> Result<()> {
-        Cpu.embedding(table, ids, out)
+    fn embedding(&self, table: &Matrix, ids: &[u32], out: &mut HostBuf) -> Result<()> {
+        self.cpu.embedding(table, ids, out)
     }
-    fn matmul_t(&self, x: &Vec<f32>, rows: usize, w: &Matrix, out: &mut Vec<f32>) -> Result<()> {
+    fn matmul_t(&self, x: &HostBuf, rows: usize, w: &Matrix, out: &mut HostBuf) -> Result<()> {
         let (n, k) = (w.rows(), w.cols());
         self.add(|r| r.gemm_flops += 2.0 * (rows * n * k) as f64);
-        Cpu.matmul_t(x, rows, w, out)
+        self.cpu.matmul_t(x, rows, w, out)
     }
-    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>) -> Result<()> {
-        Cpu.add_bias(x, bias)
+    fn add_bias(&self, x: &mut HostBuf, bias: &HostBuf) -> Result<()> {
+        self.cpu.add_bias(x, bias)
     }
-    fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, eps: f32, out: &mut Vec<f32>) -> Result<()> {
-        Cpu.rms_norm(x, w, eps, out)
+    fn rms_norm(&self, x: &HostBuf, w: &HostBuf, eps: f32, out: &mut HostBuf) -> Result<()> {
+        self.cpu.rms_norm(x, w, eps, out)
     }
-    fn rope(&self, x: &mut Vec<f32>, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
-        Cpu.rope(x, n_heads, positions, table)
+    fn rope(&self, x: &mut HostBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
+        self.cpu.rope(x, n_heads, positions, table)
     }
     fn attention(
         &self,
         shape: &AttnShape,
-        q: &Vec<f32>,
+        q: &HostBuf,
         qpos: &[u32],
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        k: &HostBuf,
+        v: &HostBuf,
         kpos: &[u32],
-        out: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
+        out: &mut HostBuf,
+        lse: &mut HostBuf,
     ) -> Result<()> {
         self.add(|r| r.attn_pairs += visible(qpos, kpos));
-        Cpu.attention(shape, q, qpos, k, v, kpos, out, lse)
+        self.cpu.attention(shape, q, qpos, k, v, kpos, out, lse)
     }
     fn attention_scores(
         &self,
         shape: &AttnShape,
-        q: &Vec<f32>,
+        q: &HostBuf,
         qpos: &[u32],
-        k: &Vec<f32>,
+        k: &HostBuf,
         kpos: &[u32],
-        lse: &Vec<f32>,
-        scores: &mut Vec<f32>,
+        lse: &HostBuf,
+        scores: &mut HostBuf,
     ) -> Result<()> {
         self.add(|r| r.score_pairs += visible(qpos, kpos));
-        Cpu.attention_scores(shape, q, qpos, k, kpos, lse, scores)
+        self.cpu.attention_scores(shape, q, qpos, k, kpos, lse, scores)
     }
     fn merge_partial(
         &self,
-        out: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-        block_out: &Vec<f32>,
-        block_lse: &Vec<f32>,
+        out: &mut HostBuf,
+        lse: &mut HostBuf,
+        block_out: &HostBuf,
+        block_lse: &HostBuf,
         head_dim: usize,
     ) -> Result<()> {
-        Cpu.merge_partial(out, lse, block_out, block_lse, head_dim)
+        self.cpu.merge_partial(out, lse, block_out, block_lse, head_dim)
     }
-    fn silu_mul(&self, gate_up: &Vec<f32>, ffn: usize, out: &mut Vec<f32>) -> Result<()> {
-        Cpu.silu_mul(gate_up, ffn, out)
+    fn silu_mul(&self, gate_up: &HostBuf, ffn: usize, out: &mut HostBuf) -> Result<()> {
+        self.cpu.silu_mul(gate_up, ffn, out)
     }
-    fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>) -> Result<()> {
-        Cpu.add_assign(x, y)
+    fn add_assign(&self, x: &mut HostBuf, y: &HostBuf) -> Result<()> {
+        self.cpu.add_assign(x, y)
     }
-    fn copy_columns(
-        &self,
-        src: &Vec<f32>,
-        src_cols: usize,
-        col: usize,
-        width: usize,
-        dst: &mut Vec<f32>,
-    ) -> Result<()> {
-        Cpu.copy_columns(src, src_cols, col, width, dst)
+    fn copy_columns(&self, src: &HostBuf, src_cols: usize, col: usize, width: usize, dst: &mut HostBuf) -> Result<()> {
+        self.cpu.copy_columns(src, src_cols, col, width, dst)
     }
     fn copy_rows(
         &self,
-        src: &Vec<f32>,
+        src: &HostBuf,
         src_rows: &[usize],
-        dst: &mut Vec<f32>,
+        dst: &mut HostBuf,
         dst_rows: &[usize],
         row_len: usize,
     ) -> Result<()> {
-        Cpu.copy_rows(src, src_rows, dst, dst_rows, row_len)
+        self.cpu.copy_rows(src, src_rows, dst, dst_rows, row_len)
     }
-    fn append(&self, dst: &mut Vec<f32>, src: &Vec<f32>) -> Result<()> {
-        Cpu.append(dst, src)
+    fn append(&self, dst: &mut HostBuf, src: &HostBuf) -> Result<()> {
+        self.cpu.append(dst, src)
     }
 }
 

@@ -40,6 +40,19 @@ barrels that spring. Nobody could say why the weathered bell of the monastery ha
 but the shepherds of the northern ridge said it rang more clearly after the rains. When the storm arrived in \
 October, the carpenter repaired the roof of the bakery and the weaver carried her looms to the town hall.";
 
+/// [`small_docs`] and a fourth about a ferry, asked for the north gate's code (the request the
+/// multi-rank tests share).
+pub fn gate_request() -> flowprefill_coordinator::Request {
+    let mut docs = small_docs();
+    docs.push("The ferry leaves the harbour at dawn.".into());
+    flowprefill_coordinator::Request {
+        context: flowprefill_coordinator::Context::Documents(docs),
+        query: "What is the access code for the north gate?".into(),
+        system: None,
+        answer_prefix: None,
+    }
+}
+
 /// Three short documents (about 130 tokens each), the second holding a fact.
 pub fn small_docs() -> Vec<String> {
     let lm = default_model();
@@ -210,16 +223,18 @@ pub fn temp_dir(tag: &str) -> PathBuf {
 /// contract, buffers moved between threads without serialization).
 pub fn thread_planes<B>(ranks: usize) -> flowprefill_coordinator::PlaneSetup<B>
 where
-    B: flowprefill_kernels::Backend<Buf = Vec<f32>>,
+    B: flowprefill_kernels::Backend<Buf = flowprefill_kernels::HostBuf>,
 {
     use flowprefill_comm::plane::{threads, Typed};
-    let ends = threads::group::<Vec<f32>>(ranks, Vec::clone, Vec::len);
+    use flowprefill_kernels::HostBuf;
+    let describe = |b: &HostBuf| format!("a {} buffer of {} values", b.dtype(), b.len());
+    let ends = threads::group::<HostBuf>(ranks, HostBuf::clone, describe);
     let ends = std::sync::Mutex::new(ends.into_iter().map(Some).collect::<Vec<_>>());
     std::sync::Arc::new(move |comm: &mut dyn flowprefill_comm::Communicator, _: &B| {
         let end = ends.lock().map_err(|_| "poisoned".to_string())?[comm.rank()]
             .take()
             .ok_or_else(|| format!("rank {}: its plane was taken already", comm.rank()))?;
-        comm.set_plane(Box::new(Typed::<Vec<f32>>(Box::new(end))));
+        comm.set_plane(Box::new(Typed::<HostBuf>(Box::new(end))));
         Ok(())
     })
 }

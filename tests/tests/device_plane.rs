@@ -6,8 +6,8 @@
 //! counted beside the communicator's (`<op>@threads`), and only control rows stay on the
 //! communicator.
 
-use flowprefill_coordinator::{Context, Job, Method, Request, RunOptions, RunResult, Scope, ThreadRanks};
-use flowprefill_tests::{default_model_path, rel_diff, small_docs, thread_planes};
+use flowprefill_coordinator::{Job, Method, Request, RunOptions, RunResult, Scope, ThreadRanks};
+use flowprefill_tests::{default_model_path, gate_request, rel_diff, thread_planes};
 use flowprefill_worker::{Cpu, LoadedModel};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -30,17 +30,6 @@ fn run(ranks: usize, plane: bool, req: &Request, opts: RunOptions) -> RunResult 
     world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{ranks} ranks (plane: {plane}): {e}"))
 }
 
-fn request() -> Request {
-    let mut docs = small_docs();
-    docs.push("The ferry leaves the harbour at dawn.".into());
-    Request {
-        context: Context::Documents(docs),
-        query: "What is the access code for the north gate?".into(),
-        system: None,
-        answer_prefix: None,
-    }
-}
-
 /// (bytes sent over the plane, bytes sent through the communicator) summed over ranks.
 fn traffic(r: &RunResult) -> (u64, u64) {
     let mut plane = 0;
@@ -59,7 +48,7 @@ fn traffic(r: &RunResult) -> (u64, u64) {
 
 #[test]
 fn every_method_over_a_device_plane_equals_staging_bit_for_bit_and_one_rank() {
-    let req = request();
+    let req = gate_request();
     let cases: Vec<(Method, bool, Scope)> = vec![
         (Method::None, false, Scope::Exact),
         (Method::Infoflow, false, Scope::Exact),

@@ -9,7 +9,7 @@ use flowprefill_worker::attend::AppendAttend;
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::model::Logits;
 use flowprefill_worker::steps::prefill_chunk;
-use flowprefill_worker::Cpu;
+use flowprefill_worker::{Backend, Cpu};
 
 /// First-token logits of two exact-in-math paths (different blocking/merge order), relative
 /// to the logit range.
@@ -92,8 +92,8 @@ fn ratio_zero_is_the_concatenation_of_chunk_caches() {
         // Appending a forward-free "prefill": copy rows layer by layer.
         for l in 0..cfg.n_layers {
             let layer = concat.layer_mut(l);
-            layer.k.extend_from_slice(&placed.layer(l).k);
-            layer.v.extend_from_slice(&placed.layer(l).v);
+            be.append(&mut layer.k, &placed.layer(l).k).unwrap();
+            be.append(&mut layer.v, &placed.layer(l).v).unwrap();
         }
         let mut all = concat.positions().to_vec();
         all.extend(global);

@@ -31,6 +31,7 @@ fn assert_rows_close(tag: &str, a: &KvCache<Cpu>, a_from: usize, b: &KvCache<Cpu
     let kvd = a.kv_dim();
     for l in 0..a.n_layers() {
         for (name, x, y) in [("k", &a.layer(l).k, &b.layer(l).k), ("v", &a.layer(l).v, &b.layer(l).v)] {
+            let (x, y) = (x.to_f32(), y.to_f32());
             let xa = &x[a_from * kvd..(a_from + rows) * kvd];
             let yb = &y[b_from * kvd..(b_from + rows) * kvd];
             let scale = yb.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);

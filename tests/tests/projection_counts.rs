@@ -51,7 +51,8 @@ fn projected_work_equals_what_the_engine_runs() {
     for (name, ranks, opts) in cases {
         let (r, ran) = run_counted(&lm, name, ranks, &request, &opts);
         let ran = per_thread(&ran);
-        let work = plan(&shape, &opts, ranks, &Request::of_run(&r)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let work =
+            plan(&shape, &opts, ranks, &Request::of_run(&r), r.kv_bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
         let projected: Vec<Ran> = (0..ranks)
             .map(|rank| {
                 let c = work.rank_counts(rank, &shape, 4.0, 4.0);

@@ -11,7 +11,7 @@
 use flowprefill_coordinator::layout::Layout;
 use flowprefill_coordinator::select::default_score_layers;
 use flowprefill_coordinator::{Context, Geometry, Job, Method, PrefixMode, Request, RunOptions, ThreadRanks};
-use flowprefill_kernels::Backend;
+use flowprefill_kernels::{Backend, HostBuf};
 use flowprefill_tests::{default_model_path, temp_dir, write_tiny_gguf, TinySpec};
 use flowprefill_worker::attend::{Attend, LayerInput};
 use flowprefill_worker::{Cpu, LoadedModel, Model};
@@ -39,12 +39,14 @@ struct Brute {
 }
 
 impl Attend<Cpu> for Brute {
-    fn attend(&mut self, x: &LayerInput<'_, Cpu>, out: &mut Vec<f32>) -> flowprefill_worker::Result<()> {
+    fn attend(&mut self, x: &LayerInput<'_, Cpu>, out: &mut HostBuf) -> flowprefill_worker::Result<()> {
         let s = x.shape;
+        // The default CPU backend keeps everything in f32.
+        let (xq, xk, xv) = (x.q.to_f32(), x.k.to_f32(), x.v.to_f32());
         let (h, hkv, d) = (s.n_heads, s.n_kv_heads, s.head_dim);
         let (qd, kvd, group) = (s.q_dim(), s.kv_dim(), h / hkv);
         let m = x.positions.len();
-        self.recorded.push((x.k_pre.clone(), x.v.clone()));
+        self.recorded.push((x.k_pre.to_f32(), xv.clone()));
         let empty = (vec![], vec![]);
         let (ck, cv) = self.context.get(x.layer).unwrap_or(&empty);
         let cpos = &self.cpos;
@@ -55,15 +57,15 @@ impl Attend<Cpu> for Brute {
                 (&ck[j * kvd..(j + 1) * kvd], &cv[j * kvd..(j + 1) * kvd], cpos[j])
             } else {
                 let t = j - nc;
-                (&x.k[t * kvd..(t + 1) * kvd], &x.v[t * kvd..(t + 1) * kvd], x.positions[t])
+                (&xk[t * kvd..(t + 1) * kvd], &xv[t * kvd..(t + 1) * kvd], x.positions[t])
             }
         };
         let w = self.weights.get(x.layer).copied().unwrap_or(0.0);
-        *out = vec![0.0; m * qd];
+        let mut o = vec![0.0f32; m * qd];
         for i in 0..m {
             for head in 0..h {
                 let kvh = head / group;
-                let q = &x.q[i * qd + head * d..i * qd + (head + 1) * d];
+                let q = &xq[i * qd + head * d..i * qd + (head + 1) * d];
                 let logits: Vec<Option<f64>> = (0..nc + m)
                     .map(|j| {
                         let (k, _, p) = key(j);
@@ -80,7 +82,7 @@ impl Attend<Cpu> for Brute {
                     let Some(l) = l else { continue };
                     let p = (l - max).exp() / z;
                     let (_, v, _) = key(j);
-                    for (o, vv) in out[i * qd + head * d..i * qd + (head + 1) * d].iter_mut().zip(&v[kvh * d..]) {
+                    for (o, vv) in o[i * qd + head * d..i * qd + (head + 1) * d].iter_mut().zip(&v[kvh * d..]) {
                         *o += (p * f64::from(*vv)) as f32;
                     }
                     if j < nc && w > 0.0 {
@@ -89,6 +91,7 @@ impl Attend<Cpu> for Brute {
                 }
             }
         }
+        *out = HostBuf::F32(o);
         Ok(())
     }
 }
@@ -112,10 +115,10 @@ fn brute_forward(
     for l in 0..c.n_layers {
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for (rec, pos) in context {
-            let mut kl = rec[l].0.clone();
+            let mut kl = HostBuf::F32(rec[l].0.clone());
             model.backend().rope(&mut kl, c.n_kv_heads, pos, model.rope()).expect("rope");
             assert_eq!(kl.len(), pos.len() * kvd);
-            k.extend(kl);
+            k.extend(kl.to_f32());
             v.extend(&rec[l].1);
         }
         layers.push((k, v));

@@ -266,7 +266,9 @@ impl WorkerError {
             ) => ErrorClass::Internal,
             WorkerError::Comm(_) | WorkerError::Protocol { .. } => ErrorClass::Peer,
             WorkerError::Kernel(KernelError::Backend { .. } | KernelError::HeadLayout { .. }) => ErrorClass::Model,
-            WorkerError::Kernel(KernelError::Shape { .. }) | WorkerError::Internal(_) => ErrorClass::Internal,
+            WorkerError::Kernel(KernelError::Shape { .. } | KernelError::Dtype { .. }) | WorkerError::Internal(_) => {
+                ErrorClass::Internal
+            }
             WorkerError::Stopped { cause: StopCause::Cancelled, .. } => ErrorClass::Cancelled,
             WorkerError::Stopped { cause: StopCause::Deadline(_), .. } => ErrorClass::Deadline,
         }

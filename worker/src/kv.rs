@@ -5,10 +5,14 @@
 //! * [`KeyForm::PreRope`]: K before RoPE. Chunk caches are stored this way so that placing a
 //!   chunk anywhere is one exact rotation (RoPE is never applied twice);
 //! * [`KeyForm::Rotated`]: K rotated to the stored positions, ready for attention (decoding).
+//!
+//! Rows are stored in the backend's KV element type ([`Backend::kv_dtype`]): f32, or bf16
+//! (half the memory; a projection is rounded once when it lands in the cache, and placing a
+//! pre-RoPE bf16 key rotates it in f32 and rounds once).
 
 use crate::error::Result;
 use flowprefill_kernels::rope::RopeTable;
-use flowprefill_kernels::Backend;
+use flowprefill_kernels::{Backend, DType};
 
 /// Whether stored keys have RoPE applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,6 +37,7 @@ pub struct KvCache<B: Backend> {
     positions: Vec<u32>,
     form: KeyForm,
     kv_dim: usize,
+    dtype: DType,
 }
 
 impl<B: Backend> std::fmt::Debug for KvCache<B> {
@@ -41,17 +46,19 @@ impl<B: Backend> std::fmt::Debug for KvCache<B> {
             .field("layers", &self.layers.len())
             .field("tokens", &self.positions.len())
             .field("form", &self.form)
+            .field("dtype", &self.dtype)
             .finish()
     }
 }
 
 impl<B: Backend> KvCache<B> {
-    /// An empty cache.
+    /// An empty cache, of the backend's KV element type.
     pub fn new(backend: &B, n_layers: usize, kv_dim: usize, form: KeyForm) -> Result<Self> {
+        let dtype = backend.kv_dtype();
         let layers = (0..n_layers)
-            .map(|_| Ok(LayerKv { k: backend.zeros(0)?, v: backend.zeros(0)? }))
+            .map(|_| Ok(LayerKv { k: backend.zeros_as(0, dtype)?, v: backend.zeros_as(0, dtype)? }))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { layers, positions: Vec::new(), form, kv_dim })
+        Ok(Self { layers, positions: Vec::new(), form, kv_dim, dtype })
     }
 
     /// Makes room for `tokens` rows in every layer up front, so that appending up to that many
@@ -72,8 +79,15 @@ impl<B: Backend> KvCache<B> {
         form: KeyForm,
         kv_dim: usize,
     ) -> Result<Self> {
+        let dtype = layers.first().map_or(backend.kv_dtype(), |l| backend.dtype(&l.k));
         for (l, layer) in layers.iter().enumerate() {
             for (name, buf) in [("k", &layer.k), ("v", &layer.v)] {
+                if backend.dtype(buf) != dtype {
+                    return Err(crate::error::internal(format!(
+                        "cache layer {l} {name}: {} values in a {dtype} cache",
+                        backend.dtype(buf)
+                    )));
+                }
                 if backend.len(buf) != positions.len() * kv_dim {
                     return Err(crate::error::internal(format!(
                         "cache layer {l} {name}: {} values for {} positions of {kv_dim}",
@@ -83,7 +97,12 @@ impl<B: Backend> KvCache<B> {
                 }
             }
         }
-        Ok(Self { layers, positions, form, kv_dim })
+        Ok(Self { layers, positions, form, kv_dim, dtype })
+    }
+
+    /// Element type of the rows.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Tokens held.
@@ -133,7 +152,7 @@ impl<B: Backend> KvCache<B> {
 
     /// Bytes of K and V held.
     pub fn bytes(&self) -> usize {
-        2 * self.layers.len() * self.positions.len() * self.kv_dim * std::mem::size_of::<f32>()
+        2 * self.layers.len() * self.positions.len() * self.kv_dim * self.dtype.size()
     }
 
     /// Replaces the positions (rows unchanged).
@@ -169,7 +188,7 @@ impl<B: Backend> KvCache<B> {
         }
         // Device to device: a copy (all columns of the rows) and a rotation, no host round trip.
         let copy = |src: &B::Buf| -> Result<B::Buf> {
-            let mut dst = backend.zeros(backend.len(src))?;
+            let mut dst = backend.zeros_as(backend.len(src), backend.dtype(src))?;
             if !self.positions.is_empty() {
                 backend.copy_columns(src, self.kv_dim, 0, self.kv_dim, &mut dst)?;
             }
@@ -183,6 +202,12 @@ impl<B: Backend> KvCache<B> {
             }
             layers.push(LayerKv { k, v: copy(&layer.v)? });
         }
-        Ok(Self { layers, positions: positions.to_vec(), form: KeyForm::Rotated, kv_dim: self.kv_dim })
+        Ok(Self {
+            layers,
+            positions: positions.to_vec(),
+            form: KeyForm::Rotated,
+            kv_dim: self.kv_dim,
+            dtype: self.dtype,
+        })
     }
 }

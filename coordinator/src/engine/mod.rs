@@ -145,6 +145,8 @@ pub struct RunResult {
     pub first_logits: Vec<f32>,
     /// Per-rank phase times and communication.
     pub rank_stats: Vec<RankStats>,
+    /// Bytes per element of the KV caches (4: f32, 2: bf16).
+    pub kv_bytes: usize,
 }
 
 impl RunResult {
@@ -447,6 +449,7 @@ impl<B: Backend> Engine<B> {
             cache_misses: 0,
             first_logits: Vec::new(),
             rank_stats: Vec::new(),
+            kv_bytes: self.lm.model.backend().kv_dtype().size(),
         };
         let mut turn = Turn {
             opts,

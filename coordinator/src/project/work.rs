@@ -7,7 +7,8 @@
 //! recompute batches (`RunOptions::recompute_batch`) and the prefix mode in effect. What it
 //! adds is the visibility rule every attention call applies (a key is seen when its position
 //! is not after the query's), counted in closed form over position ranges, and the wire size
-//! of every message (`comm::wire` sections: a 4-byte count, then the values).
+//! of every message (`comm::wire` sections: a 4-byte count, then the values; the control rows,
+//! then per buffer its type tag and its values, 4 bytes per f32, `kv_bytes` per K/V element).
 //!
 //! A test in `tests/tests/projection_counts.rs` runs the real engine on a backend that counts
 //! GEMM rows and visible attention pairs, and the communicator's own byte counters, and
@@ -260,19 +261,28 @@ fn points_before(keys: &[u64], q: u64) -> u64 {
 /// Keys of one attention source at or before a query position.
 type KeysBefore = Box<dyn Fn(u64) -> u64>;
 
-/// Bytes of a `comm::wire` packet: one section per entry of `sections` (a 4-byte count, then
-/// 4-byte values).
-fn packet(sections: &[usize]) -> u64 {
-    sections.iter().map(|&n| 4 + 4 * n as u64).sum()
+/// Bytes of a staged message (`comm::wire`, as `worker::steps::transport` writes it): the control
+/// rows (a section of `rows` u32 values), then per buffer a type tag (a section of one u32) and
+/// its values (a section of `len` elements of `elem` bytes); a section is a 4-byte count, then
+/// the values.
+fn message(rows: usize, bufs: &[(usize, usize)]) -> u64 {
+    4 + 4 * rows as u64 + bufs.iter().map(|&(len, elem)| 8 + 4 + (len * elem) as u64).sum::<u64>()
 }
 
-/// Bytes of the partials `Replicated` sends (ids, then out and lse per segment).
+/// Bytes of the partials `Replicated` sends (ids, then out and lse per segment, f32).
 fn partials(n_segments: usize, m: usize, shape: &Shape) -> u64 {
-    packet(&[n_segments]) + n_segments as u64 * packet(&[m * shape.q_dim(), m * shape.n_heads])
+    message(n_segments, &[(m * shape.q_dim(), 4), (m * shape.n_heads, 4)].repeat(n_segments))
 }
 
-/// Plans one request: every rank's work per phase, for the method and options given.
-pub fn plan(shape: &Shape, opts: &RunOptions, ranks: usize, req: &Request) -> Result<Work, ProjectError> {
+/// Plans one request: every rank's work per phase, for the method and options given, with K/V
+/// of `kv_bytes` bytes per element (4: f32 caches, the CPU's default; 2: bf16, a GPU's).
+pub fn plan(
+    shape: &Shape,
+    opts: &RunOptions,
+    ranks: usize,
+    req: &Request,
+    kv_bytes: usize,
+) -> Result<Work, ProjectError> {
     let p = ranks.max(1);
     let l = shape.n_layers;
     let per_rank = match opts.method {
@@ -282,8 +292,8 @@ pub fn plan(shape: &Shape, opts: &RunOptions, ranks: usize, req: &Request) -> Re
             }
             vec![full(req, l)]
         }
-        Method::Ring => ring(shape, req, p),
-        Method::Infoflow | Method::None => chunked(shape, opts, p, req)?,
+        Method::Ring => ring(shape, req, p, kv_bytes),
+        Method::Infoflow | Method::None => chunked(shape, opts, p, req, kv_bytes)?,
         other => return Err(ProjectError::Unsupported { method: other.name().to_string() }),
     };
     Ok(Work { method: opts.method, ranks: p, per_rank })
@@ -310,7 +320,7 @@ fn full(req: &Request, l: usize) -> Vec<PhaseWork> {
 }
 
 /// `ring`: zigzag pieces, K/V blocks passed P-1 times per layer, overlapped with attention.
-fn ring(shape: &Shape, req: &Request, p: usize) -> Vec<Vec<PhaseWork>> {
+fn ring(shape: &Shape, req: &Request, p: usize, kv: usize) -> Vec<Vec<PhaseWork>> {
     let t = req.head + req.n_context() + req.prompt;
     let l = shape.n_layers;
     let pieces = zigzag_pieces(t, p);
@@ -335,7 +345,7 @@ fn ring(shape: &Shape, req: &Request, p: usize) -> Vec<Vec<PhaseWork>> {
                 if step + 1 < p {
                     // Send the block held now to the next rank, receive the previous rank's.
                     let prev_blk: usize = pieces[(from + p - 1) % p].iter().map(|r| r.len()).sum();
-                    let bytes = |n: usize| packet(&[n, n * shape.kv_dim(), n * shape.kv_dim()]);
+                    let bytes = |n: usize| message(n, &[(n * shape.kv_dim(), kv), (n * shape.kv_dim(), kv)]);
                     ph.messages.push(Message {
                         op: "ring.kv".into(),
                         calls: l,
@@ -351,7 +361,13 @@ fn ring(shape: &Shape, req: &Request, p: usize) -> Vec<Vec<PhaseWork>> {
 }
 
 /// Chunked methods: chunk prefill, probe, selection, recompute, final prompt.
-fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<Vec<Vec<PhaseWork>>, ProjectError> {
+fn chunked(
+    shape: &Shape,
+    opts: &RunOptions,
+    p: usize,
+    req: &Request,
+    kv: usize,
+) -> Result<Vec<Vec<PhaseWork>>, ProjectError> {
     if opts.reorder {
         return Err(ProjectError::Unsupported { method: format!("{}+reorder", opts.method.name()) });
     }
@@ -553,7 +569,7 @@ fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<
                         }
                         // Every rank takes part in the collectives, alone too: its queries go
                         // to every other rank, and the partials for each rank's queries go back.
-                        let (own, theirs) = gathered(&|c| packet(&[c, c * shape.q_dim()]));
+                        let (own, theirs) = gathered(&|c| message(c, &[(c * shape.q_dim(), 4)]));
                         rc.messages.push(Message {
                             op: "recompute.q".into(),
                             calls: l,
@@ -561,7 +577,8 @@ fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<
                             received: theirs,
                             step: None,
                         });
-                        let (own, theirs) = gathered(&|c| packet(&[c, c * shape.q_dim(), c * shape.n_heads]));
+                        let (own, theirs) =
+                            gathered(&|c| message(c, &[(c * shape.q_dim(), 4), (c * shape.n_heads, 4)]));
                         rc.messages.push(Message {
                             op: "recompute.partials".into(),
                             calls: l,
@@ -593,7 +610,8 @@ fn chunked(shape: &Shape, opts: &RunOptions, p: usize, req: &Request) -> Result<
                             let pairs: u64 = mine.iter().map(|&q| f(q)).sum();
                             rc.attn.push(Attn { queries: mine.len(), keys: *keys, pairs, layers: l, step: None });
                         }
-                        let (own, theirs) = gathered(&|c| packet(&[c, c * shape.kv_dim(), c * shape.kv_dim()]));
+                        let (own, theirs) =
+                            gathered(&|c| message(c, &[(c * shape.kv_dim(), kv), (c * shape.kv_dim(), kv)]));
                         rc.messages.push(Message {
                             op: "recompute.kv".into(),
                             calls: l,
@@ -663,7 +681,7 @@ mod tests {
         let s = tiny();
         let req = Request { head: 5, chunks: vec![7, 300, 12, 40], prompt: 9, selected: None };
         let t = 5 + 359 + 9;
-        let full = plan(&s, &opts(Method::Full), 1, &req).expect("plans");
+        let full = plan(&s, &opts(Method::Full), 1, &req, 4).expect("plans");
         let c = full.rank_counts(0, &s, 2.0, 2.0);
         assert_eq!(c.attn_pair_layers, causal(t) * 3, "full: causal pairs x layers");
         assert_eq!(c.gemm_row_layers, t * 3);
@@ -676,7 +694,7 @@ mod tests {
         assert_eq!(c.weight_bytes, (3 * params * 2 + 16 * 50 * 2) as f64);
         assert_eq!(c.kv_bytes, (t as usize * 3 * 2 * 8 * 2) as f64);
         for p in 1..=5 {
-            let ring = plan(&s, &opts(Method::Ring), p, &req).expect("plans");
+            let ring = plan(&s, &opts(Method::Ring), p, &req, 4).expect("plans");
             let total: u64 = (0..p).map(|r| ring.rank_counts(r, &s, 2.0, 2.0).attn_pair_layers).sum();
             assert_eq!(total, causal(t) * 3, "ring P={p}: every causal pair once");
             let rows: u64 = (0..p).map(|r| ring.rank_counts(r, &s, 2.0, 2.0).gemm_row_layers).sum();
@@ -684,7 +702,8 @@ mod tests {
             // Each block crosses P-1 links per layer: all of K and V (+ positions) sent P-1 times.
             let sent: u64 = (0..p).map(|r| ring.rank_counts(r, &s, 2.0, 2.0).sent).sum();
             let received: u64 = (0..p).map(|r| ring.rank_counts(r, &s, 2.0, 2.0).received).sum();
-            let per_block = |n: u64| 12 + 4 * n + 2 * 4 * n * 8;
+            // Rows, then K and V (8 values per row here) each with its type tag.
+            let per_block = |n: u64| 4 + 4 * n + 2 * (12 + 4 * n * 8);
             let pieces = zigzag_pieces(t as usize, p);
             let want: u64 =
                 pieces.iter().map(|r| per_block((r[0].len() + r[1].len()) as u64)).sum::<u64>() * (p as u64 - 1) * 3;
@@ -713,7 +732,7 @@ mod tests {
                     recompute_batch: 4,
                     ..opts(Method::Infoflow)
                 };
-                let w = plan(&s, &o, p, &req).expect("plans");
+                let w = plan(&s, &o, p, &req, 4).expect("plans");
                 let phase = |r: usize, name: &str| {
                     w.per_rank[r].iter().find(|x| x.phase == name).map(|x| x.counts(&s, 4.0, 4.0)).unwrap_or_default()
                 };
@@ -772,7 +791,8 @@ mod tests {
 
     #[test]
     fn packets_are_counted_like_the_wire() {
-        let bytes = flowprefill_comm::Packet::new().u32s(&[1, 2, 3]).f32s(&[0.0; 5]).into_bytes();
-        assert_eq!(packet(&[3, 5]), bytes.len() as u64);
+        use flowprefill_comm::Packet;
+        let bytes = Packet::new().u32s(&[1, 2, 3]).u32s(&[0]).f32s(&[0.0; 5]).u32s(&[1]).u16s(&[0; 7]).into_bytes();
+        assert_eq!(message(3, &[(5, 4), (7, 2)]), bytes.len() as u64);
     }
 }

@@ -10,7 +10,8 @@ mod backend;
 pub mod nccl;
 pub mod nvrtc;
 
-pub use backend::{to_bf16, CudaBackend, DeviceBuf, DeviceMat, WeightType};
+pub use crate::backend::to_bf16;
+pub use backend::{CudaBackend, DeviceBuf, DeviceMat, WeightType};
 
 use crate::error::{KernelError, Result};
 use cudarc::driver::CudaContext;

@@ -7,8 +7,9 @@
 //! `scripts/cuda-wheels.sh --nccl` links that name to it.
 
 use super::{err, CudaBackend, DeviceBuf};
+use crate::backend::DType;
 use crate::error::Result;
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::sys;
 use flowprefill_comm::plane::BufPlane;
 use flowprefill_comm::{CommError, Result as CommResult};
@@ -250,19 +251,24 @@ impl NcclPlane {
         // The sends read what the compute stream wrote: the communication stream waits for it.
         let ready = self.compute.record_event(None).map_err(|e| format!("record: {e:?}"))?;
         self.stream.wait(&ready).map_err(|e| format!("wait: {e:?}"))?;
-        let float = sys::ncclDataType_t::ncclFloat32;
+        // Each buffer moves in its own element type (f32, or bf16: half the bytes).
+        let nccl_type = |d: DType| match d {
+            DType::F32 => sys::ncclDataType_t::ncclFloat32,
+            DType::Bf16 => sys::ncclDataType_t::ncclBfloat16,
+        };
         let cu = self.stream.cu_stream() as sys::cudaStream_t;
         let mut guards = Vec::with_capacity(sends.len() + receives.len());
         cudarc::nccl::result::group_start().map_err(|e| format!("ncclGroupStart: {e:?}"))?;
         let mut issued: std::result::Result<(), String> = Ok(());
         for (peer, b) in sends {
-            // The first `b.len()` values of the allocation.
-            let (ptr, g) = b.data().device_ptr(&self.stream);
+            // The first `b.len()` elements of the allocation.
+            let (ptr, g) = b.ptr(&self.stream);
             guards.push(g);
-            // SAFETY: `ptr` addresses `b.len()` f32 values kept alive until the exchange completes
+            let t = nccl_type(b.dtype());
+            // SAFETY: `ptr` addresses `b.len()` elements kept alive until the exchange completes
             // (the caller holds the buffer until `complete`); stream and communicator are live.
             let r = unsafe {
-                cudarc::nccl::result::send(ptr as _, b.len(), float, *peer as std::ffi::c_int, self.comm.raw, cu)
+                cudarc::nccl::result::send(ptr.addr as _, b.len(), t, *peer as std::ffi::c_int, self.comm.raw, cu)
             };
             if let Err(e) = r {
                 issued = Err(format!("ncclSend to rank {peer}: {e:?}"));
@@ -271,12 +277,12 @@ impl NcclPlane {
         }
         if issued.is_ok() {
             for (peer, b) in receives.iter_mut() {
-                let len = b.len();
-                let (ptr, g) = b.data_mut().device_ptr_mut(&self.stream);
+                let (len, t) = (b.len(), nccl_type(b.dtype()));
+                let (ptr, g) = b.ptr_mut(&self.stream);
                 guards.push(g);
-                // SAFETY: `ptr` addresses at least `len` f32 values owned by the pending exchange.
+                // SAFETY: `ptr` addresses at least `len` elements owned by the pending exchange.
                 let r = unsafe {
-                    cudarc::nccl::result::recv(ptr as _, len, float, *peer as std::ffi::c_int, self.comm.raw, cu)
+                    cudarc::nccl::result::recv(ptr.addr as _, len, t, *peer as std::ffi::c_int, self.comm.raw, cu)
                 };
                 if let Err(e) = r {
                     issued = Err(format!("ncclRecv from rank {peer}: {e:?}"));
@@ -295,7 +301,7 @@ impl BufPlane<DeviceBuf> for NcclPlane {
         "nccl"
     }
 
-    fn issue(&mut self, op: &str, sends: &[(usize, &DeviceBuf)], receives: &[(usize, usize)]) -> CommResult<()> {
+    fn issue(&mut self, op: &str, sends: &[(usize, &DeviceBuf)], receives: Vec<(usize, DeviceBuf)>) -> CommResult<()> {
         if let Some(why) = &self.broken {
             return Err(CommError::Misuse(format!("`{op}`: the NCCL communicator was aborted earlier: {why}")));
         }
@@ -305,18 +311,11 @@ impl BufPlane<DeviceBuf> for NcclPlane {
         for &(peer, _) in sends {
             flowprefill_comm::check_rank(peer, self.comm.world)?;
         }
-        let mut bufs = Vec::with_capacity(receives.len());
-        for &(peer, len) in receives {
-            flowprefill_comm::check_rank(peer, self.comm.world)?;
-            let data = self.stream.alloc_zeros::<f32>(len.max(1)).map_err(|e| {
-                CommError::Misuse(format!(
-                    "`{op}`: cannot allocate {len} values on cuda:{} to receive from rank {peer}: {e:?}",
-                    self.comm.ordinal
-                ))
-            })?;
-            bufs.push((peer, DeviceBuf::from_parts(data, len)));
+        for (peer, _) in &receives {
+            flowprefill_comm::check_rank(*peer, self.comm.world)?;
         }
-        let first_peer = receives.first().map(|r| r.0).or(sends.first().map(|s| s.0)).unwrap_or(0);
+        let mut bufs = receives;
+        let first_peer = bufs.first().map(|r| r.0).or(sends.first().map(|s| s.0)).unwrap_or(0);
         if let Err(detail) = self.issue_on_stream(sends, &mut bufs) {
             let e = CommError::RankLost { rank: first_peer, op: op.to_string(), detail };
             return Err(self.fail(e));

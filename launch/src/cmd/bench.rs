@@ -6,6 +6,7 @@ use flowprefill_worker::corpus;
 use flowprefill_worker::generate::{prefill_into, DEFAULT_PREFILL_CHUNK};
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::model::OpTimes;
+use flowprefill_worker::Backend;
 use std::time::Instant;
 
 /// Benchmarks.
@@ -168,7 +169,13 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     let threads = rayon::current_num_threads();
     let simd = format!("{:?}", flowprefill_kernels::simd::level());
     if !a.json {
-        println!("full prefill, {} threads, SIMD {simd}, {} timed runs per length (+1 warm-up)", threads, a.runs);
+        println!(
+            "full prefill on {} ({} KV cache), {} threads, SIMD {simd}, {} timed runs per length (+1 warm-up)",
+            common.device,
+            model.backend().kv_dtype(),
+            threads,
+            a.runs
+        );
         println!(
             "{:>7} {:>10} {:>10} {:>10} {:>9} {:>9} | {:>7} {:>7} {:>7} {:>7}",
             "tokens", "median s", "min s", "max s", "tok/s", "peak MB", "matmul", "attn", "norm+rope", "other"

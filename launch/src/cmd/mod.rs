@@ -12,7 +12,7 @@ pub mod run;
 
 use crate::Common;
 use anyhow::{Context, Result};
-use flowprefill_kernels::{Device, DeviceSpec, WeightType};
+use flowprefill_kernels::{DType, Device, DeviceSpec, WeightType};
 use flowprefill_worker::LoadedModel;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -40,16 +40,17 @@ pub fn resolve_model(model: Option<&std::path::Path>) -> Result<PathBuf> {
 /// Loads the model on the CPU backend, reporting the time on stderr.
 /// The device of `--device`, opened once per process (a GPU: its context and kernels).
 pub fn device(common: &Common) -> Result<Device> {
-    type Opened = Option<(DeviceSpec, WeightType, Device)>;
+    type Opened = Option<(DeviceSpec, WeightType, Option<DType>, Device)>;
     static OPEN: std::sync::Mutex<Opened> = std::sync::Mutex::new(None);
     let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((spec, weights, d)) = open.as_ref() {
-        if (*spec, *weights) == (common.device, common.weights) {
+    if let Some((spec, weights, kv, d)) = open.as_ref() {
+        if (*spec, *weights, *kv) == (common.device, common.weights, common.kv_dtype) {
             return Ok(d.clone());
         }
     }
-    let d = Device::open(common.device, common.weights).with_context(|| format!("--device {}", common.device))?;
-    *open = Some((common.device, common.weights, d.clone()));
+    let d = Device::open(common.device, common.weights, common.kv_dtype)
+        .with_context(|| format!("--device {}", common.device))?;
+    *open = Some((common.device, common.weights, common.kv_dtype, d.clone()));
     Ok(d)
 }
 
@@ -132,7 +133,8 @@ fn gpu_world(
     let path = model_path(common)?;
     let mut lms = vec![lm];
     for r in 1..ranks {
-        let dev = Device::open(DeviceSpec::Cuda(r), common.weights).with_context(|| format!("rank {r}: cuda:{r}"))?;
+        let dev = Device::open(DeviceSpec::Cuda(r), common.weights, common.kv_dtype)
+            .with_context(|| format!("rank {r}: cuda:{r}"))?;
         let m = LoadedModel::load(&path, dev)
             .with_context(|| format!("rank {r}: loading {} on cuda:{r}", path.display()))?;
         lms.push(Arc::new(m));

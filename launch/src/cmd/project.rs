@@ -7,7 +7,7 @@ use flowprefill_coordinator::project::{self, plan, Device, Link, Profiles, Proje
 use flowprefill_coordinator::{Method, RunOptions, RunResult, Scope};
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::matmul::Matrix;
-use flowprefill_kernels::{Backend, Cpu};
+use flowprefill_kernels::{Backend, Cpu, DType, HostBuf};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -147,7 +147,7 @@ pub fn project_run(
     link: &Link,
 ) -> std::result::Result<Projection, project::ProjectError> {
     let req = Request::of_run(r);
-    let work = plan(shape, &r.opts, r.ranks, &req)?;
+    let work = plan(shape, &r.opts, r.ranks, &req, r.kv_bytes)?;
     Ok(project::project(&work, shape, dev, link, 1.0))
 }
 
@@ -195,7 +195,7 @@ pub fn run_project(common: &Common, a: ProjectArgs) -> Result<()> {
     crate::ensure_usage!(!methods.is_empty(), "--methods names no method");
     let project_one = |opts: &RunOptions, p: usize, n: usize, scale: f64| -> Result<Projection> {
         let req = Request::documents(n, a.doc_tokens, a.head_tokens, a.prompt_tokens);
-        let work = plan(&shape, opts, p, &req)?;
+        let work = plan(&shape, opts, p, &req, dev.kv_bytes.value.round() as usize)?;
         Ok(project::project(&work, &shape, dev, link, scale))
     };
     // One global compute efficiency, calibrated on one cell.
@@ -444,8 +444,8 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
         for rows in [1usize, 4, 16, 32, 64, 128, 256, 512, 1024, 2048] {
             let (mut flops, mut secs) = (0.0, 0.0);
             for (i, w) in mats.iter().enumerate() {
-                let x = random(rows * w.cols(), 10 + i as u64);
-                let mut out = vec![0f32; rows * w.rows()];
+                let x = HostBuf::F32(random(rows * w.cols(), 10 + i as u64));
+                let mut out = HostBuf::zeros(rows * w.rows(), DType::F32);
                 secs += time_it(a.seconds / 4.0, || Ok(Cpu.matmul_t(&x, rows, w, &mut out)?))?;
                 flops += 2.0 * (rows * w.rows() * w.cols()) as f64;
             }
@@ -464,14 +464,17 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
             (512, 512, true),
             (2048, 2048, true),
         ] {
-            let q = random(rows * attn_shape.q_dim(), 1);
-            let k = random(keys * attn_shape.kv_dim(), 2);
-            let v = random(keys * attn_shape.kv_dim(), 3);
+            let q = HostBuf::F32(random(rows * attn_shape.q_dim(), 1));
+            let k = HostBuf::F32(random(keys * attn_shape.kv_dim(), 2));
+            let v = HostBuf::F32(random(keys * attn_shape.kv_dim(), 3));
             let kpos: Vec<u32> = (0..keys as u32).collect();
             let qpos: Vec<u32> = if causal { kpos.clone() } else { vec![keys as u32; rows] };
             let pairs = project::range_pairs(u64::from(qpos[0])..u64::from(qpos[rows - 1]) + 1, 0..keys as u64) as f64
                 * if causal { 1.0 } else { rows as f64 };
-            let (mut out, mut lse) = (vec![0f32; rows * attn_shape.q_dim()], vec![0f32; rows * shape.n_heads]);
+            let (mut out, mut lse) = (
+                HostBuf::zeros(rows * attn_shape.q_dim(), DType::F32),
+                HostBuf::zeros(rows * shape.n_heads, DType::F32),
+            );
             let secs =
                 time_it(a.seconds, || Ok(Cpu.attention(&attn_shape, &q, &qpos, &k, &v, &kpos, &mut out, &mut lse)?))?;
             let rate = 4.0 * pairs * (shape.n_heads * shape.head_dim) as f64 / secs;

@@ -250,9 +250,15 @@ impl<B: Backend> Model<B> {
         let mut h = be.zeros(m * d)?;
         let mut qkv = be.zeros(m * qkvd)?;
         let mut q = be.zeros(m * qd)?;
-        let mut k = be.zeros(m * kvd)?;
-        let mut k_pre = be.zeros(m * kvd)?;
-        let mut v = be.zeros(m * kvd)?;
+        // K and V in the cache's element type (a bf16 cache: rounded once, here); the keys'
+        // projection and per-head norm stay f32 until then.
+        let kv_type = be.kv_dtype();
+        let mut k_proj = be.zeros(m * kvd)?;
+        let qk_norm = self.layers.iter().any(|l| l.k_norm.is_some());
+        let mut k_normed = be.zeros(if qk_norm { m * kvd } else { 0 })?;
+        let mut k = be.zeros_as(m * kvd, kv_type)?;
+        let mut k_pre = be.zeros_as(m * kvd, kv_type)?;
+        let mut v = be.zeros_as(m * kvd, kv_type)?;
         let mut att = be.zeros(m * qd)?;
         let mut o = be.zeros(m * d)?;
         let mut gu = be.zeros(m * 2 * ffn)?;
@@ -275,7 +281,7 @@ impl<B: Backend> Model<B> {
                 be.add_bias(&mut qkv, bias)?;
             }
             be.copy_columns(&qkv, qkvd, 0, qd, &mut q)?;
-            be.copy_columns(&qkv, qkvd, qd, kvd, &mut k)?;
+            be.copy_columns(&qkv, qkvd, qd, kvd, &mut k_proj)?;
             be.copy_columns(&qkv, qkvd, qd + kvd, kvd, &mut v)?;
             OpProfile::add(&prof.elementwise, t);
 
@@ -284,10 +290,13 @@ impl<B: Backend> Model<B> {
                 // Per-head RMSNorm (rows of head_dim), through the scratch buffers.
                 be.rms_norm(&q, qn, c.rms_eps, &mut att)?;
                 std::mem::swap(&mut q, &mut att);
-                be.rms_norm(&k, kn, c.rms_eps, &mut k_pre)?;
-                std::mem::swap(&mut k, &mut k_pre);
+                be.rms_norm(&k_proj, kn, c.rms_eps, &mut k_normed)?;
+                std::mem::swap(&mut k_proj, &mut k_normed);
             }
-            be.copy_columns(&k, kvd, 0, kvd, &mut k_pre)?;
+            // Pre-RoPE keys as the cache keeps them; the rotated keys from those, exactly as a
+            // chunk cache is placed later (one rotation of the stored values).
+            be.copy_columns(&k_proj, kvd, 0, kvd, &mut k_pre)?;
+            be.copy_columns(&k_pre, kvd, 0, kvd, &mut k)?;
             be.rope(&mut q, c.n_heads, positions, &self.rope)?;
             be.rope(&mut k, c.n_kv_heads, positions, &self.rope)?;
             OpProfile::add(&prof.norm_rope, t);

@@ -54,7 +54,7 @@ impl<B: Backend> Attend<B> for Batched<'_, '_, B> {
                 if single {
                     return Ok(None);
                 }
-                let mut dst = be.zeros(n * width)?;
+                let mut dst = be.zeros_as(n * width, be.dtype(src))?;
                 be.copy_rows(src, &rows, &mut dst, &local, width)?;
                 Ok(Some(dst))
             };
@@ -120,7 +120,10 @@ pub fn prefill_chunks<B: Backend>(
         let layers = batch
             .iter()
             .map(|_| {
-                (0..c.n_layers).map(|_| Ok(LayerKv { k: be.zeros(0)?, v: be.zeros(0)? })).collect::<Result<Vec<_>>>()
+                let kv = be.kv_dtype();
+                (0..c.n_layers)
+                    .map(|_| Ok(LayerKv { k: be.zeros_as(0, kv)?, v: be.zeros_as(0, kv)? }))
+                    .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
         let mut att = Batched { jobs: batch, ranges, layers };

@@ -32,10 +32,10 @@ use crate::error::{Result, WorkerError};
 use crate::kv::KvCache;
 use flowprefill_kernels::Backend;
 
-/// Copy of a buffer on the backend.
+/// Copy of a buffer on the backend (of its element type).
 pub(crate) fn clone_buf<B: Backend>(be: &B, src: &B::Buf, row_len: usize) -> Result<B::Buf> {
     let len = be.len(src);
-    let mut dst = be.zeros(len)?;
+    let mut dst = be.zeros_as(len, be.dtype(src))?;
     if len > 0 {
         be.copy_columns(src, row_len, 0, row_len, &mut dst)?;
     }

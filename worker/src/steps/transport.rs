@@ -12,17 +12,20 @@
 //!                         buffers as one group of device sends/receives that runs while the
 //!                         caller computes; complete() waits on the device, with the deadline
 //! ```
-//! Both give the same bits. `lens(rows)` is the number of f32 values of each buffer of a
-//! message with those rows: senders are checked against it, receivers allocate by it.
+//! Both give the same bits. `lens(rows)` is the number of elements of each buffer of a
+//! message with those rows: senders are checked against it, receivers allocate by it. Each
+//! buffer travels in its own element type (a bf16 KV cache crosses as bf16, half the bytes):
+//! staged, every buffer is tagged with its type; on the device plane the control rows carry
+//! the types, and receivers allocate buffers of those types to receive into.
 
 use super::{comm_err, protocol};
 use crate::error::{internal, Result, WorkerError};
 use flowprefill_comm::plane::typed;
 use flowprefill_comm::{Communicator, Packet, Unpack};
-use flowprefill_kernels::Backend;
+use flowprefill_kernels::{Backend, DType, HostBuf};
 use std::time::Instant;
 
-/// Lengths (f32 values) of the buffers of a message, from its control rows.
+/// Lengths (elements) of the buffers of a message, from its control rows.
 pub(crate) type Lens<'a> = &'a dyn Fn(&[u32]) -> Vec<usize>;
 
 /// A message: control rows and the buffers they describe.
@@ -36,7 +39,14 @@ pub(crate) enum Posted {
     /// Rows and buffers in one host message per peer.
     Staged { op: String, from: Vec<usize> },
     /// Rows already here; buffers in flight on the device plane.
-    Device { op: String, from: Vec<usize>, rows: Vec<Vec<u32>>, lens: Vec<Vec<usize>>, sent: usize, t0: Instant },
+    Device {
+        op: String,
+        from: Vec<usize>,
+        rows: Vec<Vec<u32>>,
+        lens: Vec<Vec<(usize, DType)>>,
+        sent: usize,
+        t0: Instant,
+    },
 }
 
 /// Starts an exchange of rows and buffers (see the module docs).
@@ -70,7 +80,10 @@ pub(crate) fn post_bufs<B: Backend>(
                 _ => {
                     let mut p = Packet::new().u32s(rows);
                     for b in bufs {
-                        p = p.f32s(&be.stage_out(b)?);
+                        p = match be.stage_out(b)? {
+                            HostBuf::F32(v) => p.u32s(&[DType::F32.code()]).f32s(&v),
+                            HostBuf::Bf16(v) => p.u32s(&[DType::Bf16.code()]).u16s(&v),
+                        };
                     }
                     p.into_bytes()
                 }
@@ -80,30 +93,57 @@ pub(crate) fn post_bufs<B: Backend>(
         comm.post(op, msgs, from.clone()).map_err(comm_err)?;
         return Ok(Posted::Staged { op: op.to_string(), from });
     }
-    // Control first: it tells every receiver how much to receive.
-    let control = sends.iter().map(|(to, rows, _)| (*to, Packet::new().u32s(rows).into_bytes())).collect();
+    // Control first: rows and the buffers' element types tell every receiver what to receive.
+    let control = sends
+        .iter()
+        .map(|(to, rows, bufs)| {
+            let types: Vec<u32> = bufs.iter().map(|b| be.dtype(b).code()).collect();
+            (*to, Packet::new().u32s(rows).u32s(&types).into_bytes())
+        })
+        .collect();
     comm.post(op, control, from.clone()).map_err(comm_err)?;
     let got = comm.wait().map_err(comm_err)?;
     let mut rows = Vec::with_capacity(from.len());
+    let mut typed_lens: Vec<Vec<(usize, DType)>> = Vec::with_capacity(from.len());
     for (&r, b) in from.iter().zip(&got) {
         let mut u = Unpack::new(r, op, b);
         let v = u.u32s().map_err(protocol)?;
+        let types = u.u32s().map_err(protocol)?;
         u.finish().map_err(protocol)?;
+        let l = lens(&v);
+        if types.len() != l.len() {
+            return Err(WorkerError::Protocol {
+                rank: r,
+                detail: format!("`{op}`: {} buffer types for {} buffers", types.len(), l.len()),
+            });
+        }
+        let mut tl = Vec::with_capacity(l.len());
+        for (n, code) in l.into_iter().zip(types) {
+            let t = DType::from_code(code).ok_or_else(|| WorkerError::Protocol {
+                rank: r,
+                detail: format!("`{op}`: unknown buffer type {code}"),
+            })?;
+            tl.push((n, t));
+        }
         rows.push(v);
+        typed_lens.push(tl);
     }
-    let lens: Vec<Vec<usize>> = rows.iter().map(|r| lens(r)).collect();
     // Empty buffers are not transferred (both sides know their length is zero).
     let dev_sends: Vec<(usize, &B::Buf)> = sends
         .iter()
         .flat_map(|(to, _, bufs)| bufs.iter().map(move |b| (*to, *b)))
         .filter(|(_, b)| be.len(b) > 0)
         .collect();
-    let receives: Vec<(usize, usize)> =
-        from.iter().zip(&lens).flat_map(|(&r, l)| l.iter().map(move |&n| (r, n))).filter(|&(_, n)| n > 0).collect();
-    let sent = dev_sends.iter().map(|(_, b)| be.len(b) * 4).sum();
+    let mut receives = Vec::new();
+    for (&r, l) in from.iter().zip(&typed_lens) {
+        for &(n, t) in l.iter().filter(|(n, _)| *n > 0) {
+            receives.push((r, be.zeros_as(n, t)?));
+        }
+    }
+    let sent = dev_sends.iter().map(|(_, b)| be.bytes(b)).sum();
     let plane = comm.plane().ok_or_else(|| internal("the device plane went away"))?;
-    typed::<B::Buf>(plane).and_then(|p| p.issue(op, &dev_sends, &receives)).map_err(comm_err)?;
-    Ok(Posted::Device { op: op.to_string(), from, rows, lens, sent, t0: Instant::now() })
+    typed::<B::Buf>(plane).and_then(|p| p.issue(op, &dev_sends, receives)).map_err(comm_err)?;
+    Ok(Posted::Device { op: op.to_string(), from, rows, lens: typed_lens, sent, t0: Instant::now() })
 }
 
 /// Completes [`post_bufs`]: (rows, buffers) of each rank of `from`, in that order.
@@ -125,7 +165,17 @@ pub(crate) fn wait_bufs<B: Backend>(
                 let rows = u.u32s().map_err(protocol)?;
                 let mut bufs = Vec::new();
                 for want in lens(&rows) {
-                    let v = u.f32s().map_err(protocol)?;
+                    let code = u.u32s().map_err(protocol)?;
+                    let v = match code.as_slice() {
+                        [c] if *c == DType::F32.code() => HostBuf::F32(u.f32s().map_err(protocol)?),
+                        [c] if *c == DType::Bf16.code() => HostBuf::Bf16(u.u16s().map_err(protocol)?),
+                        other => {
+                            return Err(WorkerError::Protocol {
+                                rank: r,
+                                detail: format!("`{op}`: a buffer of unknown type {other:?}"),
+                            })
+                        }
+                    };
                     if v.len() != want {
                         return Err(WorkerError::Protocol {
                             rank: r,
@@ -151,13 +201,13 @@ pub(crate) fn wait_bufs<B: Backend>(
             let mut out = Vec::with_capacity(from.len());
             for (r, l) in rows.into_iter().zip(lens) {
                 let mut bufs = Vec::with_capacity(l.len());
-                for n in l {
+                for (n, t) in l {
                     let b = if n == 0 {
-                        be.zeros(0)?
+                        be.zeros_as(0, t)?
                     } else {
                         got.next().ok_or_else(|| internal(format!("`{op}`: the device plane lost a buffer")))?
                     };
-                    received += be.len(&b) * 4;
+                    received += be.bytes(&b);
                     bufs.push(b);
                 }
                 out.push((r, bufs));

@@ -1,0 +1,276 @@
+//! The tensor-core kernels (flash.cu, probe.cu) and the bf16 variants of the simple kernels, run
+//! on the CPU through the launch shim's emulations of `mma.sync` m16n8k16, `ldmatrix` (.trans)
+//! and `cp.async`, against f64 references on bf16-rounded inputs: head_dim 64 and 128, query
+//! heads per KV head 1, 3, 4, 7, lengths that are not multiples of the 64-row / 64-key tiles,
+//! rows that see no key, unsorted and repeated positions, scores up to about +-80, key splits
+//! (flash-decoding) merged by the combine kernel. The shapes stay small: every emulated mma
+//! costs two barriers of 32 threads.
+
+use flowprefill_kernels::attention::{attention_ref, attention_scores_ref, KvRef};
+use flowprefill_kernels::rope::{rope_ref, RopeStyle, RopeTable};
+use flowprefill_kernels_emu as emu;
+
+mod common;
+use common::{assert_close, bf16_ref, bf16_val, case, max_err, rand_vec, rng, to_bf16, Case};
+
+/// The tensor-core product of bf16 inputs: exact products, f32 sums of 16 terms.
+const PROBE_TOL: f32 = 1e-5;
+/// FlashAttention-2's rule for the output (its `tests/test_flash_attn.py`): the error against
+/// an f64 reference is at most this factor times the error of the naive bf16 computation
+/// (probabilities rounded to bf16 before multiplying V) ...
+const FLASH_NAIVE_FACTOR: f32 = 2.0;
+/// ... plus this.
+const FLASH_NAIVE_SLACK: f32 = 1e-5;
+/// And never more than this times max|V|: the bf16 rounding of P moves each weight by at most
+/// 2^-9 of itself.
+const FLASH_CEILING: f32 = 4e-3;
+/// Log-sum-exp, relative to max(1, |lse|): f32 row sums, exp2 in f32.
+const FLASH_LSE_TOL: f32 = 2e-5;
+/// Per-key attention mass, relative to max(1e-3, the reference's mass): exact bf16 products,
+/// f32 dot products and sums.
+const FLASH_SCORES_TOL: f32 = 1e-4;
+/// The simple kernels with bf16 keys and values against the reference on the same (widened)
+/// values: the f32 kernel's tolerances.
+const ATTN_OUT_TOL: f32 = 5e-5;
+const ATTN_LSE_TOL: f32 = 5e-5;
+const SCORES_TOL_PER_ROW: f32 = 2e-6;
+
+/// A plain product of bf16 A [16][16] and B [16][16] in f64.
+fn product(a: &[f32], b: &[f32]) -> Vec<f32> {
+    let mut d = vec![0f32; 256];
+    for i in 0..16 {
+        for j in 0..16 {
+            d[i * 16 + j] = (0..16).map(|k| a[i * 16 + k] as f64 * b[k * 16 + j] as f64).sum::<f64>() as f32;
+        }
+    }
+    d
+}
+
+#[test]
+fn the_mma_probe_matches_a_plain_product_through_both_operand_layouts() {
+    let mut r = rng(40);
+    for amp in [1.0, 30.0] {
+        let (a_bits, a) = to_bf16(&rand_vec(&mut r, 256, amp));
+        let (b_bits, b) = to_bf16(&rand_vec(&mut r, 256, amp));
+        // B as [n][k] (how K is stored) and as [k][n] (how V is stored).
+        let b_nk: Vec<u16> = (0..256).map(|i| b_bits[(i % 16) * 16 + i / 16]).collect();
+        let (d_nk, d_kn) = emu::probe_mma(&a_bits, &b_nk, &b_bits);
+        let want = product(&a, &b);
+        let scale = amp * amp * 16.0;
+        let norm = |x: &[f32]| x.iter().map(|v| v / scale).collect::<Vec<f32>>();
+        assert_close("mma via ldmatrix ([n][k] B)", &norm(&d_nk), &norm(&want), PROBE_TOL);
+        assert_close("mma via ldmatrix.trans ([k][n] B)", &norm(&d_kn), &norm(&want), PROBE_TOL);
+    }
+}
+
+/// Attention in f64 over the given (bf16-valued) inputs. With `round_p`, each probability is
+/// rounded to bf16 before it multiplies V, and the row is normalised by the unrounded sum: the
+/// naive bf16 computation of FlashAttention-2's test rule.
+fn attention_f64(c: &Case, q: &[f32], k: &[f32], v: &[f32], round_p: bool) -> (Vec<f32>, Vec<f32>) {
+    let s = &c.shape;
+    let (d, g) = (s.head_dim, s.group());
+    let (m, n) = (c.qpos.len(), c.kpos.len());
+    let mut out = vec![0f32; m * s.q_dim()];
+    let mut lse = vec![f32::NEG_INFINITY; m * s.n_heads];
+    for i in 0..m {
+        for h in 0..s.n_heads {
+            let kh = h / g;
+            let qi = &q[(i * s.n_heads + h) * d..][..d];
+            let vis: Vec<usize> = (0..n).filter(|&j| c.kpos[j] <= c.qpos[i]).collect();
+            if vis.is_empty() {
+                continue;
+            }
+            let sc: Vec<f64> = vis
+                .iter()
+                .map(|&j| {
+                    let kj = &k[(j * s.n_kv_heads + kh) * d..][..d];
+                    qi.iter().zip(kj).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * s.scale as f64
+                })
+                .collect();
+            let mx = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+            let l: f64 = p.iter().sum();
+            let o = &mut out[(i * s.n_heads + h) * d..][..d];
+            for (&j, &pj) in vis.iter().zip(&p) {
+                let w = if round_p { bf16_val(bf16_ref(pj as f32)) as f64 } else { pj };
+                let vj = &v[(j * s.n_kv_heads + kh) * d..][..d];
+                for (oo, &vv) in o.iter_mut().zip(vj) {
+                    *oo += (w * vv as f64 / l) as f32;
+                }
+            }
+            lse[i * s.n_heads + h] = (mx + l.ln()) as f32;
+        }
+    }
+    (out, lse)
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Runs the flash kernel on `c` (its inputs rounded to bf16) and checks it by the rules above;
+/// returns the plan it ran.
+fn check_flash(c: &Case, splits: Option<u32>, label: &str) -> emu::FlashPlan {
+    let (qb, q) = to_bf16(&c.q);
+    let (kb, k) = to_bf16(&c.k);
+    let (vb, v) = to_bf16(&c.v);
+    let (m, heads) = (c.qpos.len(), c.shape.n_heads);
+    let (mut out, mut lse) = (vec![7f32; c.q.len()], vec![7f32; m * heads]);
+    let plan = emu::flash_attention(&c.shape, &qb, &c.qpos, &kb, &vb, &c.kpos, &mut out, &mut lse, 132, splits);
+    let (want, want_lse) = attention_f64(c, &q, &k, &v, false);
+    let (naive, _) = attention_f64(c, &q, &k, &v, true);
+    assert!(out.iter().all(|x| x.is_finite()), "{label}: a non-finite output");
+    let err = max_abs_diff(&out, &want);
+    let naive_err = max_abs_diff(&naive, &want);
+    let vmax = v.iter().fold(0f32, |a, b| a.max(b.abs()));
+    assert!(
+        err <= FLASH_NAIVE_FACTOR * naive_err + FLASH_NAIVE_SLACK,
+        "{label}: out error {err:e}, naive bf16 error {naive_err:e}"
+    );
+    assert!(err <= FLASH_CEILING * vmax.max(f32::MIN_POSITIVE), "{label}: out error {err:e} above the ceiling");
+    assert_close(&format!("{label} lse"), &lse, &want_lse, FLASH_LSE_TOL);
+    plan
+}
+
+#[test]
+fn flash_attention_matches_the_reference_on_odd_shapes() {
+    let mut r = rng(41);
+    // (m, n, heads, kv heads, head_dim, scattered positions, forced key splits)
+    for &(m, n, heads, kv, d, scattered, splits) in &[
+        (1, 1, 1, 1, 64, false, None),
+        (17, 129, 9, 3, 64, false, None), // SmolLM2's heads: a prompt after 112 cached tokens
+        (65, 65, 4, 1, 64, false, None),  // prefill, 4 heads per KV head: 260 packed rows
+        (129, 129, 1, 1, 64, false, None), // 3 x 3 tiles, causal: whole tiles skipped
+        (15, 100, 7, 1, 128, true, None), // unsorted, repeated positions; rows that see nothing
+        (63, 63, 2, 2, 128, false, Some(1)),
+        (1, 257, 9, 3, 64, false, Some(5)), // a decode step split over 5 key tiles
+        (3, 200, 8, 2, 128, true, Some(3)),
+        (16, 0, 2, 1, 64, false, None), // no keys: out 0, lse -inf
+    ] {
+        let c = case(&mut r, m, n, heads, kv, d, scattered);
+        let label = format!("flash m={m} n={n} heads={heads}/{kv} d={d} splits={splits:?}");
+        let plan = check_flash(&c, splits, &label);
+        if let Some(s) = splits {
+            assert!(plan.splits <= s && plan.splits >= 1, "{label}: {plan:?}");
+        }
+    }
+}
+
+#[test]
+fn flash_attention_keeps_large_scores_finite_and_exact() {
+    // |q . k| * scale up to about 80: the online softmax must rescale, not overflow.
+    let mut r = rng(42);
+    for &(m, n, heads, kv, d) in &[(20, 90, 3, 1, 64), (9, 70, 4, 2, 128)] {
+        let mut c = case(&mut r, m, n, heads, kv, d, false);
+        c.q = rand_vec(&mut r, c.q.len(), 15.0);
+        c.k = rand_vec(&mut r, c.k.len(), 15.0);
+        check_flash(&c, None, &format!("flash large scores d={d}"));
+    }
+}
+
+#[test]
+fn flash_partials_over_disjoint_keys_merge_into_one_call() {
+    let mut r = rng(43);
+    let c = case(&mut r, 12, 150, 6, 2, 64, true);
+    let (qb, _) = to_bf16(&c.q);
+    let (kb, _) = to_bf16(&c.k);
+    let (vb, _) = to_bf16(&c.v);
+    let kvd = c.shape.kv_dim();
+    let lse_len = 12 * 6;
+    let (mut whole_o, mut whole_l) = (vec![0f32; c.q.len()], vec![0f32; lse_len]);
+    emu::flash_attention(&c.shape, &qb, &c.qpos, &kb, &vb, &c.kpos, &mut whole_o, &mut whole_l, 132, Some(1));
+    let cut = 70;
+    let (mut o1, mut l1) = (vec![0f32; c.q.len()], vec![0f32; lse_len]);
+    let (mut o2, mut l2) = (vec![0f32; c.q.len()], vec![0f32; lse_len]);
+    let (k1, k2) = kb.split_at(cut * kvd);
+    let (v1, v2) = vb.split_at(cut * kvd);
+    let (p1, p2) = c.kpos.split_at(cut);
+    emu::flash_attention(&c.shape, &qb, &c.qpos, k1, v1, p1, &mut o1, &mut l1, 132, Some(1));
+    emu::flash_attention(&c.shape, &qb, &c.qpos, k2, v2, p2, &mut o2, &mut l2, 132, Some(1));
+    emu::merge_partial(&mut o1, &mut l1, &o2, &l2, c.shape.head_dim);
+    // Two calls round P at other running maxima than one call: within the bf16 ceiling.
+    let vmax = c.v.iter().fold(0f32, |a, b| a.max(b.abs()));
+    assert!(max_abs_diff(&o1, &whole_o) <= FLASH_CEILING * vmax, "split + merge out");
+    assert_close("split + merge lse", &l1, &whole_l, FLASH_LSE_TOL);
+}
+
+#[test]
+fn flash_scores_match_the_reference() {
+    let mut r = rng(44);
+    for &(m, n, heads, kv, d, scattered) in &[
+        (4, 130, 9, 3, 64, false),
+        (11, 70, 14, 2, 64, true),
+        (30, 65, 4, 1, 128, false), // 120 packed rows: two query tiles
+        (1, 1, 1, 1, 128, false),
+    ] {
+        let c = case(&mut r, m, n, heads, kv, d, scattered);
+        let (qb, q) = to_bf16(&c.q);
+        let (kb, k) = to_bf16(&c.k);
+        let (_, v) = to_bf16(&c.v);
+        let (_, lse) = attention_f64(&c, &q, &k, &v, false);
+        let mut got = vec![0.25f32; n];
+        emu::flash_scores(&c.shape, &qb, &c.qpos, &kb, &c.kpos, &lse, &mut got);
+        let mut want = vec![0.25f32; n];
+        attention_scores_ref(&c.shape, &q, &c.qpos, KvRef { k: &k, v: &[], pos: &c.kpos }, &lse, &mut want).unwrap();
+        for (j, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            let tol = FLASH_SCORES_TOL * w.abs().max(1e-3);
+            assert!((g - w).abs() <= tol, "flash scores m={m} n={n} d={d}: key {j} got {g}, want {w}");
+        }
+    }
+}
+
+#[test]
+fn simple_kernels_take_bf16_keys_and_values() {
+    let mut r = rng(45);
+    for &(m, n, heads, kv, d, scattered) in &[(5, 70, 9, 3, 64, false), (3, 40, 7, 1, 80, true)] {
+        let c = case(&mut r, m, n, heads, kv, d, scattered);
+        let (kb, k) = to_bf16(&c.k);
+        let (vb, v) = to_bf16(&c.v);
+        let (mut out, mut lse) = (vec![0f32; c.q.len()], vec![0f32; m * heads]);
+        emu::attention(&c.shape, &c.q, &c.qpos, &kb, &vb, &c.kpos, &mut out, &mut lse);
+        let (mut want, mut want_lse) = (vec![0f32; c.q.len()], vec![0f32; m * heads]);
+        let kvr = KvRef { k: &k, v: &v, pos: &c.kpos };
+        attention_ref(&c.shape, &c.q, &c.qpos, kvr, &mut want, &mut want_lse).unwrap();
+        assert_close("attention kv bf16 out", &out, &want, ATTN_OUT_TOL);
+        assert_close("attention kv bf16 lse", &lse, &want_lse, ATTN_LSE_TOL);
+        let mut got = vec![0f32; n];
+        emu::attention_scores(&c.shape, &c.q, &c.qpos, &kb, &c.kpos, &want_lse, &mut got);
+        let mut want_s = vec![0f32; n];
+        attention_scores_ref(&c.shape, &c.q, &c.qpos, kvr, &want_lse, &mut want_s).unwrap();
+        assert_close("scores k bf16", &got, &want_s, SCORES_TOL_PER_ROW * (m * heads) as f32);
+    }
+}
+
+#[test]
+fn bf16_copies_and_rope_round_once() {
+    let mut r = rng(46);
+    let (rows, src_cols, col, width) = (9, 40, 8, 24);
+    let src = rand_vec(&mut r, rows * src_cols, 3.0);
+    let mut got = vec![0u16; rows * width];
+    emu::copy_columns(&src, src_cols, col, width, &mut got);
+    let want: Vec<u16> = (0..rows * width).map(|e| bf16_ref(src[(e / width) * src_cols + col + e % width])).collect();
+    assert_eq!(got, want, "copy_columns f32 -> bf16");
+    let mut again = vec![0u16; rows * 16];
+    emu::copy_columns(&got, width, 4, 16, &mut again);
+    let want2: Vec<u16> = (0..rows * 16).map(|e| got[(e / 16) * width + 4 + e % 16]).collect();
+    assert_eq!(again, want2, "copy_columns bf16 -> bf16");
+    let mut scattered = vec![0u16; 5 * width];
+    emu::copy_rows(&got, &[8, 0, 3], &mut scattered, &[4, 1, 0], width);
+    assert_eq!(&scattered[4 * width..], &got[8 * width..9 * width]);
+    assert_eq!(&scattered[..width], &got[3 * width..4 * width]);
+
+    // RoPE on bf16: rotated in f32 from the stored values, rounded once.
+    let table = RopeTable::new(64, 64, 10000.0, RopeStyle::Neox, None, 100).unwrap();
+    let positions: Vec<u32> = vec![0, 5, 99, 100, 3000];
+    let (bits, vals) = to_bf16(&rand_vec(&mut r, positions.len() * 2 * 64, 2.0));
+    let mut got = bits.clone();
+    emu::rope(&mut got, 2, &positions, &table);
+    let mut wide = vals.clone();
+    emu::rope(&mut wide, 2, &positions, &table);
+    let want: Vec<u16> = wide.iter().map(|&x| bf16_ref(x)).collect();
+    assert_eq!(got, want, "rope bf16 = round(rope f32)");
+    let mut reference = vals;
+    rope_ref(&mut reference, 2, &positions, &table).unwrap();
+    let widened: Vec<f32> = got.iter().map(|&b| bf16_val(b)).collect();
+    assert!(max_err(&widened, &reference) <= 1.0 / 128.0, "rope bf16 against the reference");
+}

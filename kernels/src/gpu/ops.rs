@@ -1,0 +1,592 @@
+//! One builder per op: the op's device pointers and sizes in, a checked-shape [`Call`] out.
+//! The CUDA backend and the CPU emulator both launch what these return, so the order of a
+//! kernel's arguments is decided here once (and checked against the `.cu` declaration by
+//! [`Call::check`]). Lengths of buffers are the callers' business: these builders see only
+//! addresses.
+
+use super::{stride_launch, Arg, Call, Elem, Launch, Ptr};
+use crate::error::{KernelError, Result};
+
+fn ptr(p: Ptr) -> Arg {
+    Arg::Ptr(p)
+}
+
+fn dtype_err(op: &'static str, detail: String) -> KernelError {
+    KernelError::Dtype { op, detail }
+}
+
+/// `p` must point at `elem`s.
+fn expect(op: &'static str, what: &str, p: Ptr, elem: Elem) -> Result<()> {
+    if p.elem == elem {
+        Ok(())
+    } else {
+        Err(dtype_err(op, format!("{what} holds {:?} values, this operation takes {elem:?}", p.elem)))
+    }
+}
+
+/// `out[r] = table[ids[r]]` for an f32 or bf16 table; `out` is f32.
+pub fn embedding(table: Ptr, ids: Ptr, out: Ptr, n: u32, cols: u32) -> Result<Call> {
+    let op = "embedding";
+    expect(op, "out", out, Elem::F32)?;
+    let kernel = match table.elem {
+        Elem::F32 => "fp_embedding_f32",
+        Elem::Bf16 => "fp_embedding_bf16",
+        e => return Err(dtype_err(op, format!("a table of {e:?}"))),
+    };
+    let launch = stride_launch(n as u64 * cols as u64);
+    Ok(Call { kernel, launch, args: vec![ptr(table), ptr(ids), ptr(out), Arg::U32(n), Arg::U32(cols)] })
+}
+
+/// `x[r, c] += bias[c]` over `n` values.
+pub fn add_bias(x: Ptr, bias: Ptr, n: u64, cols: u32) -> Result<Call> {
+    expect("add_bias", "x", x, Elem::F32)?;
+    Ok(Call {
+        kernel: "fp_add_bias",
+        launch: stride_launch(n),
+        args: vec![ptr(x), ptr(bias), Arg::U64(n), Arg::U32(cols)],
+    })
+}
+
+/// `x += y` over `n` values.
+pub fn add_assign(x: Ptr, y: Ptr, n: u64) -> Result<Call> {
+    expect("add_assign", "x", x, Elem::F32)?;
+    expect("add_assign", "y", y, Elem::F32)?;
+    Ok(Call { kernel: "fp_add_assign", launch: stride_launch(n), args: vec![ptr(x), ptr(y), Arg::U64(n)] })
+}
+
+/// `out = silu(gate) * up` of `[gate | up]` rows.
+pub fn silu_mul(gate_up: Ptr, out: Ptr, rows: u64, ffn: u32) -> Result<Call> {
+    expect("silu_mul", "gate_up", gate_up, Elem::F32)?;
+    Ok(Call {
+        kernel: "fp_silu_mul",
+        launch: stride_launch(rows * ffn as u64),
+        args: vec![ptr(gate_up), ptr(out), Arg::U64(rows), Arg::U32(ffn)],
+    })
+}
+
+/// Columns `[col, col + width)` of `[rows, src_cols]` into `dst`, converting f32 to bf16 when
+/// `dst` holds bf16 (how projections land in a bf16 KV cache); bf16 to bf16 is a copy.
+pub fn copy_columns(src: Ptr, src_cols: u32, col: u32, width: u32, dst: Ptr, rows: u64) -> Result<Call> {
+    let kernel = match (src.elem, dst.elem) {
+        (Elem::F32, Elem::F32) => "fp_copy_columns",
+        (Elem::F32, Elem::Bf16) => "fp_copy_columns_to_bf16",
+        (Elem::Bf16, Elem::Bf16) => "fp_copy_columns_bf16",
+        (s, d) => return Err(dtype_err("copy_columns", format!("from {s:?} into {d:?}"))),
+    };
+    Ok(Call {
+        kernel,
+        launch: stride_launch(rows * width as u64),
+        args: vec![ptr(src), Arg::U32(src_cols), Arg::U32(col), Arg::U32(width), ptr(dst), Arg::U64(rows)],
+    })
+}
+
+/// Row `src_rows[i]` of `src` to row `dst_rows[i]` of `dst` (the same element type).
+pub fn copy_rows(src: Ptr, src_rows: Ptr, dst: Ptr, dst_rows: Ptr, n: u32, row_len: u32) -> Result<Call> {
+    let kernel = match (src.elem, dst.elem) {
+        (Elem::F32, Elem::F32) => "fp_copy_rows",
+        (Elem::Bf16, Elem::Bf16) => "fp_copy_rows_bf16",
+        (s, d) => return Err(dtype_err("copy_rows", format!("from {s:?} into {d:?}"))),
+    };
+    Ok(Call {
+        kernel,
+        launch: stride_launch(n as u64 * row_len as u64),
+        args: vec![ptr(src), ptr(src_rows), ptr(dst), ptr(dst_rows), Arg::U32(n), Arg::U32(row_len)],
+    })
+}
+
+/// Every element of an f32 buffer set to `v`.
+pub fn fill(x: Ptr, v: f32, n: u64) -> Result<Call> {
+    expect("fill", "x", x, Elem::F32)?;
+    Ok(Call { kernel: "fp_fill", launch: stride_launch(n), args: vec![ptr(x), Arg::F32(v), Arg::U64(n)] })
+}
+
+/// f32 to bf16 (round to nearest even), or bf16 to f32, by the types of `x` and `y`.
+pub fn convert(x: Ptr, y: Ptr, n: u64) -> Result<Call> {
+    let kernel = match (x.elem, y.elem) {
+        (Elem::F32, Elem::Bf16) => "fp_f32_to_bf16",
+        (Elem::Bf16, Elem::F32) => "fp_bf16_to_f32",
+        (s, d) => return Err(dtype_err("convert", format!("from {s:?} to {d:?}"))),
+    };
+    Ok(Call { kernel, launch: stride_launch(n), args: vec![ptr(x), ptr(y), Arg::U64(n)] })
+}
+
+/// RMSNorm of `rows` rows of `cols`.
+pub fn rms_norm(x: Ptr, w: Ptr, eps: f32, out: Ptr, rows: u32, cols: u32) -> Result<Call> {
+    expect("rms_norm", "x", x, Elem::F32)?;
+    Ok(Call {
+        kernel: "fp_rms_norm",
+        launch: super::norm_launch(rows),
+        args: vec![ptr(x), ptr(w), Arg::F32(eps), ptr(out), Arg::U32(rows), Arg::U32(cols)],
+    })
+}
+
+/// The device side of a RoPE table.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeArgs {
+    /// Cosines, `[table_len, rot_dim / 2]`.
+    pub cos: Ptr,
+    /// Sines, likewise.
+    pub sin: Ptr,
+    /// Rows of the tables.
+    pub table_len: u32,
+    /// Inverse frequencies (f64), for positions beyond the table.
+    pub inv_freq: Ptr,
+    /// Head dimension.
+    pub head_dim: u32,
+    /// Rotated dimensions.
+    pub rot_dim: u32,
+    /// Interleaved pairs (GPT-J style) rather than halves (NeoX).
+    pub interleaved: bool,
+}
+
+/// RoPE in place over `[tokens, n_heads, head_dim]` (f32, or bf16 rounded once after the
+/// rotation), token t at `positions[t]`.
+pub fn rope(x: Ptr, tokens: u32, n_heads: u32, positions: Ptr, t: &RopeArgs) -> Result<Call> {
+    let kernel = match x.elem {
+        Elem::F32 => "fp_rope",
+        Elem::Bf16 => "fp_rope_bf16",
+        e => return Err(dtype_err("rope", format!("x holds {e:?}"))),
+    };
+    let pairs = tokens as u64 * n_heads as u64 * (t.rot_dim / 2) as u64;
+    Ok(Call {
+        kernel,
+        launch: stride_launch(pairs),
+        args: vec![
+            ptr(x),
+            Arg::U32(tokens),
+            Arg::U32(n_heads),
+            Arg::U32(t.head_dim),
+            Arg::U32(t.rot_dim),
+            Arg::U32(u32::from(t.interleaved)),
+            ptr(positions),
+            ptr(t.cos),
+            ptr(t.sin),
+            Arg::U32(t.table_len),
+            ptr(t.inv_freq),
+        ],
+    })
+}
+
+/// `before`, then the sizes `m, n, n_heads, n_kv_heads`, then `after`: the arguments of every
+/// attention kernel.
+fn with_dims(before: &[Arg], d: AttnDims, after: &[Arg]) -> Vec<Arg> {
+    before.iter().copied().chain(d.args()).chain(after.iter().copied()).collect()
+}
+
+/// Sizes of one attention call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnDims {
+    /// Query rows.
+    pub m: u32,
+    /// Keys.
+    pub n: u32,
+    /// Query heads.
+    pub n_heads: u32,
+    /// KV heads.
+    pub n_kv_heads: u32,
+    /// Head dimension.
+    pub head_dim: u32,
+}
+
+impl AttnDims {
+    /// The sizes of `m` queries over `n` keys with `shape`'s heads.
+    pub fn of(shape: &crate::attention::AttnShape, m: usize, n: usize) -> Self {
+        AttnDims {
+            m: m as u32,
+            n: n as u32,
+            n_heads: shape.n_heads as u32,
+            n_kv_heads: shape.n_kv_heads as u32,
+            head_dim: shape.head_dim as u32,
+        }
+    }
+
+    /// The arguments `m, n, n_heads, n_kv_heads` every attention kernel takes in this order.
+    fn args(&self) -> [Arg; 4] {
+        [Arg::U32(self.m), Arg::U32(self.n), Arg::U32(self.n_heads), Arg::U32(self.n_kv_heads)]
+    }
+
+    /// Query heads per KV head.
+    pub fn group(&self) -> u32 {
+        self.n_heads / self.n_kv_heads.max(1)
+    }
+}
+
+/// The simple attention kernel (FP32 cores, a warp per query row and head): f32 queries,
+/// f32 or bf16 keys and values, any head dimension up to [`super::ATTENTION_MAX_DIM`].
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    dims: AttnDims,
+    q: Ptr,
+    qpos: Ptr,
+    k: Ptr,
+    v: Ptr,
+    kpos: Ptr,
+    out: Ptr,
+    lse: Ptr,
+    scale: f32,
+) -> Result<Call> {
+    let op = "attention";
+    expect(op, "q", q, Elem::F32)?;
+    expect(op, "v", v, k.elem)?;
+    let kernel = match k.elem {
+        Elem::F32 => "fp_attention",
+        Elem::Bf16 => "fp_attention_kvbf16",
+        e => return Err(dtype_err(op, format!("keys of {e:?}"))),
+    };
+    let d = dims;
+    Ok(Call {
+        kernel,
+        launch: super::attention_launch(d.m, d.n_heads),
+        args: with_dims(
+            &[ptr(q), ptr(qpos), ptr(k), ptr(v), ptr(kpos), ptr(out), ptr(lse)],
+            d,
+            &[Arg::U32(d.head_dim), Arg::F32(scale)],
+        ),
+    })
+}
+
+/// The simple per-key attention mass kernel (a thread per key): f32 queries, f32 or bf16 keys.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_scores(
+    dims: AttnDims,
+    q: Ptr,
+    qpos: Ptr,
+    k: Ptr,
+    kpos: Ptr,
+    lse: Ptr,
+    scores: Ptr,
+    scale: f32,
+) -> Result<Call> {
+    let op = "attention_scores";
+    expect(op, "q", q, Elem::F32)?;
+    let kernel = match k.elem {
+        Elem::F32 => "fp_attention_scores",
+        Elem::Bf16 => "fp_attention_scores_kbf16",
+        e => return Err(dtype_err(op, format!("keys of {e:?}"))),
+    };
+    let d = dims;
+    Ok(Call {
+        kernel,
+        launch: stride_launch(d.n as u64),
+        args: with_dims(
+            &[ptr(q), ptr(qpos), ptr(k), ptr(kpos), ptr(lse), ptr(scores)],
+            d,
+            &[Arg::U32(d.head_dim), Arg::F32(scale)],
+        ),
+    })
+}
+
+/// `(out, lse) <- merge((out, lse), (block_out, block_lse))`, `rows` rows of `head_dim`.
+pub fn merge_partial(out: Ptr, lse: Ptr, block_out: Ptr, block_lse: Ptr, rows: u32, head_dim: u32) -> Result<Call> {
+    expect("merge_partial", "out", out, Elem::F32)?;
+    Ok(Call {
+        kernel: "fp_merge_partial",
+        launch: stride_launch(rows as u64),
+        args: vec![ptr(out), ptr(lse), ptr(block_out), ptr(block_lse), Arg::U32(rows), Arg::U32(head_dim)],
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core attention (flash.cu)
+// ---------------------------------------------------------------------------------------
+
+/// Packed query rows per block of the tensor-core kernels (`FP_FA_ROWS`): 4 warps x 16.
+pub const FLASH_ROWS: u32 = 64;
+/// Keys per tile (`FP_FA_KEYS`).
+pub const FLASH_KEYS: u32 = 64;
+/// Threads per block (`FP_FA_THREADS`).
+pub const FLASH_THREADS: u32 = 128;
+
+/// Whether the tensor-core kernels take this head dimension.
+pub fn flash_supported(head_dim: usize) -> bool {
+    head_dim == 64 || head_dim == 128
+}
+
+/// Dynamic shared memory of the attention kernel for head dimension `d`: the query tile and
+/// two stages of key and value tiles, rows padded by 16 bytes (so that the 8 rows an
+/// `ldmatrix` reads fall in 8 different bank groups), and two stages of key positions.
+pub const fn flash_shared_bytes(d: u32) -> u32 {
+    (FLASH_ROWS + 4 * FLASH_KEYS) * (d + 8) * 2 + 2 * FLASH_KEYS * 4
+}
+
+/// Dynamic shared memory of the scores kernel: a query tile, a key tile, key positions and
+/// the warps' column sums.
+pub const fn flash_scores_shared_bytes(d: u32) -> u32 {
+    (FLASH_ROWS + FLASH_KEYS) * (d + 8) * 2 + FLASH_KEYS * 4 + 4 * FLASH_KEYS * 4
+}
+
+/// How a tensor-core attention call is cut into blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashPlan {
+    /// Tiles of [`FLASH_ROWS`] packed rows (query x head of a KV group) per KV head.
+    pub q_tiles: u32,
+    /// Tiles of [`FLASH_KEYS`] keys.
+    pub key_tiles: u32,
+    /// Key splits (flash-decoding): > 1 when too few blocks would fill the GPU; each split
+    /// writes a partial output and log-sum-exp, merged by [`attn_combine`].
+    pub splits: u32,
+    /// Key tiles per split.
+    pub tiles_per_split: u32,
+}
+
+/// Splits keys over more blocks when `q_tiles x n_kv_heads` blocks would leave SMs idle:
+/// aims at two blocks per SM (`sm_count`), at least one key tile per split. `force_splits`
+/// (tests) sets the number of splits instead.
+pub fn flash_plan(dims: AttnDims, sm_count: u32, force_splits: Option<u32>) -> FlashPlan {
+    let packed = dims.m as u64 * dims.group() as u64;
+    let q_tiles = packed.div_ceil(FLASH_ROWS as u64).max(1) as u32;
+    let key_tiles = dims.n.div_ceil(FLASH_KEYS);
+    let blocks = q_tiles as u64 * dims.n_kv_heads.max(1) as u64;
+    let target = 2 * sm_count.max(1) as u64;
+    let wanted = match force_splits {
+        Some(s) => s.max(1),
+        None if blocks >= target => 1,
+        None => target.div_ceil(blocks) as u32,
+    };
+    let wanted = wanted.clamp(1, key_tiles.max(1));
+    let tiles_per_split = key_tiles.div_ceil(wanted).max(1);
+    let splits = key_tiles.div_ceil(tiles_per_split).max(1);
+    FlashPlan { q_tiles, key_tiles, splits, tiles_per_split }
+}
+
+/// The key metadata the tensor-core kernels read, in one buffer: positions `[n]`, then the
+/// smallest and the largest position of each tile of [`FLASH_KEYS`] keys. A block skips a key
+/// tile whose smallest position is above all of its queries' positions, and masks only the
+/// tiles where some key is above some query's position.
+pub fn key_meta(kpos: &[u32]) -> Vec<u32> {
+    let tiles = kpos.len().div_ceil(FLASH_KEYS as usize);
+    let mut meta = Vec::with_capacity(kpos.len() + 2 * tiles);
+    meta.extend_from_slice(kpos);
+    let chunks = || kpos.chunks(FLASH_KEYS as usize);
+    meta.extend(chunks().map(|c| c.iter().copied().min().unwrap_or(u32::MAX)));
+    meta.extend(chunks().map(|c| c.iter().copied().max().unwrap_or(0)));
+    meta
+}
+
+/// Lengths (f32 values) of the partial output and log-sum-exp buffers a plan with key splits
+/// needs: `splits x m x n_heads x head_dim` and `splits x m x n_heads`; `(0, 0)` without splits.
+pub fn flash_partial_lens(dims: AttnDims, plan: &FlashPlan) -> (usize, usize) {
+    if plan.splits <= 1 {
+        return (0, 0);
+    }
+    let rows = plan.splits as usize * dims.m as usize * dims.n_heads as usize;
+    (rows * dims.head_dim as usize, rows)
+}
+
+/// The tensor-core attention: bf16 `q [m, n_heads, d]`, `k`, `v [n, n_kv_heads, d]`, positions
+/// `qpos` and key metadata `kmeta` ([`key_meta`]); f32 `out [m, n_heads, d]` and natural-log
+/// `lse [m, n_heads]`. One launch, or with `plan.splits > 1` two: the splits into `partial`
+/// (buffers of [`flash_partial_lens`]), then [`attn_combine`] into `(out, lse)`.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention(
+    dims: AttnDims,
+    plan: &FlashPlan,
+    q: Ptr,
+    qpos: Ptr,
+    k: Ptr,
+    v: Ptr,
+    kmeta: Ptr,
+    out: Ptr,
+    lse: Ptr,
+    partial: Option<(Ptr, Ptr)>,
+    scale: f32,
+) -> Result<Vec<Call>> {
+    let op = "flash_attention";
+    for (what, p, e) in [("q", q, Elem::Bf16), ("k", k, Elem::Bf16), ("v", v, Elem::Bf16), ("out", out, Elem::F32)] {
+        expect(op, what, p, e)?;
+    }
+    let kernel = match dims.head_dim {
+        64 => "fp_flash_attn_d64",
+        128 => "fp_flash_attn_d128",
+        d => return Err(KernelError::Shape { op, detail: format!("head_dim {d}: the kernel takes 64 or 128") }),
+    };
+    let (dst_out, dst_lse) = match (plan.splits > 1, partial) {
+        (false, _) => (out, lse),
+        (true, Some(p)) => p,
+        (true, None) => {
+            return Err(KernelError::Shape { op, detail: format!("{} key splits need partial buffers", plan.splits) })
+        }
+    };
+    let (lo, hi) = tile_ranges(kmeta, dims.n);
+    let d = dims;
+    let mut calls = vec![Call {
+        kernel,
+        launch: Launch {
+            grid: [plan.q_tiles, d.n_kv_heads, plan.splits],
+            block: [FLASH_THREADS, 1, 1],
+            shared_bytes: flash_shared_bytes(d.head_dim),
+        },
+        args: with_dims(
+            &[ptr(q), ptr(qpos), ptr(k), ptr(v), ptr(kmeta), ptr(lo), ptr(hi), ptr(dst_out), ptr(dst_lse)],
+            d,
+            &[Arg::F32(scale * std::f32::consts::LOG2_E), Arg::U32(plan.tiles_per_split)],
+        ),
+    }];
+    if plan.splits > 1 {
+        calls.push(attn_combine(dst_out, dst_lse, out, lse, d.m * d.n_heads, d.head_dim, plan.splits)?);
+    }
+    Ok(calls)
+}
+
+/// Pointers to the tile minima and maxima inside a [`key_meta`] buffer of `n` keys.
+fn tile_ranges(kmeta: Ptr, n: u32) -> (Ptr, Ptr) {
+    let tiles = n.div_ceil(FLASH_KEYS) as u64;
+    let lo = Ptr::new(kmeta.addr + 4 * n as u64, Elem::U32);
+    (lo, Ptr::new(lo.addr + 4 * tiles, Elem::U32))
+}
+
+/// Merges `splits` partial results `[splits, rows, head_dim]` / `[splits, rows]` into
+/// `(out, lse)` by log-sum-exp (a split that saw no key has lse = -inf and adds nothing).
+pub fn attn_combine(
+    part_out: Ptr,
+    part_lse: Ptr,
+    out: Ptr,
+    lse: Ptr,
+    rows: u32,
+    head_dim: u32,
+    splits: u32,
+) -> Result<Call> {
+    expect("attn_combine", "part_out", part_out, Elem::F32)?;
+    // A warp per row, 4 per block.
+    Ok(Call {
+        kernel: "fp_attn_combine",
+        launch: Launch::grid2(rows.div_ceil(4).max(1), 1, 128),
+        args: vec![
+            ptr(part_out),
+            ptr(part_lse),
+            ptr(out),
+            ptr(lse),
+            Arg::U32(rows),
+            Arg::U32(head_dim),
+            Arg::U32(splits),
+        ],
+    })
+}
+
+/// Per-key attention mass on tensor cores: for every key j, `scores[j] += sum over rows i and
+/// heads h that see j of exp(q_ih . k_j * scale - lse_ih)`. bf16 `q`, `k`; f32 `lse`, `scores`.
+/// A block per tile of [`FLASH_KEYS`] keys walks every KV head and query tile, so each key is
+/// written once, by one thread (no atomics: the sums do not depend on scheduling).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_scores(
+    dims: AttnDims,
+    q: Ptr,
+    qpos: Ptr,
+    k: Ptr,
+    kpos: Ptr,
+    lse: Ptr,
+    scores: Ptr,
+    scale: f32,
+) -> Result<Call> {
+    let op = "flash_scores";
+    for (what, p, e) in
+        [("q", q, Elem::Bf16), ("k", k, Elem::Bf16), ("lse", lse, Elem::F32), ("scores", scores, Elem::F32)]
+    {
+        expect(op, what, p, e)?;
+    }
+    let kernel = match dims.head_dim {
+        64 => "fp_flash_scores_d64",
+        128 => "fp_flash_scores_d128",
+        d => return Err(KernelError::Shape { op, detail: format!("head_dim {d}: the kernel takes 64 or 128") }),
+    };
+    let d = dims;
+    Ok(Call {
+        kernel,
+        launch: Launch {
+            grid: [d.n.div_ceil(FLASH_KEYS).max(1), 1, 1],
+            block: [FLASH_THREADS, 1, 1],
+            shared_bytes: flash_scores_shared_bytes(d.head_dim),
+        },
+        args: with_dims(
+            &[ptr(q), ptr(qpos), ptr(k), ptr(kpos), ptr(lse), ptr(scores)],
+            d,
+            &[Arg::F32(scale * std::f32::consts::LOG2_E)],
+        ),
+    })
+}
+
+/// Dynamic shared memory of the tensor-core self-check: three 16 x 24 bf16 tiles.
+pub const PROBE_SHARED_BYTES: u32 = 3 * 16 * 24 * 2;
+
+/// The tensor-core self-check (`probe.cu`): bf16 `a [16][16]` (row-major), the same B as
+/// `b_nk [n][k]` and `b_kn [k][n]` (16 x 16 each); f32 `d_nk`, `d_kn [16][16]` get A B twice,
+/// through the two ways the attention kernel loads its operands.
+pub fn probe_mma(a: Ptr, b_nk: Ptr, b_kn: Ptr, d_nk: Ptr, d_kn: Ptr) -> Result<Call> {
+    for (what, p, e) in [("a", a, Elem::Bf16), ("b_nk", b_nk, Elem::Bf16), ("b_kn", b_kn, Elem::Bf16)] {
+        expect("probe_mma", what, p, e)?;
+    }
+    Ok(Call {
+        kernel: "fp_probe_mma",
+        launch: Launch { grid: [1, 1, 1], block: [32, 1, 1], shared_bytes: PROBE_SHARED_BYTES },
+        args: vec![ptr(a), ptr(b_nk), ptr(b_kn), ptr(d_nk), ptr(d_kn)],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(m: u32, n: u32, h: u32, kv: u32, d: u32) -> AttnDims {
+        AttnDims { m, n, n_heads: h, n_kv_heads: kv, head_dim: d }
+    }
+
+    #[test]
+    fn plans_split_keys_only_when_blocks_are_few() {
+        // Prefill of an 8B shape at 8K: 512 q tiles x 8 heads, no split.
+        let p = flash_plan(dims(8192, 8192, 32, 8, 128), 132, None);
+        assert_eq!((p.q_tiles, p.key_tiles, p.splits, p.tiles_per_split), (512, 128, 1, 128));
+        // Decode of SmolLM2 at 8K: 1 q tile x 3 heads: 64 splits of 2 tiles.
+        let p = flash_plan(dims(1, 8192, 9, 3, 64), 132, None);
+        assert_eq!((p.q_tiles, p.splits, p.tiles_per_split), (1, 64, 2));
+        assert!(p.splits * p.tiles_per_split >= p.key_tiles);
+        // Few keys: never more splits than key tiles; no keys: one split of nothing.
+        assert_eq!(flash_plan(dims(1, 100, 9, 3, 64), 132, None).splits, 2);
+        let p = flash_plan(dims(3, 0, 9, 3, 64), 132, None);
+        assert_eq!((p.key_tiles, p.splits), (0, 1));
+        // Forced splits cover every tile exactly once.
+        for force in 1..9 {
+            let p = flash_plan(dims(17, 1000, 7, 1, 64), 132, Some(force));
+            assert!(p.splits <= force && (p.splits - 1) * p.tiles_per_split < p.key_tiles);
+            assert!(p.splits * p.tiles_per_split >= p.key_tiles);
+        }
+    }
+
+    #[test]
+    fn key_meta_has_positions_then_tile_ranges() {
+        let kpos: Vec<u32> = (0..130).rev().collect();
+        let meta = key_meta(&kpos);
+        assert_eq!(meta.len(), 130 + 2 * 3);
+        assert_eq!(&meta[..130], &kpos[..]);
+        assert_eq!(&meta[130..133], &[66, 2, 0]);
+        assert_eq!(&meta[133..136], &[129, 65, 1]);
+        let (lo, hi) = tile_ranges(Ptr::new(1000, Elem::U32), 130);
+        assert_eq!((lo.addr, hi.addr), (1000 + 4 * 130, 1000 + 4 * 133));
+    }
+
+    #[test]
+    fn builders_refuse_the_wrong_element_types() {
+        let f = Ptr::new(0, Elem::F32);
+        let b = Ptr::new(0, Elem::Bf16);
+        let u = Ptr::new(0, Elem::U32);
+        assert!(copy_columns(b, 4, 0, 4, f, 1).is_err());
+        assert_eq!(copy_columns(f, 4, 0, 4, b, 1).unwrap().kernel, "fp_copy_columns_to_bf16");
+        assert!(copy_rows(f, u, b, u, 1, 1).is_err());
+        assert!(add_assign(b, f, 1).is_err());
+        let d = dims(1, 1, 1, 1, 64);
+        let plan = flash_plan(d, 1, None);
+        assert!(flash_attention(d, &plan, f, u, b, b, u, f, f, None, 1.0).is_err());
+        assert!(flash_attention(dims(1, 1, 1, 1, 80), &plan, b, u, b, b, u, f, f, None, 1.0).is_err());
+        let calls = flash_attention(d, &plan, b, u, b, b, u, f, f, None, 1.0).unwrap();
+        assert_eq!(calls.len(), 1);
+        calls[0].check().unwrap();
+        assert_eq!(calls[0].launch.shared_bytes, flash_shared_bytes(64));
+        // Splits need the partial buffers, and add the combine.
+        let split = flash_plan(dims(1, 640, 1, 1, 64), 132, None);
+        assert!(split.splits > 1);
+        assert!(flash_attention(dims(1, 640, 1, 1, 64), &split, b, u, b, b, u, f, f, None, 1.0).is_err());
+        let calls = flash_attention(dims(1, 640, 1, 1, 64), &split, b, u, b, b, u, f, f, Some((f, f)), 1.0).unwrap();
+        assert_eq!(calls.iter().map(|c| c.kernel).collect::<Vec<_>>(), ["fp_flash_attn_d64", "fp_attn_combine"]);
+        calls.iter().for_each(|c| c.check().unwrap());
+        assert!(attention(d, f, u, b, f, u, f, f, 1.0).is_err(), "k and v of different types");
+    }
+}
