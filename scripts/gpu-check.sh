@@ -11,28 +11,40 @@
 #      simple kernel beside the tensor-core one, prefill and decode shapes;
 #   6. with two or more GPUs: NCCL between them (P GPUs == 1 GPU, ring == full, one process
 #      driving every GPU; a killed rank under mpirun named within 30 s) and TTFT over the GPUs.
+#
+# Two ways to run it: on a GPU machine with cargo, `bash scripts/gpu-check.sh` builds and runs;
+# on one without network or cargo, build a pack elsewhere (`bash scripts/gpu-pack.sh`), copy
+# gpu-pack/ and scripts/ there, and run the same command (scripts/gpu-env.sh picks the pack).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-libs=$(bash scripts/cuda-wheels.sh --runtime --nccl)
-export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export FLOWPREFILL_REQUIRE_NVRTC=1
+. scripts/gpu-env.sh
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-cargo build --release --features cuda
-./target/release/flowprefill devices
-cargo test --release -p flowprefill-kernels --features cuda -- --nocapture
-cargo test --release -p flowprefill --features cuda --test cuda -- --nocapture
-./target/release/flowprefill bench prefill --device cuda --tokens 512,2048,4096,8000 --runs 3
-./target/release/flowprefill bench prefill --device cuda --kv-dtype f32 --tokens 2048,8000 --runs 3
-./target/release/flowprefill bench prefill --device cuda --weights f32 --kv-dtype f32 --tokens 2048 --runs 3
-cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench
-gpus=$(./target/release/flowprefill devices | grep -c '^cuda:[0-9]' || true)
+"$FP" devices
+# run_tests NAME [FILTER]: one CUDA test binary, from the pack or through cargo.
+run_tests() {
+  if [ -n "$PACK_TESTS" ]; then
+    "$PACK_TESTS/$1" ${2:+"$2"} --nocapture
+  else
+    cargo test --release --workspace --features flowprefill/cuda --features flowprefill/nccl --test "$1" -- ${2:+"$2"} --nocapture
+  fi
+}
+for t in cuda_compile_gate cuda_ops nccl_smoke cuda_libs cuda; do run_tests "$t"; done
+"$FP" bench prefill --device cuda --tokens 512,2048,4096,8000 --runs 3
+"$FP" bench prefill --device cuda --kv-dtype f32 --tokens 2048,8000 --runs 3
+"$FP" bench prefill --device cuda --weights f32 --kv-dtype f32 --tokens 2048 --runs 3
+if [ -z "$PACK_TESTS" ]; then
+  cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench
+else
+  echo "cuda_attention_bench: not in the pack (it needs cargo); scripts/gpu-bench.sh times the kernels in use"
+fi
+gpus=$("$FP" devices | grep -c '^cuda:[0-9]' || true)
 if [ "$gpus" -ge 2 ]; then
-  cargo test --release -p flowprefill --features cuda --test cuda p_gpus -- --nocapture
-  if command -v mpirun >/dev/null 2>&1; then
+  run_tests cuda p_gpus
+  if command -v mpirun >/dev/null 2>&1 && [ -z "$PACK_TESTS" ]; then
     cargo test --release -p flowprefill --features cuda,mpi --test mpi killed -- --nocapture
   fi
   ranks=$(seq -s, 1 "$gpus")
-  ./target/release/flowprefill bench ttft --device cuda --lengths 8000,16000,32000 --ranks "$ranks" --methods full,ring,infoflow --runs 3
+  "$FP" bench ttft --device cuda --lengths 8000,16000,32000 --ranks "$ranks" --methods full,ring,infoflow --runs 3
 else
   echo "one GPU: the NCCL checks need two (skipped)"
 fi

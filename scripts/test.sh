@@ -42,7 +42,9 @@ features+=(--features flowprefill/cuda --features flowprefill/nccl)
 # Style and lints first (cheap, and they fail fast): formatting, then clippy on every target
 # with every feature this machine can build.
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets "${features[@]}" -- -D warnings
+# In the release profile, like the tests below: the build scripts (bindgen for MPI, libffi's C
+# build) and proc-macros are built once and shared with the test build, not twice.
+cargo clippy --release --workspace --all-targets "${features[@]}" -- -D warnings
 # Every test, with the CUDA backend built in: the compile gate (sm_80, sm_90a), the kernels run
 # on the CPU against the references, the GPU tests (they say SKIPPED without a GPU).
 cargo test --release --workspace "${features[@]}"
@@ -50,4 +52,4 @@ cargo test --release --workspace "${features[@]}"
 # tests did (on a machine without a GPU: SKIPPED, with the reason).
 cargo test --release --workspace "${features[@]}" --test cuda_compile_gate --test cuda_ops --test cuda --test nccl_smoke -- --nocapture
 # The default build (no CUDA: the README's first command) must type-check too.
-cargo check -p flowprefill
+cargo check --release -p flowprefill

@@ -215,6 +215,20 @@ pub trait Backend: Send + Sync + 'static {
     fn reserve(&self, buf: &mut Self::Buf, capacity: usize) -> Result<()>;
     /// Moves a host weight matrix to the device.
     fn matrix(&self, m: Matrix) -> Result<Self::Mat>;
+    /// Element type the backend keeps weight matrices in: f32 on the CPU, the `--weights` type
+    /// on a GPU. A loader that converts straight to it spares [`Backend::matrix_typed`] a pass.
+    fn weight_dtype(&self) -> DType {
+        DType::F32
+    }
+    /// Moves a `rows x cols` host weight matrix of either element type to the device,
+    /// converted to [`Backend::weight_dtype`] where it differs (bf16 to f32 is exact).
+    fn matrix_typed(&self, rows: usize, cols: usize, data: HostBuf) -> Result<Self::Mat> {
+        let values = match data {
+            HostBuf::F32(v) => v,
+            b @ HostBuf::Bf16(_) => b.to_f32(),
+        };
+        self.matrix(Matrix::new(rows, cols, values)?)
+    }
     /// `(rows, cols)` of a weight matrix.
     fn mat_shape(&self, m: &Self::Mat) -> (usize, usize);
 

@@ -373,6 +373,16 @@ impl Backend for Device {
     fn matrix(&self, m: Matrix) -> Result<DevMat> {
         wrap!(self, |be| be.matrix(m), DevMat)
     }
+    fn weight_dtype(&self) -> DType {
+        match self {
+            Device::Cpu(b) => b.weight_dtype(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(b) => b.weight_dtype(),
+        }
+    }
+    fn matrix_typed(&self, rows: usize, cols: usize, data: HostBuf) -> Result<DevMat> {
+        wrap!(self, |be| be.matrix_typed(rows, cols, data), DevMat)
+    }
     fn mat_shape(&self, m: &DevMat) -> (usize, usize) {
         match m {
             DevMat::Cpu(m) => (m.rows(), m.cols()),

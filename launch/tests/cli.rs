@@ -252,3 +252,63 @@ fn a_failed_thread_rank_is_named_and_nothing_hangs() {
     assert!(took < std::time::Duration::from_secs(30), "{took:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn a_machine_without_a_font_gets_its_tables_and_one_warning_instead_of_charts() {
+    let dir = std::env::temp_dir().join(format!("fp-nofont-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let project = |out: &std::path::Path, font: Option<&str>| {
+        let mut cmd = bin();
+        cmd.args(["bench", "project", "--shape", "llama-3.1-8b", "--ranks", "1,2", "--lengths", "8192,16384"])
+            .arg("--out")
+            .arg(out);
+        match font {
+            Some(f) => cmd.env("FLOWPREFILL_FONT", f),
+            None => cmd.env_remove("FLOWPREFILL_FONT"),
+        };
+        cmd.output().expect("bench project")
+    };
+    let bare = dir.join("nofont");
+    let out = project(&bare, Some("/nonexistent/font.ttf"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "a missing font failed the command: {err}");
+    assert_eq!(err.matches("PNG charts skipped").count(), 1, "one warning line: {err}");
+    assert!(err.contains("fonts-dejavu-core"), "{err}");
+    assert!(bare.join("projection.csv").is_file(), "the CSV is written");
+    assert!(!bare.join("projection_ttft.png").exists(), "no PNG without a font");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!stdout.contains(".png"), "no chart claimed as written: {stdout}");
+    // With the machine's font (CI installs fonts-dejavu-core) the charts are drawn.
+    let full = dir.join("font");
+    let out = project(&full, None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(full.join("projection_ttft.png").is_file());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn synthetic_models_run_and_say_their_answers_are_meaningless() {
+    let (dir, docs) = write_docs("synthetic", &["Boats rest in the harbour.", "The code is 4729."]);
+    let mut a = vec!["--model".to_string(), "synthetic:qwen2.5-0.5b:2".into(), "run".into()];
+    a.extend(docs.iter().cloned());
+    a.extend(["--query", "What is the code?", "--max-tokens", "4", "--json"].map(String::from));
+    let out = bin().args(&a).output().expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("random weights of the qwen2.5-0.5b shape (2 of 24 layers)"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert!(v["note"].as_str().unwrap_or("").contains("answers are meaningless"), "{v}");
+    assert!(v["ttft_ms"].as_f64().unwrap_or(0.0) > 0.0);
+    let out = bin()
+        .args(["--model", "synthetic:smollm2-135m:3", "bench", "prefill", "--tokens", "128", "--runs", "1"])
+        .output()
+        .expect("bench prefill");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.lines().any(|l| l.trim_start().starts_with("128 ")), "{stdout}");
+    let out = bin().args(["--model", "synthetic:gpt-5", "bench", "prefill"]).output().expect("bench prefill");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("no shape `gpt-5`") && err.contains("llama-3.1-8b"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}

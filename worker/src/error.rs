@@ -50,6 +50,8 @@ pub enum Field {
     AuxModel,
     /// The job's deadline.
     Deadline,
+    /// The model.
+    Model,
 }
 
 impl Field {
@@ -76,6 +78,7 @@ impl Field {
             Field::Ranks => "--ranks".into(),
             Field::AuxModel => "--aux-model".into(),
             Field::Deadline => "--deadline".into(),
+            Field::Model => "--model".into(),
         }
     }
 
@@ -102,6 +105,7 @@ impl Field {
             Field::Ranks => "ranks".into(),
             Field::AuxModel => "aux_model".into(),
             Field::Deadline => "deadline_s".into(),
+            Field::Model => "model".into(),
         }
     }
 }

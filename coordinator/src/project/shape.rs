@@ -2,6 +2,7 @@
 
 use super::ProjectError;
 use flowprefill_worker::config::ModelConfig;
+use flowprefill_worker::synthetic;
 
 /// Dimensions of a decoder-only transformer (grouped-query attention, gated MLP).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -24,21 +25,6 @@ pub struct Shape {
     pub vocab_size: usize,
 }
 
-/// `(name, layers, d_model, heads, kv heads, head dim, ffn, vocab, source)`.
-type BuiltinShape = (&'static str, usize, usize, usize, usize, usize, usize, usize, &'static str);
-
-/// Built-in shapes. Every number is the model's published `config.json`.
-const BUILTIN: &[BuiltinShape] = &[
-    ("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, "HuggingFaceTB/SmolLM2-135M-Instruct config.json"),
-    ("qwen2.5-0.5b", 24, 896, 14, 2, 64, 4864, 151936, "Qwen/Qwen2.5-Coder-0.5B-Instruct config.json"),
-    ("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, "meta-llama/Llama-3.1-8B config.json"),
-    ("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, "Qwen/Qwen2.5-7B-Instruct config.json"),
-    ("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936, "Qwen/Qwen3-8B config.json"),
-    ("qwen3-14b", 40, 5120, 40, 8, 128, 17408, 151936, "Qwen/Qwen3-14B config.json"),
-    ("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936, "Qwen/Qwen3-32B config.json"),
-    ("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, "meta-llama/Llama-3.1-70B config.json"),
-];
-
 impl Shape {
     /// The shape of a loaded model.
     pub fn of_config(c: &ModelConfig) -> Self {
@@ -54,21 +40,20 @@ impl Shape {
         }
     }
 
-    /// A built-in shape by name (see [`Shape::builtin_names`]).
+    /// A built-in shape by name (see [`Shape::builtin_names`]): the table of synthetic models
+    /// (`flowprefill_worker::synthetic::SHAPES`), so a projection and a synthetic model of the
+    /// same name have the same dimensions.
     pub fn builtin(name: &str) -> Result<Self, ProjectError> {
-        let key = name.trim().to_ascii_lowercase();
-        BUILTIN
-            .iter()
-            .find(|b| b.0 == key)
-            .map(|&(name, n_layers, d_model, n_heads, n_kv_heads, head_dim, ffn_dim, vocab_size, _)| Self {
-                name: name.to_string(),
-                n_layers,
-                d_model,
-                n_heads,
-                n_kv_heads,
-                head_dim,
-                ffn_dim,
-                vocab_size,
+        synthetic::known(name)
+            .map(|k| Self {
+                name: k.name.to_string(),
+                n_layers: k.n_layers,
+                d_model: k.d_model,
+                n_heads: k.n_heads,
+                n_kv_heads: k.n_kv_heads,
+                head_dim: k.head_dim,
+                ffn_dim: k.ffn_dim,
+                vocab_size: k.vocab_size,
             })
             .ok_or_else(|| ProjectError::UnknownShape {
                 name: name.to_string(),
@@ -76,14 +61,14 @@ impl Shape {
             })
     }
 
-    /// Names of the built-in shapes with the source of their numbers.
+    /// Names of the built-in shapes.
     pub fn builtin_names() -> Vec<&'static str> {
-        BUILTIN.iter().map(|b| b.0).collect()
+        synthetic::known_names()
     }
 
     /// Where a built-in shape's numbers come from.
     pub fn builtin_source(name: &str) -> Option<&'static str> {
-        BUILTIN.iter().find(|b| b.0 == name).map(|b| b.8)
+        synthetic::known(name).map(|k| k.source)
     }
 
     /// Width of all query heads.
@@ -117,5 +102,31 @@ impl Shape {
     pub fn other_elems_per_row_layer(&self) -> f64 {
         let (d, q, kv, f) = (self.d_model as f64, self.q_dim() as f64, self.kv_dim() as f64, self.ffn_dim as f64);
         2.0 * (2.0 * d) + 2.0 * (q + kv) + 3.0 * f + 2.0 * (3.0 * d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flowprefill_worker::synthetic::{SyntheticSpec, SHAPES};
+
+    #[test]
+    fn synthetic_models_have_the_dimensions_of_the_projection_table() {
+        for k in SHAPES {
+            let spec = SyntheticSpec::parse(&format!("synthetic:{}", k.name)).expect("synthetic").expect("known");
+            let from_model = Shape::of_config(&spec.config());
+            let table = Shape::builtin(k.name).expect("builtin");
+            assert_eq!(Shape { name: table.name.clone(), ..from_model }, table, "{}", k.name);
+            assert!(Shape::builtin_source(k.name).is_some_and(|s| s.ends_with("config.json")));
+        }
+        // A few numbers checked against the published configs by hand.
+        let l = Shape::builtin("llama-3.1-8b").unwrap();
+        assert_eq!(
+            (l.n_layers, l.d_model, l.n_heads, l.n_kv_heads, l.ffn_dim, l.vocab_size),
+            (32, 4096, 32, 8, 14336, 128256)
+        );
+        let q = Shape::builtin("qwen3-14b").unwrap();
+        assert_eq!((q.n_layers, q.d_model, q.n_heads, q.n_kv_heads, q.ffn_dim), (40, 5120, 40, 8, 17408));
+        assert!(Shape::builtin("gpt-5").is_err());
     }
 }

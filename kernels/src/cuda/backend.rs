@@ -212,6 +212,10 @@ impl CudaBackend {
         })?;
         let (major, minor) = d.compute_capability;
         let arch = format!("sm_{major}{minor}");
+        // cudarc panics on a library it cannot load: say which is missing and where we looked.
+        for lib in ["NVRTC", "cuBLAS", "cuBLASLt"] {
+            super::libs::require(lib)?;
+        }
         let ctx = CudaContext::new(ordinal).map_err(|e| err("context", e))?;
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -545,11 +549,27 @@ impl Backend for CudaBackend {
 
     fn matrix(&self, m: Matrix) -> Result<DeviceMat> {
         let (rows, cols) = (m.rows(), m.cols());
-        let data = match self.weights {
-            WeightType::F32 => MatData::F32(self.stream.clone_htod(m.data()).map_err(|e| err("weights", e))?),
-            WeightType::Bf16 => {
-                let bits: Vec<u16> = m.data().iter().map(|&x| to_bf16(x)).collect();
-                MatData::Bf16(self.stream.clone_htod(&bits).map_err(|e| err("weights", e))?)
+        self.matrix_typed(rows, cols, HostBuf::F32(m.into_data()))
+    }
+
+    fn weight_dtype(&self) -> DType {
+        match self.weights {
+            WeightType::F32 => DType::F32,
+            WeightType::Bf16 => DType::Bf16,
+        }
+    }
+
+    fn matrix_typed(&self, rows: usize, cols: usize, data: HostBuf) -> Result<DeviceMat> {
+        use rayon::prelude::*;
+        check_len("matrix", "data", data.len(), rows * cols)?;
+        let up = |e| err("weights", e);
+        let data = match (self.weights, data) {
+            (WeightType::F32, HostBuf::F32(v)) => MatData::F32(self.stream.clone_htod(&v).map_err(up)?),
+            (WeightType::F32, b @ HostBuf::Bf16(_)) => MatData::F32(self.stream.clone_htod(&b.to_f32()).map_err(up)?),
+            (WeightType::Bf16, HostBuf::Bf16(bits)) => MatData::Bf16(self.stream.clone_htod(&bits).map_err(up)?),
+            (WeightType::Bf16, HostBuf::F32(v)) => {
+                let bits: Vec<u16> = v.par_iter().map(|&x| to_bf16(x)).collect();
+                MatData::Bf16(self.stream.clone_htod(&bits).map_err(up)?)
             }
         };
         Ok(DeviceMat { rows, cols, data })

@@ -6,6 +6,7 @@
 //! never a panic (cudarc's `CudaContext::new` panics when libcuda is missing).
 
 mod backend;
+pub mod libs;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod nvrtc;
@@ -49,6 +50,8 @@ pub struct Versions {
     pub nvrtc: Option<(i32, i32)>,
     /// cuBLAS (major, minor, patch), if libcublas was found.
     pub cublas: Option<(i32, i32, i32)>,
+    /// NCCL (major, minor, patch), if compiled in and libnccl was found.
+    pub nccl: Option<(i32, i32, i32)>,
 }
 
 /// What this machine has of the CUDA stack (nothing is required to call it).
@@ -82,7 +85,11 @@ pub fn versions() -> Versions {
             ))
         })
         .flatten();
-    Versions { driver, nvrtc: nvrtc::version().ok(), cublas }
+    #[cfg(feature = "nccl")]
+    let nccl = nccl::version().ok();
+    #[cfg(not(feature = "nccl"))]
+    let nccl = None;
+    Versions { driver, nvrtc: nvrtc::version().ok(), cublas, nccl }
 }
 
 /// Lists the GPUs, or says why there are none.

@@ -4,7 +4,8 @@
 //! a panic (cudarc's loader panics when the library is missing, so presence is checked first).
 //!
 //! The PyPI wheel `nvidia-nccl-cu12` ships `libnccl.so.2`; cudarc looks for `libnccl.so`, so
-//! `scripts/cuda-wheels.sh --nccl` links that name to it.
+//! `scripts/cuda-wheels.sh --nccl` links that name to it, and the program does as much for any
+//! `libnccl.so.2` it finds ([`super::libs`]).
 
 use super::{err, CudaBackend, DeviceBuf};
 use crate::backend::DType;
@@ -29,8 +30,7 @@ fn require() -> Result<()> {
     if present() {
         Ok(())
     } else {
-        Err(err("NCCL (libnccl.so) was not found: install it (`bash scripts/cuda-wheels.sh --nccl` fetches the \
-             PyPI wheel and prints the folder for LD_LIBRARY_PATH) or use the MPI communicator"))
+        Err(err(format!("{}; or use the MPI communicator", super::libs::missing_named("NCCL"))))
     }
 }
 

@@ -31,9 +31,7 @@ pub fn version() -> Result<(i32, i32)> {
 }
 
 fn missing() -> String {
-    "libnvrtc was not found; install the PyPI wheel nvidia-cuda-nvrtc-cu12 (scripts/cuda-wheels.sh does) \
-     and put its lib folder on LD_LIBRARY_PATH, or install the CUDA toolkit"
-        .into()
+    super::libs::missing_named("NVRTC")
 }
 
 /// Machine code of one program for one architecture, and what ptxas said about it.
@@ -135,14 +133,9 @@ pub fn parse_report(log: &str) -> Vec<KernelReport> {
     out
 }
 
-/// Where compiled kernels are kept: `$FLOWPREFILL_HOME/kernels` (default: the user cache
-/// folder + `flowprefill/kernels`).
+/// Where compiled kernels are kept: `kernels/` in [`super::libs::flowprefill_home`].
 pub fn cache_dir() -> PathBuf {
-    std::env::var_os("FLOWPREFILL_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("flowprefill")))
-        .unwrap_or_else(std::env::temp_dir)
-        .join("kernels")
+    super::libs::flowprefill_home().join("kernels")
 }
 
 /// The CUBIN of `name` for `arch`: from the cache if this exact source was compiled for it

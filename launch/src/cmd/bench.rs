@@ -526,14 +526,16 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
         }
     }
     let png = a.out.join("ttft.png");
-    crate::plot::line_chart(
+    let drawn = crate::plot::line_chart(
         &png,
         &format!("TTFT vs context length ({})", world.describe()),
         "context tokens",
         "TTFT (s)",
         &series,
     )?;
-    println!("wrote {} and {}", csv_path.display(), png.display());
+    let written: Vec<String> =
+        std::iter::once(csv_path.display().to_string()).chain(crate::plot::written(&png, drawn)).collect();
+    println!("wrote {}", written.join(" and "));
     Ok(())
 }
 
@@ -564,7 +566,7 @@ fn load(common: &Common, a: LoadArgs) -> Result<()> {
     };
     let pid = child.as_ref().map(|c| c.id());
     // Job bodies: document sets of about doc_tokens tokens each.
-    let tok_lm = flowprefill_worker::LoadedModel::load(&super::model_path(common)?, flowprefill_worker::Cpu)?;
+    let tok_lm = flowprefill_worker::LoadedModel::load(&super::tokenizer_path(common)?, flowprefill_worker::Cpu)?;
     let bodies: Vec<Vec<u8>> = (0..a.doc_sets)
         .map(|i| {
             let docs = bench_docs(&tok_lm.tokenizer, a.doc_tokens, 256, 100 + i as u64);

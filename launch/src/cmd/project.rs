@@ -178,11 +178,7 @@ pub fn run_project(common: &Common, a: ProjectArgs) -> Result<()> {
     }
     let shape = match &a.shape {
         Some(s) => Shape::builtin(s)?,
-        None => {
-            let path = super::model_path(common)?;
-            let f = flowprefill_worker::gguf::GgufFile::open(&path)?;
-            Shape::of_config(&flowprefill_worker::config::ModelConfig::from_gguf(&f)?)
-        }
+        None => Shape::of_config(&super::model_config(common)?),
     };
     let dev = profiles.device(&a.target)?;
     let link = profiles.link(&a.link)?;
@@ -358,18 +354,21 @@ pub fn run_project(common: &Common, a: ProjectArgs) -> Result<()> {
     }
     let title = format!("PROJECTED TTFT, {} on {} over {} (not measured)", shape.name, a.target, a.link);
     let png = a.out.join("projection_ttft.png");
-    crate::plot::line_chart_log(&png, &title, "context tokens", "TTFT (ms)", &ttft)?;
+    let drawn = crate::plot::line_chart_log(&png, &title, "context tokens", "TTFT (ms)", &ttft)?;
     let png2 = a.out.join("projection_speedup.png");
-    if !speed.is_empty() {
-        crate::plot::line_chart_log(
+    let drawn2 = !speed.is_empty()
+        && crate::plot::line_chart_log(
             &png2,
             &format!("PROJECTED speedup over 1-rank full prefill, {} on {}", shape.name, a.target),
             "context tokens",
             "speedup (x)",
             &speed,
         )?;
-    }
-    println!("wrote {}, {} and {}", csv_path.display(), png.display(), png2.display());
+    let written: Vec<String> = std::iter::once(csv_path.display().to_string())
+        .chain(crate::plot::written(&png, drawn))
+        .chain(crate::plot::written(&png2, drawn2))
+        .collect();
+    println!("wrote {}", written.join(", "));
     Ok(())
 }
 
@@ -424,9 +423,7 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
     let lead = mpi.as_ref().is_none_or(|m| flowprefill_comm::Communicator::rank(m) == 0);
     #[cfg(not(feature = "mpi"))]
     let lead = true;
-    let path = super::model_path(common)?;
-    let f = flowprefill_worker::gguf::GgufFile::open(&path)?;
-    let cfg = flowprefill_worker::config::ModelConfig::from_gguf(&f)?;
+    let cfg = super::model_config(common)?;
     let shape = Shape::of_config(&cfg);
     let threads = rayon::current_num_threads();
     let when = today();

@@ -160,10 +160,18 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let Some((r, engine_model)) = run_job(common, &args, &job, timeout, &mut on_text)? else {
         return Ok(()); // a follower rank under mpirun: rank 0 prints
     };
+    let note = engine_model.synthetic.map(|s| s.notice());
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&to_json(&r))?);
+        let mut v = to_json(&r);
+        if let Some(n) = &note {
+            v["note"] = serde_json::json!(n);
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!();
+        if let Some(n) = &note {
+            println!("note: {n}");
+        }
         print_summary(&r);
         if args.stats {
             print_stats(&r);

@@ -334,9 +334,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         .filter(|d| !d.is_zero())
         .context("--comm-timeout must be a positive number of seconds")?;
     let lm = Arc::new(crate::cmd::load_model(common)?);
-    let model = crate::cmd::model_path(common)?
-        .file_name()
-        .map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+    let model = crate::cmd::model_label(common)?;
     let cfg = a.config(model)?;
     let faults = flowprefill_coordinator::fault::FaultPlan::from_env();
 

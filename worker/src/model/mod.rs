@@ -18,6 +18,8 @@
 
 mod load;
 
+pub use load::LoadStats;
+
 use crate::attend::{Attend, LayerInput};
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -151,6 +153,7 @@ pub struct Model<B: Backend> {
     rope: RopeTable,
     shape: AttnShape,
     profile: OpProfile,
+    load: LoadStats,
 }
 
 impl<B: Backend> std::fmt::Debug for Model<B> {
@@ -183,6 +186,11 @@ impl<B: Backend> Model<B> {
     /// Accumulated time per op family.
     pub fn profile(&self) -> &OpProfile {
         &self.profile
+    }
+
+    /// How long loading took, by stage (a synthetic model: building it, as `convert`).
+    pub fn load_stats(&self) -> LoadStats {
+        self.load
     }
 
     /// Runs the blocks over `tokens` at `positions`; `attend` decides what each layer's

@@ -477,8 +477,9 @@ pub(super) fn plots(
                 .collect();
             let f = out.join(format!("accuracy_vs_ratio_{len}.png"));
             let title = format!("Accuracy vs recompute ratio, {len} tokens ({} cases)", cases.len());
-            plot::line_chart(&f, &title, "recompute ratio", "accuracy (%)", &series)?;
-            ratio_chart = Some(f);
+            if plot::line_chart(&f, &title, "recompute ratio", "accuracy (%)", &series)? {
+                ratio_chart = Some(f);
+            }
         }
         let points: &[f64] = if swept { ratios } else { std::slice::from_ref(&tr) };
         let mut pareto = Vec::new();
@@ -503,8 +504,9 @@ pub(super) fn plots(
             if swept { "ratios".to_string() } else { format!("ratio {tr}") }
         );
         let f = out.join(format!("pareto_{len}.png"));
-        plot::line_chart(&f, &title, "median TTFT (s)", "accuracy (%)", &pareto)?;
-        pareto_chart = Some(f);
+        if plot::line_chart(&f, &title, "median TTFT (s)", "accuracy (%)", &pareto)? {
+            pareto_chart = Some(f);
+        }
     }
     for (chart, name) in [(ratio_chart, "accuracy_vs_ratio.png"), (pareto_chart, "pareto.png")] {
         if let Some(f) = chart {

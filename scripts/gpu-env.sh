@@ -1,0 +1,35 @@
+# Sourced by gpu-check.sh and gpu-bench.sh: sets FP (the flowprefill program to run: FLOWPREFILL_BIN
+# if set) and, with a
+# pack from scripts/gpu-pack.sh, FLOWPREFILL_HOME (its model) and the test binaries' expected
+# program path. Without a pack, builds with cargo when cargo is here; else says what to do.
+pack="${FLOWPREFILL_PACK:-gpu-pack}"
+if [ -n "${FLOWPREFILL_BIN:-}" ]; then
+  # A program built already (with --features cuda): used as it is, tests through cargo.
+  FP="$FLOWPREFILL_BIN"
+  PACK_TESTS=""
+elif [ -f "$pack/manifest" ]; then
+  FP="$(cd "$pack" && pwd)/flowprefill"
+  export FLOWPREFILL_HOME="${FLOWPREFILL_HOME:-$(cd "$pack" && pwd)/home}"
+  want=$(awk '$1 == "bin" { print $2 }' "$pack/manifest")
+  # Test binaries run the program at the absolute path of the machine that built them.
+  if [ -n "$want" ] && [ ! -x "$want" ]; then
+    mkdir -p "$(dirname "$want")" 2>/dev/null && cp "$FP" "$want" ||
+      echo "warning: cannot place the program at $want: the CLI-driven GPU tests will fail" >&2
+  fi
+  PACK_TESTS="$(cd "$pack" && pwd)/tests"
+elif command -v cargo >/dev/null 2>&1; then
+  libs=$(bash scripts/cuda-wheels.sh --runtime --nccl)
+  export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  cargo build --release --features flowprefill/cuda --features flowprefill/nccl -p flowprefill >&2
+  FP="$(pwd)/target/release/flowprefill"
+  PACK_TESTS=""
+else
+  echo "no cargo here and no pack at $pack: on a machine with cargo run \`bash scripts/gpu-pack.sh\`, copy gpu-pack/" >&2
+  echo "and scripts/ here, then run this again (or set FLOWPREFILL_PACK to the pack's folder)" >&2
+  exit 2
+fi
+export FLOWPREFILL_REQUIRE_NVRTC=1
+# CUDA 12 or 13 wherever it is: the program finds and links it (`flowprefill devices`); the test
+# binaries get the same loader path.
+ld=$("$FP" devices | sed -n 's/^LD_LIBRARY_PATH=//p')
+if [ -n "$ld" ]; then export LD_LIBRARY_PATH="$ld"; fi
