@@ -121,6 +121,10 @@ pub fn device(common: &Common) -> Result<Device> {
 /// synthetic model, that its answers are meaningless).
 pub fn load_model(common: &Common) -> Result<LoadedModel<Device>> {
     let source = model_source(common)?;
+    match &source {
+        ModelSource::File(p) => tracing::info!(path = %p.display(), "loading the model"),
+        ModelSource::Synthetic(s) => tracing::info!(model = %s.name(), "loading the model"),
+    }
     let t = Instant::now();
     let m = load_on(&source, device(common)?)?;
     if let Some(s) = &m.synthetic {
