@@ -4,6 +4,7 @@
 # GPU, and one table: flowprefill, PyTorch, ratio (flowprefill / PyTorch: below 1 is faster).
 #   - full prefill at 2K-32K tokens: SmolLM2-135M and the Llama-3.1-8B shape (synthetic weights);
 #   - decode, ms per token, at 8K context, both shapes;
+#   - placement of the chunk caches (`assemble`) and the op split of an infoflow run (--stats);
 #   - bench ttft full / infoflow / none on one GPU, SmolLM2 (flowprefill only: no PyTorch twin).
 # SmolLM2's own window is 8192 tokens: its lengths stop at 8000; the 8B shape goes to 32K.
 # Without torch or transformers there, flowprefill alone (the PyTorch column says so).
@@ -55,6 +56,12 @@ for model in default "$big"; do
       --decode-tokens 34 > "$out/torch-$tag.jsonl"
   fi
 done
+# Placement (`assemble`: four chunk caches rotated to their global positions) and where the
+# GPU's time goes (op families from CUDA events, --stats): infoflow over the same context, cut
+# into 4 chunks; rank 0's phases and op split come back in the JSON.
+chunk=$(( $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["prompt_tokens"])' "$out/fp-decode-smollm2-135m.json") / 4 ))
+"$FP" run --device "$dev" --method infoflow --doc "$out/context.txt" --chunk-tokens "$chunk" \
+  --query "Summarise." --max-tokens 8 --stats --json > "$out/fp-run-infoflow.json"
 "$FP" bench ttft --device "$dev" --lengths "$ttft_lengths" --ranks 1 --methods full,infoflow,none --runs "$runs" \
   --out "$out/ttft" | tee "$out/ttft.txt"
 
@@ -75,6 +82,11 @@ for tag in sorted({f[11:-5] for f in os.listdir(out) if f.startswith("fp-prefill
     per = d["decode_ms"] / max(d["generated_tokens"] - 1, 1)
     t = next((x["ms_per_token"] for x in tr if x["what"] == "decode"), None)
     rows.append((tag, f"decode at {d['prompt_tokens']} tokens (ms/token)", per, t))
+run = json.load(open(os.path.join(out, "fp-run-infoflow.json")))
+phases = dict(run["phases"])
+rows.append(("smollm2-135m", f"placement of {run['n_context_tokens']} tokens in 4 chunks (assemble, ms)", phases.get("assemble", float("nan")), None))
+for name, ms in run["rank_stats"][0].get("ops", []):
+    rows.append(("smollm2-135m", f"infoflow run, model time in {name} (ms of device time)", ms, None))
 with open(os.path.join(out, "bench.csv"), "w", newline="") as f:
     w = csv.writer(f)
     w.writerow(["model", "what", "flowprefill", "pytorch", "ratio"])

@@ -30,6 +30,26 @@ pub mod phase {
 #[derive(Clone, Debug, Default)]
 pub struct PhaseTimes {
     entries: Vec<(&'static str, Duration)>,
+    settle: Option<Settle>,
+}
+
+/// What [`PhaseTimes::time`] calls when a phase's closure returns, before it reads the clock:
+/// on a GPU, waiting for the work the phase queued, so that it is counted in its own phase
+/// and not in the next one that waits for the device.
+#[derive(Clone)]
+pub struct Settle(std::sync::Arc<dyn Fn() + Send + Sync>);
+
+impl Settle {
+    /// A settle step.
+    pub fn new(f: impl Fn() + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(f))
+    }
+}
+
+impl std::fmt::Debug for Settle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Settle")
+    }
 }
 
 thread_local! {
@@ -43,11 +63,19 @@ pub fn current_phase() -> Option<&'static str> {
 }
 
 impl PhaseTimes {
+    /// Phase times whose phases end with `settle` (see [`Settle`]).
+    pub fn settled_by(settle: Settle) -> Self {
+        Self { entries: Vec::new(), settle: Some(settle) }
+    }
+
     /// Times `f` as phase `name` (adding to it if it ran before).
     pub fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
         let outer = CURRENT.with(|c| c.replace(Some(name)));
         let out = f();
+        if let Some(s) = &self.settle {
+            (s.0)();
+        }
         CURRENT.with(|c| c.set(outer));
         self.add(name, t.elapsed());
         out

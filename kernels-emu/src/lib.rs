@@ -185,22 +185,63 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     run(&built(ops::rms_norm(p(x), p(w), eps, pm(out), rows, u32_of(cols))));
 }
 
+/// The host side of a RoPE table as a kernel's arguments.
+fn rope_args(table: &RopeTable) -> RopeArgs {
+    let (cos, sin) = table.tables();
+    RopeArgs {
+        cos: p(cos),
+        sin: p(sin),
+        table_len: u32_of(table.table_len()),
+        inv_freq: p(table.inv_freq()),
+        head_dim: u32_of(table.head_dim()),
+        rot_dim: u32_of(table.rot_dim()),
+        interleaved: table.style() == RopeStyle::Interleaved,
+    }
+}
+
 /// RoPE in place at `positions` (f32, or bf16 rounded once after the rotation), with the
 /// cos/sin table the CPU kernel uses.
 pub fn rope<T: EmuElem>(x: &mut [T], n_heads: usize, positions: &[u32], table: &RopeTable) {
     let d = table.head_dim();
     check("x", x.len(), positions.len() * n_heads * d);
-    let (cos, sin) = table.tables();
-    let t = RopeArgs {
-        cos: p(cos),
-        sin: p(sin),
-        table_len: u32_of(table.table_len()),
-        inv_freq: p(table.inv_freq()),
-        head_dim: u32_of(d),
-        rot_dim: u32_of(table.rot_dim()),
-        interleaved: table.style() == RopeStyle::Interleaved,
-    };
+    let t = rope_args(table);
     run(&built(ops::rope(pm(x), u32_of(positions.len()), u32_of(n_heads), p(positions), &t)));
+}
+
+/// `dst = rope(src)` at `positions` in one pass (`fp_rope_copy`): how a pre-RoPE chunk cache
+/// is placed; `dst` is overwritten entirely (dimensions past `rot_dim` copied).
+pub fn rope_copy<T: EmuElem>(src: &[T], dst: &mut [T], n_heads: usize, positions: &[u32], table: &RopeTable) {
+    let d = table.head_dim();
+    check("src", src.len(), positions.len() * n_heads * d);
+    check("dst", dst.len(), src.len());
+    let t = rope_args(table);
+    run(&built(ops::rope_copy(p(src), pm(dst), u32_of(positions.len()), u32_of(n_heads), p(positions), &t)));
+}
+
+/// `fp_split_qkv_rope`: `qkv` (`[rows, q_dim + 2 kv_dim]`) split into rotated `q`, pre-RoPE
+/// `k_pre`, rotated `k` and `v` (the last three of one type) in one launch.
+#[allow(clippy::too_many_arguments)]
+pub fn split_qkv_rope<T: EmuElem>(
+    qkv: &[f32],
+    heads: (usize, usize),
+    positions: &[u32],
+    table: &RopeTable,
+    q: &mut [f32],
+    k_pre: &mut [T],
+    k: &mut [T],
+    v: &mut [T],
+) {
+    let d = table.head_dim();
+    let rows = positions.len();
+    let (qd, kvd) = (heads.0 * d, heads.1 * d);
+    check("qkv", qkv.len(), rows * (qd + 2 * kvd));
+    check("q", q.len(), rows * qd);
+    for (what, n) in [("k_pre", k_pre.len()), ("k", k.len()), ("v", v.len())] {
+        check(what, n, rows * kvd);
+    }
+    let t = rope_args(table);
+    let parts = ops::QkvParts { qkv: p(qkv), q: pm(q), k_pre: pm(k_pre), k: pm(k), v: pm(v) };
+    run(&built(ops::split_qkv_rope(parts, u32_of(rows), u32_of(heads.0), u32_of(heads.1), p(positions), &t)));
 }
 
 /// Checks the lengths of an attention call (`v`: `None` for the scores, which read no values;

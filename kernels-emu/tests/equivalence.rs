@@ -158,6 +158,37 @@ fn rope_matches_the_reference_inside_and_beyond_the_table() {
     }
 }
 
+/// Placing a pre-RoPE cache in one pass (`fp_rope_copy`) writes exactly what a copy followed
+/// by the in-place rotation writes (the same arithmetic: bit for bit), every dimension past
+/// `rot_dim` included, and leaves the source as it was.
+#[test]
+fn rope_copy_is_a_copy_then_the_rotation_bit_for_bit() {
+    let mut r = rng(15);
+    for (style, head_dim, rot_dim) in [
+        (RopeStyle::Interleaved, 64, 64),
+        (RopeStyle::Neox, 64, 64),
+        (RopeStyle::Neox, 80, 32),
+        (RopeStyle::Interleaved, 48, 16),
+    ] {
+        let table = RopeTable::new(head_dim, rot_dim, 10000.0, style, None, 100).unwrap();
+        let n_heads = 3;
+        let positions: Vec<u32> = vec![0, 1, 99, 100, 101, 4000, 17, 17, 250];
+        let src = rand_vec(&mut r, positions.len() * n_heads * head_dim, 2.0);
+        let before = src.clone();
+        // NaN everywhere: a value the kernel did not write would show.
+        let mut got = vec![f32::NAN; src.len()];
+        emu::rope_copy(&src, &mut got, n_heads, &positions, &table);
+        assert_eq!(src, before, "the source is read only");
+        let mut want = src.clone();
+        emu::rope(&mut want, n_heads, &positions, &table);
+        let what = format!("rope_copy {style:?} {head_dim}/{rot_dim}");
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: differs from copy + rope");
+        let mut reference = src.clone();
+        rope_ref(&mut reference, n_heads, &positions, &table).unwrap();
+        assert_close(&what, &got, &reference, ROPE_TOL);
+    }
+}
+
 #[test]
 fn attention_matches_the_reference() {
     let mut r = rng(6);

@@ -269,8 +269,73 @@ fn bf16_copies_and_rope_round_once() {
     emu::rope(&mut wide, 2, &positions, &table);
     let want: Vec<u16> = wide.iter().map(|&x| bf16_ref(x)).collect();
     assert_eq!(got, want, "rope bf16 = round(rope f32)");
+    // Placed in one pass: the same bits as the in-place rotation.
+    let mut placed = vec![0xffffu16; bits.len()];
+    emu::rope_copy(&bits, &mut placed, 2, &positions, &table);
+    assert_eq!(placed, got, "rope_copy bf16 = rope bf16 in place");
     let mut reference = vals;
     rope_ref(&mut reference, 2, &positions, &table).unwrap();
     let widened: Vec<f32> = got.iter().map(|&b| bf16_val(b)).collect();
     assert!(max_err(&widened, &reference) <= 1.0 / 128.0, "rope bf16 against the reference");
+}
+
+/// The QKV split in one launch writes what the seven launches it replaces write (copies,
+/// conversions to the cache type, in-place rotations), bit for bit, for f32 and bf16 caches,
+/// grouped-query heads, and a rotation over part of the head; every output value is written.
+#[test]
+fn split_qkv_rope_is_the_seven_ops_it_replaces() {
+    let mut r = rng(47);
+    for (style, head_dim, rot_dim, heads) in
+        [(RopeStyle::Interleaved, 64, 64, (6, 2)), (RopeStyle::Neox, 64, 64, (4, 4)), (RopeStyle::Neox, 48, 16, (3, 1))]
+    {
+        let table = RopeTable::new(head_dim, rot_dim, 10000.0, style, None, 100).unwrap();
+        let positions: Vec<u32> = vec![0, 7, 99, 100, 2500];
+        let rows = positions.len();
+        let (qd, kvd) = (heads.0 * head_dim, heads.1 * head_dim);
+        let qkvd = qd + 2 * kvd;
+        let qkv = rand_vec(&mut r, rows * qkvd, 2.0);
+        let what = format!("{style:?} {head_dim}/{rot_dim} heads {heads:?}");
+
+        // The reference: the ops one by one (as the CPU backend and the model always did).
+        let mut q_want = vec![0f32; rows * qd];
+        emu::copy_columns(&qkv, qkvd, 0, qd, &mut q_want);
+        emu::rope(&mut q_want, heads.0, &positions, &table);
+        let mut q = vec![f32::NAN; rows * qd];
+
+        // bf16 cache.
+        let mut kp_want = vec![0u16; rows * kvd];
+        emu::copy_columns(&qkv, qkvd, qd, kvd, &mut kp_want);
+        let mut v_want = vec![0u16; rows * kvd];
+        emu::copy_columns(&qkv, qkvd, qd + kvd, kvd, &mut v_want);
+        let mut k_want = kp_want.clone();
+        emu::rope(&mut k_want, heads.1, &positions, &table);
+        let (mut kp, mut k, mut v) =
+            (vec![0xffffu16; rows * kvd], vec![0xffffu16; rows * kvd], vec![0xffffu16; rows * kvd]);
+        emu::split_qkv_rope(&qkv, heads, &positions, &table, &mut q, &mut kp, &mut k, &mut v);
+        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&q), bits(&q_want), "{what}: q");
+        assert_eq!((kp, k, v), (kp_want, k_want, v_want), "{what}: bf16 k_pre, k, v");
+
+        // f32 cache.
+        let mut kp_want = vec![0f32; rows * kvd];
+        emu::copy_columns(&qkv, qkvd, qd, kvd, &mut kp_want);
+        let mut v_want = vec![0f32; rows * kvd];
+        emu::copy_columns(&qkv, qkvd, qd + kvd, kvd, &mut v_want);
+        let mut k_want = kp_want.clone();
+        emu::rope(&mut k_want, heads.1, &positions, &table);
+        let (mut kp, mut k, mut v) =
+            (vec![f32::NAN; rows * kvd], vec![f32::NAN; rows * kvd], vec![f32::NAN; rows * kvd]);
+        let mut q = vec![f32::NAN; rows * qd];
+        emu::split_qkv_rope(&qkv, heads, &positions, &table, &mut q, &mut kp, &mut k, &mut v);
+        assert_eq!(bits(&q), bits(&q_want), "{what}: q (f32 cache)");
+        assert_eq!(
+            (bits(&kp), bits(&k), bits(&v)),
+            (bits(&kp_want), bits(&k_want), bits(&v_want)),
+            "{what}: f32 k_pre, k, v"
+        );
+        // And the Rust reference of the rotation.
+        let mut reference = kp_want.clone();
+        rope_ref(&mut reference, heads.1, &positions, &table).unwrap();
+        assert!(max_err(&k, &reference) <= 1e-5, "{what}: k against rope_ref");
+    }
 }

@@ -183,6 +183,9 @@ pub trait Backend: Send + Sync + 'static {
     type Buf: Send + Sync + 'static;
     /// A weight matrix `[out, in]` prepared for [`Backend::matmul_t`].
     type Mat: Send + Sync;
+    /// A point in the backend's queue of work ([`Backend::mark`]): the instant on the CPU, an
+    /// event recorded on the stream on a GPU.
+    type Mark: Clone + Send + Sync + 'static;
 
     /// Short name for logs and errors.
     fn name(&self) -> &'static str;
@@ -319,6 +322,65 @@ pub trait Backend: Send + Sync + 'static {
     fn stage_in(&self, host: &HostBuf) -> Result<Self::Buf> {
         self.upload_typed(host)
     }
+
+    /// A copy of `src` (`positions.len()` rows of `n_heads` heads) with RoPE applied at
+    /// `positions`, in the same element type: how a pre-RoPE chunk cache is placed at its
+    /// global positions. The default copies, then rotates; a device does both in one pass.
+    fn rope_copy(&self, src: &Self::Buf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<Self::Buf> {
+        let mut dst = self.duplicate(src)?;
+        self.rope(&mut dst, n_heads, positions, table)?;
+        Ok(dst)
+    }
+    /// Splits a QKV projection for attention: from `qkv` (`[rows, q_dim + 2 kv_dim]`, f32,
+    /// `rows = positions.len()`, `heads = (n_heads, n_kv_heads)` of the table's head_dim) it
+    /// writes `q` (f32, RoPE at `positions`), `k_pre` (the keys as projected, rounded once to
+    /// its type), `k` (the rotation of the stored `k_pre` values) and `v` (rounded once to its
+    /// type). The default runs the copies and rotations one by one; a device does it in one
+    /// pass with the same values.
+    #[allow(clippy::too_many_arguments)]
+    fn split_qkv_rope(
+        &self,
+        qkv: &Self::Buf,
+        heads: (usize, usize),
+        positions: &[u32],
+        table: &RopeTable,
+        q: &mut Self::Buf,
+        k_pre: &mut Self::Buf,
+        k: &mut Self::Buf,
+        v: &mut Self::Buf,
+    ) -> Result<()> {
+        let d = table.head_dim();
+        let (qd, kvd) = (heads.0 * d, heads.1 * d);
+        let qkvd = qd + 2 * kvd;
+        self.copy_columns(qkv, qkvd, 0, qd, q)?;
+        self.copy_columns(qkv, qkvd, qd, kvd, k_pre)?;
+        self.copy_columns(qkv, qkvd, qd + kvd, kvd, v)?;
+        self.copy_columns(k_pre, kvd, 0, kvd, k)?;
+        self.rope(q, heads.0, positions, table)?;
+        self.rope(k, heads.1, positions, table)
+    }
+    /// A copy of `src` (all of it, the same element type).
+    fn duplicate(&self, src: &Self::Buf) -> Result<Self::Buf> {
+        let n = self.len(src);
+        let mut dst = self.zeros_as(n, self.dtype(src))?;
+        if n > 0 {
+            self.copy_columns(src, n, 0, n, &mut dst)?;
+        }
+        Ok(dst)
+    }
+
+    /// Marks the current end of the queued work, without waiting for it: two marks bracket the
+    /// work queued between them ([`Backend::seconds_between`]). Timing ops this way adds no
+    /// host synchronisation to a device's forward pass.
+    fn mark(&self) -> Result<Self::Mark>;
+    /// Seconds between two marks as the device ran them (waits until `end` is reached). On the
+    /// CPU, where ops finish before they return, this is wall time.
+    fn seconds_between(&self, start: &Self::Mark, end: &Self::Mark) -> Result<f64>;
+    /// Waits until all queued work is done: a phase boundary, so that host timers around a
+    /// phase measure its work (nothing to wait for on the CPU).
+    fn settle(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The CPU backend: rayon threads, runtime-dispatched SIMD, `gemm` micro-kernels. Its KV
@@ -369,6 +431,17 @@ fn same_dtype(op: &'static str, a: &HostBuf, b: &HostBuf) -> Result<()> {
 impl Backend for Cpu {
     type Buf = HostBuf;
     type Mat = Matrix;
+    type Mark = std::time::Instant;
+
+    fn mark(&self) -> Result<std::time::Instant> {
+        Ok(std::time::Instant::now())
+    }
+    fn seconds_between(&self, start: &std::time::Instant, end: &std::time::Instant) -> Result<f64> {
+        Ok(end.saturating_duration_since(*start).as_secs_f64())
+    }
+    fn duplicate(&self, src: &HostBuf) -> Result<HostBuf> {
+        Ok(src.clone())
+    }
 
     fn name(&self) -> &'static str {
         "cpu"

@@ -42,6 +42,16 @@ pub enum DevMat {
     Cuda(crate::cuda::DeviceMat),
 }
 
+/// A [`Backend::mark`] of a [`Device`].
+#[derive(Clone)]
+pub enum DevMark {
+    /// On the CPU.
+    Cpu(std::time::Instant),
+    /// On a GPU.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::Mark),
+}
+
 /// How a GPU keeps the weights (the CPU always keeps f32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum WeightType {
@@ -323,6 +333,75 @@ macro_rules! wrap {
 impl Backend for Device {
     type Buf = DevBuf;
     type Mat = DevMat;
+    type Mark = DevMark;
+
+    fn mark(&self) -> Result<DevMark> {
+        wrap!(self, |be| be.mark(), DevMark)
+    }
+    fn seconds_between(&self, start: &DevMark, end: &DevMark) -> Result<f64> {
+        match (self, start, end) {
+            (Device::Cpu(be), DevMark::Cpu(a), DevMark::Cpu(b)) => be.seconds_between(a, b),
+            #[cfg(feature = "cuda")]
+            (Device::Cuda(be), DevMark::Cuda(a), DevMark::Cuda(b)) => be.seconds_between(a, b),
+            #[cfg(feature = "cuda")]
+            _ => Err(mixed("seconds_between")),
+        }
+    }
+    fn settle(&self) -> Result<()> {
+        match self {
+            Device::Cpu(be) => be.settle(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(be) => be.settle(),
+        }
+    }
+    fn rope_copy(&self, src: &DevBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<DevBuf> {
+        match self {
+            Device::Cpu(be) => {
+                let Some(src) = src.on_cpu() else { return Err(mixed("rope_copy")) };
+                Ok(DevBuf::Cpu(be.rope_copy(src, n_heads, positions, table)?))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(be) => {
+                let Some(src) = src.on_cuda() else { return Err(mixed("rope_copy")) };
+                Ok(DevBuf::Cuda(be.rope_copy(src, n_heads, positions, table)?))
+            }
+        }
+    }
+    fn split_qkv_rope(
+        &self,
+        qkv: &DevBuf,
+        heads: (usize, usize),
+        positions: &[u32],
+        table: &RopeTable,
+        q: &mut DevBuf,
+        k_pre: &mut DevBuf,
+        k: &mut DevBuf,
+        v: &mut DevBuf,
+    ) -> Result<()> {
+        dispatch!(
+            self,
+            "split_qkv_rope",
+            |be| be.split_qkv_rope(qkv, heads, positions, table, q, k_pre, k, v),
+            qkv,
+            q,
+            k_pre,
+            k,
+            v
+        )
+    }
+    fn duplicate(&self, src: &DevBuf) -> Result<DevBuf> {
+        match self {
+            Device::Cpu(be) => {
+                let Some(src) = src.on_cpu() else { return Err(mixed("duplicate")) };
+                Ok(DevBuf::Cpu(be.duplicate(src)?))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(be) => {
+                let Some(src) = src.on_cuda() else { return Err(mixed("duplicate")) };
+                Ok(DevBuf::Cuda(be.duplicate(src)?))
+            }
+        }
+    }
 
     fn name(&self) -> &'static str {
         match self {

@@ -113,6 +113,43 @@ fn elementwise_norm_rope_merge_match_the_cpu() {
     c.copy_columns(&h(&xr), 64, 0, 64, &mut cxb).unwrap();
     c.rope(&mut cxb, 3, &pos, &table).unwrap();
     assert_eq!(g.download_typed(&gxb).unwrap(), cxb, "rope on bf16: the same bits as the CPU");
+    // Placing in one pass: the same bits as a copy and the in-place rotation, on both types;
+    // a duplicate is the same bits; the positions were uploaded once for all of these.
+    let placed = g.rope_copy(&g.upload(&xr).unwrap(), 3, &pos, &table).unwrap();
+    assert_eq!(g.download(&placed).unwrap(), g.download(&gxr).unwrap(), "rope_copy f32");
+    let mut src_b = g.zeros_as(xr.len(), DType::Bf16).unwrap();
+    g.copy_columns(&g.upload(&xr).unwrap(), 64, 0, 64, &mut src_b).unwrap();
+    let placed_b = g.rope_copy(&src_b, 3, &pos, &table).unwrap();
+    assert_eq!(g.download_typed(&placed_b).unwrap(), cxb, "rope_copy bf16");
+    assert_eq!(g.download_typed(&g.duplicate(&placed_b).unwrap()).unwrap(), cxb, "duplicate bf16");
+    // The QKV split in one launch against the CPU's ops one by one (bf16 cache: the same bits).
+    let heads = (3, 1);
+    let qkvd = (heads.0 + 2 * heads.1) * 64;
+    let qkv = rand_vec(&mut r, pos.len() * qkvd, 2.0);
+    let (n_q, n_kv) = (pos.len() * heads.0 * 64, pos.len() * heads.1 * 64);
+    let mut gq = g.zeros(n_q).unwrap();
+    let mut gk: Vec<_> = (0..3).map(|_| g.zeros_as(n_kv, DType::Bf16).unwrap()).collect();
+    let (gkp, rest) = gk.split_at_mut(1);
+    let (gkr, gv) = rest.split_at_mut(1);
+    g.split_qkv_rope(&g.upload(&qkv).unwrap(), heads, &pos, &table, &mut gq, &mut gkp[0], &mut gkr[0], &mut gv[0])
+        .unwrap();
+    let mut cq = hz(n_q);
+    let mut ck: Vec<_> = (0..3).map(|_| HostBuf::zeros(n_kv, DType::Bf16)).collect();
+    let (ckp, rest) = ck.split_at_mut(1);
+    let (ckr, cv) = rest.split_at_mut(1);
+    c.split_qkv_rope(&h(&qkv), heads, &pos, &table, &mut cq, &mut ckp[0], &mut ckr[0], &mut cv[0]).unwrap();
+    assert!(max_err(&g.download(&gq).unwrap(), &cq.to_f32()) <= OP_TOL, "split_qkv_rope q");
+    for (i, what) in ["k_pre", "k", "v"].iter().enumerate() {
+        assert_eq!(g.download_typed(&gk[i]).unwrap(), ck[i], "split_qkv_rope {what}: the same bits as the CPU");
+    }
+    // Marks time device work without a host wait in between: later marks, longer spans.
+    let m0 = g.mark().unwrap();
+    for _ in 0..20 {
+        g.rms_norm(&gx, &gw, 1e-5, &mut go).unwrap();
+    }
+    let m1 = g.mark().unwrap();
+    let (a, b) = (g.seconds_between(&m0, &m1).unwrap(), g.seconds_between(&m0, &m0).unwrap());
+    assert!(a > 0.0 && b == 0.0 && a < 10.0, "20 norms took {a} s by the events, an empty span {b} s");
 
     let gu = rand_vec(&mut r, rows * 2 * 33, 4.0);
     let mut gs = g.zeros(rows * 33).unwrap();

@@ -94,6 +94,13 @@ fn visible(qpos: &[u32], kpos: &[u32]) -> u64 {
 impl Backend for Counting {
     type Buf = HostBuf;
     type Mat = Matrix;
+    type Mark = std::time::Instant;
+    fn mark(&self) -> Result<std::time::Instant> {
+        self.cpu.mark()
+    }
+    fn seconds_between(&self, start: &std::time::Instant, end: &std::time::Instant) -> Result<f64> {
+        self.cpu.seconds_between(start, end)
+    }
     fn name(&self) -> &'static str {
         "counting-cpu"
     }

@@ -186,21 +186,16 @@ impl<B: Backend> KvCache<B> {
         if self.form == KeyForm::Rotated && positions != self.positions.as_slice() {
             return Err(crate::error::internal("a rotated cache cannot be moved: keep chunk caches pre-RoPE"));
         }
-        // Device to device: a copy (all columns of the rows) and a rotation, no host round trip.
-        let copy = |src: &B::Buf| -> Result<B::Buf> {
-            let mut dst = backend.zeros_as(backend.len(src), backend.dtype(src))?;
-            if !self.positions.is_empty() {
-                backend.copy_columns(src, self.kv_dim, 0, self.kv_dim, &mut dst)?;
-            }
-            Ok(dst)
-        };
+        // Device to device, one pass per buffer: the keys rotated as they are copied, the
+        // values copied; no host round trip, no zero fill.
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            let mut k = copy(&layer.k)?;
-            if self.form == KeyForm::PreRope {
-                backend.rope(&mut k, n_kv_heads, positions, rope)?;
-            }
-            layers.push(LayerKv { k, v: copy(&layer.v)? });
+            let k = if self.form == KeyForm::PreRope && !self.positions.is_empty() {
+                backend.rope_copy(&layer.k, n_kv_heads, positions, rope)?
+            } else {
+                backend.duplicate(&layer.k)?
+            };
+            layers.push(LayerKv { k, v: backend.duplicate(&layer.v)? });
         }
         Ok(Self {
             layers,

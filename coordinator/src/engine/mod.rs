@@ -51,7 +51,7 @@ use crate::fault::FaultPlan;
 use crate::layout::Layout;
 use crate::request::{Job, Method, PrefixMode, Request, RunOptions};
 use crate::shard;
-use crate::timings::{phase, PhaseTimes};
+use crate::timings::{phase, PhaseTimes, Settle};
 use flowprefill_comm::local::LocalComm;
 use flowprefill_comm::{all_gather_value, broadcast_value, CommStats, Communicator, ErrorClass};
 use flowprefill_kernels::topk::count_for_ratio;
@@ -89,6 +89,10 @@ pub struct RankStats {
     pub cache_hits: u64,
     /// Chunk-store misses (chunks prefilled).
     pub cache_misses: u64,
+    /// Milliseconds of model work per op family (matmul, attention, norm_rope, other): device
+    /// time on a GPU (CUDA events), wall time on the CPU.
+    #[serde(default)]
+    pub ops: Vec<(String, f64)>,
 }
 
 /// Outcome of one request (on rank 0).
@@ -451,9 +455,20 @@ impl<B: Backend> Engine<B> {
             rank_stats: Vec::new(),
             kv_bytes: self.lm.model.backend().kv_dtype().size(),
         };
+        // On a GPU each phase ends when its work is done (the phase timers are host clocks).
+        let lm = self.lm.clone();
+        let settle = Settle::new(move || {
+            if let Err(e) = lm.model.backend().settle() {
+                tracing::warn!("settling the device at a phase end: {e}");
+            }
+        });
+        // This rank's op profile restarts with the job.
+        if let Err(e) = self.lm.model.take_thread_op_times() {
+            tracing::warn!("op profile: {e}");
+        }
         let mut turn = Turn {
             opts,
-            phases: PhaseTimes::default(),
+            phases: PhaseTimes::settled_by(settle),
             result,
             mine: RankStats { rank, ..Default::default() },
             role: if lead { Role::Lead { sampler: Box::new(sampler), on_text } } else { Role::Follow },
@@ -477,6 +492,11 @@ impl<B: Backend> Engine<B> {
         let Turn { phases, mut result, mut mine, .. } = turn;
         mine.phases = phases.entries().iter().map(|(n, d)| (n.to_string(), d.as_secs_f64() * 1e3)).collect();
         mine.comm = comm.stats().clone();
+        match self.lm.model.take_thread_op_times() {
+            Ok(t) if self.lm.model.profile().enabled() => mine.ops = t.families_ms(),
+            Ok(_) => {}
+            Err(e) => tracing::warn!("op profile: {e}"),
+        }
         let all: Vec<RankStats> = all_gather_value(comm, "stats", &mine)?;
         if !lead {
             return Ok(None);

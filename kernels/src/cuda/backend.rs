@@ -14,7 +14,12 @@
 //!              launched through the `Call`s of `gpu::ops` (the emulator launches the same)
 //!   buffers    typed (f32 / bf16), with a capacity: `append` grows geometrically, `reserve`
 //!              sets it up front (the KV cache), so decoding does not reallocate per token
-//!   host       token ids, positions and row indices (control data) are uploaded per call
+//!   host       token ids, positions and row indices (control data) are uploaded once per
+//!              distinct content and kept (a forward's positions: once, not per layer and op)
+//!   memory     the stream-ordered pool, told to keep what is freed: no op allocates from the
+//!              driver after the first forward of a size, and nothing waits for the stream
+//!   timing     `mark` records an event on the stream; `seconds_between` reads two of them
+//!              later, so the model's per-op profile adds no host synchronisation
 //! ```
 //!
 //! Memory plan for an 8B-class llama/qwen model (32 layers, d 4096, 8 KV heads of 128, FFN
@@ -32,167 +37,58 @@
 //! With an f32 KV cache a chunked method at 128K needs 16.1 + 68.7 GB: it does not fit one
 //! 80 GB GPU; bf16 makes it fit.
 //!
-//! Everything runs on one stream in order; a download synchronizes. Errors from the driver,
+//! Everything runs on one stream in order; a download synchronizes, and nothing else inside a
+//! forward does (the engine settles the stream at phase boundaries, for its phase timers). Errors from the driver,
 //! NVRTC and cuBLAS become [`KernelError::Backend`] naming the op.
 
+use super::buffers::{self, ControlCache, DevData, DeviceRope, MatData, Scratch};
+pub use super::buffers::{DeviceBuf, DeviceMat, Mark};
 use super::nvrtc;
 use crate::attention::AttnShape;
 use crate::backend::{from_bf16, to_bf16, Backend, DType, HostBuf};
 use crate::error::{check_len, KernelError, Result};
-use crate::gpu::ops::{self, AttnDims, RopeArgs};
+use crate::gpu::ops::{self, RopeArgs};
 use crate::gpu::{self, Call, Elem, Ptr};
 use crate::matmul::Matrix;
 use crate::rope::{RopeStyle, RopeTable};
-use cudarc::cublas::{result as cublas, sys as cublas_sys, CudaBlas};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-fn err(op: &str, e: impl std::fmt::Debug) -> KernelError {
+pub(crate) fn err(op: &str, e: impl std::fmt::Debug) -> KernelError {
     KernelError::Backend { backend: "cuda", detail: format!("{op}: {e:?}") }
 }
 
 pub use crate::device::WeightType;
 
-/// The allocation of a device buffer, by element type.
-pub(crate) enum DevData {
-    F32(CudaSlice<f32>),
-    Bf16(CudaSlice<u16>),
-}
-
-/// A device buffer: `len` elements of one [`DType`] in use, out of the allocation's capacity.
-pub struct DeviceBuf {
-    data: DevData,
-    len: usize,
-}
-
-impl DeviceBuf {
-    /// Elements in use.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether no element is in use.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Elements the allocation holds.
-    pub fn capacity(&self) -> usize {
-        match &self.data {
-            DevData::F32(d) => d.len(),
-            DevData::Bf16(d) => d.len(),
-        }
-    }
-
-    /// Element type.
-    pub fn dtype(&self) -> DType {
-        match &self.data {
-            DevData::F32(_) => DType::F32,
-            DevData::Bf16(_) => DType::Bf16,
-        }
-    }
-
-    /// The device address for reading, and the guard that orders other streams after the read.
-    pub(crate) fn ptr<'a>(&'a self, stream: &'a CudaStream) -> (Ptr, SyncOnDrop<'a>) {
-        match &self.data {
-            DevData::F32(d) => {
-                let (p, g) = d.device_ptr(stream);
-                (Ptr::new(p, Elem::F32), g)
-            }
-            DevData::Bf16(d) => {
-                let (p, g) = d.device_ptr(stream);
-                (Ptr::new(p, Elem::Bf16), g)
-            }
-        }
-    }
-
-    /// The device address for writing, and its guard.
-    pub(crate) fn ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (Ptr, SyncOnDrop<'a>) {
-        match &mut self.data {
-            DevData::F32(d) => {
-                let (p, g) = d.device_ptr_mut(stream);
-                (Ptr::new(p, Elem::F32), g)
-            }
-            DevData::Bf16(d) => {
-                let (p, g) = d.device_ptr_mut(stream);
-                (Ptr::new(p, Elem::Bf16), g)
-            }
-        }
-    }
-}
-
-enum MatData {
-    F32(CudaSlice<f32>),
-    Bf16(CudaSlice<u16>),
-}
-
-/// A weight matrix `[rows, cols]` on the device.
-pub struct DeviceMat {
-    rows: usize,
-    cols: usize,
-    data: MatData,
-}
-
-impl DeviceMat {
-    /// `(rows, cols)`.
-    pub fn shape(&self) -> (usize, usize) {
-        (self.rows, self.cols)
-    }
-}
-
-struct DeviceRope {
-    cos: CudaSlice<f32>,
-    sin: CudaSlice<f32>,
-    inv_freq: CudaSlice<f64>,
-}
-
-/// A device allocation reused across calls, grown (never shrunk) to the largest request.
-struct Scratch<T> {
-    buf: Mutex<Option<CudaSlice<T>>>,
-}
-
-impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Scratch<T> {
-    fn new() -> Self {
-        Self { buf: Mutex::new(None) }
-    }
-
-    /// The allocation, at least `len` long, locked for the caller.
-    fn get(&self, stream: &Arc<CudaStream>, len: usize) -> Result<std::sync::MutexGuard<'_, Option<CudaSlice<T>>>> {
-        let mut g = self.buf.lock().unwrap_or_else(|p| p.into_inner());
-        if g.as_ref().is_none_or(|s| s.len() < len) {
-            *g = None; // free the smaller one first
-            *g = Some(stream.alloc_zeros::<T>(len.max(1)).map_err(|e| err("scratch alloc", e))?);
-        }
-        Ok(g)
-    }
-}
-
 /// The CUDA backend of one device.
 pub struct CudaBackend {
     ordinal: usize,
     arch: String,
-    sm_count: u32,
-    stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    pub(super) sm_count: u32,
+    pub(super) stream: Arc<CudaStream>,
+    pub(super) blas: CudaBlas,
     functions: HashMap<&'static str, CudaFunction>,
     weights: WeightType,
     kv: DType,
     /// Uploaded RoPE tables, by their content.
     ropes: Mutex<HashMap<u64, Arc<DeviceRope>>>,
     /// bf16 copy of the activations for bf16 GEMMs.
-    gemm_x: Scratch<u16>,
+    pub(super) gemm_x: Scratch<u16>,
     /// bf16 copy of the queries for the tensor-core attention and scores.
-    attn_q: Scratch<u16>,
+    pub(super) attn_q: Scratch<u16>,
     /// Partial outputs and log-sum-exps of key splits.
-    part_out: Scratch<f32>,
-    part_lse: Scratch<f32>,
+    pub(super) part_out: Scratch<f32>,
+    pub(super) part_lse: Scratch<f32>,
+    /// Uploaded control data, by content.
+    control: ControlCache,
 }
 
 /// Why a buffer of the wrong element type was refused.
-fn want(op: &'static str, what: &str, got: DType, want: DType) -> Result<()> {
+pub(super) fn want(op: &'static str, what: &str, got: DType, want: DType) -> Result<()> {
     if got == want {
         Ok(())
     } else {
@@ -222,6 +118,11 @@ impl CudaBackend {
             .map_err(|e| err("multiprocessor count", e))?
             .max(1) as u32;
         let stream = ctx.default_stream();
+        // Not fatal: without it the pool returns freed memory at each synchronisation and
+        // allocations go back to the driver (slower, still correct).
+        if let Err(e) = buffers::keep_freed_memory(&ctx) {
+            eprintln!("flowprefill: cuda:{ordinal}: the memory pool keeps nothing between calls ({e})");
+        }
         let mut functions = HashMap::new();
         for file in gpu::FILES {
             let cubin = nvrtc::cached(file.name, &gpu::program(file), &arch)?;
@@ -253,6 +154,7 @@ impl CudaBackend {
             attn_q: Scratch::new(),
             part_out: Scratch::new(),
             part_lse: Scratch::new(),
+            control: ControlCache::new(),
         })
     }
 
@@ -284,7 +186,7 @@ impl CudaBackend {
 
     /// Launches `call` on the stream (after checking it against the kernel's declaration).
     /// The caller holds the guards of every buffer the call names until this returns.
-    fn run(&self, call: &Call) -> Result<()> {
+    pub(super) fn run(&self, call: &Call) -> Result<()> {
         call.check().map_err(|e| err("launch", e))?;
         let f =
             self.functions.get(call.kernel).ok_or_else(|| err("kernel", format!("{} was not loaded", call.kernel)))?;
@@ -310,16 +212,53 @@ impl CudaBackend {
         .map_err(|e| err(call.kernel, e))
     }
 
-    fn run_built(&self, call: Result<Call>) -> Result<()> {
+    pub(super) fn run_built(&self, call: Result<Call>) -> Result<()> {
         self.run(&call?)
     }
 
-    fn upload_u32(&self, v: &[u32]) -> Result<CudaSlice<u32>> {
-        // An empty device allocation is not allowed: keep one element.
-        if v.is_empty() {
-            return self.stream.alloc_zeros::<u32>(1).map_err(|e| err("upload", e));
+    /// Runs `f` with the device side of `table` and the device copy of `positions` (their
+    /// stream-order guards held until `f` returns).
+    fn with_rope<R>(
+        &self,
+        table: &RopeTable,
+        positions: &[u32],
+        f: impl FnOnce(&RopeArgs, Ptr) -> Result<R>,
+    ) -> Result<R> {
+        let t = self.rope_table(table)?;
+        let pos = self.upload_u32(positions)?;
+        let s = &self.stream;
+        let (pp, _p) = pos.device_ptr(s);
+        let (cos, _c) = t.cos.device_ptr(s);
+        let (sin, _s) = t.sin.device_ptr(s);
+        let (inv, _i) = t.inv_freq.device_ptr(s);
+        let args = RopeArgs {
+            cos: Ptr::new(cos, Elem::F32),
+            sin: Ptr::new(sin, Elem::F32),
+            table_len: table.table_len() as u32,
+            inv_freq: Ptr::new(inv, Elem::F64),
+            head_dim: table.head_dim() as u32,
+            rot_dim: table.rot_dim() as u32,
+            interleaved: table.style() == RopeStyle::Interleaved,
+        };
+        f(&args, Ptr::new(pp, Elem::U32))
+    }
+
+    /// The device copy of control data `v` (cached by content, see [`ControlCache`]).
+    pub(super) fn upload_u32(&self, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        self.control.get(&self.stream, v)
+    }
+
+    /// `len` elements of `dtype` whose contents the caller overwrites entirely before any
+    /// read (no zero fill).
+    fn alloc_for_overwrite(&self, len: usize, dtype: DType) -> Result<DevData> {
+        // SAFETY: uninitialised device memory is only handed to ops that write every element
+        // of it first (`rope_copy`, `duplicate`), which check the lengths they write.
+        unsafe {
+            Ok(match dtype {
+                DType::F32 => DevData::F32(self.stream.alloc::<f32>(len.max(1)).map_err(|e| err("alloc", e))?),
+                DType::Bf16 => DevData::Bf16(self.stream.alloc::<u16>(len.max(1)).map_err(|e| err("alloc", e))?),
+            })
         }
-        self.stream.clone_htod(v).map_err(|e| err("upload", e))
     }
 
     fn alloc(&self, len: usize, dtype: DType) -> Result<DevData> {
@@ -356,79 +295,6 @@ impl CudaBackend {
         Ok(r)
     }
 
-    /// out[rows, n] = x[rows, k] · Wᵀ (W `[n, k]` row-major): cuBLAS column-major with
-    /// C (n x rows) = op(A) B, A = W viewed as k x n (transposed), B = x viewed as k x rows.
-    fn gemm(&self, x: &DeviceBuf, rows: usize, w: &DeviceMat, out: &mut DeviceBuf) -> Result<()> {
-        let (n, k) = (w.rows, w.cols);
-        let (m_, n_, k_) = (n as i32, rows as i32, k as i32);
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let op_t = cublas_sys::cublasOperation_t::CUBLAS_OP_T;
-        let op_n = cublas_sys::cublasOperation_t::CUBLAS_OP_N;
-        let compute = cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-        let algo = cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
-        let f32t = cublas_sys::cudaDataType_t::CUDA_R_32F;
-        let (c, _c) = out.ptr_mut(&self.stream);
-        let handle = *self.blas.handle();
-        let run = |a: u64, b: u64, t, what: &str| {
-            // SAFETY: `a`, `b` and `c` are live device allocations of at least n*k, rows*k
-            // and rows*n elements (the caller checked the lengths; the bf16 scratch holds
-            // rows*k); alpha and beta outlive the call; the allocations' stream-order guards
-            // are held until this returns.
-            unsafe {
-                cublas::gemm_ex(
-                    handle,
-                    op_t,
-                    op_n,
-                    m_,
-                    n_,
-                    k_,
-                    &alpha as *const f32 as *const _,
-                    a as *const _,
-                    t,
-                    k_,
-                    b as *const _,
-                    t,
-                    k_,
-                    &beta as *const f32 as *const _,
-                    c.addr as *mut _,
-                    f32t,
-                    m_,
-                    compute,
-                    algo,
-                )
-            }
-            .map_err(|e| err(what, e))
-        };
-        let (xp, _x) = x.ptr(&self.stream);
-        match &w.data {
-            MatData::F32(wd) => {
-                let (a, _a) = wd.device_ptr(&self.stream);
-                run(a, xp.addr, f32t, "gemm (f32)")
-            }
-            MatData::Bf16(wd) => {
-                // The activations go to bf16 in a scratch buffer reused across calls.
-                let need = rows * k;
-                let mut scratch = self.gemm_x.get(&self.stream, need)?;
-                let xb = scratch.as_mut().ok_or_else(|| err("gemm", "no scratch"))?;
-                let (xbp, _xb) = xb.device_ptr_mut(&self.stream);
-                self.run_built(ops::convert(xp, Ptr::new(xbp, Elem::Bf16), need as u64))?;
-                let (a, _a) = wd.device_ptr(&self.stream);
-                run(a, xbp, cublas_sys::cudaDataType_t::CUDA_R_16BF, "gemm (bf16)")
-            }
-        }
-    }
-
-    /// The bf16 copy of f32 queries `q` in the attention scratch; runs `f` with its address.
-    fn with_bf16_queries<R>(&self, q: &DeviceBuf, f: impl FnOnce(Ptr) -> Result<R>) -> Result<R> {
-        let mut scratch = self.attn_q.get(&self.stream, q.len)?;
-        let qb = scratch.as_mut().ok_or_else(|| err("attention", "no scratch"))?;
-        let (qbp, _g) = qb.device_ptr_mut(&self.stream);
-        let qb = Ptr::new(qbp, Elem::Bf16);
-        let (qp, _q) = q.ptr(&self.stream);
-        self.run_built(ops::convert(qp, qb, q.len as u64))?;
-        f(qb)
-    }
-
     /// The tensor-core self-check (`probe.cu`) on this GPU: `(d_nk, d_kn)` for bf16 `a`,
     /// `b_nk`, `b_kn` (16 x 16 each, see [`ops::probe_mma`]); both must equal A B. It checks
     /// the fragment layouts that the CPU emulation of the tensor-core kernels assumes.
@@ -455,13 +321,90 @@ impl CudaBackend {
     }
 }
 
-fn check_same(op: &'static str, what: &str, a: usize, b: usize) -> Result<()> {
+pub(super) fn check_same(op: &'static str, what: &str, a: usize, b: usize) -> Result<()> {
     check_len(op, what, a, b)
 }
 
 impl Backend for CudaBackend {
     type Buf = DeviceBuf;
     type Mat = DeviceMat;
+    type Mark = Mark;
+
+    fn mark(&self) -> Result<Mark> {
+        buffers::mark(self.stream.context(), &self.stream)
+    }
+
+    fn seconds_between(&self, start: &Mark, end: &Mark) -> Result<f64> {
+        let ms = start.0.elapsed_ms(&end.0).map_err(|e| err("seconds_between", e))?;
+        Ok(f64::from(ms.max(0.0)) * 1e-3)
+    }
+
+    fn settle(&self) -> Result<()> {
+        self.synchronize()
+    }
+
+    fn rope_copy(&self, src: &DeviceBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<DeviceBuf> {
+        let d = table.head_dim();
+        check_same("rope_copy", "src", src.len, positions.len() * n_heads * d)?;
+        if positions.is_empty() || table.rot_dim() == 0 {
+            return self.duplicate(src);
+        }
+        let mut dst = DeviceBuf { data: self.alloc_for_overwrite(src.len, src.dtype())?, len: src.len };
+        self.with_rope(table, positions, |args, pos| {
+            let (sp, _a) = src.ptr(&self.stream);
+            let (dp, _b) = dst.ptr_mut(&self.stream);
+            self.run_built(ops::rope_copy(sp, dp, positions.len() as u32, n_heads as u32, pos, args))
+        })?;
+        Ok(dst)
+    }
+
+    fn split_qkv_rope(
+        &self,
+        qkv: &DeviceBuf,
+        heads: (usize, usize),
+        positions: &[u32],
+        table: &RopeTable,
+        q: &mut DeviceBuf,
+        k_pre: &mut DeviceBuf,
+        k: &mut DeviceBuf,
+        v: &mut DeviceBuf,
+    ) -> Result<()> {
+        let op = "split_qkv_rope";
+        let (d, rows) = (table.head_dim(), positions.len());
+        let (qd, kvd) = (heads.0 * d, heads.1 * d);
+        check_same(op, "qkv", qkv.len, rows * (qd + 2 * kvd))?;
+        check_same(op, "q", q.len, rows * qd)?;
+        for (what, b) in [("k_pre", &*k_pre), ("k", &*k), ("v", &*v)] {
+            check_same(op, what, b.len, rows * kvd)?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        self.with_rope(table, positions, |args, pos| {
+            let s = &self.stream;
+            let (qkvp, _a) = qkv.ptr(s);
+            let (qp, _b) = q.ptr_mut(s);
+            let (kpp, _d) = k_pre.ptr_mut(s);
+            let (kp, _e) = k.ptr_mut(s);
+            let (vp, _f) = v.ptr_mut(s);
+            let parts = ops::QkvParts { qkv: qkvp, q: qp, k_pre: kpp, k: kp, v: vp };
+            self.run_built(ops::split_qkv_rope(parts, rows as u32, heads.0 as u32, heads.1 as u32, pos, args))
+        })
+    }
+
+    fn duplicate(&self, src: &DeviceBuf) -> Result<DeviceBuf> {
+        let n = src.len;
+        let mut data = self.alloc_for_overwrite(n, src.dtype())?;
+        if n > 0 {
+            let r = match (&src.data, &mut data) {
+                (DevData::F32(s), DevData::F32(d)) => self.stream.memcpy_dtod(&s.slice(0..n), &mut d.slice_mut(0..n)),
+                (DevData::Bf16(s), DevData::Bf16(d)) => self.stream.memcpy_dtod(&s.slice(0..n), &mut d.slice_mut(0..n)),
+                _ => return Err(err("duplicate", "element types differ")),
+            };
+            r.map_err(|e| err("duplicate", e))?;
+        }
+        Ok(DeviceBuf { data, len: n })
+    }
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -657,23 +600,10 @@ impl Backend for CudaBackend {
         if positions.is_empty() || table.rot_dim() == 0 {
             return Ok(());
         }
-        let t = self.rope_table(table)?;
-        let pos = self.upload_u32(positions)?;
-        let (pp, _p) = pos.device_ptr(&self.stream);
-        let (cos, _c) = t.cos.device_ptr(&self.stream);
-        let (sin, _s) = t.sin.device_ptr(&self.stream);
-        let (inv, _i) = t.inv_freq.device_ptr(&self.stream);
-        let args = RopeArgs {
-            cos: Ptr::new(cos, Elem::F32),
-            sin: Ptr::new(sin, Elem::F32),
-            table_len: table.table_len() as u32,
-            inv_freq: Ptr::new(inv, Elem::F64),
-            head_dim: d as u32,
-            rot_dim: table.rot_dim() as u32,
-            interleaved: table.style() == RopeStyle::Interleaved,
-        };
-        let (xp, _x) = x.ptr_mut(&self.stream);
-        self.run_built(ops::rope(xp, positions.len() as u32, n_heads as u32, Ptr::new(pp, Elem::U32), &args))
+        self.with_rope(table, positions, |args, pos| {
+            let (xp, _x) = x.ptr_mut(&self.stream);
+            self.run_built(ops::rope(xp, positions.len() as u32, n_heads as u32, pos, args))
+        })
     }
 
     fn attention(
@@ -687,59 +617,7 @@ impl Backend for CudaBackend {
         out: &mut DeviceBuf,
         lse: &mut DeviceBuf,
     ) -> Result<()> {
-        let op = "attention";
-        if shape.head_dim > gpu::ATTENTION_MAX_DIM {
-            return Err(KernelError::Shape {
-                op,
-                detail: format!("head_dim {} is above the CUDA kernel's {}", shape.head_dim, gpu::ATTENTION_MAX_DIM),
-            });
-        }
-        check_same(op, "q", q.len, qpos.len() * shape.q_dim())?;
-        check_same(op, "k", k.len, kpos.len() * shape.kv_dim())?;
-        check_same(op, "v", v.len, kpos.len() * shape.kv_dim())?;
-        check_same(op, "out", out.len, q.len)?;
-        check_same(op, "lse", lse.len, qpos.len() * shape.n_heads)?;
-        want(op, "q", q.dtype(), DType::F32)?;
-        want(op, "v", v.dtype(), k.dtype())?;
-        if qpos.is_empty() {
-            return Ok(());
-        }
-        let dims = AttnDims::of(shape, qpos.len(), kpos.len());
-        let s = &self.stream;
-        if k.dtype() == DType::Bf16 && ops::flash_supported(shape.head_dim) {
-            let plan = ops::flash_plan(dims, self.sm_count, None);
-            let (qp, meta) = (self.upload_u32(qpos)?, self.upload_u32(&ops::key_meta(kpos))?);
-            let (qpp, _a) = qp.device_ptr(s);
-            let (mp, _b) = meta.device_ptr(s);
-            let (kp, _c) = k.ptr(s);
-            let (vp, _d) = v.ptr(s);
-            let (po, pl) = ops::flash_partial_lens(dims, &plan);
-            let mut part_o = self.part_out.get(s, po)?;
-            let mut part_l = self.part_lse.get(s, pl)?;
-            let (o_slice, l_slice) = (part_o.as_mut(), part_l.as_mut());
-            let (o_slice, l_slice) = o_slice.zip(l_slice).ok_or_else(|| err(op, "no scratch"))?;
-            let (pop, _e) = o_slice.device_ptr_mut(s);
-            let (plp, _f) = l_slice.device_ptr_mut(s);
-            let partial = (plan.splits > 1).then_some((Ptr::new(pop, Elem::F32), Ptr::new(plp, Elem::F32)));
-            let (outp, _g) = out.ptr_mut(s);
-            let (lsep, _h) = lse.ptr_mut(s);
-            return self.with_bf16_queries(q, |qb| {
-                let u = |p| Ptr::new(p, Elem::U32);
-                let calls =
-                    ops::flash_attention(dims, &plan, qb, u(qpp), kp, vp, u(mp), outp, lsep, partial, shape.scale)?;
-                calls.iter().try_for_each(|c| self.run(c))
-            });
-        }
-        let (qp, kp2) = (self.upload_u32(qpos)?, self.upload_u32(kpos)?);
-        let (qpp, _a) = qp.device_ptr(s);
-        let (kpp, _b) = kp2.device_ptr(s);
-        let (qd, _c) = q.ptr(s);
-        let (kd, _d) = k.ptr(s);
-        let (vd, _e) = v.ptr(s);
-        let (od, _f) = out.ptr_mut(s);
-        let (ld, _g) = lse.ptr_mut(s);
-        let u = |p| Ptr::new(p, Elem::U32);
-        self.run_built(ops::attention(dims, qd, u(qpp), kd, vd, u(kpp), od, ld, shape.scale))
+        self.attention_on_device(shape, q, qpos, k, v, kpos, out, lse)
     }
 
     fn attention_scores(
@@ -752,32 +630,7 @@ impl Backend for CudaBackend {
         lse: &DeviceBuf,
         scores: &mut DeviceBuf,
     ) -> Result<()> {
-        let op = "attention_scores";
-        check_same(op, "q", q.len, qpos.len() * shape.q_dim())?;
-        check_same(op, "k", k.len, kpos.len() * shape.kv_dim())?;
-        check_same(op, "lse", lse.len, qpos.len() * shape.n_heads)?;
-        check_same(op, "scores", scores.len, kpos.len())?;
-        want(op, "q", q.dtype(), DType::F32)?;
-        want(op, "scores", scores.dtype(), DType::F32)?;
-        if qpos.is_empty() || kpos.is_empty() {
-            return Ok(());
-        }
-        let dims = AttnDims::of(shape, qpos.len(), kpos.len());
-        let s = &self.stream;
-        let (qp, kp) = (self.upload_u32(qpos)?, self.upload_u32(kpos)?);
-        let (qpp, _a) = qp.device_ptr(s);
-        let (kpp, _b) = kp.device_ptr(s);
-        let u = |p| Ptr::new(p, Elem::U32);
-        let (kd, _c) = k.ptr(s);
-        let (ld, _d) = lse.ptr(s);
-        let (sd, _e) = scores.ptr_mut(s);
-        if k.dtype() == DType::Bf16 && ops::flash_supported(shape.head_dim) {
-            return self.with_bf16_queries(q, |qb| {
-                self.run_built(ops::flash_scores(dims, qb, u(qpp), kd, u(kpp), ld, sd, shape.scale))
-            });
-        }
-        let (qd, _f) = q.ptr(s);
-        self.run_built(ops::attention_scores(dims, qd, u(qpp), kd, u(kpp), ld, sd, shape.scale))
+        self.attention_scores_on_device(shape, q, qpos, k, kpos, lse, scores)
     }
 
     fn merge_partial(

@@ -6,13 +6,15 @@
 //! never a panic (cudarc's `CudaContext::new` panics when libcuda is missing).
 
 mod backend;
+mod buffers;
+mod compute;
 pub mod libs;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod nvrtc;
 
 pub use crate::backend::to_bf16;
-pub use backend::{CudaBackend, DeviceBuf, DeviceMat, WeightType};
+pub use backend::{CudaBackend, DeviceBuf, DeviceMat, Mark, WeightType};
 
 use crate::error::{KernelError, Result};
 use cudarc::driver::CudaContext;

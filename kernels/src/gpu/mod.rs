@@ -117,7 +117,14 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "rope.cu",
         source: include_str!("../../cuda/rope.cu"),
-        kernels: &[budget("fp_rope", 40, 0), budget("fp_rope_bf16", 40, 0)],
+        kernels: &[
+            budget("fp_rope", 40, 0),
+            budget("fp_rope_bf16", 40, 0),
+            budget("fp_rope_copy", 40, 0),
+            budget("fp_rope_copy_bf16", 40, 0),
+            budget("fp_split_qkv_rope", 48, 0),
+            budget("fp_split_qkv_rope_bf16", 48, 0),
+        ],
     },
     KernelFile {
         name: "attention.cu",

@@ -139,6 +139,20 @@ pub struct RopeArgs {
     pub interleaved: bool,
 }
 
+/// The arguments every RoPE kernel ends with: sizes, positions and the table.
+fn rope_tail(positions: Ptr, t: &RopeArgs) -> [Arg; 8] {
+    [
+        Arg::U32(t.head_dim),
+        Arg::U32(t.rot_dim),
+        Arg::U32(u32::from(t.interleaved)),
+        ptr(positions),
+        ptr(t.cos),
+        ptr(t.sin),
+        Arg::U32(t.table_len),
+        ptr(t.inv_freq),
+    ]
+}
+
 /// RoPE in place over `[tokens, n_heads, head_dim]` (f32, or bf16 rounded once after the
 /// rotation), token t at `positions[t]`.
 pub fn rope(x: Ptr, tokens: u32, n_heads: u32, positions: Ptr, t: &RopeArgs) -> Result<Call> {
@@ -151,19 +165,82 @@ pub fn rope(x: Ptr, tokens: u32, n_heads: u32, positions: Ptr, t: &RopeArgs) -> 
     Ok(Call {
         kernel,
         launch: stride_launch(pairs),
-        args: vec![
-            ptr(x),
-            Arg::U32(tokens),
+        args: [ptr(x), Arg::U32(tokens), Arg::U32(n_heads)].into_iter().chain(rope_tail(positions, t)).collect(),
+    })
+}
+
+/// `dst = rope(src)` at `positions` (out of place, the same element type; dimensions past
+/// `rot_dim` copied): one pass that places a pre-RoPE cache.
+pub fn rope_copy(src: Ptr, dst: Ptr, tokens: u32, n_heads: u32, positions: Ptr, t: &RopeArgs) -> Result<Call> {
+    let kernel = match (src.elem, dst.elem) {
+        (Elem::F32, Elem::F32) => "fp_rope_copy",
+        (Elem::Bf16, Elem::Bf16) => "fp_rope_copy_bf16",
+        (s, d) => return Err(dtype_err("rope_copy", format!("from {s:?} into {d:?}"))),
+    };
+    let per = (t.rot_dim / 2 + (t.head_dim - t.rot_dim.min(t.head_dim))) as u64;
+    Ok(Call {
+        kernel,
+        launch: stride_launch(tokens as u64 * n_heads as u64 * per),
+        args: [ptr(src), ptr(dst), Arg::U32(tokens), Arg::U32(n_heads)]
+            .into_iter()
+            .chain(rope_tail(positions, t))
+            .collect(),
+    })
+}
+
+/// The buffers of [`split_qkv_rope`]: the projection in, the four parts out.
+#[derive(Clone, Copy, Debug)]
+pub struct QkvParts {
+    /// `[rows, q_dim + 2 kv_dim]`, f32.
+    pub qkv: Ptr,
+    /// `[rows, q_dim]`, f32, rotated.
+    pub q: Ptr,
+    /// `[rows, kv_dim]`, the cache type, as projected.
+    pub k_pre: Ptr,
+    /// `[rows, kv_dim]`, the cache type, rotated.
+    pub k: Ptr,
+    /// `[rows, kv_dim]`, the cache type.
+    pub v: Ptr,
+}
+
+/// Splits a QKV projection into rotated queries, pre-RoPE and rotated keys and values in one
+/// launch (see `rope.cu`). K, pre-RoPE K and V share one element type.
+pub fn split_qkv_rope(
+    b: QkvParts,
+    rows: u32,
+    n_heads: u32,
+    n_kv_heads: u32,
+    positions: Ptr,
+    t: &RopeArgs,
+) -> Result<Call> {
+    let op = "split_qkv_rope";
+    expect(op, "qkv", b.qkv, Elem::F32)?;
+    expect(op, "q", b.q, Elem::F32)?;
+    expect(op, "k", b.k, b.k_pre.elem)?;
+    expect(op, "v", b.v, b.k_pre.elem)?;
+    let kernel = match b.k_pre.elem {
+        Elem::F32 => "fp_split_qkv_rope",
+        Elem::Bf16 => "fp_split_qkv_rope_bf16",
+        e => return Err(dtype_err(op, format!("keys of {e:?}"))),
+    };
+    let per = (t.rot_dim / 2 + (t.head_dim - t.rot_dim.min(t.head_dim))) as u64;
+    let per_row = (n_heads as u64 + n_kv_heads as u64) * per + n_kv_heads as u64 * t.head_dim as u64;
+    Ok(Call {
+        kernel,
+        launch: stride_launch(rows as u64 * per_row),
+        args: [
+            ptr(b.qkv),
+            ptr(b.q),
+            ptr(b.k_pre),
+            ptr(b.k),
+            ptr(b.v),
+            Arg::U32(rows),
             Arg::U32(n_heads),
-            Arg::U32(t.head_dim),
-            Arg::U32(t.rot_dim),
-            Arg::U32(u32::from(t.interleaved)),
-            ptr(positions),
-            ptr(t.cos),
-            ptr(t.sin),
-            Arg::U32(t.table_len),
-            ptr(t.inv_freq),
-        ],
+            Arg::U32(n_kv_heads),
+        ]
+        .into_iter()
+        .chain(rope_tail(positions, t))
+        .collect(),
     })
 }
 

@@ -196,7 +196,7 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
             anyhow::ensure!(logits.iter().all(|x| x.is_finite()), "non-finite logits at {n} tokens");
             if run > 0 {
                 times.push(dt);
-                let p = model.profile().snapshot();
+                let p = model.op_times()?;
                 prof.matmul_s += p.matmul_s / a.runs as f64;
                 prof.attention_s += p.attention_s / a.runs as f64;
                 prof.norm_rope_s += p.norm_rope_s / a.runs as f64;
@@ -370,6 +370,10 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
     let methods = super::method_labels(&a.methods)?;
     let scope = a.scope;
     let lm = std::sync::Arc::new(super::load_model(common)?);
+    // TTFT is the measure here: no op profile (on a GPU it records events).
+    if common.device != flowprefill_kernels::DeviceSpec::Cpu {
+        lm.model.profile().set_enabled(false);
+    }
     #[cfg(feature = "mpi")]
     let mut world: Box<dyn Ranks> = if flowprefill_comm::mpi::launched_by_mpirun() {
         let mut comm = flowprefill_comm::mpi::MpiComm::init()?;

@@ -505,7 +505,7 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
         )?;
         model.profile().reset();
         flowprefill_worker::generate::prefill_into(model, &mut cache, &ids, 0, ids.len())?;
-        let prof = model.profile().snapshot();
+        let prof = model.op_times()?;
         let other_bytes = (ids.len() * cfg.n_layers) as f64 * shape.other_elems_per_row_layer() * 4.0;
         let other_bw = other_bytes / (prof.norm_rope_s + prof.elementwise_s).max(1e-9);
         eprintln!("  non-GEMM ops: {:.2} GB/s effective", other_bw / 1e9);

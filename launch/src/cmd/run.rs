@@ -33,7 +33,8 @@ pub struct Args {
     /// Seconds a rank waits for another before declaring it lost.
     #[arg(long, default_value_t = 60.0)]
     pub comm_timeout: f64,
-    /// Print per-rank phase times and bytes per collective.
+    /// Print per-rank phase times, model time per op family (matmul, attention, norm_rope,
+    /// other; device time on a GPU) and bytes per collective.
     #[arg(long)]
     pub stats: bool,
     /// Show the selected spans in context.
@@ -206,6 +207,10 @@ fn run_job(
         );
     }
     let lm = Arc::new(super::load_model(common)?);
+    // On a GPU the op profile records two events per group of ops: only when --stats reads it.
+    if common.device != flowprefill_kernels::DeviceSpec::Cpu && !args.stats {
+        lm.model.profile().set_enabled(false);
+    }
     let aux = match &args.method.aux_model {
         Some(p) => Some(Arc::new(
             LoadedModel::load(&super::resolve_model(Some(p))?, super::device(common)?)
@@ -259,6 +264,27 @@ pub fn print_stats(r: &RunResult) {
             print!(" {:>13.1}", v);
         }
         println!();
+    }
+    if r.rank_stats.iter().any(|s| !s.ops.is_empty()) {
+        let families: Vec<&str> =
+            r.rank_stats.iter().flat_map(|s| s.ops.iter().map(|(n, _)| n.as_str())).fold(Vec::new(), |mut v, n| {
+                if !v.contains(&n) {
+                    v.push(n);
+                }
+                v
+            });
+        print!("{:>4}", "rank");
+        for n in &families {
+            print!(" {:>11}", n);
+        }
+        println!("   (ms of model work per op family; device time on a GPU)");
+        for s in &r.rank_stats {
+            print!("{:>4}", s.rank);
+            for n in &families {
+                print!(" {:>11.1}", s.ops.iter().find(|(p, _)| p == n).map_or(0.0, |p| p.1));
+            }
+            println!();
+        }
     }
     println!(
         "{:>4} {:<22} {:>6} {:>12} {:>12} {:>10}",

@@ -17,6 +17,9 @@ pub const JOB_SECONDS: &str = "flowprefill_job_duration_seconds";
 pub const QUEUE_WAIT_SECONDS: &str = "flowprefill_queue_wait_seconds";
 /// Wall time of each phase on each rank, by method, phase, rank.
 pub const PHASE_SECONDS: &str = "flowprefill_phase_duration_seconds";
+/// Microseconds of model work per op family (matmul, attention, norm_rope, other) and rank:
+/// device time from CUDA events on a GPU, wall time on the CPU.
+pub const OP_MICROS: &str = "flowprefill_op_microseconds_total";
 /// Slowest minus fastest rank per phase, by phase.
 pub const STRAGGLER_GAP_SECONDS: &str = "flowprefill_straggler_gap_seconds";
 /// Payload bytes sent per collective, transport (`host` or the device plane, `nccl`) and rank.
@@ -88,6 +91,11 @@ fn describe() {
         Unit::Microseconds,
         "Microseconds waited per collective, transport (host or nccl) and rank"
     );
+    describe_counter!(
+        OP_MICROS,
+        Unit::Microseconds,
+        "Model work per op family (matmul, attention, norm_rope, other) and rank; device time on a GPU"
+    );
     describe_counter!(SELECTED_TOKENS, Unit::Count, "Tokens recomputed per rank");
     describe_counter!(CONTEXT_TOKENS, Unit::Count, "Context tokens processed");
     describe_histogram!(RECOMPUTE_RATIO, Unit::Count, "Recomputed fraction of the context per job");
@@ -135,6 +143,9 @@ pub fn record_job(r: &RunResult, cache_bytes: usize) {
             if !phases.contains(&p.as_str()) {
                 phases.push(p);
             }
+        }
+        for (family, ms) in &s.ops {
+            counter!(OP_MICROS, "op" => family.clone(), "rank" => rank.clone()).increment((ms * 1e3).round() as u64);
         }
         for (op, o) in &s.comm.ops {
             // `<collective>@<plane>`: buffers that went over a device plane (NCCL); the rest

@@ -27,8 +27,10 @@ use crate::interrupt::Check;
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::rope::RopeTable;
 use flowprefill_kernels::Backend;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::thread::ThreadId;
 
 /// Weights of one transformer block.
 pub(crate) struct Layer<B: Backend> {
@@ -84,14 +86,35 @@ impl ForwardOutput {
     }
 }
 
-/// Where forward time goes, accumulated over calls (nanoseconds).
-#[derive(Debug, Default)]
-pub struct OpProfile {
-    matmul: AtomicU64,
-    attention: AtomicU64,
-    norm_rope: AtomicU64,
-    elementwise: AtomicU64,
-    logits: AtomicU64,
+/// The op families a forward's time is split into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    Matmul = 0,
+    Attention = 1,
+    NormRope = 2,
+    Elementwise = 3,
+    Logits = 4,
+}
+
+/// Seconds per [`Slot`].
+type Totals = [f64; 5];
+
+/// Where forward time goes, accumulated over calls, per op family and per calling thread (each
+/// rank of a thread world runs on its own thread).
+///
+/// A forward brackets each group of ops with [`Backend::mark`]s and leaves the pairs here
+/// unread; they are read (`Backend::seconds_between`) when someone asks for the totals, so on
+/// a GPU the profile is device time from CUDA events and adds no host synchronisation to the
+/// forward. At most [`OpProfile::PENDING`] pairs wait; beyond that the oldest half is read.
+pub struct OpProfile<B: Backend> {
+    enabled: AtomicBool,
+    state: Mutex<ProfileState<B::Mark>>,
+}
+
+struct ProfileState<M> {
+    pending: Vec<(ThreadId, Slot, M, M)>,
+    totals: Totals,
+    by_thread: HashMap<ThreadId, Totals>,
 }
 
 /// A snapshot of [`OpProfile`] in seconds.
@@ -114,29 +137,133 @@ impl OpTimes {
     pub fn total_s(&self) -> f64 {
         self.matmul_s + self.attention_s + self.norm_rope_s + self.elementwise_s + self.logits_s
     }
+
+    /// `(family, milliseconds)` for reports: matmul, attention, norm_rope, other (elementwise
+    /// and the logits' norm and projection).
+    pub fn families_ms(&self) -> Vec<(String, f64)> {
+        [
+            ("matmul", self.matmul_s),
+            ("attention", self.attention_s),
+            ("norm_rope", self.norm_rope_s),
+            ("other", self.elementwise_s + self.logits_s),
+        ]
+        .into_iter()
+        .map(|(n, s)| (n.to_string(), s * 1e3))
+        .collect()
+    }
+
+    fn of(t: &Totals) -> Self {
+        OpTimes { matmul_s: t[0], attention_s: t[1], norm_rope_s: t[2], elementwise_s: t[3], logits_s: t[4] }
+    }
 }
 
-impl OpProfile {
-    fn add(slot: &AtomicU64, since: Instant) {
-        slot.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    }
-
-    /// Current totals.
-    pub fn snapshot(&self) -> OpTimes {
-        let s = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
-        OpTimes {
-            matmul_s: s(&self.matmul),
-            attention_s: s(&self.attention),
-            norm_rope_s: s(&self.norm_rope),
-            elementwise_s: s(&self.elementwise),
-            logits_s: s(&self.logits),
+impl<B: Backend> Default for OpProfile<B> {
+    fn default() -> Self {
+        Self {
+            enabled: AtomicBool::new(true),
+            state: Mutex::new(ProfileState { pending: Vec::new(), totals: [0.0; 5], by_thread: HashMap::new() }),
         }
     }
+}
 
-    /// Resets all totals to zero.
+impl<B: Backend> OpProfile<B> {
+    /// Pairs of marks left unread before the oldest half is read.
+    pub const PENDING: usize = 8192;
+
+    /// Turns the profile on or off (on by default). Off, a forward records no marks (on a
+    /// GPU: no events).
+    pub fn set_enabled(&self, on: bool) {
+        self.enabled.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether forwards record marks.
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ProfileState<B::Mark>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn push(&self, be: &B, laps: Vec<(ThreadId, Slot, B::Mark, B::Mark)>) -> Result<()> {
+        let mut st = self.lock();
+        st.pending.extend(laps);
+        if st.pending.len() > Self::PENDING {
+            let old: Vec<_> = st.pending.drain(..Self::PENDING / 2).collect();
+            Self::read(be, &mut st, old)?;
+        }
+        Ok(())
+    }
+
+    fn read(be: &B, st: &mut ProfileState<B::Mark>, laps: Vec<(ThreadId, Slot, B::Mark, B::Mark)>) -> Result<()> {
+        for (thread, slot, a, b) in laps {
+            let s = be.seconds_between(&a, &b)?;
+            st.totals[slot as usize] += s;
+            st.by_thread.entry(thread).or_default()[slot as usize] += s;
+        }
+        Ok(())
+    }
+
+    fn settle(&self, be: &B) -> Result<std::sync::MutexGuard<'_, ProfileState<B::Mark>>> {
+        let mut st = self.lock();
+        let laps = std::mem::take(&mut st.pending);
+        Self::read(be, &mut st, laps)?;
+        Ok(st)
+    }
+
+    /// Totals of every thread since the last reset (waits for the device to reach the last
+    /// mark).
+    pub fn snapshot(&self, be: &B) -> Result<OpTimes> {
+        Ok(OpTimes::of(&self.settle(be)?.totals))
+    }
+
+    /// This thread's totals since its last `take_thread`; its counters restart.
+    pub fn take_thread(&self, be: &B) -> Result<OpTimes> {
+        let mut st = self.settle(be)?;
+        Ok(OpTimes::of(&st.by_thread.remove(&std::thread::current().id()).unwrap_or_default()))
+    }
+
+    /// Resets all totals to zero (marks not read yet are dropped).
     pub fn reset(&self) {
-        for a in [&self.matmul, &self.attention, &self.norm_rope, &self.elementwise, &self.logits] {
-            a.store(0, Ordering::Relaxed);
+        let mut st = self.lock();
+        st.pending.clear();
+        st.totals = [0.0; 5];
+        st.by_thread.clear();
+    }
+}
+
+/// The marks of one forward: each [`Laps::lap`] closes the group of ops since the previous
+/// mark and names its family. Handed to the profile when dropped (an error part way included).
+struct Laps<'a, B: Backend> {
+    be: &'a B,
+    profile: &'a OpProfile<B>,
+    last: Option<B::Mark>,
+    done: Vec<(ThreadId, Slot, B::Mark, B::Mark)>,
+    thread: ThreadId,
+}
+
+impl<'a, B: Backend> Laps<'a, B> {
+    fn start(be: &'a B, profile: &'a OpProfile<B>) -> Result<Self> {
+        let last = if profile.enabled() { Some(be.mark()?) } else { None };
+        Ok(Self { be, profile, last, done: Vec::new(), thread: std::thread::current().id() })
+    }
+
+    fn lap(&mut self, slot: Slot) -> Result<()> {
+        if let Some(prev) = self.last.take() {
+            let now = self.be.mark()?;
+            self.done.push((self.thread, slot, prev, now.clone()));
+            self.last = Some(now);
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Drop for Laps<'_, B> {
+    fn drop(&mut self) {
+        if !self.done.is_empty() {
+            if let Err(e) = self.profile.push(self.be, std::mem::take(&mut self.done)) {
+                tracing::warn!("op profile: {e}");
+            }
         }
     }
 }
@@ -152,7 +279,7 @@ pub struct Model<B: Backend> {
     layers: Vec<Layer<B>>,
     rope: RopeTable,
     shape: AttnShape,
-    profile: OpProfile,
+    profile: OpProfile<B>,
     load: LoadStats,
 }
 
@@ -184,8 +311,18 @@ impl<B: Backend> Model<B> {
     }
 
     /// Accumulated time per op family.
-    pub fn profile(&self) -> &OpProfile {
+    pub fn profile(&self) -> &OpProfile<B> {
         &self.profile
+    }
+
+    /// Totals of [`Model::profile`] (every thread) since its last reset.
+    pub fn op_times(&self) -> Result<OpTimes> {
+        self.profile.snapshot(&self.backend)
+    }
+
+    /// This thread's op times since its last call (a rank's share of a job).
+    pub fn take_thread_op_times(&self) -> Result<OpTimes> {
+        self.profile.take_thread(&self.backend)
     }
 
     /// How long loading took, by stage (a synthetic model: building it, as `convert`).
@@ -250,9 +387,7 @@ impl<B: Backend> Model<B> {
         let c = &self.cfg;
         let (d, qd, kvd, ffn) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let qkvd = qd + 2 * kvd;
-        let prof = &self.profile;
-
-        let t = Instant::now();
+        let mut laps = Laps::start(be, &self.profile)?;
         let mut x = be.zeros(m * d)?;
         be.embedding(&self.embed, tokens, &mut x)?;
         let mut h = be.zeros(m * d)?;
@@ -261,8 +396,8 @@ impl<B: Backend> Model<B> {
         // K and V in the cache's element type (a bf16 cache: rounded once, here); the keys'
         // projection and per-head norm stay f32 until then.
         let kv_type = be.kv_dtype();
-        let mut k_proj = be.zeros(m * kvd)?;
         let qk_norm = self.layers.iter().any(|l| l.k_norm.is_some());
+        let mut k_proj = be.zeros(if qk_norm { m * kvd } else { 0 })?;
         let mut k_normed = be.zeros(if qk_norm { m * kvd } else { 0 })?;
         let mut k = be.zeros_as(m * kvd, kv_type)?;
         let mut k_pre = be.zeros_as(m * kvd, kv_type)?;
@@ -271,45 +406,40 @@ impl<B: Backend> Model<B> {
         let mut o = be.zeros(m * d)?;
         let mut gu = be.zeros(m * 2 * ffn)?;
         let mut act = be.zeros(m * ffn)?;
-        OpProfile::add(&prof.elementwise, t);
+        laps.lap(Slot::Elementwise)?;
 
         for (l, layer) in self.layers.iter().enumerate().take(n_layers) {
             check()?;
             let _span = tracing::trace_span!("block", layer = l).entered();
-            let t = Instant::now();
             be.rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h)?;
-            OpProfile::add(&prof.norm_rope, t);
-
-            let t = Instant::now();
+            laps.lap(Slot::NormRope)?;
             be.matmul_t(&h, m, &layer.wqkv, &mut qkv)?;
-            OpProfile::add(&prof.matmul, t);
-
-            let t = Instant::now();
+            laps.lap(Slot::Matmul)?;
             if let Some(bias) = &layer.bqkv {
                 be.add_bias(&mut qkv, bias)?;
             }
-            be.copy_columns(&qkv, qkvd, 0, qd, &mut q)?;
-            be.copy_columns(&qkv, qkvd, qd, kvd, &mut k_proj)?;
-            be.copy_columns(&qkv, qkvd, qd + kvd, kvd, &mut v)?;
-            OpProfile::add(&prof.elementwise, t);
-
-            let t = Instant::now();
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                be.copy_columns(&qkv, qkvd, 0, qd, &mut q)?;
+                be.copy_columns(&qkv, qkvd, qd, kvd, &mut k_proj)?;
+                be.copy_columns(&qkv, qkvd, qd + kvd, kvd, &mut v)?;
+                laps.lap(Slot::Elementwise)?;
                 // Per-head RMSNorm (rows of head_dim), through the scratch buffers.
                 be.rms_norm(&q, qn, c.rms_eps, &mut att)?;
                 std::mem::swap(&mut q, &mut att);
                 be.rms_norm(&k_proj, kn, c.rms_eps, &mut k_normed)?;
                 std::mem::swap(&mut k_proj, &mut k_normed);
+                // Pre-RoPE keys as the cache keeps them; the rotated keys from those, exactly
+                // as a chunk cache is placed later (one rotation of the stored values).
+                be.copy_columns(&k_proj, kvd, 0, kvd, &mut k_pre)?;
+                be.copy_columns(&k_pre, kvd, 0, kvd, &mut k)?;
+                be.rope(&mut q, c.n_heads, positions, &self.rope)?;
+                be.rope(&mut k, c.n_kv_heads, positions, &self.rope)?;
+            } else {
+                // The same split and rotations (one pass on a device).
+                let heads = (c.n_heads, c.n_kv_heads);
+                be.split_qkv_rope(&qkv, heads, positions, &self.rope, &mut q, &mut k_pre, &mut k, &mut v)?;
             }
-            // Pre-RoPE keys as the cache keeps them; the rotated keys from those, exactly as a
-            // chunk cache is placed later (one rotation of the stored values).
-            be.copy_columns(&k_proj, kvd, 0, kvd, &mut k_pre)?;
-            be.copy_columns(&k_pre, kvd, 0, kvd, &mut k)?;
-            be.rope(&mut q, c.n_heads, positions, &self.rope)?;
-            be.rope(&mut k, c.n_kv_heads, positions, &self.rope)?;
-            OpProfile::add(&prof.norm_rope, t);
-
-            let t = Instant::now();
+            laps.lap(Slot::NormRope)?;
             let input = LayerInput {
                 backend: be,
                 shape: &self.shape,
@@ -322,33 +452,22 @@ impl<B: Backend> Model<B> {
                 v: &v,
             };
             attend.attend(&input, &mut att)?;
-            OpProfile::add(&prof.attention, t);
-
-            let t = Instant::now();
+            laps.lap(Slot::Attention)?;
             be.matmul_t(&att, m, &layer.wo, &mut o)?;
-            OpProfile::add(&prof.matmul, t);
-            let t = Instant::now();
+            laps.lap(Slot::Matmul)?;
             be.add_assign(&mut x, &o)?;
-            OpProfile::add(&prof.elementwise, t);
-
-            let t = Instant::now();
+            laps.lap(Slot::Elementwise)?;
             be.rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h)?;
-            OpProfile::add(&prof.norm_rope, t);
-            let t = Instant::now();
+            laps.lap(Slot::NormRope)?;
             be.matmul_t(&h, m, &layer.w_gate_up, &mut gu)?;
-            OpProfile::add(&prof.matmul, t);
-            let t = Instant::now();
+            laps.lap(Slot::Matmul)?;
             be.silu_mul(&gu, ffn, &mut act)?;
-            OpProfile::add(&prof.elementwise, t);
-            let t = Instant::now();
+            laps.lap(Slot::Elementwise)?;
             be.matmul_t(&act, m, &layer.w_down, &mut o)?;
-            OpProfile::add(&prof.matmul, t);
-            let t = Instant::now();
+            laps.lap(Slot::Matmul)?;
             be.add_assign(&mut x, &o)?;
-            OpProfile::add(&prof.elementwise, t);
+            laps.lap(Slot::Elementwise)?;
         }
-
-        let t = Instant::now();
         if n_layers < self.layers.len() {
             return Ok(ForwardOutput { logits: Vec::new(), rows: Vec::new(), vocab: c.vocab_size });
         }
@@ -366,7 +485,7 @@ impl<B: Backend> Model<B> {
             }
         };
         let out = self.logits_of_rows(&x, &rows)?;
-        OpProfile::add(&prof.logits, t);
+        laps.lap(Slot::Logits)?;
         Ok(out)
     }
 
@@ -385,5 +504,98 @@ impl<B: Backend> Model<B> {
         let mut lg = be.zeros(r * vocab)?;
         be.matmul_t(&hr, r, self.output.as_ref().unwrap_or(&self.embed), &mut lg)?;
         Ok(ForwardOutput { logits: be.download(&lg)?, rows: rows.to_vec(), vocab })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attend::SelfOnly;
+    use crate::config::Arch;
+    use flowprefill_kernels::Cpu;
+
+    fn tiny() -> Model<Cpu> {
+        let cfg = ModelConfig {
+            arch: Arch::Llama,
+            name: "tiny".into(),
+            n_layers: 3,
+            d_model: 64,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            ffn_dim: 128,
+            vocab_size: 300,
+            context_length: 512,
+            rope_base: 10000.0,
+            rope_dim: 16,
+            rms_eps: 1e-5,
+            tied_embeddings: true,
+        };
+        Model::synthetic(cfg, Cpu, 7).expect("a tiny synthetic model")
+    }
+
+    /// The profile splits a forward's time into its op families, per calling thread (a rank
+    /// of a thread world sees its own work only), sums them into the totals, and records
+    /// nothing while it is off.
+    #[test]
+    fn the_op_profile_is_per_family_and_per_thread() {
+        let m = tiny();
+        let tokens: Vec<u32> = (0..96).map(|i| (i * 7 % 300) as u32).collect();
+        let positions: Vec<u32> = (0..96).collect();
+        let run = || {
+            m.forward(&tokens, &positions, &mut SelfOnly, Logits::Last).expect("forward");
+        };
+        run();
+        let mine = m.take_thread_op_times().unwrap();
+        for (name, s) in [
+            ("matmul", mine.matmul_s),
+            ("attention", mine.attention_s),
+            ("norm_rope", mine.norm_rope_s),
+            ("elementwise", mine.elementwise_s),
+            ("logits", mine.logits_s),
+        ] {
+            assert!(s > 0.0, "{name}: {s} s after a forward");
+        }
+        assert_eq!(m.take_thread_op_times().unwrap().total_s(), 0.0, "taking restarts this thread's counters");
+        // Another thread's forward is its own.
+        let other = std::thread::scope(|sc| {
+            sc.spawn(|| {
+                run();
+                run();
+                m.take_thread_op_times().unwrap()
+            })
+            .join()
+            .unwrap()
+        });
+        assert!(other.total_s() > 0.0);
+        assert_eq!(m.take_thread_op_times().unwrap().total_s(), 0.0, "this thread ran nothing since");
+        let all = m.op_times().unwrap();
+        assert!((all.total_s() - mine.total_s() - other.total_s()).abs() < 1e-9, "totals are the threads' sum");
+        let fam = all.families_ms();
+        assert_eq!(fam.iter().map(|f| f.0.as_str()).collect::<Vec<_>>(), ["matmul", "attention", "norm_rope", "other"]);
+        m.profile().reset();
+        m.profile().set_enabled(false);
+        run();
+        assert_eq!(m.op_times().unwrap().total_s(), 0.0, "off: nothing recorded");
+        assert_eq!(m.take_thread_op_times().unwrap().total_s(), 0.0);
+    }
+
+    /// The pairs of marks wait unread only up to a bound: many forwards without a reader keep
+    /// the profile's memory bounded and lose no time.
+    #[test]
+    fn unread_marks_are_bounded() {
+        let m = tiny();
+        let (tokens, positions) = (vec![1u32, 2, 3], vec![0u32, 1, 2]);
+        // 3 layers: 1 + 10 per layer + 1 laps per forward.
+        let per_forward = 32;
+        let forwards = OpProfile::<Cpu>::PENDING / per_forward + 8;
+        for _ in 0..forwards {
+            m.forward(&tokens, &positions, &mut SelfOnly, Logits::Last).unwrap();
+        }
+        let pending = m.profile().lock().pending.len();
+        assert!(pending <= OpProfile::<Cpu>::PENDING, "{pending} pairs unread");
+        let read: f64 = m.profile().lock().totals.iter().sum();
+        assert!(read > 0.0, "the oldest pairs were read when the bound was passed");
+        assert!(m.op_times().unwrap().total_s() >= read);
     }
 }

@@ -58,8 +58,12 @@ pub struct Replicated<'a, 'c, B: Backend> {
     old_tail: usize,
     layers_done: usize,
     weights: Vec<f32>,
-    /// Weighted attention mass per local segment row (probe).
-    pub scores: Vec<Vec<f32>>,
+    /// Weighted attention mass per local segment row (probe), summed on the host from
+    /// `pending` once the forward is done.
+    scores: Vec<Vec<f32>>,
+    /// Per scoring layer and segment: (segment index, weight, the layer's scores on the
+    /// device), read after the forward so that it never waits for the device in between.
+    pending: Vec<(usize, f32, B::Buf)>,
 }
 
 impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
@@ -98,11 +102,30 @@ impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
         let mut tail_positions = tail.positions().to_vec();
         tail_positions.extend_from_slice(positions);
         let scores = local.iter().map(|s| vec![0.0; s.cache.len()]).collect();
-        Ok(Self { be, comm, op, local, tail, tail_positions, old_tail, layers_done: 0, weights, scores })
+        Ok(Self {
+            be,
+            comm,
+            op,
+            local,
+            tail,
+            tail_positions,
+            old_tail,
+            layers_done: 0,
+            weights,
+            scores,
+            pending: Vec::new(),
+        })
     }
 
-    /// Publishes the appended tail rows; call after a successful forward.
+    /// Publishes the appended tail rows and returns the scores; call after a successful
+    /// forward. The scores are read from the device here, in layer order (the sums are those
+    /// of reading them layer by layer).
     pub fn commit(mut self) -> Result<Vec<Vec<f32>>> {
+        for (seg, w, sc) in std::mem::take(&mut self.pending) {
+            for (a, v) in self.scores[seg].iter_mut().zip(self.be.download(&sc)?) {
+                *a += w * v;
+            }
+        }
         if self.layers_done != self.tail.n_layers() {
             // A probe that stopped early: drop its rows, keep the tail as it was.
             self.rollback();
@@ -270,16 +293,14 @@ impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
         let w = self.weights.get(x.layer).copied().unwrap_or(0.0);
         if w > 0.0 && m > 0 {
             let lse = acc_l;
-            for ((s, rot), acc) in self.local.iter().zip(&rotated).zip(&mut self.scores) {
+            for (i, (s, rot)) in self.local.iter().zip(&rotated).enumerate() {
                 if s.positions.is_empty() {
                     continue;
                 }
                 let k = rot.as_ref().unwrap_or(&s.cache.layer(x.layer).k);
                 let mut sc = be.zeros(s.positions.len())?;
                 be.attention_scores(x.shape, x.q, x.positions, k, &s.positions, &lse, &mut sc)?;
-                for (a, v) in acc.iter_mut().zip(be.download(&sc)?) {
-                    *a += w * v;
-                }
+                self.pending.push((i, w, sc));
             }
         }
         Ok(())

@@ -1,0 +1,223 @@
+//! Device memory of the CUDA backend: typed buffers with a capacity, weight matrices, the
+//! scratch buffers reused across calls, the cache of uploaded control data, and the marks
+//! (timing events) of [`super::CudaBackend`].
+//!
+//! Allocations come from the device's stream-ordered pool (`cuMemAllocAsync`), which the
+//! backend tells to keep what it frees ([`keep_freed_memory`]): a buffer dropped at the end
+//! of a layer and allocated again at the next is a pool hit, not a call into the OS, and no
+//! allocation or free waits for the stream.
+
+use super::backend::err;
+use crate::backend::DType;
+use crate::error::Result;
+use crate::gpu::{Elem, Ptr};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use std::sync::{Arc, Mutex};
+
+/// The allocation of a device buffer, by element type.
+pub(crate) enum DevData {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+/// A device buffer: `len` elements of one [`DType`] in use, out of the allocation's capacity.
+pub struct DeviceBuf {
+    pub(crate) data: DevData,
+    pub(crate) len: usize,
+}
+
+impl DeviceBuf {
+    /// Elements in use.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no element is in use.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Elements the allocation holds.
+    pub fn capacity(&self) -> usize {
+        match &self.data {
+            DevData::F32(d) => d.len(),
+            DevData::Bf16(d) => d.len(),
+        }
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        match &self.data {
+            DevData::F32(_) => DType::F32,
+            DevData::Bf16(_) => DType::Bf16,
+        }
+    }
+
+    /// The device address for reading, and the guard that orders other streams after the read.
+    pub(crate) fn ptr<'a>(&'a self, stream: &'a CudaStream) -> (Ptr, SyncOnDrop<'a>) {
+        match &self.data {
+            DevData::F32(d) => {
+                let (p, g) = d.device_ptr(stream);
+                (Ptr::new(p, Elem::F32), g)
+            }
+            DevData::Bf16(d) => {
+                let (p, g) = d.device_ptr(stream);
+                (Ptr::new(p, Elem::Bf16), g)
+            }
+        }
+    }
+
+    /// The device address for writing, and its guard.
+    pub(crate) fn ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (Ptr, SyncOnDrop<'a>) {
+        match &mut self.data {
+            DevData::F32(d) => {
+                let (p, g) = d.device_ptr_mut(stream);
+                (Ptr::new(p, Elem::F32), g)
+            }
+            DevData::Bf16(d) => {
+                let (p, g) = d.device_ptr_mut(stream);
+                (Ptr::new(p, Elem::Bf16), g)
+            }
+        }
+    }
+}
+
+pub(crate) enum MatData {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+/// A weight matrix `[rows, cols]` on the device.
+pub struct DeviceMat {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) data: MatData,
+}
+
+impl DeviceMat {
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+}
+
+pub(crate) struct DeviceRope {
+    pub(crate) cos: CudaSlice<f32>,
+    pub(crate) sin: CudaSlice<f32>,
+    pub(crate) inv_freq: CudaSlice<f64>,
+}
+
+/// A device allocation reused across calls, grown (never shrunk) to the largest request.
+pub(crate) struct Scratch<T> {
+    buf: Mutex<Option<CudaSlice<T>>>,
+}
+
+impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Scratch<T> {
+    pub(crate) fn new() -> Self {
+        Self { buf: Mutex::new(None) }
+    }
+
+    /// The allocation, at least `len` long, locked for the caller.
+    pub(crate) fn get(
+        &self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+    ) -> Result<std::sync::MutexGuard<'_, Option<CudaSlice<T>>>> {
+        let mut g = self.buf.lock().unwrap_or_else(|p| p.into_inner());
+        if g.as_ref().is_none_or(|s| s.len() < len) {
+            *g = None; // free the smaller one first
+            *g = Some(stream.alloc_zeros::<T>(len.max(1)).map_err(|e| err("scratch alloc", e))?);
+        }
+        Ok(g)
+    }
+}
+
+/// Control data (positions, key metadata, row indices) uploaded once per distinct content:
+/// every layer of a forward passes the same positions, so a forward uploads them once, not
+/// once per op and layer. The most recently used entries are kept, up to [`Self::ENTRIES`]
+/// and [`Self::BYTES`]; an evicted entry is freed in stream order (later work that still
+/// reads it was queued before the free).
+pub(crate) struct ControlCache {
+    entries: Mutex<Vec<ControlEntry>>,
+}
+
+/// Host contents and their device copy.
+type ControlEntry = (Vec<u32>, Arc<CudaSlice<u32>>);
+
+impl ControlCache {
+    /// Entries kept.
+    pub(crate) const ENTRIES: usize = 16;
+    /// Bytes kept (an entry larger than this is uploaded and not kept).
+    pub(crate) const BYTES: usize = 16 << 20;
+
+    pub(crate) fn new() -> Self {
+        Self { entries: Mutex::new(Vec::new()) }
+    }
+
+    /// The device copy of `v` (at least one element: an empty allocation is not allowed).
+    pub(crate) fn get(&self, stream: &Arc<CudaStream>, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(i) = entries.iter().position(|(host, _)| host.as_slice() == v) {
+            let e = entries.remove(i);
+            let dev = e.1.clone();
+            entries.push(e);
+            return Ok(dev);
+        }
+        let dev = Arc::new(if v.is_empty() {
+            stream.alloc_zeros::<u32>(1).map_err(|e| err("upload", e))?
+        } else {
+            stream.clone_htod(v).map_err(|e| err("upload", e))?
+        });
+        let bytes = |e: &[ControlEntry]| e.iter().map(|(h, _)| 4 * h.len()).sum::<usize>();
+        if 4 * v.len() <= Self::BYTES {
+            entries.push((v.to_vec(), dev.clone()));
+            while entries.len() > Self::ENTRIES || bytes(&entries) > Self::BYTES {
+                entries.remove(0);
+            }
+        }
+        Ok(dev)
+    }
+
+    /// Entries held (for tests and statistics).
+    #[allow(dead_code)]
+    pub(crate) fn len(&self) -> usize {
+        self.entries.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+/// A [`crate::Backend::mark`] of the CUDA backend: an event with timing, recorded on the
+/// backend's stream.
+#[derive(Clone)]
+pub struct Mark(pub(crate) Arc<CudaEvent>);
+
+/// A timing event recorded on `stream` now.
+pub(crate) fn mark(ctx: &Arc<CudaContext>, stream: &CudaStream) -> Result<Mark> {
+    let ev = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("mark", e))?;
+    ev.record(stream).map_err(|e| err("mark", e))?;
+    Ok(Mark(Arc::new(ev)))
+}
+
+/// Tells the device's default memory pool (the one `cuMemAllocAsync` draws from) to keep
+/// freed memory for reuse instead of returning it to the driver at every synchronisation.
+pub(crate) fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<()> {
+    use cudarc::driver::{result, sys};
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    ctx.bind_to_thread().map_err(|e| err("memory pool", e))?;
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    // SAFETY: the context is current on this thread; `pool` receives the device's default
+    // pool handle, valid for the context's lifetime; the threshold attribute takes a u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
+            .result()
+            .map_err(|e| err("memory pool", e))?;
+        let mut threshold = u64::MAX;
+        result::mem_pool::set_attribute(
+            pool.assume_init(),
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .map_err(|e| err("memory pool", e))
+    }
+}

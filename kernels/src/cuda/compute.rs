@@ -1,0 +1,196 @@
+//! The compute-heavy ops of [`CudaBackend`]: cuBLAS GEMMs and the attention kernels (their
+//! scratch buffers and launch plans). The rest of the op set is in `backend.rs`.
+
+use super::backend::{check_same, err, want, CudaBackend};
+use super::buffers::{DeviceBuf, DeviceMat, MatData};
+use crate::attention::AttnShape;
+use crate::backend::DType;
+use crate::error::{KernelError, Result};
+use crate::gpu::ops::{self, AttnDims};
+use crate::gpu::{self, Elem, Ptr};
+use cudarc::cublas::{result as cublas, sys as cublas_sys};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+impl CudaBackend {
+    /// out[rows, n] = x[rows, k] · Wᵀ (W `[n, k]` row-major): cuBLAS column-major with
+    /// C (n x rows) = op(A) B, A = W viewed as k x n (transposed), B = x viewed as k x rows.
+    pub(super) fn gemm(&self, x: &DeviceBuf, rows: usize, w: &DeviceMat, out: &mut DeviceBuf) -> Result<()> {
+        let (n, k) = (w.rows, w.cols);
+        let (m_, n_, k_) = (n as i32, rows as i32, k as i32);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let op_t = cublas_sys::cublasOperation_t::CUBLAS_OP_T;
+        let op_n = cublas_sys::cublasOperation_t::CUBLAS_OP_N;
+        let compute = cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let algo = cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+        let f32t = cublas_sys::cudaDataType_t::CUDA_R_32F;
+        let (c, _c) = out.ptr_mut(&self.stream);
+        let handle = *self.blas.handle();
+        let run = |a: u64, b: u64, t, what: &str| {
+            // SAFETY: `a`, `b` and `c` are live device allocations of at least n*k, rows*k
+            // and rows*n elements (the caller checked the lengths; the bf16 scratch holds
+            // rows*k); alpha and beta outlive the call; the allocations' stream-order guards
+            // are held until this returns.
+            unsafe {
+                cublas::gemm_ex(
+                    handle,
+                    op_t,
+                    op_n,
+                    m_,
+                    n_,
+                    k_,
+                    &alpha as *const f32 as *const _,
+                    a as *const _,
+                    t,
+                    k_,
+                    b as *const _,
+                    t,
+                    k_,
+                    &beta as *const f32 as *const _,
+                    c.addr as *mut _,
+                    f32t,
+                    m_,
+                    compute,
+                    algo,
+                )
+            }
+            .map_err(|e| err(what, e))
+        };
+        let (xp, _x) = x.ptr(&self.stream);
+        match &w.data {
+            MatData::F32(wd) => {
+                let (a, _a) = wd.device_ptr(&self.stream);
+                run(a, xp.addr, f32t, "gemm (f32)")
+            }
+            MatData::Bf16(wd) => {
+                // The activations go to bf16 in a scratch buffer reused across calls.
+                let need = rows * k;
+                let mut scratch = self.gemm_x.get(&self.stream, need)?;
+                let xb = scratch.as_mut().ok_or_else(|| err("gemm", "no scratch"))?;
+                let (xbp, _xb) = xb.device_ptr_mut(&self.stream);
+                self.run_built(ops::convert(xp, Ptr::new(xbp, Elem::Bf16), need as u64))?;
+                let (a, _a) = wd.device_ptr(&self.stream);
+                run(a, xbp, cublas_sys::cudaDataType_t::CUDA_R_16BF, "gemm (bf16)")
+            }
+        }
+    }
+
+    /// The bf16 copy of f32 queries `q` in the attention scratch; runs `f` with its address.
+    pub(super) fn with_bf16_queries<R>(&self, q: &DeviceBuf, f: impl FnOnce(Ptr) -> Result<R>) -> Result<R> {
+        let mut scratch = self.attn_q.get(&self.stream, q.len)?;
+        let qb = scratch.as_mut().ok_or_else(|| err("attention", "no scratch"))?;
+        let (qbp, _g) = qb.device_ptr_mut(&self.stream);
+        let qb = Ptr::new(qbp, Elem::Bf16);
+        let (qp, _q) = q.ptr(&self.stream);
+        self.run_built(ops::convert(qp, qb, q.len as u64))?;
+        f(qb)
+    }
+
+    /// [`Backend::attention`] on the device: tensor cores for bf16 K/V of head_dim 64 /
+    /// 128 (key splits when few blocks would fill the GPU), the FP32 kernel otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_on_device(
+        &self,
+        shape: &AttnShape,
+        q: &DeviceBuf,
+        qpos: &[u32],
+        k: &DeviceBuf,
+        v: &DeviceBuf,
+        kpos: &[u32],
+        out: &mut DeviceBuf,
+        lse: &mut DeviceBuf,
+    ) -> Result<()> {
+        let op = "attention";
+        if shape.head_dim > gpu::ATTENTION_MAX_DIM {
+            return Err(KernelError::Shape {
+                op,
+                detail: format!("head_dim {} is above the CUDA kernel's {}", shape.head_dim, gpu::ATTENTION_MAX_DIM),
+            });
+        }
+        check_same(op, "q", q.len, qpos.len() * shape.q_dim())?;
+        check_same(op, "k", k.len, kpos.len() * shape.kv_dim())?;
+        check_same(op, "v", v.len, kpos.len() * shape.kv_dim())?;
+        check_same(op, "out", out.len, q.len)?;
+        check_same(op, "lse", lse.len, qpos.len() * shape.n_heads)?;
+        want(op, "q", q.dtype(), DType::F32)?;
+        want(op, "v", v.dtype(), k.dtype())?;
+        if qpos.is_empty() {
+            return Ok(());
+        }
+        let dims = AttnDims::of(shape, qpos.len(), kpos.len());
+        let s = &self.stream;
+        if k.dtype() == DType::Bf16 && ops::flash_supported(shape.head_dim) {
+            let plan = ops::flash_plan(dims, self.sm_count, None);
+            let (qp, meta) = (self.upload_u32(qpos)?, self.upload_u32(&ops::key_meta(kpos))?);
+            let (qpp, _a) = qp.device_ptr(s);
+            let (mp, _b) = meta.device_ptr(s);
+            let (kp, _c) = k.ptr(s);
+            let (vp, _d) = v.ptr(s);
+            let (po, pl) = ops::flash_partial_lens(dims, &plan);
+            let mut part_o = self.part_out.get(s, po)?;
+            let mut part_l = self.part_lse.get(s, pl)?;
+            let (o_slice, l_slice) = (part_o.as_mut(), part_l.as_mut());
+            let (o_slice, l_slice) = o_slice.zip(l_slice).ok_or_else(|| err(op, "no scratch"))?;
+            let (pop, _e) = o_slice.device_ptr_mut(s);
+            let (plp, _f) = l_slice.device_ptr_mut(s);
+            let partial = (plan.splits > 1).then_some((Ptr::new(pop, Elem::F32), Ptr::new(plp, Elem::F32)));
+            let (outp, _g) = out.ptr_mut(s);
+            let (lsep, _h) = lse.ptr_mut(s);
+            return self.with_bf16_queries(q, |qb| {
+                let u = |p| Ptr::new(p, Elem::U32);
+                let calls =
+                    ops::flash_attention(dims, &plan, qb, u(qpp), kp, vp, u(mp), outp, lsep, partial, shape.scale)?;
+                calls.iter().try_for_each(|c| self.run(c))
+            });
+        }
+        let (qp, kp2) = (self.upload_u32(qpos)?, self.upload_u32(kpos)?);
+        let (qpp, _a) = qp.device_ptr(s);
+        let (kpp, _b) = kp2.device_ptr(s);
+        let (qd, _c) = q.ptr(s);
+        let (kd, _d) = k.ptr(s);
+        let (vd, _e) = v.ptr(s);
+        let (od, _f) = out.ptr_mut(s);
+        let (ld, _g) = lse.ptr_mut(s);
+        let u = |p| Ptr::new(p, Elem::U32);
+        self.run_built(ops::attention(dims, qd, u(qpp), kd, vd, u(kpp), od, ld, shape.scale))
+    }
+
+    /// [`Backend::attention_scores`] on the device.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_scores_on_device(
+        &self,
+        shape: &AttnShape,
+        q: &DeviceBuf,
+        qpos: &[u32],
+        k: &DeviceBuf,
+        kpos: &[u32],
+        lse: &DeviceBuf,
+        scores: &mut DeviceBuf,
+    ) -> Result<()> {
+        let op = "attention_scores";
+        check_same(op, "q", q.len, qpos.len() * shape.q_dim())?;
+        check_same(op, "k", k.len, kpos.len() * shape.kv_dim())?;
+        check_same(op, "lse", lse.len, qpos.len() * shape.n_heads)?;
+        check_same(op, "scores", scores.len, kpos.len())?;
+        want(op, "q", q.dtype(), DType::F32)?;
+        want(op, "scores", scores.dtype(), DType::F32)?;
+        if qpos.is_empty() || kpos.is_empty() {
+            return Ok(());
+        }
+        let dims = AttnDims::of(shape, qpos.len(), kpos.len());
+        let s = &self.stream;
+        let (qp, kp) = (self.upload_u32(qpos)?, self.upload_u32(kpos)?);
+        let (qpp, _a) = qp.device_ptr(s);
+        let (kpp, _b) = kp.device_ptr(s);
+        let u = |p| Ptr::new(p, Elem::U32);
+        let (kd, _c) = k.ptr(s);
+        let (ld, _d) = lse.ptr(s);
+        let (sd, _e) = scores.ptr_mut(s);
+        if k.dtype() == DType::Bf16 && ops::flash_supported(shape.head_dim) {
+            return self.with_bf16_queries(q, |qb| {
+                self.run_built(ops::flash_scores(dims, qb, u(qpp), kd, u(kpp), ld, sd, shape.scale))
+            });
+        }
+        let (qd, _f) = q.ptr(s);
+        self.run_built(ops::attention_scores(dims, qd, u(qpp), kd, u(kpp), ld, sd, shape.scale))
+    }
+}
