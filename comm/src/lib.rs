@@ -152,6 +152,10 @@ pub enum ErrorClass {
     Cancelled,
     /// The job's deadline passed.
     Deadline,
+    /// Not enough device or host memory for the job now (another tenant, fragmentation, a
+    /// larger job than the memory allows): nothing is wrong with the request or the model; the
+    /// same job may succeed later, or smaller, or over more ranks.
+    Resource,
 }
 
 impl ErrorClass {
@@ -164,6 +168,7 @@ impl ErrorClass {
             ErrorClass::Internal => "internal",
             ErrorClass::Cancelled => "cancelled",
             ErrorClass::Deadline => "deadline",
+            ErrorClass::Resource => "resource",
         }
     }
 }

@@ -83,6 +83,24 @@ impl CoordError {
         matches!(self, CoordError::Worker(WorkerError::Comm(CommError::Aborted { .. })))
     }
 
+    /// The device that ran out of memory (`cuda:N`, `cpu`) for a resource error; `None` for
+    /// any other error. A peer's error crossed the ranks as text: its device is read from
+    /// the message (`needs X more on DEVICE (...)`).
+    pub fn out_of_memory_device(&self) -> Option<String> {
+        if self.class() != ErrorClass::Resource {
+            return None;
+        }
+        if let CoordError::Worker(WorkerError::Kernel(flowprefill_kernels::KernelError::OutOfMemory {
+            device, ..
+        })) = self
+        {
+            return Some(device.clone());
+        }
+        let msg = self.to_string();
+        let device = msg.split(" more on ").nth(1).and_then(|rest| rest.split_whitespace().next());
+        Some(device.unwrap_or("unknown").to_string())
+    }
+
     /// The message for the HTTP API: input errors name JSON fields rather than flags.
     pub fn api_message(&self) -> String {
         match self {

@@ -3,7 +3,8 @@
 //! `exit` (the process exits with status [`EXIT_STATUS`], like a crashed MPI rank), `panic`
 //! (the rank's thread panics), `hang` (the rank stops answering), `stall:MS` (the rank is
 //! busy for MS milliseconds without looking at cancellations or deadlines, then goes on: a
-//! slow step, for timing what happens after it).
+//! slow step, for timing what happens after it), `oom` (the rank's next step fails with the
+//! backend's out-of-memory error, as a GPU whose memory another tenant took).
 //!
 //! A plan fires once (so that a service can recover by rebuilding its ranks) and is shared by
 //! the engines of a world. Every engine starts with the process's plan from
@@ -27,6 +28,8 @@ pub enum FaultMode {
     Hang,
     /// The rank is busy for this long, then continues.
     Stall(Duration),
+    /// The rank's step fails for want of memory (device `injected`).
+    OutOfMemory,
 }
 
 /// One planned fault.
@@ -61,6 +64,7 @@ impl FaultPlan {
                         "exit" => FaultMode::Exit,
                         "panic" => FaultMode::Panic,
                         "hang" => FaultMode::Hang,
+                        "oom" => FaultMode::OutOfMemory,
                         _ => {
                             let ms = v.strip_prefix("stall")?.trim_start_matches([':', '=']);
                             FaultMode::Stall(Duration::from_millis(ms.parse().ok()?))
@@ -82,17 +86,17 @@ impl FaultPlan {
             let s = std::env::var("FLOWPREFILL_FAULT").ok()?;
             let plan = Self::parse(&s);
             if plan.is_none() {
-                tracing::warn!(value = %s, "FLOWPREFILL_FAULT ignored: expected rank:R,phase:P,mode:exit|panic|hang|stall:MS");
+                tracing::warn!(value = %s, "FLOWPREFILL_FAULT ignored: expected rank:R,phase:P,mode:exit|panic|hang|stall:MS|oom");
             }
             plan
         })
         .clone()
     }
 
-    /// Misbehaves here if the plan says so (once).
-    pub fn point(&self, rank: usize, phase: &str) {
+    /// Misbehaves here if the plan says so (once); the `oom` mode is an error of the step.
+    pub fn point(&self, rank: usize, phase: &str) -> Result<(), flowprefill_kernels::KernelError> {
         if self.rank != rank || self.phase != phase || self.fired.swap(true, Ordering::Relaxed) {
-            return;
+            return Ok(());
         }
         tracing::warn!(rank, phase, mode = ?self.mode, "injected fault");
         match self.mode {
@@ -102,7 +106,15 @@ impl FaultPlan {
                 std::thread::sleep(Duration::from_secs(3600));
             },
             FaultMode::Stall(d) => std::thread::sleep(d),
+            FaultMode::OutOfMemory => {
+                return Err(flowprefill_kernels::KernelError::OutOfMemory {
+                    device: "injected".into(),
+                    requested: 1 << 30,
+                    free: Some(0),
+                })
+            }
         }
+        Ok(())
     }
 }
 
@@ -119,15 +131,18 @@ mod tests {
         assert!(FaultPlan::parse("rank:x,phase:probe,mode:hang").is_none());
         assert!(FaultPlan::parse("phase:probe").is_none());
         assert!(FaultPlan::parse("rank:1,phase:probe,mode:explode").is_none());
+        let p = FaultPlan::parse("rank:1,phase:recompute,mode:oom").unwrap();
+        assert!(p.point(1, "recompute").is_err_and(|e| e.to_string().contains("needs 1.00 GiB more on injected")));
+        assert!(p.point(1, "recompute").is_ok(), "fires once");
     }
 
     #[test]
     fn fires_once_and_only_where_planned() {
         let p = FaultPlan::new(1, "probe", FaultMode::Stall(Duration::from_millis(1)));
-        p.point(0, "probe");
-        p.point(1, "decode");
+        p.point(0, "probe").unwrap();
+        p.point(1, "decode").unwrap();
         assert!(!p.fired.load(Ordering::Relaxed));
-        p.point(1, "probe");
+        p.point(1, "probe").unwrap();
         assert!(p.fired.load(Ordering::Relaxed));
     }
 }

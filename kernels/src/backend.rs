@@ -402,6 +402,14 @@ impl Cpu {
     }
 }
 
+/// Memory the host can still give (`MemAvailable` of `/proc/meminfo`), when known.
+pub fn host_available_bytes() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 fn check_rows(op: &'static str, len: usize, rows: &[usize], row_len: usize) -> Result<()> {
     if let Some(&r) = rows.iter().find(|&&r| (r + 1) * row_len > len) {
         return Err(KernelError::Shape {
@@ -465,7 +473,9 @@ impl Backend for Cpu {
         }
     }
     fn zeros_as(&self, len: usize, dtype: DType) -> Result<HostBuf> {
-        Ok(HostBuf::zeros(len, dtype))
+        let mut b = HostBuf::zeros(0, dtype);
+        self.resize(&mut b, len)?;
+        Ok(b)
     }
     fn dtype(&self, buf: &HostBuf) -> DType {
         buf.dtype()
@@ -477,6 +487,7 @@ impl Backend for Cpu {
         buf.len()
     }
     fn resize(&self, buf: &mut HostBuf, len: usize) -> Result<()> {
+        self.reserve(buf, len)?;
         match buf {
             HostBuf::F32(v) => v.resize(len, 0.0),
             HostBuf::Bf16(v) => v.resize(len, 0),
@@ -484,11 +495,24 @@ impl Backend for Cpu {
         Ok(())
     }
     fn reserve(&self, buf: &mut HostBuf, capacity: usize) -> Result<()> {
+        // A request the allocator refuses (larger than the memory the OS will give) is a
+        // resource error, not an abort of the process.
+        let size = buf.dtype().size();
+        let refused = |extra: usize| KernelError::OutOfMemory {
+            device: "cpu".into(),
+            requested: extra.saturating_mul(size),
+            free: host_available_bytes(),
+        };
         match buf {
-            HostBuf::F32(v) => v.reserve(capacity.saturating_sub(v.len())),
-            HostBuf::Bf16(v) => v.reserve(capacity.saturating_sub(v.len())),
+            HostBuf::F32(v) => {
+                let extra = capacity.saturating_sub(v.len());
+                v.try_reserve(extra).map_err(|_| refused(extra))
+            }
+            HostBuf::Bf16(v) => {
+                let extra = capacity.saturating_sub(v.len());
+                v.try_reserve(extra).map_err(|_| refused(extra))
+            }
         }
-        Ok(())
     }
     fn matrix(&self, m: Matrix) -> Result<Matrix> {
         Ok(m)
@@ -642,6 +666,19 @@ impl Backend for Cpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_allocation_the_host_cannot_give_is_a_resource_error() {
+        // More than any machine's address space allows: refused by the allocator, not aborted.
+        let e = Cpu.zeros(usize::MAX / 8).expect_err("refused");
+        let msg = e.to_string();
+        assert!(matches!(e, KernelError::OutOfMemory { ref device, .. } if device == "cpu"), "{msg}");
+        assert!(msg.contains("needs") && msg.contains("more on cpu") && msg.contains("fewer tokens"), "{msg}");
+        let mut b = Cpu.zeros_as(4, DType::Bf16).unwrap();
+        assert!(matches!(Cpu.reserve(&mut b, usize::MAX / 4), Err(KernelError::OutOfMemory { .. })));
+        assert_eq!(Cpu.len(&b), 4, "a refused reserve leaves the buffer as it was");
+        assert!(host_available_bytes().is_some_and(|b| b > 0), "MemAvailable is read on Linux");
+    }
 
     #[test]
     fn bf16_rounds_to_nearest_even_and_widens_exactly() {

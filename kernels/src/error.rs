@@ -33,6 +33,22 @@ pub enum KernelError {
         /// Which buffer, its type, and what the operation takes.
         detail: String,
     },
+    /// An allocation failed for want of memory: a resource error (the same job may succeed
+    /// when memory is free), not the model's fault nor a bug.
+    #[error(
+        "out of memory: needs {} more on {device} ({}); retry when memory is free, or give fewer \
+         tokens, more ranks, or --kv-dtype bf16",
+        gib(*requested),
+        free.map_or("free memory unknown".to_string(), |f| format!("{} free", gib(f)))
+    )]
+    OutOfMemory {
+        /// `cuda:N` or `cpu`.
+        device: String,
+        /// Bytes the failed allocation asked for.
+        requested: usize,
+        /// Bytes free on the device when it failed, when known.
+        free: Option<usize>,
+    },
     /// A backend (e.g. CUDA) is not available or failed.
     #[error("backend {backend}: {detail}")]
     Backend {
@@ -41,6 +57,16 @@ pub enum KernelError {
         /// What failed.
         detail: String,
     },
+}
+
+/// `bytes` in GiB for messages (`1.50 GiB`; `0.01 GiB` and below as MiB).
+pub fn gib(bytes: usize) -> String {
+    let g = bytes as f64 / (1u64 << 30) as f64;
+    if g >= 0.01 {
+        format!("{g:.2} GiB")
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
 }
 
 /// Result alias of this crate.

@@ -48,6 +48,8 @@ pub fn code(class: ErrorClass) -> i32 {
         ErrorClass::Deadline => 5,
         ErrorClass::Cancelled => 6,
         ErrorClass::Internal => 70,
+        // sysexits' EX_TEMPFAIL: a temporary failure, the caller may retry.
+        ErrorClass::Resource => 75,
     }
 }
 
@@ -60,6 +62,7 @@ pub fn http(class: ErrorClass) -> (u16, &'static str) {
         ErrorClass::Deadline => (504, "deadline"),
         ErrorClass::Cancelled => (499, "cancelled"),
         ErrorClass::Internal => (500, "internal"),
+        ErrorClass::Resource => (503, "resource"),
     }
 }
 
@@ -76,6 +79,7 @@ pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
                 // A device that cannot be used (no driver, no GPU) is the machine's configuration.
                 c.downcast_ref::<flowprefill_kernels::KernelError>().map(|e| match e {
                     flowprefill_kernels::KernelError::Shape { .. } => ErrorClass::Internal,
+                    flowprefill_kernels::KernelError::OutOfMemory { .. } => ErrorClass::Resource,
                     _ => ErrorClass::Model,
                 })
             })
@@ -101,6 +105,7 @@ mod tests {
             ErrorClass::Deadline,
             ErrorClass::Cancelled,
             ErrorClass::Internal,
+            ErrorClass::Resource,
         ];
         let codes: std::collections::BTreeSet<i32> = all.iter().map(|&c| code(c)).collect();
         assert_eq!(codes.len(), all.len());

@@ -389,3 +389,26 @@ fn a_hung_mpi_rank_gives_503_and_a_clean_exit() {
     let status = exit_within(&mut child, Duration::from_secs(60));
     assert!(!status.success(), "an unrecoverable rank failure ends the job with an error status");
 }
+
+/// Out of memory on a rank mid-job (injected: the GPU's memory taken by another tenant) is a
+/// resource error: 503 with Retry-After and kind `resource`, counted per device; the ranks
+/// stay up and the next job succeeds.
+#[test]
+fn out_of_memory_on_a_rank_gives_503_with_retry_after_and_the_next_job_runs() {
+    let s = Server::start(&["--ranks", "2"], &[("FLOWPREFILL_FAULT", "rank:1,phase:recompute,mode:oom")]);
+    let d = docs(3, 6);
+    let r = s.post("/v1/jobs", &job(&d));
+    assert_eq!(r.status, 503, "{}", r.text());
+    let v = json(&r);
+    assert_eq!(v["error"]["kind"], "resource", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("needs 1.00 GiB more on injected (0.0 MiB free)") && msg.contains("retry"), "{msg}");
+    let retry: u64 = r.header("retry-after").and_then(|h| h.parse().ok()).expect("a Retry-After header");
+    assert!(retry >= 1, "{retry}");
+    let r = s.post("/v1/jobs", &job(&d));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let m = s.metrics();
+    assert!(m.contains("flowprefill_out_of_memory_total{device=\"injected\"} 1"), "{m}");
+    assert!(m.contains("flowprefill_errors_total{kind=\"resource\"} 1"), "{m}");
+    assert_eq!(s.req("GET", "/readyz", &[], b"").status, 200);
+}

@@ -2,6 +2,7 @@
 //! tiny random-weight GGUF models for pure math checks, comparisons with named tolerances.
 
 pub mod counting;
+pub mod limited;
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};

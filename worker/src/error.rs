@@ -270,6 +270,7 @@ impl WorkerError {
             ) => ErrorClass::Internal,
             WorkerError::Comm(_) | WorkerError::Protocol { .. } => ErrorClass::Peer,
             WorkerError::Kernel(KernelError::Backend { .. } | KernelError::HeadLayout { .. }) => ErrorClass::Model,
+            WorkerError::Kernel(KernelError::OutOfMemory { .. }) => ErrorClass::Resource,
             WorkerError::Kernel(KernelError::Shape { .. } | KernelError::Dtype { .. }) | WorkerError::Internal(_) => {
                 ErrorClass::Internal
             }

@@ -40,7 +40,7 @@ impl<B: Backend> Engine<B> {
         let local_ids = shard::local_chunks(owners, rank);
 
         // Phase 1: this rank's chunk caches (no communication: look for aborts between layers).
-        self.fault_point(rank, phase::CHUNK_PREFILL);
+        self.fault_point(rank, phase::CHUNK_PREFILL)?;
         let watch = &turn.watch;
         let mut check = || {
             watch.check(phase::CHUNK_PREFILL)?;
@@ -134,7 +134,7 @@ impl<B: Backend> Engine<B> {
                 comm: &mut *comm,
                 watch: &turn.watch,
             };
-            self.fault_point(rank, phase::PROBE);
+            self.fault_point(rank, phase::PROBE)?;
             let scores = turn.phases.time(phase::PROBE, || selector.score(&mut ctx))?;
             let starts = ctx.local_global_starts();
             if opts.keep_scores {
@@ -207,7 +207,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         turn.mine.selected = targets.len();
-        self.fault_point(rank, phase::RECOMPUTE);
+        self.fault_point(rank, phase::RECOMPUTE)?;
         if !all_positions.is_empty() {
             let watch = &turn.watch;
             let mut check = || watch.check(phase::RECOMPUTE);

@@ -10,7 +10,6 @@ use flowprefill_worker::generate::{decode_with, StopReason};
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::model::Logits;
 use flowprefill_worker::steps::{LocalSegment, Replicated};
-use std::time::Instant;
 
 impl<B: Backend> Engine<B> {
     /// Runs the prompt over `segs`, then decodes (see [`Engine::decode_with_tail`]).
@@ -25,7 +24,7 @@ impl<B: Backend> Engine<B> {
         let model = &self.lm.model;
         let be = model.backend();
         let mut tail = self.empty_tail()?;
-        self.fault_point(comm.rank(), phase::FINAL_PROMPT);
+        self.fault_point(comm.rank(), phase::FINAL_PROMPT)?;
         let watch = &turn.watch;
         let logits = turn.phases.time(phase::FINAL_PROMPT, || -> Result<Vec<f32>> {
             let local = segs.clone();
@@ -73,33 +72,36 @@ impl<B: Backend> Engine<B> {
                 let first = turn.phases.time(phase::FIRST_TOKEN, || sampler.sample(&logits));
                 turn.result.ttft = turn.t0.elapsed();
                 turn.result.first_logits = logits;
-                self.fault_point(0, phase::DECODE);
-                let t = Instant::now();
-                let mut lead_step = |tok: u32, pos: u32| -> flowprefill_worker::Result<Vec<f32>> {
-                    broadcast_value(comm, "decode.token", 0, Some(&Some((tok, pos))))?;
-                    step(comm, tok, pos)
-                };
-                let out = decode_with(
-                    &self.lm.tokenizer,
-                    first,
-                    sampler,
-                    turn.opts.max_new_tokens,
-                    window,
-                    next_pos,
-                    &mut lead_step,
-                    *on_text,
-                )?;
-                broadcast_value::<Option<(u32, u32)>>(comm, "decode.token", 0, Some(&None))?;
-                turn.phases.add(phase::DECODE, t.elapsed());
+                self.fault_point(0, phase::DECODE)?;
+                let max = turn.opts.max_new_tokens;
+                let out = turn.phases.time(phase::DECODE, || -> Result<_> {
+                    let mut lead_step = |tok: u32, pos: u32| -> flowprefill_worker::Result<Vec<f32>> {
+                        broadcast_value(comm, "decode.token", 0, Some(&Some((tok, pos))))?;
+                        step(comm, tok, pos)
+                    };
+                    let out = decode_with(
+                        &self.lm.tokenizer,
+                        first,
+                        sampler,
+                        max,
+                        window,
+                        next_pos,
+                        &mut lead_step,
+                        *on_text,
+                    )?;
+                    broadcast_value::<Option<(u32, u32)>>(comm, "decode.token", 0, Some(&None))?;
+                    Ok(out)
+                })?;
                 Ok(Some(out))
             }
             Role::Follow => {
-                let t = Instant::now();
-                self.fault_point(comm.rank(), phase::DECODE);
-                while let Some((tok, pos)) = broadcast_value::<Option<(u32, u32)>>(comm, "decode.token", 0, None)? {
-                    step(comm, tok, pos)?;
-                }
-                turn.phases.add(phase::DECODE, t.elapsed());
+                self.fault_point(comm.rank(), phase::DECODE)?;
+                turn.phases.time(phase::DECODE, || -> Result<()> {
+                    while let Some((tok, pos)) = broadcast_value::<Option<(u32, u32)>>(comm, "decode.token", 0, None)? {
+                        step(comm, tok, pos)?;
+                    }
+                    Ok(())
+                })?;
                 Ok(None)
             }
         }

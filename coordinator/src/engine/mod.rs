@@ -276,9 +276,10 @@ impl<B: Backend> Engine<B> {
     }
 
     /// A planned fault, if this rank has one at `phase`.
-    fn fault_point(&self, rank: usize, phase: &str) {
-        if let Some(f) = &self.faults {
-            f.point(rank, phase);
+    fn fault_point(&self, rank: usize, phase: &str) -> Result<()> {
+        match &self.faults {
+            Some(f) => Ok(f.point(rank, phase)?),
+            None => Ok(()),
         }
     }
 
@@ -523,7 +524,7 @@ impl<B: Backend> Engine<B> {
         let tokens = layout.full_tokens(&turn.result.order);
         let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
         cache.reserve(model.backend(), tokens.len() + turn.opts.max_new_tokens)?;
-        self.fault_point(0, phase::PREFILL);
+        self.fault_point(0, phase::PREFILL)?;
         let watch = &turn.watch;
         let mut check = || watch.check(phase::PREFILL);
         let logits = turn.phases.time(phase::PREFILL, || {
@@ -533,12 +534,12 @@ impl<B: Backend> Engine<B> {
         turn.result.ttft = turn.t0.elapsed();
         turn.result.first_logits = logits;
         turn.result.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
-        let t = Instant::now();
         let mut check = || watch.check(phase::DECODE);
         let max = turn.opts.max_new_tokens;
-        let out = decode(model, &self.lm.tokenizer, &mut cache, first, sampler, max, *on_text, &mut check)?;
-        turn.phases.add(phase::DECODE, t.elapsed());
-        Ok(out)
+        let tokenizer = &self.lm.tokenizer;
+        turn.phases
+            .time(phase::DECODE, || decode(model, tokenizer, &mut cache, first, sampler, max, *on_text, &mut check))
+            .map_err(Into::into)
     }
 
     /// Method `ring`: exact ring prefill of the whole sequence, then sharded decoding.
@@ -549,7 +550,7 @@ impl<B: Backend> Engine<B> {
         turn: &mut Turn<'_>,
     ) -> Result<Option<(Vec<u32>, StopReason)>> {
         let tokens = layout.full_tokens(&turn.result.order);
-        self.fault_point(comm.rank(), phase::PREFILL);
+        self.fault_point(comm.rank(), phase::PREFILL)?;
         let watch = &turn.watch;
         let mut check = || watch.check(phase::PREFILL);
         let out = turn.phases.time(phase::PREFILL, || ring_prefill(&self.lm.model, comm, &tokens, &mut check))?;

@@ -255,16 +255,29 @@ impl CudaBackend {
         // of it first (`rope_copy`, `duplicate`), which check the lengths they write.
         unsafe {
             Ok(match dtype {
-                DType::F32 => DevData::F32(self.stream.alloc::<f32>(len.max(1)).map_err(|e| err("alloc", e))?),
-                DType::Bf16 => DevData::Bf16(self.stream.alloc::<u16>(len.max(1)).map_err(|e| err("alloc", e))?),
+                DType::F32 => {
+                    DevData::F32(self.stream.alloc::<f32>(len.max(1)).map_err(|e| self.oom("alloc", len, 4, e))?)
+                }
+                DType::Bf16 => {
+                    DevData::Bf16(self.stream.alloc::<u16>(len.max(1)).map_err(|e| self.oom("alloc", len, 2, e))?)
+                }
             })
         }
     }
 
+    /// [`buffers::alloc_err`] for `len` elements of `size` bytes on this backend's stream.
+    fn oom(&self, op: &str, len: usize, size: usize, e: cudarc::driver::DriverError) -> KernelError {
+        buffers::alloc_err(&self.stream, op, len.max(1) * size, e)
+    }
+
     fn alloc(&self, len: usize, dtype: DType) -> Result<DevData> {
         Ok(match dtype {
-            DType::F32 => DevData::F32(self.stream.alloc_zeros::<f32>(len.max(1)).map_err(|e| err("alloc", e))?),
-            DType::Bf16 => DevData::Bf16(self.stream.alloc_zeros::<u16>(len.max(1)).map_err(|e| err("alloc", e))?),
+            DType::F32 => {
+                DevData::F32(self.stream.alloc_zeros::<f32>(len.max(1)).map_err(|e| self.oom("alloc", len, 4, e))?)
+            }
+            DType::Bf16 => {
+                DevData::Bf16(self.stream.alloc_zeros::<u16>(len.max(1)).map_err(|e| self.oom("alloc", len, 2, e))?)
+            }
         })
     }
 
@@ -414,7 +427,7 @@ impl Backend for CudaBackend {
         if host.is_empty() {
             return self.zeros(0);
         }
-        let data = self.stream.clone_htod(host).map_err(|e| err("upload", e))?;
+        let data = self.stream.clone_htod(host).map_err(|e| self.oom("upload", host.len(), 4, e))?;
         Ok(DeviceBuf { data: DevData::F32(data), len: host.len() })
     }
 
@@ -505,7 +518,11 @@ impl Backend for CudaBackend {
     fn matrix_typed(&self, rows: usize, cols: usize, data: HostBuf) -> Result<DeviceMat> {
         use rayon::prelude::*;
         check_len("matrix", "data", data.len(), rows * cols)?;
-        let up = |e| err("weights", e);
+        let size = match self.weights {
+            WeightType::F32 => 4,
+            WeightType::Bf16 => 2,
+        };
+        let up = |e| self.oom("weights", rows * cols, size, e);
         let data = match (self.weights, data) {
             (WeightType::F32, HostBuf::F32(v)) => MatData::F32(self.stream.clone_htod(&v).map_err(up)?),
             (WeightType::F32, b @ HostBuf::Bf16(_)) => MatData::F32(self.stream.clone_htod(&b.to_f32()).map_err(up)?),
@@ -788,8 +805,10 @@ impl Backend for CudaBackend {
             return self.zeros_as(0, host.dtype());
         }
         let data = match host {
-            HostBuf::F32(v) => DevData::F32(self.stream.clone_htod(v).map_err(|e| err("upload", e))?),
-            HostBuf::Bf16(v) => DevData::Bf16(self.stream.clone_htod(v).map_err(|e| err("upload", e))?),
+            HostBuf::F32(v) => DevData::F32(self.stream.clone_htod(v).map_err(|e| self.oom("upload", v.len(), 4, e))?),
+            HostBuf::Bf16(v) => {
+                DevData::Bf16(self.stream.clone_htod(v).map_err(|e| self.oom("upload", v.len(), 2, e))?)
+            }
         };
         Ok(DeviceBuf { data, len: host.len() })
     }

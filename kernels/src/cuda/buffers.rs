@@ -126,10 +126,31 @@ impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Scratch<T>
         let mut g = self.buf.lock().unwrap_or_else(|p| p.into_inner());
         if g.as_ref().is_none_or(|s| s.len() < len) {
             *g = None; // free the smaller one first
-            *g = Some(stream.alloc_zeros::<T>(len.max(1)).map_err(|e| err("scratch alloc", e))?);
+            let bytes = len.max(1) * std::mem::size_of::<T>();
+            *g = Some(stream.alloc_zeros::<T>(len.max(1)).map_err(|e| alloc_err(stream, "scratch alloc", bytes, e))?);
         }
         Ok(g)
     }
+}
+
+/// The error of a failed allocation of `bytes` on `stream`'s device (or of an upload that
+/// allocates): [`crate::KernelError::OutOfMemory`] with the device's free memory when the
+/// driver is out of memory, else a backend error naming `op`.
+pub(crate) fn alloc_err(
+    stream: &CudaStream,
+    op: &str,
+    bytes: usize,
+    e: cudarc::driver::DriverError,
+) -> crate::KernelError {
+    if e.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+        let ctx = stream.context();
+        return crate::KernelError::OutOfMemory {
+            device: format!("cuda:{}", ctx.ordinal()),
+            requested: bytes,
+            free: ctx.mem_get_info().ok().map(|(free, _)| free),
+        };
+    }
+    err(op, e)
 }
 
 /// Control data (positions, key metadata, row indices) uploaded once per distinct content:
@@ -164,9 +185,9 @@ impl ControlCache {
             return Ok(dev);
         }
         let dev = Arc::new(if v.is_empty() {
-            stream.alloc_zeros::<u32>(1).map_err(|e| err("upload", e))?
+            stream.alloc_zeros::<u32>(1).map_err(|e| alloc_err(stream, "upload", 4, e))?
         } else {
-            stream.clone_htod(v).map_err(|e| err("upload", e))?
+            stream.clone_htod(v).map_err(|e| alloc_err(stream, "upload", 4 * v.len(), e))?
         });
         let bytes = |e: &[ControlEntry]| e.iter().map(|(h, _)| 4 * h.len()).sum::<usize>();
         if 4 * v.len() <= Self::BYTES {

@@ -20,6 +20,8 @@ pub const PHASE_SECONDS: &str = "flowprefill_phase_duration_seconds";
 /// Microseconds of model work per op family (matmul, attention, norm_rope, other) and rank:
 /// device time from CUDA events on a GPU, wall time on the CPU.
 pub const OP_MICROS: &str = "flowprefill_op_microseconds_total";
+/// Jobs that ran out of memory, by device (`cuda:N`, `cpu`).
+pub const OUT_OF_MEMORY: &str = "flowprefill_out_of_memory_total";
 /// Slowest minus fastest rank per phase, by phase.
 pub const STRAGGLER_GAP_SECONDS: &str = "flowprefill_straggler_gap_seconds";
 /// Payload bytes sent per collective, transport (`host` or the device plane, `nccl`) and rank.
@@ -96,6 +98,7 @@ fn describe() {
         Unit::Microseconds,
         "Model work per op family (matmul, attention, norm_rope, other) and rank; device time on a GPU"
     );
+    describe_counter!(OUT_OF_MEMORY, Unit::Count, "Jobs that ran out of memory, by device");
     describe_counter!(SELECTED_TOKENS, Unit::Count, "Tokens recomputed per rank");
     describe_counter!(CONTEXT_TOKENS, Unit::Count, "Context tokens processed");
     describe_histogram!(RECOMPUTE_RATIO, Unit::Count, "Recomputed fraction of the context per job");
@@ -114,6 +117,11 @@ fn describe() {
 /// Counts `kind` errors.
 pub fn error(kind: &'static str) {
     counter!(ERRORS_TOTAL, "kind" => kind).increment(1);
+}
+
+/// Counts a job that ran out of memory on `device`.
+pub fn out_of_memory(device: &str) {
+    counter!(OUT_OF_MEMORY, "device" => device.to_string()).increment(1);
 }
 
 /// Counts a finished job.

@@ -454,7 +454,12 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
             let _ = q.events.send(Event::Done(Box::new(r)));
         }
         Err(e) => {
-            let err = ApiError::from_coord(&e);
+            let mut err = ApiError::from_coord(&e);
+            if let Some(device) = e.out_of_memory_device() {
+                // Not the request's fault: the same job may fit once memory is free.
+                err.retry_after = Some(shared.retry_after());
+                metrics::out_of_memory(&device);
+            }
             metrics::job_outcome(&method, err.outcome());
             if err.kind == "cancelled" {
                 metrics::error("cancelled");

@@ -1,0 +1,270 @@
+//! A CPU backend with a memory ledger that can be told to refuse allocations: past a byte
+//! limit, or every allocation inside one engine phase (`coordinator::timings::current_phase`).
+//! A refusal is the backend's out-of-memory error ([`KernelError::OutOfMemory`]), as a GPU's
+//! allocator gives it. Buffers give their bytes back when dropped, so a test can check that a
+//! failed job released everything it held.
+
+use flowprefill_kernels::attention::AttnShape;
+use flowprefill_kernels::matmul::Matrix;
+use flowprefill_kernels::rope::RopeTable;
+use flowprefill_kernels::{Backend, Cpu, DType, HostBuf, KernelError, Result};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Bytes in use and the refusal policy.
+#[derive(Debug)]
+pub struct Ledger {
+    in_use: AtomicUsize,
+    peak: AtomicUsize,
+    limit: AtomicUsize,
+    fail_in: Mutex<Option<&'static str>>,
+    refused: AtomicUsize,
+}
+
+impl Ledger {
+    /// Bytes held by live buffers and weight matrices.
+    pub fn in_use(&self) -> usize {
+        self.in_use.load(Ordering::SeqCst)
+    }
+
+    /// The most bytes in use at once since the last [`Ledger::reset_peak`].
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::SeqCst)
+    }
+
+    /// Restarts [`Ledger::peak`] from the bytes in use now.
+    pub fn reset_peak(&self) {
+        self.peak.store(self.in_use(), Ordering::SeqCst);
+    }
+
+    /// Allocations refused so far.
+    pub fn refused(&self) -> usize {
+        self.refused.load(Ordering::SeqCst)
+    }
+
+    /// Refuses an allocation that would take the bytes in use past `limit` (`usize::MAX`: no
+    /// limit).
+    pub fn set_limit(&self, limit: usize) {
+        self.limit.store(limit, Ordering::SeqCst);
+    }
+
+    /// Refuses every allocation made inside engine phase `phase` (`None`: none).
+    pub fn fail_in(&self, phase: Option<&'static str>) {
+        *self.fail_in.lock().unwrap_or_else(|e| e.into_inner()) = phase;
+    }
+
+    fn charge(&self, bytes: usize) -> Result<()> {
+        let phase = flowprefill_coordinator::timings::current_phase();
+        let armed = *self.fail_in.lock().unwrap_or_else(|e| e.into_inner());
+        let limit = self.limit.load(Ordering::SeqCst);
+        let used = self.in_use.load(Ordering::SeqCst);
+        if (armed.is_some() && armed == phase) || used.saturating_add(bytes) > limit {
+            self.refused.fetch_add(1, Ordering::SeqCst);
+            return Err(KernelError::OutOfMemory {
+                device: "limited".into(),
+                requested: bytes,
+                free: Some(limit.saturating_sub(used)),
+            });
+        }
+        let now = self.in_use.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        self.peak.fetch_max(now, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn release(&self, bytes: usize) {
+        self.in_use.fetch_sub(bytes, Ordering::SeqCst);
+    }
+}
+
+/// A buffer of [`Limited`]: the CPU buffer and the bytes it is charged for.
+pub struct Tracked {
+    buf: HostBuf,
+    charged: usize,
+    ledger: Arc<Ledger>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.ledger.release(self.charged);
+    }
+}
+
+/// The CPU backend behind a [`Ledger`].
+pub struct Limited {
+    cpu: Cpu,
+    ledger: Arc<Ledger>,
+}
+
+impl Default for Limited {
+    fn default() -> Self {
+        let ledger = Ledger {
+            in_use: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+            limit: AtomicUsize::new(usize::MAX),
+            fail_in: Mutex::new(None),
+            refused: AtomicUsize::new(0),
+        };
+        Self { cpu: Cpu, ledger: Arc::new(ledger) }
+    }
+}
+
+impl Limited {
+    /// The ledger (shared with every buffer).
+    pub fn ledger(&self) -> &Arc<Ledger> {
+        &self.ledger
+    }
+
+    /// A charged buffer of `buf`, or the refusal.
+    fn track(&self, buf: HostBuf) -> Result<Tracked> {
+        let bytes = buf.len() * buf.dtype().size();
+        self.ledger.charge(bytes)?;
+        Ok(Tracked { buf, charged: bytes, ledger: self.ledger.clone() })
+    }
+
+    /// Charges `t` for `elems` elements if it is charged for fewer.
+    fn grow(&self, t: &mut Tracked, elems: usize) -> Result<()> {
+        let need = elems * t.buf.dtype().size();
+        if need > t.charged {
+            self.ledger.charge(need - t.charged)?;
+            t.charged = need;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for Limited {
+    type Buf = Tracked;
+    type Mat = Matrix;
+    type Mark = Instant;
+
+    fn name(&self) -> &'static str {
+        "limited-cpu"
+    }
+    fn upload(&self, host: &[f32]) -> Result<Tracked> {
+        self.ledger.charge(host.len() * 4)?;
+        Ok(Tracked { buf: HostBuf::F32(host.to_vec()), charged: host.len() * 4, ledger: self.ledger.clone() })
+    }
+    fn download(&self, buf: &Tracked) -> Result<Vec<f32>> {
+        self.cpu.download(&buf.buf)
+    }
+    fn download_range(&self, buf: &Tracked, start: usize, len: usize) -> Result<Vec<f32>> {
+        self.cpu.download_range(&buf.buf, start, len)
+    }
+    fn zeros_as(&self, len: usize, dtype: DType) -> Result<Tracked> {
+        self.ledger.charge(len * dtype.size())?;
+        let buf = self.cpu.zeros_as(len, dtype);
+        let buf = buf.inspect_err(|_| self.ledger.release(len * dtype.size()))?;
+        Ok(Tracked { buf, charged: len * dtype.size(), ledger: self.ledger.clone() })
+    }
+    fn dtype(&self, buf: &Tracked) -> DType {
+        buf.buf.dtype()
+    }
+    fn kv_dtype(&self) -> DType {
+        self.cpu.kv_dtype()
+    }
+    fn len(&self, buf: &Tracked) -> usize {
+        buf.buf.len()
+    }
+    fn resize(&self, buf: &mut Tracked, len: usize) -> Result<()> {
+        self.grow(buf, len)?;
+        self.cpu.resize(&mut buf.buf, len)
+    }
+    fn reserve(&self, buf: &mut Tracked, capacity: usize) -> Result<()> {
+        self.grow(buf, capacity)?;
+        self.cpu.reserve(&mut buf.buf, capacity)
+    }
+    fn matrix(&self, m: Matrix) -> Result<Matrix> {
+        // Weights are charged for the model's lifetime (never given back).
+        self.ledger.charge(m.rows() * m.cols() * 4)?;
+        Ok(m)
+    }
+    fn mat_shape(&self, m: &Matrix) -> (usize, usize) {
+        (m.rows(), m.cols())
+    }
+    fn embedding(&self, table: &Matrix, ids: &[u32], out: &mut Tracked) -> Result<()> {
+        self.cpu.embedding(table, ids, &mut out.buf)
+    }
+    fn matmul_t(&self, x: &Tracked, rows: usize, w: &Matrix, out: &mut Tracked) -> Result<()> {
+        self.cpu.matmul_t(&x.buf, rows, w, &mut out.buf)
+    }
+    fn add_bias(&self, x: &mut Tracked, bias: &Tracked) -> Result<()> {
+        self.cpu.add_bias(&mut x.buf, &bias.buf)
+    }
+    fn rms_norm(&self, x: &Tracked, w: &Tracked, eps: f32, out: &mut Tracked) -> Result<()> {
+        self.cpu.rms_norm(&x.buf, &w.buf, eps, &mut out.buf)
+    }
+    fn rope(&self, x: &mut Tracked, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
+        self.cpu.rope(&mut x.buf, n_heads, positions, table)
+    }
+    fn attention(
+        &self,
+        shape: &AttnShape,
+        q: &Tracked,
+        qpos: &[u32],
+        k: &Tracked,
+        v: &Tracked,
+        kpos: &[u32],
+        out: &mut Tracked,
+        lse: &mut Tracked,
+    ) -> Result<()> {
+        self.cpu.attention(shape, &q.buf, qpos, &k.buf, &v.buf, kpos, &mut out.buf, &mut lse.buf)
+    }
+    fn attention_scores(
+        &self,
+        shape: &AttnShape,
+        q: &Tracked,
+        qpos: &[u32],
+        k: &Tracked,
+        kpos: &[u32],
+        lse: &Tracked,
+        scores: &mut Tracked,
+    ) -> Result<()> {
+        self.cpu.attention_scores(shape, &q.buf, qpos, &k.buf, kpos, &lse.buf, &mut scores.buf)
+    }
+    fn merge_partial(
+        &self,
+        out: &mut Tracked,
+        lse: &mut Tracked,
+        block_out: &Tracked,
+        block_lse: &Tracked,
+        head_dim: usize,
+    ) -> Result<()> {
+        self.cpu.merge_partial(&mut out.buf, &mut lse.buf, &block_out.buf, &block_lse.buf, head_dim)
+    }
+    fn silu_mul(&self, gate_up: &Tracked, ffn: usize, out: &mut Tracked) -> Result<()> {
+        self.cpu.silu_mul(&gate_up.buf, ffn, &mut out.buf)
+    }
+    fn add_assign(&self, x: &mut Tracked, y: &Tracked) -> Result<()> {
+        self.cpu.add_assign(&mut x.buf, &y.buf)
+    }
+    fn copy_columns(&self, src: &Tracked, src_cols: usize, col: usize, width: usize, dst: &mut Tracked) -> Result<()> {
+        self.cpu.copy_columns(&src.buf, src_cols, col, width, &mut dst.buf)
+    }
+    fn copy_rows(
+        &self,
+        src: &Tracked,
+        src_rows: &[usize],
+        dst: &mut Tracked,
+        dst_rows: &[usize],
+        row_len: usize,
+    ) -> Result<()> {
+        self.cpu.copy_rows(&src.buf, src_rows, &mut dst.buf, dst_rows, row_len)
+    }
+    fn append(&self, dst: &mut Tracked, src: &Tracked) -> Result<()> {
+        self.grow(dst, dst.buf.len() + src.buf.len())?;
+        self.cpu.append(&mut dst.buf, &src.buf)
+    }
+    fn download_typed(&self, buf: &Tracked) -> Result<HostBuf> {
+        self.cpu.download_typed(&buf.buf)
+    }
+    fn upload_typed(&self, host: &HostBuf) -> Result<Tracked> {
+        self.track(host.clone())
+    }
+    fn mark(&self) -> Result<Instant> {
+        self.cpu.mark()
+    }
+    fn seconds_between(&self, start: &Instant, end: &Instant) -> Result<f64> {
+        self.cpu.seconds_between(start, end)
+    }
+}

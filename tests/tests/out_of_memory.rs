@@ -1,0 +1,89 @@
+//! Running out of memory is a resource error (`ErrorClass::Resource`: HTTP 503 with
+//! Retry-After, exit code 75), in every phase of a job, on any rank: the message says how much
+//! more was needed on which device and what is free, every buffer of the failed job is given
+//! back, and the next job on the same ranks succeeds with the same answer. The backend is the
+//! CPU behind a ledger told to refuse allocations (`flowprefill_tests::limited`), on the real
+//! model.
+
+use flowprefill_coordinator::timings::phase;
+use flowprefill_coordinator::{ErrorClass, Job, Method, RunOptions, ThreadRanks};
+use flowprefill_tests::counting::needle_request;
+use flowprefill_tests::limited::Limited;
+use flowprefill_worker::LoadedModel;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn check_refusal(what: &str, e: &dyn std::fmt::Display, class: ErrorClass) {
+    let msg = e.to_string();
+    assert_eq!(class, ErrorClass::Resource, "{what}: {msg}");
+    assert!(msg.contains("out of memory: needs") && msg.contains("more on limited"), "{what}: {msg}");
+    assert!(msg.contains("free") && msg.contains("fewer tokens, more ranks"), "{what}: {msg}");
+}
+
+#[test]
+fn loading_past_the_memory_is_a_resource_error() {
+    let be = Limited::default();
+    be.ledger().set_limit(8 << 20);
+    let e = LoadedModel::load(&flowprefill_tests::default_model_path(), be).err().expect("the weights do not fit");
+    check_refusal("load", &e, e.class());
+}
+
+#[test]
+fn out_of_memory_in_any_phase_fails_the_job_releases_its_memory_and_the_next_job_runs() {
+    let lm = Arc::new(LoadedModel::load(&flowprefill_tests::default_model_path(), Limited::default()).unwrap());
+    let ledger = lm.model.backend().ledger().clone();
+    let weights = ledger.in_use();
+    let cases: [(Method, usize, &[&'static str]); 2] = [
+        (Method::Full, 1, &[phase::PREFILL, phase::DECODE]),
+        (
+            Method::Infoflow,
+            2,
+            &[
+                phase::CHUNK_PREFILL,
+                phase::ASSEMBLE,
+                phase::PROBE,
+                phase::RECOMPUTE,
+                phase::FINAL_PROMPT,
+                phase::DECODE,
+            ],
+        ),
+    ];
+    for (method, ranks, phases) in cases {
+        let job = Job {
+            request: needle_request(),
+            options: RunOptions { method, max_new_tokens: 4, ..RunOptions::default() },
+        };
+        // A store of no bytes keeps only its newest chunk: every job prefills chunks again.
+        let mut world = ThreadRanks::new(lm.clone(), ranks, 0, Duration::from_secs(300)).unwrap();
+        let first = world.run(&job, &mut |_| true).unwrap();
+        let held = ledger.in_use();
+        eprintln!("{method:?} on {ranks}: weights {weights} B, after a job {held} B");
+        for &p in phases {
+            let what = format!("{method:?} on {ranks} ranks, refused in {p}");
+            let refused = ledger.refused();
+            ledger.fail_in(Some(p));
+            let e = world.run(&job, &mut |_| true).err().unwrap_or_else(|| panic!("{what}: the job succeeded"));
+            ledger.fail_in(None);
+            assert!(ledger.refused() > refused, "{what}: nothing was refused");
+            check_refusal(&what, &e, e.class());
+            // The failing rank answers first; the others drop their buffers as they unwind.
+            let t = std::time::Instant::now();
+            while ledger.in_use() > held && t.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            assert!(ledger.in_use() <= held, "{what}: {} B held after the failure, {held} B before", ledger.in_use());
+            let again = world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{what}: the next job failed: {e}"));
+            assert_eq!(again.answer, first.answer, "{what}: the next job's answer");
+            assert_eq!(ledger.in_use(), held, "{what}: bytes held after the next job");
+        }
+        // A byte limit just above what the ranks hold between jobs: the next job cannot start
+        // its first forward; lifted, it runs.
+        ledger.set_limit(held + (64 << 10));
+        let e = world.run(&job, &mut |_| true).expect_err("a job does not fit in 64 KiB");
+        check_refusal(&format!("{method:?}: limit"), &e, e.class());
+        ledger.set_limit(usize::MAX);
+        assert!(ledger.in_use() <= held);
+        assert_eq!(world.run(&job, &mut |_| true).unwrap().answer, first.answer);
+        assert_eq!(ledger.in_use(), held);
+    }
+}
