@@ -8,7 +8,7 @@
 use flowprefill_coordinator::timings::phase;
 use flowprefill_coordinator::{ErrorClass, Job, Method, RunOptions, ThreadRanks};
 use flowprefill_tests::counting::needle_request;
-use flowprefill_tests::limited::Limited;
+use flowprefill_tests::limited::{Ledger, Limited};
 use flowprefill_worker::LoadedModel;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,6 +18,15 @@ fn check_refusal(what: &str, e: &dyn std::fmt::Display, class: ErrorClass) {
     assert_eq!(class, ErrorClass::Resource, "{what}: {msg}");
     assert!(msg.contains("out of memory: needs") && msg.contains("more on limited"), "{what}: {msg}");
     assert!(msg.contains("free") && msg.contains("fewer tokens, more ranks"), "{what}: {msg}");
+}
+
+/// Waits (up to 20 s) until the ledger holds at most `held` bytes: the rank that failed answers
+/// first, the others drop their buffers as they unwind.
+fn settle(ledger: &Ledger, held: usize) {
+    let t = std::time::Instant::now();
+    while ledger.in_use() > held && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
@@ -56,6 +65,8 @@ fn out_of_memory_in_any_phase_fails_the_job_releases_its_memory_and_the_next_job
         // A store of no bytes keeps only its newest chunk: every job prefills chunks again.
         let mut world = ThreadRanks::new(lm.clone(), ranks, 0, Duration::from_secs(300)).unwrap();
         let first = world.run(&job, &mut |_| true).unwrap();
+        // Every rank has dropped the job's buffers once the bytes stop changing.
+        std::thread::sleep(Duration::from_millis(500));
         let held = ledger.in_use();
         eprintln!("{method:?} on {ranks}: weights {weights} B, after a job {held} B");
         for &p in phases {
@@ -66,14 +77,11 @@ fn out_of_memory_in_any_phase_fails_the_job_releases_its_memory_and_the_next_job
             ledger.fail_in(None);
             assert!(ledger.refused() > refused, "{what}: nothing was refused");
             check_refusal(&what, &e, e.class());
-            // The failing rank answers first; the others drop their buffers as they unwind.
-            let t = std::time::Instant::now();
-            while ledger.in_use() > held && t.elapsed() < Duration::from_secs(20) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            settle(&ledger, held);
             assert!(ledger.in_use() <= held, "{what}: {} B held after the failure, {held} B before", ledger.in_use());
             let again = world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{what}: the next job failed: {e}"));
             assert_eq!(again.answer, first.answer, "{what}: the next job's answer");
+            settle(&ledger, held);
             assert_eq!(ledger.in_use(), held, "{what}: bytes held after the next job");
         }
         // A byte limit just above what the ranks hold between jobs: the next job cannot start
@@ -82,8 +90,14 @@ fn out_of_memory_in_any_phase_fails_the_job_releases_its_memory_and_the_next_job
         let e = world.run(&job, &mut |_| true).expect_err("a job does not fit in 64 KiB");
         check_refusal(&format!("{method:?}: limit"), &e, e.class());
         ledger.set_limit(usize::MAX);
-        assert!(ledger.in_use() <= held);
+        settle(&ledger, held);
+        assert!(
+            ledger.in_use() <= held,
+            "{method:?}: limit: {} B held after the failure, {held} B before",
+            ledger.in_use()
+        );
         assert_eq!(world.run(&job, &mut |_| true).unwrap().answer, first.answer);
+        settle(&ledger, held);
         assert_eq!(ledger.in_use(), held);
     }
 }
