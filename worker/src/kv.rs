@@ -190,7 +190,7 @@ impl<B: Backend> KvCache<B> {
         // values copied; no host round trip, no zero fill.
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            let k = if self.form == KeyForm::PreRope && !self.positions.is_empty() {
+            let k = if self.form == KeyForm::PreRope {
                 backend.rope_copy(&layer.k, n_kv_heads, positions, rope)?
             } else {
                 backend.duplicate(&layer.k)?

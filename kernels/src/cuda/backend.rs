@@ -47,10 +47,10 @@ use super::nvrtc;
 use crate::attention::AttnShape;
 use crate::backend::{from_bf16, to_bf16, Backend, DType, HostBuf};
 use crate::error::{check_len, KernelError, Result};
-use crate::gpu::ops::{self, RopeArgs};
+use crate::gpu::ops;
 use crate::gpu::{self, Call, Elem, Ptr};
 use crate::matmul::Matrix;
-use crate::rope::{RopeStyle, RopeTable};
+use crate::rope::RopeTable;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nvrtc::Ptx;
@@ -75,7 +75,7 @@ pub struct CudaBackend {
     weights: WeightType,
     kv: DType,
     /// Uploaded RoPE tables, by their content.
-    ropes: Mutex<HashMap<u64, Arc<DeviceRope>>>,
+    pub(super) ropes: Mutex<HashMap<u64, Arc<DeviceRope>>>,
     /// bf16 copy of the activations for bf16 GEMMs.
     pub(super) gemm_x: Scratch<u16>,
     /// bf16 copy of the queries for the tensor-core attention and scores.
@@ -216,33 +216,6 @@ impl CudaBackend {
         self.run(&call?)
     }
 
-    /// Runs `f` with the device side of `table` and the device copy of `positions` (their
-    /// stream-order guards held until `f` returns).
-    fn with_rope<R>(
-        &self,
-        table: &RopeTable,
-        positions: &[u32],
-        f: impl FnOnce(&RopeArgs, Ptr) -> Result<R>,
-    ) -> Result<R> {
-        let t = self.rope_table(table)?;
-        let pos = self.upload_u32(positions)?;
-        let s = &self.stream;
-        let (pp, _p) = pos.device_ptr(s);
-        let (cos, _c) = t.cos.device_ptr(s);
-        let (sin, _s) = t.sin.device_ptr(s);
-        let (inv, _i) = t.inv_freq.device_ptr(s);
-        let args = RopeArgs {
-            cos: Ptr::new(cos, Elem::F32),
-            sin: Ptr::new(sin, Elem::F32),
-            table_len: table.table_len() as u32,
-            inv_freq: Ptr::new(inv, Elem::F64),
-            head_dim: table.head_dim() as u32,
-            rot_dim: table.rot_dim() as u32,
-            interleaved: table.style() == RopeStyle::Interleaved,
-        };
-        f(&args, Ptr::new(pp, Elem::U32))
-    }
-
     /// The device copy of control data `v` (cached by content, see [`ControlCache`]).
     pub(super) fn upload_u32(&self, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
         self.control.get(&self.stream, v)
@@ -250,7 +223,7 @@ impl CudaBackend {
 
     /// `len` elements of `dtype` whose contents the caller overwrites entirely before any
     /// read (no zero fill).
-    fn alloc_for_overwrite(&self, len: usize, dtype: DType) -> Result<DevData> {
+    pub(super) fn alloc_for_overwrite(&self, len: usize, dtype: DType) -> Result<DevData> {
         // SAFETY: uninitialised device memory is only handed to ops that write every element
         // of it first (`rope_copy`, `duplicate`), which check the lengths they write.
         unsafe {
@@ -266,7 +239,7 @@ impl CudaBackend {
     }
 
     /// [`buffers::alloc_err`] for `len` elements of `size` bytes on this backend's stream.
-    fn oom(&self, op: &str, len: usize, size: usize, e: cudarc::driver::DriverError) -> KernelError {
+    pub(super) fn oom(&self, op: &str, len: usize, size: usize, e: cudarc::driver::DriverError) -> KernelError {
         buffers::alloc_err(&self.stream, op, len.max(1) * size, e)
     }
 
@@ -279,33 +252,6 @@ impl CudaBackend {
                 DevData::Bf16(self.stream.alloc_zeros::<u16>(len.max(1)).map_err(|e| self.oom("alloc", len, 2, e))?)
             }
         })
-    }
-
-    fn rope_table(&self, table: &RopeTable) -> Result<Arc<DeviceRope>> {
-        let (cos, sin) = table.tables();
-        let mut key = 0xcbf2_9ce4_8422_2325u64;
-        let parts = [table.head_dim() as u64, table.rot_dim() as u64, table.table_len() as u64, table.style() as u64];
-        for b in parts.into_iter().chain(table.inv_freq().iter().map(|f| f.to_bits())) {
-            key = (key ^ b).wrapping_mul(0x0100_0000_01b3);
-        }
-        let mut ropes = self.ropes.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(r) = ropes.get(&key) {
-            return Ok(r.clone());
-        }
-        let up = |v: &[f32]| -> Result<CudaSlice<f32>> {
-            if v.is_empty() {
-                self.stream.alloc_zeros::<f32>(1).map_err(|e| err("rope table", e))
-            } else {
-                self.stream.clone_htod(v).map_err(|e| err("rope table", e))
-            }
-        };
-        let r = Arc::new(DeviceRope {
-            cos: up(cos)?,
-            sin: up(sin)?,
-            inv_freq: self.stream.clone_htod(table.inv_freq()).map_err(|e| err("rope table", e))?,
-        });
-        ropes.insert(key, r.clone());
-        Ok(r)
     }
 
     /// The tensor-core self-check (`probe.cu`) on this GPU: `(d_nk, d_kn)` for bf16 `a`,
@@ -357,18 +303,7 @@ impl Backend for CudaBackend {
     }
 
     fn rope_copy(&self, src: &DeviceBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<DeviceBuf> {
-        let d = table.head_dim();
-        check_same("rope_copy", "src", src.len, positions.len() * n_heads * d)?;
-        if positions.is_empty() || table.rot_dim() == 0 {
-            return self.duplicate(src);
-        }
-        let mut dst = DeviceBuf { data: self.alloc_for_overwrite(src.len, src.dtype())?, len: src.len };
-        self.with_rope(table, positions, |args, pos| {
-            let (sp, _a) = src.ptr(&self.stream);
-            let (dp, _b) = dst.ptr_mut(&self.stream);
-            self.run_built(ops::rope_copy(sp, dp, positions.len() as u32, n_heads as u32, pos, args))
-        })?;
-        Ok(dst)
+        self.rope_copy_on_device(src, n_heads, positions, table)
     }
 
     fn split_qkv_rope(
@@ -382,27 +317,7 @@ impl Backend for CudaBackend {
         k: &mut DeviceBuf,
         v: &mut DeviceBuf,
     ) -> Result<()> {
-        let op = "split_qkv_rope";
-        let (d, rows) = (table.head_dim(), positions.len());
-        let (qd, kvd) = (heads.0 * d, heads.1 * d);
-        check_same(op, "qkv", qkv.len, rows * (qd + 2 * kvd))?;
-        check_same(op, "q", q.len, rows * qd)?;
-        for (what, b) in [("k_pre", &*k_pre), ("k", &*k), ("v", &*v)] {
-            check_same(op, what, b.len, rows * kvd)?;
-        }
-        if rows == 0 {
-            return Ok(());
-        }
-        self.with_rope(table, positions, |args, pos| {
-            let s = &self.stream;
-            let (qkvp, _a) = qkv.ptr(s);
-            let (qp, _b) = q.ptr_mut(s);
-            let (kpp, _d) = k_pre.ptr_mut(s);
-            let (kp, _e) = k.ptr_mut(s);
-            let (vp, _f) = v.ptr_mut(s);
-            let parts = ops::QkvParts { qkv: qkvp, q: qp, k_pre: kpp, k: kp, v: vp };
-            self.run_built(ops::split_qkv_rope(parts, rows as u32, heads.0 as u32, heads.1 as u32, pos, args))
-        })
+        self.split_qkv_rope_on_device(qkv, heads, positions, table, q, k_pre, k, v)
     }
 
     fn duplicate(&self, src: &DeviceBuf) -> Result<DeviceBuf> {
@@ -612,15 +527,7 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &mut DeviceBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
-        let d = table.head_dim();
-        check_same("rope", "x", x.len, positions.len() * n_heads * d)?;
-        if positions.is_empty() || table.rot_dim() == 0 {
-            return Ok(());
-        }
-        self.with_rope(table, positions, |args, pos| {
-            let (xp, _x) = x.ptr_mut(&self.stream);
-            self.run_built(ops::rope(xp, positions.len() as u32, n_heads as u32, pos, args))
-        })
+        self.rope_on_device(x, n_heads, positions, table)
     }
 
     fn attention(

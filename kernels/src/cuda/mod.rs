@@ -12,6 +12,7 @@ pub mod libs;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod nvrtc;
+mod rotary;
 
 pub use crate::backend::to_bf16;
 pub use backend::{CudaBackend, DeviceBuf, DeviceMat, Mark, WeightType};

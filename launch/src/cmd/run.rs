@@ -207,7 +207,7 @@ fn run_job(
         );
     }
     let lm = Arc::new(super::load_model(common)?);
-    // On a GPU the op profile records two events per group of ops: only when --stats reads it.
+    // On a GPU the op profile records an event per group of ops: only when --stats reads it.
     if common.device != flowprefill_kernels::DeviceSpec::Cpu && !args.stats {
         lm.model.profile().set_enabled(false);
     }
@@ -266,13 +266,12 @@ pub fn print_stats(r: &RunResult) {
         println!();
     }
     if r.rank_stats.iter().any(|s| !s.ops.is_empty()) {
-        let families: Vec<&str> =
-            r.rank_stats.iter().flat_map(|s| s.ops.iter().map(|(n, _)| n.as_str())).fold(Vec::new(), |mut v, n| {
-                if !v.contains(&n) {
-                    v.push(n);
-                }
-                v
-            });
+        // Every rank reports the same families (`OpTimes::families_ms`), in the same order.
+        let families: Vec<&str> = r
+            .rank_stats
+            .iter()
+            .find(|s| !s.ops.is_empty())
+            .map_or(Vec::new(), |s| s.ops.iter().map(|(n, _)| n.as_str()).collect());
         print!("{:>4}", "rank");
         for n in &families {
             print!(" {:>11}", n);
