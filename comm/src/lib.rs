@@ -156,6 +156,10 @@ pub enum ErrorClass {
     /// larger job than the memory allows): nothing is wrong with the request or the model; the
     /// same job may succeed later, or smaller, or over more ranks.
     Resource,
+    /// The job needs more memory than its ranks have free for it even with nothing else
+    /// running: refused before any work; the caller must make it smaller (fewer tokens, more
+    /// ranks, bf16 K/V).
+    TooLarge,
 }
 
 impl ErrorClass {
@@ -169,6 +173,7 @@ impl ErrorClass {
             ErrorClass::Cancelled => "cancelled",
             ErrorClass::Deadline => "deadline",
             ErrorClass::Resource => "resource",
+            ErrorClass::TooLarge => "too_large",
         }
     }
 }

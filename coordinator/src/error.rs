@@ -38,6 +38,9 @@ pub enum CoordError {
     /// The ranks cannot run jobs any more (a rank was lost earlier).
     #[error("the ranks are down: {0}")]
     WorldDown(String),
+    /// The job's memory plan does not fit in what its device has free (refused at admission).
+    #[error(transparent)]
+    DoesNotFit(Box<crate::memory::DoesNotFit>),
     /// An invariant of the coordinator does not hold: a bug.
     #[error("internal error: {0} (a bug in flowprefill; please report it)")]
     Internal(String),
@@ -64,6 +67,7 @@ impl CoordError {
             CoordError::Remote { class, .. } => *class,
             CoordError::Panicked { .. } | CoordError::Internal(_) => ErrorClass::Internal,
             CoordError::WorldDown(_) => ErrorClass::Peer,
+            CoordError::DoesNotFit(_) => ErrorClass::TooLarge,
         }
     }
 

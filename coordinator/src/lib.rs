@@ -10,6 +10,7 @@
 //! * [`engine`]: the phase pipeline on every rank, with the chunk store, TTFT and per-phase
 //!   timings and communication statistics;
 //! * [`explain`], [`tasks`]: selected spans in context; built-in question sets;
+//! * [`memory`]: the memory plan of a job, checked at admission against free memory;
 //! * [`project`]: the engine's work accounting turned into projected TTFT on other hardware.
 
 pub mod admit;
@@ -18,6 +19,7 @@ mod error;
 pub mod explain;
 pub mod fault;
 pub mod layout;
+pub mod memory;
 pub mod project;
 pub mod reorder;
 pub mod request;

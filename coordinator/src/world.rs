@@ -76,6 +76,7 @@ struct Parts<B: Backend> {
     plane: Option<PlaneSetup<B>>,
     ranks: usize,
     store_bytes: usize,
+    memory_limit: Option<usize>,
     timeout: Duration,
 }
 
@@ -83,13 +84,22 @@ impl<B: Backend> ThreadRanks<B> {
     /// Starts `ranks - 1` follower threads sharing `lm`.
     pub fn new(lm: Arc<LoadedModel<B>>, ranks: usize, store_bytes: usize, timeout: Duration) -> Result<Self> {
         let faults = FaultPlan::from_env();
-        Self::build(Parts { lms: vec![lm], aux: vec![], faults, plane: None, ranks, store_bytes, timeout })
+        Self::build(Parts {
+            lms: vec![lm],
+            aux: vec![],
+            faults,
+            plane: None,
+            ranks,
+            store_bytes,
+            memory_limit: None,
+            timeout,
+        })
     }
 
     /// A world of one rank per model (each on its own device): rank r runs `lms[r]`.
     pub fn per_rank(lms: Vec<Arc<LoadedModel<B>>>, store_bytes: usize, timeout: Duration) -> Result<Self> {
         let (ranks, faults) = (lms.len(), FaultPlan::from_env());
-        Self::build(Parts { lms, aux: vec![], faults, plane: None, ranks, store_bytes, timeout })
+        Self::build(Parts { lms, aux: vec![], faults, plane: None, ranks, store_bytes, memory_limit: None, timeout })
     }
 
     fn parts(&self) -> Parts<B> {
@@ -117,6 +127,14 @@ impl<B: Backend> ThreadRanks<B> {
         Self::build(parts)
     }
 
+    /// The same world planning every job within `bytes` of each rank's device (see
+    /// [`Engine::with_memory_limit`]).
+    pub fn with_memory_limit(self, bytes: Option<usize>) -> Result<Self> {
+        let parts = Parts { memory_limit: bytes, ..self.parts() };
+        drop(self);
+        Self::build(parts)
+    }
+
     /// The same world with a device plane on every rank, made by `setup` (also after a rebuild).
     pub fn with_plane(self, setup: PlaneSetup<B>) -> Result<Self> {
         let parts = Parts { plane: Some(setup), ..self.parts() };
@@ -130,6 +148,9 @@ impl<B: Backend> ThreadRanks<B> {
 
     fn engine(&self, rank: usize) -> Result<Engine<B>> {
         let e = Engine::new(self.model(rank)?.clone(), self.parts.store_bytes).with_faults(self.parts.faults.clone());
+        // One model for every rank: one device's memory holds every rank's job.
+        let e = if self.parts.lms.len() == 1 { e.with_memory_peers(self.parts.ranks) } else { e };
+        let e = e.with_memory_limit(self.parts.memory_limit);
         match self.parts.aux.len() {
             0 => Ok(e),
             n => e.with_aux(self.parts.aux[rank % n].clone()),

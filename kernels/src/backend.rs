@@ -381,6 +381,27 @@ pub trait Backend: Send + Sync + 'static {
     fn settle(&self) -> Result<()> {
         Ok(())
     }
+    /// The memory a job can still take on this backend's device, for admission: `None` when
+    /// it cannot be known (a job is then never refused for memory before it starts).
+    fn memory(&self) -> Option<Memory> {
+        None
+    }
+    /// Bytes of the backend's own scratch for a forward of `rows` rows at most `width` wide
+    /// (buffers the model does not see: bf16 copies of GEMM inputs, cuBLAS workspace); none
+    /// on the CPU.
+    fn scratch_bytes(&self, _rows: usize, _width: usize) -> usize {
+        0
+    }
+}
+
+/// Free memory of a device, as admission sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Memory {
+    /// `cuda:N`, `cpu`.
+    pub device: String,
+    /// Bytes a job can allocate now: free in the driver plus what the backend's pool holds
+    /// unused (a GPU); `MemAvailable` (the CPU).
+    pub free: usize,
 }
 
 /// The CPU backend: rayon threads, runtime-dispatched SIMD, `gemm` micro-kernels. Its KV
@@ -451,6 +472,9 @@ impl Backend for Cpu {
         Ok(src.clone())
     }
 
+    fn memory(&self) -> Option<Memory> {
+        host_available_bytes().map(|free| Memory { device: "cpu".into(), free })
+    }
     fn name(&self) -> &'static str {
         "cpu"
     }

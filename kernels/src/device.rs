@@ -354,6 +354,20 @@ impl Backend for Device {
             Device::Cuda(be) => be.settle(),
         }
     }
+    fn memory(&self) -> Option<crate::Memory> {
+        match self {
+            Device::Cpu(be) => be.memory(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(be) => be.memory(),
+        }
+    }
+    fn scratch_bytes(&self, rows: usize, width: usize) -> usize {
+        match self {
+            Device::Cpu(be) => be.scratch_bytes(rows, width),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(be) => be.scratch_bytes(rows, width),
+        }
+    }
     fn rope_copy(&self, src: &DevBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<DevBuf> {
         match self {
             Device::Cpu(be) => {

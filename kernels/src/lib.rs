@@ -31,6 +31,6 @@ pub mod rope;
 pub mod simd;
 pub mod topk;
 
-pub use backend::{Backend, Cpu, DType, HostBuf};
+pub use backend::{Backend, Cpu, DType, HostBuf, Memory};
 pub use device::{Device, DeviceSpec, WeightType};
-pub use error::{KernelError, Result};
+pub use error::{gib, KernelError, Result};

@@ -50,6 +50,8 @@ pub fn code(class: ErrorClass) -> i32 {
         ErrorClass::Internal => 70,
         // sysexits' EX_TEMPFAIL: a temporary failure, the caller may retry.
         ErrorClass::Resource => 75,
+        // The request must change, as for any other input error.
+        ErrorClass::TooLarge => 2,
     }
 }
 
@@ -63,6 +65,7 @@ pub fn http(class: ErrorClass) -> (u16, &'static str) {
         ErrorClass::Cancelled => (499, "cancelled"),
         ErrorClass::Internal => (500, "internal"),
         ErrorClass::Resource => (503, "resource"),
+        ErrorClass::TooLarge => (413, "too_large"),
     }
 }
 
@@ -110,6 +113,12 @@ mod tests {
         let codes: std::collections::BTreeSet<i32> = all.iter().map(|&c| code(c)).collect();
         assert_eq!(codes.len(), all.len());
         assert!(!codes.contains(&0) && !codes.contains(&1));
+        // A job too large for the memory is the caller's to change: exit 2, its own status.
+        assert_eq!(code(ErrorClass::TooLarge), code(ErrorClass::Caller));
+        let statuses: std::collections::BTreeSet<(u16, &str)> =
+            all.iter().chain([&ErrorClass::TooLarge]).map(|&c| http(c)).collect();
+        assert_eq!(statuses.len(), all.len() + 1);
+        assert_eq!(http(ErrorClass::TooLarge), (413, "too_large"));
         let e = anyhow::Error::from(CoordError::from(InputError::new(Field::Ratio, "1.5 is outside [0, 1]")))
             .context("running the job");
         assert_eq!(code_of(&e), 2);

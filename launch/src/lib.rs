@@ -34,4 +34,17 @@ pub struct Common {
     /// ranks; on a GPU, attention on tensor cores) or f32. Default: bf16 on a GPU, f32 on the CPU.
     #[arg(long, global = true, env = "FLOWPREFILL_KV_DTYPE")]
     pub kv_dtype: Option<flowprefill_kernels::DType>,
+    /// Plan every job within this many GiB of each rank's device (a GPU shared with other
+    /// processes); default: what the device has free. A job whose memory plan needs more is
+    /// refused before any work (HTTP 413, exit 2).
+    #[arg(long, global = true, env = "FLOWPREFILL_MEMORY_LIMIT_GIB", value_parser = parse_gib)]
+    pub memory_limit: Option<usize>,
+}
+
+/// GiB (a positive number, fractions allowed) to bytes.
+fn parse_gib(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<f64>() {
+        Ok(g) if g > 0.0 && g.is_finite() && g < 1e9 => Ok((g * (1u64 << 30) as f64) as usize),
+        _ => Err(format!("`{s}` is not a positive number of GiB (e.g. 20 or 0.5)")),
+    }
 }

@@ -223,6 +223,15 @@ fn run_errors_say_what_to_change() {
     let long = dir.join("long.txt");
     std::fs::write(&long, "The harbour was quiet and the boats rested. ".repeat(1200)).unwrap();
     check(&["--query", "q?"], &["--doc".into(), long.to_string_lossy().into_owned()], "context window is 8192");
+    // A job whose memory plan exceeds --memory-limit: refused before any work, with what it
+    // needs, where, and what to change.
+    let mid = dir.join("mid.txt");
+    std::fs::write(&mid, "The harbour was quiet and the boats rested. ".repeat(300)).unwrap();
+    let mid = ["--doc".into(), mid.to_string_lossy().into_owned()];
+    for want in ["the job needs", "on cpu", "--memory-limit allows 10.0 MiB", "fewer context tokens", "bf16"] {
+        check(&["--query", "q?", "--memory-limit", "0.009765625"], &mid, want);
+    }
+    check(&["--query", "q?", "--memory-limit", "0"], one, "not a positive number of GiB");
     let _ = std::fs::remove_dir_all(dir);
 }
 

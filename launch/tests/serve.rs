@@ -412,3 +412,38 @@ fn out_of_memory_on_a_rank_gives_503_with_retry_after_and_the_next_job_runs() {
     assert!(m.contains("flowprefill_errors_total{kind=\"resource\"} 1"), "{m}");
     assert_eq!(s.req("GET", "/readyz", &[], b"").status, 200);
 }
+
+#[test]
+fn a_job_larger_than_the_memory_limit_gets_413_before_queueing_and_readyz_watches_free_memory() {
+    // 256 MiB per job on this (CPU) device, two thread ranks sharing it.
+    let s = Server::start(&["--ranks", "2", "--memory-limit", "0.25"], &[]);
+    let ready = s.req("GET", "/readyz", &[], b"");
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    assert_eq!(json(&ready)["memory_free_bytes"], 256u64 << 20, "{}", ready.text());
+    // About 4K tokens: two copies of their K/V alone are over 256 MiB.
+    let r = s.post("/v1/jobs", &job(&docs(6, 40)));
+    assert_eq!(r.status, 413, "{}", r.text());
+    let v = json(&r);
+    assert_eq!(v["error"]["kind"], "too_large", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    for want in ["the job needs", "on cpu", "--memory-limit allows 0.25 GiB", "fewer context tokens", "more ranks"] {
+        assert!(msg.contains(want), "{want:?} missing from: {msg}");
+    }
+    // The small job fits and runs.
+    let r = s.post("/v1/jobs", &job(&docs(3, 6)));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let m = s.metrics();
+    assert!(m.contains("flowprefill_errors_total{kind=\"too_large\"} 1"), "{m}");
+    assert!(m.contains("flowprefill_memory_free_bytes{device=\"cpu\"} 268435456"), "{m}");
+    assert!(
+        !m.contains("flowprefill_jobs_total{method=\"infoflow\",outcome=\"error\"}"),
+        "the large job was queued: {m}"
+    );
+    drop(s);
+    // Below what the smallest job needs, the server is up but not ready.
+    let s = Server::start(&["--memory-limit", "0.0005"], &[]);
+    let r = s.req("GET", "/readyz", &[], b"");
+    assert_eq!(r.status, 503, "{}", r.text());
+    let reason = json(&r)["reason"].as_str().unwrap_or_default().to_string();
+    assert!(reason.contains("below the") && reason.contains("the smallest job needs"), "{reason}");
+}

@@ -36,7 +36,7 @@ struct Server {
 fn start(cfg: ServeConfig, ranks: usize, faults: Option<Arc<FaultPlan>>) -> Server {
     let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let lm = lm();
-    let (world, rebuild) = Service::thread_world(lm.clone(), ranks, Duration::from_secs(5), faults).unwrap();
+    let (world, rebuild) = Service::thread_world(lm.clone(), ranks, Duration::from_secs(5), faults, None).unwrap();
     let service = Service::start(lm, world, Some(rebuild), cfg).unwrap();
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -223,7 +223,7 @@ fn item3_deadlines_and_disconnects_stop_the_prefill_on_every_rank() {
 #[test]
 fn item4_an_empty_token_does_not_turn_authentication_off() {
     let lm = lm();
-    let (world, _) = Service::thread_world(lm.clone(), 1, Duration::from_secs(5), None).unwrap();
+    let (world, _) = Service::thread_world(lm.clone(), 1, Duration::from_secs(5), None, None).unwrap();
     let cfg = ServeConfig { token: Some(String::new()), ..ServeConfig::default() };
     let e = Service::start(lm, world, None, cfg).err().expect("an empty token is refused");
     assert!(e.to_string().contains("empty"), "{e}");

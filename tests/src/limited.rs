@@ -7,7 +7,7 @@
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::rope::RopeTable;
-use flowprefill_kernels::{Backend, Cpu, DType, HostBuf, KernelError, Result};
+use flowprefill_kernels::{Backend, Cpu, DType, HostBuf, KernelError, Memory, Result};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -20,6 +20,18 @@ pub struct Ledger {
     limit: AtomicUsize,
     fail_in: Mutex<Option<&'static str>>,
     refused: AtomicUsize,
+    /// The most bytes in use during each engine phase since the last reset (`-`: outside one).
+    phase_peaks: Mutex<Vec<(&'static str, usize)>>,
+    /// Another tenant: takes its bytes at the first allocation of its phase, holds them until
+    /// [`Ledger::tenant_leaves`].
+    tenant: Mutex<Tenant>,
+}
+
+#[derive(Debug, Default)]
+struct Tenant {
+    phase: Option<&'static str>,
+    bytes: usize,
+    holds: usize,
 }
 
 impl Ledger {
@@ -36,6 +48,13 @@ impl Ledger {
     /// Restarts [`Ledger::peak`] from the bytes in use now.
     pub fn reset_peak(&self) {
         self.peak.store(self.in_use(), Ordering::SeqCst);
+        self.phase_peaks.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
+    /// The most bytes in use during each engine phase (in the order the phases first
+    /// allocated) since the last [`Ledger::reset_peak`].
+    pub fn phase_peaks(&self) -> Vec<(&'static str, usize)> {
+        self.phase_peaks.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Allocations refused so far.
@@ -54,8 +73,29 @@ impl Ledger {
         *self.fail_in.lock().unwrap_or_else(|e| e.into_inner()) = phase;
     }
 
+    /// Another tenant of the device takes `bytes` at the first allocation of engine phase
+    /// `phase` (memory taken from under a running job).
+    pub fn tenant_in(&self, phase: &'static str, bytes: usize) {
+        let mut t = self.tenant.lock().unwrap_or_else(|e| e.into_inner());
+        (t.phase, t.bytes) = (Some(phase), bytes);
+    }
+
+    /// The tenant gives its bytes back (and comes no more).
+    pub fn tenant_leaves(&self) {
+        let mut t = self.tenant.lock().unwrap_or_else(|e| e.into_inner());
+        self.in_use.fetch_sub(t.holds, Ordering::SeqCst);
+        *t = Tenant::default();
+    }
+
     fn charge(&self, bytes: usize) -> Result<()> {
         let phase = flowprefill_coordinator::timings::current_phase();
+        {
+            let mut t = self.tenant.lock().unwrap_or_else(|e| e.into_inner());
+            if t.phase.is_some() && t.phase == phase && t.holds == 0 {
+                t.holds = t.bytes;
+                self.in_use.fetch_add(t.bytes, Ordering::SeqCst);
+            }
+        }
         let armed = *self.fail_in.lock().unwrap_or_else(|e| e.into_inner());
         let limit = self.limit.load(Ordering::SeqCst);
         let used = self.in_use.load(Ordering::SeqCst);
@@ -69,6 +109,12 @@ impl Ledger {
         }
         let now = self.in_use.fetch_add(bytes, Ordering::SeqCst) + bytes;
         self.peak.fetch_max(now, Ordering::SeqCst);
+        let mut peaks = self.phase_peaks.lock().unwrap_or_else(|e| e.into_inner());
+        let name = phase.unwrap_or("-");
+        match peaks.iter_mut().find(|(p, _)| *p == name) {
+            Some((_, b)) => *b = (*b).max(now),
+            None => peaks.push((name, now)),
+        }
         Ok(())
     }
 
@@ -104,6 +150,8 @@ impl Default for Limited {
             limit: AtomicUsize::new(usize::MAX),
             fail_in: Mutex::new(None),
             refused: AtomicUsize::new(0),
+            phase_peaks: Mutex::new(Vec::new()),
+            tenant: Mutex::new(Tenant::default()),
         };
         Self { cpu: Cpu, ledger: Arc::new(ledger) }
     }
@@ -266,5 +314,11 @@ impl Backend for Limited {
     }
     fn seconds_between(&self, start: &Instant, end: &Instant) -> Result<f64> {
         self.cpu.seconds_between(start, end)
+    }
+    fn memory(&self) -> Option<Memory> {
+        // Free memory is what the limit leaves; without one it is unknown.
+        let limit = self.ledger.limit.load(Ordering::SeqCst);
+        (limit != usize::MAX)
+            .then(|| Memory { device: "limited".into(), free: limit.saturating_sub(self.ledger.in_use()) })
     }
 }

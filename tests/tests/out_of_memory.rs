@@ -84,11 +84,14 @@ fn out_of_memory_in_any_phase_fails_the_job_releases_its_memory_and_the_next_job
             settle(&ledger, held);
             assert_eq!(ledger.in_use(), held, "{what}: bytes held after the next job");
         }
-        // A byte limit just above what the ranks hold between jobs: the next job cannot start
-        // its first forward; lifted, it runs.
+        // A byte limit just above what the ranks hold between jobs: admission refuses the job
+        // (its memory plan does not fit) before any allocation; lifted, it runs.
         ledger.set_limit(held + (64 << 10));
+        let refused = ledger.refused();
         let e = world.run(&job, &mut |_| true).expect_err("a job does not fit in 64 KiB");
-        check_refusal(&format!("{method:?}: limit"), &e, e.class());
+        assert_eq!(e.class(), ErrorClass::TooLarge, "{method:?}: limit: {e}");
+        assert!(e.to_string().contains("the job needs") && e.to_string().contains("on limited"), "{e}");
+        assert_eq!(ledger.refused(), refused, "{method:?}: limit: an allocation was tried");
         ledger.set_limit(usize::MAX);
         settle(&ledger, held);
         assert!(

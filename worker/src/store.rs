@@ -134,6 +134,34 @@ impl<B: Backend> ChunkStore<B> {
         kv
     }
 
+    /// Evicts least recently used entries no job is using until `bytes` are given back (or
+    /// nothing more can be); returns the bytes given back. Entries a running job holds stay:
+    /// dropping them would free nothing.
+    pub fn evict(&self, bytes: usize) -> usize {
+        let mut g = self.lock();
+        let mut freed = 0;
+        while freed < bytes {
+            let victim = g
+                .map
+                .iter()
+                .filter(|(_, e)| Arc::strong_count(&e.kv) == 1)
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(k, _)| *k);
+            let Some(e) = victim.and_then(|k| g.map.remove(&k)) else { break };
+            let b = e.kv.bytes();
+            freed += b;
+            g.stats.bytes -= b;
+            g.stats.entries -= 1;
+            g.stats.evictions += 1;
+        }
+        freed
+    }
+
+    /// Bytes of the entries no job is using (what [`ChunkStore::evict`] can give back).
+    pub fn reclaimable(&self) -> usize {
+        self.lock().map.values().filter(|e| Arc::strong_count(&e.kv) == 1).map(|e| e.kv.bytes()).sum()
+    }
+
     /// Current counters.
     pub fn stats(&self) -> StoreStats {
         self.lock().stats
@@ -150,5 +178,37 @@ impl<B: Backend> ChunkStore<B> {
     /// The byte budget.
     pub fn budget_bytes(&self) -> usize {
         self.budget_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{KeyForm, LayerKv};
+    use flowprefill_kernels::{Cpu, HostBuf};
+
+    fn cache(rows: usize) -> KvCache<Cpu> {
+        let layer = || LayerKv { k: HostBuf::from(vec![0.0; rows * 2]), v: HostBuf::from(vec![0.0; rows * 2]) };
+        KvCache::from_parts(&Cpu, vec![layer()], (0..rows as u32).collect(), KeyForm::PreRope, 2).expect("cache")
+    }
+
+    #[test]
+    fn eviction_gives_back_the_oldest_entries_no_job_holds() {
+        let store = ChunkStore::<Cpu>::new(1 << 20);
+        let (a, b, c) = (ChunkKey::new(&[], 0, &[1]), ChunkKey::new(&[], 0, &[2]), ChunkKey::new(&[], 0, &[3]));
+        let held = store.insert(a, cache(10)); // oldest, but a job holds it
+        drop(store.insert(b, cache(20)));
+        drop(store.insert(c, cache(30)));
+        let per_row = 2 * 2 * 4;
+        assert_eq!(store.reclaimable(), 50 * per_row);
+        // Asked for one byte: the oldest free entry (b) goes, the held one stays.
+        assert_eq!(store.evict(1), 20 * per_row);
+        assert!(store.get(&a).is_some() && store.get(&b).is_none() && store.get(&c).is_some());
+        // Asked for more than there is: everything free goes, no more.
+        assert_eq!(store.evict(usize::MAX), 30 * per_row);
+        let s = store.stats();
+        assert_eq!((s.entries, s.bytes, s.evictions), (1, 10 * per_row, 2));
+        drop(held);
+        assert_eq!(store.reclaimable(), 10 * per_row);
     }
 }

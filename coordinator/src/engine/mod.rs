@@ -49,6 +49,7 @@ use crate::admit::{admit, Limits};
 use crate::error::{internal, CoordError, Result};
 use crate::fault::FaultPlan;
 use crate::layout::Layout;
+use crate::memory;
 use crate::request::{Job, Method, PrefixMode, Request, RunOptions};
 use crate::shard;
 use crate::timings::{phase, PhaseTimes, Settle};
@@ -172,6 +173,10 @@ pub struct Engine<B: Backend> {
     store: ChunkStore<B>,
     aux_store: ChunkStore<B>,
     faults: Option<Arc<FaultPlan>>,
+    /// Ranks whose jobs share this rank's device memory (thread ranks on one CPU or GPU).
+    memory_peers: usize,
+    /// At most this many bytes per job on this rank's device (`--memory-limit`).
+    memory_limit: Option<usize>,
 }
 
 /// How the caller of [`Engine::lead_with`] steers the job: its client's cancellation flag,
@@ -240,7 +245,23 @@ impl<B: Backend> Engine<B> {
             store: ChunkStore::new(store_bytes),
             aux_store: ChunkStore::new(store_bytes / 4),
             faults: FaultPlan::from_env(),
+            memory_peers: 1,
+            memory_limit: None,
         }
+    }
+
+    /// Plans every job within `bytes` of this rank's device, whatever it has free (`None`:
+    /// what it has free).
+    pub fn with_memory_limit(mut self, bytes: Option<usize>) -> Self {
+        self.memory_limit = bytes;
+        self
+    }
+
+    /// Counts the jobs of `ranks` ranks against this rank's free memory at admission: they
+    /// share its device (thread ranks over one model).
+    pub fn with_memory_peers(mut self, ranks: usize) -> Self {
+        self.memory_peers = ranks.max(1);
+        self
     }
 
     /// Uses `aux` as CacheClip's auxiliary model; it must share the main model's vocabulary.
@@ -383,6 +404,10 @@ impl<B: Backend> Engine<B> {
     fn job_on_rank(&self, comm: &mut dyn Communicator, job: &Job, steer: Steer<'_, '_>) -> Result<Option<RunResult>> {
         let r = self.run_job(comm, job, steer);
         if let Err(e) = &r {
+            if e.class() == ErrorClass::Resource {
+                // The job's buffers are gone; the store gives back what the job lacks now.
+                self.room_after_failure(job, comm.rank(), comm.size());
+            }
             if !e.breaks_world() && !e.from_peer_abort() {
                 comm.abort(e.class(), &e.to_string());
             }
@@ -391,9 +416,48 @@ impl<B: Backend> Engine<B> {
         r
     }
 
-    /// Every rank checks the job (see [`crate::admit`]) and all agree on the outcome.
+    /// This rank's memory plan against its device's free memory (none: unknown, not checked);
+    /// the chunk store gives back what the job lacks when that is enough.
+    fn make_room(&self, opts: &RunOptions, layout: &Layout, rank: usize, ranks: usize) -> Result<()> {
+        let room = memory::Room {
+            rank,
+            ranks,
+            peers: self.memory_peers,
+            reclaimable: self.store.reclaimable() + self.aux_store.reclaimable(),
+            limit: self.memory_limit,
+        };
+        let short = memory::admit_memory(&self.lm, opts, layout, room)?;
+        if short > 0 {
+            let freed = self.store.evict(short);
+            let freed = freed + self.aux_store.evict(short.saturating_sub(freed));
+            tracing::info!(
+                rank,
+                "the chunk store gave back {} to make room for a job",
+                flowprefill_kernels::gib(freed)
+            );
+        }
+        Ok(())
+    }
+
+    /// After a job ran out of memory: evicts from the store what the same job lacks now, if
+    /// that is enough for it to fit (a retry then finds the room).
+    fn room_after_failure(&self, job: &Job, rank: usize, ranks: usize) {
+        if let Err(e) = self.lm.model.backend().settle() {
+            tracing::warn!(rank, "settling the device after running out of memory: {e}");
+        }
+        let made =
+            Layout::build(&self.lm, &job.request).and_then(|layout| self.make_room(&job.options, &layout, rank, ranks));
+        if let Err(e) = made {
+            tracing::debug!(rank, "no room made after running out of memory: {e}");
+        }
+    }
+
+    /// Every rank checks the job (see [`crate::admit`]) and its memory plan, and all agree on
+    /// the outcome.
     fn agree(&self, comm: &mut dyn Communicator, job: &Job) -> Result<Layout> {
-        let mine = admit(&self.lm, job, &Limits::NONE);
+        let (rank, ranks) = (comm.rank(), comm.size());
+        let mine = admit(&self.lm, job, &Limits::NONE)
+            .and_then(|a| self.make_room(&job.options, &a.layout, rank, ranks).map(|()| a));
         let verdict = mine.as_ref().err().map(|e| Refusal {
             class: e.class(),
             message: e.to_string(),

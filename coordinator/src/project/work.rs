@@ -22,7 +22,7 @@ use crate::shard;
 use crate::timings::phase;
 use flowprefill_kernels::topk::count_for_ratio;
 use flowprefill_worker::generate::DEFAULT_PREFILL_CHUNK;
-use flowprefill_worker::steps::{zigzag_pieces, DEFAULT_BATCH_TOKENS};
+use flowprefill_worker::steps::{batches, zigzag_pieces, DEFAULT_BATCH_TOKENS};
 use std::ops::Range;
 
 /// One model forward: `rows` tokens through `layers` blocks, `logit_rows` of them to logits.
@@ -436,16 +436,11 @@ fn chunked(
         cp.forwards.push(Forward { rows: req.head, layers: l, logit_rows: 0 });
         cp.attn.push(Attn { queries: req.head, keys: req.head, pairs: range_pairs(0..h, 0..h), layers: l, step: None });
         let behind_head = |c: usize| prefix == PrefixMode::Shared || c == 0;
-        let mut i = 0;
-        while i < local.len() {
-            let mut end = i + 1;
-            let mut rows = req.chunks[local[i]];
-            while end < local.len() && rows + req.chunks[local[end]] <= DEFAULT_BATCH_TOKENS {
-                rows += req.chunks[local[end]];
-                end += 1;
-            }
+        let lens: Vec<usize> = local.iter().map(|&c| req.chunks[c]).collect();
+        for range in batches(&lens, DEFAULT_BATCH_TOKENS) {
+            let rows = lens[range.clone()].iter().sum();
             cp.forwards.push(Forward { rows, layers: l, logit_rows: 0 });
-            for &c in &local[i..end] {
+            for &c in &local[range] {
                 let len = req.chunks[c] as u64;
                 let (start, head) = if behind_head(c) { (h, h) } else { (0, 0) };
                 let own = start..start + len;
@@ -466,7 +461,6 @@ fn chunked(
                     step: None,
                 });
             }
-            i = end;
         }
         phases.push(cp);
 

@@ -302,6 +302,20 @@ impl Backend for CudaBackend {
         self.synchronize()
     }
 
+    fn memory(&self) -> Option<crate::Memory> {
+        // Unknown (a driver error) is not a refusal: the job runs and an allocation that
+        // fails is classified then.
+        let free = buffers::device_free(self.stream.context()).ok()?;
+        Some(crate::Memory { device: format!("cuda:{}", self.ordinal), free })
+    }
+
+    fn scratch_bytes(&self, rows: usize, width: usize) -> usize {
+        // bf16 copies of a GEMM input and of the queries (grown to the largest forward, kept),
+        // plus cuBLAS's workspace and the control-data cache (16 MiB) with room to spare.
+        let copies = 2 * rows * width * 2;
+        copies + (48 << 20)
+    }
+
     fn rope_copy(&self, src: &DeviceBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<DeviceBuf> {
         self.rope_copy_on_device(src, n_heads, positions, table)
     }

@@ -242,3 +242,33 @@ pub(crate) fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<()> {
         .map_err(|e| err("memory pool", e))
     }
 }
+
+/// Bytes a job can allocate on the device of `ctx` now: free in the driver, plus what the
+/// default pool keeps reserved but unused (kept by [`keep_freed_memory`]; the driver counts it
+/// as taken, yet the next allocation of this process reuses it).
+pub(crate) fn device_free(ctx: &Arc<CudaContext>) -> Result<usize> {
+    use cudarc::driver::{result, sys};
+    let (free, _total) = ctx.mem_get_info().map_err(|e| err("memory info", e))?;
+    if !ctx.has_async_alloc() {
+        return Ok(free);
+    }
+    ctx.bind_to_thread().map_err(|e| err("memory pool", e))?;
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    let (mut reserved, mut used) = (0u64, 0u64);
+    // SAFETY: the context is current on this thread; `pool` receives the device's default
+    // pool handle, valid for the context's lifetime; both attributes are u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
+            .result()
+            .map_err(|e| err("memory pool", e))?;
+        let pool = pool.assume_init();
+        for (attr, out) in [
+            (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &mut reserved),
+            (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &mut used),
+        ] {
+            result::mem_pool::get_attribute(pool, attr, out as *mut u64 as *mut std::ffi::c_void)
+                .map_err(|e| err("memory pool", e))?;
+        }
+    }
+    Ok(free.saturating_add(reserved.saturating_sub(used) as usize))
+}

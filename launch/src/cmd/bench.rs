@@ -344,7 +344,8 @@ impl Ranks for MpiRanks {
         job: &flowprefill_coordinator::Job,
     ) -> Result<Option<flowprefill_coordinator::RunResult>> {
         let engine =
-            flowprefill_coordinator::Engine::new(self.lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES);
+            flowprefill_coordinator::Engine::new(self.lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
+                .with_memory_limit(self.common.memory_limit);
         Ok(flowprefill_coordinator::run_rank(&engine, &mut self.comm, job, &mut |_| true)?)
     }
     fn lead(&self) -> bool {

@@ -157,7 +157,7 @@ pub fn thread_world(
     use flowprefill_coordinator::ThreadRanks;
     let store = flowprefill_coordinator::DEFAULT_STORE_BYTES;
     if ranks <= 1 || common.device == DeviceSpec::Cpu {
-        return Ok(ThreadRanks::new(lm, ranks, store, timeout)?);
+        return Ok(ThreadRanks::new(lm, ranks, store, timeout)?.with_memory_limit(common.memory_limit)?);
     }
     gpu_world(common, lm, ranks, timeout)
 }
@@ -212,7 +212,9 @@ fn gpu_world(
     let setup: flowprefill_coordinator::PlaneSetup<Device> =
         Arc::new(|comm, dev: &Device| dev.attach_nccl(comm).map_err(|e| e.to_string()));
     let store = flowprefill_coordinator::DEFAULT_STORE_BYTES;
-    Ok(flowprefill_coordinator::ThreadRanks::per_rank(lms, store, timeout)?.with_plane(setup)?)
+    Ok(flowprefill_coordinator::ThreadRanks::per_rank(lms, store, timeout)?
+        .with_plane(setup)?
+        .with_memory_limit(common.memory_limit)?)
 }
 
 #[cfg(not(feature = "nccl"))]

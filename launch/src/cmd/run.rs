@@ -113,7 +113,7 @@ impl MethodArgs {
 /// Builds the engine (main model, optional auxiliary model).
 pub fn engine(common: &Common, aux: Option<&PathBuf>) -> Result<Engine<Device>> {
     let lm = Arc::new(super::load_model(common)?);
-    let engine = Engine::new(lm, flowprefill_coordinator::DEFAULT_STORE_BYTES);
+    let engine = Engine::new(lm, flowprefill_coordinator::DEFAULT_STORE_BYTES).with_memory_limit(common.memory_limit);
     match aux {
         None => Ok(engine),
         Some(p) => {
@@ -228,7 +228,8 @@ fn run_job(
         let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
         comm.set_timeout(timeout);
         super::attach_device_plane(common, &mut comm)?;
-        let mut engine = Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES);
+        let mut engine = Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
+            .with_memory_limit(common.memory_limit);
         if let Some(a) = aux {
             engine = engine.with_aux(a)?;
         }

@@ -19,7 +19,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use flowprefill_coordinator::{admit, Job, RunResult};
+use flowprefill_coordinator::{admit, memory, Job, RunResult, DEFAULT_STORE_BYTES};
 use flowprefill_kernels::Device;
 use flowprefill_worker::generate::StopReason;
 use flowprefill_worker::LoadedModel;
@@ -44,6 +44,10 @@ pub struct AppState {
     next_id: AtomicU64,
     /// Admissions (tokenization) running at once.
     admitting: tokio::sync::Semaphore,
+    /// Ranks sharing the device of this process (thread ranks: all of them).
+    memory_peers: usize,
+    /// Bytes the smallest job needs (`/readyz` is not ready below).
+    smallest_job: usize,
 }
 
 impl AppState {
@@ -53,9 +57,16 @@ impl AppState {
         lm: Arc<LoadedModel<Device>>,
         cfg: ServeConfig,
         prom: metrics_exporter_prometheus::PrometheusHandle,
+        memory_peers: usize,
     ) -> Self {
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let smallest_job = memory::smallest_job(&lm);
+        if let Some(m) = memory::available(lm.model.backend(), cfg.memory_limit) {
+            metrics::memory_free(&m.device, m.free);
+        }
         Self {
+            memory_peers,
+            smallest_job,
             queue,
             shared,
             lm,
@@ -120,7 +131,20 @@ impl AppState {
             .await
             .map_err(|_| ApiError::new(503, "shutting_down", "the service is shutting down"))?;
         let (lm, limits) = (self.lm.clone(), self.cfg.limits);
-        let checked = tokio::task::spawn_blocking(move || admit(&lm, &job, &limits).map(|_| job)).await;
+        let (ranks, peers, limit) = (self.shared.ranks, self.memory_peers, self.cfg.memory_limit);
+        let checked = tokio::task::spawn_blocking(move || {
+            let a = admit(&lm, &job, &limits)?;
+            if let Some(m) = memory::available(lm.model.backend(), limit) {
+                metrics::memory_free(&m.device, m.free);
+            }
+            // Refused here when even emptied chunk stores would not make room (the ranks check
+            // again, exactly, when the job starts).
+            let reclaimable = peers * (DEFAULT_STORE_BYTES + DEFAULT_STORE_BYTES / 4);
+            let room = memory::Room { rank: 0, ranks, peers, reclaimable, limit };
+            memory::admit_memory(&lm, &job.options, &a.layout, room)?;
+            Ok::<_, flowprefill_coordinator::CoordError>(job)
+        })
+        .await;
         match checked {
             Ok(Ok(job)) => Ok(job),
             Ok(Err(e)) => Err(ApiError::from_coord(&e)),
@@ -356,14 +380,29 @@ async fn healthz() -> Response {
 
 async fn readyz(State(st): State<Arc<AppState>>) -> Response {
     let shutting = st.shutting_down.load(Ordering::Relaxed);
-    let ready = st.shared.ready.load(Ordering::Relaxed) && !shutting;
-    let reason = st.shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut reason = st.shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    // Not ready while the device cannot hold even the smallest job (another tenant took it).
+    let memory = memory::available(st.lm.model.backend(), st.cfg.memory_limit);
+    let starved = memory.as_ref().filter(|m| m.free < st.smallest_job);
+    if let (Some(m), None) = (starved, &reason) {
+        reason = Some(format!(
+            "{} free on {}, below the {} the smallest job needs",
+            flowprefill_kernels::gib(m.free),
+            m.device,
+            flowprefill_kernels::gib(st.smallest_job)
+        ));
+    }
+    if let Some(m) = &memory {
+        metrics::memory_free(&m.device, m.free);
+    }
+    let ready = st.shared.ready.load(Ordering::Relaxed) && !shutting && starved.is_none();
     let body = serde_json::json!({
         "ready": ready,
         "model": st.cfg.model_name,
         "ranks": st.shared.ranks,
         "ranks_up": if st.shared.ready.load(Ordering::Relaxed) { st.shared.ranks } else { 0 },
         "queue_depth": st.shared.depth.load(Ordering::Relaxed),
+        "memory_free_bytes": memory.as_ref().map(|m| m.free),
         "reason": if shutting { Some("shutting down".to_string()) } else { reason },
     });
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };

@@ -40,6 +40,8 @@ pub const CACHE_HITS: &str = "flowprefill_chunk_cache_hits_total";
 pub const CACHE_MISSES: &str = "flowprefill_chunk_cache_misses_total";
 /// Bytes held by rank 0's chunk store.
 pub const CACHE_BYTES: &str = "flowprefill_chunk_cache_bytes";
+/// Bytes a job can take on rank 0's device.
+pub const MEMORY_FREE: &str = "flowprefill_memory_free_bytes";
 /// Jobs waiting in the queue.
 pub const QUEUE_DEPTH: &str = "flowprefill_queue_depth";
 /// Jobs the queue can hold.
@@ -105,6 +107,11 @@ fn describe() {
     describe_counter!(CACHE_HITS, Unit::Count, "Chunk-store hits");
     describe_counter!(CACHE_MISSES, Unit::Count, "Chunk-store misses");
     describe_gauge!(CACHE_BYTES, Unit::Bytes, "Bytes in rank 0's chunk store");
+    describe_gauge!(
+        MEMORY_FREE,
+        Unit::Bytes,
+        "Bytes a job can take on the device of rank 0, by device (read at admission and /readyz)"
+    );
     describe_gauge!(QUEUE_DEPTH, Unit::Count, "Jobs waiting");
     describe_gauge!(QUEUE_CAPACITY, Unit::Count, "Jobs the queue can hold");
     describe_gauge!(JOBS_IN_FLIGHT, Unit::Count, "Jobs computing");
@@ -117,6 +124,11 @@ fn describe() {
 /// Counts `kind` errors.
 pub fn error(kind: &'static str) {
     counter!(ERRORS_TOTAL, "kind" => kind).increment(1);
+}
+
+/// Free memory of `device` as admission sees it.
+pub fn memory_free(device: &str, bytes: usize) {
+    gauge!(MEMORY_FREE, "device" => device.to_string()).set(bytes as f64);
 }
 
 /// Counts a job that ran out of memory on `device`.

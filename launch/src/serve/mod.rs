@@ -112,6 +112,8 @@ pub struct ServeConfig {
     pub limits: Limits,
     /// Model name for /readyz.
     pub model_name: String,
+    /// At most this many bytes per job on each rank's device (`--memory-limit`).
+    pub memory_limit: Option<usize>,
 }
 
 impl Default for ServeConfig {
@@ -127,6 +129,7 @@ impl Default for ServeConfig {
             max_connections: 256,
             limits: Limits::default(),
             model_name: "model".into(),
+            memory_limit: None,
         }
     }
 }
@@ -148,8 +151,14 @@ impl Service {
     ) -> Result<Self> {
         crate::ensure_usage!(cfg.token.as_deref() != Some(""), "the bearer token is empty; give a real token or none");
         let prom = metrics::install()?;
+        // Thread ranks share this process's device; an MPI rank has its own.
+        let memory_peers = match &world {
+            World::Threads(w) => w.size(),
+            #[cfg(feature = "mpi")]
+            World::Mpi { .. } => 1,
+        };
         let (queue, shared, workers) = Queue::start(world, rebuild, cfg.queue, cfg.hang_grace)?;
-        let state = Arc::new(app::AppState::new(queue, shared, lm, cfg, prom));
+        let state = Arc::new(app::AppState::new(queue, shared, lm, cfg, prom, memory_peers));
         Ok(Self { state, workers: Some(workers) })
     }
 
@@ -159,10 +168,12 @@ impl Service {
         ranks: usize,
         comm_timeout: Duration,
         faults: Option<Arc<flowprefill_coordinator::fault::FaultPlan>>,
+        memory_limit: Option<usize>,
     ) -> Result<(World, WorldFactory)> {
         let make = move || -> Result<World> {
             let w = ThreadRanks::new(lm.clone(), ranks, flowprefill_coordinator::DEFAULT_STORE_BYTES, comm_timeout)?
-                .with_faults(faults.clone())?;
+                .with_faults(faults.clone())?
+                .with_memory_limit(memory_limit)?;
             Ok(World::Threads(w))
         };
         let world = make()?;
@@ -293,6 +304,7 @@ impl Args {
                 max_context_tokens: self.max_context_tokens.unwrap_or(Limits::default().max_context_tokens),
             },
             model_name,
+            memory_limit: None,
         })
     }
 
@@ -335,7 +347,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         .context("--comm-timeout must be a positive number of seconds")?;
     let lm = Arc::new(crate::cmd::load_model(common)?);
     let model = crate::cmd::model_label(common)?;
-    let cfg = a.config(model)?;
+    let cfg = ServeConfig { memory_limit: common.memory_limit, ..a.config(model)? };
     let faults = flowprefill_coordinator::fault::FaultPlan::from_env();
 
     #[cfg(feature = "mpi")]
@@ -350,7 +362,8 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         // With --device cuda: NCCL between the ranks' GPUs.
         crate::cmd::attach_device_plane(common, &mut comm)?;
         let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
-            .with_faults(faults);
+            .with_faults(faults)
+            .with_memory_limit(common.memory_limit);
         if comm.rank() != 0 {
             // Followers run rank 0's jobs until it stops them; mpirun forwards signals to every
             // rank, and only rank 0 acts on them (it drains, then stops the followers).
@@ -361,12 +374,14 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         }
         (World::Mpi { comm, engine }, None)
     } else {
-        let (w, f) = Service::thread_world(lm.clone(), a.ranks.unwrap_or(1), comm_timeout, faults)?;
+        let (w, f) =
+            Service::thread_world(lm.clone(), a.ranks.unwrap_or(1), comm_timeout, faults, common.memory_limit)?;
         (w, Some(f))
     };
     #[cfg(not(feature = "mpi"))]
     let (world, rebuild) = {
-        let (w, f) = Service::thread_world(lm.clone(), a.ranks.unwrap_or(1), comm_timeout, faults)?;
+        let (w, f) =
+            Service::thread_world(lm.clone(), a.ranks.unwrap_or(1), comm_timeout, faults, common.memory_limit)?;
         (w, Some(f))
     };
 

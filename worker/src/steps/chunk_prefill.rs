@@ -86,6 +86,25 @@ impl<B: Backend> Attend<B> for Batched<'_, '_, B> {
     }
 }
 
+/// The batches [`prefill_chunks`] makes of chunks of `lens` tokens (in order): greedy, at least
+/// one chunk, then more while the rows stay within `batch_tokens` (a longer chunk runs alone).
+/// The planners (work and memory) use the same batches.
+pub fn batches(lens: &[usize], batch_tokens: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lens.len() {
+        let mut end = i + 1;
+        let mut rows = lens[i];
+        while end < lens.len() && rows + lens[end] <= batch_tokens {
+            rows += lens[end];
+            end += 1;
+        }
+        out.push(i..end);
+        i = end;
+    }
+    out
+}
+
 /// Prefills several chunks, batching them into forwards of at most `batch_tokens` rows (a
 /// longer chunk runs alone). Returns one pre-RoPE cache per job, in order. `check` runs
 /// before every layer of every forward; its error stops the prefill.
@@ -98,16 +117,10 @@ pub fn prefill_chunks<B: Backend>(
     let be = model.backend();
     let c = model.config();
     let mut out = Vec::with_capacity(jobs.len());
-    let mut i = 0;
-    while i < jobs.len() {
-        // Greedy batch: at least one job, then while the rows fit.
-        let mut end = i + 1;
-        let mut rows = jobs[i].tokens.len();
-        while end < jobs.len() && rows + jobs[end].tokens.len() <= batch_tokens {
-            rows += jobs[end].tokens.len();
-            end += 1;
-        }
-        let batch = &jobs[i..end];
+    let lens: Vec<usize> = jobs.iter().map(|j| j.tokens.len()).collect();
+    for range in batches(&lens, batch_tokens) {
+        let rows: usize = lens[range.clone()].iter().sum();
+        let batch = &jobs[range];
         let mut tokens = Vec::with_capacity(rows);
         let mut positions = Vec::with_capacity(rows);
         let mut ranges = Vec::with_capacity(batch.len());
@@ -134,7 +147,6 @@ pub fn prefill_chunks<B: Backend>(
             let pos: Vec<u32> = (job.start..job.start + job.tokens.len() as u32).collect();
             out.push(KvCache::from_parts(be, layers, pos, KeyForm::PreRope, c.kv_dim())?);
         }
-        i = end;
     }
     if out.len() != jobs.len() {
         return Err(crate::error::internal("chunk prefill lost a job"));

@@ -18,7 +18,7 @@ mod replicated;
 mod ring;
 mod transport;
 
-pub use chunk_prefill::{prefill_chunk, prefill_chunks, ChunkJob, DEFAULT_BATCH_TOKENS};
+pub use chunk_prefill::{batches, prefill_chunk, prefill_chunks, ChunkJob, DEFAULT_BATCH_TOKENS};
 pub use recompute::{recompute, value_deviation, RecomputeMode, Scope, Selection, Target};
 pub use replicated::{LocalSegment, Replicated};
 pub use ring::{ring_prefill, zigzag_pieces, RingOutput};

@@ -1,0 +1,569 @@
+//! The memory plan of a job: the bytes each rank holds at its peak, from the token counts
+//! alone, before any work. Admission compares it with what the device has free.
+//!
+//! ```text
+//!   full (rank 0):  KV cache reserved for prompt + answer   + one prefill piece's buffers
+//!   ring (rank r):  K/V of its zigzag share                 + its share's forward + blocks in flight
+//!   chunked:        chunk caches (the store's) and the head, then the largest of
+//!                     chunk prefill   one batch's forward
+//!                     after it        placed copies + (probe | recompute batch | prompt and answer)
+//! ```
+//! Every term is the size of buffers the pipeline allocates: the forward's (`Model::run_blocks`:
+//! residual, norm, QKV, queries, attention output, gate-up and activation per row in f32; K,
+//! pre-RoPE K and V at the KV type), K/V of the caches at the KV type, attention partials
+//! (output and log-sum-exp per query row), logits, and the backend's own scratch
+//! ([`Backend::scratch_bytes`]). `tests/tests/memory_plan.rs` runs the engine on a backend that
+//! counts every byte it hands out and demands the plan's peak within 10% of the counted one.
+//!
+//! What the plan cannot know it bounds: which tokens a query selects (spread evenly over the
+//! context, each rank's share at most one recompute batch), and whether a chunk is already in
+//! the store (counted as new; the store's bytes count as reclaimable at admission). CacheClip's
+//! auxiliary model, when it is another model, is not counted.
+
+use crate::error::{CoordError, Result};
+use crate::layout::Layout;
+use crate::request::{Geometry, Method, PrefixMode, RunOptions, Scope};
+use crate::select::default_score_layers;
+use crate::shard;
+use crate::timings::phase;
+use flowprefill_kernels::topk::count_for_ratio;
+use flowprefill_kernels::{gib, Backend, DType, Memory};
+use flowprefill_worker::config::ModelConfig;
+use flowprefill_worker::generate::DEFAULT_PREFILL_CHUNK;
+use flowprefill_worker::steps::{batches, zigzag_pieces, DEFAULT_BATCH_TOKENS};
+use flowprefill_worker::LoadedModel;
+
+/// One thing a rank holds, and its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Part {
+    /// What it is ("chunk caches", "activations", ...).
+    pub what: &'static str,
+    /// Bytes.
+    pub bytes: usize,
+}
+
+/// What one rank holds at its peak.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct RankMemory {
+    /// The rank.
+    pub rank: usize,
+    /// The phase the peak falls in.
+    pub phase: &'static str,
+    /// What is held then (zero parts left out).
+    pub parts: Vec<Part>,
+}
+
+impl RankMemory {
+    /// Bytes at the peak.
+    pub fn bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.bytes).sum()
+    }
+
+    /// "chunk caches 0.37 GiB, placed copies 0.37 GiB, ..."
+    pub fn describe(&self) -> String {
+        self.parts.iter().map(|p| format!("{} {}", p.what, gib(p.bytes))).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// The request as the plan sees it: token counts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tokens {
+    /// Template tokens before the context.
+    pub head: usize,
+    /// Tokens per chunk (request order).
+    pub chunks: Vec<usize>,
+    /// Tokens after the context.
+    pub prompt: usize,
+}
+
+impl Tokens {
+    /// The counts of a tokenized request.
+    pub fn of(layout: &Layout) -> Self {
+        Self {
+            head: layout.head.len(),
+            chunks: layout.chunks.iter().map(Vec::len).collect(),
+            prompt: layout.prompt.len(),
+        }
+    }
+
+    fn context(&self) -> usize {
+        self.chunks.iter().sum()
+    }
+}
+
+/// Sizes of one model at one KV type, in bytes where they are bytes.
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    d: usize,
+    qd: usize,
+    kvd: usize,
+    heads: usize,
+    ffn: usize,
+    layers: usize,
+    vocab: usize,
+    qk_norm: bool,
+    /// Bytes per K/V element.
+    kv: usize,
+}
+
+impl Sizes {
+    fn new(cfg: &ModelConfig, kv: DType) -> Self {
+        Self {
+            d: cfg.d_model,
+            qd: cfg.q_dim(),
+            kvd: cfg.kv_dim(),
+            heads: cfg.n_heads,
+            ffn: cfg.ffn_dim,
+            layers: cfg.n_layers,
+            vocab: cfg.vocab_size,
+            qk_norm: cfg.arch.qk_norm(),
+            kv: kv.size(),
+        }
+    }
+
+    /// K and V of one token in every layer.
+    fn kv_token(&self) -> usize {
+        self.layers * self.kv_row()
+    }
+
+    /// K and V of one token in one layer.
+    fn kv_row(&self) -> usize {
+        2 * self.kvd * self.kv
+    }
+
+    /// The forward's buffers per row (`Model::run_blocks`).
+    fn forward_row(&self) -> usize {
+        let f32s = 3 * self.d + (self.qd + 2 * self.kvd) + 2 * self.qd + 3 * self.ffn;
+        let norms = if self.qk_norm { 2 * self.kvd } else { 0 };
+        4 * (f32s + norms) + 3 * self.kvd * self.kv
+    }
+
+    /// An attention partial (output and log-sum-exp) per query row.
+    fn partial_row(&self) -> usize {
+        4 * (self.qd + self.heads)
+    }
+
+    /// A log-sum-exp per query row.
+    fn lse_row(&self) -> usize {
+        4 * self.heads
+    }
+
+    /// Logits of `rows` rows: the final norm's input and output, and the vocabulary.
+    fn logits(&self, rows: usize) -> usize {
+        4 * rows * (2 * self.d + self.vocab)
+    }
+
+    /// The widest GEMM input.
+    fn widest(&self) -> usize {
+        self.d.max(self.qd).max(self.ffn)
+    }
+}
+
+/// One phase's holdings; the plan keeps the largest.
+struct Phase {
+    name: &'static str,
+    parts: Vec<Part>,
+}
+
+impl Phase {
+    fn new(name: &'static str, parts: &[(&'static str, usize)]) -> Self {
+        Self { name, parts: parts.iter().map(|&(what, bytes)| Part { what, bytes }).collect() }
+    }
+
+    fn bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.bytes).sum()
+    }
+}
+
+fn peak(rank: usize, phases: Vec<Phase>) -> RankMemory {
+    let top = phases.into_iter().max_by_key(Phase::bytes);
+    let (phase, parts) = top.map_or(("-", Vec::new()), |p| (p.name, p.parts));
+    RankMemory { rank, phase, parts: parts.into_iter().filter(|p| p.bytes > 0).collect() }
+}
+
+/// Every rank's peak for a job of `tokens` run with `opts` on `ranks` ranks of a model of
+/// `cfg` keeping K/V as `kv`; `scratch(rows, width)` is the backend's own scratch for a
+/// forward of `rows` rows (see [`Backend::scratch_bytes`]).
+pub fn plan(
+    cfg: &ModelConfig,
+    kv: DType,
+    scratch: &dyn Fn(usize, usize) -> usize,
+    opts: &RunOptions,
+    ranks: usize,
+    tokens: &Tokens,
+) -> Vec<RankMemory> {
+    let s = Sizes::new(cfg, kv);
+    let ranks = ranks.max(1);
+    let scratch = |rows: usize| scratch(rows, s.widest());
+    match opts.method {
+        Method::Full => {
+            let mut out = vec![full(&s, &scratch, opts, tokens)];
+            out.extend((1..ranks).map(|rank| RankMemory { rank, phase: "-", parts: Vec::new() }));
+            out
+        }
+        Method::Ring => (0..ranks).map(|r| ring(&s, &scratch, opts, tokens, ranks, r)).collect(),
+        _ => (0..ranks).map(|r| chunked(&s, &scratch, opts, tokens, ranks, r)).collect(),
+    }
+}
+
+/// [`plan`] for a loaded model and a tokenized request.
+pub fn plan_for<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, ranks: usize, layout: &Layout) -> Vec<RankMemory> {
+    let be = lm.model.backend();
+    plan(lm.model.config(), be.kv_dtype(), &|r, w| be.scratch_bytes(r, w), opts, ranks, &Tokens::of(layout))
+}
+
+/// `full`: the cache reserved for the whole sequence and the answer, one piece's forward.
+fn full(s: &Sizes, scratch: &dyn Fn(usize) -> usize, opts: &RunOptions, t: &Tokens) -> RankMemory {
+    let total = t.head + t.context() + t.prompt;
+    let piece = total.min(DEFAULT_PREFILL_CHUNK);
+    let act = piece * (s.forward_row() + s.lse_row()) + s.logits(1);
+    let phases = vec![Phase::new(
+        phase::PREFILL,
+        &[
+            ("KV cache", s.kv_token() * (total + opts.max_new_tokens)),
+            ("activations", act),
+            ("scratch", scratch(piece)),
+        ],
+    )];
+    peak(0, phases)
+}
+
+/// `ring`: this rank's zigzag share, its K/V, the blocks of one step in flight; then decoding.
+fn ring(s: &Sizes, scratch: &dyn Fn(usize) -> usize, opts: &RunOptions, t: &Tokens, p: usize, me: usize) -> RankMemory {
+    let total = t.head + t.context() + t.prompt;
+    let pieces = zigzag_pieces(total, p);
+    let rows_of = |r: usize| pieces[r].iter().map(|x| x.len()).sum::<usize>();
+    let rows = rows_of(me);
+    let owns_last = total > 0 && pieces[me].iter().any(|x| x.contains(&(total - 1)));
+    let widest_block = (0..p).map(rows_of).max().unwrap_or(0);
+    // Per layer: its own block, a received one, a partial and the running merge.
+    let in_flight = (rows + widest_block) * s.kv_row() + 2 * rows * s.partial_row();
+    let act = rows * s.forward_row() + s.logits(usize::from(owns_last));
+    let prefill = Phase::new(
+        phase::PREFILL,
+        &[("KV cache", s.kv_token() * rows), ("activations", act + in_flight), ("scratch", scratch(rows))],
+    );
+    let decode = Phase::new(
+        phase::DECODE,
+        &[
+            ("KV cache", s.kv_token() * rows),
+            ("answer tail", s.kv_token() * opts.max_new_tokens),
+            ("activations", s.forward_row() + 4 * s.partial_row() + s.logits(1)),
+            ("scratch", scratch(1)),
+        ],
+    );
+    peak(me, vec![prefill, decode])
+}
+
+/// Chunked methods (see the module docs).
+fn chunked(
+    s: &Sizes,
+    scratch: &dyn Fn(usize) -> usize,
+    opts: &RunOptions,
+    t: &Tokens,
+    p: usize,
+    me: usize,
+) -> RankMemory {
+    let owners = shard::plan(&t.chunks, p);
+    let local: Vec<usize> = (0..t.chunks.len()).filter(|&c| owners[c] == me).collect();
+    let local_tokens: usize = local.iter().map(|&c| t.chunks[c]).sum();
+    let n = t.context();
+    let lead = me == 0;
+    let prefix = opts.prefix_mode();
+    // Star's anchor: chunk 0's cache (and a placed copy) on every rank holding a later chunk.
+    let anchored = prefix == PrefixMode::Anchor && local.iter().any(|&c| c != 0);
+    let anchor = if anchored && !local.contains(&0) { t.chunks.first().copied().unwrap_or(0) } else { 0 };
+    let anchor_placed = if anchored { t.chunks.first().copied().unwrap_or(0) } else { 0 };
+    let caches = s.kv_token() * (local_tokens + anchor);
+    let head = s.kv_token() * t.head;
+    // The head in the store and placed once (the chunk prefill's copy and the pipeline's are
+    // not alive together).
+    let held = [("chunk caches", caches), ("head", 2 * head)];
+
+    // Phase 1: batches of missing chunks; a chunk attends to the head (and the anchor) when
+    // its prefix mode puts it behind them.
+    let behind = |c: usize| match prefix {
+        PrefixMode::None => c == 0,
+        PrefixMode::Shared | PrefixMode::Anchor => true,
+    };
+    let sources = |c: usize| usize::from(behind(c)) + usize::from(anchored && c != 0) + 1;
+    // The anchor is prefilled alone first, the later chunks after it in batches.
+    let rest: Vec<usize> = local.iter().copied().filter(|&c| !anchored || c != 0).collect();
+    let lens: Vec<usize> = rest.iter().map(|&c| t.chunks[c]).collect();
+    let mut groups: Vec<&[usize]> = if anchored { vec![&[0]] } else { Vec::new() };
+    groups.extend(batches(&lens, DEFAULT_BATCH_TOKENS).into_iter().map(|r| &rest[r]));
+    let mut batch_bytes = 0;
+    for batch in groups {
+        let rows: usize = batch.iter().map(|&c| t.chunks[c]).sum();
+        let single = batch.len() == 1;
+        let per_chunk = batch
+            .iter()
+            .map(|&c| {
+                let m = t.chunks[c];
+                let merged = if sources(c) > 1 { m * s.partial_row() } else { 0 };
+                let gathered = if single { 0 } else { m * (4 * s.qd + 3 * s.kvd * s.kv + 4 * s.qd) };
+                m * s.lse_row() + merged + gathered
+            })
+            .max()
+            .unwrap_or(0);
+        batch_bytes = batch_bytes.max(rows * s.forward_row() + per_chunk + scratch(rows));
+    }
+    let chunk_prefill = Phase::new(
+        phase::CHUNK_PREFILL,
+        &[held[0], held[1], ("anchor", s.kv_token() * anchor_placed), ("activations", batch_bytes)],
+    );
+
+    // After phase 1: every local chunk placed at its global position (the head too on rank 0).
+    let placed = ("placed copies", s.kv_token() * (local_tokens + if lead { t.head } else { 0 }));
+    let segments = local.len() + usize::from(lead);
+    let k = if opts.method.selects() { count_for_ratio(opts.effective_ratio(), n) } else { 0 };
+    let mut phases = vec![chunk_prefill];
+
+    // The prompt over the segments: one partial per segment, the tail's and the merge.
+    let m = t.prompt;
+    let replicated = |rows: usize| rows * s.forward_row() + (segments + 2) * rows * s.partial_row();
+    let probes = opts.reorder || (k > 0 && k < n && !matches!(opts.method, Method::Epic | Method::Random));
+    if probes {
+        let parts: Vec<(&'static str, usize)> = if opts.method == Method::Cacheblend && !opts.reorder {
+            // Every local token through the first layers, the segments copied per layer, the
+            // queries of every rank visiting them (exact scope).
+            let copies = (local_tokens + if lead { t.head } else { 0 }) * s.kv_row();
+            let exact = n * (4 * s.qd + 3 * s.partial_row()) + local_tokens * s.partial_row();
+            vec![("activations", local_tokens * s.forward_row() + copies + exact), ("scratch", scratch(local_tokens))]
+        } else {
+            let weighted = match opts.method {
+                Method::Prophet => s.layers,
+                Method::Cacheclip => 1,
+                _ => {
+                    let (a, b) = opts.score_layers.unwrap_or_else(|| default_score_layers(s.layers));
+                    b.saturating_sub(a) + 1
+                }
+            };
+            // Pre-RoPE segments are rotated per layer in the other geometries.
+            let rotated = if opts.geometry == Geometry::Global { 0 } else { local_tokens * s.kvd * s.kv };
+            vec![
+                ("activations", replicated(m) + rotated + weighted * local_tokens * 4),
+                ("prompt tail", s.kv_token() * m),
+                ("scratch", scratch(m)),
+            ]
+        };
+        let mut all = vec![held[0], held[1], placed];
+        all.extend(parts);
+        phases.push(Phase::new(phase::PROBE, &all));
+    }
+    if k > 0 {
+        // This rank's share of the selection, at most one batch of it per forward.
+        let batch = opts.recompute_batch.max(1);
+        let mine = (k * local_tokens).div_ceil(n.max(1)).min(batch);
+        let total = k.min(batch);
+        let attend = match opts.scope {
+            Scope::Exact => total * (4 * s.qd + 3 * s.partial_row()) + mine * s.partial_row(),
+            Scope::Sparse => total.saturating_sub(mine) * s.kv_row() + mine * (s.lse_row() + s.partial_row()),
+        };
+        phases.push(Phase::new(
+            phase::RECOMPUTE,
+            &[held[0], held[1], placed, ("activations", mine * s.forward_row() + attend), ("scratch", scratch(mine))],
+        ));
+    }
+    phases.push(Phase::new(
+        phase::FINAL_PROMPT,
+        &[
+            held[0],
+            held[1],
+            placed,
+            ("prompt and answer tail", s.kv_token() * (m + opts.max_new_tokens)),
+            ("activations", replicated(m) + s.logits(1)),
+            ("scratch", scratch(m)),
+        ],
+    ));
+    peak(me, phases)
+}
+
+/// A job that does not fit in the memory free for it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the job needs {} on {device} (rank {rank}, at its {phase} peak: {parts}) but {}; give fewer \
+     context tokens, run on more ranks, or keep K/V in bf16 (--kv-dtype bf16)",
+    gib(*need),
+    if *capped {
+        format!("--memory-limit allows {}", gib(*free))
+    } else if *store > 0 {
+        format!("{} is free with the chunk store emptied ({} of it held by the store)", gib(*free), gib(*store))
+    } else {
+        format!("{} is free", gib(*free))
+    }
+)]
+pub struct DoesNotFit {
+    /// The rank that cannot hold it.
+    pub rank: usize,
+    /// Its device.
+    pub device: String,
+    /// Bytes the job needs there.
+    pub need: usize,
+    /// Bytes free there, the store's included.
+    pub free: usize,
+    /// Bytes of that held by the chunk store.
+    pub store: usize,
+    /// The phase of the peak.
+    pub phase: &'static str,
+    /// What the job holds then.
+    pub parts: String,
+    /// `free` is the operator's cap (`--memory-limit`), not the device's.
+    pub capped: bool,
+}
+
+/// Checks `need` (the bytes of every rank sharing this device, `mine` among them) against
+/// `memory` and `reclaimable` bytes of the chunk store. `Ok(0)`: it fits; `Ok(n)`: it fits once
+/// the store gives back `n` bytes.
+pub fn fits(mine: &RankMemory, need: usize, memory: &Memory, reclaimable: usize) -> Result<usize> {
+    if need <= memory.free {
+        return Ok(0);
+    }
+    let short = need - memory.free;
+    if short <= reclaimable {
+        return Ok(short);
+    }
+    Err(CoordError::DoesNotFit(Box::new(DoesNotFit {
+        rank: mine.rank,
+        device: memory.device.clone(),
+        need,
+        free: memory.free + reclaimable,
+        store: reclaimable,
+        phase: mine.phase,
+        parts: mine.describe(),
+        capped: false,
+    })))
+}
+
+/// Where a job's memory is checked: which rank, how many ranks share its device, what the
+/// chunk stores could give back, and the operator's cap.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Room {
+    /// The rank checking.
+    pub rank: usize,
+    /// Ranks of the job.
+    pub ranks: usize,
+    /// Ranks whose jobs share this rank's device (1: its own device).
+    pub peers: usize,
+    /// Bytes the chunk stores could give back.
+    pub reclaimable: usize,
+    /// At most this many bytes for a job (`--memory-limit`), whatever the device has free.
+    pub limit: Option<usize>,
+}
+
+/// The memory a job may plan for on `be`: what its device has free, capped by `limit` (with no
+/// free memory known, the cap alone; neither: `None`).
+pub fn available<B: Backend>(be: &B, limit: Option<usize>) -> Option<Memory> {
+    match (be.memory(), limit) {
+        (Some(m), Some(l)) => Some(Memory { free: m.free.min(l), ..m }),
+        (Some(m), None) => Some(m),
+        (None, Some(l)) => Some(Memory { device: be.name().to_string(), free: l }),
+        (None, None) => None,
+    }
+}
+
+/// Admission by memory: the plan of `room.rank` for `opts` over `layout` (the sum of every
+/// rank's when ranks share the device) against [`available`] memory and what the stores could
+/// give back. `Ok(0)`: fits, or nothing is known; `Ok(n)`: fits once the stores give back `n`
+/// bytes; a [`DoesNotFit`] error otherwise.
+pub fn admit_memory<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, layout: &Layout, room: Room) -> Result<usize> {
+    let Some(mem) = available(lm.model.backend(), room.limit) else { return Ok(0) };
+    let plans = plan_for(lm, opts, room.ranks, layout);
+    let Some(mine) = plans.get(room.rank) else {
+        return Err(crate::error::internal(format!("no memory plan for rank {} of {}", room.rank, room.ranks)));
+    };
+    let need = if room.peers > 1 { plans.iter().map(RankMemory::bytes).sum() } else { mine.bytes() };
+    // A cap is a bound on the job, not on what is free: the store cannot raise it.
+    let capped = room.limit.is_some_and(|l| l <= mem.free);
+    let reclaimable = if capped { 0 } else { room.reclaimable };
+    fits(mine, need, &mem, reclaimable).map_err(|e| match e {
+        CoordError::DoesNotFit(mut d) => {
+            d.capped = capped;
+            CoordError::DoesNotFit(d)
+        }
+        e => e,
+    })
+}
+
+/// Bytes the smallest job needs (one context token, a short prompt, one answer token, `full`):
+/// below this much free memory a server cannot run anything.
+pub fn smallest_job<B: Backend>(lm: &LoadedModel<B>) -> usize {
+    let be = lm.model.backend();
+    let opts = RunOptions { method: Method::Full, max_new_tokens: 1, ..RunOptions::default() };
+    let tokens = Tokens { head: 16, chunks: vec![1], prompt: 16 };
+    plan(lm.model.config(), be.kv_dtype(), &|r, w| be.scratch_bytes(r, w), &opts, 1, &tokens)[0].bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flowprefill_worker::config::Arch;
+
+    fn cfg() -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Llama,
+            name: "t".into(),
+            n_layers: 4,
+            d_model: 64,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            ffn_dim: 128,
+            vocab_size: 100,
+            context_length: 4096,
+            rope_base: 10000.0,
+            rope_dim: 16,
+            rms_eps: 1e-5,
+            tied_embeddings: true,
+        }
+    }
+
+    fn none(_: usize, _: usize) -> usize {
+        0
+    }
+
+    #[test]
+    fn the_full_plan_is_the_reserved_cache_and_one_piece() {
+        let c = cfg();
+        let t = Tokens { head: 10, chunks: vec![1000, 990], prompt: 20 };
+        let opts = RunOptions { method: Method::Full, max_new_tokens: 8, ..RunOptions::default() };
+        let p = plan(&c, DType::F32, &none, &opts, 1, &t);
+        let kv = 2 * 4 * 32 * 4 * (2020 + 8);
+        assert_eq!(p[0].parts[0], Part { what: "KV cache", bytes: kv });
+        assert!(p[0].bytes() > kv);
+        // bf16 halves the cache, not the activations.
+        let h = plan(&c, DType::Bf16, &none, &opts, 1, &t);
+        assert_eq!(h[0].parts[0].bytes, kv / 2);
+        assert!(h[0].bytes() < p[0].bytes() - kv / 2);
+    }
+
+    #[test]
+    fn more_ranks_need_less_per_rank() {
+        let c = cfg();
+        let t = Tokens { head: 10, chunks: vec![500; 8], prompt: 20 };
+        for method in [Method::Infoflow, Method::Cacheblend, Method::Ring, Method::Star, Method::Prophet] {
+            let opts = RunOptions { method, ..RunOptions::default() };
+            let one = plan(&c, DType::F32, &none, &opts, 1, &t)[0].bytes();
+            let four = plan(&c, DType::F32, &none, &opts, 4, &t);
+            assert_eq!(four.len(), 4);
+            let most = four.iter().map(RankMemory::bytes).max().unwrap_or(0);
+            assert!(most < one, "{method:?}: {most} on one of 4 ranks, {one} on one");
+        }
+    }
+
+    #[test]
+    fn a_shortfall_names_the_device_the_need_and_what_to_change() {
+        let mine =
+            RankMemory { rank: 1, phase: "recompute", parts: vec![Part { what: "placed copies", bytes: 3 << 30 }] };
+        let mem = Memory { device: "cuda:1".into(), free: 1 << 30 };
+        assert_eq!(fits(&mine, 3 << 30, &Memory { free: 4 << 30, ..mem.clone() }, 0).ok(), Some(0));
+        assert_eq!(fits(&mine, 3 << 30, &mem, 2 << 30).ok(), Some(2 << 30));
+        let e = fits(&mine, 3 << 30, &mem, 1 << 30).expect_err("does not fit");
+        let msg = e.to_string();
+        for want in ["3.00 GiB on cuda:1", "rank 1", "recompute", "placed copies 3.00 GiB", "2.00 GiB is free", "bf16"]
+        {
+            assert!(msg.contains(want), "{want:?} missing from {msg}");
+        }
+        assert_eq!(e.class(), flowprefill_comm::ErrorClass::TooLarge);
+    }
+}

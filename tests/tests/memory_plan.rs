@@ -1,0 +1,188 @@
+//! The memory plan of a job (`coordinator::memory`) against the bytes the engine really takes:
+//! the real model on the CPU behind a ledger that counts every buffer and weight matrix
+//! (`flowprefill_tests::limited`), contexts of 2K, 4K and 8K tokens, several methods. The
+//! plan's peak must be within 10% of the counted peak (the bytes above what the ranks held
+//! before the job). Then admission: a job the plan says does not fit is refused before any
+//! work (TooLarge: HTTP 413, exit 2) naming what it needs and what is free; the chunk store
+//! gives back its entries when that lets a job fit, at admission and after running out of
+//! memory during the work.
+
+use flowprefill_coordinator::layout::Layout;
+use flowprefill_coordinator::memory::{plan_for, RankMemory};
+use flowprefill_coordinator::{Context, ErrorClass, Job, Method, Request, RunOptions, ThreadRanks};
+use flowprefill_tests::limited::{Ledger, Limited};
+use flowprefill_worker::LoadedModel;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+/// The tests share one model and its ledger: one at a time (a limit set by one would refuse
+/// another's job).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn model() -> Arc<LoadedModel<Limited>> {
+    static LM: OnceLock<Arc<LoadedModel<Limited>>> = OnceLock::new();
+    LM.get_or_init(|| {
+        Arc::new(LoadedModel::load(&flowprefill_tests::default_model_path(), Limited::default()).expect("model"))
+    })
+    .clone()
+}
+
+/// A text of `tokens` tokens of generated prose, cut into four chunks.
+fn request(lm: &LoadedModel<Limited>, tokens: usize, seed: u64) -> Request {
+    let prose = flowprefill_worker::corpus::prose(seed, tokens * 6);
+    let ids = lm.tokenizer.encode_text(&prose).expect("tokenize");
+    let text = lm.tokenizer.decode(&ids[..tokens.min(ids.len())]).expect("decode");
+    Request {
+        context: Context::Text { text, chunk_tokens: tokens / 4 },
+        query: "Which city is named most often in the text?".into(),
+        system: None,
+        answer_prefix: None,
+    }
+}
+
+/// Waits (up to 20 s) until the ledger holds at most `held` bytes (other ranks drop their
+/// buffers after rank 0 answers).
+fn settle(ledger: &Ledger, held: usize) {
+    let t = std::time::Instant::now();
+    while ledger.in_use() > held && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn mib(b: usize) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+#[test]
+fn the_plan_is_within_ten_percent_of_the_counted_peak_at_2k_4k_8k() {
+    let _serial = one_at_a_time();
+    let lm = model();
+    let ledger = lm.model.backend().ledger().clone();
+    // Full and InfoFlow at every size; the other shapes of the plan (CacheBlend's probe through
+    // every token, two ranks, ring attention) at 2K and 4K (the CPU's time is the limit).
+    let every: &[(Method, usize)] = &[(Method::Full, 1), (Method::Infoflow, 1)];
+    let more: &[(Method, usize)] = &[(Method::Cacheblend, 1), (Method::Infoflow, 2), (Method::Ring, 2)];
+    let mut worst: f64 = 0.0;
+    let mut failures = Vec::new();
+    eprintln!(
+        "{:>7} {:>11} {:>5} {:>10} {:>10} {:>7}  plan's peak",
+        "tokens", "method", "ranks", "counted", "planned", "error"
+    );
+    for tokens in [2048usize, 4096, 7936] {
+        let req = request(&lm, tokens, 7);
+        let layout = Layout::build(&lm, &req).expect("layout");
+        let cases = if tokens < 7936 { [every, more].concat() } else { every.to_vec() };
+        for (method, ranks) in cases {
+            let opts = RunOptions { method, max_new_tokens: 4, ..RunOptions::default() };
+            // A store of no bytes: the job's chunk caches are its own (held while it runs).
+            let mut world = ThreadRanks::new(lm.clone(), ranks, 0, Duration::from_secs(600)).expect("world");
+            let job = Job { request: req.clone(), options: opts.clone() };
+            let before = ledger.in_use();
+            ledger.reset_peak();
+            let r = world.run(&job, &mut |_| true).expect("the job runs");
+            let counted = ledger.peak() - before;
+            let phases: Vec<String> =
+                ledger.phase_peaks().iter().map(|(p, b)| format!("{p} {:.1}", mib(b - before.min(*b)))).collect();
+            drop(world);
+            settle(&ledger, before);
+            let plans: Vec<RankMemory> = plan_for(&lm, &opts, ranks, &layout);
+            let planned: usize = plans.iter().map(RankMemory::bytes).sum();
+            let err = (planned as f64 - counted as f64) / counted as f64;
+            worst = worst.max(err.abs());
+            eprintln!(
+                "{:>7} {:>11} {:>5} {:>8.1}Mi {:>8.1}Mi {:>+6.1}%  {} ({}); counted by phase: {}",
+                r.n_context_tokens,
+                method.name(),
+                ranks,
+                mib(counted),
+                mib(planned),
+                100.0 * err,
+                plans[0].phase,
+                plans[0].describe(),
+                phases.join(", ")
+            );
+            if err.abs() > 0.10 {
+                failures.push(format!("{tokens} tokens, {method:?} on {ranks}: {:+.1}%", 100.0 * err));
+            }
+        }
+    }
+    eprintln!("largest error {:.1}%", 100.0 * worst);
+    assert!(failures.is_empty(), "the plan is more than 10% off: {failures:?}");
+}
+
+fn job(req: Request) -> Job {
+    Job { request: req, options: RunOptions { method: Method::Infoflow, max_new_tokens: 4, ..RunOptions::default() } }
+}
+
+fn need(lm: &LoadedModel<Limited>, job: &Job) -> usize {
+    let layout = Layout::build(lm, &job.request).expect("layout");
+    plan_for(lm, &job.options, 1, &layout)[0].bytes()
+}
+
+#[test]
+fn a_job_that_cannot_fit_is_refused_before_any_work_and_says_what_to_change() {
+    let _serial = one_at_a_time();
+    let lm = model();
+    let ledger = lm.model.backend().ledger().clone();
+    let job = job(request(&lm, 2048, 11));
+    let need = need(&lm, &job);
+    let mut world = ThreadRanks::new(lm.clone(), 1, 0, Duration::from_secs(300)).expect("world");
+    let held = ledger.in_use();
+    ledger.set_limit(held + need / 2);
+    ledger.reset_peak();
+    let refused = ledger.refused();
+    let e = world.run(&job, &mut |_| true).expect_err("half the memory the job needs");
+    let msg = e.to_string();
+    assert_eq!(e.class(), ErrorClass::TooLarge, "{msg}");
+    for want in ["the job needs", "on limited", "is free", "fewer context tokens", "more ranks", "--kv-dtype bf16"] {
+        assert!(msg.contains(want), "{want:?} missing from: {msg}");
+    }
+    assert_eq!(ledger.refused(), refused, "the allocator was asked for memory: {msg}");
+    assert_eq!(ledger.peak(), held, "the refused job allocated something");
+    // With its plan and 5% to spare it runs.
+    ledger.set_limit(held + need + need / 20);
+    let r = world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("the plan's bytes were not enough: {e}"));
+    ledger.set_limit(usize::MAX);
+    assert!(!r.tokens.is_empty());
+    eprintln!("refused with {} free: {msg}", need / 2);
+}
+
+#[test]
+fn the_chunk_store_gives_back_its_entries_when_that_lets_a_job_fit() {
+    let _serial = one_at_a_time();
+    let lm = model();
+    let ledger = lm.model.backend().ledger().clone();
+    let mut world = ThreadRanks::new(lm.clone(), 1, 1 << 30, Duration::from_secs(300)).expect("world");
+    let store = |w: &ThreadRanks<Limited>| w.leader().store().stats();
+    world.run(&job(request(&lm, 2048, 21)), &mut |_| true).expect("first job");
+
+    // At admission: free memory alone is short of the job, the store's entries make it fit.
+    let b = job(request(&lm, 2048, 22));
+    let (held, kept) = (ledger.in_use(), store(&world).bytes);
+    assert!(kept > 0, "the store kept nothing");
+    ledger.set_limit(held + need(&lm, &b) - kept / 2);
+    let evicted = store(&world).evictions;
+    world.run(&b, &mut |_| true).unwrap_or_else(|e| panic!("admission did not make room: {e}"));
+    ledger.set_limit(usize::MAX);
+    assert!(store(&world).evictions > evicted, "nothing was evicted at admission");
+
+    // During the work: another tenant takes memory in the probe; the job fails as a resource
+    // error, the store gives back what the same job lacks now, and the retry fits beside the
+    // tenant.
+    let c = job(request(&lm, 2048, 23));
+    let (held, kept) = (ledger.in_use(), store(&world).bytes);
+    let margin = 8 << 20;
+    ledger.set_limit(held + need(&lm, &c) + margin);
+    ledger.tenant_in(flowprefill_coordinator::timings::phase::PROBE, margin + kept / 2);
+    let evicted = store(&world).evictions;
+    let e = world.run(&c, &mut |_| true).expect_err("the tenant took the memory");
+    assert_eq!(e.class(), ErrorClass::Resource, "{e}");
+    assert!(store(&world).evictions > evicted, "nothing was evicted after running out of memory: {e}");
+    let r = world.run(&c, &mut |_| true).unwrap_or_else(|e| panic!("the retry beside the tenant: {e}"));
+    assert!(!r.tokens.is_empty());
+    ledger.tenant_leaves();
+    ledger.set_limit(usize::MAX);
+}
