@@ -10,7 +10,9 @@
 #   5. the attention kernels in TFLOP/s and as a share of the device's dense BF16 peak, the
 #      simple kernel beside the tensor-core one, prefill and decode shapes;
 #   6. with two or more GPUs: NCCL between them (P GPUs == 1 GPU, ring == full, one process
-#      driving every GPU; a killed rank under mpirun named within 30 s) and TTFT over the GPUs.
+#      driving every GPU; a killed rank under mpirun named within 30 s) and TTFT over the GPUs;
+#   7. the memory plan admission relies on against the device pool's own high-water mark
+#      (`run --stats` prints both), about 7K context tokens, full and InfoFlow.
 #
 # Two ways to run it: on a GPU machine with cargo, `bash scripts/gpu-check.sh` builds and runs;
 # on one without network or cargo, build a pack elsewhere (`bash scripts/gpu-pack.sh`), copy
@@ -48,3 +50,12 @@ if [ "$gpus" -ge 2 ]; then
 else
   echo "one GPU: the NCCL checks need two (skipped)"
 fi
+docs=$(mktemp -d)
+for d in 1 2 3 4; do
+  for i in $(seq 1 85); do echo "On day $i the boats of Redwater $d rested in the harbour while the keeper counted lanterns."; done > "$docs/$d.txt"
+done
+for m in full infoflow; do
+  "$FP" run --device cuda --stats --method "$m" --doc "$docs/1.txt" --doc "$docs/2.txt" --doc "$docs/3.txt" --doc "$docs/4.txt" \
+    --query "Which harbour do the boats rest in?" --max-tokens 8 | grep "memory plan" || true
+done
+rm -rf "$docs"

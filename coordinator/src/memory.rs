@@ -91,6 +91,43 @@ impl Tokens {
     }
 }
 
+/// The dimensions of a model the plan needs (no weights).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    /// Hidden size.
+    pub d_model: usize,
+    /// Query width (heads x head dimension).
+    pub q_dim: usize,
+    /// Key/value width (KV heads x head dimension).
+    pub kv_dim: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Feed-forward inner size.
+    pub ffn_dim: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Per-head norms of queries and keys (Qwen3).
+    pub qk_norm: bool,
+}
+
+impl Dims {
+    /// The dimensions of a loaded model's configuration.
+    pub fn of(cfg: &ModelConfig) -> Self {
+        Self {
+            d_model: cfg.d_model,
+            q_dim: cfg.q_dim(),
+            kv_dim: cfg.kv_dim(),
+            n_heads: cfg.n_heads,
+            ffn_dim: cfg.ffn_dim,
+            n_layers: cfg.n_layers,
+            vocab_size: cfg.vocab_size,
+            qk_norm: cfg.arch.qk_norm(),
+        }
+    }
+}
+
 /// Sizes of one model at one KV type, in bytes where they are bytes.
 #[derive(Clone, Copy, Debug)]
 struct Sizes {
@@ -107,16 +144,16 @@ struct Sizes {
 }
 
 impl Sizes {
-    fn new(cfg: &ModelConfig, kv: DType) -> Self {
+    fn new(m: &Dims, kv: DType) -> Self {
         Self {
-            d: cfg.d_model,
-            qd: cfg.q_dim(),
-            kvd: cfg.kv_dim(),
-            heads: cfg.n_heads,
-            ffn: cfg.ffn_dim,
-            layers: cfg.n_layers,
-            vocab: cfg.vocab_size,
-            qk_norm: cfg.arch.qk_norm(),
+            d: m.d_model,
+            qd: m.q_dim,
+            kvd: m.kv_dim,
+            heads: m.n_heads,
+            ffn: m.ffn_dim,
+            layers: m.n_layers,
+            vocab: m.vocab_size,
+            qk_norm: m.qk_norm,
             kv: kv.size(),
         }
     }
@@ -182,17 +219,17 @@ fn peak(rank: usize, phases: Vec<Phase>) -> RankMemory {
 }
 
 /// Every rank's peak for a job of `tokens` run with `opts` on `ranks` ranks of a model of
-/// `cfg` keeping K/V as `kv`; `scratch(rows, width)` is the backend's own scratch for a
-/// forward of `rows` rows (see [`Backend::scratch_bytes`]).
+/// dimensions `dims` keeping K/V as `kv`; `scratch(rows, width)` is the backend's own scratch
+/// for a forward of `rows` rows (see [`Backend::scratch_bytes`]).
 pub fn plan(
-    cfg: &ModelConfig,
+    dims: &Dims,
     kv: DType,
     scratch: &dyn Fn(usize, usize) -> usize,
     opts: &RunOptions,
     ranks: usize,
     tokens: &Tokens,
 ) -> Vec<RankMemory> {
-    let s = Sizes::new(cfg, kv);
+    let s = Sizes::new(dims, kv);
     let ranks = ranks.max(1);
     let scratch = |rows: usize| scratch(rows, s.widest());
     match opts.method {
@@ -209,7 +246,8 @@ pub fn plan(
 /// [`plan`] for a loaded model and a tokenized request.
 pub fn plan_for<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, ranks: usize, layout: &Layout) -> Vec<RankMemory> {
     let be = lm.model.backend();
-    plan(lm.model.config(), be.kv_dtype(), &|r, w| be.scratch_bytes(r, w), opts, ranks, &Tokens::of(layout))
+    let dims = Dims::of(lm.model.config());
+    plan(&dims, be.kv_dtype(), &|r, w| be.scratch_bytes(r, w), opts, ranks, &Tokens::of(layout))
 }
 
 /// `full`: the cache reserved for the whole sequence and the answer, one piece's forward.
@@ -383,7 +421,7 @@ fn chunked(
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "the job needs {} on {device} (rank {rank}, at its {phase} peak: {parts}) but {}; give fewer \
-     context tokens, run on more ranks, or keep K/V in bf16 (--kv-dtype bf16)",
+     context tokens{}",
     gib(*need),
     if *capped {
         format!("--memory-limit allows {}", gib(*free))
@@ -391,7 +429,8 @@ fn chunked(
         format!("{} is free with the chunk store emptied ({} of it held by the store)", gib(*free), gib(*store))
     } else {
         format!("{} is free", gib(*free))
-    }
+    },
+    if *kv_bf16 { " or run on more ranks" } else { ", run on more ranks, or keep K/V in bf16 (--kv-dtype bf16)" }
 )]
 pub struct DoesNotFit {
     /// The rank that cannot hold it.
@@ -410,6 +449,8 @@ pub struct DoesNotFit {
     pub parts: String,
     /// `free` is the operator's cap (`--memory-limit`), not the device's.
     pub capped: bool,
+    /// K/V are already bf16 (halving them is no advice).
+    pub kv_bf16: bool,
 }
 
 /// Checks `need` (the bytes of every rank sharing this device, `mine` among them) against
@@ -432,6 +473,7 @@ pub fn fits(mine: &RankMemory, need: usize, memory: &Memory, reclaimable: usize)
         phase: mine.phase,
         parts: mine.describe(),
         capped: false,
+        kv_bf16: false,
     })))
 }
 
@@ -479,6 +521,7 @@ pub fn admit_memory<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, layout: 
     fits(mine, need, &mem, reclaimable).map_err(|e| match e {
         CoordError::DoesNotFit(mut d) => {
             d.capped = capped;
+            d.kv_bf16 = lm.model.backend().kv_dtype() == DType::Bf16;
             CoordError::DoesNotFit(d)
         }
         e => e,
@@ -491,7 +534,8 @@ pub fn smallest_job<B: Backend>(lm: &LoadedModel<B>) -> usize {
     let be = lm.model.backend();
     let opts = RunOptions { method: Method::Full, max_new_tokens: 1, ..RunOptions::default() };
     let tokens = Tokens { head: 16, chunks: vec![1], prompt: 16 };
-    plan(lm.model.config(), be.kv_dtype(), &|r, w| be.scratch_bytes(r, w), &opts, 1, &tokens)[0].bytes()
+    let dims = Dims::of(lm.model.config());
+    plan(&dims, be.kv_dtype(), &|r, w| be.scratch_bytes(r, w), &opts, 1, &tokens)[0].bytes()
 }
 
 #[cfg(test)]
@@ -499,8 +543,8 @@ mod tests {
     use super::*;
     use flowprefill_worker::config::Arch;
 
-    fn cfg() -> ModelConfig {
-        ModelConfig {
+    fn cfg() -> Dims {
+        Dims::of(&ModelConfig {
             arch: Arch::Llama,
             name: "t".into(),
             n_layers: 4,
@@ -515,7 +559,7 @@ mod tests {
             rope_dim: 16,
             rms_eps: 1e-5,
             tied_embeddings: true,
-        }
+        })
     }
 
     fn none(_: usize, _: usize) -> usize {

@@ -386,12 +386,36 @@ pub trait Backend: Send + Sync + 'static {
     fn memory(&self) -> Option<Memory> {
         None
     }
+    /// Bytes this process holds on the device now, and the most it held since
+    /// [`Backend::reset_memory_peak`]; `None` where the backend does not count them.
+    fn memory_use(&self) -> Option<MemoryUse> {
+        None
+    }
+    /// Restarts the peak of [`Backend::memory_use`] from the bytes held now.
+    fn reset_memory_peak(&self) {}
     /// Bytes of the backend's own scratch for a forward of `rows` rows at most `width` wide
     /// (buffers the model does not see: bf16 copies of GEMM inputs, cuBLAS workspace); none
     /// on the CPU.
     fn scratch_bytes(&self, _rows: usize, _width: usize) -> usize {
         0
     }
+}
+
+/// The CUDA backend's own scratch for a forward of `rows` rows at most `width` wide: bf16
+/// copies of a GEMM input and of the queries (grown to the largest forward and kept), plus
+/// cuBLAS's workspace and the control-data cache (16 MiB) with room to spare. A function of
+/// its own so that a projection for a GPU plans the same bytes without one.
+pub fn gpu_scratch_bytes(rows: usize, width: usize) -> usize {
+    2 * rows * width * 2 + (48 << 20)
+}
+
+/// Bytes a process holds on its device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryUse {
+    /// Held now.
+    pub now: usize,
+    /// The most held at once since the peak was last reset.
+    pub peak: usize,
 }
 
 /// Free memory of a device, as admission sees it.

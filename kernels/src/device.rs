@@ -361,6 +361,20 @@ impl Backend for Device {
             Device::Cuda(be) => be.memory(),
         }
     }
+    fn memory_use(&self) -> Option<crate::MemoryUse> {
+        match self {
+            Device::Cpu(be) => be.memory_use(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(be) => be.memory_use(),
+        }
+    }
+    fn reset_memory_peak(&self) {
+        match self {
+            Device::Cpu(be) => be.reset_memory_peak(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(be) => be.reset_memory_peak(),
+        }
+    }
     fn scratch_bytes(&self, rows: usize, width: usize) -> usize {
         match self {
             Device::Cpu(be) => be.scratch_bytes(rows, width),

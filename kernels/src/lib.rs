@@ -31,6 +31,6 @@ pub mod rope;
 pub mod simd;
 pub mod topk;
 
-pub use backend::{Backend, Cpu, DType, HostBuf, Memory};
+pub use backend::{gpu_scratch_bytes, Backend, Cpu, DType, HostBuf, Memory, MemoryUse};
 pub use device::{Device, DeviceSpec, WeightType};
 pub use error::{gib, KernelError, Result};

@@ -7,7 +7,7 @@
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::rope::RopeTable;
-use flowprefill_kernels::{Backend, Cpu, DType, HostBuf, KernelError, Memory, Result};
+use flowprefill_kernels::{Backend, Cpu, DType, HostBuf, KernelError, Memory, MemoryUse, Result};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -314,6 +314,12 @@ impl Backend for Limited {
     }
     fn seconds_between(&self, start: &Instant, end: &Instant) -> Result<f64> {
         self.cpu.seconds_between(start, end)
+    }
+    fn memory_use(&self) -> Option<MemoryUse> {
+        Some(MemoryUse { now: self.ledger.in_use(), peak: self.ledger.peak() })
+    }
+    fn reset_memory_peak(&self) {
+        self.ledger.reset_peak();
     }
     fn memory(&self) -> Option<Memory> {
         // Free memory is what the limit leaves; without one it is unknown.

@@ -88,6 +88,11 @@ fn the_plan_is_within_ten_percent_of_the_counted_peak_at_2k_4k_8k() {
                 ledger.phase_peaks().iter().map(|(p, b)| format!("{p} {:.1}", mib(b - before.min(*b)))).collect();
             drop(world);
             settle(&ledger, before);
+            if ranks == 1 {
+                // The engine's own figure (RankStats::memory_peak, what `run --stats` prints
+                // beside the plan) is the ledger's.
+                assert_eq!(r.rank_stats[0].memory_peak, Some(counted), "{method:?} at {tokens}");
+            }
             let plans: Vec<RankMemory> = plan_for(&lm, &opts, ranks, &layout);
             let planned: usize = plans.iter().map(RankMemory::bytes).sum();
             let err = (planned as f64 - counted as f64) / counted as f64;

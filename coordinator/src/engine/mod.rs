@@ -94,6 +94,11 @@ pub struct RankStats {
     /// time on a GPU (CUDA events), wall time on the CPU.
     #[serde(default)]
     pub ops: Vec<(String, f64)>,
+    /// The most bytes the job held at once on this rank's device above what the rank held
+    /// before it (where the backend counts them: a GPU's memory pool); on thread ranks sharing
+    /// a device, rank 0's figure is the device's.
+    #[serde(default)]
+    pub memory_peak: Option<usize>,
 }
 
 /// Outcome of one request (on rank 0).
@@ -486,6 +491,12 @@ impl<B: Backend> Engine<B> {
         }
         let (rank, size) = (comm.rank(), comm.size());
         let lead = rank == 0;
+        // The device's high-water mark from here (one rank per device counts it).
+        let be = self.lm.model.backend();
+        let held_before = (self.memory_peers == 1 || lead).then(|| be.memory_use().map(|u| u.now)).flatten();
+        if held_before.is_some() {
+            be.reset_memory_peak();
+        }
         let sampler = Sampler::new(opts.sampling.clone())?;
         let ratio = opts.effective_ratio();
         let n = layout.n_context();
@@ -557,6 +568,7 @@ impl<B: Backend> Engine<B> {
         let Turn { phases, mut result, mut mine, .. } = turn;
         mine.phases = phases.entries().iter().map(|(n, d)| (n.to_string(), d.as_secs_f64() * 1e3)).collect();
         mine.comm = comm.stats().clone();
+        mine.memory_peak = held_before.and_then(|b| be.memory_use().map(|u| u.peak.saturating_sub(b)));
         match self.lm.model.take_thread_op_times() {
             Ok(t) if self.lm.model.profile().enabled() => mine.ops = t.families_ms(),
             Ok(_) => {}

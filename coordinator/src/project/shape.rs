@@ -40,6 +40,21 @@ impl Shape {
         }
     }
 
+    /// The dimensions the memory plan needs (per-head query/key norms not counted: a few bytes
+    /// per row).
+    pub fn dims(&self) -> crate::memory::Dims {
+        crate::memory::Dims {
+            d_model: self.d_model,
+            q_dim: self.q_dim(),
+            kv_dim: self.kv_dim(),
+            n_heads: self.n_heads,
+            ffn_dim: self.ffn_dim,
+            n_layers: self.n_layers,
+            vocab_size: self.vocab_size,
+            qk_norm: false,
+        }
+    }
+
     /// A built-in shape by name (see [`Shape::builtin_names`]): the table of synthetic models
     /// (`flowprefill_worker::synthetic::SHAPES`), so a projection and a synthetic model of the
     /// same name have the same dimensions.

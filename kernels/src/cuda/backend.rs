@@ -309,11 +309,18 @@ impl Backend for CudaBackend {
         Some(crate::Memory { device: format!("cuda:{}", self.ordinal), free })
     }
 
+    fn memory_use(&self) -> Option<crate::MemoryUse> {
+        let (now, peak) = buffers::pool_use(self.stream.context()).ok()?;
+        Some(crate::MemoryUse { now, peak })
+    }
+
+    fn reset_memory_peak(&self) {
+        // Not fatal: the next peak then includes earlier ones.
+        let _ = buffers::reset_pool_peak(self.stream.context());
+    }
+
     fn scratch_bytes(&self, rows: usize, width: usize) -> usize {
-        // bf16 copies of a GEMM input and of the queries (grown to the largest forward, kept),
-        // plus cuBLAS's workspace and the control-data cache (16 MiB) with room to spare.
-        let copies = 2 * rows * width * 2;
-        copies + (48 << 20)
+        crate::backend::gpu_scratch_bytes(rows, width)
     }
 
     fn rope_copy(&self, src: &DeviceBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<DeviceBuf> {

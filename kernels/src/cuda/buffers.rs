@@ -221,54 +221,87 @@ pub(crate) fn mark(ctx: &Arc<CudaContext>, stream: &CudaStream) -> Result<Mark> 
 /// Tells the device's default memory pool (the one `cuMemAllocAsync` draws from) to keep
 /// freed memory for reuse instead of returning it to the driver at every synchronisation.
 pub(crate) fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<()> {
-    use cudarc::driver::{result, sys};
-    if !ctx.has_async_alloc() {
-        return Ok(());
-    }
+    set_pool_attribute(ctx, cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, u64::MAX)
+}
+
+/// The device's default memory pool (the stream-ordered allocator every buffer comes from),
+/// with the context current on this thread.
+fn default_pool(ctx: &Arc<CudaContext>) -> Result<cudarc::driver::sys::CUmemoryPool> {
+    use cudarc::driver::sys;
     ctx.bind_to_thread().map_err(|e| err("memory pool", e))?;
     let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
     // SAFETY: the context is current on this thread; `pool` receives the device's default
-    // pool handle, valid for the context's lifetime; the threshold attribute takes a u64.
+    // pool handle, valid for the context's lifetime.
     unsafe {
         sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
             .result()
             .map_err(|e| err("memory pool", e))?;
-        let mut threshold = u64::MAX;
-        result::mem_pool::set_attribute(
-            pool.assume_init(),
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            &mut threshold as *mut u64 as *mut std::ffi::c_void,
-        )
-        .map_err(|e| err("memory pool", e))
+        Ok(pool.assume_init())
     }
+}
+
+/// A u64 attribute of `pool`.
+fn pool_attribute(
+    pool: cudarc::driver::sys::CUmemoryPool,
+    attr: cudarc::driver::sys::CUmemPool_attribute,
+) -> Result<u64> {
+    let mut v = 0u64;
+    // SAFETY: `pool` is a valid pool handle; every attribute read here is a u64.
+    unsafe {
+        cudarc::driver::result::mem_pool::get_attribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void)
+            .map_err(|e| err("memory pool", e))?;
+    }
+    Ok(v)
 }
 
 /// Bytes a job can allocate on the device of `ctx` now: free in the driver, plus what the
 /// default pool keeps reserved but unused (kept by [`keep_freed_memory`]; the driver counts it
 /// as taken, yet the next allocation of this process reuses it).
 pub(crate) fn device_free(ctx: &Arc<CudaContext>) -> Result<usize> {
-    use cudarc::driver::{result, sys};
+    use cudarc::driver::sys::CUmemPool_attribute as A;
     let (free, _total) = ctx.mem_get_info().map_err(|e| err("memory info", e))?;
     if !ctx.has_async_alloc() {
         return Ok(free);
     }
-    ctx.bind_to_thread().map_err(|e| err("memory pool", e))?;
-    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
-    let (mut reserved, mut used) = (0u64, 0u64);
-    // SAFETY: the context is current on this thread; `pool` receives the device's default
-    // pool handle, valid for the context's lifetime; both attributes are u64.
-    unsafe {
-        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
-            .result()
-            .map_err(|e| err("memory pool", e))?;
-        let pool = pool.assume_init();
-        for (attr, out) in [
-            (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, &mut reserved),
-            (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &mut used),
-        ] {
-            result::mem_pool::get_attribute(pool, attr, out as *mut u64 as *mut std::ffi::c_void)
-                .map_err(|e| err("memory pool", e))?;
-        }
-    }
+    let pool = default_pool(ctx)?;
+    let reserved = pool_attribute(pool, A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+    let used = pool_attribute(pool, A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
     Ok(free.saturating_add(reserved.saturating_sub(used) as usize))
+}
+
+/// Bytes of the default pool in use now, and the most in use since [`reset_pool_peak`].
+pub(crate) fn pool_use(ctx: &Arc<CudaContext>) -> Result<(usize, usize)> {
+    use cudarc::driver::sys::CUmemPool_attribute as A;
+    if !ctx.has_async_alloc() {
+        return Err(err("memory pool", "this device has no stream-ordered allocator"));
+    }
+    let pool = default_pool(ctx)?;
+    let now = pool_attribute(pool, A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)? as usize;
+    let peak = pool_attribute(pool, A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)? as usize;
+    Ok((now, peak.max(now)))
+}
+
+/// Restarts the pool's high-water mark of used memory (the driver takes 0 as "from the
+/// current use").
+pub(crate) fn reset_pool_peak(ctx: &Arc<CudaContext>) -> Result<()> {
+    set_pool_attribute(ctx, cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
+}
+
+/// Sets a u64 attribute of the device's default pool (nothing on a device without one).
+fn set_pool_attribute(
+    ctx: &Arc<CudaContext>,
+    attr: cudarc::driver::sys::CUmemPool_attribute,
+    value: u64,
+) -> Result<()> {
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let pool = default_pool(ctx)?;
+    let mut v = value;
+    // SAFETY: `pool` is a valid pool handle; the attributes set here (release threshold,
+    // used-memory high-water mark) take a u64.
+    unsafe {
+        cudarc::driver::result::mem_pool::set_attribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void)
+            .map_err(|e| err("memory pool", e))
+    }
 }

@@ -4,7 +4,7 @@
 use crate::Common;
 use anyhow::{Context, Result};
 use flowprefill_coordinator::project::{self, plan, Device, Link, Profiles, Projection, Request, Shape};
-use flowprefill_coordinator::{Method, RunOptions, RunResult, Scope};
+use flowprefill_coordinator::{memory, Method, RunOptions, RunResult, Scope};
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::{Backend, Cpu, DType, HostBuf};
@@ -156,6 +156,8 @@ struct Row {
     ranks: usize,
     length: usize,
     p: Projection,
+    /// The job's planned memory on its busiest rank (bytes; weights not included).
+    memory: usize,
 }
 
 /// `bench project`.
@@ -194,6 +196,17 @@ pub fn run_project(common: &Common, a: ProjectArgs) -> Result<()> {
         let work = plan(&shape, opts, p, &req, dev.kv_bytes.value.round() as usize)?;
         Ok(project::project(&work, &shape, dev, link, scale))
     };
+    // The memory plan of the same request, at the target's K/V type, with a GPU's scratch.
+    let kv = if dev.kv_bytes.value.round() as usize == 2 { DType::Bf16 } else { DType::F32 };
+    let memory_of = |opts: &RunOptions, p: usize, n: usize| -> usize {
+        let req = Request::documents(n, a.doc_tokens, a.head_tokens, a.prompt_tokens);
+        let tokens = memory::Tokens { head: req.head, chunks: req.chunks.clone(), prompt: req.prompt };
+        let plans = memory::plan(&shape.dims(), kv, &flowprefill_kernels::gpu_scratch_bytes, opts, p, &tokens);
+        plans.iter().map(memory::RankMemory::bytes).max().unwrap_or(0)
+    };
+    // Weights per rank (every rank holds the whole model), untied embeddings assumed.
+    let weights = (shape.n_layers as f64 * shape.layer_params() + 2.0 * (shape.vocab_size * shape.d_model) as f64)
+        * dev.weight_bytes.value;
     // One global compute efficiency, calibrated on one cell.
     let mut scale = 1.0;
     if let Some(c) = &a.calibrate {
@@ -227,7 +240,14 @@ pub fn run_project(common: &Common, a: ProjectArgs) -> Result<()> {
                 if (opts.method == Method::Full && p > 1) || (opts.method == Method::Ring && p == 1) {
                     continue; // full is the single-device baseline; a ring of one is full prefill
                 }
-                rows.push(Row { label: label.clone(), ranks: p, length: n, p: project_one(opts, p, n, scale)? });
+                let memory = memory_of(opts, p, n);
+                rows.push(Row {
+                    label: label.clone(),
+                    ranks: p,
+                    length: n,
+                    p: project_one(opts, p, n, scale)?,
+                    memory,
+                });
             }
         }
     }
@@ -246,19 +266,36 @@ pub fn run_project(common: &Common, a: ProjectArgs) -> Result<()> {
         if scale != 1.0 { format!(", compute efficiency x {scale:.3}") } else { String::new() }
     );
     println!(
-        "{:>7} {:>5} {:<14} {:>10} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
-        "length", "ranks", "method", "TTFT ms", "vs full1", "vs ringP", "compute", "GEMM", "comm", "exposed"
+        "memory per rank: weights {:.1} GiB, plus the job's planned peak (GiB/rank: K/V at {} bytes, the \
+         largest forward, scratch; coordinator/src/memory.rs)",
+        weights / (1u64 << 30) as f64,
+        kv.size()
+    );
+    println!(
+        "{:>7} {:>5} {:<14} {:>10} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "length",
+        "ranks",
+        "method",
+        "TTFT ms",
+        "vs full1",
+        "vs ringP",
+        "compute",
+        "GEMM",
+        "comm",
+        "exposed",
+        "GiB/rank"
     );
     let mut csv = String::from(
-        "shape,target,link,method,ratio,scope,ranks,length,ttft_ms,speedup_vs_full1,speedup_vs_ring,compute_ms,gemm_ms,attention_ms,comm_ms,exposed_comm_ms,phases\n",
+        "shape,target,link,method,ratio,scope,ranks,length,ttft_ms,speedup_vs_full1,speedup_vs_ring,compute_ms,gemm_ms,attention_ms,comm_ms,exposed_comm_ms,job_memory_gib_per_rank,phases\n",
     );
     for r in &rows {
         let vs_full = full_label.as_deref().and_then(|f| find(f, 1, r.length)).map(|f| f / r.p.ttft_s);
         let vs_ring = ring_label.as_deref().and_then(|g| find(g, r.ranks, r.length)).map(|g| g / r.p.ttft_s);
         let fmt = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.2}x"));
         let ms = |f: fn(&project::time::PhaseTime) -> f64| r.p.sum(f) * 1e3;
+        let gib = r.memory as f64 / (1u64 << 30) as f64;
         println!(
-            "{:>7} {:>5} {:<14} {:>10.1} {:>9} {:>9} {:>10.1} {:>9.1} {:>9.1} {:>9.1}",
+            "{:>7} {:>5} {:<14} {:>10.1} {:>9} {:>9} {:>10.1} {:>9.1} {:>9.1} {:>9.1} {:>9.2}",
             r.length,
             r.ranks,
             r.label,
@@ -268,12 +305,13 @@ pub fn run_project(common: &Common, a: ProjectArgs) -> Result<()> {
             ms(|p| p.compute_s),
             ms(|p| p.gemm_s),
             ms(|p| p.comm_s),
-            ms(|p| p.exposed_comm_s)
+            ms(|p| p.exposed_comm_s),
+            gib
         );
         let opts = &methods.iter().find(|m| m.0 == r.label).map(|m| m.1.clone()).unwrap_or_default();
         let phases: Vec<String> = r.p.phases.iter().map(|p| format!("{}={:.2}", p.phase, p.total_s * 1e3)).collect();
         csv.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{:.2},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{}\n",
+            "{},{},{},{},{},{},{},{},{:.2},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{:.3},{}\n",
             shape.name,
             a.target,
             a.link,
@@ -290,6 +328,7 @@ pub fn run_project(common: &Common, a: ProjectArgs) -> Result<()> {
             ms(|p| p.attention_s),
             ms(|p| p.comm_s),
             ms(|p| p.exposed_comm_s),
+            gib,
             phases.join(" ")
         ));
     }

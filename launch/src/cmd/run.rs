@@ -4,8 +4,8 @@ use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
-use flowprefill_coordinator::{explain, Context, Engine, Job, Method, Request, RunOptions, Scope};
-use flowprefill_kernels::Device;
+use flowprefill_coordinator::{explain, memory, Context, Engine, Job, Method, Request, RunOptions, Scope};
+use flowprefill_kernels::{gib, Device};
 use flowprefill_worker::sampling::SamplingConfig;
 use flowprefill_worker::{Field, InputError, LoadedModel};
 use std::io::Write;
@@ -162,11 +162,15 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         return Ok(()); // a follower rank under mpirun: rank 0 prints
     };
     let note = engine_model.synthetic.map(|s| s.notice());
+    // What admission planned for this job on each rank (coordinator/src/memory.rs).
+    let layout = Layout::build(&engine_model, &req)?;
+    let planned = memory::plan_for(&engine_model, &job.options, r.ranks, &layout);
     if args.json {
         let mut v = to_json(&r);
         if let Some(n) = &note {
             v["note"] = serde_json::json!(n);
         }
+        v["memory_plan"] = serde_json::to_value(&planned)?;
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!();
@@ -176,9 +180,19 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         print_summary(&r);
         if args.stats {
             print_stats(&r);
+            for m in &planned {
+                let measured = r.rank_stats.iter().find(|s| s.rank == m.rank).and_then(|s| s.memory_peak);
+                println!(
+                    "memory plan, rank {}: {} at its {} peak ({}){}",
+                    m.rank,
+                    gib(m.bytes()),
+                    m.phase,
+                    m.describe(),
+                    measured.map_or(String::new(), |b| format!("; measured peak on the device {}", gib(b)))
+                );
+            }
         }
         if args.explain {
-            let layout = Layout::build(&engine_model, &req)?;
             println!("{}", explain::render(&engine_model.tokenizer, &layout, &r, 12));
         }
     }
