@@ -162,9 +162,10 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         return Ok(()); // a follower rank under mpirun: rank 0 prints
     };
     let note = engine_model.synthetic.map(|s| s.notice());
-    // What admission planned for this job on each rank (coordinator/src/memory.rs).
-    let layout = Layout::build(&engine_model, &req)?;
-    let planned = memory::plan_for(&engine_model, &job.options, r.ranks, &layout);
+    // What admission planned for this job on each rank (coordinator/src/memory.rs): tokenized
+    // again only when something prints it.
+    let layout = if args.json || args.stats || args.explain { Some(Layout::build(&engine_model, &req)?) } else { None };
+    let planned = layout.as_ref().map_or_else(Vec::new, |l| memory::plan_for(&engine_model, &job.options, r.ranks, l));
     if args.json {
         let mut v = to_json(&r);
         if let Some(n) = &note {
@@ -192,8 +193,8 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
                 );
             }
         }
-        if args.explain {
-            println!("{}", explain::render(&engine_model.tokenizer, &layout, &r, 12));
+        if let (true, Some(layout)) = (args.explain, &layout) {
+            println!("{}", explain::render(&engine_model.tokenizer, layout, &r, 12));
         }
     }
     Ok(())
