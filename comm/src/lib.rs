@@ -279,6 +279,18 @@ pub trait Communicator: Send {
     fn set_plane(&mut self, plane: Box<dyn plane::Plane>);
 }
 
+/// A communicator over the processes of a launched world (`mpirun`) that can narrow its jobs
+/// to the first processes: benchmarks run blocks of jobs on 1..P of them.
+pub trait ProcessGroup: Communicator {
+    /// Narrows the job group to the first `size` processes of the world; false: this process
+    /// is outside the block and has waited (up to `timeout`) until the block ended.
+    fn use_group(&mut self, size: usize, timeout: Duration) -> Result<bool>;
+    /// This process's rank in the whole world (not the group).
+    fn world_rank(&self) -> usize;
+    /// Processes in the world.
+    fn world_size(&self) -> usize;
+}
+
 /// Checks a rank number.
 pub fn check_rank(rank: usize, size: usize) -> Result<()> {
     if rank < size {

@@ -302,6 +302,18 @@ fn comm_thread(
     drop(universe); // MPI_Finalize
 }
 
+impl crate::ProcessGroup for MpiComm {
+    fn use_group(&mut self, size: usize, timeout: Duration) -> Result<bool> {
+        MpiComm::use_group(self, size, timeout)
+    }
+    fn world_rank(&self) -> usize {
+        MpiComm::world_rank(self)
+    }
+    fn world_size(&self) -> usize {
+        MpiComm::world_size(self)
+    }
+}
+
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
         self.rank

@@ -123,3 +123,11 @@ pub type Result<T> = std::result::Result<T, CoordError>;
 pub(crate) fn internal(msg: impl Into<String>) -> CoordError {
     CoordError::Internal(msg.into())
 }
+
+/// The message of a caught panic.
+pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}

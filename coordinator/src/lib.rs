@@ -9,9 +9,12 @@
 //! * [`shard`]: which rank holds which chunk;
 //! * [`engine`]: the phase pipeline on every rank, with the chunk store, TTFT and per-phase
 //!   timings and communication statistics;
-//! * [`explain`], [`tasks`]: selected spans in context; built-in question sets;
-//! * [`memory`]: the memory plan of a job, checked at admission against free memory;
-//! * [`project`]: the engine's work accounting turned into projected TTFT on other hardware.
+//! * [`explain`]: selected spans in context;
+//! * [`pipeline`]: what a job's phases do, decided from token counts before any work (the
+//!   engine runs it; the memory plan and the projection walk it);
+//! * [`memory`]: the memory plan of a job, checked at admission against free memory.
+//!
+//! Measurement (benchmarks, evaluation tasks, projection) lives in `flowprefill-lab`.
 
 pub mod admit;
 pub mod engine;
@@ -20,12 +23,11 @@ pub mod explain;
 pub mod fault;
 pub mod layout;
 pub mod memory;
-pub mod project;
+pub mod pipeline;
 pub mod reorder;
 pub mod request;
 pub mod select;
 pub mod shard;
-pub mod tasks;
 pub mod timings;
 pub mod world;
 
@@ -33,5 +35,5 @@ pub use admit::{admit, Admitted, Limits};
 pub use engine::{Control, Engine, RankStats, RunResult, DEFAULT_STORE_BYTES};
 pub use error::{CoordError, Result};
 pub use flowprefill_comm::ErrorClass;
-pub use request::{Context, Geometry, Job, Method, PrefixMode, Request, RunOptions, Scope};
-pub use world::{run_rank, PlaneSetup, ThreadRanks};
+pub use request::{Context, Geometry, Job, Method, MethodSpec, PrefixMode, Request, RunOptions, Scope};
+pub use world::{run_rank, PlaneSetup, ThreadRanks, World};

@@ -22,11 +22,9 @@
 
 use crate::error::{CoordError, Result};
 use crate::layout::Layout;
+use crate::pipeline::Pipeline;
 use crate::request::{Geometry, Method, PrefixMode, RunOptions, Scope};
-use crate::select::default_score_layers;
-use crate::shard;
 use crate::timings::phase;
-use flowprefill_kernels::topk::count_for_ratio;
 use flowprefill_kernels::{gib, Backend, DType, Memory};
 use flowprefill_worker::config::ModelConfig;
 use flowprefill_worker::generate::DEFAULT_PREFILL_CHUNK;
@@ -302,12 +300,12 @@ fn chunked(
     p: usize,
     me: usize,
 ) -> RankMemory {
-    let owners = shard::plan(&t.chunks, p);
-    let local: Vec<usize> = (0..t.chunks.len()).filter(|&c| owners[c] == me).collect();
+    let plan = Pipeline::new(opts, &t.chunks, p, s.layers);
+    let local = plan.local_chunks(me);
     let local_tokens: usize = local.iter().map(|&c| t.chunks[c]).sum();
     let n = t.context();
     let lead = me == 0;
-    let prefix = opts.prefix_mode();
+    let prefix = plan.prefix;
     // Star's anchor: chunk 0's cache (and a placed copy) on every rank holding a later chunk.
     let anchored = prefix == PrefixMode::Anchor && local.iter().any(|&c| c != 0);
     let anchor = if anchored && !local.contains(&0) { t.chunks.first().copied().unwrap_or(0) } else { 0 };
@@ -354,14 +352,13 @@ fn chunked(
     // After phase 1: every local chunk placed at its global position (the head too on rank 0).
     let placed = ("placed copies", s.kv_token() * (local_tokens + if lead { t.head } else { 0 }));
     let segments = local.len() + usize::from(lead);
-    let k = if opts.method.selects() { count_for_ratio(opts.effective_ratio(), n) } else { 0 };
+    let k = plan.recomputed();
     let mut phases = vec![chunk_prefill];
 
     // The prompt over the segments: one partial per segment, the tail's and the merge.
     let m = t.prompt;
     let replicated = |rows: usize| rows * s.forward_row() + (segments + 2) * rows * s.partial_row();
-    let probes = opts.reorder || (k > 0 && k < n && !matches!(opts.method, Method::Epic | Method::Random));
-    if probes {
+    if plan.probes {
         let parts: Vec<(&'static str, usize)> = if opts.method == Method::Cacheblend && !opts.reorder {
             // Every local token through the first layers, the segments copied per layer, the
             // queries of every rank visiting them (exact scope).
@@ -372,10 +369,7 @@ fn chunked(
             let weighted = match opts.method {
                 Method::Prophet => s.layers,
                 Method::Cacheclip => 1,
-                _ => {
-                    let (a, b) = opts.score_layers.unwrap_or_else(|| default_score_layers(s.layers));
-                    b.saturating_sub(a) + 1
-                }
+                _ => plan.score_layers.1.saturating_sub(plan.score_layers.0) + 1,
             };
             // Pre-RoPE segments are rotated per layer in the other geometries.
             let rotated = if opts.geometry == Geometry::Global { 0 } else { local_tokens * s.kvd * s.kv };
@@ -391,7 +385,7 @@ fn chunked(
     }
     if k > 0 {
         // This rank's share of the selection, at most one batch of it per forward.
-        let batch = opts.recompute_batch.max(1);
+        let batch = plan.recompute_batch;
         let mine = (k * local_tokens).div_ceil(n.max(1)).min(batch);
         let total = k.min(batch);
         let attend = match opts.scope {

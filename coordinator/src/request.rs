@@ -107,6 +107,99 @@ impl std::fmt::Display for Method {
     }
 }
 
+/// A method as users write it, parsed and printed here only: on the command line (`run`,
+/// `bench`, `eval`), in eval records and in projections. `NAME[+reorder][@RATIO]`:
+/// `infoflow`, `infoflow+reorder` (chunks reordered by importance first), `infoflow@0.15`
+/// (a recompute ratio); `NAME:RATIO` is read as `NAME@RATIO`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MethodSpec {
+    /// The method.
+    pub method: Method,
+    /// Chunks reordered before the prompt (`+reorder`).
+    pub reorder: bool,
+    /// Recompute ratio, when the spec names one.
+    pub ratio: Option<f64>,
+}
+
+impl MethodSpec {
+    /// `method` alone: no reordering, no ratio.
+    pub fn new(method: Method) -> Self {
+        Self { method, reorder: false, ratio: None }
+    }
+
+    /// The same spec at `ratio`.
+    pub fn at(self, ratio: f64) -> Self {
+        Self { ratio: Some(ratio), ..self }
+    }
+
+    /// The label without the ratio (`infoflow+reorder`): how tables and records name a method
+    /// whose ratio is a column of its own.
+    pub fn label(&self) -> String {
+        Self { ratio: None, ..*self }.to_string()
+    }
+
+    /// A comma-separated list of specs (empty items skipped).
+    pub fn parse_list(list: &str) -> std::result::Result<Vec<Self>, InputError> {
+        list.split(',').map(str::trim).filter(|m| !m.is_empty()).map(str::parse).collect()
+    }
+
+    /// Run options of this spec (the ratio given here, else `default_ratio`).
+    pub fn options(&self, default_ratio: f64) -> RunOptions {
+        RunOptions {
+            method: self.method,
+            reorder: self.reorder,
+            ratio: self.ratio.unwrap_or(default_ratio),
+            ..RunOptions::default()
+        }
+    }
+}
+
+impl FromStr for MethodSpec {
+    type Err = InputError;
+    fn from_str(s: &str) -> std::result::Result<Self, InputError> {
+        let s = s.trim();
+        let (rest, ratio) = match s.split_once(['@', ':']) {
+            Some((rest, r)) => {
+                let ratio: f64 = r.trim().parse().map_err(|_| {
+                    InputError::new(Field::Ratio, format!("`{s}`: `{r}` is not a ratio (write e.g. infoflow@0.15)"))
+                })?;
+                check_ratio(ratio)?;
+                (rest, Some(ratio))
+            }
+            None => (s, None),
+        };
+        let (name, reorder) = rest.strip_suffix("+reorder").map_or((rest, false), |n| (n, true));
+        Ok(Self { method: name.parse()?, reorder, ratio })
+    }
+}
+
+impl std::fmt::Display for MethodSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.method.name())?;
+        if self.reorder {
+            f.write_str("+reorder")?;
+        }
+        match self.ratio {
+            Some(r) => write!(f, "@{r}"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl serde::Serialize for MethodSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for MethodSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        // The problem alone: a JSON field is named by its path, not by a command-line flag.
+        s.parse().map_err(|e: InputError| serde::de::Error::custom(e.problem))
+    }
+}
+
 /// What a chunk is prefilled behind (methods.md section 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -361,4 +454,44 @@ pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
         return Err(bad(Field::MaxTokens, "must be at least 1"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn method_specs_parse_and_print_in_one_grammar() {
+        for (text, method, reorder, ratio, printed) in [
+            ("infoflow", Method::Infoflow, false, None, "infoflow"),
+            ("infoflow+reorder", Method::Infoflow, true, None, "infoflow+reorder"),
+            ("infoflow@0.15", Method::Infoflow, false, Some(0.15), "infoflow@0.15"),
+            (" infoflow:0.3 ", Method::Infoflow, false, Some(0.3), "infoflow@0.3"),
+            ("EPIC+reorder@1", Method::Epic, true, Some(1.0), "epic+reorder@1"),
+            ("full", Method::Full, false, None, "full"),
+        ] {
+            let spec: MethodSpec = text.parse().unwrap();
+            assert_eq!(spec, MethodSpec { method, reorder, ratio }, "{text}");
+            assert_eq!(spec.to_string(), printed);
+            assert_eq!(printed.parse::<MethodSpec>().unwrap(), spec, "printing is parseable");
+            assert_eq!(spec.label(), printed.split('@').next().unwrap());
+            let json = serde_json::to_string(&spec).unwrap();
+            assert_eq!(json, format!("\"{printed}\""));
+            assert_eq!(serde_json::from_str::<MethodSpec>(&json).unwrap(), spec);
+        }
+        for (bad, field) in [
+            ("magic", Field::Method),
+            ("infoflow@x", Field::Ratio),
+            ("infoflow@1.5", Field::Ratio),
+            ("infoflow+reorder+reorder", Field::Method),
+        ] {
+            let e = bad.parse::<MethodSpec>().unwrap_err();
+            assert_eq!(e.field, field, "{bad}: {e}");
+        }
+        let list = MethodSpec::parse_list("full, none,,infoflow+reorder@0.2").unwrap();
+        assert_eq!(list.iter().map(ToString::to_string).collect::<Vec<_>>(), ["full", "none", "infoflow+reorder@0.2"]);
+        let o = list[2].options(0.15);
+        assert!(o.reorder && o.method == Method::Infoflow && o.ratio == 0.2);
+        assert_eq!(MethodSpec::new(Method::Epic).options(0.15).ratio, 0.15);
+    }
 }

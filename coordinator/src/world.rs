@@ -12,11 +12,12 @@
 //! ranks. A hung thread cannot be killed; it is abandoned, never waited for.
 
 use crate::engine::{Control, Engine, RunResult};
+pub use crate::error::panic_message;
 use crate::error::{internal, CoordError, Result};
 use crate::fault::FaultPlan;
 use crate::request::Job;
 use flowprefill_comm::local::LocalComm;
-use flowprefill_comm::Communicator;
+use flowprefill_comm::{Communicator, ProcessGroup};
 use flowprefill_kernels::Backend;
 use flowprefill_worker::{Field, InputError, LoadedModel};
 use std::sync::Arc;
@@ -42,14 +43,6 @@ pub fn run_rank<B: Backend>(
         engine.follow(comm)?;
         Ok(None)
     }
-}
-
-/// The message of a caught panic.
-pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// Sets a rank's device plane up (NCCL on its GPU) on the rank's own thread, every rank at
@@ -316,6 +309,148 @@ impl<B: Backend> Drop for ThreadRanks<B> {
                 if h.is_finished() {
                     let _ = h.join();
                 }
+            }
+        }
+    }
+}
+
+/// The ranks a command computes with: thread ranks of this process, or this process as one
+/// rank of an `mpirun` world (world rank 0 leads and reports; the others follow inside
+/// [`World::run`], or in their own loop for a service). `run`, `serve` and `bench` all use it.
+// One per process, made once: the variants' size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
+pub enum World<B: Backend> {
+    /// Thread ranks of this process.
+    Threads(ThreadRanks<B>),
+    /// This process's rank of an MPI job, with its engine.
+    Mpi {
+        /// The process's communicator (narrowed to a group by [`World::use_group`]).
+        comm: Box<dyn ProcessGroup>,
+        /// This rank's engine.
+        engine: Engine<B>,
+    },
+}
+
+impl<B: Backend> World<B> {
+    /// Ranks of the current group.
+    pub fn size(&self) -> usize {
+        match self {
+            World::Threads(t) => t.size(),
+            World::Mpi { comm, .. } => comm.size(),
+        }
+    }
+
+    /// Whether this process leads and reports (always, for thread ranks).
+    pub fn lead(&self) -> bool {
+        match self {
+            World::Threads(_) => true,
+            World::Mpi { comm, .. } => comm.world_rank() == 0,
+        }
+    }
+
+    /// Most ranks a group may have (`None`: thread ranks, as many as asked).
+    pub fn max_ranks(&self) -> Option<usize> {
+        match self {
+            World::Threads(_) => None,
+            World::Mpi { comm, .. } => Some(comm.world_size()),
+        }
+    }
+
+    /// What the ranks are, in words (for a table's title).
+    pub fn describe(&self, threads_per_rank: usize) -> String {
+        match self {
+            World::Threads(_) => {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                format!("thread ranks sharing {cores} cores")
+            }
+            World::Mpi { comm, .. } => {
+                format!("MPI ranks (of {} processes), {threads_per_rank} threads each", comm.world_size())
+            }
+        }
+    }
+
+    /// This process's engine (rank 0's, for thread ranks).
+    pub fn leader(&self) -> &Engine<B> {
+        match self {
+            World::Threads(t) => t.leader(),
+            World::Mpi { engine, .. } => engine,
+        }
+    }
+
+    /// One job on every rank of the group, the followers stopped after it (one-shot use, as
+    /// `run` and `bench` do): the result on the leader, `None` on the other MPI ranks.
+    pub fn run(&mut self, job: &Job, on_text: &mut dyn FnMut(&str) -> bool) -> Result<Option<RunResult>> {
+        match self {
+            World::Threads(t) => t.run(job, on_text).map(Some),
+            World::Mpi { comm, engine } => run_rank(engine, comm.as_mut(), job, on_text),
+        }
+    }
+
+    /// One job led by this process, the followers kept for the next one (a service's rank 0).
+    pub fn lead_with(
+        &mut self,
+        job: &Job,
+        ctl: Control<'_>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<RunResult> {
+        match self {
+            World::Threads(t) => t.run_with(job, ctl, on_text),
+            World::Mpi { comm, engine } => engine.lead_with(comm.as_mut(), job, ctl, on_text),
+        }
+    }
+
+    /// Forgets every chunk cache, so that the next job runs cold: fresh thread ranks, or this
+    /// process's chunk stores emptied (every MPI process calls it at the same point).
+    pub fn forget_caches(&mut self) -> Result<()> {
+        match self {
+            World::Threads(t) => t.rebuild(),
+            World::Mpi { engine, .. } => {
+                engine.clear_stores();
+                Ok(())
+            }
+        }
+    }
+
+    /// Narrows an MPI world to its first `size` processes for a block of jobs; false: this
+    /// process sits the block out (it has waited for the block to end). Thread ranks: true.
+    pub fn use_group(&mut self, size: usize, timeout: Duration) -> Result<bool> {
+        match self {
+            World::Threads(_) => Ok(true),
+            World::Mpi { comm, .. } => Ok(comm.use_group(size, timeout)?),
+        }
+    }
+
+    /// The communicator of an MPI world (to attach a device plane to a new group).
+    pub fn process_comm(&mut self) -> Option<&mut dyn ProcessGroup> {
+        match self {
+            World::Threads(_) => None,
+            World::Mpi { comm, .. } => Some(comm.as_mut()),
+        }
+    }
+
+    /// After rank 0 panicked mid-job: tells the other ranks the job is over, so that they wait
+    /// for the next one (thread ranks are rebuilt instead, by [`World::repair`]).
+    pub fn abandon_job(&mut self, why: &str) {
+        if let World::Mpi { comm, .. } = self {
+            comm.abort(flowprefill_comm::ErrorClass::Internal, why);
+            comm.end_job();
+        }
+    }
+
+    /// Tries to get all ranks back; false when impossible (MPI processes cannot be restarted).
+    pub fn repair(&mut self) -> bool {
+        match self {
+            World::Threads(t) => t.rebuild().is_ok(),
+            World::Mpi { .. } => false,
+        }
+    }
+
+    /// Stops the followers.
+    pub fn shutdown(self) {
+        match self {
+            World::Threads(t) => drop(t),
+            World::Mpi { mut comm, .. } => {
+                let _ = Engine::<B>::stop(comm.as_mut());
             }
         }
     }

@@ -1,11 +1,9 @@
 //! The `flowprefill` command as a library: its subcommands, the HTTP service (usable
-//! in-process: [`serve::Service`] and [`serve::serve`]), plots, and the error classes mapped
+//! in-process: [`serve::Service`] and [`serve::serve`]), and the error classes mapped
 //! once to exit codes and HTTP statuses ([`exit`]).
 
 pub mod cmd;
 pub mod exit;
-pub mod http;
-pub mod plot;
 pub mod progress;
 pub mod rss;
 pub mod serve;

@@ -1,9 +1,6 @@
 //! `flowprefill serve` end to end: a real server process, real HTTP, real model.
 
-#[path = "../src/http.rs"]
-#[allow(dead_code)]
-mod http;
-
+use flowprefill_lab::http;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -150,7 +147,7 @@ fn endpoints_streaming_openai_and_metrics() {
     };
     bad(b"{not json", "malformed JSON");
     bad(br#"{"documents": ["a"]}"#, "query");
-    bad(br#"{"documents": ["a"], "query": "q", "method": "magic"}"#, "unknown variant `magic`");
+    bad(br#"{"documents": ["a"], "query": "q", "method": "magic"}"#, "unknown method `magic`");
     bad(br#"{"documents": ["a"], "query": "q", "ratio": 2}"#, "field `ratio`");
     bad(br#"{"documents": ["a", " "], "query": "q"}"#, "field `documents[1]`: the document is empty");
     bad(br#"{"documents": ["a"], "query": "q", "ratoi": 0.1}"#, "ratoi");

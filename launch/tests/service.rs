@@ -5,10 +5,10 @@
 //! The tests run one at a time (a lock): each computes on the same two cores, and the timing
 //! comparisons below compare a job with another job measured in the same test.
 
-use flowprefill::http;
 use flowprefill::serve::{self, ServeConfig, Service};
 use flowprefill_coordinator::fault::{FaultMode, FaultPlan};
 use flowprefill_kernels::{Cpu, Device};
+use flowprefill_lab::http;
 use flowprefill_worker::LoadedModel;
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -62,7 +62,7 @@ pub fn small_docs() -> Vec<String> {
         let mut text = String::new();
         while lm.tokenizer.encode_text(&text).map_or(0, |t| t.len()) < 120 {
             let mut rng = <StdRng as SeedableRng>::seed_from_u64(seed * 100 + text.len() as u64);
-            text.push_str(&flowprefill_worker::corpus::sentence(&mut rng));
+            text.push_str(&flowprefill_lab::corpus::sentence(&mut rng));
             text.push(' ');
             if seed == 1 && text.len() > 200 && !text.contains("4729") {
                 text.push_str("The access code for the north gate is 4729. ");

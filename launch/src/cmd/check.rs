@@ -1,11 +1,11 @@
 //! `flowprefill check`: needle-in-a-haystack accuracy and TTFT of every method.
 
-use super::demo::{label, TABLE};
+use super::demo::TABLE;
 use super::run::engine;
 use crate::Common;
 use anyhow::Result;
-use flowprefill_coordinator::tasks::niah_cases;
-use flowprefill_coordinator::RunOptions;
+use flowprefill_coordinator::{Method, MethodSpec, RunOptions};
+use flowprefill_lab::tasks::niah_cases;
 
 /// Arguments of `check`.
 #[derive(clap::Args, Debug)]
@@ -56,40 +56,60 @@ struct Row {
     answer_cov: f64,
 }
 
+/// The rows of the table --methods asks for (default: the demo's), full first.
+fn methods(list: Option<&str>) -> Result<Vec<MethodSpec>> {
+    let table: Vec<MethodSpec> = match list {
+        None => TABLE.to_vec(),
+        Some(list) => {
+            let wanted = MethodSpec::parse_list(list)?;
+            for w in &wanted {
+                crate::ensure_usage!(
+                    TABLE.contains(w),
+                    "--methods: unknown `{w}`; choose from {}",
+                    TABLE.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                );
+            }
+            TABLE.iter().copied().filter(|t| wanted.contains(t)).collect()
+        }
+    };
+    crate::ensure_usage!(
+        table.first().is_some_and(|t| t.method == Method::Full),
+        "--methods must include full (the baseline)"
+    );
+    Ok(table)
+}
+
+/// Writes each case's documents, query and answer under `dir`.
+fn dump(cases: &[flowprefill_lab::tasks::QaCase], dir: &std::path::Path) -> Result<()> {
+    for case in cases {
+        let d = dir.join(&case.id);
+        std::fs::create_dir_all(&d)?;
+        for (i, doc) in case.documents.iter().enumerate() {
+            std::fs::write(d.join(format!("doc{i:02}.txt")), doc)?;
+        }
+        std::fs::write(d.join("query.txt"), &case.query)?;
+        std::fs::write(d.join("answer.txt"), case.answers.join("\n"))?;
+    }
+    eprintln!("wrote {} cases under {}", cases.len(), dir.display());
+    Ok(())
+}
+
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
     // Parsed once, before the model loads, so a bad flag fails fast.
     let (geometry, score_layers, prefix) = args.scoring.parse()?;
+    let table = methods(args.methods.as_deref())?;
     let engine = engine(common, None)?;
-    let lengths = args.lengths.concat();
-    let depths = args.depths.concat();
+    let (lengths, depths) = (args.lengths.concat(), args.depths.concat());
     crate::ensure_usage!(
         !lengths.is_empty() && !depths.is_empty() && args.per_cell > 0,
         "no cases: give --lengths, --depths, --per-cell"
     );
     let cases = niah_cases(&engine.model().tokenizer, args.seed, &lengths, &depths, args.per_cell);
-    let table: Vec<(flowprefill_coordinator::Method, bool)> = match &args.methods {
-        None => TABLE.to_vec(),
-        Some(list) => {
-            let wanted: Vec<&str> = list.split(',').map(str::trim).collect();
-            for w in &wanted {
-                crate::ensure_usage!(
-                    TABLE.iter().any(|&(m, r)| label(m, r) == *w),
-                    "--methods: unknown `{w}`; choose from {}",
-                    TABLE.iter().map(|&(m, r)| label(m, r)).collect::<Vec<_>>().join(", ")
-                );
-            }
-            TABLE.iter().copied().filter(|&(m, r)| wanted.contains(&label(m, r).as_str())).collect()
-        }
-    };
-    crate::ensure_usage!(
-        table.first().is_some_and(|t| t.0 == flowprefill_coordinator::Method::Full),
-        "--methods must include full (the baseline)"
-    );
     let mut rows: Vec<Row> = table
         .iter()
-        .map(|&(m, r)| Row {
-            label: label(m, r),
+        .map(|m| Row {
+            label: m.to_string(),
             correct: 0,
             ttft_ms: vec![],
             selected: 0,
@@ -98,37 +118,19 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         })
         .collect();
     if let Some(dir) = &args.dump_cases {
-        for case in &cases {
-            let d = dir.join(&case.id);
-            std::fs::create_dir_all(&d)?;
-            for (i, doc) in case.documents.iter().enumerate() {
-                std::fs::write(d.join(format!("doc{i:02}.txt")), doc)?;
-            }
-            std::fs::write(d.join("query.txt"), &case.query)?;
-            std::fs::write(d.join("answer.txt"), case.answers.join("\n"))?;
-        }
-        eprintln!("wrote {} cases under {}", cases.len(), dir.display());
+        dump(&cases, dir)?;
     }
     eprintln!("{} cases x {} methods", cases.len(), table.len());
     let mut progress = crate::progress::Progress::new(cases.len(), "cases");
     for case in &cases {
         // `check` keeps its plain prompts (its figures in docs/results.md were made with them).
-        let req = case.request(flowprefill_coordinator::tasks::PromptStyle::Plain);
+        let req = case.request(flowprefill_lab::tasks::PromptStyle::Plain);
         let needle_rows = case.needle_rows(&engine.model().tokenizer);
-        for (row, &(method, reorder)) in rows.iter_mut().zip(table.iter()) {
+        for (row, spec) in rows.iter_mut().zip(table.iter()) {
             if !args.warm {
                 engine.store().clear();
             }
-            let opts = RunOptions {
-                method,
-                ratio: args.ratio,
-                reorder,
-                max_new_tokens: 32,
-                geometry,
-                score_layers,
-                prefix,
-                ..RunOptions::default()
-            };
+            let opts = RunOptions { max_new_tokens: 32, geometry, score_layers, prefix, ..spec.options(args.ratio) };
             let r = engine.run(&req, &opts, &mut |_| true)?;
             if let Some((doc, needle, Some(answer))) = needle_rows.first() {
                 let sel = &r.selected_rows[*doc];
@@ -148,7 +150,12 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         engine.store().clear();
         progress.inc(&case.id);
     }
-    let n = cases.len() as f64;
+    report(&args, &rows, cases.len(), &lengths, &depths)
+}
+
+/// The table (or with --json one object) of accuracy, TTFT and selection per method.
+fn report(args: &Args, rows: &[Row], cases: usize, lengths: &[usize], depths: &[f64]) -> Result<()> {
+    let n = cases as f64;
     let median = |v: &[f64]| {
         let mut s = v.to_vec();
         s.sort_by(|a, b| a.total_cmp(b));
@@ -161,7 +168,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             .iter()
             .map(|r| {
                 serde_json::json!({
-                    "method": r.label, "accuracy": r.correct as f64 / n, "correct": r.correct, "cases": cases.len(),
+                    "method": r.label, "accuracy": r.correct as f64 / n, "correct": r.correct, "cases": cases,
                     "median_ttft_ms": median(&r.ttft_ms), "mean_selected": r.selected as f64 / n,
                     "needle_tokens_selected": r.needle_cov / n, "answer_tokens_selected": r.answer_cov / n,
                 })
@@ -178,7 +185,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     }
     println!(
         "needle in a haystack: {} cases (lengths {:?}, depths {:?}, {} per cell, seed {}), ratio {}, {} chunk caches",
-        cases.len(),
+        cases,
         lengths,
         depths,
         args.per_cell,
@@ -190,7 +197,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         "{:<18} {:>9} {:>9} {:>14} {:>8} {:>9} {:>10} {:>10}",
         "method", "accuracy", "vs full", "median TTFT ms", "speedup", "selected", "needle sel", "answer sel"
     );
-    for r in &rows {
+    for r in rows {
         let acc = r.correct as f64 / n;
         let ttft = median(&r.ttft_ms);
         println!(

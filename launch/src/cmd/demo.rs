@@ -3,8 +3,8 @@
 use super::run::engine;
 use crate::Common;
 use anyhow::Result;
-use flowprefill_coordinator::tasks::demo_case;
-use flowprefill_coordinator::{Method, RunOptions};
+use flowprefill_coordinator::{Method, MethodSpec, RunOptions};
+use flowprefill_lab::tasks::demo_case;
 
 /// Arguments of `demo`.
 #[derive(clap::Args, Debug)]
@@ -14,34 +14,29 @@ pub struct Args {
     pub ratio: f64,
 }
 
-/// The methods of the demo and check tables: (method, reorder).
-pub const TABLE: [(Method, bool); 10] = [
-    (Method::Full, false),
-    (Method::None, false),
-    (Method::Infoflow, false),
-    (Method::Infoflow, true),
-    (Method::Prophet, false),
-    (Method::Cacheblend, false),
-    (Method::Epic, false),
-    (Method::Cacheclip, false),
-    (Method::Random, false),
-    (Method::Star, false),
+/// The methods of the demo and check tables.
+pub const TABLE: [MethodSpec; 10] = [
+    spec(Method::Full, false),
+    spec(Method::None, false),
+    spec(Method::Infoflow, false),
+    spec(Method::Infoflow, true),
+    spec(Method::Prophet, false),
+    spec(Method::Cacheblend, false),
+    spec(Method::Epic, false),
+    spec(Method::Cacheclip, false),
+    spec(Method::Random, false),
+    spec(Method::Star, false),
 ];
 
-/// Display name of a table row.
-pub fn label(m: Method, reorder: bool) -> String {
-    if reorder {
-        format!("{m}+reorder")
-    } else {
-        m.to_string()
-    }
+const fn spec(method: Method, reorder: bool) -> MethodSpec {
+    MethodSpec { method, reorder, ratio: None }
 }
 
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
     let engine = engine(common, None)?;
     let case = demo_case(&engine.model().tokenizer);
-    let req = case.request(flowprefill_coordinator::tasks::PromptStyle::Plain);
+    let req = case.request(flowprefill_lab::tasks::PromptStyle::Plain);
     println!(
         "Question: {}  (the answer, {}, is in document {} of {})",
         case.query,
@@ -57,13 +52,13 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         "method", "answer", "correct", "cold ms", "speedup", "warm ms", "speedup", "selected"
     );
     let mut full_ttft = None;
-    for (method, reorder) in TABLE {
+    for spec in TABLE {
         engine.store().clear();
-        let opts = RunOptions { method, ratio: args.ratio, reorder, max_new_tokens: 24, ..RunOptions::default() };
+        let opts = RunOptions { max_new_tokens: 24, ..spec.options(args.ratio) };
         let cold = engine.run(&req, &opts, &mut |_| true)?;
         let cold_ms = cold.ttft.as_secs_f64() * 1e3;
         let base = *full_ttft.get_or_insert(cold_ms);
-        let warm = if method == Method::Full {
+        let warm = if spec.method == Method::Full {
             None
         } else {
             Some(engine.run(&req, &opts, &mut |_| true)?.ttft.as_secs_f64() * 1e3)
@@ -75,7 +70,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         };
         println!(
             "{:<17} {:<58} {:>7} {:>9.1} {:>6.2}x {:>9} {:>7} {:>8}",
-            label(method, reorder),
+            spec.to_string(),
             answer,
             if case.is_correct(&cold.answer) { "yes" } else { "no" },
             cold_ms,

@@ -10,9 +10,9 @@
 //! ```
 //! The table is written as Markdown (and JSON) for `docs/faults.md`.
 
-use crate::http;
 use crate::Common;
 use anyhow::{Context as _, Result};
+use flowprefill_lab::http;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;

@@ -162,6 +162,31 @@ pub fn thread_world(
     gpu_world(common, lm, ranks, timeout)
 }
 
+/// This process as one rank of an `mpirun` world (an engine on `lm`, the communicator's
+/// deadline `timeout`, with `attach` the device plane between the GPUs), or `None` when the
+/// process was not launched by mpirun (or the build has no MPI).
+pub fn mpi_world(
+    common: &Common,
+    lm: &std::sync::Arc<LoadedModel<Device>>,
+    timeout: std::time::Duration,
+    attach: bool,
+) -> Result<Option<flowprefill_coordinator::World<Device>>> {
+    #[cfg(feature = "mpi")]
+    if flowprefill_comm::mpi::launched_by_mpirun() {
+        use flowprefill_comm::Communicator;
+        let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
+        comm.set_timeout(timeout);
+        if attach {
+            attach_device_plane(common, &mut comm)?;
+        }
+        let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
+            .with_memory_limit(common.memory_limit);
+        return Ok(Some(flowprefill_coordinator::World::Mpi { comm: Box::new(comm), engine }));
+    }
+    let _ = (common, lm, timeout, attach);
+    Ok(None)
+}
+
 /// Checks, before anything is loaded, that `--ranks` thread ranks fit `--device`: with
 /// `--device cuda`, one GPU per rank.
 pub fn check_thread_world(common: &Common, ranks: usize) -> Result<()> {
@@ -267,18 +292,6 @@ pub fn parse_list<T: std::str::FromStr>(s: &str) -> std::result::Result<Vec<T>, 
 }
 
 /// `flowprefill devices`: the GPUs visible to a `cuda` build.
-/// Comma-separated method labels (`infoflow+reorder` reorders): (label, method, reorder).
-pub fn method_labels(list: &str) -> Result<Vec<(String, flowprefill_coordinator::Method, bool)>> {
-    list.split(',')
-        .map(str::trim)
-        .filter(|m| !m.is_empty())
-        .map(|m| {
-            let (name, reorder) = m.strip_suffix("+reorder").map_or((m, false), |n| (n, true));
-            Ok((m.to_string(), name.parse()?, reorder))
-        })
-        .collect()
-}
-
 pub fn devices() -> Result<()> {
     println!("cpu: {} threads, SIMD {:?}", rayon::current_num_threads(), flowprefill_kernels::simd::level());
     #[cfg(feature = "cuda")]

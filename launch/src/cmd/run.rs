@@ -4,7 +4,7 @@ use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
-use flowprefill_coordinator::{explain, memory, Context, Engine, Job, Method, Request, RunOptions, Scope};
+use flowprefill_coordinator::{explain, memory, Context, Engine, Job, Method, Request, RunOptions, Scope, World};
 use flowprefill_kernels::{gib, Device};
 use flowprefill_worker::sampling::SamplingConfig;
 use flowprefill_worker::{Field, InputError, LoadedModel};
@@ -233,29 +233,21 @@ fn run_job(
         )),
         None => None,
     };
-    #[cfg(feature = "mpi")]
-    if flowprefill_comm::mpi::launched_by_mpirun() {
-        use flowprefill_comm::Communicator;
-        anyhow::ensure!(
-            args.ranks.is_none_or(|r| r == 1),
-            "--ranks is for thread ranks; under mpirun every process is one rank (use -np N)"
-        );
-        let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
-        comm.set_timeout(timeout);
-        super::attach_device_plane(common, &mut comm)?;
-        let mut engine = Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
-            .with_memory_limit(common.memory_limit);
-        if let Some(a) = aux {
-            engine = engine.with_aux(a)?;
-        }
-        let r = flowprefill_coordinator::run_rank(&engine, &mut comm, job, on_text)?;
-        return Ok(r.map(|r| (r, lm)));
-    }
-    let mut world = super::thread_world(common, lm.clone(), ranks, timeout)?;
+    anyhow::ensure!(
+        !under_mpirun || args.ranks.is_none_or(|r| r == 1),
+        "--ranks is for thread ranks; under mpirun every process is one rank (use -np N)"
+    );
+    let mut world = match super::mpi_world(common, &lm, timeout, true)? {
+        Some(w) => w,
+        None => World::Threads(super::thread_world(common, lm.clone(), ranks, timeout)?),
+    };
     if let Some(a) = aux {
-        world = world.with_aux(a)?;
+        world = match world {
+            World::Threads(t) => World::Threads(t.with_aux(a)?),
+            World::Mpi { comm, engine } => World::Mpi { comm, engine: engine.with_aux(a)? },
+        };
     }
-    Ok(Some((world.run(job, on_text)?, lm)))
+    Ok(world.run(job, on_text)?.map(|r| (r, lm)))
 }
 
 /// Per-rank phase times and bytes per collective.

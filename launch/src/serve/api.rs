@@ -16,7 +16,7 @@
 //! `stop`, `tools`, `logprobs`, penalties) instead of being ignored. Every error names the
 //! field to fix, by its JSON name.
 
-use flowprefill_coordinator::{Context, CoordError, Geometry, Job, Method, PrefixMode, Request, RunOptions, Scope};
+use flowprefill_coordinator::{Context, CoordError, Geometry, Job, MethodSpec, PrefixMode, Request, RunOptions, Scope};
 use flowprefill_worker::sampling::SamplingConfig;
 use serde::Deserialize;
 
@@ -91,9 +91,10 @@ pub struct JobRequest {
     /// What the answer starts with (the assistant's turn opens with it; the answer continues it).
     #[serde(default)]
     pub answer_prefix: Option<String>,
-    /// Method (default infoflow).
+    /// Method (default infoflow), written as on the command line: `infoflow`,
+    /// `infoflow+reorder`, `infoflow@0.3`.
     #[serde(default)]
-    pub method: Option<Method>,
+    pub method: Option<MethodSpec>,
     /// Recompute ratio (default 0.15).
     #[serde(default)]
     pub ratio: Option<f64>,
@@ -136,9 +137,9 @@ pub struct JobRequest {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MethodFields {
-    /// Method.
+    /// Method (`NAME[+reorder][@RATIO]`).
     #[serde(default)]
-    pub method: Option<Method>,
+    pub method: Option<MethodSpec>,
     /// Ratio.
     #[serde(default)]
     pub ratio: Option<f64>,
@@ -165,14 +166,26 @@ fn options(
     seed: Option<u64>,
 ) -> Result<RunOptions, ApiError> {
     let mut o = RunOptions::default();
-    if let Some(method) = m.method {
-        o.method = method;
+    if let Some(spec) = m.method {
+        o.method = spec.method;
+        if let (Some(a), Some(b)) = (spec.ratio, m.ratio) {
+            if a != b {
+                return Err(ApiError::bad_request(format!(
+                    "field `method` says ratio {a} and field `ratio` says {b}: give the ratio once"
+                )));
+            }
+        }
+        if spec.reorder && m.reorder == Some(false) {
+            return Err(ApiError::bad_request(
+                "field `method` says +reorder and field `reorder` says false: give one of them",
+            ));
+        }
     }
-    if let Some(r) = m.ratio {
+    if let Some(r) = m.ratio.or(m.method.and_then(|s| s.ratio)) {
         flowprefill_coordinator::request::check_ratio(r).map_err(|e| ApiError::bad_request(e.api_message()))?;
         o.ratio = r;
     }
-    o.reorder = m.reorder.unwrap_or(false);
+    o.reorder = m.reorder.unwrap_or(false) || m.method.is_some_and(|s| s.reorder);
     o.scope = m.scope.unwrap_or(o.scope);
     o.geometry = m.geometry.unwrap_or(o.geometry);
     o.prefix = m.prefix;
@@ -466,6 +479,23 @@ mod tests {
     }
 
     #[test]
+    fn the_method_field_takes_the_command_line_spec() {
+        let job = |body: &str| parse::<JobRequest>(body.as_bytes()).unwrap().into_job().map(|j| j.0);
+        let o = job(r#"{"documents": ["a"], "query": "q", "method": "epic+reorder@0.3"}"#).unwrap().options;
+        assert!(o.method == flowprefill_coordinator::Method::Epic && o.reorder && o.ratio == 0.3);
+        let o = job(r#"{"documents": ["a"], "query": "q", "method": "epic", "ratio": 0.2, "reorder": true}"#)
+            .unwrap()
+            .options;
+        assert!(o.method == flowprefill_coordinator::Method::Epic && o.reorder && o.ratio == 0.2);
+        let e = job(r#"{"documents": ["a"], "query": "q", "method": "epic@0.3", "ratio": 0.2}"#).unwrap_err();
+        assert!(e.message.contains("give the ratio once"), "{}", e.message);
+        let e = job(r#"{"documents": ["a"], "query": "q", "method": "epic+reorder", "reorder": false}"#).unwrap_err();
+        assert!(e.message.contains("field `reorder`"), "{}", e.message);
+        let e = parse::<JobRequest>(br#"{"documents": ["a"], "query": "q", "method": "epic@2"}"#).unwrap_err();
+        assert!(e.message.contains("field `method`") && e.message.contains("outside [0, 1]"), "{}", e.message);
+    }
+
+    #[test]
     fn errors_name_the_field() {
         let e = parse::<JobRequest>(br#"{"documents": ["a"], "query": "q", "ratio": "high"}"#).unwrap_err();
         assert!(e.message.contains("field `ratio`"), "{}", e.message);
@@ -478,7 +508,8 @@ mod tests {
         let r: JobRequest = parse(br#"{"documents": ["a"], "query": "q", "ratio": 1.5}"#).unwrap();
         assert!(r.into_job().unwrap_err().message.contains("field `ratio`"));
         let e = parse::<JobRequest>(br#"{"documents": ["a"], "query": "q", "method": "magic"}"#).unwrap_err();
-        assert!(e.message.contains("field `method`") && e.message.contains("unknown variant `magic`"), "{}", e.message);
+        assert!(e.message.contains("field `method`") && e.message.contains("unknown method `magic`"), "{}", e.message);
+        assert!(!e.message.contains("--"), "API errors name fields, not flags: {}", e.message);
         let e = parse::<JobRequest>(br#"{"documents": ["a"], "query": "q", "geometry": "hl_hp"}"#).unwrap_err();
         assert!(e.message.contains("field `geometry`") && e.message.contains("hl-hp"), "{}", e.message);
         let r: JobRequest = parse(br#"{"documents": ["a", " "], "query": "q"}"#).unwrap();

@@ -154,7 +154,6 @@ impl Service {
         // Thread ranks share this process's device; an MPI rank has its own.
         let memory_peers = match &world {
             World::Threads(w) => w.size(),
-            #[cfg(feature = "mpi")]
             World::Mpi { .. } => 1,
         };
         let (queue, shared, workers) = Queue::start(world, rebuild, cfg.queue, cfg.hang_grace)?;
@@ -372,7 +371,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
             eprintln!("rank {}: stopped after {n} jobs", comm.rank());
             return Ok(());
         }
-        (World::Mpi { comm, engine }, None)
+        (World::Mpi { comm: Box::new(comm), engine }, None)
     } else {
         let (w, f) =
             Service::thread_world(lm.clone(), a.ranks.unwrap_or(1), comm_timeout, faults, common.memory_limit)?;

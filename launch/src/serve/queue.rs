@@ -20,7 +20,7 @@
 use super::api::ApiError;
 use super::metrics;
 use flowprefill_coordinator::world::panic_message;
-use flowprefill_coordinator::{Control, CoordError, Engine, Job, RunResult, ThreadRanks};
+use flowprefill_coordinator::{Control, CoordError, Job, RunResult};
 use flowprefill_kernels::Device;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -82,88 +82,11 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// The ranks the executor computes with.
-pub enum World {
-    /// Thread ranks of this process.
-    Threads(ThreadRanks<Device>),
-    /// This process is rank 0 of an MPI job; the other ranks follow.
-    #[cfg(feature = "mpi")]
-    Mpi {
-        /// Rank 0's communicator.
-        comm: flowprefill_comm::mpi::MpiComm,
-        /// Rank 0's engine.
-        engine: Engine<Device>,
-    },
-}
+/// The ranks the executor computes with (thread ranks, or rank 0 of an MPI job).
+pub type World = flowprefill_coordinator::World<Device>;
 
 /// Builds a fresh world (thread ranks) when the executor's is stuck.
 pub type WorldFactory = Box<dyn Fn() -> anyhow::Result<World> + Send + Sync>;
-
-impl World {
-    fn size(&self) -> usize {
-        match self {
-            World::Threads(t) => t.size(),
-            #[cfg(feature = "mpi")]
-            World::Mpi { comm, .. } => flowprefill_comm::Communicator::size(comm),
-        }
-    }
-
-    fn leader(&self) -> &Engine<Device> {
-        match self {
-            World::Threads(t) => t.leader(),
-            #[cfg(feature = "mpi")]
-            World::Mpi { engine, .. } => engine,
-        }
-    }
-
-    fn run(
-        &mut self,
-        job: &Job,
-        ctl: Control<'_>,
-        on_text: &mut dyn FnMut(&str) -> bool,
-    ) -> Result<RunResult, CoordError> {
-        match self {
-            World::Threads(t) => t.run_with(job, ctl, on_text),
-            #[cfg(feature = "mpi")]
-            World::Mpi { comm, engine } => engine.lead_with(comm, job, ctl, on_text),
-        }
-    }
-
-    /// After rank 0 panicked mid-job: tells the other ranks the job is over, so that they wait
-    /// for the next one (thread ranks are rebuilt instead).
-    #[cfg_attr(not(feature = "mpi"), allow(unused_variables))]
-    fn abandon_job(&mut self, why: &str) {
-        match self {
-            World::Threads(_) => {}
-            #[cfg(feature = "mpi")]
-            World::Mpi { comm, .. } => {
-                use flowprefill_comm::Communicator;
-                comm.abort(flowprefill_comm::ErrorClass::Internal, why);
-                comm.end_job();
-            }
-        }
-    }
-
-    /// Tries to get all ranks back; false when impossible (MPI).
-    fn repair(&mut self) -> bool {
-        match self {
-            World::Threads(t) => t.rebuild().is_ok(),
-            #[cfg(feature = "mpi")]
-            World::Mpi { .. } => false,
-        }
-    }
-
-    /// Stops the followers.
-    fn shutdown(self) {
-        match self {
-            World::Threads(t) => drop(t),
-            #[cfg(feature = "mpi")]
-            World::Mpi { mut comm, .. } => {
-                let _ = Engine::<Device>::stop(&mut comm);
-            }
-        }
-    }
-}
 
 /// A job being computed, as the watchdog sees it.
 struct Running {
@@ -435,7 +358,7 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
     };
     let mut on_text = |s: &str| !cancel.load(Ordering::Relaxed) && events.send(Event::Text(s.to_string())).is_ok();
     let t = Instant::now();
-    let out = std::panic::catch_unwind(AssertUnwindSafe(|| world.run(&q.job, ctl, &mut on_text)))
+    let out = std::panic::catch_unwind(AssertUnwindSafe(|| world.lead_with(&q.job, ctl, &mut on_text)))
         .unwrap_or_else(|p| Err(CoordError::Panicked { rank: 0, message: panic_message(p) }));
     shared.record_duration(t.elapsed().as_secs_f64());
     // The watchdog may have given up on this job (and this executor) meanwhile.

@@ -42,8 +42,8 @@ impl Shape {
 
     /// The dimensions the memory plan needs (per-head query/key norms not counted: a few bytes
     /// per row).
-    pub fn dims(&self) -> crate::memory::Dims {
-        crate::memory::Dims {
+    pub fn dims(&self) -> flowprefill_coordinator::memory::Dims {
+        flowprefill_coordinator::memory::Dims {
             d_model: self.d_model,
             q_dim: self.q_dim(),
             kv_dim: self.kv_dim(),

@@ -2,10 +2,17 @@
 //! ratio sweep over the cases that have every ratio) and PNG plots, from the scored runs.
 
 use super::Record;
+use crate::error::io;
 use crate::plot;
-use anyhow::{Context as _, Result};
+use crate::Result;
+use flowprefill_coordinator::{Method, MethodSpec};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+
+/// Full prefill, the baseline every retention is measured against.
+const FULL: MethodSpec = MethodSpec { method: Method::Full, reorder: false, ratio: None };
+/// InfoFlow, compared case by case with every other method.
+const INFOFLOW: MethodSpec = MethodSpec { method: Method::Infoflow, reorder: false, ratio: None };
 
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
     let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
@@ -13,8 +20,8 @@ fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
 }
 
 /// Whether a record belongs to `method` at `ratio` (ratio-free methods match any ratio).
-fn at(r: &Record, method: &str, ratio: f64) -> bool {
-    r.method == method && r.ratio.is_none_or(|x| (x - ratio).abs() < 1e-9)
+fn at(r: &Record, method: &MethodSpec, ratio: f64) -> bool {
+    r.method == *method && r.ratio.is_none_or(|x| (x - ratio).abs() < 1e-9)
 }
 
 fn pct(x: Option<f64>) -> String {
@@ -76,7 +83,7 @@ fn is_niah(task: &str) -> bool {
 fn scores_by_case<'a>(
     records: &'a [Record],
     len: usize,
-    method: &str,
+    method: &MethodSpec,
     tr: f64,
 ) -> std::collections::HashMap<(&'a str, usize), f64> {
     records
@@ -89,8 +96,8 @@ fn scores_by_case<'a>(
 /// Conditional retention against full prefill on the same cases at ratio `tr`: of the cases
 /// full prefill answers fully, the share the method answers fully too (NIAH tasks and all
 /// tasks), and a paired sign test against full prefill over every case both ran.
-fn conditional_retention(md: &mut String, records: &[Record], len: usize, labels: &[String], tr: f64) {
-    let full = scores_by_case(records, len, "full", tr);
+fn conditional_retention(md: &mut String, records: &[Record], len: usize, labels: &[MethodSpec], tr: f64) {
+    let full = scores_by_case(records, len, &FULL, tr);
     if full.is_empty() {
         return;
     }
@@ -100,7 +107,7 @@ fn conditional_retention(md: &mut String, records: &[Record], len: usize, labels
          full prefill over every case both ran (wins / losses, two-sided p):\n\n| method | NIAH kept | all tasks kept | vs full: wins / losses | p |\n|---|---:|---:|---:|---:|\n"
     ));
     let solved = |x: f64| x >= 1.0 - 1e-9;
-    for l in labels.iter().filter(|l| l.as_str() != "full") {
+    for l in labels.iter().filter(|l| **l != FULL) {
         let (mut kept_niah, mut base_niah, mut kept_all, mut base_all, mut wins, mut losses) = (0, 0, 0, 0, 0, 0);
         for r in records.iter().filter(|r| r.length == len && at(r, l, tr)) {
             let Some(&f) = full.get(&(r.task.as_str(), r.sample)) else { continue };
@@ -181,8 +188,8 @@ fn ratio_with_interval(pairs: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
 /// prefill's mean score, on the same cases), per task family and over every task, at ratio
 /// `tr`, with a 95% bootstrap interval over cases. Scores carry partial credit (a four-value
 /// answer with three values right scores 0.75, as RULER scores it).
-fn mean_score_retention(md: &mut String, records: &[Record], len: usize, labels: &[String], tr: f64) {
-    let full = scores_by_case(records, len, "full", tr);
+fn mean_score_retention(md: &mut String, records: &[Record], len: usize, labels: &[MethodSpec], tr: f64) {
+    let full = scores_by_case(records, len, &FULL, tr);
     if full.is_empty() {
         return;
     }
@@ -195,7 +202,7 @@ fn mean_score_retention(md: &mut String, records: &[Record], len: usize, labels:
         families.iter().map(|f| format!(" {f} |")).collect::<String>(),
         "---:|".repeat(families.len())
     ));
-    for l in labels.iter().filter(|l| l.as_str() != "full") {
+    for l in labels.iter().filter(|l| **l != FULL) {
         let pairs: Vec<(&str, (f64, f64))> = records
             .iter()
             .filter(|r| r.length == len && at(r, l, tr))
@@ -219,9 +226,9 @@ fn mean_score_retention(md: &mut String, records: &[Record], len: usize, labels:
 /// InfoFlow against every other method (full prefill aside) case by case, per task family at
 /// ratio `tr`: cases where InfoFlow scores higher / lower, with the two-sided sign test (the
 /// paper's claim is that it is ahead of CacheBlend and EPIC on every family).
-fn infoflow_against_others(md: &mut String, records: &[Record], len: usize, labels: &[String], tr: f64) {
-    let mine = scores_by_case(records, len, "infoflow", tr);
-    let others: Vec<&String> = labels.iter().filter(|l| !matches!(l.as_str(), "full" | "infoflow")).collect();
+fn infoflow_against_others(md: &mut String, records: &[Record], len: usize, labels: &[MethodSpec], tr: f64) {
+    let mine = scores_by_case(records, len, &INFOFLOW, tr);
+    let others: Vec<&MethodSpec> = labels.iter().filter(|l| **l != FULL && **l != INFOFLOW).collect();
     if mine.is_empty() || others.is_empty() {
         return;
     }
@@ -255,11 +262,11 @@ fn infoflow_against_others(md: &mut String, records: &[Record], len: usize, labe
 /// The markdown report (deterministic: accuracy only, no timings). `settings` lists the
 /// non-default selection settings (ablations), if any.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn summarize(
+pub fn summarize(
     records: &[Record],
     tasks: &[String],
     lengths: &[usize],
-    labels: &[String],
+    labels: &[MethodSpec],
     ratios: &[f64],
     tr: f64,
     settings: &[String],
@@ -314,7 +321,7 @@ pub(super) fn summarize(
         let mut ret_cols: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
         for (t, row) in tasks.iter().zip(&acc) {
             let full =
-                mean(records.iter().filter(|r| &r.task == t && r.length == len && r.method == "full").map(|r| r.score));
+                mean(records.iter().filter(|r| &r.task == t && r.length == len && r.method == FULL).map(|r| r.score));
             md.push_str(&format!("| {t} |"));
             for (i, &v) in row.iter().enumerate() {
                 let (ret, in_mean) = retention(v, full);
@@ -390,7 +397,7 @@ type Case<'a> = (&'a str, usize);
 /// The cases at `len` that have a run of every label at every ratio in `rs` (a ratio-free label:
 /// its one run), so that means at different ratios compare the same cases. A sweep that is
 /// still running (or was stopped) has more cases at some ratios than at others.
-fn complete_cases<'a>(records: &'a [Record], len: usize, labels: &[String], rs: &[f64]) -> HashSet<Case<'a>> {
+fn complete_cases<'a>(records: &'a [Record], len: usize, labels: &[MethodSpec], rs: &[f64]) -> HashSet<Case<'a>> {
     let mut runs: std::collections::HashMap<Case<'a>, Vec<&Record>> = std::collections::HashMap::new();
     for r in records.iter().filter(|r| r.length == len) {
         runs.entry((r.task.as_str(), r.sample)).or_default().push(r);
@@ -402,13 +409,20 @@ fn complete_cases<'a>(records: &'a [Record], len: usize, labels: &[String], rs: 
 }
 
 /// Whether a label's runs at `len` carry no ratio (full, none, star).
-fn ratio_free(records: &[Record], len: usize, label: &str) -> bool {
-    records.iter().filter(|r| r.length == len && r.method == label).all(|r| r.ratio.is_none())
+fn ratio_free(records: &[Record], len: usize, label: &MethodSpec) -> bool {
+    records.iter().filter(|r| r.length == len && r.method == *label).all(|r| r.ratio.is_none())
 }
 
 /// The ratio sweep at one length: accuracy by ratio, and retention by ratio per task, over the
 /// cases that have every method at every ratio.
-fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usize, labels: &[String], ratios: &[f64]) {
+fn sweep_tables(
+    md: &mut String,
+    records: &[Record],
+    tasks: &[String],
+    len: usize,
+    labels: &[MethodSpec],
+    ratios: &[f64],
+) {
     if ratios.len() < 2 {
         return;
     }
@@ -460,7 +474,7 @@ fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usiz
     }
     // The labels of the retention table (all but full), by index into `labels`, and how many
     // ratio cells each shows (one for a ratio-free label).
-    let shown: Vec<usize> = (0..labels.len()).filter(|&li| labels[li] != "full").collect();
+    let shown: Vec<usize> = (0..labels.len()).filter(|&li| labels[li] != FULL).collect();
     let n_cells: Vec<usize> =
         shown.iter().map(|&li| if ratio_free(records, len, &labels[li]) { 1 } else { ratios.len() }).collect();
     let ratio_list: Vec<String> = ratios.iter().map(|r| r.to_string()).collect();
@@ -468,11 +482,11 @@ fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usiz
         "\nRetention (method / full, %) by ratio, {len} tokens, same cases; each cell lists ratios {}:\n\n",
         ratio_list.join(" / ")
     ));
-    let shown_names: Vec<&String> = shown.iter().map(|&li| &labels[li]).collect();
+    let shown_names: Vec<&MethodSpec> = shown.iter().map(|&li| &labels[li]).collect();
     table_head(md, "task", &shown_names);
     let mut ret_means: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); ratios.len()]; shown.len()];
     // Full prefill is ratio-free: its mean is the same in every ratio column of `acc`.
-    let full_li = labels.iter().position(|l| l == "full");
+    let full_li = labels.iter().position(|l| *l == FULL);
     for (t, task) in present.iter().zip(&acc) {
         let full = full_li.and_then(|fi| task[fi][0]);
         md.push_str(&format!("| {t} |"));
@@ -501,12 +515,13 @@ fn sweep_tables(md: &mut String, records: &[Record], tasks: &[String], len: usiz
     ));
 }
 
+/// The report's PNG charts in `out` (skipped with one warning when no font is found).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn plots(
+pub fn plots(
     records: &[Record],
     tasks: &[String],
     lengths: &[usize],
-    labels: &[String],
+    labels: &[MethodSpec],
     ratios: &[f64],
     depths: &[f64],
     tr: f64,
@@ -530,7 +545,7 @@ pub(super) fn plots(
         if cases.is_empty() {
             continue;
         }
-        let rs_at = |l: &str, x: f64| -> Vec<&Record> {
+        let rs_at = |l: &MethodSpec, x: f64| -> Vec<&Record> {
             records
                 .iter()
                 .filter(|r| r.length == len && cases.contains(&(r.task.as_str(), r.sample)) && at(r, l, x))
@@ -545,7 +560,7 @@ pub(super) fn plots(
             let series: Vec<plot::Series> = labels
                 .iter()
                 .map(|l| plot::Series {
-                    name: l.clone(),
+                    name: l.to_string(),
                     points: ratios.iter().filter_map(|&x| acc(&rs_at(l, x)).map(|v| (x, 100.0 * v))).collect(),
                 })
                 .collect();
@@ -570,7 +585,7 @@ pub(super) fn plots(
                 }
             }
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            pareto.push(plot::Series { name: l.clone(), points: pts });
+            pareto.push(plot::Series { name: l.to_string(), points: pts });
         }
         let title = format!(
             "Accuracy vs TTFT, {len} tokens, {} cases (warm chunk caches; points: {})",
@@ -584,7 +599,7 @@ pub(super) fn plots(
     }
     for (chart, name) in [(ratio_chart, "accuracy_vs_ratio.png"), (pareto_chart, "pareto.png")] {
         if let Some(f) = chart {
-            std::fs::copy(&f, out.join(name)).with_context(|| format!("copying {} to {name}", f.display()))?;
+            std::fs::copy(&f, out.join(name)).map_err(io(format!("copying to {name} from"), &f))?;
         }
     }
     // Needle depth x length heat maps on the NIAH tasks.
@@ -615,7 +630,7 @@ pub(super) fn plots(
                 }
             }
             if any {
-                let name = l.replace('+', "_");
+                let name = l.to_string().replace('+', "_");
                 plot::heatmap(
                     &out.join(format!("heatmap_{name}.png")),
                     &format!("{l}: NIAH accuracy (ratio {tr})"),
@@ -641,7 +656,7 @@ mod tests {
             length: 100,
             sample,
             depth: 0.5,
-            method: method.into(),
+            method: method.parse().unwrap(),
             ratio,
             score,
             em: None,
@@ -683,7 +698,7 @@ mod tests {
             rec(t, 1, "full", None, 1.0),
             rec(t, 1, "infoflow", Some(0.15), 0.0),
         ];
-        let labels = vec!["full".to_string(), "infoflow".to_string()];
+        let labels = vec![FULL, INFOFLOW];
         let tasks = vec![t.to_string()];
         let complete = complete_cases(&records, 100, &labels, &[0.15, 0.3]);
         assert_eq!(complete, HashSet::from([(t, 0)]));
@@ -723,7 +738,7 @@ mod tests {
         }
         records.push(rec("variable_tracking", 0, "full", None, 0.5));
         records.push(rec("variable_tracking", 0, "infoflow", Some(0.15), 0.5));
-        let labels: Vec<String> = ["full", "infoflow"].iter().map(|s| s.to_string()).collect();
+        let labels = [FULL, INFOFLOW];
         let tasks = vec!["niah_multivalue".to_string(), "variable_tracking".to_string()];
         let md = summarize(&records, &tasks, &[100], &labels, &[0.15], 0.15, &[]);
         assert!(md.contains("| method | NIAH | variable tracking | all tasks |"), "{md}");
@@ -748,7 +763,7 @@ mod tests {
         records.push(rec("variable_tracking", 0, "epic", Some(0.15), 0.75));
         // An epic run without its infoflow pair is not counted.
         records.push(rec("variable_tracking", 1, "epic", Some(0.15), 1.0));
-        let labels: Vec<String> = ["full", "infoflow", "epic"].iter().map(|s| s.to_string()).collect();
+        let labels: Vec<MethodSpec> = ["full", "infoflow", "epic"].iter().map(|s| s.parse().unwrap()).collect();
         let tasks = vec!["niah_multikey".to_string(), "variable_tracking".to_string()];
         let md = summarize(&records, &tasks, &[100], &labels, &[0.15], 0.15, &[]);
         assert!(md.contains("| method | NIAH | variable tracking |\n"), "{md}");

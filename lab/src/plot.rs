@@ -4,12 +4,33 @@
 //! CSV, JSON and tables are written as always, the PNG is skipped, and one warning line says
 //! how to get a font ([`drawable`]).
 
-use anyhow::{Context, Result};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use plotters::style::FontStyle;
 use std::path::Path;
 use std::sync::OnceLock;
+
+/// A chart that could not be drawn or written.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct PlotError(String);
+
+impl<E: std::error::Error + Send + Sync> From<DrawingAreaErrorKind<E>> for PlotError {
+    fn from(e: DrawingAreaErrorKind<E>) -> Self {
+        Self(e.to_string())
+    }
+}
+
+/// Results of the chart functions.
+pub type Result<T> = std::result::Result<T, PlotError>;
+
+/// `root.present()` with the file named on failure.
+fn presented<E: std::error::Error + Send + Sync>(
+    r: std::result::Result<(), DrawingAreaErrorKind<E>>,
+    path: &Path,
+) -> Result<()> {
+    r.map_err(|e| PlotError(format!("writing {}: {e}", path.display())))
+}
 
 const FONT_PATHS: &[&str] = &[
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
@@ -43,7 +64,7 @@ pub fn init_font() -> Result<()> {
             .map_err(|_| format!("{path} is not a usable font"))
     })
     .clone()
-    .map_err(anyhow::Error::msg)
+    .map_err(PlotError)
 }
 
 /// Whether charts can be drawn (a font was found). The first time one cannot, one warning
@@ -115,7 +136,7 @@ pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series
         .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..(y1 * 1.1).max(1e-9))?;
     chart.configure_mesh().x_desc(x_label).y_desc(y_label).label_style(("sans-serif", 16)).draw()?;
     draw_lines(&mut chart, series, |_| true, SeriesLabelPosition::LowerRight)?;
-    root.present().with_context(|| format!("writing {}", path.display()))?;
+    presented(root.present(), path)?;
     Ok(true)
 }
 
@@ -184,7 +205,7 @@ pub fn line_chart_log(path: &Path, title: &str, x_label: &str, y_label: &str, se
         .draw()?;
     // Log axes have no place for zero or negative values.
     draw_lines(&mut chart, series, |p| p.0 > 0.0 && p.1 > 0.0, SeriesLabelPosition::UpperLeft)?;
-    root.present().with_context(|| format!("writing {}", path.display()))?;
+    presented(root.present(), path)?;
     Ok(true)
 }
 
@@ -250,6 +271,6 @@ pub fn heatmap(
             chart.draw_series(std::iter::once(Text::new(text, (x, y), style)))?;
         }
     }
-    root.present().with_context(|| format!("writing {}", path.display()))?;
+    presented(root.present(), path)?;
     Ok(true)
 }

@@ -2,14 +2,14 @@
 //! question, needle-in-a-haystack cases for `flowprefill check`, and the RULER-style and
 //! multi-document QA tasks of `flowprefill eval`.
 //!
-//! Haystacks are the project's own seeded prose ([`flowprefill_worker::corpus`]); needle
+//! Haystacks are the project's own seeded prose ([`crate::corpus`]); needle
 //! sentences are inserted at sentence boundaries at the requested depths (fraction of the
 //! context's tokens before them). Every case is a pure function of its seed.
 
 pub mod qa;
 pub mod ruler;
 
-use flowprefill_worker::corpus;
+use crate::corpus;
 use flowprefill_worker::tokenizer::Tokenizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -139,9 +139,9 @@ pub fn token_f1(pred: &str, reference: &str) -> f64 {
 
 impl QaCase {
     /// The request of this case with `style`'s prompt.
-    pub fn request(&self, style: PromptStyle) -> crate::Request {
-        crate::Request {
-            context: crate::Context::Documents(self.documents.clone()),
+    pub fn request(&self, style: PromptStyle) -> flowprefill_coordinator::Request {
+        flowprefill_coordinator::Request {
+            context: flowprefill_coordinator::Context::Documents(self.documents.clone()),
             query: self.query.clone(),
             system: None,
             answer_prefix: match style {

@@ -1,10 +1,10 @@
 //! Work accounting: what every rank computes and sends, phase by phase, for one request.
 //!
-//! The plan is derived from the same functions the engine runs: [`shard::plan`] (who holds
-//! which chunk), [`zigzag_pieces`] (the ring's split), [`count_for_ratio`] (the selection
-//! budget), [`default_score_layers`] (the probe's depth), the chunk-prefill batching
-//! ([`DEFAULT_BATCH_TOKENS`]), the full prefill's pieces ([`DEFAULT_PREFILL_CHUNK`]), the
-//! recompute batches (`RunOptions::recompute_batch`) and the prefix mode in effect. What it
+//! The chunked methods walk the engine's own description of the job,
+//! [`Pipeline`](flowprefill_coordinator::pipeline::Pipeline): who holds which chunk, the
+//! selection budget and whether the probe runs, its scoring layers, the chunk-prefill batches,
+//! the recompute batches and the prefix mode in effect; the ring's split is the engine's
+//! [`zigzag_pieces`], the full prefill's pieces its [`DEFAULT_PREFILL_CHUNK`]. What this module
 //! adds is the visibility rule every attention call applies (a key is seen when its position
 //! is not after the query's), counted in closed form over position ranges, and the wire size
 //! of every message (`comm::wire` sections: a 4-byte count, then the values; the control rows,
@@ -16,13 +16,11 @@
 //! this accounting follows.
 
 use super::{ProjectError, Shape};
-use crate::request::{Method, PrefixMode, RunOptions, Scope};
-use crate::select::default_score_layers;
-use crate::shard;
-use crate::timings::phase;
-use flowprefill_kernels::topk::count_for_ratio;
+use flowprefill_coordinator::pipeline::{Pipeline, Selection};
+use flowprefill_coordinator::request::{Method, PrefixMode, RunOptions, Scope};
+use flowprefill_coordinator::timings::phase;
 use flowprefill_worker::generate::DEFAULT_PREFILL_CHUNK;
-use flowprefill_worker::steps::{batches, zigzag_pieces, DEFAULT_BATCH_TOKENS};
+use flowprefill_worker::steps::zigzag_pieces;
 use std::ops::Range;
 
 /// One model forward: `rows` tokens through `layers` blocks, `logit_rows` of them to logits.
@@ -189,7 +187,7 @@ impl Request {
     }
 
     /// The request of a finished run, with the run's own selection.
-    pub fn of_run(r: &crate::RunResult) -> Self {
+    pub fn of_run(r: &flowprefill_coordinator::RunResult) -> Self {
         let mut selected = Vec::new();
         let mut start = 0;
         for (rows, &len) in r.selected_rows.iter().zip(&r.chunk_tokens) {
@@ -371,8 +369,8 @@ fn chunked(
     if opts.reorder {
         return Err(ProjectError::Unsupported { method: format!("{}+reorder", opts.method.name()) });
     }
-    let prefix = opts.prefix_mode();
-    if prefix == PrefixMode::Anchor {
+    let pipe = Pipeline::new(opts, &req.chunks, p, shape.n_layers);
+    if pipe.prefix == PrefixMode::Anchor {
         return Err(ProjectError::Unsupported { method: "the anchor prefix mode".into() });
     }
     let l = shape.n_layers;
@@ -381,7 +379,7 @@ fn chunked(
     if n == 0 {
         return Err(ProjectError::Invalid("the context has no tokens".into()));
     }
-    let owners = shard::plan(&req.chunks, p);
+    let owners = &pipe.owners;
     // Global start of each chunk (identity order: no reordering).
     let starts: Vec<u64> = req
         .chunks
@@ -393,17 +391,14 @@ fn chunked(
         })
         .collect();
     let prompt = (h + n as u64)..(h + n as u64 + m as u64);
-    let k = count_for_ratio(opts.effective_ratio(), n);
-    let probes = opts.method.selects() && k > 0 && k < n;
-    let selected: Vec<usize> = if k == 0 || !opts.method.selects() {
-        Vec::new()
-    } else if k >= n {
-        (0..n).collect()
-    } else {
-        match &req.selected {
+    let k = pipe.budget;
+    let selected: Vec<usize> = match pipe.selection {
+        Selection::Nothing => Vec::new(),
+        Selection::Everything => (0..n).collect(),
+        Selection::Scored => match &req.selected {
             Some(s) => s.clone(),
             None => (0..k).map(|i| (2 * i + 1) * n / (2 * k)).collect(),
-        }
+        },
     };
     // Global position and owner of every selected token.
     let chunk_of = |g: usize| -> usize {
@@ -417,12 +412,12 @@ fn chunked(
         req.chunks.len().saturating_sub(1)
     };
     let sel: Vec<(u64, usize)> = selected.iter().map(|&g| (h + g as u64, owners[chunk_of(g)])).collect();
-    let (a, b) = opts.score_layers.unwrap_or_else(|| default_score_layers(l));
+    let (a, b) = pipe.score_layers;
     let probe_layers = b + 1;
 
     let mut all = Vec::with_capacity(p);
     for r in 0..p {
-        let local = shard::local_chunks(&owners, r);
+        let local = pipe.local_chunks(r);
         // This rank's segments at their global positions: the head on rank 0, own chunks.
         let segs: Vec<Range<u64>> = (r == 0)
             .then_some(0..h)
@@ -435,14 +430,12 @@ fn chunked(
         let mut cp = PhaseWork::new(phase::CHUNK_PREFILL);
         cp.forwards.push(Forward { rows: req.head, layers: l, logit_rows: 0 });
         cp.attn.push(Attn { queries: req.head, keys: req.head, pairs: range_pairs(0..h, 0..h), layers: l, step: None });
-        let behind_head = |c: usize| prefix == PrefixMode::Shared || c == 0;
-        let lens: Vec<usize> = local.iter().map(|&c| req.chunks[c]).collect();
-        for range in batches(&lens, DEFAULT_BATCH_TOKENS) {
-            let rows = lens[range.clone()].iter().sum();
+        for batch in pipe.chunk_batches(r, &req.chunks) {
+            let rows = batch.iter().map(|&c| req.chunks[c]).sum();
             cp.forwards.push(Forward { rows, layers: l, logit_rows: 0 });
-            for &c in &local[range] {
+            for &c in &batch {
                 let len = req.chunks[c] as u64;
-                let (start, head) = if behind_head(c) { (h, h) } else { (0, 0) };
+                let (start, head) = if pipe.behind_head(c) { (h, h) } else { (0, 0) };
                 let own = start..start + len;
                 if head > 0 {
                     cp.attn.push(Attn {
@@ -503,7 +496,7 @@ fn chunked(
                 let merged = partials(1, m, shape);
                 let others: u64 = (1..p)
                     .map(|o| {
-                        let n_o = shard::local_chunks(&owners, o).len();
+                        let n_o = pipe.local_chunks(o).len();
                         partials(n_o, m, shape)
                     })
                     .sum();
@@ -525,7 +518,7 @@ fn chunked(
                 });
             }
         };
-        if probes {
+        if pipe.probes {
             let mut pr = PhaseWork::new(phase::PROBE);
             over_segments(&mut pr, probe_layers, "probe", Some(b + 1 - a));
             phases.push(pr);
@@ -536,7 +529,7 @@ fn chunked(
             let mut rc = PhaseWork::new(phase::RECOMPUTE);
             let mut sorted = sel.clone();
             sorted.sort_unstable();
-            for batch in sorted.chunks(opts.recompute_batch.max(1)) {
+            for batch in sorted.chunks(pipe.recompute_batch) {
                 let count = |o: usize| batch.iter().filter(|x| x.1 == o).count();
                 let mine: Vec<u64> = batch.iter().filter(|x| x.1 == r).map(|x| x.0).collect();
                 // Bytes of an all-gather of `size(rows)` per rank: this rank's message to each of
@@ -630,6 +623,8 @@ fn chunked(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flowprefill_coordinator::select::default_score_layers;
+    use flowprefill_coordinator::shard;
 
     fn brute(q: Range<u64>, k: Range<u64>) -> u64 {
         q.flat_map(|i| k.clone().map(move |j| u64::from(j <= i))).sum()

@@ -98,7 +98,7 @@ pub struct Profiles {
     pub links: BTreeMap<String, Link>,
 }
 
-/// The profiles shipped with flowprefill (`coordinator/profiles.json`).
+/// The profiles shipped with flowprefill (`lab/profiles.json`).
 pub const BUILTIN_PROFILES: &str = include_str!("../../profiles.json");
 
 impl Profiles {
@@ -388,7 +388,8 @@ mod tests {
             ..Default::default()
         };
         let idle = PhaseWork { phase: "prefill", ..Default::default() };
-        let work = Work { method: crate::Method::Ring, ranks: 2, per_rank: vec![vec![idle], vec![ring]] };
+        let work =
+            Work { method: flowprefill_coordinator::Method::Ring, ranks: 2, per_rank: vec![vec![idle], vec![ring]] };
         let p = project(&work, &shape, &flat_device(1.0), &link, 1.0);
         let a = 2.304e-3;
         assert!((p.ttft_s - (a + 5e-3)).abs() < 1e-9, "{}", p.ttft_s);

@@ -1,0 +1,161 @@
+//! The pipeline of one job, decided from token counts before any work: which rank holds which
+//! chunk, how many tokens are recomputed, whether the selection scores anything (and so runs
+//! the probe), the probe's depth, how the chunk prefill and the recomputation are batched.
+//!
+//! The engine runs what this decides; the memory plan ([`crate::memory`]) and the projection
+//! (`flowprefill_lab::project::work`) walk the same description instead of deciding again, so
+//! the three cannot drift apart (`tests/tests/projection_counts.rs` checks the counts).
+
+use crate::request::{Method, PrefixMode, RunOptions};
+use crate::select::default_score_layers;
+use crate::shard;
+use flowprefill_kernels::topk::count_for_ratio;
+use flowprefill_worker::steps::{batches, DEFAULT_BATCH_TOKENS};
+use std::ops::Range;
+
+/// What the selection phase does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Selection {
+    /// Nothing is recomputed (a method that selects nothing, or a budget of 0).
+    Nothing,
+    /// Every context token is recomputed (a budget of the whole context: exact).
+    Everything,
+    /// The policy scores the tokens and the top `budget` are recomputed.
+    Scored,
+}
+
+/// One job's pipeline.
+#[derive(Clone, Debug)]
+pub struct Pipeline {
+    /// The method.
+    pub method: Method,
+    /// Ranks.
+    pub ranks: usize,
+    /// Prefix mode in effect.
+    pub prefix: PrefixMode,
+    /// Ratio in effect (0 for `none`/`star`, 1 for `full`/`ring`).
+    pub ratio: f64,
+    /// Context tokens.
+    pub n_context: usize,
+    /// Tokens the ratio buys (recomputed when the method selects).
+    pub budget: usize,
+    /// Owner rank of each chunk (request order; all on rank 0 for `full`).
+    pub owners: Vec<usize>,
+    /// What the selection phase does.
+    pub selection: Selection,
+    /// Whether the prompt runs a scoring forward over the placed chunks (the probe): the
+    /// reordering does, and every scored policy but EPIC's and random's.
+    pub probes: bool,
+    /// Scoring layers of the probe (first, last), where the policy uses them.
+    pub score_layers: (usize, usize),
+    /// Selected tokens per recompute forward.
+    pub recompute_batch: usize,
+}
+
+impl Pipeline {
+    /// The pipeline of `opts` on `ranks` ranks for chunks of `chunk_tokens` tokens, on a model
+    /// of `n_layers` blocks.
+    pub fn new(opts: &RunOptions, chunk_tokens: &[usize], ranks: usize, n_layers: usize) -> Self {
+        let ranks = ranks.max(1);
+        let n_context: usize = chunk_tokens.iter().sum();
+        let ratio = opts.effective_ratio();
+        let budget = count_for_ratio(ratio, n_context);
+        let owners =
+            if opts.method == Method::Full { vec![0; chunk_tokens.len()] } else { shard::plan(chunk_tokens, ranks) };
+        let selection = if budget == 0 || !opts.method.selects() {
+            Selection::Nothing
+        } else if budget >= n_context {
+            Selection::Everything
+        } else {
+            Selection::Scored
+        };
+        let scores_with_forward = !matches!(opts.method, Method::Epic | Method::Random);
+        let probes = !opts.method.is_exact_prefill()
+            && (opts.reorder || (selection == Selection::Scored && scores_with_forward));
+        Self {
+            method: opts.method,
+            ranks,
+            prefix: opts.prefix_mode(),
+            ratio,
+            n_context,
+            budget,
+            owners,
+            selection,
+            probes,
+            score_layers: opts.score_layers.unwrap_or_else(|| default_score_layers(n_layers)),
+            recompute_batch: opts.recompute_batch.max(1),
+        }
+    }
+
+    /// Tokens recomputed: the budget when the method selects, else none.
+    pub fn recomputed(&self) -> usize {
+        match self.selection {
+            Selection::Nothing => 0,
+            Selection::Everything => self.n_context,
+            Selection::Scored => self.budget,
+        }
+    }
+
+    /// Chunks held by `rank` (request order).
+    pub fn local_chunks(&self, rank: usize) -> Vec<usize> {
+        shard::local_chunks(&self.owners, rank)
+    }
+
+    /// `rank`'s chunk-prefill forwards when every chunk misses the store: groups of its chunks
+    /// (ids), each one batched forward (the worker's greedy batching by tokens).
+    pub fn chunk_batches(&self, rank: usize, chunk_tokens: &[usize]) -> Vec<Vec<usize>> {
+        let local = self.local_chunks(rank);
+        let lens: Vec<usize> = local.iter().map(|&c| chunk_tokens[c]).collect();
+        batches(&lens, DEFAULT_BATCH_TOKENS).into_iter().map(|r: Range<usize>| local[r].to_vec()).collect()
+    }
+
+    /// Whether chunk `c` is prefilled behind the template head (the first chunk always; every
+    /// chunk with the shared prefix).
+    pub fn behind_head(&self, c: usize) -> bool {
+        self.prefix == PrefixMode::Shared || c == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(method: Method, ratio: f64) -> RunOptions {
+        RunOptions { method, ratio, ..RunOptions::default() }
+    }
+
+    #[test]
+    fn selection_follows_the_budget_and_the_method() {
+        let chunks = [100, 100, 56];
+        let p = Pipeline::new(&opts(Method::Infoflow, 0.15), &chunks, 2, 30);
+        // round(0.15 x 256 = 38.4)
+        assert_eq!((p.budget, p.selection, p.probes), (38, Selection::Scored, true));
+        assert_eq!(p.recomputed(), 38);
+        assert_eq!(p.owners, shard::plan(&chunks, 2));
+        let p = Pipeline::new(&opts(Method::Infoflow, 1.0), &chunks, 2, 30);
+        assert_eq!((p.selection, p.probes, p.recomputed()), (Selection::Everything, false, 256));
+        let p = Pipeline::new(&opts(Method::Infoflow, 0.0), &chunks, 2, 30);
+        assert_eq!((p.selection, p.probes, p.recomputed()), (Selection::Nothing, false, 0));
+        let p = Pipeline::new(&opts(Method::None, 0.5), &chunks, 2, 30);
+        assert_eq!((p.ratio, p.selection, p.probes), (0.0, Selection::Nothing, false));
+        let p = Pipeline::new(&opts(Method::Epic, 0.15), &chunks, 2, 30);
+        assert_eq!((p.selection, p.probes), (Selection::Scored, false));
+        let p = Pipeline::new(&RunOptions { reorder: true, ..opts(Method::Epic, 0.15) }, &chunks, 2, 30);
+        assert!(p.probes, "reordering scores the chunks with the prompt");
+        let p = Pipeline::new(&opts(Method::Full, 0.15), &chunks, 4, 30);
+        assert_eq!((p.owners, p.ratio, p.selection, p.probes), (vec![0, 0, 0], 1.0, Selection::Nothing, false));
+        assert_eq!(Pipeline::new(&opts(Method::Infoflow, 0.15), &chunks, 1, 24).score_layers, default_score_layers(24));
+    }
+
+    #[test]
+    fn chunk_batches_cover_each_rank_once() {
+        let chunks = vec![700; 9];
+        let p = Pipeline::new(&opts(Method::Infoflow, 0.15), &chunks, 3, 30);
+        let mut seen: Vec<usize> = (0..3).flat_map(|r| p.chunk_batches(r, &chunks).concat()).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..9).collect::<Vec<_>>());
+        for r in 0..3 {
+            assert!(p.chunk_batches(r, &chunks).iter().all(|b| b.iter().all(|&c| p.owners[c] == r)));
+        }
+    }
+}

@@ -1,0 +1,43 @@
+//! Errors of the lab (all typed; the binary turns them into messages and exit codes).
+
+use crate::plot::PlotError;
+use crate::project::ProjectError;
+use std::path::PathBuf;
+
+/// What can go wrong while measuring or reporting.
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    /// A file that could not be read, written or copied.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// "reading", "writing", "copying ... to".
+        what: String,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A chart that could not be drawn.
+    #[error(transparent)]
+    Plot(#[from] PlotError),
+    /// The projection refused its input.
+    #[error(transparent)]
+    Project(#[from] ProjectError),
+    /// A results file that does not parse or serialise.
+    #[error("{path}: {source}")]
+    Json {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: serde_json::Error,
+    },
+}
+
+/// Results of the lab.
+pub type Result<T> = std::result::Result<T, LabError>;
+
+/// An IO error with what was being done and to which file.
+pub(crate) fn io(what: impl Into<String>, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> LabError {
+    let (what, path) = (what.into(), path.into());
+    move |source| LabError::Io { what, path, source }
+}

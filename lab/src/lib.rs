@@ -1,0 +1,24 @@
+//! Measurement of flowprefill, kept out of the system's crates: what the binary's `eval`,
+//! `bench` and `check` commands compute and report.
+//!
+//! * [`corpus`]: seeded English prose for benchmarks and haystacks;
+//! * [`tasks`]: RULER-style needle tasks and multi-document QA, with their scoring;
+//! * [`eval`]: one scored run ([`eval::Record`]), the results file, the report (tables,
+//!   retention with intervals, sign tests, plots);
+//! * [`project`]: the engine's work accounting turned into projected TTFT on other hardware;
+//! * [`plot`]: PNG charts that never fail a command for want of a font;
+//! * [`http`]: the small HTTP/1.1 client the benchmarks and fault drills use against `serve`.
+//!
+//! ```text
+//!   launch (CLI, service, MPI launch) -> lab -> coordinator -> worker -> kernels -> comm
+//! ```
+
+pub mod corpus;
+mod error;
+pub mod eval;
+pub mod http;
+pub mod plot;
+pub mod project;
+pub mod tasks;
+
+pub use error::{LabError, Result};
