@@ -307,8 +307,9 @@ fn enter_block(
     }
     // Processes outside the block wait here for the next one, however long it takes.
     let inside = world.use_group(p, std::time::Duration::from_secs(24 * 3600))?;
+    // With --device cuda: NCCL between this block's GPUs (a communicator per block).
+    #[cfg(feature = "mpi")]
     if let (true, Some(comm)) = (inside, world.process_comm()) {
-        // With --device cuda: NCCL between this block's GPUs (a communicator per block).
         super::attach_device_plane(common, comm)?;
     }
     Ok(inside)
