@@ -132,12 +132,6 @@ impl MethodSpec {
         Self { ratio: Some(ratio), ..self }
     }
 
-    /// The label without the ratio (`infoflow+reorder`): how tables and records name a method
-    /// whose ratio is a column of its own.
-    pub fn label(&self) -> String {
-        Self { ratio: None, ..*self }.to_string()
-    }
-
     /// A comma-separated list of specs (empty items skipped).
     pub fn parse_list(list: &str) -> std::result::Result<Vec<Self>, InputError> {
         list.split(',').map(str::trim).filter(|m| !m.is_empty()).map(str::parse).collect()
@@ -474,7 +468,6 @@ mod tests {
             assert_eq!(spec, MethodSpec { method, reorder, ratio }, "{text}");
             assert_eq!(spec.to_string(), printed);
             assert_eq!(printed.parse::<MethodSpec>().unwrap(), spec, "printing is parseable");
-            assert_eq!(spec.label(), printed.split('@').next().unwrap());
             let json = serde_json::to_string(&spec).unwrap();
             assert_eq!(json, format!("\"{printed}\""));
             assert_eq!(serde_json::from_str::<MethodSpec>(&json).unwrap(), spec);

@@ -23,11 +23,19 @@ pub enum LabError {
     /// The projection refused its input.
     #[error(transparent)]
     Project(#[from] ProjectError),
-    /// A results file that does not parse or serialise.
-    #[error("{path}: {source}")]
-    Json {
+    /// A file that is not an eval's results file.
+    #[error("{} is not a results file ({source}); pass another --out", path.display())]
+    NotResults {
         /// The file.
-        path: String,
+        path: PathBuf,
+        /// Why it does not parse.
+        source: serde_json::Error,
+    },
+    /// Results that do not serialise.
+    #[error("{}: {source}", path.display())]
+    Json {
+        /// The file they were for.
+        path: PathBuf,
         /// The cause.
         source: serde_json::Error,
     },

@@ -34,6 +34,8 @@ struct Placed<B: Backend> {
     ids: Vec<usize>,
     /// Index of the first chunk segment (1 on rank 0, behind the head).
     first_chunk: usize,
+    /// Global start position of every chunk (request order) in this layout order.
+    offsets: Vec<u32>,
 }
 
 /// Where the selection lies on this rank: its targets and their tokens, and every selected
@@ -70,7 +72,7 @@ impl<B: Backend> Engine<B> {
         if !located.all_positions.is_empty() {
             let watch = &turn.watch;
             let mut check = || watch.check(phase::RECOMPUTE);
-            let (opts, lead) = (turn.opts, comm.rank() == 0);
+            let (opts, lead, batch) = (turn.opts, comm.rank() == 0, turn.plan.recompute_batch);
             turn.phases.time(phase::RECOMPUTE, || {
                 let replicated = (!lead).then_some(&head_placed);
                 let sel = Selection {
@@ -78,7 +80,7 @@ impl<B: Backend> Engine<B> {
                     tokens: &located.tokens,
                     all_positions: &located.all_positions,
                 };
-                let mode = RecomputeMode { scope: opts.scope, batch: opts.recompute_batch };
+                let mode = RecomputeMode { scope: opts.scope, batch };
                 recompute(model, comm, &mut placed.segments, replicated, &sel, mode, &mut check)
             })?;
         }
@@ -164,7 +166,8 @@ impl<B: Backend> Engine<B> {
         let model = &self.lm.model;
         let (be, n_kv) = (model.backend(), model.config().n_kv_heads);
         let offsets = layout.global_offsets(order);
-        let mut p = Placed { segments: Vec::new(), ids: Vec::new(), first_chunk: usize::from(lead) };
+        let mut p =
+            Placed { segments: Vec::new(), ids: Vec::new(), first_chunk: usize::from(lead), offsets: Vec::new() };
         turn.phases.time(phase::ASSEMBLE, || -> Result<()> {
             if lead {
                 p.segments.push(head_placed.placed(be, model.rope(), head_placed.positions(), n_kv)?);
@@ -179,6 +182,7 @@ impl<B: Backend> Engine<B> {
             }
             Ok(())
         })?;
+        p.offsets = offsets;
         Ok(p)
     }
 

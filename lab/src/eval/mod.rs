@@ -81,16 +81,13 @@ impl ResultsFile {
     /// Reads a results file.
     pub fn read(path: &Path) -> Result<Self> {
         let bytes = std::fs::read(path).map_err(io("reading", path))?;
-        serde_json::from_slice(&bytes).map_err(|source| LabError::Json {
-            path: format!("{} is not a results file; pass another --out", path.display()),
-            source,
-        })
+        serde_json::from_slice(&bytes).map_err(|source| LabError::NotResults { path: path.to_path_buf(), source })
     }
 
     /// Writes it whole (a temporary file renamed over the old one).
     pub fn write(&self, path: &Path) -> Result<()> {
-        let bytes = serde_json::to_vec_pretty(self)
-            .map_err(|source| LabError::Json { path: path.display().to_string(), source })?;
+        let bytes =
+            serde_json::to_vec_pretty(self).map_err(|source| LabError::Json { path: path.to_path_buf(), source })?;
         write_atomic(path, &bytes)
     }
 }
