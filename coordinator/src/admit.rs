@@ -83,7 +83,7 @@ pub fn admit<B: Backend>(lm: &LoadedModel<B>, job: &Job, limits: &Limits) -> Res
             return Err(bad(Field::ScoreLayers, format!("{a}-{b}: the model has layers 0-{}", cfg.n_layers - 1)));
         }
     }
-    let layout = Layout::build(lm, req)?;
+    let layout = Layout::for_method(lm, req, opts.method)?;
     if layout.chunks.len() > limits.max_chunks {
         let field = if matches!(req.context, Context::Text { .. }) { Field::ChunkTokens } else { Field::Documents };
         return Err(bad(

@@ -11,7 +11,7 @@
 //! unless reordered); positions are derived from it.
 
 use crate::error::Result;
-use crate::request::{Context, Geometry, Request};
+use crate::request::{Context, Geometry, Method, Request};
 use flowprefill_kernels::Backend;
 use flowprefill_worker::template::{tokenize_pieces, Message, Part, Piece};
 use flowprefill_worker::LoadedModel;
@@ -67,6 +67,28 @@ impl Layout {
             }
         };
         Ok(Self { head, chunks, prompt })
+    }
+
+    /// The layout `method` computes with: as [`Layout::build`], and for `kvpacket` every chunk
+    /// wrapped in the model's adapter rows (soft ids past the vocabulary; see
+    /// [`flowprefill_worker::adapter`]).
+    pub fn for_method<B: Backend>(lm: &LoadedModel<B>, req: &Request, method: Method) -> Result<Self> {
+        let mut layout = Self::build(lm, req)?;
+        if method == Method::Kvpacket {
+            let Some(adapter) = &lm.adapter else {
+                return Err(flowprefill_worker::InputError::new(
+                    flowprefill_worker::Field::Method,
+                    "kvpacket needs a KV Packet adapter for this model: start flowprefill with --adapter PATH \
+                     (made by `flowprefill train kvpacket`), or choose another method",
+                )
+                .into());
+            };
+            let vocab = lm.model.config().vocab_size;
+            for c in &mut layout.chunks {
+                *c = adapter.wrap(c, vocab);
+            }
+        }
+        Ok(layout)
     }
 
     /// Context tokens (selection candidates).

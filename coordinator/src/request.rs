@@ -31,11 +31,14 @@ pub enum Method {
     Star,
     /// Ring attention: exact full prefill spread over the ranks (zigzag).
     Ring,
+    /// KV Packet: every chunk wrapped in trained header/trailer soft rows when its cache is
+    /// made, caches concatenated, nothing recomputed (needs an adapter).
+    Kvpacket,
 }
 
 impl Method {
     /// Every method, in table order.
-    pub const ALL: [Method; 10] = [
+    pub const ALL: [Method; 11] = [
         Method::Full,
         Method::None,
         Method::Infoflow,
@@ -46,6 +49,7 @@ impl Method {
         Method::Random,
         Method::Star,
         Method::Ring,
+        Method::Kvpacket,
     ];
 
     /// Lower-case name.
@@ -61,6 +65,7 @@ impl Method {
             Method::Random => "random",
             Method::Star => "star",
             Method::Ring => "ring",
+            Method::Kvpacket => "kvpacket",
         }
     }
 
@@ -73,10 +78,10 @@ impl Method {
         }
     }
 
-    /// Whether a recompute ratio applies (selectors); `none` and `star` recompute nothing,
+    /// Whether a recompute ratio applies (selectors); `none`, `star` and `kvpacket` recompute nothing,
     /// `full` runs no chunking at all.
     pub fn selects(self) -> bool {
-        !matches!(self, Method::Full | Method::None | Method::Star | Method::Ring)
+        !matches!(self, Method::Full | Method::None | Method::Star | Method::Ring | Method::Kvpacket)
     }
 
     /// Methods that prefill the whole sequence exactly (no chunk caches).
@@ -367,10 +372,10 @@ impl RunOptions {
         self.prefix.unwrap_or(self.method.default_prefix())
     }
 
-    /// The ratio in effect: 0 for `none`/`star`, 1 for `full`.
+    /// The ratio in effect: 0 for `none`/`star`/`kvpacket`, 1 for `full`.
     pub fn effective_ratio(&self) -> f64 {
         match self.method {
-            Method::None | Method::Star => 0.0,
+            Method::None | Method::Star | Method::Kvpacket => 0.0,
             Method::Full | Method::Ring => 1.0,
             _ => self.ratio,
         }

@@ -31,6 +31,9 @@ pub enum LabError {
         /// Why it does not parse.
         source: serde_json::Error,
     },
+    /// Training failed.
+    #[error(transparent)]
+    Train(#[from] crate::train::TrainError),
     /// Results that do not serialise.
     #[error("{}: {source}", path.display())]
     Json {

@@ -7,6 +7,7 @@
 //!   retention with intervals, sign tests, plots);
 //! * [`project`]: the engine's work accounting turned into projected TTFT on other hardware;
 //! * [`plot`]: PNG charts that never fail a command for want of a font;
+//! * [`train`]: training the trained seeds on the CPU (KV Packet's self-distillation);
 //! * [`http`]: the small HTTP/1.1 client the benchmarks and fault drills use against `serve`.
 //!
 //! ```text
@@ -20,5 +21,6 @@ pub mod http;
 pub mod plot;
 pub mod project;
 pub mod tasks;
+pub mod train;
 
 pub use error::{LabError, Result};

@@ -19,6 +19,10 @@ pub struct Common {
     /// default: SmolLM2-135M-Instruct.
     #[arg(long, global = true, env = "FLOWPREFILL_MODEL")]
     pub model: Option<PathBuf>,
+    /// KV Packet adapter (safetensors from `flowprefill train kvpacket`) for `--method
+    /// kvpacket`; it must have been trained for `--model`.
+    #[arg(long, global = true, env = "FLOWPREFILL_ADAPTER")]
+    pub adapter: Option<PathBuf>,
     /// Worker threads for the CPU kernels (default: all cores).
     #[arg(long, global = true)]
     pub threads: Option<usize>,

@@ -43,6 +43,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
+    /// Train the adapters of the trained methods (KV Packet), on the CPU.
+    #[command(subcommand)]
+    Train(cmd::train::Train),
 }
 
 fn main() {
@@ -98,6 +101,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval(a) => cmd::eval::run(&cli.common, a),
         Command::Generate(a) => cmd::generate::run(&cli.common, a),
         Command::Bench(b) => cmd::bench::run(&cli.common, b),
+        Command::Train(t) => cmd::train::run(&cli.common, t),
         Command::Devices => cmd::devices(),
         Command::Serve(a) => serve::run(&cli.common, a),
     }

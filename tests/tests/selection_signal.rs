@@ -141,7 +141,14 @@ fn tiny_lm() -> Arc<LoadedModel<Cpu>> {
     write_tiny_gguf(&path, &spec);
     let model = Model::load(&path, Cpu).expect("tiny model");
     let _ = std::fs::remove_dir_all(dir);
-    Arc::new(LoadedModel { model, tokenizer: real.tokenizer, template: real.template, synthetic: None })
+    Arc::new(LoadedModel {
+        model,
+        tokenizer: real.tokenizer,
+        template: real.template,
+        synthetic: None,
+        fingerprint: real.fingerprint,
+        adapter: None,
+    })
 }
 
 fn request() -> Request {

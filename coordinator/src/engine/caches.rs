@@ -38,7 +38,18 @@ fn resolve<B: Backend>(
     stats: &mut (u64, u64),
     check: Check<'_>,
 ) -> Result<Vec<Arc<KvCache<B>>>> {
-    let keys: Vec<ChunkKey> = specs.iter().map(|s| ChunkKey::new(&s.head_tokens, s.start, s.tokens)).collect();
+    let vocab = model.config().vocab_size as u32;
+    let keys: Vec<ChunkKey> = specs
+        .iter()
+        .map(|s| {
+            let key = ChunkKey::new(&s.head_tokens, s.start, s.tokens);
+            // A packet (soft ids past the vocabulary) is keyed by its adapter too.
+            match model.adapter_hash() {
+                Some(h) if s.tokens.iter().any(|&t| t >= vocab) => key.with_adapter(h),
+                _ => key,
+            }
+        })
+        .collect();
     let mut found: Vec<Option<Arc<KvCache<B>>>> = keys.iter().map(|k| store.get(k)).collect();
     let missing: Vec<usize> = (0..specs.len()).filter(|&i| found[i].is_none()).collect();
     stats.0 += (specs.len() - missing.len()) as u64;

@@ -475,8 +475,8 @@ impl<B: Backend> Engine<B> {
         if let Err(e) = self.lm.model.backend().settle() {
             tracing::warn!(rank, "settling the device after running out of memory: {e}");
         }
-        let made =
-            Layout::build(&self.lm, &job.request).and_then(|layout| self.make_room(&job.options, &layout, rank, ranks));
+        let made = Layout::for_method(&self.lm, &job.request, job.options.method)
+            .and_then(|layout| self.make_room(&job.options, &layout, rank, ranks));
         if let Err(e) = made {
             tracing::debug!(rank, "no room made after running out of memory: {e}");
         }

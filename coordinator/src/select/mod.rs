@@ -228,7 +228,7 @@ pub fn selector_for<B: Backend>(method: Method) -> Option<Box<dyn Selector<B>>> 
         Method::Epic => Box::new(epic::Epic),
         Method::Cacheclip => Box::new(cacheclip::CacheClip::default()),
         Method::Random => Box::new(random::Random),
-        Method::Full | Method::None | Method::Star | Method::Ring => return None,
+        Method::Full | Method::None | Method::Star | Method::Ring | Method::Kvpacket => return None,
     })
 }
 

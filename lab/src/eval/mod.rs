@@ -54,6 +54,9 @@ pub struct Record {
     /// Whether decoding stopped at the budget rather than at an end-of-turn token.
     #[serde(default)]
     pub hit_budget: Option<bool>,
+    /// The KV Packet adapter's hash (`kvpacket` runs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<String>,
 }
 
 impl Record {
@@ -158,5 +161,6 @@ pub fn record(
         answer: r.answer.clone(),
         max_new_tokens: Some(r.opts.max_new_tokens),
         hit_budget: Some(r.stop == flowprefill_worker::generate::StopReason::MaxTokens),
+        adapter: None,
     }
 }

@@ -670,6 +670,7 @@ mod tests {
             answer: String::new(),
             max_new_tokens: None,
             hit_budget: None,
+            adapter: None,
         }
     }
 

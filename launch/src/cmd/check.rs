@@ -98,8 +98,12 @@ fn dump(cases: &[flowprefill_lab::tasks::QaCase], dir: &std::path::Path) -> Resu
 pub fn run(common: &Common, args: Args) -> Result<()> {
     // Parsed once, before the model loads, so a bad flag fails fast.
     let (geometry, score_layers, prefix) = args.scoring.parse()?;
-    let table = methods(args.methods.as_deref())?;
+    let mut table = methods(args.methods.as_deref())?;
     let engine = engine(common, None)?;
+    if args.methods.is_none() && engine.model().adapter.is_none() {
+        // The default table has KV Packet only where the model has an adapter.
+        table.retain(|t| t.method != Method::Kvpacket);
+    }
     let (lengths, depths) = (args.lengths.concat(), args.depths.concat());
     crate::ensure_usage!(
         !lengths.is_empty() && !depths.is_empty() && args.per_cell > 0,

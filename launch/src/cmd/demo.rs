@@ -15,7 +15,7 @@ pub struct Args {
 }
 
 /// The methods of the demo and check tables.
-pub const TABLE: [MethodSpec; 10] = [
+pub const TABLE: [MethodSpec; 11] = [
     spec(Method::Full, false),
     spec(Method::None, false),
     spec(Method::Infoflow, false),
@@ -26,6 +26,7 @@ pub const TABLE: [MethodSpec; 10] = [
     spec(Method::Cacheclip, false),
     spec(Method::Random, false),
     spec(Method::Star, false),
+    spec(Method::Kvpacket, false),
 ];
 
 const fn spec(method: Method, reorder: bool) -> MethodSpec {
@@ -53,6 +54,10 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     );
     let mut full_ttft = None;
     for spec in TABLE {
+        if spec.method == Method::Kvpacket && engine.model().adapter.is_none() {
+            println!("{:<17} (no KV Packet adapter for this model: give --adapter PATH)", spec.to_string());
+            continue;
+        }
         engine.store().clear();
         let opts = RunOptions { max_new_tokens: 24, ..spec.options(args.ratio) };
         let cold = engine.run(&req, &opts, &mut |_| true)?;

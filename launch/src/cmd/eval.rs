@@ -108,16 +108,19 @@ impl Plan {
         plan
     }
 
-    /// The chunk stores the methods read (full and ring read none): only these are primed.
-    fn prefix_modes(&self) -> Vec<PrefixMode> {
-        let mut modes: Vec<PrefixMode> = Vec::new();
+    /// The chunk caches the methods read (full and ring read none): only these are primed,
+    /// each by a job of the method that makes them (`none` for plain chunks in a prefix mode,
+    /// `kvpacket` for packets).
+    fn primers(&self) -> Vec<(Method, PrefixMode)> {
+        let mut primers: Vec<(Method, PrefixMode)> = Vec::new();
         for spec in &self.methods {
             let mode = self.prefix.unwrap_or(spec.method.default_prefix());
-            if !matches!(spec.method, Method::Full | Method::Ring) && !modes.contains(&mode) {
-                modes.push(mode);
+            let maker = if spec.method == Method::Kvpacket { Method::Kvpacket } else { Method::None };
+            if !matches!(spec.method, Method::Full | Method::Ring) && !primers.contains(&(maker, mode)) {
+                primers.push((maker, mode));
             }
         }
-        modes
+        primers
     }
 }
 
@@ -235,7 +238,8 @@ fn compute(
     let tok = &lm.tokenizer;
     super::check_thread_world(common, a.ranks)?;
     let mut world = super::thread_world(common, lm.clone(), a.ranks, std::time::Duration::from_secs(600))?;
-    let modes = plan.prefix_modes();
+    let primers = plan.primers();
+    check_adapter(records, lm.adapter.as_ref().map(|a| a.hash.as_str()), results_path)?;
     // The bar counts the runs to compute (those already in results.json are skipped), so
     // a resumed eval's ETA is not inflated by them.
     let mut progress = crate::progress::Progress::new(pending, "runs");
@@ -254,7 +258,7 @@ fn compute(
                             continue;
                         }
                         if !primed {
-                            prime(&mut world, &req, &modes)?;
+                            prime(&mut world, &req, &primers)?;
                             primed = true;
                         }
                         let opts = RunOptions {
@@ -265,7 +269,11 @@ fn compute(
                             ..spec.options(ratio.unwrap_or(0.0))
                         };
                         let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
-                        records.push(record(&case, a.prompts, *spec, ratio, &r, &needles));
+                        let mut rec = record(&case, a.prompts, *spec, ratio, &r, &needles);
+                        if spec.method == Method::Kvpacket {
+                            rec.adapter = lm.adapter.as_ref().map(|a| a.hash.clone());
+                        }
+                        records.push(rec);
                         progress.inc(&k);
                     }
                 }
@@ -295,12 +303,30 @@ fn report(a: &Args, plan: &Plan, records: Vec<Record>, results_path: &Path) -> R
     Ok(())
 }
 
-/// Fills the chunk stores of the prefix modes the methods use, so that every recorded TTFT
-/// is warm (a mode no method reads is not computed: at 8K tokens each costs a chunked prefill).
-fn prime(world: &mut ThreadRanks<flowprefill_kernels::Device>, req: &Request, modes: &[PrefixMode]) -> Result<()> {
-    for &prefix in modes {
-        let opts =
-            RunOptions { method: Method::None, prefix: Some(prefix), max_new_tokens: 1, ..RunOptions::default() };
+/// KV Packet runs already in the results must come from the adapter in use (another adapter's
+/// packets are another method).
+fn check_adapter(records: &[Record], adapter: Option<&str>, path: &Path) -> Result<()> {
+    if let Some(r) = records.iter().find(|r| r.method.method == Method::Kvpacket && r.adapter.as_deref() != adapter) {
+        crate::ensure_usage!(
+            false,
+            "{} holds kvpacket runs of adapter {} but this eval uses {}; pass another --out or the same --adapter",
+            path.display(),
+            r.adapter.as_deref().unwrap_or("(none)"),
+            adapter.unwrap_or("none")
+        );
+    }
+    Ok(())
+}
+
+/// Fills the chunk stores the methods read, so that every recorded TTFT is warm (caches no
+/// method reads are not made: at 8K tokens each costs a chunked prefill).
+fn prime(
+    world: &mut ThreadRanks<flowprefill_kernels::Device>,
+    req: &Request,
+    primers: &[(Method, PrefixMode)],
+) -> Result<()> {
+    for &(method, prefix) in primers {
+        let opts = RunOptions { method, prefix: Some(prefix), max_new_tokens: 1, ..RunOptions::default() };
         world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
     }
     Ok(())

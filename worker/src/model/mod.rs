@@ -281,6 +281,9 @@ pub struct Model<B: Backend> {
     shape: AttnShape,
     profile: OpProfile<B>,
     load: LoadStats,
+    /// KV Packet soft rows (`[rows, d_model]`), their count and the adapter's hash, read for ids
+    /// at and past the vocabulary ([`crate::adapter`]).
+    adapter: Option<(B::Buf, usize, String)>,
 }
 
 impl<B: Backend> std::fmt::Debug for Model<B> {
@@ -328,6 +331,63 @@ impl<B: Backend> Model<B> {
     /// How long loading took, by stage (a synthetic model: building it, as `convert`).
     pub fn load_stats(&self) -> LoadStats {
         self.load
+    }
+
+    /// Makes ids `vocab..vocab + adapter rows` read the adapter's soft rows (KV Packet); `None`
+    /// removes it. The adapter must have been checked against this model.
+    pub fn set_adapter(&mut self, adapter: Option<&crate::adapter::Adapter>) -> Result<()> {
+        self.adapter = match adapter {
+            None => None,
+            Some(a) => {
+                if a.d_model != self.cfg.d_model {
+                    return Err(crate::error::internal(format!(
+                        "adapter rows of {} for a model of hidden size {}",
+                        a.d_model, self.cfg.d_model
+                    )));
+                }
+                Some((self.backend.upload(&a.rows)?, a.n_rows(), a.hash.clone()))
+            }
+        };
+        Ok(())
+    }
+
+    /// Soft rows the model reads past its vocabulary (0 without an adapter).
+    pub fn adapter_rows(&self) -> usize {
+        self.adapter.as_ref().map_or(0, |a| a.1)
+    }
+
+    /// The hash of the adapter in use, if any (part of the store keys of its packets).
+    pub fn adapter_hash(&self) -> Option<&str> {
+        self.adapter.as_ref().map(|a| a.2.as_str())
+    }
+
+    /// The input rows of `tokens`: embedding rows, and the adapter's rows for ids past the
+    /// vocabulary.
+    fn embed_into(&self, tokens: &[u32], x: &mut B::Buf) -> Result<()> {
+        let be = &self.backend;
+        let vocab = self.cfg.vocab_size;
+        let soft: Vec<(usize, usize)> = tokens
+            .iter()
+            .enumerate()
+            .filter(|(_, &t)| t as usize >= vocab)
+            .map(|(i, &t)| (t as usize - vocab, i))
+            .collect();
+        if soft.is_empty() {
+            return be.embedding(&self.embed, tokens, x).map_err(Into::into);
+        }
+        let n = self.adapter_rows();
+        if let Some(&(bad, _)) = soft.iter().find(|s| s.0 >= n) {
+            return Err(crate::error::internal(format!(
+                "token id {} is past the vocabulary of {vocab} and the adapter's {n} soft rows",
+                bad + vocab
+            )));
+        }
+        let plain: Vec<u32> = tokens.iter().map(|&t| if t as usize >= vocab { 0 } else { t }).collect();
+        be.embedding(&self.embed, &plain, x)?;
+        let (src, dst): (Vec<usize>, Vec<usize>) = soft.into_iter().unzip();
+        let rows = &self.adapter.as_ref().ok_or_else(|| crate::error::internal("adapter vanished"))?.0;
+        be.copy_rows(rows, &src, x, &dst, self.cfg.d_model)?;
+        Ok(())
     }
 
     /// Runs the blocks over `tokens` at `positions`; `attend` decides what each layer's
@@ -389,7 +449,7 @@ impl<B: Backend> Model<B> {
         let qkvd = qd + 2 * kvd;
         let mut laps = Laps::start(be, &self.profile)?;
         let mut x = be.zeros(m * d)?;
-        be.embedding(&self.embed, tokens, &mut x)?;
+        self.embed_into(tokens, &mut x)?;
         let mut h = be.zeros(m * d)?;
         let mut qkv = be.zeros(m * qkvd)?;
         let mut q = be.zeros(m * qd)?;

@@ -1,0 +1,303 @@
+//! KV Packet: the differentiable training forward against the inference forward, its gradients
+//! against finite differences, the adapter's soft ids, and a short training run that must lower
+//! the loss.
+
+use candle_core::{Device, Tensor, Var, D};
+use flowprefill_coordinator::layout::Layout;
+use flowprefill_coordinator::{Context, Engine, Job, Method, Request, RunOptions, ThreadRanks};
+use flowprefill_lab::train::kvpacket::{self, student_logits, student_loss, Packets, Sample, Settings};
+use flowprefill_lab::train::model::{Placed, TrainModel};
+use flowprefill_tests::{
+    default_model, default_model_path, max_abs_diff, range, rel_diff, small_docs, temp_dir, write_tiny_gguf, TinySpec,
+};
+use flowprefill_worker::adapter::{Adapter, AdapterMeta};
+use flowprefill_worker::attend::SelfOnly;
+use flowprefill_worker::model::Logits;
+use flowprefill_worker::{Cpu, LoadedModel, Model};
+
+/// Logits of the training forward against the inference forward, relative to the logits'
+/// range: two f32 computations of the same function in different orders.
+const LOGIT_TOL: f32 = 2e-4;
+/// A gradient entry against its central difference (f32 losses, step [`FD_STEP`]).
+const FD_REL_TOL: f32 = 0.03;
+const FD_STEP: f32 = 1e-2;
+
+fn tiny(arch: &'static str, vocab: usize) -> (Model<Cpu>, TrainModel, std::path::PathBuf) {
+    let dir = temp_dir(&format!("kvpacket-{arch}"));
+    let path = dir.join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec { vocab, layers: 2, seed: 11, ..TinySpec::new(arch) });
+    let m = Model::load(&path, Cpu).expect("tiny model");
+    let t = TrainModel::from_gguf(&path).expect("tiny training model");
+    (m, t, dir)
+}
+
+fn logits_of(tm: &TrainModel, tokens: &[u32]) -> Vec<f32> {
+    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+    let (h, _) = tm.forward(&tm.embed_tokens(tokens).unwrap(), &pos, &[]).unwrap();
+    let rows: Vec<usize> = (0..tokens.len()).collect();
+    tm.logits(&h, &rows).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// The training forward computes the inference forward's logits on the real model.
+#[test]
+fn the_training_forward_gives_the_inference_logits_on_the_real_model() {
+    let lm = default_model();
+    let tm = TrainModel::from_gguf(&default_model_path()).expect("training model");
+    let tokens = lm.chat_prompt(None, flowprefill_tests::TEXT).unwrap();
+    let pos: Vec<u32> = (0..tokens.len() as u32).collect();
+    let want = lm.model.forward(&tokens, &pos, &mut SelfOnly, Logits::All).unwrap().logits;
+    let got = logits_of(&tm, &tokens);
+    let err = max_abs_diff(&got, &want) / range(&want);
+    assert!(err < LOGIT_TOL, "{} tokens: max |diff| / range = {err}", tokens.len());
+}
+
+/// On tiny models of the three architectures: the same logits, and a segment run over a placed
+/// context gives what one forward over both gives.
+#[test]
+fn tiny_models_of_every_architecture_agree_and_segments_compose() {
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let (m, tm, dir) = tiny(arch, 97);
+        let tokens: Vec<u32> = (0..40).map(|i| (i * 13 % 97) as u32).collect();
+        let pos: Vec<u32> = (0..40).collect();
+        let want = m.forward(&tokens, &pos, &mut SelfOnly, Logits::All).unwrap().logits;
+        let got = logits_of(&tm, &tokens);
+        let err = max_abs_diff(&got, &want) / range(&want);
+        assert!(err < LOGIT_TOL, "{arch}: {err}");
+        // [a | b] at once, or b over a placed at the same positions.
+        let (a, b) = tokens.split_at(25);
+        let (_, kv_a) = tm.forward(&tm.embed_tokens(a).unwrap(), &pos[..25], &[]).unwrap();
+        let ctx = [Placed { kv: &kv_a, positions: pos[..25].to_vec() }];
+        let (hb, _) = tm.forward(&tm.embed_tokens(b).unwrap(), &pos[25..], &ctx).unwrap();
+        let rows: Vec<usize> = (0..15).collect();
+        let seg: Vec<f32> = tm.logits(&hb, &rows).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let whole = &got[25 * 97..];
+        assert!(max_abs_diff(&seg, whole) / range(whole) < LOGIT_TOL, "{arch}: segments");
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
+
+/// Ids past the vocabulary read the adapter's rows: an adapter made of the embedding rows of
+/// two tokens gives exactly the forward of those tokens.
+#[test]
+fn soft_ids_read_the_adapter_rows() {
+    let (mut m, tm, dir) = tiny("qwen2", 97);
+    let rows: Vec<f32> = tm.embed_tokens(&[5, 6]).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let meta = AdapterMeta {
+        model: "x".into(),
+        model_name: "tiny".into(),
+        header: 1,
+        trailer: 1,
+        training: Default::default(),
+    };
+    let adapter = Adapter::new(meta, 64, rows).unwrap();
+    let pos: Vec<u32> = (0..5).collect();
+    let plain = m.forward(&[5, 1, 2, 3, 6], &pos, &mut SelfOnly, Logits::All).unwrap().logits;
+    assert!(m.forward(&[97, 1, 2, 3, 98], &pos, &mut SelfOnly, Logits::All).is_err(), "no adapter: refused");
+    m.set_adapter(Some(&adapter)).unwrap();
+    let wrapped = adapter.wrap(&[1, 2, 3], 97);
+    assert_eq!(wrapped, vec![97, 1, 2, 3, 98]);
+    let soft = m.forward(&wrapped, &pos, &mut SelfOnly, Logits::All).unwrap().logits;
+    assert_eq!(soft, plain);
+    let e = m.forward(&[99], &[0], &mut SelfOnly, Logits::All).unwrap_err().to_string();
+    assert!(e.contains("past the vocabulary"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A sample over a tiny model: three chunks, a prompt, a three-token continuation and a
+/// random teacher.
+fn tiny_sample(vocab: usize) -> Sample {
+    let layout = Layout {
+        head: vec![1, 2, 3],
+        chunks: vec![(4..13).collect(), (13..20).collect(), (20..31).collect()],
+        prompt: (31..37).collect(),
+    };
+    let logits: Vec<f32> = (0..3 * vocab).map(|i| ((i * 7919 % 1000) as f32 / 250.0).sin() * 3.0).collect();
+    let t = Tensor::from_vec(logits, (3, vocab), &Device::Cpu).unwrap();
+    let p = candle_core::Tensor::exp(&t.broadcast_sub(&t.max_keepdim(D::Minus1).unwrap()).unwrap()).unwrap();
+    let p = p.broadcast_div(&p.sum_keepdim(D::Minus1).unwrap()).unwrap();
+    let neg_entropy = (&p * p.log().unwrap()).unwrap().sum(D::Minus1).unwrap();
+    Sample { id: "tiny".into(), layout, continuation: vec![40, 41, 42], teacher: p, teacher_neg_entropy: neg_entropy }
+}
+
+/// The adapter's gradient equals central differences of the loss, on llama (interleaved RoPE)
+/// and qwen2 (biases, NeoX RoPE).
+#[test]
+fn adapter_gradients_match_finite_differences() {
+    for arch in ["llama", "qwen2"] {
+        let (_, tm, dir) = tiny(arch, 97);
+        let s = tiny_sample(97);
+        let init: Vec<f32> = (0..4 * 64).map(|i| ((i as f32) * 0.731).sin()).collect();
+        let var = Var::from_vec(init.clone(), (4, 64), &Device::Cpu).unwrap();
+        let loss_at = |rows: &Tensor| -> f32 {
+            let pk = Packets { rows, header: 2 };
+            student_loss(&tm, Some(&pk), &s).unwrap().to_scalar::<f32>().unwrap()
+        };
+        let pk = Packets { rows: var.as_tensor(), header: 2 };
+        let loss = student_loss(&tm, Some(&pk), &s).unwrap();
+        assert!(loss.to_scalar::<f32>().unwrap() > 0.0, "KL to a random teacher is positive");
+        let grad: Vec<f32> =
+            loss.backward().unwrap().get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        // The largest entries of header and trailer rows alike.
+        let mut idx: Vec<usize> = (0..grad.len()).collect();
+        idx.sort_by(|&a, &b| grad[b].abs().total_cmp(&grad[a].abs()));
+        let picked: Vec<usize> =
+            idx[..6].iter().copied().chain(idx.iter().copied().filter(|&i| i >= 2 * 64).take(3)).collect();
+        for i in picked {
+            let bump = |delta: f32| {
+                let mut v = init.clone();
+                v[i] += delta;
+                loss_at(&Tensor::from_vec(v, (4, 64), &Device::Cpu).unwrap())
+            };
+            let fd = (bump(FD_STEP) - bump(-FD_STEP)) / (2.0 * FD_STEP);
+            let rel = (fd - grad[i]).abs() / grad[i].abs().max(1e-4);
+            assert!(rel < FD_REL_TOL, "{arch}: entry {i}: autograd {} vs finite difference {fd} ({rel})", grad[i]);
+        }
+        // `none`: no packets, no gradient path, a loss all the same.
+        assert!(student_loss(&tm, None, &s).unwrap().to_scalar::<f32>().unwrap() > 0.0);
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
+
+/// A tiny model with the default model's tokenizer and chat template, and its training twin.
+fn tiny_lm() -> (LoadedModel<Cpu>, TrainModel, std::path::PathBuf) {
+    let real = LoadedModel::load(&default_model_path(), Cpu).expect("default model");
+    let (model, tm, dir) = tiny("llama", real.model.config().vocab_size);
+    let lm = LoadedModel {
+        model,
+        tokenizer: real.tokenizer,
+        template: real.template,
+        synthetic: None,
+        fingerprint: "tiny".into(),
+        adapter: None,
+    };
+    (lm, tm, dir)
+}
+
+/// A few steps of self-distillation on a tiny random model lower the held-out loss; the
+/// adapter file records the run; a finished run's checkpoint gives the same adapter again and
+/// refuses other settings.
+#[test]
+fn a_short_training_run_lowers_the_loss_and_resumes() {
+    let (lm, tm, dir) = tiny_lm();
+    let settings = Settings {
+        header: 2,
+        trailer: 2,
+        tasks: vec!["niah_single".into(), "qa_twohop".into()],
+        length: 200,
+        samples: 4,
+        val_samples: 2,
+        epochs: 3,
+        batch: 2,
+        lr: 0.05,
+        continuation: 3,
+        ..Settings::default()
+    };
+    let out = kvpacket::Outputs { dir: dir.join("run"), adapter: dir.join("tiny.adapter.safetensors") };
+    let mut steps = 0;
+    let (adapter, history) = kvpacket::train(&lm, &tm, &settings, &out, &mut |e| {
+        if let kvpacket::Event::Step { .. } = e {
+            steps += 1
+        }
+    })
+    .expect("training");
+    assert_eq!(steps, 6);
+    assert_eq!(history.train.len(), 6);
+    let last = history.validation.last().expect("validation").1;
+    assert!(last < history.initial_val, "held-out KL {} -> {last}", history.initial_val);
+    let loaded = Adapter::load(&out.adapter).expect("adapter file");
+    assert_eq!(loaded.rows, adapter.rows);
+    assert_eq!(loaded.meta.training["steps"], 6);
+    loaded.check_model("tiny", "tiny", 64).expect("made for this model");
+    // Resuming a finished run takes no step and gives the same adapter.
+    let (again, _) = kvpacket::train(&lm, &tm, &settings, &out, &mut |e| {
+        assert!(!matches!(e, kvpacket::Event::Step { .. }), "a finished run takes no step");
+    })
+    .expect("resume");
+    assert_eq!(again.rows, adapter.rows);
+    let other = Settings { lr: 0.01, ..settings };
+    let e = kvpacket::train(&lm, &tm, &other, &out, &mut |_| ()).unwrap_err().to_string();
+    assert!(e.contains("other settings"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// The student trains what the engine runs: its first-token logits equal the engine's
+/// `kvpacket` job on the real model (chunk caches made alone with the adapter rows, placed by
+/// one rotation, the prompt over them); without an adapter the job is refused; packet caches
+/// and plain caches never share a store entry.
+#[test]
+fn the_student_is_the_engines_kvpacket_job() {
+    let mut lm = LoadedModel::load(&default_model_path(), Cpu).expect("default model");
+    let tm = TrainModel::from_gguf(&default_model_path()).expect("training model");
+    let d = lm.model.config().d_model;
+    let sep = lm.tokenizer.encode_text("\n\n").unwrap();
+    let base: Vec<f32> = tm.embed_tokens(&[sep[0]; 4]).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let rows: Vec<f32> = base.iter().enumerate().map(|(i, x)| x + 0.02 * ((i as f32) * 0.37).sin()).collect();
+    let meta = AdapterMeta {
+        model: lm.fingerprint.clone(),
+        model_name: "test".into(),
+        header: 2,
+        trailer: 2,
+        training: Default::default(),
+    };
+    let adapter = Adapter::new(meta, d, rows.clone()).unwrap();
+    let req = Request {
+        context: Context::Documents(small_docs()),
+        query: "What is the access code for the north gate?".into(),
+        system: None,
+        answer_prefix: None,
+    };
+    let opts = |method| RunOptions { method, max_new_tokens: 2, ..RunOptions::default() };
+    let plain = Engine::new(std::sync::Arc::new(LoadedModel::load(&default_model_path(), Cpu).unwrap()), 1 << 30);
+    let e = plain.run(&req, &opts(Method::Kvpacket), &mut |_| true).unwrap_err().to_string();
+    assert!(e.contains("--adapter"), "{e}");
+
+    lm.use_adapter(adapter).expect("an adapter for this model");
+    let layout = Layout::build(&lm, &req).unwrap();
+    let lm = std::sync::Arc::new(lm);
+    let engine = Engine::new(lm.clone(), 1 << 30);
+    let none = engine.run(&req, &opts(Method::None), &mut |_| true).unwrap();
+    let job = engine.run(&req, &opts(Method::Kvpacket), &mut |_| true).unwrap();
+    assert_eq!(job.n_context_tokens, layout.n_context() + 4 * layout.chunks.len(), "4 soft rows per chunk");
+    assert_eq!(
+        (job.cache_hits, job.cache_misses),
+        (1, layout.chunks.len() as u64),
+        "only the head is shared with the plain job"
+    );
+    let t = Tensor::from_vec(rows, (4, d), &Device::Cpu).unwrap();
+    let pk = Packets { rows: &t, header: 2 };
+    let student: Vec<f32> =
+        student_logits(&tm, Some(&pk), &layout, &[0]).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let diff = rel_diff(&student, &job.first_logits);
+    assert!(diff < LOGIT_TOL, "student vs engine kvpacket: {diff}");
+    let plain_student: Vec<f32> =
+        student_logits(&tm, None, &layout, &[0]).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert!(rel_diff(&plain_student, &none.first_logits) < LOGIT_TOL, "student without packets vs engine none");
+    assert!(
+        rel_diff(&job.first_logits, &none.first_logits) > 10.0 * LOGIT_TOL,
+        "the packets change the answer's logits"
+    );
+    // The soft rows are part of each chunk: nothing about them crosses ranks, and P ranks give
+    // one rank's answer.
+    for p in [2, 3] {
+        let mut world = ThreadRanks::new(lm.clone(), p, 1 << 30, std::time::Duration::from_secs(60)).expect("ranks");
+        let r = world.run(&Job { request: req.clone(), options: opts(Method::Kvpacket) }, &mut |_| true).unwrap();
+        assert!(r.rank_stats.iter().filter(|s| s.chunks > 0).count() > 1, "{p} ranks: the packets are spread");
+        assert_eq!(r.tokens, job.tokens, "{p} ranks");
+        assert!(rel_diff(&r.first_logits, &job.first_logits) < LOGIT_TOL, "{p} ranks");
+    }
+}
+
+/// The adapter in `adapters/` is found for the default model (so `--method kvpacket` needs no
+/// `--adapter` there) and is refused by another model.
+#[test]
+fn the_default_model_has_its_shipped_adapter() {
+    let lm = default_model();
+    let a = flowprefill_worker::adapter::shipped(&lm.fingerprint)
+        .expect("shipped adapters parse")
+        .expect("one for SmolLM2");
+    a.check_model(&lm.fingerprint, "SmolLM2", lm.model.config().d_model).expect("trained for it");
+    let (_, tm, dir) = tiny("llama", 97);
+    let e = a.check_model("tiny", "tiny-llama", tm.config().d_model).unwrap_err().to_string();
+    assert!(e.contains("hidden size of 64"), "{e}");
+    std::fs::remove_dir_all(dir).ok();
+}
