@@ -4,8 +4,8 @@
 //!
 //! ```text
 //!   sample (task generators, training seeds)   head | c1 | c2 | ... | ck | prompt
-//!   teacher: full prefill + greedy continuation y1..yn (the worker's inference forward);
-//!            p_t(y_i | ...) for i = 1..n, kept for the whole run
+//!   teacher: full prefill + greedy decoding y1..yn (the worker's inference forward), the
+//!            decoding steps' p_t(y_i | ...) kept for the whole run
 //!   student: head at 0..P; [H c1 T] behind the head at P..; [H cj T] alone at 0.. (as `none`
 //!            prefills chunks); placed at their global offsets by one rotation; prompt and
 //!            y1..y(n-1) read the placed caches: q_s(y_i | ...)
@@ -19,9 +19,11 @@ use crate::tasks::{self, PromptStyle};
 use candle_core::{Device, Tensor, Var, D};
 use flowprefill_coordinator::layout::Layout;
 use flowprefill_worker::adapter::{Adapter, AdapterMeta};
-use flowprefill_worker::attend::SelfOnly;
-use flowprefill_worker::generate::{generate, GenerateConfig, StopReason};
+use flowprefill_worker::attend::AppendAttend;
+use flowprefill_worker::generate::{prefill_into, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::model::Logits;
+use flowprefill_worker::sampling::{Sampler, SamplingConfig};
 use flowprefill_worker::{Cpu, LoadedModel};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -155,25 +157,28 @@ pub fn sample(lm: &LoadedModel<Cpu>, case: &tasks::QaCase, style: PromptStyle, c
     let layout = Layout::build(lm, &case.request(style))?;
     let order: Vec<usize> = (0..layout.chunks.len()).collect();
     let full = layout.full_tokens(&order);
-    let cfg = GenerateConfig { max_new_tokens: continuation, ..GenerateConfig::default() };
-    let gen = generate(&lm.model, &lm.tokenizer, &full, &cfg, &mut |_| true)?;
-    let mut cont = gen.tokens;
-    if gen.stop == StopReason::EndToken || cont.is_empty() {
-        if let Some(eos) = lm.tokenizer.eos() {
-            cont.push(eos);
+    // One prefill and greedy decoding; the logits of every step are the teacher's
+    // distributions (no second pass over the context).
+    let model = &lm.model;
+    let c = model.config();
+    let mut cache = KvCache::new(model.backend(), c.n_layers, c.kv_dim(), KeyForm::Rotated)?;
+    let mut logits = prefill_into(model, &mut cache, &full, 0, DEFAULT_PREFILL_CHUNK)?;
+    let mut sampler = Sampler::new(SamplingConfig::default())?;
+    let (mut cont, mut rows) = (Vec::new(), Vec::new());
+    loop {
+        let next = sampler.sample(&logits);
+        cont.push(next);
+        rows.extend_from_slice(&logits);
+        if lm.tokenizer.is_end(next) || cont.len() >= continuation {
+            break;
         }
-    }
-    cont.truncate(continuation.max(1));
-    if cont.is_empty() {
-        return Err(TrainError::Settings("the model's tokenizer has no end token and the teacher said nothing".into()));
+        let pos = (full.len() + cont.len() - 1) as u32;
+        let mut attend = AppendAttend::new(model.backend(), &mut cache, &[pos])?;
+        logits = model.forward(&[next], &[pos], &mut attend, Logits::Last)?.last().to_vec();
+        attend.commit()?;
     }
     let n = cont.len();
-    let mut tokens = full.clone();
-    tokens.extend_from_slice(&cont[..n - 1]);
-    let positions: Vec<u32> = (0..tokens.len() as u32).collect();
-    let rows: Vec<usize> = (full.len() - 1..full.len() - 1 + n).collect();
-    let out = lm.model.forward(&tokens, &positions, &mut SelfOnly, Logits::Rows(&rows))?;
-    let logits = Tensor::from_vec(out.logits, (n, out.vocab), &Device::Cpu)?;
+    let logits = Tensor::from_vec(rows, (n, c.vocab_size), &Device::Cpu)?;
     let logp = log_softmax(&logits)?;
     let p = logp.exp()?;
     let neg_entropy = (&p * &logp)?.sum(D::Minus1)?;

@@ -375,8 +375,10 @@ impl<B: Backend> Model<B> {
         if soft.is_empty() {
             return be.embedding(&self.embed, tokens, x).map_err(Into::into);
         }
-        let n = self.adapter_rows();
-        if let Some(&(bad, _)) = soft.iter().find(|s| s.0 >= n) {
+        let Some((rows, n, _)) = &self.adapter else {
+            return Err(crate::error::internal(format!("token id past the vocabulary of {vocab} and no adapter")));
+        };
+        if let Some(&(bad, _)) = soft.iter().find(|s| s.0 >= *n) {
             return Err(crate::error::internal(format!(
                 "token id {} is past the vocabulary of {vocab} and the adapter's {n} soft rows",
                 bad + vocab
@@ -385,7 +387,6 @@ impl<B: Backend> Model<B> {
         let plain: Vec<u32> = tokens.iter().map(|&t| if t as usize >= vocab { 0 } else { t }).collect();
         be.embedding(&self.embed, &plain, x)?;
         let (src, dst): (Vec<usize>, Vec<usize>) = soft.into_iter().unzip();
-        let rows = &self.adapter.as_ref().ok_or_else(|| crate::error::internal("adapter vanished"))?.0;
         be.copy_rows(rows, &src, x, &dst, self.cfg.d_model)?;
         Ok(())
     }
