@@ -287,6 +287,28 @@ fn the_student_is_the_engines_kvpacket_job() {
     }
 }
 
+/// Qwen2.5-Coder-0.5B's shipped adapter is found by that model's fingerprint and fits it, and
+/// the default model's adapter is refused by it. The model is only in the cache where someone
+/// ran `flowprefill fetch-model qwen2.5-coder-0.5b` (CI does not): elsewhere the test says so.
+#[test]
+fn the_qwen_model_has_its_shipped_adapter() {
+    let src = &flowprefill_worker::fetch::QWEN_CODER_05B;
+    let path = flowprefill_worker::fetch::model_path(src).expect("the model cache has a path");
+    if !path.exists() {
+        eprintln!("skipped: {} is not in the cache (flowprefill fetch-model {})", path.display(), src.name);
+        return;
+    }
+    let mut lm = LoadedModel::load(&path, Cpu).expect("Qwen loads");
+    let a = flowprefill_worker::adapter::shipped(&lm.fingerprint)
+        .expect("shipped adapters parse")
+        .expect("one for Qwen2.5-Coder-0.5B");
+    let smol = flowprefill_worker::adapter::shipped(&default_model().fingerprint).unwrap().expect("one for SmolLM2");
+    assert_ne!(a.hash, smol.hash);
+    let e = lm.use_adapter(smol).unwrap_err().to_string();
+    assert!(e.contains("hidden size of 896"), "{e}");
+    lm.use_adapter(a).expect("its own adapter fits");
+}
+
 /// The adapter in `adapters/` is found for the default model (so `--method kvpacket` needs no
 /// `--adapter` there) and is refused by another model.
 #[test]

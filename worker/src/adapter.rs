@@ -214,10 +214,16 @@ impl Adapter {
 /// The adapters trained by the project (`adapters/` in the repository; how each was trained is
 /// in its metadata and in docs/kvpacket.md), built into the binary: `--method kvpacket` works
 /// with the models flowprefill fetches without an `--adapter`.
-const SHIPPED: &[(&str, &[u8])] = &[(
-    "adapters/smollm2-135m-instruct.kvpacket.safetensors",
-    include_bytes!("../../adapters/smollm2-135m-instruct.kvpacket.safetensors"),
-)];
+const SHIPPED: &[(&str, &[u8])] = &[
+    (
+        "adapters/smollm2-135m-instruct.kvpacket.safetensors",
+        include_bytes!("../../adapters/smollm2-135m-instruct.kvpacket.safetensors"),
+    ),
+    (
+        "adapters/qwen2.5-coder-0.5b-instruct.kvpacket.safetensors",
+        include_bytes!("../../adapters/qwen2.5-coder-0.5b-instruct.kvpacket.safetensors"),
+    ),
+];
 
 /// The shipped adapter trained for the weights `fingerprint`, if there is one.
 pub fn shipped(fingerprint: &str) -> Result<Option<Adapter>> {
@@ -244,14 +250,24 @@ mod tests {
         }
     }
 
-    /// Every shipped adapter parses and names the model it is for.
+    /// Every shipped adapter parses and names the model it is for: one for each model
+    /// flowprefill fetches, each found by its own fingerprint.
     #[test]
     fn shipped_adapters_parse() {
-        assert!(!SHIPPED.is_empty());
+        let mut names = Vec::new();
         for (name, bytes) in SHIPPED {
             let a = Adapter::from_bytes(bytes, Path::new(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!((a.meta.header, a.meta.trailer), (8, 8), "{name}");
-            assert!(shipped(&a.meta.model).unwrap().is_some(), "{name}: found by its model");
+            let found = shipped(&a.meta.model).unwrap().unwrap_or_else(|| panic!("{name}: not found by its model"));
+            assert_eq!(found.hash, a.hash, "{name}: two shipped adapters claim one model");
+            names.push(a.meta.model_name.clone());
+        }
+        // The names the GGUF files give themselves.
+        for model in ["smollm2 135m", "qwen2.5 coder 0.5b"] {
+            assert!(
+                names.iter().any(|n| n.to_lowercase().starts_with(model)),
+                "no adapter for {model} among {names:?}"
+            );
         }
         assert!(shipped("no such model").unwrap().is_none());
     }
