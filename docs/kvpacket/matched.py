@@ -39,7 +39,7 @@ for L in sorted({r['length'] for r in recs}):
         kept = lambda cs: f"{sum(by[c][m]['score'] >= 1 - 1e-9 for c in cs):>3}/{len(cs):<3}"
         kn = kept([c for c in solved if groups['NIAH'](c[0])])
         print(m.ljust(16), ' '.join(f'{x:8.1f}' for x in row), f'{ret_n:7.1f} {ret_a:7.1f}   {kn}   {kept(solved)} {tt:10.0f}')
-    for a, b in [('kvpacket', 'none'), ('kvpacket-e1', 'none'), ('kvpacket', 'kvpacket-e1'), ('infoflow@0.15', 'kvpacket')]:
+    for a, b in [('kvpacket', 'none'), ('kvpacket-e1', 'none'), ('kvpacket', 'kvpacket-e1'), ('infoflow@0.15', 'kvpacket'), ('kvpacket', 'cacheblend@0.15'), ('kvpacket', 'epic@0.15')]:
         if a in present and b in present:
             w = sum(by[c][a]['score'] > by[c][b]['score'] for c in cases)
             l = sum(by[c][a]['score'] < by[c][b]['score'] for c in cases)
