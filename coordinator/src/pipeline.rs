@@ -1,14 +1,18 @@
 //! The pipeline of one job, decided from token counts before any work: which rank holds which
 //! chunk, how many tokens are recomputed, whether the selection scores anything (and so runs
-//! the probe), the probe's depth, how the chunk prefill and the recomputation are batched.
+//! the probe), the probe's depth, how the chunk prefill and the recomputation are batched, and
+//! the [`Step`]s that follow from all that, in order ([`Pipeline::steps`]).
 //!
-//! The engine runs what this decides; the memory plan ([`crate::memory`]) and the projection
-//! (`flowprefill_lab::project::work`) walk the same description instead of deciding again, so
-//! the three cannot drift apart (`tests/tests/projection_counts.rs` checks the counts).
+//! The engine runs these steps (each of its phases asks [`Pipeline::runs`] whether it is one);
+//! the memory plan ([`crate::memory`]) and the projection (`flowprefill_lab::project::work`,
+//! one counting function per step) walk the same description instead of deciding again, so
+//! the three cannot drift apart: `tests/tests/projection_counts.rs` checks that the engine
+//! times exactly these steps and that the projection counts what the engine runs.
 
 use crate::request::{Method, PrefixMode, RunOptions};
 use crate::select::default_score_layers;
 use crate::shard;
+use crate::timings::phase;
 use flowprefill_kernels::topk::count_for_ratio;
 use flowprefill_worker::steps::{batches, DEFAULT_BATCH_TOKENS};
 use std::ops::Range;
@@ -22,6 +26,46 @@ pub enum Selection {
     Everything,
     /// The policy scores the tokens and the top `budget` are recomputed.
     Scored,
+}
+
+/// One step of a chunked job (every method but `full` and `ring`), in the engine's order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Each rank's chunk caches (the head on every rank): store hits, else prefilled alone in
+    /// [`Pipeline::chunk_batches`]. No communication.
+    ChunkPrefill,
+    /// The prompt scores the chunks over their caches and the layout is reordered (`+reorder`).
+    Reorder,
+    /// The caches placed at their global positions (one rotation each).
+    Place,
+    /// The policy scores the context: with the prompt's forward to the last scoring layer over
+    /// the placed segments (`probe`), or from its own signal (EPIC, random).
+    Score {
+        /// Whether the prompt runs a forward (the probe).
+        probe: bool,
+    },
+    /// The global top [`Pipeline::budget`] and the policy's refinement.
+    Select,
+    /// The selected tokens recomputed at their global positions, [`Pipeline::recompute_batch`]
+    /// at a time.
+    Recompute,
+    /// The prompt over every segment: the first token's logits.
+    Prompt,
+}
+
+impl Step {
+    /// The engine's timing phase of this step (`--stats`, the metrics, the projection).
+    pub fn phase(self) -> &'static str {
+        match self {
+            Step::ChunkPrefill => phase::CHUNK_PREFILL,
+            Step::Reorder => phase::REORDER,
+            Step::Place => phase::ASSEMBLE,
+            Step::Score { .. } => phase::PROBE,
+            Step::Select => phase::SELECTION,
+            Step::Recompute => phase::RECOMPUTE,
+            Step::Prompt => phase::FINAL_PROMPT,
+        }
+    }
 }
 
 /// One job's pipeline.
@@ -43,6 +87,8 @@ pub struct Pipeline {
     pub owners: Vec<usize>,
     /// What the selection phase does.
     pub selection: Selection,
+    /// Whether the chunks are reordered before placement.
+    pub reorder: bool,
     /// Whether the prompt runs a scoring forward over the placed chunks (the probe): the
     /// reordering does, and every scored policy but EPIC's and random's.
     pub probes: bool,
@@ -70,8 +116,8 @@ impl Pipeline {
             Selection::Scored
         };
         let scores_with_forward = !matches!(opts.method, Method::Epic | Method::Random);
-        let probes = !opts.method.is_exact_prefill()
-            && (opts.reorder || (selection == Selection::Scored && scores_with_forward));
+        let reorder = opts.reorder && !opts.method.is_exact_prefill();
+        let probes = reorder || (selection == Selection::Scored && scores_with_forward);
         Self {
             method: opts.method,
             ranks,
@@ -81,10 +127,35 @@ impl Pipeline {
             budget,
             owners,
             selection,
+            reorder,
             probes,
             score_layers: opts.score_layers.unwrap_or_else(|| default_score_layers(n_layers)),
             recompute_batch: opts.recompute_batch.max(1),
         }
+    }
+
+    /// The steps of a chunked job, in order (`full` and `ring` run one exact prefill instead).
+    pub fn steps(&self) -> Vec<Step> {
+        let mut steps = vec![Step::ChunkPrefill];
+        if self.reorder {
+            steps.push(Step::Reorder);
+        }
+        steps.push(Step::Place);
+        if self.selection == Selection::Scored {
+            let probe = !matches!(self.method, Method::Epic | Method::Random);
+            steps.extend([Step::Score { probe }, Step::Select]);
+        }
+        if self.recomputed() > 0 {
+            steps.push(Step::Recompute);
+        }
+        steps.push(Step::Prompt);
+        steps
+    }
+
+    /// Whether the job runs `step` (a [`Step::Score`] matches with or without the probe).
+    pub fn runs(&self, step: Step) -> bool {
+        let same = |s: &Step| std::mem::discriminant(s) == std::mem::discriminant(&step);
+        self.steps().iter().any(same)
     }
 
     /// Tokens recomputed: the budget when the method selects, else none.
@@ -145,6 +216,30 @@ mod tests {
         let p = Pipeline::new(&opts(Method::Full, 0.15), &chunks, 4, 30);
         assert_eq!((p.owners, p.ratio, p.selection, p.probes), (vec![0, 0, 0], 1.0, Selection::Nothing, false));
         assert_eq!(Pipeline::new(&opts(Method::Infoflow, 0.15), &chunks, 1, 24).score_layers, default_score_layers(24));
+    }
+
+    #[test]
+    fn steps_follow_the_decisions() {
+        use Step::*;
+        let chunks = [100, 100, 56];
+        let steps = |o: RunOptions| Pipeline::new(&o, &chunks, 2, 30).steps();
+        let scored = [ChunkPrefill, Place, Score { probe: true }, Select, Recompute, Prompt];
+        assert_eq!(steps(opts(Method::Infoflow, 0.15)), scored);
+        assert_eq!(
+            steps(opts(Method::Epic, 0.15)),
+            [ChunkPrefill, Place, Score { probe: false }, Select, Recompute, Prompt]
+        );
+        assert_eq!(steps(opts(Method::Infoflow, 1.0)), [ChunkPrefill, Place, Recompute, Prompt]);
+        assert_eq!(steps(opts(Method::Infoflow, 0.0)), [ChunkPrefill, Place, Prompt]);
+        assert_eq!(steps(opts(Method::None, 0.5)), [ChunkPrefill, Place, Prompt]);
+        let reordered = steps(RunOptions { reorder: true, ..opts(Method::None, 0.15) });
+        assert_eq!(reordered, [ChunkPrefill, Reorder, Place, Prompt]);
+        let p = Pipeline::new(&RunOptions { reorder: true, ..opts(Method::Epic, 0.15) }, &chunks, 2, 30);
+        assert!(p.runs(Reorder) && p.runs(Score { probe: true }) && p.probes);
+        let p = Pipeline::new(&opts(Method::Infoflow, 0.0), &chunks, 2, 30);
+        assert!(!p.runs(Select) && !p.runs(Recompute) && p.runs(Prompt));
+        let phases: Vec<&str> = scored.iter().map(|s| s.phase()).collect();
+        assert_eq!(phases, ["chunk_prefill", "assemble", "probe", "selection", "recompute", "final_prompt"]);
     }
 
     #[test]

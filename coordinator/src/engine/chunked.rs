@@ -1,12 +1,13 @@
 //! The chunked pipeline: chunk caches, reorder, placement, selection, recomputation, then
-//! the prompt (see the parent module's diagram). One method per phase; what they decide from
-//! token counts alone is the job's [`crate::pipeline::Pipeline`].
+//! the prompt (see the parent module's diagram). One method per phase, each running one of the
+//! job's [`crate::pipeline::Pipeline::steps`] (or nothing where that step is not in the list);
+//! what they decide from token counts alone is the job's [`crate::pipeline::Pipeline`].
 
 use super::caches::Caches;
 use super::{Engine, Turn};
 use crate::error::{internal, Result};
 use crate::layout::Layout;
-use crate::pipeline::Selection as Plan;
+use crate::pipeline::{Selection as Plan, Step};
 use crate::reorder::reorder;
 use crate::select::{segment_id, selector_for, ScoreCtx, Selector};
 use crate::timings::phase;
@@ -131,7 +132,7 @@ impl<B: Backend> Engine<B> {
         turn: &mut Turn<'_>,
     ) -> Result<Vec<usize>> {
         let identity: Vec<usize> = (0..layout.chunks.len()).collect();
-        if !turn.opts.reorder {
+        if !turn.plan.runs(Step::Reorder) {
             return Ok(identity);
         }
         let mut ctx = ScoreCtx {

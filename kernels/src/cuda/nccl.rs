@@ -12,13 +12,55 @@ use crate::backend::DType;
 use crate::error::Result;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 use cudarc::nccl::sys;
-use flowprefill_comm::plane::BufPlane;
-use flowprefill_comm::{CommError, Result as CommResult};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Bytes of an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
 pub const ID_BYTES: usize = 128;
+
+/// Why a device exchange on an [`NcclPlane`] failed. The worker's device plane turns these into
+/// its communicator's errors (the messages are the communicator's, so a user reads the same
+/// text whichever plane failed).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlaneError {
+    /// Used out of order: an exchange issued while another is pending, after an abort, or a
+    /// `complete` without an `issue`.
+    #[error("communicator misuse: {0}")]
+    Misuse(String),
+    /// A peer rank outside the communicator's world.
+    #[error("rank {rank} does not exist in a world of {size}")]
+    BadRank {
+        /// The rank.
+        rank: usize,
+        /// World size.
+        size: usize,
+    },
+    /// NCCL or CUDA failed during the exchange; the communicator is aborted.
+    #[error("rank {rank} was lost during `{op}` ({detail}); the job cannot continue without it")]
+    Lost {
+        /// The first peer of the exchange.
+        rank: usize,
+        /// The exchange.
+        op: String,
+        /// What failed.
+        detail: String,
+    },
+    /// The exchange did not finish before the deadline; the communicator is aborted.
+    #[error(
+        "rank {rank} did not answer within {secs:.0} s during `{op}` (lost or stuck); raise --comm-timeout \
+         if ranks legitimately compute longer between collectives"
+    )]
+    Timeout {
+        /// The first peer of the exchange.
+        rank: usize,
+        /// The exchange.
+        op: String,
+        /// The deadline.
+        secs: f64,
+    },
+}
+
+type PlaneResult<T> = std::result::Result<T, PlaneError>;
 
 /// True when the NCCL library can be loaded.
 pub fn present() -> bool {
@@ -200,7 +242,7 @@ struct Pending {
     done: CudaEvent,
 }
 
-/// The device plane of one GPU rank (see [`flowprefill_comm::plane`]): grouped `ncclSend` /
+/// The device plane of one GPU rank (the worker puts it behind its communicator): grouped `ncclSend` /
 /// `ncclRecv` on a communication stream of its own, ordered against the backend's compute
 /// stream by events, so a ring step's transfer runs while the compute stream works:
 ///
@@ -220,8 +262,9 @@ pub struct NcclPlane {
 }
 
 impl NcclPlane {
-    /// The plane of `backend`'s GPU over `comm` (made on the same GPU).
-    pub fn new(comm: NcclComm, backend: &CudaBackend) -> Result<Self> {
+    /// The plane of `backend`'s GPU over `comm` (made on the same GPU); an exchange not
+    /// complete within `timeout` fails (see [`NcclPlane::set_timeout`]).
+    pub fn new(comm: NcclComm, backend: &CudaBackend, timeout: Duration) -> Result<Self> {
         if comm.ordinal != backend.ordinal() {
             return Err(err(format!(
                 "the NCCL communicator is on cuda:{} but the backend on cuda:{}",
@@ -231,10 +274,10 @@ impl NcclPlane {
         }
         let compute = backend.compute_stream().clone();
         let stream = compute.context().new_stream().map_err(|e| err(format!("NCCL stream: {e:?}")))?;
-        Ok(Self { comm, compute, stream, pending: None, timeout: flowprefill_comm::DEFAULT_TIMEOUT, broken: None })
+        Ok(Self { comm, compute, stream, pending: None, timeout, broken: None })
     }
 
-    fn fail(&mut self, e: CommError) -> CommError {
+    fn fail(&mut self, e: PlaneError) -> PlaneError {
         self.pending = None;
         self.comm.abort();
         self.broken.get_or_insert_with(|| e.to_string());
@@ -296,34 +339,36 @@ impl NcclPlane {
     }
 }
 
-impl BufPlane<DeviceBuf> for NcclPlane {
-    fn name(&self) -> &'static str {
-        "nccl"
-    }
-
-    fn issue(&mut self, op: &str, sends: &[(usize, &DeviceBuf)], receives: Vec<(usize, DeviceBuf)>) -> CommResult<()> {
+impl NcclPlane {
+    /// Starts the transfers of one exchange: `sends` (to, buffer) and `receives` (from, the
+    /// buffer to receive into), grouped, on the communication stream; returns at once. Fails
+    /// if an exchange is pending or the communicator was aborted.
+    pub fn issue(
+        &mut self,
+        op: &str,
+        sends: &[(usize, &DeviceBuf)],
+        receives: Vec<(usize, DeviceBuf)>,
+    ) -> PlaneResult<()> {
         if let Some(why) = &self.broken {
-            return Err(CommError::Misuse(format!("`{op}`: the NCCL communicator was aborted earlier: {why}")));
+            return Err(PlaneError::Misuse(format!("`{op}`: the NCCL communicator was aborted earlier: {why}")));
         }
         if self.pending.is_some() {
-            return Err(CommError::Misuse(format!("`{op}` issued while another device exchange is pending")));
+            return Err(PlaneError::Misuse(format!("`{op}` issued while another device exchange is pending")));
         }
-        for &(peer, _) in sends {
-            flowprefill_comm::check_rank(peer, self.comm.world)?;
-        }
-        for (peer, _) in &receives {
-            flowprefill_comm::check_rank(*peer, self.comm.world)?;
+        let size = self.comm.world;
+        if let Some(rank) = sends.iter().map(|s| s.0).chain(receives.iter().map(|r| r.0)).find(|&r| r >= size) {
+            return Err(PlaneError::BadRank { rank, size });
         }
         let mut bufs = receives;
         let first_peer = bufs.first().map(|r| r.0).or(sends.first().map(|s| s.0)).unwrap_or(0);
         if let Err(detail) = self.issue_on_stream(sends, &mut bufs) {
-            let e = CommError::RankLost { rank: first_peer, op: op.to_string(), detail };
+            let e = PlaneError::Lost { rank: first_peer, op: op.to_string(), detail };
             return Err(self.fail(e));
         }
         let done = match self.stream.record_event(None) {
             Ok(ev) => ev,
             Err(e) => {
-                let e = CommError::RankLost { rank: first_peer, op: op.to_string(), detail: format!("record: {e:?}") };
+                let e = PlaneError::Lost { rank: first_peer, op: op.to_string(), detail: format!("record: {e:?}") };
                 return Err(self.fail(e));
             }
         };
@@ -333,8 +378,10 @@ impl BufPlane<DeviceBuf> for NcclPlane {
         Ok(())
     }
 
-    fn complete(&mut self) -> CommResult<Vec<DeviceBuf>> {
-        let p = self.pending.take().ok_or_else(|| CommError::Misuse("device complete without issue".into()))?;
+    /// Waits for the pending exchange (polling the event and NCCL's asynchronous error until
+    /// the deadline): the received buffers in the order of `receives`.
+    pub fn complete(&mut self) -> PlaneResult<Vec<DeviceBuf>> {
+        let p = self.pending.take().ok_or_else(|| PlaneError::Misuse("device complete without issue".into()))?;
         let peer = p.peers.first().copied().unwrap_or(0);
         let deadline = Instant::now() + self.timeout;
         let mut nap = Duration::from_micros(10);
@@ -343,16 +390,16 @@ impl BufPlane<DeviceBuf> for NcclPlane {
                 Ok(true) => break,
                 Ok(false) => {}
                 Err(e) => {
-                    let e = CommError::RankLost { rank: peer, op: p.op.clone(), detail: format!("CUDA error: {e:?}") };
+                    let e = PlaneError::Lost { rank: peer, op: p.op.clone(), detail: format!("CUDA error: {e:?}") };
                     return Err(self.fail(e));
                 }
             }
             if let Some(detail) = self.comm.async_error() {
-                let e = CommError::RankLost { rank: peer, op: p.op.clone(), detail };
+                let e = PlaneError::Lost { rank: peer, op: p.op.clone(), detail };
                 return Err(self.fail(e));
             }
             if Instant::now() >= deadline {
-                let e = CommError::Timeout { rank: peer, op: p.op.clone(), secs: self.timeout.as_secs_f64() };
+                let e = PlaneError::Timeout { rank: peer, op: p.op.clone(), secs: self.timeout.as_secs_f64() };
                 return Err(self.fail(e));
             }
             std::thread::sleep(nap);
@@ -360,23 +407,26 @@ impl BufPlane<DeviceBuf> for NcclPlane {
         }
         // Later kernels on the compute stream read the received buffers.
         if let Err(e) = self.compute.wait(&p.done) {
-            let e = CommError::RankLost { rank: peer, op: p.op.clone(), detail: format!("wait: {e:?}") };
+            let e = PlaneError::Lost { rank: peer, op: p.op.clone(), detail: format!("wait: {e:?}") };
             return Err(self.fail(e));
         }
         Ok(p.receives)
     }
 
-    fn abort(&mut self, reason: &str) {
+    /// Tears the plane down (`ncclCommAbort`): every later call fails with `reason`.
+    pub fn abort(&mut self, reason: &str) {
         self.pending = None;
         self.comm.abort();
         self.broken.get_or_insert_with(|| reason.to_string());
     }
 
-    fn set_timeout(&mut self, timeout: Duration) {
+    /// Changes the deadline of [`NcclPlane::complete`].
+    pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
     }
 
-    fn end_job(&mut self) {
+    /// The job ended: a pending exchange is finished (or aborted on its deadline) and dropped.
+    pub fn end_job(&mut self) {
         // Matching operations were issued on every rank (each device exchange follows a
         // control exchange): let the pending one finish, or abort on its deadline.
         if self.pending.is_some() {

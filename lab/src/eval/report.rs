@@ -280,66 +280,7 @@ pub fn summarize(
         md.push_str(&format!("Selection settings: {}.\n\n", settings.join("; ")));
     }
     for &len in lengths {
-        // Per task and method: the mean score at the table ratio (both tables below use it).
-        let acc: Vec<Vec<Option<f64>>> = tasks
-            .iter()
-            .map(|t| {
-                labels
-                    .iter()
-                    .map(|l| {
-                        mean(
-                            records.iter().filter(|r| &r.task == t && r.length == len && at(r, l, tr)).map(|r| r.score),
-                        )
-                    })
-                    .collect()
-            })
-            .collect();
-        md.push_str(&format!("## Accuracy at ratio {tr} ({len} tokens)\n\n"));
-        table_head(&mut md, "task", labels);
-        let mut col_means: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
-        for (t, row) in tasks.iter().zip(&acc) {
-            md.push_str(&format!("| {t} |"));
-            for (i, &v) in row.iter().enumerate() {
-                if let Some(v) = v {
-                    col_means[i].push(v);
-                }
-                md.push_str(&format!(" {} |", pct(v)));
-            }
-            md.push('\n');
-        }
-        md.push_str("| **mean** |");
-        for c in &col_means {
-            md.push_str(&format!(" **{}** |", pct(mean(c.iter().copied()))));
-        }
-        md.push_str("\n\n");
-        // Retention: method / full, per task, then the mean of the per-task retentions.
-        md.push_str(&format!(
-            "Retention per task (the method's mean score / full prefill's, per task; the mean over tasks) at ratio \
-             {tr}, {len} tokens:\n\n"
-        ));
-        table_head(&mut md, "task", labels);
-        let mut ret_cols: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
-        for (t, row) in tasks.iter().zip(&acc) {
-            let full =
-                mean(records.iter().filter(|r| &r.task == t && r.length == len && r.method == FULL).map(|r| r.score));
-            md.push_str(&format!("| {t} |"));
-            for (i, &v) in row.iter().enumerate() {
-                let (ret, in_mean) = retention(v, full);
-                if let (Some(x), true) = (ret, in_mean) {
-                    ret_cols[i].push(x);
-                }
-                md.push_str(&format!(" {} |", pct(ret)));
-            }
-            md.push('\n');
-        }
-        md.push_str("| **mean** |");
-        for c in &ret_cols {
-            md.push_str(&format!(" **{}** |", pct(mean(c.iter().copied()))));
-        }
-        md.push_str(&format!(
-            "\n\nThe mean leaves out tasks where full prefill scores below {:.0}%.\n\n",
-            100.0 * RETENTION_FLOOR
-        ));
+        accuracy_tables(&mut md, records, tasks, len, labels, tr);
         mean_score_retention(&mut md, records, len, labels, tr);
         conditional_retention(&mut md, records, len, labels, tr);
         infoflow_against_others(&mut md, records, len, labels, tr);
@@ -347,7 +288,75 @@ pub fn summarize(
     for &len in lengths {
         sweep_tables(&mut md, records, tasks, len, labels, ratios);
     }
-    // QA (token F1 / exact match) per length; left out when no QA task ran.
+    qa_table(&mut md, records, lengths, labels, tr);
+    diagnostics(&mut md, records, labels, tr);
+    md
+}
+
+/// The accuracy table at the table ratio for one length, and retention per task.
+fn accuracy_tables(md: &mut String, records: &[Record], tasks: &[String], len: usize, labels: &[MethodSpec], tr: f64) {
+    // Per task and method: the mean score at the table ratio (both tables below use it).
+    let acc: Vec<Vec<Option<f64>>> = tasks
+        .iter()
+        .map(|t| {
+            labels
+                .iter()
+                .map(|l| {
+                    mean(records.iter().filter(|r| &r.task == t && r.length == len && at(r, l, tr)).map(|r| r.score))
+                })
+                .collect()
+        })
+        .collect();
+    md.push_str(&format!("## Accuracy at ratio {tr} ({len} tokens)\n\n"));
+    table_head(md, "task", labels);
+    let mut col_means: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
+    for (t, row) in tasks.iter().zip(&acc) {
+        md.push_str(&format!("| {t} |"));
+        for (i, &v) in row.iter().enumerate() {
+            if let Some(v) = v {
+                col_means[i].push(v);
+            }
+            md.push_str(&format!(" {} |", pct(v)));
+        }
+        md.push('\n');
+    }
+    md.push_str("| **mean** |");
+    for c in &col_means {
+        md.push_str(&format!(" **{}** |", pct(mean(c.iter().copied()))));
+    }
+    md.push_str("\n\n");
+    // Retention: method / full, per task, then the mean of the per-task retentions.
+    md.push_str(&format!(
+        "Retention per task (the method's mean score / full prefill's, per task; the mean over tasks) at ratio \
+         {tr}, {len} tokens:\n\n"
+    ));
+    table_head(md, "task", labels);
+    let mut ret_cols: Vec<Vec<f64>> = vec![Vec::new(); labels.len()];
+    for (t, row) in tasks.iter().zip(&acc) {
+        let full =
+            mean(records.iter().filter(|r| &r.task == t && r.length == len && r.method == FULL).map(|r| r.score));
+        md.push_str(&format!("| {t} |"));
+        for (i, &v) in row.iter().enumerate() {
+            let (ret, in_mean) = retention(v, full);
+            if let (Some(x), true) = (ret, in_mean) {
+                ret_cols[i].push(x);
+            }
+            md.push_str(&format!(" {} |", pct(ret)));
+        }
+        md.push('\n');
+    }
+    md.push_str("| **mean** |");
+    for c in &ret_cols {
+        md.push_str(&format!(" **{}** |", pct(mean(c.iter().copied()))));
+    }
+    md.push_str(&format!(
+        "\n\nThe mean leaves out tasks where full prefill scores below {:.0}%.\n\n",
+        100.0 * RETENTION_FLOOR
+    ));
+}
+
+/// QA (token F1 / exact match) per length; left out when no QA task ran.
+fn qa_table(md: &mut String, records: &[Record], lengths: &[usize], labels: &[MethodSpec], tr: f64) {
     if records.iter().any(|r| r.f1.is_some()) {
         md.push_str(&format!("## Multi-document QA at ratio {tr}: token F1 / exact match\n\n| method |"));
         for &len in lengths {
@@ -367,6 +376,11 @@ pub fn summarize(
         }
         md.push('\n');
     }
+}
+
+/// Selection diagnostics at the table ratio: needle and answer tokens recomputed, the answer
+/// chunk's distance from the prompt, answers cut at the token budget.
+fn diagnostics(md: &mut String, records: &[Record], labels: &[MethodSpec], tr: f64) {
     md.push_str(&format!(
         "## Selection diagnostics at ratio {tr} (all lengths)\n\nShare of needle-sentence and answer tokens recomputed; mean distance of the \
          answer-bearing chunk from the prompt (0 = nearest) in the final layout; answers that ran to the token budget (of the runs that \
@@ -388,7 +402,6 @@ pub fn summarize(
             dist.map_or("-".into(), |d| format!("{d:.2}"))
         ));
     }
-    md
 }
 
 /// A case: task and sample at one length.
@@ -472,6 +485,148 @@ fn sweep_tables(
         }
         md.push('\n');
     }
+    sweep_retention(md, records, &present, &acc, len, labels, ratios);
+}
+
+/// The accuracy-vs-ratio and Pareto charts of one length (see [`plots`]): the files written.
+#[allow(clippy::too_many_arguments)]
+fn length_charts(
+    records: &[Record],
+    tasks: &[String],
+    len: usize,
+    labels: &[MethodSpec],
+    ratios: &[f64],
+    tr: f64,
+    out: &Path,
+) -> Result<(Option<PathBuf>, Option<PathBuf>)> {
+    let (mut ratio_chart, mut pareto_chart) = (None, None);
+    let mut cases = complete_cases(records, len, labels, ratios);
+    let swept = !cases.is_empty();
+    if !swept {
+        cases = complete_cases(records, len, labels, &[tr]);
+    }
+    if cases.is_empty() {
+        return Ok((None, None));
+    }
+    let rs_at = |l: &MethodSpec, x: f64| -> Vec<&Record> {
+        records
+            .iter()
+            .filter(|r| r.length == len && cases.contains(&(r.task.as_str(), r.sample)) && at(r, l, x))
+            .collect()
+    };
+    // Mean over tasks of the task means, as in the tables.
+    let acc = |rs: &[&Record]| {
+        let ts: Vec<&str> = tasks.iter().map(String::as_str).filter(|t| rs.iter().any(|r| r.task == *t)).collect();
+        mean(ts.iter().filter_map(|t| mean(rs.iter().filter(|r| r.task == *t).map(|r| r.score))))
+    };
+    if swept && ratios.len() > 1 {
+        let series: Vec<plot::Series> = labels
+            .iter()
+            .map(|l| plot::Series {
+                name: l.to_string(),
+                points: ratios.iter().filter_map(|&x| acc(&rs_at(l, x)).map(|v| (x, 100.0 * v))).collect(),
+            })
+            .collect();
+        let f = out.join(format!("accuracy_vs_ratio_{len}.png"));
+        let title = format!("Accuracy vs recompute ratio, {len} tokens ({} cases)", cases.len());
+        if plot::line_chart(&f, &title, "recompute ratio", "accuracy (%)", &series)? {
+            ratio_chart = Some(f);
+        }
+    }
+    let points: &[f64] = if swept { ratios } else { std::slice::from_ref(&tr) };
+    let mut pareto = Vec::new();
+    for l in labels {
+        let mut pts = Vec::new();
+        for &x in points {
+            let rs = rs_at(l, x);
+            let Some(a) = acc(&rs) else { continue };
+            let mut t: Vec<f64> = rs.iter().map(|r| r.ttft_ms).collect();
+            t.sort_by(|a, b| a.total_cmp(b));
+            pts.push((t[t.len() / 2] / 1e3, 100.0 * a));
+            if rs.iter().all(|r| r.ratio.is_none()) {
+                break;
+            }
+        }
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        pareto.push(plot::Series { name: l.to_string(), points: pts });
+    }
+    let title = format!(
+        "Accuracy vs TTFT, {len} tokens, {} cases (warm chunk caches; points: {})",
+        cases.len(),
+        if swept { "ratios".to_string() } else { format!("ratio {tr}") }
+    );
+    let f = out.join(format!("pareto_{len}.png"));
+    if plot::line_chart(&f, &title, "median TTFT (s)", "accuracy (%)", &pareto)? {
+        pareto_chart = Some(f);
+    }
+    Ok((ratio_chart, pareto_chart))
+}
+
+/// Needle depth x length heat maps on the NIAH tasks, one per method.
+fn heatmaps(
+    records: &[Record],
+    tasks: &[String],
+    lengths: &[usize],
+    labels: &[MethodSpec],
+    depths: &[f64],
+    tr: f64,
+    out: &Path,
+) -> Result<()> {
+    let niah: HashSet<&str> = tasks.iter().map(String::as_str).filter(|t| t.starts_with("niah")).collect();
+    if !niah.is_empty() {
+        for l in labels {
+            let cols: Vec<String> = lengths.iter().map(|l| l.to_string()).collect();
+            let rows: Vec<String> = depths.iter().map(|d| format!("{d:.1}")).collect();
+            let mut values = vec![vec![None; cols.len()]; rows.len()];
+            let mut any = false;
+            for (ri, &d) in depths.iter().enumerate() {
+                for (ci, &len) in lengths.iter().enumerate() {
+                    let v = mean(
+                        records
+                            .iter()
+                            .filter(|x| {
+                                niah.contains(x.task.as_str())
+                                    && x.length == len
+                                    && (x.depth - d).abs() < 1e-6
+                                    && at(x, l, tr)
+                            })
+                            .map(|x| x.score),
+                    );
+                    if let Some(v) = v {
+                        values[ri][ci] = Some(v);
+                        any = true;
+                    }
+                }
+            }
+            if any {
+                let name = l.to_string().replace('+', "_");
+                plot::heatmap(
+                    &out.join(format!("heatmap_{name}.png")),
+                    &format!("{l}: NIAH accuracy (ratio {tr})"),
+                    "context tokens",
+                    "needle depth",
+                    &cols,
+                    &rows,
+                    &values,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The sweep's retention table: per task, each method's mean over full prefill's at every
+/// ratio (one cell for a ratio-free method), over the same cases as the accuracy table.
+/// `acc[task][label][ratio]` is the mean score of `present[task]`.
+fn sweep_retention(
+    md: &mut String,
+    records: &[Record],
+    present: &[&String],
+    acc: &[Vec<Vec<Option<f64>>>],
+    len: usize,
+    labels: &[MethodSpec],
+    ratios: &[f64],
+) {
     // The labels of the retention table (all but full), by index into `labels`, and how many
     // ratio cells each shows (one for a ratio-free label).
     let shown: Vec<usize> = (0..labels.len()).filter(|&li| labels[li] != FULL).collect();
@@ -487,7 +642,7 @@ fn sweep_tables(
     let mut ret_means: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); ratios.len()]; shown.len()];
     // Full prefill is ratio-free: its mean is the same in every ratio column of `acc`.
     let full_li = labels.iter().position(|l| *l == FULL);
-    for (t, task) in present.iter().zip(&acc) {
+    for (t, task) in present.iter().zip(acc) {
         let full = full_li.and_then(|fi| task[fi][0]);
         md.push_str(&format!("| {t} |"));
         for (i, &li) in shown.iter().enumerate() {
@@ -537,113 +692,16 @@ pub fn plots(
     let mut sorted_lengths = lengths.to_vec();
     sorted_lengths.sort_unstable();
     for &len in &sorted_lengths {
-        let mut cases = complete_cases(records, len, labels, ratios);
-        let swept = !cases.is_empty();
-        if !swept {
-            cases = complete_cases(records, len, labels, &[tr]);
-        }
-        if cases.is_empty() {
-            continue;
-        }
-        let rs_at = |l: &MethodSpec, x: f64| -> Vec<&Record> {
-            records
-                .iter()
-                .filter(|r| r.length == len && cases.contains(&(r.task.as_str(), r.sample)) && at(r, l, x))
-                .collect()
-        };
-        // Mean over tasks of the task means, as in the tables.
-        let acc = |rs: &[&Record]| {
-            let ts: Vec<&str> = tasks.iter().map(String::as_str).filter(|t| rs.iter().any(|r| r.task == *t)).collect();
-            mean(ts.iter().filter_map(|t| mean(rs.iter().filter(|r| r.task == *t).map(|r| r.score))))
-        };
-        if swept && ratios.len() > 1 {
-            let series: Vec<plot::Series> = labels
-                .iter()
-                .map(|l| plot::Series {
-                    name: l.to_string(),
-                    points: ratios.iter().filter_map(|&x| acc(&rs_at(l, x)).map(|v| (x, 100.0 * v))).collect(),
-                })
-                .collect();
-            let f = out.join(format!("accuracy_vs_ratio_{len}.png"));
-            let title = format!("Accuracy vs recompute ratio, {len} tokens ({} cases)", cases.len());
-            if plot::line_chart(&f, &title, "recompute ratio", "accuracy (%)", &series)? {
-                ratio_chart = Some(f);
-            }
-        }
-        let points: &[f64] = if swept { ratios } else { std::slice::from_ref(&tr) };
-        let mut pareto = Vec::new();
-        for l in labels {
-            let mut pts = Vec::new();
-            for &x in points {
-                let rs = rs_at(l, x);
-                let Some(a) = acc(&rs) else { continue };
-                let mut t: Vec<f64> = rs.iter().map(|r| r.ttft_ms).collect();
-                t.sort_by(|a, b| a.total_cmp(b));
-                pts.push((t[t.len() / 2] / 1e3, 100.0 * a));
-                if rs.iter().all(|r| r.ratio.is_none()) {
-                    break;
-                }
-            }
-            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            pareto.push(plot::Series { name: l.to_string(), points: pts });
-        }
-        let title = format!(
-            "Accuracy vs TTFT, {len} tokens, {} cases (warm chunk caches; points: {})",
-            cases.len(),
-            if swept { "ratios".to_string() } else { format!("ratio {tr}") }
-        );
-        let f = out.join(format!("pareto_{len}.png"));
-        if plot::line_chart(&f, &title, "median TTFT (s)", "accuracy (%)", &pareto)? {
-            pareto_chart = Some(f);
-        }
+        let (ratio, pareto) = length_charts(records, tasks, len, labels, ratios, tr, out)?;
+        ratio_chart = ratio.or(ratio_chart);
+        pareto_chart = pareto.or(pareto_chart);
     }
     for (chart, name) in [(ratio_chart, "accuracy_vs_ratio.png"), (pareto_chart, "pareto.png")] {
         if let Some(f) = chart {
             std::fs::copy(&f, out.join(name)).map_err(io(format!("copying to {name} from"), &f))?;
         }
     }
-    // Needle depth x length heat maps on the NIAH tasks.
-    let niah: HashSet<&str> = tasks.iter().map(String::as_str).filter(|t| t.starts_with("niah")).collect();
-    if !niah.is_empty() {
-        for l in labels {
-            let cols: Vec<String> = lengths.iter().map(|l| l.to_string()).collect();
-            let rows: Vec<String> = depths.iter().map(|d| format!("{d:.1}")).collect();
-            let mut values = vec![vec![None; cols.len()]; rows.len()];
-            let mut any = false;
-            for (ri, &d) in depths.iter().enumerate() {
-                for (ci, &len) in lengths.iter().enumerate() {
-                    let v = mean(
-                        records
-                            .iter()
-                            .filter(|x| {
-                                niah.contains(x.task.as_str())
-                                    && x.length == len
-                                    && (x.depth - d).abs() < 1e-6
-                                    && at(x, l, tr)
-                            })
-                            .map(|x| x.score),
-                    );
-                    if let Some(v) = v {
-                        values[ri][ci] = Some(v);
-                        any = true;
-                    }
-                }
-            }
-            if any {
-                let name = l.to_string().replace('+', "_");
-                plot::heatmap(
-                    &out.join(format!("heatmap_{name}.png")),
-                    &format!("{l}: NIAH accuracy (ratio {tr})"),
-                    "context tokens",
-                    "needle depth",
-                    &cols,
-                    &rows,
-                    &values,
-                )?;
-            }
-        }
-    }
-    Ok(())
+    heatmaps(records, tasks, lengths, labels, depths, tr, out)
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@
 //! this accounting follows.
 
 use super::{ProjectError, Shape};
-use flowprefill_coordinator::pipeline::{Pipeline, Selection};
+use flowprefill_coordinator::pipeline::{Pipeline, Selection, Step};
 use flowprefill_coordinator::request::{Method, PrefixMode, RunOptions, Scope};
 use flowprefill_coordinator::timings::phase;
 use flowprefill_worker::generate::DEFAULT_PREFILL_CHUNK;
@@ -259,6 +259,9 @@ fn points_before(keys: &[u64], q: u64) -> u64 {
 /// Keys of one attention source at or before a query position.
 type KeysBefore = Box<dyn Fn(u64) -> u64>;
 
+/// Bytes (sent, received) of an all-gather in which each rank sends `size(its rows)`.
+type Gathered<'g> = &'g dyn Fn(&dyn Fn(usize) -> u64) -> (u64, u64);
+
 /// Bytes of a staged message (`comm::wire`, as `worker::steps::transport` writes it): the control
 /// rows (a section of `rows` u32 values), then per buffer a type tag (a section of one u32) and
 /// its values (a section of `len` elements of `elem` bytes); a section is a 4-byte count, then
@@ -358,7 +361,8 @@ fn ring(shape: &Shape, req: &Request, p: usize, kv: usize) -> Vec<Vec<PhaseWork>
         .collect()
 }
 
-/// Chunked methods: chunk prefill, probe, selection, recompute, final prompt.
+/// Chunked methods: the counted work of every step of the engine's [`Pipeline::steps`], per
+/// rank (placement and the top-k run no model work and send no accounted message).
 fn chunked(
     shape: &Shape,
     opts: &RunOptions,
@@ -366,258 +370,250 @@ fn chunked(
     req: &Request,
     kv: usize,
 ) -> Result<Vec<Vec<PhaseWork>>, ProjectError> {
-    if opts.reorder {
+    let pipe = Pipeline::new(opts, &req.chunks, p, shape.n_layers);
+    if pipe.runs(Step::Reorder) {
         return Err(ProjectError::Unsupported { method: format!("{}+reorder", opts.method.name()) });
     }
-    let pipe = Pipeline::new(opts, &req.chunks, p, shape.n_layers);
     if pipe.prefix == PrefixMode::Anchor {
         return Err(ProjectError::Unsupported { method: "the anchor prefix mode".into() });
     }
-    let l = shape.n_layers;
-    let (h, m) = (req.head as u64, req.prompt);
-    let n = req.n_context();
-    if n == 0 {
+    if req.n_context() == 0 {
         return Err(ProjectError::Invalid("the context has no tokens".into()));
     }
-    let owners = &pipe.owners;
-    // Global start of each chunk (identity order: no reordering).
-    let starts: Vec<u64> = req
-        .chunks
-        .iter()
-        .scan(h, |acc, &c| {
-            let s = *acc;
-            *acc += c as u64;
-            Some(s)
+    let job = Job::new(shape, opts, &pipe, req, kv);
+    let steps = pipe.steps();
+    Ok((0..p)
+        .map(|r| {
+            let segs = job.segments(r);
+            steps
+                .iter()
+                .filter_map(|&step| match step {
+                    Step::ChunkPrefill => Some(job.chunk_prefill(r)),
+                    Step::Score { probe: true } => {
+                        let (a, b) = pipe.score_layers;
+                        Some(job.over_segments(r, &segs, step, b + 1, Some(b + 1 - a)))
+                    }
+                    Step::Recompute => (!job.sel.is_empty()).then(|| job.recompute(r, &segs)),
+                    Step::Prompt => Some(job.over_segments(r, &segs, step, shape.n_layers, None)),
+                    Step::Reorder | Step::Place | Step::Score { probe: false } | Step::Select => None,
+                })
+                .collect()
         })
-        .collect();
-    let prompt = (h + n as u64)..(h + n as u64 + m as u64);
-    let k = pipe.budget;
-    let selected: Vec<usize> = match pipe.selection {
-        Selection::Nothing => Vec::new(),
-        Selection::Everything => (0..n).collect(),
-        Selection::Scored => match &req.selected {
-            Some(s) => s.clone(),
-            None => (0..k).map(|i| (2 * i + 1) * n / (2 * k)).collect(),
-        },
-    };
-    // Global position and owner of every selected token.
-    let chunk_of = |g: usize| -> usize {
-        let mut acc = 0;
-        for (c, &len) in req.chunks.iter().enumerate() {
-            if g < acc + len {
-                return c;
-            }
-            acc += len;
-        }
-        req.chunks.len().saturating_sub(1)
-    };
-    let sel: Vec<(u64, usize)> = selected.iter().map(|&g| (h + g as u64, owners[chunk_of(g)])).collect();
-    let (a, b) = pipe.score_layers;
-    let probe_layers = b + 1;
+        .collect())
+}
 
-    let mut all = Vec::with_capacity(p);
-    for r in 0..p {
-        let local = pipe.local_chunks(r);
-        // This rank's segments at their global positions: the head on rank 0, own chunks.
-        let segs: Vec<Range<u64>> = (r == 0)
+/// One chunked request as the counting sees it: the pipeline, where every chunk and the prompt
+/// lie, and every selected token's global position and owner.
+struct Job<'a> {
+    shape: &'a Shape,
+    scope: Scope,
+    pipe: &'a Pipeline,
+    req: &'a Request,
+    /// Ranks.
+    p: usize,
+    /// Bytes per K/V element.
+    kv: usize,
+    /// Global start of each chunk (identity order: no reordering).
+    starts: Vec<u64>,
+    /// The prompt's positions.
+    prompt: Range<u64>,
+    /// (global position, owner rank) of every selected token.
+    sel: Vec<(u64, usize)>,
+}
+
+impl<'a> Job<'a> {
+    fn new(shape: &'a Shape, opts: &RunOptions, pipe: &'a Pipeline, req: &'a Request, kv: usize) -> Self {
+        let (h, m, n) = (req.head as u64, req.prompt as u64, req.n_context());
+        let starts: Vec<u64> = req
+            .chunks
+            .iter()
+            .scan(h, |acc, &c| {
+                let s = *acc;
+                *acc += c as u64;
+                Some(s)
+            })
+            .collect();
+        let k = pipe.budget;
+        let selected: Vec<usize> = match pipe.selection {
+            Selection::Nothing => Vec::new(),
+            Selection::Everything => (0..n).collect(),
+            Selection::Scored => match &req.selected {
+                Some(s) => s.clone(),
+                None => (0..k).map(|i| (2 * i + 1) * n / (2 * k)).collect(),
+            },
+        };
+        let chunk_of = |g: usize| -> usize {
+            let mut acc = 0;
+            for (c, &len) in req.chunks.iter().enumerate() {
+                if g < acc + len {
+                    return c;
+                }
+                acc += len;
+            }
+            req.chunks.len().saturating_sub(1)
+        };
+        let sel = selected.iter().map(|&g| (h + g as u64, pipe.owners[chunk_of(g)])).collect();
+        let prompt = (h + n as u64)..(h + n as u64 + m);
+        Self { shape, scope: opts.scope, pipe, req, p: pipe.ranks, kv, starts, prompt, sel }
+    }
+
+    /// Rank `r`'s segments at their global positions: the head on rank 0, then its chunks.
+    fn segments(&self, r: usize) -> Vec<Range<u64>> {
+        let h = self.req.head as u64;
+        (r == 0)
             .then_some(0..h)
             .into_iter()
-            .chain(local.iter().map(|&c| starts[c]..starts[c] + req.chunks[c] as u64))
-            .collect();
-        let mut phases = Vec::new();
+            .chain(
+                self.pipe.local_chunks(r).iter().map(|&c| self.starts[c]..self.starts[c] + self.req.chunks[c] as u64),
+            )
+            .collect()
+    }
 
-        // Chunk prefill: the head on every rank, then own chunks in batches.
-        let mut cp = PhaseWork::new(phase::CHUNK_PREFILL);
+    /// Chunk prefill: the head on every rank, then rank `r`'s chunks in batches.
+    fn chunk_prefill(&self, r: usize) -> PhaseWork {
+        let (req, l, h) = (self.req, self.shape.n_layers, self.req.head as u64);
+        let mut cp = PhaseWork::new(Step::ChunkPrefill.phase());
         cp.forwards.push(Forward { rows: req.head, layers: l, logit_rows: 0 });
         cp.attn.push(Attn { queries: req.head, keys: req.head, pairs: range_pairs(0..h, 0..h), layers: l, step: None });
-        for batch in pipe.chunk_batches(r, &req.chunks) {
+        for batch in self.pipe.chunk_batches(r, &req.chunks) {
             let rows = batch.iter().map(|&c| req.chunks[c]).sum();
             cp.forwards.push(Forward { rows, layers: l, logit_rows: 0 });
             for &c in &batch {
                 let len = req.chunks[c] as u64;
-                let (start, head) = if pipe.behind_head(c) { (h, h) } else { (0, 0) };
+                let (start, head) = if self.pipe.behind_head(c) { (h, h) } else { (0, 0) };
                 let own = start..start + len;
                 if head > 0 {
-                    cp.attn.push(Attn {
-                        queries: len as usize,
-                        keys: head as usize,
-                        pairs: range_pairs(own.clone(), 0..head),
-                        layers: l,
-                        step: None,
-                    });
+                    let pairs = range_pairs(own.clone(), 0..head);
+                    cp.attn.push(Attn { queries: len as usize, keys: head as usize, pairs, layers: l, step: None });
                 }
-                cp.attn.push(Attn {
-                    queries: len as usize,
-                    keys: len as usize,
-                    pairs: range_pairs(own.clone(), own),
-                    layers: l,
-                    step: None,
-                });
+                let pairs = range_pairs(own.clone(), own);
+                cp.attn.push(Attn { queries: len as usize, keys: len as usize, pairs, layers: l, step: None });
             }
         }
-        phases.push(cp);
-
-        // The prompt over the sharded segments (probe: up to the last scoring layer).
-        let over_segments = |ph: &mut PhaseWork, layers: usize, op: &str, scores: Option<usize>| {
-            ph.forwards.push(Forward { rows: m, layers, logit_rows: usize::from(scores.is_none() && m > 0) });
-            for s in &segs {
-                if s.is_empty() || m == 0 {
-                    continue;
-                }
-                let keys = (s.end - s.start) as usize;
-                ph.attn.push(Attn {
-                    queries: m,
-                    keys,
-                    pairs: range_pairs(prompt.clone(), s.clone()),
-                    layers,
-                    step: None,
-                });
-                if let Some(sl) = scores {
-                    ph.scores.push(Attn {
-                        queries: m,
-                        keys,
-                        pairs: range_pairs(prompt.clone(), s.clone()),
-                        layers: sl,
-                        step: None,
-                    });
-                }
-            }
-            if m > 0 {
-                ph.attn.push(Attn {
-                    queries: m,
-                    keys: m,
-                    pairs: range_pairs(prompt.clone(), prompt.clone()),
-                    layers,
-                    step: None,
-                });
-            }
-            if p > 1 {
-                let own = partials(segs.iter().filter(|r| !r.is_empty()).count(), m, shape);
-                let merged = partials(1, m, shape);
-                let others: u64 = (1..p)
-                    .map(|o| {
-                        let n_o = pipe.local_chunks(o).len();
-                        partials(n_o, m, shape)
-                    })
-                    .sum();
-                let (gs, gr, bs, br) =
-                    if r == 0 { (0, others, merged * (p as u64 - 1), 0) } else { (own, 0, 0, merged) };
-                ph.messages.push(Message {
-                    op: format!("{op}.gather"),
-                    calls: layers,
-                    sent: gs,
-                    received: gr,
-                    step: None,
-                });
-                ph.messages.push(Message {
-                    op: format!("{op}.merged"),
-                    calls: layers,
-                    sent: bs,
-                    received: br,
-                    step: None,
-                });
-            }
-        };
-        if pipe.probes {
-            let mut pr = PhaseWork::new(phase::PROBE);
-            over_segments(&mut pr, probe_layers, "probe", Some(b + 1 - a));
-            phases.push(pr);
-        }
-
-        // Recomputation of the selected tokens, in global position batches.
-        if !sel.is_empty() {
-            let mut rc = PhaseWork::new(phase::RECOMPUTE);
-            let mut sorted = sel.clone();
-            sorted.sort_unstable();
-            for batch in sorted.chunks(pipe.recompute_batch) {
-                let count = |o: usize| batch.iter().filter(|x| x.1 == o).count();
-                let mine: Vec<u64> = batch.iter().filter(|x| x.1 == r).map(|x| x.0).collect();
-                // Bytes of an all-gather of `size(rows)` per rank: this rank's message to each of
-                // the others, and the others' messages to it.
-                let gathered = |size: &dyn Fn(usize) -> u64| -> (u64, u64) {
-                    let others: u64 = (0..p).filter(|&o| o != r).map(|o| size(count(o))).sum();
-                    (size(mine.len()) * (p as u64 - 1), others)
-                };
-                rc.forwards.push(Forward { rows: mine.len(), layers: l, logit_rows: 0 });
-                match opts.scope {
-                    Scope::Exact => {
-                        // Every rank's queries of the batch over this rank's segments.
-                        for s in &segs {
-                            let pairs: u64 = batch.iter().map(|x| range_pairs(x.0..x.0 + 1, s.clone())).sum();
-                            if pairs > 0 || !s.is_empty() {
-                                rc.attn.push(Attn {
-                                    queries: batch.len(),
-                                    keys: (s.end - s.start) as usize,
-                                    pairs,
-                                    layers: l,
-                                    step: None,
-                                });
-                            }
-                        }
-                        // Every rank takes part in the collectives, alone too: its queries go
-                        // to every other rank, and the partials for each rank's queries go back.
-                        let (own, theirs) = gathered(&|c| message(c, &[(c * shape.q_dim(), 4)]));
-                        rc.messages.push(Message {
-                            op: "recompute.q".into(),
-                            calls: l,
-                            sent: own,
-                            received: theirs,
-                            step: None,
-                        });
-                        let (own, theirs) =
-                            gathered(&|c| message(c, &[(c * shape.q_dim(), 4), (c * shape.n_heads, 4)]));
-                        rc.messages.push(Message {
-                            op: "recompute.partials".into(),
-                            calls: l,
-                            sent: theirs,
-                            received: own,
-                            step: None,
-                        });
-                    }
-                    Scope::Sparse => {
-                        // Own queries over own segments, the head (replicated off rank 0) and
-                        // the other ranks' rows of this batch.
-                        let mut sources: Vec<(usize, KeysBefore)> = Vec::new();
-                        if r != 0 {
-                            sources.push((h as usize, Box::new(move |q| range_pairs(q..q + 1, 0..h))));
-                        }
-                        for s in segs.clone() {
-                            let keys = (s.end - s.start) as usize;
-                            sources.push((keys, Box::new(move |q| range_pairs(q..q + 1, s.clone()))));
-                        }
-                        for o in (0..p).filter(|&o| o != r) {
-                            let theirs: Vec<u64> = batch.iter().filter(|x| x.1 == o).map(|x| x.0).collect();
-                            let keys = theirs.len();
-                            sources.push((keys, Box::new(move |q| points_before(&theirs, q))));
-                        }
-                        for (keys, f) in &sources {
-                            if *keys == 0 || mine.is_empty() {
-                                continue;
-                            }
-                            let pairs: u64 = mine.iter().map(|&q| f(q)).sum();
-                            rc.attn.push(Attn { queries: mine.len(), keys: *keys, pairs, layers: l, step: None });
-                        }
-                        let (own, theirs) =
-                            gathered(&|c| message(c, &[(c * shape.kv_dim(), kv), (c * shape.kv_dim(), kv)]));
-                        rc.messages.push(Message {
-                            op: "recompute.kv".into(),
-                            calls: l,
-                            sent: own,
-                            received: theirs,
-                            step: None,
-                        });
-                    }
-                }
-            }
-            phases.push(rc);
-        }
-
-        let mut fp = PhaseWork::new(phase::FINAL_PROMPT);
-        over_segments(&mut fp, l, "final", None);
-        phases.push(fp);
-        all.push(phases);
+        cp
     }
-    Ok(all)
+
+    /// The prompt over rank `r`'s segments through `layers` blocks (the probe: up to the last
+    /// scoring layer, with score passes on `scores` of them; the final prompt: every block and
+    /// the logits), and the gather of the partials to rank 0 and the merged rows back.
+    fn over_segments(
+        &self,
+        r: usize,
+        segs: &[Range<u64>],
+        step: Step,
+        layers: usize,
+        scores: Option<usize>,
+    ) -> PhaseWork {
+        let (m, p, shape, prompt) = (self.req.prompt, self.p, self.shape, &self.prompt);
+        let mut ph = PhaseWork::new(step.phase());
+        ph.forwards.push(Forward { rows: m, layers, logit_rows: usize::from(scores.is_none() && m > 0) });
+        for s in segs {
+            if s.is_empty() || m == 0 {
+                continue;
+            }
+            let keys = (s.end - s.start) as usize;
+            let pairs = range_pairs(prompt.clone(), s.clone());
+            ph.attn.push(Attn { queries: m, keys, pairs, layers, step: None });
+            if let Some(sl) = scores {
+                ph.scores.push(Attn { queries: m, keys, pairs, layers: sl, step: None });
+            }
+        }
+        if m > 0 {
+            let pairs = range_pairs(prompt.clone(), prompt.clone());
+            ph.attn.push(Attn { queries: m, keys: m, pairs, layers, step: None });
+        }
+        if p > 1 {
+            let op = if scores.is_some() { "probe" } else { "final" };
+            let own = partials(segs.iter().filter(|r| !r.is_empty()).count(), m, shape);
+            let merged = partials(1, m, shape);
+            let others: u64 = (1..p).map(|o| partials(self.pipe.local_chunks(o).len(), m, shape)).sum();
+            let (gs, gr, bs, br) = if r == 0 { (0, others, merged * (p as u64 - 1), 0) } else { (own, 0, 0, merged) };
+            let gather = Message { op: format!("{op}.gather"), calls: layers, sent: gs, received: gr, step: None };
+            ph.messages.push(gather);
+            ph.messages.push(Message { op: format!("{op}.merged"), calls: layers, sent: bs, received: br, step: None });
+        }
+        ph
+    }
+
+    /// Recomputation of the selected tokens, in batches of global positions, on rank `r`.
+    fn recompute(&self, r: usize, segs: &[Range<u64>]) -> PhaseWork {
+        let (p, l) = (self.p, self.shape.n_layers);
+        let mut rc = PhaseWork::new(Step::Recompute.phase());
+        let mut sorted = self.sel.clone();
+        sorted.sort_unstable();
+        for batch in sorted.chunks(self.pipe.recompute_batch) {
+            let count = |o: usize| batch.iter().filter(|x| x.1 == o).count();
+            let mine: Vec<u64> = batch.iter().filter(|x| x.1 == r).map(|x| x.0).collect();
+            // Bytes of an all-gather of `size(rows)` per rank: this rank's message to each of
+            // the others, and the others' messages to it.
+            let gathered = |size: &dyn Fn(usize) -> u64| -> (u64, u64) {
+                let others: u64 = (0..p).filter(|&o| o != r).map(|o| size(count(o))).sum();
+                (size(mine.len()) * (p as u64 - 1), others)
+            };
+            rc.forwards.push(Forward { rows: mine.len(), layers: l, logit_rows: 0 });
+            match self.scope {
+                Scope::Exact => self.exact_batch(&mut rc, batch, segs, &gathered),
+                Scope::Sparse => self.sparse_batch(&mut rc, r, batch, &mine, segs, &gathered),
+            }
+        }
+        rc
+    }
+
+    /// Exact scope: every rank's queries of the batch over this rank's segments; every rank
+    /// takes part in the collectives, alone too: its queries go to every other rank, and the
+    /// partials for each rank's queries come back.
+    fn exact_batch(&self, rc: &mut PhaseWork, batch: &[(u64, usize)], segs: &[Range<u64>], gathered: Gathered<'_>) {
+        let (l, shape) = (self.shape.n_layers, self.shape);
+        for s in segs {
+            let pairs: u64 = batch.iter().map(|x| range_pairs(x.0..x.0 + 1, s.clone())).sum();
+            if pairs > 0 || !s.is_empty() {
+                let keys = (s.end - s.start) as usize;
+                rc.attn.push(Attn { queries: batch.len(), keys, pairs, layers: l, step: None });
+            }
+        }
+        let (own, theirs) = gathered(&|c| message(c, &[(c * shape.q_dim(), 4)]));
+        rc.messages.push(Message { op: "recompute.q".into(), calls: l, sent: own, received: theirs, step: None });
+        let (own, theirs) = gathered(&|c| message(c, &[(c * shape.q_dim(), 4), (c * shape.n_heads, 4)]));
+        let partials = Message { op: "recompute.partials".into(), calls: l, sent: theirs, received: own, step: None };
+        rc.messages.push(partials);
+    }
+
+    /// Sparse scope: own queries over own segments, the head (replicated off rank 0) and the
+    /// other ranks' rows of this batch, whose K/V every rank gathers.
+    fn sparse_batch(
+        &self,
+        rc: &mut PhaseWork,
+        r: usize,
+        batch: &[(u64, usize)],
+        mine: &[u64],
+        segs: &[Range<u64>],
+        gathered: Gathered<'_>,
+    ) {
+        let (l, shape, h) = (self.shape.n_layers, self.shape, self.req.head as u64);
+        let mut sources: Vec<(usize, KeysBefore)> = Vec::new();
+        if r != 0 {
+            sources.push((h as usize, Box::new(move |q| range_pairs(q..q + 1, 0..h))));
+        }
+        for s in segs.iter().cloned() {
+            let keys = (s.end - s.start) as usize;
+            sources.push((keys, Box::new(move |q| range_pairs(q..q + 1, s.clone()))));
+        }
+        for o in (0..self.p).filter(|&o| o != r) {
+            let theirs: Vec<u64> = batch.iter().filter(|x| x.1 == o).map(|x| x.0).collect();
+            let keys = theirs.len();
+            sources.push((keys, Box::new(move |q| points_before(&theirs, q))));
+        }
+        for (keys, f) in &sources {
+            if *keys == 0 || mine.is_empty() {
+                continue;
+            }
+            let pairs: u64 = mine.iter().map(|&q| f(q)).sum();
+            rc.attn.push(Attn { queries: mine.len(), keys: *keys, pairs, layers: l, step: None });
+        }
+        let kv = self.kv;
+        let (own, theirs) = gathered(&|c| message(c, &[(c * shape.kv_dim(), kv), (c * shape.kv_dim(), kv)]));
+        rc.messages.push(Message { op: "recompute.kv".into(), calls: l, sent: own, received: theirs, step: None });
+    }
 }
 
 #[cfg(test)]

@@ -259,7 +259,7 @@ fn gpu_world(
         lms.push(Arc::new(m));
     }
     let setup: flowprefill_coordinator::PlaneSetup<Device> =
-        Arc::new(|comm, dev: &Device| dev.attach_nccl(comm).map_err(|e| e.to_string()));
+        Arc::new(|comm, dev: &Device| flowprefill_worker::nccl::attach(dev, comm).map_err(|e| e.to_string()));
     let store = flowprefill_coordinator::DEFAULT_STORE_BYTES;
     Ok(flowprefill_coordinator::ThreadRanks::per_rank(lms, store, timeout)?
         .with_plane(setup)?
@@ -291,7 +291,8 @@ pub fn attach_device_plane(common: &Common, comm: &mut dyn flowprefill_comm::Com
     #[cfg(feature = "nccl")]
     {
         let rank = comm.rank();
-        device(common)?.attach_nccl(comm).with_context(|| format!("rank {rank}: NCCL between the GPUs"))
+        flowprefill_worker::nccl::attach(&device(common)?, comm)
+            .with_context(|| format!("rank {rank}: NCCL between the GPUs"))
     }
     #[cfg(not(feature = "nccl"))]
     {

@@ -1,0 +1,142 @@
+//! NCCL as the device plane of a multi-GPU world: the kernels crate's [`NcclPlane`] (grouped
+//! `ncclSend`/`ncclRecv` of GPU buffers) behind the communicator's [`BufPlane`] of the
+//! run-time device buffer [`DevBuf`]. It lives here, where the device and the communicator
+//! meet, so that `kernels` knows nothing of `comm`.
+
+use flowprefill_comm::plane::{BufPlane, Typed};
+use flowprefill_comm::{broadcast_bytes, CommError, Communicator};
+use flowprefill_kernels::cuda::nccl::{self, NcclPlane, PlaneError};
+use flowprefill_kernels::device::{DevBuf, Device};
+use flowprefill_kernels::{KernelError, Result};
+use std::time::Duration;
+
+/// NCCL between the GPUs of a world: [`attach`] puts this on each rank's communicator; it
+/// moves the GPU variant of [`DevBuf`].
+struct NcclDevicePlane(NcclPlane);
+
+/// The communicator's error for a plane's.
+fn comm_error(e: PlaneError) -> CommError {
+    match e {
+        PlaneError::Misuse(m) => CommError::Misuse(m),
+        PlaneError::BadRank { rank, size } => CommError::BadRank { rank, size },
+        PlaneError::Lost { rank, op, detail } => CommError::RankLost { rank, op, detail },
+        PlaneError::Timeout { rank, op, secs } => CommError::Timeout { rank, op, secs },
+    }
+}
+
+impl BufPlane<DevBuf> for NcclDevicePlane {
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+    fn issue(
+        &mut self,
+        op: &str,
+        sends: &[(usize, &DevBuf)],
+        receives: Vec<(usize, DevBuf)>,
+    ) -> flowprefill_comm::Result<()> {
+        let mut on_gpu = Vec::with_capacity(sends.len());
+        for &(peer, b) in sends {
+            match b {
+                DevBuf::Cuda(d) => on_gpu.push((peer, d)),
+                DevBuf::Cpu(_) => {
+                    return Err(CommError::Misuse(format!(
+                        "`{op}`: a CPU buffer cannot go over NCCL (the model is not on the GPU)"
+                    )))
+                }
+            }
+        }
+        let mut into = Vec::with_capacity(receives.len());
+        for (peer, b) in receives {
+            match b {
+                DevBuf::Cuda(d) => into.push((peer, d)),
+                DevBuf::Cpu(_) => {
+                    return Err(CommError::Misuse(format!(
+                        "`{op}`: NCCL cannot receive into a CPU buffer (the model is not on the GPU)"
+                    )))
+                }
+            }
+        }
+        self.0.issue(op, &on_gpu, into).map_err(comm_error)
+    }
+    fn complete(&mut self) -> flowprefill_comm::Result<Vec<DevBuf>> {
+        Ok(self.0.complete().map_err(comm_error)?.into_iter().map(DevBuf::Cuda).collect())
+    }
+    fn abort(&mut self, reason: &str) {
+        self.0.abort(reason)
+    }
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.0.set_timeout(timeout)
+    }
+    fn end_job(&mut self) {
+        self.0.end_job()
+    }
+}
+
+/// Gives the ranks of `comm` NCCL between their GPUs (every rank calls it at once, each with
+/// its own GPU): rank 0 makes the unique id and broadcasts it over `comm`, each rank creates
+/// its communicator (with `comm`'s deadline) and a plane on its own stream. A world of one
+/// needs none. Errors name the rank and what failed.
+pub fn attach(device: &Device, comm: &mut dyn Communicator) -> Result<()> {
+    let backend_err = |detail: String| KernelError::Backend { backend: "nccl", detail };
+    let (rank, size) = (comm.rank(), comm.size());
+    let Device::Cuda(be) = device else {
+        return Err(backend_err(format!("rank {rank}: NCCL moves GPU buffers, but this rank runs on the CPU")));
+    };
+    if size == 1 {
+        return Ok(());
+    }
+    // Rank 0 sends an empty id when it cannot make one, so nobody waits for it in vain.
+    let made = if rank == 0 { Some(nccl::unique_id()) } else { None };
+    let bytes = match &made {
+        Some(Ok(id)) => id.to_vec(),
+        _ => Vec::new(),
+    };
+    if let Some(Err(e)) = made {
+        let _ = broadcast_bytes(comm, "nccl.id", 0, bytes);
+        return Err(e);
+    }
+    let got = broadcast_bytes(comm, "nccl.id", 0, bytes)
+        .map_err(|e| backend_err(format!("rank {rank}: the NCCL unique id: {e}")))?;
+    let id: [u8; nccl::ID_BYTES] =
+        got.try_into().map_err(|_| backend_err(format!("rank {rank}: rank 0 could not make an NCCL unique id")))?;
+    let nc = nccl::communicator(be.ordinal(), rank, size, &id, comm.timeout())?;
+    let plane = NcclPlane::new(nc, be, comm.timeout())?;
+    comm.set_plane(Box::new(Typed::<DevBuf>(Box::new(NcclDevicePlane(plane)))));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plane_errors_read_as_the_communicators() {
+        let cases = [
+            PlaneError::Misuse("`x` issued while another device exchange is pending".into()),
+            PlaneError::BadRank { rank: 5, size: 2 },
+            PlaneError::Lost { rank: 1, op: "ring.kv".into(), detail: "ncclSend to rank 1: X".into() },
+            PlaneError::Timeout { rank: 1, op: "ring.kv".into(), secs: 30.0 },
+        ];
+        for e in cases {
+            let text = e.to_string();
+            let mapped = comm_error(e);
+            assert_eq!(mapped.to_string(), text, "the user reads the same message");
+        }
+        assert!(matches!(
+            comm_error(PlaneError::Timeout { rank: 3, op: "o".into(), secs: 1.0 }),
+            CommError::Timeout { rank: 3, .. }
+        ));
+        assert!(matches!(
+            comm_error(PlaneError::Lost { rank: 2, op: "o".into(), detail: "d".into() }),
+            CommError::RankLost { rank: 2, .. }
+        ));
+    }
+
+    #[test]
+    fn a_cpu_device_gets_no_nccl() {
+        let mut comms = flowprefill_comm::local::LocalComm::group(2);
+        let dev = Device::Cpu(flowprefill_kernels::Cpu::default());
+        let e = attach(&dev, &mut comms[0]).expect_err("the CPU has no NCCL").to_string();
+        assert!(e.contains("runs on the CPU"), "{e}");
+    }
+}
