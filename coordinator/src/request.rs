@@ -329,6 +329,11 @@ pub struct RunOptions {
     pub geometry: Geometry,
     /// Scoring layers (inclusive, 0-based) for InfoFlow; default: depth 55%..65%.
     pub score_layers: Option<(usize, usize)>,
+    /// InfoFlow: each token's score averaged with its neighbours in a window of this many
+    /// tokens (odd, centred, within the chunk) before the top-k, as SnapKV pools its scores, so
+    /// that the tokens around an important one are recomputed with it; default: no pooling.
+    #[serde(default)]
+    pub score_pool: Option<usize>,
     /// Prefix mode; default: the method's.
     pub prefix: Option<PrefixMode>,
     /// Generated tokens at most.
@@ -355,6 +360,7 @@ impl Default for RunOptions {
             reorder: false,
             geometry: Geometry::Global,
             score_layers: None,
+            score_pool: None,
             prefix: None,
             max_new_tokens: 64,
             sampling: SamplingConfig::default(),
@@ -389,6 +395,20 @@ pub struct Job {
     pub request: Request,
     /// Its options.
     pub options: RunOptions,
+}
+
+/// The widest score-pooling window (`--score-pool`) accepted.
+pub const MAX_SCORE_POOL: usize = 63;
+
+/// A score-pooling window must be odd (centred on its token) and at most [`MAX_SCORE_POOL`].
+pub fn check_score_pool(window: usize) -> std::result::Result<(), InputError> {
+    if window % 2 == 0 || window > MAX_SCORE_POOL {
+        return Err(InputError::new(
+            Field::ScorePool,
+            format!("{window}: the window must be odd (centred on the token) and at most {MAX_SCORE_POOL}, e.g. 7"),
+        ));
+    }
+    Ok(())
 }
 
 /// A recompute ratio must be a fraction in [0, 1]; checked before any model work starts.
@@ -445,6 +465,9 @@ pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
         if a > b {
             return Err(bad(Field::ScoreLayers, format!("{a}-{b}: the first layer must not exceed the last")));
         }
+    }
+    if let Some(w) = opts.score_pool {
+        check_score_pool(w)?;
     }
     if opts.recompute_batch == 0 {
         return Err(bad(Field::RecomputeBatch, "must be at least 1"));

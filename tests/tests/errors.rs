@@ -111,6 +111,10 @@ fn admission_checks_the_cost_bounds_and_the_model() {
     assert!(refused(text).contains("field `chunk_tokens`"));
     let layers = RunOptions { score_layers: Some((10, 40)), ..RunOptions::default() };
     assert!(refused(job(1, layers)).contains("field `score_layers`: 10-40: the model has layers 0-29"));
+    for w in [4, 65] {
+        let pool = RunOptions { score_pool: Some(w), ..RunOptions::default() };
+        assert!(refused(job(1, pool)).contains(&format!("field `score_pool`: {w}: the window must be odd")));
+    }
     // Without limits only the model bounds a job.
     assert!(admit(lm, &job(4, RunOptions::default()), &Limits::NONE).is_ok());
 }

@@ -238,5 +238,33 @@ fn infoflow_scores_from_the_sharded_probe_equal_brute_force_in_every_geometry() 
                 assert!(r.owners.iter().any(|&o| o != 0), "the chunks are spread over the ranks");
             }
         }
+        // --score-pool: the engine's scores are the brute-force ones averaged over a centred
+        // window within each chunk (3 ranks: every rank pools its own chunks).
+        let opts = RunOptions {
+            method: Method::Infoflow,
+            ratio: 0.3,
+            geometry,
+            score_pool: Some(5),
+            prefix: Some(PrefixMode::Shared),
+            max_new_tokens: 1,
+            keep_scores: true,
+            ..RunOptions::default()
+        };
+        let mut world = ThreadRanks::new(lm.clone(), 3, 1 << 30, Duration::from_secs(60)).expect("ranks");
+        let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true).expect("run");
+        let scores = r.scores.expect("scores were kept");
+        let mut worst = 0f32;
+        for c in 0..layout.chunks.len() {
+            let pooled: Vec<f32> = (0..brute[c].len())
+                .map(|i| {
+                    let w = &brute[c][i.saturating_sub(2)..(i + 3).min(brute[c].len())];
+                    w.iter().sum::<f32>() / w.len() as f32
+                })
+                .collect();
+            for (x, y) in scores[c].iter().zip(&pooled) {
+                worst = worst.max((x - y).abs() / top);
+            }
+        }
+        assert!(worst <= SCORE_TOL, "{} pooled over 5: relative score difference {worst}", geometry.name());
     }
 }

@@ -32,6 +32,8 @@ pub enum Field {
     Geometry,
     /// InfoFlow's scoring layers.
     ScoreLayers,
+    /// InfoFlow's score pooling window.
+    ScorePool,
     /// The chunk prefix mode.
     Prefix,
     /// The recompute scope.
@@ -69,6 +71,7 @@ impl Field {
             Field::Reorder => "--reorder".into(),
             Field::Geometry => "--geometry".into(),
             Field::ScoreLayers => "--score-layers".into(),
+            Field::ScorePool => "--score-pool".into(),
             Field::Prefix => "--prefix".into(),
             Field::Scope => "--scope".into(),
             Field::MaxTokens => "--max-tokens".into(),
@@ -96,6 +99,7 @@ impl Field {
             Field::Reorder => "reorder".into(),
             Field::Geometry => "geometry".into(),
             Field::ScoreLayers => "score_layers".into(),
+            Field::ScorePool => "score_pool".into(),
             Field::Prefix => "prefix".into(),
             Field::Scope => "scope".into(),
             Field::MaxTokens => "max_tokens".into(),

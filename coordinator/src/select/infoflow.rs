@@ -7,8 +7,13 @@
 //!                                                    (softmax over every context key + the
 //!                                                     prompt's own causal keys)
 //! ```
+//!
+//! `--score-pool W` (off by default) averages each token's score over a centred window of W
+//! tokens within its chunk before the top-k (SnapKV's pooling, an ablation of issue 32): the
+//! neighbours of an important token are recomputed with it, at the cost of fewer distinct
+//! places within the same budget.
 
-use super::{ScoreCtx, Selector};
+use super::{pool_mean, ScoreCtx, Selector};
 use crate::error::Result;
 use flowprefill_kernels::Backend;
 
@@ -19,6 +24,10 @@ impl<B: Backend> Selector<B> for InfoFlow {
     fn score(&self, ctx: &mut ScoreCtx<'_, '_, B>) -> Result<Vec<Vec<f32>>> {
         let w = ctx.score_layer_weights()?;
         let g = ctx.opts.geometry;
-        ctx.probe(g, &w)
+        let scores = ctx.probe(g, &w)?;
+        Ok(match ctx.opts.score_pool {
+            Some(window) if window > 1 => scores.iter().map(|s| pool_mean(s, window)).collect(),
+            _ => scores,
+        })
     }
 }

@@ -232,6 +232,23 @@ pub fn selector_for<B: Backend>(method: Method) -> Option<Box<dyn Selector<B>>> 
     })
 }
 
+/// Each score replaced by the mean of the scores in a centred window of `window` tokens
+/// (odd), cut at the chunk's ends (the mean of what is inside). `window` 1 changes nothing.
+pub fn pool_mean(scores: &[f32], window: usize) -> Vec<f32> {
+    let half = window / 2;
+    let mut prefix = Vec::with_capacity(scores.len() + 1);
+    prefix.push(0.0f64);
+    for &s in scores {
+        prefix.push(prefix[prefix.len() - 1] + f64::from(s));
+    }
+    (0..scores.len())
+        .map(|i| {
+            let (lo, hi) = (i.saturating_sub(half), (i + half + 1).min(scores.len()));
+            ((prefix[hi] - prefix[lo]) / (hi - lo) as f64) as f32
+        })
+        .collect()
+}
+
 /// Flags of the `k` best tokens over all chunks (ties: earlier token in layout order).
 pub fn top_k_flags(scores: &[Vec<f32>], k: usize) -> Vec<Vec<bool>> {
     let flat: Vec<f32> = scores.iter().flatten().copied().collect();
@@ -264,6 +281,25 @@ mod tests {
         assert_eq!(default_score_layers(30), (17, 19));
         assert_eq!(default_score_layers(2), (1, 1));
         assert_eq!(default_score_layers(1), (0, 0));
+    }
+
+    #[test]
+    fn pooling_averages_a_centred_window_cut_at_the_chunk_ends() {
+        let s = [0.0, 3.0, 0.0, 0.0, 6.0];
+        assert_eq!(pool_mean(&s, 1), s.to_vec());
+        // Window 3: the ends average the two tokens inside the chunk.
+        assert_eq!(pool_mean(&s, 3), vec![1.5, 1.0, 1.0, 2.0, 3.0]);
+        let slow: Vec<f32> = (0..s.len())
+            .map(|i| {
+                let w: Vec<f32> = (i.saturating_sub(2)..(i + 3).min(s.len())).map(|j| s[j]).collect();
+                w.iter().sum::<f32>() / w.len() as f32
+            })
+            .collect();
+        assert_eq!(pool_mean(&s, 5), slow);
+        assert!(pool_mean(&[], 7).is_empty());
+        // The neighbours of a peak now outrank a lone smaller score elsewhere.
+        let p = pool_mean(&[0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 2.0, 0.0], 3);
+        assert!(p[1] > p[6] && p[3] > p[6]);
     }
 
     #[test]

@@ -97,7 +97,7 @@ fn dump(cases: &[flowprefill_lab::tasks::QaCase], dir: &std::path::Path) -> Resu
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
     // Parsed once, before the model loads, so a bad flag fails fast.
-    let (geometry, score_layers, prefix) = args.scoring.parse()?;
+    let scoring = args.scoring.parse()?;
     let mut table = methods(args.methods.as_deref())?;
     let engine = engine(common, None)?;
     if args.methods.is_none() && engine.model().adapter.is_none() {
@@ -134,7 +134,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             if !args.warm {
                 engine.store().clear();
             }
-            let opts = RunOptions { max_new_tokens: 32, geometry, score_layers, prefix, ..spec.options(args.ratio) };
+            let opts = scoring.apply(RunOptions { max_new_tokens: 32, ..spec.options(args.ratio) });
             let r = engine.run(&req, &opts, &mut |_| true)?;
             if let Some((doc, needle, Some(answer))) = needle_rows.first() {
                 let sel = &r.selected_rows[*doc];

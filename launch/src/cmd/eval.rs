@@ -77,9 +77,8 @@ struct Plan {
     depths: Vec<f64>,
     /// Methods without ratios (the ratios are `ratios`).
     methods: Vec<MethodSpec>,
-    geometry: Geometry,
-    score_layers: Option<(usize, usize)>,
-    prefix: Option<PrefixMode>,
+    /// Scoring settings (the ablations).
+    scoring: super::Scoring,
     config: serde_json::Value,
 }
 
@@ -114,7 +113,7 @@ impl Plan {
     fn primers(&self) -> Vec<(Method, PrefixMode)> {
         let mut primers: Vec<(Method, PrefixMode)> = Vec::new();
         for spec in &self.methods {
-            let mode = self.prefix.unwrap_or(spec.method.default_prefix());
+            let mode = self.scoring.prefix.unwrap_or(spec.method.default_prefix());
             let maker = if spec.method == Method::Kvpacket { Method::Kvpacket } else { Method::None };
             if !matches!(spec.method, Method::Full | Method::Ring) && !primers.contains(&(maker, mode)) {
                 primers.push((maker, mode));
@@ -148,7 +147,7 @@ fn plan(common: &Common, a: &Args) -> Result<Plan> {
         methods.iter().any(|m| m.method == Method::Full),
         "--methods must include full (the baseline for retention)"
     );
-    let (geometry, score_layers, prefix) = a.scoring.parse()?;
+    let scoring = a.scoring.parse()?;
     let mut config = serde_json::json!({
         "model": super::model_label(common)?,
         "seed": a.seed,
@@ -157,19 +156,22 @@ fn plan(common: &Common, a: &Args) -> Result<Plan> {
         "ranks": a.ranks,
     });
     // Ablation settings join the key only when set, so results made with the defaults resume.
-    if geometry != Geometry::Global {
-        config["geometry"] = serde_json::json!(geometry.name());
+    if scoring.geometry != Geometry::Global {
+        config["geometry"] = serde_json::json!(scoring.geometry.name());
     }
-    if let Some((lo, hi)) = score_layers {
+    if let Some((lo, hi)) = scoring.score_layers {
         config["score_layers"] = serde_json::json!([lo, hi]);
     }
-    if let Some(p) = prefix {
+    if let Some(w) = scoring.score_pool {
+        config["score_pool"] = serde_json::json!(w);
+    }
+    if let Some(p) = scoring.prefix {
         config["prefix"] = serde_json::json!(p.name());
     }
     if a.prompts != PromptStyle::Plain {
         config["prompts"] = serde_json::json!(a.prompts.name());
     }
-    Ok(Plan { tasks, lengths, ratios, depths, methods, geometry, score_layers, prefix, config })
+    Ok(Plan { tasks, lengths, ratios, depths, methods, scoring, config })
 }
 
 /// The runs already in `results.json` (made with the same settings), or none.
@@ -261,13 +263,10 @@ fn compute(
                             prime(&mut world, &req, &primers)?;
                             primed = true;
                         }
-                        let opts = RunOptions {
+                        let opts = plan.scoring.apply(RunOptions {
                             max_new_tokens: a.max_tokens.unwrap_or_else(|| answer_budget(task)),
-                            geometry: plan.geometry,
-                            score_layers: plan.score_layers,
-                            prefix: plan.prefix,
                             ..spec.options(ratio.unwrap_or(0.0))
-                        };
+                        });
                         let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
                         let mut rec = record(&case, a.prompts, *spec, ratio, &r, &needles);
                         if spec.method == Method::Kvpacket {
@@ -286,7 +285,7 @@ fn compute(
 
 /// Writes results.md and the plots from the runs of the tasks and lengths asked for.
 fn report(a: &Args, plan: &Plan, records: Vec<Record>, results_path: &Path) -> Result<()> {
-    let settings: Vec<String> = ["geometry", "score_layers", "prefix", "prompts"]
+    let settings: Vec<String> = ["geometry", "score_layers", "score_pool", "prefix", "prompts"]
         .iter()
         .filter_map(|k| plan.config.get(*k).map(|v| format!("{k} {v}")))
         .collect();

@@ -13,6 +13,7 @@ pub mod train;
 
 use crate::Common;
 use anyhow::{Context, Result};
+use flowprefill_coordinator::RunOptions;
 use flowprefill_kernels::{DType, Device, DeviceSpec, WeightType};
 use flowprefill_worker::synthetic::SyntheticSpec;
 use flowprefill_worker::LoadedModel;
@@ -365,9 +366,31 @@ fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
     Ok(Some((p(a)?, p(b)?)))
 }
 
-/// Parsed [`ScoringArgs`]: geometry, scoring layers, prefix mode.
-pub type Scoring =
-    (flowprefill_coordinator::Geometry, Option<(usize, usize)>, Option<flowprefill_coordinator::PrefixMode>);
+/// Parsed [`ScoringArgs`].
+#[derive(Clone, Copy, Debug)]
+pub struct Scoring {
+    /// Scoring geometry.
+    pub geometry: flowprefill_coordinator::Geometry,
+    /// InfoFlow's scoring layers (inclusive), if not the default.
+    pub score_layers: Option<(usize, usize)>,
+    /// InfoFlow's score pooling window, if any.
+    pub score_pool: Option<usize>,
+    /// Chunk prefix mode, if not the method's.
+    pub prefix: Option<flowprefill_coordinator::PrefixMode>,
+}
+
+impl Scoring {
+    /// These settings in `opts`.
+    pub fn apply(&self, opts: RunOptions) -> RunOptions {
+        RunOptions {
+            geometry: self.geometry,
+            score_layers: self.score_layers,
+            score_pool: self.score_pool,
+            prefix: self.prefix,
+            ..opts
+        }
+    }
+}
 
 /// How the selective methods score tokens (`run`, `check` and `eval`; ablations of InfoFlow §4.2).
 #[derive(clap::Args, Debug, Clone)]
@@ -378,14 +401,28 @@ pub struct ScoringArgs {
     /// InfoFlow scoring layers, inclusive and 0-based, e.g. 17-19 (default: 55%-65% depth).
     #[arg(long)]
     pub score_layers: Option<String>,
+    /// InfoFlow: average each token's score over a centred window of this many tokens (odd)
+    /// before choosing, so that neighbours of important tokens are recomputed with them
+    /// (SnapKV's pooling; default: off).
+    #[arg(long)]
+    pub score_pool: Option<usize>,
     /// Chunk prefix mode for every chunked method (default: each method's own).
     #[arg(long, value_enum)]
     pub prefix: Option<flowprefill_coordinator::PrefixMode>,
 }
 
 impl ScoringArgs {
-    /// The parsed settings: geometry, scoring layers, prefix mode.
+    /// The parsed settings (the pooling window checked here, before any model loads).
     pub fn parse(&self) -> Result<Scoring> {
-        Ok((self.geometry, parse_layers(self.score_layers.as_deref())?, self.prefix))
+        let s = Scoring {
+            geometry: self.geometry,
+            score_layers: parse_layers(self.score_layers.as_deref())?,
+            score_pool: self.score_pool,
+            prefix: self.prefix,
+        };
+        if let Some(w) = s.score_pool {
+            flowprefill_coordinator::request::check_score_pool(w)?;
+        }
+        Ok(s)
     }
 }

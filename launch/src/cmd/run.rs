@@ -84,21 +84,18 @@ pub struct MethodArgs {
 impl MethodArgs {
     /// Options for the coordinator.
     pub fn options(&self) -> Result<RunOptions> {
-        let (geometry, score_layers, prefix) = self.scoring.parse()?;
+        let scoring = self.scoring.parse()?;
         flowprefill_coordinator::request::check_ratio(self.ratio)?;
-        Ok(RunOptions {
+        Ok(scoring.apply(RunOptions {
             method: self.method,
             ratio: self.ratio,
             reorder: self.reorder,
-            geometry,
-            score_layers,
-            prefix,
             max_new_tokens: self.max_tokens,
             sampling: SamplingConfig::default(),
             seed: self.seed,
             scope: self.scope,
             ..RunOptions::default()
-        })
+        }))
     }
 
     /// The context from document texts.

@@ -113,6 +113,9 @@ pub struct JobRequest {
     /// InfoFlow scoring layers [first, last].
     #[serde(default)]
     pub score_layers: Option<[usize; 2]>,
+    /// InfoFlow score pooling window (odd).
+    #[serde(default)]
+    pub score_pool: Option<usize>,
     /// Answer tokens at most (default 64).
     #[serde(default)]
     pub max_tokens: Option<usize>,
@@ -257,6 +260,7 @@ impl JobRequest {
         };
         let mut options = options(&m, self.max_tokens, self.temperature, self.top_p, self.seed)?;
         options.score_layers = self.score_layers.map(|[a, b]| (a, b));
+        options.score_pool = self.score_pool;
         let request = Request { context, query: self.query, system: self.system, answer_prefix: self.answer_prefix };
         check(&request, &options)?;
         if let Some(d) = self.deadline_s {
