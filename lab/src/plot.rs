@@ -209,6 +209,87 @@ pub fn line_chart_log(path: &Path, title: &str, x_label: &str, y_label: &str, se
     Ok(true)
 }
 
+/// The name of item `v` on an axis whose items sit at the integers 0, 1, ... (blank between).
+fn centre_label(names: &[String], v: f64) -> String {
+    let i = v.round();
+    if (v - i).abs() < 1e-6 && i >= 0.0 {
+        names.get(i as usize).cloned().unwrap_or_default()
+    } else {
+        String::new()
+    }
+}
+
+/// One method's values with their intervals, one per group (`None` where it has none).
+pub struct IntervalSeries {
+    /// Legend label.
+    pub name: String,
+    /// Per group: (value, low, high).
+    pub values: Vec<Option<(f64, f64, f64)>>,
+}
+
+/// Values with interval whiskers, grouped on the x axis (`groups`), the series of a group side
+/// by side in their colors, with a dashed reference line at `reference` (100% retention).
+/// Returns false (and writes nothing) without a font.
+pub fn interval_chart(
+    path: &Path,
+    title: &str,
+    y_label: &str,
+    groups: &[String],
+    series: &[IntervalSeries],
+    reference: f64,
+) -> Result<bool> {
+    if !drawable() || groups.is_empty() {
+        return Ok(false);
+    }
+    let tops = series.iter().flat_map(|s| s.values.iter().flatten().map(|v| v.2));
+    let y1 = tops.fold(reference, f64::max) * 1.08;
+    let n = groups.len() as f64;
+    let root = BitMapBackend::new(path, (1100, 700)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d(-0.5..n - 0.5, 0.0..y1)?;
+    let group_label = |x: &f64| centre_label(groups, *x);
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(2 * groups.len() + 1)
+        .x_label_formatter(&group_label)
+        .y_desc(y_label)
+        .label_style(("sans-serif", 16))
+        .draw()?;
+    chart.draw_series(std::iter::once(PathElement::new(
+        vec![(-0.5, reference), (n - 0.5, reference)],
+        BLACK.mix(0.5).stroke_width(1),
+    )))?;
+    let width = 0.7 / series.len().max(1) as f64;
+    for (i, s) in series.iter().enumerate() {
+        let c = color(i);
+        let dx = -0.35 + width * (i as f64 + 0.5);
+        let pts: Vec<(f64, (f64, f64, f64))> =
+            s.values.iter().enumerate().filter_map(|(g, v)| v.map(|v| (g as f64 + dx, v))).collect();
+        chart
+            .draw_series(
+                pts.iter().map(|&(x, (_, lo, hi))| PathElement::new(vec![(x, lo), (x, hi)], c.stroke_width(2))),
+            )?
+            .label(&s.name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+        chart.draw_series(pts.iter().map(|&(x, (v, _, _))| Circle::new((x, v), 5, c.filled())))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 16))
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()?;
+    presented(root.present(), path)?;
+    Ok(true)
+}
+
 /// A grid of fractions in [0, 1], red (0) to green (1), with the value written in each cell;
 /// cells without data (`None`) are grey and say so. `values[row][col]`; row 0 is drawn at the
 /// bottom. Returns false (and writes nothing) without a font.
@@ -234,14 +315,7 @@ pub fn heatmap(
         .y_label_area_size(90)
         .build_cartesian_2d(-0.5..cols.len() as f64 - 0.5, -0.5..rows.len() as f64 - 0.5)?;
     // Cell i spans [i - 0.5, i + 0.5], so the integer ticks sit at the cell centres.
-    let label = |names: &[String], v: f64| {
-        let i = v.round();
-        if (v - i).abs() < 1e-6 && i >= 0.0 {
-            names.get(i as usize).cloned().unwrap_or_default()
-        } else {
-            String::new()
-        }
-    };
+    let label = centre_label;
     chart
         .configure_mesh()
         .disable_mesh()

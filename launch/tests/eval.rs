@@ -69,6 +69,7 @@ fn same_command_same_table_resume_and_plots() {
         "accuracy_vs_ratio_400.png",
         "pareto.png",
         "pareto_400.png",
+        "retention_400.png",
         "heatmap_infoflow.png",
         "heatmap_full.png",
     ] {

@@ -189,12 +189,7 @@ fn ratio_with_interval(pairs: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
 /// `tr`, with a 95% bootstrap interval over cases. Scores carry partial credit (a four-value
 /// answer with three values right scores 0.75, as RULER scores it).
 fn mean_score_retention(md: &mut String, records: &[Record], len: usize, labels: &[MethodSpec], tr: f64) {
-    let full = scores_by_case(records, len, &FULL, tr);
-    if full.is_empty() {
-        return;
-    }
-    let families: Vec<&str> =
-        ["NIAH", "variable tracking", "QA"].into_iter().filter(|f| full.keys().any(|(t, _)| family(t) == *f)).collect();
+    let Some(Retention { families, rows }) = retention_rows(records, len, labels, tr) else { return };
     md.push_str(&format!(
         "Mean-score retention at ratio {tr}, {len} tokens (the paper's metric: the method's mean score / full \
          prefill's on the same cases, partial credit per value), with a 95% bootstrap interval over cases and the \
@@ -202,18 +197,12 @@ fn mean_score_retention(md: &mut String, records: &[Record], len: usize, labels:
         families.iter().map(|f| format!(" {f} |")).collect::<String>(),
         "---:|".repeat(families.len())
     ));
-    for l in labels.iter().filter(|l| **l != FULL) {
-        let pairs: Vec<(&str, (f64, f64))> = records
-            .iter()
-            .filter(|r| r.length == len && at(r, l, tr))
-            .filter_map(|r| full.get(&(r.task.as_str(), r.sample)).map(|&f| (family(&r.task), (r.score, f))))
-            .collect();
+    for (l, cols) in rows {
         md.push_str(&format!("| {l} |"));
-        for f in families.iter().map(|f| Some(*f)).chain([None]) {
-            let sub: Vec<(f64, f64)> = pairs.iter().filter(|(g, _)| f.is_none_or(|f| f == *g)).map(|p| p.1).collect();
-            match ratio_with_interval(&sub) {
-                Some((r, lo, hi)) => {
-                    md.push_str(&format!(" {:.1} [{:.1}, {:.1}] ({}) |", 100.0 * r, 100.0 * lo, 100.0 * hi, sub.len()))
+        for c in cols {
+            match c {
+                Some(((r, lo, hi), n)) => {
+                    md.push_str(&format!(" {:.1} [{:.1}, {:.1}] ({n}) |", 100.0 * r, 100.0 * lo, 100.0 * hi))
                 }
                 None => md.push_str(" - |"),
             }
@@ -221,6 +210,79 @@ fn mean_score_retention(md: &mut String, records: &[Record], len: usize, labels:
         md.push('\n');
     }
     md.push('\n');
+}
+
+/// Mean-score retention per task family and over every task, for every method but full.
+struct Retention<'a> {
+    /// The task families that full prefill has cases of.
+    families: Vec<&'static str>,
+    /// Per method, per family and then over every task: (retention, 95% low, 95% high) and
+    /// the number of cases, or `None` where there is no pair or full scores nothing.
+    rows: Vec<(&'a MethodSpec, Vec<Option<Interval>>)>,
+}
+
+/// A retention, its 95% interval (low, high), and the number of cases.
+type Interval = ((f64, f64, f64), usize);
+
+/// [`Retention`] at `len` tokens and ratio `tr`; `None` without full prefill runs.
+fn retention_rows<'a>(records: &[Record], len: usize, labels: &'a [MethodSpec], tr: f64) -> Option<Retention<'a>> {
+    let full = scores_by_case(records, len, &FULL, tr);
+    if full.is_empty() {
+        return None;
+    }
+    let families: Vec<&'static str> =
+        ["NIAH", "variable tracking", "QA"].into_iter().filter(|f| full.keys().any(|(t, _)| family(t) == *f)).collect();
+    let rows = labels
+        .iter()
+        .filter(|l| **l != FULL)
+        .map(|l| {
+            let pairs: Vec<(&str, (f64, f64))> = records
+                .iter()
+                .filter(|r| r.length == len && at(r, l, tr))
+                .filter_map(|r| full.get(&(r.task.as_str(), r.sample)).map(|&f| (family(&r.task), (r.score, f))))
+                .collect();
+            let cols = families
+                .iter()
+                .map(|f| Some(*f))
+                .chain([None])
+                .map(|f| {
+                    let sub: Vec<(f64, f64)> =
+                        pairs.iter().filter(|(g, _)| f.is_none_or(|f| f == *g)).map(|p| p.1).collect();
+                    ratio_with_interval(&sub).map(|v| (v, sub.len()))
+                })
+                .collect();
+            (l, cols)
+        })
+        .collect();
+    Some(Retention { families, rows })
+}
+
+/// The mean-score retention table at `len` as a chart: per task family (and over every
+/// task) each method's retention with its 95% bootstrap interval; `retention_{len}.png`.
+fn retention_chart(records: &[Record], len: usize, labels: &[MethodSpec], tr: f64, out: &Path) -> Result<()> {
+    let Some(Retention { families, rows }) = retention_rows(records, len, labels, tr) else { return Ok(()) };
+    let groups: Vec<String> = families.iter().map(|f| f.to_string()).chain(["all tasks".to_string()]).collect();
+    let series: Vec<plot::IntervalSeries> = rows
+        .iter()
+        .filter(|(_, cols)| cols.iter().any(Option::is_some))
+        .map(|(l, cols)| plot::IntervalSeries {
+            name: l.to_string(),
+            values: cols.iter().map(|c| c.map(|((r, lo, hi), _)| (100.0 * r, 100.0 * lo, 100.0 * hi))).collect(),
+        })
+        .collect();
+    if series.is_empty() {
+        return Ok(());
+    }
+    let title = format!("Mean-score retention vs full prefill, {len} tokens, ratio {tr} (95% bootstrap intervals)");
+    plot::interval_chart(
+        &out.join(format!("retention_{len}.png")),
+        &title,
+        "% of full prefill's mean score",
+        &groups,
+        &series,
+        100.0,
+    )?;
+    Ok(())
 }
 
 /// InfoFlow against every other method (full prefill aside) case by case, per task family at
@@ -693,6 +755,7 @@ pub fn plots(
     sorted_lengths.sort_unstable();
     for &len in &sorted_lengths {
         let (ratio, pareto) = length_charts(records, tasks, len, labels, ratios, tr, out)?;
+        retention_chart(records, len, labels, tr, out)?;
         ratio_chart = ratio.or(ratio_chart);
         pareto_chart = pareto.or(pareto_chart);
     }
