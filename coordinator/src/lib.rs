@@ -35,5 +35,7 @@ pub use admit::{admit, Admitted, Limits};
 pub use engine::{Control, Engine, RankStats, RunResult, DEFAULT_STORE_BYTES};
 pub use error::{CoordError, Result};
 pub use flowprefill_comm::ErrorClass;
-pub use request::{Context, Geometry, Job, Method, MethodSpec, PrefixMode, Request, RunOptions, Scope};
+pub use request::{
+    Context, Evict, EvictPolicy, Geometry, Job, Method, MethodSpec, PrefixMode, Request, RunOptions, Scope,
+};
 pub use world::{run_rank, PlaneSetup, ThreadRanks, World};

@@ -51,6 +51,9 @@ pub enum Step {
     Recompute,
     /// The prompt over every segment: the first token's logits.
     Prompt,
+    /// The segments cut to the KV budget per (layer, KV head) by the prompt's attention
+    /// (`--evict`), before the first token is chosen.
+    Evict,
 }
 
 impl Step {
@@ -64,6 +67,7 @@ impl Step {
             Step::Select => phase::SELECTION,
             Step::Recompute => phase::RECOMPUTE,
             Step::Prompt => phase::FINAL_PROMPT,
+            Step::Evict => phase::EVICT,
         }
     }
 }
@@ -96,6 +100,8 @@ pub struct Pipeline {
     pub score_layers: (usize, usize),
     /// Selected tokens per recompute forward.
     pub recompute_batch: usize,
+    /// Whether the cache is evicted to a budget after the prompt.
+    pub evicts: bool,
 }
 
 impl Pipeline {
@@ -131,6 +137,7 @@ impl Pipeline {
             probes,
             score_layers: opts.score_layers.unwrap_or_else(|| default_score_layers(n_layers)),
             recompute_batch: opts.recompute_batch.max(1),
+            evicts: opts.evict.is_some(),
         }
     }
 
@@ -149,6 +156,9 @@ impl Pipeline {
             steps.push(Step::Recompute);
         }
         steps.push(Step::Prompt);
+        if self.evicts {
+            steps.push(Step::Evict);
+        }
         steps
     }
 
@@ -232,6 +242,8 @@ mod tests {
         assert_eq!(steps(opts(Method::Infoflow, 1.0)), [ChunkPrefill, Place, Recompute, Prompt]);
         assert_eq!(steps(opts(Method::Infoflow, 0.0)), [ChunkPrefill, Place, Prompt]);
         assert_eq!(steps(opts(Method::None, 0.5)), [ChunkPrefill, Place, Prompt]);
+        let evict = Some(crate::request::Evict { policy: crate::request::EvictPolicy::Snapkv, budget: 64 });
+        assert_eq!(steps(RunOptions { evict, ..opts(Method::None, 0.5) }), [ChunkPrefill, Place, Prompt, Evict]);
         let reordered = steps(RunOptions { reorder: true, ..opts(Method::None, 0.15) });
         assert_eq!(reordered, [ChunkPrefill, Reorder, Place, Prompt]);
         let p = Pipeline::new(&RunOptions { reorder: true, ..opts(Method::Epic, 0.15) }, &chunks, 2, 30);

@@ -350,6 +350,48 @@ pub struct RunOptions {
     /// one more all-gather of the scores to rank 0 (for inspecting the selection signal).
     #[serde(default)]
     pub keep_scores: bool,
+    /// KV eviction after the prompt, before decoding (`--evict snapkv --kv-budget N`);
+    /// default: the whole cache is kept.
+    #[serde(default)]
+    pub evict: Option<Evict>,
+}
+
+/// How the cache is scored for eviction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum EvictPolicy {
+    /// SnapKV: attention of the prompt's last 32 tokens, per (layer, KV head), pooled over 7.
+    Snapkv,
+}
+
+impl std::fmt::Display for EvictPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EvictPolicy::Snapkv => "snapkv",
+        })
+    }
+}
+
+/// KV eviction before decoding: the context rows of every (layer, KV head) are cut to the
+/// `budget` best by `policy` (the prompt's own rows are all kept, as SnapKV keeps its window).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Evict {
+    /// The scoring.
+    pub policy: EvictPolicy,
+    /// Context KV entries kept per (layer, KV head), over all ranks.
+    pub budget: usize,
+}
+
+/// An eviction budget keeps at least one entry per head.
+pub fn check_kv_budget(budget: usize) -> std::result::Result<(), InputError> {
+    if budget == 0 {
+        return Err(InputError::new(
+            Field::KvBudget,
+            "0 keeps nothing of the context; give the KV entries to keep per (layer, KV head), e.g. 128",
+        ));
+    }
+    Ok(())
 }
 
 impl Default for RunOptions {
@@ -368,6 +410,7 @@ impl Default for RunOptions {
             recompute_batch: 2048,
             scope: Scope::Exact,
             keep_scores: false,
+            evict: None,
         }
     }
 }
@@ -468,6 +511,9 @@ pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
     }
     if let Some(w) = opts.score_pool {
         check_score_pool(w)?;
+    }
+    if let Some(e) = opts.evict {
+        check_kv_budget(e.budget)?;
     }
     if opts.recompute_batch == 0 {
         return Err(bad(Field::RecomputeBatch, "must be at least 1"));

@@ -20,6 +20,8 @@ pub mod phase {
     pub const RECOMPUTE: &str = "recompute";
     /// The prompt over the assembled cache.
     pub const FINAL_PROMPT: &str = "final_prompt";
+    /// KV eviction after the prompt (`--evict`).
+    pub const EVICT: &str = "evict";
     /// Choosing the first token.
     pub const FIRST_TOKEN: &str = "first_token";
     /// Generating the rest of the answer (after TTFT).

@@ -162,6 +162,22 @@ fn run_json_reports_answer_phases_and_selection() {
     let n = v["n_context_tokens"].as_u64().unwrap();
     assert_eq!(selected, (0.3 * n as f64).round() as u64);
     assert!(v["ttft_ms"].as_f64().unwrap() > 0.0);
+    // Eviction before decoding: what was kept, the bytes, decode speed (text and JSON).
+    args.retain(|a| a != "--json");
+    args.extend(["--evict", "snapkv", "--kv-budget", "16"].map(String::from));
+    let out = bin().args(&args).output().expect("run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows = v["n_context_tokens"].as_u64().unwrap();
+    assert!(text.contains("evicted (snapkv, window 32): kept 16 of "), "{text}");
+    assert!(text.contains("per (layer, KV head); context KV ") && text.contains("| evict "), "{text}");
+    assert!(text.contains("ms per token after the first"), "{text}");
+    args.push("--json".into());
+    let out = bin().args(&args).output().expect("run");
+    let e: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(e["eviction"]["kept_per_rank"], serde_json::json!([16]), "{e}");
+    assert!(e["eviction"]["rows_before"].as_u64().unwrap() > rows, "the template head is context too: {e}");
+    assert!(e["phases"]["evict"].as_f64().is_some() && e["decode_ms_per_token"].as_f64().is_some(), "{e}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -220,6 +236,9 @@ fn run_errors_say_what_to_change() {
     check(&["--query", "q?", "--ratio", "1.5"], one, "outside [0, 1]");
     check(&["--query", "q?", "--method", "magic"], one, "invalid value 'magic' for '--method");
     check(&["--query", "q?", "--geometry", "sideways"], one, "invalid value 'sideways' for '--geometry");
+    check(&["--query", "q?", "--evict", "snapkv", "--kv-budget", "0"], one, "--kv-budget: 0 keeps nothing");
+    check(&["--query", "q?", "--evict", "snapkv"], one, "--kv-budget <KV_BUDGET>");
+    check(&["--query", "q?", "--kv-budget", "64"], one, "--evict <EVICT>");
     let long = dir.join("long.txt");
     std::fs::write(&long, "The harbour was quiet and the boats rested. ".repeat(1200)).unwrap();
     check(&["--query", "q?"], &["--doc".into(), long.to_string_lossy().into_owned()], "context window is 8192");

@@ -60,6 +60,8 @@ fn mpi_np2_and_np4_equal_one_rank() {
         ("cacheblend", vec![]),
         ("star", vec![]),
         ("ring", vec![]),
+        // Eviction that keeps every row: the same answer; each rank reports its share.
+        ("infoflow", vec!["--evict", "snapkv", "--kv-budget", "100000"]),
     ] {
         let mut args: Vec<String> = vec!["run".into()];
         args.extend(doc_args.iter().cloned());
@@ -99,9 +101,25 @@ fn mpi_np2_and_np4_equal_one_rank() {
                 .map(|o| o["bytes_sent"].as_u64().unwrap())
                 .sum();
             assert!(sent > 0, "{tag}: ranks communicated");
+            if extra.contains(&"--evict") {
+                let shares = many["eviction"]["kept_per_rank"].as_array().expect("eviction reported");
+                assert_eq!(shares.len(), np, "{tag}");
+                assert_eq!(many["eviction"]["rows_before"], one["eviction"]["rows_before"], "{tag}");
+            }
             eprintln!("{tag}: {:.1} s", t.elapsed().as_secs_f64());
         }
     }
+    // A small budget: every (layer, KV head) keeps exactly it, split over the processes.
+    let mut args: Vec<String> = vec!["run".into()];
+    args.extend(doc_args.iter().cloned());
+    args.extend(
+        ["--query", "Which code?", "--max-tokens", "4", "--json", "--evict", "snapkv", "--kv-budget", "40"]
+            .map(String::from),
+    );
+    let e = json(&mpirun(3).arg(bin()).args(&args).output().unwrap())["eviction"].clone();
+    let shares: Vec<u64> =
+        e["kept_per_rank"].as_array().expect("eviction reported").iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!((shares.len(), shares.iter().sum::<u64>()), (3, 40), "{e}");
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -115,6 +115,10 @@ fn admission_checks_the_cost_bounds_and_the_model() {
         let pool = RunOptions { score_pool: Some(w), ..RunOptions::default() };
         assert!(refused(job(1, pool)).contains(&format!("field `score_pool`: {w}: the window must be odd")));
     }
+    let evict =
+        Some(flowprefill_coordinator::Evict { policy: flowprefill_coordinator::EvictPolicy::Snapkv, budget: 0 });
+    let none_kept = RunOptions { evict, ..RunOptions::default() };
+    assert!(refused(job(1, none_kept)).contains("field `kv_budget`: 0 keeps nothing of the context"));
     // Without limits only the model bounds a job.
     assert!(admit(lm, &job(4, RunOptions::default()), &Limits::NONE).is_ok());
 }

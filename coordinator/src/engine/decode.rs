@@ -12,11 +12,13 @@ use flowprefill_worker::model::Logits;
 use flowprefill_worker::steps::{LocalSegment, Replicated};
 
 impl<B: Backend> Engine<B> {
-    /// Runs the prompt over `segs`, then decodes (see [`Engine::decode_with_tail`]).
+    /// Runs the prompt over this rank's `segments` (global id, placed cache), evicts them to
+    /// the job's KV budget if it has one (the segments are dropped, the packed cache kept),
+    /// then decodes (see [`Engine::decode_with_tail`]).
     pub(super) fn prompt_and_decode(
         &self,
         comm: &mut dyn Communicator,
-        segs: Vec<LocalSegment<'_, B>>,
+        segments: Vec<(usize, KvCache<B>)>,
         prompt: &[u32],
         prompt_pos: &[u32],
         turn: &mut Turn<'_>,
@@ -24,16 +26,31 @@ impl<B: Backend> Engine<B> {
         let model = &self.lm.model;
         let be = model.backend();
         let mut tail = self.empty_tail()?;
+        let evict = turn.opts.evict;
         self.fault_point(comm.rank(), phase::FINAL_PROMPT)?;
         let watch = &turn.watch;
-        let logits = turn.phases.time(phase::FINAL_PROMPT, || -> Result<Vec<f32>> {
-            let local = segs.clone();
+        let (logits, heads) = turn.phases.time(phase::FINAL_PROMPT, || -> Result<_> {
+            let local = segments.iter().map(|(id, c)| LocalSegment::placed(*id, c)).collect();
             let mut rep = Replicated::new(be, comm, "final", local, &mut tail, prompt_pos, vec![])?;
+            if let Some(ev) = evict {
+                rep = rep.with_head_scores(super::evict::window(ev.policy));
+            }
             let mut check = || watch.check(phase::FINAL_PROMPT);
             let out = model.forward_checked(prompt, prompt_pos, &mut rep, Logits::Last, &mut check)?;
-            rep.commit()?;
-            Ok(out.last().to_vec())
+            let (_, heads) = rep.commit_with_heads()?;
+            Ok((out.last().to_vec(), heads))
         })?;
+        let segments = match evict {
+            None => segments,
+            Some(ev) => {
+                self.fault_point(comm.rank(), phase::EVICT)?;
+                let out = &mut turn.out;
+                let kept = turn.phases.time(phase::EVICT, || self.evict(comm, &segments, &heads, ev, out))?;
+                // The full segments go here; decoding holds only what was kept.
+                kept.into_iter().collect()
+            }
+        };
+        let segs = segments.iter().map(|(id, c)| LocalSegment::placed(*id, c)).collect();
         let next_pos = prompt_pos.last().map_or(0, |p| p + 1);
         self.decode_with_tail(comm, segs, tail, logits, next_pos, turn)
     }

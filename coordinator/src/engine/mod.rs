@@ -9,6 +9,7 @@
 //!  score (policy), local top-k candidates -> rank 0 cuts -> broadcast       [probe, selection] O(M d)/layer, O(k)
 //!  recompute selected tokens, exact (pass-Q) or sparse (selected K/V only)   [recompute]      O(k d)/layer
 //!  prompt over the sharded segments, merged in segment order -> rank 0 picks [final_prompt, first_token]
+//!  (--evict) every (layer, KV head) cut to its budget, rank shares agreed   [evict]          O(L H N)
 //!  decode: rank 0 broadcasts each token, every rank attends its segments     [decode]         O(d)/layer/token
 //! ```
 //! Ring attention replaces the first five phases with an exact ring prefill; `full` runs on
@@ -39,11 +40,14 @@
 //! This file holds the request lifecycle (lead / follow / stop, `full`, `ring`); the phases
 //! live beside it: `caches` (store lookups and batched chunk prefill per prefix mode),
 //! `chunked` (reorder, placement, selection, recomputation), `decode` (the prompt over the
-//! sharded segments and the token loop).
+//! sharded segments and the token loop), `evict` (KV eviction between them).
 
 mod caches;
 mod chunked;
 mod decode;
+mod evict;
+
+pub use evict::Eviction;
 
 use crate::admit::{admit, Limits};
 use crate::error::{internal, CoordError, Result};
@@ -156,6 +160,8 @@ pub struct RunResult {
     pub rank_stats: Vec<RankStats>,
     /// Bytes per element of the KV caches (4: f32, 2: bf16).
     pub kv_bytes: usize,
+    /// What KV eviction kept before decoding (`--evict`).
+    pub eviction: Option<Eviction>,
 }
 
 impl RunResult {
@@ -242,6 +248,8 @@ struct Outcome {
     scores: Option<Vec<Vec<f32>>>,
     /// Selected rows per chunk (request order).
     selected_rows: Vec<Vec<usize>>,
+    /// What eviction kept.
+    eviction: Option<Eviction>,
 }
 
 /// One job's state on this rank, threaded through the phases.
@@ -552,6 +560,7 @@ impl<B: Backend> Engine<B> {
             watch,
         };
         let decoded = match opts.method {
+            Method::Full if lead && opts.evict.is_some() => self.full_then_evict(&layout, &mut turn)?,
             Method::Full if lead => Some(self.full(&layout, &mut turn)?),
             Method::Full => None,
             Method::Ring => self.ring(comm, &layout, &mut turn)?,
@@ -619,6 +628,7 @@ impl<B: Backend> Engine<B> {
             first_logits: out.first_logits,
             rank_stats,
             kv_bytes: self.lm.model.backend().kv_dtype().size(),
+            eviction: out.eviction,
         })
     }
 
@@ -650,6 +660,39 @@ impl<B: Backend> Engine<B> {
             .map_err(Into::into)
     }
 
+    /// Method `full` with eviction: the context prefilled on rank 0, then the prompt over it
+    /// (scoring the cache per head), eviction and decoding, in a world of rank 0 alone.
+    fn full_then_evict(&self, layout: &Layout, turn: &mut Turn<'_>) -> Result<Option<(Vec<u32>, StopReason)>> {
+        let model = &self.lm.model;
+        let cfg = model.config();
+        let mut tokens = layout.full_tokens(&turn.out.order);
+        tokens.truncate(layout.prompt_start() as usize);
+        let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
+        cache.reserve(model.backend(), tokens.len())?;
+        self.fault_point(0, phase::PREFILL)?;
+        let watch = &turn.watch;
+        let mut check = || watch.check(phase::PREFILL);
+        turn.phases.time(phase::PREFILL, || {
+            prefill_into_checked(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK, &mut check)
+        })?;
+        turn.out.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
+        let mut alone = LocalComm::group(1).pop().ok_or_else(|| internal("a world of one rank"))?;
+        self.prompt_then_decode(&mut alone, vec![(0, cache)], layout, turn)
+    }
+
+    /// The layout's prompt over `segments` at its positions, then decoding.
+    fn prompt_then_decode(
+        &self,
+        comm: &mut dyn Communicator,
+        segments: Vec<(usize, KvCache<B>)>,
+        layout: &Layout,
+        turn: &mut Turn<'_>,
+    ) -> Result<Option<(Vec<u32>, StopReason)>> {
+        let start = layout.prompt_start();
+        let prompt_pos: Vec<u32> = (start..start + layout.prompt.len() as u32).collect();
+        self.prompt_and_decode(comm, segments, &layout.prompt, &prompt_pos, turn)
+    }
+
     /// Method `ring`: exact ring prefill of the whole sequence, then sharded decoding.
     fn ring(
         &self,
@@ -657,18 +700,26 @@ impl<B: Backend> Engine<B> {
         layout: &Layout,
         turn: &mut Turn<'_>,
     ) -> Result<Option<(Vec<u32>, StopReason)>> {
-        let tokens = layout.full_tokens(&turn.out.order);
+        let mut tokens = layout.full_tokens(&turn.out.order);
+        // With eviction the prompt runs after the context (its forward scores the cache).
+        let evicting = turn.opts.evict.is_some();
+        if evicting {
+            tokens.truncate(layout.prompt_start() as usize);
+        }
         self.fault_point(comm.rank(), phase::PREFILL)?;
         let watch = &turn.watch;
         let mut check = || watch.check(phase::PREFILL);
         let out = turn.phases.time(phase::PREFILL, || ring_prefill(&self.lm.model, comm, &tokens, &mut check))?;
+        turn.out.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
+        // Each rank's rows are one segment, merged in rank order.
+        let rank = comm.rank();
+        if evicting {
+            return self.prompt_then_decode(comm, vec![(rank, out.cache)], layout, turn);
+        }
         let pieces = zigzag_pieces(tokens.len(), comm.size());
         let last = tokens.len() - 1;
         let owner = pieces.iter().position(|p| p.iter().any(|r| r.contains(&last))).unwrap_or(0);
         let logits: Vec<f32> = broadcast_value(comm, "ring.logits", owner, out.last_logits.as_ref())?;
-        turn.out.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
-        // Each rank's rows are one segment, merged in rank order.
-        let rank = comm.rank();
         let segs = vec![LocalSegment::placed(rank, &out.cache)];
         let next_pos = tokens.len() as u32;
         let tail = self.empty_tail()?;

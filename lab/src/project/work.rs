@@ -374,6 +374,9 @@ fn chunked(
     if pipe.runs(Step::Reorder) {
         return Err(ProjectError::Unsupported { method: format!("{}+reorder", opts.method.name()) });
     }
+    if pipe.runs(Step::Evict) {
+        return Err(ProjectError::Unsupported { method: "KV eviction (--evict)".into() });
+    }
     if pipe.prefix == PrefixMode::Anchor {
         return Err(ProjectError::Unsupported { method: "the anchor prefix mode".into() });
     }
@@ -395,7 +398,7 @@ fn chunked(
                     }
                     Step::Recompute => (!job.sel.is_empty()).then(|| job.recompute(r, &segs)),
                     Step::Prompt => Some(job.over_segments(r, &segs, step, shape.n_layers, None)),
-                    Step::Reorder | Step::Place | Step::Score { probe: false } | Step::Select => None,
+                    Step::Reorder | Step::Place | Step::Score { probe: false } | Step::Select | Step::Evict => None,
                 })
                 .collect()
         })

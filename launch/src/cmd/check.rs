@@ -31,6 +31,9 @@ pub struct Args {
     /// Scoring settings of the selective methods.
     #[command(flatten)]
     pub scoring: super::ScoringArgs,
+    /// KV eviction before decoding, for every method.
+    #[command(flatten)]
+    pub evict: super::EvictArgs,
     /// Print every answer.
     #[arg(long)]
     pub verbose: bool,
@@ -98,6 +101,7 @@ fn dump(cases: &[flowprefill_lab::tasks::QaCase], dir: &std::path::Path) -> Resu
 pub fn run(common: &Common, args: Args) -> Result<()> {
     // Parsed once, before the model loads, so a bad flag fails fast.
     let scoring = args.scoring.parse()?;
+    let evict = args.evict.parse()?;
     let mut table = methods(args.methods.as_deref())?;
     let engine = engine(common, None)?;
     if args.methods.is_none() && engine.model().adapter.is_none() {
@@ -134,7 +138,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             if !args.warm {
                 engine.store().clear();
             }
-            let opts = scoring.apply(RunOptions { max_new_tokens: 32, ..spec.options(args.ratio) });
+            let opts = scoring.apply(RunOptions { max_new_tokens: 32, evict, ..spec.options(args.ratio) });
             let r = engine.run(&req, &opts, &mut |_| true)?;
             if let Some((doc, needle, Some(answer))) = needle_rows.first() {
                 let sel = &r.selected_rows[*doc];

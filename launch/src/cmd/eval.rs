@@ -52,6 +52,9 @@ pub struct Args {
     /// Scoring settings (ablations; non-default ones need their own --out).
     #[command(flatten)]
     pub scoring: super::ScoringArgs,
+    /// KV eviction before decoding, for every method (full included; needs its own --out).
+    #[command(flatten)]
+    pub evict: super::EvictArgs,
     /// Prompts: `ruler` (the question, then the assistant's turn opened with RULER's answer
     /// prefix; case-insensitive matching) or `plain` (the question alone, exact substrings: how
     /// the evaluations before 2026-11-22 were made, so their results.json files resume).
@@ -79,6 +82,8 @@ struct Plan {
     methods: Vec<MethodSpec>,
     /// Scoring settings (the ablations).
     scoring: super::Scoring,
+    /// KV eviction before decoding, if any.
+    evict: Option<flowprefill_coordinator::Evict>,
     config: serde_json::Value,
 }
 
@@ -168,10 +173,15 @@ fn plan(common: &Common, a: &Args) -> Result<Plan> {
     if let Some(p) = scoring.prefix {
         config["prefix"] = serde_json::json!(p.name());
     }
+    let evict = a.evict.parse()?;
+    if let Some(e) = evict {
+        config["evict"] = serde_json::json!(e.policy.to_string());
+        config["kv_budget"] = serde_json::json!(e.budget);
+    }
     if a.prompts != PromptStyle::Plain {
         config["prompts"] = serde_json::json!(a.prompts.name());
     }
-    Ok(Plan { tasks, lengths, ratios, depths, methods, scoring, config })
+    Ok(Plan { tasks, lengths, ratios, depths, methods, scoring, evict, config })
 }
 
 /// The runs already in `results.json` (made with the same settings), or none.
@@ -265,6 +275,7 @@ fn compute(
                         }
                         let opts = plan.scoring.apply(RunOptions {
                             max_new_tokens: a.max_tokens.unwrap_or_else(|| answer_budget(task)),
+                            evict: plan.evict,
                             ..spec.options(ratio.unwrap_or(0.0))
                         });
                         let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
@@ -285,7 +296,7 @@ fn compute(
 
 /// Writes results.md and the plots from the runs of the tasks and lengths asked for.
 fn report(a: &Args, plan: &Plan, records: Vec<Record>, results_path: &Path) -> Result<()> {
-    let settings: Vec<String> = ["geometry", "score_layers", "score_pool", "prefix", "prompts"]
+    let settings: Vec<String> = ["geometry", "score_layers", "score_pool", "prefix", "evict", "kv_budget", "prompts"]
         .iter()
         .filter_map(|k| plan.config.get(*k).map(|v| format!("{k} {v}")))
         .collect();

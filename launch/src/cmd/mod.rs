@@ -392,6 +392,32 @@ impl Scoring {
     }
 }
 
+/// KV eviction before decoding (`run`, `demo`, `check`, `eval`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct EvictArgs {
+    /// Evict the KV cache after the prompt, before decoding: keep the --kv-budget best context
+    /// entries of every (layer, KV head) (snapkv: by the attention of the prompt's last 32
+    /// tokens, pooled over 7); works after every method, on one rank or many.
+    #[arg(long, value_enum, requires = "kv_budget")]
+    pub evict: Option<flowprefill_coordinator::EvictPolicy>,
+    /// Context KV entries kept per (layer, KV head) by --evict, over all ranks (e.g. 128).
+    #[arg(long, requires = "evict")]
+    pub kv_budget: Option<usize>,
+}
+
+impl EvictArgs {
+    /// The eviction asked for (the budget checked here, before any model loads).
+    pub fn parse(&self) -> Result<Option<flowprefill_coordinator::Evict>> {
+        Ok(match (self.evict, self.kv_budget) {
+            (Some(policy), Some(budget)) => {
+                flowprefill_coordinator::request::check_kv_budget(budget)?;
+                Some(flowprefill_coordinator::Evict { policy, budget })
+            }
+            _ => None,
+        })
+    }
+}
+
 /// How the selective methods score tokens (`run`, `check` and `eval`; ablations of InfoFlow §4.2).
 #[derive(clap::Args, Debug, Clone)]
 pub struct ScoringArgs {

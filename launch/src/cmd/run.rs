@@ -64,6 +64,9 @@ pub struct MethodArgs {
     /// Scoring geometry, layers and prefix mode.
     #[command(flatten)]
     pub scoring: super::ScoringArgs,
+    /// KV eviction before decoding.
+    #[command(flatten)]
+    pub evict: super::EvictArgs,
     /// Split the joined documents into chunks of this many tokens instead of one chunk each.
     #[arg(long)]
     pub chunk_tokens: Option<usize>,
@@ -94,6 +97,7 @@ impl MethodArgs {
             sampling: SamplingConfig::default(),
             seed: self.seed,
             scope: self.scope,
+            evict: self.evict.parse()?,
             ..RunOptions::default()
         }))
     }
@@ -333,6 +337,28 @@ pub fn print_summary(r: &RunResult) {
     if r.method != Method::Full {
         println!("chunk store: {} hits, {} misses (prefix mode {})", r.cache_hits, r.cache_misses, r.prefix.name());
     }
+    if let Some(e) = &r.eviction {
+        let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+        println!(
+            "evicted ({}, window {}): kept {} of {} context entries per (layer, KV head){}; context KV {:.1} MiB -> {:.1} MiB",
+            e.policy,
+            e.window,
+            e.kept(),
+            e.rows_before,
+            if e.kept_per_rank.len() > 1 { format!(" (per rank {:?})", e.kept_per_rank) } else { String::new() },
+            mib(e.bytes_before),
+            mib(e.bytes_after)
+        );
+    }
+    if let Some(ms) = decode_ms_per_token(r) {
+        println!("decode: {ms:.2} ms per token after the first ({} tokens)", r.tokens.len());
+    }
+}
+
+/// Decoding time per token after the first (None with fewer than two tokens).
+pub fn decode_ms_per_token(r: &RunResult) -> Option<f64> {
+    let decode = r.phases.entries().iter().find(|(n, _)| *n == flowprefill_coordinator::timings::phase::DECODE)?.1;
+    (r.tokens.len() > 1).then(|| decode.as_secs_f64() * 1e3 / (r.tokens.len() - 1) as f64)
 }
 
 /// The JSON object of a run.
@@ -366,6 +392,8 @@ pub fn to_json(r: &RunResult) -> serde_json::Value {
         "owners": r.owners,
         "rank_stats": r.rank_stats,
         "first_top_logits": top_logits(&r.first_logits, 10),
+        "eviction": r.eviction,
+        "decode_ms_per_token": decode_ms_per_token(r),
     })
 }
 

@@ -116,6 +116,12 @@ pub struct JobRequest {
     /// InfoFlow score pooling window (odd).
     #[serde(default)]
     pub score_pool: Option<usize>,
+    /// KV eviction before decoding (`"snapkv"`; needs `kv_budget`).
+    #[serde(default)]
+    pub evict: Option<flowprefill_coordinator::EvictPolicy>,
+    /// Context KV entries kept per (layer, KV head) by `evict`.
+    #[serde(default)]
+    pub kv_budget: Option<usize>,
     /// Answer tokens at most (default 64).
     #[serde(default)]
     pub max_tokens: Option<usize>,
@@ -261,6 +267,20 @@ impl JobRequest {
         let mut options = options(&m, self.max_tokens, self.temperature, self.top_p, self.seed)?;
         options.score_layers = self.score_layers.map(|[a, b]| (a, b));
         options.score_pool = self.score_pool;
+        options.evict = match (self.evict, self.kv_budget) {
+            (Some(policy), Some(budget)) => Some(flowprefill_coordinator::Evict { policy, budget }),
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(ApiError::bad_request(
+                    "field `kv_budget`: missing; `evict` needs the entries to keep per (layer, KV head), e.g. 128",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(ApiError::bad_request(
+                    "field `evict`: missing; `kv_budget` applies to an eviction policy, e.g. \"snapkv\"",
+                ))
+            }
+        };
         let request = Request { context, query: self.query, system: self.system, answer_prefix: self.answer_prefix };
         check(&request, &options)?;
         if let Some(d) = self.deadline_s {
@@ -497,6 +517,15 @@ mod tests {
         assert!(e.message.contains("field `reorder`"), "{}", e.message);
         let e = parse::<JobRequest>(br#"{"documents": ["a"], "query": "q", "method": "epic@2"}"#).unwrap_err();
         assert!(e.message.contains("field `method`") && e.message.contains("outside [0, 1]"), "{}", e.message);
+        let o = job(r#"{"documents": ["a"], "query": "q", "evict": "snapkv", "kv_budget": 128}"#).unwrap().options;
+        let snapkv = flowprefill_coordinator::EvictPolicy::Snapkv;
+        assert_eq!(o.evict, Some(flowprefill_coordinator::Evict { policy: snapkv, budget: 128 }));
+        let e = job(r#"{"documents": ["a"], "query": "q", "evict": "snapkv"}"#).unwrap_err();
+        assert!(e.message.contains("field `kv_budget`: missing"), "{}", e.message);
+        let e = job(r#"{"documents": ["a"], "query": "q", "kv_budget": 128}"#).unwrap_err();
+        assert!(e.message.contains("field `evict`: missing"), "{}", e.message);
+        let e = job(r#"{"documents": ["a"], "query": "q", "evict": "snapkv", "kv_budget": 0}"#).unwrap_err();
+        assert!(e.message.contains("field `kv_budget`: 0 keeps nothing"), "{}", e.message);
     }
 
     #[test]

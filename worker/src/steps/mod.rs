@@ -20,7 +20,7 @@ mod transport;
 
 pub use chunk_prefill::{batches, prefill_chunk, prefill_chunks, ChunkJob, DEFAULT_BATCH_TOKENS};
 pub use recompute::{recompute, value_deviation, RecomputeMode, Scope, Selection, Target};
-pub use replicated::{LocalSegment, Replicated};
+pub use replicated::{HeadScores, LocalSegment, Replicated};
 pub use ring::{ring_prefill, zigzag_pieces, RingOutput};
 
 /// A communication failure as a worker error.

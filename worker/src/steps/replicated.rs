@@ -64,7 +64,15 @@ pub struct Replicated<'a, 'c, B: Backend> {
     /// Per scoring layer and segment: (segment index, weight, the layer's scores on the
     /// device), read after the forward so that it never waits for the device in between.
     pending: Vec<(usize, f32, B::Buf)>,
+    /// Query rows (the last ones) whose attention is kept per (layer, KV head) for eviction;
+    /// 0: none.
+    head_window: usize,
+    /// Per layer and segment: (segment index, layer, one score buffer per KV head).
+    head_pending: Vec<(usize, usize, Vec<B::Buf>)>,
 }
+
+/// Attention mass per local segment, layer and KV head (`[segment][layer][kv_head][row]`).
+pub type HeadScores = Vec<Vec<Vec<Vec<f32>>>>;
 
 impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
     /// Queries at `positions` over the local segments and `tail` (rotated; the queries' K/V
@@ -114,13 +122,33 @@ impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
             weights,
             scores,
             pending: Vec::new(),
+            head_window: 0,
+            head_pending: Vec::new(),
         })
+    }
+
+    /// Also keeps, at every layer, the attention mass the last `window` query rows pay each
+    /// local row, per KV head ([`crate::evict::kv_head_scores`] under the merged normaliser;
+    /// read by [`Replicated::commit_with_heads`]).
+    pub fn with_head_scores(mut self, window: usize) -> Self {
+        self.head_window = window;
+        self
     }
 
     /// Publishes the appended tail rows and returns the scores; call after a successful
     /// forward. The scores are read from the device here, in layer order (the sums are those
     /// of reading them layer by layer).
-    pub fn commit(mut self) -> Result<Vec<Vec<f32>>> {
+    pub fn commit(self) -> Result<Vec<Vec<f32>>> {
+        Ok(self.commit_with_heads()?.0)
+    }
+
+    /// As [`Replicated::commit`], with the per-head scores of [`Replicated::with_head_scores`]
+    /// (empty layers when not asked for).
+    pub fn commit_with_heads(mut self) -> Result<(Vec<Vec<f32>>, HeadScores)> {
+        let mut heads: HeadScores = self.local.iter().map(|_| vec![Vec::new(); self.tail.n_layers()]).collect();
+        for (seg, layer, bufs) in std::mem::take(&mut self.head_pending) {
+            heads[seg][layer] = bufs.iter().map(|b| self.be.download(b)).collect::<std::result::Result<_, _>>()?;
+        }
         for (seg, w, sc) in std::mem::take(&mut self.pending) {
             for (a, v) in self.scores[seg].iter_mut().zip(self.be.download(&sc)?) {
                 *a += w * v;
@@ -134,7 +162,7 @@ impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
             self.tail.set_positions(p);
             self.layers_done = usize::MAX;
         }
-        Ok(std::mem::take(&mut self.scores))
+        Ok((std::mem::take(&mut self.scores), heads))
     }
 
     fn rollback(&mut self) {
@@ -289,17 +317,28 @@ impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
             return Ok(());
         };
         *out = acc_o;
+        if self.head_window > 0 {
+            for (i, (s, rot)) in self.local.iter().zip(&rotated).enumerate() {
+                if s.positions.is_empty() {
+                    continue;
+                }
+                let k = rot.as_ref().unwrap_or(&s.cache.layer(x.layer).k);
+                let w = self.head_window;
+                let sc = crate::evict::kv_head_scores(be, x.shape, x.q, x.positions, k, &s.positions, &acc_l, w)?;
+                self.head_pending.push((i, x.layer, sc));
+            }
+        }
         // Scores of the local keys under the merged normaliser.
         let w = self.weights.get(x.layer).copied().unwrap_or(0.0);
         if w > 0.0 && m > 0 {
-            let lse = acc_l;
+            let lse = &acc_l;
             for (i, (s, rot)) in self.local.iter().zip(&rotated).enumerate() {
                 if s.positions.is_empty() {
                     continue;
                 }
                 let k = rot.as_ref().unwrap_or(&s.cache.layer(x.layer).k);
                 let mut sc = be.zeros(s.positions.len())?;
-                be.attention_scores(x.shape, x.q, x.positions, k, &s.positions, &lse, &mut sc)?;
+                be.attention_scores(x.shape, x.q, x.positions, k, &s.positions, lse, &mut sc)?;
                 self.pending.push((i, w, sc));
             }
         }
