@@ -34,6 +34,9 @@ enum Command {
     /// Accuracy of every method and ratio on RULER-style tasks and multi-document QA: tables,
     /// plots, selection diagnostics; resumable.
     Eval(cmd::eval::Args),
+    /// How well SnapKV's window predicts what the answer reads, per (layer, KV head), at KV
+    /// budgets (LookaheadKV's ground truth), on held-back cases.
+    Importance(cmd::importance::Args),
     /// Answer a prompt (optionally over a context file) with full prefill; prints TTFT.
     Generate(cmd::generate::Args),
     /// List the GPUs this build can use (needs a build with `--features cuda`).
@@ -99,6 +102,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Run(a) => cmd::run::run(&cli.common, a),
         Command::Check(a) => cmd::check::run(&cli.common, a),
         Command::Eval(a) => cmd::eval::run(&cli.common, a),
+        Command::Importance(a) => cmd::importance::run(&cli.common, a),
         Command::Generate(a) => cmd::generate::run(&cli.common, a),
         Command::Bench(b) => cmd::bench::run(&cli.common, b),
         Command::Train(t) => cmd::train::run(&cli.common, t),

@@ -340,3 +340,37 @@ fn synthetic_models_run_and_say_their_answers_are_meaningless() {
     assert!(err.contains("no shape `gpt-5`") && err.contains("llama-3.1-8b"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn importance_compares_snapkv_with_what_the_answer_reads() {
+    let dir = std::env::temp_dir().join(format!("fp-importance-{}", std::process::id()));
+    let out = bin()
+        .args(["importance", "--tasks", "niah_single", "--lengths", "400", "--samples", "2", "--budgets", "16,100000"])
+        .args(["--out", dir.to_str().unwrap()])
+        .output()
+        .expect("importance");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("| niah_single | 400 | 16 | 2 |") && text.contains("| all | 400 | 100000 | 2 |"), "{text}");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(dir.join("importance.json")).expect("importance.json")).expect("json");
+    assert_eq!(rows.len(), 4, "two cases x two budgets");
+    for r in &rows {
+        let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+        for k in ["overlap", "recall", "recent_recall", "oracle_recall"] {
+            assert!((0.0..=1.0 + 1e-6).contains(&f(k)), "{k} outside [0, 1]: {r}");
+        }
+        assert!(
+            f("recall") <= f("oracle_recall") + 1e-6,
+            "no choice of N rows keeps more than the answer's own top N: {r}"
+        );
+        assert!(r["answer_tokens"].as_u64().unwrap() > 0, "{r}");
+        if r["budget"] == 100000 {
+            assert!(f("overlap") == 1.0 && (f("recall") - 1.0).abs() < 1e-5, "every row kept: {r}");
+        } else {
+            assert!(f("oracle_recall") < 1.0 && f("recall") > f("recent_recall"), "16 rows of ~460: {r}");
+        }
+    }
+    assert!(dir.join("importance.md").exists());
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,9 +1,10 @@
 //! Training the trained seeds, on the CPU: the model as a differentiable candle function
-//! ([`model`]), an AdamW whose state can be checkpointed ([`adamw`]), and KV Packet's
-//! self-distillation ([`kvpacket`]).
+//! ([`model`]), an AdamW whose state can be checkpointed ([`adamw`]), KV Packet's
+//! self-distillation ([`kvpacket`]), and LookaheadKV's ground truth ([`lookahead`]).
 
 pub mod adamw;
 pub mod kvpacket;
+pub mod lookahead;
 pub mod model;
 
 use std::path::PathBuf;

@@ -7,6 +7,7 @@ pub mod eval;
 pub mod faults;
 pub mod fetch;
 pub mod generate;
+pub mod importance;
 pub mod project;
 pub mod run;
 pub mod train;
