@@ -222,17 +222,20 @@ fn a_hung_mpi_rank_is_named_by_the_deadline() {
         .arg(bin())
         .arg("run")
         .args(&doc_args)
-        .args(["--query", "What is the access code for the north gate?", "--method", "infoflow", "--comm-timeout", "5"])
+        // 15 s: a loaded 2-core machine (other MPI tests beside this one) has kept a healthy
+        // rank 0 busier than 5 s between two collectives of the probe.
+        .args(["--query", "What is the access code for the north gate?", "--method", "infoflow"])
+        .args(["--comm-timeout", "15"])
         .env("FLOWPREFILL_FAULT", "rank:1,phase:recompute,mode:hang")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let status = wait_with_deadline(&mut child, Duration::from_secs(60)).expect("no hang");
+    let status = wait_with_deadline(&mut child, Duration::from_secs(90)).expect("no hang");
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!status.success());
-    assert!(err.contains("rank 1 did not answer within 5 s during `recompute"), "{err}");
+    assert!(err.contains("rank 1 did not answer within 15 s during `recompute"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
 

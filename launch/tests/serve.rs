@@ -112,6 +112,16 @@ fn endpoints_streaming_openai_and_metrics() {
     assert_eq!(v["ranks"], 2);
     assert!(v["phases"]["recompute"].as_f64().is_some());
 
+    // KV eviction before decoding: each KV head keeps 64 context entries over the two ranks.
+    let mut body = job(&d);
+    body["evict"] = "snapkv".into();
+    body["kv_budget"] = 64.into();
+    let r = s.post("/v1/jobs", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let e = json(&r)["eviction"].clone();
+    let kept: u64 = e["kept_per_rank"].as_array().expect("eviction reported").iter().map(|x| x.as_u64().unwrap()).sum();
+    assert!(kept == 64 && e["bytes_after"].as_u64() < e["bytes_before"].as_u64(), "{e}");
+
     // Streamed: token events, then a done event carrying the stats.
     let mut body = job(&d);
     body["stream"] = true.into();
@@ -151,6 +161,7 @@ fn endpoints_streaming_openai_and_metrics() {
     bad(br#"{"documents": ["a"], "query": "q", "ratio": 2}"#, "field `ratio`");
     bad(br#"{"documents": ["a", " "], "query": "q"}"#, "field `documents[1]`: the document is empty");
     bad(br#"{"documents": ["a"], "query": "q", "ratoi": 0.1}"#, "ratoi");
+    bad(br#"{"documents": ["a"], "query": "q", "evict": "snapkv"}"#, "field `kv_budget`: missing");
 
     // Every metric the dashboard and the alert rules query is exported.
     let m = s.metrics();

@@ -40,6 +40,8 @@ pub const CACHE_HITS: &str = "flowprefill_chunk_cache_hits_total";
 pub const CACHE_MISSES: &str = "flowprefill_chunk_cache_misses_total";
 /// Bytes held by rank 0's chunk store.
 pub const CACHE_BYTES: &str = "flowprefill_chunk_cache_bytes";
+/// Counter: context K/V bytes freed by eviction before decoding (`evict`), by policy.
+pub const EVICTED_BYTES: &str = "flowprefill_kv_evicted_bytes_total";
 /// Bytes a job can take on rank 0's device.
 pub const MEMORY_FREE: &str = "flowprefill_memory_free_bytes";
 /// Jobs waiting in the queue.
@@ -107,6 +109,7 @@ fn describe() {
     describe_counter!(CACHE_HITS, Unit::Count, "Chunk-store hits");
     describe_counter!(CACHE_MISSES, Unit::Count, "Chunk-store misses");
     describe_gauge!(CACHE_BYTES, Unit::Bytes, "Bytes in rank 0's chunk store");
+    describe_counter!(EVICTED_BYTES, Unit::Bytes, "Context K/V bytes freed by eviction before decoding, all ranks");
     describe_gauge!(
         MEMORY_FREE,
         Unit::Bytes,
@@ -154,6 +157,10 @@ pub fn record_job(r: &RunResult, cache_bytes: usize) {
     counter!(CACHE_HITS).increment(r.cache_hits);
     counter!(CACHE_MISSES).increment(r.cache_misses);
     gauge!(CACHE_BYTES).set(cache_bytes as f64);
+    if let Some(e) = &r.eviction {
+        let freed = e.bytes_before.saturating_sub(e.bytes_after) as u64;
+        counter!(EVICTED_BYTES, "policy" => e.policy.to_string()).increment(freed);
+    }
     let mut phases: Vec<&str> = Vec::new();
     for s in &r.rank_stats {
         let rank = s.rank.to_string();
