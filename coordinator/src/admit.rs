@@ -10,7 +10,7 @@
 
 use crate::error::Result;
 use crate::layout::Layout;
-use crate::request::{validate, Context, Job, Method};
+use crate::request::{validate, Context, EvictPolicy, Job, Method};
 use flowprefill_kernels::Backend;
 use flowprefill_worker::sampling::Sampler;
 use flowprefill_worker::{Field, InputError, LoadedModel, WorkerError};
@@ -78,6 +78,16 @@ pub fn admit<B: Backend>(lm: &LoadedModel<B>, job: &Job, limits: &Limits) -> Res
     }
     Sampler::new(opts.sampling.clone())?;
     let cfg = lm.model.config();
+    if opts.evict.is_some_and(|e| e.policy == EvictPolicy::Lookahead) && lm.model.lookahead_rows() == 0 {
+        return Err(bad(
+            Field::Evict,
+            format!(
+                "lookahead needs a LookaheadKV adapter for {}: start flowprefill with --lookahead-adapter PATH \
+                 (made by `flowprefill train lookahead`), or evict with snapkv",
+                cfg.name
+            ),
+        ));
+    }
     if let Some((a, b)) = opts.score_layers {
         if b >= cfg.n_layers {
             return Err(bad(Field::ScoreLayers, format!("{a}-{b}: the model has layers 0-{}", cfg.n_layers - 1)));

@@ -363,12 +363,16 @@ pub struct RunOptions {
 pub enum EvictPolicy {
     /// SnapKV: attention of the prompt's last 32 tokens, per (layer, KV head), pooled over 7.
     Snapkv,
+    /// LookaheadKV: attention of 32 learned lookahead rows (with their LoRA) run after the
+    /// prompt, per (layer, KV head), pooled over 7; needs the model's LookaheadKV adapter.
+    Lookahead,
 }
 
 impl std::fmt::Display for EvictPolicy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             EvictPolicy::Snapkv => "snapkv",
+            EvictPolicy::Lookahead => "lookahead",
         })
     }
 }

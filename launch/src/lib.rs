@@ -23,6 +23,10 @@ pub struct Common {
     /// kvpacket`; it must have been trained for `--model`.
     #[arg(long, global = true, env = "FLOWPREFILL_ADAPTER")]
     pub adapter: Option<PathBuf>,
+    /// LookaheadKV adapter (safetensors from `flowprefill train lookahead`) for `--evict
+    /// lookahead`; it must have been trained for `--model` (default: the one shipped for it).
+    #[arg(long, global = true, env = "FLOWPREFILL_LOOKAHEAD_ADAPTER")]
+    pub lookahead_adapter: Option<PathBuf>,
     /// Worker threads for the CPU kernels (default: all cores).
     #[arg(long, global = true)]
     pub threads: Option<usize>,

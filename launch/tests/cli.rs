@@ -374,3 +374,45 @@ fn importance_compares_snapkv_with_what_the_answer_reads() {
     assert!(dir.join("importance.md").exists());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `train lookahead` on the real model (a tiny run: the command's plumbing, not the quality),
+/// then its adapter in `run --evict lookahead` and beside SnapKV in `importance`; without an
+/// adapter `--evict lookahead` is refused with the flag to pass.
+#[test]
+fn train_lookahead_then_evict_and_score_with_it() {
+    let dir = std::env::temp_dir().join(format!("fp-lookahead-cli-{}", std::process::id()));
+    let out = bin()
+        .args(["train", "lookahead", "--tasks", "niah_single", "--length", "300", "--samples", "2"])
+        .args(["--val-samples", "1", "--epochs", "1", "--batch", "1", "--max-answer", "4"])
+        .args(["--out", dir.to_str().unwrap()])
+        .output()
+        .expect("train lookahead");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("adapter written to") && text.contains("held-out KL: SnapKV"), "{text}");
+    let adapter = dir.join("lookahead.safetensors");
+    assert!(adapter.exists() && dir.join("loss.png").exists(), "{text}");
+
+    let (docs_dir, doc_args) = write_docs("lookahead", &["The north gate code is 4417.", "Bees make honey."]);
+    let mut args: Vec<&str> = vec!["run"];
+    args.extend(doc_args.iter().map(String::as_str));
+    args.extend(["--query", "What is the north gate code?", "--evict", "lookahead", "--kv-budget", "8"]);
+    let (ok, _, err) = run(&args);
+    assert!(!ok && err.contains("--lookahead-adapter"), "no adapter: {err}");
+    args.extend(["--lookahead-adapter", adapter.to_str().unwrap()]);
+    let (ok, out, err) = run(&args);
+    assert!(ok, "{err}");
+    assert!(out.contains("evicted (lookahead, window 32)"), "{out}");
+
+    let out = bin()
+        .args(["importance", "--tasks", "niah_single", "--lengths", "300", "--samples", "1", "--budgets", "16"])
+        .args(["--lookahead-adapter", adapter.to_str().unwrap()])
+        .output()
+        .expect("importance");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let row = text.lines().find(|l| l.starts_with("| niah_single | 300 | 16 |")).unwrap_or_else(|| panic!("{text}"));
+    assert!(!row.contains(" - |"), "the lookahead columns are measured: {row}");
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(docs_dir);
+}

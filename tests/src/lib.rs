@@ -239,3 +239,35 @@ where
         Ok(())
     })
 }
+
+/// A tiny random model (2 layers, `arch`, `vocab`) as a GGUF in a fresh temporary folder
+/// (`tag`), loaded for inference and for training.
+pub fn tiny_pair(
+    tag: &str,
+    arch: &'static str,
+    vocab: usize,
+    seed: u64,
+) -> (flowprefill_worker::Model<Cpu>, flowprefill_lab::train::model::TrainModel, PathBuf) {
+    let dir = temp_dir(&format!("{tag}-{arch}"));
+    let path = dir.join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec { vocab, layers: 2, seed, ..TinySpec::new(arch) });
+    let m = flowprefill_worker::Model::load(&path, Cpu).expect("tiny model");
+    let t = flowprefill_lab::train::model::TrainModel::from_gguf(&path).expect("tiny training model");
+    (m, t, dir)
+}
+
+/// A tiny llama with the default model's tokenizer and chat template (fingerprint `tiny`),
+/// and its training twin.
+pub fn tiny_lm(tag: &str, seed: u64) -> (LoadedModel<Cpu>, flowprefill_lab::train::model::TrainModel, PathBuf) {
+    let real = LoadedModel::load(&default_model_path(), Cpu).expect("default model");
+    let (model, tm, dir) = tiny_pair(tag, "llama", real.model.config().vocab_size, seed);
+    let lm = LoadedModel {
+        model,
+        tokenizer: real.tokenizer,
+        template: real.template,
+        synthetic: None,
+        fingerprint: "tiny".into(),
+        adapter: None,
+    };
+    (lm, tm, dir)
+}

@@ -7,9 +7,7 @@ use flowprefill_coordinator::layout::Layout;
 use flowprefill_coordinator::{Context, Engine, Job, Method, Request, RunOptions, ThreadRanks};
 use flowprefill_lab::train::kvpacket::{self, student_logits, student_loss, Packets, Sample, Settings};
 use flowprefill_lab::train::model::{Placed, TrainModel};
-use flowprefill_tests::{
-    default_model, default_model_path, max_abs_diff, range, rel_diff, small_docs, temp_dir, write_tiny_gguf, TinySpec,
-};
+use flowprefill_tests::{default_model, default_model_path, max_abs_diff, range, rel_diff, small_docs};
 use flowprefill_worker::adapter::{Adapter, AdapterMeta};
 use flowprefill_worker::attend::SelfOnly;
 use flowprefill_worker::model::Logits;
@@ -23,12 +21,7 @@ const FD_REL_TOL: f32 = 0.03;
 const FD_STEP: f32 = 1e-2;
 
 fn tiny(arch: &'static str, vocab: usize) -> (Model<Cpu>, TrainModel, std::path::PathBuf) {
-    let dir = temp_dir(&format!("kvpacket-{arch}"));
-    let path = dir.join("tiny.gguf");
-    write_tiny_gguf(&path, &TinySpec { vocab, layers: 2, seed: 11, ..TinySpec::new(arch) });
-    let m = Model::load(&path, Cpu).expect("tiny model");
-    let t = TrainModel::from_gguf(&path).expect("tiny training model");
-    (m, t, dir)
+    flowprefill_tests::tiny_pair("kvpacket", arch, vocab, 11)
 }
 
 fn logits_of(tm: &TrainModel, tokens: &[u32]) -> Vec<f32> {
@@ -158,27 +151,12 @@ fn adapter_gradients_match_finite_differences() {
     }
 }
 
-/// A tiny model with the default model's tokenizer and chat template, and its training twin.
-fn tiny_lm() -> (LoadedModel<Cpu>, TrainModel, std::path::PathBuf) {
-    let real = LoadedModel::load(&default_model_path(), Cpu).expect("default model");
-    let (model, tm, dir) = tiny("llama", real.model.config().vocab_size);
-    let lm = LoadedModel {
-        model,
-        tokenizer: real.tokenizer,
-        template: real.template,
-        synthetic: None,
-        fingerprint: "tiny".into(),
-        adapter: None,
-    };
-    (lm, tm, dir)
-}
-
 /// A few steps of self-distillation on a tiny random model lower the held-out loss; the
 /// adapter file records the run; a finished run's checkpoint gives the same adapter again and
 /// refuses other settings.
 #[test]
 fn a_short_training_run_lowers_the_loss_and_resumes() {
-    let (lm, tm, dir) = tiny_lm();
+    let (lm, tm, dir) = flowprefill_tests::tiny_lm("kvpacket", 11);
     let settings = Settings {
         header: 2,
         trailer: 2,

@@ -75,6 +75,21 @@ pub fn model_fingerprint(cfg: &crate::config::ModelConfig, embedding_bytes: &[u8
     h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
+/// A safetensors file's tensors and its JSON metadata under `key`; every failure goes through
+/// `corrupt` (which says what the file should have been).
+pub(crate) fn read_with_meta<'d, T: serde::de::DeserializeOwned>(
+    data: &'d [u8],
+    key: &str,
+    corrupt: &dyn Fn(String) -> WorkerError,
+) -> Result<(safetensors::SafeTensors<'d>, T)> {
+    let st = safetensors::SafeTensors::deserialize(data).map_err(|e| corrupt(format!("not safetensors ({e})")))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(data).map_err(|e| corrupt(format!("no header ({e})")))?;
+    let json =
+        header.metadata().as_ref().and_then(|m| m.get(key)).ok_or_else(|| corrupt(format!("no `{key}` metadata")))?;
+    let meta = serde_json::from_str(json).map_err(|e| corrupt(format!("its metadata does not parse ({e})")))?;
+    Ok((st, meta))
+}
+
 impl Adapter {
     /// An adapter of `rows` (`[meta.header + meta.trailer, d_model]`).
     pub fn new(meta: AdapterMeta, d_model: usize, rows: Vec<f32>) -> Result<Self> {
@@ -180,16 +195,7 @@ impl Adapter {
         let corrupt = |d: String| {
             bad(origin, format!("{d}; the file is not a KV Packet adapter or is damaged: train or copy it again"))
         };
-        let st = safetensors::SafeTensors::deserialize(data).map_err(|e| corrupt(format!("not safetensors ({e})")))?;
-        let (_, header) =
-            safetensors::SafeTensors::read_metadata(data).map_err(|e| corrupt(format!("no header ({e})")))?;
-        let meta_json = header
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get(META))
-            .ok_or_else(|| corrupt(format!("no `{META}` metadata")))?;
-        let meta: AdapterMeta =
-            serde_json::from_str(meta_json).map_err(|e| corrupt(format!("its metadata does not parse ({e})")))?;
+        let (st, meta): (_, AdapterMeta) = read_with_meta(data, META, &corrupt)?;
         let t = st.tensor(TENSOR).map_err(|_| corrupt(format!("no `{TENSOR}` tensor")))?;
         let [rows, d_model] = t.shape() else {
             return Err(corrupt(format!("`{TENSOR}` has shape {:?}, expected [rows, d_model]", t.shape())));

@@ -34,6 +34,8 @@ pub enum Field {
     ScoreLayers,
     /// InfoFlow's score pooling window.
     ScorePool,
+    /// The eviction policy before decoding.
+    Evict,
     /// The KV entries kept per (layer, KV head) by eviction before decoding.
     KvBudget,
     /// The chunk prefix mode.
@@ -74,6 +76,7 @@ impl Field {
             Field::Geometry => "--geometry".into(),
             Field::ScoreLayers => "--score-layers".into(),
             Field::ScorePool => "--score-pool".into(),
+            Field::Evict => "--evict".into(),
             Field::KvBudget => "--kv-budget".into(),
             Field::Prefix => "--prefix".into(),
             Field::Scope => "--scope".into(),
@@ -103,6 +106,7 @@ impl Field {
             Field::Geometry => "geometry".into(),
             Field::ScoreLayers => "score_layers".into(),
             Field::ScorePool => "score_pool".into(),
+            Field::Evict => "evict".into(),
             Field::KvBudget => "kv_budget".into(),
             Field::Prefix => "prefix".into(),
             Field::Scope => "scope".into(),

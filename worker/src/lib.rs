@@ -11,6 +11,7 @@
 //! * [`fetch`]: the default model from PyPI, checked by SHA-256;
 //! * [`evict`]: KV eviction before decoding (SnapKV's per-head scores, packed caches);
 //! * [`adapter`]: KV Packet adapters (soft header/trailer rows around each chunk);
+//! * [`lookahead`]: LookaheadKV adapters (learned lookahead rows and their LoRA);
 //! * [`synthetic`]: known models' shapes with random weights (`--model synthetic:SHAPE`);
 //! * `nccl` (feature `nccl`): NCCL as the communicator's device plane between GPUs.
 
@@ -25,6 +26,7 @@ pub mod gguf;
 pub mod gguf_write;
 pub mod interrupt;
 pub mod kv;
+pub mod lookahead;
 pub mod model;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -90,6 +92,13 @@ impl<B: Backend> LoadedModel<B> {
         self.model.set_adapter(Some(&adapter))?;
         self.adapter = Some(adapter);
         Ok(())
+    }
+
+    /// Makes `--evict lookahead` (and `--method lookahead`) score with `adapter` after checking
+    /// it was trained for these weights.
+    pub fn use_lookahead(&mut self, adapter: &lookahead::LookaheadAdapter) -> Result<()> {
+        adapter.check_model(&self.fingerprint, self.model.config())?;
+        self.model.set_lookahead(Some(adapter))
     }
 
     /// Tokenizes a single-turn chat (`system` optional) ending with the assistant header.

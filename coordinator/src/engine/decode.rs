@@ -3,13 +3,14 @@
 
 use super::{Engine, Role, Turn};
 use crate::error::Result;
+use crate::request::EvictPolicy;
 use crate::timings::phase;
 use flowprefill_comm::{broadcast_value, Communicator};
 use flowprefill_kernels::Backend;
 use flowprefill_worker::generate::{decode_with, StopReason};
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::model::Logits;
-use flowprefill_worker::steps::{LocalSegment, Replicated};
+use flowprefill_worker::steps::{HeadScores, LocalSegment, Replicated};
 
 impl<B: Backend> Engine<B> {
     /// Runs the prompt over this rank's `segments` (global id, placed cache), evicts them to
@@ -32,8 +33,8 @@ impl<B: Backend> Engine<B> {
         let (logits, heads) = turn.phases.time(phase::FINAL_PROMPT, || -> Result<_> {
             let local = segments.iter().map(|(id, c)| LocalSegment::placed(*id, c)).collect();
             let mut rep = Replicated::new(be, comm, "final", local, &mut tail, prompt_pos, vec![])?;
-            if let Some(ev) = evict {
-                rep = rep.with_head_scores(super::evict::window(ev.policy));
+            if let Some(ev) = evict.filter(|e| e.policy == EvictPolicy::Snapkv) {
+                rep = rep.with_head_scores(super::evict::window(ev.policy, 0));
             }
             let mut check = || watch.check(phase::FINAL_PROMPT);
             let out = model.forward_checked(prompt, prompt_pos, &mut rep, Logits::Last, &mut check)?;
@@ -45,7 +46,14 @@ impl<B: Backend> Engine<B> {
             Some(ev) => {
                 self.fault_point(comm.rank(), phase::EVICT)?;
                 let out = &mut turn.out;
-                let kept = turn.phases.time(phase::EVICT, || self.evict(comm, &segments, &heads, ev, out))?;
+                let next_pos = prompt_pos.last().map_or(0, |p| p + 1);
+                let kept = turn.phases.time(phase::EVICT, || -> Result<_> {
+                    let heads = match ev.policy {
+                        EvictPolicy::Snapkv => heads,
+                        EvictPolicy::Lookahead => self.lookahead_scores(comm, &segments, &mut tail, next_pos, watch)?,
+                    };
+                    self.evict(comm, &segments, &heads, ev, out)
+                })?;
                 // The full segments go here; decoding holds only what was kept.
                 kept.into_iter().collect()
             }
@@ -53,6 +61,28 @@ impl<B: Backend> Engine<B> {
         let segs = segments.iter().map(|(id, c)| LocalSegment::placed(*id, c)).collect();
         let next_pos = prompt_pos.last().map_or(0, |p| p + 1);
         self.decode_with_tail(comm, segs, tail, logits, next_pos, turn)
+    }
+
+    /// LookaheadKV's scores of this rank's `segments`: its rows run after the prompt (at
+    /// `next_pos..`) over the segments and the prompt's rows in `tail`, their LoRA active; their
+    /// own K/V are dropped again (decoding starts at `next_pos` as without them).
+    fn lookahead_scores(
+        &self,
+        comm: &mut dyn Communicator,
+        segments: &[(usize, KvCache<B>)],
+        tail: &mut KvCache<B>,
+        next_pos: u32,
+        watch: &flowprefill_worker::interrupt::Watch,
+    ) -> Result<HeadScores> {
+        let model = &self.lm.model;
+        let n = model.lookahead_rows() as u32;
+        let positions: Vec<u32> = (next_pos..next_pos + n).collect();
+        let local = segments.iter().map(|(id, c)| LocalSegment::placed(*id, c)).collect();
+        let mut rep = Replicated::new(model.backend(), comm, "lookahead", local, tail, &positions, vec![])?
+            .with_head_scores(n as usize);
+        let mut check = || watch.check(phase::EVICT);
+        model.forward_lookahead(&positions, &mut rep, model.config().n_layers, &mut check)?;
+        Ok(rep.discard_with_heads()?)
     }
 
     /// An empty replicated tail (the prompt's and the answer's K/V go there).

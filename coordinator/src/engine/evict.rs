@@ -1,7 +1,10 @@
-//! KV eviction between the prompt and decoding (`--evict snapkv --kv-budget N`).
+//! KV eviction between the prompt and decoding (`--evict snapkv|lookahead --kv-budget N`).
 //!
-//! The prompt's forward kept, at every layer, the attention its last
-//! [`SNAPKV_WINDOW`] rows paid each context row of this rank, per KV head. Each rank pools them
+//! SnapKV: the prompt's forward kept, at every layer, the attention its last
+//! [`SNAPKV_WINDOW`] rows paid each context row of this rank, per KV head. LookaheadKV: the
+//! model's lookahead rows run after the prompt over the same segments and the prompt's rows,
+//! their LoRA active, and their attention is kept the same way (their own K/V are dropped
+//! again; [`flowprefill_worker::lookahead`]). Each rank pools the scores
 //! over [`SNAPKV_POOL`] rows (within a segment) and packs its kept rows into one cache
 //! ([`flowprefill_worker::evict::pack`]); the segments it held are dropped, and decoding runs
 //! over the packed cache and the prompt's own rows (always kept, as SnapKV keeps its window).
@@ -54,10 +57,12 @@ impl Eviction {
     }
 }
 
-/// The observation window of a policy.
-pub(super) fn window(policy: EvictPolicy) -> usize {
+/// The observation window of a policy: SnapKV's last prompt rows, or the lookahead rows of
+/// the model's adapter (`lookahead_rows`).
+pub(super) fn window(policy: EvictPolicy, lookahead_rows: usize) -> usize {
     match policy {
         EvictPolicy::Snapkv => SNAPKV_WINDOW,
+        EvictPolicy::Lookahead => lookahead_rows,
     }
 }
 
@@ -148,7 +153,7 @@ impl<B: Backend> Engine<B> {
         out.eviction = Some(Eviction {
             policy: ev.policy,
             budget: ev.budget,
-            window: window(ev.policy),
+            window: window(ev.policy, model.lookahead_rows()),
             rows_before,
             bytes_before: rows_before * row_bytes,
             bytes_after: shares.iter().sum::<usize>() * row_bytes,

@@ -272,8 +272,9 @@ pub fn student_loss(tm: &TrainModel, packets: Option<&Packets<'_>>, s: &Sample) 
 pub enum Event {
     /// Teacher continuations made so far.
     Teacher { done: usize, total: usize },
-    /// The losses before training: `none`'s and the initial packets'.
-    Baseline { none: f64, packet: f64 },
+    /// The held-out losses before training: the reference's (KV Packet: `none`; LookaheadKV:
+    /// SnapKV) and the untrained adapter's.
+    Baseline { reference: f64, initial: f64 },
     /// One optimiser step.
     Step { step: usize, total: usize, loss: f64, lr: f64, seconds: f64 },
     /// Validation loss after an epoch.
@@ -289,7 +290,7 @@ pub struct History {
     pub train: Vec<f64>,
     /// Validation loss after each epoch `(epoch, loss)`.
     pub validation: Vec<(usize, f64)>,
-    /// Validation loss of `none` (no packets) and of the initial packets.
+    /// Validation loss of the reference: KV Packet's `none` (no packets), LookaheadKV's SnapKV.
     pub none_val: f64,
     /// Validation loss of the adapter before training.
     pub initial_val: f64,
@@ -297,13 +298,14 @@ pub struct History {
     pub seconds: f64,
 }
 
-/// The checkpoint: adapter rows, AdamW's moments, the step reached, the history.
-struct Checkpoint {
-    rows: Tensor,
-    m: Tensor,
-    v: Tensor,
-    step: usize,
-    history: History,
+/// The checkpoint: the trained values (KV Packet's rows, LookaheadKV's parameter vector),
+/// AdamW's moments, the step reached, the history.
+pub(crate) struct Checkpoint {
+    pub(crate) rows: Tensor,
+    pub(crate) m: Tensor,
+    pub(crate) v: Tensor,
+    pub(crate) step: usize,
+    pub(crate) history: History,
 }
 
 fn ckpt_err(path: &Path, detail: impl Into<String>) -> TrainError {
@@ -311,7 +313,7 @@ fn ckpt_err(path: &Path, detail: impl Into<String>) -> TrainError {
 }
 
 impl Checkpoint {
-    fn save(&self, path: &Path, settings: &Settings) -> Result<()> {
+    pub(crate) fn save<S: serde::Serialize>(&self, path: &Path, settings: &S) -> Result<()> {
         let meta = serde_json::json!({ "settings": settings, "step": self.step, "history": self.history });
         let tensors: HashMap<String, Tensor> = [("rows", &self.rows), ("m", &self.m), ("v", &self.v)]
             .into_iter()
@@ -328,7 +330,10 @@ impl Checkpoint {
         Ok(())
     }
 
-    fn load(path: &Path, settings: &Settings) -> Result<Option<Self>> {
+    pub(crate) fn load<S>(path: &Path, settings: &S) -> Result<Option<Self>>
+    where
+        S: serde::Serialize + serde::de::DeserializeOwned + PartialEq,
+    {
         if !path.exists() {
             return Ok(None);
         }
@@ -339,7 +344,7 @@ impl Checkpoint {
         let meta: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
             ckpt_err(path, format!("{} does not parse ({e}); delete the checkpoint to start over", json.display()))
         })?;
-        let saved: Settings = serde_json::from_value(meta["settings"].clone())
+        let saved: S = serde_json::from_value(meta["settings"].clone())
             .map_err(|e| ckpt_err(path, format!("its settings do not parse ({e})")))?;
         if &saved != settings {
             return Err(ckpt_err(
@@ -489,7 +494,7 @@ pub fn train(
     let val_set = samples(lm, settings, VAL_SEED + settings.seed * 100_000, settings.val_samples, &mut made)?;
 
     let (var, mut opt, mut step, mut history) = start(tm, lm, settings, resumed, &val_set)?;
-    on(Event::Baseline { none: history.none_val, packet: history.initial_val });
+    on(Event::Baseline { reference: history.none_val, initial: history.initial_val });
     let spe = settings.steps_per_epoch();
     while step < settings.total_steps() {
         let (epoch, k) = (step / spe, step % spe);
@@ -524,7 +529,13 @@ pub fn train(
         ck.save(&ckpt_path, settings)?;
         on(Event::Saved { step });
     }
-    loss_curve(&out.dir.join("loss.png"), &history, settings)?;
+    loss_curve(
+        &out.dir.join("loss.png"),
+        &history,
+        settings.steps_per_epoch(),
+        "KV Packet self-distillation: KL(teacher || student)",
+        "none (validation)",
+    )?;
     let adapter = adapter_of(lm, tm, settings, &var, &history)?;
     adapter.save(&out.adapter)?;
     Ok((adapter, history))
@@ -553,10 +564,11 @@ fn adapter_of(lm: &LoadedModel<Cpu>, tm: &TrainModel, settings: &Settings, var: 
     Ok(Adapter::new(meta, tm.config().d_model, rows)?)
 }
 
-/// The loss curve: training loss per step, validation per epoch, `none`'s as a line.
-fn loss_curve(path: &Path, h: &History, s: &Settings) -> Result<()> {
+/// The loss curve: training loss per step, validation per epoch, the reference's held-out loss
+/// (`reference`: its name) as a line.
+pub(crate) fn loss_curve(path: &Path, h: &History, spe: usize, title: &str, reference: &str) -> Result<()> {
     use crate::plot::{line_chart, Series};
-    let spe = s.steps_per_epoch() as f64;
+    let spe = spe as f64;
     let last = h.train.len() as f64;
     let series = vec![
         Series {
@@ -569,14 +581,8 @@ fn loss_curve(path: &Path, h: &History, s: &Settings) -> Result<()> {
                 .chain(h.validation.iter().map(|&(e, l)| (e as f64 * spe, l)))
                 .collect(),
         },
-        Series { name: "none (validation)".into(), points: vec![(0.0, h.none_val), (last, h.none_val)] },
+        Series { name: reference.into(), points: vec![(0.0, h.none_val), (last, h.none_val)] },
     ];
-    line_chart(
-        path,
-        "KV Packet self-distillation: KL(teacher || student)",
-        "optimiser step",
-        "KL (nats/token)",
-        &series,
-    )?;
+    line_chart(path, title, "optimiser step", "KL (nats)", &series)?;
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! Training the trained seeds, on the CPU: the model as a differentiable candle function
 //! ([`model`]), an AdamW whose state can be checkpointed ([`adamw`]), KV Packet's
-//! self-distillation ([`kvpacket`]), and LookaheadKV's ground truth ([`lookahead`]).
+//! self-distillation ([`kvpacket`]), and LookaheadKV's ground truth and training ([`lookahead`]).
 
 pub mod adamw;
 pub mod kvpacket;

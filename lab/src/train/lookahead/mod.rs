@@ -1,5 +1,5 @@
-//! LookaheadKV (paper 004), first part: the ground truth its lookahead rows learn, and how
-//! well SnapKV's observation window predicts it.
+//! LookaheadKV (paper 004): the ground truth its lookahead rows learn, how well SnapKV's
+//! observation window and the trained lookahead rows predict it, and the training ([`fit`]).
 //!
 //! The truth is the attention the model's own greedy answer pays every context row, per
 //! (layer, KV head): the answer's rows run teacher-forced after the prompt over the context
@@ -16,6 +16,8 @@
 //! ```text
 //!   context (prefilled once)  |  prompt (SnapKV window: its last 32 rows)  |  answer (truth rows)
 //! ```
+
+pub mod fit;
 
 use super::Result;
 use flowprefill_comm::local::LocalComm;
@@ -61,6 +63,8 @@ pub struct CaseImportance {
     pub context_rows: usize,
     /// SnapKV's scores (pooled).
     pub snapkv: HeadImportance,
+    /// LookaheadKV's scores (pooled), when the model has a lookahead adapter.
+    pub lookahead: Option<HeadImportance>,
     /// The answer's attention mass.
     pub truth: HeadImportance,
 }
@@ -88,10 +92,25 @@ pub fn case_importance(lm: &LoadedModel<Cpu>, req: &Request, max_answer: usize) 
         .with_head_scores(SNAPKV_WINDOW);
     let logits = model.forward(prompt, &prompt_pos, &mut rep, Logits::Last)?.last().to_vec();
     let (_, heads) = rep.commit_with_heads()?;
-    let mut snapkv = HeadImportance::of_one_segment(heads)?;
-    for s in snapkv.values.iter_mut().flatten() {
-        *s = pool_mean(s, SNAPKV_POOL);
-    }
+    let pooled = |mut h: HeadImportance| {
+        for s in h.values.iter_mut().flatten() {
+            *s = pool_mean(s, SNAPKV_POOL);
+        }
+        h
+    };
+    let snapkv = pooled(HeadImportance::of_one_segment(heads)?);
+    // LookaheadKV's rows after the prompt (their own K/V dropped again).
+    let lookahead = match model.lookahead_rows() {
+        0 => None,
+        n => {
+            let next = tokens.len() as u32;
+            let pos: Vec<u32> = (next..next + n as u32).collect();
+            let mut rep =
+                Replicated::new(be, &mut comm, "lookahead", segs(), &mut tail, &pos, vec![])?.with_head_scores(n);
+            model.forward_lookahead(&pos, &mut rep, cfg.n_layers, &mut flowprefill_worker::interrupt::never)?;
+            Some(pooled(HeadImportance::of_one_segment(rep.discard_with_heads()?)?))
+        }
+    };
     // Greedy decoding over the context and the prompt's rows.
     let mut sampler = Sampler::new(SamplingConfig::default())?;
     let first = sampler.sample(&logits);
@@ -120,7 +139,7 @@ pub fn case_importance(lm: &LoadedModel<Cpu>, req: &Request, max_answer: usize) 
     model.forward(&forced, &forced_pos, &mut rep, Logits::None)?;
     let (_, heads) = rep.commit_with_heads()?;
     let truth = HeadImportance::of_one_segment(heads)?;
-    Ok(Some(CaseImportance { answer, context_rows: ctx, snapkv, truth }))
+    Ok(Some(CaseImportance { answer, context_rows: ctx, snapkv, lookahead, truth }))
 }
 
 /// How well one choice of N rows matches the truth, averaged over (layer, head) pairs.
@@ -138,9 +157,14 @@ pub struct Agreement {
 
 /// SnapKV against the truth at budget `n` (every row kept when `n` is the context or more).
 pub fn agreement(case: &CaseImportance, n: usize) -> Agreement {
+    agreement_of(&case.snapkv, &case.truth, n)
+}
+
+/// A prediction against the truth at budget `n`.
+pub fn agreement_of(prediction: &HeadImportance, truth: &HeadImportance, n: usize) -> Agreement {
     let mut a = Agreement::default();
     let mut pairs = 0usize;
-    for (pred, truth) in case.snapkv.pairs().zip(case.truth.pairs()) {
+    for (pred, truth) in prediction.pairs().zip(truth.pairs()) {
         let rows = truth.len();
         let n = n.min(rows);
         let mass: f64 = truth.iter().map(|&x| f64::from(x)).sum();
@@ -176,6 +200,7 @@ mod tests {
             answer: vec![1],
             context_rows: truth.len(),
             snapkv: HeadImportance { values: vec![vec![pred]] },
+            lookahead: None,
             truth: HeadImportance { values: vec![vec![truth]] },
         }
     }

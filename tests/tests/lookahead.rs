@@ -1,0 +1,254 @@
+//! LookaheadKV: the inference forward of the lookahead rows (LoRA fused on the device) against
+//! the training forward, the loss's gradients against finite differences, a short training
+//! run that must lower the held-out loss, and `--evict lookahead` in the engine (exactly N per
+//! head, the rows leave nothing behind, refused without an adapter).
+
+use candle_core::{Device, Tensor, Var};
+use flowprefill_comm::local::LocalComm;
+use flowprefill_coordinator::{Evict, EvictPolicy, Job, Method, RunOptions, RunResult, ThreadRanks};
+use flowprefill_lab::train::lookahead::fit::{self, Params, Sample, Settings};
+use flowprefill_lab::train::model::{Extras, Placed, TrainModel};
+use flowprefill_tests::{default_model_path, gate_request};
+use flowprefill_worker::generate::prefill_into;
+use flowprefill_worker::kv::{KeyForm, KvCache};
+use flowprefill_worker::lookahead::{tensor_specs, LookaheadAdapter, LookaheadMeta};
+use flowprefill_worker::steps::{LocalSegment, Replicated};
+use flowprefill_worker::{Cpu, LoadedModel, Model};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Per-head importance of the inference path against the training path, absolute on values
+/// that sum to 1 per head (f32 sums in different orders; the LoRA fused block-diagonally).
+const IMPORTANCE_TOL: f32 = 2e-4;
+/// A gradient entry against its central difference.
+const FD_REL_TOL: f32 = 0.05;
+const FD_STEP: f32 = 1e-2;
+
+fn tiny(arch: &'static str, vocab: usize) -> (Model<Cpu>, TrainModel, std::path::PathBuf) {
+    flowprefill_tests::tiny_pair("lookahead", arch, vocab, 13)
+}
+
+/// An adapter of seeded values: rows of the embedding's scale, LoRA large enough to matter.
+fn random_adapter(cfg: &flowprefill_worker::config::ModelConfig, rows: usize, fingerprint: &str) -> LookaheadAdapter {
+    let meta = LookaheadMeta {
+        model: fingerprint.into(),
+        model_name: cfg.name.clone(),
+        rows,
+        rank: 2,
+        alpha: 4.0,
+        training: Default::default(),
+    };
+    let tensors = tensor_specs(cfg, rows, 2)
+        .iter()
+        .enumerate()
+        .map(|(i, (_, [r, c]))| flowprefill_worker::synthetic::random_values(r * c, 100 + i as u64, 0.3))
+        .collect();
+    LookaheadAdapter::new(meta, cfg, tensors).expect("adapter")
+}
+
+/// The lookahead rows' normalised importance per (layer, KV head) as the engine computes it:
+/// the prefix in a cache, the rows after it over that cache (head scores of every row).
+fn inference_importance(m: &Model<Cpu>, prefix: &[u32], rows: usize) -> Vec<Vec<Vec<f32>>> {
+    let cfg = m.config();
+    let mut cache = KvCache::new(&Cpu, cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated).unwrap();
+    prefill_into(m, &mut cache, prefix, 0, 64).unwrap();
+    let mut tail = KvCache::new(&Cpu, cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated).unwrap();
+    let mut comm = LocalComm::group(1).pop().unwrap();
+    let n = prefix.len() as u32;
+    let pos: Vec<u32> = (n..n + rows as u32).collect();
+    let segs = vec![LocalSegment::placed(0, &cache)];
+    let mut rep =
+        Replicated::new(&Cpu, &mut comm, "lookahead", segs, &mut tail, &pos, vec![]).unwrap().with_head_scores(rows);
+    m.forward_lookahead(&pos, &mut rep, cfg.n_layers, &mut flowprefill_worker::interrupt::never).unwrap();
+    let mut heads = rep.discard_with_heads().unwrap();
+    assert_eq!(tail.len(), 0, "the lookahead rows leave nothing in the tail");
+    let mut per_layer = heads.pop().unwrap();
+    for h in per_layer.iter_mut().flatten() {
+        let s: f32 = h.iter().sum();
+        h.iter_mut().for_each(|x| *x /= s);
+    }
+    per_layer
+}
+
+/// The training forward's importance of the same rows over the same prefix.
+fn training_importance(tm: &TrainModel, a: &LookaheadAdapter, prefix: &[u32]) -> Vec<Vec<Vec<f32>>> {
+    let n = prefix.len() as u32;
+    let pos: Vec<u32> = (0..n).collect();
+    let (_, kv) = tm.forward(&tm.embed_tokens(prefix).unwrap(), &pos, &[]).unwrap();
+    let flat: Vec<f32> = a.tensors.iter().flatten().copied().collect();
+    let s = Settings { rows: a.meta.rows, rank: a.meta.rank, alpha: a.meta.alpha, ..Settings::default() };
+    let t = Tensor::from_vec(flat.clone(), flat.len(), &Device::Cpu).unwrap();
+    let p = fit::params(&t, tm, &s).unwrap();
+    let la_pos: Vec<u32> = (n..n + a.meta.rows as u32).collect();
+    let ctx = [Placed { kv: &kv, positions: pos }];
+    let (_, _, imps) =
+        tm.forward_ext(&p.rows, &la_pos, &ctx, Extras { lora: Some(&p.lora), capture: prefix.len() }).unwrap();
+    imps.iter()
+        .map(|t| {
+            let t = t.broadcast_div(&t.sum_keepdim(1).unwrap()).unwrap();
+            t.to_vec2::<f32>().unwrap()
+        })
+        .collect()
+}
+
+/// The engine's lookahead rows (LoRA fused and block-diagonal on the backend) attend as the
+/// training forward's (LoRA per projection, candle) on tiny models of every architecture.
+#[test]
+fn the_inference_rows_attend_as_the_training_rows() {
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let (mut m, tm, dir) = tiny(arch, 300);
+        let a = random_adapter(m.config(), 5, "tiny");
+        m.set_lookahead(Some(&a)).unwrap();
+        assert_eq!(m.lookahead_rows(), 5);
+        let prefix: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 300).collect();
+        let inf = inference_importance(&m, &prefix, 5);
+        let tr = training_importance(&tm, &a, &prefix);
+        let mut worst = 0f32;
+        for (li, ti) in inf.iter().zip(&tr) {
+            for (hi, ht) in li.iter().zip(ti) {
+                for (x, y) in hi.iter().zip(ht) {
+                    worst = worst.max((x - y).abs());
+                }
+            }
+        }
+        assert!(worst <= IMPORTANCE_TOL, "{arch}: importance differs by {worst}");
+        // Without the LoRA the rows attend otherwise: the LoRA is applied.
+        let mut plain = a.clone();
+        for (i, (name, _)) in tensor_specs(m.config(), 5, 2).iter().enumerate() {
+            if name.ends_with("lora_b") {
+                plain.tensors[i].iter_mut().for_each(|x| *x = 0.0);
+            }
+        }
+        m.set_lookahead(Some(&plain)).unwrap();
+        let without = inference_importance(&m, &prefix, 5);
+        let moved = inf.iter().flatten().flatten().zip(without.iter().flatten().flatten()).map(|(x, y)| (x - y).abs());
+        assert!(moved.fold(0f32, f32::max) > 1e-3, "{arch}: the LoRA changes the rows' attention");
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
+
+fn tiny_settings() -> Settings {
+    Settings {
+        rows: 4,
+        rank: 2,
+        alpha: 8.0,
+        tasks: vec!["niah_single".into(), "qa_twohop".into()],
+        length: 200,
+        samples: 4,
+        val_samples: 2,
+        epochs: 3,
+        batch: 2,
+        lr: 0.02,
+        max_answer: 4,
+        ..Settings::default()
+    }
+}
+
+/// The loss's gradient (eq. 5 through the frozen model to the rows and the LoRA) against
+/// central differences of the loss, on a few parameters of each kind.
+#[test]
+fn loss_gradients_match_finite_differences() {
+    let (lm, tm, dir) = flowprefill_tests::tiny_lm("lookahead", 13);
+    let s = tiny_settings();
+    let case = flowprefill_lab::tasks::generate("niah_single", &lm.tokenizer, 5, 200, 0, &[0.5]).expect("a case");
+    let sample: Sample = fit::sample(&lm, &case, s.prompts, 4).unwrap().expect("an answer");
+    let specs = tensor_specs(tm.config(), s.rows, s.rank);
+    let n: usize = specs.iter().map(|(_, [r, c])| r * c).sum();
+    let init = flowprefill_worker::synthetic::random_values(n, 9, 0.2);
+    let var = Var::from_vec(init.clone(), n, &Device::Cpu).unwrap();
+    let loss_at = |v: &Tensor| -> f32 {
+        let p: Params = fit::params(v, &tm, &s).unwrap();
+        fit::loss(&tm, &p, &sample).unwrap().to_scalar::<f32>().unwrap()
+    };
+    let p = fit::params(var.as_tensor(), &tm, &s).unwrap();
+    let g: Vec<f32> =
+        fit::loss(&tm, &p, &sample).unwrap().backward().unwrap().remove(var.as_tensor()).unwrap().to_vec1().unwrap();
+    // In the rows and in A and B of the first layer's query and down projections, the entry
+    // with the largest gradient (a small one is below what f32 differences of the loss resolve).
+    let mut offsets = Vec::new();
+    let mut off = 0;
+    for (name, [r, c]) in &specs {
+        if name == "lookahead" || name.starts_with("blk.0.q.") || name.starts_with("blk.0.down.") {
+            let best = (off..off + r * c).max_by(|&a, &b| g[a].abs().total_cmp(&g[b].abs())).unwrap();
+            offsets.push(best);
+        }
+        off += r * c;
+    }
+    for &i in &offsets {
+        let mut plus = init.clone();
+        plus[i] += FD_STEP;
+        let mut minus = init.clone();
+        minus[i] -= FD_STEP;
+        let t = |v: Vec<f32>| Tensor::from_vec(v, n, &Device::Cpu).unwrap();
+        let fd = (loss_at(&t(plus)) - loss_at(&t(minus))) / (2.0 * FD_STEP);
+        let scale = fd.abs().max(g[i].abs()).max(1e-3);
+        assert!((fd - g[i]).abs() / scale <= FD_REL_TOL, "parameter {i}: gradient {} vs difference {fd}", g[i]);
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A few steps on a tiny random model lower the held-out KL; the adapter file records the
+/// run and loads back for the model; resuming a finished run takes no step.
+#[test]
+fn a_short_training_run_lowers_the_loss_and_resumes() {
+    let (lm, tm, dir) = flowprefill_tests::tiny_lm("lookahead", 13);
+    let settings = tiny_settings();
+    let out = fit::Outputs { dir: dir.join("run"), adapter: dir.join("tiny.lookahead.safetensors") };
+    let mut steps = 0;
+    let (adapter, history) = fit::train(&lm, &tm, &settings, &out, &mut |e| {
+        if let flowprefill_lab::train::kvpacket::Event::Step { .. } = e {
+            steps += 1
+        }
+    })
+    .expect("training");
+    assert_eq!((steps, history.train.len()), (6, 6));
+    let last = history.validation.last().expect("validation").1;
+    assert!(last < history.initial_val, "held-out KL {} -> {last}", history.initial_val);
+    assert!(history.none_val > 0.0, "SnapKV's held-out KL is measured: {}", history.none_val);
+    let loaded = LookaheadAdapter::load(&out.adapter, tm.config()).expect("adapter file");
+    assert_eq!(loaded.tensors, adapter.tensors);
+    assert_eq!(loaded.meta.training["steps"], 6);
+    loaded.check_model("tiny", tm.config()).expect("made for this model");
+    let (again, _) = fit::train(&lm, &tm, &settings, &out, &mut |e| {
+        assert!(!matches!(e, flowprefill_lab::train::kvpacket::Event::Step { .. }), "a finished run takes no step");
+    })
+    .expect("resume");
+    assert_eq!(again.tensors, adapter.tensors);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+fn real_with_lookahead() -> Arc<LoadedModel<Cpu>> {
+    let mut lm = LoadedModel::load(&default_model_path(), Cpu).expect("default model");
+    let a = random_adapter(lm.model.config(), 32, &lm.fingerprint.clone());
+    lm.use_lookahead(&a).expect("an adapter made for the model");
+    Arc::new(lm)
+}
+
+fn run(lm: &Arc<LoadedModel<Cpu>>, ranks: usize, opts: RunOptions) -> Result<RunResult, String> {
+    let mut world = ThreadRanks::new(lm.clone(), ranks, 1 << 30, Duration::from_secs(60)).expect("ranks");
+    let job = Job { request: gate_request(), options: RunOptions { max_new_tokens: 12, ..opts } };
+    world.run(&job, &mut |_| true).map_err(|e| e.to_string())
+}
+
+/// `--evict lookahead` on the real model (an adapter of seeded values: the mechanics, not the
+/// quality): exactly N entries per (layer, KV head) over 1 and 2 ranks; a budget above the
+/// context answers exactly as no eviction (the lookahead rows leave no K/V behind and decoding
+/// starts where it would); without an adapter the job is refused, naming the flag.
+#[test]
+fn lookahead_eviction_keeps_the_budget_and_leaves_nothing_behind() {
+    let lm = real_with_lookahead();
+    let ev = |budget| Some(Evict { policy: EvictPolicy::Lookahead, budget });
+    for (method, ranks) in [(Method::Infoflow, 1), (Method::Infoflow, 2), (Method::Full, 1)] {
+        let tag = format!("{method} on {ranks} ranks");
+        let opts = RunOptions { method, ratio: 0.15, ..RunOptions::default() };
+        let r = run(&lm, ranks, RunOptions { evict: ev(48), ..opts.clone() }).unwrap();
+        let e = r.eviction.as_ref().expect("eviction reported");
+        assert_eq!((e.kept(), e.window, e.policy), (48, 32, EvictPolicy::Lookahead), "{tag}: {e:?}");
+        let plain = run(&lm, ranks, opts.clone()).unwrap();
+        let all = run(&lm, ranks, RunOptions { evict: ev(100_000), ..opts }).unwrap();
+        assert_eq!(all.tokens, plain.tokens, "{tag}: {:?} vs {:?}", all.answer, plain.answer);
+    }
+    let bare = Arc::new(LoadedModel::load(&default_model_path(), Cpu).expect("default model"));
+    let e = run(&bare, 1, RunOptions { evict: ev(48), ..RunOptions::default() }).unwrap_err();
+    assert!(e.contains("--lookahead-adapter") && e.contains("--evict"), "{e}");
+}
