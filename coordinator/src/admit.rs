@@ -88,6 +88,16 @@ pub fn admit<B: Backend>(lm: &LoadedModel<B>, job: &Job, limits: &Limits) -> Res
             ),
         ));
     }
+    if opts.method == Method::Lookahead && lm.model.lookahead_rows() == 0 {
+        return Err(bad(
+            Field::Method,
+            format!(
+                "lookahead selects with a LookaheadKV adapter for {}: start flowprefill with --lookahead-adapter PATH \
+                 (made by `flowprefill train lookahead`), or choose infoflow",
+                cfg.name
+            ),
+        ));
+    }
     if let Some((a, b)) = opts.score_layers {
         if b >= cfg.n_layers {
             return Err(bad(Field::ScoreLayers, format!("{a}-{b}: the model has layers 0-{}", cfg.n_layers - 1)));

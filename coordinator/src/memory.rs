@@ -356,7 +356,8 @@ fn chunked(
     let mut phases = vec![chunk_prefill];
 
     // The prompt over the segments: one partial per segment, the tail's and the merge.
-    let m = t.prompt;
+    // LookaheadKV's rows follow the prompt in its probe (the prompt's K/V kept meanwhile).
+    let m = t.prompt + if opts.method == Method::Lookahead { flowprefill_worker::lookahead::LOOKAHEAD_ROWS } else { 0 };
     let replicated = |rows: usize| rows * s.forward_row() + (segments + 2) * rows * s.partial_row();
     if plan.probes {
         let parts: Vec<(&'static str, usize)> = if opts.method == Method::Cacheblend && !opts.reorder {

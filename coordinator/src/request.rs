@@ -34,11 +34,14 @@ pub enum Method {
     /// KV Packet: every chunk wrapped in trained header/trailer soft rows when its cache is
     /// made, caches concatenated, nothing recomputed (needs an adapter).
     Kvpacket,
+    /// LookaheadKV's trained rows, run after the prompt, choose what to recompute by their
+    /// attention mass at InfoFlow's scoring layers (needs a lookahead adapter).
+    Lookahead,
 }
 
 impl Method {
     /// Every method, in table order.
-    pub const ALL: [Method; 11] = [
+    pub const ALL: [Method; 12] = [
         Method::Full,
         Method::None,
         Method::Infoflow,
@@ -50,6 +53,7 @@ impl Method {
         Method::Star,
         Method::Ring,
         Method::Kvpacket,
+        Method::Lookahead,
     ];
 
     /// Lower-case name.
@@ -66,6 +70,7 @@ impl Method {
             Method::Star => "star",
             Method::Ring => "ring",
             Method::Kvpacket => "kvpacket",
+            Method::Lookahead => "lookahead",
         }
     }
 

@@ -376,8 +376,9 @@ fn importance_compares_snapkv_with_what_the_answer_reads() {
 }
 
 /// `train lookahead` on the real model (a tiny run: the command's plumbing, not the quality),
-/// then its adapter in `run --evict lookahead` and beside SnapKV in `importance`; without an
-/// adapter `--evict lookahead` is refused with the flag to pass.
+/// then its adapter in `run --evict lookahead` and beside SnapKV in `importance`; without
+/// `--lookahead-adapter` the adapter built in for the default model serves (the refusal of a
+/// model without one is tests/tests/lookahead.rs's).
 #[test]
 fn train_lookahead_then_evict_and_score_with_it() {
     let dir = std::env::temp_dir().join(format!("fp-lookahead-cli-{}", std::process::id()));
@@ -397,8 +398,8 @@ fn train_lookahead_then_evict_and_score_with_it() {
     let mut args: Vec<&str> = vec!["run"];
     args.extend(doc_args.iter().map(String::as_str));
     args.extend(["--query", "What is the north gate code?", "--evict", "lookahead", "--kv-budget", "8"]);
-    let (ok, _, err) = run(&args);
-    assert!(!ok && err.contains("--lookahead-adapter"), "no adapter: {err}");
+    let (ok, out, err) = run(&args);
+    assert!(ok && out.contains("evicted (lookahead, window 32)"), "the built-in adapter: {out}{err}");
     args.extend(["--lookahead-adapter", adapter.to_str().unwrap()]);
     let (ok, out, err) = run(&args);
     assert!(ok, "{err}");

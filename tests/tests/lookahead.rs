@@ -252,3 +252,103 @@ fn lookahead_eviction_keeps_the_budget_and_leaves_nothing_behind() {
     let e = run(&bare, 1, RunOptions { evict: ev(48), ..RunOptions::default() }).unwrap_err();
     assert!(e.contains("--lookahead-adapter") && e.contains("--evict"), "{e}");
 }
+
+/// The first logits of a recomputing method at ratio 1.0 against full prefill (relative; the
+/// same tolerance as the other selectors' test in engine_invariants.rs).
+const ENGINE_LOGIT_TOL: f32 = 2e-4;
+/// The selection's scores against the reference, relative to the largest score.
+const SCORE_REL_TOL: f32 = 1e-4;
+
+/// `--method lookahead`'s scores: the rows run after the prompt, whose K/V the probe keeps in
+/// its tail, equal the rows over ONE cache of context + prompt prefilled as a sequence (the
+/// context's part of the mass, at the weighted layers only), on tiny models of every
+/// architecture; and they are not the prompt's own scores (InfoFlow's).
+#[test]
+fn lookahead_selection_scores_are_the_rows_mass_after_the_prompt() {
+    use flowprefill_coordinator::select::{probe_local, probe_lookahead_local};
+    for arch in ["llama", "qwen2", "qwen3"] {
+        let (mut m, _tm, _dir) = tiny(arch, 300);
+        let a = random_adapter(m.config(), 5, "tiny");
+        m.set_lookahead(Some(&a)).unwrap();
+        let cfg = m.config().clone();
+        let context: Vec<u32> = (0..40).map(|i| (i * 11 + 5) % 300).collect();
+        let prompt: Vec<u32> = (0..7).map(|i| (i * 13 + 2) % 300).collect();
+        let weights: Vec<f32> = (0..cfg.n_layers).map(|l| if l == 0 || l == 1 { 1.0 } else { 0.0 }).collect();
+        let (nc, np) = (context.len() as u32, prompt.len() as u32);
+        let mut comm = LocalComm::group(1).pop().unwrap();
+        let mut ctx = KvCache::new(&Cpu, cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated).unwrap();
+        prefill_into(&m, &mut ctx, &context, 0, 64).unwrap();
+        let prompt_pos: Vec<u32> = (nc..nc + np).collect();
+        let never = &mut flowprefill_worker::interrupt::never;
+        let segs = vec![LocalSegment::placed(1, &ctx)];
+        let got = probe_lookahead_local(&m, &mut comm, segs.clone(), &prompt, &prompt_pos, &weights, never).unwrap();
+        let own = probe_local(&m, &mut comm, "probe", segs, &prompt, &prompt_pos, &weights, never).unwrap();
+
+        let mut whole = KvCache::new(&Cpu, cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated).unwrap();
+        prefill_into(&m, &mut whole, &[context.clone(), prompt.clone()].concat(), 0, 64).unwrap();
+        let mut tail = KvCache::new(&Cpu, cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated).unwrap();
+        let pos: Vec<u32> = (nc + np..nc + np + 5).collect();
+        let segs = vec![LocalSegment::placed(1, &whole)];
+        let mut rep = Replicated::new(&Cpu, &mut comm, "ref", segs, &mut tail, &pos, weights.clone()).unwrap();
+        m.forward_lookahead(&pos, &mut rep, 2, never).unwrap();
+        let want = rep.commit().unwrap().remove(0);
+
+        assert_eq!((got.len(), got[0].len()), (1, context.len()), "{arch}");
+        let top = want.iter().fold(0f32, |a, &b| a.max(b));
+        assert!(top > 0.0, "{arch}: the rows pay the context no attention");
+        let worst = got[0].iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(worst <= SCORE_REL_TOL * top, "{arch}: {worst} against the largest score {top}");
+        let apart = got[0].iter().zip(&own[0]).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(apart > 1e-3 * top, "{arch}: the rows' scores are the prompt's ({apart})");
+    }
+}
+
+/// `--method lookahead` on the real model: at ratio 1.0 every context token is recomputed and
+/// the job is full prefill (first logits within ENGINE_LOGIT_TOL, the same answer) on 1 and 2
+/// ranks; at 0.15 it recomputes the same number of tokens as InfoFlow, chosen otherwise;
+/// without an adapter the job is refused, naming the method and the flag.
+#[test]
+fn lookahead_selection_is_full_prefill_at_ratio_one_and_needs_an_adapter() {
+    let lm = real_with_lookahead();
+    let full = run(&lm, 1, RunOptions { method: Method::Full, ..RunOptions::default() }).unwrap();
+    for ranks in [1, 2] {
+        let r = run(&lm, ranks, RunOptions { method: Method::Lookahead, ratio: 1.0, ..RunOptions::default() }).unwrap();
+        assert_eq!(r.n_selected(), r.n_context_tokens, "{ranks} ranks: everything is recomputed");
+        let d = flowprefill_tests::rel_diff(&r.first_logits, &full.first_logits);
+        assert!(d <= ENGINE_LOGIT_TOL, "{ranks} ranks: relative logit difference {d}");
+        assert_eq!(r.answer, full.answer, "{ranks} ranks");
+    }
+    let at = |method| RunOptions { method, ratio: 0.15, ..RunOptions::default() };
+    let la = run(&lm, 1, at(Method::Lookahead)).unwrap();
+    let inf = run(&lm, 1, at(Method::Infoflow)).unwrap();
+    assert_eq!(la.n_selected(), inf.n_selected());
+    assert_ne!(la.selected_rows, inf.selected_rows, "the rows choose as the prompt does");
+    let bare = Arc::new(LoadedModel::load(&default_model_path(), Cpu).expect("default model"));
+    let e = run(&bare, 1, at(Method::Lookahead)).unwrap_err();
+    assert!(e.contains("--lookahead-adapter") && e.contains("method"), "{e}");
+}
+
+/// The adapters in `adapters/` are found by their models' fingerprints (so `--evict lookahead`
+/// and `--method lookahead` need no `--lookahead-adapter` there), have the paper's shape, and
+/// fit; a model without one gets none. Qwen2.5-Coder-0.5B is only in the cache where someone
+/// ran `flowprefill fetch-model qwen2.5-coder-0.5b`: elsewhere that half says it was skipped.
+#[test]
+fn the_fetched_models_have_their_shipped_lookahead_adapters() {
+    use flowprefill_worker::lookahead::{shipped, LOOKAHEAD_ROWS, LORA_RANK};
+    let mut lm = LoadedModel::load(&default_model_path(), Cpu).expect("default model");
+    let smol = shipped(&lm.fingerprint, lm.model.config()).expect("shipped adapters parse").expect("one for SmolLM2");
+    assert_eq!((smol.meta.rows, smol.meta.rank), (LOOKAHEAD_ROWS, LORA_RANK));
+    lm.use_lookahead(&smol).expect("its own adapter fits");
+    assert_eq!(lm.model.lookahead_rows(), LOOKAHEAD_ROWS);
+    assert!(shipped("no such model", lm.model.config()).unwrap().is_none());
+    let src = &flowprefill_worker::fetch::QWEN_CODER_05B;
+    let path = flowprefill_worker::fetch::model_path(src).expect("the model cache has a path");
+    if !path.exists() {
+        eprintln!("skipped (Qwen half): {} is not in the cache (flowprefill fetch-model {})", path.display(), src.name);
+        return;
+    }
+    let mut qwen = LoadedModel::load(&path, Cpu).expect("Qwen loads");
+    let a = shipped(&qwen.fingerprint, qwen.model.config()).expect("parse").expect("one for Qwen2.5-Coder-0.5B");
+    assert_ne!(a.hash, smol.hash);
+    qwen.use_lookahead(&a).expect("its own adapter fits");
+}

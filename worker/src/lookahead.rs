@@ -280,7 +280,16 @@ impl LookaheadAdapter {
 }
 
 /// The LookaheadKV adapters trained by the project (`adapters/`), built into the binary.
-const SHIPPED: &[(&str, &[u8])] = &[];
+const SHIPPED: &[(&str, &[u8])] = &[
+    (
+        "adapters/smollm2-135m-instruct.lookahead.safetensors",
+        include_bytes!("../../adapters/smollm2-135m-instruct.lookahead.safetensors"),
+    ),
+    (
+        "adapters/qwen2.5-coder-0.5b-instruct.lookahead.safetensors",
+        include_bytes!("../../adapters/qwen2.5-coder-0.5b-instruct.lookahead.safetensors"),
+    ),
+];
 
 /// The shipped LookaheadKV adapter trained for the weights `fingerprint`, if there is one.
 pub fn shipped(fingerprint: &str, cfg: &ModelConfig) -> Result<Option<LookaheadAdapter>> {

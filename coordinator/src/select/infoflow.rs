@@ -13,7 +13,7 @@
 //! neighbours of an important token are recomputed with it, at the cost of fewer distinct
 //! places within the same budget.
 
-use super::{pool_mean, ScoreCtx, Selector};
+use super::{pooled, ScoreCtx, Selector};
 use crate::error::Result;
 use flowprefill_kernels::Backend;
 
@@ -24,10 +24,6 @@ impl<B: Backend> Selector<B> for InfoFlow {
     fn score(&self, ctx: &mut ScoreCtx<'_, '_, B>) -> Result<Vec<Vec<f32>>> {
         let w = ctx.score_layer_weights()?;
         let g = ctx.opts.geometry;
-        let scores = ctx.probe(g, &w)?;
-        Ok(match ctx.opts.score_pool {
-            Some(window) if window > 1 => scores.iter().map(|s| pool_mean(s, window)).collect(),
-            _ => scores,
-        })
+        Ok(pooled(ctx.opts, ctx.probe(g, &w)?))
     }
 }

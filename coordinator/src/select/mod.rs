@@ -13,11 +13,13 @@
 //! | [`epic`] | the first tokens of each chunk | 000 Table 3 |
 //! | [`cacheclip`] | auxiliary model's last-layer query attention + 8/5 windows | 002 §3.3 |
 //! | [`random`] | uniform, seeded | - |
+//! | [`lookahead`] | LookaheadKV's trained rows' attention mass at the scoring layers | 004 + issue 31 |
 
 pub mod cacheblend;
 pub mod cacheclip;
 pub mod epic;
 pub mod infoflow;
+pub mod lookahead;
 pub mod prophet;
 pub mod random;
 
@@ -86,6 +88,16 @@ impl<B: Backend> ScoreCtx<'_, '_, B> {
     /// Attention mass of each local context token from the prompt (per local chunk), with
     /// `weights[l]` per layer, under `geometry`; a collective over all ranks.
     pub fn probe(&mut self, geometry: Geometry, weights: &[f32]) -> Result<Vec<Vec<f32>>> {
+        self.probe_by(Queries::Prompt, geometry, weights)
+    }
+
+    /// As [`ScoreCtx::probe`], the mass from LookaheadKV's rows run after the prompt (the model's
+    /// lookahead adapter) instead of from the prompt's own rows.
+    pub fn probe_lookahead(&mut self, geometry: Geometry, weights: &[f32]) -> Result<Vec<Vec<f32>>> {
+        self.probe_by(Queries::Lookahead, geometry, weights)
+    }
+
+    fn probe_by(&mut self, queries: Queries, geometry: Geometry, weights: &[f32]) -> Result<Vec<Vec<f32>>> {
         let positions_of: Vec<Vec<u32>> = self.order.iter().map(|&c| self.layout_positions(c)).collect();
         let local_pos: Vec<&[u32]> = positions_of.iter().map(Vec::as_slice).collect();
         let by_id: Vec<&[u32]> = (0..self.layout.chunks.len())
@@ -107,16 +119,13 @@ impl<B: Backend> ScoreCtx<'_, '_, B> {
         }
         let watch = self.watch;
         let mut check = || watch.check(crate::timings::phase::PROBE);
-        let mut scores = probe_local(
-            &self.lm.model,
-            self.comm,
-            "probe",
-            segs,
-            &self.layout.prompt,
-            &prompt_pos,
-            weights,
-            &mut check,
-        )?;
+        let (model, prompt) = (&self.lm.model, &self.layout.prompt);
+        let mut scores = match queries {
+            Queries::Prompt => probe_local(model, self.comm, "probe", segs, prompt, &prompt_pos, weights, &mut check)?,
+            Queries::Lookahead => {
+                probe_lookahead_local(model, self.comm, segs, prompt, &prompt_pos, weights, &mut check)?
+            }
+        };
         if self.head.is_some() {
             scores.remove(0);
         }
@@ -189,14 +198,69 @@ pub fn probe_local<B: Backend>(
     weights: &[f32],
     check: Check<'_>,
 ) -> Result<Vec<Vec<f32>>> {
+    probe_with(Queries::Prompt, model, comm, op, segs, prompt, prompt_pos, weights, check)
+}
+
+/// Runs `prompt` over local segments through every layer (its K/V kept), then LookaheadKV's
+/// rows after it (positions following the prompt's, their LoRA active) up to the last weighted
+/// layer, and returns the rows' weighted attention mass of each segment row (a collective over
+/// `comm`, two forwards). The prompt goes through every layer because a forward that stops
+/// early keeps none of its rows.
+pub fn probe_lookahead_local<B: Backend>(
+    model: &Model<B>,
+    comm: &mut dyn Communicator,
+    segs: Vec<LocalSegment<'_, B>>,
+    prompt: &[u32],
+    prompt_pos: &[u32],
+    weights: &[f32],
+    check: Check<'_>,
+) -> Result<Vec<Vec<f32>>> {
+    probe_with(Queries::Lookahead, model, comm, "probe.lookahead", segs, prompt, prompt_pos, weights, check)
+}
+
+/// Whose attention a probe measures.
+#[derive(Clone, Copy)]
+enum Queries {
+    /// The prompt's rows (InfoFlow and the other query-attention policies).
+    Prompt,
+    /// LookaheadKV's rows after the prompt.
+    Lookahead,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn probe_with<B: Backend>(
+    queries: Queries,
+    model: &Model<B>,
+    comm: &mut dyn Communicator,
+    op: &'static str,
+    segs: Vec<LocalSegment<'_, B>>,
+    prompt: &[u32],
+    prompt_pos: &[u32],
+    weights: &[f32],
+    check: Check<'_>,
+) -> Result<Vec<Vec<f32>>> {
     let Some(last) = weights.iter().rposition(|&w| w > 0.0) else {
         return Ok(segs.iter().map(|s| vec![0.0; s.cache.len()]).collect());
     };
     let be = model.backend();
     let c = model.config();
     let mut tail = KvCache::new(be, c.n_layers, c.kv_dim(), KeyForm::Rotated)?;
-    let mut rep = Replicated::new(be, comm, op, segs, &mut tail, prompt_pos, weights.to_vec())?;
-    model.forward_layers(prompt, prompt_pos, &mut rep, last + 1, check)?;
+    if let Queries::Prompt = queries {
+        let mut rep = Replicated::new(be, comm, op, segs, &mut tail, prompt_pos, weights.to_vec())?;
+        model.forward_layers(prompt, prompt_pos, &mut rep, last + 1, check)?;
+        return Ok(rep.commit()?);
+    }
+    let rows = model.lookahead_rows();
+    if rows == 0 {
+        return Err(internal("lookahead selection without a lookahead adapter passed admission"));
+    }
+    let mut rep = Replicated::new(be, comm, "probe.prompt", segs.clone(), &mut tail, prompt_pos, vec![])?;
+    model.forward_layers(prompt, prompt_pos, &mut rep, c.n_layers, &mut *check)?;
+    rep.commit()?;
+    let next = prompt_pos.last().map_or(0, |p| p + 1);
+    let positions: Vec<u32> = (next..next + rows as u32).collect();
+    let mut rep = Replicated::new(be, comm, op, segs, &mut tail, &positions, weights.to_vec())?;
+    model.forward_lookahead(&positions, &mut rep, last + 1, check)?;
     Ok(rep.commit()?)
 }
 
@@ -228,8 +292,17 @@ pub fn selector_for<B: Backend>(method: Method) -> Option<Box<dyn Selector<B>>> 
         Method::Epic => Box::new(epic::Epic),
         Method::Cacheclip => Box::new(cacheclip::CacheClip::default()),
         Method::Random => Box::new(random::Random),
+        Method::Lookahead => Box::new(lookahead::Lookahead),
         Method::Full | Method::None | Method::Star | Method::Ring | Method::Kvpacket => return None,
     })
+}
+
+/// `scores` pooled as `--score-pool` asks (unchanged when it is off or 1).
+pub fn pooled(opts: &RunOptions, scores: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+    match opts.score_pool {
+        Some(window) if window > 1 => scores.iter().map(|s| pool_mean(s, window)).collect(),
+        _ => scores,
+    }
 }
 
 /// Each score replaced by the mean of the scores in a centred window of `window` tokens

@@ -104,9 +104,14 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let evict = args.evict.parse()?;
     let mut table = methods(args.methods.as_deref())?;
     let engine = engine(common, None)?;
-    if args.methods.is_none() && engine.model().adapter.is_none() {
-        // The default table has KV Packet only where the model has an adapter.
-        table.retain(|t| t.method != Method::Kvpacket);
+    if args.methods.is_none() {
+        // The default table has KV Packet and lookahead only where the model has their adapters.
+        let lm = engine.model();
+        table.retain(|t| match t.method {
+            Method::Kvpacket => lm.adapter.is_some(),
+            Method::Lookahead => lm.model.lookahead_rows() > 0,
+            _ => true,
+        });
     }
     let (lengths, depths) = (args.lengths.concat(), args.depths.concat());
     crate::ensure_usage!(

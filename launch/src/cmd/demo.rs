@@ -15,7 +15,7 @@ pub struct Args {
 }
 
 /// The methods of the demo and check tables.
-pub const TABLE: [MethodSpec; 11] = [
+pub const TABLE: [MethodSpec; 12] = [
     spec(Method::Full, false),
     spec(Method::None, false),
     spec(Method::Infoflow, false),
@@ -27,6 +27,7 @@ pub const TABLE: [MethodSpec; 11] = [
     spec(Method::Random, false),
     spec(Method::Star, false),
     spec(Method::Kvpacket, false),
+    spec(Method::Lookahead, false),
 ];
 
 const fn spec(method: Method, reorder: bool) -> MethodSpec {
@@ -56,6 +57,10 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     for spec in TABLE {
         if spec.method == Method::Kvpacket && engine.model().adapter.is_none() {
             println!("{:<17} (no KV Packet adapter for this model: give --adapter PATH)", spec.to_string());
+            continue;
+        }
+        if spec.method == Method::Lookahead && engine.model().model.lookahead_rows() == 0 {
+            println!("{:<17} (no LookaheadKV adapter for this model: give --lookahead-adapter PATH)", spec.to_string());
             continue;
         }
         engine.store().clear();

@@ -251,7 +251,7 @@ fn compute(
     super::check_thread_world(common, a.ranks)?;
     let mut world = super::thread_world(common, lm.clone(), a.ranks, std::time::Duration::from_secs(600))?;
     let primers = plan.primers();
-    check_adapter(records, lm.adapter.as_ref().map(|a| a.hash.as_str()), results_path)?;
+    check_adapter(records, &lm, results_path)?;
     // The bar counts the runs to compute (those already in results.json are skipped), so
     // a resumed eval's ETA is not inflated by them.
     let mut progress = crate::progress::Progress::new(pending, "runs");
@@ -280,9 +280,7 @@ fn compute(
                         });
                         let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
                         let mut rec = record(&case, a.prompts, *spec, ratio, &r, &needles);
-                        if spec.method == Method::Kvpacket {
-                            rec.adapter = lm.adapter.as_ref().map(|a| a.hash.clone());
-                        }
+                        rec.adapter = adapter_of(&lm, spec.method);
                         records.push(rec);
                         progress.inc(&k);
                     }
@@ -313,17 +311,37 @@ fn report(a: &Args, plan: &Plan, records: Vec<Record>, results_path: &Path) -> R
     Ok(())
 }
 
-/// KV Packet runs already in the results must come from the adapter in use (another adapter's
-/// packets are another method).
-fn check_adapter(records: &[Record], adapter: Option<&str>, path: &Path) -> Result<()> {
-    if let Some(r) = records.iter().find(|r| r.method.method == Method::Kvpacket && r.adapter.as_deref() != adapter) {
-        crate::ensure_usage!(
-            false,
-            "{} holds kvpacket runs of adapter {} but this eval uses {}; pass another --out or the same --adapter",
-            path.display(),
-            r.adapter.as_deref().unwrap_or("(none)"),
-            adapter.unwrap_or("none")
-        );
+/// The hash of the trained adapter a method's runs depend on (KV Packet's or LookaheadKV's).
+fn adapter_of<B: flowprefill_kernels::Backend>(
+    lm: &flowprefill_worker::LoadedModel<B>,
+    method: Method,
+) -> Option<String> {
+    match method {
+        Method::Kvpacket => lm.adapter.as_ref().map(|a| a.hash.clone()),
+        Method::Lookahead => lm.model.lookahead_hash().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// KV Packet and lookahead runs already in the results must come from the adapter in use
+/// (another adapter's rows are another method).
+fn check_adapter<B: flowprefill_kernels::Backend>(
+    records: &[Record],
+    lm: &flowprefill_worker::LoadedModel<B>,
+    path: &Path,
+) -> Result<()> {
+    for method in [Method::Kvpacket, Method::Lookahead] {
+        let adapter = adapter_of(lm, method);
+        if let Some(r) = records.iter().find(|r| r.method.method == method && r.adapter != adapter) {
+            let flag = if method == Method::Kvpacket { "--adapter" } else { "--lookahead-adapter" };
+            crate::ensure_usage!(
+                false,
+                "{} holds {method} runs of adapter {} but this eval uses {}; pass another --out or the same {flag}",
+                path.display(),
+                r.adapter.as_deref().unwrap_or("(none)"),
+                adapter.as_deref().unwrap_or("none")
+            );
+        }
     }
     Ok(())
 }
