@@ -24,7 +24,8 @@ pub struct Common {
     #[arg(long, global = true, env = "FLOWPREFILL_ADAPTER")]
     pub adapter: Option<PathBuf>,
     /// LookaheadKV adapter (safetensors from `flowprefill train lookahead`) for `--evict
-    /// lookahead`; it must have been trained for `--model` (default: the one shipped for it).
+    /// lookahead` and `--method lookahead`; it must have been trained for `--model` (default:
+    /// the one built in for it).
     #[arg(long, global = true, env = "FLOWPREFILL_LOOKAHEAD_ADAPTER")]
     pub lookahead_adapter: Option<PathBuf>,
     /// Worker threads for the CPU kernels (default: all cores).
