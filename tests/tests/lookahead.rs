@@ -265,7 +265,7 @@ const SCORE_REL_TOL: f32 = 1e-4;
 /// architecture; and they are not the prompt's own scores (InfoFlow's).
 #[test]
 fn lookahead_selection_scores_are_the_rows_mass_after_the_prompt() {
-    use flowprefill_coordinator::select::{probe_local, probe_lookahead_local};
+    use flowprefill_coordinator::select::{probe_local, probe_with, Queries};
     for arch in ["llama", "qwen2", "qwen3"] {
         let (mut m, _tm, _dir) = tiny(arch, 300);
         let a = random_adapter(m.config(), 5, "tiny");
@@ -281,7 +281,9 @@ fn lookahead_selection_scores_are_the_rows_mass_after_the_prompt() {
         let prompt_pos: Vec<u32> = (nc..nc + np).collect();
         let never = &mut flowprefill_worker::interrupt::never;
         let segs = vec![LocalSegment::placed(1, &ctx)];
-        let got = probe_lookahead_local(&m, &mut comm, segs.clone(), &prompt, &prompt_pos, &weights, never).unwrap();
+        let got =
+            probe_with(Queries::Lookahead, &m, &mut comm, "la", segs.clone(), &prompt, &prompt_pos, &weights, never)
+                .unwrap();
         let own = probe_local(&m, &mut comm, "probe", segs, &prompt, &prompt_pos, &weights, never).unwrap();
 
         let mut whole = KvCache::new(&Cpu, cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated).unwrap();

@@ -119,13 +119,9 @@ impl<B: Backend> ScoreCtx<'_, '_, B> {
         }
         let watch = self.watch;
         let mut check = || watch.check(crate::timings::phase::PROBE);
+        let op = if queries == Queries::Prompt { "probe" } else { "probe.lookahead" };
         let (model, prompt) = (&self.lm.model, &self.layout.prompt);
-        let mut scores = match queries {
-            Queries::Prompt => probe_local(model, self.comm, "probe", segs, prompt, &prompt_pos, weights, &mut check)?,
-            Queries::Lookahead => {
-                probe_lookahead_local(model, self.comm, segs, prompt, &prompt_pos, weights, &mut check)?
-            }
-        };
+        let mut scores = probe_with(queries, model, self.comm, op, segs, prompt, &prompt_pos, weights, &mut check)?;
         if self.head.is_some() {
             scores.remove(0);
         }
@@ -201,34 +197,22 @@ pub fn probe_local<B: Backend>(
     probe_with(Queries::Prompt, model, comm, op, segs, prompt, prompt_pos, weights, check)
 }
 
-/// Runs `prompt` over local segments through every layer (its K/V kept), then LookaheadKV's
-/// rows after it (positions following the prompt's, their LoRA active) up to the last weighted
-/// layer, and returns the rows' weighted attention mass of each segment row (a collective over
-/// `comm`, two forwards). The prompt goes through every layer because a forward that stops
-/// early keeps none of its rows.
-pub fn probe_lookahead_local<B: Backend>(
-    model: &Model<B>,
-    comm: &mut dyn Communicator,
-    segs: Vec<LocalSegment<'_, B>>,
-    prompt: &[u32],
-    prompt_pos: &[u32],
-    weights: &[f32],
-    check: Check<'_>,
-) -> Result<Vec<Vec<f32>>> {
-    probe_with(Queries::Lookahead, model, comm, "probe.lookahead", segs, prompt, prompt_pos, weights, check)
-}
-
 /// Whose attention a probe measures.
-#[derive(Clone, Copy)]
-enum Queries {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Queries {
     /// The prompt's rows (InfoFlow and the other query-attention policies).
     Prompt,
     /// LookaheadKV's rows after the prompt.
     Lookahead,
 }
 
+/// [`probe_local`] for `Queries::Prompt`; for `Queries::Lookahead` the prompt runs over the
+/// segments through every layer (its K/V kept: a forward that stops early keeps none of its
+/// rows), then LookaheadKV's rows after it (positions following the prompt's, their LoRA
+/// active) up to the last weighted layer, and the scores are the rows' weighted attention mass
+/// (two forwards, both collectives over `comm`).
 #[allow(clippy::too_many_arguments)]
-fn probe_with<B: Backend>(
+pub fn probe_with<B: Backend>(
     queries: Queries,
     model: &Model<B>,
     comm: &mut dyn Communicator,
