@@ -20,7 +20,7 @@ budgets = [int(b) for b in (sys.argv[1] if len(sys.argv) > 1 else '64,128,512').
 for length in (2048, 4096):
     rows = []
     for b in budgets:
-        s, l = load(f'evict-snapkv-{b}-qwen'), load(f'evict-lookahead-{b}-qwen')
+        s, l = load(f'evict-qwen/snapkv-{b}'), load(f'evict-qwen/lookahead-{b}')
         keys = sorted(k for k in s if k in l and k[1] == length)
         if not keys: continue
         def mean(d, f=None):

@@ -147,3 +147,40 @@ fn same_command_same_table_resume_and_plots() {
     assert!(tc.contains("Selection settings: geometry \"tl-tp\""), "{tc}");
     let _ = std::fs::remove_dir_all(base);
 }
+
+#[test]
+fn an_eviction_sweep_writes_one_eval_per_setting() {
+    let base = std::env::temp_dir().join(format!("fp-eval-sweep-{}", std::process::id()));
+    let eval = |evict: &str, budgets: &str, out: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_flowprefill"))
+            .args(["eval", "--tasks", "niah_single", "--lengths", "400", "--samples", "1", "--methods", "full"])
+            .args(["--evict", evict, "--kv-budget", budgets])
+            .arg("--out")
+            .arg(out)
+            .output()
+            .expect("run eval")
+    };
+    let o = eval("snapkv,lookahead", "16,48", &base);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    for (policy, budget) in [("snapkv", 16), ("lookahead", 16), ("snapkv", 48), ("lookahead", 48)] {
+        let dir = base.join(format!("{policy}-{budget}"));
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("results.json")).unwrap()).unwrap();
+        assert_eq!((v["config"]["evict"].as_str(), v["config"]["kv_budget"].as_u64()), (Some(policy), Some(budget)));
+        assert_eq!(v["records"].as_array().map(Vec::len), Some(1), "{dir:?}: {v}");
+        let md = std::fs::read_to_string(dir.join("results.md")).unwrap();
+        assert!(md.contains(&format!("evict \"{policy}\"")) && md.contains(&format!("kv_budget {budget}")), "{md}");
+        assert!(err.contains(&format!("niah_single|400|0|full|- {policy}-{budget}")), "{err}");
+    }
+    // A folder of the sweep is the eval of that one setting: asked alone, it resumes.
+    let o = eval("lookahead", "48", &base.join("lookahead-48"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("1 of 1 planned runs are already done; 0 to compute"), "{err}");
+    // A setting asked twice is refused before any model loads.
+    let o = eval("snapkv,snapkv", "16", &base.join("twice"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("asked for twice") && !err.contains("loaded "), "{err}");
+    let o = eval("snapkv", "16,0", &base.join("zero"));
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("0 keeps nothing"));
+    let _ = std::fs::remove_dir_all(base);
+}

@@ -96,3 +96,39 @@ fn the_needle_survives_a_small_budget() {
         assert!(r.answer.contains("4729"), "{tag}: {:?}", r.answer);
     }
 }
+
+#[test]
+fn a_second_eviction_of_the_same_context_reuses_its_prefill() {
+    // Full prefill with eviction keeps the context's cache in the store: another policy or
+    // budget over the same context copies it, and answers as a fresh prefill does.
+    let req = gate_request();
+    let mut world = ThreadRanks::new(lm(), 1, 1 << 30, Duration::from_secs(60)).expect("ranks");
+    let mut go = |req: &Request, budget: usize| {
+        let opts =
+            RunOptions { method: Method::Full, evict: snapkv(budget), max_new_tokens: 16, ..RunOptions::default() };
+        world.run(&Job { request: req.clone(), options: opts }, &mut |_| true).expect("run")
+    };
+    let first = go(&req, 96);
+    let again = go(&req, 96);
+    let other = go(&req, 40);
+    assert_eq!((first.cache_hits, first.cache_misses), (0, 1), "the first run prefills the context");
+    assert_eq!((again.cache_hits, again.cache_misses), (1, 0), "the second copies it");
+    assert_eq!((other.cache_hits, other.cache_misses), (1, 0), "another budget copies it too");
+    assert_eq!(again.tokens, first.tokens, "answer {:?} vs {:?}", again.answer, first.answer);
+    assert_eq!(again.first_logits, first.first_logits, "the copy is the prefilled cache, bit for bit");
+    assert_eq!(again.eviction, first.eviction);
+    // The stored cache is never packed in place: the budget of 96 again after 40 keeps 96.
+    let third = go(&req, 96);
+    assert_eq!((third.tokens, third.eviction), (first.tokens.clone(), first.eviction.clone()));
+    assert_eq!(other.eviction.as_ref().map(|e| e.kept()), Some(40));
+    // Another context misses.
+    let mut req2 = req.clone();
+    req2.query = "Which harbour does the ferry leave from?".into();
+    let changed = go(&req2, 96);
+    assert_eq!((changed.cache_hits, changed.cache_misses), (1, 0), "the question is not part of the context's key");
+    if let flowprefill_coordinator::Context::Documents(d) = &mut req2.context {
+        d.push("The bridge closes at noon.".into());
+    }
+    let longer = go(&req2, 96);
+    assert_eq!((longer.cache_hits, longer.cache_misses), (0, 1), "another context is prefilled");
+}

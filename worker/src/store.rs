@@ -33,6 +33,19 @@ impl ChunkKey {
         Self(h.finalize().into())
     }
 
+    /// Key of a whole context's cache prefilled from position 0 with its keys rotated (what
+    /// full prefill with `--evict` keeps, so that another eviction of the same context skips
+    /// the prefill); never equal to a chunk's key.
+    pub fn context(tokens: &[u32]) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"flowprefill-context-v1");
+        h.update((tokens.len() as u64).to_le_bytes());
+        for t in tokens {
+            h.update(t.to_le_bytes());
+        }
+        Self(h.finalize().into())
+    }
+
     /// The key of the same chunk made with the adapter `hash` (KV Packet): packet caches and
     /// plain caches, or packets of two adapters, never share a key.
     pub fn with_adapter(self, hash: &str) -> Self {

@@ -65,7 +65,7 @@ use flowprefill_worker::interrupt::Watch;
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::sampling::Sampler;
 use flowprefill_worker::steps::{ring_prefill, zigzag_pieces, LocalSegment};
-use flowprefill_worker::store::ChunkStore;
+use flowprefill_worker::store::{ChunkKey, ChunkStore};
 use flowprefill_worker::{Field, InputError, LoadedModel};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -667,14 +667,31 @@ impl<B: Backend> Engine<B> {
         let cfg = model.config();
         let mut tokens = layout.full_tokens(&turn.out.order);
         tokens.truncate(layout.prompt_start() as usize);
-        let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
-        cache.reserve(model.backend(), tokens.len())?;
         self.fault_point(0, phase::PREFILL)?;
-        let watch = &turn.watch;
-        let mut check = || watch.check(phase::PREFILL);
-        turn.phases.time(phase::PREFILL, || {
-            prefill_into_checked(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK, &mut check)
-        })?;
+        // The context's cache is kept in the store (rotated, from position 0): another
+        // eviction of the same context (another policy or budget, another question) copies it
+        // instead of prefilling again. Eviction packs a copy, never the stored cache.
+        let key = ChunkKey::context(&tokens);
+        let (be, rope, heads) = (model.backend(), model.rope(), cfg.n_kv_heads);
+        let cache = match self.store.get(&key) {
+            Some(kept) => {
+                turn.mine.cache_hits = 1;
+                turn.phases.time(phase::PREFILL, || kept.placed(be, rope, kept.positions(), heads))?
+            }
+            None => {
+                turn.mine.cache_misses = 1;
+                let mut cache = KvCache::new(be, cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
+                cache.reserve(be, tokens.len())?;
+                let watch = &turn.watch;
+                let mut check = || watch.check(phase::PREFILL);
+                turn.phases.time(phase::PREFILL, || {
+                    prefill_into_checked(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK, &mut check)
+                })?;
+                let copy = cache.placed(be, rope, cache.positions(), heads)?;
+                self.store.insert(key, copy);
+                cache
+            }
+        };
         turn.out.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
         let mut alone = LocalComm::group(1).pop().ok_or_else(|| internal("a world of one rank"))?;
         self.prompt_then_decode(&mut alone, vec![(0, cache)], layout, turn)

@@ -6,6 +6,12 @@
 //! case's runs, so every recorded TTFT is warm (the multi-query RAG setting: chunk caches
 //! reused) and comparable across methods. `results.json` is rewritten after every case;
 //! an interrupted run resumes from it.
+//!
+//! With eviction (`--evict`, `--kv-budget`), every policy runs at every budget; several
+//! settings write one folder each (`<out>/<policy>-<budget>`, keyed and resumed as one eval
+//! each) and a case's runs of one method follow each other, so that full prefill's context
+//! cache, kept in the engine's store, serves every setting after the first: their TTFT then
+//! counts a copy of the cache, not the prefill.
 
 use crate::Common;
 use anyhow::Result;
@@ -52,9 +58,15 @@ pub struct Args {
     /// Scoring settings (ablations; non-default ones need their own --out).
     #[command(flatten)]
     pub scoring: super::ScoringArgs,
-    /// KV eviction before decoding, for every method (full included; needs its own --out).
-    #[command(flatten)]
-    pub evict: super::EvictArgs,
+    /// Evict the KV cache after the prompt, before decoding, for every method (full included):
+    /// policies, comma-separated (snapkv, lookahead), each at every --kv-budget. One setting
+    /// needs its own --out; several write `<out>/<policy>-<budget>` each.
+    #[arg(long, value_enum, value_delimiter = ',', requires = "kv_budget")]
+    pub evict: Vec<flowprefill_coordinator::EvictPolicy>,
+    /// Context KV entries kept per (layer, KV head) by --evict, over all ranks; comma-separated
+    /// for a sweep (e.g. 64,128,512).
+    #[arg(long, value_delimiter = ',', requires = "evict")]
+    pub kv_budget: Vec<usize>,
     /// Prompts: `ruler` (the question, then the assistant's turn opened with RULER's answer
     /// prefix; case-insensitive matching) or `plain` (the question alone, exact substrings: how
     /// the evaluations before 2026-11-22 were made, so their results.json files resume).
@@ -82,9 +94,32 @@ struct Plan {
     methods: Vec<MethodSpec>,
     /// Scoring settings (the ablations).
     scoring: super::Scoring,
+    /// One per eviction setting (one without eviction).
+    settings: Vec<Setting>,
+}
+
+/// One eviction setting of a plan: its own results folder and settings key.
+struct Setting {
     /// KV eviction before decoding, if any.
     evict: Option<flowprefill_coordinator::Evict>,
+    /// The settings results.json is keyed by.
     config: serde_json::Value,
+    /// Its folder (results.json, results.md, plots).
+    out: PathBuf,
+}
+
+impl Setting {
+    fn results_path(&self) -> PathBuf {
+        self.out.join("results.json")
+    }
+
+    /// Its name in progress lines (empty without a sweep).
+    fn label(&self, several: bool) -> String {
+        match self.evict {
+            Some(e) if several => format!(" {}-{}", e.policy, e.budget),
+            _ => String::new(),
+        }
+    }
 }
 
 impl Plan {
@@ -173,15 +208,40 @@ fn plan(common: &Common, a: &Args) -> Result<Plan> {
     if let Some(p) = scoring.prefix {
         config["prefix"] = serde_json::json!(p.name());
     }
-    let evict = a.evict.parse()?;
-    if let Some(e) = evict {
-        config["evict"] = serde_json::json!(e.policy.to_string());
-        config["kv_budget"] = serde_json::json!(e.budget);
-    }
     if a.prompts != PromptStyle::Plain {
         config["prompts"] = serde_json::json!(a.prompts.name());
     }
-    Ok(Plan { tasks, lengths, ratios, depths, methods, scoring, evict, config })
+    let mut evicts = Vec::new();
+    for &budget in &a.kv_budget {
+        flowprefill_coordinator::request::check_kv_budget(budget)?;
+        for &policy in &a.evict {
+            let e = flowprefill_coordinator::Evict { policy, budget };
+            crate::ensure_usage!(!evicts.contains(&e), "--evict {policy} --kv-budget {budget} is asked for twice");
+            evicts.push(e);
+        }
+    }
+    let settings = if evicts.is_empty() {
+        vec![Setting { evict: None, config, out: a.out.clone() }]
+    } else {
+        let several = evicts.len() > 1;
+        evicts
+            .into_iter()
+            .map(|e| {
+                let mut config = config.clone();
+                config["evict"] = serde_json::json!(e.policy.to_string());
+                config["kv_budget"] = serde_json::json!(e.budget);
+                let out = if several { a.out.join(format!("{}-{}", e.policy, e.budget)) } else { a.out.clone() };
+                Setting { evict: Some(e), config, out }
+            })
+            .collect()
+    };
+    Ok(Plan { tasks, lengths, ratios, depths, methods, scoring, settings })
+}
+
+/// One setting's runs: those in its results.json, and the new ones.
+struct Runs {
+    records: Vec<Record>,
+    have: HashSet<String>,
 }
 
 /// The runs already in `results.json` (made with the same settings), or none.
@@ -223,35 +283,40 @@ fn say_pending(plan: usize, pending: usize, resumed: bool, report_only: bool, pa
 /// Runs the command.
 pub fn run(common: &Common, a: Args) -> Result<()> {
     let plan = plan(common, &a)?;
-    let results_path = a.out.join("results.json");
-    let mut records = earlier_runs(&results_path, &plan.config, a.report_only)?;
-    std::fs::create_dir_all(&a.out).map_err(|e| anyhow::anyhow!("creating {}: {e}", a.out.display()))?;
-    let have: HashSet<String> = records.iter().map(Record::key).collect();
     let keys = plan.keys(a.samples);
-    let pending = keys.iter().filter(|k| !have.contains(*k)).count();
-    say_pending(keys.len(), pending, !have.is_empty(), a.report_only, &results_path);
-    if !a.report_only && pending > 0 {
-        compute(common, &a, &plan, &have, pending, &mut records, &results_path)?;
+    let mut runs = Vec::with_capacity(plan.settings.len());
+    let mut pending = 0;
+    for s in &plan.settings {
+        let path = s.results_path();
+        let records = earlier_runs(&path, &s.config, a.report_only)?;
+        std::fs::create_dir_all(&s.out).map_err(|e| anyhow::anyhow!("creating {}: {e}", s.out.display()))?;
+        let have: HashSet<String> = records.iter().map(Record::key).collect();
+        let left = keys.iter().filter(|k| !have.contains(*k)).count();
+        say_pending(keys.len(), left, !have.is_empty(), a.report_only, &path);
+        pending += left;
+        runs.push(Runs { records, have });
     }
-    report(&a, &plan, records, &results_path)
+    if !a.report_only && pending > 0 {
+        compute(common, &a, &plan, pending, &mut runs)?;
+    }
+    for (s, r) in plan.settings.iter().zip(runs) {
+        report(&a, &plan, s, r.records)?;
+    }
+    Ok(())
 }
 
-/// Runs every planned run not in `have`, writing `results.json` after every case.
-fn compute(
-    common: &Common,
-    a: &Args,
-    plan: &Plan,
-    have: &HashSet<String>,
-    pending: usize,
-    records: &mut Vec<Record>,
-    results_path: &Path,
-) -> Result<()> {
+/// Runs every planned run not in its setting's results, writing every setting's
+/// `results.json` after every case.
+fn compute(common: &Common, a: &Args, plan: &Plan, pending: usize, runs: &mut [Runs]) -> Result<()> {
     let lm = std::sync::Arc::new(super::load_model(common)?);
     let tok = &lm.tokenizer;
     super::check_thread_world(common, a.ranks)?;
     let mut world = super::thread_world(common, lm.clone(), a.ranks, std::time::Duration::from_secs(600))?;
     let primers = plan.primers();
-    check_adapter(records, &lm, results_path)?;
+    for (s, r) in plan.settings.iter().zip(runs.iter()) {
+        check_adapter(&r.records, &lm, &s.results_path())?;
+    }
+    let several = plan.settings.len() > 1;
     // The bar counts the runs to compute (those already in results.json are skipped), so
     // a resumed eval's ETA is not inflated by them.
     let mut progress = crate::progress::Progress::new(pending, "runs");
@@ -266,26 +331,30 @@ fn compute(
                 for spec in &plan.methods {
                     for ratio in plan.ratios_of(&spec.method) {
                         let k = key(task, len, sample, spec, ratio);
-                        if have.contains(&k) {
-                            continue;
+                        for (s, runs) in plan.settings.iter().zip(runs.iter_mut()) {
+                            if runs.have.contains(&k) {
+                                continue;
+                            }
+                            if !primed {
+                                prime(&mut world, &req, &primers)?;
+                                primed = true;
+                            }
+                            let opts = plan.scoring.apply(RunOptions {
+                                max_new_tokens: a.max_tokens.unwrap_or_else(|| answer_budget(task)),
+                                evict: s.evict,
+                                ..spec.options(ratio.unwrap_or(0.0))
+                            });
+                            let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
+                            let mut rec = record(&case, a.prompts, *spec, ratio, &r, &needles);
+                            rec.adapter = adapter_of(&lm, spec.method);
+                            runs.records.push(rec);
+                            progress.inc(&format!("{k}{}", s.label(several)));
                         }
-                        if !primed {
-                            prime(&mut world, &req, &primers)?;
-                            primed = true;
-                        }
-                        let opts = plan.scoring.apply(RunOptions {
-                            max_new_tokens: a.max_tokens.unwrap_or_else(|| answer_budget(task)),
-                            evict: plan.evict,
-                            ..spec.options(ratio.unwrap_or(0.0))
-                        });
-                        let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
-                        let mut rec = record(&case, a.prompts, *spec, ratio, &r, &needles);
-                        rec.adapter = adapter_of(&lm, spec.method);
-                        records.push(rec);
-                        progress.inc(&k);
                     }
                 }
-                ResultsFile { config: plan.config.clone(), records: records.clone() }.write(results_path)?;
+                for (s, runs) in plan.settings.iter().zip(runs.iter()) {
+                    ResultsFile { config: s.config.clone(), records: runs.records.clone() }.write(&s.results_path())?;
+                }
             }
         }
     }
@@ -293,21 +362,22 @@ fn compute(
 }
 
 /// Writes results.md and the plots from the runs of the tasks and lengths asked for.
-fn report(a: &Args, plan: &Plan, records: Vec<Record>, results_path: &Path) -> Result<()> {
+fn report(a: &Args, plan: &Plan, setting: &Setting, records: Vec<Record>) -> Result<()> {
     let settings: Vec<String> = ["geometry", "score_layers", "score_pool", "prefix", "evict", "kv_budget", "prompts"]
         .iter()
-        .filter_map(|k| plan.config.get(*k).map(|v| format!("{k} {v}")))
+        .filter_map(|k| setting.config.get(*k).map(|v| format!("{k} {v}")))
         .collect();
+    let out = &setting.out;
     // Tables and plots cover the tasks and lengths asked for; results.json keeps every run (an
     // earlier, wider run in the same folder would otherwise leak into the means).
     let shown: Vec<Record> =
         records.into_iter().filter(|r| plan.tasks.contains(&r.task) && plan.lengths.contains(&r.length)).collect();
     let md = summarize(&shown, &plan.tasks, &plan.lengths, &plan.methods, &plan.ratios, a.table_ratio, &settings);
-    let md_path = a.out.join("results.md");
+    let md_path = out.join("results.md");
     write_atomic(&md_path, md.as_bytes())?;
     println!("{md}");
-    plots(&shown, &plan.tasks, &plan.lengths, &plan.methods, &plan.ratios, &plan.depths, a.table_ratio, &a.out)?;
-    println!("wrote {}, {} and plots in {}", results_path.display(), md_path.display(), a.out.display());
+    plots(&shown, &plan.tasks, &plan.lengths, &plan.methods, &plan.ratios, &plan.depths, a.table_ratio, out)?;
+    println!("wrote {}, {} and plots in {}", setting.results_path().display(), md_path.display(), out.display());
     Ok(())
 }
 
