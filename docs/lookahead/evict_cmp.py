@@ -38,3 +38,17 @@ for length in (2048, 4096):
         print('| length | budget | cases | NIAH full / SnapKV / LookaheadKV | QA | VT | all | LookaheadKV better / worse than SnapKV | below full: SnapKV / LookaheadKV |')
         print('|---|---|---|---|---|---|---|---|---|')
         print('\n'.join(rows))
+    # Per task: mean score of the full cache, then SnapKV / LookaheadKV at each budget, on the
+    # cases every budget of both policies has.
+    data = {b: (load(f'evict-qwen/snapkv-{b}'), load(f'evict-qwen/lookahead-{b}')) for b in budgets}
+    common = [k for k in base if k[1] == length and all(k in s and k in l for s, l in data.values())]
+    if not common: continue
+    tasks = sorted({k[0] for k in common}, key=lambda t: (fam(t), t))
+    print(f'\nPer task at {length} tokens ({len(common)} cases with every budget), full / then SnapKV / LookaheadKV:\n')
+    print('| task | cases | full | ' + ' | '.join(f'N = {b}' for b in budgets) + ' |')
+    print('|---|---:|---:|' + '---:|' * len(budgets))
+    for t in tasks + [None]:
+        ks = [k for k in common if t is None or k[0] == t]
+        m = lambda d: 100 * sum(d[k] for k in ks) / len(ks)
+        cells = [f'{m(s):.1f} / {m(l):.1f}' for s, l in data.values()]
+        print(f'| {t or "all"} | {len(ks)} | {m(base):.1f} | ' + ' | '.join(cells) + ' |')
