@@ -3,6 +3,8 @@
 //!
 //! ```text
 //!   full (rank 0):  KV cache reserved for prompt + answer   + one prefill piece's buffers
+//!                   (with eviction: the context's cache, the prompt's and answer's tail; the
+//!                   cache goes to the store after eviction, never copied while the job runs)
 //!   ring (rank r):  K/V of its zigzag share                 + its share's forward + blocks in flight
 //!   chunked:        chunk caches (the store's) and the head, then the largest of
 //!                     chunk prefill   one batch's forward

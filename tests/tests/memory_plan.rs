@@ -9,7 +9,7 @@
 
 use flowprefill_coordinator::layout::Layout;
 use flowprefill_coordinator::memory::{plan_for, RankMemory};
-use flowprefill_coordinator::{Context, ErrorClass, Job, Method, Request, RunOptions, ThreadRanks};
+use flowprefill_coordinator::{Context, ErrorClass, Evict, EvictPolicy, Job, Method, Request, RunOptions, ThreadRanks};
 use flowprefill_tests::limited::{Ledger, Limited};
 use flowprefill_worker::LoadedModel;
 use std::sync::{Arc, OnceLock};
@@ -62,9 +62,16 @@ fn the_plan_is_within_ten_percent_of_the_counted_peak_at_2k_4k_8k() {
     let lm = model();
     let ledger = lm.model.backend().ledger().clone();
     // Full and InfoFlow at every size; the other shapes of the plan (CacheBlend's probe through
-    // every token, two ranks, ring attention) at 2K and 4K (the CPU's time is the limit).
-    let every: &[(Method, usize)] = &[(Method::Full, 1), (Method::Infoflow, 1)];
-    let more: &[(Method, usize)] = &[(Method::Cacheblend, 1), (Method::Infoflow, 2), (Method::Ring, 2)];
+    // every token, two ranks, ring attention, full prefill then eviction, whose context cache
+    // goes to the store with no second copy) at 2K and 4K (the CPU's time is the limit).
+    let snapkv = Some(Evict { policy: EvictPolicy::Snapkv, budget: 64 });
+    let every: &[(Method, usize, Option<Evict>)] = &[(Method::Full, 1, None), (Method::Infoflow, 1, None)];
+    let more: &[(Method, usize, Option<Evict>)] = &[
+        (Method::Cacheblend, 1, None),
+        (Method::Infoflow, 2, None),
+        (Method::Ring, 2, None),
+        (Method::Full, 1, snapkv),
+    ];
     let mut worst: f64 = 0.0;
     let mut failures = Vec::new();
     eprintln!(
@@ -75,8 +82,8 @@ fn the_plan_is_within_ten_percent_of_the_counted_peak_at_2k_4k_8k() {
         let req = request(&lm, tokens, 7);
         let layout = Layout::build(&lm, &req).expect("layout");
         let cases = if tokens < 7936 { [every, more].concat() } else { every.to_vec() };
-        for (method, ranks) in cases {
-            let opts = RunOptions { method, max_new_tokens: 4, ..RunOptions::default() };
+        for (method, ranks, evict) in cases {
+            let opts = RunOptions { method, evict, max_new_tokens: 4, ..RunOptions::default() };
             // A store of no bytes: the job's chunk caches are its own (held while it runs).
             let mut world = ThreadRanks::new(lm.clone(), ranks, 0, Duration::from_secs(600)).expect("world");
             let job = Job { request: req.clone(), options: opts.clone() };
@@ -100,7 +107,7 @@ fn the_plan_is_within_ten_percent_of_the_counted_peak_at_2k_4k_8k() {
             eprintln!(
                 "{:>7} {:>11} {:>5} {:>8.1}Mi {:>8.1}Mi {:>+6.1}%  {} ({}); counted by phase: {}",
                 r.n_context_tokens,
-                method.name(),
+                format!("{}{}", method.name(), if evict.is_some() { "+evict" } else { "" }),
                 ranks,
                 mib(counted),
                 mib(planned),
@@ -110,7 +117,7 @@ fn the_plan_is_within_ten_percent_of_the_counted_peak_at_2k_4k_8k() {
                 phases.join(", ")
             );
             if err.abs() > 0.10 {
-                failures.push(format!("{tokens} tokens, {method:?} on {ranks}: {:+.1}%", 100.0 * err));
+                failures.push(format!("{tokens} tokens, {method:?} ({evict:?}) on {ranks}: {:+.1}%", 100.0 * err));
             }
         }
     }

@@ -88,7 +88,7 @@ impl<B: Backend> Engine<B> {
         turn.out.order = order;
         // The prompt over the sharded segments, then decoding.
         let segments: Vec<(usize, KvCache<B>)> = placed.ids.iter().copied().zip(placed.segments).collect();
-        self.prompt_then_decode(comm, segments, layout, turn)
+        self.prompt_then_decode(comm, segments, layout, None, turn)
     }
 
     /// Phase 1: this rank's chunk caches, from the store or prefilled (no communication: look

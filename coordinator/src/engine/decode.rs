@@ -11,17 +11,21 @@ use flowprefill_worker::generate::{decode_with, StopReason};
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::model::Logits;
 use flowprefill_worker::steps::{HeadScores, LocalSegment, Replicated};
+use flowprefill_worker::store::ChunkKey;
 
 impl<B: Backend> Engine<B> {
     /// Runs the prompt over this rank's `segments` (global id, placed cache), evicts them to
-    /// the job's KV budget if it has one (the segments are dropped, the packed cache kept),
-    /// then decodes (see [`Engine::decode_with_tail`]).
+    /// the job's KV budget if it has one (the segments are dropped, the packed cache kept;
+    /// with `store_as`, the first segment goes to the chunk store under that key instead: the
+    /// prompt and the scoring read it, never write it, so the store gets the cache without a
+    /// copy), then decodes (see [`Engine::decode_with_tail`]).
     pub(super) fn prompt_and_decode(
         &self,
         comm: &mut dyn Communicator,
         segments: Vec<(usize, KvCache<B>)>,
         prompt: &[u32],
         prompt_pos: &[u32],
+        store_as: Option<ChunkKey>,
         turn: &mut Turn<'_>,
     ) -> Result<Option<(Vec<u32>, StopReason)>> {
         let model = &self.lm.model;
@@ -54,7 +58,11 @@ impl<B: Backend> Engine<B> {
                     };
                     self.evict(comm, &segments, &heads, ev, out)
                 })?;
-                // The full segments go here; decoding holds only what was kept.
+                // The full segments go here (or to the store); decoding holds only what was
+                // kept.
+                if let (Some(key), Some((_, full))) = (store_as, segments.into_iter().next()) {
+                    self.store.insert(key, full);
+                }
                 kept.into_iter().collect()
             }
         };

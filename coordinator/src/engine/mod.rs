@@ -670,13 +670,15 @@ impl<B: Backend> Engine<B> {
         self.fault_point(0, phase::PREFILL)?;
         // The context's cache is kept in the store (rotated, from position 0): another
         // eviction of the same context (another policy or budget, another question) copies it
-        // instead of prefilling again. Eviction packs a copy, never the stored cache.
+        // instead of prefilling again. Eviction packs a copy, never the stored cache. A
+        // prefilled cache goes to the store after eviction has read it (no second copy while
+        // the job runs: the memory plan's peak holds).
         let key = ChunkKey::context(&tokens);
         let (be, rope, heads) = (model.backend(), model.rope(), cfg.n_kv_heads);
-        let cache = match self.store.get(&key) {
+        let (cache, store_as) = match self.store.get(&key) {
             Some(kept) => {
                 turn.mine.cache_hits = 1;
-                turn.phases.time(phase::PREFILL, || kept.placed(be, rope, kept.positions(), heads))?
+                (turn.phases.time(phase::PREFILL, || kept.placed(be, rope, kept.positions(), heads))?, None)
             }
             None => {
                 turn.mine.cache_misses = 1;
@@ -687,27 +689,27 @@ impl<B: Backend> Engine<B> {
                 turn.phases.time(phase::PREFILL, || {
                     prefill_into_checked(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK, &mut check)
                 })?;
-                let copy = cache.placed(be, rope, cache.positions(), heads)?;
-                self.store.insert(key, copy);
-                cache
+                (cache, Some(key))
             }
         };
         turn.out.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
         let mut alone = LocalComm::group(1).pop().ok_or_else(|| internal("a world of one rank"))?;
-        self.prompt_then_decode(&mut alone, vec![(0, cache)], layout, turn)
+        self.prompt_then_decode(&mut alone, vec![(0, cache)], layout, store_as, turn)
     }
 
-    /// The layout's prompt over `segments` at its positions, then decoding.
+    /// The layout's prompt over `segments` at its positions, then decoding (`store_as`: see
+    /// [`Engine::prompt_and_decode`]).
     fn prompt_then_decode(
         &self,
         comm: &mut dyn Communicator,
         segments: Vec<(usize, KvCache<B>)>,
         layout: &Layout,
+        store_as: Option<ChunkKey>,
         turn: &mut Turn<'_>,
     ) -> Result<Option<(Vec<u32>, StopReason)>> {
         let start = layout.prompt_start();
         let prompt_pos: Vec<u32> = (start..start + layout.prompt.len() as u32).collect();
-        self.prompt_and_decode(comm, segments, &layout.prompt, &prompt_pos, turn)
+        self.prompt_and_decode(comm, segments, &layout.prompt, &prompt_pos, store_as, turn)
     }
 
     /// Method `ring`: exact ring prefill of the whole sequence, then sharded decoding.
@@ -731,7 +733,7 @@ impl<B: Backend> Engine<B> {
         // Each rank's rows are one segment, merged in rank order.
         let rank = comm.rank();
         if evicting {
-            return self.prompt_then_decode(comm, vec![(rank, out.cache)], layout, turn);
+            return self.prompt_then_decode(comm, vec![(rank, out.cache)], layout, None, turn);
         }
         let pieces = zigzag_pieces(tokens.len(), comm.size());
         let last = tokens.len() - 1;
