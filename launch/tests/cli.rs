@@ -417,3 +417,41 @@ fn train_lookahead_then_evict_and_score_with_it() {
     let _ = std::fs::remove_dir_all(dir);
     let _ = std::fs::remove_dir_all(docs_dir);
 }
+
+/// `bench decode`: every setting decodes, eviction keeps N entries per head in fewer bytes than
+/// the whole cache, the evicting settings after the first reuse the context's prefill, and the
+/// CSV has a row per run; a bad setting is refused before the model loads.
+#[test]
+fn bench_decode_times_each_eviction_setting() {
+    let dir = std::env::temp_dir().join(format!("fp-bench-decode-{}", std::process::id()));
+    let out = bin()
+        .args(["bench", "decode", "--tokens", "300", "--doc-tokens", "150", "--evict", "none,snapkv,lookahead"])
+        .args(["--kv-budget", "16", "--runs", "2", "--max-tokens", "6", "--out", dir.to_str().unwrap()])
+        .output()
+        .expect("bench decode");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for setting in ["none ", "snapkv-16 ", "lookahead-16 "] {
+        assert!(text.lines().any(|l| l.starts_with(setting)), "no row for {setting}: {text}");
+    }
+    let csv = std::fs::read_to_string(dir.join("decode.csv")).expect("decode.csv");
+    let rows: Vec<Vec<&str>> = csv.lines().skip(1).map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), 6, "two runs of three settings: {csv}");
+    let col = |r: &Vec<&str>, i: usize| r[i].parse::<f64>().unwrap_or_else(|_| panic!("{csv}"));
+    let whole = rows.iter().find(|r| r[0] == "none").expect("a run without eviction");
+    for r in &rows {
+        assert!(col(r, 2) > 0.0 && col(r, 3) >= 2.0, "decoded and timed: {r:?}");
+        if r[0] != "none" {
+            assert_eq!(r[6], "16", "kept per head: {r:?}");
+            assert!(col(r, 7) * 4.0 < col(whole, 7), "16 of ~300 rows in fewer bytes: {r:?} vs {whole:?}");
+        }
+    }
+    let hits = rows.iter().filter(|r| r[0] != "none" && r[8] != "0").count();
+    assert_eq!(hits, 3, "every evicting run but the first copies the stored prefill: {csv}");
+    let _ = std::fs::remove_dir_all(dir);
+
+    let (ok, _, err) = run(&["bench", "decode", "--evict", "none,h2o", "--kv-budget", "16"]);
+    assert!(!ok && err.contains("give none, snapkv or lookahead"), "{err}");
+    let (ok, _, err) = run(&["bench", "decode", "--evict", "snapkv", "--kv-budget", "0"]);
+    assert!(!ok && err.contains("keeps nothing"), "{err}");
+}

@@ -28,6 +28,9 @@ pub enum Bench {
     /// Measures this machine's GEMM and attention rates, memory bandwidth and links into a
     /// `cpu-local` profile for `bench project` and `bench ttft --project`.
     Calibrate(super::project::CalibrateArgs),
+    /// Decoding speed and the context's KV bytes with and without KV eviction before decoding
+    /// (`--evict none,snapkv,lookahead --kv-budget 64,128,512`): medians and a CSV.
+    Decode(super::decode_bench::Args),
     /// The service's fault matrix: every injected fault (panic, hang, exit on each rank and
     /// phase; client disconnects; deadlines) against what a client sees.
     Faults(super::faults::Args),
@@ -136,12 +139,14 @@ pub fn run(common: &Common, bench: Bench) -> Result<()> {
         Bench::Ttft(a) => ttft(common, a),
         Bench::Load(a) => load(common, a),
         Bench::Faults(a) => super::faults::run(common, a),
+        Bench::Decode(a) => super::decode_bench::run(common, a),
         Bench::Project(a) => super::project::run_project(common, a),
         Bench::Calibrate(a) => super::project::run_calibrate(common, a),
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
+/// The median of `v` (sorted in place; `v` must not be empty).
+pub(super) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len();
     if n % 2 == 1 {
@@ -267,7 +272,7 @@ fn time_prefills<B: Backend>(
 }
 
 /// Documents of about `doc_tokens` tokens each, about `total` tokens in all, with a needle.
-fn bench_docs(
+pub(super) fn bench_docs(
     tok: &flowprefill_worker::tokenizer::Tokenizer,
     total: usize,
     doc_tokens: usize,

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod check;
+pub mod decode_bench;
 pub mod demo;
 pub mod eval;
 pub mod faults;
