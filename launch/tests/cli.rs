@@ -451,7 +451,11 @@ fn bench_decode_times_each_eviction_setting() {
     let _ = std::fs::remove_dir_all(dir);
 
     let (ok, _, err) = run(&["bench", "decode", "--evict", "none,h2o", "--kv-budget", "16"]);
-    assert!(!ok && err.contains("give none, snapkv or lookahead"), "{err}");
+    assert!(!ok && err.contains("give none or snapkv, lookahead"), "{err}");
     let (ok, _, err) = run(&["bench", "decode", "--evict", "snapkv", "--kv-budget", "0"]);
     assert!(!ok && err.contains("keeps nothing"), "{err}");
+    // A model without a LookaheadKV adapter: refused at admission, before any prefill.
+    let (ok, out, err) =
+        run(&["--model", "synthetic:smollm2-135m:2", "bench", "decode", "--tokens", "200", "--kv-budget", "16"]);
+    assert!(!ok && err.contains("LookaheadKV adapter") && !err.contains("ms/token"), "{out}{err}");
 }

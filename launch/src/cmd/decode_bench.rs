@@ -45,9 +45,10 @@ pub struct Args {
     /// The prefill before decoding: full, or any method (`NAME@RATIO` for its ratio).
     #[arg(long, default_value = "full")]
     pub method: String,
-    /// Thread ranks (under `mpirun`: the processes of the world).
-    #[arg(long, default_value_t = 1)]
-    pub ranks: usize,
+    /// Thread ranks (default 1); under `mpirun` every process of the world is a rank, and
+    /// --ranks, if given, must be their number.
+    #[arg(long)]
+    pub ranks: Option<usize>,
     /// Output folder for decode.csv.
     #[arg(long, default_value = "bench-out")]
     pub out: PathBuf,
@@ -56,32 +57,28 @@ pub struct Args {
 /// One setting: the eviction, if any.
 type Setting = Option<flowprefill_coordinator::Evict>;
 
-/// The settings asked for, the whole cache first.
+/// The settings asked for: the whole cache first (if asked for), then every policy at every
+/// budget.
 fn settings(a: &Args) -> Result<Vec<Setting>> {
-    let budgets = a.kv_budget.concat();
-    let mut out: Vec<Setting> = Vec::new();
+    use clap::ValueEnum;
+    let (mut whole, mut policies) = (false, Vec::new());
     for name in a.evict.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let policy = match name {
-            "none" => {
-                crate::ensure_usage!(!out.contains(&None), "--evict none is asked for twice");
-                out.insert(0, None);
-                continue;
-            }
-            "snapkv" => EvictPolicy::Snapkv,
-            "lookahead" => EvictPolicy::Lookahead,
-            other => {
-                let why = format!("--evict {other}: give none, snapkv or lookahead (comma-separated)");
-                return Err(anyhow::Error::new(crate::exit::Usage(why)));
-            }
-        };
-        crate::ensure_usage!(!budgets.is_empty(), "--evict {policy} needs --kv-budget N[,N...]");
-        for &budget in &budgets {
-            flowprefill_coordinator::request::check_kv_budget(budget)?;
-            let e = Some(flowprefill_coordinator::Evict { policy, budget });
-            crate::ensure_usage!(!out.contains(&e), "--evict {policy} --kv-budget {budget} is asked for twice");
-            out.push(e);
+        if name == "none" {
+            crate::ensure_usage!(!whole, "--evict none is asked for twice");
+            whole = true;
+            continue;
         }
+        let Ok(policy) = EvictPolicy::from_str(name, true) else {
+            let names: Vec<String> = EvictPolicy::value_variants().iter().map(ToString::to_string).collect();
+            let why = format!("--evict {name}: give none or {} (comma-separated)", names.join(", "));
+            return Err(anyhow::Error::new(crate::exit::Usage(why)));
+        };
+        policies.push(policy);
     }
+    let budgets = a.kv_budget.concat();
+    crate::ensure_usage!(policies.is_empty() || !budgets.is_empty(), "--evict {} needs --kv-budget N[,N...]", a.evict);
+    let evicts = super::evict_grid(&policies, &budgets)?;
+    let out: Vec<Setting> = whole.then_some(None).into_iter().chain(evicts.into_iter().map(Some)).collect();
     crate::ensure_usage!(!out.is_empty(), "--evict needs at least one of none, snapkv, lookahead");
     Ok(out)
 }
@@ -149,19 +146,26 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         a.max_tokens >= 2,
         "--max-tokens must be at least 2 (decoding is timed after the first token)"
     );
-    crate::ensure_usage!(a.ranks >= 1, "--ranks must be at least 1");
+    let ranks = a.ranks.unwrap_or(1);
+    crate::ensure_usage!(ranks >= 1, "--ranks must be at least 1");
     let settings = settings(&a)?;
     let specs = MethodSpec::parse_list(&a.method)?;
     crate::ensure_usage!(specs.len() == 1, "--method takes one method, e.g. full or infoflow@0.15");
     let spec = specs[0];
-    super::check_thread_world(common, a.ranks)?;
+    super::check_thread_world(common, ranks)?;
     let lm = std::sync::Arc::new(super::load_model(common)?);
     let req = request(&a, &lm)?;
     let timeout = std::time::Duration::from_secs(600);
     let mut world = match super::mpi_world(common, &lm, timeout, true)? {
         Some(w) => w,
-        None => World::Threads(super::thread_world(common, lm.clone(), a.ranks, timeout)?),
+        None => World::Threads(super::thread_world(common, lm.clone(), ranks, timeout)?),
     };
+    if let (Some(size), Some(asked)) = (world.max_ranks(), a.ranks) {
+        crate::ensure_usage!(
+            asked == size,
+            "--ranks {asked} under mpirun -np {size}: leave --ranks out or give {size}"
+        );
+    }
     let cfg = lm.model.config();
     let lead = world.lead();
     let mut runs: Vec<Vec<Sample>> = settings.iter().map(|_| Vec::new()).collect();
@@ -169,11 +173,21 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     let mut csv = String::from(
         "setting,run,decode_ms_per_token,tokens,ttft_ms,evict_ms,kept_per_head,context_kv_bytes,cache_hits\n",
     );
+    // Every setting's job, admitted before any work: a refusal (no LookaheadKV adapter for the
+    // model, a context over its window) comes before the first prefill.
+    let jobs: Vec<Job> = settings
+        .iter()
+        .map(|s| Job {
+            request: req.clone(),
+            options: RunOptions { max_new_tokens: a.max_tokens, evict: *s, ..spec.options(0.15) },
+        })
+        .collect();
+    for job in &jobs {
+        flowprefill_coordinator::admit(&lm, job, &flowprefill_coordinator::Limits::NONE)?;
+    }
     for round in 0..a.runs {
-        for (i, s) in settings.iter().enumerate() {
-            let opts = RunOptions { max_new_tokens: a.max_tokens, evict: *s, ..spec.options(0.15) };
-            let job = Job { request: req.clone(), options: opts };
-            let Some(r) = world.run(&job, &mut |_| true)? else { continue };
+        for (i, (s, job)) in settings.iter().zip(&jobs).enumerate() {
+            let Some(r) = world.run(job, &mut |_| true)? else { continue };
             n_ctx = r.n_context_tokens;
             let full_kv = (r.n_head_tokens + r.n_context_tokens) * cfg.n_layers * cfg.kv_dim() * 2 * r.kv_bytes;
             let Some(m) = sample(&r, full_kv) else {

@@ -211,15 +211,7 @@ fn plan(common: &Common, a: &Args) -> Result<Plan> {
     if a.prompts != PromptStyle::Plain {
         config["prompts"] = serde_json::json!(a.prompts.name());
     }
-    let mut evicts = Vec::new();
-    for &budget in &a.kv_budget {
-        flowprefill_coordinator::request::check_kv_budget(budget)?;
-        for &policy in &a.evict {
-            let e = flowprefill_coordinator::Evict { policy, budget };
-            crate::ensure_usage!(!evicts.contains(&e), "--evict {policy} --kv-budget {budget} is asked for twice");
-            evicts.push(e);
-        }
-    }
+    let evicts = super::evict_grid(&a.evict, &a.kv_budget)?;
     let settings = if evicts.is_empty() {
         vec![Setting { evict: None, config, out: a.out.clone() }]
     } else {

@@ -331,6 +331,24 @@ pub fn attach_device_plane(common: &Common, comm: &mut dyn flowprefill_comm::Com
     }
 }
 
+/// Every eviction setting of `policies` at `budgets` (each budget checked; a setting asked for
+/// twice is a usage error), budget by budget.
+pub fn evict_grid(
+    policies: &[flowprefill_coordinator::EvictPolicy],
+    budgets: &[usize],
+) -> Result<Vec<flowprefill_coordinator::Evict>> {
+    let mut evicts = Vec::new();
+    for &budget in budgets {
+        flowprefill_coordinator::request::check_kv_budget(budget)?;
+        for &policy in policies {
+            let e = flowprefill_coordinator::Evict { policy, budget };
+            crate::ensure_usage!(!evicts.contains(&e), "--evict {policy} --kv-budget {budget} is asked for twice");
+            evicts.push(e);
+        }
+    }
+    Ok(evicts)
+}
+
 /// Parses a comma-separated list of numbers.
 pub fn parse_list<T: std::str::FromStr>(s: &str) -> std::result::Result<Vec<T>, String> {
     s.split(',')
