@@ -35,11 +35,7 @@ python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev
 echo "PyTorch baseline: $([ $torch = 1 ] && python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' || echo "not available (flowprefill alone)")" | tee "$out/baseline.txt"
 
 # A context of about N tokens for decode (prose; the exact count comes back in the JSON).
-python3 - "$out/context.txt" "$words" <<'PY'
-import sys
-words = "the river carried light over stones while a quiet town counted its bells and kept its records".split()
-open(sys.argv[1], "w").write(" ".join(words[i % len(words)] for i in range(int(sys.argv[2]))))
-PY
+write_context "$out/context.txt" "$words"
 
 for model in default "$big"; do
   m=(); [ "$model" = default ] || m=(--model "$model")

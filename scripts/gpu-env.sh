@@ -33,3 +33,13 @@ export FLOWPREFILL_REQUIRE_NVRTC=1
 # binaries get the same loader path.
 ld=$("$FP" devices | sed -n 's/^LD_LIBRARY_PATH=//p')
 if [ -n "$ld" ]; then export LD_LIBRARY_PATH="$ld"; fi
+
+# write_context FILE WORDS: a prose context of WORDS words (the decode and placement measurements
+# of gpu-bench.sh and gpu-flash-ab.sh; the exact token count comes back in each JSON).
+write_context() {
+  python3 - "$1" "$2" <<'PY'
+import sys
+words = "the river carried light over stones while a quiet town counted its bells and kept its records".split()
+open(sys.argv[1], "w").write(" ".join(words[i % len(words)] for i in range(int(sys.argv[2]))))
+PY
+}

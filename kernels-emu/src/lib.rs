@@ -7,8 +7,8 @@
 //! pointer reaches C++.
 
 use flowprefill_kernels::attention::AttnShape;
-pub use flowprefill_kernels::gpu::ops::FlashPlan;
 use flowprefill_kernels::gpu::ops::{self, AttnDims, RopeArgs};
+pub use flowprefill_kernels::gpu::ops::{FlashKernel, FlashPlan};
 use flowprefill_kernels::gpu::{Call, Elem, Ptr, ATTENTION_MAX_DIM};
 use flowprefill_kernels::rope::{RopeStyle, RopeTable};
 use std::ffi::{c_char, CStr, CString};
@@ -315,10 +315,11 @@ pub fn merge_partial(out: &mut [f32], lse: &mut [f32], block_out: &[f32], block_
     run(&built(ops::merge_partial(pm(out), pm(lse), p(block_out), p(block_lse), rows, u32_of(head_dim))));
 }
 
-/// The tensor-core attention (bf16 `q`, `k`, `v`), planned as the backend plans it for a GPU
-/// of `sm_count` SMs, or with `splits` key splits forced; returns the plan it ran.
+/// The tensor-core attention (bf16 `q`, `k`, `v`) by `kernel`, planned as the backend plans it
+/// for a GPU of `sm_count` SMs, or with `splits` key splits forced; returns the plan it ran.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention(
+    kernel: FlashKernel,
     shape: &AttnShape,
     q: &[u16],
     qpos: &[u32],
@@ -331,7 +332,7 @@ pub fn flash_attention(
     splits: Option<u32>,
 ) -> FlashPlan {
     let d = attn_dims(shape, q.len(), qpos, k.len(), Some(v.len()), kpos, Some(out.len()), lse.len());
-    let plan = ops::flash_plan(d, sm_count, splits);
+    let plan = ops::flash_plan(d, kernel, sm_count, splits);
     if qpos.is_empty() {
         return plan;
     }

@@ -110,13 +110,13 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// Runs the flash kernel on `c` (its inputs rounded to bf16) and checks it by the rules above;
 /// returns the plan it ran.
-fn check_flash(c: &Case, splits: Option<u32>, label: &str) -> emu::FlashPlan {
+fn check_flash(kernel: emu::FlashKernel, c: &Case, splits: Option<u32>, label: &str) -> emu::FlashPlan {
     let (qb, q) = to_bf16(&c.q);
     let (kb, k) = to_bf16(&c.k);
     let (vb, v) = to_bf16(&c.v);
     let (m, heads) = (c.qpos.len(), c.shape.n_heads);
     let (mut out, mut lse) = (vec![7f32; c.q.len()], vec![7f32; m * heads]);
-    let plan = emu::flash_attention(&c.shape, &qb, &c.qpos, &kb, &vb, &c.kpos, &mut out, &mut lse, 132, splits);
+    let plan = emu::flash_attention(kernel, &c.shape, &qb, &c.qpos, &kb, &vb, &c.kpos, &mut out, &mut lse, 132, splits);
     let (want, want_lse) = attention_f64(c, &q, &k, &v, false);
     let (naive, _) = attention_f64(c, &q, &k, &v, true);
     assert!(out.iter().all(|x| x.is_finite()), "{label}: a non-finite output");
@@ -145,13 +145,18 @@ fn flash_attention_matches_the_reference_on_odd_shapes() {
         (63, 63, 2, 2, 128, false, Some(1)),
         (1, 257, 9, 3, 64, false, Some(5)), // a decode step split over 5 key tiles
         (3, 200, 8, 2, 128, true, Some(3)),
-        (16, 0, 2, 1, 64, false, None), // no keys: out 0, lse -inf
+        (16, 0, 2, 1, 64, false, None),       // no keys: out 0, lse -inf
+        (130, 300, 4, 1, 64, false, None),    // 520 packed rows: 5 blocks of 128, the last partial
+        (70, 150, 8, 2, 128, false, Some(2)), // 32-key tiles under 64-key metadata, split in two
+        (40, 97, 4, 4, 128, true, None),      // scattered: every 32-key tile masked, one partial
     ] {
         let c = case(&mut r, m, n, heads, kv, d, scattered);
-        let label = format!("flash m={m} n={n} heads={heads}/{kv} d={d} splits={splits:?}");
-        let plan = check_flash(&c, splits, &label);
-        if let Some(s) = splits {
-            assert!(plan.splits <= s && plan.splits >= 1, "{label}: {plan:?}");
+        for kernel in emu::FlashKernel::ALL {
+            let label = format!("flash {kernel:?} m={m} n={n} heads={heads}/{kv} d={d} splits={splits:?}");
+            let plan = check_flash(kernel, &c, splits, &label);
+            if let Some(s) = splits {
+                assert!(plan.splits <= s && plan.splits >= 1, "{label}: {plan:?}");
+            }
         }
     }
 }
@@ -164,7 +169,9 @@ fn flash_attention_keeps_large_scores_finite_and_exact() {
         let mut c = case(&mut r, m, n, heads, kv, d, false);
         c.q = rand_vec(&mut r, c.q.len(), 15.0);
         c.k = rand_vec(&mut r, c.k.len(), 15.0);
-        check_flash(&c, None, &format!("flash large scores d={d}"));
+        for kernel in emu::FlashKernel::ALL {
+            check_flash(kernel, &c, None, &format!("flash {kernel:?} large scores d={d}"));
+        }
     }
 }
 
@@ -172,26 +179,32 @@ fn flash_attention_keeps_large_scores_finite_and_exact() {
 fn flash_partials_over_disjoint_keys_merge_into_one_call() {
     let mut r = rng(43);
     let c = case(&mut r, 12, 150, 6, 2, 64, true);
+    for kernel in emu::FlashKernel::ALL {
+        partials_merge(kernel, &c);
+    }
+}
+
+fn partials_merge(kernel: emu::FlashKernel, c: &Case) {
     let (qb, _) = to_bf16(&c.q);
     let (kb, _) = to_bf16(&c.k);
     let (vb, _) = to_bf16(&c.v);
     let kvd = c.shape.kv_dim();
     let lse_len = 12 * 6;
     let (mut whole_o, mut whole_l) = (vec![0f32; c.q.len()], vec![0f32; lse_len]);
-    emu::flash_attention(&c.shape, &qb, &c.qpos, &kb, &vb, &c.kpos, &mut whole_o, &mut whole_l, 132, Some(1));
+    emu::flash_attention(kernel, &c.shape, &qb, &c.qpos, &kb, &vb, &c.kpos, &mut whole_o, &mut whole_l, 132, Some(1));
     let cut = 70;
     let (mut o1, mut l1) = (vec![0f32; c.q.len()], vec![0f32; lse_len]);
     let (mut o2, mut l2) = (vec![0f32; c.q.len()], vec![0f32; lse_len]);
     let (k1, k2) = kb.split_at(cut * kvd);
     let (v1, v2) = vb.split_at(cut * kvd);
     let (p1, p2) = c.kpos.split_at(cut);
-    emu::flash_attention(&c.shape, &qb, &c.qpos, k1, v1, p1, &mut o1, &mut l1, 132, Some(1));
-    emu::flash_attention(&c.shape, &qb, &c.qpos, k2, v2, p2, &mut o2, &mut l2, 132, Some(1));
+    emu::flash_attention(kernel, &c.shape, &qb, &c.qpos, k1, v1, p1, &mut o1, &mut l1, 132, Some(1));
+    emu::flash_attention(kernel, &c.shape, &qb, &c.qpos, k2, v2, p2, &mut o2, &mut l2, 132, Some(1));
     emu::merge_partial(&mut o1, &mut l1, &o2, &l2, c.shape.head_dim);
     // Two calls round P at other running maxima than one call: within the bf16 ceiling.
     let vmax = c.v.iter().fold(0f32, |a, b| a.max(b.abs()));
-    assert!(max_abs_diff(&o1, &whole_o) <= FLASH_CEILING * vmax, "split + merge out");
-    assert_close("split + merge lse", &l1, &whole_l, FLASH_LSE_TOL);
+    assert!(max_abs_diff(&o1, &whole_o) <= FLASH_CEILING * vmax, "{kernel:?} split + merge out");
+    assert_close(&format!("{kernel:?} split + merge lse"), &l1, &whole_l, FLASH_LSE_TOL);
 }
 
 #[test]

@@ -76,6 +76,27 @@ __device__ __forceinline__ u32 fp_warp_max_u32(u32 v) {
     return v;
 }
 
+// The smallest and largest query position of the packed rows [row0, row0 + rows) of a
+// tensor-core attention block (packed row r is query r / group), into range[0], range[1]; one
+// warp calls it (every lane), lane 0 writes.
+__device__ __forceinline__ void fp_fa_query_range(u32* range, const u32* qpos, u32 row0, u32 rows, u32 packed,
+                                                  u32 group, u32 lane) {
+    u32 lo = 0xffffffffu, hi = 0;
+    for (u32 r = lane; r < rows; r += 32) {
+        if (row0 + r < packed) {
+            const u32 p = qpos[(row0 + r) / group];
+            lo = min(lo, p);
+            hi = max(hi, p);
+        }
+    }
+    lo = fp_warp_min_u32(lo);
+    hi = fp_warp_max_u32(hi);
+    if (lane == 0) {
+        range[0] = lo;
+        range[1] = hi;
+    }
+}
+
 // Loads of f32 or bf16 elements as f32 (kernels templated over a buffer's element type).
 __device__ __forceinline__ float fp_ld(const float* p) {
     return *p;
@@ -125,6 +146,35 @@ __device__ __forceinline__ u32 fp_smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
+}
+
+// A shared-memory address as the instructions take it: 32 bits, so that a constant byte offset
+// added to it folds into the instruction's immediate ([R+imm]). The CPU shim's twin is a byte
+// pointer; both take `+ bytes`.
+typedef u32 fp_sptr;
+__device__ __forceinline__ fp_sptr fp_sptr_of(const void* p) {
+    return fp_smem_addr(p);
+}
+
+__device__ __forceinline__ void fp_ldsm_x4(u32 r[4], fp_sptr a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void fp_ldsm_x4_trans(u32 r[4], fp_sptr a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void fp_cp_async16_s(fp_sptr dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// 16 bytes global -> shared, every byte read (a full tile: no size operand to compute).
+__device__ __forceinline__ void fp_cp_async16_full(fp_sptr dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
 // D += A B (bf16 inputs, f32 accumulators).

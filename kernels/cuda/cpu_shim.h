@@ -130,6 +130,10 @@ inline unsigned char* dynamic_smem() { return dynamic_shared.data(); }
 #define __shared__ static
 #define __restrict__
 #define __launch_bounds__(...)
+struct float2 {
+    float x, y;
+};
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 #define FP_DYNAMIC_SMEM(name) unsigned char* name = fp_shim::dynamic_smem()
 
 inline void __syncthreads() { fp_shim::block->bar.arrive_and_wait(); }
@@ -242,6 +246,14 @@ inline void fp_cp_async16(void* dst, const void* src, unsigned src_bytes) {
     std::memset(dst, 0xff, 16);
     fp_shim::open_group.push_back({dst, src, src_bytes});
 }
+
+// Shared addresses (common.cuh: 32-bit on the GPU) are byte pointers here; `+ bytes` alike.
+typedef unsigned char* fp_sptr;
+inline fp_sptr fp_sptr_of(const void* p) { return (fp_sptr)p; }
+inline void fp_ldsm_x4(unsigned r[4], fp_sptr a) { fp_shim::ldmatrix_x4<false>(r, (const unsigned short*)a); }
+inline void fp_ldsm_x4_trans(unsigned r[4], fp_sptr a) { fp_shim::ldmatrix_x4<true>(r, (const unsigned short*)a); }
+inline void fp_cp_async16_s(fp_sptr dst, const void* src, unsigned src_bytes) { fp_cp_async16(dst, src, src_bytes); }
+inline void fp_cp_async16_full(fp_sptr dst, const void* src) { fp_cp_async16(dst, src, 16); }
 
 inline void fp_cp_async_commit() {
     fp_shim::committed.push_back(std::move(fp_shim::open_group));

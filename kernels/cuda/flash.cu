@@ -136,20 +136,7 @@ __device__ __forceinline__ void fp_flash_attn(const bf16_t* q, const u32* qpos, 
     fp_fa_load_q<D>(q_s, q, row0, packed, group, n_heads, kh);
     fp_cp_async_commit();
     if (warp == 0) {
-        u32 lo = 0xffffffffu, hi = 0;
-        for (u32 r = lane; r < FP_FA_ROWS; r += 32) {
-            if (row0 + r < packed) {
-                u32 p = qpos[(row0 + r) / group];
-                lo = min(lo, p);
-                hi = max(hi, p);
-            }
-        }
-        lo = fp_warp_min_u32(lo);
-        hi = fp_warp_max_u32(hi);
-        if (lane == 0) {
-            q_range[0] = lo;
-            q_range[1] = hi;
-        }
+        fp_fa_query_range(q_range, qpos, row0, FP_FA_ROWS, packed, group, lane);
     }
     // This lane's two rows of the tile: ra (C fragment elements 0, 1) and ra + 8 (2, 3).
     const u32 ra = row0 + warp * 16 + lane / 4, rb = ra + 8;

@@ -3,8 +3,9 @@
 //! `LD_LIBRARY_PATH` is found, linked and loaded, and `flowprefill devices` says which file; a
 //! library found nowhere is named with the folders searched. No GPU needed: NVRTC runs
 //! without one. The fake `libnvrtc.so.13` is a link to the NVRTC 12.9 of the PyPI wheel that
-//! `scripts/test.sh` installs (so the test cannot pass by finding a system CUDA: the usual
-//! places are replaced by an empty folder through `FLOWPREFILL_CUDA_LIB_DIRS`).
+//! `scripts/test.sh` installs, or, on a machine without the wheel (a CUDA 13 GPU machine), to
+//! the NVRTC the program finds there (so the test cannot pass by finding a system CUDA: the
+//! usual places are replaced by an empty folder through `FLOWPREFILL_CUDA_LIB_DIRS`).
 #![cfg(feature = "cuda")]
 
 use std::path::{Path, PathBuf};
@@ -14,6 +15,19 @@ use std::process::Command;
 fn nvrtc_wheel() -> Option<PathBuf> {
     let path = std::env::var_os("LD_LIBRARY_PATH")?;
     std::env::split_paths(&path).find(|d| d.join("libnvrtc.so.12").exists())
+}
+
+/// The NVRTC library to disguise: the wheel's, else the one `flowprefill devices` reports on
+/// this machine (its line reads `NVRTC 13.0: /path/libnvrtc.so.13.0.88 ...`).
+fn nvrtc_source() -> Option<PathBuf> {
+    if let Some(wheel) = nvrtc_wheel() {
+        return Some(wheel.join("libnvrtc.so.12"));
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_flowprefill")).arg("devices").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.trim_start().starts_with("NVRTC 1"))?;
+    let path = PathBuf::from(line.split_once(": ")?.1.split_whitespace().next()?);
+    path.exists().then_some(path)
 }
 
 fn temp(tag: &str) -> PathBuf {
@@ -38,12 +52,13 @@ fn devices(ld_path: &Path, home: &Path, usual: &Path) -> (bool, String) {
 
 #[test]
 fn nvrtc_under_a_cuda_13_name_only_is_found_linked_and_reported() {
-    let Some(wheel) = nvrtc_wheel() else {
+    let Some(source) = nvrtc_source() else {
         assert!(
             std::env::var_os("FLOWPREFILL_REQUIRE_NVRTC").is_none(),
-            "FLOWPREFILL_REQUIRE_NVRTC is set but no libnvrtc.so.12 is on LD_LIBRARY_PATH"
+            "FLOWPREFILL_REQUIRE_NVRTC is set but no NVRTC was found (no libnvrtc.so.12 on LD_LIBRARY_PATH, \
+             none reported by `flowprefill devices`)"
         );
-        eprintln!("SKIPPED: no NVRTC wheel on LD_LIBRARY_PATH (scripts/test.sh installs it)");
+        eprintln!("SKIPPED: no NVRTC wheel on LD_LIBRARY_PATH (scripts/test.sh installs it) and none on this machine");
         return;
     };
     let root = temp("v13");
@@ -51,16 +66,34 @@ fn nvrtc_under_a_cuda_13_name_only_is_found_linked_and_reported() {
     for d in [&fake, &home, &usual] {
         std::fs::create_dir_all(d).unwrap();
     }
-    // Versioned names only, as a CUDA 13 runtime package installs them.
-    std::os::unix::fs::symlink(wheel.join("libnvrtc.so.12"), fake.join("libnvrtc.so.13")).unwrap();
-    std::os::unix::fs::symlink(wheel.join("libnvrtc-builtins.so.12.9"), fake.join("libnvrtc-builtins.so.12.9"))
-        .unwrap();
+    // Without the folder: NVRTC is named as missing, unless this machine's own loader finds one
+    // (a CUDA toolkit in /etc/ld.so.conf, as on a GPU machine), which must then be what is
+    // reported; the disguised folder cannot be told apart from it there, so that part is skipped.
+    let (ok, out) = devices(&usual, &root.join("home2"), &usual);
+    assert!(ok, "{out}");
+    let nvrtc = out.lines().find(|l| l.trim_start().starts_with("NVRTC")).unwrap_or_else(|| panic!("{out}"));
+    if nvrtc.contains("not found") {
+        assert!(nvrtc.contains("NVRTC: not found: looked for libnvrtc.so, libnvrtc.so.12, libnvrtc.so.13"), "{out}");
+    } else {
+        assert!(!nvrtc.contains("found as") && !nvrtc.contains(&root.display().to_string()), "{out}");
+        eprintln!("SKIPPED: this machine's loader finds NVRTC by itself ({}): no folder can disguise it", nvrtc.trim());
+        let _ = std::fs::remove_dir_all(root);
+        return;
+    }
+    // Versioned names only, as a CUDA 13 runtime package installs them; NVRTC's builtins beside.
+    std::os::unix::fs::symlink(&source, fake.join("libnvrtc.so.13")).unwrap();
+    let dir = source.parent().expect("a library in a folder");
+    for e in std::fs::read_dir(dir).expect("the NVRTC folder").filter_map(|e| e.ok()) {
+        if e.file_name().to_string_lossy().starts_with("libnvrtc-builtins") {
+            std::os::unix::fs::symlink(e.path(), fake.join(e.file_name())).unwrap();
+        }
+    }
 
     let (ok, out) = devices(&fake, &home, &usual);
     assert!(ok, "{out}");
     let nvrtc = out.lines().find(|l| l.trim_start().starts_with("NVRTC")).unwrap_or_else(|| panic!("{out}"));
     assert!(
-        nvrtc.contains("NVRTC 12.9: ")
+        nvrtc.contains("NVRTC 1")
             && nvrtc.contains(&format!("found as {}", fake.join("libnvrtc.so.13").display()))
             && nvrtc.contains("linked as libnvrtc.so"),
         "{out}"
@@ -71,7 +104,7 @@ fn nvrtc_under_a_cuda_13_name_only_is_found_linked_and_reported() {
         .map(|e| e.path().join("libnvrtc.so"))
         .find(|p| p.exists())
         .unwrap_or_else(|| panic!("no libnvrtc.so link under {}", home.display()));
-    assert_eq!(std::fs::canonicalize(link).unwrap(), std::fs::canonicalize(wheel.join("libnvrtc.so.12")).unwrap());
+    assert_eq!(std::fs::canonicalize(link).unwrap(), std::fs::canonicalize(&source).unwrap());
     // cuBLAS is nowhere: named, with what was looked for and where.
     let cublas = out.lines().find(|l| l.trim_start().starts_with("cuBLAS:")).unwrap_or_else(|| panic!("{out}"));
     assert!(
@@ -81,15 +114,5 @@ fn nvrtc_under_a_cuda_13_name_only_is_found_linked_and_reported() {
         "{out}"
     );
 
-    // Without the folder: NVRTC is named as missing, unless this machine's own loader path has
-    // one (a CUDA toolkit in /etc/ld.so.conf), which must then be what is reported.
-    let (ok, out) = devices(&usual, &root.join("home2"), &usual);
-    assert!(ok, "{out}");
-    let nvrtc = out.lines().find(|l| l.trim_start().starts_with("NVRTC")).unwrap_or_else(|| panic!("{out}"));
-    if nvrtc.contains("not found") {
-        assert!(nvrtc.contains("NVRTC: not found: looked for libnvrtc.so, libnvrtc.so.12, libnvrtc.so.13"), "{out}");
-    } else {
-        assert!(!nvrtc.contains("found as") && !nvrtc.contains(&root.display().to_string()), "{out}");
-    }
     let _ = std::fs::remove_dir_all(root);
 }

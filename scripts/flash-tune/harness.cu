@@ -15,6 +15,23 @@
 #include "common.cuh"
 #include FLASH_SRC
 
+// The kernel pair and launch shape of the build: flash2.cu (FLASH2 defined) or flash.cu.
+#ifdef FLASH2
+#define H_ROWS(d) ((d) == 64 ? FP_FA2_D64_WARPS * 16 * FP_FA2_D64_WM : FP_FA2_D128_WARPS * 16 * FP_FA2_D128_WM)
+#define H_KEYS(d) ((d) == 64 ? FP_FA2_D64_KEYS : FP_FA2_D128_KEYS)
+#define H_THREADS(d) ((d) == 64 ? FP_FA2_D64_WARPS * 32 : FP_FA2_D128_WARPS * 32)
+#define H_META FP_FA2_META_KEYS
+#define H_D64 fp_flash2_attn_d64
+#define H_D128 fp_flash2_attn_d128
+#else
+#define H_ROWS(d) FP_FA_ROWS
+#define H_KEYS(d) FP_FA_KEYS
+#define H_THREADS(d) FP_FA_THREADS
+#define H_META FP_FA_KEYS
+#define H_D64 fp_flash_attn_d64
+#define H_D128 fp_flash_attn_d128
+#endif
+
 #define CK(x)                                                                                  \
     do {                                                                                       \
         cudaError_t e_ = (x);                                                                  \
@@ -93,12 +110,12 @@ int main(int argc, char** argv) {
             CK(cudaMemcpy(k[s], hk.data(), kn * 2, cudaMemcpyHostToDevice));
             CK(cudaMemcpy(v[s], hv.data(), kn * 2, cudaMemcpyHostToDevice));
         }
-        const u32 tiles = (n + FP_FA_KEYS - 1) / FP_FA_KEYS;
+        const u32 tiles = (n + H_META - 1) / H_META;  // the key metadata's tiles (the host's)
         std::vector<u32> meta(n + 2 * tiles);
         for (u32 j = 0; j < n; j++) meta[j] = j;
         for (u32 t = 0; t < tiles; t++) {
-            meta[n + t] = t * FP_FA_KEYS;
-            meta[n + tiles + t] = std::min(n, (t + 1) * FP_FA_KEYS) - 1;
+            meta[n + t] = t * H_META;
+            meta[n + tiles + t] = std::min(n, (t + 1) * H_META) - 1;
         }
         u32 *kmeta, *qpos;
         CK(cudaMalloc(&kmeta, meta.size() * 4));
@@ -109,15 +126,15 @@ int main(int argc, char** argv) {
         size_t on = (size_t)m * sh.h * d;
         CK(cudaMalloc(&out, on * 4));
         CK(cudaMalloc(&lse, (size_t)m * sh.h * 4));
-        const u32 smem = (FP_FA_ROWS + 4 * FP_FA_KEYS) * (d + 8) * 2 + 2 * FP_FA_KEYS * 4;
-        auto kern = d == 64 ? fp_flash_attn_d64 : fp_flash_attn_d128;
+        const u32 smem = (H_ROWS(d) + 4 * H_KEYS(d)) * (d + 8) * 2 + 2 * H_KEYS(d) * 4;
+        auto kern = d == 64 ? H_D64 : H_D128;
         CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         int per_sm = 0;
-        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, FP_FA_THREADS, smem));
-        dim3 grid((m * group + FP_FA_ROWS - 1) / FP_FA_ROWS, sh.kv, 1);
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, H_THREADS(d), smem));
+        dim3 grid((m * group + H_ROWS(d) - 1) / H_ROWS(d), sh.kv, 1);
         const float scale_log2 = 1.0f / sqrtf((float)d) * 1.4426950408889634f;
         auto launch = [&](int s) {
-            kern<<<grid, FP_FA_THREADS, smem>>>(q[s], qpos, k[s], v[s], kmeta, kmeta + n, kmeta + n + tiles, out, lse,
+            kern<<<grid, H_THREADS(d), smem>>>(q[s], qpos, k[s], v[s], kmeta, kmeta + n, kmeta + n + tiles, out, lse,
                                                 m, n, sh.h, sh.kv, scale_log2, tiles);
         };
         double err = -1.0;

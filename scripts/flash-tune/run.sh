@@ -11,33 +11,49 @@ mkdir -p "$out"
 work=$(mktemp -d)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 nvcc --version | tail -2 | tee -a "$out/gpu.txt"
-# name rows keys threads min_blocks
-variants="r64k64t128b2 64 64 128 2
-r64k32t128b2 64 32 128 2
-r64k128t128b1 64 128 128 1
-r128k64t256b1 128 64 256 1
-r128k32t256b1 128 32 256 1
-r128k128t256b1 128 128 256 1"
+# flash.cu (today's kernel, the baseline of the same run): name rows keys threads min_blocks
+old="r64k64t128b2 64 64 128 2"
+# flash2.cu: name warps row-tiles-per-warp keys min_blocks (at both head dimensions; "default"
+# builds the file's own per-dimension defaults)
+f2="${FLASH2_VARIANTS:-f2default 0 0 0 0
+f2w4m1k64b2 4 1 64 2
+f2w4m2k64b1 4 2 64 1
+f2w4m2k32b1 4 2 32 1
+f2w8m2k64b1 8 2 64 1}"
+build() {  # name flags...
+  local name=$1; shift
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -I kernels/cuda -DVARIANT="\"$name\"" "$@" \
+    scripts/flash-tune/harness.cu -o "$work/$name" > "$work/$name.build" 2>&1 || echo "BUILD FAILED $name"
+}
 while read -r name rows keys threads minb; do
   sed -e "s/^#define FP_FA_ROWS 64/#define FP_FA_ROWS $rows/" -e "s/^#define FP_FA_KEYS 64/#define FP_FA_KEYS $keys/" \
       -e "s/^#define FP_FA_THREADS 128/#define FP_FA_THREADS $threads/" \
       -e "s/__launch_bounds__(FP_FA_THREADS, 2)/__launch_bounds__(FP_FA_THREADS, $minb)/" kernels/cuda/flash.cu > "$work/$name.cu"
-  ( nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -I kernels/cuda \
-      -DFLASH_SRC="\"$work/$name.cu\"" -DVARIANT="\"$name\"" scripts/flash-tune/harness.cu -o "$work/$name" \
-      > "$work/$name.build" 2>&1 || echo "BUILD FAILED $name" ) &
-done <<< "$variants"
+  build "$name" -DFLASH_SRC="\"$work/$name.cu\"" &
+done <<< "$old"
+while read -r name warps wm keys minb; do
+  shape=()
+  if [ "$warps" != 0 ]; then
+    for d in 64 128; do
+      shape+=(-DFP_FA2_D${d}_WARPS=$warps -DFP_FA2_D${d}_WM=$wm -DFP_FA2_D${d}_KEYS=$keys -DFP_FA2_D${d}_MINB=$minb)
+    done
+  fi
+  build "$name" -DFLASH2 -DFLASH_SRC="\"$(pwd)/kernels/cuda/flash2.cu\"" "${shape[@]}" &
+done <<< "$f2"
 wait
-for b in "$work"/*.build; do echo "== $b"; grep -A1 "fp_flash_attn" "$b" | grep -i "registers\|spill" ; grep -i "error\|FAILED" "$b"; done > "$out/build.txt" 2>&1
+for b in "$work"/*.build; do echo "== $b"; grep -A2 "Compiling entry function 'fp_flash" "$b" | grep -i "registers\|spill"; grep -i "error\|FAILED" "$b"; done > "$out/build.txt" 2>&1
 cat "$work"/*.build > "$out/builds.log"; cat "$out/build.txt"
 printf "%-14s %6s %8s %4s %9s %8s %9s\n" variant n heads d ms TF/s relerr | tee "$out/tune.txt"
-while read -r name _; do
+for name in $(echo "$old" | cut -d' ' -f1) $(echo "$f2" | cut -d' ' -f1); do
   [ -x "$work/$name" ] && "$work/$name" 21 2>&1 | tee -a "$out/tune.txt"
-done <<< "$variants"
+done
 python3 scripts/sdpa_baseline.py --runs 21 2>&1 | tee "$out/sdpa.txt"
 if command -v ncu >/dev/null; then
-  timeout 240 ncu --kernel-name regex:fp_flash_attn_d128 --launch-skip 3 --launch-count 1 \
-    --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats \
-    --section Occupancy --section SchedulerStats --section MemoryWorkloadAnalysis \
-    "$work/r64k64t128b2" 3 8192 128 > "$out/ncu.txt" 2>&1; echo "ncu rc $?"
+  for name in ${NCU_VARIANTS:-f2default}; do
+    echo "=== ncu $name" >> "$out/ncu.txt"
+    timeout 120 ncu --kernel-name regex:'fp_flash2?_attn_d128' --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+      --section Occupancy --section SchedulerStats "$work/$name" 3 8192 128 >> "$out/ncu.txt" 2>&1; echo "ncu $name rc $?"
+  done
   grep -E "Duration|Throughput|Issued|Stall|Occupancy|Registers|Warp Cycles|Eligible|No Eligible|Executed Ipc" "$out/ncu.txt" | head -60
 fi

@@ -69,6 +69,9 @@ pub struct CudaBackend {
     ordinal: usize,
     arch: String,
     pub(super) sm_count: u32,
+    /// The tensor-core attention kernel (`FLOWPREFILL_FLASH_KERNEL`: fa2, the default, or
+    /// reference).
+    pub(super) flash: ops::FlashKernel,
     pub(super) stream: Arc<CudaStream>,
     pub(super) blas: CudaBlas,
     functions: HashMap<&'static str, CudaFunction>,
@@ -117,6 +120,13 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("multiprocessor count", e))?
             .max(1) as u32;
+        let flash = match std::env::var("FLOWPREFILL_FLASH_KERNEL") {
+            Ok(v) => v.parse().map_err(|e: String| KernelError::Backend {
+                backend: "cuda",
+                detail: format!("FLOWPREFILL_FLASH_KERNEL: {e}"),
+            })?,
+            Err(_) => ops::FlashKernel::default(),
+        };
         let stream = ctx.default_stream();
         // Not fatal: without it the pool returns freed memory at each synchronisation and
         // allocations go back to the driver (slower, still correct).
@@ -144,6 +154,7 @@ impl CudaBackend {
             ordinal,
             arch,
             sm_count,
+            flash,
             stream,
             blas,
             functions,
@@ -171,6 +182,11 @@ impl CudaBackend {
     /// Streaming multiprocessors of the device (the attention plans its key splits by it).
     pub fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    /// The tensor-core attention kernel in use.
+    pub fn flash_kernel(&self) -> ops::FlashKernel {
+        self.flash
     }
 
     /// The stream every op of this backend runs on (the device plane orders its own stream

@@ -119,7 +119,7 @@ impl CudaBackend {
         let dims = AttnDims::of(shape, qpos.len(), kpos.len());
         let s = &self.stream;
         if k.dtype() == DType::Bf16 && ops::flash_supported(shape.head_dim) {
-            let plan = ops::flash_plan(dims, self.sm_count, None);
+            let plan = ops::flash_plan(dims, self.flash, self.sm_count, None);
             let (qp, meta) = (self.upload_u32(qpos)?, self.upload_u32(&ops::key_meta(kpos))?);
             let (qpp, _a) = qp.device_ptr(s);
             let (mp, _b) = meta.device_ptr(s);

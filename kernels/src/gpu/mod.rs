@@ -86,9 +86,9 @@ pub const DEFAULT_DYNAMIC_SHARED_LIMIT: u32 = 48 * 1024;
 /// Every kernel file. Budgets: elementwise kernels stay small (32 registers: full occupancy);
 /// RMSNorm has a 33-float reduction buffer; the simple attention kernel holds 8 output floats
 /// per lane and a 4 x 256 query tile (4 KiB) per block, and may use up to 64 registers. The
-/// tensor-core kernels (`flash.cu`) run 128 threads with `__launch_bounds__(128, 2)`, so
-/// ptxas may give them up to 255 registers; their budgets leave room below that, and their
-/// shared memory is dynamic ([`ops::flash_shared_bytes`]).
+/// tensor-core kernels run 128 threads (`flash.cu` with `__launch_bounds__(128, 2)`, `flash2.cu`
+/// with one block per SM promised), so ptxas may give them up to 255 registers; their budgets
+/// leave room below that, and their shared memory is dynamic ([`ops::FlashKernel::shared_bytes`]).
 pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "elementwise.cu",
@@ -152,6 +152,16 @@ pub const FILES: &[KernelFile] = &[
             budget_dyn("fp_flash_attn_d128", 240, 16, ops::flash_shared_bytes(128)),
             budget_dyn("fp_flash_scores_d64", 168, 16, ops::flash_scores_shared_bytes(64)),
             budget_dyn("fp_flash_scores_d128", 168, 16, ops::flash_scores_shared_bytes(128)),
+        ],
+    },
+    KernelFile {
+        name: "flash2.cu",
+        source: include_str!("../../cuda/flash2.cu"),
+        kernels: &[
+            budget_dyn("fp_flash2_attn_d64", 232, 16, ops::FlashKernel::Fa2.shared_bytes(64))
+                .threads(ops::FlashKernel::Fa2.threads(64)),
+            budget_dyn("fp_flash2_attn_d128", 248, 16, ops::FlashKernel::Fa2.shared_bytes(128))
+                .threads(ops::FlashKernel::Fa2.threads(128)),
         ],
     },
     KernelFile {

@@ -367,23 +367,112 @@ pub fn merge_partial(out: Ptr, lse: Ptr, block_out: Ptr, block_lse: Ptr, rows: u
 // Tensor-core attention (flash.cu)
 // ---------------------------------------------------------------------------------------
 
-/// Packed query rows per block of the tensor-core kernels (`FP_FA_ROWS`): 4 warps x 16.
+/// Packed query rows per block of the reference tensor-core kernel (`flash.cu`, `FP_FA_ROWS`):
+/// 4 warps x 16.
 pub const FLASH_ROWS: u32 = 64;
-/// Keys per tile (`FP_FA_KEYS`).
+/// Keys per tile of `flash.cu` (`FP_FA_KEYS`), and of the key metadata every tensor-core kernel
+/// reads ([`key_meta`]; `FP_FA2_META_KEYS`).
 pub const FLASH_KEYS: u32 = 64;
-/// Threads per block (`FP_FA_THREADS`).
+/// Threads per block of `flash.cu` (`FP_FA_THREADS`) and of the scores kernel.
 pub const FLASH_THREADS: u32 = 128;
+
+/// Which tensor-core attention kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum FlashKernel {
+    /// `flash2.cu`: FlashAttention-2's structure (32 rows a warp, immediate shared addresses,
+    /// unrolled copies, no mask on full tiles); the default.
+    #[default]
+    Fa2,
+    /// `flash.cu`: the first tensor-core kernel (16 rows a warp), kept as the reference.
+    Reference,
+}
+
+/// `flash2.cu`'s launch shape at head dimension `d` (its `FP_FA2_D{64,128}_*` defaults):
+/// (warps, m16 row tiles per warp, keys per tile).
+pub const fn flash2_shape(d: u32) -> (u32, u32, u32) {
+    if d == 64 {
+        (4, 2, 64)
+    } else {
+        (4, 2, 32)
+    }
+}
+
+impl FlashKernel {
+    /// Both kernels, the default first.
+    pub const ALL: [FlashKernel; 2] = [FlashKernel::Fa2, FlashKernel::Reference];
+
+    /// Packed query rows per block at head dimension `d`.
+    pub const fn rows(self, d: u32) -> u32 {
+        match self {
+            FlashKernel::Fa2 => {
+                let (warps, wm, _) = flash2_shape(d);
+                warps * 16 * wm
+            }
+            FlashKernel::Reference => FLASH_ROWS,
+        }
+    }
+
+    /// Threads per block at head dimension `d`.
+    pub const fn threads(self, d: u32) -> u32 {
+        match self {
+            FlashKernel::Fa2 => flash2_shape(d).0 * 32,
+            FlashKernel::Reference => FLASH_THREADS,
+        }
+    }
+
+    /// Keys per tile at head dimension `d`.
+    pub const fn keys(self, d: u32) -> u32 {
+        match self {
+            FlashKernel::Fa2 => flash2_shape(d).2,
+            FlashKernel::Reference => FLASH_KEYS,
+        }
+    }
+
+    /// Dynamic shared memory at head dimension `d`: the query tile and two stages of key and
+    /// value tiles, rows padded by 16 bytes (the 8 rows an `ldmatrix` reads fall in 8 different
+    /// bank groups), and two stages of key positions.
+    pub const fn shared_bytes(self, d: u32) -> u32 {
+        (self.rows(d) + 4 * self.keys(d)) * (d + 8) * 2 + 2 * self.keys(d) * 4
+    }
+
+    /// The kernel's name at head dimension `d` (64 or 128).
+    pub fn kernel(self, d: u32) -> Option<&'static str> {
+        Some(match (self, d) {
+            (FlashKernel::Fa2, 64) => "fp_flash2_attn_d64",
+            (FlashKernel::Fa2, 128) => "fp_flash2_attn_d128",
+            (FlashKernel::Reference, 64) => "fp_flash_attn_d64",
+            (FlashKernel::Reference, 128) => "fp_flash_attn_d128",
+            _ => return None,
+        })
+    }
+
+    /// The name `FLOWPREFILL_FLASH_KERNEL` and the benches use.
+    pub fn name(self) -> &'static str {
+        match self {
+            FlashKernel::Fa2 => "fa2",
+            FlashKernel::Reference => "reference",
+        }
+    }
+}
+
+impl std::str::FromStr for FlashKernel {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        FlashKernel::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("unknown tensor-core attention kernel {s:?}: use fa2 or reference"))
+    }
+}
 
 /// Whether the tensor-core kernels take this head dimension.
 pub fn flash_supported(head_dim: usize) -> bool {
     head_dim == 64 || head_dim == 128
 }
 
-/// Dynamic shared memory of the attention kernel for head dimension `d`: the query tile and
-/// two stages of key and value tiles, rows padded by 16 bytes (so that the 8 rows an
-/// `ldmatrix` reads fall in 8 different bank groups), and two stages of key positions.
+/// Dynamic shared memory of the reference attention kernel (`flash.cu`) at head dimension `d`.
 pub const fn flash_shared_bytes(d: u32) -> u32 {
-    (FLASH_ROWS + 4 * FLASH_KEYS) * (d + 8) * 2 + 2 * FLASH_KEYS * 4
+    FlashKernel::Reference.shared_bytes(d)
 }
 
 /// Dynamic shared memory of the scores kernel: a query tile, a key tile, key positions and
@@ -395,23 +484,25 @@ pub const fn flash_scores_shared_bytes(d: u32) -> u32 {
 /// How a tensor-core attention call is cut into blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FlashPlan {
-    /// Tiles of [`FLASH_ROWS`] packed rows (query x head of a KV group) per KV head.
+    /// The kernel the plan is cut for.
+    pub kernel: FlashKernel,
+    /// Tiles of the kernel's packed rows (query x head of a KV group) per KV head.
     pub q_tiles: u32,
     /// Tiles of [`FLASH_KEYS`] keys.
     pub key_tiles: u32,
     /// Key splits (flash-decoding): > 1 when too few blocks would fill the GPU; each split
     /// writes a partial output and log-sum-exp, merged by [`attn_combine`].
     pub splits: u32,
-    /// Key tiles per split.
+    /// Key tiles (of [`FLASH_KEYS`], the metadata's tiles) per split.
     pub tiles_per_split: u32,
 }
 
 /// Splits keys over more blocks when `q_tiles x n_kv_heads` blocks would leave SMs idle:
 /// aims at two blocks per SM (`sm_count`), at least one key tile per split. `force_splits`
 /// (tests) sets the number of splits instead.
-pub fn flash_plan(dims: AttnDims, sm_count: u32, force_splits: Option<u32>) -> FlashPlan {
+pub fn flash_plan(dims: AttnDims, kernel: FlashKernel, sm_count: u32, force_splits: Option<u32>) -> FlashPlan {
     let packed = dims.m as u64 * dims.group() as u64;
-    let q_tiles = packed.div_ceil(FLASH_ROWS as u64).max(1) as u32;
+    let q_tiles = packed.div_ceil(kernel.rows(dims.head_dim) as u64).max(1) as u32;
     let key_tiles = dims.n.div_ceil(FLASH_KEYS);
     let blocks = q_tiles as u64 * dims.n_kv_heads.max(1) as u64;
     let target = 2 * sm_count.max(1) as u64;
@@ -423,7 +514,7 @@ pub fn flash_plan(dims: AttnDims, sm_count: u32, force_splits: Option<u32>) -> F
     let wanted = wanted.clamp(1, key_tiles.max(1));
     let tiles_per_split = key_tiles.div_ceil(wanted).max(1);
     let splits = key_tiles.div_ceil(tiles_per_split).max(1);
-    FlashPlan { q_tiles, key_tiles, splits, tiles_per_split }
+    FlashPlan { kernel, q_tiles, key_tiles, splits, tiles_per_split }
 }
 
 /// The key metadata the tensor-core kernels read, in one buffer: positions `[n]`, then the
@@ -472,10 +563,9 @@ pub fn flash_attention(
     for (what, p, e) in [("q", q, Elem::Bf16), ("k", k, Elem::Bf16), ("v", v, Elem::Bf16), ("out", out, Elem::F32)] {
         expect(op, what, p, e)?;
     }
-    let kernel = match dims.head_dim {
-        64 => "fp_flash_attn_d64",
-        128 => "fp_flash_attn_d128",
-        d => return Err(KernelError::Shape { op, detail: format!("head_dim {d}: the kernel takes 64 or 128") }),
+    let Some(kernel) = plan.kernel.kernel(dims.head_dim) else {
+        let d = dims.head_dim;
+        return Err(KernelError::Shape { op, detail: format!("head_dim {d}: the kernel takes 64 or 128") });
     };
     let (dst_out, dst_lse) = match (plan.splits > 1, partial) {
         (false, _) => (out, lse),
@@ -490,8 +580,8 @@ pub fn flash_attention(
         kernel,
         launch: Launch {
             grid: [plan.q_tiles, d.n_kv_heads, plan.splits],
-            block: [FLASH_THREADS, 1, 1],
-            shared_bytes: flash_shared_bytes(d.head_dim),
+            block: [plan.kernel.threads(d.head_dim), 1, 1],
+            shared_bytes: plan.kernel.shared_bytes(d.head_dim),
         },
         args: with_dims(
             &[ptr(q), ptr(qpos), ptr(k), ptr(v), ptr(kmeta), ptr(lo), ptr(hi), ptr(dst_out), ptr(dst_lse)],
@@ -610,19 +700,22 @@ mod tests {
     #[test]
     fn plans_split_keys_only_when_blocks_are_few() {
         // Prefill of an 8B shape at 8K: 512 q tiles x 8 heads, no split.
-        let p = flash_plan(dims(8192, 8192, 32, 8, 128), 132, None);
+        let p = flash_plan(dims(8192, 8192, 32, 8, 128), FlashKernel::Reference, 132, None);
         assert_eq!((p.q_tiles, p.key_tiles, p.splits, p.tiles_per_split), (512, 128, 1, 128));
+        // FlashAttention-2's 128-row blocks: half the query tiles, the same key tiles.
+        let p = flash_plan(dims(8192, 8192, 32, 8, 128), FlashKernel::Fa2, 132, None);
+        assert_eq!((p.q_tiles, p.key_tiles, p.splits, p.tiles_per_split), (256, 128, 1, 128));
         // Decode of SmolLM2 at 8K: 1 q tile x 3 heads: 64 splits of 2 tiles.
-        let p = flash_plan(dims(1, 8192, 9, 3, 64), 132, None);
+        let p = flash_plan(dims(1, 8192, 9, 3, 64), FlashKernel::Reference, 132, None);
         assert_eq!((p.q_tiles, p.splits, p.tiles_per_split), (1, 64, 2));
         assert!(p.splits * p.tiles_per_split >= p.key_tiles);
         // Few keys: never more splits than key tiles; no keys: one split of nothing.
-        assert_eq!(flash_plan(dims(1, 100, 9, 3, 64), 132, None).splits, 2);
-        let p = flash_plan(dims(3, 0, 9, 3, 64), 132, None);
+        assert_eq!(flash_plan(dims(1, 100, 9, 3, 64), FlashKernel::Fa2, 132, None).splits, 2);
+        let p = flash_plan(dims(3, 0, 9, 3, 64), FlashKernel::Fa2, 132, None);
         assert_eq!((p.key_tiles, p.splits), (0, 1));
         // Forced splits cover every tile exactly once.
-        for force in 1..9 {
-            let p = flash_plan(dims(17, 1000, 7, 1, 64), 132, Some(force));
+        for (force, kernel) in (1..9).flat_map(|f| FlashKernel::ALL.map(|k| (f, k))) {
+            let p = flash_plan(dims(17, 1000, 7, 1, 64), kernel, 132, Some(force));
             assert!(p.splits <= force && (p.splits - 1) * p.tiles_per_split < p.key_tiles);
             assert!(p.splits * p.tiles_per_split >= p.key_tiles);
         }
@@ -650,7 +743,7 @@ mod tests {
         assert!(copy_rows(f, u, b, u, 1, 1).is_err());
         assert!(add_assign(b, f, 1).is_err());
         let d = dims(1, 1, 1, 1, 64);
-        let plan = flash_plan(d, 1, None);
+        let plan = flash_plan(d, FlashKernel::Reference, 1, None);
         assert!(flash_attention(d, &plan, f, u, b, b, u, f, f, None, 1.0).is_err());
         assert!(flash_attention(dims(1, 1, 1, 1, 80), &plan, b, u, b, b, u, f, f, None, 1.0).is_err());
         let calls = flash_attention(d, &plan, b, u, b, b, u, f, f, None, 1.0).unwrap();
@@ -658,12 +751,40 @@ mod tests {
         calls[0].check().unwrap();
         assert_eq!(calls[0].launch.shared_bytes, flash_shared_bytes(64));
         // Splits need the partial buffers, and add the combine.
-        let split = flash_plan(dims(1, 640, 1, 1, 64), 132, None);
+        let fa2 =
+            flash_attention(d, &flash_plan(d, FlashKernel::Fa2, 1, None), b, u, b, b, u, f, f, None, 1.0).unwrap();
+        assert_eq!(fa2[0].kernel, "fp_flash2_attn_d64");
+        assert_eq!(fa2[0].launch.shared_bytes, FlashKernel::Fa2.shared_bytes(64));
+        fa2[0].check().unwrap();
+        let split = flash_plan(dims(1, 640, 1, 1, 64), FlashKernel::Reference, 132, None);
         assert!(split.splits > 1);
         assert!(flash_attention(dims(1, 640, 1, 1, 64), &split, b, u, b, b, u, f, f, None, 1.0).is_err());
         let calls = flash_attention(dims(1, 640, 1, 1, 64), &split, b, u, b, b, u, f, f, Some((f, f)), 1.0).unwrap();
         assert_eq!(calls.iter().map(|c| c.kernel).collect::<Vec<_>>(), ["fp_flash_attn_d64", "fp_attn_combine"]);
         calls.iter().for_each(|c| c.check().unwrap());
         assert!(attention(d, f, u, b, f, u, f, f, 1.0).is_err(), "k and v of different types");
+    }
+
+    /// flash2.cu's launch shape is written in its macros and in [`flash2_shape`]: they agree.
+    #[test]
+    fn flash2_launch_shape_matches_its_source() {
+        let src = include_str!("../../cuda/flash2.cu");
+        let define = |name: &str| -> u32 {
+            let line = src
+                .lines()
+                .find(|l| l.trim_start().starts_with(&format!("#define {name} ")))
+                .unwrap_or_else(|| panic!("flash2.cu has no #define {name}"));
+            line.split_whitespace().nth(2).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+        };
+        for d in [64u32, 128] {
+            let (warps, wm, keys) = flash2_shape(d);
+            assert_eq!(define(&format!("FP_FA2_D{d}_WARPS")), warps, "d{d} warps");
+            assert_eq!(define(&format!("FP_FA2_D{d}_WM")), wm, "d{d} row tiles per warp");
+            assert_eq!(define(&format!("FP_FA2_D{d}_KEYS")), keys, "d{d} keys");
+            assert!(FLASH_KEYS % keys == 0, "a kernel tile must divide the metadata's tile");
+        }
+        assert_eq!(define("FP_FA2_META_KEYS"), FLASH_KEYS);
+        assert_eq!("reference".parse::<FlashKernel>(), Ok(FlashKernel::Reference));
+        assert!("fast".parse::<FlashKernel>().unwrap_err().contains("fa2 or reference"));
     }
 }
