@@ -47,6 +47,10 @@
 // kernel tile of fewer keys reads the bounds of the metadata tile that holds it: they are
 // looser (a tile may be loaded or masked that could have been skipped), never wrong.
 #define FP_FA2_META_KEYS 64
+// 1: Q fragments stay in registers at 32 rows a warp too (more registers, fewer ldmatrix).
+#ifndef FP_FA2_Q_IN_REGS
+#define FP_FA2_Q_IN_REGS 0
+#endif
 
 // Copies key tile `tile` (K and V rows of one KV head, and their positions) into one stage.
 // `kg` / `vg`: this lane's first element of key 0; `dk` / `dv`: its first byte in the stage.
@@ -102,7 +106,7 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
     constexpr u32 S = D + 8, NT = KEYS / 8, DT = D / 8, CH = D / 8;
     constexpr u32 ROWB = S * 2;                     // bytes per shared row
     constexpr u32 STAGE = KEYS * ROWB;              // bytes per K (or V) stage
-    constexpr bool Q_REGS = WM == 1;
+    constexpr bool Q_REGS = WM == 1 || FP_FA2_Q_IN_REGS;  // else re-read per k16 slice
     constexpr u32 MT = FP_FA2_META_KEYS / KEYS;  // kernel tiles per metadata tile
     static_assert(KEYS <= FP_FA2_META_KEYS && FP_FA2_META_KEYS % KEYS == 0, "key tile");
     FP_DYNAMIC_SMEM(smem);
@@ -175,11 +179,14 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
 
     fp_cp_async_wait<1>();  // the query tile (the older group)
     __syncthreads();
-    u32 qf[Q_REGS ? D / 16 : 1][4];
+    u32 qf[Q_REGS ? WM : 1][Q_REGS ? D / 16 : 1][4];
     if (Q_REGS) {
         FP_UNROLL
-        for (int kk = 0; kk < (int)(D / 16); kk++) {
-            fp_ldsm_x4(qf[Q_REGS ? kk : 0], q_lane + kk * 32);
+        for (int mi = 0; mi < WM; mi++) {
+            FP_UNROLL
+            for (int kk = 0; kk < (int)(D / 16); kk++) {
+                fp_ldsm_x4(qf[Q_REGS ? mi : 0][Q_REGS ? kk : 0], q_lane + mi * 16 * ROWB + kk * 32);
+            }
         }
     }
 
@@ -234,7 +241,7 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
                 if (Q_REGS) {
                     FP_UNROLL
                     for (int e = 0; e < 4; e++) {
-                        qa[mi][e] = qf[Q_REGS ? kk : 0][e];
+                        qa[mi][e] = qf[Q_REGS ? mi : 0][Q_REGS ? kk : 0][e];
                     }
                 } else {
                     fp_ldsm_x4(qa[mi], q_lane + mi * 16 * ROWB + kk * 32);

@@ -13,8 +13,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 nvcc --version | tail -2 | tee -a "$out/gpu.txt"
 # flash.cu (today's kernel, the baseline of the same run): name rows keys threads min_blocks
 old="r64k64t128b2 64 64 128 2"
-# flash2.cu: name warps row-tiles-per-warp keys min_blocks (at both head dimensions; "default"
-# builds the file's own per-dimension defaults)
+# flash2.cu: name warps row-tiles-per-warp keys min_blocks [nvcc flags] (at both head dimensions;
+# warps 0 builds the file's own per-dimension defaults)
 f2="${FLASH2_VARIANTS:-f2default 0 0 0 0
 f2w4m1k64b2 4 1 64 2
 f2w4m2k64b1 4 2 64 1
@@ -31,8 +31,8 @@ while read -r name rows keys threads minb; do
       -e "s/__launch_bounds__(FP_FA_THREADS, 2)/__launch_bounds__(FP_FA_THREADS, $minb)/" kernels/cuda/flash.cu > "$work/$name.cu"
   build "$name" -DFLASH_SRC="\"$work/$name.cu\"" &
 done <<< "$old"
-while read -r name warps wm keys minb; do
-  shape=()
+while read -r name warps wm keys minb extra; do
+  shape=(${extra:-})
   if [ "$warps" != 0 ]; then
     for d in 64 128; do
       shape+=(-DFP_FA2_D${d}_WARPS=$warps -DFP_FA2_D${d}_WM=$wm -DFP_FA2_D${d}_KEYS=$keys -DFP_FA2_D${d}_MINB=$minb)
@@ -53,7 +53,7 @@ if command -v ncu >/dev/null; then
     echo "=== ncu $name" >> "$out/ncu.txt"
     timeout 120 ncu --kernel-name regex:'fp_flash2?_attn_d128' --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section InstructionStats \
-      --section Occupancy --section SchedulerStats "$work/$name" 3 8192 128 >> "$out/ncu.txt" 2>&1; echo "ncu $name rc $?"
+      --section Occupancy --section SchedulerStats --section MemoryWorkloadAnalysis_Tables "$work/$name" 3 8192 128 >> "$out/ncu.txt" 2>&1; echo "ncu $name rc $?"
   done
   grep -E "Duration|Throughput|Issued|Stall|Occupancy|Registers|Warp Cycles|Eligible|No Eligible|Executed Ipc" "$out/ncu.txt" | head -60
 fi
