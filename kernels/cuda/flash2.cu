@@ -47,10 +47,6 @@
 // kernel tile of fewer keys reads the bounds of the metadata tile that holds it: they are
 // looser (a tile may be loaded or masked that could have been skipped), never wrong.
 #define FP_FA2_META_KEYS 64
-// 1: Q fragments stay in registers at 32 rows a warp too (more registers, fewer ldmatrix).
-#ifndef FP_FA2_Q_IN_REGS
-#define FP_FA2_Q_IN_REGS 0
-#endif
 
 // Copies key tile `tile` (K and V rows of one KV head, and their positions) into one stage.
 // `kg` / `vg`: this lane's first element of key 0; `dk` / `dv`: its first byte in the stage.
@@ -86,6 +82,27 @@ __device__ __forceinline__ void fp_fa2_load_kv(fp_sptr dk, fp_sptr dv, fp_sptr d
     }
 }
 
+// Issues the copies of key tile `tile` into one stage: the sized copy only for the last tile.
+template <int D, int KEYS, int THREADS>
+__device__ __forceinline__ void fp_fa2_issue_tile(fp_sptr dk, fp_sptr dv, fp_sptr dpos, const bf16_t* kg,
+                                                  const bf16_t* vg, const u32* kpos, u32 tile, u32 n, u64 row_stride,
+                                                  u32 r0) {
+    if ((tile + 1) * KEYS <= n) {
+        fp_fa2_load_kv<D, KEYS, THREADS, false>(dk, dv, dpos, kg, vg, kpos, tile, n, row_stride, r0);
+    } else {
+        fp_fa2_load_kv<D, KEYS, THREADS, true>(dk, dv, dpos, kg, vg, kpos, tile, n, row_stride, r0);
+    }
+}
+
+// The first key tile in [t, t_end) whose smallest position (that of its metadata tile: mt
+// kernel tiles each) some query of the block sees; t_end when none.
+__device__ __forceinline__ u32 fp_fa2_visible_from(u32 t, u32 t_end, const u32* ktile_lo, u32 mt, u32 qhi) {
+    while (t < t_end && ktile_lo[t / mt] > qhi) {
+        t++;
+    }
+    return t;
+}
+
 // acc[mi][j] and acc[mi][j + 1] += a[mi] times the two n8 tiles of one x4 B fragment, for
 // every row tile of the warp: one ldmatrix feeds 2 WM mma.
 template <int WM, int N>
@@ -106,7 +123,7 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
     constexpr u32 S = D + 8, NT = KEYS / 8, DT = D / 8, CH = D / 8;
     constexpr u32 ROWB = S * 2;                     // bytes per shared row
     constexpr u32 STAGE = KEYS * ROWB;              // bytes per K (or V) stage
-    constexpr bool Q_REGS = WM == 1 || FP_FA2_Q_IN_REGS;  // else re-read per k16 slice
+    constexpr bool Q_REGS = WM == 1;  // else re-read per k16 slice (measured faster at WM = 2)
     constexpr u32 MT = FP_FA2_META_KEYS / KEYS;  // kernel tiles per metadata tile
     static_assert(KEYS <= FP_FA2_META_KEYS && FP_FA2_META_KEYS % KEYS == 0, "key tile");
     FP_DYNAMIC_SMEM(smem);
@@ -114,8 +131,9 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
     const fp_sptr q_sa = fp_sptr_of(smem);
     const fp_sptr k_sa = q_sa + ROWS * ROWB;
     const fp_sptr v_sa = k_sa + 2 * STAGE;
-    const fp_sptr pos_sa = v_sa + 2 * STAGE;
-    const u32* kpos_s = (const u32*)(smem + ROWS * ROWB + 4 * STAGE);
+    constexpr u32 POS_OFF = ROWS * ROWB + 4 * STAGE;  // key positions, after Q and both K/V stages
+    const fp_sptr pos_sa = q_sa + POS_OFF;
+    const u32* kpos_s = (const u32*)(smem + POS_OFF);
     __shared__ u32 q_range[2];
 
     const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -146,6 +164,9 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
     __syncthreads();
     const u32 qlo = q_range[0], qhi = q_range[1];
 
+    // This lane's first row (C fragment element 0 of row tile 0); row tile mi, half h adds
+    // 16 mi + 8 h.
+    const u32 lane_row = row0 + warp * 16 * WM + lane / 4;
     // This lane's copy slot and its fragment addresses (byte offsets inside a stage).
     const u32 r0 = threadIdx.x / CH, c0 = threadIdx.x % CH;
     const bf16_t* kg = k + (u64)r0 * kv_stride + (u64)kh * D + c0 * 8;
@@ -156,37 +177,23 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
     const fp_sptr q_lane =
         q_sa + ((warp * 16 * WM + fp_ldm_row_rows_first(lane)) * S + fp_ldm_col_rows_first(lane)) * 2;
 
-    u32 t = t_begin;
-    while (t < t_end && ktile_lo[t / MT] > qhi) {
-        t++;
-    }
+    u32 t = fp_fa2_visible_from(t_begin, t_end, ktile_lo, MT, qhi);
     u32 hi_t = t < t_end ? ktile_hi[t / MT] : 0u;
     if (t < t_end) {
-        if ((t + 1) * KEYS <= n) {
-            fp_fa2_load_kv<D, KEYS, THREADS, false>(k_sa + copy_off, v_sa + copy_off, pos_sa, kg, vg, kpos, t, n,
-                                                    kv_stride, r0);
-        } else {
-            fp_fa2_load_kv<D, KEYS, THREADS, true>(k_sa + copy_off, v_sa + copy_off, pos_sa, kg, vg, kpos, t, n,
-                                                   kv_stride, r0);
-        }
+        fp_fa2_issue_tile<D, KEYS, THREADS>(k_sa + copy_off, v_sa + copy_off, pos_sa, kg, vg, kpos, t, n, kv_stride,
+                                            r0);
     }
     fp_cp_async_commit();
-    u32 next = t + 1;
-    while (next < t_end && ktile_lo[next / MT] > qhi) {
-        next++;
-    }
+    u32 next = fp_fa2_visible_from(t + 1, t_end, ktile_lo, MT, qhi);
     u32 hi_next = next < t_end ? ktile_hi[next / MT] : 0u;
 
     fp_cp_async_wait<1>();  // the query tile (the older group)
     __syncthreads();
-    u32 qf[Q_REGS ? WM : 1][Q_REGS ? D / 16 : 1][4];
+    u32 qf[Q_REGS ? D / 16 : 1][4];
     if (Q_REGS) {
         FP_UNROLL
-        for (int mi = 0; mi < WM; mi++) {
-            FP_UNROLL
-            for (int kk = 0; kk < (int)(D / 16); kk++) {
-                fp_ldsm_x4(qf[Q_REGS ? mi : 0][Q_REGS ? kk : 0], q_lane + mi * 16 * ROWB + kk * 32);
-            }
+        for (int kk = 0; kk < (int)(D / 16); kk++) {
+            fp_ldsm_x4(qf[Q_REGS ? kk : 0], q_lane + kk * 32);
         }
     }
 
@@ -206,13 +213,8 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
         if (next < t_end) {
             const u32 so = (stage ^ 1u) * STAGE;
             const fp_sptr dpos = pos_sa + (stage ^ 1u) * KEYS * 4;
-            if ((next + 1) * KEYS <= n) {
-                fp_fa2_load_kv<D, KEYS, THREADS, false>(k_sa + so + copy_off, v_sa + so + copy_off, dpos, kg, vg,
-                                                        kpos, next, n, kv_stride, r0);
-            } else {
-                fp_fa2_load_kv<D, KEYS, THREADS, true>(k_sa + so + copy_off, v_sa + so + copy_off, dpos, kg, vg,
-                                                       kpos, next, n, kv_stride, r0);
-            }
+            fp_fa2_issue_tile<D, KEYS, THREADS>(k_sa + so + copy_off, v_sa + so + copy_off, dpos, kg, vg, kpos, next,
+                                                n, kv_stride, r0);
         }
         fp_cp_async_commit();
         // The bounds of the tile after `next`: loaded now, used after this tile's work.
@@ -241,7 +243,7 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
                 if (Q_REGS) {
                     FP_UNROLL
                     for (int e = 0; e < 4; e++) {
-                        qa[mi][e] = qf[Q_REGS ? mi : 0][Q_REGS ? kk : 0][e];
+                        qa[mi][e] = qf[Q_REGS ? kk : 0][e];
                     }
                 } else {
                     fp_ldsm_x4(qa[mi], q_lane + mi * 16 * ROWB + kk * 32);
@@ -264,7 +266,7 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
             for (int mi = 0; mi < WM; mi++) {
                 FP_UNROLL
                 for (int h = 0; h < 2; h++) {
-                    const u32 pr = row0 + warp * 16 * WM + mi * 16 + lane / 4 + 8 * h;
+                    const u32 pr = lane_row + mi * 16 + 8 * h;
                     qp[mi][h] = pr < packed ? qpos[pr / group] : 0u;
                 }
             }
@@ -363,7 +365,7 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
             float l = l_r[mi][h];
             l += __shfl_xor_sync(FP_FULL_MASK, l, 1);
             l += __shfl_xor_sync(FP_FULL_MASK, l, 2);
-            const u32 pr = row0 + warp * 16 * WM + mi * 16 + lane / 4 + 8 * h;
+            const u32 pr = lane_row + mi * 16 + 8 * h;
             if (pr >= packed) {
                 continue;
             }

@@ -184,11 +184,6 @@ impl CudaBackend {
         self.sm_count
     }
 
-    /// The tensor-core attention kernel in use.
-    pub fn flash_kernel(&self) -> ops::FlashKernel {
-        self.flash
-    }
-
     /// The stream every op of this backend runs on (the device plane orders its own stream
     /// against it).
     pub fn compute_stream(&self) -> &Arc<CudaStream> {
