@@ -147,6 +147,43 @@ impl MethodSpec {
         list.split(',').map(str::trim).filter(|m| !m.is_empty()).map(str::parse).collect()
     }
 
+    /// `base` with the method, ratio and reordering of a request that may give a spec and,
+    /// apart, a ratio and a reorder setting (the command line's `--method` / `--ratio` /
+    /// `--reorder`, the API's `method` / `ratio` / `reorder` fields): each knob may be said in
+    /// either place, and said in both it must agree. What is said nowhere stays as in `base`.
+    /// The ratio is checked to lie in [0, 1]. One function for every command and the API.
+    pub fn merge(
+        spec: Option<Self>,
+        ratio: Option<f64>,
+        reorder: Option<bool>,
+        base: RunOptions,
+    ) -> std::result::Result<RunOptions, InputError> {
+        let mut o = base;
+        if let Some(spec) = spec {
+            o.method = spec.method;
+            if let (Some(a), Some(b)) = (spec.ratio, ratio) {
+                if a != b {
+                    return Err(InputError::new(
+                        Field::Ratio,
+                        format!("the method says ratio {a} (`{spec}`) and the ratio says {b}: give the ratio once"),
+                    ));
+                }
+            }
+            if spec.reorder && reorder == Some(false) {
+                return Err(InputError::new(
+                    Field::Reorder,
+                    format!("the method says +reorder (`{spec}`) and the reorder setting says false: give one of them"),
+                ));
+            }
+        }
+        if let Some(r) = ratio.or(spec.and_then(|s| s.ratio)) {
+            check_ratio(r)?;
+            o.ratio = r;
+        }
+        o.reorder = reorder.unwrap_or(o.reorder) || spec.is_some_and(|s| s.reorder);
+        Ok(o)
+    }
+
     /// Run options of this spec (the ratio given here, else `default_ratio`).
     pub fn options(&self, default_ratio: f64) -> RunOptions {
         RunOptions {

@@ -547,7 +547,7 @@ mod tests {
     #[test]
     fn a_machine_without_a_gpu_says_so() {
         if crate::cuda::devices().is_ok_and(|d| !d.is_empty()) {
-            eprintln!("skipped: this machine has a GPU");
+            crate::testing::skipped("a GPU is present", "this test checks the error without one");
             return;
         }
         let e =

@@ -29,6 +29,7 @@ pub mod merge;
 pub mod norm;
 pub mod rope;
 pub mod simd;
+pub mod testing;
 pub mod topk;
 
 pub use backend::{gpu_scratch_bytes, Backend, Cpu, DType, HostBuf, Memory, MemoryUse};

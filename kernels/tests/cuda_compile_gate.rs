@@ -21,15 +21,27 @@ fn per_sm(arch: &str) -> (u32, u32) {
 
 const ARCHS: [&str; 2] = ["sm_80", "sm_90a"];
 
+/// NVRTC is there: true. Not there: a failure where `FLOWPREFILL_REQUIRE_NVRTC` is set (the
+/// test command sets it), else false after saying the test was skipped.
+fn nvrtc_or_skip(test: &str) -> bool {
+    if nvrtc::available() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("FLOWPREFILL_REQUIRE_NVRTC").is_none(),
+        "FLOWPREFILL_REQUIRE_NVRTC is set but libnvrtc was not found (LD_LIBRARY_PATH={:?})",
+        std::env::var("LD_LIBRARY_PATH")
+    );
+    flowprefill_kernels::testing::skipped(
+        "no NVRTC library",
+        format!("{test}: libnvrtc not found (scripts/test.sh installs it)"),
+    );
+    false
+}
+
 #[test]
 fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
-    if !nvrtc::available() {
-        assert!(
-            std::env::var_os("FLOWPREFILL_REQUIRE_NVRTC").is_none(),
-            "FLOWPREFILL_REQUIRE_NVRTC is set but libnvrtc was not found (LD_LIBRARY_PATH={:?})",
-            std::env::var("LD_LIBRARY_PATH")
-        );
-        eprintln!("SKIPPED compile gate: libnvrtc not found (scripts/test.sh installs it)");
+    if !nvrtc_or_skip("compile gate") {
         return;
     }
     let (major, minor) = nvrtc::version().expect("NVRTC version");
@@ -44,7 +56,8 @@ fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
             let c = nvrtc::compile(file.name, &flowprefill_kernels::gpu::program(file), arch)
                 .unwrap_or_else(|e| panic!("{e}"));
             assert!(!c.cubin.is_empty(), "{} for {arch}: empty CUBIN", file.name);
-            let report = nvrtc::parse_report(&c.log);
+            let report =
+                nvrtc::parse_report(&c.log).unwrap_or_else(|e| panic!("{} for {arch}: {e}\n{}", file.name, c.log));
             for b in file.kernels {
                 let Some(r) = report.iter().find(|r| r.kernel == b.kernel) else {
                     failures.push(format!("{arch} {}: no ptxas report (log:\n{})", b.kernel, c.log));
@@ -101,8 +114,7 @@ fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
 
 #[test]
 fn a_broken_kernel_is_a_compile_error_with_the_log() {
-    if !nvrtc::available() {
-        eprintln!("SKIPPED: libnvrtc not found");
+    if !nvrtc_or_skip("broken kernel") {
         return;
     }
     let e = nvrtc::compile("broken.cu", "extern \"C\" __global__ void k(float* x) { x[0] = undefined_name; }", "sm_80")

@@ -36,9 +36,9 @@ fn gpu_with(weights: WeightType, kv: DType) -> Option<CudaBackend> {
     match flowprefill_kernels::cuda::devices() {
         Ok(d) if !d.is_empty() => Some(CudaBackend::new(0, weights, kv).unwrap_or_else(|e| panic!("{e}"))),
         other => {
-            eprintln!(
-                "SKIPPED (no CUDA device): {}",
-                other.err().map(|e| e.to_string()).unwrap_or_else(|| "none".into())
+            flowprefill_kernels::testing::skipped(
+                "no CUDA device",
+                other.err().map(|e| e.to_string()).unwrap_or_else(|| "none".into()),
             );
             None
         }

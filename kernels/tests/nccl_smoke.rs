@@ -17,7 +17,7 @@ fn nccl_version_and_unique_ids_without_a_gpu_and_a_clear_error_for_a_communicato
         );
         let e = nccl::unique_id().expect_err("no library, no id").to_string();
         assert!(e.contains("NCCL was not found: looked for libnccl.so, libnccl.so.2"), "{e}");
-        eprintln!("SKIPPED NCCL smoke: libnccl.so not found (scripts/test.sh installs it)");
+        flowprefill_kernels::testing::skipped("no NCCL library", "libnccl.so not found (scripts/test.sh installs it)");
         return;
     }
     let (major, minor, patch) = nccl::version().expect("NCCL version");

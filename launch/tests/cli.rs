@@ -379,13 +379,20 @@ fn importance_compares_snapkv_with_what_the_answer_reads() {
 /// then its adapter in `run --evict lookahead` and beside SnapKV in `importance`; without
 /// `--lookahead-adapter` the adapter built in for the default model serves (the refusal of a
 /// model without one is tests/tests/lookahead.rs's).
+///
+/// The global adapter variables (inputs) are exported while it trains, pointing at a user's
+/// files: training writes into `--out` and leaves them alone (it once copied
+/// `FLOWPREFILL_ADAPTER` into its output path and replaced the file).
 #[test]
 fn train_lookahead_then_evict_and_score_with_it() {
     let dir = std::env::temp_dir().join(format!("fp-lookahead-cli-{}", std::process::id()));
+    let (mine, sentinel) = users_adapter_files("lookahead");
     let out = bin()
         .args(["train", "lookahead", "--tasks", "niah_single", "--length", "300", "--samples", "2"])
         .args(["--val-samples", "1", "--epochs", "1", "--batch", "1", "--max-answer", "4"])
         .args(["--out", dir.to_str().unwrap()])
+        .env("FLOWPREFILL_ADAPTER", &mine[0])
+        .env("FLOWPREFILL_LOOKAHEAD_ADAPTER", &mine[1])
         .output()
         .expect("train lookahead");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -393,6 +400,8 @@ fn train_lookahead_then_evict_and_score_with_it() {
     assert!(text.contains("adapter written to") && text.contains("held-out KL: SnapKV"), "{text}");
     let adapter = dir.join("lookahead.safetensors");
     assert!(adapter.exists() && dir.join("loss.png").exists(), "{text}");
+    assert!(text.contains(&format!("adapter written to {}", adapter.display())), "{text}");
+    assert_left_alone(&mine, &sentinel);
 
     let (docs_dir, doc_args) = write_docs("lookahead", &["The north gate code is 4417.", "Bees make honey."]);
     let mut args: Vec<&str> = vec!["run"];
@@ -416,6 +425,60 @@ fn train_lookahead_then_evict_and_score_with_it() {
     assert!(!row.contains(" - |"), "the lookahead columns are measured: {row}");
     let _ = std::fs::remove_dir_all(dir);
     let _ = std::fs::remove_dir_all(docs_dir);
+}
+
+/// Two files standing for a user's adapters (the values of `FLOWPREFILL_ADAPTER` and
+/// `FLOWPREFILL_LOOKAHEAD_ADAPTER`), and their contents.
+fn users_adapter_files(tag: &str) -> ([std::path::PathBuf; 2], Vec<u8>) {
+    let dir = std::env::temp_dir().join(format!("fp-users-adapters-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let sentinel = b"a user's adapter, not to be overwritten".to_vec();
+    let files = [dir.join("mine.safetensors"), dir.join("mine-lookahead.safetensors")];
+    for f in &files {
+        std::fs::write(f, &sentinel).expect("write");
+    }
+    (files, sentinel)
+}
+
+/// The user's files are as they were.
+fn assert_left_alone(files: &[std::path::PathBuf], sentinel: &[u8]) {
+    for f in files {
+        assert_eq!(
+            std::fs::read(f).expect("the user's file is still there"),
+            sentinel,
+            "{} was overwritten",
+            f.display()
+        );
+    }
+}
+
+/// `train kvpacket` with the global adapter variables exported writes its adapter into `--out`
+/// (or where its own `--adapter-out` says), never over the file `FLOWPREFILL_ADAPTER` names.
+#[test]
+fn train_kvpacket_writes_only_into_its_own_outputs() {
+    let dir = std::env::temp_dir().join(format!("fp-kvpacket-cli-{}", std::process::id()));
+    let (mine, sentinel) = users_adapter_files("kvpacket");
+    let elsewhere = dir.join("elsewhere").join("chosen.safetensors");
+    for (extra, expected) in
+        [(None, dir.join("run").join("adapter.safetensors")), (Some(&elsewhere), elsewhere.clone())]
+    {
+        let mut cmd = bin();
+        cmd.args(["train", "kvpacket", "--tasks", "niah_single", "--length", "300", "--samples", "2"])
+            .args(["--val-samples", "1", "--epochs", "0"])
+            .args(["--out", dir.join("run").to_str().unwrap()])
+            .env("FLOWPREFILL_ADAPTER", &mine[0])
+            .env("FLOWPREFILL_LOOKAHEAD_ADAPTER", &mine[1]);
+        if let Some(e) = extra {
+            cmd.args(["--adapter-out", e.to_str().unwrap()]);
+        }
+        let out = cmd.output().expect("train kvpacket");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(text.contains(&format!("adapter written to {}", expected.display())), "{text}");
+        assert!(expected.exists(), "{text}");
+        assert_left_alone(&mine, &sentinel);
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// `bench decode`: every setting decodes, eviction keeps N entries per head in fewer bytes than
@@ -458,4 +521,156 @@ fn bench_decode_times_each_eviction_setting() {
     let (ok, out, err) =
         run(&["--model", "synthetic:smollm2-135m:2", "bench", "decode", "--tokens", "200", "--kv-budget", "16"]);
     assert!(!ok && err.contains("LookaheadKV adapter") && !err.contains("ms/token"), "{out}{err}");
+}
+
+/// The README's first command, shortened to four methods: both questions are asked, the
+/// second is the one where recomputing nothing (`none`) or random tokens fails and InfoFlow's
+/// selection answers (measured, `flowprefill_lab::tasks::DEMO_CROSS`), and the closing line
+/// says so from the rows.
+#[test]
+fn demo_asks_both_questions_and_says_what_the_tables_show() {
+    let (ok, out, err) = run(&["demo", "--methods", "full,none,random,infoflow"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("Question 1 of 2") && out.contains("Question 2 of 2"), "{out}");
+    let tables: Vec<&str> = out.split("Question 2 of 2").collect();
+    let correct = |table: &str, method: &str| -> bool {
+        let row = table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(method))
+            .unwrap_or_else(|| panic!("{method}: {out}"));
+        // The columns after the 58-character answer: correct, cold ms, ...
+        row[76..].split_whitespace().next() == Some("yes")
+    };
+    for m in ["full", "none", "random", "infoflow"] {
+        assert!(correct(tables[0], m), "question 1, {m}: {out}");
+    }
+    assert!(correct(tables[1], "full") && correct(tables[1], "infoflow"), "question 2: {out}");
+    assert!(!correct(tables[1], "none") && !correct(tables[1], "random"), "question 2: {out}");
+    let reading = out.lines().find(|l| l.starts_with("What the tables show:")).unwrap_or_else(|| panic!("{out}"));
+    assert!(reading.contains("question 1 is answered by 4 of 4 methods"), "{reading}");
+    assert!(reading.contains("`none`, `random` fail it, while `infoflow` answers"), "{reading}");
+    // A method list the table cannot run is refused before the model loads.
+    let (ok, _, err) = run(&["demo", "--methods", "none,infoflow"]);
+    assert!(!ok && err.contains("--methods must include full"), "{err}");
+    let (ok, _, err) = run(&["demo", "--methods", "full,ring"]);
+    assert!(!ok && err.contains("`ring` is not one of this table's"), "{err}");
+}
+
+/// `check` on one small case: every method it was asked for (the method grammar of `run`,
+/// a ratio included) has a row with an accuracy and a TTFT.
+#[test]
+fn check_runs_the_methods_it_is_given() {
+    let (ok, out, err) = run(&[
+        "check",
+        "--lengths",
+        "600",
+        "--depths",
+        "0.5",
+        "--per-cell",
+        "1",
+        "--methods",
+        "full,infoflow@0.3",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let rows = v["results"].as_array().expect("results");
+    let labels: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap_or("")).collect();
+    assert_eq!(labels, ["full", "infoflow@0.3"], "{v}");
+    for r in rows {
+        assert_eq!(r["cases"], 1, "{r}");
+        assert!(r["median_ttft_ms"].as_f64().is_some_and(|t| t > 0.0), "{r}");
+        assert!(r["accuracy"].as_f64().is_some_and(|a| (0.0..=1.0).contains(&a)), "{r}");
+    }
+    assert_eq!(rows[0]["accuracy"], 1.0, "full prefill finds the needle: {v}");
+}
+
+/// `run --method` takes the grammar of `bench`, `eval` and the API (`NAME[+reorder][@RATIO]`);
+/// `--ratio` / `--reorder` say the same things, and a ratio given twice differently is refused.
+#[test]
+fn run_takes_the_method_grammar_of_every_command() {
+    let (dir, doc_args) = write_docs("grammar", &["The north gate code is 4417.", "Bees make honey in the valley."]);
+    let base: Vec<&str> = ["run"].into_iter().chain(doc_args.iter().map(String::as_str)).collect();
+    let go = |extra: &[&str]| {
+        let mut a = base.clone();
+        a.extend(["--query", "What is the north gate code?", "--max-tokens", "4", "--json"]);
+        a.extend(extra);
+        run(&a)
+    };
+    let (ok, out, err) = go(&["--method", "infoflow+reorder@0.3"]);
+    assert!(ok, "{err}");
+    let spec: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let (ok, out, err) = go(&["--method", "infoflow", "--ratio", "0.3", "--reorder"]);
+    assert!(ok, "{err}");
+    let flags: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    for k in ["method", "reorder", "ratio", "selected", "order", "answer"] {
+        assert_eq!(spec[k], flags[k], "{k}: {spec} vs {flags}");
+    }
+    assert_eq!(spec["ratio"], 0.3, "{spec}");
+    let (ok, _, err) = go(&["--method", "infoflow@0.3", "--ratio", "0.2"]);
+    assert!(!ok && err.contains("--ratio") && err.contains("give the ratio once"), "{err}");
+    let (ok, _, err) = go(&["--method", "infoflow@1.5"]);
+    assert!(!ok && err.contains("outside [0, 1]"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `bench load` against a server it starts itself: every job answered, none lost, latency
+/// percentiles printed.
+#[test]
+fn bench_load_drives_its_own_server() {
+    let (ok, out, err) = run(&[
+        "bench",
+        "load",
+        "--clients",
+        "2",
+        "--duration",
+        "60",
+        "--max-jobs",
+        "3",
+        "--doc-tokens",
+        "300",
+        "--doc-sets",
+        "2",
+        "--max-tokens",
+        "4",
+        "--method",
+        "infoflow@0.2",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("3 requests, 3 ok"), "{out}");
+    assert!(out.contains("lost (no response at all): 0") && out.contains("latency of ok jobs: p50"), "{out}");
+}
+
+/// `bench faults` runs a row of the fault matrix end to end; the row is the hung rank 0 of a
+/// thread world (docs/faults.md): answered 504 at the deadline + 2 s, the ranks rebuilt, the
+/// next job 200, a clean stop.
+#[test]
+fn bench_faults_a_hung_rank_0_is_answered_at_the_deadline_and_the_ranks_are_rebuilt() {
+    let dir = std::env::temp_dir().join(format!("fp-faults-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let md = dir.join("faults.md");
+    let (ok, out, err) = run(&[
+        "bench",
+        "faults",
+        "--worlds",
+        "threads",
+        "--only",
+        "hang on rank 0 at probe",
+        "--out",
+        md.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}{err}");
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(md.with_extension("json")).expect("the JSON beside")).unwrap();
+    let rows = rows.as_array().expect("rows");
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let r = &rows[0];
+    assert_eq!((r["world"].as_str(), r["case"].as_str()), (Some("threads"), Some("hang on rank 0 at probe")), "{r}");
+    assert_eq!(r["status"], "504", "{r}");
+    // The fault rows' deadline is 10 s; the handler answers 2 s after it.
+    let answered = r["answer_s"].as_f64().unwrap_or(0.0);
+    assert!((11.5..15.0).contains(&answered), "answered after {answered} s: {r}");
+    assert_eq!(r["next"], "200", "{r}");
+    assert!(r["exit"].as_str().is_some_and(|e| e.starts_with("exit 0")), "{r}");
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -21,9 +21,9 @@ fn has_gpu() -> bool {
     match flowprefill_kernels::cuda::devices() {
         Ok(d) if !d.is_empty() => true,
         other => {
-            eprintln!(
-                "SKIPPED (no CUDA device): {}",
-                other.err().map(|e| e.to_string()).unwrap_or_else(|| "none".into())
+            flowprefill_kernels::testing::skipped(
+                "no CUDA device",
+                other.err().map(|e| e.to_string()).unwrap_or_else(|| "none".into()),
             );
             false
         }
@@ -33,7 +33,7 @@ fn has_gpu() -> bool {
 #[test]
 fn cuda_without_a_gpu_is_a_clear_error() {
     if flowprefill_kernels::cuda::devices().is_ok_and(|d| !d.is_empty()) {
-        eprintln!("SKIPPED: this machine has a GPU");
+        flowprefill_kernels::testing::skipped("a GPU is present", "this test checks the error without one");
         return;
     }
     let dir = std::env::temp_dir().join(format!("fp-cuda-{}", std::process::id()));
@@ -115,7 +115,10 @@ fn same_top_logits(a: &serde_json::Value, b: &serde_json::Value, tag: &str) {
 fn p_gpus_equal_one_gpu_and_ring_equals_full_over_nccl() {
     let n = gpus();
     if n < 2 {
-        eprintln!("SKIPPED (needs 2 CUDA devices, found {n}): P GPUs == 1 GPU over NCCL");
+        flowprefill_kernels::testing::skipped(
+            "fewer than 2 CUDA devices",
+            format!("found {n}: P GPUs == 1 GPU over NCCL"),
+        );
         return;
     }
     let dir = std::env::temp_dir().join(format!("fp-gpus-{}", std::process::id()));

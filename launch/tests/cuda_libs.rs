@@ -58,7 +58,10 @@ fn nvrtc_under_a_cuda_13_name_only_is_found_linked_and_reported() {
             "FLOWPREFILL_REQUIRE_NVRTC is set but no NVRTC was found (no libnvrtc.so.12 on LD_LIBRARY_PATH, \
              none reported by `flowprefill devices`)"
         );
-        eprintln!("SKIPPED: no NVRTC wheel on LD_LIBRARY_PATH (scripts/test.sh installs it) and none on this machine");
+        flowprefill_kernels::testing::skipped(
+            "no NVRTC library",
+            "no NVRTC wheel on LD_LIBRARY_PATH (scripts/test.sh installs it) and none on this machine",
+        );
         return;
     };
     let root = temp("v13");
@@ -76,7 +79,10 @@ fn nvrtc_under_a_cuda_13_name_only_is_found_linked_and_reported() {
         assert!(nvrtc.contains("NVRTC: not found: looked for libnvrtc.so, libnvrtc.so.12, libnvrtc.so.13"), "{out}");
     } else {
         assert!(!nvrtc.contains("found as") && !nvrtc.contains(&root.display().to_string()), "{out}");
-        eprintln!("SKIPPED: this machine's loader finds NVRTC by itself ({}): no folder can disguise it", nvrtc.trim());
+        flowprefill_kernels::testing::skipped(
+            "the system loader finds NVRTC",
+            format!("{}: no folder can disguise it", nvrtc.trim()),
+        );
         let _ = std::fs::remove_dir_all(root);
         return;
     }

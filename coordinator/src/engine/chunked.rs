@@ -9,7 +9,7 @@ use crate::error::{internal, Result};
 use crate::layout::Layout;
 use crate::pipeline::{Selection as Plan, Step};
 use crate::reorder::reorder;
-use crate::select::{segment_id, selector_for, ScoreCtx, Selector};
+use crate::select::{layout_index, segment_id, selector_for, ScoreCtx, Selector};
 use crate::timings::phase;
 use flowprefill_comm::{all_gather_value, broadcast_value, Communicator};
 use flowprefill_kernels::topk::rank_order;
@@ -175,8 +175,7 @@ impl<B: Backend> Engine<B> {
                 let len = layout.chunks[c].len() as u32;
                 let pos: Vec<u32> = (offsets[c]..offsets[c] + len).collect();
                 p.segments.push(kv.placed(be, model.rope(), &pos, n_kv)?);
-                let layout_index = order.iter().position(|o| *o == c).unwrap_or(0);
-                p.ids.push(segment_id(layout_index));
+                p.ids.push(segment_id(layout_index(order, c)?));
             }
             Ok(())
         })?;

@@ -79,10 +79,19 @@ pub fn segment_id(layout_index: usize) -> usize {
     layout_index + 1
 }
 
+/// Layout index of chunk `chunk`: its place in `order`. A chunk missing from the order is a
+/// bug of the caller, reported as one (an internal error), never given another chunk's index.
+pub fn layout_index(order: &[usize], chunk: usize) -> Result<usize> {
+    order
+        .iter()
+        .position(|&o| o == chunk)
+        .ok_or_else(|| internal(format!("chunk {chunk} is not in the chunk order {order:?}")))
+}
+
 impl<B: Backend> ScoreCtx<'_, '_, B> {
     /// Layout index of each local chunk.
-    pub fn local_layout_indices(&self) -> Vec<usize> {
-        self.local.iter().map(|c| self.order.iter().position(|o| o == c).unwrap_or(usize::MAX)).collect()
+    pub fn local_layout_indices(&self) -> Result<Vec<usize>> {
+        self.local.iter().map(|&c| layout_index(self.order, c)).collect()
     }
 
     /// Attention mass of each local context token from the prompt (per local chunk), with
@@ -108,7 +117,7 @@ impl<B: Backend> ScoreCtx<'_, '_, B> {
         if let Some(h) = self.head {
             segs.push(LocalSegment::placed(0, h));
         }
-        for (j, (&c, li)) in self.local.iter().zip(self.local_layout_indices()).enumerate() {
+        for (j, (&c, li)) in self.local.iter().zip(self.local_layout_indices()?).enumerate() {
             let id = segment_id(li);
             let seg = match (geometry, self.placed.get(j)) {
                 (Geometry::Global, Some(p)) => LocalSegment::placed(id, p),
@@ -331,6 +340,16 @@ pub fn rows_of(flags: &[Vec<bool>]) -> Vec<Vec<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_chunk_missing_from_the_order_is_an_error_not_chunk_zero() {
+        let order = [2, 0, 1];
+        assert_eq!(layout_index(&order, 1).unwrap(), 2);
+        assert_eq!(segment_id(layout_index(&order, 2).unwrap()), 1);
+        let e = layout_index(&order, 3).unwrap_err();
+        assert!(matches!(e, crate::CoordError::Internal(_)), "{e:?}");
+        assert!(e.to_string().contains("chunk 3 is not in the chunk order [2, 0, 1]"), "{e}");
+    }
 
     #[test]
     fn default_layers_match_the_paper_depth() {

@@ -102,6 +102,9 @@ pub struct KernelReport {
     pub spill_loads: u32,
     /// Stack frame, bytes.
     pub stack_bytes: u32,
+    /// Stack of the kernel and the functions it calls (ptxas prints it only for kernels that
+    /// make calls, e.g. the slow path of `sincosf`), bytes.
+    pub call_stack_bytes: u32,
 }
 
 fn number_before(line: &str, unit: &str) -> Option<u32> {
@@ -109,28 +112,102 @@ fn number_before(line: &str, unit: &str) -> Option<u32> {
     line[..at].split_whitespace().last()?.parse().ok()
 }
 
-/// Parses ptxas's `-v` report (per kernel: `Compiling entry function '...'`, then the stack
-/// and spill line, then `Used N registers, M bytes smem`).
-pub fn parse_report(log: &str) -> Vec<KernelReport> {
-    let mut out: Vec<KernelReport> = Vec::new();
-    for line in log.lines() {
-        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
-            let kernel = rest.split('\'').next().unwrap_or("").to_string();
-            out.push(KernelReport { kernel, ..Default::default() });
-            continue;
-        }
-        let Some(k) = out.last_mut() else { continue };
-        if line.contains("spill stores") {
-            k.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
-            k.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
-            k.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
-        }
-        if line.contains("Used") && line.contains("registers") {
-            k.registers = number_before(line, "registers").unwrap_or(0);
-            k.shared_bytes = number_before(line, "bytes smem").unwrap_or(0);
+/// A kernel's report while it is read: every field the gate checks must be found.
+#[derive(Default)]
+struct Partial {
+    kernel: String,
+    frame: Option<(u32, u32, u32)>,
+    used: Option<(u32, u32, u32)>,
+}
+
+impl Partial {
+    fn finish(self) -> Result<KernelReport> {
+        let missing = |what: &str| {
+            err(format!(
+                "ptxas report for `{}`: no {what} line found (has ptxas's wording changed? \
+                 the compile gate reads only what it finds, never a default)",
+                self.kernel
+            ))
+        };
+        let (stack_bytes, spill_stores, spill_loads) =
+            self.frame.ok_or_else(|| missing("`N bytes stack frame, N bytes spill stores, N bytes spill loads`"))?;
+        let (registers, shared_bytes, call_stack_bytes) = self.used.ok_or_else(|| missing("`Used N registers`"))?;
+        Ok(KernelReport {
+            kernel: self.kernel,
+            registers,
+            shared_bytes,
+            spill_stores,
+            spill_loads,
+            stack_bytes,
+            call_stack_bytes,
+        })
+    }
+}
+
+/// Registers, static shared memory and the call stack from the fields of a `Used ...` line:
+/// every field must be one ptxas is known to print (`N registers`, `used N barriers`, `N bytes
+/// smem`, `N bytes cumulative stack size`, `N bytes cmem[K]`), so that a renamed field fails
+/// instead of reading as a zero.
+fn used_line(kernel: &str, fields: &str) -> Result<(u32, u32, u32)> {
+    let (mut registers, mut shared, mut call_stack) = (None, 0, 0);
+    for f in fields.split(',').map(str::trim).filter(|f| !f.is_empty()) {
+        let words: Vec<&str> = f.split_whitespace().collect();
+        let n = |i: usize| words.get(i).and_then(|w| w.parse::<u32>().ok());
+        match words.as_slice() {
+            [_, "registers"] if n(0).is_some() => registers = n(0),
+            ["used", _, "barriers" | "barrier"] if n(1).is_some() => {}
+            [_, "bytes", "smem"] if n(0).is_some() => shared = n(0).unwrap_or(0),
+            [_, "bytes", "cumulative", "stack", "size"] if n(0).is_some() => call_stack = n(0).unwrap_or(0),
+            [_, "bytes", c] if n(0).is_some() && c.starts_with("cmem[") => {}
+            _ => {
+                return Err(err(format!(
+                    "ptxas report for `{kernel}`: unknown field `{f}` in `Used {fields}` (has ptxas's wording \
+                     changed? the compile gate reads only what it knows, never a default)"
+                )))
+            }
         }
     }
-    out
+    let registers =
+        registers.ok_or_else(|| err(format!("ptxas report for `{kernel}`: no `N registers` in `Used {fields}`")))?;
+    Ok((registers, shared, call_stack))
+}
+
+/// Parses ptxas's `-v` report (per kernel: `Compiling entry function '...'`, then the stack
+/// and spill line, then `Used N registers[, M bytes smem]`). Every kernel must have both lines
+/// with every number in them (static shared memory alone may be absent: ptxas leaves out a zero
+/// there), and there must be at least one kernel: a report this parser did not fully read is an
+/// error, never zeros.
+pub fn parse_report(log: &str) -> Result<Vec<KernelReport>> {
+    let mut out = Vec::new();
+    let mut cur: Option<Partial> = None;
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            if let Some(done) = cur.take() {
+                out.push(done.finish()?);
+            }
+            let kernel = rest.split('\'').next().unwrap_or("").to_string();
+            cur = Some(Partial { kernel, ..Default::default() });
+            continue;
+        }
+        let Some(k) = cur.as_mut() else { continue };
+        if line.contains("stack frame") || line.contains("spill stores") {
+            let field = |unit: &str| {
+                number_before(line, unit)
+                    .ok_or_else(|| err(format!("ptxas report for `{}`: no `N {unit}` in `{}`", k.kernel, line.trim())))
+            };
+            k.frame = Some((field("bytes stack frame")?, field("bytes spill stores")?, field("bytes spill loads")?));
+        }
+        if let Some(fields) = line.split("Used ").nth(1) {
+            k.used = Some(used_line(&k.kernel, fields)?);
+        }
+    }
+    if let Some(done) = cur.take() {
+        out.push(done.finish()?);
+    }
+    if out.is_empty() {
+        return Err(err(format!("no `Compiling entry function` in the ptxas report (was -v passed?):\n{log}")));
+    }
+    Ok(out)
 }
 
 /// Where compiled kernels are kept: `kernels/` in [`super::libs::flowprefill_home`].
@@ -176,7 +253,7 @@ mod tests {
             ptxas info    : Function properties for fp_fill\n\
                 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
             ptxas info    : Used 10 registers, 372 bytes cmem[0]\n";
-        let r = parse_report(log);
+        let r = parse_report(log).expect("a whole report");
         assert_eq!(r.len(), 2);
         assert_eq!(
             r[0],
@@ -186,9 +263,30 @@ mod tests {
                 shared_bytes: 4096,
                 spill_stores: 8,
                 spill_loads: 12,
-                stack_bytes: 0
+                stack_bytes: 0,
+                call_stack_bytes: 0
             }
         );
         assert_eq!((r[1].kernel.as_str(), r[1].registers, r[1].shared_bytes), ("fp_fill", 10, 0));
+        // sm_90's wording: barriers and, for a kernel that calls, its cumulative stack.
+        let calls = log.replace(
+            "Used 10 registers, 372 bytes cmem[0]",
+            "Used 30 registers, used 0 barriers, 40 bytes cumulative stack size, 456 bytes cmem[0], 112 bytes cmem[2]",
+        );
+        let r = parse_report(&calls).expect("a whole report");
+        assert_eq!((r[1].registers, r[1].call_stack_bytes), (30, 40));
+
+        // Every field the gate checks must be found: other wording fails, naming what it lacks.
+        let reworded = [
+            (log.replace("Used 10 registers", "Allocated 10 regs"), "`Used N registers`"),
+            (log.replace("8 bytes spill stores", "8 bytes spilled"), "bytes spill stores"),
+            (log.replace("0 bytes stack frame, 8", "8"), "bytes stack frame"),
+            (log.replace("4096 bytes smem", "4096 B shared"), "unknown field `4096 B shared`"),
+            (log.replace("Compiling entry function", "Compiling kernel"), "no `Compiling entry function`"),
+        ];
+        for (text, lacking) in reworded {
+            let e = parse_report(&text).unwrap_err().to_string();
+            assert!(e.contains(lacking), "{lacking}: {e}");
+        }
     }
 }

@@ -117,9 +117,11 @@ pub fn answer_budget(task: &str) -> usize {
 /// A needle's document, its rows, and its answer's rows.
 pub type NeedleRows = (usize, std::ops::Range<usize>, Option<std::ops::Range<usize>>);
 
-/// The record of run `r` of `case` (`needles`: [`QaCase::needle_rows`]).
+/// The record of run `r` of `case`, sample `sample` of its task and length (`needles`:
+/// [`QaCase::needle_rows`]). The sample is the planner's, never read back from the case's id.
 pub fn record(
     case: &QaCase,
+    sample: usize,
     prompts: PromptStyle,
     method: MethodSpec,
     ratio: Option<f64>,
@@ -145,7 +147,7 @@ pub fn record(
     Record {
         task: case.task.clone(),
         length: case.target_tokens,
-        sample: case.id.rsplit('-').next().and_then(|s| s.parse().ok()).unwrap_or(0),
+        sample,
         depth: case.depth,
         method,
         ratio,

@@ -296,6 +296,27 @@ pub fn demo_case(tok: &Tokenizer) -> QaCase {
     }
 }
 
+/// The demo's second question: a case of the evaluation (task, length, seed, sample and depths
+/// as `eval` makes it) chosen from measured runs of SmolLM2-135M at ratio 0.15 because the
+/// methods that recompute nothing or random tokens get it wrong while InfoFlow answers it (see
+/// [`DEMO_CROSS`]; `eval --tasks T --lengths L --seed S --samples N` reproduces the row).
+pub fn demo_cross_case(tok: &Tokenizer) -> QaCase {
+    let (task, len, seed, sample) = DEMO_CROSS;
+    generate(task, tok, seed, len, sample, &DEPTHS).unwrap_or_else(|| unreachable!("{task} is a known task"))
+}
+
+/// What the demo's second question asks of the context.
+pub fn demo_cross_what() -> &'static str {
+    "several keys look alike; the question names one"
+}
+
+/// Task, length, seed and sample of the demo's second question.
+pub const DEMO_CROSS: (&str, usize, u64, usize) = ("niah_multikey", 2048, 1, 11);
+
+/// The default needle depths of `eval`, `check`, `importance` and training samples (the depth
+/// of sample `i` is entry `i % 5`).
+pub const DEPTHS: [f64; 5] = [0.1, 0.3, 0.5, 0.7, 0.9];
+
 /// Needle-in-a-haystack cases for `check`: for each length and depth, `per_cell` cases, each
 /// with 6 to 10 documents and a 7-digit number to retrieve.
 pub fn niah_cases(tok: &Tokenizer, seed: u64, lengths: &[usize], depths: &[f64], per_cell: usize) -> Vec<QaCase> {

@@ -148,7 +148,7 @@ pub struct Sample {
 
 /// The case of `task` made from `seed` (one sample per seed).
 fn case(task: &str, lm: &LoadedModel<Cpu>, seed: u64, length: usize) -> Result<tasks::QaCase> {
-    tasks::generate(task, &lm.tokenizer, seed, length, 0, &[0.1, 0.3, 0.5, 0.7, 0.9])
+    tasks::generate(task, &lm.tokenizer, seed, length, 0, &tasks::DEPTHS)
         .ok_or_else(|| TrainError::Settings(format!("task `{task}` made no case of {length} tokens")))
 }
 
@@ -485,6 +485,11 @@ pub fn train(
 ) -> Result<(Adapter, History)> {
     settings.check()?;
     std::fs::create_dir_all(&out.dir).map_err(|e| ckpt_err(&out.dir, format!("cannot create the folder: {e}")))?;
+    // The adapter's folder too, before any work (an adapter path elsewhere fails now, not
+    // after the training).
+    if let Some(dir) = out.adapter.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| ckpt_err(dir, format!("cannot create the adapter's folder: {e}")))?;
+    }
     let ckpt_path = out.dir.join("checkpoint.safetensors");
     let resumed = Checkpoint::load(&ckpt_path, settings)?;
     let total = settings.samples + settings.val_samples;

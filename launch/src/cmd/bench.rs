@@ -54,9 +54,9 @@ pub struct LoadArgs {
     /// Distinct document sets the jobs draw from (chunk caches are reused across jobs).
     #[arg(long, default_value_t = 4)]
     pub doc_sets: usize,
-    /// Method of every job.
-    #[arg(long, value_enum, default_value_t = flowprefill_coordinator::Method::Infoflow)]
-    pub method: flowprefill_coordinator::Method,
+    /// Method of every job, as `run --method` writes it (`NAME[+reorder][@RATIO]`).
+    #[arg(long, default_value = "infoflow")]
+    pub method: flowprefill_coordinator::MethodSpec,
     /// Answer tokens per job.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
@@ -271,25 +271,37 @@ fn time_prefills<B: Backend>(
     Ok((times, prof))
 }
 
-/// Documents of about `doc_tokens` tokens each, about `total` tokens in all, with a needle.
+/// Documents of about `doc_tokens` tokens each, about `total` tokens in all, with a needle. A
+/// tokenizer error is the command's error (it once became empty documents, timed as if real).
 pub(super) fn bench_docs(
     tok: &flowprefill_worker::tokenizer::Tokenizer,
     total: usize,
     doc_tokens: usize,
     seed: u64,
-) -> Vec<String> {
+) -> flowprefill_worker::Result<Vec<String>> {
+    docs_from(|t| tok.encode_text(t), |ids| tok.decode(ids), total, doc_tokens, seed)
+}
+
+/// [`bench_docs`] with the tokenizer's two functions given apart (so that a test can fail them).
+fn docs_from<E>(
+    encode: impl FnOnce(&str) -> std::result::Result<Vec<u32>, E>,
+    decode: impl Fn(&[u32]) -> std::result::Result<String, E>,
+    total: usize,
+    doc_tokens: usize,
+    seed: u64,
+) -> std::result::Result<Vec<String>, E> {
     let n_docs = total.div_ceil(doc_tokens.max(1)).max(1);
     let text = corpus::prose(seed, total * 6);
-    let ids = tok.encode_text(&text).unwrap_or_default();
+    let ids = encode(&text)?;
     let per = total / n_docs;
     (0..n_docs)
         .map(|i| {
             let piece = &ids[(i * per).min(ids.len())..((i + 1) * per).min(ids.len())];
-            let mut d = tok.decode(piece).unwrap_or_default();
+            let mut d = decode(piece)?;
             if i == n_docs / 2 {
                 d.push_str(" The access code for the north gate is 4729.");
             }
-            d
+            Ok(d)
         })
         .collect()
 }
@@ -360,7 +372,7 @@ fn ttft_request(
     len: usize,
     doc_tokens: usize,
 ) -> Result<(flowprefill_coordinator::Request, usize)> {
-    let docs = bench_docs(&lm.tokenizer, len, doc_tokens, 11);
+    let docs = bench_docs(&lm.tokenizer, len, doc_tokens, 11)?;
     let req = flowprefill_coordinator::Request {
         context: flowprefill_coordinator::Context::Documents(docs),
         query: "What is the access code for the north gate?".into(),
@@ -556,16 +568,16 @@ type Outcome = (f64, u16, String);
 /// Job bodies of `bench load`: document sets of about --doc-tokens tokens each.
 fn load_bodies(common: &Common, a: &LoadArgs) -> Result<Vec<Vec<u8>>> {
     let tok_lm = flowprefill_worker::LoadedModel::load(&super::tokenizer_path(common)?, flowprefill_worker::Cpu)?;
-    Ok((0..a.doc_sets)
+    (0..a.doc_sets)
         .map(|i| {
-            let docs = bench_docs(&tok_lm.tokenizer, a.doc_tokens, 256, 100 + i as u64);
-            serde_json::to_vec(&serde_json::json!({
+            let docs = bench_docs(&tok_lm.tokenizer, a.doc_tokens, 256, 100 + i as u64)?;
+            // The ratio is the method's (`NAME@RATIO`), else the service's default.
+            Ok(serde_json::to_vec(&serde_json::json!({
                 "documents": docs, "query": "What is the access code for the north gate?",
-                "method": a.method, "ratio": 0.15, "max_tokens": a.max_tokens,
-            }))
-            .unwrap_or_default()
+                "method": a.method, "max_tokens": a.max_tokens,
+            }))?)
         })
-        .collect())
+        .collect()
 }
 
 /// One client's request and what came back.
@@ -730,4 +742,22 @@ fn load_report(a: &LoadArgs, results: &[Outcome], wall: f64, rss: &[(f64, f64)],
     }
     anyhow::ensure!(lost == 0, "{lost} requests got no response");
     Ok(())
+}
+
+#[cfg(test)]
+mod docs_tests {
+    use super::docs_from;
+
+    #[test]
+    fn a_tokenizer_error_is_an_error_not_empty_documents() {
+        let encode = |t: &str| Ok::<_, String>(t.split_whitespace().map(|w| w.len() as u32).collect());
+        let decode = |ids: &[u32]| Ok::<_, String>(ids.iter().map(|i| format!("w{i} ")).collect());
+        let docs = docs_from(encode, decode, 400, 100, 3).expect("a working tokenizer");
+        assert_eq!(docs.len(), 4);
+        assert!(docs.iter().all(|d| !d.is_empty()) && docs[2].contains("north gate is 4729"));
+        let e = docs_from(|_: &str| Err("encode failed".to_string()), decode, 400, 100, 3).unwrap_err();
+        assert_eq!(e, "encode failed");
+        let e = docs_from(encode, |_: &[u32]| Err::<String, _>("decode failed".to_string()), 400, 100, 3).unwrap_err();
+        assert_eq!(e, "decode failed");
+    }
 }

@@ -1,10 +1,9 @@
 //! `flowprefill check`: needle-in-a-haystack accuracy and TTFT of every method.
 
-use super::demo::TABLE;
 use super::run::engine;
 use crate::Common;
 use anyhow::Result;
-use flowprefill_coordinator::{Method, MethodSpec, RunOptions};
+use flowprefill_coordinator::{Method, RunOptions};
 use flowprefill_lab::tasks::niah_cases;
 
 /// Arguments of `check`.
@@ -37,7 +36,8 @@ pub struct Args {
     /// Print every answer.
     #[arg(long)]
     pub verbose: bool,
-    /// Only these methods (comma-separated labels, e.g. full,infoflow,infoflow+reorder).
+    /// Only these methods (comma-separated, as `--method` writes them: e.g.
+    /// full,infoflow,infoflow+reorder@0.3; full must be one).
     #[arg(long)]
     pub methods: Option<String>,
     /// Write each case (documents, query, answer) under this folder, to rerun it with `run`.
@@ -57,29 +57,6 @@ struct Row {
     needle_cov: f64,
     /// Fraction of answer tokens selected, summed over cases.
     answer_cov: f64,
-}
-
-/// The rows of the table --methods asks for (default: the demo's), full first.
-fn methods(list: Option<&str>) -> Result<Vec<MethodSpec>> {
-    let table: Vec<MethodSpec> = match list {
-        None => TABLE.to_vec(),
-        Some(list) => {
-            let wanted = MethodSpec::parse_list(list)?;
-            for w in &wanted {
-                crate::ensure_usage!(
-                    TABLE.contains(w),
-                    "--methods: unknown `{w}`; choose from {}",
-                    TABLE.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
-                );
-            }
-            TABLE.iter().copied().filter(|t| wanted.contains(t)).collect()
-        }
-    };
-    crate::ensure_usage!(
-        table.first().is_some_and(|t| t.method == Method::Full),
-        "--methods must include full (the baseline)"
-    );
-    Ok(table)
 }
 
 /// Writes each case's documents, query and answer under `dir`.
@@ -102,7 +79,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     // Parsed once, before the model loads, so a bad flag fails fast.
     let scoring = args.scoring.parse()?;
     let evict = args.evict.parse()?;
-    let mut table = methods(args.methods.as_deref())?;
+    let mut table = super::demo::table(args.methods.as_deref())?;
     let engine = engine(common, None)?;
     if args.methods.is_none() {
         // The default table has KV Packet and lookahead only where the model has their adapters.

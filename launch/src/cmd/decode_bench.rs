@@ -92,7 +92,7 @@ fn request(a: &Args, lm: &flowprefill_worker::LoadedModel<flowprefill_kernels::D
     crate::ensure_usage!(!a.query.trim().is_empty(), "--query is empty; give the question to answer");
     let docs = if a.docs.is_empty() {
         crate::ensure_usage!(a.tokens >= 1 && a.doc_tokens >= 1, "--tokens and --doc-tokens must be at least 1");
-        super::bench::bench_docs(&lm.tokenizer, a.tokens, a.doc_tokens, 11)
+        super::bench::bench_docs(&lm.tokenizer, a.tokens, a.doc_tokens, 11)?
     } else {
         let mut docs = Vec::new();
         for p in &a.docs {

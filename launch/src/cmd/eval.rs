@@ -316,7 +316,7 @@ fn compute(common: &Common, a: &Args, plan: &Plan, pending: usize, runs: &mut [R
         for &len in &plan.lengths {
             for sample in 0..a.samples {
                 let case = generate(task, tok, a.seed, len, sample, &plan.depths)
-                    .ok_or_else(|| anyhow::anyhow!("task {task}"))?;
+                    .ok_or_else(|| anyhow::anyhow!("task `{task}` made no case (a bug: the plan checked its name)"))?;
                 let req = case.request(a.prompts);
                 let needles = case.needle_rows(tok);
                 let mut primed = false;
@@ -337,7 +337,7 @@ fn compute(common: &Common, a: &Args, plan: &Plan, pending: usize, runs: &mut [R
                                 ..spec.options(ratio.unwrap_or(0.0))
                             });
                             let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
-                            let mut rec = record(&case, a.prompts, *spec, ratio, &r, &needles);
+                            let mut rec = record(&case, sample, a.prompts, *spec, ratio, &r, &needles);
                             rec.adapter = adapter_of(&lm, spec.method);
                             runs.records.push(rec);
                             progress.inc(&format!("{k}{}", s.label(several)));

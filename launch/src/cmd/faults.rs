@@ -326,7 +326,11 @@ How to read it:
 - **panic**: a panic on rank 0 fails that job with 500 (`internal`, a bug) and the ranks are
   rebuilt before the answer; a follower that panics leaves the world, telling the others, so
   its job fails at once with 503 (`rank_failure`) naming it. Under `mpirun` a rank cannot be
-  rebuilt: after answering, the service stops with an error status (4).
+  rebuilt: after answering, the service stops, and `mpirun`'s status is that of the first rank
+  to exit with an error: 4 (a rank failure) where rank 0 stops the service (rank 0 panicked, or
+  a follower hung), 70 (internal: a bug) where a follower panicked, since its own process exits
+  first (the exit column; `launch/tests/serve.rs` pins 4, 70 and 4 for a panic on rank 0, a
+  panic on rank 1 and a hang on rank 1).
 - **hang**: a hung follower is named after `--comm-timeout` (503). A hung rank 0 cannot answer
   at all: the handler answers 504 at the job's deadline + 2 s, and the watchdog declares rank 0
   stuck `--comm-timeout` + 5 s after the deadline, abandons its thread and starts new ranks (the

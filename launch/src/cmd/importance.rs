@@ -85,7 +85,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
             eprintln!("no LookaheadKV adapter for this model: SnapKV alone (train one: flowprefill train lookahead)")
         }
     }
-    let depths = [0.1, 0.3, 0.5, 0.7, 0.9];
+    let depths = flowprefill_lab::tasks::DEPTHS;
     let mut rows = Vec::new();
     let mut progress = Progress::new(tasks.len() * lengths.len() * a.samples, "cases");
     for task in &tasks {

@@ -4,7 +4,9 @@ use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
-use flowprefill_coordinator::{explain, memory, Context, Engine, Job, Method, Request, RunOptions, Scope, World};
+use flowprefill_coordinator::{
+    explain, memory, Context, Engine, Job, Method, MethodSpec, Request, RunOptions, Scope, World,
+};
 use flowprefill_kernels::{gib, Device};
 use flowprefill_worker::sampling::SamplingConfig;
 use flowprefill_worker::{Field, InputError, LoadedModel};
@@ -49,16 +51,19 @@ pub struct Args {
     pub scores: bool,
 }
 
-/// Method options shared by `run`, `demo` and `check`.
+/// Method options of `run`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct MethodArgs {
-    /// The method.
-    #[arg(long, value_enum, default_value_t = Method::Infoflow)]
-    pub method: Method,
-    /// Fraction of context tokens to recompute, in [0, 1].
-    #[arg(long, default_value_t = 0.15)]
-    pub ratio: f64,
-    /// Two-stage chunk reordering (documents only).
+    /// The method, written as everywhere else (`bench`, `eval`, the HTTP API):
+    /// `NAME[+reorder][@RATIO]`, e.g. `infoflow`, `infoflow+reorder`, `infoflow@0.3` (an
+    /// unknown name is answered with the list of methods).
+    #[arg(long, default_value = "infoflow")]
+    pub method: MethodSpec,
+    /// Fraction of context tokens to recompute, in [0, 1] (default 0.15); the same as
+    /// `--method NAME@RATIO` (giving both, they must agree).
+    #[arg(long)]
+    pub ratio: Option<f64>,
+    /// Two-stage chunk reordering (documents only); the same as `--method NAME+reorder`.
     #[arg(long)]
     pub reorder: bool,
     /// Scoring geometry, layers and prefix mode.
@@ -88,17 +93,15 @@ impl MethodArgs {
     /// Options for the coordinator.
     pub fn options(&self) -> Result<RunOptions> {
         let scoring = self.scoring.parse()?;
-        flowprefill_coordinator::request::check_ratio(self.ratio)?;
+        let base =
+            MethodSpec::merge(Some(self.method), self.ratio, self.reorder.then_some(true), RunOptions::default())?;
         Ok(scoring.apply(RunOptions {
-            method: self.method,
-            ratio: self.ratio,
-            reorder: self.reorder,
             max_new_tokens: self.max_tokens,
             sampling: SamplingConfig::default(),
             seed: self.seed,
             scope: self.scope,
             evict: self.evict.parse()?,
-            ..RunOptions::default()
+            ..base
         }))
     }
 

@@ -73,9 +73,11 @@ pub struct LookaheadArgs {
     /// The run's folder (checkpoint, loss curve).
     #[arg(long, default_value = "lookahead-run")]
     pub out: PathBuf,
-    /// Where to write the adapter; default: `OUT/lookahead.safetensors`.
+    /// Where to write the adapter; default: `OUT/lookahead.safetensors`. Its own flag, not the
+    /// global `--adapter` (an input, also read from `FLOWPREFILL_ADAPTER`): a training run
+    /// writes outside `--out` only where this flag says so.
     #[arg(long)]
-    pub adapter: Option<PathBuf>,
+    pub adapter_out: Option<PathBuf>,
 }
 
 fn task_list(tasks: &str) -> Vec<String> {
@@ -153,9 +155,11 @@ pub struct KvpacketArgs {
     /// The run's folder (checkpoint, loss curve).
     #[arg(long, default_value = "kvpacket-run")]
     pub out: PathBuf,
-    /// Where to write the adapter; default: `OUT/adapter.safetensors`.
+    /// Where to write the adapter; default: `OUT/adapter.safetensors`. Its own flag, not the
+    /// global `--adapter` (an input, also read from `FLOWPREFILL_ADAPTER`): a training run
+    /// writes outside `--out` only where this flag says so.
     #[arg(long)]
-    pub adapter: Option<PathBuf>,
+    pub adapter_out: Option<PathBuf>,
 }
 
 impl KvpacketArgs {
@@ -197,7 +201,7 @@ pub fn run(common: &Common, t: Train) -> Result<()> {
     let tm = TrainModel::from_gguf(&path).with_context(|| format!("loading {} for training", path.display()))?;
     let out = kvpacket::Outputs {
         dir: a.out.clone(),
-        adapter: a.adapter.clone().unwrap_or_else(|| a.out.join("adapter.safetensors")),
+        adapter: a.adapter_out.clone().unwrap_or_else(|| a.out.join("adapter.safetensors")),
     };
     eprintln!(
         "training KV Packet adapters ({} + {} rows) for {}: {} samples of {} tokens ({} tasks), {} epochs, batch {}, lr {}",
@@ -281,7 +285,7 @@ fn run_lookahead(common: &Common, a: &LookaheadArgs) -> Result<()> {
     let tm = TrainModel::from_gguf(&path).with_context(|| format!("loading {} for training", path.display()))?;
     let out = lookahead::Outputs {
         dir: a.out.clone(),
-        adapter: a.adapter.clone().unwrap_or_else(|| lookahead::default_adapter(&a.out)),
+        adapter: a.adapter_out.clone().unwrap_or_else(|| lookahead::default_adapter(&a.out)),
     };
     eprintln!(
         "training LookaheadKV ({} rows, LoRA rank {} alpha {}) for {}: {} samples of {} tokens ({} tasks), {} epochs, batch {}, lr {}",

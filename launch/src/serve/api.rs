@@ -174,27 +174,8 @@ fn options(
     top_p: Option<f32>,
     seed: Option<u64>,
 ) -> Result<RunOptions, ApiError> {
-    let mut o = RunOptions::default();
-    if let Some(spec) = m.method {
-        o.method = spec.method;
-        if let (Some(a), Some(b)) = (spec.ratio, m.ratio) {
-            if a != b {
-                return Err(ApiError::bad_request(format!(
-                    "field `method` says ratio {a} and field `ratio` says {b}: give the ratio once"
-                )));
-            }
-        }
-        if spec.reorder && m.reorder == Some(false) {
-            return Err(ApiError::bad_request(
-                "field `method` says +reorder and field `reorder` says false: give one of them",
-            ));
-        }
-    }
-    if let Some(r) = m.ratio.or(m.method.and_then(|s| s.ratio)) {
-        flowprefill_coordinator::request::check_ratio(r).map_err(|e| ApiError::bad_request(e.api_message()))?;
-        o.ratio = r;
-    }
-    o.reorder = m.reorder.unwrap_or(false) || m.method.is_some_and(|s| s.reorder);
+    let mut o = MethodSpec::merge(m.method, m.ratio, m.reorder, RunOptions::default())
+        .map_err(|e| ApiError::bad_request(e.api_message()))?;
     o.scope = m.scope.unwrap_or(o.scope);
     o.geometry = m.geometry.unwrap_or(o.geometry);
     o.prefix = m.prefix;

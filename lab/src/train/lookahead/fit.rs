@@ -314,7 +314,7 @@ pub fn samples(
             )));
         }
         let task = &s.tasks[out.len() % s.tasks.len()];
-        let c = tasks::generate(task, &lm.tokenizer, seed, s.length, 0, &[0.1, 0.3, 0.5, 0.7, 0.9])
+        let c = tasks::generate(task, &lm.tokenizer, seed, s.length, 0, &tasks::DEPTHS)
             .ok_or_else(|| TrainError::Settings(format!("task `{task}` made no case of {} tokens", s.length)))?;
         seed += 1;
         if let Some(x) = sample(lm, &c, s.prompts, s.max_answer)? {
@@ -410,6 +410,14 @@ pub fn train(
     settings.check()?;
     let ckpt_err = |d: String| TrainError::Checkpoint { path: out.dir.clone(), detail: d };
     std::fs::create_dir_all(&out.dir).map_err(|e| ckpt_err(format!("cannot create the folder: {e}")))?;
+    // The adapter's folder too, before any work (an adapter path elsewhere fails now, not
+    // after the training).
+    if let Some(dir) = out.adapter.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            detail: format!("cannot create the adapter's folder: {e}"),
+        })?;
+    }
     let ckpt_path = out.dir.join("checkpoint.safetensors");
     let resumed = Checkpoint::load(&ckpt_path, settings)?;
     let total = settings.samples + settings.val_samples;
