@@ -68,7 +68,8 @@ cargo clippy --release --workspace --all-targets "${features[@]}" -- -D warnings
 # Every test, with the CUDA backend built in: the kernels run on the CPU against the
 # references, the GPU tests (they say SKIPPED without a GPU); all but the compile gate (NVRTC
 # over every kernel for two architectures), which runs once, in the next command.
-cargo test --release --workspace "${features[@]}" -- --skip every_kernel_compiles_for_sm80_and_sm90a_within_its_budget
+# `--timings`: what each crate of the build cost, in target/cargo-timings/ (CI time).
+cargo test --release --workspace "${features[@]}" --timings -- --skip every_kernel_compiles_for_sm80_and_sm90a_within_its_budget
 # The CUDA tests with their output: the compile gate (sm_80, sm_90a) and its ptxas table, and
 # what the GPU tests did (on a machine without a GPU: SKIPPED, with the reason; counted once,
 # in the run above).

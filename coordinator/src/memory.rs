@@ -14,7 +14,7 @@
 //! residual, norm, QKV, queries, attention output, gate-up and activation per row in f32; K,
 //! pre-RoPE K and V at the KV type), K/V of the caches at the KV type, attention partials
 //! (output and log-sum-exp per query row), logits, and the backend's own scratch
-//! ([`Backend::scratch_bytes`]). `tests/tests/memory_plan.rs` runs the engine on a backend that
+//! ([`Backend::scratch_bytes`]). `tests/tests/suite/memory_plan.rs` runs the engine on a backend that
 //! counts every byte it hands out and demands the plan's peak within 10% of the counted one.
 //!
 //! What the plan cannot know it bounds: which tokens a query selects (spread evenly over the

@@ -6,7 +6,7 @@
 //! The engine runs these steps (each of its phases asks [`Pipeline::runs`] whether it is one);
 //! the memory plan ([`crate::memory`]) and the projection (`flowprefill_lab::project::work`,
 //! one counting function per step) walk the same description instead of deciding again, so
-//! the three cannot drift apart: `tests/tests/projection_counts.rs` checks that the engine
+//! the three cannot drift apart: `tests/tests/suite/projection_counts.rs` checks that the engine
 //! times exactly these steps and that the projection counts what the engine runs.
 
 use crate::request::{Method, PrefixMode, RunOptions};

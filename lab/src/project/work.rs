@@ -10,7 +10,7 @@
 //! of every message (`comm::wire` sections: a 4-byte count, then the values; the control rows,
 //! then per buffer its type tag and its values, 4 bytes per f32, `kv_bytes` per K/V element).
 //!
-//! A test in `tests/tests/projection_counts.rs` runs the real engine on a backend that counts
+//! A test in `tests/tests/suite/projection_counts.rs` runs the real engine on a backend that counts
 //! GEMM rows and visible attention pairs, and the communicator's own byte counters, and
 //! demands the same numbers from this module: if the pipeline changes, that test fails until
 //! this accounting follows.

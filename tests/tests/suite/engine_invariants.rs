@@ -126,7 +126,7 @@ fn one_chunk_is_full_prefill_for_every_method_and_reorder_changes_nothing() {
     let req = request(vec![docs[1].clone()]);
     let full = run(&e, &req, RunOptions { method: Method::Full, ..Default::default() });
     // KV Packet wraps even one chunk in soft rows (and needs an adapter): not a prefill of the
-    // same tokens. Lookahead needs an adapter (tests/tests/lookahead.rs gives it one).
+    // same tokens. Lookahead needs an adapter (tests/tests/suite/lookahead.rs gives it one).
     for m in Method::ALL.into_iter().filter(|&m| !matches!(m, Method::Kvpacket | Method::Lookahead)) {
         let r = run(&e, &req, RunOptions { method: m, ratio: 0.15, ..Default::default() });
         let d = rel_diff(&r.first_logits, &full.first_logits);
