@@ -35,6 +35,21 @@ pub fn qwen_model_path() -> PathBuf {
     .clone()
 }
 
+/// The default model behind an `Arc` (what thread ranks share), loaded once per test binary.
+pub fn shared_model() -> std::sync::Arc<LoadedModel<Cpu>> {
+    static LM: OnceLock<std::sync::Arc<LoadedModel<Cpu>>> = OnceLock::new();
+    LM.get_or_init(|| {
+        std::sync::Arc::new(
+            LoadedModel::load(&default_model_path(), Cpu).unwrap_or_else(|e| panic!("loading the default model: {e}")),
+        )
+    })
+    .clone()
+}
+
+/// First-token logits of P ranks against one rank (another association of the same sums in
+/// the partial-attention merges), relative to the logit range.
+pub const RANKS_LOGIT_TOL: f32 = 2e-4;
+
 /// The default model, loaded once per test binary.
 pub fn default_model() -> &'static LoadedModel<Cpu> {
     static MODEL: OnceLock<LoadedModel<Cpu>> = OnceLock::new();

@@ -7,18 +7,13 @@
 //! communicator.
 
 use flowprefill_coordinator::{Job, Method, Request, RunOptions, RunResult, Scope, ThreadRanks};
-use flowprefill_tests::{default_model_path, gate_request, rel_diff, thread_planes};
+use flowprefill_tests::{gate_request, rel_diff, thread_planes, RANKS_LOGIT_TOL};
 use flowprefill_worker::{Cpu, LoadedModel};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-/// First-token logits of P ranks vs one rank (different merge association), relative to the
-/// logit range (as in `sharded_equivalence`).
-const RANKS_LOGIT_TOL: f32 = 2e-4;
-
 fn lm() -> Arc<LoadedModel<Cpu>> {
-    static LM: OnceLock<Arc<LoadedModel<Cpu>>> = OnceLock::new();
-    LM.get_or_init(|| Arc::new(LoadedModel::load(&default_model_path(), Cpu).expect("load"))).clone()
+    flowprefill_tests::shared_model()
 }
 
 fn run(ranks: usize, plane: bool, req: &Request, opts: RunOptions) -> RunResult {

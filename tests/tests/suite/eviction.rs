@@ -5,9 +5,9 @@
 
 use flowprefill_coordinator::timings::phase;
 use flowprefill_coordinator::{Evict, EvictPolicy, Job, Method, Request, RunOptions, RunResult, ThreadRanks};
-use flowprefill_tests::{default_model_path, gate_request, rel_diff};
+use flowprefill_tests::{gate_request, rel_diff};
 use flowprefill_worker::{Cpu, LoadedModel};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// First-token logits of a prefill split at the prompt (context, then prompt over it) against
@@ -15,8 +15,7 @@ use std::time::Duration;
 const SPLIT_LOGIT_TOL: f32 = 2e-4;
 
 fn lm() -> Arc<LoadedModel<Cpu>> {
-    static LM: OnceLock<Arc<LoadedModel<Cpu>>> = OnceLock::new();
-    LM.get_or_init(|| Arc::new(LoadedModel::load(&default_model_path(), Cpu).expect("load"))).clone()
+    flowprefill_tests::shared_model()
 }
 
 fn run(ranks: usize, req: &Request, opts: RunOptions) -> RunResult {

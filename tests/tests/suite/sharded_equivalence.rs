@@ -3,18 +3,13 @@
 //! single-rank full prefill at lengths that are not multiples of 2P.
 
 use flowprefill_coordinator::{Context, Job, Method, Request, RunOptions, RunResult, Scope, ThreadRanks};
-use flowprefill_tests::{default_model_path, rel_diff, small_docs};
+use flowprefill_tests::{rel_diff, small_docs, RANKS_LOGIT_TOL};
 use flowprefill_worker::{Cpu, LoadedModel};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-/// First-token logits of P ranks vs one rank (different merge association), relative to the
-/// logit range.
-const RANKS_LOGIT_TOL: f32 = 2e-4;
-
 fn lm() -> Arc<LoadedModel<Cpu>> {
-    static LM: OnceLock<Arc<LoadedModel<Cpu>>> = OnceLock::new();
-    LM.get_or_init(|| Arc::new(LoadedModel::load(&default_model_path(), Cpu).expect("load"))).clone()
+    flowprefill_tests::shared_model()
 }
 
 fn run(ranks: usize, req: &Request, opts: RunOptions) -> RunResult {
