@@ -35,27 +35,28 @@ pub fn qwen_model_path() -> PathBuf {
     .clone()
 }
 
-/// The default model behind an `Arc` (what thread ranks share), loaded once per test binary.
+/// The default model behind an `Arc` (what thread ranks share), loaded once per test binary
+/// and shared with [`default_model`].
 pub fn shared_model() -> std::sync::Arc<LoadedModel<Cpu>> {
+    the_default_model().clone()
+}
+
+fn the_default_model() -> &'static std::sync::Arc<LoadedModel<Cpu>> {
     static LM: OnceLock<std::sync::Arc<LoadedModel<Cpu>>> = OnceLock::new();
     LM.get_or_init(|| {
         std::sync::Arc::new(
             LoadedModel::load(&default_model_path(), Cpu).unwrap_or_else(|e| panic!("loading the default model: {e}")),
         )
     })
-    .clone()
 }
 
 /// First-token logits of P ranks against one rank (another association of the same sums in
 /// the partial-attention merges), relative to the logit range.
 pub const RANKS_LOGIT_TOL: f32 = 2e-4;
 
-/// The default model, loaded once per test binary.
+/// The default model, loaded once per test binary (the same load as [`shared_model`]).
 pub fn default_model() -> &'static LoadedModel<Cpu> {
-    static MODEL: OnceLock<LoadedModel<Cpu>> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        LoadedModel::load(&default_model_path(), Cpu).unwrap_or_else(|e| panic!("loading the default model: {e}"))
-    })
+    the_default_model()
 }
 
 /// A fixed English paragraph used as test input.
