@@ -4,12 +4,29 @@
 # all the compile gate needs. `--runtime` adds cuBLAS, for a GPU machine without a CUDA
 # toolkit; `--nccl` adds NCCL (its version and unique ids need no GPU: the CI smoke test).
 # Options combine. Installed once; later runs only print the folders.
+# `nvdisasm` (alone) installs the SASS disassembler instead and prints its path: the static
+# gate of the compile-gate test reads the kernels' machine code with it (no GPU needed).
 #
 #   export LD_LIBRARY_PATH="$(bash scripts/cuda-wheels.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+#   export FLOWPREFILL_NVDISASM="$(bash scripts/cuda-wheels.sh nvdisasm)"
 set -euo pipefail
 home="${FLOWPREFILL_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/flowprefill}"
 dir="$home/cuda-wheels"
 py="${FLOWPREFILL_PYTHON:-python3}"
+if [ "${1:-}" = nvdisasm ]; then
+  # 13.5: the only line on PyPI (there is no -cu12 wheel); it reads NVRTC 12.9's sm_80 and
+  # sm_90a CUBINs.
+  tool="$dir/nvdisasm/nvidia/cu13/bin/nvdisasm"
+  if [ ! -x "$tool" ]; then
+    echo "installing nvidia-cuda-nvdisasm==13.5.37 from PyPI into $dir/nvdisasm" >&2
+    "$py" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps \
+      --target "$dir/nvdisasm" --upgrade nvidia-cuda-nvdisasm==13.5.37 >&2
+    chmod +x "$tool"
+  fi
+  "$tool" --version >/dev/null || { echo "cuda-wheels.sh: $tool does not run" >&2; exit 1; }
+  echo "$tool"
+  exit 0
+fi
 # NVRTC 12.9: what cudarc's `cuda-12090` bindings were generated for.
 # Each wheel in its own folder: `pip install --target` replaces a top-level folder that is
 # already there, and every one of these wheels installs into `nvidia/`.

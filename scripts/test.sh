@@ -56,6 +56,9 @@ fi
 cuda_libs=$(bash scripts/cuda-wheels.sh --nccl)
 export LD_LIBRARY_PATH="$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export FLOWPREFILL_REQUIRE_NVRTC=1
+# nvdisasm (PyPI) for the compile gate's static SASS table and budgets.
+FLOWPREFILL_NVDISASM=$(bash scripts/cuda-wheels.sh nvdisasm)
+export FLOWPREFILL_NVDISASM
 export FLOWPREFILL_REQUIRE_NCCL=1
 # `nccl` implies `cuda`: the CUDA backend and NCCL between GPUs (the multi-GPU device plane).
 features+=(--features flowprefill/cuda --features flowprefill/nccl)

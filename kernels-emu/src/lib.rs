@@ -11,6 +11,7 @@ use flowprefill_kernels::gpu::ops::{self, AttnDims, RopeArgs};
 pub use flowprefill_kernels::gpu::ops::{FlashKernel, FlashPlan};
 use flowprefill_kernels::gpu::{Call, Elem, Ptr, ATTENTION_MAX_DIM};
 use flowprefill_kernels::rope::{RopeStyle, RopeTable};
+use std::borrow::Cow;
 use std::ffi::{c_char, CStr, CString};
 
 mod ffi {
@@ -185,18 +186,21 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     run(&built(ops::rms_norm(p(x), p(w), eps, pm(out), rows, u32_of(cols))));
 }
 
-/// The host side of a RoPE table as a kernel's arguments.
-fn rope_args(table: &RopeTable) -> RopeArgs {
-    let (cos, sin) = table.tables();
-    RopeArgs {
-        cos: p(cos),
-        sin: p(sin),
-        table_len: u32_of(table.table_len()),
-        inv_freq: p(table.inv_freq()),
+/// The host side of a RoPE table as a kernel's arguments: the table's rows for `positions`
+/// (extended past it as the CUDA backend extends its device copy), and the arguments pointing
+/// at them (valid while the first two live).
+fn rope_args<'a>(table: &'a RopeTable, positions: &[u32]) -> (Cow<'a, [f32]>, Cow<'a, [f32]>, RopeArgs) {
+    let rows = table.rows_for(positions);
+    let (cos, sin) = table.tables_to(rows);
+    let args = RopeArgs {
+        cos: p(&cos[..]),
+        sin: p(&sin[..]),
+        table_len: u32_of(rows),
         head_dim: u32_of(table.head_dim()),
         rot_dim: u32_of(table.rot_dim()),
         interleaved: table.style() == RopeStyle::Interleaved,
-    }
+    };
+    (cos, sin, args)
 }
 
 /// RoPE in place at `positions` (f32, or bf16 rounded once after the rotation), with the
@@ -204,7 +208,7 @@ fn rope_args(table: &RopeTable) -> RopeArgs {
 pub fn rope<T: EmuElem>(x: &mut [T], n_heads: usize, positions: &[u32], table: &RopeTable) {
     let d = table.head_dim();
     check("x", x.len(), positions.len() * n_heads * d);
-    let t = rope_args(table);
+    let (_cos, _sin, t) = rope_args(table, positions);
     run(&built(ops::rope(pm(x), u32_of(positions.len()), u32_of(n_heads), p(positions), &t)));
 }
 
@@ -214,7 +218,7 @@ pub fn rope_copy<T: EmuElem>(src: &[T], dst: &mut [T], n_heads: usize, positions
     let d = table.head_dim();
     check("src", src.len(), positions.len() * n_heads * d);
     check("dst", dst.len(), src.len());
-    let t = rope_args(table);
+    let (_cos, _sin, t) = rope_args(table, positions);
     run(&built(ops::rope_copy(p(src), pm(dst), u32_of(positions.len()), u32_of(n_heads), p(positions), &t)));
 }
 
@@ -239,7 +243,7 @@ pub fn split_qkv_rope<T: EmuElem>(
     for (what, n) in [("k_pre", k_pre.len()), ("k", k.len()), ("v", v.len())] {
         check(what, n, rows * kvd);
     }
-    let t = rope_args(table);
+    let (_cos, _sin, t) = rope_args(table, positions);
     let parts = ops::QkvParts { qkv: p(qkv), q: pm(q), k_pre: pm(k_pre), k: pm(k), v: pm(v) };
     run(&built(ops::split_qkv_rope(parts, u32_of(rows), u32_of(heads.0), u32_of(heads.1), p(positions), &t)));
 }

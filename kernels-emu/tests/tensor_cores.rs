@@ -175,6 +175,36 @@ fn flash_attention_keeps_large_scores_finite_and_exact() {
     }
 }
 
+/// The fast kernel moves its running maximum only when a row's maximum rises by more than 2^8
+/// (then O and l are rescaled, outside its steady-state loop): a key far past the first tiles
+/// with a much larger score makes every row rescale in the middle of a run of full tiles, and
+/// keys a little larger (below the threshold) leave probabilities above 1 in flight.
+#[test]
+fn flash_attention_rescales_when_a_late_key_dominates() {
+    let mut r = rng(44);
+    for &(m, n, heads, kv, d, late) in &[(8, 520, 4, 1, 128, 300), (8, 520, 2, 1, 64, 330)] {
+        let mut c = case(&mut r, m, n, heads, kv, d, false);
+        // Every query sees every key (positions past the keys').
+        let top = c.kpos.iter().copied().max().unwrap_or(0);
+        for p in c.qpos.iter_mut() {
+            *p = top + 1 + *p % 3;
+        }
+        let kvd = c.shape.kv_dim();
+        // A late key aligned with the queries (a score about +40 above the rest), and a
+        // middle key raised a little (+3, under the threshold).
+        let q0: Vec<f32> = c.q[..d].to_vec();
+        for h in 0..kv {
+            for (i, &x) in q0.iter().enumerate() {
+                c.k[late * kvd + h * d + i] = x * 4.0;
+                c.k[200 * kvd + h * d + i] += x * 0.3;
+            }
+        }
+        for kernel in emu::FlashKernel::ALL {
+            check_flash(kernel, &c, None, &format!("flash {kernel:?} late dominant key d={d}"));
+        }
+    }
+}
+
 #[test]
 fn flash_partials_over_disjoint_keys_merge_into_one_call() {
     let mut r = rng(43);

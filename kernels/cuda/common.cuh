@@ -129,6 +129,12 @@ __device__ __forceinline__ u32 fp_ldm_col_cols_first(u32 lane) {
     return ((lane >> 3) & 1) * 8;
 }
 
+// A compile-time flag as a type, for a generic lambda compiled once per value.
+template <bool B>
+struct fp_bool {
+    static constexpr bool value = B;
+};
+
 #ifndef FP_CPU_SHIM
 // ---- Tensor-core and asynchronous-copy wrappers (sm_80 and up): the only inline PTX. ----
 // PTX ISA, "Warp-level matrix fragments for mma.m16n8k16" and "ldmatrix": lane = 4 g + t,

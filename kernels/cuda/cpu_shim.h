@@ -9,8 +9,8 @@
 //                         (one buffer per launch, refilled with 0xff bytes before every block:
 //                         a read before a write shows up as NaN) belong to one block at a time
 //   __syncthreads()       a barrier of the block's threads
-//   __syncwarp(), shuffles  a barrier of the warp's threads (32, or fewer in a last, partial
-//                         warp) and an exchange array per warp
+//   __syncwarp(), shuffles, __any_sync  a barrier of the warp's threads (32, or fewer in a
+//                         last, partial warp) and an exchange array per warp
 //   mma.sync m16n8k16     the lanes scatter their fragments into a per-warp staging tile by the
 //                         PTX ISA's layouts, meet at a barrier, and each computes its four
 //                         outputs (bf16 products are exact in f32; sums in a fixed order)
@@ -52,8 +52,9 @@ struct dim3 {
 namespace fp_shim {
 
 struct Warp {
-    explicit Warp(std::ptrdiff_t lanes) : bar(lanes) {}
+    explicit Warp(std::ptrdiff_t lanes) : bar(lanes), lanes((unsigned)lanes) {}
     std::barrier<> bar;
+    unsigned lanes;
     uint64_t slot[32] = {};
     // mma staging: A 16x16, B 16x8 (k x n), as floats (bf16 values are exact in f32).
     float mma_a[16][16] = {};
@@ -115,6 +116,19 @@ inline T exchange(T v, unsigned src_lane) {
     return out;
 }
 
+// A vote: true when pred holds on some lane of the warp.
+inline bool vote_any(bool pred) {
+    Warp& w = warp();
+    w.slot[lane()] = pred ? 1 : 0;
+    w.bar.arrive_and_wait();
+    bool any = false;
+    for (unsigned l = 0; l < w.lanes; l++) {
+        any = any || w.slot[l] != 0;
+    }
+    w.bar.arrive_and_wait();
+    return any;
+}
+
 inline unsigned char* dynamic_smem() { return dynamic_shared.data(); }
 
 }  // namespace fp_shim
@@ -138,6 +152,8 @@ inline float2 make_float2(float x, float y) { return float2{x, y}; }
 
 inline void __syncthreads() { fp_shim::block->bar.arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { fp_shim::warp().bar.arrive_and_wait(); }
+
+inline int __any_sync(unsigned, int pred) { return fp_shim::vote_any(pred != 0) ? 1 : 0; }
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {

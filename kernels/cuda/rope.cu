@@ -1,28 +1,25 @@
 // RoPE at explicit positions: token t of x ([tokens, n_heads, head_dim]) rotated by
 // positions[t]. One thread per rotated pair. cos/sin come from the host-built table (the same
-// f64-computed values as the CPU kernel) below table_len, else from sincos in double. A bf16
+// f64-computed values as the CPU kernel), which the host makes long enough for every position
+// of the call (RopeTable::rows_for): no angle is computed here (sincos in double precision
+// takes a range-reduction slow path with a stack frame). A position past the table (a host
+// bug) reads its last row rather than past the end. A bf16
 // x is rotated in f32 and rounded once (to nearest even) when stored. `fp_rope` rotates in
 // place; `fp_rope_copy` writes the rotation of src into dst and copies the dimensions past
 // rot_dim, so that placing a pre-RoPE chunk cache is one pass over it (no zero fill, no copy
 // before the rotation).
 
 __device__ __forceinline__ void fp_rope_cos_sin(u32 p, u32 i, u32 half, const float* cos_t, const float* sin_t,
-                                                u32 table_len, const double* inv_freq, float* c, float* s) {
-    if (p < table_len) {
-        *c = cos_t[(u64)p * half + i];
-        *s = sin_t[(u64)p * half + i];
-    } else {
-        double sd, cd;
-        sincos((double)p * inv_freq[i], &sd, &cd);
-        *c = (float)cd;
-        *s = (float)sd;
-    }
+                                                u32 table_len, float* c, float* s) {
+    const u64 at = (u64)min(p, table_len - 1) * half + i;
+    *c = cos_t[at];
+    *s = sin_t[at];
 }
 
 template <typename T>
 __device__ __forceinline__ void fp_rope_impl(T* x, u32 tokens, u32 n_heads, u32 head_dim, u32 rot_dim, u32 interleaved,
                                              const u32* positions, const float* cos_t, const float* sin_t,
-                                             u32 table_len, const double* inv_freq) {
+                                             u32 table_len) {
     u32 half = rot_dim / 2;
     u64 total = (u64)tokens * n_heads * half;
     for (u64 e = fp_gid(); e < total; e += fp_gstride()) {
@@ -30,7 +27,7 @@ __device__ __forceinline__ void fp_rope_impl(T* x, u32 tokens, u32 n_heads, u32 
         u64 th = e / half;  // token * n_heads + head
         u32 t = (u32)(th / n_heads);
         float c, s;
-        fp_rope_cos_sin(positions[t], i, half, cos_t, sin_t, table_len, inv_freq, &c, &s);
+        fp_rope_cos_sin(positions[t], i, half, cos_t, sin_t, table_len, &c, &s);
         T* head = x + th * head_dim;
         u32 ia = interleaved ? 2 * i : i;
         u32 ib = interleaved ? 2 * i + 1 : i + half;
@@ -41,15 +38,14 @@ __device__ __forceinline__ void fp_rope_impl(T* x, u32 tokens, u32 n_heads, u32 
 }
 
 extern "C" __global__ void fp_rope(float* x, u32 tokens, u32 n_heads, u32 head_dim, u32 rot_dim, u32 interleaved,
-                                   const u32* positions, const float* cos_t, const float* sin_t, u32 table_len,
-                                   const double* inv_freq) {
-    fp_rope_impl(x, tokens, n_heads, head_dim, rot_dim, interleaved, positions, cos_t, sin_t, table_len, inv_freq);
+                                   const u32* positions, const float* cos_t, const float* sin_t, u32 table_len) {
+    fp_rope_impl(x, tokens, n_heads, head_dim, rot_dim, interleaved, positions, cos_t, sin_t, table_len);
 }
 
 extern "C" __global__ void fp_rope_bf16(bf16_t* x, u32 tokens, u32 n_heads, u32 head_dim, u32 rot_dim,
                                         u32 interleaved, const u32* positions, const float* cos_t, const float* sin_t,
-                                        u32 table_len, const double* inv_freq) {
-    fp_rope_impl(x, tokens, n_heads, head_dim, rot_dim, interleaved, positions, cos_t, sin_t, table_len, inv_freq);
+                                        u32 table_len) {
+    fp_rope_impl(x, tokens, n_heads, head_dim, rot_dim, interleaved, positions, cos_t, sin_t, table_len);
 }
 
 // Out of place: per (token, head), rot_dim / 2 rotated pairs and head_dim - rot_dim copied
@@ -57,8 +53,7 @@ extern "C" __global__ void fp_rope_bf16(bf16_t* x, u32 tokens, u32 n_heads, u32 
 template <typename T>
 __device__ __forceinline__ void fp_rope_copy_impl(const T* src, T* dst, u32 tokens, u32 n_heads, u32 head_dim,
                                                   u32 rot_dim, u32 interleaved, const u32* positions,
-                                                  const float* cos_t, const float* sin_t, u32 table_len,
-                                                  const double* inv_freq) {
+                                                  const float* cos_t, const float* sin_t, u32 table_len) {
     u32 half = rot_dim / 2;
     u32 per = half + (head_dim - rot_dim);
     u64 total = (u64)tokens * n_heads * per;
@@ -74,7 +69,7 @@ __device__ __forceinline__ void fp_rope_copy_impl(const T* src, T* dst, u32 toke
         }
         u32 t = (u32)(th / n_heads);
         float c, s;
-        fp_rope_cos_sin(positions[t], i, half, cos_t, sin_t, table_len, inv_freq, &c, &s);
+        fp_rope_cos_sin(positions[t], i, half, cos_t, sin_t, table_len, &c, &s);
         u32 ia = interleaved ? 2 * i : i;
         u32 ib = interleaved ? 2 * i + 1 : i + half;
         float a = fp_ld(from + ia), b = fp_ld(from + ib);
@@ -85,16 +80,14 @@ __device__ __forceinline__ void fp_rope_copy_impl(const T* src, T* dst, u32 toke
 
 extern "C" __global__ void fp_rope_copy(const float* src, float* dst, u32 tokens, u32 n_heads, u32 head_dim,
                                         u32 rot_dim, u32 interleaved, const u32* positions, const float* cos_t,
-                                        const float* sin_t, u32 table_len, const double* inv_freq) {
-    fp_rope_copy_impl(src, dst, tokens, n_heads, head_dim, rot_dim, interleaved, positions, cos_t, sin_t, table_len,
-                      inv_freq);
+                                        const float* sin_t, u32 table_len) {
+    fp_rope_copy_impl(src, dst, tokens, n_heads, head_dim, rot_dim, interleaved, positions, cos_t, sin_t, table_len);
 }
 
 extern "C" __global__ void fp_rope_copy_bf16(const bf16_t* src, bf16_t* dst, u32 tokens, u32 n_heads, u32 head_dim,
                                              u32 rot_dim, u32 interleaved, const u32* positions, const float* cos_t,
-                                             const float* sin_t, u32 table_len, const double* inv_freq) {
-    fp_rope_copy_impl(src, dst, tokens, n_heads, head_dim, rot_dim, interleaved, positions, cos_t, sin_t, table_len,
-                      inv_freq);
+                                             const float* sin_t, u32 table_len) {
+    fp_rope_copy_impl(src, dst, tokens, n_heads, head_dim, rot_dim, interleaved, positions, cos_t, sin_t, table_len);
 }
 
 // The QKV projection split for attention, in one pass: from qkv ([rows, q_dim + 2 kv_dim],
@@ -108,7 +101,7 @@ template <typename T>
 __device__ __forceinline__ void fp_split_qkv_rope_impl(const float* qkv, float* q, T* k_pre, T* k, T* v, u32 rows,
                                                        u32 n_heads, u32 n_kv_heads, u32 head_dim, u32 rot_dim,
                                                        u32 interleaved, const u32* positions, const float* cos_t,
-                                                       const float* sin_t, u32 table_len, const double* inv_freq) {
+                                                       const float* sin_t, u32 table_len) {
     u32 half = rot_dim / 2;
     u32 per = half + (head_dim - rot_dim);
     u32 q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
@@ -141,7 +134,7 @@ __device__ __forceinline__ void fp_split_qkv_rope_impl(const float* qkv, float* 
             continue;
         }
         float c, s;
-        fp_rope_cos_sin(positions[r], item, half, cos_t, sin_t, table_len, inv_freq, &c, &s);
+        fp_rope_cos_sin(positions[r], item, half, cos_t, sin_t, table_len, &c, &s);
         u32 ia = head * head_dim + (interleaved ? 2 * item : item);
         u32 ib = head * head_dim + (interleaved ? 2 * item + 1 : item + half);
         if (is_q) {
@@ -162,15 +155,15 @@ __device__ __forceinline__ void fp_split_qkv_rope_impl(const float* qkv, float* 
 extern "C" __global__ void fp_split_qkv_rope(const float* qkv, float* q, float* k_pre, float* k, float* v, u32 rows,
                                              u32 n_heads, u32 n_kv_heads, u32 head_dim, u32 rot_dim, u32 interleaved,
                                              const u32* positions, const float* cos_t, const float* sin_t,
-                                             u32 table_len, const double* inv_freq) {
+                                             u32 table_len) {
     fp_split_qkv_rope_impl(qkv, q, k_pre, k, v, rows, n_heads, n_kv_heads, head_dim, rot_dim, interleaved, positions,
-                           cos_t, sin_t, table_len, inv_freq);
+                           cos_t, sin_t, table_len);
 }
 
 extern "C" __global__ void fp_split_qkv_rope_bf16(const float* qkv, float* q, bf16_t* k_pre, bf16_t* k, bf16_t* v,
                                                   u32 rows, u32 n_heads, u32 n_kv_heads, u32 head_dim, u32 rot_dim,
                                                   u32 interleaved, const u32* positions, const float* cos_t,
-                                                  const float* sin_t, u32 table_len, const double* inv_freq) {
+                                                  const float* sin_t, u32 table_len) {
     fp_split_qkv_rope_impl(qkv, q, k_pre, k, v, rows, n_heads, n_kv_heads, head_dim, rot_dim, interleaved, positions,
-                           cos_t, sin_t, table_len, inv_freq);
+                           cos_t, sin_t, table_len);
 }

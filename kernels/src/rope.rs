@@ -11,6 +11,7 @@
 
 use crate::error::{check_len, KernelError, Result};
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// Which coordinates form a rotated pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,6 +100,35 @@ impl RopeTable {
     /// The frequencies (f64), one per rotated pair.
     pub fn inv_freq(&self) -> &[f64] {
         &self.inv_freq
+    }
+
+    /// Rows a device table needs for `positions`: the table's, or, when some position is past
+    /// it, the next power of two above the largest (device kernels read every angle from the
+    /// table: computing one there takes double-precision range reduction and a stack frame).
+    pub fn rows_for(&self, positions: &[u32]) -> usize {
+        let need = positions.iter().max().map_or(0, |&p| p as usize + 1);
+        if need <= self.table_len {
+            self.table_len
+        } else {
+            need.next_power_of_two()
+        }
+    }
+
+    /// The cos and sin tables for positions `0..rows` (`rows` at least [`Self::table_len`]):
+    /// the table, then the rows [`rope`] computes beyond it (the same f32 values, bit for bit).
+    pub fn tables_to(&self, rows: usize) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+        if rows <= self.table_len {
+            return (Cow::Borrowed(&self.cos), Cow::Borrowed(&self.sin));
+        }
+        let half = self.rot_dim / 2;
+        let (mut cos, mut sin) = (self.cos.clone(), self.sin.clone());
+        cos.resize(rows * half, 0.0);
+        sin.resize(rows * half, 0.0);
+        for p in self.table_len..rows {
+            let at = p * half..(p + 1) * half;
+            self.cos_sin(p as u32, &mut cos[at.clone()], &mut sin[at]);
+        }
+        (Cow::Owned(cos), Cow::Owned(sin))
     }
 
     /// cos/sin of `pos` for every frequency, from the table or computed on the spot.
@@ -239,6 +269,23 @@ mod tests {
         for (p, q) in a.iter().zip(&b) {
             assert!((p - q).abs() < 1e-5);
         }
+    }
+
+    #[test]
+    fn a_device_table_extends_the_table_bit_for_bit() {
+        let table = RopeTable::new(16, 16, 10_000.0, RopeStyle::Neox, None, 40).unwrap();
+        assert_eq!(table.rows_for(&[3, 39]), 40, "inside the table: its rows");
+        assert_eq!(table.rows_for(&[]), 40);
+        assert_eq!(table.rows_for(&[7, 40]), 64, "past it: a power of two above the largest");
+        let (cos, sin) = table.tables_to(table.rows_for(&[1000]));
+        assert_eq!(cos.len(), 1024 * 8);
+        let (mut c, mut s) = (vec![0f32; 8], vec![0f32; 8]);
+        for p in [0u32, 39, 40, 41, 999, 1023] {
+            table.cos_sin(p, &mut c, &mut s);
+            let at = p as usize * 8..(p as usize + 1) * 8;
+            assert_eq!((&cos[at.clone()], &sin[at]), (&c[..], &s[..]), "position {p}");
+        }
+        assert!(matches!(table.tables_to(40).0, Cow::Borrowed(_)), "no copy when the table covers it");
     }
 
     #[test]

@@ -9,7 +9,9 @@
 #![cfg(feature = "cuda")]
 
 use flowprefill_kernels::cuda::nvrtc;
+use flowprefill_kernels::gpu::sass::{self, Row, SassBudget};
 use flowprefill_kernels::gpu::{FILES, SHARED_LIMITS};
+use std::path::PathBuf;
 
 /// Shared memory per SM (bytes) and registers per SM, by architecture.
 fn per_sm(arch: &str) -> (u32, u32) {
@@ -39,13 +41,69 @@ fn nvrtc_or_skip(test: &str) -> bool {
     false
 }
 
+/// nvdisasm is there: its path. Not there: a failure where `FLOWPREFILL_NVDISASM` or
+/// `FLOWPREFILL_REQUIRE_NVRTC` is set (the test command sets both), else `None` after saying
+/// the static gate was skipped.
+fn nvdisasm_or_skip(test: &str) -> Option<PathBuf> {
+    match sass::nvdisasm() {
+        Ok(Some(p)) => Some(p),
+        Ok(None) => {
+            assert!(
+                std::env::var_os("FLOWPREFILL_REQUIRE_NVRTC").is_none(),
+                "FLOWPREFILL_REQUIRE_NVRTC is set but nvdisasm was not found (bash scripts/cuda-wheels.sh nvdisasm \
+                 installs it; FLOWPREFILL_NVDISASM names it)"
+            );
+            flowprefill_kernels::testing::skipped(
+                "no nvdisasm",
+                format!("{test}: nvdisasm not found (scripts/test.sh installs it)"),
+            );
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// The static gate's table header, and one row.
+fn sass_header() -> String {
+    format!(
+        "{:<7} {:<26} {:>6} {:>4} | {:>5} {:>5} {:>4} {:>6} {:>3} {:>4} {:>5} {:>6} {:>5}   budget",
+        "arch", "kernel", "instr", "L/S", "loop", "HMMA", "LDSM", "LDGSTS", "BAR", "BRA", "loops", "i/HMMA", "H/LD"
+    )
+}
+
+fn sass_line(arch: &str, row: &Row, budget: SassBudget) -> String {
+    let head = format!("{arch:<7} {:<26} {:>6} {:>4} |", row.kernel, row.total.instrs, row.total.local);
+    let Some((l, n)) = &row.steady else {
+        return head;
+    };
+    let m = l.mix;
+    let b = match budget {
+        SassBudget::Loop { max_per_hmma, min_hmma_per_ldsm } => format!("<= {max_per_hmma}, >= {min_hmma_per_ldsm}"),
+        _ => "reported".to_string(),
+    };
+    format!(
+        "{head} {:>5} {:>5} {:>4} {:>6} {:>3} {:>4} {:>5} {:>6.2} {:>5.2}   {b}",
+        m.instrs,
+        m.hmma,
+        m.ldsm,
+        m.ldgsts,
+        m.bar,
+        m.branches,
+        n,
+        m.per_hmma(),
+        m.hmma_per_ldsm()
+    )
+}
+
 #[test]
 fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
     if !nvrtc_or_skip("compile gate") {
         return;
     }
+    let tool = nvdisasm_or_skip("static SASS gate");
     let (major, minor) = nvrtc::version().expect("NVRTC version");
     println!("NVRTC {major}.{minor}");
+    let mut sass_table = vec![sass_header()];
     println!(
         "{:<7} {:<26} {:>4} {:>5} {:>6} {:>6} {:>6} {:>6} {:>7}   budget",
         "arch", "kernel", "regs", "smem", "dyn", "spillS", "spillL", "stack", "blk/SM"
@@ -58,7 +116,20 @@ fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
             assert!(!c.cubin.is_empty(), "{} for {arch}: empty CUBIN", file.name);
             let report =
                 nvrtc::parse_report(&c.log).unwrap_or_else(|e| panic!("{} for {arch}: {e}\n{}", file.name, c.log));
+            let functions = tool.as_ref().map(|t| {
+                let text = sass::disassemble(t, &c.cubin).unwrap_or_else(|e| panic!("{} for {arch}: {e}", file.name));
+                sass::parse(&text).unwrap_or_else(|e| panic!("{} for {arch}: {e}", file.name))
+            });
             for b in file.kernels {
+                if let Some(functions) = &functions {
+                    match Row::of(functions, b.kernel, b.sass) {
+                        Ok(row) => {
+                            sass_table.push(sass_line(arch, &row, b.sass));
+                            failures.extend(row.check(b.sass).into_iter().map(|f| format!("{arch} {f}")));
+                        }
+                        Err(e) => failures.push(format!("{arch} {}: {e}", b.kernel)),
+                    }
+                }
                 let Some(r) = report.iter().find(|r| r.kernel == b.kernel) else {
                     failures.push(format!("{arch} {}: no ptxas report (log:\n{})", b.kernel, c.log));
                     continue;
@@ -109,7 +180,45 @@ fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
             }
         }
     }
+    if tool.is_some() {
+        println!("\nstatic SASS gate (nvdisasm): instructions and local-memory instructions (L/S) per kernel; for");
+        println!("tensor-core kernels the steady-state loop's static body (loop: its instructions), its mix,");
+        println!("how many innermost tensor-core loops the kernel has, instructions per HMMA and HMMA per LDSM");
+        println!("{}", sass_table.join("\n"));
+    }
     assert!(failures.is_empty(), "compile gate:\n{}", failures.join("\n"));
+}
+
+/// The static gate fails when a budget is broken: a kernel with a stack array indexed at run
+/// time (local memory), and the reference attention (flash.cu, 16 rows a warp, a per-element
+/// mask) held to the fast kernel's loop budget.
+#[test]
+fn the_static_gate_fails_a_kernel_that_breaks_its_budget() {
+    if !nvrtc_or_skip("static gate breaks") {
+        return;
+    }
+    let Some(tool) = nvdisasm_or_skip("static gate breaks") else { return };
+    let local = "extern \"C\" __global__ void k_local(float* x, unsigned i) {
+        float a[64];
+        for (int j = 0; j < 64; j++) a[(j * i) & 63] = x[j];
+        x[0] = a[i & 63];
+    }";
+    let c = nvrtc::compile("local.cu", local, "sm_90a").expect("compiles");
+    let f = sass::parse(&sass::disassemble(&tool, &c.cubin).expect("nvdisasm")).expect("parses");
+    let row = Row::of(&f, "k_local", SassBudget::Plain).expect("a row");
+    let broken = row.check(SassBudget::Plain);
+    println!("a stack array: {broken:?}");
+    assert!(broken.len() == 1 && broken[0].contains("local-memory instructions"), "{broken:?}");
+
+    let file = FILES.iter().find(|f| f.name == "flash.cu").expect("flash.cu");
+    let c = nvrtc::compile(file.name, &flowprefill_kernels::gpu::program(file), "sm_90a").expect("compiles");
+    let f = sass::parse(&sass::disassemble(&tool, &c.cubin).expect("nvdisasm")).expect("parses");
+    let row = Row::of(&f, "fp_flash_attn_d128", SassBudget::Reported).expect("the reference has its loop");
+    assert!(row.check(SassBudget::Reported).is_empty(), "reported only");
+    let broken = row.check(flowprefill_kernels::gpu::FA2_D128_SASS);
+    println!("the reference attention held to the fast kernel's budget: {broken:?}");
+    assert!(broken.iter().any(|b| b.contains("instructions per HMMA")), "{broken:?}");
+    assert!(broken.iter().any(|b| b.contains("HMMA per LDSM")), "{broken:?}");
 }
 
 #[test]

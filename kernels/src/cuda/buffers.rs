@@ -104,7 +104,8 @@ impl DeviceMat {
 pub(crate) struct DeviceRope {
     pub(crate) cos: CudaSlice<f32>,
     pub(crate) sin: CudaSlice<f32>,
-    pub(crate) inv_freq: CudaSlice<f64>,
+    /// Positions it covers.
+    pub(crate) rows: usize,
 }
 
 /// A device allocation reused across calls, grown (never shrunk) to the largest request.

@@ -21,18 +21,16 @@ impl CudaBackend {
         positions: &[u32],
         f: impl FnOnce(&RopeArgs, Ptr) -> Result<R>,
     ) -> Result<R> {
-        let t = self.rope_table(table)?;
+        let t = self.rope_table(table, table.rows_for(positions))?;
         let pos = self.upload_u32(positions)?;
         let s = &self.stream;
         let (pp, _p) = pos.device_ptr(s);
         let (cos, _c) = t.cos.device_ptr(s);
         let (sin, _s) = t.sin.device_ptr(s);
-        let (inv, _i) = t.inv_freq.device_ptr(s);
         let args = RopeArgs {
             cos: Ptr::new(cos, Elem::F32),
             sin: Ptr::new(sin, Elem::F32),
-            table_len: table.table_len() as u32,
-            inv_freq: Ptr::new(inv, Elem::F64),
+            table_len: t.rows as u32,
             head_dim: table.head_dim() as u32,
             rot_dim: table.rot_dim() as u32,
             interleaved: table.style() == RopeStyle::Interleaved,
@@ -40,18 +38,20 @@ impl CudaBackend {
         f(&args, Ptr::new(pp, Elem::U32))
     }
 
-    /// The device copy of `table`, uploaded once per distinct table.
-    fn rope_table(&self, table: &RopeTable) -> Result<Arc<DeviceRope>> {
-        let (cos, sin) = table.tables();
+    /// The device copy of `table` with at least `rows` rows, uploaded once per distinct table
+    /// (and again, longer, when a call's positions pass the rows uploaded: the kernels read
+    /// every angle from the table).
+    fn rope_table(&self, table: &RopeTable, rows: usize) -> Result<Arc<DeviceRope>> {
         let mut key = 0xcbf2_9ce4_8422_2325u64;
         let parts = [table.head_dim() as u64, table.rot_dim() as u64, table.table_len() as u64, table.style() as u64];
         for b in parts.into_iter().chain(table.inv_freq().iter().map(|f| f.to_bits())) {
             key = (key ^ b).wrapping_mul(0x0100_0000_01b3);
         }
         let mut ropes = self.ropes.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(r) = ropes.get(&key) {
+        if let Some(r) = ropes.get(&key).filter(|r| r.rows >= rows) {
             return Ok(r.clone());
         }
+        let (cos, sin) = table.tables_to(rows);
         let up = |v: &[f32]| -> Result<CudaSlice<f32>> {
             if v.is_empty() {
                 self.stream.alloc_zeros::<f32>(1).map_err(|e| self.oom("rope table", 1, 4, e))
@@ -59,14 +59,7 @@ impl CudaBackend {
                 self.stream.clone_htod(v).map_err(|e| self.oom("rope table", v.len(), 4, e))
             }
         };
-        let r = Arc::new(DeviceRope {
-            cos: up(cos)?,
-            sin: up(sin)?,
-            inv_freq: self
-                .stream
-                .clone_htod(table.inv_freq())
-                .map_err(|e| self.oom("rope table", table.inv_freq().len(), 8, e))?,
-        });
+        let r = Arc::new(DeviceRope { cos: up(&cos)?, sin: up(&sin)?, rows });
         ropes.insert(key, r.clone());
         Ok(r)
     }

@@ -22,6 +22,9 @@
 //! machine. This module needs no CUDA library: it is plain data and arithmetic.
 
 pub mod ops;
+pub mod sass;
+
+pub use sass::SassBudget;
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
@@ -33,7 +36,7 @@ pub const COMMON: &str = include_str!("../../cuda/common.cuh");
 pub const CPU_SHIM: &str = include_str!("../../cuda/cpu_shim.h");
 
 /// What one kernel may use on the device; the compile gate fails above it (and on any spill).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Budget {
     /// Kernel (`extern "C"`) name.
     pub kernel: &'static str,
@@ -47,6 +50,8 @@ pub struct Budget {
     pub dynamic_shared_bytes: u32,
     /// Threads per block of its launches (the compile gate's occupancy column).
     pub threads: u32,
+    /// What the static gate asks of its SASS (every kernel: no local memory).
+    pub sass: SassBudget,
 }
 
 /// One `.cu` file.
@@ -61,17 +66,37 @@ pub struct KernelFile {
 }
 
 const fn budget(kernel: &'static str, max_registers: u32, max_shared_bytes: u32) -> Budget {
-    Budget { kernel, max_registers, max_shared_bytes, dynamic_shared_bytes: 0, threads: ELEMENTWISE_THREADS }
+    Budget {
+        kernel,
+        max_registers,
+        max_shared_bytes,
+        dynamic_shared_bytes: 0,
+        threads: ELEMENTWISE_THREADS,
+        sass: SassBudget::Plain,
+    }
 }
 
-/// A tensor-core kernel: 128-thread blocks (or `threads`), dynamic shared memory.
+/// A tensor-core kernel: 128-thread blocks (or `threads`), dynamic shared memory, a
+/// tensor-core loop the static gate must find (and reports).
 const fn budget_dyn(kernel: &'static str, max_registers: u32, max_shared_bytes: u32, dynamic: u32) -> Budget {
-    Budget { kernel, max_registers, max_shared_bytes, dynamic_shared_bytes: dynamic, threads: ops::FLASH_THREADS }
+    Budget {
+        kernel,
+        max_registers,
+        max_shared_bytes,
+        dynamic_shared_bytes: dynamic,
+        threads: ops::FLASH_THREADS,
+        sass: SassBudget::Reported,
+    }
 }
 
 impl Budget {
     const fn threads(mut self, threads: u32) -> Self {
         self.threads = threads;
+        self
+    }
+
+    const fn sass(mut self, sass: SassBudget) -> Self {
+        self.sass = sass;
         self
     }
 }
@@ -82,6 +107,17 @@ pub const SHARED_LIMITS: &[(&str, u32)] = &[("sm_80", 163 * 1024), ("sm_90a", 22
 
 /// Dynamic shared memory a kernel may use without raising its limit.
 pub const DEFAULT_DYNAMIC_SHARED_LIMIT: u32 = 48 * 1024;
+
+/// The static gate's budget of the fast attention at d128: the steady-state loop (full key
+/// tiles) has at most 4.5 instructions per tensor-core product (FlashAttention-2's loop: 3-4).
+/// HMMA per `ldmatrix`: at least 2.6, not 4. Each K and V fragment feeds 4 products (32 rows
+/// a warp), but Q is re-read from shared memory per tile (16 of the loop's 48 LDSM), as
+/// FlashAttention-2 does at d128: kept in registers it needs 64 more of them, and spills (255
+/// registers, 4 bytes; measured 1-5% slower on an H100, docs/gpu.md).
+pub const FA2_D128_SASS: SassBudget = SassBudget::Loop { max_per_hmma: 4.5, min_hmma_per_ldsm: 2.6 };
+/// The same at d64, where the softmax's share of the loop is twice as large per product; Q in
+/// registers there (32 of them), so every LDSM of the loop is a K or V fragment feeding 4.
+pub const FA2_D64_SASS: SassBudget = SassBudget::Loop { max_per_hmma: 5.5, min_hmma_per_ldsm: 4.0 };
 
 /// Every kernel file. Budgets: elementwise kernels stay small (32 registers: full occupancy);
 /// RMSNorm has a 33-float reduction buffer; the simple attention kernel holds 8 output floats
@@ -158,16 +194,18 @@ pub const FILES: &[KernelFile] = &[
         name: "flash2.cu",
         source: include_str!("../../cuda/flash2.cu"),
         kernels: &[
-            budget_dyn("fp_flash2_attn_d64", 232, 16, ops::FlashKernel::Fa2.shared_bytes(64))
-                .threads(ops::FlashKernel::Fa2.threads(64)),
+            budget_dyn("fp_flash2_attn_d64", 255, 16, ops::FlashKernel::Fa2.shared_bytes(64))
+                .threads(ops::FlashKernel::Fa2.threads(64))
+                .sass(FA2_D64_SASS),
             budget_dyn("fp_flash2_attn_d128", 248, 16, ops::FlashKernel::Fa2.shared_bytes(128))
-                .threads(ops::FlashKernel::Fa2.threads(128)),
+                .threads(ops::FlashKernel::Fa2.threads(128))
+                .sass(FA2_D128_SASS),
         ],
     },
     KernelFile {
         name: "probe.cu",
         source: include_str!("../../cuda/probe.cu"),
-        kernels: &[budget_dyn("fp_probe_mma", 64, 0, ops::PROBE_SHARED_BYTES).threads(32)],
+        kernels: &[budget_dyn("fp_probe_mma", 64, 0, ops::PROBE_SHARED_BYTES).threads(32).sass(SassBudget::Plain)],
     },
 ];
 

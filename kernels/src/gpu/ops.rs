@@ -127,10 +127,9 @@ pub struct RopeArgs {
     pub cos: Ptr,
     /// Sines, likewise.
     pub sin: Ptr,
-    /// Rows of the tables.
+    /// Rows of the tables: past every position of the call (`RopeTable::rows_for`); the
+    /// kernels compute no angle.
     pub table_len: u32,
-    /// Inverse frequencies (f64), for positions beyond the table.
-    pub inv_freq: Ptr,
     /// Head dimension.
     pub head_dim: u32,
     /// Rotated dimensions.
@@ -140,7 +139,7 @@ pub struct RopeArgs {
 }
 
 /// The arguments every RoPE kernel ends with: sizes, positions and the table.
-fn rope_tail(positions: Ptr, t: &RopeArgs) -> [Arg; 8] {
+fn rope_tail(positions: Ptr, t: &RopeArgs) -> [Arg; 7] {
     [
         Arg::U32(t.head_dim),
         Arg::U32(t.rot_dim),
@@ -149,7 +148,6 @@ fn rope_tail(positions: Ptr, t: &RopeArgs) -> [Arg; 8] {
         ptr(t.cos),
         ptr(t.sin),
         Arg::U32(t.table_len),
-        ptr(t.inv_freq),
     ]
 }
 
