@@ -5,6 +5,11 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
+/// The launch shapes, the same file the kernels crate compiles (it has no dependency).
+#[path = "../kernels/src/gpu/shapes.rs"]
+#[allow(dead_code)]
+mod shapes;
+
 /// The kernel names declared in a `.cu` source: `extern "C" __global__ void [__launch_bounds__(..)] NAME(`.
 fn kernel_names(source: &str) -> Vec<String> {
     let mut names = Vec::new();
@@ -43,14 +48,40 @@ fn main() {
         }
     }
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
-    for (name, text) in [("files.inc", includes), ("kernels.inc", inc)] {
+    let write = |name: &str, text: &str| {
         let path = out_dir.join(name);
         std::fs::write(&path, text).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+        path
+    };
+    // flash2.cu's other configurations, each in a translation unit of its own (the header
+    // renames its kernels `_c<N>`); emu.cpp declares them with the default kernels' types.
+    let shapes_rs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernels/src/gpu/shapes.rs");
+    println!("cargo:rerun-if-changed={}", shapes_rs.display());
+    let flash2 = cuda.join("flash2.cu");
+    let mut units = Vec::new();
+    let mut decls = String::new();
+    for c in 1..shapes::FA2_CONFIGS.len() {
+        let unit = format!(
+            "#include \"cpu_shim.h\"\n{}#include \"common.cuh\"\n#include \"{}\"\n",
+            shapes::header(c),
+            flash2.display()
+        );
+        units.push(write(&format!("flash2_c{c}.cpp"), &unit));
+        for d in [64, 128] {
+            let name = shapes::fa2_kernel(c, d).expect("a kernel per dimension");
+            let _ = writeln!(decls, "extern \"C\" decltype(fp_flash2_attn_d{d}) {name};");
+            let _ = writeln!(inc, "FP_EMU_KERNEL({name})");
+        }
     }
+    write("shapes.inc", &shapes::header(0));
+    write("files.inc", &includes);
+    write("kernels.inc", &inc);
+    write("configs.inc", &decls);
     println!("cargo:rerun-if-changed=src/emu.cpp");
     cc::Build::new()
         .cpp(true)
         .file("src/emu.cpp")
+        .files(&units)
         .include(&cuda)
         .include(&out_dir)
         .flag_if_supported("-std=c++20")

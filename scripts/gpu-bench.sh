@@ -30,6 +30,10 @@ ttft_lengths="${GPU_BENCH_TTFT:-2048,4096,8000}"
 words="${GPU_BENCH_CONTEXT_WORDS:-7000}"
 if [ -n "${GPU_BENCH_QUICK:-}" ]; then runs=2; smol_lengths=2048,8000; big_lengths=2048,8192; ttft_lengths=8000; fi
 "$FP" devices | tee "$out/devices.txt"
+# The attention autotuner first (issue 51): every configuration timed, the decisions kept for
+# the runs below (and listed by devices); its table and the kernels' occupancy in tune.txt.
+"$FP" tune --device cuda:0 2>&1 | tee "$out/tune.txt"
+"$FP" devices | tee "$out/devices-tuned.txt"
 torch=0
 python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null && torch=1
 echo "PyTorch baseline: $([ $torch = 1 ] && python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' || echo "not available (flowprefill alone)")" | tee "$out/baseline.txt"

@@ -1,14 +1,18 @@
 // The CUDA kernels of kernels/cuda/, compiled for the CPU with the launch shim, behind one C
 // entry point shaped like cuLaunchKernel: a kernel name, the launch shape, and one 8-byte cell
 // per argument. The files and the table of kernels come from the sources (build.rs writes
-// files.inc and kernels.inc); the argument types are checked here against each kernel's real
+// files.inc and kernels.inc; shapes.inc is the launch-shape header of
+// flowprefill_kernels::gpu::shapes, and configs.inc declares flash2.cu's other configurations,
+// built in translation units of their own); the argument types are checked here against each kernel's real
 // C++ parameter types, besides the check of the Rust side against the `.cu` declarations
 // (flowprefill_kernels::gpu::Call::check).
 
 #include "cpu_shim.h"
 // clang-format off
+#include "shapes.inc"
 #include "common.cuh"
 #include "files.inc"
+#include "configs.inc"
 // clang-format on
 
 #include <cstdio>

@@ -29,9 +29,11 @@
 // kpos [2][64]; rows padded by 16 bytes so that the 8 rows of an ldmatrix hit 8 different
 // 16-byte bank groups.
 
-#define FP_FA_ROWS 64
-#define FP_FA_KEYS 64
-#define FP_FA_THREADS 128
+// FP_FA_ROWS (64), FP_FA_KEYS (64), FP_FA_THREADS (128): defined by the launch-shape header of
+// flowprefill_kernels::gpu::shapes, written before this file.
+#if !defined(FP_FA_ROWS) || !defined(FP_FA_KEYS) || !defined(FP_FA_THREADS)
+#error "flash.cu needs the launch-shape header of flowprefill_kernels::gpu::shapes"
+#endif
 
 // Issues the cp.async copies of key tile `tile` (K and V rows of KV head kh, and positions)
 // into one stage; rows at or past n are zero-filled (and masked by their index).

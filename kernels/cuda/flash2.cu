@@ -12,51 +12,22 @@
 //     the raw scores (the scale is positive);
 //   - the bounds of the tile after the next are loaded before the tile's mma work and used
 //     after it (no dependent global load ahead of a copy);
-//   - FP_FA2_WM m16 row tiles per warp (1: Q in registers; 2: FlashAttention-2's 32 rows per
-//     warp, Q re-read from shared memory, each K/V fragment feeding two mma);
+//   - FP_FA2_D*_WM m16 row tiles per warp (2: FlashAttention-2's 32 rows a warp, each K/V
+//     fragment feeding two mma), Q kept in registers or re-read from shared memory per tile
+//     (FP_FA2_D*_QREGS);
+//   - the running maximum moves only when a row's rises by more than 2^FP_FA2_RESCALE, and the
+//     rescale of O and l runs outside the steady-state loop;
 //   - the output is written as float2 (the engine's activations are f32).
-// Launch shape: per head dimension, compile-time parameters (below; gpu/ops.rs mirrors them).
+// Launch shape: per head dimension, compile-time parameters (gpu/shapes.rs writes them).
 
-// Launch shape per head dimension: warps, m16 row tiles per warp, keys per tile (32 or 64),
-// blocks per SM promised to ptxas. Measured on an H100 (docs/gpu.md, 2026-11-25): 4 warps x 32
-// rows at both; 64 keys at d64, 32 at d128 (64 keys there spill 64 bytes at 255 registers).
-#ifndef FP_FA2_D64_WARPS
-#define FP_FA2_D64_WARPS 4
-#endif
-#ifndef FP_FA2_D64_WM
-#define FP_FA2_D64_WM 2
-#endif
-#ifndef FP_FA2_D64_KEYS
-#define FP_FA2_D64_KEYS 64
-#endif
-#ifndef FP_FA2_D64_MINB
-#define FP_FA2_D64_MINB 1
-#endif
-#ifndef FP_FA2_D64_QREGS
-#define FP_FA2_D64_QREGS 1
-#endif
-#ifndef FP_FA2_D128_WARPS
-#define FP_FA2_D128_WARPS 4
-#endif
-#ifndef FP_FA2_D128_WM
-#define FP_FA2_D128_WM 2
-#endif
-#ifndef FP_FA2_D128_KEYS
-#define FP_FA2_D128_KEYS 32
-#endif
-#ifndef FP_FA2_D128_MINB
-#define FP_FA2_D128_MINB 1
-#endif
-#ifndef FP_FA2_D128_QREGS
-#define FP_FA2_D128_QREGS 0
-#endif
-// Keys per tile of the host's key metadata (ktile_lo / ktile_hi; gpu/ops.rs FLASH_KEYS). A
-// kernel tile of fewer keys reads the bounds of the metadata tile that holds it: they are
-// looser (a tile may be loaded or masked that could have been skipped), never wrong.
-#define FP_FA2_META_KEYS 64
-// How far (log2 units) a row's maximum may rise before O and l are rescaled to it.
-#ifndef FP_FA2_RESCALE
-#define FP_FA2_RESCALE 8.0f
+// Launch shape per head dimension (FP_FA2_D{64,128}_{WARPS,WM,KEYS,QREGS,MINB}), the key
+// metadata's tile (FP_FA2_META_KEYS) and the rescale threshold (FP_FA2_RESCALE): defined by
+// the header flowprefill_kernels::gpu::shapes writes before this file, for NVRTC and for the
+// CPU emulation alike, in one of the configurations the autotuner chooses from. A kernel tile
+// of fewer keys than the metadata's reads the bounds of the metadata tile that holds it: they
+// are looser (a tile may be loaded or masked that could have been skipped), never wrong.
+#if !defined(FP_FA2_D64_WARPS) || !defined(FP_FA2_D128_WARPS) || !defined(FP_FA2_META_KEYS) || !defined(FP_FA2_RESCALE)
+#error "flash2.cu needs the launch-shape header of flowprefill_kernels::gpu::shapes"
 #endif
 
 // Copies key tile `tile` (K and V rows of one KV head, and their positions) into one stage.

@@ -8,6 +8,7 @@
 
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::cuda::{CudaBackend, WeightType};
+use flowprefill_kernels::gpu::ops::FlashKernel;
 use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::rope::{RopeStyle, RopeTable};
 use flowprefill_kernels::{Backend, Cpu, DType, HostBuf};
@@ -262,52 +263,95 @@ fn tensor_core_attention_over_a_bf16_cache_matches_the_cpu() {
         (40, 5000, 14, 2, 64, false),
         (333, 1000, 28, 4, 128, true),
     ] {
-        let shape = AttnShape::new(heads, kv, d).unwrap();
-        // bf16 values from the start: the GPU rounds its queries to bf16, the CPU does not.
-        let q = bf16_values(&rand_vec(&mut r, m * heads * d, 2.0));
-        let (k, v) = (rand_vec(&mut r, n * kv * d, 2.0), rand_vec(&mut r, n * kv * d, 1.0));
-        let (qpos, kpos): (Vec<u32>, Vec<u32>) = if scattered {
-            let kpos = (0..n).map(|_| r.random_range(5..3000)).collect();
-            ((0..m).map(|i| if i % 7 == 0 { r.random_range(0..5) } else { r.random_range(0..3200) }).collect(), kpos)
-        } else {
-            ((n - m..n).map(|p| p as u32).collect(), (0..n as u32).collect())
-        };
-        let kvd = kv * d;
-        let (mut gk, mut gv) = (g.zeros_as(n * kvd, DType::Bf16).unwrap(), g.zeros_as(n * kvd, DType::Bf16).unwrap());
-        g.copy_columns(&g.upload(&k).unwrap(), kvd, 0, kvd, &mut gk).unwrap();
-        g.copy_columns(&g.upload(&v).unwrap(), kvd, 0, kvd, &mut gv).unwrap();
-        let (mut ck, mut cv) = (HostBuf::zeros(n * kvd, DType::Bf16), HostBuf::zeros(n * kvd, DType::Bf16));
-        c.copy_columns(&h(&k), kvd, 0, kvd, &mut ck).unwrap();
-        c.copy_columns(&h(&v), kvd, 0, kvd, &mut cv).unwrap();
-        assert_eq!(g.download_typed(&gk).unwrap(), ck, "the same bf16 keys on both");
-        let gq = g.upload(&q).unwrap();
-        let (mut go, mut gl) = (g.zeros(q.len()).unwrap(), g.zeros(m * heads).unwrap());
-        g.attention(&shape, &gq, &qpos, &gk, &gv, &kpos, &mut go, &mut gl).unwrap();
-        let (mut co, mut cl) = (hz(q.len()), hz(m * heads));
-        c.attention(&shape, &h(&q), &qpos, &ck, &cv, &kpos, &mut co, &mut cl).unwrap();
-        let label = format!("m={m} n={n} heads={heads}/{kv} d={d}");
-        let out_err = max_err(&g.download(&go).unwrap(), &co.to_f32());
-        assert!(out_err <= FLASH_OUT_TOL, "{label}: out error {out_err:e}");
-        let lse_err = max_err(&g.download(&gl).unwrap(), &cl.to_f32());
-        assert!(lse_err <= FLASH_LSE_TOL, "{label}: lse error {lse_err:e}");
-        // The per-key mass of the first queries on tensor cores, against the CPU.
-        let mp = m.min(32);
-        let (qp, lp) = (&q[(m - mp) * heads * d..], &cl.to_f32()[(m - mp) * heads..]);
-        let mut gs = g.zeros(n).unwrap();
-        g.attention_scores(
-            &shape,
-            &g.upload(qp).unwrap(),
-            &qpos[m - mp..],
-            &gk,
-            &kpos,
-            &g.upload(lp).unwrap(),
-            &mut gs,
-        )
-        .unwrap();
-        let mut cs = hz(n);
-        c.attention_scores(&shape, &h(qp), &qpos[m - mp..], &ck, &kpos, &h(lp), &mut cs).unwrap();
-        let (gs, cs) = (g.download(&gs).unwrap(), cs.to_f32());
-        let worst = gs.iter().zip(&cs).map(|(a, b)| (a - b).abs() / b.abs().max(1e-3)).fold(0f32, f32::max);
-        assert!(worst <= 1e-4, "{label}: scores error {worst:e}");
+        check_flash(&g, &c, &mut r, (m, n, heads, kv, d), scattered, "");
     }
+}
+
+/// The tensor-core attention (and the per-key scores) of one shape on the GPU against the CPU on
+/// the same bf16 values; `tag` names the kernel configuration in messages.
+fn check_flash(
+    g: &CudaBackend,
+    c: &Cpu,
+    r: &mut StdRng,
+    (m, n, heads, kv, d): (usize, usize, usize, usize, usize),
+    scattered: bool,
+    tag: &str,
+) {
+    let shape = AttnShape::new(heads, kv, d).unwrap();
+    // bf16 values from the start: the GPU rounds its queries to bf16, the CPU does not.
+    let q = bf16_values(&rand_vec(r, m * heads * d, 2.0));
+    let (k, v) = (rand_vec(r, n * kv * d, 2.0), rand_vec(r, n * kv * d, 1.0));
+    let (qpos, kpos): (Vec<u32>, Vec<u32>) = if scattered {
+        let kpos = (0..n).map(|_| r.random_range(5..3000)).collect();
+        ((0..m).map(|i| if i % 7 == 0 { r.random_range(0..5) } else { r.random_range(0..3200) }).collect(), kpos)
+    } else {
+        ((n - m..n).map(|p| p as u32).collect(), (0..n as u32).collect())
+    };
+    let kvd = kv * d;
+    let (mut gk, mut gv) = (g.zeros_as(n * kvd, DType::Bf16).unwrap(), g.zeros_as(n * kvd, DType::Bf16).unwrap());
+    g.copy_columns(&g.upload(&k).unwrap(), kvd, 0, kvd, &mut gk).unwrap();
+    g.copy_columns(&g.upload(&v).unwrap(), kvd, 0, kvd, &mut gv).unwrap();
+    let (mut ck, mut cv) = (HostBuf::zeros(n * kvd, DType::Bf16), HostBuf::zeros(n * kvd, DType::Bf16));
+    c.copy_columns(&h(&k), kvd, 0, kvd, &mut ck).unwrap();
+    c.copy_columns(&h(&v), kvd, 0, kvd, &mut cv).unwrap();
+    assert_eq!(g.download_typed(&gk).unwrap(), ck, "the same bf16 keys on both");
+    let gq = g.upload(&q).unwrap();
+    let (mut go, mut gl) = (g.zeros(q.len()).unwrap(), g.zeros(m * heads).unwrap());
+    g.attention(&shape, &gq, &qpos, &gk, &gv, &kpos, &mut go, &mut gl).unwrap();
+    let (mut co, mut cl) = (hz(q.len()), hz(m * heads));
+    c.attention(&shape, &h(&q), &qpos, &ck, &cv, &kpos, &mut co, &mut cl).unwrap();
+    let label = format!("{tag}m={m} n={n} heads={heads}/{kv} d={d}");
+    let out_err = max_err(&g.download(&go).unwrap(), &co.to_f32());
+    assert!(out_err <= FLASH_OUT_TOL, "{label}: out error {out_err:e}");
+    let lse_err = max_err(&g.download(&gl).unwrap(), &cl.to_f32());
+    assert!(lse_err <= FLASH_LSE_TOL, "{label}: lse error {lse_err:e}");
+    // The per-key mass of the first queries on tensor cores, against the CPU.
+    let mp = m.min(32);
+    let (qp, lp) = (&q[(m - mp) * heads * d..], &cl.to_f32()[(m - mp) * heads..]);
+    let mut gs = g.zeros(n).unwrap();
+    g.attention_scores(&shape, &g.upload(qp).unwrap(), &qpos[m - mp..], &gk, &kpos, &g.upload(lp).unwrap(), &mut gs)
+        .unwrap();
+    let mut cs = hz(n);
+    c.attention_scores(&shape, &h(qp), &qpos[m - mp..], &ck, &kpos, &h(lp), &mut cs).unwrap();
+    let (gs, cs) = (g.download(&gs).unwrap(), cs.to_f32());
+    let worst = gs.iter().zip(&cs).map(|(a, b)| (a - b).abs() / b.abs().max(1e-3)).fold(0f32, f32::max);
+    assert!(worst <= 1e-4, "{label}: scores error {worst:e}");
+}
+
+/// Every configuration of flash2 (the autotuner's candidates) on the hardware against the CPU,
+/// then the autotuner on synthetic inputs: a decision per class, kept in the decisions file,
+/// and the tuned backend still matches the CPU.
+#[test]
+fn every_attention_configuration_matches_the_cpu_and_tuning_decides() {
+    let Some(mut g) = gpu_with(WeightType::Bf16, DType::Bf16) else { return };
+    let c = Cpu::with_kv_dtype(DType::Bf16);
+    let mut r = StdRng::seed_from_u64(6);
+    for k in FlashKernel::every() {
+        g.fix_attention(k).unwrap_or_else(|e| panic!("{k:?}: {e}"));
+        let tag = format!("{} ", k.name());
+        for &(shape, scattered) in &[
+            ((1024, 4096, 32, 8, 128), false),
+            ((1, 8192, 9, 3, 64), false),
+            ((333, 1000, 28, 4, 128), true),
+            ((700, 700, 9, 3, 64), false),
+        ] {
+            check_flash(&g, &c, &mut r, shape, scattered, &tag);
+        }
+    }
+    for (d, heads, kv) in [(64, 9, 3), (128, 32, 8)] {
+        let entries = g.tune_synthetic(d, heads, kv, 2048).unwrap();
+        assert_eq!(entries.len(), 2, "a prefill and a decode decision");
+        for e in &entries {
+            assert!((e.config as usize) < flowprefill_kernels::gpu::shapes::FA2_CONFIGS.len());
+            assert!(e.candidates.len() >= flowprefill_kernels::gpu::shapes::FA2_CONFIGS.len());
+            println!("tuned d{d} {}: {:?}", e.key.class, e);
+        }
+        if let Some(p) = flowprefill_kernels::gpu::tune::default_path() {
+            let t = flowprefill_kernels::gpu::tune::TuneTable::load(&p).unwrap();
+            assert!(entries.iter().all(|e| t.get(&e.key) == Some(e)), "the decisions are on file");
+        }
+    }
+    g.auto_attention();
+    check_flash(&g, &c, &mut r, (1024, 4096, 32, 8, 128), false, "tuned ");
+    check_flash(&g, &c, &mut r, (1, 8192, 9, 3, 64), false, "tuned ");
 }

@@ -39,8 +39,12 @@ enum Command {
     Importance(cmd::importance::Args),
     /// Answer a prompt (optionally over a context file) with full prefill; prints TTFT.
     Generate(cmd::generate::Args),
-    /// List the GPUs this build can use (needs a build with `--features cuda`).
+    /// List the GPUs this build can use (needs a build with `--features cuda`), and what the
+    /// attention autotuner chose on each.
     Devices,
+    /// Time every configuration of the GPU attention on this GPU and keep the fastest (also
+    /// done on the first large attention of a job).
+    Tune(cmd::tune::Args),
     /// Serve jobs over HTTP (with /metrics, /healthz, /readyz); under mpirun rank 0 serves.
     Serve(serve::Args),
     /// Benchmarks.
@@ -64,7 +68,9 @@ fn main() {
     // the loader cannot open by the names cudarc asks for are linked, and the program starts
     // again once with them on its path (`flowprefill devices` says which files were loaded).
     #[cfg(feature = "cuda")]
-    if matches!(cli.command, Command::Devices) || cli.common.device != flowprefill_kernels::DeviceSpec::Cpu {
+    if matches!(cli.command, Command::Devices | Command::Tune(_))
+        || cli.common.device != flowprefill_kernels::DeviceSpec::Cpu
+    {
         flowprefill_kernels::cuda::libs::prepare_and_reexec();
     }
     if let Err(e) = run(cli) {
@@ -107,6 +113,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(b) => cmd::bench::run(&cli.common, b),
         Command::Train(t) => cmd::train::run(&cli.common, t),
         Command::Devices => cmd::devices(),
+        Command::Tune(a) => cmd::tune::run(&cli.common, a),
         Command::Serve(a) => serve::run(&cli.common, a),
     }
 }

@@ -69,12 +69,20 @@ pub struct CudaBackend {
     ordinal: usize,
     arch: String,
     pub(super) sm_count: u32,
-    /// The tensor-core attention kernel (`FLOWPREFILL_FLASH_KERNEL`: fa2, the default, or
-    /// reference).
-    pub(super) flash: ops::FlashKernel,
     pub(super) stream: Arc<CudaStream>,
     pub(super) blas: CudaBlas,
     functions: HashMap<&'static str, CudaFunction>,
+    /// Kernels of flash2's other configurations, loaded when the autotuner times them or a
+    /// decision names them.
+    pub(super) extra: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Blocks per SM of every loaded kernel: what its launch shape assumes, and what the
+    /// occupancy API says fits.
+    pub(super) occupancy: Mutex<Vec<Occupancy>>,
+    /// The GPU's name and the driver's CUDA version (the autotuner's key).
+    pub(super) gpu_name: String,
+    pub(super) driver: i32,
+    /// The attention autotuner's decisions and mode.
+    pub(super) tuning: super::tune::Tuning,
     weights: WeightType,
     kv: DType,
     /// Uploaded RoPE tables, by their content.
@@ -109,8 +117,7 @@ impl CudaBackend {
             backend: "cuda",
             detail: format!("there is no GPU {ordinal} (this machine has {})", devices.len()),
         })?;
-        let (major, minor) = d.compute_capability;
-        let arch = format!("sm_{major}{minor}");
+        let arch = gpu::compile_arch(d.compute_capability);
         // cudarc panics on a library it cannot load: say which is missing and where we looked.
         for lib in ["NVRTC", "cuBLAS", "cuBLASLt"] {
             super::libs::require(lib)?;
@@ -120,13 +127,14 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("multiprocessor count", e))?
             .max(1) as u32;
-        let flash = match std::env::var("FLOWPREFILL_FLASH_KERNEL") {
-            Ok(v) => v.parse().map_err(|e: String| KernelError::Backend {
+        let fixed: Option<ops::FlashKernel> = match std::env::var("FLOWPREFILL_FLASH_KERNEL") {
+            Ok(v) => Some(v.parse().map_err(|e: String| KernelError::Backend {
                 backend: "cuda",
                 detail: format!("FLOWPREFILL_FLASH_KERNEL: {e}"),
-            })?,
-            Err(_) => ops::FlashKernel::default(),
+            })?),
+            Err(_) => None,
         };
+        let driver = super::versions().driver.unwrap_or(0);
         let stream = ctx.default_stream();
         // Not fatal: without it the pool returns freed memory at each synchronisation and
         // allocations go back to the driver (slower, still correct).
@@ -134,30 +142,29 @@ impl CudaBackend {
             eprintln!("flowprefill: cuda:{ordinal}: the memory pool keeps nothing between calls ({e})");
         }
         let mut functions = HashMap::new();
+        let mut occupancy = Vec::new();
         for file in gpu::FILES {
-            let cubin = nvrtc::cached(file.name, &gpu::program(file), &arch)?;
-            let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| err(file.name, e))?;
-            for k in file.kernels {
-                let f = module.load_function(k.kernel).map_err(|e| err(k.kernel, e))?;
-                if k.dynamic_shared_bytes > gpu::DEFAULT_DYNAMIC_SHARED_LIMIT {
-                    use cudarc::driver::sys::CUfunction_attribute_enum as A;
-                    f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, k.dynamic_shared_bytes as i32)
-                        .map_err(|e| {
-                            err(k.kernel, format!("{e:?}: {} B of dynamic shared memory", k.dynamic_shared_bytes))
-                        })?;
-                }
-                functions.insert(k.kernel, f);
+            for (name, f, occ) in load_file(&ctx, &arch, file, 0, file.kernels)? {
+                functions.insert(name, f);
+                occupancy.push(occ);
             }
+        }
+        for o in occupancy.iter().filter(|o| o.fits < o.assumed) {
+            eprintln!("flowprefill: cuda:{ordinal}: {o}");
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS (is libcublas on the library path?)", e))?;
         Ok(Self {
             ordinal,
             arch,
             sm_count,
-            flash,
             stream,
             blas,
             functions,
+            extra: Mutex::new(HashMap::new()),
+            occupancy: Mutex::new(occupancy),
+            gpu_name: d.name.clone(),
+            driver,
+            tuning: super::tune::Tuning::new(fixed),
             weights,
             kv,
             ropes: Mutex::new(HashMap::new()),
@@ -199,8 +206,8 @@ impl CudaBackend {
     /// The caller holds the guards of every buffer the call names until this returns.
     pub(super) fn run(&self, call: &Call) -> Result<()> {
         call.check().map_err(|e| err("launch", e))?;
-        let f =
-            self.functions.get(call.kernel).ok_or_else(|| err("kernel", format!("{} was not loaded", call.kernel)))?;
+        let loaded = self.functions.get(call.kernel).cloned().or_else(|| self.extra_function(call.kernel));
+        let f = loaded.ok_or_else(|| err("kernel", format!("{} was not loaded", call.kernel)))?;
         let mut cells: Vec<u64> = call.args.iter().map(|a| a.cell()).collect();
         let mut params: Vec<*mut c_void> = cells.iter_mut().map(|c| c as *mut u64 as *mut c_void).collect();
         let l = &call.launch;
@@ -221,6 +228,37 @@ impl CudaBackend {
             )
         }
         .map_err(|e| err(call.kernel, e))
+    }
+
+    fn extra_function(&self, kernel: &str) -> Option<CudaFunction> {
+        self.extra.lock().unwrap_or_else(|p| p.into_inner()).get(kernel).cloned()
+    }
+
+    /// Loads flash2's configuration `config` (compiled by NVRTC on first use, cached on disk
+    /// like every kernel) unless it is loaded.
+    pub(super) fn load_config(&self, config: usize) -> Result<()> {
+        let budgets = gpu::config_budgets(config);
+        if budgets.iter().all(|b| self.extra_function(b.kernel).is_some()) {
+            return Ok(());
+        }
+        let file = gpu::FILES.iter().find(|f| f.name == "flash2.cu").ok_or_else(|| err("flash2", "not in FILES"))?;
+        let loaded = load_file(self.stream.context(), &self.arch, file, config, &budgets)?;
+        let mut extra = self.extra.lock().unwrap_or_else(|p| p.into_inner());
+        let mut occ = self.occupancy.lock().unwrap_or_else(|p| p.into_inner());
+        for (name, f, o) in loaded {
+            if o.fits < o.assumed {
+                eprintln!("flowprefill: cuda:{}: {o}", self.ordinal);
+            }
+            extra.insert(name, f);
+            occ.push(o);
+        }
+        Ok(())
+    }
+
+    /// Blocks per SM of every kernel loaded so far (assumed by its launch shape, and what the
+    /// occupancy API says fits on this GPU).
+    pub fn occupancy(&self) -> Vec<Occupancy> {
+        self.occupancy.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     pub(super) fn run_built(&self, call: Result<Call>) -> Result<()> {
@@ -751,4 +789,59 @@ impl Backend for CudaBackend {
         };
         Ok(DeviceBuf { data, len: host.len() })
     }
+}
+
+/// Blocks per SM of one kernel on this GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Occupancy {
+    /// The kernel.
+    pub kernel: &'static str,
+    /// What its launch shape assumes (`__launch_bounds__`' minimum blocks per SM).
+    pub assumed: u32,
+    /// What fits (`cuOccupancyMaxActiveBlocksPerMultiprocessor` with its block size and dynamic
+    /// shared memory).
+    pub fits: u32,
+}
+
+impl std::fmt::Display for Occupancy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {} block(s) per SM fit", self.kernel, self.fits)?;
+        if self.fits < self.assumed {
+            write!(f, ", fewer than the {} its launch shape assumes (registers or shared memory)", self.assumed)?;
+        }
+        Ok(())
+    }
+}
+
+/// Compiles (or reads from the disk cache) `file` in flash2 configuration `config` for `arch`,
+/// loads the kernels of `budgets`, and prepares each: the dynamic shared memory it asks for
+/// (above 48 KiB), the largest shared-memory carveout for kernels that use shared memory
+/// beyond that (the L1 split is a hint the driver may round), and its occupancy.
+fn load_file(
+    ctx: &Arc<CudaContext>,
+    arch: &str,
+    file: &gpu::KernelFile,
+    config: usize,
+    budgets: &[gpu::Budget],
+) -> Result<Vec<(&'static str, CudaFunction, Occupancy)>> {
+    use cudarc::driver::sys::CUfunction_attribute_enum as A;
+    let cubin = nvrtc::cached(file.name, &gpu::program_in(file, config), arch)?;
+    let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| err(file.name, e))?;
+    let mut out = Vec::with_capacity(budgets.len());
+    for k in budgets {
+        let f = module.load_function(k.kernel).map_err(|e| err(k.kernel, e))?;
+        if k.dynamic_shared_bytes > gpu::DEFAULT_DYNAMIC_SHARED_LIMIT {
+            f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, k.dynamic_shared_bytes as i32)
+                .map_err(|e| err(k.kernel, format!("{e:?}: {} B of dynamic shared memory", k.dynamic_shared_bytes)))?;
+            // 100: cudaSharedmemCarveoutMaxShared. Not fatal: the default carveout may be enough.
+            if let Err(e) = f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100) {
+                eprintln!("flowprefill: {}: the shared-memory carveout was not set ({e:?})", k.kernel);
+            }
+        }
+        let fits = f
+            .occupancy_max_active_blocks_per_multiprocessor(k.threads, k.dynamic_shared_bytes as usize, None)
+            .map_err(|e| err(k.kernel, format!("occupancy: {e:?}")))?;
+        out.push((k.kernel, f, Occupancy { kernel: k.kernel, assumed: k.blocks_per_sm, fits }));
+    }
+    Ok(out)
 }

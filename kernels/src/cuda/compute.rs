@@ -85,6 +85,24 @@ impl CudaBackend {
         f(qb)
     }
 
+    /// Runs `f` with the partial output and log-sum-exp buffers of `plan`'s key splits (`None`
+    /// without splits), from the backend's scratch.
+    pub(super) fn with_partials<R>(
+        &self,
+        dims: AttnDims,
+        plan: &ops::FlashPlan,
+        f: impl FnOnce(Option<(Ptr, Ptr)>) -> Result<R>,
+    ) -> Result<R> {
+        let s = &self.stream;
+        let (po, pl) = ops::flash_partial_lens(dims, plan);
+        let mut part_o = self.part_out.get(s, po)?;
+        let mut part_l = self.part_lse.get(s, pl)?;
+        let (o_slice, l_slice) = part_o.as_mut().zip(part_l.as_mut()).ok_or_else(|| err("attention", "no scratch"))?;
+        let (pop, _e) = o_slice.device_ptr_mut(s);
+        let (plp, _f) = l_slice.device_ptr_mut(s);
+        f((plan.splits > 1).then_some((Ptr::new(pop, Elem::F32), Ptr::new(plp, Elem::F32))))
+    }
+
     /// [`Backend::attention`] on the device: tensor cores for bf16 K/V of head_dim 64 /
     /// 128 (key splits when few blocks would fill the GPU), the FP32 kernel otherwise.
     #[allow(clippy::too_many_arguments)]
@@ -119,27 +137,25 @@ impl CudaBackend {
         let dims = AttnDims::of(shape, qpos.len(), kpos.len());
         let s = &self.stream;
         if k.dtype() == DType::Bf16 && ops::flash_supported(shape.head_dim) {
-            let plan = ops::flash_plan(dims, self.flash, self.sm_count, None);
             let (qp, meta) = (self.upload_u32(qpos)?, self.upload_u32(&ops::key_meta(kpos))?);
             let (qpp, _a) = qp.device_ptr(s);
             let (mp, _b) = meta.device_ptr(s);
             let (kp, _c) = k.ptr(s);
             let (vp, _d) = v.ptr(s);
-            let (po, pl) = ops::flash_partial_lens(dims, &plan);
-            let mut part_o = self.part_out.get(s, po)?;
-            let mut part_l = self.part_lse.get(s, pl)?;
-            let (o_slice, l_slice) = (part_o.as_mut(), part_l.as_mut());
-            let (o_slice, l_slice) = o_slice.zip(l_slice).ok_or_else(|| err(op, "no scratch"))?;
-            let (pop, _e) = o_slice.device_ptr_mut(s);
-            let (plp, _f) = l_slice.device_ptr_mut(s);
-            let partial = (plan.splits > 1).then_some((Ptr::new(pop, Elem::F32), Ptr::new(plp, Elem::F32)));
             let (outp, _g) = out.ptr_mut(s);
             let (lsep, _h) = lse.ptr_mut(s);
+            let u = |p| Ptr::new(p, Elem::U32);
             return self.with_bf16_queries(q, |qb| {
-                let u = |p| Ptr::new(p, Elem::U32);
-                let calls =
-                    ops::flash_attention(dims, &plan, qb, u(qpp), kp, vp, u(mp), outp, lsep, partial, shape.scale)?;
-                calls.iter().try_for_each(|c| self.run(c))
+                // The configuration the autotuner chose for this GPU and shape class (it may
+                // time the candidates on these very inputs, once per machine).
+                let inputs = super::tune::Inputs { q: qb, qpos: u(qpp), k: kp, v: vp, meta: u(mp), scale: shape.scale };
+                let (kernel, blocks_per_sm) = self.flash_choice(dims, &inputs);
+                let plan = ops::flash_plan_aiming(dims, kernel, self.sm_count, blocks_per_sm, None);
+                self.with_partials(dims, &plan, |partial| {
+                    let calls =
+                        ops::flash_attention(dims, &plan, qb, u(qpp), kp, vp, u(mp), outp, lsep, partial, shape.scale)?;
+                    calls.iter().try_for_each(|c| self.run(c))
+                })
             });
         }
         let (qp, kp2) = (self.upload_u32(qpos)?, self.upload_u32(kpos)?);

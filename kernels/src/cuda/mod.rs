@@ -13,9 +13,10 @@ pub mod libs;
 pub mod nccl;
 pub mod nvrtc;
 mod rotary;
+mod tune;
 
 pub use crate::backend::to_bf16;
-pub use backend::{CudaBackend, DeviceBuf, DeviceMat, Mark, WeightType};
+pub use backend::{CudaBackend, DeviceBuf, DeviceMat, Mark, Occupancy, WeightType};
 
 use crate::error::{KernelError, Result};
 use cudarc::driver::CudaContext;

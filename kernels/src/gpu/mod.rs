@@ -23,6 +23,8 @@
 
 pub mod ops;
 pub mod sass;
+pub mod shapes;
+pub mod tune;
 
 pub use sass::SassBudget;
 
@@ -52,6 +54,10 @@ pub struct Budget {
     pub threads: u32,
     /// What the static gate asks of its SASS (every kernel: no local memory).
     pub sass: SassBudget,
+    /// Blocks per SM its launch shape assumes (`__launch_bounds__`' minimum): the backend
+    /// checks it with the occupancy API at load and logs a shortfall; the compile gate marks
+    /// an architecture where registers and shared memory do not allow it.
+    pub blocks_per_sm: u32,
 }
 
 /// One `.cu` file.
@@ -73,6 +79,7 @@ const fn budget(kernel: &'static str, max_registers: u32, max_shared_bytes: u32)
         dynamic_shared_bytes: 0,
         threads: ELEMENTWISE_THREADS,
         sass: SassBudget::Plain,
+        blocks_per_sm: 1,
     }
 }
 
@@ -86,6 +93,7 @@ const fn budget_dyn(kernel: &'static str, max_registers: u32, max_shared_bytes: 
         dynamic_shared_bytes: dynamic,
         threads: ops::FLASH_THREADS,
         sass: SassBudget::Reported,
+        blocks_per_sm: 1,
     }
 }
 
@@ -99,11 +107,27 @@ impl Budget {
         self.sass = sass;
         self
     }
+
+    const fn blocks(mut self, blocks_per_sm: u32) -> Self {
+        self.blocks_per_sm = blocks_per_sm;
+        self
+    }
 }
 
 /// Shared memory a block may use (static + dynamic) on each architecture the compile gate
 /// builds for: 163 KiB on sm_80 (A100), 227 KiB on sm_90 (H100, H200).
 pub const SHARED_LIMITS: &[(&str, u32)] = &[("sm_80", 163 * 1024), ("sm_90a", 227 * 1024)];
+
+/// The architecture NVRTC compiles for on a device of compute capability `(major, minor)`:
+/// `sm_90a` on 9.0 (the architecture-specific target, which Hopper's warpgroup instructions
+/// need and the compile gate builds), `sm_XY` elsewhere.
+pub fn compile_arch((major, minor): (i32, i32)) -> String {
+    if (major, minor) == (9, 0) {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{major}{minor}")
+    }
+}
 
 /// Dynamic shared memory a kernel may use without raising its limit.
 pub const DEFAULT_DYNAMIC_SHARED_LIMIT: u32 = 48 * 1024;
@@ -184,21 +208,23 @@ pub const FILES: &[KernelFile] = &[
         name: "flash.cu",
         source: include_str!("../../cuda/flash.cu"),
         kernels: &[
-            budget_dyn("fp_flash_attn_d64", 168, 16, ops::flash_shared_bytes(64)),
-            budget_dyn("fp_flash_attn_d128", 240, 16, ops::flash_shared_bytes(128)),
-            budget_dyn("fp_flash_scores_d64", 168, 16, ops::flash_scores_shared_bytes(64)),
-            budget_dyn("fp_flash_scores_d128", 168, 16, ops::flash_scores_shared_bytes(128)),
+            budget_dyn("fp_flash_attn_d64", 168, 16, ops::flash_shared_bytes(64)).blocks(2),
+            budget_dyn("fp_flash_attn_d128", 240, 16, ops::flash_shared_bytes(128)).blocks(2),
+            budget_dyn("fp_flash_scores_d64", 168, 16, ops::flash_scores_shared_bytes(64)).blocks(2),
+            budget_dyn("fp_flash_scores_d128", 168, 16, ops::flash_scores_shared_bytes(128)).blocks(2),
         ],
     },
     KernelFile {
         name: "flash2.cu",
         source: include_str!("../../cuda/flash2.cu"),
         kernels: &[
-            budget_dyn("fp_flash2_attn_d64", 255, 16, ops::FlashKernel::Fa2.shared_bytes(64))
-                .threads(ops::FlashKernel::Fa2.threads(64))
+            budget_dyn("fp_flash2_attn_d64", 255, 16, shapes::FA2_DEFAULT.d64.shared_bytes(64))
+                .threads(shapes::FA2_DEFAULT.d64.threads())
+                .blocks(shapes::FA2_DEFAULT.d64.min_blocks)
                 .sass(FA2_D64_SASS),
-            budget_dyn("fp_flash2_attn_d128", 248, 16, ops::FlashKernel::Fa2.shared_bytes(128))
-                .threads(ops::FlashKernel::Fa2.threads(128))
+            budget_dyn("fp_flash2_attn_d128", 248, 16, shapes::FA2_DEFAULT.d128.shared_bytes(128))
+                .threads(shapes::FA2_DEFAULT.d128.threads())
+                .blocks(shapes::FA2_DEFAULT.d128.min_blocks)
                 .sass(FA2_D128_SASS),
         ],
     },
@@ -209,15 +235,25 @@ pub const FILES: &[KernelFile] = &[
     },
 ];
 
-/// The full NVRTC program of `file`: [`COMMON`] then the file.
+/// The full NVRTC program of `file`: the launch-shape header ([`shapes::header`], the default
+/// configuration), [`COMMON`], then the file.
 pub fn program(file: &KernelFile) -> String {
-    format!("{COMMON}\n{}", file.source)
+    program_in(file, 0)
 }
 
-/// FNV-1a of every source: part of the on-disk cache key of compiled kernels.
+/// [`program`] with `flash2.cu`'s configuration `config` (an index of
+/// [`shapes::FA2_CONFIGS`]; other than 0, its kernels carry the configuration's suffix).
+pub fn program_in(file: &KernelFile, config: usize) -> String {
+    format!("{}{COMMON}\n{}", shapes::header(config), file.source)
+}
+
+/// FNV-1a of every source and of the launch shapes: part of the on-disk cache key of compiled
+/// kernels.
 pub fn sources_hash() -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for part in std::iter::once(COMMON).chain(FILES.iter().map(|f| f.source)) {
+    let headers: Vec<String> = (0..shapes::FA2_CONFIGS.len()).map(shapes::header).collect();
+    let parts = std::iter::once(COMMON).chain(FILES.iter().map(|f| f.source)).chain(headers.iter().map(String::as_str));
+    for part in parts {
         for b in part.bytes() {
             h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
         }
@@ -225,9 +261,37 @@ pub fn sources_hash() -> u64 {
     h
 }
 
-/// The budget of `kernel`.
+/// The budget of `kernel` (a configuration's kernel too, [`config_budgets`]).
 pub fn budget_of(kernel: &str) -> Option<&'static Budget> {
-    FILES.iter().flat_map(|f| f.kernels.iter()).find(|b| b.kernel == kernel)
+    FILES.iter().flat_map(|f| f.kernels.iter()).chain(all_config_budgets()).find(|b| b.kernel == kernel)
+}
+
+/// The budgets of `flash2.cu`'s kernels in configuration `config` (an index of
+/// [`shapes::FA2_CONFIGS`] other than 0, the default build's budgets being in [`FILES`]): the
+/// compile gate builds each without a spill, a stack frame or local memory, within 255
+/// registers, and finds its tensor-core loop (reported; the loop budget is the default's).
+pub fn config_budgets(config: usize) -> Vec<Budget> {
+    let Some(c) = shapes::FA2_CONFIGS.get(config).filter(|_| config > 0) else { return Vec::new() };
+    [64u32, 128]
+        .iter()
+        .filter_map(|&d| {
+            let s = c.at(d);
+            Some(Budget {
+                kernel: shapes::fa2_kernel(config, d)?,
+                max_registers: 255,
+                max_shared_bytes: 16,
+                dynamic_shared_bytes: s.shared_bytes(d),
+                threads: s.threads(),
+                sass: SassBudget::Reported,
+                blocks_per_sm: s.min_blocks,
+            })
+        })
+        .collect()
+}
+
+fn all_config_budgets() -> &'static [Budget] {
+    static ALL: OnceLock<Vec<Budget>> = OnceLock::new();
+    ALL.get_or_init(|| (1..shapes::FA2_CONFIGS.len()).flat_map(config_budgets).collect())
 }
 
 /// Element type behind a kernel's pointer parameter.
@@ -335,8 +399,9 @@ fn signatures() -> &'static HashMap<String, Vec<Param>> {
 }
 
 /// The parameters of `kernel`, as its `.cu` declares them.
+/// A configuration's kernel (`fp_flash2_attn_d128_c2`) has its base kernel's parameters.
 pub fn signature(kernel: &str) -> Option<&'static [Param]> {
-    signatures().get(kernel).map(Vec::as_slice)
+    signatures().get(shapes::base_kernel(kernel)).map(Vec::as_slice)
 }
 
 /// A launch shape: grid and block in three dimensions, and the dynamic shared memory.
@@ -508,7 +573,15 @@ mod tests {
             assert_eq!(f.source.matches("__global__").count(), declared.len(), "{}", f.name);
         }
         assert!(sources_hash() != 0);
-        assert!(program(&FILES[0]).starts_with(COMMON));
+        assert!(program(&FILES[0]).starts_with(&shapes::header(0)) && program(&FILES[0]).contains(COMMON));
+    }
+
+    #[test]
+    fn hopper_compiles_for_its_architecture_specific_target() {
+        assert_eq!(compile_arch((9, 0)), "sm_90a");
+        assert_eq!(compile_arch((8, 0)), "sm_80");
+        assert_eq!(compile_arch((8, 9)), "sm_89");
+        assert_eq!(compile_arch((10, 0)), "sm_100");
     }
 
     #[test]

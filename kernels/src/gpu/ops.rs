@@ -4,7 +4,7 @@
 //! [`Call::check`]). Lengths of buffers are the callers' business: these builders see only
 //! addresses.
 
-use super::{stride_launch, Arg, Call, Elem, Launch, Ptr};
+use super::{shapes, stride_launch, Arg, Call, Elem, Launch, Ptr};
 use crate::error::{KernelError, Result};
 
 fn ptr(p: Ptr) -> Arg {
@@ -365,64 +365,73 @@ pub fn merge_partial(out: Ptr, lse: Ptr, block_out: Ptr, block_lse: Ptr, rows: u
 // Tensor-core attention (flash.cu)
 // ---------------------------------------------------------------------------------------
 
-/// Packed query rows per block of the reference tensor-core kernel (`flash.cu`, `FP_FA_ROWS`):
-/// 4 warps x 16.
-pub const FLASH_ROWS: u32 = 64;
-/// Keys per tile of `flash.cu` (`FP_FA_KEYS`), and of the key metadata every tensor-core kernel
-/// reads ([`key_meta`]; `FP_FA2_META_KEYS`).
-pub const FLASH_KEYS: u32 = 64;
-/// Threads per block of `flash.cu` (`FP_FA_THREADS`) and of the scores kernel.
-pub const FLASH_THREADS: u32 = 128;
+/// Packed query rows per block of the reference tensor-core kernel (`flash.cu`): 4 warps x 16.
+pub const FLASH_ROWS: u32 = shapes::REF_ROWS;
+/// Keys per tile of `flash.cu`, and of the key metadata every tensor-core kernel reads
+/// ([`key_meta`]).
+pub const FLASH_KEYS: u32 = shapes::META_KEYS;
+/// Threads per block of `flash.cu` and of the scores kernel.
+pub const FLASH_THREADS: u32 = shapes::REF_THREADS;
 
 /// Which tensor-core attention kernel runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FlashKernel {
     /// `flash2.cu`: FlashAttention-2's structure (32 rows a warp, immediate shared addresses,
-    /// unrolled copies, no mask on full tiles); the default.
-    #[default]
-    Fa2,
+    /// unrolled copies, no mask on full tiles), in configuration `.0` (an index of
+    /// [`shapes::FA2_CONFIGS`]; 0, the default build, unless the autotuner chose another).
+    Fa2(u8),
     /// `flash.cu`: the first tensor-core kernel (16 rows a warp), kept as the reference.
     Reference,
 }
 
-/// `flash2.cu`'s launch shape at head dimension `d` (its `FP_FA2_D{64,128}_*` defaults):
-/// (warps, m16 row tiles per warp, keys per tile).
-pub const fn flash2_shape(d: u32) -> (u32, u32, u32) {
-    if d == 64 {
-        (4, 2, 64)
-    } else {
-        (4, 2, 32)
+impl Default for FlashKernel {
+    fn default() -> Self {
+        FlashKernel::Fa2(0)
     }
 }
 
 impl FlashKernel {
-    /// Both kernels, the default first.
-    pub const ALL: [FlashKernel; 2] = [FlashKernel::Fa2, FlashKernel::Reference];
+    /// Both kernels (flash2 in its default configuration), the default first.
+    pub const ALL: [FlashKernel; 2] = [FlashKernel::Fa2(0), FlashKernel::Reference];
+
+    /// Every configuration of flash2, then the reference (what the emulation tests run).
+    pub fn every() -> Vec<FlashKernel> {
+        (0..shapes::FA2_CONFIGS.len() as u8).map(FlashKernel::Fa2).chain([FlashKernel::Reference]).collect()
+    }
+
+    /// flash2's shape at head dimension `d` (`None` for the reference).
+    pub const fn fa2_shape(self, d: u32) -> Option<shapes::Fa2Shape> {
+        match self {
+            FlashKernel::Fa2(c) => {
+                let c = c as usize;
+                let c = if c < shapes::FA2_CONFIGS.len() { c } else { 0 };
+                Some(shapes::FA2_CONFIGS[c].at(d))
+            }
+            FlashKernel::Reference => None,
+        }
+    }
 
     /// Packed query rows per block at head dimension `d`.
     pub const fn rows(self, d: u32) -> u32 {
-        match self {
-            FlashKernel::Fa2 => {
-                let (warps, wm, _) = flash2_shape(d);
-                warps * 16 * wm
-            }
-            FlashKernel::Reference => FLASH_ROWS,
+        match self.fa2_shape(d) {
+            Some(s) => s.rows(),
+            None => FLASH_ROWS,
         }
     }
 
     /// Threads per block at head dimension `d`.
     pub const fn threads(self, d: u32) -> u32 {
-        match self {
-            FlashKernel::Fa2 => flash2_shape(d).0 * 32,
-            FlashKernel::Reference => FLASH_THREADS,
+        match self.fa2_shape(d) {
+            Some(s) => s.threads(),
+            None => FLASH_THREADS,
         }
     }
 
     /// Keys per tile at head dimension `d`.
     pub const fn keys(self, d: u32) -> u32 {
-        match self {
-            FlashKernel::Fa2 => flash2_shape(d).2,
-            FlashKernel::Reference => FLASH_KEYS,
+        match self.fa2_shape(d) {
+            Some(s) => s.keys,
+            None => FLASH_KEYS,
         }
     }
 
@@ -435,20 +444,20 @@ impl FlashKernel {
 
     /// The kernel's name at head dimension `d` (64 or 128).
     pub fn kernel(self, d: u32) -> Option<&'static str> {
-        Some(match (self, d) {
-            (FlashKernel::Fa2, 64) => "fp_flash2_attn_d64",
-            (FlashKernel::Fa2, 128) => "fp_flash2_attn_d128",
-            (FlashKernel::Reference, 64) => "fp_flash_attn_d64",
-            (FlashKernel::Reference, 128) => "fp_flash_attn_d128",
-            _ => return None,
-        })
+        match (self, d) {
+            (FlashKernel::Fa2(c), _) => shapes::fa2_kernel(c as usize, d),
+            (FlashKernel::Reference, 64) => Some("fp_flash_attn_d64"),
+            (FlashKernel::Reference, 128) => Some("fp_flash_attn_d128"),
+            _ => None,
+        }
     }
 
-    /// The name `FLOWPREFILL_FLASH_KERNEL` and the benches use.
-    pub fn name(self) -> &'static str {
+    /// The name `FLOWPREFILL_FLASH_KERNEL` and the benches use (`fa2`, `fa2:c2`, `reference`).
+    pub fn name(self) -> String {
         match self {
-            FlashKernel::Fa2 => "fa2",
-            FlashKernel::Reference => "reference",
+            FlashKernel::Fa2(0) => "fa2".into(),
+            FlashKernel::Fa2(c) => format!("fa2:c{c}"),
+            FlashKernel::Reference => "reference".into(),
         }
     }
 }
@@ -456,10 +465,13 @@ impl FlashKernel {
 impl std::str::FromStr for FlashKernel {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        FlashKernel::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| format!("unknown tensor-core attention kernel {s:?}: use fa2 or reference"))
+        FlashKernel::every().into_iter().find(|k| k.name() == s).ok_or_else(|| {
+            format!(
+                "unknown tensor-core attention kernel {s:?}: use fa2 (the default configuration, or the one \
+                 `flowprefill tune` chose), fa2:c1 .. fa2:c{} (one configuration), or reference",
+                shapes::FA2_CONFIGS.len() - 1
+            )
+        })
     }
 }
 
@@ -499,11 +511,23 @@ pub struct FlashPlan {
 /// aims at two blocks per SM (`sm_count`), at least one key tile per split. `force_splits`
 /// (tests) sets the number of splits instead.
 pub fn flash_plan(dims: AttnDims, kernel: FlashKernel, sm_count: u32, force_splits: Option<u32>) -> FlashPlan {
+    flash_plan_aiming(dims, kernel, sm_count, 2, force_splits)
+}
+
+/// [`flash_plan`] aiming at `blocks_per_sm` blocks per SM (the autotuner's choice for
+/// decode-like calls; 2 without one).
+pub fn flash_plan_aiming(
+    dims: AttnDims,
+    kernel: FlashKernel,
+    sm_count: u32,
+    blocks_per_sm: u32,
+    force_splits: Option<u32>,
+) -> FlashPlan {
     let packed = dims.m as u64 * dims.group() as u64;
     let q_tiles = packed.div_ceil(kernel.rows(dims.head_dim) as u64).max(1) as u32;
     let key_tiles = dims.n.div_ceil(FLASH_KEYS);
     let blocks = q_tiles as u64 * dims.n_kv_heads.max(1) as u64;
-    let target = 2 * sm_count.max(1) as u64;
+    let target = blocks_per_sm.max(1) as u64 * sm_count.max(1) as u64;
     let wanted = match force_splits {
         Some(s) => s.max(1),
         None if blocks >= target => 1,
@@ -701,15 +725,15 @@ mod tests {
         let p = flash_plan(dims(8192, 8192, 32, 8, 128), FlashKernel::Reference, 132, None);
         assert_eq!((p.q_tiles, p.key_tiles, p.splits, p.tiles_per_split), (512, 128, 1, 128));
         // FlashAttention-2's 128-row blocks: half the query tiles, the same key tiles.
-        let p = flash_plan(dims(8192, 8192, 32, 8, 128), FlashKernel::Fa2, 132, None);
+        let p = flash_plan(dims(8192, 8192, 32, 8, 128), FlashKernel::Fa2(0), 132, None);
         assert_eq!((p.q_tiles, p.key_tiles, p.splits, p.tiles_per_split), (256, 128, 1, 128));
         // Decode of SmolLM2 at 8K: 1 q tile x 3 heads: 64 splits of 2 tiles.
         let p = flash_plan(dims(1, 8192, 9, 3, 64), FlashKernel::Reference, 132, None);
         assert_eq!((p.q_tiles, p.splits, p.tiles_per_split), (1, 64, 2));
         assert!(p.splits * p.tiles_per_split >= p.key_tiles);
         // Few keys: never more splits than key tiles; no keys: one split of nothing.
-        assert_eq!(flash_plan(dims(1, 100, 9, 3, 64), FlashKernel::Fa2, 132, None).splits, 2);
-        let p = flash_plan(dims(3, 0, 9, 3, 64), FlashKernel::Fa2, 132, None);
+        assert_eq!(flash_plan(dims(1, 100, 9, 3, 64), FlashKernel::Fa2(0), 132, None).splits, 2);
+        let p = flash_plan(dims(3, 0, 9, 3, 64), FlashKernel::Fa2(0), 132, None);
         assert_eq!((p.key_tiles, p.splits), (0, 1));
         // Forced splits cover every tile exactly once.
         for (force, kernel) in (1..9).flat_map(|f| FlashKernel::ALL.map(|k| (f, k))) {
@@ -750,9 +774,9 @@ mod tests {
         assert_eq!(calls[0].launch.shared_bytes, flash_shared_bytes(64));
         // Splits need the partial buffers, and add the combine.
         let fa2 =
-            flash_attention(d, &flash_plan(d, FlashKernel::Fa2, 1, None), b, u, b, b, u, f, f, None, 1.0).unwrap();
+            flash_attention(d, &flash_plan(d, FlashKernel::Fa2(0), 1, None), b, u, b, b, u, f, f, None, 1.0).unwrap();
         assert_eq!(fa2[0].kernel, "fp_flash2_attn_d64");
-        assert_eq!(fa2[0].launch.shared_bytes, FlashKernel::Fa2.shared_bytes(64));
+        assert_eq!(fa2[0].launch.shared_bytes, FlashKernel::Fa2(0).shared_bytes(64));
         fa2[0].check().unwrap();
         let split = flash_plan(dims(1, 640, 1, 1, 64), FlashKernel::Reference, 132, None);
         assert!(split.splits > 1);
@@ -763,26 +787,40 @@ mod tests {
         assert!(attention(d, f, u, b, f, u, f, f, 1.0).is_err(), "k and v of different types");
     }
 
-    /// flash2.cu's launch shape is written in its macros and in [`flash2_shape`]: they agree.
+    /// The launch shapes are written once, in `shapes.rs`: no `.cu` file defines one, the header
+    /// defines every one the sources use, and every configuration's tile divides the metadata's.
     #[test]
-    fn flash2_launch_shape_matches_its_source() {
-        let src = include_str!("../../cuda/flash2.cu");
-        let define = |name: &str| -> u32 {
-            let line = src
-                .lines()
-                .find(|l| l.trim_start().starts_with(&format!("#define {name} ")))
-                .unwrap_or_else(|| panic!("flash2.cu has no #define {name}"));
-            line.split_whitespace().nth(2).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"))
-        };
-        for d in [64u32, 128] {
-            let (warps, wm, keys) = flash2_shape(d);
-            assert_eq!(define(&format!("FP_FA2_D{d}_WARPS")), warps, "d{d} warps");
-            assert_eq!(define(&format!("FP_FA2_D{d}_WM")), wm, "d{d} row tiles per warp");
-            assert_eq!(define(&format!("FP_FA2_D{d}_KEYS")), keys, "d{d} keys");
-            assert!(FLASH_KEYS % keys == 0, "a kernel tile must divide the metadata's tile");
+    fn launch_shapes_come_from_the_header_only() {
+        for f in super::super::FILES {
+            for line in f.source.lines() {
+                let l = line.trim_start();
+                assert!(
+                    !(l.starts_with("#define FP_FA") || l.starts_with("#define fp_flash")),
+                    "{}: `{l}`: launch shapes belong to gpu/shapes.rs",
+                    f.name
+                );
+            }
         }
-        assert_eq!(define("FP_FA2_META_KEYS"), FLASH_KEYS);
+        let used = ["FP_FA_ROWS", "FP_FA_KEYS", "FP_FA_THREADS", "FP_FA2_META_KEYS", "FP_FA2_RESCALE"];
+        for c in 0..shapes::FA2_CONFIGS.len() {
+            let h = shapes::header(c);
+            for d in [64u32, 128] {
+                let s = shapes::FA2_CONFIGS[c].at(d);
+                for (m, v) in [("WARPS", s.warps), ("WM", s.wm), ("KEYS", s.keys), ("MINB", s.min_blocks)] {
+                    assert!(h.contains(&format!("#define FP_FA2_D{d}_{m} {v}\n")), "config {c}: {m}\n{h}");
+                }
+                assert!(FLASH_KEYS % s.keys == 0, "config {c} d{d}: a kernel tile must divide the metadata's tile");
+                let k = FlashKernel::Fa2(c as u8);
+                assert_eq!(k.kernel(d), shapes::fa2_kernel(c, d));
+                assert_eq!(shapes::base_kernel(k.kernel(d).unwrap()), format!("fp_flash2_attn_d{d}"));
+                assert_eq!(k.name().parse::<FlashKernel>(), Ok(k));
+            }
+            for m in used {
+                assert!(h.contains(&format!("#define {m} ")), "config {c}: {m}");
+            }
+            assert_eq!(c != 0, h.contains("#define fp_flash2_attn_d128 fp_flash2_attn_d128_c"), "config {c}");
+        }
         assert_eq!("reference".parse::<FlashKernel>(), Ok(FlashKernel::Reference));
-        assert!("fast".parse::<FlashKernel>().unwrap_err().contains("fa2 or reference"));
+        assert!("fast".parse::<FlashKernel>().unwrap_err().contains("fa2:c1"));
     }
 }

@@ -12,6 +12,7 @@ pub mod importance;
 pub mod project;
 pub mod run;
 pub mod train;
+pub mod tune;
 
 use crate::Common;
 use anyhow::{Context, Result};
@@ -378,15 +379,38 @@ pub fn devices() -> Result<()> {
     match flowprefill_kernels::cuda::devices() {
         Ok(list) if list.is_empty() => println!("cuda: driver present, no devices"),
         Ok(list) => {
+            use flowprefill_kernels::gpu::tune;
+            let table = tune::default_path().map(|p| (tune::TuneTable::load(&p), p));
+            let driver_api = flowprefill_kernels::cuda::versions().driver.unwrap_or(0);
             for d in list {
                 println!(
-                    "cuda:{} {} (sm_{}{}, {:.1} GiB)",
+                    "cuda:{} {} (sm_{}{}, {:.1} GiB; kernels built for {})",
                     d.ordinal,
                     d.name,
                     d.compute_capability.0,
                     d.compute_capability.1,
-                    d.total_mem_bytes as f64 / (1u64 << 30) as f64
+                    d.total_mem_bytes as f64 / (1u64 << 30) as f64,
+                    flowprefill_kernels::gpu::compile_arch(d.compute_capability)
                 );
+                // What the attention autotuner chose on this GPU (flowprefill tune, or the first
+                // large attention of a job).
+                let sources = flowprefill_kernels::gpu::sources_hash();
+                match &table {
+                    Some((Ok(t), p)) => {
+                        let lines = tune::describe(t, &d.name, driver_api, sources);
+                        if lines.is_empty() {
+                            println!(
+                                "  attention: not tuned yet (default configuration; {} has no decision)",
+                                p.display()
+                            );
+                        }
+                        for l in lines {
+                            println!("  {l}");
+                        }
+                    }
+                    Some((Err(e), p)) => println!("  attention: {} unreadable ({e})", p.display()),
+                    None => println!("  attention: not tuned (no cache folder: set FLOWPREFILL_HOME)"),
+                }
             }
         }
         Err(e) => println!("cuda: unavailable ({e})"),

@@ -1,0 +1,310 @@
+//! The attention autotuner on the device: the first large enough attention of a (head
+//! dimension, shape class) on a GPU without a decision times every configuration of
+//! `flash2.cu` (and, for decode-like calls, the key split's blocks per SM) on that very call's
+//! inputs, with CUDA events, and keeps the fastest: in this process, and in the decisions file
+//! (`gpu::tune`) for every later process on the machine. `flowprefill tune` does the same on
+//! synthetic inputs ahead of time.
+//!
+//! Modes: `FLOWPREFILL_FLASH_KERNEL` names a kernel (no tuning, no decision read);
+//! `FLOWPREFILL_TUNE=off` uses decisions on file but never times; by default (`auto`) a missing
+//! decision is made on the first call large enough to time ([`TUNE_MIN_WORK`] query-key pairs
+//! for prefill-like calls, [`TUNE_MIN_KEYS`] keys for decode-like ones; smaller calls run the
+//! default configuration and leave the decision to a larger one). A tuning that
+//! fails (a candidate that does not compile, a launch error) says so once and runs the default:
+//! tuning never fails a job.
+
+use super::backend::{err, CudaBackend};
+use crate::error::Result;
+use crate::gpu::ops::{self, AttnDims, FlashKernel};
+use crate::gpu::tune::{self, ShapeClass, TuneEntry, TuneKey, TuneTable, DEFAULT_BLOCKS_PER_SM};
+use crate::gpu::{self, shapes, Elem, Ptr};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Query-key pairs (times the query heads of a KV group) a call needs to be timed for a
+/// decision: smaller calls are dominated by launch overhead and would decide on noise.
+pub const TUNE_MIN_WORK: u64 = 1 << 24;
+
+/// Keys a decode-like call needs to be timed for a decision.
+pub const TUNE_MIN_KEYS: u32 = 4096;
+
+/// Timed runs per candidate (after one warm-up run); the median is kept.
+const RUNS: usize = 5;
+
+/// Blocks per SM the key splits of decode-like calls may aim at.
+const DECODE_BLOCKS: [u32; 4] = [1, 2, 4, 8];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Fixed(FlashKernel),
+    Auto,
+    Off,
+}
+
+/// The autotuner's state in one backend.
+pub(crate) struct Tuning {
+    mode: Mode,
+    /// The decisions file, read on first need.
+    table: Mutex<Option<TuneTable>>,
+    /// What this process settled per (head dimension, class): configuration, blocks per SM.
+    chosen: Mutex<HashMap<(u32, ShapeClass), (u8, u32)>>,
+    /// A failure already reported (once per process).
+    warned: Mutex<bool>,
+}
+
+impl Tuning {
+    pub(crate) fn new(fixed: Option<FlashKernel>) -> Self {
+        let mode = match (fixed, std::env::var("FLOWPREFILL_TUNE").as_deref()) {
+            (Some(k), _) => Mode::Fixed(k),
+            (None, Ok("off")) => Mode::Off,
+            _ => Mode::Auto,
+        };
+        Self { mode, table: Mutex::new(None), chosen: Mutex::new(HashMap::new()), warned: Mutex::new(false) }
+    }
+}
+
+/// The device inputs of one attention call, for timing candidates on them: bf16 queries,
+/// query positions, bf16 keys and values, the key metadata (all device addresses).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Inputs {
+    pub q: Ptr,
+    pub qpos: Ptr,
+    pub k: Ptr,
+    pub v: Ptr,
+    pub meta: Ptr,
+    pub scale: f32,
+}
+
+impl CudaBackend {
+    /// Runs attention with `kernel` from now on (as `FLOWPREFILL_FLASH_KERNEL` does): no
+    /// decision read or made. Loads the configuration now (an error if it does not compile).
+    pub fn fix_attention(&mut self, kernel: FlashKernel) -> Result<()> {
+        if let FlashKernel::Fa2(c) = kernel {
+            self.load_config(c as usize)?;
+        }
+        self.tuning.mode = Mode::Fixed(kernel);
+        self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        Ok(())
+    }
+
+    /// Back to the autotuner's choices (decisions on file, or made on the first large call).
+    pub fn auto_attention(&mut self) {
+        self.tuning.mode = Mode::Auto;
+        self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    fn tune_key(&self, head_dim: u32, class: ShapeClass) -> TuneKey {
+        TuneKey { gpu: self.gpu_name.clone(), driver: self.driver, sources: gpu::sources_hash(), head_dim, class }
+    }
+
+    fn with_table<R>(&self, f: impl FnOnce(&mut TuneTable) -> R) -> R {
+        let mut t = self.tuning.table.lock().unwrap_or_else(|p| p.into_inner());
+        let table = t.get_or_insert_with(|| {
+            let read = tune::default_path().map(|p| TuneTable::load(&p));
+            match read {
+                Some(Ok(table)) => {
+                    if table.skipped > 0 {
+                        eprintln!(
+                            "flowprefill: the autotuner's file had {} unreadable line(s), skipped",
+                            table.skipped
+                        );
+                    }
+                    table
+                }
+                Some(Err(e)) => {
+                    eprintln!("flowprefill: the autotuner's file could not be read ({e}): tuning again");
+                    TuneTable::default()
+                }
+                None => TuneTable::default(),
+            }
+        });
+        f(table)
+    }
+
+    fn warn_once(&self, what: String) {
+        let mut w = self.tuning.warned.lock().unwrap_or_else(|p| p.into_inner());
+        if !*w {
+            *w = true;
+            eprintln!("flowprefill: cuda:{}: {what}; the default attention configuration runs", self.ordinal());
+        }
+    }
+
+    /// The attention kernel and the key split's blocks per SM for a call of `dims`: the fixed
+    /// kernel, this process's choice, the decision on file, a decision made now by timing the
+    /// candidates on `inputs` (auto mode, large call), or the default.
+    pub(super) fn flash_choice(&self, dims: AttnDims, inputs: &Inputs) -> (FlashKernel, u32) {
+        let mode = self.tuning.mode;
+        if let Mode::Fixed(k) = mode {
+            return (k, DEFAULT_BLOCKS_PER_SM);
+        }
+        let class = ShapeClass::of(dims.m as u64 * dims.group() as u64);
+        let slot = (dims.head_dim, class);
+        let settled = self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).get(&slot).copied();
+        if let Some((c, b)) = settled {
+            return (FlashKernel::Fa2(c), b);
+        }
+        let key = self.tune_key(dims.head_dim, class);
+        let on_file = self.with_table(|t| t.get(&key).map(|e| (e.config, e.blocks_per_sm)));
+        let decided = match on_file {
+            Some(d) => Some(d),
+            None if mode == Mode::Auto && representative(dims, class) => match self.tune_attention(dims, inputs, key) {
+                Ok(e) => Some((e.config, e.blocks_per_sm)),
+                Err(e) => {
+                    self.warn_once(format!("the attention autotuner failed ({e})"));
+                    Some((0, DEFAULT_BLOCKS_PER_SM))
+                }
+            },
+            None => None,
+        };
+        let Some((c, b)) = decided else { return (FlashKernel::Fa2(0), DEFAULT_BLOCKS_PER_SM) };
+        let (c, b) = match self.load_config(c as usize) {
+            Ok(()) => (c, b),
+            Err(e) => {
+                self.warn_once(format!("configuration {c} of the attention did not load ({e})"));
+                (0, DEFAULT_BLOCKS_PER_SM)
+            }
+        };
+        self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).insert(slot, (c, b));
+        (FlashKernel::Fa2(c), b)
+    }
+
+    /// Times every candidate on `inputs` (the call's own), records the winner under `key` in
+    /// the decisions file, and returns the decision.
+    pub(super) fn tune_attention(&self, dims: AttnDims, inputs: &Inputs, key: TuneKey) -> Result<TuneEntry> {
+        let blocks: &[u32] = match key.class {
+            ShapeClass::Prefill => &[DEFAULT_BLOCKS_PER_SM],
+            ShapeClass::Decode => &DECODE_BLOCKS,
+        };
+        let s = &self.stream;
+        let out_len = dims.m as usize * dims.n_heads as usize * dims.head_dim as usize;
+        let lse_len = dims.m as usize * dims.n_heads as usize;
+        let mut out = s.alloc_zeros::<f32>(out_len.max(1)).map_err(|e| self.oom("tune", out_len, 4, e))?;
+        let mut lse = s.alloc_zeros::<f32>(lse_len.max(1)).map_err(|e| self.oom("tune", lse_len, 4, e))?;
+        let mut candidates = Vec::new();
+        for c in 0..shapes::FA2_CONFIGS.len() {
+            if let Err(e) = self.load_config(c) {
+                eprintln!("flowprefill: autotuner: configuration {c} skipped ({e})");
+                continue;
+            }
+            for &b in blocks {
+                let plan = ops::flash_plan_aiming(dims, FlashKernel::Fa2(c as u8), self.sm_count, b, None);
+                let (op, _c) = out.device_ptr_mut(s);
+                let (lp, _d) = lse.device_ptr_mut(s);
+                let i = inputs;
+                let (out_p, lse_p) = (Ptr::new(op, Elem::F32), Ptr::new(lp, Elem::F32));
+                let median = self.with_partials(dims, &plan, |partial| {
+                    let calls = ops::flash_attention(
+                        dims, &plan, i.q, i.qpos, i.k, i.v, i.meta, out_p, lse_p, partial, i.scale,
+                    )?;
+                    self.time_calls(&calls)
+                })?;
+                candidates.push((c as u8, b, median));
+            }
+        }
+        let (config, blocks_per_sm) =
+            tune::winner(&candidates).ok_or_else(|| err("tune", "no candidate could be timed"))?;
+        let entry = TuneEntry { key, config, blocks_per_sm, timed_on: (dims.m, dims.n), candidates };
+        // Into this process's table, and into the file as it is now (another process on the
+        // machine may have added decisions since it was read).
+        self.with_table(|t| t.put(entry.clone()));
+        let saved = tune::default_path().map(|p| {
+            let mut on_disk = TuneTable::load(&p).unwrap_or_default();
+            on_disk.put(entry.clone());
+            on_disk.save(&p).map(|()| p)
+        });
+        match saved {
+            Some(Ok(p)) => eprintln!(
+                "flowprefill: cuda:{}: attention tuned for head_dim {} ({}): configuration {config}, {blocks_per_sm} \
+                 block(s) per SM for key splits; kept in {}",
+                self.ordinal(),
+                dims.head_dim,
+                entry.key.class,
+                p.display()
+            ),
+            Some(Err(e)) => {
+                eprintln!("flowprefill: the autotuner's decision was not saved ({e}); kept for this process")
+            }
+            None => {}
+        }
+        Ok(entry)
+    }
+
+    /// Median microseconds of `calls` over [`RUNS`] runs after a warm-up, from CUDA events.
+    fn time_calls(&self, calls: &[gpu::Call]) -> Result<f64> {
+        let s = &self.stream;
+        calls.iter().try_for_each(|c| self.run(c))?;
+        let mut times = Vec::with_capacity(RUNS);
+        for _ in 0..RUNS {
+            let start = super::buffers::mark(s.context(), s)?;
+            calls.iter().try_for_each(|c| self.run(c))?;
+            let end = super::buffers::mark(s.context(), s)?;
+            end.0.synchronize().map_err(|e| err("tune", e))?;
+            let ms = start.0.elapsed_ms(&end.0).map_err(|e| err("tune", e))?;
+            times.push(f64::from(ms) * 1e3);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[RUNS / 2])
+    }
+
+    /// `flowprefill tune`: makes the decisions for head dimension `head_dim` (64 or 128) with
+    /// `heads` query heads over `kv_heads` KV heads on synthetic inputs: a causal prefill of
+    /// `tokens` tokens, and one decode step over them. Replaces decisions on file.
+    pub fn tune_synthetic(&self, head_dim: u32, heads: u32, kv_heads: u32, tokens: u32) -> Result<Vec<TuneEntry>> {
+        if !ops::flash_supported(head_dim as usize) {
+            return Err(err("tune", format!("head_dim {head_dim}: the tensor-core attention takes 64 or 128")));
+        }
+        let s = &self.stream;
+        let (kvd, qd) = (kv_heads as usize * head_dim as usize, heads as usize * head_dim as usize);
+        let n = tokens as usize;
+        // Values in [-1, 1) as bf16 bits: a fixed pattern, no host randomness needed.
+        let pattern = |len: usize, seed: u32| -> Vec<u16> {
+            (0..len as u32)
+                .map(|i| {
+                    crate::backend::to_bf16(
+                        ((i.wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / (1u32 << 24) as f32) * 2.0 - 1.0,
+                    )
+                })
+                .collect()
+        };
+        let up = |v: Vec<u16>| s.clone_htod(&v).map_err(|e| self.oom("tune", v.len(), 2, e));
+        let (q, k, v) = (up(pattern(n * qd, 1))?, up(pattern(n * kvd, 2))?, up(pattern(n * kvd, 3))?);
+        let pos: Vec<u32> = (0..tokens).collect();
+        let qpos = self.upload_u32(&pos)?;
+        let meta = self.upload_u32(&ops::key_meta(&pos))?;
+        let last = self.upload_u32(&pos[n.saturating_sub(1)..])?;
+        let (qp, _a) = q.device_ptr(s);
+        let (kp, _b) = k.device_ptr(s);
+        let (vp, _c) = v.device_ptr(s);
+        let (pp, _d) = qpos.device_ptr(s);
+        let (mp, _e) = meta.device_ptr(s);
+        let (lp, _f) = last.device_ptr(s);
+        let b = |p| Ptr::new(p, Elem::Bf16);
+        let u = |p| Ptr::new(p, Elem::U32);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let mut out = Vec::new();
+        for (m, qpos) in [(tokens, pp), (1, lp)] {
+            let dims = AttnDims { m, n: tokens, n_heads: heads, n_kv_heads: kv_heads, head_dim };
+            let class = ShapeClass::of(m as u64 * dims.group() as u64);
+            let inputs = Inputs { q: b(qp), qpos: u(qpos), k: b(kp), v: b(vp), meta: u(mp), scale };
+            let e = self.tune_attention(dims, &inputs, self.tune_key(head_dim, class))?;
+            self.tuning
+                .chosen
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert((head_dim, class), (e.config, e.blocks_per_sm));
+            out.push(e);
+        }
+        Ok(out)
+    }
+}
+
+/// Whether a call is large enough to decide on: prefill-like calls of at least
+/// [`TUNE_MIN_WORK`] query-key pairs (times the query heads of a KV group), decode-like calls
+/// over at least [`TUNE_MIN_KEYS`] keys.
+fn representative(d: AttnDims, class: ShapeClass) -> bool {
+    match class {
+        ShapeClass::Prefill => d.m as u64 * d.n as u64 * d.group() as u64 >= TUNE_MIN_WORK,
+        ShapeClass::Decode => d.n >= TUNE_MIN_KEYS,
+    }
+}

@@ -1,0 +1,152 @@
+//! The tensor-core kernels' launch shapes, written once. The `.cu` files define none of them:
+//! [`header`] writes them as `#define`s, which [`super::program`] puts before every source
+//! NVRTC compiles and the emulator's build script (`kernels-emu/build.rs`, which includes this
+//! very file) puts before the sources it compiles as C++; the launch builders in
+//! [`super::ops`] read the same constants. A second copy of a number in a `.cu` file or in
+//! `ops.rs` is therefore not possible.
+//!
+//! `flash2.cu` comes in configurations ([`FA2_CONFIGS`]): the default build is configuration
+//! 0; the others are built on demand under suffixed kernel names (`fp_flash2_attn_d128_c2`) for
+//! the autotuner, which times them on the GPU it finds. Every configuration is compiled by the
+//! compile gate (no spill, no local memory) and run by the emulation tests.
+//!
+//! This file has no dependency, not even on the rest of the crate.
+
+/// Packed query rows per block of the reference tensor-core kernel (`flash.cu`): 4 warps x 16.
+pub const REF_ROWS: u32 = 64;
+/// Keys per tile of `flash.cu`, and of the key metadata every tensor-core kernel reads (the
+/// smallest and largest position per tile of this many keys).
+pub const META_KEYS: u32 = 64;
+/// Threads per block of `flash.cu` and of the tensor-core scores kernel.
+pub const REF_THREADS: u32 = 128;
+/// How far (log2 units) `flash2.cu` lets a row's maximum rise before it rescales O and l.
+pub const FA2_RESCALE_LOG2: u32 = 8;
+
+/// One configuration of `flash2.cu` at one head dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fa2Shape {
+    /// Warps per block.
+    pub warps: u32,
+    /// m16 row tiles per warp (2: FlashAttention-2's 32 rows a warp).
+    pub wm: u32,
+    /// Keys per tile (at most [`META_KEYS`], a divisor of it).
+    pub keys: u32,
+    /// Q's fragments kept in registers (else re-read from shared memory per tile).
+    pub q_in_regs: bool,
+    /// Blocks per SM promised to ptxas (`__launch_bounds__`), which the backend checks with
+    /// the occupancy API at load.
+    pub min_blocks: u32,
+}
+
+impl Fa2Shape {
+    /// Packed query rows per block.
+    pub const fn rows(self) -> u32 {
+        self.warps * 16 * self.wm
+    }
+
+    /// Threads per block.
+    pub const fn threads(self) -> u32 {
+        self.warps * 32
+    }
+
+    /// Dynamic shared memory at head dimension `d`: the query tile and two stages of key and
+    /// value tiles (rows padded by 16 bytes: the 8 rows an `ldmatrix` reads fall in 8 bank
+    /// groups), and two stages of key positions.
+    pub const fn shared_bytes(self, d: u32) -> u32 {
+        (self.rows() + 4 * self.keys) * (d + 8) * 2 + 2 * self.keys * 4
+    }
+}
+
+/// One build of `flash2.cu`: a shape per head dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fa2Config {
+    /// At head dimension 64.
+    pub d64: Fa2Shape,
+    /// At head dimension 128.
+    pub d128: Fa2Shape,
+}
+
+impl Fa2Config {
+    /// The shape at head dimension `d` (64 or 128; anything else reads as 128).
+    pub const fn at(self, d: u32) -> Fa2Shape {
+        if d == 64 {
+            self.d64
+        } else {
+            self.d128
+        }
+    }
+}
+
+const fn shape(warps: u32, wm: u32, keys: u32, q_in_regs: bool) -> Fa2Shape {
+    Fa2Shape { warps, wm, keys, q_in_regs, min_blocks: 1 }
+}
+
+/// The configurations of `flash2.cu`; 0 is the default build. Measured on an H100
+/// (2026-11-25, docs/gpu.md): 4 warps x 32 rows at both dimensions; 64 keys at d64, 32 at d128
+/// (64 spill there). The others, each within 255 registers without a spill: 8 warps (256-row
+/// blocks), Q re-read at d64, and 16 rows a warp with Q in registers (64 or 128 rows: more
+/// blocks per SM, each K/V fragment feeding two products instead of four).
+pub const FA2_CONFIGS: [Fa2Config; 4] = [
+    Fa2Config { d64: shape(4, 2, 64, true), d128: shape(4, 2, 32, false) },
+    Fa2Config { d64: shape(4, 2, 64, false), d128: shape(8, 2, 32, false) },
+    Fa2Config { d64: shape(8, 2, 64, true), d128: shape(4, 1, 64, true) },
+    Fa2Config { d64: shape(4, 1, 64, true), d128: shape(8, 1, 64, true) },
+];
+
+/// The default configuration.
+pub const FA2_DEFAULT: Fa2Config = FA2_CONFIGS[0];
+
+/// `flash2.cu`'s kernel names per configuration and head dimension: the default build's plain
+/// names, the others suffixed `_c<index>` ([`header`] renames them).
+pub const FA2_KERNELS: [[&str; 2]; 4] = [
+    ["fp_flash2_attn_d64", "fp_flash2_attn_d128"],
+    ["fp_flash2_attn_d64_c1", "fp_flash2_attn_d128_c1"],
+    ["fp_flash2_attn_d64_c2", "fp_flash2_attn_d128_c2"],
+    ["fp_flash2_attn_d64_c3", "fp_flash2_attn_d128_c3"],
+];
+
+/// The kernel of configuration `config` at head dimension `d` (64 or 128).
+pub fn fa2_kernel(config: usize, d: u32) -> Option<&'static str> {
+    let names = FA2_KERNELS.get(config)?;
+    match d {
+        64 => Some(names[0]),
+        128 => Some(names[1]),
+        _ => None,
+    }
+}
+
+/// The base name of a kernel (a configuration's suffix removed).
+pub fn base_kernel(name: &str) -> &str {
+    match name.rsplit_once("_c") {
+        Some((base, n)) if base.starts_with("fp_flash2_attn_d") && n.parse::<usize>().is_ok() => base,
+        _ => name,
+    }
+}
+
+/// The `#define`s of every launch shape, with `flash2.cu` in configuration `config` (an index
+/// of [`FA2_CONFIGS`]; other than 0, its kernels renamed `_c<config>`).
+pub fn header(config: usize) -> String {
+    let c = FA2_CONFIGS[config.min(FA2_CONFIGS.len() - 1)];
+    let mut h = String::from("// Launch shapes: written by flowprefill_kernels::gpu::shapes::header.\n");
+    let mut def = |name: &str, value: String| {
+        h.push_str(&format!("#define {name} {value}\n"));
+    };
+    def("FP_FA_ROWS", REF_ROWS.to_string());
+    def("FP_FA_KEYS", META_KEYS.to_string());
+    def("FP_FA_THREADS", REF_THREADS.to_string());
+    def("FP_FA2_META_KEYS", META_KEYS.to_string());
+    def("FP_FA2_RESCALE", format!("{}.0f", FA2_RESCALE_LOG2));
+    for (d, s) in [(64, c.d64), (128, c.d128)] {
+        def(&format!("FP_FA2_D{d}_WARPS"), s.warps.to_string());
+        def(&format!("FP_FA2_D{d}_WM"), s.wm.to_string());
+        def(&format!("FP_FA2_D{d}_KEYS"), s.keys.to_string());
+        def(&format!("FP_FA2_D{d}_QREGS"), u32::from(s.q_in_regs).to_string());
+        def(&format!("FP_FA2_D{d}_MINB"), s.min_blocks.to_string());
+    }
+    if config != 0 {
+        for (d, name) in [(64, 0), (128, 1)] {
+            def(&format!("fp_flash2_attn_d{d}"), FA2_KERNELS[config][name].to_string());
+        }
+    }
+    h
+}

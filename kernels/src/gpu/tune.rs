@@ -1,0 +1,363 @@
+//! The autotuner's memory: which configuration of the tensor-core attention won on which GPU,
+//! kept in a small text file in the cache folder (`$FLOWPREFILL_HOME/tune/attention.tsv`) and
+//! reused by every later process on that machine. The timing itself needs a GPU
+//! (`CudaBackend::tune_attention`); this half is plain data, tested on any machine.
+//!
+//! A decision is keyed by everything its outcome depends on: the GPU's name, the driver's CUDA
+//! version, the kernels' sources and launch shapes ([`super::sources_hash`]), the head
+//! dimension and the shape class ([`ShapeClass`]). A key that matches nothing (a new driver,
+//! changed kernels, another GPU) finds no decision: the program runs with the default
+//! configuration and tunes again, never with stale data. A line this reader cannot read is
+//! skipped and counted, never fatal (the file is a cache).
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// The shapes a decision holds for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ShapeClass {
+    /// Many query rows (prefill, a chunk, a recomputation): blocks enough to fill the GPU.
+    Prefill,
+    /// A few query rows over many keys (decode, a probe): the keys are split over blocks, and
+    /// the decision includes how many blocks per SM the split aims at.
+    Decode,
+}
+
+impl ShapeClass {
+    /// The class of a call with `packed_rows` query rows (queries x heads of a KV group):
+    /// fewer than 256 is decode-like.
+    pub fn of(packed_rows: u64) -> Self {
+        if packed_rows < 256 {
+            ShapeClass::Decode
+        } else {
+            ShapeClass::Prefill
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            ShapeClass::Prefill => "prefill",
+            ShapeClass::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for ShapeClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a decision depends on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TuneKey {
+    /// The GPU's name (`NVIDIA H100 80GB HBM3`).
+    pub gpu: String,
+    /// The driver's CUDA version (`cuDriverGetVersion`, e.g. 12080).
+    pub driver: i32,
+    /// [`super::sources_hash`] of the kernels it was timed with.
+    pub sources: u64,
+    /// Head dimension.
+    pub head_dim: u32,
+    /// Shape class.
+    pub class: ShapeClass,
+}
+
+/// One decision: the winning configuration, the decode split's blocks per SM, and every
+/// candidate's median time (microseconds) on the shape it was timed on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TuneEntry {
+    /// What it holds for.
+    pub key: TuneKey,
+    /// The winner: an index of [`super::shapes::FA2_CONFIGS`].
+    pub config: u8,
+    /// Blocks per SM the key splits aim at (decode class; 2 elsewhere, the untuned default).
+    pub blocks_per_sm: u32,
+    /// The shape timed: (query rows, keys).
+    pub timed_on: (u32, u32),
+    /// Each candidate: (configuration, blocks per SM, median microseconds).
+    pub candidates: Vec<(u8, u32, f64)>,
+}
+
+/// Blocks per SM the key splits aim at without a decision.
+pub const DEFAULT_BLOCKS_PER_SM: u32 = 2;
+
+/// The decisions of one machine.
+#[derive(Clone, Debug, Default)]
+pub struct TuneTable {
+    /// Every decision read or made.
+    pub entries: Vec<TuneEntry>,
+    /// Lines of the file that could not be read (skipped).
+    pub skipped: usize,
+}
+
+const HEADER: &str = "# flowprefill attention autotuner: gpu\tdriver\tsources\thead_dim\tclass\tconfig\t\
+                      blocks_per_sm\trows\tkeys\tcandidates (config:blocks:micros,...)";
+
+/// Where the decisions live: `$FLOWPREFILL_HOME/tune/attention.tsv` (default home
+/// `~/.cache/flowprefill`).
+pub fn default_path() -> Option<PathBuf> {
+    let home = std::env::var_os("FLOWPREFILL_HOME").map(PathBuf::from).or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .map(|c| c.join("flowprefill"))
+    })?;
+    Some(home.join("tune").join("attention.tsv"))
+}
+
+impl TuneTable {
+    /// Reads `path`; a missing file is an empty table.
+    pub fn load(path: &Path) -> std::io::Result<Self> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Ok(Self::parse(&text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Reads the text of a table.
+    pub fn parse(text: &str) -> Self {
+        let mut t = Self::default();
+        for line in text.lines().filter(|l| !l.trim().is_empty() && !l.starts_with('#')) {
+            match parse_line(line) {
+                Some(e) => t.put(e),
+                None => t.skipped += 1,
+            }
+        }
+        t
+    }
+
+    /// The decision for `key`, if one was made with exactly these conditions.
+    pub fn get(&self, key: &TuneKey) -> Option<&TuneEntry> {
+        self.entries.iter().find(|e| &e.key == key)
+    }
+
+    /// Adds `entry`, replacing a decision of the same key.
+    pub fn put(&mut self, entry: TuneEntry) {
+        self.entries.retain(|e| e.key != entry.key);
+        self.entries.push(entry);
+    }
+
+    /// The table as text.
+    pub fn render(&self) -> String {
+        let mut out = String::from(HEADER);
+        out.push('\n');
+        let mut entries: Vec<&TuneEntry> = self.entries.iter().collect();
+        entries.sort_by(|a, b| a.key.cmp(&b.key));
+        for e in entries {
+            let k = &e.key;
+            let cands: Vec<String> = e.candidates.iter().map(|(c, b, us)| format!("{c}:{b}:{us}")).collect();
+            out.push_str(&format!(
+                "{}\t{}\t{:016x}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\n",
+                k.gpu.replace(['\t', '\n'], " "),
+                k.driver,
+                k.sources,
+                k.head_dim,
+                k.class,
+                e.config,
+                e.blocks_per_sm,
+                e.timed_on.0,
+                e.timed_on.1,
+                cands.join(",")
+            ));
+        }
+        out
+    }
+
+    /// Writes the table to `path` whole: a temporary file in the same folder, then a rename
+    /// (a reader never sees half a table; two processes that tune at once leave one table).
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = path.with_extension(format!("tsv.{}.tmp", std::process::id()));
+        std::fs::write(&tmp, self.render())?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
+fn parse_line(line: &str) -> Option<TuneEntry> {
+    let f: Vec<&str> = line.split('\t').collect();
+    let [gpu, driver, sources, head_dim, class, config, blocks, rows, keys, cands] = f.as_slice() else {
+        return None;
+    };
+    let class = match *class {
+        "prefill" => ShapeClass::Prefill,
+        "decode" => ShapeClass::Decode,
+        _ => return None,
+    };
+    let config: u8 = config.parse().ok()?;
+    if config as usize >= super::shapes::FA2_CONFIGS.len() {
+        return None;
+    }
+    let candidates = cands
+        .split(',')
+        .filter(|c| !c.is_empty())
+        .map(|c| {
+            let mut p = c.split(':');
+            Some((p.next()?.parse().ok()?, p.next()?.parse().ok()?, p.next()?.parse().ok()?))
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some(TuneEntry {
+        key: TuneKey {
+            gpu: gpu.to_string(),
+            driver: driver.parse().ok()?,
+            sources: u64::from_str_radix(sources, 16).ok()?,
+            head_dim: head_dim.parse().ok()?,
+            class,
+        },
+        config,
+        blocks_per_sm: blocks.parse().ok().filter(|&b: &u32| (1..=64).contains(&b))?,
+        timed_on: (rows.parse().ok()?, keys.parse().ok()?),
+        candidates,
+    })
+}
+
+/// Lines describing the decisions on file for the GPU named `gpu` (what `flowprefill devices`
+/// prints): each with its configuration and blocks per SM, and whether it holds now (the
+/// driver `driver` and the kernels `sources` it was made with) or is stale (re-tuned on next
+/// use).
+pub fn describe(table: &TuneTable, gpu: &str, driver: i32, sources: u64) -> Vec<String> {
+    let mut out: Vec<String> = table
+        .entries
+        .iter()
+        .filter(|e| e.key.gpu == gpu)
+        .map(|e| {
+            let k = &e.key;
+            let state = if k.driver != driver {
+                format!("stale: made with driver API {}", k.driver)
+            } else if k.sources != sources {
+                "stale: made with other kernels".to_string()
+            } else {
+                "current".to_string()
+            };
+            let speed = e
+                .candidates
+                .iter()
+                .find(|c| (c.0, c.1) == (e.config, e.blocks_per_sm))
+                .map_or(String::new(), |c| format!(", {:.1} us", c.2));
+            format!(
+                "attention d{} {}: configuration {} ({}), {} block(s) per SM for key splits; timed on {} x {}{speed} ({state})",
+                k.head_dim,
+                k.class,
+                e.config,
+                describe_config(e.config as usize, k.head_dim),
+                e.blocks_per_sm,
+                e.timed_on.0,
+                e.timed_on.1,
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// A configuration's shape at head dimension `d`, in words.
+pub fn describe_config(config: usize, d: u32) -> String {
+    let Some(c) = super::shapes::FA2_CONFIGS.get(config) else { return "unknown".into() };
+    let s = c.at(d);
+    format!(
+        "{} warps x {} rows, {} keys a tile, Q {}",
+        s.warps,
+        16 * s.wm,
+        s.keys,
+        if s.q_in_regs { "in registers" } else { "from shared memory" }
+    )
+}
+
+/// The winner of timed candidates `(configuration, blocks per SM, median microseconds)`: the
+/// fastest; among candidates within 1% of it, the default configuration (0) and then the
+/// default blocks per SM, so that noise never moves the choice off the default.
+pub fn winner(candidates: &[(u8, u32, f64)]) -> Option<(u8, u32)> {
+    let best = candidates.iter().map(|c| c.2).filter(|t| t.is_finite() && *t > 0.0).fold(f64::INFINITY, f64::min);
+    if !best.is_finite() {
+        return None;
+    }
+    candidates
+        .iter()
+        .filter(|c| c.2.is_finite() && c.2 <= best * 1.01)
+        .min_by_key(|c| (c.0 != 0, c.1 != DEFAULT_BLOCKS_PER_SM, (c.2 * 1000.0) as u64))
+        .map(|c| (c.0, c.1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(driver: i32, d: u32, class: ShapeClass) -> TuneKey {
+        TuneKey { gpu: "NVIDIA H100 80GB HBM3".into(), driver, sources: 0xabc, head_dim: d, class }
+    }
+
+    fn entry(driver: i32, d: u32, class: ShapeClass, config: u8) -> TuneEntry {
+        TuneEntry {
+            key: key(driver, d, class),
+            config,
+            blocks_per_sm: 4,
+            timed_on: (8192, 8192),
+            candidates: vec![(0, 2, 812.5), (config, 4, 700.25)],
+        }
+    }
+
+    #[test]
+    fn a_table_round_trips_and_a_new_driver_finds_nothing() {
+        let dir = std::env::temp_dir().join(format!("fp-tune-{}", std::process::id()));
+        let path = dir.join("attention.tsv");
+        assert!(TuneTable::load(&path).unwrap().entries.is_empty(), "no file: no decisions");
+        let mut t = TuneTable::default();
+        t.put(entry(12080, 128, ShapeClass::Prefill, 2));
+        t.put(entry(12080, 64, ShapeClass::Decode, 1));
+        t.put(entry(12080, 128, ShapeClass::Prefill, 3)); // replaces the first
+        t.save(&path).unwrap();
+        let back = TuneTable::load(&path).unwrap();
+        assert_eq!(back.entries.len(), 2);
+        assert_eq!(back.skipped, 0);
+        assert_eq!(back.get(&key(12080, 128, ShapeClass::Prefill)).map(|e| e.config), Some(3));
+        assert_eq!(back.get(&key(12080, 64, ShapeClass::Decode)), Some(&entry(12080, 64, ShapeClass::Decode, 1)));
+        // A new driver, other kernels, another dimension or class: stale, not used.
+        assert!(back.get(&key(12090, 128, ShapeClass::Prefill)).is_none());
+        assert!(back.get(&TuneKey { sources: 0xabd, ..key(12080, 128, ShapeClass::Prefill) }).is_none());
+        assert!(back.get(&key(12080, 128, ShapeClass::Decode)).is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn devices_says_which_decisions_hold() {
+        let mut t = TuneTable::default();
+        t.put(entry(12080, 128, ShapeClass::Prefill, 2));
+        t.put(entry(12070, 64, ShapeClass::Decode, 1));
+        let lines = describe(&t, "NVIDIA H100 80GB HBM3", 12080, 0xabc);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[1].contains("d64 decode: configuration 1") && lines[1].contains("stale: made with driver"));
+        assert!(lines[0].contains("d128 prefill: configuration 2") && lines[0].ends_with("(current)"));
+        assert!(
+            lines[0].contains("700.2 us") && lines[0].contains("4 warps x 16 rows, 64 keys a tile, Q in registers")
+        );
+        assert!(describe(&t, "NVIDIA A100", 12080, 0xabc).is_empty());
+        assert!(describe(&t, "NVIDIA H100 80GB HBM3", 12080, 0xabd)[0].contains("stale: made with other kernels"));
+    }
+
+    #[test]
+    fn unreadable_lines_are_skipped_and_counted() {
+        let good = TuneTable { entries: vec![entry(12080, 64, ShapeClass::Prefill, 1)], skipped: 0 }.render();
+        let text = format!(
+            "{good}garbage\nH100\t12080\tabc\t64\tprefill\t99\t2\t1\t1\t0:2:1.0\n\
+             H100\t12080\tabc\t64\tsideways\t0\t2\t1\t1\t0:2:1.0\nH100\t12080\tabc\t64\tprefill\t0\t0\t1\t1\t\n"
+        );
+        let t = TuneTable::parse(&text);
+        assert_eq!(t.entries.len(), 1);
+        assert_eq!(t.skipped, 4, "garbage, a configuration that does not exist, a bad class, 0 blocks per SM");
+    }
+
+    #[test]
+    fn the_winner_is_the_fastest_and_noise_keeps_the_default() {
+        assert_eq!(winner(&[(0, 2, 100.0), (1, 2, 80.0), (2, 2, 90.0)]), Some((1, 2)));
+        assert_eq!(winner(&[(0, 2, 100.0), (1, 2, 99.5)]), Some((0, 2)), "within 1%: the default");
+        assert_eq!(winner(&[(0, 1, 99.8), (0, 2, 100.0), (0, 4, 90.0)]), Some((0, 4)));
+        assert_eq!(winner(&[(0, 1, 99.8), (0, 2, 100.0)]), Some((0, 2)));
+        assert_eq!(winner(&[(0, 2, f64::NAN), (1, 2, f64::INFINITY)]), None, "nothing timed");
+        assert_eq!(winner(&[]), None);
+        assert_eq!(ShapeClass::of(255), ShapeClass::Decode);
+        assert_eq!(ShapeClass::of(256), ShapeClass::Prefill);
+    }
+}
