@@ -51,6 +51,32 @@ fn cuda_without_a_gpu_is_a_clear_error() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `flowprefill tune`: the launch-shape header of each configuration needs no GPU (the
+/// `#define`s the kernels are compiled with, the others renamed), a configuration that does not
+/// exist is refused, and timing without a GPU is a clear error.
+#[test]
+fn tune_prints_headers_anywhere_and_needs_a_gpu_to_time() {
+    let n = flowprefill_kernels::gpu::shapes::FA2_CONFIGS.len();
+    for c in 0..n {
+        let out = bin().args(["tune", "--header", &c.to_string()]).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(String::from_utf8_lossy(&out.stdout), flowprefill_kernels::gpu::shapes::header(c));
+    }
+    let out = bin().args(["tune", "--header", &n.to_string()]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("0 to {}", n - 1)));
+    let out = bin().args(["tune", "--shapes", "96:8/8"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("64 or 128"), "a bad shape before any GPU work");
+    if flowprefill_kernels::cuda::devices().is_ok_and(|d| !d.is_empty()) {
+        flowprefill_kernels::testing::skipped("a GPU is present", "tune's no-GPU error (the GPU test times it)");
+        return;
+    }
+    let out = bin().args(["tune"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "a configuration error: {err}");
+    assert!(err.contains("driver"), "{err}");
+}
+
 fn generate(device: &str, weights: &str, kv: &str) -> serde_json::Value {
     let out = bin()
         .args(["generate", "--device", device, "--weights", weights, "--kv-dtype", kv, "--json", "--max-tokens", "16"])

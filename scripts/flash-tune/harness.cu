@@ -1,4 +1,5 @@
-// Times one build of kernels/cuda/flash.cu (its tile constants set by scripts/flash-tune/run.sh)
+// Times one build of kernels/cuda/flash.cu or flash2.cu (its launch shapes from the header
+// `flowprefill tune --header N` prints, given to nvcc with -include by scripts/flash-tune/run.sh)
 // on the GPU at the shapes of kernels/examples/cuda_attention_bench.rs, and checks its output
 // against a plain f32 attention on the same bf16 inputs (relative L2 error; every output
 // written: the buffer is NaN-filled before the checked run). For a GPU machine with nvcc and

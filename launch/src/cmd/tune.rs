@@ -19,6 +19,11 @@ pub struct Args {
     /// Tokens of the timed prefill (and context of the timed decode step).
     #[arg(long, default_value_t = 8192)]
     pub tokens: u32,
+    /// Print the launch-shape header of configuration N (the `#define`s flowprefill puts before
+    /// every kernel source) and exit: for building the `.cu` files with nvcc outside
+    /// flowprefill (scripts/flash-tune). Needs no GPU.
+    #[arg(long, value_name = "N")]
+    pub header: Option<usize>,
 }
 
 /// One `DIM:HEADS/KV_HEADS`.
@@ -35,6 +40,12 @@ pub fn parse_shape(s: &str) -> Result<(u32, u32, u32)> {
 
 /// Runs `flowprefill tune`.
 pub fn run(common: &crate::Common, args: Args) -> Result<()> {
+    if let Some(c) = args.header {
+        let n = flowprefill_kernels::gpu::shapes::FA2_CONFIGS.len();
+        anyhow::ensure!(c < n, "--header {c}: the configurations are 0 to {}", n - 1);
+        print!("{}", flowprefill_kernels::gpu::shapes::header(c));
+        return Ok(());
+    }
     let shapes = args.shapes.split(',').map(parse_shape).collect::<Result<Vec<_>>>()?;
     anyhow::ensure!(args.tokens >= 256, "--tokens {}: time at least 256 tokens", args.tokens);
     tune_on(common, &shapes, args.tokens)
