@@ -11,7 +11,7 @@
 //! panic is caught; the world is marked broken, and [`ThreadRanks::rebuild`] starts fresh
 //! ranks. A hung thread cannot be killed; it is abandoned, never waited for.
 
-use crate::engine::{Control, Engine, RunResult};
+use crate::engine::{Control, DiskTier, Engine, RunResult};
 pub use crate::error::panic_message;
 use crate::error::{internal, CoordError, Result};
 use crate::fault::FaultPlan;
@@ -69,35 +69,50 @@ struct Parts<B: Backend> {
     plane: Option<PlaneSetup<B>>,
     ranks: usize,
     store_bytes: usize,
+    disk: Option<DiskTier>,
     memory_limit: Option<usize>,
     timeout: Duration,
+}
+
+impl<B: Backend> Parts<B> {
+    /// `ranks` ranks over `lms`, with the faults of the environment and nothing else.
+    fn of(lms: Vec<Arc<LoadedModel<B>>>, ranks: usize, store_bytes: usize, timeout: Duration) -> Self {
+        Parts {
+            lms,
+            aux: vec![],
+            faults: FaultPlan::from_env(),
+            plane: None,
+            ranks,
+            store_bytes,
+            disk: None,
+            memory_limit: None,
+            timeout,
+        }
+    }
 }
 
 impl<B: Backend> ThreadRanks<B> {
     /// Starts `ranks - 1` follower threads sharing `lm`.
     pub fn new(lm: Arc<LoadedModel<B>>, ranks: usize, store_bytes: usize, timeout: Duration) -> Result<Self> {
-        let faults = FaultPlan::from_env();
-        Self::build(Parts {
-            lms: vec![lm],
-            aux: vec![],
-            faults,
-            plane: None,
-            ranks,
-            store_bytes,
-            memory_limit: None,
-            timeout,
-        })
+        Self::build(Parts::of(vec![lm], ranks, store_bytes, timeout))
     }
 
     /// A world of one rank per model (each on its own device): rank r runs `lms[r]`.
     pub fn per_rank(lms: Vec<Arc<LoadedModel<B>>>, store_bytes: usize, timeout: Duration) -> Result<Self> {
-        let (ranks, faults) = (lms.len(), FaultPlan::from_env());
-        Self::build(Parts { lms, aux: vec![], faults, plane: None, ranks, store_bytes, memory_limit: None, timeout })
+        let ranks = lms.len();
+        Self::build(Parts::of(lms, ranks, store_bytes, timeout))
     }
 
     fn parts(&self) -> Parts<B> {
         let p = &self.parts;
-        Parts { lms: p.lms.clone(), aux: p.aux.clone(), faults: p.faults.clone(), plane: p.plane.clone(), ..*p }
+        Parts {
+            lms: p.lms.clone(),
+            aux: p.aux.clone(),
+            faults: p.faults.clone(),
+            plane: p.plane.clone(),
+            disk: p.disk.clone(),
+            ..*p
+        }
     }
 
     /// The same world with `aux` as CacheClip's auxiliary model on every rank.
@@ -128,6 +143,14 @@ impl<B: Backend> ThreadRanks<B> {
         Self::build(parts)
     }
 
+    /// The same world with the chunk store's disk tier `tier` under every rank's store (they
+    /// share its folder; see `flowprefill_worker::store::disk`).
+    pub fn with_disk(self, tier: Option<DiskTier>) -> Result<Self> {
+        let parts = Parts { disk: tier, ..self.parts() };
+        drop(self);
+        Self::build(parts)
+    }
+
     /// The same world with a device plane on every rank, made by `setup` (also after a rebuild).
     pub fn with_plane(self, setup: PlaneSetup<B>) -> Result<Self> {
         let parts = Parts { plane: Some(setup), ..self.parts() };
@@ -140,7 +163,9 @@ impl<B: Backend> ThreadRanks<B> {
     }
 
     fn engine(&self, rank: usize) -> Result<Engine<B>> {
-        let e = Engine::new(self.model(rank)?.clone(), self.parts.store_bytes).with_faults(self.parts.faults.clone());
+        let e = Engine::new(self.model(rank)?.clone(), self.parts.store_bytes)
+            .with_faults(self.parts.faults.clone())
+            .with_disk(self.parts.disk.as_ref());
         // One model for every rank: one device's memory holds every rank's job.
         let e = if self.parts.lms.len() == 1 { e.with_memory_peers(self.parts.ranks) } else { e };
         let e = e.with_memory_limit(self.parts.memory_limit);

@@ -46,6 +46,42 @@ pub struct Common {
     /// refused before any work (HTTP 413, exit 2).
     #[arg(long, global = true, env = "FLOWPREFILL_MEMORY_LIMIT_GIB", value_parser = parse_gib)]
     pub memory_limit: Option<usize>,
+    /// The chunk store's disk tier: a folder of chunk caches that outlive the process and are
+    /// shared by every process on the machine (several ranks, a `serve` and a `run`), or `off`
+    /// (RAM only). Default: `$FLOWPREFILL_HOME/store` for `run` and `serve`; the measuring
+    /// commands (demo, check, eval, bench) use one only when it is given.
+    #[arg(long, global = true, env = "FLOWPREFILL_STORE", value_name = "DIR|off")]
+    pub store: Option<String>,
+    /// GiB the chunk store may keep on disk (least recently used entries go first).
+    #[arg(long, global = true, default_value = "20", value_parser = parse_gib_u64)]
+    pub store_gib: u64,
+    /// Set by the command (not a flag): whether the disk tier is on when `--store` is not given.
+    #[arg(skip)]
+    pub store_by_default: bool,
+}
+
+/// GiB as bytes (u64), for sizes above the address space of a 32-bit machine.
+fn parse_gib_u64(s: &str) -> Result<u64, String> {
+    parse_gib(s).map(|b| b as u64)
+}
+
+impl Common {
+    /// The chunk store's disk tier this command uses: `--store DIR`, off with `--store off`,
+    /// else `$FLOWPREFILL_HOME/store` where the command keeps one by default. The folder is
+    /// created here: one that cannot be is an error that names the flag.
+    pub fn disk_tier(&self) -> anyhow::Result<Option<flowprefill_coordinator::DiskTier>> {
+        let dir = match self.store.as_deref().map(str::trim) {
+            Some("off") | Some("none") => return Ok(None),
+            Some("") => anyhow::bail!("--store: give a folder, or off"),
+            Some(d) => PathBuf::from(d),
+            None if self.store_by_default => flowprefill_worker::fetch::home()?.join("store"),
+            None => return Ok(None),
+        };
+        std::fs::create_dir_all(&dir).map_err(|e| {
+            anyhow::anyhow!("--store {}: the folder cannot be made ({e}); give another, or --store off", dir.display())
+        })?;
+        Ok(Some(flowprefill_coordinator::DiskTier { dir, bytes: self.store_gib }))
+    }
 }
 
 /// GiB (a positive number, fractions allowed) to bytes.

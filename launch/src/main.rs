@@ -50,6 +50,10 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
+    /// The chunk store's disk tier: stats, ls, gc --max-gib, clear (`--store DIR`, default
+    /// `$FLOWPREFILL_HOME/store`).
+    #[command(subcommand)]
+    Store(cmd::store::Store),
     /// Train the adapters of the trained methods (KV Packet), on the CPU.
     #[command(subcommand)]
     Train(cmd::train::Train),
@@ -63,7 +67,10 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    // The chunk store's disk tier is on by default where caches are the point (a service, a
+    // question over documents); the measuring commands keep their cold runs cold.
+    cli.common.store_by_default = matches!(cli.command, Command::Run(_) | Command::Serve(_));
     // Before anything loads a CUDA library (and before MPI starts): CUDA 12 or 13 libraries
     // the loader cannot open by the names cudarc asks for are linked, and the program starts
     // again once with them on its path (`flowprefill devices` says which files were loaded).
@@ -113,6 +120,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(b) => cmd::bench::run(&cli.common, b),
         Command::Train(t) => cmd::train::run(&cli.common, t),
         Command::Devices => cmd::devices(),
+        Command::Store(s) => cmd::store::run(&cli.common, s),
         Command::Tune(a) => cmd::tune::run(&cli.common, a),
         Command::Serve(a) => serve::run(&cli.common, a),
     }

@@ -674,3 +674,111 @@ fn bench_faults_a_hung_rank_0_is_answered_at_the_deadline_and_the_ranks_are_rebu
     assert!(r["exit"].as_str().is_some_and(|e| e.starts_with("exit 0")), "{r}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The chunk store's disk tier (issue 52): a second process answers from the first one's
+/// entries, bit for bit (the same answer and selection, every chunk a disk hit, none
+/// prefilled); another KV element type never hits them; `--store off` keeps RAM only; the
+/// operator's `store stats | ls | verify | gc | clear` see and trim the folder.
+#[test]
+fn the_disk_tier_serves_a_new_process_bit_for_bit() {
+    let (dir, mut args) = write_docs(
+        "disk",
+        &[
+            "The ferry to Holmwick leaves from pier nine at dawn and returns before the tide turns.",
+            "The code of the Holmwick lighthouse door is 7713. Only the keeper and the mayor know it.",
+            "Fishermen of Holmwick dry their nets on the long stone wall by the fish market.",
+        ],
+    );
+    let store = dir.join("store");
+    args.splice(0..0, ["run".to_string()]);
+    args.extend(
+        ["--query", "What is the code of the Holmwick lighthouse door?", "--method", "infoflow", "--ratio", "0.3"]
+            .map(String::from),
+    );
+    args.extend(["--max-tokens", "12", "--json", "--store", store.to_str().unwrap()].map(String::from));
+    let json = |extra: &[&str]| -> serde_json::Value {
+        let out = bin().args(&args).args(extra).output().expect("run");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    let cold = json(&[]);
+    let chunks = cold["cache_misses"].as_u64().unwrap();
+    assert!(chunks >= 3 && cold["cache_disk_hits"] == 0, "{cold}");
+    let warm = json(&[]);
+    assert_eq!((warm["cache_misses"].as_u64(), warm["cache_disk_hits"].as_u64()), (Some(0), Some(chunks)), "{warm}");
+    for k in ["answer", "selected", "order", "n_context_tokens"] {
+        assert_eq!(warm[k], cold[k], "{k}: a disk hit answers as the cold run");
+    }
+    assert!(!cold["answer"].as_str().unwrap().trim().is_empty(), "{cold}");
+    // Another element type of the cache: another scope, never a hit (and its own entries).
+    let bf16 = json(&["--kv-dtype", "bf16"]);
+    assert_eq!((bf16["cache_disk_hits"].as_u64(), bf16["cache_misses"].as_u64()), (Some(0), Some(chunks)), "{bf16}");
+    let mut off_args = args.clone();
+    let at = off_args.iter().position(|a| a == "--store").unwrap();
+    off_args[at + 1] = "off".into();
+    let out = bin().args(&off_args).output().unwrap();
+    let off: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(
+        (off["cache_disk_hits"].as_u64(), off["cache_misses"].as_u64()),
+        (Some(0), Some(chunks)),
+        "--store off: RAM only"
+    );
+    let st = |cmd: &[&str]| {
+        let (ok, out, err) = run(&[&["store"], cmd, &["--store", store.to_str().unwrap()]].concat());
+        assert!(ok, "store {cmd:?}: {err}");
+        out
+    };
+    let stats = st(&["stats"]);
+    assert!(
+        stats.contains(&format!("{} entries", 2 * chunks)) && stats.contains(" f32 v1") && stats.contains(" bf16 v1"),
+        "{stats}"
+    );
+    assert_eq!(st(&["ls"]).lines().count() as u64, 2 * chunks);
+    assert!(st(&["verify"]).contains(&format!("{} intact, 0 damaged", 2 * chunks)));
+    assert!(st(&["gc", "--max-gib", "0"]).contains(&format!("deleted {} least recently used", 2 * chunks)));
+    assert!(st(&["clear"]).contains("deleted 0 files"));
+    let doc = dir.join("d0.txt");
+    let (ok, _, err) = run(&["run", "--store", "", "--doc", doc.to_str().unwrap(), "--query", "q"]);
+    assert!(!ok && err.contains("--store: give a folder, or off"), "{err}");
+    // Without --store (and FLOWPREFILL_STORE, which the test script sets to off), `run` keeps
+    // its caches in $FLOWPREFILL_HOME/store.
+    let home = dir.join("home");
+    let model = flowprefill_worker::fetch::default_model_path().unwrap();
+    let mut plain: Vec<String> = args.iter().take_while(|a| *a != "--store").cloned().collect();
+    plain.extend(["--model".into(), model.to_string_lossy().into_owned()]);
+    let out = bin().args(&plain).env_remove("FLOWPREFILL_STORE").env("FLOWPREFILL_HOME", &home).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(flowprefill_worker::store::disk::list(&home.join("store"), None).unwrap().len() as u64, chunks);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A full disk under the store: the job answers, one warning says the entry was not written.
+/// Needs root to mount a 64 KiB tmpfs (CI runs as root); elsewhere it says SKIPPED.
+#[test]
+fn a_full_disk_is_a_warning_and_the_job_answers() {
+    let (dir, mut args) = write_docs("full", &["The key of the Fernhill boathouse hangs on a blue nail.", "Boats."]);
+    let store = dir.join("store");
+    std::fs::create_dir_all(&store).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs", store.to_str().unwrap()])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !mounted {
+        flowprefill_kernels::testing::skipped(
+            "cannot mount a tmpfs (not root)",
+            "a_full_disk_is_a_warning_and_the_job_answers",
+        );
+        let _ = std::fs::remove_dir_all(dir);
+        return;
+    }
+    args.splice(0..0, ["run".to_string()]);
+    args.extend(["--query", "Where does the key hang?", "--max-tokens", "8", "--json", "--store"].map(String::from));
+    args.push(store.to_string_lossy().into_owned());
+    let out = bin().args(&args).output().expect("run");
+    let _ = Command::new("umount").arg(&store).status();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("was not written") && err.contains("the job goes on"), "{err}");
+    assert_eq!(err.matches("was not written").count(), 1, "one warning: {err}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -20,7 +20,12 @@ pub(super) struct Caches<B: Backend> {
     pub(super) chunks: Vec<Arc<KvCache<B>>>,
     pub(super) hits: u64,
     pub(super) misses: u64,
+    /// Of the hits, those read from the disk tier.
+    pub(super) disk_hits: u64,
 }
+
+/// Lookups of one job: (hits, misses, hits from disk).
+type Counts = (u64, u64, u64);
 
 /// A chunk to look up or prefill.
 struct Spec<'a, B: Backend> {
@@ -35,7 +40,7 @@ fn resolve<B: Backend>(
     model: &flowprefill_worker::Model<B>,
     store: &ChunkStore<B>,
     specs: Vec<Spec<'_, B>>,
-    stats: &mut (u64, u64),
+    stats: &mut Counts,
     check: Check<'_>,
 ) -> Result<Vec<Arc<KvCache<B>>>> {
     let vocab = model.config().vocab_size as u32;
@@ -50,7 +55,14 @@ fn resolve<B: Backend>(
             }
         })
         .collect();
-    let mut found: Vec<Option<Arc<KvCache<B>>>> = keys.iter().map(|k| store.get(k)).collect();
+    // RAM, then the disk tier (an entry read from disk is kept in RAM from then on).
+    let be = model.backend();
+    let mut found: Vec<Option<Arc<KvCache<B>>>> = Vec::with_capacity(keys.len());
+    for k in &keys {
+        let hit = store.lookup(k, be);
+        stats.2 += u64::from(hit.as_ref().is_some_and(|(_, disk)| *disk));
+        found.push(hit.map(|(kv, _)| kv));
+    }
     let missing: Vec<usize> = (0..specs.len()).filter(|&i| found[i].is_none()).collect();
     stats.0 += (specs.len() - missing.len()) as u64;
     stats.1 += missing.len() as u64;
@@ -60,7 +72,7 @@ fn resolve<B: Backend>(
         .collect();
     let made = prefill_chunks(model, &jobs, DEFAULT_BATCH_TOKENS, check)?;
     for (&i, kv) in missing.iter().zip(made) {
-        found[i] = Some(store.insert(keys[i], kv));
+        found[i] = Some(store.insert_persist(keys[i], kv, be));
     }
     found.into_iter().map(|f| f.ok_or_else(|| internal("chunk cache missing after prefill"))).collect()
 }
@@ -80,7 +92,7 @@ impl<B: Backend> Engine<B> {
         let model = &lm.model;
         let be = model.backend();
         let n_kv = model.config().n_kv_heads;
-        let mut stats = (0u64, 0u64);
+        let mut stats: Counts = (0, 0, 0);
         let head = resolve(
             model,
             store,
@@ -146,7 +158,7 @@ impl<B: Backend> Engine<B> {
                 }
             }
         };
-        Ok(Caches { head, chunks: out, hits: stats.0, misses: stats.1 })
+        Ok(Caches { head, chunks: out, hits: stats.0, misses: stats.1, disk_hits: stats.2 })
     }
 }
 

@@ -113,6 +113,7 @@ impl<B: Backend> Engine<B> {
             .time(phase::CHUNK_PREFILL, || self.caches(lm, &self.store, layout, prefix, local_ids, &mut check))?;
         turn.mine.cache_hits = caches.hits;
         turn.mine.cache_misses = caches.misses;
+        turn.mine.cache_disk_hits = caches.disk_hits;
         turn.mine.chunks = local_ids.len();
         turn.mine.tokens = local_ids.iter().map(|&c| layout.chunks[c].len()).sum();
         Ok(caches)

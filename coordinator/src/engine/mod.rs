@@ -74,6 +74,17 @@ use std::time::{Duration, Instant};
 /// Default byte budget of the chunk store.
 pub const DEFAULT_STORE_BYTES: usize = 2 << 30;
 
+/// The chunk store's disk tier: its folder and the bytes it may keep there (see
+/// `flowprefill_worker::store::disk`: entries keyed by model, KV type and device kind, shared by
+/// every process on the machine, crash-safe).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskTier {
+    /// The folder.
+    pub dir: std::path::PathBuf,
+    /// Bytes it may keep (least recently used entries go first).
+    pub bytes: u64,
+}
+
 /// What one rank did during a request.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct RankStats {
@@ -93,6 +104,9 @@ pub struct RankStats {
     pub cache_hits: u64,
     /// Chunk-store misses (chunks prefilled).
     pub cache_misses: u64,
+    /// Of the hits, those read from the store's disk tier.
+    #[serde(default)]
+    pub cache_disk_hits: u64,
     /// Milliseconds of model work per op family (matmul, attention, norm_rope, other): device
     /// time on a GPU (CUDA events), wall time on the CPU.
     #[serde(default)]
@@ -154,6 +168,8 @@ pub struct RunResult {
     pub cache_hits: u64,
     /// Chunk-store lookups that missed (chunks prefilled, all ranks).
     pub cache_misses: u64,
+    /// Of the hits, those read from the disk tier (all ranks).
+    pub cache_disk_hits: u64,
     /// Logits of the first answer token (for equivalence checks).
     pub first_logits: Vec<f32>,
     /// Per-rank phase times and communication.
@@ -280,6 +296,27 @@ impl<B: Backend> Engine<B> {
             memory_peers: 1,
             memory_limit: None,
         }
+    }
+
+    /// Puts the disk tier `tier` under this engine's chunk store (`None`: RAM only). A folder
+    /// that cannot be opened is a warning and RAM only: the caller checked it before (the
+    /// binary refuses a `--store` it cannot create).
+    pub fn with_disk(mut self, tier: Option<&DiskTier>) -> Self {
+        let Some(t) = tier else { return self };
+        let be = self.lm.model.backend();
+        let scope = flowprefill_worker::store::disk::Scope {
+            model: self.lm.fingerprint.clone(),
+            dtype: be.kv_dtype(),
+            device: be.name().to_string(),
+        };
+        match flowprefill_worker::store::disk::DiskStore::open(&t.dir, scope, t.bytes) {
+            Ok(d) => {
+                let store = std::mem::replace(&mut self.store, ChunkStore::new(0));
+                self.store = store.with_disk(d);
+            }
+            Err(e) => tracing::warn!("chunk store: the disk tier {} is not used ({e})", t.dir.display()),
+        }
+        self
     }
 
     /// Plans every job within `bytes` of this rank's device, whatever it has free (`None`:
@@ -625,6 +662,7 @@ impl<B: Backend> Engine<B> {
             budget: plan.budget,
             cache_hits: rank_stats.iter().map(|r| r.cache_hits).sum(),
             cache_misses: rank_stats.iter().map(|r| r.cache_misses).sum(),
+            cache_disk_hits: rank_stats.iter().map(|r| r.cache_disk_hits).sum(),
             first_logits: out.first_logits,
             rank_stats,
             kv_bytes: self.lm.model.backend().kv_dtype().size(),

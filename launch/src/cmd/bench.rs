@@ -110,6 +110,44 @@ pub struct TtftArgs {
     /// Profile files for --project.
     #[arg(long)]
     pub profiles: Vec<std::path::PathBuf>,
+    /// Chunk caches at each timed run: `cold` (none held: every chunk prefilled), `ram` (held in
+    /// RAM from an untimed run), `disk` (in the store's disk tier from an untimed run, RAM
+    /// emptied before each timed run: what a new process finds); comma-separated. `disk` uses
+    /// `--store DIR`, else `<out>/store` (emptied first).
+    #[arg(long, default_value = "cold")]
+    pub cache: String,
+}
+
+/// Where `bench ttft` takes its chunk caches from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cache {
+    Cold,
+    Ram,
+    Disk,
+}
+
+impl Cache {
+    fn parse_list(s: &str) -> Result<Vec<Cache>> {
+        let list = s
+            .split(',')
+            .map(|c| match c.trim() {
+                "cold" => Ok(Cache::Cold),
+                "ram" => Ok(Cache::Ram),
+                "disk" => Ok(Cache::Disk),
+                other => Err(anyhow::anyhow!("--cache `{other}`: give cold, ram or disk (comma-separated)")),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        crate::ensure_usage!(!list.is_empty(), "--cache: give cold, ram or disk");
+        Ok(list)
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Cache::Cold => "cold",
+            Cache::Ram => "ram",
+            Cache::Disk => "disk",
+        }
+    }
 }
 
 /// Arguments of `bench prefill`.
@@ -393,6 +431,24 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
     );
     crate::ensure_usage!(ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
     let methods = flowprefill_coordinator::MethodSpec::parse_list(&a.methods)?;
+    let caches = Cache::parse_list(&a.cache)?;
+    // With `disk`, every rank's store gets the disk tier (emptied first, and before each cold
+    // run); without, the measurement keeps no disk tier even where one is configured.
+    let mut common = common.clone();
+    let disk = if caches.contains(&Cache::Disk) {
+        let dir = match common.store.as_deref() {
+            Some(d) if d != "off" && d != "none" => std::path::PathBuf::from(d),
+            _ => a.out.join("store"),
+        };
+        std::fs::create_dir_all(&dir)?;
+        flowprefill_worker::store::disk::clear(&dir)?;
+        common.store = Some(dir.to_string_lossy().into_owned());
+        Some(dir)
+    } else {
+        common.store = Some("off".into());
+        None
+    };
+    let common = &common;
     let lm = std::sync::Arc::new(super::load_model(common)?);
     // TTFT is the measure here: no op profile (on a GPU it records events).
     if common.device != flowprefill_kernels::DeviceSpec::Cpu {
@@ -414,10 +470,17 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
     if lead {
         std::fs::create_dir_all(&a.out)?;
         let describe = world.describe(rayon::current_num_threads());
-        println!("TTFT (median of {} cold runs), {describe}, ratio {}, scope {}", a.runs, a.ratio, a.scope.name());
+        let c: Vec<&str> = caches.iter().map(|c| c.name()).collect();
+        println!(
+            "TTFT (median of {} runs; chunk caches {}), {describe}, ratio {}, scope {}",
+            a.runs,
+            c.join(", "),
+            a.ratio,
+            a.scope.name()
+        );
     }
     let csv_path = a.out.join("ttft.csv");
-    let mut m = Measure { a: &a, shape: Shape::of_config(lm.model.config()), projection, csv: String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent\n") };
+    let mut m = Measure { a: &a, shape: Shape::of_config(lm.model.config()), projection, disk, csv: String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,cache,disk_hits\n") };
     let mut points = Vec::new();
     for &len in &lengths {
         let (req, n_ctx) = ttft_request(&lm, len, a.doc_tokens)?;
@@ -426,7 +489,9 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
                 continue;
             }
             for spec in methods.iter().filter(|s| measured_at(s.method, p, ranks.len())) {
-                points.extend(m.point(&mut world, &req, spec, len, n_ctx, p)?);
+                for &cache in &caches {
+                    points.extend(m.point(&mut world, &req, spec, cache, len, n_ctx, p)?);
+                }
             }
         }
         if lead {
@@ -441,7 +506,7 @@ fn ttft(common: &Common, a: TtftArgs) -> Result<()> {
         return Ok(());
     }
     ttft_table(&points);
-    let series = ttft_series(&points, &methods, &ranks);
+    let series = ttft_series(&points, &ranks);
     let png = a.out.join("ttft.png");
     let title = format!("TTFT vs context length ({})", world.describe(rayon::current_num_threads()));
     let drawn = flowprefill_lab::plot::line_chart(&png, &title, "context tokens", "TTFT (s)", &series)?;
@@ -456,27 +521,55 @@ struct Measure<'a> {
     a: &'a TtftArgs,
     shape: Shape,
     projection: Option<(flowprefill_lab::project::Device, flowprefill_lab::project::Link)>,
+    /// The disk tier's folder (with `--cache disk`).
+    disk: Option<std::path::PathBuf>,
     csv: String,
 }
 
 impl Measure<'_> {
-    /// Runs `spec` --runs times cold on the block's `p` ranks; the medians on the leader.
+    /// Empties every rank's RAM store, and with `disk` the disk tier's folder too (rank 0
+    /// empties it before it starts the next job, which the other ranks wait for).
+    fn forget(&self, world: &mut World<flowprefill_kernels::Device>, disk: bool) -> Result<()> {
+        world.forget_caches()?;
+        if let (true, Some(dir), true) = (disk, &self.disk, world.lead()) {
+            flowprefill_worker::store::disk::clear(dir)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `spec` --runs times on the block's `p` ranks with chunk caches from `cache`; the
+    /// medians on the leader.
+    #[allow(clippy::too_many_arguments)]
     fn point(
         &mut self,
         world: &mut World<flowprefill_kernels::Device>,
         req: &flowprefill_coordinator::Request,
         spec: &flowprefill_coordinator::MethodSpec,
+        cache: Cache,
         len: usize,
         n_ctx: usize,
         p: usize,
     ) -> Result<Option<Point>> {
-        let (a, scope, label) = (self.a, self.a.scope, spec.to_string());
+        let (a, scope) = (self.a, self.a.scope);
+        let label = match cache {
+            Cache::Cold => spec.to_string(),
+            c => format!("{spec} {}", c.name()),
+        };
+        let opts = flowprefill_coordinator::RunOptions { scope, max_new_tokens: 1, ..spec.options(a.ratio) };
+        let job = flowprefill_coordinator::Job { request: req.clone(), options: opts };
+        if cache != Cache::Cold {
+            // One untimed run from nothing fills RAM and the disk tier.
+            self.forget(world, true)?;
+            world.run(&job, &mut |_| true)?;
+        }
         let (mut times, mut projected) = (Vec::new(), Vec::new());
         for run in 0..a.runs {
-            let opts = flowprefill_coordinator::RunOptions { scope, max_new_tokens: 1, ..spec.options(a.ratio) };
-            // Every run cold: fresh chunk stores.
-            world.forget_caches()?;
-            let job = flowprefill_coordinator::Job { request: req.clone(), options: opts };
+            match cache {
+                Cache::Cold => self.forget(world, true)?,
+                Cache::Ram => {}
+                // RAM empty, the folder kept: what a new process finds.
+                Cache::Disk => self.forget(world, false)?,
+            }
             let Some(r) = world.run(&job, &mut |_| true)? else { continue };
             let ms = r.ttft.as_secs_f64() * 1e3;
             let proj = match &self.projection {
@@ -489,14 +582,16 @@ impl Measure<'_> {
             let ph = |n: &str| r.phases.get(n).as_secs_f64() * 1e3;
             let bytes: u64 = r.rank_stats.iter().map(|s| s.comm.bytes_sent()).sum();
             self.csv.push_str(&format!(
-                "{len},{n_ctx},{p},{label},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes}\n",
+                "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{},{}\n",
                 scope.name(),
                 proj.map_or(String::new(), |x| format!("{x:.1}")),
                 ph("chunk_prefill"),
                 ph("probe"),
                 ph("recompute"),
                 ph("final_prompt"),
-                ph("prefill")
+                ph("prefill"),
+                cache.name(),
+                r.cache_disk_hits
             ));
             times.push(ms);
             projected.extend(proj);
@@ -533,16 +628,17 @@ fn ttft_table(points: &[Point]) {
     }
 }
 
-/// One chart line per method and rank count: TTFT (s) against context tokens.
-fn ttft_series(
-    points: &[Point],
-    methods: &[flowprefill_coordinator::MethodSpec],
-    ranks: &[usize],
-) -> Vec<flowprefill_lab::plot::Series> {
+/// One chart line per method (and cache) and rank count: TTFT (s) against context tokens.
+fn ttft_series(points: &[Point], ranks: &[usize]) -> Vec<flowprefill_lab::plot::Series> {
     let mut series = Vec::new();
     for &p in ranks {
-        for spec in methods.iter().filter(|s| measured_at(s.method, p, ranks.len())) {
-            let label = spec.to_string();
+        let mut labels: Vec<&str> = Vec::new();
+        for m in points.iter().filter(|m| m.ranks == p) {
+            if !labels.contains(&m.label.as_str()) {
+                labels.push(&m.label);
+            }
+        }
+        for label in labels {
             let pts: Vec<(f64, f64)> = points
                 .iter()
                 .filter(|m| m.ranks == p && m.label == label)

@@ -11,6 +11,7 @@ pub mod generate;
 pub mod importance;
 pub mod project;
 pub mod run;
+pub mod store;
 pub mod train;
 pub mod tune;
 
@@ -204,10 +205,16 @@ pub fn thread_world(
 ) -> Result<flowprefill_coordinator::ThreadRanks<Device>> {
     use flowprefill_coordinator::ThreadRanks;
     let store = flowprefill_coordinator::DEFAULT_STORE_BYTES;
-    if ranks <= 1 || common.device == DeviceSpec::Cpu {
-        return Ok(ThreadRanks::new(lm, ranks, store, timeout)?.with_memory_limit(common.memory_limit)?);
-    }
-    gpu_world(common, lm, ranks, timeout)
+    let world = if ranks <= 1 || common.device == DeviceSpec::Cpu {
+        ThreadRanks::new(lm, ranks, store, timeout)?.with_memory_limit(common.memory_limit)?
+    } else {
+        gpu_world(common, lm, ranks, timeout)?
+    };
+    // Every rank's store over the one disk tier (they share its folder).
+    Ok(match common.disk_tier()? {
+        Some(t) => world.with_disk(Some(t))?,
+        None => world,
+    })
 }
 
 /// This process as one rank of an `mpirun` world (an engine on `lm`, the communicator's
@@ -228,7 +235,8 @@ pub fn mpi_world(
             attach_device_plane(common, &mut comm)?;
         }
         let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
-            .with_memory_limit(common.memory_limit);
+            .with_memory_limit(common.memory_limit)
+            .with_disk(common.disk_tier()?.as_ref());
         return Ok(Some(flowprefill_coordinator::World::Mpi { comm: Box::new(comm), engine }));
     }
     let _ = (common, lm, timeout, attach);

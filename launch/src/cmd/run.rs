@@ -117,7 +117,9 @@ impl MethodArgs {
 /// Builds the engine (main model, optional auxiliary model).
 pub fn engine(common: &Common, aux: Option<&PathBuf>) -> Result<Engine<Device>> {
     let lm = Arc::new(super::load_model(common)?);
-    let engine = Engine::new(lm, flowprefill_coordinator::DEFAULT_STORE_BYTES).with_memory_limit(common.memory_limit);
+    let engine = Engine::new(lm, flowprefill_coordinator::DEFAULT_STORE_BYTES)
+        .with_memory_limit(common.memory_limit)
+        .with_disk(common.disk_tier()?.as_ref());
     match aux {
         None => Ok(engine),
         Some(p) => {
@@ -338,7 +340,13 @@ pub fn print_summary(r: &RunResult) {
         println!("chunk order (nearest the prompt last): {:?}", r.order);
     }
     if r.method != Method::Full {
-        println!("chunk store: {} hits, {} misses (prefix mode {})", r.cache_hits, r.cache_misses, r.prefix.name());
+        println!(
+            "chunk store: {} hits ({} from disk), {} misses (prefix mode {})",
+            r.cache_hits,
+            r.cache_disk_hits,
+            r.cache_misses,
+            r.prefix.name()
+        );
     }
     if let Some(e) = &r.eviction {
         let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
@@ -389,6 +397,7 @@ pub fn to_json(r: &RunResult) -> serde_json::Value {
         "scores": r.scores,
         "cache_hits": r.cache_hits,
         "cache_misses": r.cache_misses,
+        "cache_disk_hits": r.cache_disk_hits,
         "stop": r.stop,
         "ranks": r.ranks,
         "scope": r.opts.scope.name(),

@@ -38,6 +38,8 @@ pub const RECOMPUTE_RATIO: &str = "flowprefill_recompute_ratio";
 pub const CACHE_HITS: &str = "flowprefill_chunk_cache_hits_total";
 /// Chunk-store lookups that missed (chunks prefilled).
 pub const CACHE_MISSES: &str = "flowprefill_chunk_cache_misses_total";
+/// Chunk-store hits by tier (`ram`, `disk`: read from the store's folder).
+pub const STORE_HITS: &str = "flowprefill_store_hits_total";
 /// Bytes held by rank 0's chunk store.
 pub const CACHE_BYTES: &str = "flowprefill_chunk_cache_bytes";
 /// Counter: context K/V bytes freed by eviction before decoding (`evict`), by policy.
@@ -107,6 +109,7 @@ fn describe() {
     describe_counter!(CONTEXT_TOKENS, Unit::Count, "Context tokens processed");
     describe_histogram!(RECOMPUTE_RATIO, Unit::Count, "Recomputed fraction of the context per job");
     describe_counter!(CACHE_HITS, Unit::Count, "Chunk-store hits");
+    describe_counter!(STORE_HITS, Unit::Count, "Chunk-store hits by tier (ram, disk)");
     describe_counter!(CACHE_MISSES, Unit::Count, "Chunk-store misses");
     describe_gauge!(CACHE_BYTES, Unit::Bytes, "Bytes in rank 0's chunk store");
     describe_counter!(EVICTED_BYTES, Unit::Bytes, "Context K/V bytes freed by eviction before decoding, all ranks");
@@ -155,6 +158,8 @@ pub fn record_job(r: &RunResult, cache_bytes: usize) {
             .record(r.n_selected() as f64 / r.n_context_tokens as f64);
     }
     counter!(CACHE_HITS).increment(r.cache_hits);
+    counter!(STORE_HITS, "tier" => "ram").increment(r.cache_hits.saturating_sub(r.cache_disk_hits));
+    counter!(STORE_HITS, "tier" => "disk").increment(r.cache_disk_hits);
     counter!(CACHE_MISSES).increment(r.cache_misses);
     gauge!(CACHE_BYTES).set(cache_bytes as f64);
     if let Some(e) = &r.eviction {

@@ -169,10 +169,27 @@ impl Service {
         faults: Option<Arc<flowprefill_coordinator::fault::FaultPlan>>,
         memory_limit: Option<usize>,
     ) -> Result<(World, WorldFactory)> {
+        Self::thread_world_on(lm, ranks, comm_timeout, faults, memory_limit, None)
+    }
+
+    /// [`Service::thread_world`] with the chunk store's disk tier `disk` under every rank's
+    /// store (also after a rebuild: the entries outlive the world).
+    pub fn thread_world_on(
+        lm: Arc<LoadedModel<Device>>,
+        ranks: usize,
+        comm_timeout: Duration,
+        faults: Option<Arc<flowprefill_coordinator::fault::FaultPlan>>,
+        memory_limit: Option<usize>,
+        disk: Option<flowprefill_coordinator::DiskTier>,
+    ) -> Result<(World, WorldFactory)> {
         let make = move || -> Result<World> {
             let w = ThreadRanks::new(lm.clone(), ranks, flowprefill_coordinator::DEFAULT_STORE_BYTES, comm_timeout)?
                 .with_faults(faults.clone())?
                 .with_memory_limit(memory_limit)?;
+            let w = match &disk {
+                Some(t) => w.with_disk(Some(t.clone()))?,
+                None => w,
+            };
             Ok(World::Threads(w))
         };
         let world = make()?;
@@ -348,6 +365,12 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     let model = crate::cmd::model_label(common)?;
     let cfg = ServeConfig { memory_limit: common.memory_limit, ..a.config(model)? };
     let faults = flowprefill_coordinator::fault::FaultPlan::from_env();
+    // Thread ranks (the world a failure rebuilds), every rank's store over the disk tier.
+    let threads = |faults| -> Result<(World, Option<WorldFactory>)> {
+        let (ranks, disk) = (a.ranks.unwrap_or(1), common.disk_tier()?);
+        let (w, f) = Service::thread_world_on(lm.clone(), ranks, comm_timeout, faults, common.memory_limit, disk)?;
+        Ok((w, Some(f)))
+    };
 
     #[cfg(feature = "mpi")]
     let (world, rebuild) = if flowprefill_comm::mpi::launched_by_mpirun() {
@@ -362,7 +385,8 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         crate::cmd::attach_device_plane(common, &mut comm)?;
         let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
             .with_faults(faults)
-            .with_memory_limit(common.memory_limit);
+            .with_memory_limit(common.memory_limit)
+            .with_disk(common.disk_tier()?.as_ref());
         if comm.rank() != 0 {
             // Followers run rank 0's jobs until it stops them; mpirun forwards signals to every
             // rank, and only rank 0 acts on them (it drains, then stops the followers).
@@ -373,16 +397,10 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         }
         (World::Mpi { comm: Box::new(comm), engine }, None)
     } else {
-        let (w, f) =
-            Service::thread_world(lm.clone(), a.ranks.unwrap_or(1), comm_timeout, faults, common.memory_limit)?;
-        (w, Some(f))
+        threads(faults)?
     };
     #[cfg(not(feature = "mpi"))]
-    let (world, rebuild) = {
-        let (w, f) =
-            Service::thread_world(lm.clone(), a.ranks.unwrap_or(1), comm_timeout, faults, common.memory_limit)?;
-        (w, Some(f))
-    };
+    let (world, rebuild) = threads(faults)?;
 
     let service = Service::start(lm, world, rebuild, cfg)?;
     let ranks = service.shared().ranks;

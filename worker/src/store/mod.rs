@@ -5,8 +5,14 @@
 //! the same documents reuses it. Entries are immutable (`Arc`): recomputed KV is query-specific
 //! and lives in placed copies, never here. Memory is bounded by a byte budget with
 //! least-recently-used eviction.
+//!
+//! Under the RAM tier, an optional disk tier ([`disk::DiskStore`]) keeps chunk caches across
+//! processes and restarts: [`ChunkStore::lookup`] tries RAM, then disk (an entry read from disk
+//! is promoted to RAM, on the device), and [`ChunkStore::insert_persist`] writes through.
 
-use crate::kv::KvCache;
+pub mod disk;
+
+use crate::kv::{KvCache, LayerKv};
 use flowprefill_kernels::Backend;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -56,13 +62,18 @@ impl ChunkKey {
         Self(h.finalize().into())
     }
 
+    /// The key's bytes.
+    pub fn bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
     /// Short hex form for logs.
     pub fn short(&self) -> String {
         self.0[..6].iter().map(|b| format!("{b:02x}")).collect()
     }
 }
 
-/// Counters of a store.
+/// Counters of a store (the RAM tier's; [`ChunkStore::disk_stats`] has the disk tier's).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StoreStats {
     /// Entries held.
@@ -92,6 +103,7 @@ struct Inner<B: Backend> {
 pub struct ChunkStore<B: Backend> {
     inner: Mutex<Inner<B>>,
     budget_bytes: usize,
+    disk: Option<disk::DiskStore>,
 }
 
 impl<B: Backend> std::fmt::Debug for ChunkStore<B> {
@@ -103,7 +115,62 @@ impl<B: Backend> std::fmt::Debug for ChunkStore<B> {
 impl<B: Backend> ChunkStore<B> {
     /// A store that keeps at most `budget_bytes` of K/V (the newest entry is always kept).
     pub fn new(budget_bytes: usize) -> Self {
-        Self { inner: Mutex::new(Inner { map: HashMap::new(), tick: 0, stats: StoreStats::default() }), budget_bytes }
+        Self {
+            inner: Mutex::new(Inner { map: HashMap::new(), tick: 0, stats: StoreStats::default() }),
+            budget_bytes,
+            disk: None,
+        }
+    }
+
+    /// The same store with a disk tier under it.
+    pub fn with_disk(mut self, disk: disk::DiskStore) -> Self {
+        self.disk = Some(disk);
+        self
+    }
+
+    /// The disk tier, if any.
+    pub fn disk(&self) -> Option<&disk::DiskStore> {
+        self.disk.as_ref()
+    }
+
+    /// The disk tier's counters, if there is one.
+    pub fn disk_stats(&self) -> Option<disk::DiskStats> {
+        self.disk.as_ref().map(|d| d.stats())
+    }
+
+    /// The cache for `key` from RAM, else from the disk tier (read, verified, uploaded to
+    /// `backend` in its element type and kept in RAM), with `true` when it came from disk;
+    /// `None` when neither has it. A disk entry that cannot be made a cache of this backend
+    /// counts as a miss.
+    pub fn lookup(&self, key: &ChunkKey, backend: &B) -> Option<(Arc<KvCache<B>>, bool)> {
+        if let Some(kv) = self.get(key) {
+            return Some((kv, false));
+        }
+        let rec = self.disk.as_ref()?.get(key)?;
+        match from_record(backend, rec) {
+            Ok(kv) => {
+                let kv = Arc::new(kv);
+                self.insert_arc(*key, kv.clone());
+                Some((kv, true))
+            }
+            Err(e) => {
+                tracing::warn!("chunk store: a disk entry could not be loaded ({e}); prefilling instead");
+                None
+            }
+        }
+    }
+
+    /// [`ChunkStore::insert`], and the entry written to the disk tier (if any; a failed write
+    /// is the disk tier's warning, never the job's error).
+    pub fn insert_persist(&self, key: ChunkKey, kv: KvCache<B>, backend: &B) -> Arc<KvCache<B>> {
+        let kv = self.insert(key, kv);
+        if let Some(d) = &self.disk {
+            match to_record(backend, &kv) {
+                Ok(rec) => d.put(&key, rec),
+                Err(e) => tracing::warn!("chunk store: an entry was not written to disk ({e})"),
+            }
+        }
+        kv
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner<B>> {
@@ -135,6 +202,11 @@ impl<B: Backend> ChunkStore<B> {
     /// over budget.
     pub fn insert(&self, key: ChunkKey, kv: KvCache<B>) -> Arc<KvCache<B>> {
         let kv = Arc::new(kv);
+        self.insert_arc(key, kv.clone());
+        kv
+    }
+
+    fn insert_arc(&self, key: ChunkKey, kv: Arc<KvCache<B>>) {
         let mut g = self.lock();
         g.tick += 1;
         let tick = g.tick;
@@ -154,7 +226,6 @@ impl<B: Backend> ChunkStore<B> {
                 g.stats.evictions += 1;
             }
         }
-        kv
     }
 
     /// Evicts least recently used entries no job is using until `bytes` are given back (or
@@ -202,6 +273,26 @@ impl<B: Backend> ChunkStore<B> {
     pub fn budget_bytes(&self) -> usize {
         self.budget_bytes
     }
+}
+
+/// A cache as host data for the disk tier.
+fn to_record<B: Backend>(be: &B, kv: &KvCache<B>) -> crate::Result<disk::Record> {
+    let layers = kv
+        .layers()
+        .iter()
+        .map(|l| Ok((be.download_typed(&l.k)?, be.download_typed(&l.v)?)))
+        .collect::<crate::Result<Vec<_>>>()?;
+    Ok(disk::Record { form: kv.form(), kv_dim: kv.kv_dim(), positions: kv.positions().to_vec(), layers })
+}
+
+/// A disk record as a cache of `be` (its buffers uploaded in the record's element type).
+fn from_record<B: Backend>(be: &B, rec: disk::Record) -> crate::Result<KvCache<B>> {
+    let layers = rec
+        .layers
+        .iter()
+        .map(|(k, v)| Ok(LayerKv { k: be.upload_typed(k)?, v: be.upload_typed(v)? }))
+        .collect::<crate::Result<Vec<_>>>()?;
+    KvCache::from_parts(be, layers, rec.positions, rec.form, rec.kv_dim)
 }
 
 #[cfg(test)]

@@ -1,0 +1,115 @@
+//! `flowprefill store stats | ls | verify | gc | clear`: the chunk store's disk tier for the operator.
+//! Works on the folder alone (no model is loaded): entries of every model, device kind and KV
+//! type that share it, told apart by their headers.
+
+use anyhow::Result;
+use flowprefill_worker::store::disk;
+use std::path::PathBuf;
+use std::time::SystemTime;
+
+/// `flowprefill store ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum Store {
+    /// Entries and bytes per model / device / KV type, the oldest and newest use.
+    Stats,
+    /// Every entry, newest first: size, tokens, last use, who made it.
+    Ls {
+        /// At most this many lines.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// Reads every entry whole and checks its checksum; deletes the damaged ones.
+    Verify,
+    /// Deletes the least recently used entries until at most `--max-gib` remain.
+    Gc {
+        /// GiB to keep.
+        #[arg(long)]
+        max_gib: f64,
+    },
+    /// Deletes every entry (and writers' temporary files).
+    Clear,
+}
+
+fn folder(common: &crate::Common) -> Result<PathBuf> {
+    match common.store.as_deref().map(str::trim) {
+        Some("off") | Some("none") => anyhow::bail!("--store off: there is no disk tier to look at; give a folder"),
+        Some(d) if !d.is_empty() => Ok(PathBuf::from(d)),
+        _ => Ok(flowprefill_worker::fetch::home()?.join("store")),
+    }
+}
+
+fn ago(t: SystemTime) -> String {
+    let s = SystemTime::now().duration_since(t).map_or(0, |d| d.as_secs());
+    match s {
+        0..=119 => format!("{s} s ago"),
+        120..=7199 => format!("{} min ago", s / 60),
+        7200..=172_799 => format!("{} h ago", s / 3600),
+        _ => format!("{} days ago", s / 86_400),
+    }
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+fn who(l: &disk::Listed) -> String {
+    match &l.made_by {
+        Some((model, device, dtype, version)) => {
+            let short: String = model.chars().take(12).collect();
+            format!("model {short} {device} {dtype} v{version}")
+        }
+        None => "unreadable header".into(),
+    }
+}
+
+/// Runs `flowprefill store ...`.
+pub fn run(common: &crate::Common, cmd: Store) -> Result<()> {
+    let dir = folder(common)?;
+    if !dir.is_dir() {
+        println!("{}: no chunk store there yet (run or serve makes it)", dir.display());
+        return Ok(());
+    }
+    match cmd {
+        Store::Stats => {
+            let all = disk::list(&dir, None)?;
+            let total: u64 = all.iter().map(|l| l.bytes).sum();
+            println!("{}: {} entries, {}", dir.display(), all.len(), gib(total));
+            let mut groups: std::collections::BTreeMap<String, (usize, u64)> = Default::default();
+            for l in &all {
+                let g = groups.entry(who(l)).or_default();
+                g.0 += 1;
+                g.1 += l.bytes;
+            }
+            for (w, (n, b)) in groups {
+                println!("  {w}: {n} entries, {}", gib(b));
+            }
+            if let (Some(newest), Some(oldest)) = (all.first(), all.last()) {
+                println!("  last used: newest {}, oldest {}", ago(newest.used), ago(oldest.used));
+            }
+        }
+        Store::Ls { limit } => {
+            for l in disk::list(&dir, None)?.iter().take(limit) {
+                let name = l.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                println!("{name}  {:>10} B  {:>6} tokens  {:>14}  {}", l.bytes, l.rows, ago(l.used), who(l));
+            }
+        }
+        Store::Verify => {
+            let (ok, bad) = disk::verify(&dir)?;
+            for b in &bad {
+                let _ = std::fs::remove_file(b);
+                println!("damaged, deleted: {}", b.display());
+            }
+            println!("{}: {ok} intact, {} damaged", dir.display(), bad.len());
+        }
+        Store::Gc { max_gib } => {
+            anyhow::ensure!(max_gib >= 0.0 && max_gib.is_finite(), "--max-gib {max_gib}: give a size of at least 0");
+            let (files, bytes) = disk::gc(&dir, (max_gib * (1u64 << 30) as f64) as u64)?;
+            println!("{}: deleted {files} least recently used entries, {}", dir.display(), gib(bytes));
+        }
+        Store::Clear => {
+            let (files, bytes) = disk::clear(&dir)?;
+            println!("{}: deleted {files} files, {}", dir.display(), gib(bytes));
+        }
+    }
+    Ok(())
+}
