@@ -5,6 +5,7 @@
 //! collective, kind, outcome), never request ids.
 
 use flowprefill_coordinator::RunResult;
+use flowprefill_worker::store::disk::DiskStats;
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
@@ -40,6 +41,13 @@ pub const CACHE_HITS: &str = "flowprefill_chunk_cache_hits_total";
 pub const CACHE_MISSES: &str = "flowprefill_chunk_cache_misses_total";
 /// Chunk-store hits by tier (`ram`, `disk`: read from the store's folder).
 pub const STORE_HITS: &str = "flowprefill_store_hits_total";
+/// Bytes rank 0's chunk store holds, by tier (`ram`, `disk`: what this process knows of the
+/// shared folder).
+pub const STORE_BYTES: &str = "flowprefill_store_bytes";
+/// Damaged disk entries dropped by rank 0's store (truncated, a wrong checksum).
+pub const STORE_CORRUPT: &str = "flowprefill_store_corrupt_total";
+/// Disk writes rank 0's store skipped after an error (a full disk).
+pub const STORE_WRITE_FAILURES: &str = "flowprefill_store_write_failures_total";
 /// Bytes held by rank 0's chunk store.
 pub const CACHE_BYTES: &str = "flowprefill_chunk_cache_bytes";
 /// Counter: context K/V bytes freed by eviction before decoding (`evict`), by policy.
@@ -110,6 +118,9 @@ fn describe() {
     describe_histogram!(RECOMPUTE_RATIO, Unit::Count, "Recomputed fraction of the context per job");
     describe_counter!(CACHE_HITS, Unit::Count, "Chunk-store hits");
     describe_counter!(STORE_HITS, Unit::Count, "Chunk-store hits by tier (ram, disk)");
+    describe_gauge!(STORE_BYTES, Unit::Bytes, "Bytes rank 0's chunk store holds, by tier (ram, disk)");
+    describe_counter!(STORE_CORRUPT, Unit::Count, "Damaged disk entries dropped (never served)");
+    describe_counter!(STORE_WRITE_FAILURES, Unit::Count, "Disk writes skipped after an error (a full disk)");
     describe_counter!(CACHE_MISSES, Unit::Count, "Chunk-store misses");
     describe_gauge!(CACHE_BYTES, Unit::Bytes, "Bytes in rank 0's chunk store");
     describe_counter!(EVICTED_BYTES, Unit::Bytes, "Context K/V bytes freed by eviction before decoding, all ranks");
@@ -147,8 +158,9 @@ pub fn job_outcome(method: &str, outcome: &'static str) {
     counter!(JOBS_TOTAL, "method" => method.to_string(), "outcome" => outcome).increment(1);
 }
 
-/// Records everything a successful job reports.
-pub fn record_job(r: &RunResult, cache_bytes: usize) {
+/// Records everything a successful job reports; `cache_bytes` and `disk` are rank 0's chunk
+/// store's RAM bytes and disk tier counters.
+pub fn record_job(r: &RunResult, cache_bytes: usize, disk: Option<DiskStats>) {
     let method = if r.opts.reorder { format!("{}+reorder", r.method) } else { r.method.to_string() };
     histogram!(TTFT_SECONDS, "method" => method.clone()).record(r.ttft.as_secs_f64());
     histogram!(JOB_SECONDS, "method" => method.clone()).record(r.total.as_secs_f64());
@@ -162,6 +174,12 @@ pub fn record_job(r: &RunResult, cache_bytes: usize) {
     counter!(STORE_HITS, "tier" => "disk").increment(r.cache_disk_hits);
     counter!(CACHE_MISSES).increment(r.cache_misses);
     gauge!(CACHE_BYTES).set(cache_bytes as f64);
+    gauge!(STORE_BYTES, "tier" => "ram").set(cache_bytes as f64);
+    // Without a disk tier: 0 disk bytes, nothing dropped or skipped (the series exist either way).
+    let d = disk.unwrap_or_default();
+    gauge!(STORE_BYTES, "tier" => "disk").set(d.bytes as f64);
+    counter!(STORE_CORRUPT).absolute(d.corrupt);
+    counter!(STORE_WRITE_FAILURES).absolute(d.write_failures);
     if let Some(e) = &r.eviction {
         let freed = e.bytes_before.saturating_sub(e.bytes_after) as u64;
         counter!(EVICTED_BYTES, "policy" => e.policy.to_string()).increment(freed);

@@ -373,7 +373,8 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
             metrics::error("cancelled");
         }
         Ok(r) => {
-            metrics::record_job(&r, world.leader().store().stats().bytes);
+            let store = world.leader().store();
+            metrics::record_job(&r, store.stats().bytes, store.disk_stats());
             let _ = q.events.send(Event::Done(Box::new(r)));
         }
         Err(e) => {
