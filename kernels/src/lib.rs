@@ -35,3 +35,15 @@ pub mod topk;
 pub use backend::{gpu_scratch_bytes, Backend, Cpu, DType, HostBuf, Memory, MemoryUse};
 pub use device::{Device, DeviceSpec, WeightType};
 pub use error::{gib, KernelError, Result};
+
+/// flowprefill's cache folder: `$FLOWPREFILL_HOME`, else `$XDG_CACHE_HOME/flowprefill`, else
+/// `~/.cache/flowprefill` (the temporary folder if there is no home): where compiled kernels,
+/// the CUDA wheels and the autotuner's decisions live.
+pub fn flowprefill_home() -> std::path::PathBuf {
+    use std::path::PathBuf;
+    let var = |v| std::env::var_os(v).filter(|s| !s.is_empty()).map(PathBuf::from);
+    var("FLOWPREFILL_HOME")
+        .or_else(|| var("XDG_CACHE_HOME").map(|c| c.join("flowprefill")))
+        .or_else(|| var("HOME").map(|h| h.join(".cache").join("flowprefill")))
+        .unwrap_or_else(|| std::env::temp_dir().join("flowprefill"))
+}

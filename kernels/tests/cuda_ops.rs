@@ -346,10 +346,9 @@ fn every_attention_configuration_matches_the_cpu_and_tuning_decides() {
             assert!(e.candidates.len() >= flowprefill_kernels::gpu::shapes::FA2_CONFIGS.len());
             println!("tuned d{d} {}: {:?}", e.key.class, e);
         }
-        if let Some(p) = flowprefill_kernels::gpu::tune::default_path() {
-            let t = flowprefill_kernels::gpu::tune::TuneTable::load(&p).unwrap();
-            assert!(entries.iter().all(|e| t.get(&e.key) == Some(e)), "the decisions are on file");
-        }
+        let t =
+            flowprefill_kernels::gpu::tune::TuneTable::load(&flowprefill_kernels::gpu::tune::default_path()).unwrap();
+        assert!(entries.iter().all(|e| t.get(&e.key) == Some(e)), "the decisions are on file");
     }
     g.auto_attention();
     check_flash(&g, &c, &mut r, (1024, 4096, 32, 8, 128), false, "tuned ");

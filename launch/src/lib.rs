@@ -65,17 +65,38 @@ fn parse_gib_u64(s: &str) -> Result<u64, String> {
     parse_gib(s).map(|b| b as u64)
 }
 
+/// What `--store` says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreFlag {
+    /// `--store off` (or `none`): RAM only.
+    Off,
+    /// `--store DIR`.
+    Dir(PathBuf),
+    /// Not given.
+    Unset,
+}
+
 impl Common {
+    /// `--store`, read once for every command: a folder, `off`, or nothing (an empty value is
+    /// an error that says what to give).
+    pub fn store_flag(&self) -> anyhow::Result<StoreFlag> {
+        Ok(match self.store.as_deref().map(str::trim) {
+            None => StoreFlag::Unset,
+            Some("off") | Some("none") => StoreFlag::Off,
+            Some("") => anyhow::bail!("--store: give a folder, or off"),
+            Some(d) => StoreFlag::Dir(PathBuf::from(d)),
+        })
+    }
+
     /// The chunk store's disk tier this command uses: `--store DIR`, off with `--store off`,
     /// else `$FLOWPREFILL_HOME/store` where the command keeps one by default. The folder is
     /// created here: one that cannot be is an error that names the flag.
     pub fn disk_tier(&self) -> anyhow::Result<Option<flowprefill_coordinator::DiskTier>> {
-        let dir = match self.store.as_deref().map(str::trim) {
-            Some("off") | Some("none") => return Ok(None),
-            Some("") => anyhow::bail!("--store: give a folder, or off"),
-            Some(d) => PathBuf::from(d),
-            None if self.store_by_default => flowprefill_worker::fetch::home()?.join("store"),
-            None => return Ok(None),
+        let dir = match self.store_flag()? {
+            StoreFlag::Off => return Ok(None),
+            StoreFlag::Dir(d) => d,
+            StoreFlag::Unset if self.store_by_default => flowprefill_worker::fetch::home()?.join("store"),
+            StoreFlag::Unset => return Ok(None),
         };
         std::fs::create_dir_all(&dir).map_err(|e| {
             anyhow::anyhow!("--store {}: the folder cannot be made ({e}); give another, or --store off", dir.display())

@@ -43,7 +43,6 @@
 
 use super::buffers::{self, ControlCache, DevData, DeviceRope, MatData, Scratch};
 pub use super::buffers::{DeviceBuf, DeviceMat, Mark};
-use super::nvrtc;
 use crate::attention::AttnShape;
 use crate::backend::{from_bf16, to_bf16, Backend, DType, HostBuf};
 use crate::error::{check_len, KernelError, Result};
@@ -53,7 +52,6 @@ use crate::matmul::Matrix;
 use crate::rope::RopeTable;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -77,7 +75,7 @@ pub struct CudaBackend {
     pub(super) extra: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Blocks per SM of every loaded kernel: what its launch shape assumes, and what the
     /// occupancy API says fits.
-    pub(super) occupancy: Mutex<Vec<Occupancy>>,
+    pub(super) occupancy: Mutex<Vec<super::loader::Occupancy>>,
     /// The GPU's name and the driver's CUDA version (the autotuner's key).
     pub(super) gpu_name: String,
     pub(super) driver: i32,
@@ -144,13 +142,10 @@ impl CudaBackend {
         let mut functions = HashMap::new();
         let mut occupancy = Vec::new();
         for file in gpu::FILES {
-            for (name, f, occ) in load_file(&ctx, &arch, file, 0, file.kernels)? {
+            for (name, f, occ) in super::loader::load_file(&ctx, &arch, file, 0, file.kernels)? {
                 functions.insert(name, f);
                 occupancy.push(occ);
             }
-        }
-        for o in occupancy.iter().filter(|o| o.fits < o.assumed) {
-            eprintln!("flowprefill: cuda:{ordinal}: {o}");
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS (is libcublas on the library path?)", e))?;
         Ok(Self {
@@ -228,37 +223,6 @@ impl CudaBackend {
             )
         }
         .map_err(|e| err(call.kernel, e))
-    }
-
-    fn extra_function(&self, kernel: &str) -> Option<CudaFunction> {
-        self.extra.lock().unwrap_or_else(|p| p.into_inner()).get(kernel).cloned()
-    }
-
-    /// Loads flash2's configuration `config` (compiled by NVRTC on first use, cached on disk
-    /// like every kernel) unless it is loaded.
-    pub(super) fn load_config(&self, config: usize) -> Result<()> {
-        let budgets = gpu::config_budgets(config);
-        if budgets.iter().all(|b| self.extra_function(b.kernel).is_some()) {
-            return Ok(());
-        }
-        let file = gpu::FILES.iter().find(|f| f.name == "flash2.cu").ok_or_else(|| err("flash2", "not in FILES"))?;
-        let loaded = load_file(self.stream.context(), &self.arch, file, config, &budgets)?;
-        let mut extra = self.extra.lock().unwrap_or_else(|p| p.into_inner());
-        let mut occ = self.occupancy.lock().unwrap_or_else(|p| p.into_inner());
-        for (name, f, o) in loaded {
-            if o.fits < o.assumed {
-                eprintln!("flowprefill: cuda:{}: {o}", self.ordinal);
-            }
-            extra.insert(name, f);
-            occ.push(o);
-        }
-        Ok(())
-    }
-
-    /// Blocks per SM of every kernel loaded so far (assumed by its launch shape, and what the
-    /// occupancy API says fits on this GPU).
-    pub fn occupancy(&self) -> Vec<Occupancy> {
-        self.occupancy.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     pub(super) fn run_built(&self, call: Result<Call>) -> Result<()> {
@@ -789,59 +753,4 @@ impl Backend for CudaBackend {
         };
         Ok(DeviceBuf { data, len: host.len() })
     }
-}
-
-/// Blocks per SM of one kernel on this GPU.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Occupancy {
-    /// The kernel.
-    pub kernel: &'static str,
-    /// What its launch shape assumes (`__launch_bounds__`' minimum blocks per SM).
-    pub assumed: u32,
-    /// What fits (`cuOccupancyMaxActiveBlocksPerMultiprocessor` with its block size and dynamic
-    /// shared memory).
-    pub fits: u32,
-}
-
-impl std::fmt::Display for Occupancy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {} block(s) per SM fit", self.kernel, self.fits)?;
-        if self.fits < self.assumed {
-            write!(f, ", fewer than the {} its launch shape assumes (registers or shared memory)", self.assumed)?;
-        }
-        Ok(())
-    }
-}
-
-/// Compiles (or reads from the disk cache) `file` in flash2 configuration `config` for `arch`,
-/// loads the kernels of `budgets`, and prepares each: the dynamic shared memory it asks for
-/// (above 48 KiB), the largest shared-memory carveout for kernels that use shared memory
-/// beyond that (the L1 split is a hint the driver may round), and its occupancy.
-fn load_file(
-    ctx: &Arc<CudaContext>,
-    arch: &str,
-    file: &gpu::KernelFile,
-    config: usize,
-    budgets: &[gpu::Budget],
-) -> Result<Vec<(&'static str, CudaFunction, Occupancy)>> {
-    use cudarc::driver::sys::CUfunction_attribute_enum as A;
-    let cubin = nvrtc::cached(file.name, &gpu::program_in(file, config), arch)?;
-    let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| err(file.name, e))?;
-    let mut out = Vec::with_capacity(budgets.len());
-    for k in budgets {
-        let f = module.load_function(k.kernel).map_err(|e| err(k.kernel, e))?;
-        if k.dynamic_shared_bytes > gpu::DEFAULT_DYNAMIC_SHARED_LIMIT {
-            f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, k.dynamic_shared_bytes as i32)
-                .map_err(|e| err(k.kernel, format!("{e:?}: {} B of dynamic shared memory", k.dynamic_shared_bytes)))?;
-            // 100: cudaSharedmemCarveoutMaxShared. Not fatal: the default carveout may be enough.
-            if let Err(e) = f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100) {
-                eprintln!("flowprefill: {}: the shared-memory carveout was not set ({e:?})", k.kernel);
-            }
-        }
-        let fits = f
-            .occupancy_max_active_blocks_per_multiprocessor(k.threads, k.dynamic_shared_bytes as usize, None)
-            .map_err(|e| err(k.kernel, format!("occupancy: {e:?}")))?;
-        out.push((k.kernel, f, Occupancy { kernel: k.kernel, assumed: k.blocks_per_sm, fits }));
-    }
-    Ok(out)
 }

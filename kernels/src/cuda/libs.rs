@@ -25,15 +25,7 @@ pub const READY_ENV: &str = "FLOWPREFILL_CUDA_LIBS";
 /// instead of the usual places.
 pub const DIRS_ENV: &str = "FLOWPREFILL_CUDA_LIB_DIRS";
 
-/// flowprefill's cache folder: `$FLOWPREFILL_HOME`, else `$XDG_CACHE_HOME/flowprefill`, else
-/// `~/.cache/flowprefill` (the temporary folder if there is no home).
-pub fn flowprefill_home() -> PathBuf {
-    let var = |v| std::env::var_os(v).filter(|s| !s.is_empty()).map(PathBuf::from);
-    var("FLOWPREFILL_HOME")
-        .or_else(|| var("XDG_CACHE_HOME").map(|c| c.join("flowprefill")))
-        .or_else(|| var("HOME").map(|h| h.join(".cache").join("flowprefill")))
-        .unwrap_or_else(|| std::env::temp_dir().join("flowprefill"))
-}
+pub use crate::flowprefill_home;
 
 /// One library of the CUDA stack.
 #[derive(Debug)]

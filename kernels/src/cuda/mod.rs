@@ -9,6 +9,7 @@ mod backend;
 mod buffers;
 mod compute;
 pub mod libs;
+mod loader;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod nvrtc;
@@ -16,7 +17,8 @@ mod rotary;
 mod tune;
 
 pub use crate::backend::to_bf16;
-pub use backend::{CudaBackend, DeviceBuf, DeviceMat, Mark, Occupancy, WeightType};
+pub use backend::{CudaBackend, DeviceBuf, DeviceMat, Mark, WeightType};
+pub use loader::Occupancy;
 
 use crate::error::{KernelError, Result};
 use cudarc::driver::CudaContext;

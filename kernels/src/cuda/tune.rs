@@ -100,23 +100,16 @@ impl CudaBackend {
 
     fn with_table<R>(&self, f: impl FnOnce(&mut TuneTable) -> R) -> R {
         let mut t = self.tuning.table.lock().unwrap_or_else(|p| p.into_inner());
-        let table = t.get_or_insert_with(|| {
-            let read = tune::default_path().map(|p| TuneTable::load(&p));
-            match read {
-                Some(Ok(table)) => {
-                    if table.skipped > 0 {
-                        eprintln!(
-                            "flowprefill: the autotuner's file had {} unreadable line(s), skipped",
-                            table.skipped
-                        );
-                    }
-                    table
+        let table = t.get_or_insert_with(|| match TuneTable::load(&tune::default_path()) {
+            Ok(table) => {
+                if table.skipped > 0 {
+                    eprintln!("flowprefill: the autotuner's file had {} unreadable line(s), skipped", table.skipped);
                 }
-                Some(Err(e)) => {
-                    eprintln!("flowprefill: the autotuner's file could not be read ({e}): tuning again");
-                    TuneTable::default()
-                }
-                None => TuneTable::default(),
+                table
+            }
+            Err(e) => {
+                eprintln!("flowprefill: the autotuner's file could not be read ({e}): tuning again");
+                TuneTable::default()
             }
         });
         f(table)
@@ -208,13 +201,11 @@ impl CudaBackend {
         // Into this process's table, and into the file as it is now (another process on the
         // machine may have added decisions since it was read).
         self.with_table(|t| t.put(entry.clone()));
-        let saved = tune::default_path().map(|p| {
-            let mut on_disk = TuneTable::load(&p).unwrap_or_default();
-            on_disk.put(entry.clone());
-            on_disk.save(&p).map(|()| p)
-        });
-        match saved {
-            Some(Ok(p)) => eprintln!(
+        let p = tune::default_path();
+        let mut on_disk = TuneTable::load(&p).unwrap_or_default();
+        on_disk.put(entry.clone());
+        match on_disk.save(&p) {
+            Ok(()) => eprintln!(
                 "flowprefill: cuda:{}: attention tuned for head_dim {} ({}): configuration {config}, {blocks_per_sm} \
                  block(s) per SM for key splits; kept in {}",
                 self.ordinal(),
@@ -222,10 +213,7 @@ impl CudaBackend {
                 entry.key.class,
                 p.display()
             ),
-            Some(Err(e)) => {
-                eprintln!("flowprefill: the autotuner's decision was not saved ({e}); kept for this process")
-            }
-            None => {}
+            Err(e) => eprintln!("flowprefill: the autotuner's decision was not saved ({e}); kept for this process"),
         }
         Ok(entry)
     }

@@ -288,14 +288,9 @@ pub fn nvdisasm() -> Result<Option<PathBuf>, SassError> {
             )))
         };
     }
-    let home = std::env::var_os("FLOWPREFILL_HOME").map(PathBuf::from).or_else(|| {
-        std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .map(|c| c.join("flowprefill"))
-    });
-    if let Some(p) = home.map(|h| h.join("cuda-wheels/nvdisasm/nvidia/cu13/bin/nvdisasm")).filter(|p| p.is_file()) {
-        return Ok(Some(p));
+    let wheel = crate::flowprefill_home().join("cuda-wheels/nvdisasm/nvidia/cu13/bin/nvdisasm");
+    if wheel.is_file() {
+        return Ok(Some(wheel));
     }
     let on_path = std::env::var_os("PATH")
         .and_then(|path| std::env::split_paths(&path).map(|d| d.join("nvdisasm")).find(|p| p.is_file()));

@@ -96,14 +96,8 @@ const HEADER: &str = "# flowprefill attention autotuner: gpu\tdriver\tsources\th
 
 /// Where the decisions live: `$FLOWPREFILL_HOME/tune/attention.tsv` (default home
 /// `~/.cache/flowprefill`).
-pub fn default_path() -> Option<PathBuf> {
-    let home = std::env::var_os("FLOWPREFILL_HOME").map(PathBuf::from).or_else(|| {
-        std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .map(|c| c.join("flowprefill"))
-    })?;
-    Some(home.join("tune").join("attention.tsv"))
+pub fn default_path() -> PathBuf {
+    crate::flowprefill_home().join("tune").join("attention.tsv")
 }
 
 impl TuneTable {

@@ -388,7 +388,8 @@ pub fn devices() -> Result<()> {
         Ok(list) if list.is_empty() => println!("cuda: driver present, no devices"),
         Ok(list) => {
             use flowprefill_kernels::gpu::tune;
-            let table = tune::default_path().map(|p| (tune::TuneTable::load(&p), p));
+            let path = tune::default_path();
+            let table = tune::TuneTable::load(&path);
             let driver_api = flowprefill_kernels::cuda::versions().driver.unwrap_or(0);
             for d in list {
                 println!(
@@ -404,20 +405,19 @@ pub fn devices() -> Result<()> {
                 // large attention of a job).
                 let sources = flowprefill_kernels::gpu::sources_hash();
                 match &table {
-                    Some((Ok(t), p)) => {
+                    Ok(t) => {
                         let lines = tune::describe(t, &d.name, driver_api, sources);
                         if lines.is_empty() {
                             println!(
                                 "  attention: not tuned yet (default configuration; {} has no decision)",
-                                p.display()
+                                path.display()
                             );
                         }
                         for l in lines {
                             println!("  {l}");
                         }
                     }
-                    Some((Err(e), p)) => println!("  attention: {} unreadable ({e})", p.display()),
-                    None => println!("  attention: not tuned (no cache folder: set FLOWPREFILL_HOME)"),
+                    Err(e) => println!("  attention: {} unreadable ({e})", path.display()),
                 }
             }
         }

@@ -31,10 +31,10 @@ pub enum Store {
 }
 
 fn folder(common: &crate::Common) -> Result<PathBuf> {
-    match common.store.as_deref().map(str::trim) {
-        Some("off") | Some("none") => anyhow::bail!("--store off: there is no disk tier to look at; give a folder"),
-        Some(d) if !d.is_empty() => Ok(PathBuf::from(d)),
-        _ => Ok(flowprefill_worker::fetch::home()?.join("store")),
+    match common.store_flag()? {
+        crate::StoreFlag::Off => anyhow::bail!("--store off: there is no disk tier to look at; give a folder"),
+        crate::StoreFlag::Dir(d) => Ok(d),
+        crate::StoreFlag::Unset => Ok(flowprefill_worker::fetch::home()?.join("store")),
     }
 }
 

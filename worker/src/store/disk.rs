@@ -26,13 +26,17 @@
 //!
 //! **A full disk** (or any write error) is a warning and a skipped write, never a failed job.
 
+mod format;
+
 use super::ChunkKey;
 use crate::kv::KeyForm;
 use flowprefill_kernels::{DType, HostBuf};
+pub use format::FORMAT_VERSION;
+use format::{check_whole, dtype_code, dtype_name, encode_header, from_le, le_bytes, read_header};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
@@ -40,9 +44,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
-/// The file format's version, in every file's header.
-pub const FORMAT_VERSION: u32 = 1;
-const MAGIC: &[u8; 8] = b"FPKVSTOR";
 /// Entry files end in this.
 pub const EXT: &str = "fpkv";
 /// Temporary files of writers end in this.
@@ -244,129 +245,6 @@ impl Drop for DiskStore {
     }
 }
 
-fn dtype_code(d: DType) -> u8 {
-    match d {
-        DType::F32 => 0,
-        DType::Bf16 => 1,
-    }
-}
-
-fn form_code(f: KeyForm) -> u8 {
-    match f {
-        KeyForm::PreRope => 0,
-        KeyForm::Rotated => 1,
-    }
-}
-
-/// The fixed fields of a file's header.
-#[derive(Debug, PartialEq)]
-struct Header {
-    version: u32,
-    key: [u8; 32],
-    model: String,
-    device: String,
-    dtype: u8,
-    form: u8,
-    layers: u32,
-    kv_dim: u32,
-    rows: u32,
-    payload: u64,
-    /// Bytes before the payload.
-    start: u64,
-}
-
-impl Header {
-    fn file_len(&self) -> u64 {
-        self.start + self.payload + 4
-    }
-}
-
-fn encode_header(key: &ChunkKey, scope: &Scope, rec: &Record) -> Vec<u8> {
-    let rows = rec.positions.len();
-    let payload = rows * 4 + rec.kv_bytes();
-    let mut h = Vec::with_capacity(128);
-    h.extend_from_slice(key.bytes());
-    for s in [&scope.model, &scope.device] {
-        h.extend_from_slice(&(s.len() as u16).to_le_bytes());
-        h.extend_from_slice(s.as_bytes());
-    }
-    h.push(dtype_code(scope.dtype));
-    h.push(form_code(rec.form));
-    for v in [rec.layers.len() as u32, rec.kv_dim as u32, rows as u32] {
-        h.extend_from_slice(&v.to_le_bytes());
-    }
-    h.extend_from_slice(&(payload as u64).to_le_bytes());
-    let mut out = Vec::with_capacity(16 + h.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
-    out.extend_from_slice(&h);
-    out
-}
-
-/// Reads a header from the first bytes of a file (`None`: not one of ours at all).
-fn decode_header(bytes: &[u8]) -> Option<Header> {
-    let mut at = 0usize;
-    let mut take = |n: usize| -> Option<&[u8]> {
-        let s = bytes.get(at..at + n)?;
-        at += n;
-        Some(s)
-    };
-    if take(8)? != MAGIC {
-        return None;
-    }
-    let u32_of = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    let version = u32_of(take(4)?);
-    let hlen = u32_of(take(4)?) as usize;
-    if hlen > 1 << 16 {
-        return None;
-    }
-    let start = (16 + hlen) as u64;
-    let h = bytes.get(16..16 + hlen)?;
-    let mut p = 0usize;
-    let mut get = |n: usize| -> Option<&[u8]> {
-        let s = h.get(p..p + n)?;
-        p += n;
-        Some(s)
-    };
-    let key: [u8; 32] = get(32)?.try_into().ok()?;
-    let mut string = || -> Option<String> {
-        let n = u16::from_le_bytes(get(2)?.try_into().ok()?) as usize;
-        String::from_utf8(get(n)?.to_vec()).ok()
-    };
-    let model = string()?;
-    let device = string()?;
-    let dtype = get(1)?[0];
-    let form = get(1)?[0];
-    let layers = u32_of(get(4)?);
-    let kv_dim = u32_of(get(4)?);
-    let rows = u32_of(get(4)?);
-    let payload = u64::from_le_bytes(get(8)?.try_into().ok()?);
-    Some(Header { version, key, model, device, dtype, form, layers, kv_dim, rows, payload, start })
-}
-
-fn le_bytes(buf: &HostBuf, out: &mut Vec<u8>) {
-    #[cfg(target_endian = "little")]
-    match buf {
-        HostBuf::F32(v) => out.extend_from_slice(bytemuck::cast_slice(v)),
-        HostBuf::Bf16(v) => out.extend_from_slice(bytemuck::cast_slice(v)),
-    }
-    #[cfg(not(target_endian = "little"))]
-    match buf {
-        HostBuf::F32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-        HostBuf::Bf16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-    }
-}
-
-fn from_le(bytes: &[u8], dtype: DType) -> HostBuf {
-    match dtype {
-        DType::F32 => {
-            HostBuf::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
-        }
-        DType::Bf16 => HostBuf::Bf16(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()),
-    }
-}
-
 /// Why a file was not served.
 enum Bad {
     /// Not there.
@@ -443,20 +321,11 @@ impl Core {
         format!("{hex}.{EXT}")
     }
 
-    fn ours(&self, h: &Header) -> bool {
-        h.version == FORMAT_VERSION
-            && h.model == self.scope.model
-            && h.device == self.scope.device
-            && h.dtype == dtype_code(self.scope.dtype)
-    }
-
     /// A listed file's header and size (not its checksum: that is checked before serving).
     fn check_listed(&self, path: &Path) -> Result<(u64, SystemTime), Bad> {
-        let meta = fs::metadata(path).map_err(|_| Bad::Missing)?;
-        let mut head = vec![0u8; 4096.min(meta.len() as usize)];
-        File::open(path).and_then(|mut f| f.read_exact(&mut head)).map_err(|_| Bad::Missing)?;
-        let h = decode_header(&head).ok_or_else(|| Bad::Corrupt("no readable header".into()))?;
-        if !self.ours(&h) {
+        let (h, meta) = read_header(path).map_err(|_| Bad::Missing)?;
+        let h = h.ok_or_else(|| Bad::Corrupt("no readable header".into()))?;
+        if !self.scope.owns(&h) {
             return Err(Bad::Foreign);
         }
         if meta.len() != h.file_len() {
@@ -519,17 +388,9 @@ impl Core {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Bad::Missing),
             Err(e) => return Err(Bad::Corrupt(format!("unreadable: {e}"))),
         };
-        let h = decode_header(&bytes).ok_or_else(|| Bad::Corrupt("no readable header".into()))?;
-        if !self.ours(&h) {
+        let h = check_whole(&bytes).map_err(Bad::Corrupt)?;
+        if !self.scope.owns(&h) {
             return Err(Bad::Foreign);
-        }
-        if bytes.len() as u64 != h.file_len() {
-            return Err(Bad::Corrupt(format!("{} bytes, the header says {}", bytes.len(), h.file_len())));
-        }
-        let body = bytes.len() - 4;
-        let want = u32::from_le_bytes([bytes[body], bytes[body + 1], bytes[body + 2], bytes[body + 3]]);
-        if crc32fast::hash(&bytes[..body]) != want {
-            return Err(Bad::Corrupt("checksum mismatch".into()));
         }
         if &h.key != key.bytes() {
             // A hash collision of names (or a file copied under another name): not this entry.
@@ -647,32 +508,10 @@ impl Core {
 /// belongs to `scope` (`None`: all count as ours); newest first.
 pub fn list(dir: &Path, scope: Option<&Scope>) -> io::Result<Vec<Listed>> {
     let mut out = Vec::new();
-    for e in fs::read_dir(dir)?.flatten() {
-        let path = e.path();
-        if path.extension().and_then(|x| x.to_str()) != Some(EXT) {
-            continue;
-        }
-        let Ok(meta) = e.metadata() else { continue };
-        let mut head = vec![0u8; 4096.min(meta.len() as usize)];
-        let h = File::open(&path).and_then(|mut f| f.read_exact(&mut head)).ok().and_then(|()| decode_header(&head));
-        let ours = match (&h, scope) {
-            (Some(h), Some(s)) => {
-                h.version == FORMAT_VERSION
-                    && h.model == s.model
-                    && h.device == s.device
-                    && h.dtype == dtype_code(s.dtype)
-            }
-            (Some(_), None) => true,
-            (None, _) => false,
-        };
-        let made_by = h.as_ref().map(|h| {
-            let dtype = match h.dtype {
-                0 => "f32",
-                1 => "bf16",
-                _ => "?",
-            };
-            (h.model.clone(), h.device.clone(), dtype, h.version)
-        });
+    for path in entry_files(dir)? {
+        let Ok((h, meta)) = read_header(&path) else { continue };
+        let ours = h.as_ref().is_some_and(|h| scope.is_none_or(|s| s.owns(h)));
+        let made_by = h.as_ref().map(|h| (h.model.clone(), h.device.clone(), dtype_name(h.dtype), h.version));
         out.push(Listed {
             path,
             bytes: meta.len(),
@@ -686,24 +525,22 @@ pub fn list(dir: &Path, scope: Option<&Scope>) -> io::Result<Vec<Listed>> {
     Ok(out)
 }
 
+/// The entry files of `dir`.
+fn entry_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
+    Ok(fs::read_dir(dir)?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().and_then(|x| x.to_str()) == Some(EXT))
+        .collect())
+}
+
 /// Reads every entry file of `dir` whole and checks its header, length and checksum (any
 /// scope): returns the intact ones' count and the damaged files.
 pub fn verify(dir: &Path) -> io::Result<(usize, Vec<PathBuf>)> {
     let (mut ok, mut bad) = (0, Vec::new());
-    for e in fs::read_dir(dir)?.flatten() {
-        let path = e.path();
-        if path.extension().and_then(|x| x.to_str()) != Some(EXT) {
-            continue;
-        }
+    for path in entry_files(dir)? {
         let Ok(bytes) = fs::read(&path) else { continue };
-        let intact = decode_header(&bytes).is_some_and(|h| {
-            bytes.len() as u64 == h.file_len() && {
-                let body = bytes.len() - 4;
-                let want = u32::from_le_bytes([bytes[body], bytes[body + 1], bytes[body + 2], bytes[body + 3]]);
-                crc32fast::hash(&bytes[..body]) == want
-            }
-        });
-        if intact {
+        if check_whole(&bytes).is_ok() {
             ok += 1;
         } else {
             bad.push(path);
@@ -747,221 +584,4 @@ pub fn gc(dir: &Path, max_bytes: u64) -> io::Result<(usize, u64)> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn scope(model: &str) -> Scope {
-        Scope { model: model.into(), dtype: DType::F32, device: "cpu".into() }
-    }
-
-    fn record(rows: usize, seed: f32) -> Record {
-        let layer = |o: f32| {
-            (
-                HostBuf::F32((0..rows * 4).map(|i| seed + o + i as f32 * 0.5).collect()),
-                HostBuf::F32((0..rows * 4).map(|i| -seed - o - i as f32).collect()),
-            )
-        };
-        Record {
-            form: KeyForm::PreRope,
-            kv_dim: 4,
-            positions: (7..7 + rows as u32).collect(),
-            layers: vec![layer(0.0), layer(1.0)],
-        }
-    }
-
-    /// Writes and waits for the writer thread.
-    fn put_now(s: &DiskStore, key: &ChunkKey, rec: Record) {
-        s.put(key, rec);
-        s.flush();
-    }
-
-    fn temp(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("fp-disk-{tag}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&d);
-        d
-    }
-
-    #[test]
-    fn an_entry_survives_a_new_store_and_another_scope_never_sees_it() {
-        let dir = temp("scope");
-        let key = ChunkKey::new(&[1, 2], 2, &[3, 4, 5]);
-        let a = DiskStore::open(&dir, scope("m1"), 1 << 20).unwrap();
-        assert!(a.get(&key).is_none());
-        put_now(&a, &key, record(3, 1.0));
-        drop(a);
-        let b = DiskStore::open(&dir, scope("m1"), 1 << 20).unwrap();
-        assert_eq!(b.stats().entries, 1, "listed at open");
-        assert_eq!(b.get(&key), Some(record(3, 1.0)), "bit for bit");
-        // Another model, element type or device kind: another name, and the file is foreign.
-        let c = DiskStore::open(&dir, scope("m2"), 1 << 20).unwrap();
-        assert!(c.get(&key).is_none());
-        assert_eq!((c.stats().foreign, c.stats().entries), (1, 0));
-        let d = DiskStore::open(&dir, Scope { dtype: DType::Bf16, ..scope("m1") }, 1 << 20).unwrap();
-        assert!(d.get(&key).is_none());
-        let _ = fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn a_damaged_file_is_dropped_and_counted_never_served() {
-        let dir = temp("damage");
-        let s = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
-        let (k1, k2, k3) = (ChunkKey::new(&[], 0, &[1]), ChunkKey::new(&[], 0, &[2]), ChunkKey::new(&[], 0, &[3]));
-        for (i, k) in [k1, k2, k3].iter().enumerate() {
-            put_now(&s, k, record(5, i as f32));
-        }
-        let path = |k: &ChunkKey| dir.join(s.core.name_of(k));
-        // A flipped byte in the payload: the checksum catches it at read.
-        let mut b = fs::read(path(&k1)).unwrap();
-        let mid = b.len() / 2;
-        b[mid] ^= 0x40;
-        fs::write(path(&k1), &b).unwrap();
-        assert!(s.get(&k1).is_none());
-        assert!(!path(&k1).exists(), "deleted");
-        // A truncated file: dropped at the next open (its length), and at read.
-        let b = fs::read(path(&k2)).unwrap();
-        fs::write(path(&k2), &b[..b.len() - 9]).unwrap();
-        assert!(s.get(&k2).is_none());
-        assert_eq!(s.stats().corrupt, 2);
-        assert_eq!(s.get(&k3), Some(record(5, 2.0)), "the intact entry still serves");
-        let b = fs::read(path(&k3)).unwrap();
-        fs::write(path(&k3), &b[..100]).unwrap();
-        // A dead writer's temporary file, old: removed at open.
-        let tmp = dir.join(format!(".x.1.0.{TMP}"));
-        fs::write(&tmp, b"partial").unwrap();
-        File::options().write(true).open(&tmp).unwrap().set_modified(SystemTime::now() - STALE_TMP * 2).unwrap();
-        let again = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
-        assert_eq!((again.stats().corrupt, again.stats().stale_tmp, again.stats().entries), (1, 1, 0));
-        assert!(!tmp.exists());
-        let _ = fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn the_budget_evicts_the_least_recently_used_and_gc_trims_the_folder() {
-        let dir = temp("budget");
-        let one = {
-            let s = DiskStore::open(&dir, scope("m"), u64::MAX).unwrap();
-            put_now(&s, &ChunkKey::new(&[], 0, &[0]), record(8, 0.0));
-            s.stats().bytes
-        };
-        let _ = fs::remove_dir_all(&dir);
-        let s = DiskStore::open(&dir, scope("m"), 2 * one).unwrap();
-        let keys: Vec<ChunkKey> = (0..3).map(|i| ChunkKey::new(&[], 0, &[i])).collect();
-        put_now(&s, &keys[0], record(8, 0.0));
-        std::thread::sleep(Duration::from_millis(20));
-        put_now(&s, &keys[1], record(8, 1.0));
-        std::thread::sleep(Duration::from_millis(20));
-        assert!(s.get(&keys[0]).is_some(), "0 used after 1");
-        std::thread::sleep(Duration::from_millis(20));
-        put_now(&s, &keys[2], record(8, 2.0));
-        assert!(s.get(&keys[1]).is_none(), "the least recently used went");
-        assert!(s.get(&keys[0]).is_some() && s.get(&keys[2]).is_some());
-        assert_eq!((s.stats().entries, s.stats().evictions), (2, 1));
-        assert_eq!(list(&dir, None).unwrap().len(), 2);
-        assert_eq!(gc(&dir, one).unwrap(), (1, one));
-        assert_eq!(list(&dir, Some(&scope("m"))).unwrap().len(), 1);
-        let _ = fs::remove_dir_all(&dir);
-    }
-
-    /// The content of entry `i` of the child-process tests: a reader can tell a torn or mixed
-    /// entry from the right one.
-    fn numbered(i: u32) -> (ChunkKey, Record) {
-        (ChunkKey::new(&[], 0, &[i]), record(16 + (i as usize % 7) * 8, i as f32))
-    }
-
-    /// Not a test on its own: the writer and reader the next two tests start as processes
-    /// (`FP_DISK_CHILD` names the folder, `FP_DISK_SEED` its keys). It writes entries without
-    /// end and reads others, and fails on an entry that is served with other content.
-    #[test]
-    #[ignore = "a child process of the crash and concurrency tests"]
-    fn child_writer() {
-        let Some(dir) = std::env::var_os("FP_DISK_CHILD") else { return };
-        let seed: u32 = std::env::var("FP_DISK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
-        let rounds: u32 = std::env::var("FP_DISK_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(u32::MAX);
-        let s = DiskStore::open(Path::new(&dir), scope("m"), u64::MAX).unwrap();
-        for r in 0..rounds {
-            let i = (seed.wrapping_add(r.wrapping_mul(7))) % 40;
-            let (k, rec) = numbered(i);
-            put_now(&s, &k, rec);
-            let j = (i * 13 + 5) % 40;
-            let (k, want) = numbered(j);
-            if let Some(got) = s.get(&k) {
-                assert_eq!(got, want, "entry {j} served with other content");
-            }
-        }
-    }
-
-    fn child(dir: &Path, seed: u32, rounds: Option<u32>) -> std::process::Child {
-        let mut c = std::process::Command::new(std::env::current_exe().unwrap());
-        c.args(["store::disk::tests::child_writer", "--exact", "--ignored", "--quiet", "--test-threads", "1"]);
-        c.env("FP_DISK_CHILD", dir).env("FP_DISK_SEED", seed.to_string());
-        if let Some(r) = rounds {
-            c.env("FP_DISK_ROUNDS", r.to_string());
-        }
-        c.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap()
-    }
-
-    /// Writers killed (SIGKILL) at 12 points of their writes: no damaged entry is left under an
-    /// entry's name (every file verifies), a fresh store serves every listed entry with its
-    /// content, and the killed writers' temporary files are never served.
-    #[test]
-    fn writers_killed_mid_write_leave_no_damaged_entry() {
-        let dir = temp("crash");
-        fs::create_dir_all(&dir).unwrap();
-        for round in 0..12u32 {
-            let mut c = child(&dir, round * 11, None);
-            std::thread::sleep(Duration::from_millis(15 + (round as u64 * 37) % 60));
-            c.kill().unwrap();
-            let _ = c.wait();
-        }
-        let (ok, bad) = verify(&dir).unwrap();
-        assert!(bad.is_empty(), "damaged entries under entry names: {bad:?}");
-        assert!(ok > 0, "the writers wrote nothing in the time given");
-        let s = DiskStore::open(&dir, scope("m"), u64::MAX).unwrap();
-        assert_eq!((s.stats().entries, s.stats().corrupt), (ok, 0));
-        for i in 0..40 {
-            let (k, want) = numbered(i);
-            if let Some(got) = s.get(&k) {
-                assert_eq!(got, want, "entry {i}");
-            }
-        }
-        let tmp =
-            fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(TMP)).count();
-        println!(
-            "12 writers killed: {ok} entries intact, 0 damaged, {tmp} temporary files left (removed after a minute)"
-        );
-        let _ = fs::remove_dir_all(&dir);
-    }
-
-    /// Two processes writing and reading one folder at once (the same entries among others):
-    /// neither is served a torn or mixed entry, and the folder verifies after.
-    #[test]
-    fn two_processes_share_a_folder() {
-        let dir = temp("share");
-        fs::create_dir_all(&dir).unwrap();
-        let (a, b) = (child(&dir, 1, Some(120)), child(&dir, 2, Some(120)));
-        for (name, c) in [("a", a), ("b", b)] {
-            let out = c.wait_with_output().unwrap();
-            assert!(out.status.success(), "process {name}: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        let (ok, bad) = verify(&dir).unwrap();
-        assert!(bad.is_empty() && ok > 0, "{ok} intact, damaged {bad:?}");
-        let _ = fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn a_write_that_fails_is_a_counted_warning() {
-        let dir = temp("fail");
-        let s = DiskStore::open(&dir, scope("m"), u64::MAX).unwrap();
-        // The folder gone under the store: the write fails, the caller goes on.
-        fs::remove_dir_all(&dir).unwrap();
-        put_now(&s, &ChunkKey::new(&[], 0, &[1]), record(2, 0.0));
-        assert_eq!((s.stats().write_failures, s.stats().writes), (1, 0));
-        // An entry of another element type is refused the same way.
-        fs::create_dir_all(&dir).unwrap();
-        let mut r = record(2, 0.0);
-        r.layers[0].0 = HostBuf::Bf16(vec![0; 8]);
-        put_now(&s, &ChunkKey::new(&[], 0, &[2]), r);
-        assert_eq!(s.stats().write_failures, 2);
-        let _ = fs::remove_dir_all(&dir);
-    }
-}
+mod tests;

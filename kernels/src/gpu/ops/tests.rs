@@ -1,0 +1,111 @@
+//! The launch builders' plans, metadata, type checks and launch shapes.
+
+use super::*;
+
+fn dims(m: u32, n: u32, h: u32, kv: u32, d: u32) -> AttnDims {
+    AttnDims { m, n, n_heads: h, n_kv_heads: kv, head_dim: d }
+}
+
+#[test]
+fn plans_split_keys_only_when_blocks_are_few() {
+    // Prefill of an 8B shape at 8K: 512 q tiles x 8 heads, no split.
+    let p = flash_plan(dims(8192, 8192, 32, 8, 128), FlashKernel::Reference, 132, None);
+    assert_eq!((p.q_tiles, p.key_tiles, p.splits, p.tiles_per_split), (512, 128, 1, 128));
+    // FlashAttention-2's 128-row blocks: half the query tiles, the same key tiles.
+    let p = flash_plan(dims(8192, 8192, 32, 8, 128), FlashKernel::Fa2(0), 132, None);
+    assert_eq!((p.q_tiles, p.key_tiles, p.splits, p.tiles_per_split), (256, 128, 1, 128));
+    // Decode of SmolLM2 at 8K: 1 q tile x 3 heads: 64 splits of 2 tiles.
+    let p = flash_plan(dims(1, 8192, 9, 3, 64), FlashKernel::Reference, 132, None);
+    assert_eq!((p.q_tiles, p.splits, p.tiles_per_split), (1, 64, 2));
+    assert!(p.splits * p.tiles_per_split >= p.key_tiles);
+    // Few keys: never more splits than key tiles; no keys: one split of nothing.
+    assert_eq!(flash_plan(dims(1, 100, 9, 3, 64), FlashKernel::Fa2(0), 132, None).splits, 2);
+    let p = flash_plan(dims(3, 0, 9, 3, 64), FlashKernel::Fa2(0), 132, None);
+    assert_eq!((p.key_tiles, p.splits), (0, 1));
+    // Forced splits cover every tile exactly once.
+    for (force, kernel) in (1..9).flat_map(|f| FlashKernel::ALL.map(|k| (f, k))) {
+        let p = flash_plan(dims(17, 1000, 7, 1, 64), kernel, 132, Some(force));
+        assert!(p.splits <= force && (p.splits - 1) * p.tiles_per_split < p.key_tiles);
+        assert!(p.splits * p.tiles_per_split >= p.key_tiles);
+    }
+}
+
+#[test]
+fn key_meta_has_positions_then_tile_ranges() {
+    let kpos: Vec<u32> = (0..130).rev().collect();
+    let meta = key_meta(&kpos);
+    assert_eq!(meta.len(), 130 + 2 * 3);
+    assert_eq!(&meta[..130], &kpos[..]);
+    assert_eq!(&meta[130..133], &[66, 2, 0]);
+    assert_eq!(&meta[133..136], &[129, 65, 1]);
+    let (lo, hi) = tile_ranges(Ptr::new(1000, Elem::U32), 130);
+    assert_eq!((lo.addr, hi.addr), (1000 + 4 * 130, 1000 + 4 * 133));
+}
+
+#[test]
+fn builders_refuse_the_wrong_element_types() {
+    let f = Ptr::new(0, Elem::F32);
+    let b = Ptr::new(0, Elem::Bf16);
+    let u = Ptr::new(0, Elem::U32);
+    assert!(copy_columns(b, 4, 0, 4, f, 1).is_err());
+    assert_eq!(copy_columns(f, 4, 0, 4, b, 1).unwrap().kernel, "fp_copy_columns_to_bf16");
+    assert!(copy_rows(f, u, b, u, 1, 1).is_err());
+    assert!(add_assign(b, f, 1).is_err());
+    let d = dims(1, 1, 1, 1, 64);
+    let plan = flash_plan(d, FlashKernel::Reference, 1, None);
+    assert!(flash_attention(d, &plan, f, u, b, b, u, f, f, None, 1.0).is_err());
+    assert!(flash_attention(dims(1, 1, 1, 1, 80), &plan, b, u, b, b, u, f, f, None, 1.0).is_err());
+    let calls = flash_attention(d, &plan, b, u, b, b, u, f, f, None, 1.0).unwrap();
+    assert_eq!(calls.len(), 1);
+    calls[0].check().unwrap();
+    assert_eq!(calls[0].launch.shared_bytes, flash_shared_bytes(64));
+    // Splits need the partial buffers, and add the combine.
+    let fa2 = flash_attention(d, &flash_plan(d, FlashKernel::Fa2(0), 1, None), b, u, b, b, u, f, f, None, 1.0).unwrap();
+    assert_eq!(fa2[0].kernel, "fp_flash2_attn_d64");
+    assert_eq!(fa2[0].launch.shared_bytes, FlashKernel::Fa2(0).shared_bytes(64));
+    fa2[0].check().unwrap();
+    let split = flash_plan(dims(1, 640, 1, 1, 64), FlashKernel::Reference, 132, None);
+    assert!(split.splits > 1);
+    assert!(flash_attention(dims(1, 640, 1, 1, 64), &split, b, u, b, b, u, f, f, None, 1.0).is_err());
+    let calls = flash_attention(dims(1, 640, 1, 1, 64), &split, b, u, b, b, u, f, f, Some((f, f)), 1.0).unwrap();
+    assert_eq!(calls.iter().map(|c| c.kernel).collect::<Vec<_>>(), ["fp_flash_attn_d64", "fp_attn_combine"]);
+    calls.iter().for_each(|c| c.check().unwrap());
+    assert!(attention(d, f, u, b, f, u, f, f, 1.0).is_err(), "k and v of different types");
+}
+
+/// The launch shapes are written once, in `shapes.rs`: no `.cu` file defines one, the header
+/// defines every one the sources use, and every configuration's tile divides the metadata's.
+#[test]
+fn launch_shapes_come_from_the_header_only() {
+    for f in super::super::FILES {
+        for line in f.source.lines() {
+            let l = line.trim_start();
+            assert!(
+                !(l.starts_with("#define FP_FA") || l.starts_with("#define fp_flash")),
+                "{}: `{l}`: launch shapes belong to gpu/shapes.rs",
+                f.name
+            );
+        }
+    }
+    let used = ["FP_FA_ROWS", "FP_FA_KEYS", "FP_FA_THREADS", "FP_FA2_META_KEYS", "FP_FA2_RESCALE"];
+    for c in 0..shapes::FA2_CONFIGS.len() {
+        let h = shapes::header(c);
+        for d in [64u32, 128] {
+            let s = shapes::FA2_CONFIGS[c].at(d);
+            for (m, v) in [("WARPS", s.warps), ("WM", s.wm), ("KEYS", s.keys), ("MINB", s.min_blocks)] {
+                assert!(h.contains(&format!("#define FP_FA2_D{d}_{m} {v}\n")), "config {c}: {m}\n{h}");
+            }
+            assert!(FLASH_KEYS % s.keys == 0, "config {c} d{d}: a kernel tile must divide the metadata's tile");
+            let k = FlashKernel::Fa2(c as u8);
+            assert_eq!(k.kernel(d), shapes::fa2_kernel(c, d));
+            assert_eq!(shapes::base_kernel(k.kernel(d).unwrap()), format!("fp_flash2_attn_d{d}"));
+            assert_eq!(k.name().parse::<FlashKernel>(), Ok(k));
+        }
+        for m in used {
+            assert!(h.contains(&format!("#define {m} ")), "config {c}: {m}");
+        }
+        assert_eq!(c != 0, h.contains("#define fp_flash2_attn_d128 fp_flash2_attn_d128_c"), "config {c}");
+    }
+    assert_eq!("reference".parse::<FlashKernel>(), Ok(FlashKernel::Reference));
+    assert!("fast".parse::<FlashKernel>().unwrap_err().contains("fa2:c1"));
+}

@@ -1,0 +1,183 @@
+//! The disk tier's file format: a header that names the chunk and the scope, the payload
+//! (positions, then per layer K and V, little-endian), a CRC-32 of both at the end; and the
+//! checks every reader makes (a header that belongs to the scope, the length it announces, the
+//! checksum).
+
+use super::{Record, Scope};
+use crate::kv::KeyForm;
+use crate::store::ChunkKey;
+use flowprefill_kernels::{DType, HostBuf};
+use std::fs::{File, Metadata};
+use std::io::{self, Read};
+use std::path::Path;
+
+/// The file format's version, in every file's header.
+pub const FORMAT_VERSION: u32 = 1;
+const MAGIC: &[u8; 8] = b"FPKVSTOR";
+
+pub(super) fn dtype_code(d: DType) -> u8 {
+    match d {
+        DType::F32 => 0,
+        DType::Bf16 => 1,
+    }
+}
+
+pub(super) fn form_code(f: KeyForm) -> u8 {
+    match f {
+        KeyForm::PreRope => 0,
+        KeyForm::Rotated => 1,
+    }
+}
+
+/// The fixed fields of a file's header.
+#[derive(Debug, PartialEq)]
+pub(super) struct Header {
+    pub(super) version: u32,
+    pub(super) key: [u8; 32],
+    pub(super) model: String,
+    pub(super) device: String,
+    pub(super) dtype: u8,
+    pub(super) form: u8,
+    pub(super) layers: u32,
+    pub(super) kv_dim: u32,
+    pub(super) rows: u32,
+    pub(super) payload: u64,
+    /// Bytes before the payload.
+    pub(super) start: u64,
+}
+
+impl Header {
+    pub(super) fn file_len(&self) -> u64 {
+        self.start + self.payload + 4
+    }
+}
+
+pub(super) fn encode_header(key: &ChunkKey, scope: &Scope, rec: &Record) -> Vec<u8> {
+    let rows = rec.positions.len();
+    let payload = rows * 4 + rec.kv_bytes();
+    let mut h = Vec::with_capacity(128);
+    h.extend_from_slice(key.bytes());
+    for s in [&scope.model, &scope.device] {
+        h.extend_from_slice(&(s.len() as u16).to_le_bytes());
+        h.extend_from_slice(s.as_bytes());
+    }
+    h.push(dtype_code(scope.dtype));
+    h.push(form_code(rec.form));
+    for v in [rec.layers.len() as u32, rec.kv_dim as u32, rows as u32] {
+        h.extend_from_slice(&v.to_le_bytes());
+    }
+    h.extend_from_slice(&(payload as u64).to_le_bytes());
+    let mut out = Vec::with_capacity(16 + h.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
+    out.extend_from_slice(&h);
+    out
+}
+
+/// Reads a header from the first bytes of a file (`None`: not one of ours at all).
+pub(super) fn decode_header(bytes: &[u8]) -> Option<Header> {
+    let mut at = 0usize;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let s = bytes.get(at..at + n)?;
+        at += n;
+        Some(s)
+    };
+    if take(8)? != MAGIC {
+        return None;
+    }
+    let u32_of = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let version = u32_of(take(4)?);
+    let hlen = u32_of(take(4)?) as usize;
+    if hlen > 1 << 16 {
+        return None;
+    }
+    let start = (16 + hlen) as u64;
+    let h = bytes.get(16..16 + hlen)?;
+    let mut p = 0usize;
+    let mut get = |n: usize| -> Option<&[u8]> {
+        let s = h.get(p..p + n)?;
+        p += n;
+        Some(s)
+    };
+    let key: [u8; 32] = get(32)?.try_into().ok()?;
+    let mut string = || -> Option<String> {
+        let n = u16::from_le_bytes(get(2)?.try_into().ok()?) as usize;
+        String::from_utf8(get(n)?.to_vec()).ok()
+    };
+    let model = string()?;
+    let device = string()?;
+    let dtype = get(1)?[0];
+    let form = get(1)?[0];
+    let layers = u32_of(get(4)?);
+    let kv_dim = u32_of(get(4)?);
+    let rows = u32_of(get(4)?);
+    let payload = u64::from_le_bytes(get(8)?.try_into().ok()?);
+    Some(Header { version, key, model, device, dtype, form, layers, kv_dim, rows, payload, start })
+}
+
+pub(super) fn le_bytes(buf: &HostBuf, out: &mut Vec<u8>) {
+    #[cfg(target_endian = "little")]
+    match buf {
+        HostBuf::F32(v) => out.extend_from_slice(bytemuck::cast_slice(v)),
+        HostBuf::Bf16(v) => out.extend_from_slice(bytemuck::cast_slice(v)),
+    }
+    #[cfg(not(target_endian = "little"))]
+    match buf {
+        HostBuf::F32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        HostBuf::Bf16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+    }
+}
+
+pub(super) fn from_le(bytes: &[u8], dtype: DType) -> HostBuf {
+    match dtype {
+        DType::F32 => {
+            HostBuf::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        }
+        DType::Bf16 => HostBuf::Bf16(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()),
+    }
+}
+
+impl Scope {
+    /// Whether a file with header `h` holds an entry of this scope (model, device kind, element
+    /// type, format version).
+    pub(super) fn owns(&self, h: &Header) -> bool {
+        h.version == FORMAT_VERSION
+            && h.model == self.model
+            && h.device == self.device
+            && h.dtype == dtype_code(self.dtype)
+    }
+}
+
+/// The element type named in a header, for listings.
+pub(super) fn dtype_name(code: u8) -> &'static str {
+    match code {
+        0 => "f32",
+        1 => "bf16",
+        _ => "?",
+    }
+}
+
+/// The header of the file at `path` (its first bytes: `None` when they are not a header) and
+/// the file's metadata.
+pub(super) fn read_header(path: &Path) -> io::Result<(Option<Header>, Metadata)> {
+    let meta = std::fs::metadata(path)?;
+    let mut head = vec![0u8; 4096.min(meta.len() as usize)];
+    File::open(path)?.read_exact(&mut head)?;
+    Ok((decode_header(&head), meta))
+}
+
+/// A whole file's header after checking its length and checksum: what must hold before any
+/// byte of it is used.
+pub(super) fn check_whole(bytes: &[u8]) -> Result<Header, String> {
+    let h = decode_header(bytes).ok_or("no readable header")?;
+    if bytes.len() as u64 != h.file_len() {
+        return Err(format!("{} bytes, the header says {}", bytes.len(), h.file_len()));
+    }
+    let body = bytes.len() - 4;
+    let want = u32::from_le_bytes([bytes[body], bytes[body + 1], bytes[body + 2], bytes[body + 3]]);
+    if crc32fast::hash(&bytes[..body]) != want {
+        return Err("checksum mismatch".into());
+    }
+    Ok(h)
+}

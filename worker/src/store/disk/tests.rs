@@ -1,0 +1,216 @@
+//! The disk tier's tests: one store, several stores over one folder, and child processes
+//! killed mid-write or sharing the folder.
+
+use super::*;
+
+fn scope(model: &str) -> Scope {
+    Scope { model: model.into(), dtype: DType::F32, device: "cpu".into() }
+}
+
+fn record(rows: usize, seed: f32) -> Record {
+    let layer = |o: f32| {
+        (
+            HostBuf::F32((0..rows * 4).map(|i| seed + o + i as f32 * 0.5).collect()),
+            HostBuf::F32((0..rows * 4).map(|i| -seed - o - i as f32).collect()),
+        )
+    };
+    Record {
+        form: KeyForm::PreRope,
+        kv_dim: 4,
+        positions: (7..7 + rows as u32).collect(),
+        layers: vec![layer(0.0), layer(1.0)],
+    }
+}
+
+/// Writes and waits for the writer thread.
+fn put_now(s: &DiskStore, key: &ChunkKey, rec: Record) {
+    s.put(key, rec);
+    s.flush();
+}
+
+fn temp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fp-disk-{tag}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn an_entry_survives_a_new_store_and_another_scope_never_sees_it() {
+    let dir = temp("scope");
+    let key = ChunkKey::new(&[1, 2], 2, &[3, 4, 5]);
+    let a = DiskStore::open(&dir, scope("m1"), 1 << 20).unwrap();
+    assert!(a.get(&key).is_none());
+    put_now(&a, &key, record(3, 1.0));
+    drop(a);
+    let b = DiskStore::open(&dir, scope("m1"), 1 << 20).unwrap();
+    assert_eq!(b.stats().entries, 1, "listed at open");
+    assert_eq!(b.get(&key), Some(record(3, 1.0)), "bit for bit");
+    // Another model, element type or device kind: another name, and the file is foreign.
+    let c = DiskStore::open(&dir, scope("m2"), 1 << 20).unwrap();
+    assert!(c.get(&key).is_none());
+    assert_eq!((c.stats().foreign, c.stats().entries), (1, 0));
+    let d = DiskStore::open(&dir, Scope { dtype: DType::Bf16, ..scope("m1") }, 1 << 20).unwrap();
+    assert!(d.get(&key).is_none());
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_damaged_file_is_dropped_and_counted_never_served() {
+    let dir = temp("damage");
+    let s = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
+    let (k1, k2, k3) = (ChunkKey::new(&[], 0, &[1]), ChunkKey::new(&[], 0, &[2]), ChunkKey::new(&[], 0, &[3]));
+    for (i, k) in [k1, k2, k3].iter().enumerate() {
+        put_now(&s, k, record(5, i as f32));
+    }
+    let path = |k: &ChunkKey| dir.join(s.core.name_of(k));
+    // A flipped byte in the payload: the checksum catches it at read.
+    let mut b = fs::read(path(&k1)).unwrap();
+    let mid = b.len() / 2;
+    b[mid] ^= 0x40;
+    fs::write(path(&k1), &b).unwrap();
+    assert!(s.get(&k1).is_none());
+    assert!(!path(&k1).exists(), "deleted");
+    // A truncated file: dropped at the next open (its length), and at read.
+    let b = fs::read(path(&k2)).unwrap();
+    fs::write(path(&k2), &b[..b.len() - 9]).unwrap();
+    assert!(s.get(&k2).is_none());
+    assert_eq!(s.stats().corrupt, 2);
+    assert_eq!(s.get(&k3), Some(record(5, 2.0)), "the intact entry still serves");
+    let b = fs::read(path(&k3)).unwrap();
+    fs::write(path(&k3), &b[..100]).unwrap();
+    // A dead writer's temporary file, old: removed at open.
+    let tmp = dir.join(format!(".x.1.0.{TMP}"));
+    fs::write(&tmp, b"partial").unwrap();
+    File::options().write(true).open(&tmp).unwrap().set_modified(SystemTime::now() - STALE_TMP * 2).unwrap();
+    let again = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
+    assert_eq!((again.stats().corrupt, again.stats().stale_tmp, again.stats().entries), (1, 1, 0));
+    assert!(!tmp.exists());
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_budget_evicts_the_least_recently_used_and_gc_trims_the_folder() {
+    let dir = temp("budget");
+    let one = {
+        let s = DiskStore::open(&dir, scope("m"), u64::MAX).unwrap();
+        put_now(&s, &ChunkKey::new(&[], 0, &[0]), record(8, 0.0));
+        s.stats().bytes
+    };
+    let _ = fs::remove_dir_all(&dir);
+    let s = DiskStore::open(&dir, scope("m"), 2 * one).unwrap();
+    let keys: Vec<ChunkKey> = (0..3).map(|i| ChunkKey::new(&[], 0, &[i])).collect();
+    put_now(&s, &keys[0], record(8, 0.0));
+    std::thread::sleep(Duration::from_millis(20));
+    put_now(&s, &keys[1], record(8, 1.0));
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(s.get(&keys[0]).is_some(), "0 used after 1");
+    std::thread::sleep(Duration::from_millis(20));
+    put_now(&s, &keys[2], record(8, 2.0));
+    assert!(s.get(&keys[1]).is_none(), "the least recently used went");
+    assert!(s.get(&keys[0]).is_some() && s.get(&keys[2]).is_some());
+    assert_eq!((s.stats().entries, s.stats().evictions), (2, 1));
+    assert_eq!(list(&dir, None).unwrap().len(), 2);
+    assert_eq!(gc(&dir, one).unwrap(), (1, one));
+    assert_eq!(list(&dir, Some(&scope("m"))).unwrap().len(), 1);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// The content of entry `i` of the child-process tests: a reader can tell a torn or mixed
+/// entry from the right one.
+fn numbered(i: u32) -> (ChunkKey, Record) {
+    (ChunkKey::new(&[], 0, &[i]), record(16 + (i as usize % 7) * 8, i as f32))
+}
+
+/// Not a test on its own: the writer and reader the next two tests start as processes
+/// (`FP_DISK_CHILD` names the folder, `FP_DISK_SEED` its keys). It writes entries without
+/// end and reads others, and fails on an entry that is served with other content.
+#[test]
+#[ignore = "a child process of the crash and concurrency tests"]
+fn child_writer() {
+    let Some(dir) = std::env::var_os("FP_DISK_CHILD") else { return };
+    let seed: u32 = std::env::var("FP_DISK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let rounds: u32 = std::env::var("FP_DISK_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(u32::MAX);
+    let s = DiskStore::open(Path::new(&dir), scope("m"), u64::MAX).unwrap();
+    for r in 0..rounds {
+        let i = (seed.wrapping_add(r.wrapping_mul(7))) % 40;
+        let (k, rec) = numbered(i);
+        put_now(&s, &k, rec);
+        let j = (i * 13 + 5) % 40;
+        let (k, want) = numbered(j);
+        if let Some(got) = s.get(&k) {
+            assert_eq!(got, want, "entry {j} served with other content");
+        }
+    }
+}
+
+fn child(dir: &Path, seed: u32, rounds: Option<u32>) -> std::process::Child {
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args(["store::disk::tests::child_writer", "--exact", "--ignored", "--quiet", "--test-threads", "1"]);
+    c.env("FP_DISK_CHILD", dir).env("FP_DISK_SEED", seed.to_string());
+    if let Some(r) = rounds {
+        c.env("FP_DISK_ROUNDS", r.to_string());
+    }
+    c.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap()
+}
+
+/// Writers killed (SIGKILL) at 12 points of their writes: no damaged entry is left under an
+/// entry's name (every file verifies), a fresh store serves every listed entry with its
+/// content, and the killed writers' temporary files are never served.
+#[test]
+fn writers_killed_mid_write_leave_no_damaged_entry() {
+    let dir = temp("crash");
+    fs::create_dir_all(&dir).unwrap();
+    for round in 0..12u32 {
+        let mut c = child(&dir, round * 11, None);
+        std::thread::sleep(Duration::from_millis(15 + (round as u64 * 37) % 60));
+        c.kill().unwrap();
+        let _ = c.wait();
+    }
+    let (ok, bad) = verify(&dir).unwrap();
+    assert!(bad.is_empty(), "damaged entries under entry names: {bad:?}");
+    assert!(ok > 0, "the writers wrote nothing in the time given");
+    let s = DiskStore::open(&dir, scope("m"), u64::MAX).unwrap();
+    assert_eq!((s.stats().entries, s.stats().corrupt), (ok, 0));
+    for i in 0..40 {
+        let (k, want) = numbered(i);
+        if let Some(got) = s.get(&k) {
+            assert_eq!(got, want, "entry {i}");
+        }
+    }
+    let tmp = fs::read_dir(&dir).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().ends_with(TMP)).count();
+    println!("12 writers killed: {ok} entries intact, 0 damaged, {tmp} temporary files left (removed after a minute)");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// Two processes writing and reading one folder at once (the same entries among others):
+/// neither is served a torn or mixed entry, and the folder verifies after.
+#[test]
+fn two_processes_share_a_folder() {
+    let dir = temp("share");
+    fs::create_dir_all(&dir).unwrap();
+    let (a, b) = (child(&dir, 1, Some(120)), child(&dir, 2, Some(120)));
+    for (name, c) in [("a", a), ("b", b)] {
+        let out = c.wait_with_output().unwrap();
+        assert!(out.status.success(), "process {name}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let (ok, bad) = verify(&dir).unwrap();
+    assert!(bad.is_empty() && ok > 0, "{ok} intact, damaged {bad:?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_write_that_fails_is_a_counted_warning() {
+    let dir = temp("fail");
+    let s = DiskStore::open(&dir, scope("m"), u64::MAX).unwrap();
+    // The folder gone under the store: the write fails, the caller goes on.
+    fs::remove_dir_all(&dir).unwrap();
+    put_now(&s, &ChunkKey::new(&[], 0, &[1]), record(2, 0.0));
+    assert_eq!((s.stats().write_failures, s.stats().writes), (1, 0));
+    // An entry of another element type is refused the same way.
+    fs::create_dir_all(&dir).unwrap();
+    let mut r = record(2, 0.0);
+    r.layers[0].0 = HostBuf::Bf16(vec![0; 8]);
+    put_now(&s, &ChunkKey::new(&[], 0, &[2]), r);
+    assert_eq!(s.stats().write_failures, 2);
+    let _ = fs::remove_dir_all(&dir);
+}
