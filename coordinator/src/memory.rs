@@ -11,7 +11,8 @@
 //!                     after it        placed copies + (probe | recompute batch | prompt and answer)
 //! ```
 //! Every term is the size of buffers the pipeline allocates: the forward's (`Model::run_blocks`:
-//! residual, norm, QKV, queries, attention output, gate-up and activation per row in f32; K,
+//! residual, norm, QKV, queries, gate-up and gated activation per row at the activations' type
+//! ([`Backend::act_dtype`]: f32 on the CPU, bf16 on a GPU); the attention output in f32; K,
 //! pre-RoPE K and V at the KV type), K/V of the caches at the KV type, attention partials
 //! (output and log-sum-exp per query row), logits, and the backend's own scratch
 //! ([`Backend::scratch_bytes`]). `tests/tests/suite/memory_plan.rs` runs the engine on a backend that
@@ -141,10 +142,12 @@ struct Sizes {
     qk_norm: bool,
     /// Bytes per K/V element.
     kv: usize,
+    /// Bytes per activation element.
+    act: usize,
 }
 
 impl Sizes {
-    fn new(m: &Dims, kv: DType) -> Self {
+    fn new(m: &Dims, kv: DType, act: DType) -> Self {
         Self {
             d: m.d_model,
             qd: m.q_dim,
@@ -155,6 +158,7 @@ impl Sizes {
             vocab: m.vocab_size,
             qk_norm: m.qk_norm,
             kv: kv.size(),
+            act: act.size(),
         }
     }
 
@@ -170,9 +174,10 @@ impl Sizes {
 
     /// The forward's buffers per row (`Model::run_blocks`).
     fn forward_row(&self) -> usize {
-        let f32s = 3 * self.d + (self.qd + 2 * self.kvd) + 2 * self.qd + 3 * self.ffn;
-        let norms = if self.qk_norm { 2 * self.kvd } else { 0 };
-        4 * (f32s + norms) + 3 * self.kvd * self.kv
+        // Residual and norm, QKV, queries, gate-up, gated; the per-head norms' scratch.
+        let acts = 2 * self.d + (self.qd + 2 * self.kvd) + self.qd + 3 * self.ffn;
+        let norms = if self.qk_norm { self.qd + 2 * self.kvd } else { 0 };
+        self.act * (acts + norms) + 4 * self.qd + 3 * self.kvd * self.kv
     }
 
     /// An attention partial (output and log-sum-exp) per query row.
@@ -187,7 +192,7 @@ impl Sizes {
 
     /// Logits of `rows` rows: the final norm's input and output, and the vocabulary.
     fn logits(&self, rows: usize) -> usize {
-        4 * rows * (2 * self.d + self.vocab)
+        rows * (2 * self.d * self.act + 4 * self.vocab)
     }
 
     /// The widest GEMM input.
@@ -219,17 +224,18 @@ fn peak(rank: usize, phases: Vec<Phase>) -> RankMemory {
 }
 
 /// Every rank's peak for a job of `tokens` run with `opts` on `ranks` ranks of a model of
-/// dimensions `dims` keeping K/V as `kv`; `scratch(rows, width)` is the backend's own scratch
+/// dimensions `dims` keeping K/V as `kv` and activations as `act`; `scratch(rows, width)` is the backend's own scratch
 /// for a forward of `rows` rows (see [`Backend::scratch_bytes`]).
 pub fn plan(
     dims: &Dims,
     kv: DType,
+    act: DType,
     scratch: &dyn Fn(usize, usize) -> usize,
     opts: &RunOptions,
     ranks: usize,
     tokens: &Tokens,
 ) -> Vec<RankMemory> {
-    let s = Sizes::new(dims, kv);
+    let s = Sizes::new(dims, kv, act);
     let ranks = ranks.max(1);
     let scratch = |rows: usize| scratch(rows, s.widest());
     match opts.method {
@@ -247,7 +253,7 @@ pub fn plan(
 pub fn plan_for<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, ranks: usize, layout: &Layout) -> Vec<RankMemory> {
     let be = lm.model.backend();
     let dims = Dims::of(lm.model.config());
-    plan(&dims, be.kv_dtype(), &|r, w| be.scratch_bytes(r, w), opts, ranks, &Tokens::of(layout))
+    plan(&dims, be.kv_dtype(), be.act_dtype(), &|r, w| be.scratch_bytes(r, w), opts, ranks, &Tokens::of(layout))
 }
 
 /// `full`: the cache reserved for the whole sequence and the answer, one piece's forward.
@@ -532,7 +538,7 @@ pub fn smallest_job<B: Backend>(lm: &LoadedModel<B>) -> usize {
     let opts = RunOptions { method: Method::Full, max_new_tokens: 1, ..RunOptions::default() };
     let tokens = Tokens { head: 16, chunks: vec![1], prompt: 16 };
     let dims = Dims::of(lm.model.config());
-    plan(&dims, be.kv_dtype(), &|r, w| be.scratch_bytes(r, w), &opts, 1, &tokens)[0].bytes()
+    plan(&dims, be.kv_dtype(), be.act_dtype(), &|r, w| be.scratch_bytes(r, w), &opts, 1, &tokens)[0].bytes()
 }
 
 #[cfg(test)]
@@ -568,12 +574,12 @@ mod tests {
         let c = cfg();
         let t = Tokens { head: 10, chunks: vec![1000, 990], prompt: 20 };
         let opts = RunOptions { method: Method::Full, max_new_tokens: 8, ..RunOptions::default() };
-        let p = plan(&c, DType::F32, &none, &opts, 1, &t);
+        let p = plan(&c, DType::F32, DType::F32, &none, &opts, 1, &t);
         let kv = 2 * 4 * 32 * 4 * (2020 + 8);
         assert_eq!(p[0].parts[0], Part { what: "KV cache", bytes: kv });
         assert!(p[0].bytes() > kv);
         // bf16 halves the cache, not the activations.
-        let h = plan(&c, DType::Bf16, &none, &opts, 1, &t);
+        let h = plan(&c, DType::Bf16, DType::F32, &none, &opts, 1, &t);
         assert_eq!(h[0].parts[0].bytes, kv / 2);
         assert!(h[0].bytes() < p[0].bytes() - kv / 2);
     }
@@ -584,8 +590,8 @@ mod tests {
         let t = Tokens { head: 10, chunks: vec![500; 8], prompt: 20 };
         for method in [Method::Infoflow, Method::Cacheblend, Method::Ring, Method::Star, Method::Prophet] {
             let opts = RunOptions { method, ..RunOptions::default() };
-            let one = plan(&c, DType::F32, &none, &opts, 1, &t)[0].bytes();
-            let four = plan(&c, DType::F32, &none, &opts, 4, &t);
+            let one = plan(&c, DType::F32, DType::F32, &none, &opts, 1, &t)[0].bytes();
+            let four = plan(&c, DType::F32, DType::F32, &none, &opts, 4, &t);
             assert_eq!(four.len(), 4);
             let most = four.iter().map(RankMemory::bytes).max().unwrap_or(0);
             assert!(most < one, "{method:?}: {most} on one of 4 ranks, {one} on one");

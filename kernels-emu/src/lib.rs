@@ -109,29 +109,29 @@ fn built(call: flowprefill_kernels::Result<Call>) -> Call {
     call.unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// `out[r] = table[ids[r]]` (f32 or bf16 table of `cols` columns).
-pub fn embedding<T: EmuElem>(table: &[T], cols: usize, ids: &[u32], out: &mut [f32]) {
+/// `out[r] = table[ids[r]]` (f32 or bf16 table of `cols` columns, f32 or bf16 out).
+pub fn embedding<T: EmuElem, O: EmuElem>(table: &[T], cols: usize, ids: &[u32], out: &mut [O]) {
     check("out", out.len(), ids.len() * cols);
     assert!(ids.iter().all(|&i| (i as usize + 1) * cols <= table.len()), "an id outside the table");
     run(&built(ops::embedding(p(table), p(ids), pm(out), u32_of(ids.len()), u32_of(cols))));
 }
 
-/// `x[r, c] += bias[c]`.
-pub fn add_bias(x: &mut [f32], bias: &[f32]) {
+/// `x[r, c] += bias[c]` (x f32 or bf16).
+pub fn add_bias<T: EmuElem>(x: &mut [T], bias: &[f32]) {
     assert!(!bias.is_empty() && x.len() % bias.len() == 0);
     let n = x.len() as u64;
     run(&built(ops::add_bias(pm(x), p(bias), n, u32_of(bias.len()))));
 }
 
-/// `x += y`.
-pub fn add_assign(x: &mut [f32], y: &[f32]) {
+/// `x += y` (both f32 or both bf16).
+pub fn add_assign<T: EmuElem>(x: &mut [T], y: &[T]) {
     check("y", y.len(), x.len());
     let n = x.len() as u64;
     run(&built(ops::add_assign(pm(x), p(y), n)));
 }
 
-/// `silu(gate) * up` of `[gate | up]` rows.
-pub fn silu_mul(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
+/// `silu(gate) * up` of `[gate | up]` rows (both f32 or both bf16).
+pub fn silu_mul<T: EmuElem>(gate_up: &[T], ffn: usize, out: &mut [T]) {
     let rows = out.len() / ffn.max(1);
     check("out", out.len(), rows * ffn);
     check("gate_up", gate_up.len(), rows * 2 * ffn);
@@ -177,8 +177,8 @@ pub fn bf16_to_f32(x: &[u16]) -> Vec<f32> {
     y
 }
 
-/// RMSNorm of rows of `w.len()`.
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+/// RMSNorm of rows of `w.len()` (x and out both f32, or both bf16: one warp per row).
+pub fn rms_norm<T: EmuElem>(x: &[T], w: &[f32], eps: f32, out: &mut [T]) {
     let cols = w.len();
     assert!(cols > 0 && x.len() % cols == 0);
     check("out", out.len(), x.len());
@@ -222,15 +222,16 @@ pub fn rope_copy<T: EmuElem>(src: &[T], dst: &mut [T], n_heads: usize, positions
     run(&built(ops::rope_copy(p(src), pm(dst), u32_of(positions.len()), u32_of(n_heads), p(positions), &t)));
 }
 
-/// `fp_split_qkv_rope`: `qkv` (`[rows, q_dim + 2 kv_dim]`) split into rotated `q`, pre-RoPE
-/// `k_pre`, rotated `k` and `v` (the last three of one type) in one launch.
+/// `fp_split_qkv_rope`: `qkv` (`[rows, q_dim + 2 kv_dim]`) split into rotated `q` (of the
+/// projection's type `A`), pre-RoPE `k_pre`, rotated `k` and `v` (the last three of the cache
+/// type `T`) in one launch.
 #[allow(clippy::too_many_arguments)]
-pub fn split_qkv_rope<T: EmuElem>(
-    qkv: &[f32],
+pub fn split_qkv_rope<A: EmuElem, T: EmuElem>(
+    qkv: &[A],
     heads: (usize, usize),
     positions: &[u32],
     table: &RopeTable,
-    q: &mut [f32],
+    q: &mut [A],
     k_pre: &mut [T],
     k: &mut [T],
     v: &mut [T],

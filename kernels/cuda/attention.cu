@@ -14,8 +14,6 @@
 // are f32 or bf16 (a bf16 KV cache); the arithmetic is f32 either way. The tensor-core kernel
 // (flash.cu) replaces this one for head_dim 64 and 128 with bf16 K/V.
 
-#define FP_ATT_WARPS 4
-#define FP_ATT_MAX_DIM 256
 #define FP_ATT_PER_LANE (FP_ATT_MAX_DIM / 32)
 
 template <typename KV>

@@ -111,6 +111,36 @@ __device__ __forceinline__ void fp_st(bf16_t* p, float v) {
     *p = fp_f32_to_bf16(v);
 }
 
+// Eight bf16 values as one 16-byte load or store (the address 16-byte aligned; the CPU shim
+// copies bytes, so its host buffers need no alignment).
+struct fp_bf16x8 {
+    u32 w[4];
+};
+__device__ __forceinline__ void fp_ld8(const bf16_t* p, float f[8]) {
+    fp_bf16x8 v;
+#ifdef FP_CPU_SHIM
+    std::memcpy(&v, p, 16);
+#else
+    uint4 u = *reinterpret_cast<const uint4*>(p);
+    v.w[0] = u.x, v.w[1] = u.y, v.w[2] = u.z, v.w[3] = u.w;
+#endif
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = fp_bf16_to_f32((bf16_t)(v.w[i] & 0xffffu));
+        f[2 * i + 1] = fp_bf16_to_f32((bf16_t)(v.w[i] >> 16));
+    }
+}
+__device__ __forceinline__ void fp_st8(bf16_t* p, const float f[8]) {
+    fp_bf16x8 v;
+    for (int i = 0; i < 4; i++) {
+        v.w[i] = (u32)fp_f32_to_bf16(f[2 * i]) | ((u32)fp_f32_to_bf16(f[2 * i + 1]) << 16);
+    }
+#ifdef FP_CPU_SHIM
+    std::memcpy(p, &v, 16);
+#else
+    *reinterpret_cast<uint4*>(p) = make_uint4(v.w[0], v.w[1], v.w[2], v.w[3]);
+#endif
+}
+
 // Row and column (in elements) that lane `lane` addresses for an ldmatrix.x4 over a 16x16 bf16
 // tile. Rows first: matrices (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15), which
 // gives the A operand of mma.m16n8k16 from a row-major [m][k] tile, and (with .trans) the B

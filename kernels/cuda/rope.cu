@@ -90,15 +90,15 @@ extern "C" __global__ void fp_rope_copy_bf16(const bf16_t* src, bf16_t* dst, u32
     fp_rope_copy_impl(src, dst, tokens, n_heads, head_dim, rot_dim, interleaved, positions, cos_t, sin_t, table_len);
 }
 
-// The QKV projection split for attention, in one pass: from qkv ([rows, q_dim + 2 kv_dim],
-// f32) it writes q (f32, rotated at positions), k_pre (the cache type, the keys as projected,
-// rounded once), k (the cache type, the rotation of the stored k_pre values, rounded once) and
-// v (the cache type). The same values as the copies and in-place rotations one by one (what
-// `Backend::split_qkv_rope` does by default), in one launch instead of seven. Per row: a
-// thread per rotated pair or copied value of each query head and each key head, and a thread
-// per value.
-template <typename T>
-__device__ __forceinline__ void fp_split_qkv_rope_impl(const float* qkv, float* q, T* k_pre, T* k, T* v, u32 rows,
+// The QKV projection split for attention, in one pass: from qkv ([rows, q_dim + 2 kv_dim], of
+// the activations' type A) it writes q (A, rotated at positions, rounded once), k_pre (the
+// cache type T, the keys as projected, rounded once), k (T, the rotation of the stored k_pre
+// values, rounded once) and v (T). The same values as the copies and in-place rotations one by
+// one (what `Backend::split_qkv_rope` does by default), in one launch instead of seven. Per
+// row: a thread per rotated pair or copied value of each query head and each key head, and a
+// thread per value.
+template <typename A, typename T>
+__device__ __forceinline__ void fp_split_qkv_rope_impl(const A* qkv, A* q, T* k_pre, T* k, T* v, u32 rows,
                                                        u32 n_heads, u32 n_kv_heads, u32 head_dim, u32 rot_dim,
                                                        u32 interleaved, const u32* positions, const float* cos_t,
                                                        const float* sin_t, u32 table_len) {
@@ -112,10 +112,10 @@ __device__ __forceinline__ void fp_split_qkv_rope_impl(const float* qkv, float* 
     for (u64 e = fp_gid(); e < total; e += fp_gstride()) {
         u64 r = e / per_row;
         u32 i = (u32)(e % per_row);
-        const float* row = qkv + r * stride;
+        const A* row = qkv + r * stride;
         if (i >= q_items + k_items) {
             u32 j = i - q_items - k_items;
-            fp_st(v + r * kv_dim + j, row[q_dim + kv_dim + j]);
+            fp_st(v + r * kv_dim + j, fp_ld(row + q_dim + kv_dim + j));
             continue;
         }
         bool is_q = i < q_items;
@@ -125,10 +125,10 @@ __device__ __forceinline__ void fp_split_qkv_rope_impl(const float* qkv, float* 
             // A dimension past rot_dim: copied (rounded once for the cache).
             u32 j = head * head_dim + rot_dim + (item - half);
             if (is_q) {
-                q[r * q_dim + j] = row[j];
+                fp_st(q + r * q_dim + j, fp_ld(row + j));
             } else {
                 u64 at = r * kv_dim + j;
-                fp_st(k_pre + at, row[q_dim + j]);
+                fp_st(k_pre + at, fp_ld(row + q_dim + j));
                 k[at] = k_pre[at];
             }
             continue;
@@ -138,13 +138,13 @@ __device__ __forceinline__ void fp_split_qkv_rope_impl(const float* qkv, float* 
         u32 ia = head * head_dim + (interleaved ? 2 * item : item);
         u32 ib = head * head_dim + (interleaved ? 2 * item + 1 : item + half);
         if (is_q) {
-            float a = row[ia], b = row[ib];
-            q[r * q_dim + ia] = a * c - b * s;
-            q[r * q_dim + ib] = a * s + b * c;
+            float a = fp_ld(row + ia), b = fp_ld(row + ib);
+            fp_st(q + r * q_dim + ia, a * c - b * s);
+            fp_st(q + r * q_dim + ib, a * s + b * c);
         } else {
             u64 base = r * kv_dim;
-            fp_st(k_pre + base + ia, row[q_dim + ia]);
-            fp_st(k_pre + base + ib, row[q_dim + ib]);
+            fp_st(k_pre + base + ia, fp_ld(row + q_dim + ia));
+            fp_st(k_pre + base + ib, fp_ld(row + q_dim + ib));
             float a = fp_ld(k_pre + base + ia), b = fp_ld(k_pre + base + ib);
             fp_st(k + base + ia, a * c - b * s);
             fp_st(k + base + ib, a * s + b * c);
@@ -164,6 +164,25 @@ extern "C" __global__ void fp_split_qkv_rope_bf16(const float* qkv, float* q, bf
                                                   u32 rows, u32 n_heads, u32 n_kv_heads, u32 head_dim, u32 rot_dim,
                                                   u32 interleaved, const u32* positions, const float* cos_t,
                                                   const float* sin_t, u32 table_len) {
+    fp_split_qkv_rope_impl(qkv, q, k_pre, k, v, rows, n_heads, n_kv_heads, head_dim, rot_dim, interleaved, positions,
+                           cos_t, sin_t, table_len);
+}
+
+// bf16 activations (the bf16 forward): qkv and q bf16, the cache bf16 ...
+extern "C" __global__ void fp_split_qkv_rope_act_bf16(const bf16_t* qkv, bf16_t* q, bf16_t* k_pre, bf16_t* k,
+                                                      bf16_t* v, u32 rows, u32 n_heads, u32 n_kv_heads, u32 head_dim,
+                                                      u32 rot_dim, u32 interleaved, const u32* positions,
+                                                      const float* cos_t, const float* sin_t, u32 table_len) {
+    fp_split_qkv_rope_impl(qkv, q, k_pre, k, v, rows, n_heads, n_kv_heads, head_dim, rot_dim, interleaved, positions,
+                           cos_t, sin_t, table_len);
+}
+
+// ... or f32 (`--kv-dtype f32` beside bf16 weights).
+extern "C" __global__ void fp_split_qkv_rope_act_bf16_kv_f32(const bf16_t* qkv, bf16_t* q, float* k_pre, float* k,
+                                                             float* v, u32 rows, u32 n_heads, u32 n_kv_heads,
+                                                             u32 head_dim, u32 rot_dim, u32 interleaved,
+                                                             const u32* positions, const float* cos_t,
+                                                             const float* sin_t, u32 table_len) {
     fp_split_qkv_rope_impl(qkv, q, k_pre, k, v, rows, n_heads, n_kv_heads, head_dim, rot_dim, interleaved, positions,
                            cos_t, sin_t, table_len);
 }

@@ -5,11 +5,14 @@
 //! model code; there is no second copy of the layer math. Positions and token ids stay on the
 //! host (they are small and the scheduler owns them).
 //!
-//! Buffers have an element type ([`DType`]): activations, outputs and log-sum-exps are f32;
-//! key/value caches are [`Backend::kv_dtype`] (bf16 halves their memory and the bytes that
-//! cross the network). Lengths are always counted in elements. The ops that read or write
-//! caches take both types (copies, gathers, RoPE, attention's K and V, the scores' K); the
-//! others take f32 and refuse anything else with [`KernelError::Dtype`].
+//! Buffers have an element type ([`DType`]): the forward's activations are
+//! [`Backend::act_dtype`] (f32 on the CPU; bf16 on a GPU with bf16 weights, with f32
+//! accumulation inside GEMMs, norms and softmax); attention outputs, log-sum-exps, scores and
+//! logits are f32; key/value caches are [`Backend::kv_dtype`] (bf16 halves their memory and
+//! the bytes that cross the network). Lengths are always counted in elements. An op computes in
+//! f32 and rounds once where it stores bf16 (to nearest even), so a bf16 forward differs from
+//! the f32 one only by those roundings; an op refuses an element type it cannot take with
+//! [`KernelError::Dtype`].
 
 use crate::attention::{self, AttnShape, KvRef};
 use crate::error::{check_len, KernelError, Result};
@@ -205,6 +208,11 @@ pub trait Backend: Send + Sync + 'static {
     fn dtype(&self, buf: &Self::Buf) -> DType;
     /// Element type of the key/value caches on this backend (`--kv-dtype`).
     fn kv_dtype(&self) -> DType;
+    /// Element type of the forward's activations between ops (the residual stream, norms,
+    /// projections, the SiLU gate): f32 by default; bf16 on a GPU with bf16 weights.
+    fn act_dtype(&self) -> DType {
+        DType::F32
+    }
     /// Length in elements.
     fn len(&self, buf: &Self::Buf) -> usize;
     /// Size in bytes (length times element size).
@@ -237,8 +245,16 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Embedding rows of `ids` into `out` (`ids.len() x cols`).
     fn embedding(&self, table: &Self::Mat, ids: &[u32], out: &mut Self::Buf) -> Result<()>;
-    /// `out[rows, n] = x[rows, k] · Wᵀ`.
+    /// `out[rows, n] = x[rows, k] · Wᵀ` (`x` and `out` of either element type; f32 sums).
     fn matmul_t(&self, x: &Self::Buf, rows: usize, w: &Self::Mat, out: &mut Self::Buf) -> Result<()>;
+    /// `out[rows, n] += x[rows, k] · Wᵀ`: a residual add in the GEMM's epilogue (the sum in
+    /// f32, rounded once into `out`'s type). The default multiplies into a temporary of `out`'s
+    /// type and adds it; a device adds in the epilogue.
+    fn matmul_t_acc(&self, x: &Self::Buf, rows: usize, w: &Self::Mat, out: &mut Self::Buf) -> Result<()> {
+        let mut tmp = self.zeros_as(self.len(out), self.dtype(out))?;
+        self.matmul_t(x, rows, w, &mut tmp)?;
+        self.add_assign(out, &tmp)
+    }
     /// Adds `bias` to every row of `x`.
     fn add_bias(&self, x: &mut Self::Buf, bias: &Self::Buf) -> Result<()>;
     /// RMSNorm of rows of `w.len()` values.
@@ -281,7 +297,7 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
     /// `silu(gate) * up` from a fused `[gate | up]` row layout.
     fn silu_mul(&self, gate_up: &Self::Buf, ffn: usize, out: &mut Self::Buf) -> Result<()>;
-    /// `x += y`.
+    /// `x += y` (the same element type).
     fn add_assign(&self, x: &mut Self::Buf, y: &Self::Buf) -> Result<()>;
     /// Columns `[col, col+width)` of a `[rows, src_cols]` matrix into `dst`, converting
     /// between f32 and bf16 when their types differ (f32 to bf16 rounds to nearest even).
@@ -430,20 +446,64 @@ pub struct Memory {
 
 /// The CPU backend: rayon threads, runtime-dispatched SIMD, `gemm` micro-kernels. Its KV
 /// caches are f32 unless made with [`Cpu::with_kv_dtype`] (bf16 halves their memory; the
-/// attention widens bf16 keys and values to f32 per call).
+/// attention widens bf16 keys and values to f32 per call). Its forward is f32; made with
+/// [`Cpu::with_activations`]`(Bf16)` it computes with a GPU's bf16 roundings instead.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu {
     kv: DType,
+    act: DType,
 }
 
 /// The CPU backend with f32 KV caches (the default): `Cpu.matmul_t(..)`, `LoadedModel::load(.., Cpu)`.
 #[allow(non_upper_case_globals)]
-pub const Cpu: Cpu = Cpu { kv: DType::F32 };
+pub const Cpu: Cpu = Cpu { kv: DType::F32, act: DType::F32 };
 
 impl Cpu {
     /// A CPU backend whose KV caches hold `kv` elements.
     pub fn with_kv_dtype(kv: DType) -> Self {
-        Self { kv }
+        Self { kv, act: DType::F32 }
+    }
+
+    /// This backend with activations of `act`. With bf16 it rounds exactly where the CUDA
+    /// backend's bf16 forward rounds: weights kept as bf16, every GEMM input rounded to bf16
+    /// (products exact, sums in f32), every activation stored as bf16. The CPU path users run
+    /// is f32; this one is the GPU forward's numerics on the CPU, whose kernels the emulation
+    /// tests hold to the same references op by op.
+    pub fn with_activations(self, act: DType) -> Self {
+        Self { act, ..self }
+    }
+
+    /// A GEMM's input as the backend multiplies it: bf16 values widened; f32 values as they
+    /// are, or rounded to bf16 first when the weights are bf16 (what the GPU's GEMM sees).
+    fn gemm_input<'a>(&self, x: &'a HostBuf) -> std::borrow::Cow<'a, [f32]> {
+        match (x, self.act) {
+            (HostBuf::F32(v), DType::Bf16) => {
+                std::borrow::Cow::Owned(v.iter().map(|&f| from_bf16(to_bf16(f))).collect())
+            }
+            _ => widened(x),
+        }
+    }
+}
+
+/// Stores f32 results into `out`, each rounded once when `out` holds bf16.
+fn store(out: &mut HostBuf, wide: &[f32]) {
+    match out {
+        HostBuf::F32(o) => o.copy_from_slice(wide),
+        HostBuf::Bf16(o) => o.iter_mut().zip(wide).for_each(|(b, &w)| *b = to_bf16(w)),
+    }
+}
+
+/// Runs `f` on an f32 view of `out` (borrowed when f32; a widened copy stored back rounded
+/// once when bf16).
+fn through_f32<R>(out: &mut HostBuf, f: impl FnOnce(&mut [f32]) -> Result<R>) -> Result<R> {
+    match out {
+        HostBuf::F32(o) => f(o),
+        HostBuf::Bf16(_) => {
+            let mut wide = out.to_f32();
+            let r = f(&mut wide)?;
+            store(out, &wide);
+            Ok(r)
+        }
     }
 }
 
@@ -531,6 +591,21 @@ impl Backend for Cpu {
     fn kv_dtype(&self) -> DType {
         self.kv
     }
+    fn act_dtype(&self) -> DType {
+        self.act
+    }
+    fn weight_dtype(&self) -> DType {
+        self.act
+    }
+    fn matrix_typed(&self, rows: usize, cols: usize, data: HostBuf) -> Result<Matrix> {
+        // With bf16 activations the weights are bf16 as on the GPU (widened exactly to f32).
+        let values = match (data, self.act) {
+            (HostBuf::F32(v), DType::Bf16) => v.into_iter().map(|f| from_bf16(to_bf16(f))).collect(),
+            (HostBuf::F32(v), _) => v,
+            (b @ HostBuf::Bf16(_), _) => b.to_f32(),
+        };
+        Matrix::new(rows, cols, values)
+    }
     fn len(&self, buf: &HostBuf) -> usize {
         buf.len()
     }
@@ -563,22 +638,42 @@ impl Backend for Cpu {
         }
     }
     fn matrix(&self, m: Matrix) -> Result<Matrix> {
-        Ok(m)
+        match self.act {
+            DType::Bf16 => {
+                let (rows, cols) = (m.rows(), m.cols());
+                self.matrix_typed(rows, cols, HostBuf::F32(m.into_data()))
+            }
+            DType::F32 => Ok(m),
+        }
     }
     fn mat_shape(&self, m: &Matrix) -> (usize, usize) {
         (m.rows(), m.cols())
     }
     fn embedding(&self, table: &Matrix, ids: &[u32], out: &mut HostBuf) -> Result<()> {
-        elementwise::embedding(table, ids, out.f32s_mut("embedding", "out")?)
+        through_f32(out, |o| elementwise::embedding(table, ids, o))
     }
     fn matmul_t(&self, x: &HostBuf, rows: usize, w: &Matrix, out: &mut HostBuf) -> Result<()> {
-        matmul::matmul_t(x.f32s("matmul_t", "x")?, rows, w, out.f32s_mut("matmul_t", "out")?)
+        let x = self.gemm_input(x);
+        through_f32(out, |o| matmul::matmul_t(&x, rows, w, o))
+    }
+    fn matmul_t_acc(&self, x: &HostBuf, rows: usize, w: &Matrix, out: &mut HostBuf) -> Result<()> {
+        let x = self.gemm_input(x);
+        let mut product = vec![0f32; out.len()];
+        matmul::matmul_t(&x, rows, w, &mut product)?;
+        through_f32(out, |o| {
+            o.iter_mut().zip(&product).for_each(|(a, p)| *a += p);
+            Ok(())
+        })
     }
     fn add_bias(&self, x: &mut HostBuf, bias: &HostBuf) -> Result<()> {
-        elementwise::add_bias(x.f32s_mut("add_bias", "x")?, bias.f32s("add_bias", "bias")?)
+        let bias = bias.f32s("add_bias", "bias")?;
+        through_f32(x, |x| elementwise::add_bias(x, bias))
     }
     fn rms_norm(&self, x: &HostBuf, w: &HostBuf, eps: f32, out: &mut HostBuf) -> Result<()> {
-        norm::rms_norm(x.f32s("rms_norm", "x")?, w.f32s("rms_norm", "w")?, eps, out.f32s_mut("rms_norm", "out")?)
+        let w = w.f32s("rms_norm", "w")?;
+        check_len("rms_norm", "out", out.len(), x.len())?;
+        let x = widened(x);
+        through_f32(out, |o| norm::rms_norm(&x, w, eps, o))
     }
     fn rope(&self, x: &mut HostBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
         match x {
@@ -607,7 +702,7 @@ impl Backend for Cpu {
         same_dtype(op, k, v)?;
         let (k, v) = (widened(k), widened(v));
         let kv = KvRef { k: &k, v: &v, pos: kpos };
-        attention::attention(shape, q.f32s(op, "q")?, qpos, kv, out.f32s_mut(op, "out")?, lse.f32s_mut(op, "lse")?)
+        attention::attention(shape, &widened(q), qpos, kv, out.f32s_mut(op, "out")?, lse.f32s_mut(op, "lse")?)
     }
     fn attention_scores(
         &self,
@@ -622,14 +717,7 @@ impl Backend for Cpu {
         let op = "attention_scores";
         let k = widened(k);
         let kv = KvRef { k: &k, v: &[], pos: kpos };
-        attention::attention_scores(
-            shape,
-            q.f32s(op, "q")?,
-            qpos,
-            kv,
-            lse.f32s(op, "lse")?,
-            scores.f32s_mut(op, "scores")?,
-        )
+        attention::attention_scores(shape, &widened(q), qpos, kv, lse.f32s(op, "lse")?, scores.f32s_mut(op, "scores")?)
     }
     fn merge_partial(
         &self,
@@ -649,10 +737,13 @@ impl Backend for Cpu {
         )
     }
     fn silu_mul(&self, gate_up: &HostBuf, ffn: usize, out: &mut HostBuf) -> Result<()> {
-        elementwise::silu_mul(gate_up.f32s("silu_mul", "gate_up")?, ffn, out.f32s_mut("silu_mul", "out")?)
+        let gate_up = widened(gate_up);
+        through_f32(out, |o| elementwise::silu_mul(&gate_up, ffn, o))
     }
     fn add_assign(&self, x: &mut HostBuf, y: &HostBuf) -> Result<()> {
-        elementwise::add_assign(x.f32s_mut("add_assign", "x")?, y.f32s("add_assign", "y")?)
+        same_dtype("add_assign", x, y)?;
+        let y = widened(y);
+        through_f32(x, |x| elementwise::add_assign(x, &y))
     }
     fn copy_columns(&self, src: &HostBuf, src_cols: usize, col: usize, width: usize, dst: &mut HostBuf) -> Result<()> {
         match (src, dst) {

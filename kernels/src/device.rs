@@ -52,13 +52,15 @@ pub enum DevMark {
     Cuda(crate::cuda::Mark),
 }
 
-/// How a GPU keeps the weights (the CPU always keeps f32).
+/// How a GPU keeps the weights, and with them the forward's activations (the CPU always
+/// keeps f32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum WeightType {
-    /// bf16: half the memory; GEMMs in bf16 with f32 accumulation.
+    /// bf16: half the memory; a bf16 forward (GEMMs bf16 in and out with f32 accumulation,
+    /// activations bf16 between ops).
     #[default]
     Bf16,
-    /// f32: exact weights; FP32 GEMMs (for comparing with the CPU).
+    /// f32: exact weights, FP32 GEMMs and an f32 forward (for comparing with the CPU).
     F32,
 }
 
@@ -374,6 +376,13 @@ impl Backend for Device {
             Device::Cuda(b) => b.kv_dtype(),
         }
     }
+    fn act_dtype(&self) -> DType {
+        match self {
+            Device::Cpu(b) => b.act_dtype(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(b) => b.act_dtype(),
+        }
+    }
     fn len(&self, buf: &DevBuf) -> usize {
         match buf {
             DevBuf::Cpu(b) => b.len(),
@@ -412,6 +421,9 @@ impl Backend for Device {
     }
     fn matmul_t(&self, x: &DevBuf, rows: usize, w: &DevMat, out: &mut DevBuf) -> Result<()> {
         dispatch!(self, "matmul_t", |be| be.matmul_t(x, rows, w, out), x, w, out)
+    }
+    fn matmul_t_acc(&self, x: &DevBuf, rows: usize, w: &DevMat, out: &mut DevBuf) -> Result<()> {
+        dispatch!(self, "matmul_t_acc", |be| be.matmul_t_acc(x, rows, w, out), x, w, out)
     }
     fn add_bias(&self, x: &mut DevBuf, bias: &DevBuf) -> Result<()> {
         dispatch!(self, "add_bias", |be| be.add_bias(x, bias), x, bias)

@@ -354,3 +354,67 @@ fn every_attention_configuration_matches_the_cpu_and_tuning_decides() {
     check_flash(&g, &c, &mut r, (1024, 4096, 32, 8, 128), false, "tuned ");
     check_flash(&g, &c, &mut r, (1, 8192, 9, 3, 64), false, "tuned ");
 }
+
+/// The bf16 forward's ops on the GPU against the CPU backend with the same roundings
+/// (`Cpu::with_activations(Bf16)`): GEMMs bf16 in and out and with the residual added in the
+/// epilogue (beta 1), logits bf16 in and f32 out, RMSNorm of bf16 rows (one warp per row),
+/// SiLU-gate, bias and residual adds into bf16. Differences: cuBLAS's summation order, which
+/// can move an f32 result across a bf16 rounding boundary (one bf16 unit, 2^-8 relative).
+#[test]
+fn the_bf16_forward_ops_match_the_cpu_with_its_roundings() {
+    let Some(g) = gpu(WeightType::Bf16) else { return };
+    let c = Cpu.with_activations(DType::Bf16);
+    assert_eq!(g.act_dtype(), DType::Bf16);
+    let mut r = StdRng::seed_from_u64(9);
+    let (m, k, n) = (33, 576, 136);
+    let bf = |v: &[f32]| {
+        let mut b = HostBuf::zeros(v.len(), DType::Bf16);
+        c.copy_columns(&h(v), v.len(), 0, v.len(), &mut b).unwrap();
+        b
+    };
+    let x = bf(&rand_vec(&mut r, m * k, 1.0));
+    let w = Matrix::new(n, k, rand_vec(&mut r, n * k, 0.1)).unwrap();
+    let (cw, gw) = (c.matrix(w.clone()).unwrap(), g.matrix(w).unwrap());
+    let gx = g.upload_typed(&x).unwrap();
+    // One bf16 unit of the output scale.
+    let close = |got: &HostBuf, want: &HostBuf, what: &str| {
+        assert_eq!(got.dtype(), want.dtype(), "{what}: element type");
+        let (a, b) = (got.to_f32(), want.to_f32());
+        let scale = b.iter().fold(1f32, |s, v| s.max(v.abs()));
+        let e = max_err(&a, &b);
+        assert!(e <= scale / 128.0, "{what}: error {e} at scale {scale}");
+    };
+    for out_type in [DType::Bf16, DType::F32] {
+        let mut want = HostBuf::zeros(m * n, out_type);
+        c.matmul_t(&x, m, &cw, &mut want).unwrap();
+        let mut got = g.zeros_as(m * n, out_type).unwrap();
+        g.matmul_t(&gx, m, &gw, &mut got).unwrap();
+        close(&g.download_typed(&got).unwrap(), &want, &format!("GEMM bf16 -> {out_type}"));
+    }
+    let resid = bf(&rand_vec(&mut r, m * n, 2.0));
+    let mut want = resid.clone();
+    c.matmul_t_acc(&x, m, &cw, &mut want).unwrap();
+    let mut got = g.upload_typed(&resid).unwrap();
+    g.matmul_t_acc(&gx, m, &gw, &mut got).unwrap();
+    close(&g.download_typed(&got).unwrap(), &want, "GEMM with the residual in the epilogue");
+
+    let nw = rand_vec(&mut r, k, 1.5);
+    let mut want = HostBuf::zeros(m * k, DType::Bf16);
+    c.rms_norm(&x, &h(&nw), 1e-5, &mut want).unwrap();
+    let mut got = g.zeros_as(m * k, DType::Bf16).unwrap();
+    g.rms_norm(&gx, &g.upload(&nw).unwrap(), 1e-5, &mut got).unwrap();
+    close(&g.download_typed(&got).unwrap(), &want, "RMSNorm of bf16 rows");
+
+    let ffn = k / 2;
+    let mut want = HostBuf::zeros(m * ffn, DType::Bf16);
+    c.silu_mul(&x, ffn, &mut want).unwrap();
+    let mut got = g.zeros_as(m * ffn, DType::Bf16).unwrap();
+    g.silu_mul(&gx, ffn, &mut got).unwrap();
+    close(&g.download_typed(&got).unwrap(), &want, "SiLU-gate into bf16");
+
+    let bias = rand_vec(&mut r, k, 0.5);
+    let (mut want, mut got) = (x.clone(), g.upload_typed(&x).unwrap());
+    c.add_bias(&mut want, &h(&bias)).unwrap();
+    g.add_bias(&mut got, &g.upload(&bias).unwrap()).unwrap();
+    assert_eq!(g.download_typed(&got).unwrap(), want, "bias add into bf16, bit for bit");
+}

@@ -34,7 +34,8 @@ pub struct Common {
     /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
     #[arg(long, global = true, default_value = "cpu", env = "FLOWPREFILL_DEVICE")]
     pub device: flowprefill_kernels::DeviceSpec,
-    /// How a GPU keeps the weights: bf16 (half the memory) or f32 (as the CPU).
+    /// How a GPU keeps the weights and activations: bf16 (half the memory, a bf16 forward with
+    /// f32 sums) or f32 (the f32 forward, as the CPU).
     #[arg(long, global = true, default_value = "bf16")]
     pub weights: flowprefill_kernels::WeightType,
     /// Element type of the KV caches: bf16 (half the memory and of the bytes sent between

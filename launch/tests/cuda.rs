@@ -12,6 +12,11 @@ const F32_LOGIT_TOL: f64 = 5e-2;
 /// probabilities to bf16) against the CPU with a bf16 KV cache: bf16 rounding of Q and P on top
 /// of the same cache values.
 const BF16_KV_LOGIT_TOL: f64 = 0.5;
+/// The bf16 forward (bf16 weights and activations) against the CPU's f32 forward: on the CPU
+/// with the same roundings the first-token logits moved by up to 1.35e-2 of their range (about
+/// 40) over ten methods (`tests/tests/suite/bf16_forward.rs`), 0.54; the tensor cores' rounding
+/// of the probabilities on top. Projected, to be confirmed on the first GPU run.
+const BF16_FORWARD_LOGIT_TOL: f64 = 1.2;
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_flowprefill"))
@@ -109,7 +114,7 @@ fn gpu_logits_and_answers_match_the_cpu() {
         match (weights, kv) {
             ("f32", "f32") => close(&cpu, &gpu, F32_LOGIT_TOL, "f32 weights, f32 KV (simple attention)"),
             ("f32", "bf16") => close(&cpu_bf16_kv, &gpu, BF16_KV_LOGIT_TOL, "f32 weights, bf16 KV (tensor cores)"),
-            _ => {}
+            _ => close(&cpu, &gpu, BF16_FORWARD_LOGIT_TOL, &format!("the bf16 forward, {kv} KV")),
         }
     }
 }

@@ -164,6 +164,9 @@ impl Backend for Counting {
     fn kv_dtype(&self) -> DType {
         self.cpu.kv_dtype()
     }
+    fn act_dtype(&self) -> DType {
+        self.cpu.act_dtype()
+    }
     fn len(&self, buf: &HostBuf) -> usize {
         buf.len()
     }
@@ -186,6 +189,11 @@ impl Backend for Counting {
         let (n, k) = (w.rows(), w.cols());
         self.add(|r| r.gemm_flops += 2.0 * (rows * n * k) as f64);
         self.cpu.matmul_t(x, rows, w, out)
+    }
+    fn matmul_t_acc(&self, x: &HostBuf, rows: usize, w: &Matrix, out: &mut HostBuf) -> Result<()> {
+        let (n, k) = (w.rows(), w.cols());
+        self.add(|r| r.gemm_flops += 2.0 * (rows * n * k) as f64);
+        self.cpu.matmul_t_acc(x, rows, w, out)
     }
     fn add_bias(&self, x: &mut HostBuf, bias: &HostBuf) -> Result<()> {
         self.cpu.add_bias(x, bias)

@@ -211,6 +211,9 @@ impl Backend for Limited {
     fn kv_dtype(&self) -> DType {
         self.cpu.kv_dtype()
     }
+    fn act_dtype(&self) -> DType {
+        self.cpu.act_dtype()
+    }
     fn len(&self, buf: &Tracked) -> usize {
         buf.buf.len()
     }
@@ -235,6 +238,10 @@ impl Backend for Limited {
     }
     fn matmul_t(&self, x: &Tracked, rows: usize, w: &Matrix, out: &mut Tracked) -> Result<()> {
         self.cpu.matmul_t(&x.buf, rows, w, &mut out.buf)
+    }
+    fn matmul_t_acc(&self, x: &Tracked, rows: usize, w: &Matrix, out: &mut Tracked) -> Result<()> {
+        // In the epilogue, as the real backends do: no temporary to count.
+        self.cpu.matmul_t_acc(&x.buf, rows, w, &mut out.buf)
     }
     fn add_bias(&self, x: &mut Tracked, bias: &Tracked) -> Result<()> {
         self.cpu.add_bias(&mut x.buf, &bias.buf)

@@ -415,6 +415,12 @@ impl Backend for CudaBackend {
         self.kv
     }
 
+    fn act_dtype(&self) -> DType {
+        // Activations follow the weights: bf16 weights, a bf16 forward; f32 weights, the f32
+        // forward the CPU runs.
+        self.weight_dtype()
+    }
+
     fn len(&self, buf: &DeviceBuf) -> usize {
         buf.len
     }
@@ -517,14 +523,21 @@ impl Backend for CudaBackend {
     }
 
     fn matmul_t(&self, x: &DeviceBuf, rows: usize, w: &DeviceMat, out: &mut DeviceBuf) -> Result<()> {
-        want("matmul_t", "x", x.dtype(), DType::F32)?;
-        want("matmul_t", "out", out.dtype(), DType::F32)?;
         check_same("matmul_t", "x", x.len, rows * w.cols)?;
         check_same("matmul_t", "out", out.len, rows * w.rows)?;
         if rows == 0 || w.rows == 0 {
             return Ok(());
         }
-        self.gemm(x, rows, w, out)
+        self.gemm(x, rows, w, out, false)
+    }
+
+    fn matmul_t_acc(&self, x: &DeviceBuf, rows: usize, w: &DeviceMat, out: &mut DeviceBuf) -> Result<()> {
+        check_same("matmul_t_acc", "x", x.len, rows * w.cols)?;
+        check_same("matmul_t_acc", "out", out.len, rows * w.rows)?;
+        if rows == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        self.gemm(x, rows, w, out, true)
     }
 
     fn add_bias(&self, x: &mut DeviceBuf, bias: &DeviceBuf) -> Result<()> {
@@ -549,7 +562,6 @@ impl Backend for CudaBackend {
             });
         }
         check_same("rms_norm", "out", out.len, x.len)?;
-        want("rms_norm", "out", out.dtype(), DType::F32)?;
         let rows = (x.len / cols) as u32;
         if rows == 0 {
             return Ok(());
@@ -623,7 +635,6 @@ impl Backend for CudaBackend {
         }
         let rows = out.len / ffn;
         check_same("silu_mul", "gate_up", gate_up.len, rows * 2 * ffn)?;
-        want("silu_mul", "out", out.dtype(), DType::F32)?;
         if rows == 0 {
             return Ok(());
         }
@@ -634,6 +645,7 @@ impl Backend for CudaBackend {
 
     fn add_assign(&self, x: &mut DeviceBuf, y: &DeviceBuf) -> Result<()> {
         check_same("add_assign", "y", y.len, x.len)?;
+        want("add_assign", "y", y.dtype(), x.dtype())?;
         if x.len == 0 {
             return Ok(());
         }

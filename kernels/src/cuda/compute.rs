@@ -12,24 +12,40 @@ use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 impl CudaBackend {
-    /// out[rows, n] = x[rows, k] · Wᵀ (W `[n, k]` row-major): cuBLAS column-major with
-    /// C (n x rows) = op(A) B, A = W viewed as k x n (transposed), B = x viewed as k x rows.
-    pub(super) fn gemm(&self, x: &DeviceBuf, rows: usize, w: &DeviceMat, out: &mut DeviceBuf) -> Result<()> {
+    /// out[rows, n] = x[rows, k] · Wᵀ (W `[n, k]` row-major), or `+=` when `accumulate` (the
+    /// residual add in the epilogue: beta 1, the sum in f32, rounded once into `out`'s type):
+    /// cuBLAS column-major with C (n x rows) = op(A) B + beta C, A = W viewed as k x n
+    /// (transposed), B = x viewed as k x rows. f32 weights multiply f32 activations in FP32;
+    /// bf16 weights multiply bf16 activations (an f32 input is rounded into a scratch first)
+    /// with f32 accumulation, into an f32 or bf16 output.
+    pub(super) fn gemm(
+        &self,
+        x: &DeviceBuf,
+        rows: usize,
+        w: &DeviceMat,
+        out: &mut DeviceBuf,
+        accumulate: bool,
+    ) -> Result<()> {
         let (n, k) = (w.rows, w.cols);
         let (m_, n_, k_) = (n as i32, rows as i32, k as i32);
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let op_t = cublas_sys::cublasOperation_t::CUBLAS_OP_T;
         let op_n = cublas_sys::cublasOperation_t::CUBLAS_OP_N;
         let compute = cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let algo = cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
-        let f32t = cublas_sys::cudaDataType_t::CUDA_R_32F;
+        let type_of = |d: DType| match d {
+            DType::F32 => cublas_sys::cudaDataType_t::CUDA_R_32F,
+            DType::Bf16 => cublas_sys::cudaDataType_t::CUDA_R_16BF,
+        };
+        let out_type = out.dtype();
+        let c_type = type_of(out_type);
         let (c, _c) = out.ptr_mut(&self.stream);
         let handle = *self.blas.handle();
         let run = |a: u64, b: u64, t, what: &str| {
             // SAFETY: `a`, `b` and `c` are live device allocations of at least n*k, rows*k
-            // and rows*n elements (the caller checked the lengths; the bf16 scratch holds
-            // rows*k); alpha and beta outlive the call; the allocations' stream-order guards
-            // are held until this returns.
+            // and rows*n elements of their types (the caller checked the lengths; the bf16
+            // scratch holds rows*k); alpha and beta outlive the call; the allocations'
+            // stream-order guards are held until this returns.
             unsafe {
                 cublas::gemm_ex(
                     handle,
@@ -47,7 +63,7 @@ impl CudaBackend {
                     k_,
                     &beta as *const f32 as *const _,
                     c.addr as *mut _,
-                    f32t,
+                    c_type,
                     m_,
                     compute,
                     algo,
@@ -56,33 +72,58 @@ impl CudaBackend {
             .map_err(|e| err(what, e))
         };
         let (xp, _x) = x.ptr(&self.stream);
-        match &w.data {
-            MatData::F32(wd) => {
+        match (&w.data, x.dtype()) {
+            (MatData::F32(wd), DType::F32) => {
+                want("matmul_t", "out", out_type, DType::F32)?;
                 let (a, _a) = wd.device_ptr(&self.stream);
-                run(a, xp.addr, f32t, "gemm (f32)")
+                run(a, xp.addr, type_of(DType::F32), "gemm (f32)")
             }
-            MatData::Bf16(wd) => {
-                // The activations go to bf16 in a scratch buffer reused across calls.
+            (MatData::F32(_), DType::Bf16) => Err(KernelError::Dtype {
+                op: "matmul_t",
+                detail: "bf16 activations with f32 weights: load the model with --weights bf16".into(),
+            }),
+            (MatData::Bf16(wd), DType::Bf16) => {
+                let (a, _a) = wd.device_ptr(&self.stream);
+                run(a, xp.addr, type_of(DType::Bf16), "gemm (bf16)")
+            }
+            (MatData::Bf16(wd), DType::F32) => {
+                // f32 activations (an attention output) go to bf16 in a scratch reused across
+                // calls.
                 let need = rows * k;
                 let mut scratch = self.gemm_x.get(&self.stream, need)?;
                 let xb = scratch.as_mut().ok_or_else(|| err("gemm", "no scratch"))?;
                 let (xbp, _xb) = xb.device_ptr_mut(&self.stream);
                 self.run_built(ops::convert(xp, Ptr::new(xbp, Elem::Bf16), need as u64))?;
                 let (a, _a) = wd.device_ptr(&self.stream);
-                run(a, xbp, cublas_sys::cudaDataType_t::CUDA_R_16BF, "gemm (bf16)")
+                run(a, xbp, type_of(DType::Bf16), "gemm (bf16)")
             }
         }
     }
 
-    /// The bf16 copy of f32 queries `q` in the attention scratch; runs `f` with its address.
+    /// The queries `q` as bf16 for the tensor-core kernels: their own address when they are
+    /// bf16 already (the bf16 forward), else a rounded copy in the attention scratch; runs `f`
+    /// with it.
     pub(super) fn with_bf16_queries<R>(&self, q: &DeviceBuf, f: impl FnOnce(Ptr) -> Result<R>) -> Result<R> {
+        let (qp, _q) = q.ptr(&self.stream);
+        if q.dtype() == DType::Bf16 {
+            return f(qp);
+        }
         let mut scratch = self.attn_q.get(&self.stream, q.len)?;
         let qb = scratch.as_mut().ok_or_else(|| err("attention", "no scratch"))?;
         let (qbp, _g) = qb.device_ptr_mut(&self.stream);
         let qb = Ptr::new(qbp, Elem::Bf16);
-        let (qp, _q) = q.ptr(&self.stream);
         self.run_built(ops::convert(qp, qb, q.len as u64))?;
         f(qb)
+    }
+
+    /// f32 queries for the FP32 kernels: `None` when `q` is f32, else a widened copy (exact).
+    fn f32_queries(&self, q: &DeviceBuf) -> Result<Option<DeviceBuf>> {
+        if q.dtype() == DType::F32 {
+            return Ok(None);
+        }
+        let mut wide = crate::Backend::zeros_as(self, q.len, DType::F32)?;
+        crate::Backend::copy_columns(self, q, q.len, 0, q.len, &mut wide)?;
+        Ok(Some(wide))
     }
 
     /// Runs `f` with the partial output and log-sum-exp buffers of `plan`'s key splits (`None`
@@ -129,7 +170,6 @@ impl CudaBackend {
         check_same(op, "v", v.len, kpos.len() * shape.kv_dim())?;
         check_same(op, "out", out.len, q.len)?;
         check_same(op, "lse", lse.len, qpos.len() * shape.n_heads)?;
-        want(op, "q", q.dtype(), DType::F32)?;
         want(op, "v", v.dtype(), k.dtype())?;
         if qpos.is_empty() {
             return Ok(());
@@ -158,6 +198,8 @@ impl CudaBackend {
                 })
             });
         }
+        let wide = self.f32_queries(q)?;
+        let q = wide.as_ref().unwrap_or(q);
         let (qp, kp2) = (self.upload_u32(qpos)?, self.upload_u32(kpos)?);
         let (qpp, _a) = qp.device_ptr(s);
         let (kpp, _b) = kp2.device_ptr(s);
@@ -187,7 +229,6 @@ impl CudaBackend {
         check_same(op, "k", k.len, kpos.len() * shape.kv_dim())?;
         check_same(op, "lse", lse.len, qpos.len() * shape.n_heads)?;
         check_same(op, "scores", scores.len, kpos.len())?;
-        want(op, "q", q.dtype(), DType::F32)?;
         want(op, "scores", scores.dtype(), DType::F32)?;
         if qpos.is_empty() || kpos.is_empty() {
             return Ok(());
@@ -206,7 +247,8 @@ impl CudaBackend {
                 self.run_built(ops::flash_scores(dims, qb, u(qpp), kd, u(kpp), ld, sd, shape.scale))
             });
         }
-        let (qd, _f) = q.ptr(s);
+        let wide = self.f32_queries(q)?;
+        let (qd, _f) = wide.as_ref().unwrap_or(q).ptr(s);
         self.run_built(ops::attention_scores(dims, qd, u(qpp), kd, u(kpp), ld, sd, shape.scale))
     }
 }

@@ -156,12 +156,18 @@ pub const FILES: &[KernelFile] = &[
         kernels: &[
             budget("fp_embedding_f32", 32, 0),
             budget("fp_embedding_bf16", 32, 0),
+            budget("fp_embedding_f32_to_bf16", 32, 0),
+            budget("fp_embedding_bf16_to_bf16", 32, 0),
             budget("fp_add_bias", 32, 0),
+            budget("fp_add_bias_bf16", 32, 0),
             budget("fp_add_assign", 32, 0),
+            budget("fp_add_assign_bf16", 32, 0),
             budget("fp_silu_mul", 32, 0),
+            budget("fp_silu_mul_bf16", 32, 0),
             budget("fp_copy_columns", 32, 0),
             budget("fp_copy_columns_to_bf16", 32, 0),
             budget("fp_copy_columns_bf16", 32, 0),
+            budget("fp_copy_columns_from_bf16", 32, 0),
             budget("fp_copy_rows", 32, 0),
             budget("fp_copy_rows_bf16", 32, 0),
             budget("fp_fill", 32, 0),
@@ -172,7 +178,7 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "norm.cu",
         source: include_str!("../../cuda/norm.cu"),
-        kernels: &[budget("fp_rms_norm", 32, 64)],
+        kernels: &[budget("fp_rms_norm", 32, 64), budget("fp_rms_norm_bf16", 40, 0).threads(32 * NORM_ROWS_PER_BLOCK)],
     },
     KernelFile {
         name: "rope.cu",
@@ -184,6 +190,8 @@ pub const FILES: &[KernelFile] = &[
             budget("fp_rope_copy_bf16", 40, 0),
             budget("fp_split_qkv_rope", 48, 0),
             budget("fp_split_qkv_rope_bf16", 48, 0),
+            budget("fp_split_qkv_rope_act_bf16", 48, 0),
+            budget("fp_split_qkv_rope_act_bf16_kv_f32", 48, 0),
         ],
     },
     KernelFile {
@@ -527,12 +535,7 @@ impl Call {
 pub const ELEMENTWISE_THREADS: u32 = 256;
 /// Blocks at most for a grid-stride loop (enough to fill any current GPU several times).
 pub const MAX_STRIDE_BLOCKS: u64 = 4096;
-/// Threads per block of RMSNorm (`FP_NORM_THREADS` in norm.cu).
-pub const NORM_THREADS: u32 = 256;
-/// Query rows (warps) per block of the simple attention kernel (`FP_ATT_WARPS` in attention.cu).
-pub const ATTENTION_WARPS: u32 = 4;
-/// Largest head dimension of the simple attention kernel (`FP_ATT_MAX_DIM`).
-pub const ATTENTION_MAX_DIM: usize = 256;
+pub use shapes::{ATTENTION_MAX_DIM, ATTENTION_WARPS, NORM_ROWS_PER_BLOCK, NORM_THREADS};
 
 /// A grid-stride loop over `n` items.
 pub fn stride_launch(n: u64) -> Launch {
@@ -540,9 +543,14 @@ pub fn stride_launch(n: u64) -> Launch {
     Launch::grid2(blocks, 1, ELEMENTWISE_THREADS)
 }
 
-/// RMSNorm: one block per row.
+/// RMSNorm of f32 rows: one block per row.
 pub fn norm_launch(rows: u32) -> Launch {
     Launch::grid2(rows.max(1), 1, NORM_THREADS)
+}
+
+/// RMSNorm of bf16 rows: one warp per row, [`NORM_ROWS_PER_BLOCK`] rows per block.
+pub fn norm_warp_launch(rows: u32) -> Launch {
+    Launch::grid2(rows.div_ceil(NORM_ROWS_PER_BLOCK).max(1), 1, 32 * NORM_ROWS_PER_BLOCK)
 }
 
 /// Simple attention: one warp per query row and head.

@@ -24,53 +24,71 @@ fn expect(op: &'static str, what: &str, p: Ptr, elem: Elem) -> Result<()> {
     }
 }
 
-/// `out[r] = table[ids[r]]` for an f32 or bf16 table; `out` is f32.
+/// `out[r] = table[ids[r]]` for an f32 or bf16 table into f32 or bf16 activations.
 pub fn embedding(table: Ptr, ids: Ptr, out: Ptr, n: u32, cols: u32) -> Result<Call> {
     let op = "embedding";
-    expect(op, "out", out, Elem::F32)?;
-    let kernel = match table.elem {
-        Elem::F32 => "fp_embedding_f32",
-        Elem::Bf16 => "fp_embedding_bf16",
-        e => return Err(dtype_err(op, format!("a table of {e:?}"))),
+    let kernel = match (table.elem, out.elem) {
+        (Elem::F32, Elem::F32) => "fp_embedding_f32",
+        (Elem::Bf16, Elem::F32) => "fp_embedding_bf16",
+        (Elem::F32, Elem::Bf16) => "fp_embedding_f32_to_bf16",
+        (Elem::Bf16, Elem::Bf16) => "fp_embedding_bf16_to_bf16",
+        (t, o) => return Err(dtype_err(op, format!("a table of {t:?} into {o:?}"))),
     };
     let launch = stride_launch(n as u64 * cols as u64);
     Ok(Call { kernel, launch, args: vec![ptr(table), ptr(ids), ptr(out), Arg::U32(n), Arg::U32(cols)] })
 }
 
-/// `x[r, c] += bias[c]` over `n` values.
+/// The kernel of an op that takes f32 or bf16 activations (`f32_kernel`, `bf16_kernel`).
+fn by_act(
+    op: &'static str,
+    what: &str,
+    p: Ptr,
+    f32_kernel: &'static str,
+    bf16_kernel: &'static str,
+) -> Result<&'static str> {
+    match p.elem {
+        Elem::F32 => Ok(f32_kernel),
+        Elem::Bf16 => Ok(bf16_kernel),
+        e => Err(dtype_err(op, format!("{what} holds {e:?} values, this operation takes f32 or bf16"))),
+    }
+}
+
+/// `x[r, c] += bias[c]` over `n` values (x f32 or bf16, the bias f32).
 pub fn add_bias(x: Ptr, bias: Ptr, n: u64, cols: u32) -> Result<Call> {
-    expect("add_bias", "x", x, Elem::F32)?;
+    expect("add_bias", "bias", bias, Elem::F32)?;
     Ok(Call {
-        kernel: "fp_add_bias",
+        kernel: by_act("add_bias", "x", x, "fp_add_bias", "fp_add_bias_bf16")?,
         launch: stride_launch(n),
         args: vec![ptr(x), ptr(bias), Arg::U64(n), Arg::U32(cols)],
     })
 }
 
-/// `x += y` over `n` values.
+/// `x += y` over `n` values (the same type, f32 or bf16).
 pub fn add_assign(x: Ptr, y: Ptr, n: u64) -> Result<Call> {
-    expect("add_assign", "x", x, Elem::F32)?;
-    expect("add_assign", "y", y, Elem::F32)?;
-    Ok(Call { kernel: "fp_add_assign", launch: stride_launch(n), args: vec![ptr(x), ptr(y), Arg::U64(n)] })
+    expect("add_assign", "y", y, x.elem)?;
+    let kernel = by_act("add_assign", "x", x, "fp_add_assign", "fp_add_assign_bf16")?;
+    Ok(Call { kernel, launch: stride_launch(n), args: vec![ptr(x), ptr(y), Arg::U64(n)] })
 }
 
-/// `out = silu(gate) * up` of `[gate | up]` rows.
+/// `out = silu(gate) * up` of `[gate | up]` rows (both f32 or both bf16).
 pub fn silu_mul(gate_up: Ptr, out: Ptr, rows: u64, ffn: u32) -> Result<Call> {
-    expect("silu_mul", "gate_up", gate_up, Elem::F32)?;
+    expect("silu_mul", "out", out, gate_up.elem)?;
     Ok(Call {
-        kernel: "fp_silu_mul",
+        kernel: by_act("silu_mul", "gate_up", gate_up, "fp_silu_mul", "fp_silu_mul_bf16")?,
         launch: stride_launch(rows * ffn as u64),
         args: vec![ptr(gate_up), ptr(out), Arg::U64(rows), Arg::U32(ffn)],
     })
 }
 
-/// Columns `[col, col + width)` of `[rows, src_cols]` into `dst`, converting f32 to bf16 when
-/// `dst` holds bf16 (how projections land in a bf16 KV cache); bf16 to bf16 is a copy.
+/// Columns `[col, col + width)` of `[rows, src_cols]` into `dst`, converting between f32 and
+/// bf16 when their types differ (how projections land in a KV cache of another type); the
+/// same type is a copy.
 pub fn copy_columns(src: Ptr, src_cols: u32, col: u32, width: u32, dst: Ptr, rows: u64) -> Result<Call> {
     let kernel = match (src.elem, dst.elem) {
         (Elem::F32, Elem::F32) => "fp_copy_columns",
         (Elem::F32, Elem::Bf16) => "fp_copy_columns_to_bf16",
         (Elem::Bf16, Elem::Bf16) => "fp_copy_columns_bf16",
+        (Elem::Bf16, Elem::F32) => "fp_copy_columns_from_bf16",
         (s, d) => return Err(dtype_err("copy_columns", format!("from {s:?} into {d:?}"))),
     };
     Ok(Call {
@@ -110,14 +128,16 @@ pub fn convert(x: Ptr, y: Ptr, n: u64) -> Result<Call> {
     Ok(Call { kernel, launch: stride_launch(n), args: vec![ptr(x), ptr(y), Arg::U64(n)] })
 }
 
-/// RMSNorm of `rows` rows of `cols`.
+/// RMSNorm of `rows` rows of `cols` (x and out both f32, or both bf16; the weight f32).
 pub fn rms_norm(x: Ptr, w: Ptr, eps: f32, out: Ptr, rows: u32, cols: u32) -> Result<Call> {
-    expect("rms_norm", "x", x, Elem::F32)?;
-    Ok(Call {
-        kernel: "fp_rms_norm",
-        launch: super::norm_launch(rows),
-        args: vec![ptr(x), ptr(w), Arg::F32(eps), ptr(out), Arg::U32(rows), Arg::U32(cols)],
-    })
+    expect("rms_norm", "w", w, Elem::F32)?;
+    expect("rms_norm", "out", out, x.elem)?;
+    let (kernel, launch) = match x.elem {
+        Elem::F32 => ("fp_rms_norm", super::norm_launch(rows)),
+        Elem::Bf16 => ("fp_rms_norm_bf16", super::norm_warp_launch(rows)),
+        e => return Err(dtype_err("rms_norm", format!("x holds {e:?} values"))),
+    };
+    Ok(Call { kernel, launch, args: vec![ptr(x), ptr(w), Arg::F32(eps), ptr(out), Arg::U32(rows), Arg::U32(cols)] })
 }
 
 /// The device side of a RoPE table.
@@ -189,9 +209,9 @@ pub fn rope_copy(src: Ptr, dst: Ptr, tokens: u32, n_heads: u32, positions: Ptr, 
 /// The buffers of [`split_qkv_rope`]: the projection in, the four parts out.
 #[derive(Clone, Copy, Debug)]
 pub struct QkvParts {
-    /// `[rows, q_dim + 2 kv_dim]`, f32.
+    /// `[rows, q_dim + 2 kv_dim]`, the activations' type (f32 or bf16).
     pub qkv: Ptr,
-    /// `[rows, q_dim]`, f32, rotated.
+    /// `[rows, q_dim]`, the activations' type, rotated.
     pub q: Ptr,
     /// `[rows, kv_dim]`, the cache type, as projected.
     pub k_pre: Ptr,
@@ -202,7 +222,8 @@ pub struct QkvParts {
 }
 
 /// Splits a QKV projection into rotated queries, pre-RoPE and rotated keys and values in one
-/// launch (see `rope.cu`). K, pre-RoPE K and V share one element type.
+/// launch (see `rope.cu`). Q shares the projection's element type; K, pre-RoPE K and V share
+/// the cache's.
 pub fn split_qkv_rope(
     b: QkvParts,
     rows: u32,
@@ -212,14 +233,15 @@ pub fn split_qkv_rope(
     t: &RopeArgs,
 ) -> Result<Call> {
     let op = "split_qkv_rope";
-    expect(op, "qkv", b.qkv, Elem::F32)?;
-    expect(op, "q", b.q, Elem::F32)?;
+    expect(op, "q", b.q, b.qkv.elem)?;
     expect(op, "k", b.k, b.k_pre.elem)?;
     expect(op, "v", b.v, b.k_pre.elem)?;
-    let kernel = match b.k_pre.elem {
-        Elem::F32 => "fp_split_qkv_rope",
-        Elem::Bf16 => "fp_split_qkv_rope_bf16",
-        e => return Err(dtype_err(op, format!("keys of {e:?}"))),
+    let kernel = match (b.qkv.elem, b.k_pre.elem) {
+        (Elem::F32, Elem::F32) => "fp_split_qkv_rope",
+        (Elem::F32, Elem::Bf16) => "fp_split_qkv_rope_bf16",
+        (Elem::Bf16, Elem::Bf16) => "fp_split_qkv_rope_act_bf16",
+        (Elem::Bf16, Elem::F32) => "fp_split_qkv_rope_act_bf16_kv_f32",
+        (a, kv) => return Err(dtype_err(op, format!("activations of {a:?} and keys of {kv:?}"))),
     };
     let per = (t.rot_dim / 2 + (t.head_dim - t.rot_dim.min(t.head_dim))) as u64;
     let per_row = (n_heads as u64 + n_kv_heads as u64) * per + n_kv_heads as u64 * t.head_dim as u64;

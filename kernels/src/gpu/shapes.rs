@@ -1,4 +1,4 @@
-//! The tensor-core kernels' launch shapes, written once. The `.cu` files define none of them:
+//! The kernels' launch shapes, written once. The `.cu` files define none of them:
 //! [`header`] writes them as `#define`s, which [`super::program`] puts before every source
 //! NVRTC compiles and the emulator's build script (`kernels-emu/build.rs`, which includes this
 //! very file) puts before the sources it compiles as C++; the launch builders in
@@ -19,6 +19,14 @@ pub const REF_ROWS: u32 = 64;
 pub const META_KEYS: u32 = 64;
 /// Threads per block of `flash.cu` and of the tensor-core scores kernel.
 pub const REF_THREADS: u32 = 128;
+/// Threads per block of RMSNorm over f32 rows (`norm.cu`, one block per row).
+pub const NORM_THREADS: u32 = 256;
+/// Rows (one warp each) per block of RMSNorm over bf16 rows.
+pub const NORM_ROWS_PER_BLOCK: u32 = 4;
+/// Query rows (warps) per block of the simple attention kernel (`attention.cu`).
+pub const ATTENTION_WARPS: u32 = 4;
+/// Largest head dimension of the simple attention kernel.
+pub const ATTENTION_MAX_DIM: usize = 256;
 /// How far (log2 units) `flash2.cu` lets a row's maximum rise before it rescales O and l.
 pub const FA2_RESCALE_LOG2: u32 = 8;
 
@@ -131,6 +139,10 @@ pub fn header(config: usize) -> String {
     let mut def = |name: &str, value: String| {
         h.push_str(&format!("#define {name} {value}\n"));
     };
+    def("FP_NORM_THREADS", NORM_THREADS.to_string());
+    def("FP_NORM_WARP_ROWS", NORM_ROWS_PER_BLOCK.to_string());
+    def("FP_ATT_WARPS", ATTENTION_WARPS.to_string());
+    def("FP_ATT_MAX_DIM", ATTENTION_MAX_DIM.to_string());
     def("FP_FA_ROWS", REF_ROWS.to_string());
     def("FP_FA_KEYS", META_KEYS.to_string());
     def("FP_FA_THREADS", REF_THREADS.to_string());

@@ -179,13 +179,23 @@ impl Target<'_> {
         }
     }
 
-    /// The memory plan of the same request on its busiest rank, at the target's K/V type, with
-    /// a GPU's scratch.
+    /// The forward's activation type: bf16 with bf16 weights (a GPU's bf16 forward), else f32.
+    fn act(&self) -> DType {
+        if self.dev.weight_bytes.value.round() as usize == 2 {
+            DType::Bf16
+        } else {
+            DType::F32
+        }
+    }
+
+    /// The memory plan of the same request on its busiest rank, at the target's K/V and
+    /// activation types, with a GPU's scratch.
     fn memory(&self, opts: &RunOptions, p: usize, n: usize) -> usize {
         let req = self.request(n);
         let tokens = memory::Tokens { head: req.head, chunks: req.chunks.clone(), prompt: req.prompt };
         let dims = self.shape.dims();
-        let plans = memory::plan(&dims, self.kv(), &flowprefill_kernels::gpu_scratch_bytes, opts, p, &tokens);
+        let plans =
+            memory::plan(&dims, self.kv(), self.act(), &flowprefill_kernels::gpu_scratch_bytes, opts, p, &tokens);
         plans.iter().map(memory::RankMemory::bytes).max().unwrap_or(0)
     }
 

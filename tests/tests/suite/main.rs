@@ -4,6 +4,7 @@
 //! while loading. One module alone: `cargo test --release -p flowprefill-tests --test suite
 //! memory_plan::`.
 
+mod bf16_forward;
 mod device_plane;
 mod engine_invariants;
 mod errors;

@@ -30,7 +30,7 @@ use crate::interrupt::Check;
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::rope::RopeTable;
-use flowprefill_kernels::Backend;
+use flowprefill_kernels::{Backend, DType};
 
 /// Weights of one transformer block.
 pub(crate) struct Layer<B: Backend> {
@@ -106,6 +106,18 @@ pub struct Model<B: Backend> {
     lookahead: Option<LookaheadOnDevice<B>>,
 }
 
+/// Rows that enter the residual stream (soft-token and lookahead rows), on the device in the
+/// activations' type.
+fn activations<B: Backend>(be: &B, rows: &[f32]) -> Result<B::Buf> {
+    let wide = be.upload(rows)?;
+    if be.act_dtype() == DType::F32 || rows.is_empty() {
+        return Ok(wide);
+    }
+    let mut out = be.zeros_as(rows.len(), be.act_dtype())?;
+    be.copy_columns(&wide, rows.len(), 0, rows.len(), &mut out)?;
+    Ok(out)
+}
+
 /// One low-rank update on the device: `A` (`[r, in]`) and `B` scaled by `alpha / r`
 /// (`[out, r]`); fused projections stack their `A`s and hold a block-diagonal `B`.
 struct Lora<B: Backend> {
@@ -114,15 +126,15 @@ struct Lora<B: Backend> {
 }
 
 impl<B: Backend> Lora<B> {
-    /// `out += (x A^T) B^T` for the `m` rows of `x`, through the scratch `tmp` and `delta`.
+    /// `out += (x A^T) B^T` for the `m` rows of `x`, through the scratch `tmp` (the second
+    /// product added in its epilogue).
     fn add(&self, be: &B, x: &B::Buf, m: usize, out: &mut B::Buf) -> Result<()> {
         let (r, _) = be.mat_shape(&self.a);
         let (o, _) = be.mat_shape(&self.b);
-        let mut tmp = be.zeros(m * r)?;
+        debug_assert_eq!(be.len(out), m * o);
+        let mut tmp = be.zeros_as(m * r, be.act_dtype())?;
         be.matmul_t(x, m, &self.a, &mut tmp)?;
-        let mut delta = be.zeros(m * o)?;
-        be.matmul_t(&tmp, m, &self.b, &mut delta)?;
-        be.add_assign(out, &delta)?;
+        be.matmul_t_acc(&tmp, m, &self.b, out)?;
         Ok(())
     }
 }
@@ -230,7 +242,7 @@ impl<B: Backend> Model<B> {
                         a.d_model, self.cfg.d_model
                     )));
                 }
-                Some((self.backend.upload(&a.rows)?, a.n_rows(), a.hash.clone()))
+                Some((activations(&self.backend, &a.rows)?, a.n_rows(), a.hash.clone()))
             }
         };
         Ok(())
@@ -279,7 +291,7 @@ impl<B: Backend> Model<B> {
                 down: up(fused(&[part(Proj::Down, d)], r, ffn, s)?)?,
             });
         }
-        let rows = be.upload(a.rows())?;
+        let rows = activations(be, a.rows())?;
         self.lookahead = Some(LookaheadOnDevice { rows, n_rows: a.meta.rows, layers, hash: a.hash.clone() });
         Ok(())
     }
@@ -419,7 +431,12 @@ impl<B: Backend> Model<B> {
         let (d, qd, kvd, ffn) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let qkvd = qd + 2 * kvd;
         let mut laps = Laps::start(be, &self.profile)?;
-        let mut x = be.zeros(m * d)?;
+        // Activations in the backend's type (bf16 on a GPU with bf16 weights): the residual
+        // stream, norms, projections, the SiLU gate. The attention output stays f32 (partial
+        // results merge in f32); K and V are in the cache's type (a bf16 cache: rounded once,
+        // here).
+        let act = be.act_dtype();
+        let mut x = be.zeros_as(m * d, act)?;
         match (input, lora) {
             (Input::Tokens(tokens), _) => self.embed_into(tokens, &mut x)?,
             (Input::Lookahead, Some(la)) => {
@@ -427,22 +444,20 @@ impl<B: Backend> Model<B> {
             }
             (Input::Lookahead, None) => return Err(crate::error::internal("a lookahead forward without an adapter")),
         }
-        let mut h = be.zeros(m * d)?;
-        let mut qkv = be.zeros(m * qkvd)?;
-        let mut q = be.zeros(m * qd)?;
-        // K and V in the cache's element type (a bf16 cache: rounded once, here); the keys'
-        // projection and per-head norm stay f32 until then.
+        let mut h = be.zeros_as(m * d, act)?;
+        let mut qkv = be.zeros_as(m * qkvd, act)?;
+        let mut q = be.zeros_as(m * qd, act)?;
         let kv_type = be.kv_dtype();
         let qk_norm = self.layers.iter().any(|l| l.k_norm.is_some());
-        let mut k_proj = be.zeros(if qk_norm { m * kvd } else { 0 })?;
-        let mut k_normed = be.zeros(if qk_norm { m * kvd } else { 0 })?;
+        let mut q_normed = be.zeros_as(if qk_norm { m * qd } else { 0 }, act)?;
+        let mut k_proj = be.zeros_as(if qk_norm { m * kvd } else { 0 }, act)?;
+        let mut k_normed = be.zeros_as(if qk_norm { m * kvd } else { 0 }, act)?;
         let mut k = be.zeros_as(m * kvd, kv_type)?;
         let mut k_pre = be.zeros_as(m * kvd, kv_type)?;
         let mut v = be.zeros_as(m * kvd, kv_type)?;
         let mut att = be.zeros(m * qd)?;
-        let mut o = be.zeros(m * d)?;
-        let mut gu = be.zeros(m * 2 * ffn)?;
-        let mut act = be.zeros(m * ffn)?;
+        let mut gu = be.zeros_as(m * 2 * ffn, act)?;
+        let mut gated = be.zeros_as(m * ffn, act)?;
         laps.lap(Slot::Elementwise)?;
 
         for (l, layer) in self.layers.iter().enumerate().take(n_layers) {
@@ -464,8 +479,8 @@ impl<B: Backend> Model<B> {
                 be.copy_columns(&qkv, qkvd, qd + kvd, kvd, &mut v)?;
                 laps.lap(Slot::Elementwise)?;
                 // Per-head RMSNorm (rows of head_dim), through the scratch buffers.
-                be.rms_norm(&q, qn, c.rms_eps, &mut att)?;
-                std::mem::swap(&mut q, &mut att);
+                be.rms_norm(&q, qn, c.rms_eps, &mut q_normed)?;
+                std::mem::swap(&mut q, &mut q_normed);
                 be.rms_norm(&k_proj, kn, c.rms_eps, &mut k_normed)?;
                 std::mem::swap(&mut k_proj, &mut k_normed);
                 // Pre-RoPE keys as the cache keeps them; the rotated keys from those, exactly
@@ -493,13 +508,12 @@ impl<B: Backend> Model<B> {
             };
             attend.attend(&input, &mut att)?;
             laps.lap(Slot::Attention)?;
-            be.matmul_t(&att, m, &layer.wo, &mut o)?;
+            // The residual adds happen in the GEMMs' epilogues: x += att Wo, x += gated Wdown.
+            be.matmul_t_acc(&att, m, &layer.wo, &mut x)?;
             if let Some(ll) = lora_of(l) {
-                ll.o.add(be, &att, m, &mut o)?;
+                ll.o.add(be, &att, m, &mut x)?;
             }
             laps.lap(Slot::Matmul)?;
-            be.add_assign(&mut x, &o)?;
-            laps.lap(Slot::Elementwise)?;
             be.rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h)?;
             laps.lap(Slot::NormRope)?;
             be.matmul_t(&h, m, &layer.w_gate_up, &mut gu)?;
@@ -507,15 +521,13 @@ impl<B: Backend> Model<B> {
                 ll.gate_up.add(be, &h, m, &mut gu)?;
             }
             laps.lap(Slot::Matmul)?;
-            be.silu_mul(&gu, ffn, &mut act)?;
+            be.silu_mul(&gu, ffn, &mut gated)?;
             laps.lap(Slot::Elementwise)?;
-            be.matmul_t(&act, m, &layer.w_down, &mut o)?;
+            be.matmul_t_acc(&gated, m, &layer.w_down, &mut x)?;
             if let Some(ll) = lora_of(l) {
-                ll.down.add(be, &act, m, &mut o)?;
+                ll.down.add(be, &gated, m, &mut x)?;
             }
             laps.lap(Slot::Matmul)?;
-            be.add_assign(&mut x, &o)?;
-            laps.lap(Slot::Elementwise)?;
         }
         if n_layers < self.layers.len() {
             return Ok(ForwardOutput { logits: Vec::new(), rows: Vec::new(), vocab: c.vocab_size });
@@ -545,10 +557,11 @@ impl<B: Backend> Model<B> {
             return Ok(ForwardOutput { logits: Vec::new(), rows: Vec::new(), vocab });
         }
         let r = rows.len();
-        let mut xr = be.zeros(r * d)?;
+        // The final norm in the activations' type, the logits in f32.
+        let mut xr = be.zeros_as(r * d, be.dtype(x))?;
         let dst: Vec<usize> = (0..r).collect();
         be.copy_rows(x, rows, &mut xr, &dst, d)?;
-        let mut hr = be.zeros(r * d)?;
+        let mut hr = be.zeros_as(r * d, be.dtype(x))?;
         be.rms_norm(&xr, &self.out_norm, self.cfg.rms_eps, &mut hr)?;
         let mut lg = be.zeros(r * vocab)?;
         be.matmul_t(&hr, r, self.output.as_ref().unwrap_or(&self.embed), &mut lg)?;

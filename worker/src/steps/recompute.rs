@@ -166,7 +166,7 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                 let got = all_gather_bufs(&mut *self.comm, be, &op, x.positions, &[x.q], &lens)?;
                 let mut got = got.into_iter();
                 let mut all_pos = Vec::new();
-                let mut all_q = be.zeros(0)?;
+                let mut all_q = be.zeros_as(0, be.dtype(x.q))?;
                 let mut counts = Vec::with_capacity(n);
                 for r in 0..n {
                     if r == me {

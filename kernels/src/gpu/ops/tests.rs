@@ -47,8 +47,14 @@ fn builders_refuse_the_wrong_element_types() {
     let f = Ptr::new(0, Elem::F32);
     let b = Ptr::new(0, Elem::Bf16);
     let u = Ptr::new(0, Elem::U32);
-    assert!(copy_columns(b, 4, 0, 4, f, 1).is_err());
+    assert!(copy_columns(u, 4, 0, 4, f, 1).is_err());
+    assert_eq!(copy_columns(b, 4, 0, 4, f, 1).unwrap().kernel, "fp_copy_columns_from_bf16");
     assert_eq!(copy_columns(f, 4, 0, 4, b, 1).unwrap().kernel, "fp_copy_columns_to_bf16");
+    assert!(silu_mul(b, f, 1, 1).is_err(), "gate-up and output of one type");
+    assert!(rms_norm(b, f, 1e-5, f, 1, 1).is_err(), "x and out of one type");
+    assert!(rms_norm(b, b, 1e-5, b, 1, 1).is_err(), "an f32 weight");
+    assert_eq!(rms_norm(b, f, 1e-5, b, 1, 8).unwrap().kernel, "fp_rms_norm_bf16");
+    assert!(add_bias(u, f, 1, 1).is_err());
     assert!(copy_rows(f, u, b, u, 1, 1).is_err());
     assert!(add_assign(b, f, 1).is_err());
     let d = dims(1, 1, 1, 1, 64);
