@@ -32,7 +32,7 @@ pub mod timings;
 pub mod world;
 
 pub use admit::{admit, Admitted, Limits};
-pub use engine::{Control, DiskTier, Engine, RankStats, RunResult, DEFAULT_STORE_BYTES};
+pub use engine::{Control, DiskTier, Engine, Ingested, RankStats, RunResult, DEFAULT_STORE_BYTES};
 pub use error::{CoordError, Result};
 pub use flowprefill_comm::ErrorClass;
 pub use request::{

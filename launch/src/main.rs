@@ -29,6 +29,10 @@ enum Command {
     Demo(cmd::demo::Args),
     /// Answer a question over documents with chunked prefill and selective recomputation.
     Run(cmd::run::Args),
+    /// Prefill documents into the chunk store before the questions come (`--doc`, `--dir`,
+    /// `--jsonl`; under mpirun, spread over the ranks); later jobs find their caches on disk and
+    /// may name them by id.
+    Ingest(cmd::ingest::Args),
     /// Needle-in-a-haystack accuracy and TTFT of every method.
     Check(cmd::check::Args),
     /// Accuracy of every method and ratio on RULER-style tasks and multi-document QA: tables,
@@ -70,7 +74,7 @@ fn main() {
     let mut cli = Cli::parse();
     // The chunk store's disk tier is on by default where caches are the point (a service, a
     // question over documents); the measuring commands keep their cold runs cold.
-    cli.common.store_by_default = matches!(cli.command, Command::Run(_) | Command::Serve(_));
+    cli.common.store_by_default = matches!(cli.command, Command::Run(_) | Command::Serve(_) | Command::Ingest(_));
     // Before anything loads a CUDA library (and before MPI starts): CUDA 12 or 13 libraries
     // the loader cannot open by the names cudarc asks for are linked, and the program starts
     // again once with them on its path (`flowprefill devices` says which files were loaded).
@@ -113,6 +117,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::WriteGguf(a) => cmd::fetch::write_gguf(a),
         Command::Demo(a) => cmd::demo::run(&cli.common, a),
         Command::Run(a) => cmd::run::run(&cli.common, a),
+        Command::Ingest(a) => cmd::ingest::run(&cli.common, a),
         Command::Check(a) => cmd::check::run(&cli.common, a),
         Command::Eval(a) => cmd::eval::run(&cli.common, a),
         Command::Importance(a) => cmd::importance::run(&cli.common, a),

@@ -782,3 +782,71 @@ fn a_full_disk_is_a_warning_and_the_job_answers() {
     assert_eq!(err.matches("was not written").count(), 1, "one warning: {err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `flowprefill ingest` prefills documents into the store (files, a folder, JSON Lines) once:
+/// a second ingestion prefills nothing, a later `run` in a new process over the same documents
+/// (by file or by id) is all disk hits and answers exactly as a cold run with no store; an
+/// unknown id is an error naming it; ingestion without a store says what to give.
+#[test]
+fn ingested_documents_are_disk_hits_by_file_and_by_id() {
+    let texts = [
+        "The night train to Varrow stops at Elm Cross, Dunmere and the harbour halt.",
+        "The locker code at Varrow station is 5820. The clerk changes it every spring.",
+        "Varrow's harbour halt has a tea room that opens only when the ferry is due.",
+    ];
+    let (dir, doc_args) = write_docs("ingest", &texts);
+    let store = dir.join("store");
+    let s = store.to_str().unwrap().to_string();
+    let ingest = |extra: &[String]| -> serde_json::Value {
+        let out = bin().args(["ingest", "--store", &s, "--json"]).args(extra).output().expect("ingest");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    let first = ingest(&doc_args);
+    let docs = first["documents"].as_array().unwrap();
+    assert_eq!(docs.len(), 3, "{first}");
+    let ids: Vec<String> = docs.iter().map(|d| d["id"].as_str().unwrap().to_string()).collect();
+    for d in docs {
+        assert!(d["tokens"].as_u64().unwrap() > 10, "{d}");
+        assert_eq!(d["prefilled"], 2, "both forms made (behind the head, alone): {d}");
+    }
+    // The folder (its files; the store below it is skipped) and JSON Lines: nothing new.
+    let again = ingest(&["--dir".to_string(), dir.to_str().unwrap().to_string()]);
+    let again_ids: Vec<&str> =
+        again["documents"].as_array().unwrap().iter().map(|d| d["id"].as_str().unwrap()).collect();
+    assert_eq!(again_ids, ids.iter().map(String::as_str).collect::<Vec<_>>(), "the same ids: {again}");
+    assert!(again["documents"].as_array().unwrap().iter().all(|d| d["prefilled"] == 0), "{again}");
+    let jsonl = dir.join("docs.jsonl");
+    std::fs::write(&jsonl, format!("{}\n\n{}\n", serde_json::json!(texts[1]), serde_json::json!({ "text": texts[2] })))
+        .unwrap();
+    let from_jsonl = ingest(&["--jsonl".to_string(), jsonl.to_str().unwrap().to_string()]);
+    assert_eq!(from_jsonl["documents"][0]["id"], ids[1].as_str(), "{from_jsonl}");
+    assert!(from_jsonl["documents"].as_array().unwrap().iter().all(|d| d["prefilled"] == 0), "{from_jsonl}");
+
+    let query = ["--query", "What is the locker code at Varrow station?", "--max-tokens", "16", "--json"];
+    let run_json = |docs: &[String], store: &str| -> serde_json::Value {
+        let out = bin().arg("run").args(docs).args(query).args(["--store", store]).output().expect("run");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    let cold = run_json(&doc_args, "off");
+    let by_file = run_json(&doc_args, &s);
+    let id_args: Vec<String> = ids.iter().flat_map(|id| ["--doc-id".to_string(), id.clone()]).collect();
+    let by_id = run_json(&id_args, &s);
+    for warm in [&by_file, &by_id] {
+        assert_eq!(warm["cache_misses"], 0, "every cache was ingested: {warm}");
+        assert_eq!(warm["cache_disk_hits"], cold["cache_misses"], "{warm}");
+        for k in ["answer", "selected", "order", "n_context_tokens"] {
+            assert_eq!(warm[k], cold[k], "{k}: ingested caches answer as a cold run");
+        }
+    }
+    assert!(cold["answer"].as_str().unwrap().contains("5820"), "{cold}");
+
+    let (ok, _, err) = run(&["run", "--store", &s, "--doc-id", "00000000deadbeef", "--query", "q"]);
+    assert!(!ok && err.contains("unknown document id `00000000deadbeef`"), "{err}");
+    let (ok, _, err) = run(&["ingest", "--store", "off", "--doc", &doc_args[1]]);
+    assert!(!ok && err.contains("--store is off") && err.contains("--store FOLDER"), "{err}");
+    let (ok, _, err) = run(&["ingest", "--store", &s]);
+    assert!(!ok && err.contains("no documents"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -297,3 +297,33 @@ fn bench_ttft_measures_every_rank_count_of_one_mpirun_with_its_projection() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `mpirun -np 2 flowprefill ingest`: the ranks share the documents (every other one each) and
+/// the one store folder; rank 0 reports them all; a single-process run then finds every cache.
+#[test]
+fn mpirun_ingest_spreads_documents_over_the_ranks_into_one_store() {
+    let (dir, doc_args) = docs("ingest", 3, 4);
+    let store = dir.join("store");
+    let out = mpirun(2)
+        .arg(bin())
+        .args(["ingest", "--json", "--store", store.to_str().unwrap()])
+        .args(&doc_args)
+        .output()
+        .expect("mpirun");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v = json(&out);
+    assert_eq!(v["ranks"], 2, "{v}");
+    let ranks: Vec<u64> = v["documents"].as_array().unwrap().iter().map(|d| d["rank"].as_u64().unwrap()).collect();
+    assert_eq!(ranks, vec![0, 1, 0], "{v}");
+    assert!(v["documents"].as_array().unwrap().iter().all(|d| d["prefilled"] == 2), "{v}");
+    let out = Command::new(bin())
+        .args(["run", "--json", "--max-tokens", "2", "--query", "What is the access code for the north gate?"])
+        .args(["--store", store.to_str().unwrap()])
+        .args(&doc_args)
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r = json(&out);
+    assert_eq!(r["cache_misses"], 0, "every cache was ingested by one rank or the other: {r}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

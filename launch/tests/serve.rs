@@ -471,3 +471,58 @@ fn a_job_larger_than_the_memory_limit_gets_413_before_queueing_and_readyz_watche
     let reason = json(&r)["reason"].as_str().unwrap_or_default().to_string();
     assert!(reason.contains("below the") && reason.contains("the smallest job needs"), "{reason}");
 }
+
+/// `POST /v1/documents` prefills documents into the service's store and answers their ids and
+/// token counts (a second time: nothing prefilled); a job naming them by `document_ids` reads
+/// their caches from the store and answers as the same job sending the texts; an unknown id is
+/// a 400 naming it; without a store, ingestion is a 409 saying what to give.
+#[test]
+fn documents_are_ingested_once_and_jobs_name_them_by_id() {
+    let dir = std::env::temp_dir().join(format!("fp-serve-docs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = dir.join("store");
+    let s = Server::start(&["--store", store.to_str().unwrap()], &[]);
+    let d = docs(3, 5);
+    let r = s.post("/v1/documents", &serde_json::json!({ "documents": d }));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = json(&r);
+    let got = v["documents"].as_array().unwrap();
+    assert_eq!(got.len(), 3, "{v}");
+    assert!(got.iter().all(|x| x["tokens"].as_u64().unwrap() > 20 && x["prefilled"] == 2), "{v}");
+    let ids: Vec<serde_json::Value> = got.iter().map(|x| x["id"].clone()).collect();
+    let again = json(&s.post("/v1/documents", &serde_json::json!({ "documents": d })));
+    assert!(again["documents"].as_array().unwrap().iter().all(|x| x["prefilled"] == 0), "{again}");
+    assert_eq!(again["documents"].as_array().unwrap().iter().map(|x| x["id"].clone()).collect::<Vec<_>>(), ids);
+
+    let by_text = json(&s.post("/v1/jobs", &job(&d)));
+    let mut body = job(&d);
+    body.as_object_mut().unwrap().remove("documents");
+    body["document_ids"] = ids.clone().into();
+    let r = s.post("/v1/jobs", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let by_id = json(&r);
+    assert_eq!(by_id["answer"], by_text["answer"], "{by_id}");
+    assert!(by_id["answer"].as_str().unwrap().contains("472"), "{by_id}");
+    assert_eq!(by_id["cache_misses"], 0, "{by_id}");
+
+    body["document_ids"] = serde_json::json!([ids[0], "00000000deadbeef"]);
+    let r = s.post("/v1/jobs", &body);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("document_ids") && r.text().contains("`00000000deadbeef`"), "{}", r.text());
+    body["documents"] = serde_json::json!(d);
+    let r = s.post("/v1/jobs", &body);
+    assert!(r.status == 400 && r.text().contains("one of"), "{}", r.text());
+    let r = s.post("/v1/documents", &serde_json::json!({ "documents": [] }));
+    assert_eq!(r.status, 400, "{}", r.text());
+    let r = s.post("/v1/documents", &serde_json::json!({ "documents": ["fine", "  "] }));
+    assert!(r.status == 400 && r.text().contains("documents[1]"), "{}", r.text());
+    let m = s.metrics();
+    assert!(m.contains("flowprefill_documents_ingested_total{outcome=\"prefilled\"} 3"), "{m}");
+    assert!(m.contains("flowprefill_documents_ingested_total{outcome=\"held\"} 3"), "{m}");
+    drop(s);
+
+    let off = Server::start(&["--store", "off"], &[]);
+    let r = off.post("/v1/documents", &serde_json::json!({ "documents": d }));
+    assert!(r.status == 409 && r.text().contains("--store FOLDER"), "{}", r.text());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -46,8 +46,10 @@ mod caches;
 mod chunked;
 mod decode;
 mod evict;
+mod ingest;
 
 pub use evict::Eviction;
+pub use ingest::Ingested;
 
 use crate::admit::{admit, Limits};
 use crate::error::{internal, CoordError, Result};

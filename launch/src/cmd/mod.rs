@@ -9,6 +9,7 @@ pub mod faults;
 pub mod fetch;
 pub mod generate;
 pub mod importance;
+pub mod ingest;
 pub mod project;
 pub mod run;
 pub mod store;

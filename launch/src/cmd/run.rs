@@ -18,8 +18,12 @@ use std::sync::Arc;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// A document (one chunk each, in order); repeat for several.
-    #[arg(long = "doc", required = true)]
+    #[arg(long = "doc", required_unless_present = "doc_ids")]
     pub docs: Vec<PathBuf>,
+    /// A document ingested before (`flowprefill ingest`), by its id; repeat for several (after
+    /// the `--doc` files, in order). Its caches are read from the store.
+    #[arg(long = "doc-id")]
+    pub doc_ids: Vec<String>,
     /// The question.
     #[arg(long)]
     pub query: Option<String>,
@@ -136,11 +140,26 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     if query.trim().is_empty() {
         return Err(InputError::new(Field::Query, "the query is missing: pass --query TEXT").into());
     }
-    let docs = args
+    let mut docs = args
         .docs
         .iter()
         .map(|p| std::fs::read_to_string(p).with_context(|| format!("reading --doc {}", p.display())))
         .collect::<Result<Vec<_>>>()?;
+    if !args.doc_ids.is_empty() {
+        let dir = match common.store_flag()? {
+            crate::StoreFlag::Off => {
+                return Err(crate::exit::Usage(
+                    "--doc-id reads ingested documents from the store; --store is off".into(),
+                )
+                .into())
+            }
+            crate::StoreFlag::Dir(d) => d,
+            crate::StoreFlag::Unset => flowprefill_worker::fetch::home()?.join("store"),
+        };
+        let registry = flowprefill_worker::store::documents::Documents::open(&dir)?;
+        let texts = registry.resolve(&args.doc_ids).map_err(|e| InputError::new(Field::Documents, e.to_string()))?;
+        docs.extend(texts);
+    }
     for (i, (p, d)) in args.docs.iter().zip(&docs).enumerate() {
         if d.trim().is_empty() {
             let problem = format!("{} is empty; remove it or give it some text", p.display());

@@ -70,13 +70,28 @@ impl ApiError {
     }
 }
 
+/// `POST /v1/documents`: documents to prefill into the chunk store.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentsRequest {
+    /// The documents' texts.
+    pub documents: Vec<String>,
+    /// The system message the questions will be asked with (default: the template's own).
+    #[serde(default)]
+    pub system: Option<String>,
+}
+
 /// `POST /v1/jobs`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobRequest {
-    /// Documents, one chunk each (or give `text` and `chunk_tokens`).
+    /// Documents, one chunk each (or give `text` and `chunk_tokens`, or `document_ids`).
     #[serde(default)]
     pub documents: Option<Vec<String>>,
+    /// Documents ingested before (`POST /v1/documents`, `flowprefill ingest`), by id, instead
+    /// of their text; the service reads them from its store (an unknown id is a 400 naming it).
+    #[serde(default)]
+    pub document_ids: Option<Vec<String>>,
     /// One long text, cut into `chunk_tokens` pieces.
     #[serde(default)]
     pub text: Option<String>,
@@ -224,6 +239,11 @@ pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError>
 impl JobRequest {
     /// The job, checked. Also returns whether to stream and the requested deadline.
     pub fn into_job(self) -> Result<(Job, bool, Option<f64>), ApiError> {
+        if self.document_ids.is_some() {
+            return Err(ApiError::bad_request(
+                "field `document_ids`: this endpoint has no document store to read them from",
+            ));
+        }
         let context = match (self.documents, self.text) {
             (Some(_), Some(_)) => return Err(ApiError::bad_request("give either `documents` or `text`, not both")),
             (Some(docs), None) => {

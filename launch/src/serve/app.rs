@@ -7,7 +7,7 @@
 //! job's status is chosen when every rank has admitted it, so errors found before any work
 //! still get their own status; only failures during the work arrive as an `error` event.
 
-use super::api::{self, ApiError, ChatRequest, JobRequest};
+use super::api::{self, ApiError, ChatRequest, DocumentsRequest, JobRequest};
 use super::metrics;
 use super::queue::{CancelOnDrop, Event, Queue, Queued, Shared};
 use super::ServeConfig;
@@ -19,9 +19,10 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use flowprefill_coordinator::{admit, memory, Job, RunResult, DEFAULT_STORE_BYTES};
+use flowprefill_coordinator::{admit, memory, Engine, Ingested, Job, RunResult, DEFAULT_STORE_BYTES};
 use flowprefill_kernels::Device;
 use flowprefill_worker::generate::StopReason;
+use flowprefill_worker::store::documents::{Documents, ResolveError};
 use flowprefill_worker::LoadedModel;
 use futures_util::stream::{self, Stream};
 use std::convert::Infallible;
@@ -48,6 +49,9 @@ pub struct AppState {
     memory_peers: usize,
     /// Bytes the smallest job needs (`/readyz` is not ready below).
     smallest_job: usize,
+    /// The engine `POST /v1/documents` prefills with (made on first use; one ingestion at a
+    /// time), over the same disk tier as the ranks' stores.
+    ingester: std::sync::Mutex<Option<Engine<Device>>>,
 }
 
 impl AppState {
@@ -75,7 +79,63 @@ impl AppState {
             shutting_down: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             admitting: tokio::sync::Semaphore::new(cores),
+            ingester: std::sync::Mutex::new(None),
         }
+    }
+
+    /// The ingested documents of the service's store (409 without one).
+    fn documents(&self) -> Result<(Documents, flowprefill_coordinator::DiskTier), ApiError> {
+        let Some(tier) = self.cfg.store.clone() else {
+            return Err(ApiError::new(
+                409,
+                "no_store",
+                "this service runs with --store off: documents are ingested into the disk store; restart it with \
+                 --store FOLDER",
+            ));
+        };
+        let docs = Documents::open(&tier.dir)
+            .map_err(|e| ApiError::new(500, "internal", format!("the documents folder cannot be opened: {e}")))?;
+        Ok((docs, tier))
+    }
+
+    /// The texts of `ids` (a 400 naming the first unknown one).
+    fn resolve_ids(&self, ids: &[String]) -> Result<Vec<String>, ApiError> {
+        let (docs, _) = self.documents()?;
+        docs.resolve(ids).map_err(|e| match e {
+            ResolveError::Unknown(_) => ApiError::bad_request(format!("field `document_ids`: {e}")),
+            ResolveError::Io(..) => ApiError::new(500, "internal", e.to_string()),
+        })
+    }
+
+    /// Prefills `req`'s documents into the store (on a blocking thread): their ids, token
+    /// counts and how many caches were made, once every cache is on disk.
+    fn ingest(&self, req: DocumentsRequest) -> Result<serde_json::Value, ApiError> {
+        let (docs, tier) = self.documents()?;
+        let started = Instant::now();
+        let mut guard = self.ingester.lock().unwrap_or_else(|p| p.into_inner());
+        let engine =
+            guard.get_or_insert_with(|| Engine::new(self.lm.clone(), DEFAULT_STORE_BYTES / 4).with_disk(Some(&tier)));
+        let mut out = Vec::with_capacity(req.documents.len());
+        for (i, text) in req.documents.iter().enumerate() {
+            if self.shutting_down.load(Ordering::Relaxed) {
+                return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
+            }
+            let (id, _) = docs
+                .put(text)
+                .map_err(|e| ApiError::new(500, "internal", format!("documents[{i}] cannot be kept: {e}")))?;
+            let Ingested { tokens, prefilled } =
+                engine.ingest(text, req.system.as_deref(), &mut || Ok(())).map_err(|e| {
+                    let a = ApiError::from_coord(&e);
+                    ApiError::new(a.status, a.kind, format!("documents[{i}]: {}", a.message))
+                })?;
+            metrics::document_ingested(prefilled > 0);
+            out.push(serde_json::json!({ "id": id, "tokens": tokens, "prefilled": prefilled }));
+        }
+        // The answer promises the caches are on disk: a job sent next finds them.
+        if let Some(d) = engine.store().disk() {
+            d.flush();
+        }
+        Ok(serde_json::json!({ "documents": out, "seconds": started.elapsed().as_secs_f64() }))
     }
 
     /// The bearer token check (scheme case-insensitive, token compared in constant time).
@@ -267,7 +327,17 @@ fn sse<S: Stream<Item = SseEvent> + Send + 'static>(events: S) -> Response {
 }
 
 async fn jobs(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    let (pending, stream) = match st.accept::<JobRequest>(&headers, body, JobRequest::into_job).await {
+    // Documents named by id are read from the store before admission.
+    let into_job = |mut r: JobRequest| {
+        if let Some(ids) = r.document_ids.take() {
+            if r.documents.is_some() || r.text.is_some() {
+                return Err(ApiError::bad_request("give one of `documents`, `text` and `document_ids`"));
+            }
+            r.documents = Some(st.resolve_ids(&ids)?);
+        }
+        r.into_job()
+    };
+    let (pending, stream) = match st.accept::<JobRequest>(&headers, body, into_job).await {
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };
@@ -295,6 +365,43 @@ async fn jobs(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -
             }
         }
     }))
+}
+
+async fn documents(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    match ingest(st, headers, body).await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => {
+            metrics::error(e.kind);
+            error_response(&e)
+        }
+    }
+}
+
+/// `POST /v1/documents`: token, body, JSON, the documents' checks, then the prefill.
+async fn ingest(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<serde_json::Value, ApiError> {
+    st.authorize(&headers)?;
+    let body = st.body(&headers, body).await?;
+    let req: DocumentsRequest = api::parse(&body)?;
+    if st.shutting_down.load(Ordering::Relaxed) {
+        return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
+    }
+    st.documents()?;
+    let max = st.cfg.limits.max_documents;
+    if req.documents.is_empty() || req.documents.len() > max {
+        return Err(ApiError::bad_request(format!(
+            "field `documents`: {} documents; give 1 to {max} per request",
+            req.documents.len()
+        )));
+    }
+    if let Some(i) = req.documents.iter().position(|d| d.trim().is_empty()) {
+        return Err(ApiError::bad_request(format!(
+            "field `documents[{i}]`: the document is empty; remove it or give it some text"
+        )));
+    }
+    let worker = st.clone();
+    tokio::task::spawn_blocking(move || worker.ingest(req))
+        .await
+        .map_err(|e| ApiError::new(500, "internal", format!("ingestion failed: {e}")))?
 }
 
 fn finish_reason(r: &RunResult) -> &'static str {
@@ -422,6 +529,7 @@ pub(super) fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/jobs", post(jobs))
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/documents", post(documents))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(render_metrics))

@@ -64,6 +64,8 @@ pub const JOBS_IN_FLIGHT: &str = "flowprefill_jobs_in_flight";
 pub const JOBS_TOTAL: &str = "flowprefill_jobs_total";
 /// Errors answered, by kind.
 pub const ERRORS_TOTAL: &str = "flowprefill_errors_total";
+/// Documents ingested by `POST /v1/documents`, by outcome (prefilled, held: already stored).
+pub const DOCUMENTS_INGESTED: &str = "flowprefill_documents_ingested_total";
 /// Ranks of the world.
 pub const RANKS: &str = "flowprefill_ranks";
 /// Ranks currently usable.
@@ -133,6 +135,7 @@ fn describe() {
     describe_gauge!(QUEUE_CAPACITY, Unit::Count, "Jobs the queue can hold");
     describe_gauge!(JOBS_IN_FLIGHT, Unit::Count, "Jobs computing");
     describe_counter!(JOBS_TOTAL, Unit::Count, "Finished jobs by outcome");
+    describe_counter!(DOCUMENTS_INGESTED, Unit::Count, "Documents ingested into the chunk store, by outcome");
     describe_counter!(ERRORS_TOTAL, Unit::Count, "Errors answered by kind");
     describe_gauge!(RANKS, Unit::Count, "Ranks of the world");
     describe_gauge!(RANKS_UP, Unit::Count, "Ranks usable");
@@ -151,6 +154,11 @@ pub fn memory_free(device: &str, bytes: usize) {
 /// Counts a job that ran out of memory on `device`.
 pub fn out_of_memory(device: &str) {
     counter!(OUT_OF_MEMORY, "device" => device.to_string()).increment(1);
+}
+
+/// Counts a document ingested: its caches prefilled now, or held already.
+pub fn document_ingested(prefilled: bool) {
+    counter!(DOCUMENTS_INGESTED, "outcome" => if prefilled { "prefilled" } else { "held" }).increment(1);
 }
 
 /// Counts a finished job.

@@ -4,6 +4,8 @@
 //!   POST /v1/jobs               documents + query + method knobs -> answer and stats (or SSE)
 //!   POST /v1/chat/completions   OpenAI-compatible; documents and question in the user message,
 //!                               separated by lines of `---`
+//!   POST /v1/documents          documents prefilled into the chunk store -> their ids and token
+//!                               counts; a job names them by id (`document_ids`)
 //!   GET  /healthz               the process answers
 //!   GET  /readyz                model loaded and every rank up (503 otherwise)
 //!   GET  /metrics               Prometheus text (rank 0 aggregates every rank)
@@ -114,6 +116,9 @@ pub struct ServeConfig {
     pub model_name: String,
     /// At most this many bytes per job on each rank's device (`--memory-limit`).
     pub memory_limit: Option<usize>,
+    /// The chunk store's disk tier (`--store`): where `POST /v1/documents` ingests to and
+    /// `document_ids` are read from (`None`: `--store off`, no ingestion).
+    pub store: Option<flowprefill_coordinator::DiskTier>,
 }
 
 impl Default for ServeConfig {
@@ -130,6 +135,7 @@ impl Default for ServeConfig {
             limits: Limits::default(),
             model_name: "model".into(),
             memory_limit: None,
+            store: None,
         }
     }
 }
@@ -321,6 +327,7 @@ impl Args {
             },
             model_name,
             memory_limit: None,
+            store: None,
         })
     }
 
@@ -363,7 +370,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         .context("--comm-timeout must be a positive number of seconds")?;
     let lm = Arc::new(crate::cmd::load_model(common)?);
     let model = crate::cmd::model_label(common)?;
-    let cfg = ServeConfig { memory_limit: common.memory_limit, ..a.config(model)? };
+    let cfg = ServeConfig { memory_limit: common.memory_limit, store: common.disk_tier()?, ..a.config(model)? };
     let faults = flowprefill_coordinator::fault::FaultPlan::from_env();
     // Thread ranks (the world a failure rebuilds), every rank's store over the disk tier.
     let threads = |faults| -> Result<(World, Option<WorldFactory>)> {

@@ -11,6 +11,7 @@
 //! is promoted to RAM, on the device), and [`ChunkStore::insert_persist`] writes through.
 
 pub mod disk;
+pub mod documents;
 
 use crate::kv::{KvCache, LayerKv};
 use flowprefill_kernels::Backend;

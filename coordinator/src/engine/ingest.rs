@@ -1,0 +1,67 @@
+//! Ingestion: documents prefilled into the chunk store before any question names them (the
+//! premise of InfoFlow KV, paper 003 §1: retrieved documents' caches are made offline and
+//! assembled at query time).
+//!
+//! A document is one chunk of a `documents` request; its cache is looked up by the head it was
+//! prefilled behind, its start position and its tokens. Ingestion makes the two forms a query
+//! looks up: behind the template's head (the first document under prefix mode `none`, and every
+//! document under `shared`, CacheClip's mode) and alone from position 0 (every later document
+//! under `none`). Star Attention's anchored chunks depend on the first document of each request
+//! and are not made ahead. A form already in the store (RAM or disk) is not made again.
+
+use super::Engine;
+use crate::error::{internal, Result};
+use crate::layout::Layout;
+use crate::request::{Context, Request};
+use flowprefill_kernels::Backend;
+use flowprefill_worker::interrupt::Check;
+use flowprefill_worker::{Field, InputError, WorkerError};
+
+/// What ingesting one document did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ingested {
+    /// The document's tokens (as a query's layout tokenizes it).
+    pub tokens: usize,
+    /// Chunk caches made now, of the two forms (0: the store held both already).
+    pub prefilled: usize,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Prefills `document` into this engine's chunk store (and its disk tier, written through)
+    /// in the forms queries look up (see the module docs), behind the head of `system` (the
+    /// system message the queries will use; `None`: the template's own). `check` runs before
+    /// every layer.
+    pub fn ingest(&self, document: &str, system: Option<&str>, check: Check<'_>) -> Result<Ingested> {
+        if document.trim().is_empty() {
+            return Err(
+                InputError::new(Field::Document(0), "the document is empty; remove it or give it some text").into()
+            );
+        }
+        let lm = &*self.lm;
+        let req = Request {
+            context: Context::Documents(vec![document.to_string()]),
+            query: String::new(),
+            system: system.map(str::to_string),
+            answer_prefix: None,
+        };
+        let layout = Layout::build(lm, &req)?;
+        let window = lm.model.config().context_length;
+        let tokens = layout.chunks.first().map_or(0, Vec::len);
+        if layout.head.len() + tokens + 1 > window {
+            return Err(WorkerError::ContextTooLong { tokens: layout.head.len() + tokens + 1, window }.into());
+        }
+        // The head first, so that the counts below are the document's own.
+        let shared = crate::request::PrefixMode::Shared;
+        self.caches(lm, &self.store, &layout, shared, &[], &mut *check)?;
+        // Behind the head: the first document's form (and every document's in shared mode).
+        let first = self.caches(lm, &self.store, &layout, shared, &[0], &mut *check)?;
+        // Alone from position 0: a later document's form (prefix mode none, as chunk 1).
+        let mut later = layout.clone();
+        later.chunks.insert(0, Vec::new());
+        let alone = self.caches(lm, &self.store, &later, crate::request::PrefixMode::None, &[1], check)?;
+        if first.chunks.len() != 1 || alone.chunks.len() != 1 {
+            return Err(internal("ingestion made no chunk cache"));
+        }
+        Ok(Ingested { tokens, prefilled: (first.misses + alone.misses) as usize })
+    }
+}

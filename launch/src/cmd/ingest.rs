@@ -1,0 +1,198 @@
+//! `flowprefill ingest`: documents prefilled into the chunk store before the questions come, so
+//! that a later `run`, `serve` or `bench` process finds their caches on disk (InfoFlow KV's
+//! offline precomputation). Each document gets an id (its text's hash, the same everywhere) and
+//! its text is kept beside the caches, so that a job can name it by id (`run --doc-id`, the
+//! API's `document_ids`). Under `mpirun -np N` each rank takes every N-th document into the one
+//! folder; rank 0 prints the whole table.
+
+use crate::Common;
+use anyhow::{Context as _, Result};
+use flowprefill_coordinator::{Engine, Ingested};
+use flowprefill_worker::store::documents::Documents;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Arguments of `ingest`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// A document file (one document each); repeat for several.
+    #[arg(long = "doc")]
+    pub docs: Vec<PathBuf>,
+    /// A folder: every file in it (not its subfolders), one document each, in name order.
+    #[arg(long = "dir")]
+    pub dirs: Vec<PathBuf>,
+    /// A JSON Lines file: one document a line, a JSON string or an object with a `text` field.
+    #[arg(long)]
+    pub jsonl: Vec<PathBuf>,
+    /// The system message the questions will be asked with (default: the template's own): the
+    /// head the first document's cache is prefilled behind.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One document to ingest: where it came from, its text.
+struct Source {
+    name: String,
+    text: String,
+}
+
+/// What one document's ingestion gave (crosses ranks as JSON under mpirun).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Row {
+    index: usize,
+    id: String,
+    source: String,
+    tokens: usize,
+    prefilled: usize,
+    rank: usize,
+    seconds: f64,
+}
+
+fn read(path: &Path, what: &str) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {what} {}", path.display()))
+}
+
+/// Every document the arguments name, in order: files, folders, JSON Lines.
+fn sources(args: &Args) -> Result<Vec<Source>> {
+    let mut out = Vec::new();
+    for p in &args.docs {
+        out.push(Source { name: p.display().to_string(), text: read(p, "--doc")? });
+    }
+    for d in &args.dirs {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(d)
+            .with_context(|| format!("reading --dir {}", d.display()))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_file())
+            .collect();
+        files.sort();
+        for p in files {
+            out.push(Source { name: p.display().to_string(), text: read(&p, "a file of --dir")? });
+        }
+    }
+    for f in &args.jsonl {
+        for (i, line) in read(f, "--jsonl")?.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("--jsonl {} line {}: not JSON", f.display(), i + 1))?;
+            let text = match &v {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Object(o) => match o.get("text") {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    _ => anyhow::bail!("--jsonl {} line {}: an object needs a string field `text`", f.display(), i + 1),
+                },
+                _ => anyhow::bail!("--jsonl {} line {}: give a JSON string or {{\"text\": ...}}", f.display(), i + 1),
+            };
+            out.push(Source { name: format!("{}:{}", f.display(), i + 1), text });
+        }
+    }
+    if out.is_empty() {
+        return Err(crate::exit::Usage("no documents: give --doc FILE, --dir FOLDER or --jsonl FILE".into()).into());
+    }
+    if let Some(s) = out.iter().find(|s| s.text.trim().is_empty()) {
+        let problem = format!("{} is empty; remove it or give it some text", s.name);
+        return Err(flowprefill_worker::InputError::new(flowprefill_worker::Field::Documents, problem).into());
+    }
+    Ok(out)
+}
+
+/// This process's rank and the world's size, and the communicator under mpirun.
+type Ranks = (usize, usize, Option<Box<dyn flowprefill_comm::Communicator>>);
+
+fn ranks() -> Result<Ranks> {
+    #[cfg(feature = "mpi")]
+    if flowprefill_comm::mpi::launched_by_mpirun() {
+        use flowprefill_comm::Communicator;
+        let comm = flowprefill_comm::mpi::MpiComm::init()?;
+        return Ok((comm.rank(), comm.size(), Some(Box::new(comm))));
+    }
+    Ok((0, 1, None))
+}
+
+/// Runs the command.
+pub fn run(common: &Common, args: Args) -> Result<()> {
+    let docs = sources(&args)?;
+    let Some(tier) = common.disk_tier()? else {
+        return Err(crate::exit::Usage(
+            "ingestion keeps the caches in the disk store, and --store is off: give --store FOLDER".into(),
+        )
+        .into());
+    };
+    let registry = Documents::open(&tier.dir)
+        .with_context(|| format!("--store {}: the documents folder cannot be made", tier.dir.display()))?;
+    let (rank, size, mut comm) = ranks()?;
+    let lm = Arc::new(super::load_model(common)?);
+    let engine = Engine::new(lm, flowprefill_coordinator::DEFAULT_STORE_BYTES).with_disk(Some(&tier));
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    let mine: Vec<usize> = (0..docs.len()).filter(|i| i % size == rank).collect();
+    for (n, &i) in mine.iter().enumerate() {
+        let d = &docs[i];
+        let t = Instant::now();
+        let (id, _) = registry.put(&d.text).with_context(|| format!("keeping {} in {}", d.name, tier.dir.display()))?;
+        let Ingested { tokens, prefilled } = engine
+            .ingest(&d.text, args.system.as_deref(), &mut || Ok(()))
+            .with_context(|| format!("ingesting {}", d.name))?;
+        let seconds = t.elapsed().as_secs_f64();
+        if !args.json {
+            let what =
+                if prefilled == 0 { "already stored".to_string() } else { format!("prefilled in {seconds:.2} s") };
+            let who = if size > 1 { format!("rank {rank} ") } else { String::new() };
+            eprintln!("{who}[{}/{}] {id} {}: {tokens} tokens, {what}", n + 1, mine.len(), d.name);
+        }
+        rows.push(Row { index: i, id, source: d.name.clone(), tokens, prefilled, rank, seconds });
+    }
+    // The disk writes are queued on the store's writer: wait for them before reporting.
+    drop(engine);
+    if let Some(c) = comm.as_mut() {
+        let op = "ingest.rows";
+        if rank != 0 {
+            c.post(op, vec![(0, serde_json::to_vec(&rows)?)], vec![])?;
+            c.wait()?;
+            return Ok(());
+        }
+        c.post(op, vec![], (1..size).collect())?;
+        for bytes in c.wait()? {
+            rows.extend(serde_json::from_slice::<Vec<Row>>(&bytes).context("a rank's ingestion report")?);
+        }
+    }
+    rows.sort_by_key(|r| r.index);
+    let seconds = started.elapsed().as_secs_f64();
+    let tokens: usize = rows.iter().map(|r| r.tokens).sum();
+    let made = rows.iter().filter(|r| r.prefilled > 0).count();
+    if args.json {
+        let v = serde_json::json!({
+            "store": tier.dir,
+            "ranks": size,
+            "seconds": seconds,
+            "documents": rows.iter().map(|r| serde_json::json!({
+                "id": r.id, "source": r.source, "tokens": r.tokens,
+                "prefilled": r.prefilled, "rank": r.rank, "seconds": r.seconds,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{:<16}  {:>7}  {:<14}  source", "id", "tokens", "")?;
+    for r in &rows {
+        let state = if r.prefilled == 0 { "already stored" } else { "prefilled" };
+        writeln!(out, "{:<16}  {:>7}  {:<14}  {}", r.id, r.tokens, state, r.source)?;
+    }
+    writeln!(
+        out,
+        "{} documents, {tokens} tokens, in {} ({made} prefilled, {} already stored) in {seconds:.1} s on {size} rank(s); \
+         name them by id: run --doc-id ID, or \"document_ids\" in POST /v1/jobs",
+        rows.len(),
+        tier.dir.display(),
+        rows.len() - made,
+    )?;
+    Ok(())
+}
