@@ -102,6 +102,10 @@ pub struct Pipeline {
     pub recompute_batch: usize,
     /// Whether the cache is evicted to a budget after the prompt.
     pub evicts: bool,
+    /// Tokens of each chunk (request order).
+    pub chunk_tokens: Vec<usize>,
+    /// How far above the positional split's largest load cache-aware placement may go.
+    pub cache_slack: f64,
 }
 
 impl Pipeline {
@@ -138,7 +142,19 @@ impl Pipeline {
             score_layers: opts.score_layers.unwrap_or_else(|| default_score_layers(n_layers)),
             recompute_batch: opts.recompute_batch.max(1),
             evicts: opts.evict.is_some(),
+            chunk_tokens: chunk_tokens.to_vec(),
+            cache_slack: opts.cache_slack,
         }
+    }
+
+    /// This pipeline with its chunks placed by what the ranks' stores hold (`held[rank][chunk]`,
+    /// see [`shard::aware`]) within the job's `cache_slack`; unchanged when `held` is empty, for
+    /// `full` (one rank computes) and for the exact prefills.
+    pub fn placed_by(mut self, held: &[Vec<u8>]) -> Self {
+        if !held.is_empty() && self.method != Method::Full && !self.method.is_exact_prefill() {
+            self.owners = shard::aware(&self.chunk_tokens, self.ranks, held, self.cache_slack);
+        }
+        self
     }
 
     /// The steps of a chunked job, in order (`full` and `ring` run one exact prefill instead).

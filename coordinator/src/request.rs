@@ -396,6 +396,18 @@ pub struct RunOptions {
     /// default: the whole cache is kept.
     #[serde(default)]
     pub evict: Option<Evict>,
+    /// Cache-aware sharding (several ranks): a chunk goes to a rank whose chunk store holds it
+    /// when that keeps every rank's tokens within this share above the positional split's
+    /// largest load (`--cache-slack`, default 0.1; 0: positional placement).
+    #[serde(default = "default_cache_slack")]
+    pub cache_slack: f64,
+}
+
+/// [`RunOptions::cache_slack`]'s default.
+pub const DEFAULT_CACHE_SLACK: f64 = 0.1;
+
+fn default_cache_slack() -> f64 {
+    DEFAULT_CACHE_SLACK
 }
 
 /// How the cache is scored for eviction.
@@ -457,6 +469,7 @@ impl Default for RunOptions {
             scope: Scope::Exact,
             keep_scores: false,
             evict: None,
+            cache_slack: DEFAULT_CACHE_SLACK,
         }
     }
 }
@@ -520,6 +533,12 @@ fn bad(field: Field, problem: impl Into<String>) -> crate::error::CoordError {
 /// [`crate::admit`].
 pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
     check_ratio(opts.ratio)?;
+    if !(0.0..=1.0).contains(&opts.cache_slack) {
+        return Err(bad(
+            Field::CacheSlack,
+            format!("{} is outside [0, 1]; give a share such as 0.1 (0: positional placement)", opts.cache_slack),
+        ));
+    }
     if req.query.trim().is_empty() {
         return Err(bad(Field::Query, "is missing or empty; give the question to answer"));
     }
@@ -606,5 +625,24 @@ mod tests {
         let o = list[2].options(0.15);
         assert!(o.reorder && o.method == Method::Infoflow && o.ratio == 0.2);
         assert_eq!(MethodSpec::new(Method::Epic).options(0.15).ratio, 0.15);
+    }
+
+    #[test]
+    fn a_cache_slack_outside_0_1_is_refused_and_old_jobs_get_the_default() {
+        let req = Request {
+            context: Context::Documents(vec!["a document".into()]),
+            query: "q".into(),
+            system: None,
+            answer_prefix: None,
+        };
+        for bad in [-0.1, 1.5, f64::NAN] {
+            let e = validate(&req, &RunOptions { cache_slack: bad, ..RunOptions::default() }).unwrap_err();
+            assert!(e.to_string().contains("--cache-slack") && e.api_message().contains("cache_slack"), "{e}");
+        }
+        validate(&req, &RunOptions { cache_slack: 0.0, ..RunOptions::default() }).unwrap();
+        // Options serialized before the field existed read with the default.
+        let mut v = serde_json::to_value(RunOptions::default()).unwrap();
+        v.as_object_mut().unwrap().remove("cache_slack");
+        assert_eq!(serde_json::from_value::<RunOptions>(v).unwrap().cache_slack, DEFAULT_CACHE_SLACK);
     }
 }

@@ -42,6 +42,56 @@ pub fn plan(chunk_tokens: &[usize], ranks: usize) -> Vec<usize> {
     fill(lo)
 }
 
+/// Cache-aware placement: the positional split of [`plan`], then each chunk (largest first;
+/// chunk 0 stays on rank 0, beside the head) moves to the rank whose chunk store holds it best
+/// (`held[rank][chunk]`: 2 in RAM, 1 on its disk, 0 not at all) when its owner holds it less
+/// well and the move keeps that rank within `slack` (a share, e.g. 0.1) above the positional
+/// split's largest load; a rank with no room for it may swap it for one of its own chunks that
+/// the owner holds at least as well. Among ranks holding it equally well, the least loaded.
+/// `slack` 0, one rank, or no store information: the positional split.
+pub fn aware(chunk_tokens: &[usize], ranks: usize, held: &[Vec<u8>], slack: f64) -> Vec<usize> {
+    let mut owners = plan(chunk_tokens, ranks);
+    let p = ranks.max(1);
+    if p == 1 || slack <= 0.0 || held.len() != p || held.iter().any(|h| h.len() != chunk_tokens.len()) {
+        return owners;
+    }
+    let mut load = vec![0usize; p];
+    for (c, &o) in owners.iter().enumerate() {
+        load[o] += chunk_tokens[c];
+    }
+    let top = load.iter().copied().max().unwrap_or(0);
+    let cap = top + (top as f64 * slack).floor() as usize;
+    let mut by_size: Vec<usize> = (1..chunk_tokens.len()).collect();
+    by_size.sort_by_key(|&c| (std::cmp::Reverse(chunk_tokens[c]), c));
+    for c in by_size {
+        let (o, n) = (owners[c], chunk_tokens[c]);
+        let mut better: Vec<usize> = (0..p).filter(|&r| r != o && held[r][c] > held[o][c]).collect();
+        better.sort_by_key(|&r| (std::cmp::Reverse(held[r][c]), load[r], r));
+        for r in better {
+            if load[r] + n <= cap {
+                load[o] -= n;
+                load[r] += n;
+                owners[c] = r;
+                break;
+            }
+            // Full: a swap with one of r's chunks that `o` holds at least as well (no hit lost).
+            let swap = (1..chunk_tokens.len()).find(|&d| {
+                let m = chunk_tokens[d];
+                owners[d] == r && held[o][d] >= held[r][d] && load[r] - m + n <= cap && load[o] - n + m <= cap
+            });
+            if let Some(d) = swap {
+                let m = chunk_tokens[d];
+                load[o] = load[o] - n + m;
+                load[r] = load[r] - m + n;
+                owners[c] = r;
+                owners[d] = o;
+                break;
+            }
+        }
+    }
+    owners
+}
+
 /// The chunks `rank` holds.
 pub fn local_chunks(owner: &[usize], rank: usize) -> Vec<usize> {
     owner.iter().enumerate().filter(|(_, &o)| o == rank).map(|(c, _)| c).collect()
@@ -50,6 +100,34 @@ pub fn local_chunks(owner: &[usize], rank: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn aware_placement_follows_the_stores_within_the_slack() {
+        let t = [10, 10, 10, 10];
+        // Rank 1 holds chunk 1 in RAM, rank 0 holds chunk 2: they swap (loads stay 20 / 20).
+        let held = vec![vec![0, 0, 2, 0], vec![0, 2, 0, 0]];
+        assert_eq!(aware(&t, 2, &held, 0.1), vec![0, 1, 0, 1]);
+        // No slack, one rank, or no information: positional.
+        assert_eq!(aware(&t, 2, &held, 0.0), plan(&t, 2));
+        assert_eq!(aware(&t, 1, &[vec![2, 2, 2, 2]], 0.5), vec![0, 0, 0, 0]);
+        assert_eq!(aware(&t, 2, &[], 0.1), plan(&t, 2));
+        // Chunk 0 stays on rank 0 whoever holds it.
+        assert_eq!(aware(&t, 2, &[vec![0; 4], vec![2, 0, 0, 0]], 1.0)[0], 0);
+        // The slack bounds the imbalance: rank 1 holds everything, may take at most 10% more.
+        let all = vec![vec![0; 4], vec![2; 4]];
+        let o = aware(&[100, 100, 100, 100], 2, &all, 0.1);
+        let on1: usize = o.iter().filter(|&&r| r == 1).count();
+        assert_eq!(on1, 2, "200 tokens is the cap's floor of 220: {o:?}");
+        let o = aware(&[100, 100, 100, 100], 2, &all, 0.6);
+        assert_eq!(o, vec![0, 1, 1, 1], "320 allowed: rank 1 takes a third chunk");
+        // RAM beats disk beats nothing; a tie goes to the less loaded rank.
+        let held = vec![vec![0, 0, 0, 0, 0, 0], vec![0, 1, 0, 0, 0, 0], vec![0, 2, 0, 0, 0, 0]];
+        let o = aware(&[10; 6], 3, &held, 0.5);
+        assert_eq!(o[1], 2, "{o:?}");
+        // Every chunk has an owner in range, whatever the input.
+        let o = aware(&[5, 50, 1, 7, 30], 3, &[vec![2; 5], vec![1; 5], vec![2; 5]], 0.25);
+        assert!(o.iter().all(|&r| r < 3) && o[0] == 0, "{o:?}");
+    }
 
     #[test]
     fn contiguous_balanced_and_total() {

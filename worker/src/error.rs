@@ -58,6 +58,8 @@ pub enum Field {
     Deadline,
     /// The model.
     Model,
+    /// Cache-aware sharding's balance slack.
+    CacheSlack,
 }
 
 impl Field {
@@ -88,6 +90,7 @@ impl Field {
             Field::AuxModel => "--aux-model".into(),
             Field::Deadline => "--deadline".into(),
             Field::Model => "--model".into(),
+            Field::CacheSlack => "--cache-slack".into(),
         }
     }
 
@@ -118,6 +121,7 @@ impl Field {
             Field::AuxModel => "aux_model".into(),
             Field::Deadline => "deadline_s".into(),
             Field::Model => "model".into(),
+            Field::CacheSlack => "cache_slack".into(),
         }
     }
 }

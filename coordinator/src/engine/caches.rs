@@ -35,6 +35,39 @@ struct Spec<'a, B: Backend> {
     start: u32,
 }
 
+/// The store key of `tokens` prefilled from `start` behind `head_tokens`; a packet (soft ids
+/// past the vocabulary) is keyed by its adapter too.
+fn chunk_key<B: Backend>(
+    model: &flowprefill_worker::Model<B>,
+    head_tokens: &[u32],
+    start: u32,
+    tokens: &[u32],
+) -> ChunkKey {
+    let key = ChunkKey::new(head_tokens, start, tokens);
+    let vocab = model.config().vocab_size as u32;
+    match model.adapter_hash() {
+        Some(h) if tokens.iter().any(|&t| t >= vocab) => key.with_adapter(h),
+        _ => key,
+    }
+}
+
+/// What chunk `c` is prefilled behind under `mode` (the head's tokens) and from which position:
+/// the first chunk, and every chunk in shared mode, behind the template head; later chunks
+/// alone from 0 (`none`) or behind the anchor block, head and first chunk (`anchor`).
+/// [`Engine::caches`] builds the same forms (a test holds them together).
+fn form(layout: &Layout, mode: PrefixMode, c: usize) -> (Vec<u32>, u32) {
+    match mode {
+        PrefixMode::None if c != 0 => (Vec::new(), 0),
+        PrefixMode::Anchor if c != 0 => {
+            let mut t = layout.head.clone();
+            t.extend_from_slice(&layout.chunks[0]);
+            let start = t.len() as u32;
+            (t, start)
+        }
+        _ => (layout.head.clone(), layout.head.len() as u32),
+    }
+}
+
 /// Looks every spec up in the store and prefills the missing ones together.
 fn resolve<B: Backend>(
     model: &flowprefill_worker::Model<B>,
@@ -43,18 +76,7 @@ fn resolve<B: Backend>(
     stats: &mut Counts,
     check: Check<'_>,
 ) -> Result<Vec<Arc<KvCache<B>>>> {
-    let vocab = model.config().vocab_size as u32;
-    let keys: Vec<ChunkKey> = specs
-        .iter()
-        .map(|s| {
-            let key = ChunkKey::new(&s.head_tokens, s.start, s.tokens);
-            // A packet (soft ids past the vocabulary) is keyed by its adapter too.
-            match model.adapter_hash() {
-                Some(h) if s.tokens.iter().any(|&t| t >= vocab) => key.with_adapter(h),
-                _ => key,
-            }
-        })
-        .collect();
+    let keys: Vec<ChunkKey> = specs.iter().map(|s| chunk_key(model, &s.head_tokens, s.start, s.tokens)).collect();
     // RAM, then the disk tier (an entry read from disk is kept in RAM from then on).
     let be = model.backend();
     let mut found: Vec<Option<Arc<KvCache<B>>>> = Vec::with_capacity(keys.len());
@@ -78,6 +100,18 @@ fn resolve<B: Backend>(
 }
 
 impl<B: Backend> Engine<B> {
+    /// How well this rank's store holds each chunk of `layout` in the form `mode` looks up
+    /// (see [`ChunkStore::holds`]: 2 RAM, 1 disk, 0 none), without counting a lookup: what
+    /// cache-aware sharding places by.
+    pub fn held_levels(&self, layout: &Layout, mode: PrefixMode) -> Vec<u8> {
+        (0..layout.chunks.len())
+            .map(|c| {
+                let (head, start) = form(layout, mode, c);
+                self.store.holds(&chunk_key(&self.lm.model, &head, start, &layout.chunks[c]))
+            })
+            .collect()
+    }
+
     /// Head and the caches of `chunks` (ids) under `mode`, from `store` or prefilled (the
     /// missing chunks of one stage in batched forwards; `check` runs before every layer).
     pub(super) fn caches(

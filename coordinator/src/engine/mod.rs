@@ -244,6 +244,14 @@ struct Refusal {
     api_message: String,
 }
 
+/// What a rank tells the others when a job arrives: its verdict, and how well its chunk store
+/// holds each chunk (for cache-aware sharding; empty when the job does not place by it).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Arrival {
+    refusal: Option<Refusal>,
+    held: Vec<u8>,
+}
+
 /// Per-rank part of the decoding loop: the sampler and the text sink live on rank 0 only.
 enum Role<'a> {
     Lead { sampler: Box<Sampler>, on_text: &'a mut dyn FnMut(&str) -> bool },
@@ -530,31 +538,50 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Every rank checks the job (see [`crate::admit`]) and its memory plan, and all agree on
-    /// the outcome.
-    fn agree(&self, comm: &mut dyn Communicator, job: &Job) -> Result<Layout> {
+    /// the outcome; with it each rank says how well its store holds each chunk, which every
+    /// rank receives (`held[rank][chunk]`, empty unless the job places chunks by it).
+    fn agree(&self, comm: &mut dyn Communicator, job: &Job) -> Result<(Layout, Vec<Vec<u8>>)> {
         let (rank, ranks) = (comm.rank(), comm.size());
         let mine = admit(&self.lm, job, &Limits::NONE)
             .and_then(|a| self.make_room(&job.options, &a.layout, rank, ranks).map(|()| a));
-        let verdict = mine.as_ref().err().map(|e| Refusal {
-            class: e.class(),
-            message: e.to_string(),
-            api_message: e.api_message(),
-        });
-        let all: Vec<Option<Refusal>> = all_gather_value(comm, "job.admit", &verdict)?;
+        let opts = &job.options;
+        let aware = ranks > 1 && opts.cache_slack > 0.0 && !opts.method.is_exact_prefill();
+        let arrival = Arrival {
+            refusal: mine.as_ref().err().map(|e| Refusal {
+                class: e.class(),
+                message: e.to_string(),
+                api_message: e.api_message(),
+            }),
+            held: match (&mine, aware) {
+                (Ok(a), true) => self.held_levels(&a.layout, opts.prefix_mode()),
+                _ => Vec::new(),
+            },
+        };
+        let all: Vec<Arrival> = all_gather_value(comm, "job.admit", &arrival)?;
         let admitted = mine?;
-        match all.into_iter().enumerate().find_map(|(r, v)| v.map(|v| (r, v))) {
-            Some((rank, v)) => {
-                Err(CoordError::Remote { rank, class: v.class, message: v.message, api_message: v.api_message })
+        let mut held = Vec::with_capacity(all.len());
+        for (r, a) in all.into_iter().enumerate() {
+            if let Some(v) = a.refusal {
+                return Err(CoordError::Remote {
+                    rank: r,
+                    class: v.class,
+                    message: v.message,
+                    api_message: v.api_message,
+                });
             }
-            None => Ok(admitted.layout),
+            held.push(a.held);
         }
+        if !aware {
+            held.clear();
+        }
+        Ok((admitted.layout, held))
     }
 
     /// The pipeline of one job on this rank (see the module docs); `Some` on rank 0.
     fn run_job(&self, comm: &mut dyn Communicator, job: &Job, steer: Steer<'_, '_>) -> Result<Option<RunResult>> {
         let Steer { watch, t0, on_admitted, on_text } = steer;
         let opts = &job.options;
-        let layout = self.agree(comm, job)?;
+        let (layout, held) = self.agree(comm, job)?;
         // A job already cancelled or late stops before any work (and before a service starts
         // streaming its answer).
         watch.check("admission")?;
@@ -571,7 +598,7 @@ impl<B: Backend> Engine<B> {
         }
         let sampler = Sampler::new(opts.sampling.clone())?;
         let chunk_tokens: Vec<usize> = layout.chunks.iter().map(Vec::len).collect();
-        let plan = Pipeline::new(opts, &chunk_tokens, size, self.lm.model.config().n_layers);
+        let plan = Pipeline::new(opts, &chunk_tokens, size, self.lm.model.config().n_layers).placed_by(&held);
         // On a GPU each phase ends when its work is done (the phase timers are host clocks).
         let lm = self.lm.clone();
         let settle = Settle::new(move || {

@@ -1,5 +1,6 @@
 //! `flowprefill bench ...`: throughput and TTFT studies.
 
+mod stream;
 mod ttft;
 
 use crate::{rss, Common};
@@ -20,6 +21,9 @@ pub enum Bench {
     Prefill(PrefillArgs),
     /// TTFT against context length per method and rank count: a CSV, a PNG plot and speedups.
     Ttft(TtftArgs),
+    /// A stream of questions over a corpus with Zipf-distributed document popularity: chunk-store
+    /// hit rate and TTFT with positional against cache-aware placement (`--slack 0,0.1`).
+    Stream(stream::StreamArgs),
     /// Concurrent clients against a `serve` process: latency percentiles, throughput,
     /// failures by kind, server memory over time.
     Load(LoadArgs),
@@ -97,6 +101,7 @@ pub fn run(common: &Common, bench: Bench) -> Result<()> {
     match bench {
         Bench::Prefill(a) => prefill(common, a),
         Bench::Ttft(a) => ttft::run(common, a),
+        Bench::Stream(a) => stream::run(common, a),
         Bench::Load(a) => load(common, a),
         Bench::Faults(a) => super::faults::run(common, a),
         Bench::Decode(a) => super::decode_bench::run(common, a),

@@ -91,6 +91,11 @@ pub struct MethodArgs {
     /// Recompute scope across ranks: exact (pass-Q, equals one rank) or sparse (the paper's).
     #[arg(long, value_enum, default_value_t = Scope::Exact)]
     pub scope: Scope,
+    /// Cache-aware sharding on several ranks: a chunk goes to a rank whose chunk store holds
+    /// it (RAM before disk) when every rank stays within this share above the positional
+    /// split's largest load; 0 places by position only.
+    #[arg(long, default_value_t = flowprefill_coordinator::request::DEFAULT_CACHE_SLACK)]
+    pub cache_slack: f64,
 }
 
 impl MethodArgs {
@@ -105,6 +110,7 @@ impl MethodArgs {
             seed: self.seed,
             scope: self.scope,
             evict: self.evict.parse()?,
+            cache_slack: self.cache_slack,
             ..base
         }))
     }
@@ -285,13 +291,15 @@ pub fn print_stats(r: &RunResult) {
             }
         }
     }
-    print!("{:>4} {:>6} {:>7} {:>8}", "rank", "chunks", "tokens", "selected");
+    print!("{:>4} {:>6} {:>7} {:>8} {:>14}", "rank", "chunks", "tokens", "selected", "ram/disk/miss");
     for n in &names {
         print!(" {:>13}", n);
     }
     println!("   (ms)");
     for s in &r.rank_stats {
-        print!("{:>4} {:>6} {:>7} {:>8}", s.rank, s.chunks, s.tokens, s.selected);
+        let lookups =
+            format!("{}/{}/{}", s.cache_hits.saturating_sub(s.cache_disk_hits), s.cache_disk_hits, s.cache_misses);
+        print!("{:>4} {:>6} {:>7} {:>8} {:>14}", s.rank, s.chunks, s.tokens, s.selected, lookups);
         for n in &names {
             let v = s.phases.iter().find(|(p, _)| p == n).map_or(0.0, |p| p.1);
             print!(" {:>13.1}", v);

@@ -137,6 +137,9 @@ pub struct JobRequest {
     /// Context KV entries kept per (layer, KV head) by `evict`.
     #[serde(default)]
     pub kv_budget: Option<usize>,
+    /// Cache-aware sharding's balance slack (default 0.1; 0: positional placement).
+    #[serde(default)]
+    pub cache_slack: Option<f64>,
     /// Answer tokens at most (default 64).
     #[serde(default)]
     pub max_tokens: Option<usize>,
@@ -267,6 +270,9 @@ impl JobRequest {
         };
         let mut options = options(&m, self.max_tokens, self.temperature, self.top_p, self.seed)?;
         options.score_layers = self.score_layers.map(|[a, b]| (a, b));
+        if let Some(slack) = self.cache_slack {
+            options.cache_slack = slack;
+        }
         options.score_pool = self.score_pool;
         options.evict = match (self.evict, self.kv_budget) {
             (Some(policy), Some(budget)) => Some(flowprefill_coordinator::Evict { policy, budget }),

@@ -64,6 +64,8 @@ pub const JOBS_IN_FLIGHT: &str = "flowprefill_jobs_in_flight";
 pub const JOBS_TOTAL: &str = "flowprefill_jobs_total";
 /// Errors answered, by kind.
 pub const ERRORS_TOTAL: &str = "flowprefill_errors_total";
+/// Counter: chunk-store misses (prefilled chunks), by rank.
+pub const STORE_MISSES: &str = "flowprefill_store_misses_total";
 /// Documents ingested by `POST /v1/documents`, by outcome (prefilled, held: already stored).
 pub const DOCUMENTS_INGESTED: &str = "flowprefill_documents_ingested_total";
 /// Ranks of the world.
@@ -119,7 +121,8 @@ fn describe() {
     describe_counter!(CONTEXT_TOKENS, Unit::Count, "Context tokens processed");
     describe_histogram!(RECOMPUTE_RATIO, Unit::Count, "Recomputed fraction of the context per job");
     describe_counter!(CACHE_HITS, Unit::Count, "Chunk-store hits");
-    describe_counter!(STORE_HITS, Unit::Count, "Chunk-store hits by tier (ram, disk)");
+    describe_counter!(STORE_HITS, Unit::Count, "Chunk-store hits by tier (ram, disk) and rank");
+    describe_counter!(STORE_MISSES, Unit::Count, "Chunk-store misses (chunks prefilled) by rank");
     describe_gauge!(STORE_BYTES, Unit::Bytes, "Bytes rank 0's chunk store holds, by tier (ram, disk)");
     describe_counter!(STORE_CORRUPT, Unit::Count, "Damaged disk entries dropped (never served)");
     describe_counter!(STORE_WRITE_FAILURES, Unit::Count, "Disk writes skipped after an error (a full disk)");
@@ -178,9 +181,15 @@ pub fn record_job(r: &RunResult, cache_bytes: usize, disk: Option<DiskStats>) {
             .record(r.n_selected() as f64 / r.n_context_tokens as f64);
     }
     counter!(CACHE_HITS).increment(r.cache_hits);
-    counter!(STORE_HITS, "tier" => "ram").increment(r.cache_hits.saturating_sub(r.cache_disk_hits));
-    counter!(STORE_HITS, "tier" => "disk").increment(r.cache_disk_hits);
     counter!(CACHE_MISSES).increment(r.cache_misses);
+    // Per rank: where cache-aware sharding sent each chunk shows as hits on that rank.
+    for s in &r.rank_stats {
+        let rank = s.rank.to_string();
+        let ram = s.cache_hits.saturating_sub(s.cache_disk_hits);
+        counter!(STORE_HITS, "tier" => "ram", "rank" => rank.clone()).increment(ram);
+        counter!(STORE_HITS, "tier" => "disk", "rank" => rank.clone()).increment(s.cache_disk_hits);
+        counter!(STORE_MISSES, "rank" => rank).increment(s.cache_misses);
+    }
     gauge!(CACHE_BYTES).set(cache_bytes as f64);
     gauge!(STORE_BYTES, "tier" => "ram").set(cache_bytes as f64);
     // Without a disk tier: 0 disk bytes, nothing dropped or skipped (the series exist either way).

@@ -5,6 +5,7 @@
 //! memory_plan::`.
 
 mod bf16_forward;
+mod cache_aware;
 mod device_plane;
 mod engine_invariants;
 mod errors;

@@ -203,6 +203,12 @@ impl DiskStore {
         self.core.get(key)
     }
 
+    /// Whether a file for `key` is in the folder (not read nor checked: what a placement
+    /// decision needs; [`DiskStore::get`] verifies before serving).
+    pub fn holds(&self, key: &ChunkKey) -> bool {
+        self.core.dir.join(self.core.name_of(key)).is_file()
+    }
+
     /// Queues the entry of `key` for the writer (temporary file, fsync, rename, folder fsync,
     /// then a trim to the budget); waits only while the queue is full. A failed write is a
     /// warning, logged once, and a skipped write.

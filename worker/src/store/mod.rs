@@ -161,6 +161,18 @@ impl<B: Backend> ChunkStore<B> {
         }
     }
 
+    /// How well this store holds `key`, without counting a lookup: 2 in RAM, 1 on the disk
+    /// tier only, 0 not at all (what cache-aware sharding places by).
+    pub fn holds(&self, key: &ChunkKey) -> u8 {
+        if self.lock().map.contains_key(key) {
+            2
+        } else if self.disk.as_ref().is_some_and(|d| d.holds(key)) {
+            1
+        } else {
+            0
+        }
+    }
+
     /// [`ChunkStore::insert`], and the entry written to the disk tier (if any; a failed write
     /// is the disk tier's warning, never the job's error).
     pub fn insert_persist(&self, key: ChunkKey, kv: KvCache<B>, backend: &B) -> Arc<KvCache<B>> {

@@ -1,0 +1,99 @@
+//! Cache-aware sharding (`cache_slack`): on several ranks a chunk goes to the rank whose chunk
+//! store holds it when the token balance allows, so a second question over the same documents
+//! in another order reads them instead of prefilling them on the wrong rank; the answers equal
+//! positional placement's for every method (exact scope: N ranks compute what one does), and
+//! the forms a store is asked about are the forms the jobs stored (every prefix mode).
+
+use flowprefill_coordinator::layout::Layout;
+use flowprefill_coordinator::{Context, Engine, Job, Method, Request, RunOptions, RunResult, ThreadRanks};
+use flowprefill_tests::{rel_diff, shared_model, RANKS_LOGIT_TOL};
+use std::time::Duration;
+
+/// Four documents of nearly the same length (the positional split puts two on each rank).
+fn docs() -> Vec<String> {
+    (0..4)
+        .map(|i| {
+            let mut t = String::new();
+            for s in 0..7 {
+                t.push_str(&format!(
+                    "Warden {i} of the east wall logged {} crates of salt in year {}. ",
+                    3 * s + i,
+                    1900 + s
+                ));
+                if i == 2 && s == 3 {
+                    t.push_str("The cellar key of the east wall is kept under stone 318. ");
+                }
+            }
+            t
+        })
+        .collect()
+}
+
+fn request(docs: Vec<String>) -> Request {
+    Request {
+        context: Context::Documents(docs),
+        query: "Under which stone is the cellar key of the east wall kept?".into(),
+        system: None,
+        answer_prefix: None,
+    }
+}
+
+fn misses(r: &RunResult) -> u64 {
+    r.rank_stats.iter().map(|s| s.cache_misses).sum()
+}
+
+/// Runs, on a fresh pair of thread ranks (RAM stores only), the documents in order, then the
+/// same documents as [d0, d3, d2, d1] (positionally: d3 on rank 0 and d1 on rank 1, the
+/// opposite of where the first job left them), with `slack`.
+fn second_question(method: Method, slack: f64) -> RunResult {
+    let mut world = ThreadRanks::new(shared_model(), 2, 1 << 30, Duration::from_secs(120)).expect("ranks");
+    let opts = RunOptions { method, ratio: 0.2, max_new_tokens: 6, cache_slack: slack, ..Default::default() };
+    let d = docs();
+    let first = world.run(&Job { request: request(d.clone()), options: opts.clone() }, &mut |_| true).expect("first");
+    assert_eq!(first.owners, vec![0, 0, 1, 1], "{method}: the positional split of four equal documents");
+    let swapped = vec![d[0].clone(), d[3].clone(), d[2].clone(), d[1].clone()];
+    world.run(&Job { request: request(swapped), options: opts }, &mut |_| true).expect("second")
+}
+
+#[test]
+fn chunks_go_where_they_are_held_and_answers_do_not_change() {
+    for method in [Method::Infoflow, Method::None, Method::Cacheblend, Method::Epic, Method::Prophet, Method::Cacheclip]
+    {
+        let positional = second_question(method, 0.0);
+        let aware = second_question(method, 0.1);
+        eprintln!(
+            "{method}: second question, owners {:?} -> {:?}, misses {} -> {}, answer {:?}",
+            positional.owners,
+            aware.owners,
+            misses(&positional),
+            misses(&aware),
+            aware.answer
+        );
+        assert_eq!(positional.owners, vec![0, 0, 1, 1], "{method}: slack 0 is positional");
+        assert_eq!(aware.owners, vec![0, 1, 1, 0], "{method}: d3 and d1 go back to their ranks");
+        assert!(misses(&positional) >= 2, "{method}: positional placement prefills d3 and d1 again");
+        assert_eq!(misses(&aware), 0, "{method}: every chunk read from the store of its rank");
+        assert_eq!(aware.tokens, positional.tokens, "{method}: the answer changed with the placement");
+        let d = rel_diff(&aware.first_logits, &positional.first_logits);
+        assert!(d <= RANKS_LOGIT_TOL, "{method}: first-token logits differ by {d}");
+    }
+}
+
+/// What `held_levels` asks the store about is what the jobs stored: after a job in each prefix
+/// mode, every chunk is held in RAM (2) in that mode's form.
+#[test]
+fn the_forms_asked_for_are_the_forms_stored() {
+    for (method, mode) in [
+        (Method::Infoflow, flowprefill_coordinator::PrefixMode::None),
+        (Method::Cacheclip, flowprefill_coordinator::PrefixMode::Shared),
+        (Method::Star, flowprefill_coordinator::PrefixMode::Anchor),
+    ] {
+        let engine = Engine::new(shared_model(), 1 << 30);
+        let req = request(docs());
+        let layout = Layout::for_method(engine.model(), &req, method).expect("layout");
+        assert_eq!(engine.held_levels(&layout, mode), vec![0; 4], "{method}: an empty store");
+        let opts = RunOptions { method, max_new_tokens: 1, ..Default::default() };
+        engine.run(&req, &opts, &mut |_| true).expect("job");
+        assert_eq!(engine.held_levels(&layout, mode), vec![2; 4], "{method} ({mode:?}): every chunk in RAM");
+    }
+}
