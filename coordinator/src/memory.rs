@@ -21,7 +21,9 @@
 //! What the plan cannot know it bounds: which tokens a query selects (spread evenly over the
 //! context, each rank's share at most one recompute batch), and whether a chunk is already in
 //! the store (counted as new; the store's bytes count as reclaimable at admission). CacheClip's
-//! auxiliary model, when it is another model, is not counted.
+//! auxiliary model, when it is another model, is not counted. Chunks are planned where the
+//! positional split puts them; cache-aware placement may give a rank up to `cache_slack` more
+//! chunk tokens (a share of the largest load), chunks its store already holds.
 
 use crate::error::{CoordError, Result};
 use crate::layout::Layout;

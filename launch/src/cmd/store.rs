@@ -86,6 +86,14 @@ pub fn run(common: &crate::Common, cmd: Store) -> Result<()> {
             if let (Some(newest), Some(oldest)) = (all.first(), all.last()) {
                 println!("  last used: newest {}, oldest {}", ago(newest.used), ago(oldest.used));
             }
+            if dir.join("documents").is_dir() {
+                let docs = flowprefill_worker::store::documents::Documents::open(&dir)?;
+                println!(
+                    "  ingested documents: {} (texts by id in {}; name them with run --doc-id ID)",
+                    docs.ids()?.len(),
+                    docs.dir().display()
+                );
+            }
         }
         Store::Ls { limit } => {
             for l in disk::list(&dir, None)?.iter().take(limit) {
