@@ -42,6 +42,7 @@
 //! `chunked` (reorder, placement, selection, recomputation), `decode` (the prompt over the
 //! sharded segments and the token loop), `evict` (KV eviction between them).
 
+mod admission;
 mod caches;
 mod chunked;
 mod decode;
@@ -51,11 +52,9 @@ mod ingest;
 pub use evict::Eviction;
 pub use ingest::Ingested;
 
-use crate::admit::{admit, Limits};
 use crate::error::{internal, CoordError, Result};
 use crate::fault::FaultPlan;
 use crate::layout::Layout;
-use crate::memory;
 use crate::pipeline::Pipeline;
 use crate::request::{Job, Method, PrefixMode, Request, RunOptions};
 use crate::timings::{phase, PhaseTimes, Settle};
@@ -234,22 +233,6 @@ struct Steer<'a, 'b> {
     t0: Instant,
     on_admitted: Option<Box<dyn FnMut() + Send + 'a>>,
     on_text: &'b mut dyn FnMut(&str) -> bool,
-}
-
-/// A rank's verdict on a job's admission, as the other ranks receive it.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Refusal {
-    class: ErrorClass,
-    message: String,
-    api_message: String,
-}
-
-/// What a rank tells the others when a job arrives: its verdict, and how well its chunk store
-/// holds each chunk (for cache-aware sharding; empty when the job does not place by it).
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Arrival {
-    refusal: Option<Refusal>,
-    held: Vec<u8>,
 }
 
 /// Per-rank part of the decoding loop: the sampler and the text sink live on rank 0 only.
@@ -499,82 +482,6 @@ impl<B: Backend> Engine<B> {
         }
         comm.end_job();
         r
-    }
-
-    /// This rank's memory plan against its device's free memory (none: unknown, not checked);
-    /// the chunk store gives back what the job lacks when that is enough.
-    fn make_room(&self, opts: &RunOptions, layout: &Layout, rank: usize, ranks: usize) -> Result<()> {
-        let room = memory::Room {
-            rank,
-            ranks,
-            peers: self.memory_peers,
-            reclaimable: self.store.reclaimable() + self.aux_store.reclaimable(),
-            limit: self.memory_limit,
-        };
-        let short = memory::admit_memory(&self.lm, opts, layout, room)?;
-        if short > 0 {
-            let freed = self.store.evict(short);
-            let freed = freed + self.aux_store.evict(short.saturating_sub(freed));
-            tracing::info!(
-                rank,
-                "the chunk store gave back {} to make room for a job",
-                flowprefill_kernels::gib(freed)
-            );
-        }
-        Ok(())
-    }
-
-    /// After a job ran out of memory: evicts from the store what the same job lacks now, if
-    /// that is enough for it to fit (a retry then finds the room).
-    fn room_after_failure(&self, job: &Job, rank: usize, ranks: usize) {
-        if let Err(e) = self.lm.model.backend().settle() {
-            tracing::warn!(rank, "settling the device after running out of memory: {e}");
-        }
-        let made = Layout::for_method(&self.lm, &job.request, job.options.method)
-            .and_then(|layout| self.make_room(&job.options, &layout, rank, ranks));
-        if let Err(e) = made {
-            tracing::debug!(rank, "no room made after running out of memory: {e}");
-        }
-    }
-
-    /// Every rank checks the job (see [`crate::admit`]) and its memory plan, and all agree on
-    /// the outcome; with it each rank says how well its store holds each chunk, which every
-    /// rank receives (`held[rank][chunk]`, empty unless the job places chunks by it).
-    fn agree(&self, comm: &mut dyn Communicator, job: &Job) -> Result<(Layout, Vec<Vec<u8>>)> {
-        let (rank, ranks) = (comm.rank(), comm.size());
-        let mine = admit(&self.lm, job, &Limits::NONE)
-            .and_then(|a| self.make_room(&job.options, &a.layout, rank, ranks).map(|()| a));
-        let opts = &job.options;
-        let aware = ranks > 1 && opts.cache_slack > 0.0 && !opts.method.is_exact_prefill();
-        let arrival = Arrival {
-            refusal: mine.as_ref().err().map(|e| Refusal {
-                class: e.class(),
-                message: e.to_string(),
-                api_message: e.api_message(),
-            }),
-            held: match (&mine, aware) {
-                (Ok(a), true) => self.held_levels(&a.layout, opts.prefix_mode()),
-                _ => Vec::new(),
-            },
-        };
-        let all: Vec<Arrival> = all_gather_value(comm, "job.admit", &arrival)?;
-        let admitted = mine?;
-        let mut held = Vec::with_capacity(all.len());
-        for (r, a) in all.into_iter().enumerate() {
-            if let Some(v) = a.refusal {
-                return Err(CoordError::Remote {
-                    rank: r,
-                    class: v.class,
-                    message: v.message,
-                    api_message: v.api_message,
-                });
-            }
-            held.push(a.held);
-        }
-        if !aware {
-            held.clear();
-        }
-        Ok((admitted.layout, held))
     }
 
     /// The pipeline of one job on this rank (see the module docs); `Some` on rank 0.

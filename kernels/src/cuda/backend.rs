@@ -523,20 +523,10 @@ impl Backend for CudaBackend {
     }
 
     fn matmul_t(&self, x: &DeviceBuf, rows: usize, w: &DeviceMat, out: &mut DeviceBuf) -> Result<()> {
-        check_same("matmul_t", "x", x.len, rows * w.cols)?;
-        check_same("matmul_t", "out", out.len, rows * w.rows)?;
-        if rows == 0 || w.rows == 0 {
-            return Ok(());
-        }
         self.gemm(x, rows, w, out, false)
     }
 
     fn matmul_t_acc(&self, x: &DeviceBuf, rows: usize, w: &DeviceMat, out: &mut DeviceBuf) -> Result<()> {
-        check_same("matmul_t_acc", "x", x.len, rows * w.cols)?;
-        check_same("matmul_t_acc", "out", out.len, rows * w.rows)?;
-        if rows == 0 || w.rows == 0 {
-            return Ok(());
-        }
         self.gemm(x, rows, w, out, true)
     }
 

@@ -12,6 +12,7 @@ use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 impl CudaBackend {
+    /// [`Backend::matmul_t`] and [`Backend::matmul_t_acc`] (lengths checked here):
     /// out[rows, n] = x[rows, k] · Wᵀ (W `[n, k]` row-major), or `+=` when `accumulate` (the
     /// residual add in the epilogue: beta 1, the sum in f32, rounded once into `out`'s type):
     /// cuBLAS column-major with C (n x rows) = op(A) B + beta C, A = W viewed as k x n
@@ -26,6 +27,12 @@ impl CudaBackend {
         out: &mut DeviceBuf,
         accumulate: bool,
     ) -> Result<()> {
+        let op = if accumulate { "matmul_t_acc" } else { "matmul_t" };
+        check_same(op, "x", x.len, rows * w.cols)?;
+        check_same(op, "out", out.len, rows * w.rows)?;
+        if rows == 0 || w.rows == 0 {
+            return Ok(());
+        }
         let (n, k) = (w.rows, w.cols);
         let (m_, n_, k_) = (n as i32, rows as i32, k as i32);
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });

@@ -152,16 +152,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         .map(|p| std::fs::read_to_string(p).with_context(|| format!("reading --doc {}", p.display())))
         .collect::<Result<Vec<_>>>()?;
     if !args.doc_ids.is_empty() {
-        let dir = match common.store_flag()? {
-            crate::StoreFlag::Off => {
-                return Err(crate::exit::Usage(
-                    "--doc-id reads ingested documents from the store; --store is off".into(),
-                )
-                .into())
-            }
-            crate::StoreFlag::Dir(d) => d,
-            crate::StoreFlag::Unset => flowprefill_worker::fetch::home()?.join("store"),
-        };
+        let dir = super::store::folder(common).context("--doc-id reads ingested documents from the store")?;
         let registry = flowprefill_worker::store::documents::Documents::open(&dir)?;
         let texts = registry.resolve(&args.doc_ids).map_err(|e| InputError::new(Field::Documents, e.to_string()))?;
         docs.extend(texts);

@@ -30,7 +30,9 @@ pub enum Store {
     Clear,
 }
 
-fn folder(common: &crate::Common) -> Result<PathBuf> {
+/// The store's folder as `--store` names it (`$FLOWPREFILL_HOME/store` when not given); `--store
+/// off` is an error.
+pub(crate) fn folder(common: &crate::Common) -> Result<PathBuf> {
     match common.store_flag()? {
         crate::StoreFlag::Off => anyhow::bail!("--store off: there is no disk tier to look at; give a folder"),
         crate::StoreFlag::Dir(d) => Ok(d),
