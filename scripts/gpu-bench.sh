@@ -32,7 +32,10 @@ if [ -n "${GPU_BENCH_QUICK:-}" ]; then runs=2; smol_lengths=2048,8000; big_lengt
 "$FP" devices | tee "$out/devices.txt"
 # The attention autotuner first (issue 51): every configuration timed, the decisions kept for
 # the runs below (and listed by devices); its table and the kernels' occupancy in tune.txt.
-"$FP" tune --device cuda:0 2>&1 | tee "$out/tune.txt"
+# GPU_BENCH_TUNE=0 skips it (tuned earlier in the same FLOWPREFILL_HOME: scripts/gpu-lease.sh).
+if [ "${GPU_BENCH_TUNE:-1}" != 0 ]; then
+  "$FP" tune --device cuda:0 2>&1 | tee "$out/tune.txt"
+fi
 "$FP" devices | tee "$out/devices-tuned.txt"
 torch=0
 python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null && torch=1
@@ -50,7 +53,8 @@ for model in default "$big"; do
   "$FP" "${m[@]}" bench prefill --device "$dev" --tokens "$lengths" --runs "$runs" --json > "$out/fp-prefill-$tag.json"
   "$FP" "${m[@]}" generate --device "$dev" --context-file "$out/context.txt" --prompt "Summarise." \
     --max-tokens 34 --json > "$out/fp-decode-$tag.json"
-  if [ $torch = 1 ]; then
+  # A baseline measured earlier in the same lease (scripts/gpu-lease.sh, stage 1) is kept.
+  if [ $torch = 1 ] && [ ! -s "$out/torch-$tag.jsonl" ]; then
     python3 scripts/torch_baseline.py --shape "$tag" --layers "$layers" --lengths "$lengths" --runs "$runs" \
       --decode-context "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["prompt_tokens"])' "$out/fp-decode-$tag.json")" \
       --decode-tokens 34 > "$out/torch-$tag.jsonl"

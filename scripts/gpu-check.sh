@@ -50,12 +50,4 @@ if [ "$gpus" -ge 2 ]; then
 else
   echo "one GPU: the NCCL checks need two (skipped)"
 fi
-docs=$(mktemp -d)
-for d in 1 2 3 4; do
-  for i in $(seq 1 85); do echo "On day $i the boats of Redwater $d rested in the harbour while the keeper counted lanterns."; done > "$docs/$d.txt"
-done
-for m in full infoflow; do
-  "$FP" run --device cuda --stats --method "$m" --doc "$docs/1.txt" --doc "$docs/2.txt" --doc "$docs/3.txt" --doc "$docs/4.txt" \
-    --query "Which harbour do the boats rest in?" --max-tokens 8 | grep "memory plan" || true
-done
-rm -rf "$docs"
+memory_plan_runs

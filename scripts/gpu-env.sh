@@ -43,3 +43,18 @@ words = "the river carried light over stones while a quiet town counted its bell
 open(sys.argv[1], "w").write(" ".join(words[i % len(words)] for i in range(int(sys.argv[2]))))
 PY
 }
+
+# memory_plan_runs: the memory plan admission relies on against the device pool's high-water mark
+# (`run --stats` prints both), about 7K context tokens in four documents, full and InfoFlow.
+memory_plan_runs() {
+  local docs m d i
+  docs=$(mktemp -d)
+  for d in 1 2 3 4; do
+    for i in $(seq 1 85); do echo "On day $i the boats of Redwater $d rested in the harbour while the keeper counted lanterns."; done > "$docs/$d.txt"
+  done
+  for m in full infoflow; do
+    "$FP" run --device cuda --stats --method "$m" --doc "$docs/1.txt" --doc "$docs/2.txt" --doc "$docs/3.txt" --doc "$docs/4.txt" \
+      --query "Which harbour do the boats rest in?" --max-tokens 8 | grep "memory plan" || true
+  done
+  rm -rf "$docs"
+}

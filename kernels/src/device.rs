@@ -176,11 +176,13 @@ macro_rules! dispatch {
     ($self:ident, $op:literal, |$be:ident| $body:expr, $($buf:ident),*) => {
         match $self {
             Device::Cpu($be) => {
+                let _span = crate::host_time::span($op);
                 $( let Some($buf) = $buf.on_cpu() else { return Err(mixed($op)) }; )*
                 $body
             }
             #[cfg(feature = "cuda")]
             Device::Cuda($be) => {
+                let _span = crate::host_time::span($op);
                 let $be = &**$be;
                 $( let Some($buf) = $buf.on_cuda() else { return Err(mixed($op)) }; )*
                 $body
@@ -228,9 +230,10 @@ variant!(&'a DevBuf, DevBuf, &'a HostBuf, &'a crate::cuda::DeviceBuf);
 variant!(&'a mut DevBuf, DevBuf, &'a mut HostBuf, &'a mut crate::cuda::DeviceBuf);
 variant!(&'a DevMat, DevMat, &'a Matrix, &'a crate::cuda::DeviceMat);
 
-/// Wraps a backend's result buffer in its variant.
+/// Wraps a backend's result buffer in its variant (timed as `$op`).
 macro_rules! wrap {
-    ($self:ident, |$be:ident| $body:expr, $variant:ident) => {
+    ($self:ident, $op:literal, |$be:ident| $body:expr, $variant:ident) => {{
+        let _span = crate::host_time::span($op);
         match $self {
             Device::Cpu($be) => Ok($variant::Cpu($body?)),
             #[cfg(feature = "cuda")]
@@ -239,7 +242,7 @@ macro_rules! wrap {
                 Ok($variant::Cuda($body?))
             }
         }
-    };
+    }};
 }
 
 impl Backend for Device {
@@ -248,9 +251,10 @@ impl Backend for Device {
     type Mark = DevMark;
 
     fn mark(&self) -> Result<DevMark> {
-        wrap!(self, |be| be.mark(), DevMark)
+        wrap!(self, "mark", |be| be.mark(), DevMark)
     }
     fn seconds_between(&self, start: &DevMark, end: &DevMark) -> Result<f64> {
+        let _span = crate::host_time::span("seconds_between");
         match (self, start, end) {
             (Device::Cpu(be), DevMark::Cpu(a), DevMark::Cpu(b)) => be.seconds_between(a, b),
             #[cfg(feature = "cuda")]
@@ -260,6 +264,7 @@ impl Backend for Device {
         }
     }
     fn settle(&self) -> Result<()> {
+        let _span = crate::host_time::span("settle");
         match self {
             Device::Cpu(be) => be.settle(),
             #[cfg(feature = "cuda")]
@@ -295,6 +300,7 @@ impl Backend for Device {
         }
     }
     fn rope_copy(&self, src: &DevBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<DevBuf> {
+        let _span = crate::host_time::span("rope_copy");
         match self {
             Device::Cpu(be) => {
                 let Some(src) = src.on_cpu() else { return Err(mixed("rope_copy")) };
@@ -330,6 +336,7 @@ impl Backend for Device {
         )
     }
     fn duplicate(&self, src: &DevBuf) -> Result<DevBuf> {
+        let _span = crate::host_time::span("duplicate");
         match self {
             Device::Cpu(be) => {
                 let Some(src) = src.on_cpu() else { return Err(mixed("duplicate")) };
@@ -351,7 +358,7 @@ impl Backend for Device {
         }
     }
     fn upload(&self, host: &[f32]) -> Result<DevBuf> {
-        wrap!(self, |be| be.upload(host), DevBuf)
+        wrap!(self, "upload", |be| be.upload(host), DevBuf)
     }
     fn download(&self, buf: &DevBuf) -> Result<Vec<f32>> {
         dispatch!(self, "download", |be| be.download(buf), buf)
@@ -360,7 +367,7 @@ impl Backend for Device {
         dispatch!(self, "download_range", |be| be.download_range(buf, start, len), buf)
     }
     fn zeros_as(&self, len: usize, dtype: DType) -> Result<DevBuf> {
-        wrap!(self, |be| be.zeros_as(len, dtype), DevBuf)
+        wrap!(self, "zeros_as", |be| be.zeros_as(len, dtype), DevBuf)
     }
     fn dtype(&self, buf: &DevBuf) -> DType {
         match buf {
@@ -397,7 +404,7 @@ impl Backend for Device {
         dispatch!(self, "reserve", |be| be.reserve(buf, capacity), buf)
     }
     fn matrix(&self, m: Matrix) -> Result<DevMat> {
-        wrap!(self, |be| be.matrix(m), DevMat)
+        wrap!(self, "matrix", |be| be.matrix(m), DevMat)
     }
     fn weight_dtype(&self) -> DType {
         match self {
@@ -407,7 +414,7 @@ impl Backend for Device {
         }
     }
     fn matrix_typed(&self, rows: usize, cols: usize, data: HostBuf) -> Result<DevMat> {
-        wrap!(self, |be| be.matrix_typed(rows, cols, data), DevMat)
+        wrap!(self, "matrix_typed", |be| be.matrix_typed(rows, cols, data), DevMat)
     }
     fn mat_shape(&self, m: &DevMat) -> (usize, usize) {
         match m {
@@ -511,7 +518,7 @@ impl Backend for Device {
         dispatch!(self, "download_typed", |be| be.download_typed(buf), buf)
     }
     fn upload_typed(&self, host: &HostBuf) -> Result<DevBuf> {
-        wrap!(self, |be| be.upload_typed(host), DevBuf)
+        wrap!(self, "upload_typed", |be| be.upload_typed(host), DevBuf)
     }
 }
 

@@ -24,6 +24,7 @@ pub mod device;
 pub mod elementwise;
 mod error;
 pub mod gpu;
+pub mod host_time;
 pub mod matmul;
 pub mod merge;
 pub mod norm;

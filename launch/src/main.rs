@@ -84,7 +84,12 @@ fn main() {
     {
         flowprefill_kernels::cuda::libs::prepare_and_reexec();
     }
-    if let Err(e) = run(cli) {
+    let result = run(cli);
+    // FLOWPREFILL_HOST_PROFILE=1: the host time each backend op took in this process.
+    if let Some(table) = flowprefill_kernels::host_time::report() {
+        eprint!("{table}");
+    }
+    if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(flowprefill::exit::code_of(&e));
     }

@@ -21,6 +21,32 @@ fn generate_answers_the_capital_of_france() {
     assert!(ok, "stderr: {err}");
     assert!(out.contains("Paris"), "answer: {out}");
     assert!(err.contains("TTFT"), "stderr: {err}");
+    assert!(!err.contains("host time inside backend ops"), "no profile unless asked: {err}");
+}
+
+/// `FLOWPREFILL_HOST_PROFILE=1`: the host time of every backend op, printed at exit, with each
+/// op the forward needs counted (one forward of the prompt, then one per generated token).
+#[test]
+fn the_host_profile_counts_every_op_when_asked() {
+    let out = bin()
+        .env("FLOWPREFILL_HOST_PROFILE", "1")
+        .args(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "3"])
+        .output()
+        .expect("run flowprefill");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let table = err.split("host time inside backend ops").nth(1).unwrap_or_else(|| panic!("no table: {err}"));
+    let calls = |op: &str| -> u64 {
+        let line = table.lines().find(|l| l.split_whitespace().next() == Some(op));
+        let line = line.unwrap_or_else(|| panic!("no row for {op}: {table}"));
+        line.split_whitespace().nth(1).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+    };
+    // SmolLM2: 30 layers, two projections a layer without the residual epilogue (QKV and
+    // gate-up) and two with it, in each of at least three forwards (the prompt, two tokens).
+    assert!(calls("matmul_t") >= 3 * 60, "{table}");
+    assert!(calls("matmul_t_acc") >= 3 * 60, "{table}");
+    assert!(calls("attention") >= 3 * 30, "{table}");
+    assert!(calls("rms_norm") >= 3 * 60, "{table}");
 }
 
 #[test]

@@ -15,7 +15,8 @@ const BF16_KV_LOGIT_TOL: f64 = 0.5;
 /// The bf16 forward (bf16 weights and activations) against the CPU's f32 forward: on the CPU
 /// with the same roundings the first-token logits moved by up to 1.35e-2 of their range (about
 /// 40) over ten methods (`tests/tests/suite/bf16_forward.rs`), 0.54; the tensor cores' rounding
-/// of the probabilities on top. Projected, to be confirmed on the first GPU run.
+/// of the probabilities on top. Measured on an H200 (2026-11-26): 0.23 with an f32 cache, 0.06
+/// with a bf16 one.
 const BF16_FORWARD_LOGIT_TOL: f64 = 1.2;
 
 fn bin() -> Command {
@@ -97,12 +98,18 @@ fn gpu_logits_and_answers_match_the_cpu() {
     if !has_gpu() {
         return;
     }
+    // The same first token, and each of the GPU's three best tokens among the CPU's ten best with
+    // its logit within `tol`. Tokens whose logits lie within `tol` of each other may change places
+    // (on the H200, 2026-11-26, the bf16 forward swapped the 2nd and 3rd of the f32 CPU's); a
+    // swap of tokens further apart fails through the per-token bound.
     let close = |cpu: &serde_json::Value, gpu: &serde_json::Value, tol: f64, what: &str| {
         let (a, b) = (cpu["first_top_logits"].as_array().unwrap(), gpu["first_top_logits"].as_array().unwrap());
-        for (x, y) in a.iter().zip(b).take(3) {
-            assert_eq!(x[0], y[0], "{what}: the same top tokens in the same order");
+        assert_eq!(a[0][0], b[0][0], "{what}: the same best first token (CPU {a:?}, GPU {b:?})");
+        for y in b.iter().take(3) {
+            let x = a.iter().find(|x| x[0] == y[0]);
+            let x = x.unwrap_or_else(|| panic!("{what}: GPU token {} not among the CPU's ten best ({a:?})", y[0]));
             let d = (x[1].as_f64().unwrap() - y[1].as_f64().unwrap()).abs();
-            assert!(d <= tol, "{what}: logit of token {} differs by {d}", x[0]);
+            assert!(d <= tol, "{what}: logit of token {} differs by {d} (tolerance {tol}; CPU {a:?}, GPU {b:?})", y[0]);
         }
     };
     let cpu = generate("cpu", "f32", "f32");
@@ -110,6 +117,7 @@ fn gpu_logits_and_answers_match_the_cpu() {
     for (weights, kv) in [("f32", "f32"), ("f32", "bf16"), ("bf16", "f32"), ("bf16", "bf16")] {
         let gpu = generate("cuda", weights, kv);
         eprintln!("cuda, {weights} weights, {kv} KV cache: {}", gpu["answer"]);
+        eprintln!("  first top logits, GPU {:?}; CPU {:?}", top3(&gpu), top3(&cpu));
         assert_eq!(gpu["answer"], cpu["answer"], "{weights} weights, {kv} KV: greedy answers differ");
         match (weights, kv) {
             ("f32", "f32") => close(&cpu, &gpu, F32_LOGIT_TOL, "f32 weights, f32 KV (simple attention)"),
@@ -117,6 +125,13 @@ fn gpu_logits_and_answers_match_the_cpu() {
             _ => close(&cpu, &gpu, BF16_FORWARD_LOGIT_TOL, &format!("the bf16 forward, {kv} KV")),
         }
     }
+}
+
+/// The three best first tokens with their logits, for the log.
+fn top3(v: &serde_json::Value) -> Vec<(i64, f64)> {
+    let top =
+        v["first_top_logits"].as_array().map(|a| a.iter().take(3).cloned().collect::<Vec<_>>()).unwrap_or_default();
+    top.iter().map(|x| (x[0].as_i64().unwrap_or(-1), x[1].as_f64().unwrap_or(f64::NAN))).collect()
 }
 
 /// GPUs of this machine (0 without a driver).

@@ -13,8 +13,24 @@ fn err(detail: impl Into<String>) -> KernelError {
     KernelError::Backend { backend: "nvrtc", detail: detail.into() }
 }
 
+/// NVRTC 13 keeps the machine code it makes in NVIDIA's compute cache (`~/.nv/ComputeCache`)
+/// and, for a program it has compiled before, answers from there without running ptxas, so
+/// without ptxas's report (seen on an H200 with NVRTC 13.0, 2026-11-26: a second compile of
+/// `elementwise.cu` returned a CUBIN and an empty log). flowprefill keeps its own CUBINs
+/// ([`cached`]), so that cache only hides the report: it is turned off for this process
+/// (`CUDA_CACHE_DISABLE=1`) before NVRTC is first loaded, unless the user set the variable.
+fn without_compute_cache() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("CUDA_CACHE_DISABLE").is_none() {
+            std::env::set_var("CUDA_CACHE_DISABLE", "1");
+        }
+    });
+}
+
 /// True when `libnvrtc` can be loaded.
 pub fn available() -> bool {
+    without_compute_cache();
     // SAFETY: only tries to dlopen the library by its usual names; no symbol is called.
     unsafe { sys::is_culib_present() }
 }
@@ -205,7 +221,10 @@ pub fn parse_report(log: &str) -> Result<Vec<KernelReport>> {
         out.push(done.finish()?);
     }
     if out.is_empty() {
-        return Err(err(format!("no `Compiling entry function` in the ptxas report (was -v passed?):\n{log}")));
+        return Err(err(format!(
+            "no `Compiling entry function` in the ptxas report (was -v passed? or did NVIDIA's compute \
+             cache answer without running ptxas: is CUDA_CACHE_DISABLE set to 0?):\n{log}"
+        )));
     }
     Ok(out)
 }
