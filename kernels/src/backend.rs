@@ -273,6 +273,29 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Buf,
         lse: &mut Self::Buf,
     ) -> Result<()>;
+    /// [`Backend::attention`] of the `qpos.len()` query rows that start at row `q_first` of `q`
+    /// over the `kpos.len()` key rows that start at row `k_first` of `k` and `v`, written to the
+    /// same rows (from `q_first`) of `out` and `lse`, which may hold other rows. The same values
+    /// as gathering those rows and calling [`Backend::attention`] (the default does exactly
+    /// that); a backend that can address rows in place overrides it (the CUDA backend: pointer
+    /// offsets, no copies), so that several chunks batched into one forward attend with one call
+    /// each instead of a gather, a scatter and their buffers.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rows(
+        &self,
+        shape: &AttnShape,
+        q: &Self::Buf,
+        q_first: usize,
+        qpos: &[u32],
+        k: &Self::Buf,
+        v: &Self::Buf,
+        k_first: usize,
+        kpos: &[u32],
+        out: &mut Self::Buf,
+        lse: &mut Self::Buf,
+    ) -> Result<()> {
+        attention_rows_by_gathering(self, shape, q, q_first, qpos, k, v, k_first, kpos, out, lse)
+    }
     /// Adds per-key attention mass to `scores` (see [`crate::attention::attention_scores`]).
     #[allow(clippy::too_many_arguments)]
     fn attention_scores(
@@ -320,6 +343,16 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
     /// Appends all of `src` to the end of `dst` (the same element type).
     fn append(&self, dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
+    /// Appends rows `first..first + rows` of `src` (rows of `width` values) to the end of `dst`:
+    /// [`Backend::append`] of those rows gathered (the default), or one copy of the range where a
+    /// backend can address it in place (the CUDA backend).
+    fn append_rows(&self, dst: &mut Self::Buf, src: &Self::Buf, first: usize, rows: usize, width: usize) -> Result<()> {
+        if first == 0 && rows * width == self.len(src) {
+            return self.append(dst, src);
+        }
+        let part = gather_rows(self, src, first, rows, width)?;
+        self.append(dst, &part)
+    }
 
     /// A buffer's exact contents in host memory, in its own element type.
     fn download_typed(&self, buf: &Self::Buf) -> Result<HostBuf>;
@@ -416,6 +449,58 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
+/// Rows `first..first + rows` of `src` (rows of `width` values) as a buffer of their own.
+fn gather_rows<B: Backend + ?Sized>(be: &B, src: &B::Buf, first: usize, rows: usize, width: usize) -> Result<B::Buf> {
+    let have = be.len(src);
+    if (first + rows) * width > have {
+        return Err(crate::KernelError::Shape {
+            op: "rows",
+            detail: format!("rows {first}..{} of {width} values are outside a buffer of {have}", first + rows),
+        });
+    }
+    let mut dst = be.zeros_as(rows * width, be.dtype(src))?;
+    let idx: Vec<usize> = (0..rows).collect();
+    let from: Vec<usize> = (first..first + rows).collect();
+    be.copy_rows(src, &from, &mut dst, &idx, width)?;
+    Ok(dst)
+}
+
+/// [`Backend::attention_rows`] by gathering the rows, [`Backend::attention`] on them, and
+/// copying the output rows back (the default, and the CUDA backend's path where its kernel
+/// cannot read the rows in place).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_rows_by_gathering<B: Backend + ?Sized>(
+    be: &B,
+    shape: &AttnShape,
+    q: &B::Buf,
+    q_first: usize,
+    qpos: &[u32],
+    k: &B::Buf,
+    v: &B::Buf,
+    k_first: usize,
+    kpos: &[u32],
+    out: &mut B::Buf,
+    lse: &mut B::Buf,
+) -> Result<()> {
+    let (m, n, qd, kvd, h) = (qpos.len(), kpos.len(), shape.q_dim(), shape.kv_dim(), shape.n_heads);
+    let whole = |b: &B::Buf, first: usize, rows: usize, width: usize| first == 0 && be.len(b) == rows * width;
+    let in_place = whole(q, q_first, m, qd) && whole(k, k_first, n, kvd) && whole(v, k_first, n, kvd);
+    if in_place && whole(out, q_first, m, qd) && whole(lse, q_first, m, h) {
+        return be.attention(shape, q, qpos, k, v, kpos, out, lse);
+    }
+    let (gq, gk, gv) = (
+        gather_rows(be, q, q_first, m, qd)?,
+        gather_rows(be, k, k_first, n, kvd)?,
+        gather_rows(be, v, k_first, n, kvd)?,
+    );
+    let mut o = be.zeros_as(m * qd, be.dtype(out))?;
+    let mut l = be.zeros_as(m * h, be.dtype(lse))?;
+    be.attention(shape, &gq, qpos, &gk, &gv, kpos, &mut o, &mut l)?;
+    let (local, rows): (Vec<usize>, Vec<usize>) = (0..m).map(|i| (i, q_first + i)).unzip();
+    be.copy_rows(&o, &local, out, &rows, qd)?;
+    be.copy_rows(&l, &local, lse, &rows, h)
+}
+
 /// The CUDA backend's own scratch for a forward of `rows` rows at most `width` wide: bf16
 /// copies of a GEMM input and of the queries (grown to the largest forward and kept), plus
 /// cuBLAS's workspace and the control-data cache (16 MiB) with room to spare. A function of
@@ -449,6 +534,43 @@ pub use cpu::{host_available_bytes, Cpu};
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The defaults of `attention_rows` and `append_rows` (what the CPU runs, and what the
+    /// CUDA backend's in-place forms must equal): the chunk's rows of the output are those of
+    /// `attention` on the gathered rows, bit for bit, the other rows untouched; bad ranges are
+    /// errors.
+    #[test]
+    fn rows_in_place_are_the_gathered_rows() {
+        let shape = AttnShape::new(4, 2, 8).expect("shape");
+        let (qd, kvd, h) = (shape.q_dim(), shape.kv_dim(), shape.n_heads);
+        let rows = 11;
+        let vals = |n: usize, s: f32| HostBuf::F32((0..n).map(|i| (i as f32 * 0.37 + s).sin()).collect());
+        let (q, k, v) = (vals(rows * qd, 0.1), vals(rows * kvd, 0.2), vals(rows * kvd, 0.3));
+        let (first, n) = (4, 5);
+        let pos: Vec<u32> = (0..n as u32).collect();
+        let mut out = HostBuf::F32(vec![9.0; rows * qd]);
+        let mut lse = HostBuf::F32(vec![9.0; rows * h]);
+        Cpu.attention_rows(&shape, &q, first, &pos, &k, &v, first, &pos, &mut out, &mut lse).expect("rows");
+        let part = |b: &HostBuf, w: usize| HostBuf::F32(b.to_f32()[first * w..(first + n) * w].to_vec());
+        let (mut o, mut l) = (Cpu.zeros(n * qd).expect("o"), Cpu.zeros(n * h).expect("l"));
+        Cpu.attention(&shape, &part(&q, qd), &pos, &part(&k, kvd), &part(&v, kvd), &pos, &mut o, &mut l)
+            .expect("attention");
+        let (out, lse) = (out.to_f32(), lse.to_f32());
+        assert_eq!(&out[first * qd..(first + n) * qd], &o.to_f32()[..]);
+        assert_eq!(&lse[first * h..(first + n) * h], &l.to_f32()[..]);
+        assert!(out[..first * qd].iter().chain(&out[(first + n) * qd..]).all(|&x| x == 9.0), "other rows untouched");
+        let mut a = Cpu.zeros(kvd).expect("a");
+        Cpu.append_rows(&mut a, &k, first, n, kvd).expect("append_rows");
+        assert_eq!(&a.to_f32()[kvd..], &k.to_f32()[first * kvd..(first + n) * kvd]);
+        let e = Cpu.append_rows(&mut a, &k, rows - 1, 2, kvd).expect_err("past the end");
+        assert!(e.to_string().contains("outside"), "{e}");
+        let mut out = HostBuf::F32(vec![0.0; rows * qd]);
+        let mut lse = HostBuf::F32(vec![0.0; rows * h]);
+        let e = Cpu
+            .attention_rows(&shape, &q, rows - 2, &pos, &k, &v, 0, &pos, &mut out, &mut lse)
+            .expect_err("past the end");
+        assert!(e.to_string().contains("outside"), "{e}");
+    }
 
     #[test]
     fn an_allocation_the_host_cannot_give_is_a_resource_error() {

@@ -454,6 +454,33 @@ impl Backend for Device {
     ) -> Result<()> {
         dispatch!(self, "attention", |be| be.attention(shape, q, qpos, k, v, kpos, out, lse), q, k, v, out, lse)
     }
+    fn attention_rows(
+        &self,
+        shape: &AttnShape,
+        q: &DevBuf,
+        q_first: usize,
+        qpos: &[u32],
+        k: &DevBuf,
+        v: &DevBuf,
+        k_first: usize,
+        kpos: &[u32],
+        out: &mut DevBuf,
+        lse: &mut DevBuf,
+    ) -> Result<()> {
+        dispatch!(
+            self,
+            "attention_rows",
+            |be| be.attention_rows(shape, q, q_first, qpos, k, v, k_first, kpos, out, lse),
+            q,
+            k,
+            v,
+            out,
+            lse
+        )
+    }
+    fn append_rows(&self, dst: &mut DevBuf, src: &DevBuf, first: usize, rows: usize, width: usize) -> Result<()> {
+        dispatch!(self, "append_rows", |be| be.append_rows(dst, src, first, rows, width), dst, src)
+    }
     fn attention_scores(
         &self,
         shape: &AttnShape,

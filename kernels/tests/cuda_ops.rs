@@ -418,3 +418,75 @@ fn the_bf16_forward_ops_match_the_cpu_with_its_roundings() {
     g.add_bias(&mut got, &g.upload(&bias).unwrap()).unwrap();
     assert_eq!(g.download_typed(&got).unwrap(), want, "bias add into bf16, bit for bit");
 }
+
+/// Several chunks batched into one buffer: `attention_rows` reading each chunk's rows in place
+/// (pointer offsets) gives bit for bit what `attention` gives on the rows gathered, on the same
+/// GPU, into exactly the chunk's rows of the shared output (the rows around it untouched);
+/// `append_rows` and contiguous `copy_rows` (one copy each) equal the gathered forms.
+#[test]
+fn rows_in_place_equal_the_gathered_rows() {
+    let Some(g) = gpu_with(WeightType::Bf16, DType::Bf16) else { return };
+    let mut r = StdRng::seed_from_u64(17);
+    for &(heads, kv, d) in &[(9, 3, 64), (32, 8, 128)] {
+        let shape = AttnShape::new(heads, kv, d).unwrap();
+        let (qd, kvd) = (heads * d, kv * d);
+        // Chunks of 300, 517 and 64 rows, each at local positions 0.., in one batch.
+        let lens = [300usize, 517, 64];
+        let rows: usize = lens.iter().sum();
+        let bf = |v: Vec<f32>| {
+            let host = HostBuf::F32(v);
+            let mut b = HostBuf::zeros(host.len(), DType::Bf16);
+            Cpu.copy_columns(&host, host.len(), 0, host.len(), &mut b).unwrap();
+            g.upload_typed(&b).unwrap()
+        };
+        let q = bf(rand_vec(&mut r, rows * qd, 2.0));
+        let (k, v) = (bf(rand_vec(&mut r, rows * kvd, 2.0)), bf(rand_vec(&mut r, rows * kvd, 1.0)));
+        let mut out = g.upload(&vec![7.0; rows * qd]).unwrap();
+        let mut lse = g.upload(&vec![7.0; rows * heads]).unwrap();
+        let mut first = 0;
+        for (i, &n) in lens.iter().enumerate() {
+            let pos: Vec<u32> = (0..n as u32).collect();
+            if i != 1 {
+                g.attention_rows(&shape, &q, first, &pos, &k, &v, first, &pos, &mut out, &mut lse).unwrap();
+            }
+            // The same rows gathered, through `attention`.
+            let take = |b: &flowprefill_kernels::cuda::DeviceBuf, width: usize| {
+                let mut t = g.zeros_as(n * width, g.dtype(b)).unwrap();
+                let (from, to): (Vec<usize>, Vec<usize>) = (0..n).map(|j| (first + j, j)).unzip();
+                g.copy_rows(b, &from, &mut t, &to, width).unwrap();
+                t
+            };
+            let (gq, gk, gv) = (take(&q, qd), take(&k, kvd), take(&v, kvd));
+            let (mut o, mut l) = (g.zeros(n * qd).unwrap(), g.zeros(n * heads).unwrap());
+            g.attention(&shape, &gq, &pos, &gk, &gv, &pos, &mut o, &mut l).unwrap();
+            let (all_o, all_l) = (g.download(&out).unwrap(), g.download(&lse).unwrap());
+            if i == 1 {
+                assert!(
+                    all_o[first * qd..(first + n) * qd].iter().all(|&x| x == 7.0),
+                    "d={d}: rows not asked for are untouched"
+                );
+                assert!(all_l[first * heads..(first + n) * heads].iter().all(|&x| x == 7.0));
+            } else {
+                assert_eq!(&all_o[first * qd..(first + n) * qd], &g.download(&o).unwrap()[..], "d={d} chunk {i}: out");
+                assert_eq!(
+                    &all_l[first * heads..(first + n) * heads],
+                    &g.download(&l).unwrap()[..],
+                    "d={d} chunk {i}: lse"
+                );
+            }
+            // append_rows == append of the gathered rows; a contiguous copy_rows == the kernel's.
+            let mut a = g.zeros_as(0, DType::Bf16).unwrap();
+            g.append(&mut a, &g.zeros_as(kvd, DType::Bf16).unwrap()).unwrap();
+            let mut b = g.duplicate(&a).unwrap();
+            g.append_rows(&mut a, &k, first, n, kvd).unwrap();
+            g.append(&mut b, &gk).unwrap();
+            assert_eq!(g.download_typed(&a).unwrap(), g.download_typed(&b).unwrap(), "d={d} chunk {i}: append_rows");
+            first += n;
+        }
+        // A bad range is an error, not a read past the buffer.
+        let pos: Vec<u32> = (0..10).collect();
+        let e = g.attention_rows(&shape, &q, rows - 5, &pos, &k, &v, 0, &pos, &mut out, &mut lse).unwrap_err();
+        assert!(e.to_string().contains("outside"), "{e}");
+        assert!(g.append_rows(&mut g.zeros_as(0, DType::Bf16).unwrap(), &k, rows - 1, 2, kvd).is_err());
+    }
+}

@@ -134,6 +134,13 @@ impl CudaBackend {
         };
         let driver = super::versions().driver.unwrap_or(0);
         let stream = ctx.default_stream();
+        // SAFETY: every op of this backend runs on `stream`, one stream, so cudarc's per-buffer
+        // events order nothing (two made with every allocation and destroyed with it, recorded
+        // and waited on at every use once a second stream exists): a few microseconds of host
+        // time per allocation, and the chunked methods make thousands per request (H200,
+        // 2026-11-26). The NCCL exchange, which adds a stream, turns them back on before making
+        // it (`NcclPlane::new`), for every buffer made from then on.
+        unsafe { ctx.disable_event_tracking() };
         // Not fatal: without it the pool returns freed memory at each synchronisation and
         // allocations go back to the driver (slower, still correct).
         if let Err(e) = buffers::keep_freed_memory(&ctx) {
@@ -230,6 +237,44 @@ impl CudaBackend {
     }
 
     /// The device copy of control data `v` (cached by content, see [`ControlCache`]).
+    /// Appends `add` values of `src` from value `start` to the end of `dst` (one copy; the
+    /// capacity grows geometrically, so appending token by token copies each value O(1) times).
+    fn append_range(&self, dst: &mut DeviceBuf, src: &DeviceBuf, start: usize, add: usize) -> Result<()> {
+        want("append", "src", src.dtype(), dst.dtype())?;
+        let old = dst.len;
+        if add == 0 {
+            return Ok(());
+        }
+        if old + add > dst.capacity() {
+            self.reserve(dst, (old + add).max(2 * dst.capacity()))?;
+        }
+        self.copy_values(src, start, dst, old, add, "append")?;
+        dst.len = old + add;
+        Ok(())
+    }
+
+    /// Copies `n` values of `src` from `from` to `dst` at `to` (one device-to-device copy).
+    fn copy_values(
+        &self,
+        src: &DeviceBuf,
+        from: usize,
+        dst: &mut DeviceBuf,
+        to: usize,
+        n: usize,
+        op: &str,
+    ) -> Result<()> {
+        let r = match (&src.data, &mut dst.data) {
+            (DevData::F32(s), DevData::F32(d)) => {
+                self.stream.memcpy_dtod(&s.slice(from..from + n), &mut d.slice_mut(to..to + n))
+            }
+            (DevData::Bf16(s), DevData::Bf16(d)) => {
+                self.stream.memcpy_dtod(&s.slice(from..from + n), &mut d.slice_mut(to..to + n))
+            }
+            _ => return Err(err(op, "element types differ")),
+        };
+        r.map_err(|e| err(op, e))
+    }
+
     pub(super) fn upload_u32(&self, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
         self.control.get(&self.stream, v)
     }
@@ -238,7 +283,8 @@ impl CudaBackend {
     /// read (no zero fill).
     pub(super) fn alloc_for_overwrite(&self, len: usize, dtype: DType) -> Result<DevData> {
         // SAFETY: uninitialised device memory is only handed to ops that write every element
-        // of it first (`rope_copy`, `duplicate`), which check the lengths they write.
+        // of it first (`rope_copy`, `duplicate`), which check the lengths they write, or kept
+        // past a buffer's length (`reserve`, an empty `zeros_as`), where nothing reads it.
         unsafe {
             Ok(match dtype {
                 DType::F32 => {
@@ -404,6 +450,10 @@ impl Backend for CudaBackend {
     }
 
     fn zeros_as(&self, len: usize, dtype: DType) -> Result<DeviceBuf> {
+        if len == 0 {
+            // An empty buffer to append to (every chunk cache's layers start so): no zero fill.
+            return Ok(DeviceBuf { data: self.alloc_for_overwrite(0, dtype)?, len });
+        }
         Ok(DeviceBuf { data: self.alloc(len, dtype)?, len })
     }
 
@@ -444,7 +494,9 @@ impl Backend for CudaBackend {
         if capacity <= buf.capacity() {
             return Ok(());
         }
-        let mut data = self.alloc(capacity, buf.dtype())?;
+        // Uninitialised past `len`: nothing reads a buffer beyond its length, `resize` zeroes
+        // what it exposes, `append` overwrites it.
+        let mut data = self.alloc_for_overwrite(capacity, buf.dtype())?;
         if buf.len > 0 {
             let n = buf.len;
             let r = match (&buf.data, &mut data) {
@@ -580,6 +632,56 @@ impl Backend for CudaBackend {
         self.attention_on_device(shape, q, qpos, k, v, kpos, out, lse)
     }
 
+    fn attention_rows(
+        &self,
+        shape: &AttnShape,
+        q: &DeviceBuf,
+        q_first: usize,
+        qpos: &[u32],
+        k: &DeviceBuf,
+        v: &DeviceBuf,
+        k_first: usize,
+        kpos: &[u32],
+        out: &mut DeviceBuf,
+        lse: &mut DeviceBuf,
+    ) -> Result<()> {
+        // The tensor-core kernel reads the rows in place when K/V and the queries are bf16 and
+        // the head size is one it has; otherwise the rows are gathered.
+        let op = "attention_rows";
+        let (m, n) = (qpos.len(), kpos.len());
+        for (what, have, first, rows, width) in [
+            ("q", q.len, q_first, m, shape.q_dim()),
+            ("k", k.len, k_first, n, shape.kv_dim()),
+            ("v", v.len, k_first, n, shape.kv_dim()),
+            ("out", out.len, q_first, m, shape.q_dim()),
+            ("lse", lse.len, q_first, m, shape.n_heads),
+        ] {
+            if (first + rows) * width > have {
+                return Err(KernelError::Shape {
+                    op,
+                    detail: format!(
+                        "{what}: rows {first}..{} of {width} values are outside a buffer of {have}",
+                        first + rows
+                    ),
+                });
+            }
+        }
+        want(op, "v", v.dtype(), k.dtype())?;
+        if m == 0 {
+            return Ok(());
+        }
+        let in_place = k.dtype() == DType::Bf16
+            && q.dtype() == DType::Bf16
+            && out.dtype() == DType::F32
+            && lse.dtype() == DType::F32
+            && shape.head_dim <= crate::gpu::ATTENTION_MAX_DIM
+            && ops::flash_supported(shape.head_dim);
+        if in_place {
+            return self.flash_at(shape, (q, q_first, qpos), (k, v, k_first, kpos), out, lse);
+        }
+        crate::backend::attention_rows_by_gathering(self, shape, q, q_first, qpos, k, v, k_first, kpos, out, lse)
+    }
+
     fn attention_scores(
         &self,
         shape: &AttnShape,
@@ -694,6 +796,13 @@ impl Backend for CudaBackend {
         if src_rows.is_empty() || row_len == 0 {
             return Ok(());
         }
+        // Consecutive rows to consecutive rows (gathering a chunk's rows, scattering them
+        // back): one device-to-device copy, no index upload, no kernel.
+        let run = |rows: &[usize]| rows.windows(2).all(|w| w[1] == w[0] + 1);
+        if run(src_rows) && run(dst_rows) {
+            let n = src_rows.len() * row_len;
+            return self.copy_values(src, src_rows[0] * row_len, dst, dst_rows[0] * row_len, n, "copy_rows");
+        }
         let s: Vec<u32> = src_rows.iter().map(|&r| r as u32).collect();
         let d: Vec<u32> = dst_rows.iter().map(|&r| r as u32).collect();
         let (sd, dd) = (self.upload_u32(&s)?, self.upload_u32(&d)?);
@@ -706,27 +815,17 @@ impl Backend for CudaBackend {
     }
 
     fn append(&self, dst: &mut DeviceBuf, src: &DeviceBuf) -> Result<()> {
-        want("append", "src", src.dtype(), dst.dtype())?;
-        let (old, add) = (dst.len, src.len);
-        if add == 0 {
-            return Ok(());
+        self.append_range(dst, src, 0, src.len)
+    }
+
+    fn append_rows(&self, dst: &mut DeviceBuf, src: &DeviceBuf, first: usize, rows: usize, width: usize) -> Result<()> {
+        if (first + rows) * width > src.len {
+            return Err(KernelError::Shape {
+                op: "append_rows",
+                detail: format!("rows {first}..{} of {width} values are outside a buffer of {}", first + rows, src.len),
+            });
         }
-        if old + add > dst.capacity() {
-            // Geometric growth: appending token by token copies each value O(1) times.
-            self.reserve(dst, (old + add).max(2 * dst.capacity()))?;
-        }
-        let r = match (&src.data, &mut dst.data) {
-            (DevData::F32(s), DevData::F32(d)) => {
-                self.stream.memcpy_dtod(&s.slice(0..add), &mut d.slice_mut(old..old + add))
-            }
-            (DevData::Bf16(s), DevData::Bf16(d)) => {
-                self.stream.memcpy_dtod(&s.slice(0..add), &mut d.slice_mut(old..old + add))
-            }
-            _ => return Err(err("append", "element types differ")),
-        };
-        r.map_err(|e| err("append", e))?;
-        dst.len = old + add;
-        Ok(())
+        self.append_range(dst, src, first * width, rows * width)
     }
 
     fn download_typed(&self, buf: &DeviceBuf) -> Result<HostBuf> {

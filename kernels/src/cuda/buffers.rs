@@ -163,12 +163,27 @@ pub(crate) struct ControlCache {
     entries: Mutex<Vec<ControlEntry>>,
 }
 
-/// Host contents and their device copy.
-type ControlEntry = (Vec<u32>, Arc<CudaSlice<u32>>);
+/// A cheap first test of equal contents: the length and eight values spread over them.
+fn signature(v: &[u32]) -> u64 {
+    let n = v.len();
+    let mut h = n as u64;
+    if n > 0 {
+        for i in 0..8 {
+            h = (h.rotate_left(7) ^ v[i * (n - 1) / 7] as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    h
+}
+
+/// Host contents (with their signature) and their device copy.
+type ControlEntry = (u64, Vec<u32>, Arc<CudaSlice<u32>>);
 
 impl ControlCache {
-    /// Entries kept.
-    pub(crate) const ENTRIES: usize = 16;
+    /// Entries kept: enough for every position list a layer of a chunked layout uses (one per
+    /// segment and its metadata, the queries' own), which every layer uses again; with 16 the
+    /// final prompt over 16 chunks missed on every call, as it cycled through more lists than
+    /// the cache held (H200, 2026-11-26).
+    pub(crate) const ENTRIES: usize = 256;
     /// Bytes kept (an entry larger than this is uploaded and not kept).
     pub(crate) const BYTES: usize = 16 << 20;
 
@@ -178,10 +193,11 @@ impl ControlCache {
 
     /// The device copy of `v` (at least one element: an empty allocation is not allowed).
     pub(crate) fn get(&self, stream: &Arc<CudaStream>, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        let sig = signature(v);
         let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(i) = entries.iter().position(|(host, _)| host.as_slice() == v) {
+        if let Some(i) = entries.iter().rposition(|(s, host, _)| *s == sig && host.as_slice() == v) {
             let e = entries.remove(i);
-            let dev = e.1.clone();
+            let dev = e.2.clone();
             entries.push(e);
             return Ok(dev);
         }
@@ -190,11 +206,11 @@ impl ControlCache {
         } else {
             stream.clone_htod(v).map_err(|e| alloc_err(stream, "upload", 4 * v.len(), e))?
         });
-        let bytes = |e: &[ControlEntry]| e.iter().map(|(h, _)| 4 * h.len()).sum::<usize>();
         if 4 * v.len() <= Self::BYTES {
-            entries.push((v.to_vec(), dev.clone()));
-            while entries.len() > Self::ENTRIES || bytes(&entries) > Self::BYTES {
-                entries.remove(0);
+            entries.push((sig, v.to_vec(), dev.clone()));
+            let mut bytes: usize = entries.iter().map(|(_, h, _)| 4 * h.len()).sum();
+            while entries.len() > Self::ENTRIES || bytes > Self::BYTES {
+                bytes -= 4 * entries.remove(0).1.len();
             }
         }
         Ok(dev)

@@ -181,30 +181,11 @@ impl CudaBackend {
         if qpos.is_empty() {
             return Ok(());
         }
+        if k.dtype() == DType::Bf16 && ops::flash_supported(shape.head_dim) {
+            return self.flash_at(shape, (q, 0, qpos), (k, v, 0, kpos), out, lse);
+        }
         let dims = AttnDims::of(shape, qpos.len(), kpos.len());
         let s = &self.stream;
-        if k.dtype() == DType::Bf16 && ops::flash_supported(shape.head_dim) {
-            let (qp, meta) = (self.upload_u32(qpos)?, self.upload_u32(&ops::key_meta(kpos))?);
-            let (qpp, _a) = qp.device_ptr(s);
-            let (mp, _b) = meta.device_ptr(s);
-            let (kp, _c) = k.ptr(s);
-            let (vp, _d) = v.ptr(s);
-            let (outp, _g) = out.ptr_mut(s);
-            let (lsep, _h) = lse.ptr_mut(s);
-            let u = |p| Ptr::new(p, Elem::U32);
-            return self.with_bf16_queries(q, |qb| {
-                // The configuration the autotuner chose for this GPU and shape class (it may
-                // time the candidates on these very inputs, once per machine).
-                let inputs = super::tune::Inputs { q: qb, qpos: u(qpp), k: kp, v: vp, meta: u(mp), scale: shape.scale };
-                let (kernel, blocks_per_sm) = self.flash_choice(dims, &inputs);
-                let plan = ops::flash_plan_aiming(dims, kernel, self.sm_count, blocks_per_sm, None);
-                self.with_partials(dims, &plan, |partial| {
-                    let calls =
-                        ops::flash_attention(dims, &plan, qb, u(qpp), kp, vp, u(mp), outp, lsep, partial, shape.scale)?;
-                    calls.iter().try_for_each(|c| self.run(c))
-                })
-            });
-        }
         let wide = self.f32_queries(q)?;
         let q = wide.as_ref().unwrap_or(q);
         let (qp, kp2) = (self.upload_u32(qpos)?, self.upload_u32(kpos)?);
@@ -217,6 +198,45 @@ impl CudaBackend {
         let (ld, _g) = lse.ptr_mut(s);
         let u = |p| Ptr::new(p, Elem::U32);
         self.run_built(ops::attention(dims, qd, u(qpp), kd, vd, u(kpp), od, ld, shape.scale))
+    }
+
+    /// The tensor-core attention of the query rows from `q_first` (`(q, q_first, qpos)`) over
+    /// the key rows from `k_first` (`(k, v, k_first, kpos)`, bf16), into the same rows of `out`
+    /// and `lse` (the query rows); lengths checked by the caller.
+    pub(super) fn flash_at(
+        &self,
+        shape: &AttnShape,
+        (q, q_first, qpos): (&DeviceBuf, usize, &[u32]),
+        (k, v, k_first, kpos): (&DeviceBuf, &DeviceBuf, usize, &[u32]),
+        out: &mut DeviceBuf,
+        lse: &mut DeviceBuf,
+    ) -> Result<()> {
+        let dims = AttnDims::of(shape, qpos.len(), kpos.len());
+        let s = &self.stream;
+        let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
+        let (qp, meta) = (self.upload_u32(qpos)?, self.upload_u32(&ops::key_meta(kpos))?);
+        let (qpp, _a) = qp.device_ptr(s);
+        let (mp, _b) = meta.device_ptr(s);
+        let (kp, _c) = k.ptr(s);
+        let (vp, _d) = v.ptr(s);
+        let (outp, _g) = out.ptr_mut(s);
+        let (lsep, _h) = lse.ptr_mut(s);
+        let (kp, vp) = (kp.at(k_first * kvd), vp.at(k_first * kvd));
+        let (outp, lsep) = (outp.at(q_first * qd), lsep.at(q_first * shape.n_heads));
+        let u = |p| Ptr::new(p, Elem::U32);
+        self.with_bf16_queries(q, |qb| {
+            let qb = qb.at(q_first * qd);
+            // The configuration the autotuner chose for this GPU and shape class (it may time
+            // the candidates on these very inputs, once per machine).
+            let inputs = super::tune::Inputs { q: qb, qpos: u(qpp), k: kp, v: vp, meta: u(mp), scale: shape.scale };
+            let (kernel, blocks_per_sm) = self.flash_choice(dims, &inputs);
+            let plan = ops::flash_plan_aiming(dims, kernel, self.sm_count, blocks_per_sm, None);
+            self.with_partials(dims, &plan, |partial| {
+                let calls =
+                    ops::flash_attention(dims, &plan, qb, u(qpp), kp, vp, u(mp), outp, lsep, partial, shape.scale)?;
+                calls.iter().try_for_each(|c| self.run(c))
+            })
+        })
     }
 
     /// [`Backend::attention_scores`] on the device.

@@ -273,6 +273,11 @@ impl NcclPlane {
             )));
         }
         let compute = backend.compute_stream().clone();
+        // SAFETY: the backend made its buffers without cudarc's events (one stream); with a
+        // second stream they order each buffer's uses across the two again, for every buffer
+        // made from now on (a job's, its caches'). Those made before (the weights) are never
+        // sent, received or freed during an exchange.
+        unsafe { compute.context().enable_event_tracking() };
         let stream = compute.context().new_stream().map_err(|e| err(format!("NCCL stream: {e:?}")))?;
         Ok(Self { comm, compute, stream, pending: None, timeout, broken: None })
     }

@@ -450,6 +450,22 @@ impl Ptr {
     pub const fn new(addr: u64, elem: Elem) -> Self {
         Self { addr, elem }
     }
+
+    /// The address `n` elements further on.
+    pub const fn at(self, n: usize) -> Self {
+        Self { addr: self.addr + (n * self.elem.bytes()) as u64, elem: self.elem }
+    }
+}
+
+impl Elem {
+    /// Bytes per element.
+    pub const fn bytes(self) -> usize {
+        match self {
+            Elem::Bf16 => 2,
+            Elem::F32 | Elem::U32 => 4,
+            Elem::F64 => 8,
+        }
+    }
 }
 
 /// One argument of a launch.

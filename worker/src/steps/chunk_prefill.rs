@@ -44,8 +44,26 @@ impl<B: Backend> Attend<B> for Batched<'_, '_, B> {
         let be = x.backend;
         let (qd, kvd, h) = (x.shape.q_dim(), x.shape.kv_dim(), x.shape.n_heads);
         let single = self.jobs.len() == 1;
+        // The log-sum-exp of every row, for the chunks attended in place (below).
+        let mut lse_rows: Option<B::Buf> = None;
         for (j, (job, r)) in self.jobs.iter().zip(&self.ranges).enumerate() {
             let n = r.len();
+            if !single && job.head.is_empty() {
+                // A chunk with nothing before it attends to its own rows only: its rows are read
+                // and written where the batch holds them (`attention_rows`, `append_rows`: on a
+                // GPU three calls instead of a gather of four tensors, the attention and a
+                // scatter of its output, each with buffers of its own).
+                let pos = &x.positions[r.clone()];
+                let rec = &mut self.layers[j][x.layer];
+                be.append_rows(&mut rec.k, x.k_pre, r.start, n, kvd)?;
+                be.append_rows(&mut rec.v, x.v, r.start, n, kvd)?;
+                if lse_rows.is_none() {
+                    lse_rows = Some(be.zeros(x.positions.len() * h)?);
+                }
+                let lse = lse_rows.as_mut().ok_or_else(|| crate::error::internal("lse rows missing"))?;
+                be.attention_rows(x.shape, x.q, r.start, pos, x.k, x.v, r.start, pos, out, lse)?;
+                continue;
+            }
             let rows: Vec<usize> = r.clone().collect();
             let local: Vec<usize> = (0..n).collect();
             let pos = &x.positions[r.clone()];
