@@ -32,10 +32,10 @@ pub mod timings;
 pub mod world;
 
 pub use admit::{admit, Admitted, Limits};
-pub use engine::{Control, DiskTier, Engine, Ingested, RankStats, RunResult, DEFAULT_STORE_BYTES};
+pub use engine::{Control, DiskTier, Engine, Ingested, Quality, RankStats, RunResult, DEFAULT_STORE_BYTES};
 pub use error::{CoordError, Result};
 pub use flowprefill_comm::ErrorClass;
 pub use request::{
-    Context, Evict, EvictPolicy, Geometry, Job, Method, MethodSpec, PrefixMode, Request, RunOptions, Scope,
+    Context, Evict, EvictPolicy, Geometry, Job, Method, MethodSpec, OnBreach, PrefixMode, Request, RunOptions, Scope,
 };
 pub use world::{run_rank, PlaneSetup, ThreadRanks, World};

@@ -401,6 +401,39 @@ pub struct RunOptions {
     /// largest load (`--cache-slack`, default 0.1; 0: positional placement).
     #[serde(default = "default_cache_slack")]
     pub cache_slack: f64,
+    /// Verification (`--verify`): the request is also answered exactly (full prefill on one
+    /// rank, ring on several) and the answer carries how far it was from that
+    /// ([`crate::engine::Quality`]).
+    #[serde(default)]
+    pub verify: bool,
+    /// The quality gate (`--quality-floor`): a verified answer whose first token's
+    /// distribution is more than this many nats (KL) from the exact one breached it.
+    #[serde(default)]
+    pub quality_floor: Option<f64>,
+    /// What a breach does (`--on-breach`; default: answer from the exact computation).
+    #[serde(default)]
+    pub on_breach: OnBreach,
+}
+
+/// What the quality gate does with a verified answer that breached its floor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum OnBreach {
+    /// The exact computation's answer replaces it (the response says so).
+    #[default]
+    Fallback,
+    /// It is kept and marked as breached.
+    Flag,
+}
+
+impl std::fmt::Display for OnBreach {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            OnBreach::Fallback => "fallback",
+            OnBreach::Flag => "flag",
+        })
+    }
 }
 
 /// [`RunOptions::cache_slack`]'s default.
@@ -470,6 +503,9 @@ impl Default for RunOptions {
             keep_scores: false,
             evict: None,
             cache_slack: DEFAULT_CACHE_SLACK,
+            verify: false,
+            quality_floor: None,
+            on_breach: OnBreach::Fallback,
         }
     }
 }
@@ -538,6 +574,20 @@ pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
             Field::CacheSlack,
             format!("{} is outside [0, 1]; give a share such as 0.1 (0: positional placement)", opts.cache_slack),
         ));
+    }
+    if let Some(floor) = opts.quality_floor {
+        if !(floor >= 0.0 && floor.is_finite()) {
+            return Err(bad(
+                Field::QualityFloor,
+                format!("{floor} is not a KL bound; give a number of nats >= 0, e.g. 0.05"),
+            ));
+        }
+        if !opts.verify {
+            return Err(bad(
+                Field::QualityFloor,
+                "the gate acts only on verified answers (it needs the exact one to compare with); add --verify (\"verify\": true)",
+            ));
+        }
     }
     if req.query.trim().is_empty() {
         return Err(bad(Field::Query, "is missing or empty; give the question to answer"));

@@ -700,3 +700,47 @@ fn bench_faults_a_hung_rank_0_is_answered_at_the_deadline_and_the_ranks_are_rebu
     assert!(r["exit"].as_str().is_some_and(|e| e.starts_with("exit 0")), "{r}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `run --verify --quality-floor`: a damaged answer (`none`, two hops across documents) is
+/// measured against the exact one and replaced by it; the JSON carries the verdict.
+#[test]
+fn run_verifies_and_the_gate_falls_back_to_the_exact_answer() {
+    let dir = std::env::temp_dir().join(format!("fp-cli-verify-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let texts = [
+        "Note for the guards: the word FALCON stands for the number 3817, and the word HERON stands for 5264.",
+        "The market opens at nine. The baker sells bread and the weaver sells cloth. Boats rest in the harbour at night.",
+        "The access code for the north gate is the number that HERON stands for.",
+    ];
+    let mut args: Vec<String> = vec!["run".into(), "--method".into(), "none".into()];
+    for (i, t) in texts.iter().enumerate() {
+        let p = dir.join(format!("{i}.txt"));
+        std::fs::write(&p, t).unwrap();
+        args.extend(["--doc".into(), p.display().to_string()]);
+    }
+    args.extend(
+        ["--query", "What is the access code for the north gate? Answer with the number.", "--max-tokens", "14"]
+            .map(String::from),
+    );
+    let with = |extra: &[&str]| {
+        let mut a: Vec<&str> = args.iter().map(String::as_str).collect();
+        a.extend_from_slice(extra);
+        run(&a)
+    };
+    let (ok, out, err) = with(&["--verify", "--quality-floor", "0.001", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let q = &v["quality"];
+    assert!(q["breached"] == true && q["fell_back"] == true, "{q}");
+    assert!(v["answer"].as_str().unwrap().contains("5264"), "{v}");
+    assert!(!q["exact_answer"].is_null() && q["agree_tokens"].as_u64() < q["answer_tokens"].as_u64(), "{q}");
+    // In text: the streamed answer, then the gate's line and the summary's verdict.
+    let (ok, out, err) = with(&["--verify", "--quality-floor", "0.001"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("quality gate: the answer above breached the floor") && out.contains("5264"), "{out}");
+    assert!(out.contains("verified against full") && out.contains("answered from the exact computation"), "{out}");
+    // A gate without verification is a usage error naming the flag.
+    let (ok, _, err) = with(&["--quality-floor", "0.1"]);
+    assert!(!ok && err.contains("--verify"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}

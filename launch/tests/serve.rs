@@ -526,3 +526,68 @@ fn documents_are_ingested_once_and_jobs_name_them_by_id() {
     assert!(r.status == 409 && r.text().contains("--store FOLDER"), "{}", r.text());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Two hops across documents (the suite's `verify` case): without recomputation SmolLM2 answers
+/// 3817, exactly 5264.
+fn two_hop_job() -> serde_json::Value {
+    serde_json::json!({
+        "documents": [
+            "Note for the guards: the word FALCON stands for the number 3817, and the word HERON stands for 5264.",
+            "The market opens at nine. The baker sells bread and the weaver sells cloth. Boats rest in the harbour at night.",
+            "The access code for the north gate is the number that HERON stands for."
+        ],
+        "query": "What is the access code for the north gate? Answer with the number.",
+        "method": "none",
+        "max_tokens": 14
+    })
+}
+
+/// Verification on the service: a job asks for it and a gate (the exact answer replaces a
+/// breached one); `--verify-rate 0.5` verifies every second job by itself; the metrics count
+/// both; bad values are 400s naming the field, a bad rate stops the start.
+#[test]
+fn jobs_are_verified_gated_and_counted() {
+    let s = Server::start(&["--verify-rate", "0.5"], &[]);
+    let mut body = two_hop_job();
+    body["verify"] = true.into();
+    body["quality_floor"] = 0.001.into();
+    let r = s.post("/v1/jobs", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = json(&r);
+    let q = &v["quality"];
+    assert_eq!(q["exact_method"], "full", "{v}");
+    assert!(q["kl"].as_f64().unwrap() > 0.001 && q["breached"] == true && q["fell_back"] == true, "{q}");
+    assert!(v["answer"].as_str().unwrap().contains("5264"), "the exact answer: {v}");
+    // Not asked: with --verify-rate 0.5 one of the next two jobs is verified.
+    let verified: usize = (0..2)
+        .map(|_| {
+            let r = s.post("/v1/jobs", &two_hop_job());
+            assert_eq!(r.status, 200, "{}", r.text());
+            usize::from(!json(&r)["quality"].is_null())
+        })
+        .sum();
+    assert_eq!(verified, 1, "half of the jobs that did not ask");
+    let m = s.metrics();
+    assert!(m.contains("flowprefill_verified_total{method=\"none\",verdict=\"breached\"} 1"), "{m}");
+    assert!(m.contains("flowprefill_verified_total{method=\"none\",verdict=\"ok\"} 1"), "{m}");
+    assert!(m.contains("flowprefill_quality_fallbacks_total{method=\"none\"} 1"), "{m}");
+    assert!(m.contains("flowprefill_quality_kl_count{method=\"none\"} 2"), "{m}");
+    // Field errors.
+    let mut bad = two_hop_job();
+    bad["verify"] = true.into();
+    bad["quality_floor"] = (-1.0).into();
+    let r = s.post("/v1/jobs", &bad);
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("quality_floor"), "{}", r.text());
+    let mut bad = two_hop_job();
+    bad["on_breach"] = "flag".into();
+    let r = s.post("/v1/jobs", &bad);
+    assert_eq!(r.status, 400);
+    assert!(r.text().contains("on_breach"), "{}", r.text());
+    let out = Command::new(env!("CARGO_BIN_EXE_flowprefill"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--verify-rate", "1.5"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "a usage error");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--verify-rate"));
+}

@@ -60,6 +60,10 @@ pub enum Field {
     Model,
     /// Cache-aware sharding's balance slack.
     CacheSlack,
+    /// The quality gate's KL bound.
+    QualityFloor,
+    /// The share of a service's jobs it verifies.
+    VerifyRate,
 }
 
 impl Field {
@@ -91,6 +95,8 @@ impl Field {
             Field::Deadline => "--deadline".into(),
             Field::Model => "--model".into(),
             Field::CacheSlack => "--cache-slack".into(),
+            Field::QualityFloor => "--quality-floor".into(),
+            Field::VerifyRate => "--verify-rate".into(),
         }
     }
 
@@ -122,6 +128,8 @@ impl Field {
             Field::Deadline => "deadline_s".into(),
             Field::Model => "model".into(),
             Field::CacheSlack => "cache_slack".into(),
+            Field::QualityFloor => "quality_floor".into(),
+            Field::VerifyRate => "verify_rate".into(),
         }
     }
 }

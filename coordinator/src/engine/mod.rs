@@ -48,9 +48,11 @@ mod chunked;
 mod decode;
 mod evict;
 mod ingest;
+mod verify;
 
 pub use evict::Eviction;
 pub use ingest::Ingested;
+pub use verify::{exact_job, kl_of_logits, Quality};
 
 use crate::error::{internal, CoordError, Result};
 use crate::fault::FaultPlan;
@@ -179,6 +181,11 @@ pub struct RunResult {
     pub kv_bytes: usize,
     /// What KV eviction kept before decoding (`--evict`).
     pub eviction: Option<Eviction>,
+    /// How the answer compares with the exact one (`--verify`).
+    pub quality: Option<Quality>,
+    /// Why a verified answer has no `quality`: the exact computation failed (the answer as
+    /// computed is kept).
+    pub verify_error: Option<String>,
 }
 
 impl RunResult {
@@ -400,6 +407,33 @@ impl<B: Backend> Engine<B> {
         if comm.rank() != 0 {
             return Err(internal("only rank 0 leads"));
         }
+        let Control { cancel, deadline, on_admitted } = ctl;
+        let mut r = self.lead_one(comm, job, Control { cancel: cancel.clone(), deadline, on_admitted }, on_text)?;
+        if job.options.verify {
+            // The exact twin, a job of its own for every rank; its answer is not streamed.
+            let exact = verify::exact_job(job, comm.size());
+            match self.lead_one(comm, &exact, Control { cancel, deadline, on_admitted: None }, &mut |_| true) {
+                Ok(e) => verify::judge(&mut r, e, &job.options),
+                // A broken world ends everything; any other failure of the twin (its memory,
+                // its deadline) leaves the answer as computed, saying why it is not verified.
+                Err(e) if e.breaks_world() => return Err(e),
+                Err(e) => {
+                    tracing::warn!("verification: the exact computation failed: {e}");
+                    r.verify_error = Some(e.to_string());
+                }
+            }
+        }
+        Ok(r)
+    }
+
+    /// One job through the world (rank 0): broadcast, run, result.
+    fn lead_one(
+        &self,
+        comm: &mut dyn Communicator,
+        job: &Job,
+        ctl: Control<'_>,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<RunResult> {
         let t0 = Instant::now();
         comm.reset_stats();
         let budget = ctl.deadline.map(|d| d.saturating_duration_since(t0));
@@ -603,6 +637,8 @@ impl<B: Backend> Engine<B> {
             rank_stats,
             kv_bytes: self.lm.model.backend().kv_dtype().size(),
             eviction: out.eviction,
+            quality: None,
+            verify_error: None,
         })
     }
 

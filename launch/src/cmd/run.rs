@@ -5,7 +5,7 @@ use anyhow::{Context as _, Result};
 use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
 use flowprefill_coordinator::{
-    explain, memory, Context, Engine, Job, Method, MethodSpec, Request, RunOptions, Scope, World,
+    explain, memory, Context, Engine, Job, Method, MethodSpec, OnBreach, Request, RunOptions, Scope, World,
 };
 use flowprefill_kernels::{gib, Device};
 use flowprefill_worker::sampling::SamplingConfig;
@@ -96,6 +96,19 @@ pub struct MethodArgs {
     /// split's largest load; 0 places by position only.
     #[arg(long, default_value_t = flowprefill_coordinator::request::DEFAULT_CACHE_SLACK)]
     pub cache_slack: f64,
+    /// Also answer the request exactly (full prefill on one rank, ring on several) and report
+    /// how far this answer was from it: KL of the first token's distribution, top-1, the
+    /// leading tokens that agree, the exact TTFT (costs the exact computation).
+    #[arg(long)]
+    pub verify: bool,
+    /// The quality gate (with --verify): a KL bound in nats on the first token's distribution;
+    /// an answer above it breached the floor.
+    #[arg(long, requires = "verify")]
+    pub quality_floor: Option<f64>,
+    /// What a breach does: fallback (answer from the exact computation) or flag (keep the
+    /// answer, mark it).
+    #[arg(long, value_enum, default_value_t = OnBreach::Fallback, requires = "quality_floor")]
+    pub on_breach: OnBreach,
 }
 
 impl MethodArgs {
@@ -111,6 +124,9 @@ impl MethodArgs {
             scope: self.scope,
             evict: self.evict.parse()?,
             cache_slack: self.cache_slack,
+            verify: self.verify,
+            quality_floor: self.quality_floor,
+            on_breach: self.on_breach,
             ..base
         }))
     }
@@ -197,6 +213,10 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!();
+        if r.quality.as_ref().is_some_and(|q| q.fell_back) {
+            // The streamed answer breached the quality floor: the exact one replaces it.
+            println!("quality gate: the answer above breached the floor; the exact answer:\n{}", r.answer);
+        }
         if let Some(n) = &note {
             println!("note: {n}");
         }
@@ -382,6 +402,26 @@ pub fn print_summary(r: &RunResult) {
     if let Some(ms) = decode_ms_per_token(r) {
         println!("decode: {ms:.2} ms per token after the first ({} tokens)", r.tokens.len());
     }
+    if let Some(e) = &r.verify_error {
+        println!("not verified: the exact computation failed ({e})");
+    }
+    if let Some(q) = &r.quality {
+        println!(
+            "verified against {} (TTFT {:.1} ms): KL {:.4} nats, top-1 {}, {} of {} answer tokens agree{}",
+            q.exact_method,
+            q.exact_ttft_ms,
+            q.kl,
+            if q.top1 { "the same" } else { "differs" },
+            q.agree_tokens,
+            q.answer_tokens,
+            match (q.floor, q.breached, q.fell_back) {
+                (None, _, _) => String::new(),
+                (Some(f), false, _) => format!("; within the floor {f}"),
+                (Some(f), true, true) => format!("; above the floor {f}: answered from the exact computation"),
+                (Some(f), true, false) => format!("; above the floor {f}: flagged"),
+            }
+        );
+    }
 }
 
 /// Decoding time per token after the first (None with fewer than two tokens).
@@ -424,6 +464,8 @@ pub fn to_json(r: &RunResult) -> serde_json::Value {
         "first_top_logits": top_logits(&r.first_logits, 10),
         "eviction": r.eviction,
         "decode_ms_per_token": decode_ms_per_token(r),
+        "quality": r.quality,
+        "verify_error": r.verify_error,
     })
 }
 

@@ -140,6 +140,18 @@ pub struct JobRequest {
     /// Cache-aware sharding's balance slack (default 0.1; 0: positional placement).
     #[serde(default)]
     pub cache_slack: Option<f64>,
+    /// Also answer exactly and report the answer's distance from it (`quality` in the
+    /// response); the server may verify a share of jobs by itself (`--verify-rate`).
+    #[serde(default)]
+    pub verify: Option<bool>,
+    /// The quality gate: a KL bound (nats) on the first answer token's distribution (needs
+    /// `verify`).
+    #[serde(default)]
+    pub quality_floor: Option<f64>,
+    /// What a breach of `quality_floor` does: `"fallback"` (default: the exact answer) or
+    /// `"flag"`.
+    #[serde(default)]
+    pub on_breach: Option<flowprefill_coordinator::OnBreach>,
     /// Answer tokens at most (default 64).
     #[serde(default)]
     pub max_tokens: Option<usize>,
@@ -272,6 +284,16 @@ impl JobRequest {
         options.score_layers = self.score_layers.map(|[a, b]| (a, b));
         if let Some(slack) = self.cache_slack {
             options.cache_slack = slack;
+        }
+        options.verify = self.verify.unwrap_or(false);
+        options.quality_floor = self.quality_floor;
+        if let Some(b) = self.on_breach {
+            if self.quality_floor.is_none() {
+                return Err(ApiError::bad_request(
+                    "field `on_breach`: applies to a quality gate; give `quality_floor` (a KL bound, e.g. 0.05)",
+                ));
+            }
+            options.on_breach = b;
         }
         options.score_pool = self.score_pool;
         options.evict = match (self.evict, self.kv_budget) {

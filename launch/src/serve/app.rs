@@ -52,6 +52,8 @@ pub struct AppState {
     /// The engine `POST /v1/documents` prefills with (made on first use; one ingestion at a
     /// time), over the same disk tier as the ranks' stores.
     ingester: std::sync::Mutex<Option<Engine<Device>>>,
+    /// Jobs admitted, for `--verify-rate`'s sampling.
+    admitted: AtomicU64,
 }
 
 impl AppState {
@@ -80,6 +82,7 @@ impl AppState {
             next_id: AtomicU64::new(1),
             admitting: tokio::sync::Semaphore::new(cores),
             ingester: std::sync::Mutex::new(None),
+            admitted: AtomicU64::new(0),
         }
     }
 
@@ -184,7 +187,21 @@ impl AppState {
     /// Admission before queueing (see [`flowprefill_coordinator::admit`]), off the async
     /// threads (it tokenizes), a few at a time (a burst of large bodies must not take every
     /// core from the job being computed).
-    async fn admit(&self, job: Job) -> Result<Job, ApiError> {
+    /// Whether the service verifies the next job by itself: every job whose count crosses a
+    /// multiple of 1/R (exactly the share R of jobs, spread evenly).
+    fn sampled_for_verification(&self) -> bool {
+        let r = self.cfg.verify_rate;
+        if r <= 0.0 {
+            return false;
+        }
+        let n = self.admitted.fetch_add(1, Ordering::Relaxed) as f64;
+        ((n + 1.0) * r).floor() > (n * r).floor()
+    }
+
+    async fn admit(&self, mut job: Job) -> Result<Job, ApiError> {
+        if !job.options.verify && self.sampled_for_verification() {
+            job.options.verify = true;
+        }
         let _turn = self
             .admitting
             .acquire()
@@ -202,6 +219,12 @@ impl AppState {
             let reclaimable = peers * (DEFAULT_STORE_BYTES + DEFAULT_STORE_BYTES / 4);
             let room = memory::Room { rank: 0, ranks, peers, reclaimable, limit };
             memory::admit_memory(&lm, &job.options, &a.layout, room)?;
+            if job.options.verify {
+                // The exact twin runs after the answer, through the same world: it must fit too.
+                let twin = flowprefill_coordinator::engine::exact_job(&job, ranks);
+                let t = admit(&lm, &twin, &limits)?;
+                memory::admit_memory(&lm, &twin.options, &t.layout, room)?;
+            }
             Ok::<_, flowprefill_coordinator::CoordError>(job)
         })
         .await;

@@ -68,6 +68,12 @@ pub const ERRORS_TOTAL: &str = "flowprefill_errors_total";
 pub const STORE_MISSES: &str = "flowprefill_store_misses_total";
 /// Documents ingested by `POST /v1/documents`, by outcome (prefilled, held: already stored).
 pub const DOCUMENTS_INGESTED: &str = "flowprefill_documents_ingested_total";
+/// KL (nats) of a verified answer's first token distribution from the exact one, by method.
+pub const QUALITY_KL: &str = "flowprefill_quality_kl";
+/// Verified jobs, by method and verdict (`ok`, `breached`; `failed`: the exact twin failed).
+pub const VERIFIED: &str = "flowprefill_verified_total";
+/// Verified jobs answered from the exact computation after a breach, by method.
+pub const QUALITY_FALLBACKS: &str = "flowprefill_quality_fallbacks_total";
 /// Ranks of the world.
 pub const RANKS: &str = "flowprefill_ranks";
 /// Ranks currently usable.
@@ -79,6 +85,8 @@ pub const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
     160.0, 640.0, 2560.0,
 ];
+/// KL buckets in nats: agreement to a few digits up to a different answer.
+pub const KL_BUCKETS: &[f64] = &[0.0001, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0];
 /// Buckets of a fraction in [0, 1].
 pub const RATIO_BUCKETS: &[f64] = &[0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0];
 
@@ -93,6 +101,7 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         b = b.set_buckets_for_metric(Matcher::Full(name.into()), LATENCY_BUCKETS)?;
     }
     b = b.set_buckets_for_metric(Matcher::Full(RECOMPUTE_RATIO.into()), RATIO_BUCKETS)?;
+    b = b.set_buckets_for_metric(Matcher::Full(QUALITY_KL.into()), KL_BUCKETS)?;
     let h = b.install_recorder()?;
     describe();
     Ok(HANDLE.get_or_init(|| h).clone())
@@ -140,6 +149,9 @@ fn describe() {
     describe_counter!(JOBS_TOTAL, Unit::Count, "Finished jobs by outcome");
     describe_counter!(DOCUMENTS_INGESTED, Unit::Count, "Documents ingested into the chunk store, by outcome");
     describe_counter!(ERRORS_TOTAL, Unit::Count, "Errors answered by kind");
+    describe_histogram!(QUALITY_KL, Unit::Count, "KL (nats) of a verified answer's first token from the exact one");
+    describe_counter!(VERIFIED, Unit::Count, "Verified jobs, by method and verdict (ok, breached, failed)");
+    describe_counter!(QUALITY_FALLBACKS, Unit::Count, "Verified jobs answered from the exact computation");
     describe_gauge!(RANKS, Unit::Count, "Ranks of the world");
     describe_gauge!(RANKS_UP, Unit::Count, "Ranks usable");
 }
@@ -197,6 +209,18 @@ pub fn record_job(r: &RunResult, cache_bytes: usize, disk: Option<DiskStats>) {
     gauge!(STORE_BYTES, "tier" => "disk").set(d.bytes as f64);
     counter!(STORE_CORRUPT).absolute(d.corrupt);
     counter!(STORE_WRITE_FAILURES).absolute(d.write_failures);
+    match (&r.quality, &r.verify_error) {
+        (Some(q), _) => {
+            histogram!(QUALITY_KL, "method" => method.clone()).record(q.kl);
+            let verdict = if q.breached { "breached" } else { "ok" };
+            counter!(VERIFIED, "method" => method.clone(), "verdict" => verdict).increment(1);
+            if q.fell_back {
+                counter!(QUALITY_FALLBACKS, "method" => method.clone()).increment(1);
+            }
+        }
+        (None, Some(_)) => counter!(VERIFIED, "method" => method.clone(), "verdict" => "failed").increment(1),
+        (None, None) => {}
+    }
     if let Some(e) = &r.eviction {
         let freed = e.bytes_before.saturating_sub(e.bytes_after) as u64;
         counter!(EVICTED_BYTES, "policy" => e.policy.to_string()).increment(freed);

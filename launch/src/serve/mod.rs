@@ -88,6 +88,11 @@ pub struct Args {
     /// Also serve /metrics on this address (non-loopback needs --token or --insecure).
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// Share of jobs, in [0, 1], the service verifies by itself against the exact answer
+    /// (every 1/R-th job; a job may also ask with `"verify": true`); each costs the exact
+    /// computation after the answer.
+    #[arg(long, default_value_t = 0.0)]
+    pub verify_rate: f64,
 }
 
 /// How the service behaves (everything but the world and the listener).
@@ -119,6 +124,8 @@ pub struct ServeConfig {
     /// The chunk store's disk tier (`--store`): where `POST /v1/documents` ingests to and
     /// `document_ids` are read from (`None`: `--store off`, no ingestion).
     pub store: Option<flowprefill_coordinator::DiskTier>,
+    /// Share of jobs verified against the exact answer without asking (`--verify-rate`).
+    pub verify_rate: f64,
 }
 
 impl Default for ServeConfig {
@@ -136,6 +143,7 @@ impl Default for ServeConfig {
             model_name: "model".into(),
             memory_limit: None,
             store: None,
+            verify_rate: 0.0,
         }
     }
 }
@@ -311,6 +319,11 @@ impl Args {
             self.max_documents >= 1 && self.max_chunks >= 1,
             "--max-documents and --max-chunks must be at least 1"
         );
+        crate::ensure_usage!(
+            (0.0..=1.0).contains(&self.verify_rate),
+            "--verify-rate {} is outside [0, 1]; give the share of jobs to verify, e.g. 0.1",
+            self.verify_rate
+        );
         Ok(ServeConfig {
             token: self.token.clone(),
             queue: self.queue,
@@ -328,6 +341,7 @@ impl Args {
             model_name,
             memory_limit: None,
             store: None,
+            verify_rate: self.verify_rate,
         })
     }
 

@@ -21,3 +21,4 @@ mod projection_counts;
 mod selection_signal;
 mod sharded_equivalence;
 mod tokenizer_template;
+mod verify;

@@ -1,0 +1,149 @@
+//! Verification against the exact answer, and the quality gate on it (`--verify`,
+//! `--quality-floor`, `--on-breach`).
+//!
+//! A verified job runs twice through the world: as asked, then exactly (full prefill on one
+//! rank, ring on several; a job of its own, so every rank follows it as any job), with the same
+//! request, answer length and sampling. The answer then carries how far it was from the exact
+//! one ([`Quality`]): the KL divergence of the first answer token's distribution, whether both
+//! put the same token first, and how many leading answer tokens agree. The exact answer is
+//! decoded freely: its leading tokens equal the approximate answer's exactly as far as the
+//! exact model, fed the approximate answer, would have picked the same tokens (teacher
+//! forcing), and it is the answer a breached job falls back to.
+
+use super::RunResult;
+use crate::request::{Job, Method, OnBreach, RunOptions};
+use flowprefill_worker::sampling::argmax;
+
+/// How a verified answer compares with the exact one.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Quality {
+    /// KL(exact || answered) of the first answer token's distribution, in nats (0: the same).
+    pub kl: f64,
+    /// Whether both put the same token first.
+    pub top1: bool,
+    /// Leading answer tokens on which both agree.
+    pub agree_tokens: usize,
+    /// Tokens of the answer as computed (before any fallback).
+    pub answer_tokens: usize,
+    /// How the exact answer was computed (full on one rank, ring on several).
+    pub exact_method: Method,
+    /// The exact computation's time to first token, in milliseconds.
+    pub exact_ttft_ms: f64,
+    /// The exact answer's text.
+    pub exact_answer: String,
+    /// The KL bound the answer was held to (`--quality-floor`), if any.
+    pub floor: Option<f64>,
+    /// Whether the KL was above the floor.
+    pub breached: bool,
+    /// Whether the answer returned is the exact one (a breach under `--on-breach fallback`).
+    pub fell_back: bool,
+}
+
+/// The exact twin of `job` in a world of `ranks`: the same request, answer length and
+/// sampling, full prefill (one rank) or ring attention (several), nothing approximate and no
+/// verification of its own.
+pub fn exact_job(job: &Job, ranks: usize) -> Job {
+    let o = &job.options;
+    let method = if ranks > 1 { Method::Ring } else { Method::Full };
+    let options = RunOptions {
+        method,
+        ratio: 1.0,
+        max_new_tokens: o.max_new_tokens,
+        sampling: o.sampling.clone(),
+        seed: o.seed,
+        cache_slack: o.cache_slack,
+        ..RunOptions::default()
+    };
+    Job { request: job.request.clone(), options }
+}
+
+/// KL(p || q) of the distributions of two logit vectors, in nats (f64 throughout).
+pub fn kl_of_logits(p: &[f32], q: &[f32]) -> f64 {
+    if p.len() != q.len() || p.is_empty() {
+        return f64::INFINITY;
+    }
+    let log_softmax = |x: &[f32]| -> Vec<f64> {
+        let mx = x.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+        let z = x.iter().map(|&v| (v as f64 - mx).exp()).sum::<f64>().ln() + mx;
+        x.iter().map(|&v| v as f64 - z).collect()
+    };
+    let (lp, lq) = (log_softmax(p), log_softmax(q));
+    let kl: f64 = lp.iter().zip(&lq).map(|(a, b)| if a.is_finite() { a.exp() * (a - b) } else { 0.0 }).sum();
+    kl.max(0.0)
+}
+
+/// The quality of `answered` against `exact`, and the gate's verdict under `opts`; under
+/// `fallback` a breached answer becomes the exact one.
+pub(super) fn judge(answered: &mut RunResult, exact: RunResult, opts: &RunOptions) {
+    let kl = kl_of_logits(&exact.first_logits, &answered.first_logits);
+    let agree_tokens = answered.tokens.iter().zip(&exact.tokens).take_while(|(a, b)| a == b).count();
+    let breached = opts.quality_floor.is_some_and(|f| kl > f);
+    let fell_back = breached && opts.on_breach == OnBreach::Fallback;
+    let quality = Quality {
+        kl,
+        top1: argmax(&exact.first_logits) == argmax(&answered.first_logits),
+        agree_tokens,
+        answer_tokens: answered.tokens.len(),
+        exact_method: exact.method,
+        exact_ttft_ms: exact.ttft.as_secs_f64() * 1e3,
+        exact_answer: exact.answer.clone(),
+        floor: opts.quality_floor,
+        breached,
+        fell_back,
+    };
+    if fell_back {
+        answered.answer = exact.answer;
+        answered.tokens = exact.tokens;
+        answered.stop = exact.stop;
+    }
+    answered.quality = Some(quality);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kl_is_zero_for_the_same_logits_and_grows_with_the_difference() {
+        let p = [1.0f32, 2.0, 3.0, -1.0];
+        assert_eq!(kl_of_logits(&p, &p), 0.0);
+        let shifted: Vec<f32> = p.iter().map(|v| v + 5.0).collect();
+        assert!(kl_of_logits(&p, &shifted) < 1e-12, "a shift of every logit is the same distribution");
+        let near = [1.0f32, 2.0, 2.9, -1.0];
+        let far = [3.0f32, 2.0, 1.0, -1.0];
+        let (a, b) = (kl_of_logits(&p, &near), kl_of_logits(&p, &far));
+        assert!(a > 0.0 && a < b, "{a} {b}");
+        // By hand: p = softmax([0, ln 3]) = (1/4, 3/4), q = (3/4, 1/4):
+        // KL = 1/4 ln(1/3) + 3/4 ln 3 = ln 3 / 2.
+        let three = 3f32.ln();
+        let kl = kl_of_logits(&[0.0, three], &[three, 0.0]);
+        assert!((kl - 3f64.ln() / 2.0).abs() < 1e-6, "{kl}");
+        assert!(kl_of_logits(&[1.0], &[1.0, 2.0]).is_infinite(), "different vocabularies never pass");
+    }
+
+    #[test]
+    fn the_exact_twin_keeps_the_request_and_drops_the_approximation() {
+        let job = Job {
+            request: crate::request::Request {
+                context: crate::request::Context::Documents(vec!["a".into()]),
+                query: "q?".into(),
+                system: None,
+                answer_prefix: None,
+            },
+            options: RunOptions {
+                method: Method::Infoflow,
+                ratio: 0.2,
+                verify: true,
+                quality_floor: Some(0.1),
+                max_new_tokens: 7,
+                ..RunOptions::default()
+            },
+        };
+        let one = exact_job(&job, 1);
+        assert_eq!(one.options.method, Method::Full);
+        assert_eq!(exact_job(&job, 3).options.method, Method::Ring);
+        assert!(!one.options.verify && one.options.quality_floor.is_none(), "no verification of its own");
+        assert_eq!(one.options.max_new_tokens, 7);
+        assert_eq!(one.request.query, job.request.query);
+    }
+}
