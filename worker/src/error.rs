@@ -62,8 +62,6 @@ pub enum Field {
     CacheSlack,
     /// The quality gate's KL bound.
     QualityFloor,
-    /// The share of a service's jobs it verifies.
-    VerifyRate,
 }
 
 impl Field {
@@ -96,7 +94,6 @@ impl Field {
             Field::Model => "--model".into(),
             Field::CacheSlack => "--cache-slack".into(),
             Field::QualityFloor => "--quality-floor".into(),
-            Field::VerifyRate => "--verify-rate".into(),
         }
     }
 
@@ -129,7 +126,6 @@ impl Field {
             Field::Model => "model".into(),
             Field::CacheSlack => "cache_slack".into(),
             Field::QualityFloor => "quality_floor".into(),
-            Field::VerifyRate => "verify_rate".into(),
         }
     }
 }

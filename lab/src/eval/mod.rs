@@ -57,6 +57,26 @@ pub struct Record {
     /// The KV Packet adapter's hash (`kvpacket` runs only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapter: Option<String>,
+    /// Against the exact answer (`eval --verify`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verified: Option<Verified>,
+}
+
+/// A run measured against the exact answer of its case (`eval --verify`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Verified {
+    /// KL(exact || answered) of the first answer token's distribution, nats.
+    pub kl: f64,
+    /// Whether both put the same token first.
+    pub top1: bool,
+    /// Leading answer tokens both share.
+    pub agree_tokens: usize,
+    /// Tokens of the answer.
+    pub answer_tokens: usize,
+    /// The exact answer's score.
+    pub exact_score: f64,
+    /// The exact computation's time to first token.
+    pub exact_ttft_ms: f64,
 }
 
 impl Record {
@@ -164,5 +184,13 @@ pub fn record(
         max_new_tokens: Some(r.opts.max_new_tokens),
         hit_budget: Some(r.stop == flowprefill_worker::generate::StopReason::MaxTokens),
         adapter: None,
+        verified: r.quality.as_ref().map(|q| Verified {
+            kl: q.kl,
+            top1: q.top1,
+            agree_tokens: q.agree_tokens,
+            answer_tokens: q.answer_tokens,
+            exact_score: case.score_with(&q.exact_answer, prompts).value,
+            exact_ttft_ms: q.exact_ttft_ms,
+        }),
     }
 }

@@ -82,6 +82,12 @@ pub struct Args {
     /// `<out>/results.json` (the planned runs still missing are counted and left out).
     #[arg(long)]
     pub report_only: bool,
+    /// Verify every run against its case's exact answer (full prefill on one rank, ring on
+    /// several): each record gets the first token's KL, the agreement and the exact answer's
+    /// score, and results.md the quality gate's table (what each KL floor would catch). Costs
+    /// the exact computation per run; use its own --out.
+    #[arg(long)]
+    pub verify: bool,
 }
 
 /// What `eval` was asked for, checked: the plan's axes and the settings that key results.json.
@@ -334,6 +340,7 @@ fn compute(common: &Common, a: &Args, plan: &Plan, pending: usize, runs: &mut [R
                             let opts = plan.scoring.apply(RunOptions {
                                 max_new_tokens: a.max_tokens.unwrap_or_else(|| answer_budget(task)),
                                 evict: s.evict,
+                                verify: a.verify,
                                 ..spec.options(ratio.unwrap_or(0.0))
                             });
                             let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;

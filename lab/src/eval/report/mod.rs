@@ -10,6 +10,7 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 mod charts;
+mod gate;
 mod paired;
 
 pub use charts::plots;
@@ -100,6 +101,7 @@ pub fn summarize(
     }
     qa_table(&mut md, records, lengths, labels, tr);
     diagnostics(&mut md, records, labels, tr);
+    gate::gate_tables(&mut md, records, lengths, labels);
     md
 }
 
@@ -379,6 +381,7 @@ mod tests {
             max_new_tokens: None,
             hit_budget: None,
             adapter: None,
+            verified: None,
         }
     }
 
