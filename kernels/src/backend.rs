@@ -449,15 +449,28 @@ pub trait Backend: Send + Sync + 'static {
     }
 }
 
-/// Rows `first..first + rows` of `src` (rows of `width` values) as a buffer of their own.
-fn gather_rows<B: Backend + ?Sized>(be: &B, src: &B::Buf, first: usize, rows: usize, width: usize) -> Result<B::Buf> {
-    let have = be.len(src);
+/// That rows `first..first + rows` (of `width` values) of `what`, a buffer of `have` values,
+/// lie inside it: the check of every op that addresses a range of rows in place.
+pub(crate) fn check_rows(
+    op: &'static str,
+    what: &str,
+    have: usize,
+    first: usize,
+    rows: usize,
+    width: usize,
+) -> Result<()> {
     if (first + rows) * width > have {
         return Err(crate::KernelError::Shape {
-            op: "rows",
-            detail: format!("rows {first}..{} of {width} values are outside a buffer of {have}", first + rows),
+            op,
+            detail: format!("{what}: rows {first}..{} of {width} values are outside a buffer of {have}", first + rows),
         });
     }
+    Ok(())
+}
+
+/// Rows `first..first + rows` of `src` (rows of `width` values) as a buffer of their own.
+fn gather_rows<B: Backend + ?Sized>(be: &B, src: &B::Buf, first: usize, rows: usize, width: usize) -> Result<B::Buf> {
+    check_rows("rows", "src", be.len(src), first, rows, width)?;
     let mut dst = be.zeros_as(rows * width, be.dtype(src))?;
     let idx: Vec<usize> = (0..rows).collect();
     let from: Vec<usize> = (first..first + rows).collect();

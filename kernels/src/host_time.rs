@@ -33,8 +33,9 @@ pub fn enabled() -> bool {
     }
 }
 
-/// Turns the profile on or off in this process (tests; the variable decides otherwise).
-pub fn set_enabled(on: bool) {
+/// Turns the profile on or off in this process (the unit test; the variable decides otherwise).
+#[cfg(test)]
+fn set_enabled(on: bool) {
     STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
 
@@ -70,7 +71,8 @@ pub fn snapshot() -> Vec<(&'static str, u64, Duration)> {
 }
 
 /// Clears what was counted.
-pub fn reset() {
+#[cfg(test)]
+fn reset() {
     *TABLE.lock().unwrap_or_else(|e| e.into_inner()) = None;
 }
 

@@ -1,19 +1,8 @@
 //! The `flowprefill` binary end to end: real model, real process.
 
-use std::process::Command;
+mod common;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_flowprefill"))
-}
-
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = bin().args(args).output().expect("run flowprefill");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::{bin, run, write_docs};
 
 #[test]
 fn generate_answers_the_capital_of_france() {
@@ -132,7 +121,7 @@ fn fetch_model_lists_its_models_and_refuses_an_unknown_name() {
 #[test]
 fn the_second_model_is_fetched_by_name_and_answers() {
     let (dir, doc_args) = write_docs(
-        "qwen",
+        "run-qwen",
         &["The harbour of Redwater is quiet. The access code for the north gate is 4729. Clara keeps the lighthouse."],
     );
     let mut args = vec!["--model", "qwen2.5-coder-0.5b", "run"];
@@ -147,23 +136,10 @@ fn the_second_model_is_fetched_by_name_and_answers() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-fn write_docs(tag: &str, docs: &[&str]) -> (std::path::PathBuf, Vec<String>) {
-    let dir = std::env::temp_dir().join(format!("fp-run-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut args = Vec::new();
-    for (i, d) in docs.iter().enumerate() {
-        let p = dir.join(format!("d{i}.txt"));
-        std::fs::write(&p, d).unwrap();
-        args.push("--doc".to_string());
-        args.push(p.to_string_lossy().into_owned());
-    }
-    (dir, args)
-}
-
 #[test]
 fn run_json_reports_answer_phases_and_selection() {
     let (dir, mut args) = write_docs(
-        "json",
+        "run-json",
         &[
             "The harbour of Redwater was quiet. Boats rested against the wall and gulls waited on the roofs.",
             "The lighthouse keeper of Redwater is named Clara Vint. She has kept the light for eleven years.",
@@ -210,7 +186,7 @@ fn run_json_reports_answer_phases_and_selection() {
 #[test]
 fn a_bf16_kv_cache_answers_like_f32_and_a_bad_type_is_a_usage_error() {
     let (dir, docs) = write_docs(
-        "kvdtype",
+        "run-kvdtype",
         &[
             "Boats rest in the harbour of Redwater.",
             "The access code for the north gate is 4729.",
@@ -245,7 +221,7 @@ fn a_bf16_kv_cache_answers_like_f32_and_a_bad_type_is_a_usage_error() {
 
 #[test]
 fn run_errors_say_what_to_change() {
-    let (dir, docs) = write_docs("err", &["Some text about the harbour.", "   "]);
+    let (dir, docs) = write_docs("run-err", &["Some text about the harbour.", "   "]);
     let one = &docs[..2];
     let both = &docs[..];
     let check = |extra: &[&str], base: &[String], want: &str| {
@@ -283,7 +259,7 @@ fn run_errors_say_what_to_change() {
 #[test]
 fn a_failed_thread_rank_is_named_and_nothing_hangs() {
     let (dir, docs) = write_docs(
-        "fault",
+        "run-fault",
         &[
             "Boats rest in the harbour of Redwater.",
             "The access code for the north gate is 4729.",
@@ -342,7 +318,7 @@ fn a_machine_without_a_font_gets_its_tables_and_one_warning_instead_of_charts() 
 
 #[test]
 fn synthetic_models_run_and_say_their_answers_are_meaningless() {
-    let (dir, docs) = write_docs("synthetic", &["Boats rest in the harbour.", "The code is 4729."]);
+    let (dir, docs) = write_docs("run-synthetic", &["Boats rest in the harbour.", "The code is 4729."]);
     let mut a = vec!["--model".to_string(), "synthetic:qwen2.5-0.5b:2".into(), "run".into()];
     a.extend(docs.iter().cloned());
     a.extend(["--query", "What is the code?", "--max-tokens", "4", "--json"].map(String::from));
@@ -429,7 +405,7 @@ fn train_lookahead_then_evict_and_score_with_it() {
     assert!(text.contains(&format!("adapter written to {}", adapter.display())), "{text}");
     assert_left_alone(&mine, &sentinel);
 
-    let (docs_dir, doc_args) = write_docs("lookahead", &["The north gate code is 4417.", "Bees make honey."]);
+    let (docs_dir, doc_args) = write_docs("run-lookahead", &["The north gate code is 4417.", "Bees make honey."]);
     let mut args: Vec<&str> = vec!["run"];
     args.extend(doc_args.iter().map(String::as_str));
     args.extend(["--query", "What is the north gate code?", "--evict", "lookahead", "--kv-budget", "8"]);
@@ -615,7 +591,8 @@ fn check_runs_the_methods_it_is_given() {
 /// `--ratio` / `--reorder` say the same things, and a ratio given twice differently is refused.
 #[test]
 fn run_takes_the_method_grammar_of_every_command() {
-    let (dir, doc_args) = write_docs("grammar", &["The north gate code is 4417.", "Bees make honey in the valley."]);
+    let (dir, doc_args) =
+        write_docs("run-grammar", &["The north gate code is 4417.", "Bees make honey in the valley."]);
     let base: Vec<&str> = ["run"].into_iter().chain(doc_args.iter().map(String::as_str)).collect();
     let go = |extra: &[&str]| {
         let mut a = base.clone();
@@ -705,23 +682,11 @@ fn bench_faults_a_hung_rank_0_is_answered_at_the_deadline_and_the_ranks_are_rebu
 /// measured against the exact one and replaced by it; the JSON carries the verdict.
 #[test]
 fn run_verifies_and_the_gate_falls_back_to_the_exact_answer() {
-    let dir = std::env::temp_dir().join(format!("fp-cli-verify-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let texts = [
-        "Note for the guards: the word FALCON stands for the number 3817, and the word HERON stands for 5264.",
-        "The market opens at nine. The baker sells bread and the weaver sells cloth. Boats rest in the harbour at night.",
-        "The access code for the north gate is the number that HERON stands for.",
-    ];
+    use flowprefill_lab::tasks::{TWO_HOP_ANSWER, TWO_HOP_DOCS, TWO_HOP_QUERY};
+    let (dir, docs) = write_docs("run-verify", &TWO_HOP_DOCS);
     let mut args: Vec<String> = vec!["run".into(), "--method".into(), "none".into()];
-    for (i, t) in texts.iter().enumerate() {
-        let p = dir.join(format!("{i}.txt"));
-        std::fs::write(&p, t).unwrap();
-        args.extend(["--doc".into(), p.display().to_string()]);
-    }
-    args.extend(
-        ["--query", "What is the access code for the north gate? Answer with the number.", "--max-tokens", "14"]
-            .map(String::from),
-    );
+    args.extend(docs);
+    args.extend(["--query", TWO_HOP_QUERY, "--max-tokens", "14"].map(String::from));
     let with = |extra: &[&str]| {
         let mut a: Vec<&str> = args.iter().map(String::as_str).collect();
         a.extend_from_slice(extra);
@@ -732,12 +697,12 @@ fn run_verifies_and_the_gate_falls_back_to_the_exact_answer() {
     let v: serde_json::Value = serde_json::from_str(&out).expect("json");
     let q = &v["quality"];
     assert!(q["breached"] == true && q["fell_back"] == true, "{q}");
-    assert!(v["answer"].as_str().unwrap().contains("5264"), "{v}");
+    assert!(v["answer"].as_str().unwrap().contains(TWO_HOP_ANSWER), "{v}");
     assert!(!q["exact_answer"].is_null() && q["agree_tokens"].as_u64() < q["answer_tokens"].as_u64(), "{q}");
     // In text: the streamed answer, then the gate's line and the summary's verdict.
     let (ok, out, err) = with(&["--verify", "--quality-floor", "0.001"]);
     assert!(ok, "{err}");
-    assert!(out.contains("quality gate: the answer above breached the floor") && out.contains("5264"), "{out}");
+    assert!(out.contains("quality gate: the answer above breached the floor") && out.contains(TWO_HOP_ANSWER), "{out}");
     assert!(out.contains("verified against full") && out.contains("answered from the exact computation"), "{out}");
     // A gate without verification is a usage error naming the flag.
     let (ok, _, err) = with(&["--quality-floor", "0.1"]);

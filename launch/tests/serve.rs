@@ -527,19 +527,10 @@ fn documents_are_ingested_once_and_jobs_name_them_by_id() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Two hops across documents (the suite's `verify` case): without recomputation SmolLM2 answers
-/// 3817, exactly 5264.
+/// [`flowprefill_lab::tasks::TWO_HOP_DOCS`] with `none`: it answers 3817, the exact answer 5264.
 fn two_hop_job() -> serde_json::Value {
-    serde_json::json!({
-        "documents": [
-            "Note for the guards: the word FALCON stands for the number 3817, and the word HERON stands for 5264.",
-            "The market opens at nine. The baker sells bread and the weaver sells cloth. Boats rest in the harbour at night.",
-            "The access code for the north gate is the number that HERON stands for."
-        ],
-        "query": "What is the access code for the north gate? Answer with the number.",
-        "method": "none",
-        "max_tokens": 14
-    })
+    use flowprefill_lab::tasks::{TWO_HOP_DOCS, TWO_HOP_QUERY};
+    serde_json::json!({ "documents": TWO_HOP_DOCS, "query": TWO_HOP_QUERY, "method": "none", "max_tokens": 14 })
 }
 
 /// Verification on the service: a job asks for it and a gate (the exact answer replaces a
@@ -557,7 +548,7 @@ fn jobs_are_verified_gated_and_counted() {
     let q = &v["quality"];
     assert_eq!(q["exact_method"], "full", "{v}");
     assert!(q["kl"].as_f64().unwrap() > 0.001 && q["breached"] == true && q["fell_back"] == true, "{q}");
-    assert!(v["answer"].as_str().unwrap().contains("5264"), "the exact answer: {v}");
+    assert!(v["answer"].as_str().unwrap().contains(flowprefill_lab::tasks::TWO_HOP_ANSWER), "the exact answer: {v}");
     // Not asked: with --verify-rate 0.5 one of the next two jobs is verified.
     let verified: usize = (0..2)
         .map(|_| {

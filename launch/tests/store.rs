@@ -3,32 +3,9 @@
 
 use std::process::Command;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_flowprefill"))
-}
+mod common;
 
-fn run(args: &[&str]) -> (bool, String, String) {
-    let out = bin().args(args).output().expect("run flowprefill");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-/// Documents as files in a fresh folder, and their `--doc` arguments.
-fn write_docs(tag: &str, docs: &[&str]) -> (std::path::PathBuf, Vec<String>) {
-    let dir = std::env::temp_dir().join(format!("fp-store-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut args = Vec::new();
-    for (i, d) in docs.iter().enumerate() {
-        let p = dir.join(format!("d{i}.txt"));
-        std::fs::write(&p, d).unwrap();
-        args.push("--doc".to_string());
-        args.push(p.to_string_lossy().into_owned());
-    }
-    (dir, args)
-}
+use common::{bin, run, write_docs};
 
 /// The chunk store's disk tier (issue 52): a second process answers from the first one's
 /// entries, bit for bit (the same answer and selection, every chunk a disk hit, none
@@ -37,7 +14,7 @@ fn write_docs(tag: &str, docs: &[&str]) -> (std::path::PathBuf, Vec<String>) {
 #[test]
 fn the_disk_tier_serves_a_new_process_bit_for_bit() {
     let (dir, mut args) = write_docs(
-        "disk",
+        "store-disk",
         &[
             "The ferry to Holmwick leaves from pier nine at dawn and returns before the tide turns.",
             "The code of the Holmwick lighthouse door is 7713. Only the keeper and the mayor know it.",
@@ -111,7 +88,8 @@ fn the_disk_tier_serves_a_new_process_bit_for_bit() {
 /// Needs root to mount a 64 KiB tmpfs (CI runs as root); elsewhere it says SKIPPED.
 #[test]
 fn a_full_disk_is_a_warning_and_the_job_answers() {
-    let (dir, mut args) = write_docs("full", &["The key of the Fernhill boathouse hangs on a blue nail.", "Boats."]);
+    let (dir, mut args) =
+        write_docs("store-full", &["The key of the Fernhill boathouse hangs on a blue nail.", "Boats."]);
     let store = dir.join("store");
     std::fs::create_dir_all(&store).unwrap();
     let mounted = Command::new("mount")
@@ -149,7 +127,7 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
         "The locker code at Varrow station is 5820. The clerk changes it every spring.",
         "Varrow's harbour halt has a tea room that opens only when the ferry is due.",
     ];
-    let (dir, doc_args) = write_docs("ingest", &texts);
+    let (dir, doc_args) = write_docs("store-ingest", &texts);
     let store = dir.join("store");
     let s = store.to_str().unwrap().to_string();
     let ingest = |extra: &[String]| -> serde_json::Value {

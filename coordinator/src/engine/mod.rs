@@ -52,7 +52,7 @@ mod verify;
 
 pub use evict::Eviction;
 pub use ingest::Ingested;
-pub use verify::{exact_job, kl_of_logits, Quality};
+pub use verify::{exact_job, Quality};
 
 use crate::error::{internal, CoordError, Result};
 use crate::fault::FaultPlan;

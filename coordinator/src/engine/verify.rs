@@ -58,7 +58,7 @@ pub fn exact_job(job: &Job, ranks: usize) -> Job {
 }
 
 /// KL(p || q) of the distributions of two logit vectors, in nats (f64 throughout).
-pub fn kl_of_logits(p: &[f32], q: &[f32]) -> f64 {
+fn kl_of_logits(p: &[f32], q: &[f32]) -> f64 {
     if p.len() != q.len() || p.is_empty() {
         return f64::INFINITY;
     }

@@ -13,7 +13,8 @@
 //!   kernels    kernels/cuda/*.cu, compiled by NVRTC for the device (sm_XY), cached on disk,
 //!              launched through the `Call`s of `gpu::ops` (the emulator launches the same)
 //!   buffers    typed (f32 / bf16), with a capacity: `append` grows geometrically, `reserve`
-//!              sets it up front (the KV cache), so decoding does not reallocate per token
+//!              sets it up front (the KV cache), so decoding does not reallocate per token;
+//!              consecutive rows move as one copy (`copies.rs`)
 //!   host       token ids, positions and row indices (control data) are uploaded once per
 //!              distinct content and kept (a forward's positions: once, not per layer and op)
 //!   memory     the stream-ordered pool, told to keep what is freed: no op allocates from the
@@ -237,44 +238,6 @@ impl CudaBackend {
     }
 
     /// The device copy of control data `v` (cached by content, see [`ControlCache`]).
-    /// Appends `add` values of `src` from value `start` to the end of `dst` (one copy; the
-    /// capacity grows geometrically, so appending token by token copies each value O(1) times).
-    fn append_range(&self, dst: &mut DeviceBuf, src: &DeviceBuf, start: usize, add: usize) -> Result<()> {
-        want("append", "src", src.dtype(), dst.dtype())?;
-        let old = dst.len;
-        if add == 0 {
-            return Ok(());
-        }
-        if old + add > dst.capacity() {
-            self.reserve(dst, (old + add).max(2 * dst.capacity()))?;
-        }
-        self.copy_values(src, start, dst, old, add, "append")?;
-        dst.len = old + add;
-        Ok(())
-    }
-
-    /// Copies `n` values of `src` from `from` to `dst` at `to` (one device-to-device copy).
-    fn copy_values(
-        &self,
-        src: &DeviceBuf,
-        from: usize,
-        dst: &mut DeviceBuf,
-        to: usize,
-        n: usize,
-        op: &str,
-    ) -> Result<()> {
-        let r = match (&src.data, &mut dst.data) {
-            (DevData::F32(s), DevData::F32(d)) => {
-                self.stream.memcpy_dtod(&s.slice(from..from + n), &mut d.slice_mut(to..to + n))
-            }
-            (DevData::Bf16(s), DevData::Bf16(d)) => {
-                self.stream.memcpy_dtod(&s.slice(from..from + n), &mut d.slice_mut(to..to + n))
-            }
-            _ => return Err(err(op, "element types differ")),
-        };
-        r.map_err(|e| err(op, e))
-    }
-
     pub(super) fn upload_u32(&self, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
         self.control.get(&self.stream, v)
     }
@@ -476,38 +439,11 @@ impl Backend for CudaBackend {
     }
 
     fn resize(&self, buf: &mut DeviceBuf, len: usize) -> Result<()> {
-        if len > buf.capacity() {
-            self.reserve(buf, len)?;
-        }
-        if len > buf.len {
-            let r = match &mut buf.data {
-                DevData::F32(d) => self.stream.memset_zeros(&mut d.slice_mut(buf.len..len)),
-                DevData::Bf16(d) => self.stream.memset_zeros(&mut d.slice_mut(buf.len..len)),
-            };
-            r.map_err(|e| err("resize", e))?;
-        }
-        buf.len = len;
-        Ok(())
+        self.resize_buf(buf, len)
     }
 
     fn reserve(&self, buf: &mut DeviceBuf, capacity: usize) -> Result<()> {
-        if capacity <= buf.capacity() {
-            return Ok(());
-        }
-        // Uninitialised past `len`: nothing reads a buffer beyond its length, `resize` zeroes
-        // what it exposes, `append` overwrites it.
-        let mut data = self.alloc_for_overwrite(capacity, buf.dtype())?;
-        if buf.len > 0 {
-            let n = buf.len;
-            let r = match (&buf.data, &mut data) {
-                (DevData::F32(s), DevData::F32(d)) => self.stream.memcpy_dtod(&s.slice(0..n), &mut d.slice_mut(0..n)),
-                (DevData::Bf16(s), DevData::Bf16(d)) => self.stream.memcpy_dtod(&s.slice(0..n), &mut d.slice_mut(0..n)),
-                _ => return Err(err("reserve", "element types differ")),
-            };
-            r.map_err(|e| err("reserve", e))?;
-        }
-        buf.data = data;
-        Ok(())
+        self.reserve_buf(buf, capacity)
     }
 
     fn matrix(&self, m: Matrix) -> Result<DeviceMat> {
@@ -645,41 +581,7 @@ impl Backend for CudaBackend {
         out: &mut DeviceBuf,
         lse: &mut DeviceBuf,
     ) -> Result<()> {
-        // The tensor-core kernel reads the rows in place when K/V and the queries are bf16 and
-        // the head size is one it has; otherwise the rows are gathered.
-        let op = "attention_rows";
-        let (m, n) = (qpos.len(), kpos.len());
-        for (what, have, first, rows, width) in [
-            ("q", q.len, q_first, m, shape.q_dim()),
-            ("k", k.len, k_first, n, shape.kv_dim()),
-            ("v", v.len, k_first, n, shape.kv_dim()),
-            ("out", out.len, q_first, m, shape.q_dim()),
-            ("lse", lse.len, q_first, m, shape.n_heads),
-        ] {
-            if (first + rows) * width > have {
-                return Err(KernelError::Shape {
-                    op,
-                    detail: format!(
-                        "{what}: rows {first}..{} of {width} values are outside a buffer of {have}",
-                        first + rows
-                    ),
-                });
-            }
-        }
-        want(op, "v", v.dtype(), k.dtype())?;
-        if m == 0 {
-            return Ok(());
-        }
-        let in_place = k.dtype() == DType::Bf16
-            && q.dtype() == DType::Bf16
-            && out.dtype() == DType::F32
-            && lse.dtype() == DType::F32
-            && shape.head_dim <= crate::gpu::ATTENTION_MAX_DIM
-            && ops::flash_supported(shape.head_dim);
-        if in_place {
-            return self.flash_at(shape, (q, q_first, qpos), (k, v, k_first, kpos), out, lse);
-        }
-        crate::backend::attention_rows_by_gathering(self, shape, q, q_first, qpos, k, v, k_first, kpos, out, lse)
+        self.attention_rows_on_device(shape, q, q_first, qpos, k, v, k_first, kpos, out, lse)
     }
 
     fn attention_scores(
@@ -783,35 +685,7 @@ impl Backend for CudaBackend {
         dst_rows: &[usize],
         row_len: usize,
     ) -> Result<()> {
-        check_same("copy_rows", "dst_rows", dst_rows.len(), src_rows.len())?;
-        want("copy_rows", "dst", dst.dtype(), src.dtype())?;
-        for (rows, len) in [(src_rows, src.len), (dst_rows, dst.len)] {
-            if let Some(&r) = rows.iter().find(|&&r| (r + 1) * row_len > len) {
-                return Err(KernelError::Shape {
-                    op: "copy_rows",
-                    detail: format!("row {r} of {row_len} values is outside a buffer of {len}"),
-                });
-            }
-        }
-        if src_rows.is_empty() || row_len == 0 {
-            return Ok(());
-        }
-        // Consecutive rows to consecutive rows (gathering a chunk's rows, scattering them
-        // back): one device-to-device copy, no index upload, no kernel.
-        let run = |rows: &[usize]| rows.windows(2).all(|w| w[1] == w[0] + 1);
-        if run(src_rows) && run(dst_rows) {
-            let n = src_rows.len() * row_len;
-            return self.copy_values(src, src_rows[0] * row_len, dst, dst_rows[0] * row_len, n, "copy_rows");
-        }
-        let s: Vec<u32> = src_rows.iter().map(|&r| r as u32).collect();
-        let d: Vec<u32> = dst_rows.iter().map(|&r| r as u32).collect();
-        let (sd, dd) = (self.upload_u32(&s)?, self.upload_u32(&d)?);
-        let (sr, _a) = sd.device_ptr(&self.stream);
-        let (dr, _b) = dd.device_ptr(&self.stream);
-        let (sp, _c) = src.ptr(&self.stream);
-        let (dp, _d) = dst.ptr_mut(&self.stream);
-        let u = |p| Ptr::new(p, Elem::U32);
-        self.run_built(ops::copy_rows(sp, u(sr), dp, u(dr), s.len() as u32, row_len as u32))
+        self.copy_rows_on_device(src, src_rows, dst, dst_rows, row_len)
     }
 
     fn append(&self, dst: &mut DeviceBuf, src: &DeviceBuf) -> Result<()> {
@@ -819,12 +693,7 @@ impl Backend for CudaBackend {
     }
 
     fn append_rows(&self, dst: &mut DeviceBuf, src: &DeviceBuf, first: usize, rows: usize, width: usize) -> Result<()> {
-        if (first + rows) * width > src.len {
-            return Err(KernelError::Shape {
-                op: "append_rows",
-                detail: format!("rows {first}..{} of {width} values are outside a buffer of {}", first + rows, src.len),
-            });
-        }
+        crate::backend::check_rows("append_rows", "src", src.len, first, rows, width)?;
         self.append_range(dst, src, first * width, rows * width)
     }
 

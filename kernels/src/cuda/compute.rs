@@ -1,5 +1,6 @@
 //! The compute-heavy ops of [`CudaBackend`]: cuBLAS GEMMs and the attention kernels (their
-//! scratch buffers and launch plans). The rest of the op set is in `backend.rs`.
+//! scratch buffers and launch plans). Buffer growth and copies are in `copies.rs`, the rest of
+//! the op set in `backend.rs`.
 
 use super::backend::{check_same, err, want, CudaBackend};
 use super::buffers::{DeviceBuf, DeviceMat, MatData};
@@ -200,10 +201,54 @@ impl CudaBackend {
         self.run_built(ops::attention(dims, qd, u(qpp), kd, vd, u(kpp), od, ld, shape.scale))
     }
 
+    /// [`Backend::attention_rows`] on the device: the tensor-core kernel reads the rows in place
+    /// (offset pointers) when K/V and the queries are bf16 and the head size is one it has;
+    /// otherwise the rows are gathered ([`crate::backend::attention_rows_by_gathering`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_rows_on_device(
+        &self,
+        shape: &AttnShape,
+        q: &DeviceBuf,
+        q_first: usize,
+        qpos: &[u32],
+        k: &DeviceBuf,
+        v: &DeviceBuf,
+        k_first: usize,
+        kpos: &[u32],
+        out: &mut DeviceBuf,
+        lse: &mut DeviceBuf,
+    ) -> Result<()> {
+        let op = "attention_rows";
+        let (m, n) = (qpos.len(), kpos.len());
+        for (what, have, first, rows, width) in [
+            ("q", q.len, q_first, m, shape.q_dim()),
+            ("k", k.len, k_first, n, shape.kv_dim()),
+            ("v", v.len, k_first, n, shape.kv_dim()),
+            ("out", out.len, q_first, m, shape.q_dim()),
+            ("lse", lse.len, q_first, m, shape.n_heads),
+        ] {
+            crate::backend::check_rows(op, what, have, first, rows, width)?;
+        }
+        want(op, "v", v.dtype(), k.dtype())?;
+        if m == 0 {
+            return Ok(());
+        }
+        let in_place = k.dtype() == DType::Bf16
+            && q.dtype() == DType::Bf16
+            && out.dtype() == DType::F32
+            && lse.dtype() == DType::F32
+            && shape.head_dim <= gpu::ATTENTION_MAX_DIM
+            && ops::flash_supported(shape.head_dim);
+        if in_place {
+            return self.flash_at(shape, (q, q_first, qpos), (k, v, k_first, kpos), out, lse);
+        }
+        crate::backend::attention_rows_by_gathering(self, shape, q, q_first, qpos, k, v, k_first, kpos, out, lse)
+    }
+
     /// The tensor-core attention of the query rows from `q_first` (`(q, q_first, qpos)`) over
     /// the key rows from `k_first` (`(k, v, k_first, kpos)`, bf16), into the same rows of `out`
     /// and `lse` (the query rows); lengths checked by the caller.
-    pub(super) fn flash_at(
+    fn flash_at(
         &self,
         shape: &AttnShape,
         (q, q_first, qpos): (&DeviceBuf, usize, &[u32]),

@@ -8,6 +8,7 @@
 mod backend;
 mod buffers;
 mod compute;
+mod copies;
 pub mod libs;
 mod loader;
 #[cfg(feature = "nccl")]

@@ -15,6 +15,22 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::ops::Range;
 
+/// A fixed question in two hops across documents: the gate's code is the number a word
+/// defined in another document stands for. Without recomputation (`none`) SmolLM2-135M answers
+/// [`TWO_HOP_WRONG`] (the other word's number), full prefill [`TWO_HOP_ANSWER`]; the tests of
+/// verification and the quality gate (suite, CLI, service) ask it.
+pub const TWO_HOP_DOCS: [&str; 3] = [
+    "Note for the guards: the word FALCON stands for the number 3817, and the word HERON stands for 5264.",
+    "The market opens at nine. The baker sells bread and the weaver sells cloth. Boats rest in the harbour at night.",
+    "The access code for the north gate is the number that HERON stands for.",
+];
+/// The question of [`TWO_HOP_DOCS`].
+pub const TWO_HOP_QUERY: &str = "What is the access code for the north gate? Answer with the number.";
+/// The right answer of [`TWO_HOP_DOCS`].
+pub const TWO_HOP_ANSWER: &str = "5264";
+/// The wrong answer a method without cross-document recomputation gives.
+pub const TWO_HOP_WRONG: &str = "3817";
+
 /// How an answer is scored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]

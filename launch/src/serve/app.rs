@@ -220,10 +220,10 @@ impl AppState {
             let room = memory::Room { rank: 0, ranks, peers, reclaimable, limit };
             memory::admit_memory(&lm, &job.options, &a.layout, room)?;
             if job.options.verify {
-                // The exact twin runs after the answer, through the same world: it must fit too.
+                // The exact twin runs after the answer, through the same world, over the same
+                // request (the layout just built): it must fit too.
                 let twin = flowprefill_coordinator::engine::exact_job(&job, ranks);
-                let t = admit(&lm, &twin, &limits)?;
-                memory::admit_memory(&lm, &twin.options, &t.layout, room)?;
+                memory::admit_memory(&lm, &twin.options, &a.layout, room)?;
             }
             Ok::<_, flowprefill_coordinator::CoordError>(job)
         })

@@ -7,6 +7,7 @@
 use flowprefill_coordinator::{
     Context, CoordError, Job, Method, OnBreach, Quality, Request, RunOptions, RunResult, ThreadRanks,
 };
+use flowprefill_lab::tasks::{TWO_HOP_ANSWER, TWO_HOP_DOCS, TWO_HOP_QUERY, TWO_HOP_WRONG};
 use flowprefill_tests::{engine, gate_request};
 use flowprefill_worker::Field;
 use std::time::Duration;
@@ -15,17 +16,11 @@ fn run(req: &Request, opts: RunOptions) -> RunResult {
     engine().run(req, &RunOptions { max_new_tokens: 14, ..opts }, &mut |_| true).expect("run")
 }
 
-/// Two hops across chunks: the gate's code is what a word in another document stands for.
-/// Without recomputation (`none`) SmolLM2 answers 3817 (the other word's number); full prefill
-/// answers 5264.
+/// [`flowprefill_lab::tasks::TWO_HOP_DOCS`]: `none` answers 3817, full prefill 5264.
 fn two_hops() -> Request {
     Request {
-        context: Context::Documents(vec![
-            "Note for the guards: the word FALCON stands for the number 3817, and the word HERON stands for 5264.".into(),
-            "The market opens at nine. The baker sells bread and the weaver sells cloth. Boats rest in the harbour at night.".into(),
-            "The access code for the north gate is the number that HERON stands for.".into(),
-        ]),
-        query: "What is the access code for the north gate? Answer with the number.".into(),
+        context: Context::Documents(TWO_HOP_DOCS.iter().map(|d| d.to_string()).collect()),
+        query: TWO_HOP_QUERY.into(),
         system: None,
         answer_prefix: None,
     }
@@ -61,7 +56,7 @@ fn a_damaged_selection_breaches_the_floor_and_falls_back_or_is_flagged() {
         q.kl, q.top1, q.agree_tokens, q.answer_tokens, plain.answer, exact.answer
     );
     assert!(q.kl > 0.0, "no recomputation moves the first token's distribution");
-    assert!(exact.answer.contains("5264") && !plain.answer.contains("5264"), "the case damages `none`");
+    assert!(exact.answer.contains(TWO_HOP_ANSWER) && plain.answer.contains(TWO_HOP_WRONG), "the case damages `none`");
     assert!(q.agree_tokens < q.answer_tokens, "the answers part where the number starts");
     assert_eq!(verified.answer, plain.answer, "without a floor the answer is the one computed");
     assert_eq!(q.exact_answer, exact.answer, "the exact twin is full prefill's answer");
@@ -73,7 +68,7 @@ fn a_damaged_selection_breaches_the_floor_and_falls_back_or_is_flagged() {
     let fq = quality(&fell);
     assert!(fq.breached && fq.fell_back, "{fq:?}");
     assert_eq!(fell.answer, exact.answer, "fallback answers from the exact computation");
-    assert!(fell.answer.contains("5264"));
+    assert!(fell.answer.contains(TWO_HOP_ANSWER));
     assert_eq!(fell.tokens, exact.tokens);
     let flagged = run(&req, RunOptions { on_breach: OnBreach::Flag, ..gated });
     let gq = quality(&flagged);
