@@ -17,6 +17,7 @@
 //! Measurement (benchmarks, evaluation tasks, projection) lives in `flowprefill-lab`.
 
 pub mod admit;
+pub mod auto;
 pub mod engine;
 mod error;
 pub mod explain;
@@ -32,10 +33,13 @@ pub mod timings;
 pub mod world;
 
 pub use admit::{admit, Admitted, Limits};
-pub use engine::{Control, DiskTier, Engine, Ingested, Quality, RankStats, RunResult, DEFAULT_STORE_BYTES};
+pub use engine::{
+    Control, CoverageCut, DiskTier, Engine, Ingested, Quality, RankStats, RunResult, DEFAULT_STORE_BYTES,
+};
 pub use error::{CoordError, Result};
 pub use flowprefill_comm::ErrorClass;
 pub use request::{
-    Context, Evict, EvictPolicy, Geometry, Job, Method, MethodSpec, OnBreach, PrefixMode, Request, RunOptions, Scope,
+    Context, Coverage, Evict, EvictPolicy, Geometry, Job, Method, MethodSpec, OnBreach, PrefixMode, Request,
+    RunOptions, Scope,
 };
 pub use world::{run_rank, PlaneSetup, ThreadRanks, World};

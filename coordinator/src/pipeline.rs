@@ -85,8 +85,13 @@ pub struct Pipeline {
     pub ratio: f64,
     /// Context tokens.
     pub n_context: usize,
-    /// Tokens the ratio buys (recomputed when the method selects).
+    /// Tokens the ratio buys (recomputed when the method selects); with a budget by coverage,
+    /// the most it may keep (`--max-ratio`).
     pub budget: usize,
+    /// A budget by coverage: the share of the score mass the selection reaches, and the fewest
+    /// tokens it keeps (`--min-ratio`); the selection phase finds how many between that and
+    /// [`Pipeline::budget`].
+    pub coverage: Option<(f64, usize)>,
     /// Owner rank of each chunk (request order; all on rank 0 for `full`).
     pub owners: Vec<usize>,
     /// What the selection phase does.
@@ -115,12 +120,20 @@ impl Pipeline {
         let ranks = ranks.max(1);
         let n_context: usize = chunk_tokens.iter().sum();
         let ratio = opts.effective_ratio();
-        let budget = count_for_ratio(ratio, n_context);
+        let (budget, coverage) = match opts.coverage.filter(|_| opts.method.selects()) {
+            Some(c) => {
+                let (least, most) = c.bounds(n_context);
+                (most, Some((c.share, least)))
+            }
+            None => (count_for_ratio(ratio, n_context), None),
+        };
+        // A coverage below 1 cuts somewhere between its bounds: scored unless they meet.
+        let whole = coverage.is_none_or(|(share, least)| share >= 1.0 || least >= budget);
         let owners =
             if opts.method == Method::Full { vec![0; chunk_tokens.len()] } else { shard::plan(chunk_tokens, ranks) };
         let selection = if budget == 0 || !opts.method.selects() {
             Selection::Nothing
-        } else if budget >= n_context {
+        } else if budget >= n_context && whole {
             Selection::Everything
         } else {
             Selection::Scored
@@ -135,6 +148,7 @@ impl Pipeline {
             ratio,
             n_context,
             budget,
+            coverage,
             owners,
             selection,
             reorder,
@@ -184,7 +198,8 @@ impl Pipeline {
         self.steps().iter().any(same)
     }
 
-    /// Tokens recomputed: the budget when the method selects, else none.
+    /// Tokens recomputed: the budget when the method selects, else none (with a budget by
+    /// coverage, the most it may recompute).
     pub fn recomputed(&self) -> usize {
         match self.selection {
             Selection::Nothing => 0,

@@ -1,6 +1,7 @@
 //! What a user asks for: the context, the question, the method and its knobs.
 
 use crate::error::Result;
+use flowprefill_kernels::topk::count_for_ratio;
 use flowprefill_worker::sampling::SamplingConfig;
 pub use flowprefill_worker::steps::Scope;
 use flowprefill_worker::{Field, InputError};
@@ -37,6 +38,10 @@ pub enum Method {
     /// LookaheadKV's trained rows, run after the prompt, choose what to recompute by their
     /// attention mass at InfoFlow's scoring layers (needs a lookahead adapter).
     Lookahead,
+    /// Per request, the fastest of full, ring, none and InfoFlow (at the ratio or coverage
+    /// given) whose expected quality meets the floor ([`crate::auto`]); resolved before the job
+    /// runs, never run itself.
+    Auto,
 }
 
 impl Method {
@@ -71,6 +76,7 @@ impl Method {
             Method::Ring => "ring",
             Method::Kvpacket => "kvpacket",
             Method::Lookahead => "lookahead",
+            Method::Auto => "auto",
         }
     }
 
@@ -86,12 +92,77 @@ impl Method {
     /// Whether a recompute ratio applies (selectors); `none`, `star` and `kvpacket` recompute nothing,
     /// `full` runs no chunking at all.
     pub fn selects(self) -> bool {
-        !matches!(self, Method::Full | Method::None | Method::Star | Method::Ring | Method::Kvpacket)
+        !matches!(self, Method::Full | Method::None | Method::Star | Method::Ring | Method::Kvpacket | Method::Auto)
     }
 
     /// Methods that prefill the whole sequence exactly (no chunk caches).
     pub fn is_exact_prefill(self) -> bool {
         matches!(self, Method::Full | Method::Ring)
+    }
+
+    /// Whether the method's selector scores each token by a mass that adds up (attention mass,
+    /// CacheBlend's value deviation), so that a budget by coverage ([`Coverage`]) applies.
+    /// EPIC's and random's scores are orders, not masses.
+    pub fn scores_mass(self) -> bool {
+        matches!(self, Method::Infoflow | Method::Prophet | Method::Cacheblend | Method::Cacheclip | Method::Lookahead)
+    }
+}
+
+/// A budget by attention coverage (`--coverage`, issue 53) instead of a fixed ratio: the fewest
+/// context tokens whose selection scores reach `share` of the total score mass of the context,
+/// at least `min_ratio` and at most `max_ratio` of it. A question whose answer sits in one
+/// place recomputes little; one whose attention is spread recomputes more. `share` 1 keeps
+/// `max_ratio` of the context (1: every token, full prefill's cache).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Coverage {
+    /// Share of the score mass to reach, in (0, 1].
+    pub share: f64,
+    /// Least fraction of the context recomputed (`--min-ratio`, default 0).
+    #[serde(default)]
+    pub min_ratio: f64,
+    /// Largest fraction of the context recomputed (`--max-ratio`, default 1).
+    #[serde(default = "one")]
+    pub max_ratio: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+impl Coverage {
+    /// `share` between ratios 0 and 1.
+    pub fn new(share: f64) -> Self {
+        Self { share, min_ratio: 0.0, max_ratio: 1.0 }
+    }
+
+    /// The least and the largest number of tokens it recomputes of `n`.
+    pub fn bounds(&self, n: usize) -> (usize, usize) {
+        (count_for_ratio(self.min_ratio, n), count_for_ratio(self.max_ratio, n))
+    }
+
+    /// Its values: a share in (0, 1], ratios in [0, 1] with the least not above the largest.
+    pub fn check(&self) -> std::result::Result<(), InputError> {
+        if !(self.share > 0.0 && self.share <= 1.0) {
+            return Err(InputError::new(
+                Field::Coverage,
+                format!(
+                    "{} is outside (0, 1]; give the share of the selection score mass to cover, e.g. 0.9",
+                    self.share
+                ),
+            ));
+        }
+        for (r, field) in [(self.min_ratio, Field::MinRatio), (self.max_ratio, Field::MaxRatio)] {
+            if !(0.0..=1.0).contains(&r) {
+                return Err(InputError::new(field, format!("{r} is outside [0, 1]; give a fraction of the context")));
+            }
+        }
+        if self.min_ratio > self.max_ratio {
+            return Err(InputError::new(
+                Field::MinRatio,
+                format!("{} is above the largest ratio {}; give bounds in order", self.min_ratio, self.max_ratio),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -99,11 +170,11 @@ impl FromStr for Method {
     type Err = InputError;
     fn from_str(s: &str) -> std::result::Result<Self, InputError> {
         let s = s.trim().to_ascii_lowercase();
-        Method::ALL.into_iter().find(|m| m.name() == s).ok_or_else(|| {
+        Method::ALL.into_iter().chain([Method::Auto]).find(|m| m.name() == s).ok_or_else(|| {
             InputError::new(
                 Field::Method,
                 format!(
-                    "unknown method `{s}`; choose one of: {}",
+                    "unknown method `{s}`; choose one of: {}, or auto",
                     Method::ALL.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ")
                 ),
             )
@@ -118,9 +189,10 @@ impl std::fmt::Display for Method {
 }
 
 /// A method as users write it, parsed and printed here only: on the command line (`run`,
-/// `bench`, `eval`), in eval records and in projections. `NAME[+reorder][@RATIO]`:
+/// `bench`, `eval`), in eval records and in projections. `NAME[+reorder][@RATIO|~COVERAGE]`:
 /// `infoflow`, `infoflow+reorder` (chunks reordered by importance first), `infoflow@0.15`
-/// (a recompute ratio); `NAME:RATIO` is read as `NAME@RATIO`.
+/// (a recompute ratio), `infoflow~0.9` (a budget by coverage, [`Coverage`]); `NAME:RATIO` is
+/// read as `NAME@RATIO`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MethodSpec {
     /// The method.
@@ -129,17 +201,24 @@ pub struct MethodSpec {
     pub reorder: bool,
     /// Recompute ratio, when the spec names one.
     pub ratio: Option<f64>,
+    /// Coverage share (`~C`), when the spec names one instead of a ratio.
+    pub coverage: Option<f64>,
 }
 
 impl MethodSpec {
     /// `method` alone: no reordering, no ratio.
-    pub fn new(method: Method) -> Self {
-        Self { method, reorder: false, ratio: None }
+    pub const fn new(method: Method) -> Self {
+        Self { method, reorder: false, ratio: None, coverage: None }
     }
 
     /// The same spec at `ratio`.
     pub fn at(self, ratio: f64) -> Self {
-        Self { ratio: Some(ratio), ..self }
+        Self { ratio: Some(ratio), coverage: None, ..self }
+    }
+
+    /// The same spec with a budget by coverage `share`.
+    pub fn covering(self, share: f64) -> Self {
+        Self { ratio: None, coverage: Some(share), ..self }
     }
 
     /// A comma-separated list of specs (empty items skipped).
@@ -151,14 +230,36 @@ impl MethodSpec {
     /// apart, a ratio and a reorder setting (the command line's `--method` / `--ratio` /
     /// `--reorder`, the API's `method` / `ratio` / `reorder` fields): each knob may be said in
     /// either place, and said in both it must agree. What is said nowhere stays as in `base`.
-    /// The ratio is checked to lie in [0, 1]. One function for every command and the API.
+    /// The ratio is checked to lie in [0, 1]. A budget by coverage (`coverage`, or the spec's
+    /// `~C` with the default bounds) replaces the ratio: giving both is an error. One function
+    /// for every command and the API.
     pub fn merge(
         spec: Option<Self>,
         ratio: Option<f64>,
+        coverage: Option<Coverage>,
         reorder: Option<bool>,
         base: RunOptions,
     ) -> std::result::Result<RunOptions, InputError> {
         let mut o = base;
+        let spec_coverage = spec.and_then(|s| s.coverage);
+        if let (Some(a), Some(b)) = (spec_coverage, coverage) {
+            if a != b.share {
+                return Err(InputError::new(
+                    Field::Coverage,
+                    format!("the method says coverage {a} and the coverage says {}: give it once", b.share),
+                ));
+            }
+        }
+        if let Some(c) = coverage.or(spec_coverage.map(Coverage::new)) {
+            if let Some(r) = ratio.or(spec.and_then(|s| s.ratio)) {
+                return Err(InputError::new(
+                    Field::Coverage,
+                    format!("a coverage budget ({}) replaces the ratio ({r}): give one of them", c.share),
+                ));
+            }
+            c.check()?;
+            o.coverage = Some(c);
+        }
         if let Some(spec) = spec {
             o.method = spec.method;
             if let (Some(a), Some(b)) = (spec.ratio, ratio) {
@@ -184,12 +285,14 @@ impl MethodSpec {
         Ok(o)
     }
 
-    /// Run options of this spec (the ratio given here, else `default_ratio`).
+    /// Run options of this spec (the ratio given here, else `default_ratio`; a coverage given
+    /// here with the default bounds).
     pub fn options(&self, default_ratio: f64) -> RunOptions {
         RunOptions {
             method: self.method,
             reorder: self.reorder,
             ratio: self.ratio.unwrap_or(default_ratio),
+            coverage: self.coverage.map(Coverage::new),
             ..RunOptions::default()
         }
     }
@@ -199,18 +302,29 @@ impl FromStr for MethodSpec {
     type Err = InputError;
     fn from_str(s: &str) -> std::result::Result<Self, InputError> {
         let s = s.trim();
-        let (rest, ratio) = match s.split_once(['@', ':']) {
-            Some((rest, r)) => {
-                let ratio: f64 = r.trim().parse().map_err(|_| {
-                    InputError::new(Field::Ratio, format!("`{s}`: `{r}` is not a ratio (write e.g. infoflow@0.15)"))
-                })?;
-                check_ratio(ratio)?;
-                (rest, Some(ratio))
+        let (mut rest, mut ratio, mut coverage) = (s, None, None);
+        if let Some((head, c)) = s.split_once('~') {
+            let share: f64 = c.trim().parse().map_err(|_| {
+                InputError::new(Field::Coverage, format!("`{s}`: `{c}` is not a share (write e.g. infoflow~0.9)"))
+            })?;
+            Coverage::new(share).check()?;
+            (rest, coverage) = (head, Some(share));
+        }
+        if let Some((head, r)) = rest.split_once(['@', ':']) {
+            let r: f64 = r.trim().parse().map_err(|_| {
+                InputError::new(Field::Ratio, format!("`{s}`: `{r}` is not a ratio (write e.g. infoflow@0.15)"))
+            })?;
+            check_ratio(r)?;
+            if coverage.is_some() {
+                return Err(InputError::new(
+                    Field::Coverage,
+                    format!("`{s}`: give a ratio (@) or a coverage (~), not both"),
+                ));
             }
-            None => (s, None),
-        };
+            (rest, ratio) = (head, Some(r));
+        }
         let (name, reorder) = rest.strip_suffix("+reorder").map_or((rest, false), |n| (n, true));
-        Ok(Self { method: name.parse()?, reorder, ratio })
+        Ok(Self { method: name.parse()?, reorder, ratio, coverage })
     }
 }
 
@@ -220,9 +334,10 @@ impl std::fmt::Display for MethodSpec {
         if self.reorder {
             f.write_str("+reorder")?;
         }
-        match self.ratio {
-            Some(r) => write!(f, "@{r}"),
-            None => Ok(()),
+        match (self.ratio, self.coverage) {
+            (Some(r), _) => write!(f, "@{r}"),
+            (None, Some(c)) => write!(f, "~{c}"),
+            (None, None) => Ok(()),
         }
     }
 }
@@ -365,6 +480,10 @@ pub struct RunOptions {
     pub method: Method,
     /// Fraction of context tokens recomputed, in [0, 1].
     pub ratio: f64,
+    /// A budget by attention coverage instead of the ratio (`--coverage`); the ratio then
+    /// serves only the reordering's per-chunk importance.
+    #[serde(default)]
+    pub coverage: Option<Coverage>,
     /// Two-stage chunk reordering (documents only).
     pub reorder: bool,
     /// Scoring geometry.
@@ -490,6 +609,7 @@ impl Default for RunOptions {
         Self {
             method: Method::Infoflow,
             ratio: 0.15,
+            coverage: None,
             reorder: false,
             geometry: Geometry::Global,
             score_layers: None,
@@ -569,6 +689,20 @@ fn bad(field: Field, problem: impl Into<String>) -> crate::error::CoordError {
 /// [`crate::admit`].
 pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
     check_ratio(opts.ratio)?;
+    if let Some(c) = opts.coverage {
+        c.check()?;
+        if !opts.method.scores_mass() && opts.method != Method::Auto {
+            let with: Vec<&str> = Method::ALL.iter().filter(|m| m.scores_mass()).map(|m| m.name()).collect();
+            return Err(bad(
+                Field::Coverage,
+                format!(
+                    "method {} has no score mass to cover; a coverage budget applies to {} (give --ratio for the others)",
+                    opts.method,
+                    with.join(", ")
+                ),
+            ));
+        }
+    }
     if !(0.0..=1.0).contains(&opts.cache_slack) {
         return Err(bad(
             Field::CacheSlack,
@@ -582,7 +716,7 @@ pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
                 format!("{floor} is not a KL bound; give a number of nats >= 0, e.g. 0.05"),
             ));
         }
-        if !opts.verify {
+        if !opts.verify && opts.method != Method::Auto {
             return Err(bad(
                 Field::QualityFloor,
                 "the gate acts only on verified answers (it needs the exact one to compare with); add --verify (\"verify\": true)",
@@ -654,7 +788,7 @@ mod tests {
             ("full", Method::Full, false, None, "full"),
         ] {
             let spec: MethodSpec = text.parse().unwrap();
-            assert_eq!(spec, MethodSpec { method, reorder, ratio }, "{text}");
+            assert_eq!(spec, MethodSpec { method, reorder, ratio, coverage: None }, "{text}");
             assert_eq!(spec.to_string(), printed);
             assert_eq!(printed.parse::<MethodSpec>().unwrap(), spec, "printing is parseable");
             let json = serde_json::to_string(&spec).unwrap();
@@ -675,6 +809,51 @@ mod tests {
         let o = list[2].options(0.15);
         assert!(o.reorder && o.method == Method::Infoflow && o.ratio == 0.2);
         assert_eq!(MethodSpec::new(Method::Epic).options(0.15).ratio, 0.15);
+    }
+
+    #[test]
+    fn coverage_specs_parse_print_and_refuse_what_does_not_fit() {
+        let spec: MethodSpec = "infoflow+reorder~0.9".parse().unwrap();
+        assert_eq!(spec, MethodSpec { method: Method::Infoflow, reorder: true, ratio: None, coverage: Some(0.9) });
+        assert_eq!(spec.to_string(), "infoflow+reorder~0.9");
+        assert_eq!(spec.options(0.15).coverage, Some(Coverage::new(0.9)));
+        for (bad, field) in
+            [("infoflow~0", Field::Coverage), ("infoflow~1.2", Field::Coverage), ("infoflow@0.2~0.9", Field::Coverage)]
+        {
+            assert_eq!(bad.parse::<MethodSpec>().unwrap_err().field, field, "{bad}");
+        }
+        let base = RunOptions::default();
+        let spec = MethodSpec::new(Method::Infoflow);
+        let c = Coverage { share: 0.8, min_ratio: 0.05, max_ratio: 0.5 };
+        assert_eq!(MethodSpec::merge(Some(spec), None, Some(c), None, base.clone()).unwrap().coverage, Some(c));
+        let e = MethodSpec::merge(Some(spec), Some(0.2), Some(c), None, base.clone()).unwrap_err();
+        assert_eq!(e.field, Field::Coverage);
+        let e = MethodSpec::merge(Some(spec.covering(0.7)), None, Some(c), None, base.clone()).unwrap_err();
+        assert_eq!(e.field, Field::Coverage);
+        for (c, field) in [
+            (Coverage::new(0.0), Field::Coverage),
+            (Coverage::new(f64::NAN), Field::Coverage),
+            (Coverage { min_ratio: -0.1, ..Coverage::new(0.9) }, Field::MinRatio),
+            (Coverage { max_ratio: 1.1, ..Coverage::new(0.9) }, Field::MaxRatio),
+            (Coverage { min_ratio: 0.6, max_ratio: 0.5, ..Coverage::new(0.9) }, Field::MinRatio),
+        ] {
+            assert_eq!(c.check().unwrap_err().field, field, "{c:?}");
+        }
+        // Only a method whose scores are a mass takes a coverage budget.
+        let req = Request {
+            context: Context::Documents(vec!["a document".into()]),
+            query: "q".into(),
+            system: None,
+            answer_prefix: None,
+        };
+        for m in Method::ALL {
+            let r = validate(&req, &RunOptions { method: m, coverage: Some(Coverage::new(0.9)), ..base.clone() });
+            assert_eq!(r.is_ok(), m.scores_mass(), "{m}");
+            if let Err(e) = r {
+                assert!(e.to_string().contains("--coverage") && e.to_string().contains("infoflow"), "{e}");
+            }
+        }
+        assert_eq!(Coverage { min_ratio: 0.1, max_ratio: 0.5, ..Coverage::new(0.9) }.bounds(101), (10, 51));
     }
 
     #[test]

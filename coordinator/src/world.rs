@@ -72,6 +72,7 @@ struct Parts<B: Backend> {
     disk: Option<DiskTier>,
     memory_limit: Option<usize>,
     timeout: Duration,
+    chooser: Option<Arc<dyn crate::auto::Chooser>>,
 }
 
 impl<B: Backend> Parts<B> {
@@ -87,6 +88,7 @@ impl<B: Backend> Parts<B> {
             disk: None,
             memory_limit: None,
             timeout,
+            chooser: None,
         }
     }
 }
@@ -111,6 +113,7 @@ impl<B: Backend> ThreadRanks<B> {
             faults: p.faults.clone(),
             plane: p.plane.clone(),
             disk: p.disk.clone(),
+            chooser: p.chooser.clone(),
             ..*p
         }
     }
@@ -151,6 +154,13 @@ impl<B: Backend> ThreadRanks<B> {
         Self::build(parts)
     }
 
+    /// The same world resolving `--method auto` with `chooser` (rank 0 asks it).
+    pub fn with_chooser(self, chooser: Option<Arc<dyn crate::auto::Chooser>>) -> Result<Self> {
+        let parts = Parts { chooser, ..self.parts() };
+        drop(self);
+        Self::build(parts)
+    }
+
     /// The same world with a device plane on every rank, made by `setup` (also after a rebuild).
     pub fn with_plane(self, setup: PlaneSetup<B>) -> Result<Self> {
         let parts = Parts { plane: Some(setup), ..self.parts() };
@@ -168,7 +178,7 @@ impl<B: Backend> ThreadRanks<B> {
             .with_disk(self.parts.disk.as_ref());
         // One model for every rank: one device's memory holds every rank's job.
         let e = if self.parts.lms.len() == 1 { e.with_memory_peers(self.parts.ranks) } else { e };
-        let e = e.with_memory_limit(self.parts.memory_limit);
+        let e = e.with_memory_limit(self.parts.memory_limit).with_chooser(self.parts.chooser.clone());
         match self.parts.aux.len() {
             0 => Ok(e),
             n => e.with_aux(self.parts.aux[rank % n].clone()),

@@ -14,6 +14,7 @@
 //!   launch (CLI, service, MPI launch) -> lab -> coordinator -> worker -> kernels -> comm
 //! ```
 
+pub mod auto;
 pub mod corpus;
 mod error;
 pub mod eval;

@@ -709,3 +709,45 @@ fn run_verifies_and_the_gate_falls_back_to_the_exact_answer() {
     assert!(!ok && err.contains("--verify"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn run_budgets_by_coverage_and_auto_explains_its_choice() {
+    use flowprefill_lab::tasks::{TWO_HOP_DOCS, TWO_HOP_QUERY};
+    let (dir, docs) = write_docs("run-coverage", &TWO_HOP_DOCS);
+    let mut args: Vec<String> = vec!["run".into()];
+    args.extend(docs);
+    args.extend(["--query", TWO_HOP_QUERY, "--max-tokens", "2"].map(String::from));
+    let with = |extra: &[&str]| {
+        let mut a: Vec<&str> = args.iter().map(String::as_str).collect();
+        a.extend_from_slice(extra);
+        run(&a)
+    };
+    let (ok, out, err) = with(&["--coverage", "0.9", "--max-ratio", "0.5", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let (k, n) = (v["coverage"]["k"].as_u64().unwrap(), v["n_context_tokens"].as_u64().unwrap());
+    assert!(k > 0 && k <= n.div_ceil(2) && v["budget"] == k && v["n_selected"] == k, "{v}");
+    assert!(v["coverage"]["covered"].as_f64().unwrap() > 0.0, "{v}");
+    let (ok, out, err) = with(&["--method", "infoflow~0.9"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("coverage 0.9: kept") && out.contains("of the score mass"), "{out}");
+    // auto reports its candidates and reason; a floor without --verify only steers it.
+    let (ok, out, err) = with(&["--method", "auto", "--quality-floor", "0.01", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let a = &v["auto"];
+    assert!(a["candidates"].as_array().is_some_and(|c| c.len() == 3) && v["method"] == "full", "{v}");
+    assert!(a["why"].as_str().unwrap().contains("within the floor 0.01"), "{a}");
+    // Bad values name the flag; a method without a score mass says which have one.
+    for (extra, says) in [
+        (&["--coverage", "1.5"][..], "--coverage"),
+        (&["--coverage", "0.9", "--ratio", "0.2"][..], "--coverage"),
+        (&["--coverage", "0.9", "--min-ratio", "0.6", "--max-ratio", "0.3"][..], "--min-ratio"),
+        (&["--method", "epic", "--coverage", "0.9"][..], "prophet"),
+        (&["--min-ratio", "0.1"][..], "--coverage"),
+    ] {
+        let (ok, _, err) = with(extra);
+        assert!(!ok && err.contains(says), "{extra:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

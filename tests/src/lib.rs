@@ -74,6 +74,11 @@ October, the carpenter repaired the roof of the bakery and the weaver carried he
 pub fn gate_request() -> flowprefill_coordinator::Request {
     let mut docs = small_docs();
     docs.push("The ferry leaves the harbour at dawn.".into());
+    gate_question(docs)
+}
+
+/// The north gate's question over `docs`.
+pub fn gate_question(docs: Vec<String>) -> flowprefill_coordinator::Request {
     flowprefill_coordinator::Request {
         context: flowprefill_coordinator::Context::Documents(docs),
         query: "What is the access code for the north gate?".into(),

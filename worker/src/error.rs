@@ -62,6 +62,12 @@ pub enum Field {
     CacheSlack,
     /// The quality gate's KL bound.
     QualityFloor,
+    /// A budget by attention coverage (share of the score mass).
+    Coverage,
+    /// A coverage budget's least ratio.
+    MinRatio,
+    /// A coverage budget's largest ratio.
+    MaxRatio,
 }
 
 impl Field {
@@ -94,6 +100,9 @@ impl Field {
             Field::Model => "--model".into(),
             Field::CacheSlack => "--cache-slack".into(),
             Field::QualityFloor => "--quality-floor".into(),
+            Field::Coverage => "--coverage".into(),
+            Field::MinRatio => "--min-ratio".into(),
+            Field::MaxRatio => "--max-ratio".into(),
         }
     }
 
@@ -126,6 +135,9 @@ impl Field {
             Field::Model => "model".into(),
             Field::CacheSlack => "cache_slack".into(),
             Field::QualityFloor => "quality_floor".into(),
+            Field::Coverage => "coverage".into(),
+            Field::MinRatio => "min_ratio".into(),
+            Field::MaxRatio => "max_ratio".into(),
         }
     }
 }

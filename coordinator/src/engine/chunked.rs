@@ -4,12 +4,12 @@
 //! what they decide from token counts alone is the job's [`crate::pipeline::Pipeline`].
 
 use super::caches::Caches;
-use super::{Engine, Turn};
+use super::{CoverageCut, Engine, Turn};
 use crate::error::{internal, Result};
 use crate::layout::Layout;
 use crate::pipeline::{Selection as Plan, Step};
 use crate::reorder::reorder;
-use crate::select::{layout_index, segment_id, selector_for, ScoreCtx, Selector};
+use crate::select::{chunk_mass, coverage_count, layout_index, segment_id, selector_for, ScoreCtx, Selector};
 use crate::timings::phase;
 use flowprefill_comm::{all_gather_value, broadcast_value, Communicator};
 use flowprefill_kernels::topk::rank_order;
@@ -195,9 +195,17 @@ impl<B: Backend> Engine<B> {
         turn: &mut Turn<'_>,
     ) -> Result<Vec<u32>> {
         let n = layout.n_context();
+        // A coverage budget whose bounds decide alone (nothing, or the whole context).
+        let whole = |k: usize, covered: f64| turn.plan.coverage.map(|(share, _)| CoverageCut { share, k, covered });
         match turn.plan.selection {
-            Plan::Nothing => return Ok(Vec::new()),
-            Plan::Everything => return Ok((0..n as u32).collect()),
+            Plan::Nothing => {
+                turn.out.coverage = whole(0, 0.0);
+                return Ok(Vec::new());
+            }
+            Plan::Everything => {
+                turn.out.coverage = whole(n, 1.0);
+                return Ok((0..n as u32).collect());
+            }
             Plan::Scored => {}
         }
         let (opts, rank) = (turn.opts, comm.rank());
@@ -223,8 +231,11 @@ impl<B: Backend> Engine<B> {
         if opts.keep_scores {
             turn.out.scores = gather_scores(comm, layout, &held.ids, &scores)?;
         }
-        let k = turn.plan.budget;
-        turn.phases.time(phase::SELECTION, || top_k(comm, layout, order, &*selector, &scores, &starts, k))
+        let budget = Budget { most: turn.plan.budget, coverage: turn.plan.coverage };
+        let (selected, cut) =
+            turn.phases.time(phase::SELECTION, || top_k(comm, layout, order, &*selector, &scores, &starts, budget))?;
+        turn.out.coverage = cut;
+        Ok(selected)
     }
 
     /// Where the selection lies: per chunk rows (for the result) and this rank's targets.
@@ -301,8 +312,17 @@ fn gather_scores(
     Ok(Some(by_chunk))
 }
 
-/// The global top `k`: each rank's best `k` candidates gathered, rank 0 cuts and lets the
-/// policy refine, then broadcasts the global indices.
+/// How many tokens the selection keeps: the best `most`, or with a budget by coverage
+/// `(share, least)` the fewest of them reaching the share of the score mass.
+#[derive(Clone, Copy)]
+struct Budget {
+    most: usize,
+    coverage: Option<(f64, usize)>,
+}
+
+/// The global top `k`: each rank's best `k` candidates gathered (and, with a budget by
+/// coverage, each chunk's score mass), rank 0 cuts and lets the policy refine, then broadcasts
+/// the global indices. Rank 0 also returns what a coverage budget chose.
 fn top_k<B: Backend>(
     comm: &mut dyn Communicator,
     layout: &Layout,
@@ -310,8 +330,18 @@ fn top_k<B: Backend>(
     selector: &dyn Selector<B>,
     scores: &[Vec<f32>],
     starts: &[usize],
-    k: usize,
-) -> Result<Vec<u32>> {
+    budget: Budget,
+) -> Result<(Vec<u32>, Option<CoverageCut>)> {
+    let k = budget.most;
+    // Every chunk's mass keyed by its global start, summed in layout order on rank 0: the same
+    // total whichever rank held which chunk.
+    let masses = match budget.coverage {
+        Some(_) => {
+            let mine: Vec<(u32, f64)> = scores.iter().zip(starts).map(|(s, &g)| (g as u32, chunk_mass(s))).collect();
+            all_gather_value(comm, "select.mass", &mine)?
+        }
+        None => Vec::new(),
+    };
     // Local candidates: this rank's best k (score, global index).
     let mut cand: Vec<(f32, u32)> = scores
         .iter()
@@ -325,6 +355,15 @@ fn top_k<B: Backend>(
         let mut merged: Vec<(f32, u32)> = all.into_iter().flatten().collect();
         merged.sort_by(|a, b| rank_order((a.0, a.1 as usize), (b.0, b.1 as usize)));
         merged.truncate(k);
+        let coverage = budget.coverage.map(|(share, least)| {
+            let mut masses: Vec<(u32, f64)> = masses.into_iter().flatten().collect();
+            masses.sort_by_key(|&(g, _)| g);
+            let total: f64 = masses.iter().map(|&(_, m)| m).sum();
+            let best: Vec<f32> = merged.iter().map(|&(s, _)| s).collect();
+            let (k, covered) = coverage_count(&best, total, share, least);
+            merged.truncate(k);
+            CoverageCut { share, k, covered }
+        });
         let mut flags: Vec<Vec<bool>> = order.iter().map(|&c| vec![false; layout.chunks[c].len()]).collect();
         let bounds = chunk_bounds(layout, order);
         for (_, g) in merged {
@@ -336,9 +375,10 @@ fn top_k<B: Backend>(
         for (i, f) in flags.iter().enumerate() {
             sel.extend(f.iter().enumerate().filter(|(_, &on)| on).map(|(row, _)| (bounds[i] + row) as u32));
         }
-        sel
+        (sel, coverage)
     });
-    Ok(broadcast_value(comm, "select.broadcast", 0, cut.as_ref())?)
+    let selected = broadcast_value(comm, "select.broadcast", 0, cut.as_ref().map(|c| &c.0))?;
+    Ok((selected, cut.and_then(|c| c.1)))
 }
 
 /// Start (global context index) of each layout position's chunk, plus the total at the end.

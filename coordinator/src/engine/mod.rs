@@ -43,6 +43,7 @@
 //! sharded segments and the token loop), `evict` (KV eviction between them).
 
 mod admission;
+mod auto;
 mod caches;
 mod chunked;
 mod decode;
@@ -54,6 +55,7 @@ pub use evict::Eviction;
 pub use ingest::Ingested;
 pub use verify::{exact_job, Quality};
 
+use crate::auto::Chooser;
 use crate::error::{internal, CoordError, Result};
 use crate::fault::FaultPlan;
 use crate::layout::Layout;
@@ -165,8 +167,10 @@ pub struct RunResult {
     pub scores: Option<Vec<Vec<f32>>>,
     /// Selected rows per chunk (request order).
     pub selected_rows: Vec<Vec<usize>>,
-    /// Token budget `round(ratio * N)`.
+    /// Token budget `round(ratio * N)`; with a budget by coverage, the tokens its cut kept.
     pub budget: usize,
+    /// What a budget by coverage (`--coverage`) chose.
+    pub coverage: Option<CoverageCut>,
     /// Chunk-store lookups that hit during this request (all ranks).
     pub cache_hits: u64,
     /// Chunk-store lookups that missed (chunks prefilled, all ranks).
@@ -183,9 +187,22 @@ pub struct RunResult {
     pub eviction: Option<Eviction>,
     /// How the answer compares with the exact one (`--verify`).
     pub quality: Option<Quality>,
+    /// What `--method auto` chose, and why.
+    pub auto: Option<crate::auto::Choice>,
     /// Why a verified answer has no `quality`: the exact computation failed (the answer as
     /// computed is kept).
     pub verify_error: Option<String>,
+}
+
+/// What a budget by coverage chose for one request.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct CoverageCut {
+    /// The share of the score mass asked for.
+    pub share: f64,
+    /// Tokens the cut kept (before a policy's refinement, CacheClip's windows).
+    pub k: usize,
+    /// The share of the context's score mass they cover.
+    pub covered: f64,
 }
 
 impl RunResult {
@@ -211,6 +228,8 @@ pub struct Engine<B: Backend> {
     memory_peers: usize,
     /// At most this many bytes per job on this rank's device (`--memory-limit`).
     memory_limit: Option<usize>,
+    /// What resolves `--method auto` (rank 0).
+    chooser: Option<Arc<dyn Chooser>>,
 }
 
 /// How the caller of [`Engine::lead_with`] steers the job: its client's cancellation flag,
@@ -266,6 +285,8 @@ struct Outcome {
     selected_rows: Vec<Vec<usize>>,
     /// What eviction kept.
     eviction: Option<Eviction>,
+    /// What a budget by coverage chose (rank 0).
+    coverage: Option<CoverageCut>,
 }
 
 /// One job's state on this rank, threaded through the phases.
@@ -295,7 +316,14 @@ impl<B: Backend> Engine<B> {
             faults: FaultPlan::from_env(),
             memory_peers: 1,
             memory_limit: None,
+            chooser: None,
         }
+    }
+
+    /// Resolves `--method auto` with `chooser` (and tells it what verified answers show).
+    pub fn with_chooser(mut self, chooser: Option<Arc<dyn Chooser>>) -> Self {
+        self.chooser = chooser;
+        self
     }
 
     /// Puts the disk tier `tier` under this engine's chunk store (`None`: RAM only). A folder
@@ -413,7 +441,10 @@ impl<B: Backend> Engine<B> {
             // The exact twin, a job of its own for every rank; its answer is not streamed.
             let exact = verify::exact_job(job, comm.size());
             match self.lead_one(comm, &exact, Control { cancel, deadline, on_admitted: None }, &mut |_| true) {
-                Ok(e) => verify::judge(&mut r, e, &job.options),
+                Ok(e) => {
+                    verify::judge(&mut r, e, &job.options);
+                    self.learn(&r);
+                }
                 // A broken world ends everything; any other failure of the twin (its memory,
                 // its deadline) leaves the answer as computed, saying why it is not verified.
                 Err(e) if e.breaks_world() => return Err(e),
@@ -521,11 +552,18 @@ impl<B: Backend> Engine<B> {
     /// The pipeline of one job on this rank (see the module docs); `Some` on rank 0.
     fn run_job(&self, comm: &mut dyn Communicator, job: &Job, steer: Steer<'_, '_>) -> Result<Option<RunResult>> {
         let Steer { watch, t0, on_admitted, on_text } = steer;
-        let opts = &job.options;
         let (layout, held) = self.agree(comm, job)?;
         // A job already cancelled or late stops before any work (and before a service starts
         // streaming its answer).
         watch.check("admission")?;
+        // `auto`: rank 0 chooses the method from what every rank holds; every rank runs it.
+        let resolved = self.resolve_auto(comm, job, &layout, &held)?;
+        let (job, choice) = match resolved {
+            Some((j, c)) => (std::borrow::Cow::Owned(j), Some(c)),
+            None => (std::borrow::Cow::Borrowed(job), None),
+        };
+        let job = &*job;
+        let opts = &job.options;
         if let Some(mut f) = on_admitted {
             f();
         }
@@ -580,7 +618,9 @@ impl<B: Backend> Engine<B> {
         let Some(decoded) = decoded.filter(|_| lead) else {
             return if lead { Err(internal("rank 0 did not decode")) } else { Ok(None) };
         };
-        Ok(Some(self.result(job, &layout, plan, phases, out, all, decoded, t0)?))
+        let mut r = self.result(job, &layout, plan, phases, out, all, decoded, t0)?;
+        r.auto = choice;
+        Ok(Some(r))
     }
 
     /// Every rank's statistics (phases, communication, op profile), gathered once the answer
@@ -629,7 +669,8 @@ impl<B: Backend> Engine<B> {
             importance: out.importance,
             scores: out.scores,
             selected_rows: out.selected_rows,
-            budget: plan.budget,
+            budget: out.coverage.map_or(plan.budget, |c| c.k),
+            coverage: out.coverage,
             cache_hits: rank_stats.iter().map(|r| r.cache_hits).sum(),
             cache_misses: rank_stats.iter().map(|r| r.cache_misses).sum(),
             cache_disk_hits: rank_stats.iter().map(|r| r.cache_disk_hits).sum(),
@@ -638,6 +679,7 @@ impl<B: Backend> Engine<B> {
             kv_bytes: self.lm.model.backend().kv_dtype().size(),
             eviction: out.eviction,
             quality: None,
+            auto: None,
             verify_error: None,
         })
     }

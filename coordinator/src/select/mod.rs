@@ -5,6 +5,12 @@
 //! and a policy may then adjust the set ([`Selector::refine`], CacheClip's windows). Template
 //! tokens (the head, the prompt) are never candidates: they are not in any chunk.
 //!
+//! A budget by coverage (`--coverage C`, [`crate::request::Coverage`]) cuts the same ranking
+//! elsewhere: after the fewest best tokens whose scores add up to share C of the whole
+//! context's score mass ([`coverage_count`]), within its ratio bounds. The mass is summed per
+//! chunk and then over the chunks in layout order, so the cut is the same on any number of
+//! ranks.
+//!
 //! | policy | signal | source |
 //! | --- | --- | --- |
 //! | [`infoflow`] | prompt-to-context attention mass at the scoring layers (GLOBAL) | 003 eq. 7-8 |
@@ -286,7 +292,7 @@ pub fn selector_for<B: Backend>(method: Method) -> Option<Box<dyn Selector<B>>> 
         Method::Cacheclip => Box::new(cacheclip::CacheClip::default()),
         Method::Random => Box::new(random::Random),
         Method::Lookahead => Box::new(lookahead::Lookahead),
-        Method::Full | Method::None | Method::Star | Method::Ring | Method::Kvpacket => return None,
+        Method::Full | Method::None | Method::Star | Method::Ring | Method::Kvpacket | Method::Auto => return None,
     })
 }
 
@@ -330,6 +336,44 @@ pub fn top_k_flags(scores: &[Vec<f32>], k: usize) -> Vec<Vec<bool>> {
         flags[c][i - starts[c]] = true;
     }
     flags
+}
+
+/// What a score adds to a coverage budget's mass: a finite positive score itself, anything
+/// else nothing.
+pub fn mass(score: f32) -> f64 {
+    if score.is_finite() && score > 0.0 {
+        f64::from(score)
+    } else {
+        0.0
+    }
+}
+
+/// The mass of one chunk's scores (summed in row order).
+pub fn chunk_mass(scores: &[f32]) -> f64 {
+    scores.iter().map(|&s| mass(s)).sum()
+}
+
+/// How many of `best_first` (scores, highest first) a budget by coverage keeps, and the share
+/// of `total` they cover: the fewest whose mass reaches `share` of `total`, at least `least`
+/// (and at most all of them). A share of 1 keeps them all (rounding must not stop it one
+/// short); a total of 0 has nothing to cover.
+pub fn coverage_count(best_first: &[f32], total: f64, share: f64, least: usize) -> (usize, f64) {
+    let most = best_first.len();
+    let covered =
+        |k: usize| if total > 0.0 { best_first[..k].iter().map(|&s| mass(s)).sum::<f64>() / total } else { 1.0 };
+    let k = if share >= 1.0 {
+        most
+    } else {
+        let goal = share * total;
+        let mut acc = 0.0;
+        let mut k = 0;
+        while k < most && acc < goal {
+            acc += mass(best_first[k]);
+            k += 1;
+        }
+        k.max(least).min(most)
+    };
+    (k, covered(k).min(1.0))
 }
 
 /// Rows selected per chunk (layout order) from flags.
@@ -376,6 +420,27 @@ mod tests {
         // The neighbours of a peak now outrank a lone smaller score elsewhere.
         let p = pool_mean(&[0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 2.0, 0.0], 3);
         assert!(p[1] > p[6] && p[3] > p[6]);
+    }
+
+    #[test]
+    fn coverage_keeps_the_fewest_tokens_reaching_the_share_within_its_bounds() {
+        let best = [0.5f32, 0.2, 0.1, 0.1, 0.05, 0.05, 0.0];
+        let total = 1.0;
+        assert_eq!(coverage_count(&best, total, 0.5, 0).0, 1);
+        assert_eq!(coverage_count(&best, total, 0.6, 0).0, 2);
+        // 0.5 + 0.2 + 0.1 = 0.8 reaches 0.8 at three (not before).
+        let (k, c) = coverage_count(&best, total, 0.8, 0);
+        assert!(k == 3 && (c - 0.8).abs() < 1e-6, "{k} {c}");
+        // The floor, the share 1 (every candidate, zero scores too) and candidates cut short.
+        assert_eq!(coverage_count(&best, total, 0.5, 4).0, 4);
+        assert_eq!(coverage_count(&best, total, 1.0, 0).0, 7);
+        let (k, c) = coverage_count(&best[..2], total, 0.9, 0);
+        assert!(k == 2 && (c - 0.7).abs() < 1e-6, "short of the share, every candidate: {k} {c}");
+        // Nothing to cover; NaN and negative scores add nothing.
+        assert_eq!(coverage_count(&[0.0, 0.0], 0.0, 0.9, 0), (0, 1.0));
+        assert_eq!(coverage_count(&[0.0, 0.0], 0.0, 0.9, 1).0, 1);
+        assert_eq!(mass(f32::NAN) + mass(-1.0) + mass(f32::INFINITY), 0.0);
+        assert_eq!(chunk_mass(&[0.25, -3.0, 0.5]), 0.75);
     }
 
     #[test]

@@ -173,6 +173,9 @@ pub struct Request {
     /// (which tokens a real query selects is data-dependent; the spread decides how many keys
     /// each recomputed row sees under causality).
     pub selected: Option<Vec<usize>>,
+    /// Chunks whose caches the chunk store already holds (request order; empty: none): they
+    /// cost no chunk prefill (`--method auto` counts the store's hits this way).
+    pub cached: Vec<bool>,
 }
 
 impl Request {
@@ -183,7 +186,7 @@ impl Request {
         if context % per > 0 {
             chunks.push(context % per);
         }
-        Self { head, chunks, prompt, selected: None }
+        Self { head, chunks, prompt, selected: None, cached: Vec::new() }
     }
 
     /// The request of a finished run, with the run's own selection.
@@ -200,6 +203,7 @@ impl Request {
             chunks: r.chunk_tokens.clone(),
             prompt: r.n_prompt_tokens,
             selected: Some(selected),
+            cached: Vec::new(),
         }
     }
 
@@ -478,7 +482,13 @@ impl<'a> Job<'a> {
         let mut cp = PhaseWork::new(Step::ChunkPrefill.phase());
         cp.forwards.push(Forward { rows: req.head, layers: l, logit_rows: 0 });
         cp.attn.push(Attn { queries: req.head, keys: req.head, pairs: range_pairs(0..h, 0..h), layers: l, step: None });
+        let cached = |c: usize| req.cached.get(c).copied().unwrap_or(false);
         for batch in self.pipe.chunk_batches(r, &req.chunks) {
+            // A held chunk is read, not prefilled (the rest of its batch still runs as one).
+            let batch: Vec<usize> = batch.into_iter().filter(|&c| !cached(c)).collect();
+            if batch.is_empty() {
+                continue;
+            }
             let rows = batch.iter().map(|&c| req.chunks[c]).sum();
             cp.forwards.push(Forward { rows, layers: l, logit_rows: 0 });
             for &c in &batch {
@@ -667,7 +677,7 @@ mod tests {
     #[test]
     fn full_and_ring_count_every_causal_pair_once() {
         let s = tiny();
-        let req = Request { head: 5, chunks: vec![7, 300, 12, 40], prompt: 9, selected: None };
+        let req = Request { head: 5, chunks: vec![7, 300, 12, 40], prompt: 9, selected: None, cached: Vec::new() };
         let t = 5 + 359 + 9;
         let full = plan(&s, &opts(Method::Full), 1, &req, 4).expect("plans");
         let c = full.rank_counts(0, &s, 2.0, 2.0);
@@ -713,6 +723,7 @@ mod tests {
                     chunks: chunks.clone(),
                     prompt: m as usize,
                     selected: Some(selected.clone()),
+                    cached: Vec::new(),
                 };
                 let o = RunOptions {
                     ratio: selected.len() as f64 / n as f64,

@@ -35,7 +35,7 @@ pub const TABLE: [MethodSpec; 12] = [
 ];
 
 const fn spec(method: Method, reorder: bool) -> MethodSpec {
-    MethodSpec { method, reorder, ratio: None }
+    MethodSpec { method, reorder, ratio: None, coverage: None }
 }
 
 /// The rows `--methods` asks for (default: [`TABLE`]), in the table's order, full first. A

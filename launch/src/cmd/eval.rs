@@ -130,8 +130,9 @@ impl Setting {
 
 impl Plan {
     /// The ratios a method runs at (one run without a ratio for the methods that select nothing).
-    fn ratios_of(&self, method: &Method) -> Vec<Option<f64>> {
-        if method.selects() {
+    fn ratios_of(&self, spec: &MethodSpec) -> Vec<Option<f64>> {
+        // A budget by coverage (`infoflow~0.9`) takes the place of the ratios.
+        if spec.method.selects() && spec.coverage.is_none() {
             self.ratios.iter().map(|&r| Some(r)).collect()
         } else {
             vec![None]
@@ -145,7 +146,7 @@ impl Plan {
             for &len in &self.lengths {
                 for sample in 0..samples {
                     for spec in &self.methods {
-                        plan.extend(self.ratios_of(&spec.method).into_iter().map(|r| key(task, len, sample, spec, r)));
+                        plan.extend(self.ratios_of(spec).into_iter().map(|r| key(task, len, sample, spec, r)));
                     }
                 }
             }
@@ -327,7 +328,7 @@ fn compute(common: &Common, a: &Args, plan: &Plan, pending: usize, runs: &mut [R
                 let needles = case.needle_rows(tok);
                 let mut primed = false;
                 for spec in &plan.methods {
-                    for ratio in plan.ratios_of(&spec.method) {
+                    for ratio in plan.ratios_of(spec) {
                         let k = key(task, len, sample, spec, ratio);
                         for (s, runs) in plan.settings.iter().zip(runs.iter_mut()) {
                             if runs.have.contains(&k) {

@@ -211,11 +211,52 @@ pub fn thread_world(
     } else {
         gpu_world(common, lm, ranks, timeout)?
     };
+    let world = world.with_chooser(chooser(common, false))?;
     // Every rank's store over the one disk tier (they share its folder).
     Ok(match common.disk_tier()? {
         Some(t) => world.with_disk(Some(t))?,
         None => world,
     })
+}
+
+/// The profile a calibration on this machine writes for `--method auto` to predict with
+/// (`flowprefill bench calibrate --out $FLOWPREFILL_HOME/calibration.json`).
+pub fn calibration_file() -> Option<std::path::PathBuf> {
+    flowprefill_worker::fetch::home().ok().map(|h| h.join("calibration.json"))
+}
+
+/// The quality history `--method auto` learns from: `FLOWPREFILL_HISTORY` (a file, or `off`),
+/// else `$FLOWPREFILL_HOME/quality/history.jsonl`.
+pub fn history_file() -> Option<std::path::PathBuf> {
+    match std::env::var("FLOWPREFILL_HISTORY") {
+        Ok(v) if v == "off" => None,
+        Ok(v) if !v.is_empty() => Some(v.into()),
+        _ => flowprefill_worker::fetch::home().ok().map(|h| h.join("quality").join("history.jsonl")),
+    }
+}
+
+/// What resolves `--method auto` for `common`'s device: the projection on `cpu-local` (the
+/// calibration file's where there is one) or `h100-sxm` for a GPU, ranks joined by MPI or
+/// thread channels on a CPU, NVLink between GPUs; learning from [`history_file`]. `None`, with
+/// a warning, when the profiles cannot be read (auto is then refused with that reason).
+pub fn chooser(common: &Common, mpi: bool) -> Option<std::sync::Arc<dyn flowprefill_coordinator::auto::Chooser>> {
+    let cpu = common.device == DeviceSpec::Cpu;
+    let files: Vec<std::path::PathBuf> = calibration_file().into_iter().filter(|f| f.exists()).collect();
+    let device = if cpu { "cpu-local" } else { "h100-sxm" };
+    let link = match (cpu, mpi) {
+        (true, true) => "cpu-mpi",
+        (true, false) => "cpu-threads",
+        (false, _) => "nvlink4",
+    };
+    let made = project::load_profiles(&files)
+        .and_then(|p| Ok(flowprefill_lab::auto::ProjectedChooser::new(p, device, link, history_file())?));
+    match made {
+        Ok(c) => Some(std::sync::Arc::new(c)),
+        Err(e) => {
+            tracing::warn!("--method auto is unavailable: {e:#}");
+            None
+        }
+    }
 }
 
 /// This process as one rank of an `mpirun` world (an engine on `lm`, the communicator's
@@ -237,7 +278,8 @@ pub fn mpi_world(
         }
         let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
             .with_memory_limit(common.memory_limit)
-            .with_disk(common.disk_tier()?.as_ref());
+            .with_disk(common.disk_tier()?.as_ref())
+            .with_chooser(chooser(common, true));
         return Ok(Some(flowprefill_coordinator::World::Mpi { comm: Box::new(comm), engine }));
     }
     let _ = (common, lm, timeout, attach);

@@ -5,7 +5,7 @@ use anyhow::{Context as _, Result};
 use flowprefill_coordinator::engine::RunResult;
 use flowprefill_coordinator::layout::Layout;
 use flowprefill_coordinator::{
-    explain, memory, Context, Engine, Job, Method, MethodSpec, OnBreach, Request, RunOptions, Scope, World,
+    explain, memory, Context, Coverage, Engine, Job, Method, MethodSpec, OnBreach, Request, RunOptions, Scope, World,
 };
 use flowprefill_kernels::{gib, Device};
 use flowprefill_worker::sampling::SamplingConfig;
@@ -59,14 +59,28 @@ pub struct Args {
 #[derive(clap::Args, Debug, Clone)]
 pub struct MethodArgs {
     /// The method, written as everywhere else (`bench`, `eval`, the HTTP API):
-    /// `NAME[+reorder][@RATIO]`, e.g. `infoflow`, `infoflow+reorder`, `infoflow@0.3` (an
-    /// unknown name is answered with the list of methods).
+    /// `NAME[+reorder][@RATIO|~COVERAGE]`, e.g. `infoflow`, `infoflow+reorder`, `infoflow@0.3`,
+    /// `infoflow~0.9` (an unknown name is answered with the list of methods); `auto` picks,
+    /// per request, the fastest of full, ring, none and infoflow (at --ratio or --coverage)
+    /// whose expected KL meets --quality-floor (default 0.15), printing why.
     #[arg(long, default_value = "infoflow")]
     pub method: MethodSpec,
     /// Fraction of context tokens to recompute, in [0, 1] (default 0.15); the same as
     /// `--method NAME@RATIO` (giving both, they must agree).
     #[arg(long)]
     pub ratio: Option<f64>,
+    /// A budget by attention coverage instead of the ratio: recompute the fewest tokens whose
+    /// selection scores reach this share of the context's score mass, in (0, 1] (e.g. 0.9);
+    /// the same as `--method NAME~SHARE`. For infoflow, prophet, cacheblend, cacheclip and
+    /// lookahead. The chosen number is reported (`budget`, `coverage` in --json).
+    #[arg(long)]
+    pub coverage: Option<f64>,
+    /// The coverage budget's least ratio of the context.
+    #[arg(long, requires = "coverage", default_value_t = 0.0)]
+    pub min_ratio: f64,
+    /// The coverage budget's largest ratio of the context.
+    #[arg(long, requires = "coverage", default_value_t = 1.0)]
+    pub max_ratio: f64,
     /// Two-stage chunk reordering (documents only); the same as `--method NAME+reorder`.
     #[arg(long)]
     pub reorder: bool,
@@ -102,8 +116,9 @@ pub struct MethodArgs {
     #[arg(long)]
     pub verify: bool,
     /// The quality gate (with --verify): a KL bound in nats on the first token's distribution;
-    /// an answer above it breached the floor.
-    #[arg(long, requires = "verify")]
+    /// an answer above it breached the floor. With `--method auto`, also the floor the chosen
+    /// method's expected KL meets (default 0.15).
+    #[arg(long)]
     pub quality_floor: Option<f64>,
     /// What a breach does: fallback (answer from the exact computation) or flag (keep the
     /// answer, mark it).
@@ -115,8 +130,15 @@ impl MethodArgs {
     /// Options for the coordinator.
     pub fn options(&self) -> Result<RunOptions> {
         let scoring = self.scoring.parse()?;
-        let base =
-            MethodSpec::merge(Some(self.method), self.ratio, self.reorder.then_some(true), RunOptions::default())?;
+        let coverage =
+            self.coverage.map(|share| Coverage { share, min_ratio: self.min_ratio, max_ratio: self.max_ratio });
+        let base = MethodSpec::merge(
+            Some(self.method),
+            self.ratio,
+            coverage,
+            self.reorder.then_some(true),
+            RunOptions::default(),
+        )?;
         Ok(scoring.apply(RunOptions {
             max_new_tokens: self.max_tokens,
             sampling: SamplingConfig::default(),
@@ -359,10 +381,13 @@ pub fn print_stats(r: &RunResult) {
 /// Human-readable summary of a run.
 pub fn print_summary(r: &RunResult) {
     println!(
-        "method {}{}  ratio {:.2}  ranks {}  context {} tokens in {} chunks  selected {} (budget {})  TTFT {:.1} ms",
+        "method {}{}  {}  ranks {}  context {} tokens in {} chunks  selected {} (budget {})  TTFT {:.1} ms",
         r.method,
         if r.opts.reorder { "+reorder" } else { "" },
-        r.ratio,
+        match &r.coverage {
+            Some(c) => format!("coverage {}", c.share),
+            None => format!("ratio {:.2}", r.ratio),
+        },
         r.ranks,
         r.n_context_tokens,
         r.chunk_tokens.len(),
@@ -373,6 +398,31 @@ pub fn print_summary(r: &RunResult) {
     let phases: Vec<String> =
         r.phases.entries().iter().map(|(n, d)| format!("{n} {:.1} ms", d.as_secs_f64() * 1e3)).collect();
     println!("phases: {}", phases.join(" | "));
+    if let Some(a) = &r.auto {
+        println!("auto chose {}", a.why);
+        for (i, c) in a.candidates.iter().enumerate() {
+            println!(
+                "  {} {:<16} predicted TTFT {:>9.1} ms  expected KL {:.3} ({}){}",
+                if i == a.winner { "*" } else { " " },
+                c.label,
+                c.ttft_ms,
+                c.expected_kl,
+                c.quality_from,
+                if c.meets { "" } else { "  above the floor" }
+            );
+        }
+    }
+    if let (Some(c), Some(asked)) = (&r.coverage, &r.opts.coverage) {
+        println!(
+            "coverage {}: kept {} tokens ({:.1}% of the context) covering {:.1}% of the score mass (bounds {}-{} of the context)",
+            c.share,
+            c.k,
+            100.0 * c.k as f64 / r.n_context_tokens.max(1) as f64,
+            100.0 * c.covered,
+            asked.min_ratio,
+            asked.max_ratio
+        );
+    }
     println!("selected per chunk: {:?}", r.selected_counts());
     if r.order.iter().enumerate().any(|(i, &c)| i != c) {
         println!("chunk order (nearest the prompt last): {:?}", r.order);
@@ -442,6 +492,8 @@ pub fn to_json(r: &RunResult) -> serde_json::Value {
         "selected": r.selected_counts(),
         "n_selected": r.n_selected(),
         "budget": r.budget,
+        "coverage": r.coverage,
+        "auto": r.auto,
         "method": r.method.name(),
         "reorder": r.opts.reorder,
         "geometry": r.opts.geometry.name(),

@@ -16,8 +16,11 @@
 //! `stop`, `tools`, `logprobs`, penalties) instead of being ignored. Every error names the
 //! field to fix, by its JSON name.
 
-use flowprefill_coordinator::{Context, CoordError, Geometry, Job, MethodSpec, PrefixMode, Request, RunOptions, Scope};
+use flowprefill_coordinator::{
+    Context, CoordError, Coverage, Geometry, Job, MethodSpec, PrefixMode, Request, RunOptions, Scope,
+};
 use flowprefill_worker::sampling::SamplingConfig;
+use flowprefill_worker::{Field, InputError};
 use serde::Deserialize;
 
 /// The separator between documents and the question in a chat message.
@@ -113,6 +116,15 @@ pub struct JobRequest {
     /// Recompute ratio (default 0.15).
     #[serde(default)]
     pub ratio: Option<f64>,
+    /// A budget by attention coverage instead of the ratio (share of the score mass, (0, 1]).
+    #[serde(default)]
+    pub coverage: Option<f64>,
+    /// The coverage budget's least ratio (default 0).
+    #[serde(default)]
+    pub min_ratio: Option<f64>,
+    /// The coverage budget's largest ratio (default 1).
+    #[serde(default)]
+    pub max_ratio: Option<f64>,
     /// Reorder chunks.
     #[serde(default)]
     pub reorder: Option<bool>,
@@ -176,12 +188,22 @@ pub struct JobRequest {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MethodFields {
-    /// Method (`NAME[+reorder][@RATIO]`).
+    /// Method (`NAME[+reorder][@RATIO|~COVERAGE]`).
     #[serde(default)]
     pub method: Option<MethodSpec>,
     /// Ratio.
     #[serde(default)]
     pub ratio: Option<f64>,
+    /// A budget by attention coverage instead of the ratio: the share of the score mass the
+    /// recomputed tokens reach, in (0, 1].
+    #[serde(default)]
+    pub coverage: Option<f64>,
+    /// The coverage budget's least ratio (default 0).
+    #[serde(default)]
+    pub min_ratio: Option<f64>,
+    /// The coverage budget's largest ratio (default 1).
+    #[serde(default)]
+    pub max_ratio: Option<f64>,
     /// Reorder.
     #[serde(default)]
     pub reorder: Option<bool>,
@@ -204,7 +226,8 @@ fn options(
     top_p: Option<f32>,
     seed: Option<u64>,
 ) -> Result<RunOptions, ApiError> {
-    let mut o = MethodSpec::merge(m.method, m.ratio, m.reorder, RunOptions::default())
+    let coverage = coverage_fields(m).map_err(|e| ApiError::bad_request(e.api_message()))?;
+    let mut o = MethodSpec::merge(m.method, m.ratio, coverage, m.reorder, RunOptions::default())
         .map_err(|e| ApiError::bad_request(e.api_message()))?;
     o.scope = m.scope.unwrap_or(o.scope);
     o.geometry = m.geometry.unwrap_or(o.geometry);
@@ -228,6 +251,23 @@ fn options(
     }
     o.seed = seed.unwrap_or(0);
     Ok(o)
+}
+
+/// The coverage budget of the fields; bounds without a coverage say what is missing.
+fn coverage_fields(m: &MethodFields) -> Result<Option<Coverage>, InputError> {
+    let Some(share) = m.coverage else {
+        if m.min_ratio.is_some() || m.max_ratio.is_some() {
+            let field = if m.min_ratio.is_some() { Field::MinRatio } else { Field::MaxRatio };
+            return Err(InputError::new(field, "bounds a budget by coverage; add `coverage` (e.g. 0.9) or drop it"));
+        }
+        return Ok(None);
+    };
+    let d = Coverage::new(share);
+    Ok(Some(Coverage {
+        min_ratio: m.min_ratio.unwrap_or(d.min_ratio),
+        max_ratio: m.max_ratio.unwrap_or(d.max_ratio),
+        ..d
+    }))
 }
 
 /// Parses a JSON object with the path of the offending field in the error. Anything but an
@@ -275,6 +315,9 @@ impl JobRequest {
         let m = MethodFields {
             method: self.method,
             ratio: self.ratio,
+            coverage: self.coverage,
+            min_ratio: self.min_ratio,
+            max_ratio: self.max_ratio,
             reorder: self.reorder,
             scope: self.scope,
             geometry: self.geometry,
@@ -529,6 +572,30 @@ mod tests {
         let (d, q) = split_documents("just a question");
         assert!(d.is_empty());
         assert_eq!(q, "just a question");
+    }
+
+    #[test]
+    fn a_coverage_budget_comes_with_its_bounds_and_never_beside_a_ratio() {
+        let job = |body: &str| parse::<JobRequest>(body.as_bytes()).unwrap().into_job().map(|j| j.0);
+        let o = job(r#"{"documents": ["a"], "query": "q", "coverage": 0.9, "max_ratio": 0.4}"#).unwrap().options;
+        assert_eq!(o.coverage, Some(Coverage { share: 0.9, min_ratio: 0.0, max_ratio: 0.4 }));
+        let o = job(r#"{"documents": ["a"], "query": "q", "method": "prophet~0.8"}"#).unwrap().options;
+        assert_eq!(o.coverage, Some(Coverage::new(0.8)));
+        let o = job(r#"{"documents": ["a"], "query": "q", "method": "auto", "quality_floor": 0.05}"#).unwrap().options;
+        assert!(o.method == flowprefill_coordinator::Method::Auto && o.quality_floor == Some(0.05));
+        for (body, says) in [
+            (r#"{"documents": ["a"], "query": "q", "min_ratio": 0.1}"#, "field `min_ratio`"),
+            (r#"{"documents": ["a"], "query": "q", "coverage": 0.9, "ratio": 0.2}"#, "field `coverage`"),
+            (r#"{"documents": ["a"], "query": "q", "coverage": 1.5}"#, "field `coverage`"),
+            (
+                r#"{"documents": ["a"], "query": "q", "coverage": 0.9, "min_ratio": 0.5, "max_ratio": 0.2}"#,
+                "field `min_ratio`",
+            ),
+            (r#"{"documents": ["a"], "query": "q", "coverage": 0.9, "max_ratio": 2}"#, "field `max_ratio`"),
+        ] {
+            let e = job(body).unwrap_err();
+            assert!(e.message.contains(says), "{body}: {}", e.message);
+        }
     }
 
     #[test]

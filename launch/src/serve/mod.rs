@@ -183,7 +183,7 @@ impl Service {
         faults: Option<Arc<flowprefill_coordinator::fault::FaultPlan>>,
         memory_limit: Option<usize>,
     ) -> Result<(World, WorldFactory)> {
-        Self::thread_world_on(lm, ranks, comm_timeout, faults, memory_limit, None)
+        Self::thread_world_on(lm, ranks, comm_timeout, faults, memory_limit, None, None)
     }
 
     /// [`Service::thread_world`] with the chunk store's disk tier `disk` under every rank's
@@ -195,11 +195,13 @@ impl Service {
         faults: Option<Arc<flowprefill_coordinator::fault::FaultPlan>>,
         memory_limit: Option<usize>,
         disk: Option<flowprefill_coordinator::DiskTier>,
+        chooser: Option<Arc<dyn flowprefill_coordinator::auto::Chooser>>,
     ) -> Result<(World, WorldFactory)> {
         let make = move || -> Result<World> {
             let w = ThreadRanks::new(lm.clone(), ranks, flowprefill_coordinator::DEFAULT_STORE_BYTES, comm_timeout)?
                 .with_faults(faults.clone())?
-                .with_memory_limit(memory_limit)?;
+                .with_memory_limit(memory_limit)?
+                .with_chooser(chooser.clone())?;
             let w = match &disk {
                 Some(t) => w.with_disk(Some(t.clone()))?,
                 None => w,
@@ -389,7 +391,15 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     // Thread ranks (the world a failure rebuilds), every rank's store over the disk tier.
     let threads = |faults| -> Result<(World, Option<WorldFactory>)> {
         let (ranks, disk) = (a.ranks.unwrap_or(1), common.disk_tier()?);
-        let (w, f) = Service::thread_world_on(lm.clone(), ranks, comm_timeout, faults, common.memory_limit, disk)?;
+        let (w, f) = Service::thread_world_on(
+            lm.clone(),
+            ranks,
+            comm_timeout,
+            faults,
+            common.memory_limit,
+            disk,
+            crate::cmd::chooser(common, false),
+        )?;
         Ok((w, Some(f)))
     };
 

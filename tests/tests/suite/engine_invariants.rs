@@ -3,7 +3,7 @@
 //! caches; one chunk == full prefill for every method; reordering one chunk changes nothing;
 //! geometries select different tokens at 0.15; a second query reuses the chunk caches.
 
-use flowprefill_coordinator::{Context, Engine, Geometry, Method, Request, RunOptions};
+use flowprefill_coordinator::{Engine, Geometry, Method, Request, RunOptions};
 use flowprefill_tests::{default_model, engine, rel_diff, small_docs};
 use flowprefill_worker::attend::AppendAttend;
 use flowprefill_worker::kv::{KeyForm, KvCache};
@@ -19,12 +19,7 @@ const SELECTORS: [Method; 6] =
     [Method::Infoflow, Method::Prophet, Method::Cacheblend, Method::Epic, Method::Cacheclip, Method::Random];
 
 fn request(docs: Vec<String>) -> Request {
-    Request {
-        context: Context::Documents(docs),
-        query: "What is the access code for the north gate?".into(),
-        system: None,
-        answer_prefix: None,
-    }
+    flowprefill_tests::gate_question(docs)
 }
 
 fn run(e: &Engine<Cpu>, req: &Request, opts: RunOptions) -> flowprefill_coordinator::RunResult {

@@ -4,8 +4,10 @@
 //! while loading. One module alone: `cargo test --release -p flowprefill-tests --test suite
 //! memory_plan::`.
 
+mod auto;
 mod bf16_forward;
 mod cache_aware;
+mod coverage;
 mod device_plane;
 mod engine_invariants;
 mod errors;

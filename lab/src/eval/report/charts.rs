@@ -186,8 +186,10 @@ pub fn plots(
     let mut pareto_chart: Option<PathBuf> = None;
     let mut sorted_lengths = lengths.to_vec();
     sorted_lengths.sort_unstable();
+    // A budget by coverage has no ratio to draw against (budget_charts draws it).
+    let ratio_labels: Vec<MethodSpec> = labels.iter().filter(|l| l.coverage.is_none()).copied().collect();
     for &len in &sorted_lengths {
-        let (ratio, pareto) = length_charts(records, tasks, len, labels, ratios, tr, out)?;
+        let (ratio, pareto) = length_charts(records, tasks, len, &ratio_labels, ratios, tr, out)?;
         retention_chart(records, len, labels, tr, out)?;
         ratio_chart = ratio.or(ratio_chart);
         pareto_chart = pareto.or(pareto_chart);
@@ -197,5 +199,6 @@ pub fn plots(
             std::fs::copy(&f, out.join(name)).map_err(io(format!("copying to {name} from"), &f))?;
         }
     }
+    super::budgets::budget_charts(records, lengths, out)?;
     heatmaps(records, tasks, lengths, labels, depths, tr, out)
 }

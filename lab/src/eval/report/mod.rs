@@ -9,6 +9,7 @@ use flowprefill_coordinator::{Method, MethodSpec};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
+mod budgets;
 mod charts;
 mod gate;
 mod paired;
@@ -17,9 +18,9 @@ pub use charts::plots;
 use paired::{conditional_retention, infoflow_against_others, mean_score_retention};
 
 /// Full prefill, the baseline every retention is measured against.
-const FULL: MethodSpec = MethodSpec { method: Method::Full, reorder: false, ratio: None };
+const FULL: MethodSpec = MethodSpec::new(Method::Full);
 /// InfoFlow, compared case by case with every other method.
-const INFOFLOW: MethodSpec = MethodSpec { method: Method::Infoflow, reorder: false, ratio: None };
+const INFOFLOW: MethodSpec = MethodSpec::new(Method::Infoflow);
 
 fn mean(v: impl Iterator<Item = f64>) -> Option<f64> {
     let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
@@ -96,12 +97,15 @@ pub fn summarize(
         conditional_retention(&mut md, records, len, labels, tr);
         infoflow_against_others(&mut md, records, len, labels, tr);
     }
+    // A budget by coverage has no ratio: it is compared in its own table below.
+    let ratio_labels: Vec<MethodSpec> = labels.iter().filter(|l| l.coverage.is_none()).copied().collect();
     for &len in lengths {
-        sweep_tables(&mut md, records, tasks, len, labels, ratios);
+        sweep_tables(&mut md, records, tasks, len, &ratio_labels, ratios);
     }
     qa_table(&mut md, records, lengths, labels, tr);
     diagnostics(&mut md, records, labels, tr);
     gate::gate_tables(&mut md, records, lengths, labels);
+    budgets::budget_tables(&mut md, records, lengths);
     md
 }
 
@@ -395,6 +399,34 @@ mod tests {
         assert!((sign_test(2, 10) - sign_test(10, 2)).abs() < 1e-15);
         // 0 against 6: 2 / 64.
         assert!((sign_test(0, 6) - 2.0 / 64.0).abs() < 1e-12);
+    }
+
+    /// Coverage rows beside the fixed ratios on the cases every budget ran (sample 1 lacks the
+    /// coverage run and is left out), with the fixed ratios' retention interpolated at the share
+    /// the coverage recomputed.
+    #[test]
+    fn coverage_budgets_compare_with_fixed_ratios_at_the_same_share() {
+        let t = "niah_single";
+        let with_sel = |mut r: Record, selected: usize| {
+            r.selected = selected;
+            r
+        };
+        let mut records = Vec::new();
+        for sample in 0..2 {
+            records.push(rec(t, sample, "full", None, 1.0));
+            records.push(with_sel(rec(t, sample, "infoflow", Some(0.1), 0.5), 10));
+            records.push(with_sel(rec(t, sample, "infoflow", Some(0.3), 1.0), 30));
+        }
+        records.push(with_sel(rec(t, 0, "infoflow~0.8", None, 1.0), 20));
+        let mut md = String::new();
+        budgets::budget_tables(&mut md, &records, &[100]);
+        assert!(md.contains("same 1 cases"), "{md}");
+        // Fixed: 50% at 10% recomputed, 100% at 30%: 75% at the coverage's 20%.
+        assert!(md.contains("| infoflow~0.8 | 20.0 | 100.0 | 100.0 [100.0, 100.0] | 75.0 | 1/1 |"), "{md}");
+        assert!(md.contains("| infoflow@0.1 | 10.0 | 50.0 |"), "{md}");
+        let mut none = String::new();
+        budgets::budget_tables(&mut none, &records[..6], &[100]);
+        assert!(none.is_empty(), "no coverage runs, no table: {none}");
     }
 
     /// A sweep stopped half-way: sample 0 has both ratios, sample 1 only the table ratio. The

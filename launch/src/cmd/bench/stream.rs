@@ -85,7 +85,7 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     let corpus = bench_docs(&lm.tokenizer, a.corpus * a.doc_tokens, a.doc_tokens, a.seed)?;
     let questions = stream(&a);
     let base =
-        MethodSpec::merge(Some(a.method), None, None, RunOptions { max_new_tokens: 1, ..RunOptions::default() })?;
+        MethodSpec::merge(Some(a.method), None, None, None, RunOptions { max_new_tokens: 1, ..RunOptions::default() })?;
     std::fs::create_dir_all(&a.out)?;
     let csv_path = a.out.join("stream.csv");
     let mut csv = std::fs::File::create(&csv_path)?;

@@ -212,7 +212,7 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
         );
     }
     let csv_path = a.out.join("ttft.csv");
-    let mut m = Measure { a: &a, shape: Shape::of_config(lm.model.config()), projection, disk, csv: String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,cache,disk_hits\n") };
+    let mut m = Measure { a: &a, shape: Shape::of_config(lm.model.config()), projection, disk, csv: String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,cache,disk_hits,ran\n") };
     let mut points = Vec::new();
     for &len in &lengths {
         let (req, n_ctx) = ttft_request(&lm, len, a.doc_tokens)?;
@@ -290,10 +290,22 @@ impl Measure<'_> {
         let opts = flowprefill_coordinator::RunOptions { scope, max_new_tokens: 1, ..spec.options(a.ratio) };
         let job = flowprefill_coordinator::Job { request: req.clone(), options: opts };
         if cache != Cache::Cold {
-            // One untimed run from nothing fills RAM and the disk tier.
+            // One untimed run from nothing fills RAM and the disk tier (for `auto`, a job of
+            // `none`: the chunk caches its approximate candidates read, whatever it chooses).
             self.forget(world, true)?;
-            world.run(&job, &mut |_| true)?;
+            let fill = match spec.method {
+                flowprefill_coordinator::Method::Auto => flowprefill_coordinator::Job {
+                    options: flowprefill_coordinator::RunOptions {
+                        method: flowprefill_coordinator::Method::None,
+                        ..job.options.clone()
+                    },
+                    ..job.clone()
+                },
+                _ => job.clone(),
+            };
+            world.run(&fill, &mut |_| true)?;
         }
+        let mut ran = String::new();
         let (mut times, mut projected) = (Vec::new(), Vec::new());
         for run in 0..a.runs {
             match cache {
@@ -313,8 +325,10 @@ impl Measure<'_> {
             };
             let ph = |n: &str| r.phases.get(n).as_secs_f64() * 1e3;
             let bytes: u64 = r.rank_stats.iter().map(|s| s.comm.bytes_sent()).sum();
+            // What ran: the method itself, or what `auto` chose.
+            ran = flowprefill_coordinator::auto::label(&r.opts);
             self.csv.push_str(&format!(
-                "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{},{}\n",
+                "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{},{},{ran}\n",
                 scope.name(),
                 proj.map_or(String::new(), |x| format!("{x:.1}")),
                 ph("chunk_prefill"),
@@ -333,9 +347,11 @@ impl Measure<'_> {
         }
         let ms = median(&mut times);
         let pm = (!projected.is_empty()).then(|| median(&mut projected));
+        let chose =
+            if spec.method == flowprefill_coordinator::Method::Auto { format!("  (ran {ran})") } else { String::new() };
         match pm {
-            Some(x) => eprintln!("  {len:>5} tokens  P={p}  {label:<18} {ms:>9.1} ms  (projected {x:.1} ms)"),
-            None => eprintln!("  {len:>5} tokens  P={p}  {label:<18} {ms:>9.1} ms"),
+            Some(x) => eprintln!("  {len:>5} tokens  P={p}  {label:<18} {ms:>9.1} ms  (projected {x:.1} ms){chose}"),
+            None => eprintln!("  {len:>5} tokens  P={p}  {label:<18} {ms:>9.1} ms{chose}"),
         }
         Ok(Some(Point { len, ranks: p, label, ms, n_ctx, projected: pm }))
     }
