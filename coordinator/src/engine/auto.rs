@@ -43,12 +43,14 @@ impl<B: Backend> Engine<B> {
                     .into(),
             );
         };
-        // A chunk any rank holds costs no prefill where cache-aware placement puts it there; the
-        // approximate candidates look chunks up alone (no prefix), as InfoFlow and none do.
-        let mine = self.held_levels(layout, PrefixMode::None);
-        let cached = (0..layout.chunks.len())
-            .map(|c| mine[c] > 0 || held.iter().any(|h| h.get(c).is_some_and(|&l| l > 0)))
-            .collect();
+        // A chunk any rank holds costs no prefill where cache-aware placement puts it there (the
+        // levels admission gathered, rank 0's among them; without them, rank 0's own). `auto`
+        // looks chunks up alone (no prefix), as its approximate candidates do.
+        let cached = if held.is_empty() {
+            self.held_levels(layout, PrefixMode::None).into_iter().map(|l| l > 0).collect()
+        } else {
+            (0..layout.chunks.len()).map(|c| held.iter().any(|h| h.get(c).is_some_and(|&l| l > 0))).collect()
+        };
         let s = Situation {
             opts: &job.options,
             ranks,
