@@ -66,8 +66,9 @@ pub enum CommError {
     },
     /// A peer did not answer in time.
     #[error(
-        "rank {rank} did not answer within {secs:.0} s during `{op}` (lost or stuck); raise --comm-timeout \
-         if ranks legitimately compute longer between collectives"
+        "rank {rank} did not answer within {secs:.0} s during `{op}` ({}); raise --comm-timeout \
+         if ranks legitimately compute longer between collectives",
+        timeout_cause(*unsent)
     )]
     Timeout {
         /// The rank waited for.
@@ -76,6 +77,9 @@ pub enum CommError {
         op: String,
         /// The deadline.
         secs: f64,
+        /// Bytes this rank was still sending in the exchange when the deadline passed (0 when
+        /// unknown or all delivered): a slow link rather than a lost peer.
+        unsent: u64,
     },
     /// The API was used out of order (e.g. wait before post).
     #[error("communicator misuse: {0}")]
@@ -181,6 +185,19 @@ impl ErrorClass {
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, CommError>;
 
+/// Why a peer may not have answered: lost or stuck, or (when this rank's own messages were not
+/// delivered either) a link too slow for the deadline.
+fn timeout_cause(unsent: u64) -> String {
+    if unsent == 0 {
+        "lost or stuck".to_string()
+    } else {
+        format!(
+            "lost or stuck, or the link to it too slow: {:.1} MB this rank sent in this exchange were still undelivered",
+            unsent as f64 / 1e6
+        )
+    }
+}
+
 /// Counters of one named collective.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OpStats {
@@ -213,6 +230,11 @@ impl CommStats {
     /// Total bytes sent.
     pub fn bytes_sent(&self) -> u64 {
         self.ops.values().map(|o| o.bytes_sent).sum()
+    }
+
+    /// Total seconds this rank spent waiting in collectives.
+    pub fn wait_s(&self) -> f64 {
+        self.ops.values().map(|o| o.wait_s).sum()
     }
 
     /// Counters whose name starts with `prefix`, summed.

@@ -131,7 +131,7 @@ impl Communicator for LocalComm {
             let (op, secs) = (&p.op, self.timeout.as_secs_f64());
             let recv = || match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(m) => Ok(m),
-                Err(RecvTimeoutError::Timeout) => Err(CommError::Timeout { rank: r, op: op.clone(), secs }),
+                Err(RecvTimeoutError::Timeout) => Err(CommError::Timeout { rank: r, op: op.clone(), secs, unsent: 0 }),
                 Err(RecvTimeoutError::Disconnected) => {
                     Err(CommError::RankLost { rank: r, op: op.clone(), detail: "its thread has ended".into() })
                 }

@@ -23,7 +23,7 @@ use crate::{check_rank, CommError, CommStats, Communicator, ErrorClass, Result, 
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::Communicator as _;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -65,6 +65,8 @@ pub struct MpiComm {
     jobs: Sender<Job>,
     replies: Receiver<Reply>,
     waiting_on: Arc<AtomicUsize>,
+    /// Bytes of the current exchange's sends not yet completed (for a timeout's message).
+    unsent: Arc<AtomicU64>,
     timeout: Duration,
     pending: Option<Pending>,
     stats: CommStats,
@@ -90,9 +92,11 @@ impl MpiComm {
         let (init_tx, init_rx) = channel::<Result<(usize, usize)>>();
         let waiting_on = Arc::new(AtomicUsize::new(usize::MAX));
         let waiting = waiting_on.clone();
+        let unsent = Arc::new(AtomicU64::new(0));
+        let in_flight = unsent.clone();
         let thread = std::thread::Builder::new()
             .name("mpi-comm".into())
-            .spawn(move || comm_thread(jobs_rx, reply_tx, init_tx, waiting))
+            .spawn(move || comm_thread(jobs_rx, reply_tx, init_tx, Watch { waiting, unsent: in_flight }))
             .map_err(|e| CommError::Mpi(format!("cannot start the communication thread: {e}")))?;
         let (rank, size) = init_rx
             .recv_timeout(Duration::from_secs(120))
@@ -103,6 +107,7 @@ impl MpiComm {
             jobs: jobs_tx,
             replies: reply_rx,
             waiting_on,
+            unsent,
             timeout: DEFAULT_TIMEOUT,
             pending: None,
             stats: CommStats::default(),
@@ -166,6 +171,7 @@ impl MpiComm {
                     rank: self.waiting_on.load(Ordering::Relaxed),
                     op: "mpi".into(),
                     secs: self.timeout.as_secs_f64(),
+                    unsent: self.unsent.load(Ordering::Relaxed),
                 })
             }
             Err(RecvTimeoutError::Disconnected) => {
@@ -200,12 +206,21 @@ fn drain(world: &mpi::topology::SimpleCommunicator, early: &mut [VecDeque<Vec<u8
     any
 }
 
+/// What the compute side can read of the comm thread's progress when a deadline passes.
+struct Watch {
+    /// The rank the current exchange waits on (`usize::MAX`: none).
+    waiting: Arc<AtomicUsize>,
+    /// Bytes of the current exchange's sends not yet completed.
+    unsent: Arc<AtomicU64>,
+}
+
 fn exchange(
     world: &mpi::topology::SimpleCommunicator,
     early: &mut [VecDeque<Vec<u8>>],
-    waiting: &AtomicUsize,
+    watch: &Watch,
     job: Exchange,
 ) -> Reply {
+    let waiting = &watch.waiting;
     let Exchange { sends, from, epoch, op } = job;
     mpi::request::scope(|scope| {
         let mut reqs: Vec<(usize, mpi::request::Request<'_, [u8], _>)> = sends
@@ -230,6 +245,9 @@ fn exchange(
                 }
             }
             reqs = reqs.into_iter().filter_map(|(to, r)| r.test().err().map(|r| (to, r))).collect();
+            let unsent: usize =
+                reqs.iter().map(|(to, _)| sends.iter().find(|s| s.0 == *to).map_or(0, |s| s.1.len())).sum();
+            watch.unsent.store(unsent as u64, Ordering::Relaxed);
             let missing = if outcome.is_ok() { got.iter().position(Option::is_none) } else { None };
             match (missing, reqs.first()) {
                 (None, None) => break,
@@ -243,16 +261,12 @@ fn exchange(
             }
         }
         waiting.store(usize::MAX, Ordering::Relaxed);
+        watch.unsent.store(0, Ordering::Relaxed);
         outcome.map(|()| got.into_iter().map(Option::unwrap_or_default).collect())
     })
 }
 
-fn comm_thread(
-    jobs: Receiver<Job>,
-    replies: Sender<Reply>,
-    init: Sender<Result<(usize, usize)>>,
-    waiting: Arc<AtomicUsize>,
-) {
+fn comm_thread(jobs: Receiver<Job>, replies: Sender<Reply>, init: Sender<Result<(usize, usize)>>, watch: Watch) {
     let Some((universe, _level)) = mpi::initialize_with_threading(mpi::Threading::Serialized) else {
         let _ = init.send(Err(CommError::Mpi("MPI was already initialised in this process".into())));
         return;
@@ -276,7 +290,7 @@ fn comm_thread(
             Err(RecvTimeoutError::Disconnected) => break,
         };
         let reply = match job {
-            Job::Exchange(x) => exchange(group.as_ref().unwrap_or(&whole), &mut early, &waiting, x),
+            Job::Exchange(x) => exchange(group.as_ref().unwrap_or(&whole), &mut early, &watch, x),
             Job::Poll { epoch, op } => {
                 drain(group.as_ref().unwrap_or(&whole), &mut early);
                 (0..size)
@@ -366,9 +380,9 @@ impl Communicator for MpiComm {
                 self.stats.record(&p.op, p.sent, received, t0.elapsed());
                 Ok(got)
             }
-            Err(CommError::Timeout { rank, secs, .. }) => {
+            Err(CommError::Timeout { rank, secs, unsent, .. }) => {
                 let rank = if rank == usize::MAX { p.first_from.unwrap_or(0) } else { rank };
-                Err(CommError::Timeout { rank, op: p.op, secs })
+                Err(CommError::Timeout { rank, op: p.op, secs, unsent })
             }
             Err(e) => Err(e),
         }

@@ -194,7 +194,12 @@ pub mod threads {
                         Ok((epoch, _, _)) if epoch < self.epoch => continue,
                         Ok((_, o, b)) => break (o, b),
                         Err(RecvTimeoutError::Timeout) => {
-                            let e = CommError::Timeout { rank: peer, op: op.clone(), secs: self.timeout.as_secs_f64() };
+                            let e = CommError::Timeout {
+                                rank: peer,
+                                op: op.clone(),
+                                secs: self.timeout.as_secs_f64(),
+                                unsent: 0,
+                            };
                             self.broken = Some(e.to_string());
                             return Err(e);
                         }

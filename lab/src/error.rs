@@ -31,6 +31,14 @@ pub enum LabError {
         /// Why it does not parse.
         source: serde_json::Error,
     },
+    /// A study folder that does not hold what its report reads.
+    #[error("{}: {detail}", path.display())]
+    Study {
+        /// The file or folder.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
     /// Training failed.
     #[error(transparent)]
     Train(#[from] crate::train::TrainError),

@@ -19,6 +19,7 @@ pub mod corpus;
 mod error;
 pub mod eval;
 pub mod http;
+pub mod network;
 pub mod plot;
 pub mod project;
 pub mod tasks;

@@ -2,12 +2,15 @@
 //! test command enables it whenever OpenMPI is installed, and `.ci/run` installs it).
 #![cfg(feature = "mpi")]
 
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Top first-token logits of an MPI run vs a one-rank run, absolute (logit range is ~40).
 const MPI_TOP_LOGIT_TOL: f64 = 1e-2;
+
+#[path = "support/mpi.rs"]
+mod support;
+use support::{assert_same_answer, docs, json, run_args};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_flowprefill")
@@ -20,35 +23,6 @@ fn mpirun(np: usize) -> Command {
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1");
     c
-}
-
-fn docs(tag: &str, n_docs: usize, sentences: usize) -> (PathBuf, Vec<String>) {
-    let dir = std::env::temp_dir().join(format!("fp-mpi-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut args = Vec::new();
-    for i in 0..n_docs {
-        let mut text = String::new();
-        for s in 0..sentences {
-            text.push_str(&format!(
-                "The keeper of tower {i} counted {} lanterns near the river in year {}. ",
-                s * 7 + i,
-                1800 + s
-            ));
-            if i == n_docs / 2 && s == sentences / 2 {
-                text.push_str("The access code for the north gate is 4729. ");
-            }
-        }
-        let p = dir.join(format!("d{i}.txt"));
-        std::fs::write(&p, text).unwrap();
-        args.push("--doc".into());
-        args.push(p.to_string_lossy().into_owned());
-    }
-    (dir, args)
-}
-
-fn json(out: &std::process::Output) -> serde_json::Value {
-    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
 }
 
 #[test]
@@ -64,20 +38,7 @@ fn mpi_np2_and_np4_equal_one_rank() {
         // Eviction that keeps every row: the same answer; each rank reports its share.
         ("infoflow", vec!["--evict", "snapkv", "--kv-budget", "100000"]),
     ] {
-        let mut args: Vec<String> = vec!["run".into()];
-        args.extend(doc_args.iter().cloned());
-        args.extend(
-            [
-                "--query",
-                "What is the access code for the north gate?",
-                "--method",
-                method,
-                "--max-tokens",
-                "14",
-                "--json",
-            ]
-            .map(String::from),
-        );
+        let mut args = run_args(&doc_args, method, 14);
         args.extend(extra.iter().map(|s| s.to_string()));
         let one = json(&Command::new(bin()).args(&args).output().unwrap());
         // Agreement alone would pass two equally wrong answers: the one-rank answer is right.
@@ -86,16 +47,7 @@ fn mpi_np2_and_np4_equal_one_rank() {
             let t = Instant::now();
             let many = json(&mpirun(np).arg(bin()).args(&args).output().unwrap());
             let tag = format!("{method} {extra:?} -np {np}");
-            assert_eq!(many["ranks"], np, "{tag}");
-            assert_eq!(many["answer"], one["answer"], "{tag}");
-            assert_eq!(many["selected"], one["selected"], "{tag}");
-            assert_eq!(many["order"], one["order"], "{tag}");
-            let (a, b) = (many["first_top_logits"].as_array().unwrap(), one["first_top_logits"].as_array().unwrap());
-            for (x, y) in a.iter().zip(b) {
-                assert_eq!(x[0], y[0], "{tag}: top token ids");
-                let d = (x[1].as_f64().unwrap() - y[1].as_f64().unwrap()).abs();
-                assert!(d <= MPI_TOP_LOGIT_TOL, "{tag}: logit differs by {d}");
-            }
+            assert_same_answer(&tag, &many, &one, np, MPI_TOP_LOGIT_TOL);
             let sent: u64 = many["rank_stats"]
                 .as_array()
                 .unwrap()

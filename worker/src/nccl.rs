@@ -20,7 +20,7 @@ fn comm_error(e: PlaneError) -> CommError {
         PlaneError::Misuse(m) => CommError::Misuse(m),
         PlaneError::BadRank { rank, size } => CommError::BadRank { rank, size },
         PlaneError::Lost { rank, op, detail } => CommError::RankLost { rank, op, detail },
-        PlaneError::Timeout { rank, op, secs } => CommError::Timeout { rank, op, secs },
+        PlaneError::Timeout { rank, op, secs } => CommError::Timeout { rank, op, secs, unsent: 0 },
     }
 }
 

@@ -83,8 +83,16 @@ pub struct Device {
 pub struct Link {
     /// What it is.
     pub description: String,
-    /// Bandwidth per rank and direction, bytes/s.
+    /// Bandwidth per rank and direction while a rank sends and receives at once (what an
+    /// all-gather measures), bytes/s.
     pub bytes_per_s: Const,
+    /// Bandwidth of the bytes that go one way only (a gather: the sender's, and the bytes one
+    /// side of an exchange sends beyond what the other sends back), where it differs from
+    /// `bytes_per_s`: on a shaped link a protocol's replies wait behind the other direction's
+    /// full queue, so traffic both ways moves slower than traffic one way. Default:
+    /// `bytes_per_s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub one_way_bytes_per_s: Option<Const>,
     /// Latency of one message (collective call), seconds.
     pub latency_s: Const,
 }
@@ -158,6 +166,9 @@ impl Profiles {
         for (name, l) in &self.links {
             if !(l.bytes_per_s.value > 0.0 && l.latency_s.value >= 0.0) {
                 return bad(format!("link {name}: bytes_per_s must be positive and latency_s not negative"));
+            }
+            if l.one_way_bytes_per_s.as_ref().is_some_and(|c| c.value.is_nan() || c.value <= 0.0) {
+                return bad(format!("link {name}: one_way_bytes_per_s must be positive"));
             }
         }
         Ok(())
@@ -260,7 +271,10 @@ impl Model<'_> {
         if m.sent == 0 && m.received == 0 {
             return 0.0;
         }
-        m.calls as f64 * (self.link.latency_s.value + m.sent.max(m.received) as f64 / self.link.bytes_per_s.value)
+        // The bytes both directions carry at once move at the two-way rate, the rest one way.
+        let (both, one) = (m.sent.min(m.received) as f64, m.sent.abs_diff(m.received) as f64);
+        let one_way = self.link.one_way_bytes_per_s.as_ref().map_or(self.link.bytes_per_s.value, |c| c.value);
+        m.calls as f64 * (self.link.latency_s.value + both / self.link.bytes_per_s.value + one / one_way)
     }
 
     /// One rank's phase: (total, compute, gemm, attention, comm, exposed comm).
@@ -375,6 +389,7 @@ mod tests {
         let link = Link {
             description: "test".into(),
             bytes_per_s: Const { value: 1e9, source: "test".into() },
+            one_way_bytes_per_s: None,
             latency_s: Const { value: 0.0, source: "test".into() },
         };
         // Attention of 1e6 pairs x 1 layer = 4e6 x 576 FLOPs = 2.304 ms at 1 TFLOP/s.
@@ -401,6 +416,32 @@ mod tests {
         // A global efficiency of 0.5 doubles the compute, not the transfers.
         let slow = project(&work, &shape, &flat_device(1.0), &link, 0.5);
         assert!((slow.ttft_s - (2.0 * a + 5e-3)).abs() < 1e-9, "{}", slow.ttft_s);
+    }
+
+    #[test]
+    fn bytes_both_ways_move_at_the_two_way_rate_and_the_rest_at_the_one_way_rate() {
+        let shape = Shape::builtin("smollm2-135m").expect("built in");
+        let k = |v: f64| Const { value: v, source: "test".into() };
+        let mut link =
+            Link { description: "test".into(), bytes_per_s: k(1e6), one_way_bytes_per_s: None, latency_s: k(0.0) };
+        let dev = flat_device(1.0);
+        let m = Model { shape: &shape, dev: &dev, link: &link, scale: 1.0 };
+        let msg =
+            |sent, received| crate::project::work::Message { op: "x".into(), calls: 1, sent, received, step: None };
+        // Without a one-way rate: the larger direction at the one rate, as before.
+        assert!((m.message(&msg(3_000_000, 1_000_000)) - 3.0).abs() < 1e-12);
+        link.one_way_bytes_per_s = Some(k(2e6));
+        let m = Model { shape: &shape, dev: &dev, link: &link, scale: 1.0 };
+        // 1 MB both ways at 1 MB/s, the other 2 MB one way at 2 MB/s.
+        assert!((m.message(&msg(3_000_000, 1_000_000)) - 2.0).abs() < 1e-12);
+        assert!((m.message(&msg(0, 4_000_000)) - 2.0).abs() < 1e-12, "a gather's receiver");
+        assert!((m.message(&msg(2_000_000, 2_000_000)) - 2.0).abs() < 1e-12, "an all-gather");
+        link.one_way_bytes_per_s = Some(k(0.0));
+        let text =
+            serde_json::to_string(&Profiles { devices: BTreeMap::new(), links: [("l".to_string(), link)].into() })
+                .expect("serialises");
+        let e = Profiles::parse("z.json", &text).expect_err("refused").to_string();
+        assert!(e.contains("one_way_bytes_per_s"), "{e}");
     }
 
     #[test]

@@ -32,7 +32,11 @@ pub enum Bench {
     Project(super::project::ProjectArgs),
     /// Measures this machine's GEMM and attention rates, memory bandwidth and links into a
     /// `cpu-local` profile for `bench project` and `bench ttft --project`.
-    Calibrate(super::project::CalibrateArgs),
+    Calibrate(super::calibrate::CalibrateArgs),
+    /// The network study's report: the `bench ttft` runs `scripts/network-study.sh` made across
+    /// hosts at each link rate, with the projection for the same link, as a table, a CSV and a
+    /// chart of TTFT against link rate (`network.md`, `network.csv`, `network.png` in DIR).
+    Network(NetworkArgs),
     /// Decoding speed and the context's KV bytes with and without KV eviction before decoding
     /// (`--evict none,snapkv,lookahead --kv-budget 64,128,512`): medians and a CSV.
     Decode(super::decode_bench::Args),
@@ -76,6 +80,13 @@ pub struct LoadArgs {
     pub queue: usize,
 }
 
+/// Arguments of `bench network`.
+#[derive(clap::Args, Debug)]
+pub struct NetworkArgs {
+    /// The study's folder (what `scripts/network-study.sh DIR` wrote).
+    pub dir: std::path::PathBuf,
+}
+
 /// Arguments of `bench prefill`.
 #[derive(clap::Args, Debug)]
 pub struct PrefillArgs {
@@ -106,7 +117,13 @@ pub fn run(common: &Common, bench: Bench) -> Result<()> {
         Bench::Faults(a) => super::faults::run(common, a),
         Bench::Decode(a) => super::decode_bench::run(common, a),
         Bench::Project(a) => super::project::run_project(common, a),
-        Bench::Calibrate(a) => super::project::run_calibrate(common, a),
+        Bench::Calibrate(a) => super::calibrate::run_calibrate(common, a),
+        Bench::Network(a) => {
+            let w = flowprefill_lab::network::report(&a.dir)?;
+            print!("{}", w.table);
+            println!("wrote {}", w.files.join(", "));
+            Ok(())
+        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! Subcommands.
 
 pub mod bench;
+pub mod calibrate;
 pub mod check;
 pub mod decode_bench;
 pub mod demo;

@@ -212,7 +212,7 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
         );
     }
     let csv_path = a.out.join("ttft.csv");
-    let mut m = Measure { a: &a, shape: Shape::of_config(lm.model.config()), projection, disk, csv: String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,cache,disk_hits,ran\n") };
+    let mut m = Measure { a: &a, shape: Shape::of_config(lm.model.config()), projection, disk, csv: String::from("length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,disk_hits,ran\n") };
     let mut points = Vec::new();
     for &len in &lengths {
         let (req, n_ctx) = ttft_request(&lm, len, a.doc_tokens)?;
@@ -318,27 +318,34 @@ impl Measure<'_> {
             let ms = r.ttft.as_secs_f64() * 1e3;
             let proj = match &self.projection {
                 Some((dev, link)) => crate::cmd::project::project_run(&r, &self.shape, dev, link)
-                    .map(|p| p.ttft_s * 1e3)
                     .map_err(|e| tracing::warn!(%e, "no projection for {label}"))
                     .ok(),
                 None => None,
             };
             let ph = |n: &str| r.phases.get(n).as_secs_f64() * 1e3;
+            // Bytes every rank sent, the busiest rank's, and the longest time a rank waited in
+            // collectives (communication not hidden behind its compute, and waiting for others).
             let bytes: u64 = r.rank_stats.iter().map(|s| s.comm.bytes_sent()).sum();
+            let bytes_max = r.rank_stats.iter().map(|s| s.comm.bytes_sent()).max().unwrap_or(0);
+            let wait_ms = r.rank_stats.iter().map(|s| s.comm.wait_s()).fold(0.0, f64::max) * 1e3;
+            let opt = |x: Option<f64>| x.map_or(String::new(), |x| format!("{x:.1}"));
             // What ran: the method itself, or what `auto` chose.
             ran = flowprefill_coordinator::auto::label(&r.opts);
             self.csv.push_str(&format!(
-                "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{},{},{ran}\n",
+                "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{bytes_max},{wait_ms:.1},{},{},{},{},{ran}\n",
                 scope.name(),
-                proj.map_or(String::new(), |x| format!("{x:.1}")),
+                opt(proj.as_ref().map(|p| p.ttft_s * 1e3)),
                 ph("chunk_prefill"),
                 ph("probe"),
                 ph("recompute"),
                 ph("final_prompt"),
                 ph("prefill"),
+                opt(proj.as_ref().map(|p| p.sum(|t| t.comm_s) * 1e3)),
+                opt(proj.as_ref().map(|p| p.sum(|t| t.exposed_comm_s) * 1e3)),
                 cache.name(),
                 r.cache_disk_hits
             ));
+            let proj = proj.map(|p| p.ttft_s * 1e3);
             times.push(ms);
             projected.extend(proj);
         }
