@@ -223,10 +223,13 @@ fn exchange(
     let waiting = &watch.waiting;
     let Exchange { sends, from, epoch, op } = job;
     mpi::request::scope(|scope| {
-        let mut reqs: Vec<(usize, mpi::request::Request<'_, [u8], _>)> = sends
+        // (peer, bytes, request) of every send not yet completed.
+        let mut reqs: Vec<(usize, usize, mpi::request::Request<'_, [u8], _>)> = sends
             .iter()
-            .map(|(to, d)| (*to, world.process_at_rank(*to as i32).immediate_send(scope, &d[..])))
+            .map(|(to, d)| (*to, d.len(), world.process_at_rank(*to as i32).immediate_send(scope, &d[..])))
             .collect();
+        let mut pending = reqs.len();
+        watch.unsent.store(reqs.iter().map(|r| r.1 as u64).sum(), Ordering::Relaxed);
         let mut got: Vec<Option<Vec<u8>>> = vec![None; from.len()];
         let mut outcome: Result<()> = Ok(());
         let mut idle = 0;
@@ -244,15 +247,16 @@ fn exchange(
                     }
                 }
             }
-            reqs = reqs.into_iter().filter_map(|(to, r)| r.test().err().map(|r| (to, r))).collect();
-            let unsent: usize =
-                reqs.iter().map(|(to, _)| sends.iter().find(|s| s.0 == *to).map_or(0, |s| s.1.len())).sum();
-            watch.unsent.store(unsent as u64, Ordering::Relaxed);
+            reqs = reqs.into_iter().filter_map(|(to, n, r)| r.test().err().map(|r| (to, n, r))).collect();
+            if reqs.len() != pending {
+                pending = reqs.len();
+                watch.unsent.store(reqs.iter().map(|r| r.1 as u64).sum(), Ordering::Relaxed);
+            }
             let missing = if outcome.is_ok() { got.iter().position(Option::is_none) } else { None };
             match (missing, reqs.first()) {
                 (None, None) => break,
                 (Some(i), _) => waiting.store(from[i], Ordering::Relaxed),
-                (None, Some((to, _))) => waiting.store(*to, Ordering::Relaxed),
+                (None, Some((to, _, _))) => waiting.store(*to, Ordering::Relaxed),
             }
             if drain(world, early) {
                 idle = 0;

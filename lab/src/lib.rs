@@ -8,7 +8,8 @@
 //! * [`project`]: the engine's work accounting turned into projected TTFT on other hardware;
 //! * [`plot`]: PNG charts that never fail a command for want of a font;
 //! * [`train`]: training the trained seeds on the CPU (KV Packet's self-distillation);
-//! * [`http`]: the small HTTP/1.1 client the benchmarks and fault drills use against `serve`.
+//! * [`http`]: the small HTTP/1.1 client the benchmarks and fault drills use against `serve`;
+//! * [`network`]: the report of the network study across hosts (`bench network`).
 //!
 //! ```text
 //!   launch (CLI, service, MPI launch) -> lab -> coordinator -> worker -> kernels -> comm
@@ -26,3 +27,16 @@ pub mod tasks;
 pub mod train;
 
 pub use error::{LabError, Result};
+
+/// The median of `v` (sorted in place; NaN when `v` is empty).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}

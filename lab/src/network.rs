@@ -56,18 +56,6 @@ fn bad(path: &Path, detail: impl Into<String>) -> LabError {
     LabError::Study { path: path.to_path_buf(), detail: detail.into() }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// The rows of one `ttft.csv`, grouped by method label (with the scope for InfoFlow), each a
 /// list of (column -> value) maps.
 type Runs = BTreeMap<String, Vec<BTreeMap<String, String>>>;
@@ -119,8 +107,8 @@ fn cell(
     let col = |k: &str| -> Result<Vec<f64>> {
         Ok(rows.iter().map(|r| num(r, k)).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect())
     };
-    let opt = |v: Vec<f64>| (!v.is_empty()).then(|| median(v));
-    let ttft = col("ttft_ms")?;
+    let opt = |mut v: Vec<f64>| (!v.is_empty()).then(|| crate::median(&mut v));
+    let mut ttft = col("ttft_ms")?;
     if ttft.is_empty() {
         return Err(bad(path, format!("no TTFT for {method}")));
     }
@@ -132,9 +120,9 @@ fn cell(
         length,
         method: method.to_string(),
         runs: ttft.len(),
-        ttft_ms: median(ttft),
-        bytes_max: median(col("bytes_sent_max")?),
-        comm_wait_ms: median(col("comm_wait_ms")?),
+        ttft_ms: crate::median(&mut ttft),
+        bytes_max: crate::median(&mut col("bytes_sent_max")?),
+        comm_wait_ms: crate::median(&mut col("comm_wait_ms")?),
         projected_ms: opt(col("projected_ms")?),
         projected_comm_ms: opt(col("projected_comm_ms")?),
     })

@@ -127,16 +127,8 @@ pub fn run(common: &Common, bench: Bench) -> Result<()> {
     }
 }
 
-/// The median of `v` (sorted in place; `v` must not be empty).
-pub(super) fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
+/// The median (the lab's).
+pub(super) use flowprefill_lab::median;
 
 fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     let lengths: Vec<usize> = a.tokens.concat();

@@ -93,11 +93,10 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
         format!("measured {when} by `flowprefill --threads {threads} bench calibrate` with the {} shape", shape.name);
     let mut devices = std::collections::BTreeMap::new();
     let mut links = std::collections::BTreeMap::new();
+    // Profile names, as `--project`/`--link` will name them.
+    let name_ok = |n: &str| !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
     if let Some(name) = &a.link_name {
-        crate::ensure_usage!(
-            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)),
-            "--link-name: letters, digits, '-', '_' and '.' only (got {name:?})"
-        );
+        crate::ensure_usage!(name_ok(name), "--link-name: letters, digits, '-', '_' and '.' only (got {name:?})");
         #[cfg(not(feature = "mpi"))]
         crate::ensure_usage!(false, "--link-name measures an MPI link: build with --features mpi and run under mpirun");
         #[cfg(feature = "mpi")]
@@ -106,7 +105,6 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
             "--link-name measures the MPI link between two processes: run it under `mpirun -np 2` (or more)"
         );
     }
-    let name_ok = |n: &str| !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
     crate::ensure_usage!(
         name_ok(&a.device_name),
         "--device-name: letters, digits, '-', '_' and '.' only (got {:?})",
