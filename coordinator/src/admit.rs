@@ -88,15 +88,8 @@ pub fn admit<B: Backend>(lm: &LoadedModel<B>, job: &Job, limits: &Limits) -> Res
             ),
         ));
     }
-    if opts.method == Method::Lookahead && lm.model.lookahead_rows() == 0 {
-        return Err(bad(
-            Field::Method,
-            format!(
-                "lookahead selects with a LookaheadKV adapter for {}: start flowprefill with --lookahead-adapter PATH \
-                 (made by `flowprefill train lookahead`), or choose infoflow",
-                cfg.name
-            ),
-        ));
+    if let Some(adapter) = opts.method.info().adapter.filter(|a| !a.loaded(lm)) {
+        return Err(adapter.missing(opts.method.name(), lm).into());
     }
     if let Some((a, b)) = opts.score_layers {
         if b >= cfg.n_layers {

@@ -3,6 +3,7 @@
 //! the world of ranks survives it ([`CoordError::breaks_world`]).
 
 use flowprefill_comm::{CommError, ErrorClass};
+use flowprefill_kernels::gib;
 use flowprefill_worker::{InputError, WorkerError};
 
 /// What can go wrong running a request.
@@ -40,7 +41,7 @@ pub enum CoordError {
     WorldDown(String),
     /// The job's memory plan does not fit in what its device has free (refused at admission).
     #[error(transparent)]
-    DoesNotFit(Box<crate::memory::DoesNotFit>),
+    DoesNotFit(Box<DoesNotFit>),
     /// An invariant of the coordinator does not hold: a bug.
     #[error("internal error: {0} (a bug in flowprefill; please report it)")]
     Internal(String),
@@ -130,4 +131,41 @@ pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
         .cloned()
         .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
         .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// A job that does not fit in the memory free for it (the memory plan's verdict,
+/// [`crate::memory::fits`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the job needs {} on {device} (rank {rank}, at its {phase} peak: {parts}) but {}; give fewer \
+     context tokens{}",
+    gib(*need),
+    if *capped {
+        format!("--memory-limit allows {}", gib(*free))
+    } else if *store > 0 {
+        format!("{} is free with the chunk store emptied ({} of it held by the store)", gib(*free), gib(*store))
+    } else {
+        format!("{} is free", gib(*free))
+    },
+    if *kv_bf16 { " or run on more ranks" } else { ", run on more ranks, or keep K/V in bf16 (--kv-dtype bf16)" }
+)]
+pub struct DoesNotFit {
+    /// The rank that cannot hold it.
+    pub rank: usize,
+    /// Its device.
+    pub device: String,
+    /// Bytes the job needs there.
+    pub need: usize,
+    /// Bytes free there, the store's included.
+    pub free: usize,
+    /// Bytes of that held by the chunk store.
+    pub store: usize,
+    /// The phase of the peak.
+    pub phase: &'static str,
+    /// What the job holds then.
+    pub parts: String,
+    /// `free` is the operator's cap (`--memory-limit`), not the device's.
+    pub capped: bool,
+    /// K/V are already bf16 (halving them is no advice).
+    pub kv_bf16: bool,
 }

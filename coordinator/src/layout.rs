@@ -69,19 +69,14 @@ impl Layout {
         Ok(Self { head, chunks, prompt })
     }
 
-    /// The layout `method` computes with: as [`Layout::build`], and for `kvpacket` every chunk
-    /// wrapped in the model's adapter rows (soft ids past the vocabulary; see
-    /// [`flowprefill_worker::adapter`]).
+    /// The layout `method` computes with: as [`Layout::build`], and for a method whose adapter
+    /// wraps chunks (`kvpacket`) every chunk wrapped in the model's adapter rows (soft ids past
+    /// the vocabulary; see [`flowprefill_worker::adapter`]).
     pub fn for_method<B: Backend>(lm: &LoadedModel<B>, req: &Request, method: Method) -> Result<Self> {
         let mut layout = Self::build(lm, req)?;
-        if method == Method::Kvpacket {
+        if let Some(needed) = method.info().adapter.filter(|a| a.wraps_chunks()) {
             let Some(adapter) = &lm.adapter else {
-                return Err(flowprefill_worker::InputError::new(
-                    flowprefill_worker::Field::Method,
-                    "kvpacket needs a KV Packet adapter for this model: start flowprefill with --adapter PATH \
-                     (made by `flowprefill train kvpacket`), or choose another method",
-                )
-                .into());
+                return Err(needed.missing(method.name(), lm).into());
             };
             let vocab = lm.model.config().vocab_size;
             for c in &mut layout.chunks {

@@ -25,8 +25,10 @@
 //! positional split puts them; cache-aware placement may give a rank up to `cache_slack` more
 //! chunk tokens (a share of the largest load), chunks its store already holds.
 
+pub use crate::error::DoesNotFit;
 use crate::error::{CoordError, Result};
 use crate::layout::Layout;
+use crate::method::{Build, Depth, Probe};
 use crate::pipeline::Pipeline;
 use crate::request::{Geometry, Method, PrefixMode, RunOptions, Scope};
 use crate::timings::phase;
@@ -240,14 +242,14 @@ pub fn plan(
     let s = Sizes::new(dims, kv, act);
     let ranks = ranks.max(1);
     let scratch = |rows: usize| scratch(rows, s.widest());
-    match opts.method {
-        Method::Full => {
+    match opts.method.info().build {
+        Build::Single => {
             let mut out = vec![full(&s, &scratch, opts, tokens)];
             out.extend((1..ranks).map(|rank| RankMemory { rank, phase: "-", parts: Vec::new() }));
             out
         }
-        Method::Ring => (0..ranks).map(|r| ring(&s, &scratch, opts, tokens, ranks, r)).collect(),
-        _ => (0..ranks).map(|r| chunked(&s, &scratch, opts, tokens, ranks, r)).collect(),
+        Build::Ring => (0..ranks).map(|r| ring(&s, &scratch, opts, tokens, ranks, r)).collect(),
+        Build::Chunked | Build::Chosen => (0..ranks).map(|r| chunked(&s, &scratch, opts, tokens, ranks, r)).collect(),
     }
 }
 
@@ -367,19 +369,20 @@ fn chunked(
 
     // The prompt over the segments: one partial per segment, the tail's and the merge.
     // LookaheadKV's rows follow the prompt in its probe (the prompt's K/V kept meanwhile).
-    let m = t.prompt + if opts.method == Method::Lookahead { flowprefill_worker::lookahead::LOOKAHEAD_ROWS } else { 0 };
+    let probe = opts.method.info().probe;
+    let m = t.prompt + if let Probe::Attention { rows_after_prompt, .. } = probe { rows_after_prompt } else { 0 };
     let replicated = |rows: usize| rows * s.forward_row() + (segments + 2) * rows * s.partial_row();
     if plan.probes {
-        let parts: Vec<(&'static str, usize)> = if opts.method == Method::Cacheblend && !opts.reorder {
+        let parts: Vec<(&'static str, usize)> = if probe == Probe::Deviation && !opts.reorder {
             // Every local token through the first layers, the segments copied per layer, the
             // queries of every rank visiting them (exact scope).
             let copies = (local_tokens + if lead { t.head } else { 0 }) * s.kv_row();
             let exact = n * (4 * s.qd + 3 * s.partial_row()) + local_tokens * s.partial_row();
             vec![("activations", local_tokens * s.forward_row() + copies + exact), ("scratch", scratch(local_tokens))]
         } else {
-            let weighted = match opts.method {
-                Method::Prophet => s.layers,
-                Method::Cacheclip => 1,
+            let weighted = match probe {
+                Probe::Attention { depth: Depth::AllLayers, .. } => s.layers,
+                Probe::Attention { depth: Depth::AuxLastLayer, .. } => 1,
                 _ => plan.score_layers.1.saturating_sub(plan.score_layers.0) + 1,
             };
             // Pre-RoPE segments are rotated per layer in the other geometries.
@@ -420,42 +423,6 @@ fn chunked(
         ],
     ));
     peak(me, phases)
-}
-
-/// A job that does not fit in the memory free for it.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "the job needs {} on {device} (rank {rank}, at its {phase} peak: {parts}) but {}; give fewer \
-     context tokens{}",
-    gib(*need),
-    if *capped {
-        format!("--memory-limit allows {}", gib(*free))
-    } else if *store > 0 {
-        format!("{} is free with the chunk store emptied ({} of it held by the store)", gib(*free), gib(*store))
-    } else {
-        format!("{} is free", gib(*free))
-    },
-    if *kv_bf16 { " or run on more ranks" } else { ", run on more ranks, or keep K/V in bf16 (--kv-dtype bf16)" }
-)]
-pub struct DoesNotFit {
-    /// The rank that cannot hold it.
-    pub rank: usize,
-    /// Its device.
-    pub device: String,
-    /// Bytes the job needs there.
-    pub need: usize,
-    /// Bytes free there, the store's included.
-    pub free: usize,
-    /// Bytes of that held by the chunk store.
-    pub store: usize,
-    /// The phase of the peak.
-    pub phase: &'static str,
-    /// What the job holds then.
-    pub parts: String,
-    /// `free` is the operator's cap (`--memory-limit`), not the device's.
-    pub capped: bool,
-    /// K/V are already bf16 (halving them is no advice).
-    pub kv_bf16: bool,
 }
 
 /// Checks `need` (the bytes of every rank sharing this device, `mine` among them) against

@@ -9,6 +9,7 @@
 //! the three cannot drift apart: `tests/tests/suite/projection_counts.rs` checks that the engine
 //! times exactly these steps and that the projection counts what the engine runs.
 
+use crate::method::{Build, Probe};
 use crate::request::{Method, PrefixMode, RunOptions};
 use crate::select::default_score_layers;
 use crate::shard;
@@ -129,8 +130,9 @@ impl Pipeline {
         };
         // A coverage below 1 cuts somewhere between its bounds: scored unless they meet.
         let whole = coverage.is_none_or(|(share, least)| share >= 1.0 || least >= budget);
+        let info = opts.method.info();
         let owners =
-            if opts.method == Method::Full { vec![0; chunk_tokens.len()] } else { shard::plan(chunk_tokens, ranks) };
+            if info.build == Build::Single { vec![0; chunk_tokens.len()] } else { shard::plan(chunk_tokens, ranks) };
         let selection = if budget == 0 || !opts.method.selects() {
             Selection::Nothing
         } else if budget >= n_context && whole {
@@ -138,7 +140,7 @@ impl Pipeline {
         } else {
             Selection::Scored
         };
-        let scores_with_forward = !matches!(opts.method, Method::Epic | Method::Random);
+        let scores_with_forward = info.probe != Probe::None;
         let reorder = opts.reorder && !opts.method.is_exact_prefill();
         let probes = reorder || (selection == Selection::Scored && scores_with_forward);
         Self {
@@ -165,7 +167,7 @@ impl Pipeline {
     /// see [`shard::aware`]) within the job's `cache_slack`; unchanged when `held` is empty, for
     /// `full` (one rank computes) and for the exact prefills.
     pub fn placed_by(mut self, held: &[Vec<u8>]) -> Self {
-        if !held.is_empty() && self.method != Method::Full && !self.method.is_exact_prefill() {
+        if !held.is_empty() && !self.method.is_exact_prefill() {
             self.owners = shard::aware(&self.chunk_tokens, self.ranks, held, self.cache_slack);
         }
         self
@@ -179,7 +181,7 @@ impl Pipeline {
         }
         steps.push(Step::Place);
         if self.selection == Selection::Scored {
-            let probe = !matches!(self.method, Method::Epic | Method::Random);
+            let probe = self.method.info().probe != Probe::None;
             steps.extend([Step::Score { probe }, Step::Select]);
         }
         if self.recomputed() > 0 {

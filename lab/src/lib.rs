@@ -12,8 +12,11 @@
 //! * [`network`]: the report of the network study across hosts (`bench network`).
 //!
 //! ```text
-//!   launch (CLI, service, MPI launch) -> lab -> coordinator -> worker -> kernels -> comm
+//!   launch (CLI, service, MPI launch) -> lab -> coordinator -> worker -> kernels
+//!                                                                    \-> comm
 //! ```
+//!
+//! (kernels and comm are the two leaves; neither depends on the other.)
 
 pub mod auto;
 pub mod corpus;

@@ -7,130 +7,9 @@ use flowprefill_worker::{Field, InputError};
 use std::str::FromStr;
 
 mod spec;
+pub use crate::method::Method;
+use crate::method::Recompute;
 pub use spec::{Coverage, MethodSpec};
-
-/// How the answer's KV context is built.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
-pub enum Method {
-    /// Single-pass full prefill (the exact baseline).
-    Full,
-    /// Chunk caches concatenated, nothing recomputed (ratio 0).
-    None,
-    /// InfoFlow: prompt-to-context attention mass at the scoring layers.
-    Infoflow,
-    /// ProphetKV: query attention averaged over all layers.
-    Prophet,
-    /// CacheBlend: value deviation at check layer 1.
-    Cacheblend,
-    /// EPIC: the first tokens of each chunk.
-    Epic,
-    /// CacheClip: auxiliary model's last-layer query attention, 8/5 windows, shared prefix.
-    Cacheclip,
-    /// Uniformly random tokens (seeded).
-    Random,
-    /// Star Attention: anchor-block prefill, no recomputation.
-    Star,
-    /// Ring attention: exact full prefill spread over the ranks (zigzag).
-    Ring,
-    /// KV Packet: every chunk wrapped in trained header/trailer soft rows when its cache is
-    /// made, caches concatenated, nothing recomputed (needs an adapter).
-    Kvpacket,
-    /// LookaheadKV's trained rows, run after the prompt, choose what to recompute by their
-    /// attention mass at InfoFlow's scoring layers (needs a lookahead adapter).
-    Lookahead,
-    /// Per request, the fastest of full, ring, none and InfoFlow (at the ratio or coverage
-    /// given) whose expected quality meets the floor ([`crate::auto`]); resolved before the job
-    /// runs, never run itself.
-    Auto,
-}
-
-impl Method {
-    /// Every method, in table order.
-    pub const ALL: [Method; 12] = [
-        Method::Full,
-        Method::None,
-        Method::Infoflow,
-        Method::Prophet,
-        Method::Cacheblend,
-        Method::Epic,
-        Method::Cacheclip,
-        Method::Random,
-        Method::Star,
-        Method::Ring,
-        Method::Kvpacket,
-        Method::Lookahead,
-    ];
-
-    /// Lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Method::Full => "full",
-            Method::None => "none",
-            Method::Infoflow => "infoflow",
-            Method::Prophet => "prophet",
-            Method::Cacheblend => "cacheblend",
-            Method::Epic => "epic",
-            Method::Cacheclip => "cacheclip",
-            Method::Random => "random",
-            Method::Star => "star",
-            Method::Ring => "ring",
-            Method::Kvpacket => "kvpacket",
-            Method::Lookahead => "lookahead",
-            Method::Auto => "auto",
-        }
-    }
-
-    /// Prefix mode the method is defined with.
-    pub fn default_prefix(self) -> PrefixMode {
-        match self {
-            Method::Cacheclip => PrefixMode::Shared,
-            Method::Star => PrefixMode::Anchor,
-            _ => PrefixMode::None,
-        }
-    }
-
-    /// Whether a recompute ratio applies (selectors); `none`, `star` and `kvpacket` recompute nothing,
-    /// `full` runs no chunking at all.
-    pub fn selects(self) -> bool {
-        !matches!(self, Method::Full | Method::None | Method::Star | Method::Ring | Method::Kvpacket | Method::Auto)
-    }
-
-    /// Methods that prefill the whole sequence exactly (no chunk caches).
-    pub fn is_exact_prefill(self) -> bool {
-        matches!(self, Method::Full | Method::Ring)
-    }
-
-    /// Whether the method's selector scores each token by a mass that adds up (attention mass,
-    /// CacheBlend's value deviation), so that a budget by coverage ([`Coverage`]) applies.
-    /// EPIC's and random's scores are orders, not masses.
-    pub fn scores_mass(self) -> bool {
-        matches!(self, Method::Infoflow | Method::Prophet | Method::Cacheblend | Method::Cacheclip | Method::Lookahead)
-    }
-}
-
-impl FromStr for Method {
-    type Err = InputError;
-    fn from_str(s: &str) -> std::result::Result<Self, InputError> {
-        let s = s.trim().to_ascii_lowercase();
-        Method::ALL.into_iter().chain([Method::Auto]).find(|m| m.name() == s).ok_or_else(|| {
-            InputError::new(
-                Field::Method,
-                format!(
-                    "unknown method `{s}`; choose one of: {}, or auto",
-                    Method::ALL.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ")
-                ),
-            )
-        })
-    }
-}
-
-impl std::fmt::Display for Method {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// What a chunk is prefilled behind (methods.md section 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -412,12 +291,13 @@ impl RunOptions {
         self.prefix.unwrap_or(self.method.default_prefix())
     }
 
-    /// The ratio in effect: 0 for `none`/`star`/`kvpacket`, 1 for `full`.
+    /// The ratio in effect: 0 for the methods that recompute nothing (`none`, `star`,
+    /// `kvpacket`), 1 for the exact prefills, else the request's.
     pub fn effective_ratio(&self) -> f64 {
-        match self.method {
-            Method::None | Method::Star | Method::Kvpacket => 0.0,
-            Method::Full | Method::Ring => 1.0,
-            _ => self.ratio,
+        match self.method.info().recompute {
+            Recompute::Nothing => 0.0,
+            Recompute::Everything => 1.0,
+            Recompute::Selected => self.ratio,
         }
     }
 }
@@ -526,7 +406,7 @@ pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
             }
         }
     }
-    if opts.reorder && matches!(opts.method, Method::Full | Method::Star | Method::Ring) {
+    if opts.reorder && !opts.method.info().reorders {
         return Err(bad(Field::Reorder, format!("does not apply to method {}", opts.method)));
     }
     if let Some((a, b)) = opts.score_layers {

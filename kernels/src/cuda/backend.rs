@@ -44,6 +44,7 @@
 
 use super::buffers::{self, ControlCache, DevData, DeviceRope, MatData, Scratch};
 pub use super::buffers::{DeviceBuf, DeviceMat, Mark};
+use super::err;
 use crate::attention::AttnShape;
 use crate::backend::{from_bf16, to_bf16, Backend, DType, HostBuf};
 use crate::error::{check_len, KernelError, Result};
@@ -56,10 +57,6 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
-
-pub(crate) fn err(op: &str, e: impl std::fmt::Debug) -> KernelError {
-    KernelError::Backend { backend: "cuda", detail: format!("{op}: {e:?}") }
-}
 
 pub use crate::device::WeightType;
 

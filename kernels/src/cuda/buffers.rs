@@ -7,7 +7,7 @@
 //! of a layer and allocated again at the next is a pool hit, not a call into the OS, and no
 //! allocation or free waits for the stream.
 
-use super::backend::err;
+use super::err;
 use crate::backend::DType;
 use crate::error::Result;
 use crate::gpu::{Elem, Ptr};

@@ -2,8 +2,9 @@
 //! scratch buffers and launch plans). Buffer growth and copies are in `copies.rs`, the rest of
 //! the op set in `backend.rs`.
 
-use super::backend::{check_same, err, want, CudaBackend};
+use super::backend::{check_same, want, CudaBackend};
 use super::buffers::{DeviceBuf, DeviceMat, MatData};
+use super::err;
 use crate::attention::AttnShape;
 use crate::backend::DType;
 use crate::error::{KernelError, Result};

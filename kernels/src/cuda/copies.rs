@@ -2,8 +2,9 @@
 //! `resize`), appends (all of a buffer or a range of its rows) and row copies (one
 //! device-to-device copy for consecutive rows, the index kernel otherwise).
 
-use super::backend::{check_same, err, want, CudaBackend};
+use super::backend::{check_same, want, CudaBackend};
 use super::buffers::{DevData, DeviceBuf};
+use super::err;
 use crate::error::{KernelError, Result};
 use crate::gpu::ops;
 use crate::gpu::{Elem, Ptr};

@@ -414,7 +414,7 @@ pub fn loadable(lib: &Lib) -> bool {
 /// An error naming `name` and where it was looked for, unless the loader can open it.
 pub fn require(name: &str) -> crate::error::Result<()> {
     match lib(name) {
-        Some(l) if !loadable(l) => Err(super::err(missing(l, &Search::from_env()))),
+        Some(l) if !loadable(l) => Err(super::fail(missing(l, &Search::from_env()))),
         _ => Ok(()),
     }
 }

@@ -3,7 +3,8 @@
 //! carveout) and its occupancy read and checked against its launch shape; flash2's other
 //! configurations loaded on demand (the autotuner, a decision that names one).
 
-use super::backend::{err, CudaBackend};
+use super::backend::CudaBackend;
+use super::err;
 use super::nvrtc;
 use crate::error::Result;
 use crate::gpu;

@@ -37,8 +37,14 @@ pub struct CudaDevice {
     pub total_mem_bytes: usize,
 }
 
-fn err(detail: impl Into<String>) -> KernelError {
+/// A CUDA failure described in words.
+fn fail(detail: impl Into<String>) -> KernelError {
     KernelError::Backend { backend: "cuda", detail: detail.into() }
+}
+
+/// A CUDA call `op` that failed with `e` (every module of the backend reports this way).
+pub(crate) fn err(op: &str, e: impl std::fmt::Debug) -> KernelError {
+    fail(format!("{op}: {e:?}"))
 }
 
 /// True when the CUDA driver library can be loaded.
@@ -102,19 +108,19 @@ pub fn versions() -> Versions {
 /// Lists the GPUs, or says why there are none.
 pub fn devices() -> Result<Vec<CudaDevice>> {
     if !driver_present() {
-        return Err(err("the CUDA driver (libcuda) was not found: no NVIDIA driver on this machine"));
+        return Err(fail("the CUDA driver (libcuda) was not found: no NVIDIA driver on this machine"));
     }
-    let n = CudaContext::device_count().map_err(|e| err(format!("cuInit/cuDeviceGetCount failed: {e:?}")))?;
+    let n = CudaContext::device_count().map_err(|e| fail(format!("cuInit/cuDeviceGetCount failed: {e:?}")))?;
     (0..n.max(0) as usize)
         .map(|ordinal| {
-            let ctx = CudaContext::new(ordinal).map_err(|e| err(format!("device {ordinal}: {e:?}")))?;
+            let ctx = CudaContext::new(ordinal).map_err(|e| fail(format!("device {ordinal}: {e:?}")))?;
             Ok(CudaDevice {
                 ordinal,
-                name: ctx.name().map_err(|e| err(format!("device {ordinal} name: {e:?}")))?,
+                name: ctx.name().map_err(|e| fail(format!("device {ordinal} name: {e:?}")))?,
                 compute_capability: ctx
                     .compute_capability()
-                    .map_err(|e| err(format!("device {ordinal} capability: {e:?}")))?,
-                total_mem_bytes: ctx.total_mem().map_err(|e| err(format!("device {ordinal} memory: {e:?}")))?,
+                    .map_err(|e| fail(format!("device {ordinal} capability: {e:?}")))?,
+                total_mem_bytes: ctx.total_mem().map_err(|e| fail(format!("device {ordinal} memory: {e:?}")))?,
             })
         })
         .collect()

@@ -7,7 +7,7 @@
 //! `scripts/cuda-wheels.sh --nccl` links that name to it, and the program does as much for any
 //! `libnccl.so.2` it finds ([`super::libs`]).
 
-use super::{err, CudaBackend, DeviceBuf};
+use super::{fail, CudaBackend, DeviceBuf};
 use crate::backend::DType;
 use crate::error::Result;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
@@ -72,14 +72,14 @@ fn require() -> Result<()> {
     if present() {
         Ok(())
     } else {
-        Err(err(format!("{}; or use the MPI communicator", super::libs::missing_named("NCCL"))))
+        Err(fail(format!("{}; or use the MPI communicator", super::libs::missing_named("NCCL"))))
     }
 }
 
 /// NCCL's version as (major, minor, patch).
 pub fn version() -> Result<(i32, i32, i32)> {
     require()?;
-    let code = cudarc::nccl::result::get_nccl_version().map_err(|e| err(format!("ncclGetVersion: {e:?}")))?;
+    let code = cudarc::nccl::result::get_nccl_version().map_err(|e| fail(format!("ncclGetVersion: {e:?}")))?;
     // Since NCCL 2.9 the code is major * 10000 + minor * 100 + patch.
     Ok((code / 10000, (code % 10000) / 100, code % 100))
 }
@@ -88,7 +88,7 @@ pub fn version() -> Result<(i32, i32, i32)> {
 /// Needs the library, not a GPU.
 pub fn unique_id() -> Result<[u8; ID_BYTES]> {
     require()?;
-    let id = cudarc::nccl::safe::Id::new().map_err(|e| err(format!("ncclGetUniqueId: {e:?}")))?;
+    let id = cudarc::nccl::safe::Id::new().map_err(|e| fail(format!("ncclGetUniqueId: {e:?}")))?;
     let mut out = [0u8; ID_BYTES];
     for (o, &c) in out.iter_mut().zip(id.internal().iter()) {
         *o = c as u8;
@@ -196,14 +196,14 @@ pub fn communicator(
 ) -> Result<NcclComm> {
     require()?;
     if rank >= world {
-        return Err(err(format!("NCCL rank {rank} outside a world of {world}")));
+        return Err(fail(format!("NCCL rank {rank} outside a world of {world}")));
     }
     if !super::driver_present() {
-        return Err(err(format!(
+        return Err(fail(format!(
             "an NCCL communicator needs a GPU: the CUDA driver (libcuda) was not found (rank {rank} of {world}, cuda:{ordinal})"
         )));
     }
-    let ctx = CudaContext::new(ordinal).map_err(|e| err(format!("cuda:{ordinal} for NCCL rank {rank}: {e:?}")))?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| fail(format!("cuda:{ordinal} for NCCL rank {rank}: {e:?}")))?;
     let mut internal = [0 as std::ffi::c_char; ID_BYTES];
     for (i, &b) in internal.iter_mut().zip(id.iter()) {
         *i = b as std::ffi::c_char;
@@ -223,11 +223,11 @@ pub fn communicator(
             });
             let _ = tx.send(made);
         })
-        .map_err(|e| err(format!("cannot start NCCL initialization: {e}")))?;
+        .map_err(|e| fail(format!("cannot start NCCL initialization: {e}")))?;
     match rx.recv_timeout(timeout) {
         Ok(Ok(RawComm(raw))) => Ok(NcclComm { raw, ctx, ordinal, rank, world, aborted: false }),
-        Ok(Err(e)) => Err(err(format!("ncclCommInitRank (rank {rank} of {world}, cuda:{ordinal}): {e}"))),
-        Err(_) => Err(err(format!(
+        Ok(Err(e)) => Err(fail(format!("ncclCommInitRank (rank {rank} of {world}, cuda:{ordinal}): {e}"))),
+        Err(_) => Err(fail(format!(
             "ncclCommInitRank (rank {rank} of {world}, cuda:{ordinal}): not every rank joined within {:.0} s",
             timeout.as_secs_f64()
         ))),
@@ -266,7 +266,7 @@ impl NcclPlane {
     /// complete within `timeout` fails (see [`NcclPlane::set_timeout`]).
     pub fn new(comm: NcclComm, backend: &CudaBackend, timeout: Duration) -> Result<Self> {
         if comm.ordinal != backend.ordinal() {
-            return Err(err(format!(
+            return Err(fail(format!(
                 "the NCCL communicator is on cuda:{} but the backend on cuda:{}",
                 comm.ordinal,
                 backend.ordinal()
@@ -278,7 +278,7 @@ impl NcclPlane {
         // made from now on (a job's, its caches'). Those made before (the weights) are never
         // sent, received or freed during an exchange.
         unsafe { compute.context().enable_event_tracking() };
-        let stream = compute.context().new_stream().map_err(|e| err(format!("NCCL stream: {e:?}")))?;
+        let stream = compute.context().new_stream().map_err(|e| fail(format!("NCCL stream: {e:?}")))?;
         Ok(Self { comm, compute, stream, pending: None, timeout, broken: None })
     }
 

@@ -13,7 +13,8 @@
 //! fails (a candidate that does not compile, a launch error) says so once and runs the default:
 //! tuning never fails a job.
 
-use super::backend::{err, CudaBackend};
+use super::backend::CudaBackend;
+use super::err;
 use crate::error::Result;
 use crate::gpu::ops::{self, AttnDims, FlashKernel};
 use crate::gpu::tune::{self, ShapeClass, TuneEntry, TuneKey, TuneTable, DEFAULT_BLOCKS_PER_SM};

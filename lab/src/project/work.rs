@@ -16,6 +16,7 @@
 //! this accounting follows.
 
 use super::{ProjectError, Shape};
+use flowprefill_coordinator::method::Build;
 use flowprefill_coordinator::pipeline::{Pipeline, Selection, Step};
 use flowprefill_coordinator::request::{Method, PrefixMode, RunOptions, Scope};
 use flowprefill_coordinator::timings::phase;
@@ -290,16 +291,17 @@ pub fn plan(
 ) -> Result<Work, ProjectError> {
     let p = ranks.max(1);
     let l = shape.n_layers;
-    let per_rank = match opts.method {
-        Method::Full => {
+    let info = opts.method.info();
+    let per_rank = match info.build {
+        _ if !info.projected => return Err(ProjectError::Unsupported { method: opts.method.name().to_string() }),
+        Build::Single => {
             if p != 1 {
                 return Err(ProjectError::Invalid("full prefill runs on one rank".into()));
             }
             vec![full(req, l)]
         }
-        Method::Ring => ring(shape, req, p, kv_bytes),
-        Method::Infoflow | Method::None => chunked(shape, opts, p, req, kv_bytes)?,
-        other => return Err(ProjectError::Unsupported { method: other.name().to_string() }),
+        Build::Ring => ring(shape, req, p, kv_bytes),
+        Build::Chunked | Build::Chosen => chunked(shape, opts, p, req, kv_bytes)?,
     };
     Ok(Work { method: opts.method, ranks: p, per_rank })
 }

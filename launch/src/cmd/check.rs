@@ -3,7 +3,7 @@
 use super::run::engine;
 use crate::Common;
 use anyhow::Result;
-use flowprefill_coordinator::{Method, RunOptions};
+use flowprefill_coordinator::RunOptions;
 use flowprefill_lab::tasks::niah_cases;
 
 /// Arguments of `check`.
@@ -84,11 +84,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     if args.methods.is_none() {
         // The default table has KV Packet and lookahead only where the model has their adapters.
         let lm = engine.model();
-        table.retain(|t| match t.method {
-            Method::Kvpacket => lm.adapter.is_some(),
-            Method::Lookahead => lm.model.lookahead_rows() > 0,
-            _ => true,
-        });
+        table.retain(|t| t.method.info().adapter.is_none_or(|a| a.loaded(lm)));
     }
     let (lengths, depths) = (args.lengths.concat(), args.depths.concat());
     crate::ensure_usage!(

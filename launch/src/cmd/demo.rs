@@ -18,38 +18,28 @@ pub struct Args {
     pub methods: Option<String>,
 }
 
-/// The methods of the demo and check tables.
-pub const TABLE: [MethodSpec; 12] = [
-    spec(Method::Full, false),
-    spec(Method::None, false),
-    spec(Method::Infoflow, false),
-    spec(Method::Infoflow, true),
-    spec(Method::Prophet, false),
-    spec(Method::Cacheblend, false),
-    spec(Method::Epic, false),
-    spec(Method::Cacheclip, false),
-    spec(Method::Random, false),
-    spec(Method::Star, false),
-    spec(Method::Kvpacket, false),
-    spec(Method::Lookahead, false),
-];
-
-const fn spec(method: Method, reorder: bool) -> MethodSpec {
-    MethodSpec { method, reorder, ratio: None, coverage: None }
+/// The methods of the demo and check tables (each method's row says whether it is shown, and
+/// with which reorder settings).
+pub fn all_rows() -> Vec<MethodSpec> {
+    Method::demo_table()
+        .into_iter()
+        .map(|(method, reorder)| MethodSpec { method, reorder, ratio: None, coverage: None })
+        .collect()
 }
 
-/// The rows `--methods` asks for (default: [`TABLE`]), in the table's order, full first. A
+/// The rows `--methods` asks for (default: [`all_rows`]), in the table's order, full first. A
 /// method is written as everywhere else (`NAME[+reorder][@RATIO]`); the one method the table
 /// lacks, ring, needs several ranks.
 pub fn table(list: Option<&str>) -> Result<Vec<MethodSpec>> {
-    let Some(list) = list else { return Ok(TABLE.to_vec()) };
+    let all = all_rows();
+    let Some(list) = list else { return Ok(all) };
     let wanted = MethodSpec::parse_list(list)?;
-    let row = |w: &MethodSpec| TABLE.iter().position(|t| t.method == w.method && t.reorder == w.reorder);
+    let row = |w: &MethodSpec| all.iter().position(|t| t.method == w.method && t.reorder == w.reorder);
     for w in &wanted {
         crate::ensure_usage!(
             row(w).is_some(),
             "--methods: `{w}` is not one of this table's: {} (each may take @RATIO)",
-            TABLE.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+            all.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
         );
     }
     let mut rows = wanted.clone();
@@ -117,12 +107,9 @@ fn question(
     let mut full_ttft = None;
     let mut rows = Vec::new();
     for &spec in table {
-        if spec.method == Method::Kvpacket && engine.model().adapter.is_none() {
-            println!("{:<17} (no KV Packet adapter for this model: give --adapter PATH)", spec.to_string());
-            continue;
-        }
-        if spec.method == Method::Lookahead && engine.model().model.lookahead_rows() == 0 {
-            println!("{:<17} (no LookaheadKV adapter for this model: give --lookahead-adapter PATH)", spec.to_string());
+        if let Some(adapter) = spec.method.info().adapter.filter(|a| !a.loaded(engine.model())) {
+            let (label, flag) = (adapter.label(), adapter.flag());
+            println!("{:<17} (no {label} adapter for this model: give {flag} PATH)", spec.to_string());
             continue;
         }
         engine.store().clear();

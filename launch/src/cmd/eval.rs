@@ -161,8 +161,9 @@ impl Plan {
         let mut primers: Vec<(Method, PrefixMode)> = Vec::new();
         for spec in &self.methods {
             let mode = self.scoring.prefix.unwrap_or(spec.method.default_prefix());
-            let maker = if spec.method == Method::Kvpacket { Method::Kvpacket } else { Method::None };
-            if !matches!(spec.method, Method::Full | Method::Ring) && !primers.contains(&(maker, mode)) {
+            let wraps = spec.method.info().adapter.is_some_and(|a| a.wraps_chunks());
+            let maker = if wraps { spec.method } else { Method::None };
+            if !spec.method.is_exact_prefill() && !primers.contains(&(maker, mode)) {
                 primers.push((maker, mode));
             }
         }
@@ -346,7 +347,7 @@ fn compute(common: &Common, a: &Args, plan: &Plan, pending: usize, runs: &mut [R
                             });
                             let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
                             let mut rec = record(&case, sample, a.prompts, *spec, ratio, &r, &needles);
-                            rec.adapter = adapter_of(&lm, spec.method);
+                            rec.adapter = spec.method.info().adapter.and_then(|a| a.hash(&lm));
                             runs.records.push(rec);
                             progress.inc(&format!("{k}{}", s.label(several)));
                         }
@@ -381,35 +382,24 @@ fn report(a: &Args, plan: &Plan, setting: &Setting, records: Vec<Record>) -> Res
     Ok(())
 }
 
-/// The hash of the trained adapter a method's runs depend on (KV Packet's or LookaheadKV's).
-fn adapter_of<B: flowprefill_kernels::Backend>(
-    lm: &flowprefill_worker::LoadedModel<B>,
-    method: Method,
-) -> Option<String> {
-    match method {
-        Method::Kvpacket => lm.adapter.as_ref().map(|a| a.hash.clone()),
-        Method::Lookahead => lm.model.lookahead_hash().map(str::to_string),
-        _ => None,
-    }
-}
-
-/// KV Packet and lookahead runs already in the results must come from the adapter in use
-/// (another adapter's rows are another method).
+/// The runs of a method with an adapter already in the results must come from the adapter in
+/// use (another adapter's rows are another method).
 fn check_adapter<B: flowprefill_kernels::Backend>(
     records: &[Record],
     lm: &flowprefill_worker::LoadedModel<B>,
     path: &Path,
 ) -> Result<()> {
-    for method in [Method::Kvpacket, Method::Lookahead] {
-        let adapter = adapter_of(lm, method);
+    for method in Method::ALL {
+        let Some(needed) = method.info().adapter else { continue };
+        let adapter = needed.hash(lm);
         if let Some(r) = records.iter().find(|r| r.method.method == method && r.adapter != adapter) {
-            let flag = if method == Method::Kvpacket { "--adapter" } else { "--lookahead-adapter" };
             crate::ensure_usage!(
                 false,
-                "{} holds {method} runs of adapter {} but this eval uses {}; pass another --out or the same {flag}",
+                "{} holds {method} runs of adapter {} but this eval uses {}; pass another --out or the same {}",
                 path.display(),
                 r.adapter.as_deref().unwrap_or("(none)"),
-                adapter.as_deref().unwrap_or("none")
+                adapter.as_deref().unwrap_or("none"),
+                needed.flag()
             );
         }
     }

@@ -71,15 +71,22 @@ pub fn load_profiles(files: &[PathBuf]) -> Result<Profiles> {
     Ok(p)
 }
 
-/// A projected method: label, options (`NAME[@RATIO]`; InfoFlow's ratio defaults to 0.15).
+/// A projected method: label, options (`NAME[@RATIO]`; a selecting method's ratio defaults to 0.15).
 fn parse_methods(list: &str, scope: Scope) -> Result<Vec<(String, RunOptions)>> {
     let mut out = Vec::new();
     for spec in MethodSpec::parse_list(list)? {
         crate::ensure_usage!(
-            matches!(spec.method, Method::Full | Method::Ring | Method::Infoflow | Method::None) && !spec.reorder,
-            "--methods: the projection covers full, ring, infoflow[@ratio] and none, not {spec}"
+            spec.method.info().projected && !spec.reorder,
+            "--methods: the projection covers {}, not {spec}",
+            {
+                let covered = Method::ALL.iter().filter(|m| m.info().projected);
+                covered
+                    .map(|m| if m.selects() { format!("{m}[@ratio]") } else { m.to_string() })
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
         );
-        let spec = if spec.method == Method::Infoflow { spec.at(spec.ratio.unwrap_or(0.15)) } else { spec };
+        let spec = if spec.method.selects() { spec.at(spec.ratio.unwrap_or(0.15)) } else { spec };
         out.push((spec.to_string(), RunOptions { scope, max_new_tokens: 1, ..spec.options(0.15) }));
     }
     Ok(out)
