@@ -313,72 +313,125 @@ fn chunked(
     me: usize,
 ) -> RankMemory {
     let plan = Pipeline::new(opts, &t.chunks, p, s.layers);
-    let local = plan.local_chunks(me);
-    let local_tokens: usize = local.iter().map(|&c| t.chunks[c]).sum();
-    let n = t.context();
-    let lead = me == 0;
-    let prefix = plan.prefix;
-    // Star's anchor: chunk 0's cache (and a placed copy) on every rank holding a later chunk.
-    let anchored = prefix == PrefixMode::Anchor && local.iter().any(|&c| c != 0);
-    let anchor = if anchored && !local.contains(&0) { t.chunks.first().copied().unwrap_or(0) } else { 0 };
-    let anchor_placed = if anchored { t.chunks.first().copied().unwrap_or(0) } else { 0 };
-    let caches = s.kv_token() * (local_tokens + anchor);
-    let head = s.kv_token() * t.head;
-    // The head in the store and placed once (the chunk prefill's copy and the pipeline's are
-    // not alive together).
-    let held = [("chunk caches", caches), ("head", 2 * head)];
-
-    // Phase 1: batches of missing chunks; a chunk attends to the head (and the anchor) when
-    // its prefix mode puts it behind them.
-    let behind = |c: usize| match prefix {
-        PrefixMode::None => c == 0,
-        PrefixMode::Shared | PrefixMode::Anchor => true,
-    };
-    let sources = |c: usize| usize::from(behind(c)) + usize::from(anchored && c != 0) + 1;
-    // The anchor is prefilled alone first, the later chunks after it in batches.
-    let rest: Vec<usize> = local.iter().copied().filter(|&c| !anchored || c != 0).collect();
-    let lens: Vec<usize> = rest.iter().map(|&c| t.chunks[c]).collect();
-    let mut groups: Vec<&[usize]> = if anchored { vec![&[0]] } else { Vec::new() };
-    groups.extend(batches(&lens, DEFAULT_BATCH_TOKENS).into_iter().map(|r| &rest[r]));
-    let mut batch_bytes = 0;
-    for batch in groups {
-        let rows: usize = batch.iter().map(|&c| t.chunks[c]).sum();
-        let single = batch.len() == 1;
-        let per_chunk = batch
-            .iter()
-            .map(|&c| {
-                let m = t.chunks[c];
-                let merged = if sources(c) > 1 { m * s.partial_row() } else { 0 };
-                let gathered = if single { 0 } else { m * (4 * s.qd + 3 * s.kvd * s.kv + 4 * s.qd) };
-                m * s.lse_row() + merged + gathered
-            })
-            .max()
-            .unwrap_or(0);
-        batch_bytes = batch_bytes.max(rows * s.forward_row() + per_chunk + scratch(rows));
-    }
-    let chunk_prefill = Phase::new(
-        phase::CHUNK_PREFILL,
-        &[held[0], held[1], ("anchor", s.kv_token() * anchor_placed), ("activations", batch_bytes)],
-    );
-
-    // After phase 1: every local chunk placed at its global position (the head too on rank 0).
-    let placed = ("placed copies", s.kv_token() * (local_tokens + if lead { t.head } else { 0 }));
-    let segments = local.len() + usize::from(lead);
-    let k = plan.recomputed();
-    let mut phases = vec![chunk_prefill];
-
+    let share = Share::new(s, scratch, t, &plan, me);
+    let mut phases = vec![share.chunk_prefill()];
     // The prompt over the segments: one partial per segment, the tail's and the merge.
     // LookaheadKV's rows follow the prompt in its probe (the prompt's K/V kept meanwhile).
     let probe = opts.method.info().probe;
     let m = t.prompt + if let Probe::Attention { rows_after_prompt, .. } = probe { rows_after_prompt } else { 0 };
-    let replicated = |rows: usize| rows * s.forward_row() + (segments + 2) * rows * s.partial_row();
     if plan.probes {
-        let parts: Vec<(&'static str, usize)> = if probe == Probe::Deviation && !opts.reorder {
+        phases.push(share.probe(opts, &plan, m));
+    }
+    if plan.recomputed() > 0 {
+        phases.push(share.recompute(opts, &plan));
+    }
+    phases.push(share.phase(
+        phase::FINAL_PROMPT,
+        vec![
+            ("prompt and answer tail", s.kv_token() * (m + opts.max_new_tokens)),
+            ("activations", share.replicated(m) + s.logits(1)),
+            ("scratch", scratch(m)),
+        ],
+    ));
+    peak(me, phases)
+}
+
+/// One rank's part of a chunked job: what it holds through every phase, and each phase's terms.
+struct Share<'a> {
+    s: &'a Sizes,
+    scratch: &'a dyn Fn(usize) -> usize,
+    t: &'a Tokens,
+    prefix: PrefixMode,
+    /// The chunks this rank holds, and their tokens.
+    local: Vec<usize>,
+    local_tokens: usize,
+    /// Rank 0 also holds the head as a segment.
+    lead: bool,
+    /// Star's anchor: chunk 0's cache (and a placed copy) on a rank holding a later chunk.
+    anchored: bool,
+    /// The chunk caches and the head, held from the chunk prefill on.
+    held: [(&'static str, usize); 2],
+}
+
+impl<'a> Share<'a> {
+    fn new(s: &'a Sizes, scratch: &'a dyn Fn(usize) -> usize, t: &'a Tokens, plan: &Pipeline, me: usize) -> Self {
+        let local = plan.local_chunks(me);
+        let local_tokens: usize = local.iter().map(|&c| t.chunks[c]).sum();
+        let anchored = plan.prefix == PrefixMode::Anchor && local.iter().any(|&c| c != 0);
+        let anchor = if anchored && !local.contains(&0) { t.chunks.first().copied().unwrap_or(0) } else { 0 };
+        // The head in the store and placed once (the chunk prefill's copy and the pipeline's
+        // are not alive together).
+        let held = [("chunk caches", s.kv_token() * (local_tokens + anchor)), ("head", 2 * s.kv_token() * t.head)];
+        Self { s, scratch, t, prefix: plan.prefix, local, local_tokens, lead: me == 0, anchored, held }
+    }
+
+    /// A phase after the chunk prefill: every local chunk placed at its global position (the
+    /// head too on rank 0) beside what is held, and `parts`.
+    fn phase(&self, name: &'static str, parts: Vec<(&'static str, usize)>) -> Phase {
+        let placed =
+            ("placed copies", self.s.kv_token() * (self.local_tokens + if self.lead { self.t.head } else { 0 }));
+        let mut all = vec![self.held[0], self.held[1], placed];
+        all.extend(parts);
+        Phase::new(name, &all)
+    }
+
+    /// `rows` of queries over the segments: their forward, one partial per segment, the tail's
+    /// and the merge.
+    fn replicated(&self, rows: usize) -> usize {
+        let segments = self.local.len() + usize::from(self.lead);
+        rows * self.s.forward_row() + (segments + 2) * rows * self.s.partial_row()
+    }
+
+    /// Phase 1: batches of missing chunks; a chunk attends to the head (and the anchor) when
+    /// its prefix mode puts it behind them.
+    fn chunk_prefill(&self) -> Phase {
+        let (s, t) = (self.s, self.t);
+        let behind = |c: usize| match self.prefix {
+            PrefixMode::None => c == 0,
+            PrefixMode::Shared | PrefixMode::Anchor => true,
+        };
+        let sources = |c: usize| usize::from(behind(c)) + usize::from(self.anchored && c != 0) + 1;
+        // The anchor is prefilled alone first, the later chunks after it in batches.
+        let rest: Vec<usize> = self.local.iter().copied().filter(|&c| !self.anchored || c != 0).collect();
+        let lens: Vec<usize> = rest.iter().map(|&c| t.chunks[c]).collect();
+        let mut groups: Vec<&[usize]> = if self.anchored { vec![&[0]] } else { Vec::new() };
+        groups.extend(batches(&lens, DEFAULT_BATCH_TOKENS).into_iter().map(|r| &rest[r]));
+        let mut batch_bytes = 0;
+        for batch in groups {
+            let rows: usize = batch.iter().map(|&c| t.chunks[c]).sum();
+            let single = batch.len() == 1;
+            let per_chunk = batch
+                .iter()
+                .map(|&c| {
+                    let m = t.chunks[c];
+                    let merged = if sources(c) > 1 { m * s.partial_row() } else { 0 };
+                    let gathered = if single { 0 } else { m * (4 * s.qd + 3 * s.kvd * s.kv + 4 * s.qd) };
+                    m * s.lse_row() + merged + gathered
+                })
+                .max()
+                .unwrap_or(0);
+            batch_bytes = batch_bytes.max(rows * s.forward_row() + per_chunk + (self.scratch)(rows));
+        }
+        let anchor_placed = if self.anchored { t.chunks.first().copied().unwrap_or(0) } else { 0 };
+        Phase::new(
+            phase::CHUNK_PREFILL,
+            &[self.held[0], self.held[1], ("anchor", s.kv_token() * anchor_placed), ("activations", batch_bytes)],
+        )
+    }
+
+    /// The probe of `m` query rows (the method's probe: its depth, CacheBlend's deviation).
+    fn probe(&self, opts: &RunOptions, plan: &Pipeline, m: usize) -> Phase {
+        let (s, local_tokens) = (self.s, self.local_tokens);
+        let probe = opts.method.info().probe;
+        let parts = if probe == Probe::Deviation && !opts.reorder {
             // Every local token through the first layers, the segments copied per layer, the
             // queries of every rank visiting them (exact scope).
-            let copies = (local_tokens + if lead { t.head } else { 0 }) * s.kv_row();
-            let exact = n * (4 * s.qd + 3 * s.partial_row()) + local_tokens * s.partial_row();
-            vec![("activations", local_tokens * s.forward_row() + copies + exact), ("scratch", scratch(local_tokens))]
+            let copies = (local_tokens + if self.lead { self.t.head } else { 0 }) * s.kv_row();
+            let exact = self.t.context() * (4 * s.qd + 3 * s.partial_row()) + local_tokens * s.partial_row();
+            vec![
+                ("activations", local_tokens * s.forward_row() + copies + exact),
+                ("scratch", (self.scratch)(local_tokens)),
+            ]
         } else {
             let weighted = match probe {
                 Probe::Attention { depth: Depth::AllLayers, .. } => s.layers,
@@ -388,41 +441,29 @@ fn chunked(
             // Pre-RoPE segments are rotated per layer in the other geometries.
             let rotated = if opts.geometry == Geometry::Global { 0 } else { local_tokens * s.kvd * s.kv };
             vec![
-                ("activations", replicated(m) + rotated + weighted * local_tokens * 4),
+                ("activations", self.replicated(m) + rotated + weighted * local_tokens * 4),
                 ("prompt tail", s.kv_token() * m),
-                ("scratch", scratch(m)),
+                ("scratch", (self.scratch)(m)),
             ]
         };
-        let mut all = vec![held[0], held[1], placed];
-        all.extend(parts);
-        phases.push(Phase::new(phase::PROBE, &all));
+        self.phase(phase::PROBE, parts)
     }
-    if k > 0 {
-        // This rank's share of the selection, at most one batch of it per forward.
-        let batch = plan.recompute_batch;
-        let mine = (k * local_tokens).div_ceil(n.max(1)).min(batch);
+
+    /// This rank's share of the selection, at most one batch of it per forward.
+    fn recompute(&self, opts: &RunOptions, plan: &Pipeline) -> Phase {
+        let s = self.s;
+        let (k, batch) = (plan.recomputed(), plan.recompute_batch);
+        let mine = (k * self.local_tokens).div_ceil(self.t.context().max(1)).min(batch);
         let total = k.min(batch);
         let attend = match opts.scope {
             Scope::Exact => total * (4 * s.qd + 3 * s.partial_row()) + mine * s.partial_row(),
             Scope::Sparse => total.saturating_sub(mine) * s.kv_row() + mine * (s.lse_row() + s.partial_row()),
         };
-        phases.push(Phase::new(
+        self.phase(
             phase::RECOMPUTE,
-            &[held[0], held[1], placed, ("activations", mine * s.forward_row() + attend), ("scratch", scratch(mine))],
-        ));
+            vec![("activations", mine * s.forward_row() + attend), ("scratch", (self.scratch)(mine))],
+        )
     }
-    phases.push(Phase::new(
-        phase::FINAL_PROMPT,
-        &[
-            held[0],
-            held[1],
-            placed,
-            ("prompt and answer tail", s.kv_token() * (m + opts.max_new_tokens)),
-            ("activations", replicated(m) + s.logits(1)),
-            ("scratch", scratch(m)),
-        ],
-    ));
-    peak(me, phases)
 }
 
 /// Checks `need` (the bytes of every rank sharing this device, `mine` among them) against

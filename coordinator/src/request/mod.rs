@@ -344,6 +344,13 @@ fn bad(field: Field, problem: impl Into<String>) -> crate::error::CoordError {
 /// checks that need the model (token counts, the context window, scoring layers) are in
 /// [`crate::admit`].
 pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
+    check_budget(opts)?;
+    check_context(req, opts)?;
+    check_knobs(opts)
+}
+
+/// The budget: ratio, coverage, cache slack, quality floor.
+fn check_budget(opts: &RunOptions) -> Result<()> {
     check_ratio(opts.ratio)?;
     if let Some(c) = opts.coverage {
         c.check()?;
@@ -379,6 +386,11 @@ pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
             ));
         }
     }
+    Ok(())
+}
+
+/// The question and the context (and whether its chunks may be reordered).
+fn check_context(req: &Request, opts: &RunOptions) -> Result<()> {
     if req.query.trim().is_empty() {
         return Err(bad(Field::Query, "is missing or empty; give the question to answer"));
     }
@@ -409,6 +421,11 @@ pub fn validate(req: &Request, opts: &RunOptions) -> Result<()> {
     if opts.reorder && !opts.method.info().reorders {
         return Err(bad(Field::Reorder, format!("does not apply to method {}", opts.method)));
     }
+    Ok(())
+}
+
+/// The scoring, eviction, batch and answer-length knobs.
+fn check_knobs(opts: &RunOptions) -> Result<()> {
     if let Some((a, b)) = opts.score_layers {
         if a > b {
             return Err(bad(Field::ScoreLayers, format!("{a}-{b}: the first layer must not exceed the last")));

@@ -35,57 +35,18 @@ impl CudaBackend {
         if rows == 0 || w.rows == 0 {
             return Ok(());
         }
-        let (n, k) = (w.rows, w.cols);
-        let (m_, n_, k_) = (n as i32, rows as i32, k as i32);
-        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        let op_t = cublas_sys::cublasOperation_t::CUBLAS_OP_T;
-        let op_n = cublas_sys::cublasOperation_t::CUBLAS_OP_N;
-        let compute = cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-        let algo = cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
-        let type_of = |d: DType| match d {
-            DType::F32 => cublas_sys::cudaDataType_t::CUDA_R_32F,
-            DType::Bf16 => cublas_sys::cudaDataType_t::CUDA_R_16BF,
-        };
+        let k = w.cols;
         let out_type = out.dtype();
-        let c_type = type_of(out_type);
         let (c, _c) = out.ptr_mut(&self.stream);
-        let handle = *self.blas.handle();
-        let run = |a: u64, b: u64, t, what: &str| {
-            // SAFETY: `a`, `b` and `c` are live device allocations of at least n*k, rows*k
-            // and rows*n elements of their types (the caller checked the lengths; the bf16
-            // scratch holds rows*k); alpha and beta outlive the call; the allocations'
-            // stream-order guards are held until this returns.
-            unsafe {
-                cublas::gemm_ex(
-                    handle,
-                    op_t,
-                    op_n,
-                    m_,
-                    n_,
-                    k_,
-                    &alpha as *const f32 as *const _,
-                    a as *const _,
-                    t,
-                    k_,
-                    b as *const _,
-                    t,
-                    k_,
-                    &beta as *const f32 as *const _,
-                    c.addr as *mut _,
-                    c_type,
-                    m_,
-                    compute,
-                    algo,
-                )
-            }
-            .map_err(|e| err(what, e))
-        };
+        let call =
+            GemmTn { handle: *self.blas.handle(), m: w.rows, n: rows, k, accumulate, c: c.addr, c_type: out_type };
+        let run = |a: u64, b: u64, t: DType, what: &str| call.run(a, b, t, what);
         let (xp, _x) = x.ptr(&self.stream);
         match (&w.data, x.dtype()) {
             (MatData::F32(wd), DType::F32) => {
                 want("matmul_t", "out", out_type, DType::F32)?;
                 let (a, _a) = wd.device_ptr(&self.stream);
-                run(a, xp.addr, type_of(DType::F32), "gemm (f32)")
+                run(a, xp.addr, DType::F32, "gemm (f32)")
             }
             (MatData::F32(_), DType::Bf16) => Err(KernelError::Dtype {
                 op: "matmul_t",
@@ -93,7 +54,7 @@ impl CudaBackend {
             }),
             (MatData::Bf16(wd), DType::Bf16) => {
                 let (a, _a) = wd.device_ptr(&self.stream);
-                run(a, xp.addr, type_of(DType::Bf16), "gemm (bf16)")
+                run(a, xp.addr, DType::Bf16, "gemm (bf16)")
             }
             (MatData::Bf16(wd), DType::F32) => {
                 // f32 activations (an attention output) go to bf16 in a scratch reused across
@@ -104,7 +65,7 @@ impl CudaBackend {
                 let (xbp, _xb) = xb.device_ptr_mut(&self.stream);
                 self.run_built(ops::convert(xp, Ptr::new(xbp, Elem::Bf16), need as u64))?;
                 let (a, _a) = wd.device_ptr(&self.stream);
-                run(a, xbp, type_of(DType::Bf16), "gemm (bf16)")
+                run(a, xbp, DType::Bf16, "gemm (bf16)")
             }
         }
     }
@@ -323,5 +284,62 @@ impl CudaBackend {
         let wide = self.f32_queries(q)?;
         let (qd, _f) = wide.as_ref().unwrap_or(q).ptr(s);
         self.run_built(ops::attention_scores(dims, qd, u(qpp), kd, u(kpp), ld, sd, shape.scale))
+    }
+}
+
+/// One cuBLAS GEMM `C (m x n) = op(A) B + beta C` in column-major terms, A (`k x m`, a
+/// row-major `[m, k]` weight) transposed, B `k x n`, f32 accumulation; beta 1 when
+/// `accumulate`. `c` is the output's device address, of type `c_type`.
+struct GemmTn {
+    handle: cublas_sys::cublasHandle_t,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+    c: u64,
+    c_type: DType,
+}
+
+fn cuda_type(d: DType) -> cublas_sys::cudaDataType_t {
+    match d {
+        DType::F32 => cublas_sys::cudaDataType_t::CUDA_R_32F,
+        DType::Bf16 => cublas_sys::cudaDataType_t::CUDA_R_16BF,
+    }
+}
+
+impl GemmTn {
+    /// Runs it with A at `a` and B at `b`, both of type `t`.
+    fn run(&self, a: u64, b: u64, t: DType, what: &str) -> Result<()> {
+        let (m, n, k) = (self.m as i32, self.n as i32, self.k as i32);
+        let (alpha, beta) = (1.0f32, if self.accumulate { 1.0f32 } else { 0.0 });
+        let t = cuda_type(t);
+        // SAFETY: `a`, `b` and `c` are live device allocations of at least m*k, n*k and m*n
+        // elements of their types (the caller checked the lengths; a bf16 scratch holds n*k);
+        // alpha and beta outlive the call; the caller holds the allocations' stream-order
+        // guards until this returns.
+        unsafe {
+            cublas::gemm_ex(
+                self.handle,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+                cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m,
+                n,
+                k,
+                &alpha as *const f32 as *const _,
+                a as *const _,
+                t,
+                k,
+                b as *const _,
+                t,
+                k,
+                &beta as *const f32 as *const _,
+                self.c as *mut _,
+                cuda_type(self.c_type),
+                m,
+                cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| err(what, e))
     }
 }

@@ -359,52 +359,70 @@ impl Args {
 
 /// Runs the command.
 pub fn run(common: &Common, a: Args) -> Result<()> {
-    if a.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
-        crate::ensure_usage!(
-            false,
-            "the token (--token or FLOWPREFILL_TOKEN) is empty: that would turn authentication off; give a real \
-             token, or unset it and stay on loopback"
-        );
-    }
-    let addr: SocketAddr = a
-        .listen
-        .parse()
-        .map_err(|_| crate::exit::Usage(format!("--listen {}: expected IP:PORT, e.g. 127.0.0.1:8080", a.listen)))?;
-    a.guard(&addr, "--listen")?;
-    let maddr = match &a.metrics_listen {
-        Some(m) => {
-            let maddr: SocketAddr =
-                m.parse().map_err(|_| crate::exit::Usage(format!("--metrics-listen {m}: expected IP:PORT")))?;
-            a.guard(&maddr, "--metrics-listen")?;
-            Some(maddr)
-        }
-        None => None,
-    };
-    let comm_timeout = Duration::try_from_secs_f64(a.comm_timeout)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .context("--comm-timeout must be a positive number of seconds")?;
+    let (addr, maddr, comm_timeout) = a.checked()?;
     let lm = Arc::new(crate::cmd::load_model(common)?);
     let model = crate::cmd::model_label(common)?;
     let cfg = ServeConfig { memory_limit: common.memory_limit, store: common.disk_tier()?, ..a.config(model)? };
-    let faults = flowprefill_coordinator::fault::FaultPlan::from_env();
-    // Thread ranks (the world a failure rebuilds), every rank's store over the disk tier.
-    let threads = |faults| -> Result<(World, Option<WorldFactory>)> {
-        let (ranks, disk) = (a.ranks.unwrap_or(1), common.disk_tier()?);
-        let (w, f) = Service::thread_world_on(
-            lm.clone(),
-            ranks,
-            comm_timeout,
-            faults,
-            common.memory_limit,
-            disk,
-            crate::cmd::chooser(common, false),
-        )?;
-        Ok((w, Some(f)))
+    let Some((world, rebuild)) = world(common, &a, &lm, comm_timeout)? else {
+        return Ok(());
     };
+    let service = Service::start(lm, world, rebuild, cfg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let served = rt.block_on(listen(&service, addr, maddr, a.queue));
+    // Background tasks (metrics listener, upkeep) hold the state: stop them first.
+    rt.shutdown_timeout(Duration::from_secs(2));
+    // The executor drains (nothing is queued any more), stops the ranks and ends.
+    let intact = service.finish(Duration::from_secs(30));
+    served?;
+    anyhow::ensure!(intact, "stopped after a rank failure");
+    eprintln!("stopped");
+    Ok(())
+}
 
+impl Args {
+    /// The token, the addresses and the comm timeout checked before the model loads: the API's
+    /// address, the metrics' (if any), the timeout.
+    fn checked(&self) -> Result<(SocketAddr, Option<SocketAddr>, Duration)> {
+        if self.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+            crate::ensure_usage!(
+                false,
+                "the token (--token or FLOWPREFILL_TOKEN) is empty: that would turn authentication off; give a real \
+                 token, or unset it and stay on loopback"
+            );
+        }
+        let addr: SocketAddr = self.listen.parse().map_err(|_| {
+            crate::exit::Usage(format!("--listen {}: expected IP:PORT, e.g. 127.0.0.1:8080", self.listen))
+        })?;
+        self.guard(&addr, "--listen")?;
+        let maddr = match &self.metrics_listen {
+            Some(m) => {
+                let maddr: SocketAddr =
+                    m.parse().map_err(|_| crate::exit::Usage(format!("--metrics-listen {m}: expected IP:PORT")))?;
+                self.guard(&maddr, "--metrics-listen")?;
+                Some(maddr)
+            }
+            None => None,
+        };
+        let comm_timeout = Duration::try_from_secs_f64(self.comm_timeout)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .context("--comm-timeout must be a positive number of seconds")?;
+        Ok((addr, maddr, comm_timeout))
+    }
+}
+
+/// The world the service computes with: its thread ranks (with the factory a failure rebuilds
+/// them from), or under mpirun this process's rank. `None` on a follower rank, which has run
+/// rank 0's jobs until rank 0 stopped it.
+fn world(
+    common: &Common,
+    a: &Args,
+    lm: &Arc<LoadedModel<Device>>,
+    comm_timeout: Duration,
+) -> Result<Option<(World, Option<WorldFactory>)>> {
+    let faults = flowprefill_coordinator::fault::FaultPlan::from_env();
     #[cfg(feature = "mpi")]
-    let (world, rebuild) = if flowprefill_comm::mpi::launched_by_mpirun() {
+    if flowprefill_comm::mpi::launched_by_mpirun() {
         use flowprefill_comm::Communicator;
         crate::ensure_usage!(
             a.ranks.is_none_or(|r| r == 1),
@@ -424,54 +442,45 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
             keep_running_on_sigterm()?;
             let n = engine.follow(&mut comm)?;
             eprintln!("rank {}: stopped after {n} jobs", comm.rank());
-            return Ok(());
+            return Ok(None);
         }
-        (World::Mpi { comm: Box::new(comm), engine }, None)
-    } else {
-        threads(faults)?
-    };
-    #[cfg(not(feature = "mpi"))]
-    let (world, rebuild) = threads(faults)?;
+        return Ok(Some((World::Mpi { comm: Box::new(comm), engine }, None)));
+    }
+    // Thread ranks (the world a failure rebuilds), every rank's store over the disk tier.
+    let (ranks, disk) = (a.ranks.unwrap_or(1), common.disk_tier()?);
+    let chooser = crate::cmd::chooser(common, false);
+    let (w, f) = Service::thread_world_on(lm.clone(), ranks, comm_timeout, faults, common.memory_limit, disk, chooser)?;
+    Ok(Some((w, Some(f))))
+}
 
-    let service = Service::start(lm, world, rebuild, cfg)?;
-    let ranks = service.shared().ranks;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let served = rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
-            format!("cannot listen on {addr} (is the port in use? pass another --listen, or port 0 for a free one)")
-        })?;
-        println!(
-            "flowprefill serving on http://{} ({ranks} rank(s), queue {}, pid {})",
-            listener.local_addr()?,
-            a.queue,
-            std::process::id()
-        );
-        if let Some(maddr) = maddr {
-            let ml = tokio::net::TcpListener::bind(maddr)
-                .await
-                .with_context(|| format!("cannot listen on {maddr} for metrics (is the port in use?)"))?;
-            println!("metrics on http://{}/metrics", ml.local_addr()?);
-            let mapp = app::metrics_router(service.state.clone());
-            tokio::spawn(async move {
-                let _ = axum::serve(ml, mapp).await;
-            });
-        }
-        let upkeep = service.state.prom.clone();
+/// Serves the API on `addr` (and the metrics on `maddr`) until a signal, then drains.
+async fn listen(service: &Service, addr: SocketAddr, maddr: Option<SocketAddr>, queue: usize) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
+        format!("cannot listen on {addr} (is the port in use? pass another --listen, or port 0 for a free one)")
+    })?;
+    println!(
+        "flowprefill serving on http://{} ({} rank(s), queue {queue}, pid {})",
+        listener.local_addr()?,
+        service.shared().ranks,
+        std::process::id()
+    );
+    if let Some(maddr) = maddr {
+        let ml = tokio::net::TcpListener::bind(maddr)
+            .await
+            .with_context(|| format!("cannot listen on {maddr} for metrics (is the port in use?)"))?;
+        println!("metrics on http://{}/metrics", ml.local_addr()?);
+        let mapp = app::metrics_router(service.state.clone());
         tokio::spawn(async move {
-            let mut t = tokio::time::interval(Duration::from_secs(5));
-            loop {
-                t.tick().await;
-                upkeep.run_upkeep();
-            }
+            let _ = axum::serve(ml, mapp).await;
         });
-        serve(listener, &service, signal()).await
+    }
+    let upkeep = service.state.prom.clone();
+    tokio::spawn(async move {
+        let mut t = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            t.tick().await;
+            upkeep.run_upkeep();
+        }
     });
-    // Background tasks (metrics listener, upkeep) hold the state: stop them first.
-    rt.shutdown_timeout(Duration::from_secs(2));
-    // The executor drains (nothing is queued any more), stops the ranks and ends.
-    let intact = service.finish(Duration::from_secs(30));
-    served?;
-    anyhow::ensure!(intact, "stopped after a rank failure");
-    eprintln!("stopped");
-    Ok(())
+    serve(listener, service, signal()).await
 }

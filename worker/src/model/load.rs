@@ -118,6 +118,118 @@ fn stack(parts: &[RawTensor], dtype: DType, path: &Path) -> Result<(usize, usize
     Ok((rows, cols, data))
 }
 
+/// The loaded weights in [`jobs`]' order, taken one by one.
+struct Pieces<B: Backend>(std::vec::IntoIter<Piece<B>>);
+
+impl<B: Backend> Pieces<B> {
+    fn mat(&mut self) -> Result<B::Mat> {
+        match self.0.next() {
+            Some(Piece::Mat(m)) => Ok(m),
+            _ => Err(internal("loader: expected a matrix")),
+        }
+    }
+
+    fn buf(&mut self) -> Result<B::Buf> {
+        match self.0.next() {
+            Some(Piece::Buf(b)) => Ok(b),
+            _ => Err(internal("loader: expected a vector")),
+        }
+    }
+
+    /// The next block's weights (as [`jobs`] lists them for `cfg`'s architecture).
+    fn layer(&mut self, cfg: &ModelConfig) -> Result<Layer<B>> {
+        let attn_norm = self.buf()?;
+        let wqkv = self.mat()?;
+        let bqkv = if cfg.arch.qkv_bias() { Some(self.buf()?) } else { None };
+        let (q_norm, k_norm) = if cfg.arch.qk_norm() { (Some(self.buf()?), Some(self.buf()?)) } else { (None, None) };
+        Ok(Layer {
+            attn_norm,
+            wqkv,
+            bqkv,
+            q_norm,
+            k_norm,
+            wo: self.mat()?,
+            ffn_norm: self.buf()?,
+            w_gate_up: self.mat()?,
+            w_down: self.mat()?,
+        })
+    }
+}
+
+/// Every weight of `jobs`, read by a reader thread one or two tensors ahead, converted here to
+/// the backend's weight type and handed to it; the time of each step and the bytes read go to
+/// `stats`.
+fn read_and_convert<B: Backend>(
+    file: &GgufFile,
+    jobs: &[Job],
+    backend: &B,
+    stats: &mut LoadStats,
+) -> Result<Vec<Piece<B>>> {
+    let path = file.path().to_path_buf();
+    std::thread::scope(|s| -> Result<Vec<Piece<B>>> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<RawTensor>>(2);
+        let reader = s.spawn(move || {
+            let (mut busy, mut bytes) = (Duration::ZERO, 0u64);
+            for name in jobs.iter().flat_map(|j| j.parts.iter()) {
+                let t = Instant::now();
+                let r = file.raw_tensor(name);
+                busy += t.elapsed();
+                bytes += r.as_ref().map_or(0, |r| r.bytes.len() as u64);
+                let failed = r.is_err();
+                // A closed channel: the loader stopped (an error of its own).
+                if tx.send(r).is_err() || failed {
+                    break;
+                }
+            }
+            (busy, bytes)
+        });
+        let mut out = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let mut parts = Vec::with_capacity(job.parts.len());
+            for _ in &job.parts {
+                parts.push(rx.recv().map_err(|_| internal("the model reader stopped early"))??);
+            }
+            out.push(convert(job, parts, backend, &path, stats)?);
+        }
+        drop(rx);
+        let (busy, bytes) = reader.join().map_err(|_| internal("the model reader panicked"))?;
+        stats.read = busy;
+        stats.bytes = bytes;
+        Ok(out)
+    })
+}
+
+/// One weight from its tensors: Q/K/V and gate/up stacked in the weight type, vectors in f32.
+fn convert<B: Backend>(
+    job: &Job,
+    parts: Vec<RawTensor>,
+    backend: &B,
+    path: &Path,
+    stats: &mut LoadStats,
+) -> Result<Piece<B>> {
+    let t = Instant::now();
+    if job.matrix {
+        let (rows, cols, data) = stack(&parts, backend.weight_dtype(), path)?;
+        drop(parts);
+        stats.convert += t.elapsed();
+        let t = Instant::now();
+        let m = backend.matrix_typed(rows, cols, data)?;
+        stats.upload += t.elapsed();
+        return Ok(Piece::Mat(m));
+    }
+    let mut v = Vec::new();
+    for p in &parts {
+        let at = v.len();
+        v.resize(at + p.len(), 0f32);
+        p.to_f32(&mut v[at..], path)?;
+    }
+    stats.convert += t.elapsed();
+    let t = Instant::now();
+    let b = backend.upload(&v)?;
+    stats.upload += t.elapsed();
+    Ok(Piece::Buf(b))
+}
+
 impl<B: Backend> Model<B> {
     /// A model of `cfg`'s shape with random weights from `seed` ([`crate::synthetic`]): norms
     /// of ones, matrices and biases uniform with standard deviation [`WEIGHT_STD`]. Each matrix
@@ -210,92 +322,16 @@ impl<B: Backend> Model<B> {
             freq_factors.as_deref(),
             cfg.context_length.clamp(1, ROPE_TABLE_MAX),
         )?;
-        let jobs = jobs(&cfg);
-        let want = backend.weight_dtype();
-        let path = file.path().to_path_buf();
         let mut stats = LoadStats::default();
-        let pieces = std::thread::scope(|s| -> Result<Vec<Piece<B>>> {
-            let (tx, rx) = std::sync::mpsc::sync_channel::<Result<RawTensor>>(2);
-            let jobs_ref = &jobs;
-            let reader = s.spawn(move || {
-                let (mut busy, mut bytes) = (Duration::ZERO, 0u64);
-                for name in jobs_ref.iter().flat_map(|j| j.parts.iter()) {
-                    let t = Instant::now();
-                    let r = file.raw_tensor(name);
-                    busy += t.elapsed();
-                    bytes += r.as_ref().map_or(0, |r| r.bytes.len() as u64);
-                    let failed = r.is_err();
-                    // A closed channel: the loader stopped (an error of its own).
-                    if tx.send(r).is_err() || failed {
-                        break;
-                    }
-                }
-                (busy, bytes)
-            });
-            let mut out = Vec::with_capacity(jobs.len());
-            for job in &jobs {
-                let mut parts = Vec::with_capacity(job.parts.len());
-                for _ in &job.parts {
-                    parts.push(rx.recv().map_err(|_| internal("the model reader stopped early"))??);
-                }
-                let t = Instant::now();
-                if job.matrix {
-                    let (rows, cols, data) = stack(&parts, want, &path)?;
-                    drop(parts);
-                    stats.convert += t.elapsed();
-                    let t = Instant::now();
-                    out.push(Piece::Mat(backend.matrix_typed(rows, cols, data)?));
-                    stats.upload += t.elapsed();
-                } else {
-                    let mut v = Vec::new();
-                    for p in &parts {
-                        let at = v.len();
-                        v.resize(at + p.len(), 0f32);
-                        p.to_f32(&mut v[at..], &path)?;
-                    }
-                    stats.convert += t.elapsed();
-                    let t = Instant::now();
-                    out.push(Piece::Buf(backend.upload(&v)?));
-                    stats.upload += t.elapsed();
-                }
-            }
-            drop(rx);
-            let (busy, bytes) = reader.join().map_err(|_| internal("the model reader panicked"))?;
-            stats.read = busy;
-            stats.bytes = bytes;
-            Ok(out)
-        })?;
-        let mut it2 = pieces.into_iter();
-        let take_mat = |it: &mut std::vec::IntoIter<Piece<B>>| match it.next() {
-            Some(Piece::Mat(m)) => Ok(m),
-            _ => Err(internal("loader: expected a matrix")),
-        };
-        let take_buf = |it: &mut std::vec::IntoIter<Piece<B>>| match it.next() {
-            Some(Piece::Buf(b)) => Ok(b),
-            _ => Err(internal("loader: expected a vector")),
-        };
+        let pieces = read_and_convert(file, &jobs(&cfg), &backend, &mut stats)?;
+        let mut pieces = Pieces(pieces.into_iter());
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for _ in 0..cfg.n_layers {
-            let attn_norm = take_buf(&mut it2)?;
-            let wqkv = take_mat(&mut it2)?;
-            let bqkv = if cfg.arch.qkv_bias() { Some(take_buf(&mut it2)?) } else { None };
-            let (q_norm, k_norm) =
-                if cfg.arch.qk_norm() { (Some(take_buf(&mut it2)?), Some(take_buf(&mut it2)?)) } else { (None, None) };
-            layers.push(Layer {
-                attn_norm,
-                wqkv,
-                bqkv,
-                q_norm,
-                k_norm,
-                wo: take_mat(&mut it2)?,
-                ffn_norm: take_buf(&mut it2)?,
-                w_gate_up: take_mat(&mut it2)?,
-                w_down: take_mat(&mut it2)?,
-            });
+            layers.push(pieces.layer(&cfg)?);
         }
-        let embed = take_mat(&mut it2)?;
-        let output = if cfg.tied_embeddings { None } else { Some(take_mat(&mut it2)?) };
-        let out_norm = take_buf(&mut it2)?;
+        let embed = pieces.mat()?;
+        let output = if cfg.tied_embeddings { None } else { Some(pieces.mat()?) };
+        let out_norm = pieces.buf()?;
         let shape = cfg.attn_shape();
         stats.total = t0.elapsed();
         Ok(Self {

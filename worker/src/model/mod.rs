@@ -16,14 +16,16 @@
 //! ```
 //! The layer math calls only [`Backend`] ops, so a device backend reuses this code.
 
+mod block;
 mod load;
 mod profile;
 
+use block::{Acts, Pass};
 pub use load::LoadStats;
 use profile::{Laps, Slot};
 pub use profile::{OpProfile, OpTimes};
 
-use crate::attend::{Attend, LayerInput};
+use crate::attend::Attend;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::interrupt::Check;
@@ -83,6 +85,25 @@ impl ForwardOutput {
             0 => &[],
             n => self.row(n - 1),
         }
+    }
+}
+
+impl Logits<'_> {
+    /// The rows of a forward of `m` tokens that get logits.
+    fn rows(self, m: usize) -> Result<Vec<usize>> {
+        Ok(match self {
+            Logits::None => Vec::new(),
+            Logits::Last => (m > 0).then(|| m - 1).into_iter().collect(),
+            Logits::All => (0..m).collect(),
+            Logits::Rows(r) => {
+                if let Some(&bad) = r.iter().find(|&&i| i >= m) {
+                    return Err(crate::error::internal(format!(
+                        "logit row {bad} requested from a forward of {m} tokens"
+                    )));
+                }
+                r.to_vec()
+            }
+        })
     }
 }
 
@@ -425,127 +446,29 @@ impl<B: Backend> Model<B> {
         if positions.len() != m {
             return Err(crate::error::internal(format!("{m} tokens but {} positions", positions.len())));
         }
-        let lora_of = |l: usize| lora.map(|la| &la.layers[l]);
         let be = &self.backend;
-        let c = &self.cfg;
-        let (d, qd, kvd, ffn) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
-        let qkvd = qd + 2 * kvd;
         let mut laps = Laps::start(be, &self.profile)?;
-        // Activations in the backend's type (bf16 on a GPU with bf16 weights): the residual
-        // stream, norms, projections, the SiLU gate. The attention output stays f32 (partial
-        // results merge in f32); K and V are in the cache's type (a bf16 cache: rounded once,
-        // here).
-        let act = be.act_dtype();
-        let mut x = be.zeros_as(m * d, act)?;
+        let qk_norm = self.layers.iter().any(|l| l.k_norm.is_some());
+        let mut acts = Acts::new(be, &self.cfg, m, qk_norm)?;
         match (input, lora) {
-            (Input::Tokens(tokens), _) => self.embed_into(tokens, &mut x)?,
+            (Input::Tokens(tokens), _) => self.embed_into(tokens, &mut acts.x)?,
             (Input::Lookahead, Some(la)) => {
-                be.copy_rows(&la.rows, &(0..m).collect::<Vec<_>>(), &mut x, &(0..m).collect::<Vec<_>>(), d)?
+                let rows: Vec<usize> = (0..m).collect();
+                be.copy_rows(&la.rows, &rows, &mut acts.x, &rows, self.cfg.d_model)?
             }
             (Input::Lookahead, None) => return Err(crate::error::internal("a lookahead forward without an adapter")),
         }
-        let mut h = be.zeros_as(m * d, act)?;
-        let mut qkv = be.zeros_as(m * qkvd, act)?;
-        let mut q = be.zeros_as(m * qd, act)?;
-        let kv_type = be.kv_dtype();
-        let qk_norm = self.layers.iter().any(|l| l.k_norm.is_some());
-        let mut q_normed = be.zeros_as(if qk_norm { m * qd } else { 0 }, act)?;
-        let mut k_proj = be.zeros_as(if qk_norm { m * kvd } else { 0 }, act)?;
-        let mut k_normed = be.zeros_as(if qk_norm { m * kvd } else { 0 }, act)?;
-        let mut k = be.zeros_as(m * kvd, kv_type)?;
-        let mut k_pre = be.zeros_as(m * kvd, kv_type)?;
-        let mut v = be.zeros_as(m * kvd, kv_type)?;
-        let mut att = be.zeros(m * qd)?;
-        let mut gu = be.zeros_as(m * 2 * ffn, act)?;
-        let mut gated = be.zeros_as(m * ffn, act)?;
         laps.lap(Slot::Elementwise)?;
-
+        let pass = Pass { be, cfg: &self.cfg, rope: &self.rope, shape: &self.shape, positions };
         for (l, layer) in self.layers.iter().enumerate().take(n_layers) {
             check()?;
             let _span = tracing::trace_span!("block", layer = l).entered();
-            be.rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h)?;
-            laps.lap(Slot::NormRope)?;
-            be.matmul_t(&h, m, &layer.wqkv, &mut qkv)?;
-            if let Some(ll) = lora_of(l) {
-                ll.qkv.add(be, &h, m, &mut qkv)?;
-            }
-            laps.lap(Slot::Matmul)?;
-            if let Some(bias) = &layer.bqkv {
-                be.add_bias(&mut qkv, bias)?;
-            }
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                be.copy_columns(&qkv, qkvd, 0, qd, &mut q)?;
-                be.copy_columns(&qkv, qkvd, qd, kvd, &mut k_proj)?;
-                be.copy_columns(&qkv, qkvd, qd + kvd, kvd, &mut v)?;
-                laps.lap(Slot::Elementwise)?;
-                // Per-head RMSNorm (rows of head_dim), through the scratch buffers.
-                be.rms_norm(&q, qn, c.rms_eps, &mut q_normed)?;
-                std::mem::swap(&mut q, &mut q_normed);
-                be.rms_norm(&k_proj, kn, c.rms_eps, &mut k_normed)?;
-                std::mem::swap(&mut k_proj, &mut k_normed);
-                // Pre-RoPE keys as the cache keeps them; the rotated keys from those, exactly
-                // as a chunk cache is placed later (one rotation of the stored values).
-                be.copy_columns(&k_proj, kvd, 0, kvd, &mut k_pre)?;
-                be.copy_columns(&k_pre, kvd, 0, kvd, &mut k)?;
-                be.rope(&mut q, c.n_heads, positions, &self.rope)?;
-                be.rope(&mut k, c.n_kv_heads, positions, &self.rope)?;
-            } else {
-                // The same split and rotations (one pass on a device).
-                let heads = (c.n_heads, c.n_kv_heads);
-                be.split_qkv_rope(&qkv, heads, positions, &self.rope, &mut q, &mut k_pre, &mut k, &mut v)?;
-            }
-            laps.lap(Slot::NormRope)?;
-            let input = LayerInput {
-                backend: be,
-                shape: &self.shape,
-                rope: &self.rope,
-                layer: l,
-                positions,
-                q: &q,
-                k: &k,
-                k_pre: &k_pre,
-                v: &v,
-            };
-            attend.attend(&input, &mut att)?;
-            laps.lap(Slot::Attention)?;
-            // The residual adds happen in the GEMMs' epilogues: x += att Wo, x += gated Wdown.
-            be.matmul_t_acc(&att, m, &layer.wo, &mut x)?;
-            if let Some(ll) = lora_of(l) {
-                ll.o.add(be, &att, m, &mut x)?;
-            }
-            laps.lap(Slot::Matmul)?;
-            be.rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h)?;
-            laps.lap(Slot::NormRope)?;
-            be.matmul_t(&h, m, &layer.w_gate_up, &mut gu)?;
-            if let Some(ll) = lora_of(l) {
-                ll.gate_up.add(be, &h, m, &mut gu)?;
-            }
-            laps.lap(Slot::Matmul)?;
-            be.silu_mul(&gu, ffn, &mut gated)?;
-            laps.lap(Slot::Elementwise)?;
-            be.matmul_t_acc(&gated, m, &layer.w_down, &mut x)?;
-            if let Some(ll) = lora_of(l) {
-                ll.down.add(be, &gated, m, &mut x)?;
-            }
-            laps.lap(Slot::Matmul)?;
+            layer.forward(&pass, l, lora.map(|la| &la.layers[l]), &mut acts, attend, &mut laps)?;
         }
         if n_layers < self.layers.len() {
-            return Ok(ForwardOutput { logits: Vec::new(), rows: Vec::new(), vocab: c.vocab_size });
+            return Ok(ForwardOutput { logits: Vec::new(), rows: Vec::new(), vocab: self.cfg.vocab_size });
         }
-        let rows: Vec<usize> = match logits {
-            Logits::None => Vec::new(),
-            Logits::Last => (m > 0).then(|| m - 1).into_iter().collect(),
-            Logits::All => (0..m).collect(),
-            Logits::Rows(r) => {
-                if let Some(&bad) = r.iter().find(|&&i| i >= m) {
-                    return Err(crate::error::internal(format!(
-                        "logit row {bad} requested from a forward of {m} tokens"
-                    )));
-                }
-                r.to_vec()
-            }
-        };
-        let out = self.logits_of_rows(&x, &rows)?;
+        let out = self.logits_of_rows(&acts.x, &logits.rows(m)?)?;
         laps.lap(Slot::Logits)?;
         Ok(out)
     }

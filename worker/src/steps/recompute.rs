@@ -92,11 +92,29 @@ struct Step<'a, 'c, B: Backend> {
 
 impl<B: Backend> Attend<B> for Step<'_, '_, B> {
     fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
-        let be = x.backend;
-        let (qd, kvd, h, d) = (x.shape.q_dim(), x.shape.kv_dim(), x.shape.n_heads, x.shape.head_dim);
-        let m = x.positions.len();
         // The segments of this layer with this rank's new rows written in.
-        let mut copies: Vec<(B::Buf, B::Buf)> = Vec::new();
+        let copies = self.write_rows(x)?;
+        let local: Vec<KvSource<'_, B>> = match &self.rows {
+            Rows::InPlace(segs) => segs.iter().map(|s| KvSource::layer(s, x.layer)).collect::<Result<_>>()?,
+            Rows::Copies { segments, .. } => {
+                copies.iter().zip(segments.iter()).map(|((k, v), s)| KvSource { k, v, pos: s.positions() }).collect()
+            }
+        };
+        match self.scope {
+            Scope::Sparse => sparse(&mut *self.comm, self.op, self.replicated, x, local, out),
+            Scope::Exact => exact(&mut *self.comm, self.op, x, &local, out),
+        }
+    }
+}
+
+impl<B: Backend> Step<'_, '_, B> {
+    /// Writes this rank's new K/V rows of layer `x.layer` into its segments (in place), or into
+    /// copies of them that it returns (CacheBlend's probe, which also measures the value
+    /// deviation at its check layer).
+    fn write_rows(&mut self, x: &LayerInput<'_, B>) -> Result<Vec<(B::Buf, B::Buf)>> {
+        let be = x.backend;
+        let kvd = x.shape.kv_dim();
+        let mut copies = Vec::new();
         match &mut self.rows {
             Rows::InPlace(segs) => {
                 for (seg, toks, rows) in &self.groups {
@@ -128,129 +146,134 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
                 }
             }
         }
-        let local: Vec<KvSource<'_, B>> = match &self.rows {
-            Rows::InPlace(segs) => segs.iter().map(|s| KvSource::layer(s, x.layer)).collect::<Result<_>>()?,
-            Rows::Copies { segments, .. } => {
-                copies.iter().zip(segments.iter()).map(|((k, v), s)| KvSource { k, v, pos: s.positions() }).collect()
+        Ok(copies)
+    }
+}
+
+/// The sparse scope: other ranks' selected rows travel (own rows are already in the segments),
+/// and this rank's rows attend to its segments, the replicated head and those rows.
+fn sparse<B: Backend>(
+    comm: &mut dyn Communicator,
+    op: &str,
+    replicated: Option<&KvCache<B>>,
+    x: &LayerInput<'_, B>,
+    local: Vec<KvSource<'_, B>>,
+    out: &mut B::Buf,
+) -> Result<()> {
+    let be = x.backend;
+    let kvd = x.shape.kv_dim();
+    let op = format!("{op}.kv");
+    // A world of one has nobody to send to: nothing is staged.
+    let got = all_gather_bufs(comm, be, &op, x.positions, &[x.k, x.v], &per_row([kvd, kvd]))?;
+    let mut remote = Vec::new();
+    for (_, (pos, bufs)) in got {
+        let [k, v]: [B::Buf; 2] =
+            bufs.try_into().map_err(|_| crate::error::internal(format!("`{op}`: rows without K and V")))?;
+        remote.push((pos, k, v));
+    }
+    let mut sources = Vec::with_capacity(local.len() + remote.len() + 1);
+    if let Some(r) = replicated {
+        sources.push(KvSource::layer(r, x.layer)?);
+    }
+    sources.extend(local);
+    sources.extend(remote.iter().map(|(pos, k, v)| KvSource { k, v, pos }));
+    let mut lse = be.zeros(x.positions.len() * x.shape.n_heads)?;
+    attend_over(be, x.shape, x.q, x.positions, &sources, out, &mut lse)
+}
+
+/// The exact scope (pass-Q): every rank's queries visit this rank's segments, the partials go
+/// back to their owners, and this rank merges the partials of its own queries in rank order.
+fn exact<B: Backend>(
+    comm: &mut dyn Communicator,
+    op: &str,
+    x: &LayerInput<'_, B>,
+    local: &[KvSource<'_, B>],
+    out: &mut B::Buf,
+) -> Result<()> {
+    let be = x.backend;
+    let (qd, h, m) = (x.shape.q_dim(), x.shape.n_heads, x.positions.len());
+    let (me, n) = (comm.rank(), comm.size());
+    let (all_q, all_pos, counts) = gather_queries(comm, &format!("{op}.q"), x)?;
+    let total = all_pos.len();
+    let mut po = be.zeros(total * qd)?;
+    let mut pl = be.zeros(total * h)?;
+    if total > 0 {
+        attend_over(be, x.shape, &all_q, &all_pos, local, &mut po, &mut pl)?;
+    }
+    // Rows of rank r's queries start at offsets[r]; cut them out on the device.
+    let offsets: Vec<usize> = counts.iter().scan(0, |acc, &c| Some(std::mem::replace(acc, *acc + c))).collect();
+    let rows_of = |r: usize| -> Result<(B::Buf, B::Buf)> {
+        let (s, c) = (offsets[r], counts[r]);
+        let (mut o, mut l) = (be.zeros(c * qd)?, be.zeros(c * h)?);
+        if c > 0 {
+            let src: Vec<usize> = (s..s + c).collect();
+            let dst: Vec<usize> = (0..c).collect();
+            be.copy_rows(&po, &src, &mut o, &dst, qd)?;
+            be.copy_rows(&pl, &src, &mut l, &dst, h)?;
+        }
+        Ok((o, l))
+    };
+    let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
+    let mine: Vec<(B::Buf, B::Buf)> = others.iter().map(|&r| rows_of(r)).collect::<Result<_>>()?;
+    let sends = others.iter().zip(&mine).map(|(&r, (o, l))| (r, (0..counts[r] as u32).collect(), vec![o, l])).collect();
+    let op = format!("{op}.partials");
+    let back = exchange_bufs(comm, be, &op, sends, others, &per_row([qd, h]))?;
+    // Merge the partials for this rank's queries in rank order, on the device.
+    let mut acc: Option<(B::Buf, B::Buf)> = None;
+    let mut back = back.into_iter();
+    for r in 0..n {
+        let (o, l) = if r == me {
+            rows_of(r)?
+        } else {
+            let (rows, bufs) =
+                back.next().ok_or_else(|| WorkerError::Protocol { rank: r, detail: format!("`{op}`: no partials") })?;
+            if rows.len() != m {
+                return Err(WorkerError::Protocol {
+                    rank: r,
+                    detail: format!("`{op}`: partials for {} rows, expected {m}", rows.len()),
+                });
             }
+            let [o, l]: [B::Buf; 2] =
+                bufs.try_into().map_err(|_| crate::error::internal(format!("`{op}`: partials without out and lse")))?;
+            (o, l)
         };
-        let me = self.comm.rank();
-        let n = self.comm.size();
-        match self.scope {
-            Scope::Sparse => {
-                // Other ranks' selected rows travel; own rows are already in the segments.
-                let op = format!("{}.kv", self.op);
-                // A world of one has nobody to send to: nothing is staged.
-                let lens = per_row([kvd, kvd]);
-                let got = all_gather_bufs(&mut *self.comm, be, &op, x.positions, &[x.k, x.v], &lens)?;
-                let mut remote = Vec::new();
-                for (_, (pos, bufs)) in got {
-                    let [k, v]: [B::Buf; 2] =
-                        bufs.try_into().map_err(|_| crate::error::internal(format!("`{op}`: rows without K and V")))?;
-                    remote.push((pos, k, v));
-                }
-                let mut sources = local;
-                if let Some(r) = self.replicated {
-                    sources.insert(0, KvSource::layer(r, x.layer)?);
-                }
-                for (pos, k, v) in &remote {
-                    sources.push(KvSource { k, v, pos });
-                }
-                let mut lse = be.zeros(m * h)?;
-                attend_over(be, x.shape, x.q, x.positions, &sources, out, &mut lse)
-            }
-            Scope::Exact => {
-                // Pass-Q: every rank's queries visit every rank's segments.
-                let op = format!("{}.q", self.op);
-                let lens = per_row([qd]);
-                let got = all_gather_bufs(&mut *self.comm, be, &op, x.positions, &[x.q], &lens)?;
-                let mut got = got.into_iter();
-                let mut all_pos = Vec::new();
-                let mut all_q = be.zeros_as(0, be.dtype(x.q))?;
-                let mut counts = Vec::with_capacity(n);
-                for r in 0..n {
-                    if r == me {
-                        counts.push(m);
-                        all_pos.extend_from_slice(x.positions);
-                        be.append(&mut all_q, x.q)?;
-                    } else {
-                        let (_, (pos, bufs)) = got
-                            .next()
-                            .ok_or_else(|| WorkerError::Protocol { rank: r, detail: format!("`{op}`: no queries") })?;
-                        let q =
-                            bufs.first().ok_or_else(|| crate::error::internal(format!("`{op}`: rows without Q")))?;
-                        counts.push(pos.len());
-                        all_pos.extend(pos);
-                        be.append(&mut all_q, q)?;
-                    }
-                }
-                let total = all_pos.len();
-                let mut po = be.zeros(total * qd)?;
-                let mut pl = be.zeros(total * h)?;
-                if total > 0 {
-                    attend_over(be, x.shape, &all_q, &all_pos, &local, &mut po, &mut pl)?;
-                }
-                // Rows of rank r's queries start at offsets[r]; cut them out on the device.
-                let offsets: Vec<usize> = counts
-                    .iter()
-                    .scan(0, |acc, &c| {
-                        let s = *acc;
-                        *acc += c;
-                        Some(s)
-                    })
-                    .collect();
-                let rows_of = |r: usize| -> Result<(B::Buf, B::Buf)> {
-                    let (s, c) = (offsets[r], counts[r]);
-                    let (mut o, mut l) = (be.zeros(c * qd)?, be.zeros(c * h)?);
-                    if c > 0 {
-                        let src: Vec<usize> = (s..s + c).collect();
-                        let dst: Vec<usize> = (0..c).collect();
-                        be.copy_rows(&po, &src, &mut o, &dst, qd)?;
-                        be.copy_rows(&pl, &src, &mut l, &dst, h)?;
-                    }
-                    Ok((o, l))
-                };
-                let mine: Vec<(B::Buf, B::Buf)> = (0..n).filter(|&r| r != me).map(&rows_of).collect::<Result<_>>()?;
-                let others: Vec<usize> = (0..n).filter(|&r| r != me).collect();
-                let sends = others
-                    .iter()
-                    .zip(&mine)
-                    .map(|(&r, (o, l))| (r, (0..counts[r] as u32).collect(), vec![o, l]))
-                    .collect();
-                let op = format!("{}.partials", self.op);
-                let lens = per_row([qd, h]);
-                let back = exchange_bufs(&mut *self.comm, be, &op, sends, others.clone(), &lens)?;
-                // Merge the partials for this rank's queries in rank order, on the device.
-                let mut acc: Option<(B::Buf, B::Buf)> = None;
-                let mut back = back.into_iter();
-                for r in 0..n {
-                    let (o, l) = if r == me {
-                        rows_of(r)?
-                    } else {
-                        let (rows, bufs) = back
-                            .next()
-                            .ok_or_else(|| WorkerError::Protocol { rank: r, detail: format!("`{op}`: no partials") })?;
-                        if rows.len() != m {
-                            return Err(WorkerError::Protocol {
-                                rank: r,
-                                detail: format!("`{op}`: partials for {} rows, expected {m}", rows.len()),
-                            });
-                        }
-                        let [o, l]: [B::Buf; 2] = bufs
-                            .try_into()
-                            .map_err(|_| crate::error::internal(format!("`{op}`: partials without out and lse")))?;
-                        (o, l)
-                    };
-                    merge_into(be, &mut acc, o, l, d)?;
-                }
-                *out = match acc {
-                    Some((o, _)) => o,
-                    None => be.zeros(m * qd)?,
-                };
-                Ok(())
-            }
+        merge_into(be, &mut acc, o, l, x.shape.head_dim)?;
+    }
+    *out = match acc {
+        Some((o, _)) => o,
+        None => be.zeros(m * qd)?,
+    };
+    Ok(())
+}
+
+/// Every rank's queries of this layer in rank order (this rank's own in its place), with their
+/// positions and each rank's row count.
+fn gather_queries<B: Backend>(
+    comm: &mut dyn Communicator,
+    op: &str,
+    x: &LayerInput<'_, B>,
+) -> Result<(B::Buf, Vec<u32>, Vec<usize>)> {
+    let be = x.backend;
+    let (me, n) = (comm.rank(), comm.size());
+    let mut got = all_gather_bufs(comm, be, op, x.positions, &[x.q], &per_row([x.shape.q_dim()]))?.into_iter();
+    let mut all_pos = Vec::new();
+    let mut all_q = be.zeros_as(0, be.dtype(x.q))?;
+    let mut counts = Vec::with_capacity(n);
+    for r in 0..n {
+        if r == me {
+            counts.push(x.positions.len());
+            all_pos.extend_from_slice(x.positions);
+            be.append(&mut all_q, x.q)?;
+        } else {
+            let (_, (pos, bufs)) =
+                got.next().ok_or_else(|| WorkerError::Protocol { rank: r, detail: format!("`{op}`: no queries") })?;
+            let q = bufs.first().ok_or_else(|| crate::error::internal(format!("`{op}`: rows without Q")))?;
+            counts.push(pos.len());
+            all_pos.extend(pos);
+            be.append(&mut all_q, q)?;
         }
     }
+    Ok((all_q, all_pos, counts))
 }
 
 /// Global position batches of at most `batch` targets, from every rank's target positions

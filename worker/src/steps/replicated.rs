@@ -266,18 +266,15 @@ fn merge_at_root<B: Backend>(
     }
 }
 
-impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
-    fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
-        if x.layer != self.layers_done {
-            return Err(crate::error::internal(format!(
-                "layer {} out of order (expected {})",
-                x.layer, self.layers_done
-            )));
-        }
+impl<B: Backend> Replicated<'_, '_, B> {
+    /// The queries' partial over each local segment that has keys (an empty one contributes
+    /// nothing), with each segment's keys rotated to its positions where the cache keeps them
+    /// pre-RoPE (`None`: its own keys serve).
+    #[allow(clippy::type_complexity)]
+    fn local_partials(&self, x: &LayerInput<'_, B>) -> Result<(Vec<Option<B::Buf>>, Vec<Partial<B>>)> {
         let be = x.backend;
         let m = x.positions.len();
-        let (qd, kvd, h, d) = (x.shape.q_dim(), x.shape.kv_dim(), x.shape.n_heads, x.shape.head_dim);
-        // Local partials, one per segment that has keys (an empty one contributes nothing).
+        let (qd, kvd, h) = (x.shape.q_dim(), x.shape.kv_dim(), x.shape.n_heads);
         let mut rotated: Vec<Option<B::Buf>> = Vec::with_capacity(self.local.len());
         let mut parts: Vec<Partial<B>> = Vec::with_capacity(self.local.len());
         for s in &self.local {
@@ -293,20 +290,58 @@ impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
             if !s.positions.is_empty() && m > 0 {
                 let mut o = be.zeros(m * qd)?;
                 let mut l = be.zeros(m * h)?;
-                be.attention(
-                    x.shape,
-                    x.q,
-                    x.positions,
-                    rot.as_ref().unwrap_or(&layer.k),
-                    &layer.v,
-                    &s.positions,
-                    &mut o,
-                    &mut l,
-                )?;
+                let k = rot.as_ref().unwrap_or(&layer.k);
+                be.attention(x.shape, x.q, x.positions, k, &layer.v, &s.positions, &mut o, &mut l)?;
                 parts.push((s.id, o, l));
             }
             rotated.push(rot);
         }
+        Ok((rotated, parts))
+    }
+
+    /// The local keys' scores under the merged normaliser `lse`: per KV head for the eviction
+    /// window, and the layer's weighted attention mass.
+    fn score_local(&mut self, x: &LayerInput<'_, B>, rotated: &[Option<B::Buf>], lse: &B::Buf) -> Result<()> {
+        let be = x.backend;
+        if self.head_window > 0 {
+            for (i, (s, rot)) in self.local.iter().zip(rotated).enumerate() {
+                if s.positions.is_empty() {
+                    continue;
+                }
+                let k = rot.as_ref().unwrap_or(&s.cache.layer(x.layer).k);
+                let w = self.head_window;
+                let sc = crate::evict::kv_head_scores(be, x.shape, x.q, x.positions, k, &s.positions, lse, w)?;
+                self.head_pending.push((i, x.layer, sc));
+            }
+        }
+        let w = self.weights.get(x.layer).copied().unwrap_or(0.0);
+        if w > 0.0 && !x.positions.is_empty() {
+            for (i, (s, rot)) in self.local.iter().zip(rotated).enumerate() {
+                if s.positions.is_empty() {
+                    continue;
+                }
+                let k = rot.as_ref().unwrap_or(&s.cache.layer(x.layer).k);
+                let mut sc = be.zeros(s.positions.len())?;
+                be.attention_scores(x.shape, x.q, x.positions, k, &s.positions, lse, &mut sc)?;
+                self.pending.push((i, w, sc));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
+    fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
+        if x.layer != self.layers_done {
+            return Err(crate::error::internal(format!(
+                "layer {} out of order (expected {})",
+                x.layer, self.layers_done
+            )));
+        }
+        let be = x.backend;
+        let m = x.positions.len();
+        let (qd, h, d) = (x.shape.q_dim(), x.shape.n_heads, x.shape.head_dim);
+        let (rotated, parts) = self.local_partials(x)?;
         // Every rank's partials, merged at rank 0 in global segment order, then broadcast:
         // identical on every rank, and (P-1) x (local + merged) bytes instead of an all-gather.
         let mut acc = merge_at_root(be, self.comm, self.op, parts, m * qd, m * h, d)?;
@@ -330,31 +365,6 @@ impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
             return Ok(());
         };
         *out = acc_o;
-        if self.head_window > 0 {
-            for (i, (s, rot)) in self.local.iter().zip(&rotated).enumerate() {
-                if s.positions.is_empty() {
-                    continue;
-                }
-                let k = rot.as_ref().unwrap_or(&s.cache.layer(x.layer).k);
-                let w = self.head_window;
-                let sc = crate::evict::kv_head_scores(be, x.shape, x.q, x.positions, k, &s.positions, &acc_l, w)?;
-                self.head_pending.push((i, x.layer, sc));
-            }
-        }
-        // Scores of the local keys under the merged normaliser.
-        let w = self.weights.get(x.layer).copied().unwrap_or(0.0);
-        if w > 0.0 && m > 0 {
-            let lse = &acc_l;
-            for (i, (s, rot)) in self.local.iter().zip(&rotated).enumerate() {
-                if s.positions.is_empty() {
-                    continue;
-                }
-                let k = rot.as_ref().unwrap_or(&s.cache.layer(x.layer).k);
-                let mut sc = be.zeros(s.positions.len())?;
-                be.attention_scores(x.shape, x.q, x.positions, k, &s.positions, lse, &mut sc)?;
-                self.pending.push((i, w, sc));
-            }
-        }
-        Ok(())
+        self.score_local(x, &rotated, &acc_l)
     }
 }

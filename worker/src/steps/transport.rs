@@ -68,29 +68,7 @@ pub(crate) fn post_bufs<B: Backend>(
         }
     }
     if comm.plane().is_none() {
-        let mut msgs: Vec<(usize, Vec<u8>)> = Vec::with_capacity(sends.len());
-        for (i, (to, rows, bufs)) in sends.iter().enumerate() {
-            // The same rows and buffers to several peers (an all-gather) are staged once.
-            let same = i > 0 && {
-                let (_, r0, b0) = &sends[i - 1];
-                r0 == rows && b0.len() == bufs.len() && b0.iter().zip(bufs).all(|(a, b)| std::ptr::eq(*a, *b))
-            };
-            let bytes = match msgs.last() {
-                Some((_, prev)) if same => prev.clone(),
-                _ => {
-                    let mut p = Packet::new().u32s(rows);
-                    for b in bufs {
-                        p = match be.stage_out(b)? {
-                            HostBuf::F32(v) => p.u32s(&[DType::F32.code()]).f32s(&v),
-                            HostBuf::Bf16(v) => p.u32s(&[DType::Bf16.code()]).u16s(&v),
-                        };
-                    }
-                    p.into_bytes()
-                }
-            };
-            msgs.push((*to, bytes));
-        }
-        comm.post(op, msgs, from.clone()).map_err(comm_err)?;
+        comm.post(op, staged(be, &sends)?, from.clone()).map_err(comm_err)?;
         return Ok(Posted::Staged { op: op.to_string(), from });
     }
     // Control first: rows and the buffers' element types tell every receiver what to receive.
@@ -103,9 +81,65 @@ pub(crate) fn post_bufs<B: Backend>(
         .collect();
     comm.post(op, control, from.clone()).map_err(comm_err)?;
     let got = comm.wait().map_err(comm_err)?;
+    let (rows, typed_lens) = read_control(op, &from, &got, lens)?;
+    // Empty buffers are not transferred (both sides know their length is zero).
+    let dev_sends: Vec<(usize, &B::Buf)> = sends
+        .iter()
+        .flat_map(|(to, _, bufs)| bufs.iter().map(move |b| (*to, *b)))
+        .filter(|(_, b)| be.len(b) > 0)
+        .collect();
+    let mut receives = Vec::new();
+    for (&r, l) in from.iter().zip(&typed_lens) {
+        for &(n, t) in l.iter().filter(|(n, _)| *n > 0) {
+            receives.push((r, be.zeros_as(n, t)?));
+        }
+    }
+    let sent = dev_sends.iter().map(|(_, b)| be.bytes(b)).sum();
+    let plane = comm.plane().ok_or_else(|| internal("the device plane went away"))?;
+    typed::<B::Buf>(plane).and_then(|p| p.issue(op, &dev_sends, receives)).map_err(comm_err)?;
+    Ok(Posted::Device { op: op.to_string(), from, rows, lens: typed_lens, sent, t0: Instant::now() })
+}
+
+/// The host messages of a staged exchange: each peer's rows and its buffers' values, tagged
+/// with their element type.
+fn staged<B: Backend>(be: &B, sends: &[Outgoing<'_, B>]) -> Result<Vec<(usize, Vec<u8>)>> {
+    let mut msgs: Vec<(usize, Vec<u8>)> = Vec::with_capacity(sends.len());
+    for (i, (to, rows, bufs)) in sends.iter().enumerate() {
+        // The same rows and buffers to several peers (an all-gather) are staged once.
+        let same = i > 0 && {
+            let (_, r0, b0) = &sends[i - 1];
+            r0 == rows && b0.len() == bufs.len() && b0.iter().zip(bufs).all(|(a, b)| std::ptr::eq(*a, *b))
+        };
+        let bytes = match msgs.last() {
+            Some((_, prev)) if same => prev.clone(),
+            _ => {
+                let mut p = Packet::new().u32s(rows);
+                for b in bufs {
+                    p = match be.stage_out(b)? {
+                        HostBuf::F32(v) => p.u32s(&[DType::F32.code()]).f32s(&v),
+                        HostBuf::Bf16(v) => p.u32s(&[DType::Bf16.code()]).u16s(&v),
+                    };
+                }
+                p.into_bytes()
+            }
+        };
+        msgs.push((*to, bytes));
+    }
+    Ok(msgs)
+}
+
+/// The rows each rank of `from` sends and the length and element type of each of its buffers,
+/// from the control messages `got` of a device exchange.
+#[allow(clippy::type_complexity)]
+fn read_control(
+    op: &str,
+    from: &[usize],
+    got: &[Vec<u8>],
+    lens: Lens<'_>,
+) -> Result<(Vec<Vec<u32>>, Vec<Vec<(usize, DType)>>)> {
     let mut rows = Vec::with_capacity(from.len());
     let mut typed_lens: Vec<Vec<(usize, DType)>> = Vec::with_capacity(from.len());
-    for (&r, b) in from.iter().zip(&got) {
+    for (&r, b) in from.iter().zip(got) {
         let mut u = Unpack::new(r, op, b);
         let v = u.u32s().map_err(protocol)?;
         let types = u.u32s().map_err(protocol)?;
@@ -128,22 +162,7 @@ pub(crate) fn post_bufs<B: Backend>(
         rows.push(v);
         typed_lens.push(tl);
     }
-    // Empty buffers are not transferred (both sides know their length is zero).
-    let dev_sends: Vec<(usize, &B::Buf)> = sends
-        .iter()
-        .flat_map(|(to, _, bufs)| bufs.iter().map(move |b| (*to, *b)))
-        .filter(|(_, b)| be.len(b) > 0)
-        .collect();
-    let mut receives = Vec::new();
-    for (&r, l) in from.iter().zip(&typed_lens) {
-        for &(n, t) in l.iter().filter(|(n, _)| *n > 0) {
-            receives.push((r, be.zeros_as(n, t)?));
-        }
-    }
-    let sent = dev_sends.iter().map(|(_, b)| be.bytes(b)).sum();
-    let plane = comm.plane().ok_or_else(|| internal("the device plane went away"))?;
-    typed::<B::Buf>(plane).and_then(|p| p.issue(op, &dev_sends, receives)).map_err(comm_err)?;
-    Ok(Posted::Device { op: op.to_string(), from, rows, lens: typed_lens, sent, t0: Instant::now() })
+    Ok((rows, typed_lens))
 }
 
 /// Completes [`post_bufs`]: (rows, buffers) of each rank of `from`, in that order.
