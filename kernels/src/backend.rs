@@ -542,7 +542,10 @@ pub struct Memory {
 }
 
 mod cpu;
+mod forward;
 pub use cpu::{host_available_bytes, Cpu};
+pub(crate) use forward::forward_backend_with;
+pub use forward::Wrapper;
 
 #[cfg(test)]
 mod tests {

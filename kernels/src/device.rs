@@ -1,16 +1,15 @@
 //! The backend chosen at run time (`--device cpu|cuda[:N]`): one type for the command line to
 //! hold, dispatching each op to the CPU or to a GPU. The model and the engine stay generic
-//! over [`Backend`]; this is only how a binary picks one without being generic itself (a
-//! match per op call, negligible next to the op).
+//! over [`Backend`](crate::Backend); this is only how a binary picks one without being generic
+//! itself (a match per op call, negligible next to the op). The dispatch is written once per
+//! kind of op (`device_op!`) over the list of ops in `backend/forward.rs`.
 //!
 //! A build without the `cuda` feature has only the CPU; asking it for `cuda` is an error that
 //! says how to build with it.
 
-use crate::attention::AttnShape;
-use crate::backend::{Backend, Cpu, DType, HostBuf};
+use crate::backend::{Cpu, DType, HostBuf};
 use crate::error::{KernelError, Result};
 use crate::matmul::Matrix;
-use crate::rope::RopeTable;
 #[cfg(feature = "cuda")]
 use std::sync::Arc;
 
@@ -42,7 +41,7 @@ pub enum DevMat {
     Cuda(crate::cuda::DeviceMat),
 }
 
-/// A [`Backend::mark`] of a [`Device`].
+/// A [`Backend::mark`](crate::Backend::mark) of a [`Device`].
 #[derive(Clone)]
 pub enum DevMark {
     /// On the CPU.
@@ -170,28 +169,7 @@ fn mixed(op: &'static str) -> KernelError {
     KernelError::Backend { backend: "device", detail: format!("{op}: buffers of different devices") }
 }
 
-/// Dispatches an op to the device's backend, unwrapping each listed buffer or matrix to that
-/// device's variant (one on another device is an error).
-macro_rules! dispatch {
-    ($self:ident, $op:literal, |$be:ident| $body:expr, $($buf:ident),*) => {
-        match $self {
-            Device::Cpu($be) => {
-                let _span = crate::host_time::span($op);
-                $( let Some($buf) = $buf.on_cpu() else { return Err(mixed($op)) }; )*
-                $body
-            }
-            #[cfg(feature = "cuda")]
-            Device::Cuda($be) => {
-                let _span = crate::host_time::span($op);
-                let $be = &**$be;
-                $( let Some($buf) = $buf.on_cuda() else { return Err(mixed($op)) }; )*
-                $body
-            }
-        }
-    };
-}
-
-/// A buffer or matrix reference unwrapped to one device's variant.
+/// A buffer, matrix or mark reference unwrapped to one device's variant.
 trait Variant: Sized {
     type Cpu;
     #[cfg(feature = "cuda")]
@@ -201,7 +179,7 @@ trait Variant: Sized {
     fn on_cuda(self) -> Option<Self::Cuda>;
 }
 
-/// Implements [`Variant`] for a reference to an enum of [`Device`]'s buffers or matrices.
+/// Implements [`Variant`] for a reference to an enum of [`Device`]'s buffers, matrices or marks.
 macro_rules! variant {
     ($ty:ty, $enum:ident, $cpu:ty, $cuda:ty) => {
         impl<'a> Variant for $ty {
@@ -229,329 +207,104 @@ macro_rules! variant {
 variant!(&'a DevBuf, DevBuf, &'a HostBuf, &'a crate::cuda::DeviceBuf);
 variant!(&'a mut DevBuf, DevBuf, &'a mut HostBuf, &'a mut crate::cuda::DeviceBuf);
 variant!(&'a DevMat, DevMat, &'a Matrix, &'a crate::cuda::DeviceMat);
+variant!(&'a DevMark, DevMark, &'a std::time::Instant, &'a crate::cuda::Mark);
 
-/// Wraps a backend's result buffer in its variant (timed as `$op`).
-macro_rules! wrap {
-    ($self:ident, $op:literal, |$be:ident| $body:expr, $variant:ident) => {{
-        let _span = crate::host_time::span($op);
-        match $self {
-            Device::Cpu($be) => Ok($variant::Cpu($body?)),
-            #[cfg(feature = "cuda")]
-            Device::Cuda($be) => {
-                let $be = &**$be;
-                Ok($variant::Cuda($body?))
+/// Writes one op of the list (`backend/forward.rs`) for [`Device`]: an op that returns a
+/// `Result` is timed as its name (`host_time`), unwraps each buffer, matrix and mark argument
+/// to the open device's variant (one of another device is an error) and wraps a buffer,
+/// matrix or mark it returns in that variant; any other op is the open backend's answer.
+macro_rules! device_op {
+    (@on $on:ident $name:ident value $x:ident) => {};
+    (@on $on:ident $name:ident $kind:ident $x:ident) => {
+        let Some($x) = $x.$on() else { return Err(mixed(stringify!($name))) };
+    };
+    (@wrap buf $dev:ident $call:expr) => {
+        Ok(DevBuf::$dev($call?))
+    };
+    (@wrap mat $dev:ident $call:expr) => {
+        Ok(DevMat::$dev($call?))
+    };
+    (@wrap mark $dev:ident $call:expr) => {
+        Ok(DevMark::$dev($call?))
+    };
+    (@wrap result $dev:ident $call:expr) => {
+        $call
+    };
+    (@plain $name:ident value) => {};
+    (@plain $name:ident $kind:ident) => {
+        compile_error!(concat!(
+            "Device::",
+            stringify!($name),
+            " takes a buffer, matrix or mark and returns no Result: write it in device.rs"
+        ));
+    };
+    ($name:ident ($($p:tt)*) [value] [$($ret:tt)*] [$(($kind:ident $x:ident))*]) => {
+        fn $name(&self, $($p)*) $($ret)* {
+            $(device_op!(@plain $name $kind);)*
+            match self {
+                Device::Cpu(be) => be.$name($($x),*),
+                #[cfg(feature = "cuda")]
+                Device::Cuda(be) => be.$name($($x),*),
             }
         }
-    }};
+    };
+    ($name:ident ($($p:tt)*) [$result:ident] [$($ret:tt)*] [$(($kind:ident $x:ident))*]) => {
+        fn $name(&self, $($p)*) $($ret)* {
+            let _span = crate::host_time::span(stringify!($name));
+            match self {
+                Device::Cpu(be) => {
+                    $(device_op!(@on on_cpu $name $kind $x);)*
+                    device_op!(@wrap $result Cpu be.$name($($x),*))
+                }
+                #[cfg(feature = "cuda")]
+                Device::Cuda(be) => {
+                    let be = &**be;
+                    $(device_op!(@on on_cuda $name $kind $x);)*
+                    device_op!(@wrap $result Cuda be.$name($($x),*))
+                }
+            }
+        }
+    };
 }
 
-impl Backend for Device {
-    type Buf = DevBuf;
-    type Mat = DevMat;
-    type Mark = DevMark;
+crate::backend::forward_backend_with! {
+    impl Backend for Device {
+        forward_with(device_op);
+        // The trait's defaults, through this enum's `zeros_as`, `len`, `dtype`, `download_typed`
+        // and `upload_typed`.
+        defaults(zeros, bytes, stage_out, stage_in);
+        type Buf = DevBuf;
+        type Mat = DevMat;
+        type Mark = DevMark;
 
-    fn mark(&self) -> Result<DevMark> {
-        wrap!(self, "mark", |be| be.mark(), DevMark)
-    }
-    fn seconds_between(&self, start: &DevMark, end: &DevMark) -> Result<f64> {
-        let _span = crate::host_time::span("seconds_between");
-        match (self, start, end) {
-            (Device::Cpu(be), DevMark::Cpu(a), DevMark::Cpu(b)) => be.seconds_between(a, b),
-            #[cfg(feature = "cuda")]
-            (Device::Cuda(be), DevMark::Cuda(a), DevMark::Cuda(b)) => be.seconds_between(a, b),
-            #[cfg(feature = "cuda")]
-            _ => Err(mixed("seconds_between")),
-        }
-    }
-    fn settle(&self) -> Result<()> {
-        let _span = crate::host_time::span("settle");
-        match self {
-            Device::Cpu(be) => be.settle(),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(be) => be.settle(),
-        }
-    }
-    fn memory(&self) -> Option<crate::Memory> {
-        match self {
-            Device::Cpu(be) => be.memory(),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(be) => be.memory(),
-        }
-    }
-    fn memory_use(&self) -> Option<crate::MemoryUse> {
-        match self {
-            Device::Cpu(be) => be.memory_use(),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(be) => be.memory_use(),
-        }
-    }
-    fn reset_memory_peak(&self) {
-        match self {
-            Device::Cpu(be) => be.reset_memory_peak(),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(be) => be.reset_memory_peak(),
-        }
-    }
-    fn scratch_bytes(&self, rows: usize, width: usize) -> usize {
-        match self {
-            Device::Cpu(be) => be.scratch_bytes(rows, width),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(be) => be.scratch_bytes(rows, width),
-        }
-    }
-    fn rope_copy(&self, src: &DevBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<DevBuf> {
-        let _span = crate::host_time::span("rope_copy");
-        match self {
-            Device::Cpu(be) => {
-                let Some(src) = src.on_cpu() else { return Err(mixed("rope_copy")) };
-                Ok(DevBuf::Cpu(be.rope_copy(src, n_heads, positions, table)?))
-            }
-            #[cfg(feature = "cuda")]
-            Device::Cuda(be) => {
-                let Some(src) = src.on_cuda() else { return Err(mixed("rope_copy")) };
-                Ok(DevBuf::Cuda(be.rope_copy(src, n_heads, positions, table)?))
+        fn dtype(&self, buf: &DevBuf) -> DType {
+            match buf {
+                DevBuf::Cpu(b) => b.dtype(),
+                #[cfg(feature = "cuda")]
+                DevBuf::Cuda(b) => b.dtype(),
             }
         }
-    }
-    fn split_qkv_rope(
-        &self,
-        qkv: &DevBuf,
-        heads: (usize, usize),
-        positions: &[u32],
-        table: &RopeTable,
-        q: &mut DevBuf,
-        k_pre: &mut DevBuf,
-        k: &mut DevBuf,
-        v: &mut DevBuf,
-    ) -> Result<()> {
-        dispatch!(
-            self,
-            "split_qkv_rope",
-            |be| be.split_qkv_rope(qkv, heads, positions, table, q, k_pre, k, v),
-            qkv,
-            q,
-            k_pre,
-            k,
-            v
-        )
-    }
-    fn duplicate(&self, src: &DevBuf) -> Result<DevBuf> {
-        let _span = crate::host_time::span("duplicate");
-        match self {
-            Device::Cpu(be) => {
-                let Some(src) = src.on_cpu() else { return Err(mixed("duplicate")) };
-                Ok(DevBuf::Cpu(be.duplicate(src)?))
-            }
-            #[cfg(feature = "cuda")]
-            Device::Cuda(be) => {
-                let Some(src) = src.on_cuda() else { return Err(mixed("duplicate")) };
-                Ok(DevBuf::Cuda(be.duplicate(src)?))
+        fn len(&self, buf: &DevBuf) -> usize {
+            match buf {
+                DevBuf::Cpu(b) => b.len(),
+                #[cfg(feature = "cuda")]
+                DevBuf::Cuda(b) => b.len(),
             }
         }
-    }
-
-    fn name(&self) -> &'static str {
-        match self {
-            Device::Cpu(b) => b.name(),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(b) => b.name(),
+        fn mat_shape(&self, m: &DevMat) -> (usize, usize) {
+            match m {
+                DevMat::Cpu(m) => (m.rows(), m.cols()),
+                #[cfg(feature = "cuda")]
+                DevMat::Cuda(m) => m.shape(),
+            }
         }
-    }
-    fn upload(&self, host: &[f32]) -> Result<DevBuf> {
-        wrap!(self, "upload", |be| be.upload(host), DevBuf)
-    }
-    fn download(&self, buf: &DevBuf) -> Result<Vec<f32>> {
-        dispatch!(self, "download", |be| be.download(buf), buf)
-    }
-    fn download_range(&self, buf: &DevBuf, start: usize, len: usize) -> Result<Vec<f32>> {
-        dispatch!(self, "download_range", |be| be.download_range(buf, start, len), buf)
-    }
-    fn zeros_as(&self, len: usize, dtype: DType) -> Result<DevBuf> {
-        wrap!(self, "zeros_as", |be| be.zeros_as(len, dtype), DevBuf)
-    }
-    fn dtype(&self, buf: &DevBuf) -> DType {
-        match buf {
-            DevBuf::Cpu(b) => b.dtype(),
-            #[cfg(feature = "cuda")]
-            DevBuf::Cuda(b) => b.dtype(),
-        }
-    }
-    fn kv_dtype(&self) -> DType {
-        match self {
-            Device::Cpu(b) => b.kv_dtype(),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(b) => b.kv_dtype(),
-        }
-    }
-    fn act_dtype(&self) -> DType {
-        match self {
-            Device::Cpu(b) => b.act_dtype(),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(b) => b.act_dtype(),
-        }
-    }
-    fn len(&self, buf: &DevBuf) -> usize {
-        match buf {
-            DevBuf::Cpu(b) => b.len(),
-            #[cfg(feature = "cuda")]
-            DevBuf::Cuda(b) => b.len(),
-        }
-    }
-    fn resize(&self, buf: &mut DevBuf, len: usize) -> Result<()> {
-        dispatch!(self, "resize", |be| be.resize(buf, len), buf)
-    }
-    fn reserve(&self, buf: &mut DevBuf, capacity: usize) -> Result<()> {
-        dispatch!(self, "reserve", |be| be.reserve(buf, capacity), buf)
-    }
-    fn matrix(&self, m: Matrix) -> Result<DevMat> {
-        wrap!(self, "matrix", |be| be.matrix(m), DevMat)
-    }
-    fn weight_dtype(&self) -> DType {
-        match self {
-            Device::Cpu(b) => b.weight_dtype(),
-            #[cfg(feature = "cuda")]
-            Device::Cuda(b) => b.weight_dtype(),
-        }
-    }
-    fn matrix_typed(&self, rows: usize, cols: usize, data: HostBuf) -> Result<DevMat> {
-        wrap!(self, "matrix_typed", |be| be.matrix_typed(rows, cols, data), DevMat)
-    }
-    fn mat_shape(&self, m: &DevMat) -> (usize, usize) {
-        match m {
-            DevMat::Cpu(m) => (m.rows(), m.cols()),
-            #[cfg(feature = "cuda")]
-            DevMat::Cuda(m) => m.shape(),
-        }
-    }
-    fn embedding(&self, table: &DevMat, ids: &[u32], out: &mut DevBuf) -> Result<()> {
-        dispatch!(self, "embedding", |be| be.embedding(table, ids, out), table, out)
-    }
-    fn matmul_t(&self, x: &DevBuf, rows: usize, w: &DevMat, out: &mut DevBuf) -> Result<()> {
-        dispatch!(self, "matmul_t", |be| be.matmul_t(x, rows, w, out), x, w, out)
-    }
-    fn matmul_t_acc(&self, x: &DevBuf, rows: usize, w: &DevMat, out: &mut DevBuf) -> Result<()> {
-        dispatch!(self, "matmul_t_acc", |be| be.matmul_t_acc(x, rows, w, out), x, w, out)
-    }
-    fn add_bias(&self, x: &mut DevBuf, bias: &DevBuf) -> Result<()> {
-        dispatch!(self, "add_bias", |be| be.add_bias(x, bias), x, bias)
-    }
-    fn rms_norm(&self, x: &DevBuf, w: &DevBuf, eps: f32, out: &mut DevBuf) -> Result<()> {
-        dispatch!(self, "rms_norm", |be| be.rms_norm(x, w, eps, out), x, w, out)
-    }
-    fn rope(&self, x: &mut DevBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
-        dispatch!(self, "rope", |be| be.rope(x, n_heads, positions, table), x)
-    }
-    fn attention(
-        &self,
-        shape: &AttnShape,
-        q: &DevBuf,
-        qpos: &[u32],
-        k: &DevBuf,
-        v: &DevBuf,
-        kpos: &[u32],
-        out: &mut DevBuf,
-        lse: &mut DevBuf,
-    ) -> Result<()> {
-        dispatch!(self, "attention", |be| be.attention(shape, q, qpos, k, v, kpos, out, lse), q, k, v, out, lse)
-    }
-    fn attention_rows(
-        &self,
-        shape: &AttnShape,
-        q: &DevBuf,
-        q_first: usize,
-        qpos: &[u32],
-        k: &DevBuf,
-        v: &DevBuf,
-        k_first: usize,
-        kpos: &[u32],
-        out: &mut DevBuf,
-        lse: &mut DevBuf,
-    ) -> Result<()> {
-        dispatch!(
-            self,
-            "attention_rows",
-            |be| be.attention_rows(shape, q, q_first, qpos, k, v, k_first, kpos, out, lse),
-            q,
-            k,
-            v,
-            out,
-            lse
-        )
-    }
-    fn append_rows(&self, dst: &mut DevBuf, src: &DevBuf, first: usize, rows: usize, width: usize) -> Result<()> {
-        dispatch!(self, "append_rows", |be| be.append_rows(dst, src, first, rows, width), dst, src)
-    }
-    fn attention_scores(
-        &self,
-        shape: &AttnShape,
-        q: &DevBuf,
-        qpos: &[u32],
-        k: &DevBuf,
-        kpos: &[u32],
-        lse: &DevBuf,
-        scores: &mut DevBuf,
-    ) -> Result<()> {
-        dispatch!(
-            self,
-            "attention_scores",
-            |be| be.attention_scores(shape, q, qpos, k, kpos, lse, scores),
-            q,
-            k,
-            lse,
-            scores
-        )
-    }
-    fn merge_partial(
-        &self,
-        out: &mut DevBuf,
-        lse: &mut DevBuf,
-        block_out: &DevBuf,
-        block_lse: &DevBuf,
-        head_dim: usize,
-    ) -> Result<()> {
-        dispatch!(
-            self,
-            "merge_partial",
-            |be| be.merge_partial(out, lse, block_out, block_lse, head_dim),
-            out,
-            lse,
-            block_out,
-            block_lse
-        )
-    }
-    fn silu_mul(&self, gate_up: &DevBuf, ffn: usize, out: &mut DevBuf) -> Result<()> {
-        dispatch!(self, "silu_mul", |be| be.silu_mul(gate_up, ffn, out), gate_up, out)
-    }
-    fn add_assign(&self, x: &mut DevBuf, y: &DevBuf) -> Result<()> {
-        dispatch!(self, "add_assign", |be| be.add_assign(x, y), x, y)
-    }
-    fn copy_columns(&self, src: &DevBuf, src_cols: usize, col: usize, width: usize, dst: &mut DevBuf) -> Result<()> {
-        dispatch!(self, "copy_columns", |be| be.copy_columns(src, src_cols, col, width, dst), src, dst)
-    }
-    fn copy_rows(
-        &self,
-        src: &DevBuf,
-        src_rows: &[usize],
-        dst: &mut DevBuf,
-        dst_rows: &[usize],
-        row_len: usize,
-    ) -> Result<()> {
-        dispatch!(self, "copy_rows", |be| be.copy_rows(src, src_rows, dst, dst_rows, row_len), src, dst)
-    }
-    fn append(&self, dst: &mut DevBuf, src: &DevBuf) -> Result<()> {
-        dispatch!(self, "append", |be| be.append(dst, src), dst, src)
-    }
-    fn download_typed(&self, buf: &DevBuf) -> Result<HostBuf> {
-        dispatch!(self, "download_typed", |be| be.download_typed(buf), buf)
-    }
-    fn upload_typed(&self, host: &HostBuf) -> Result<DevBuf> {
-        wrap!(self, "upload_typed", |be| be.upload_typed(host), DevBuf)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Backend;
 
     #[test]
     fn specs_parse_and_cpu_runs_through_the_enum() {

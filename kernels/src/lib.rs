@@ -33,7 +33,7 @@ pub mod simd;
 pub mod testing;
 pub mod topk;
 
-pub use backend::{gpu_scratch_bytes, Backend, Cpu, DType, HostBuf, Memory, MemoryUse};
+pub use backend::{gpu_scratch_bytes, Backend, Cpu, DType, HostBuf, Memory, MemoryUse, Wrapper};
 pub use device::{Device, DeviceSpec, WeightType};
 pub use error::{gib, KernelError, Result};
 

@@ -5,8 +5,7 @@
 
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::matmul::Matrix;
-use flowprefill_kernels::rope::RopeTable;
-use flowprefill_kernels::{Backend, Cpu, DType, HostBuf, Result};
+use flowprefill_kernels::{Cpu, DType, HostBuf, Result, Wrapper};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::thread::ThreadId;
@@ -70,6 +69,37 @@ impl Counting {
         f(m.entry((std::thread::current().id(), phase)).or_default());
     }
 
+    /// Counts an upload by the steps of `n` elements.
+    fn uploaded(&self, n: usize) {
+        self.add(|r| {
+            r.uploads += 1;
+            r.upload_floats += n as u64;
+        });
+    }
+
+    /// Counts a download by the steps of `n` elements.
+    fn downloaded(&self, n: usize) {
+        self.add(|r| {
+            r.downloads += 1;
+            r.download_floats += n as u64;
+        });
+    }
+
+    /// Counts a transport's staging of `buf`.
+    fn staged(&self, buf: &HostBuf) {
+        self.add(|r| {
+            r.staged += 1;
+            r.staged_floats += buf.len() as u64;
+            r.staged_bytes += (buf.len() * buf.dtype().size()) as u64;
+        });
+    }
+
+    /// Counts the FLOPs of `rows` rows times the weight matrix `w`.
+    fn gemm(&self, rows: usize, w: &Matrix) {
+        let (n, k) = (w.rows(), w.cols());
+        self.add(|r| r.gemm_flops += 2.0 * (rows * n * k) as f64);
+    }
+
     /// Everything counted since the last call, by (thread, phase); the counters restart.
     pub fn take(&self) -> Vec<(ThreadId, &'static str, Ran)> {
         let mut m = self.ran.lock().unwrap_or_else(|e| e.into_inner());
@@ -91,177 +121,96 @@ fn visible(qpos: &[u32], kpos: &[u32]) -> u64 {
     qpos.iter().map(|&q| kpos.iter().filter(|&&k| k <= q).count() as u64).sum()
 }
 
-impl Backend for Counting {
-    type Buf = HostBuf;
-    type Mat = Matrix;
-    type Mark = std::time::Instant;
-    fn mark(&self) -> Result<std::time::Instant> {
-        self.cpu.mark()
+impl Wrapper for Counting {
+    type Inner = Cpu;
+    fn inner(&self) -> &Cpu {
+        &self.cpu
     }
-    fn seconds_between(&self, start: &std::time::Instant, end: &std::time::Instant) -> Result<f64> {
-        self.cpu.seconds_between(start, end)
+    fn buf(buf: &HostBuf) -> &HostBuf {
+        buf
     }
-    fn name(&self) -> &'static str {
-        "counting-cpu"
+    fn buf_mut(buf: &mut HostBuf) -> &mut HostBuf {
+        buf
     }
-    fn upload(&self, host: &[f32]) -> Result<HostBuf> {
-        self.add(|r| {
-            r.uploads += 1;
-            r.upload_floats += host.len() as u64;
-        });
-        self.cpu.upload(host)
+    fn adopt(&self, buf: HostBuf) -> Result<HostBuf> {
+        Ok(buf)
     }
-    fn download(&self, buf: &HostBuf) -> Result<Vec<f32>> {
-        self.add(|r| {
-            r.downloads += 1;
-            r.download_floats += buf.len() as u64;
-        });
-        self.cpu.download(buf)
-    }
-    fn download_range(&self, buf: &HostBuf, start: usize, len: usize) -> Result<Vec<f32>> {
-        self.add(|r| {
-            r.downloads += 1;
-            r.download_floats += len as u64;
-        });
-        self.cpu.download_range(buf, start, len)
-    }
-    fn stage_out(&self, buf: &HostBuf) -> Result<HostBuf> {
-        self.add(|r| {
-            r.staged += 1;
-            r.staged_floats += buf.len() as u64;
-            r.staged_bytes += (buf.len() * buf.dtype().size()) as u64;
-        });
-        self.cpu.download_typed(buf)
-    }
-    fn stage_in(&self, host: &HostBuf) -> Result<HostBuf> {
-        self.add(|r| {
-            r.staged += 1;
-            r.staged_floats += host.len() as u64;
-            r.staged_bytes += (host.len() * host.dtype().size()) as u64;
-        });
-        self.cpu.upload_typed(host)
-    }
-    fn download_typed(&self, buf: &HostBuf) -> Result<HostBuf> {
-        self.add(|r| {
-            r.downloads += 1;
-            r.download_floats += buf.len() as u64;
-        });
-        self.cpu.download_typed(buf)
-    }
-    fn upload_typed(&self, host: &HostBuf) -> Result<HostBuf> {
-        self.add(|r| {
-            r.uploads += 1;
-            r.upload_floats += host.len() as u64;
-        });
-        self.cpu.upload_typed(host)
-    }
-    fn zeros_as(&self, len: usize, dtype: DType) -> Result<HostBuf> {
-        self.cpu.zeros_as(len, dtype)
-    }
-    fn dtype(&self, buf: &HostBuf) -> DType {
-        buf.dtype()
-    }
-    fn kv_dtype(&self) -> DType {
-        self.cpu.kv_dtype()
-    }
-    fn act_dtype(&self) -> DType {
-        self.cpu.act_dtype()
-    }
-    fn len(&self, buf: &HostBuf) -> usize {
-        buf.len()
-    }
-    fn resize(&self, buf: &mut HostBuf, len: usize) -> Result<()> {
-        self.cpu.resize(buf, len)
-    }
-    fn reserve(&self, buf: &mut HostBuf, capacity: usize) -> Result<()> {
-        self.cpu.reserve(buf, capacity)
-    }
-    fn matrix(&self, m: Matrix) -> Result<Matrix> {
-        self.cpu.matrix(m)
-    }
-    fn mat_shape(&self, m: &Matrix) -> (usize, usize) {
-        self.cpu.mat_shape(m)
-    }
-    fn embedding(&self, table: &Matrix, ids: &[u32], out: &mut HostBuf) -> Result<()> {
-        self.cpu.embedding(table, ids, out)
-    }
-    fn matmul_t(&self, x: &HostBuf, rows: usize, w: &Matrix, out: &mut HostBuf) -> Result<()> {
-        let (n, k) = (w.rows(), w.cols());
-        self.add(|r| r.gemm_flops += 2.0 * (rows * n * k) as f64);
-        self.cpu.matmul_t(x, rows, w, out)
-    }
-    fn matmul_t_acc(&self, x: &HostBuf, rows: usize, w: &Matrix, out: &mut HostBuf) -> Result<()> {
-        let (n, k) = (w.rows(), w.cols());
-        self.add(|r| r.gemm_flops += 2.0 * (rows * n * k) as f64);
-        self.cpu.matmul_t_acc(x, rows, w, out)
-    }
-    fn add_bias(&self, x: &mut HostBuf, bias: &HostBuf) -> Result<()> {
-        self.cpu.add_bias(x, bias)
-    }
-    fn rms_norm(&self, x: &HostBuf, w: &HostBuf, eps: f32, out: &mut HostBuf) -> Result<()> {
-        self.cpu.rms_norm(x, w, eps, out)
-    }
-    fn rope(&self, x: &mut HostBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
-        self.cpu.rope(x, n_heads, positions, table)
-    }
-    fn attention(
-        &self,
-        shape: &AttnShape,
-        q: &HostBuf,
-        qpos: &[u32],
-        k: &HostBuf,
-        v: &HostBuf,
-        kpos: &[u32],
-        out: &mut HostBuf,
-        lse: &mut HostBuf,
-    ) -> Result<()> {
-        self.add(|r| r.attn_pairs += visible(qpos, kpos));
-        self.cpu.attention(shape, q, qpos, k, v, kpos, out, lse)
-    }
-    fn attention_scores(
-        &self,
-        shape: &AttnShape,
-        q: &HostBuf,
-        qpos: &[u32],
-        k: &HostBuf,
-        kpos: &[u32],
-        lse: &HostBuf,
-        scores: &mut HostBuf,
-    ) -> Result<()> {
-        self.add(|r| r.score_pairs += visible(qpos, kpos));
-        self.cpu.attention_scores(shape, q, qpos, k, kpos, lse, scores)
-    }
-    fn merge_partial(
-        &self,
-        out: &mut HostBuf,
-        lse: &mut HostBuf,
-        block_out: &HostBuf,
-        block_lse: &HostBuf,
-        head_dim: usize,
-    ) -> Result<()> {
-        self.cpu.merge_partial(out, lse, block_out, block_lse, head_dim)
-    }
-    fn silu_mul(&self, gate_up: &HostBuf, ffn: usize, out: &mut HostBuf) -> Result<()> {
-        self.cpu.silu_mul(gate_up, ffn, out)
-    }
-    fn add_assign(&self, x: &mut HostBuf, y: &HostBuf) -> Result<()> {
-        self.cpu.add_assign(x, y)
-    }
-    fn copy_columns(&self, src: &HostBuf, src_cols: usize, col: usize, width: usize, dst: &mut HostBuf) -> Result<()> {
-        self.cpu.copy_columns(src, src_cols, col, width, dst)
-    }
-    fn copy_rows(
-        &self,
-        src: &HostBuf,
-        src_rows: &[usize],
-        dst: &mut HostBuf,
-        dst_rows: &[usize],
-        row_len: usize,
-    ) -> Result<()> {
-        self.cpu.copy_rows(src, src_rows, dst, dst_rows, row_len)
-    }
-    fn append(&self, dst: &mut HostBuf, src: &HostBuf) -> Result<()> {
-        self.cpu.append(dst, src)
+}
+
+// The ops not written here run on the CPU uncounted.
+flowprefill_kernels::forward_backend! {
+    impl Backend for Counting {
+        type Buf = HostBuf;
+        // The trait's defaults, not the CPU's: `attention_rows` gathers its rows and calls
+        // `attention` here (counted); `memory` is unknown, so that admission refuses nothing.
+        defaults(attention_rows, memory);
+
+        fn name(&self) -> &'static str {
+            "counting-cpu"
+        }
+        fn upload(&self, host: &[f32]) -> Result<HostBuf> {
+            self.uploaded(host.len());
+            self.cpu.upload(host)
+        }
+        fn download(&self, buf: &HostBuf) -> Result<Vec<f32>> {
+            self.downloaded(buf.len());
+            self.cpu.download(buf)
+        }
+        fn download_range(&self, buf: &HostBuf, start: usize, len: usize) -> Result<Vec<f32>> {
+            self.downloaded(len);
+            self.cpu.download_range(buf, start, len)
+        }
+        fn stage_out(&self, buf: &HostBuf) -> Result<HostBuf> {
+            self.staged(buf);
+            self.cpu.download_typed(buf)
+        }
+        fn stage_in(&self, host: &HostBuf) -> Result<HostBuf> {
+            self.staged(host);
+            self.cpu.upload_typed(host)
+        }
+        fn download_typed(&self, buf: &HostBuf) -> Result<HostBuf> {
+            self.downloaded(buf.len());
+            self.cpu.download_typed(buf)
+        }
+        fn upload_typed(&self, host: &HostBuf) -> Result<HostBuf> {
+            self.uploaded(host.len());
+            self.cpu.upload_typed(host)
+        }
+        fn matmul_t(&self, x: &HostBuf, rows: usize, w: &Matrix, out: &mut HostBuf) -> Result<()> {
+            self.gemm(rows, w);
+            self.cpu.matmul_t(x, rows, w, out)
+        }
+        fn matmul_t_acc(&self, x: &HostBuf, rows: usize, w: &Matrix, out: &mut HostBuf) -> Result<()> {
+            self.gemm(rows, w);
+            self.cpu.matmul_t_acc(x, rows, w, out)
+        }
+        fn attention(
+            &self,
+            shape: &AttnShape,
+            q: &HostBuf,
+            qpos: &[u32],
+            k: &HostBuf,
+            v: &HostBuf,
+            kpos: &[u32],
+            out: &mut HostBuf,
+            lse: &mut HostBuf,
+        ) -> Result<()> {
+            self.add(|r| r.attn_pairs += visible(qpos, kpos));
+            self.cpu.attention(shape, q, qpos, k, v, kpos, out, lse)
+        }
+        fn attention_scores(
+            &self,
+            shape: &AttnShape,
+            q: &HostBuf,
+            qpos: &[u32],
+            k: &HostBuf,
+            kpos: &[u32],
+            lse: &HostBuf,
+            scores: &mut HostBuf,
+        ) -> Result<()> {
+            self.add(|r| r.score_pairs += visible(qpos, kpos));
+            self.cpu.attention_scores(shape, q, qpos, k, kpos, lse, scores)
+        }
     }
 }
 

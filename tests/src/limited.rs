@@ -4,13 +4,10 @@
 //! allocator gives it. Buffers give their bytes back when dropped, so a test can check that a
 //! failed job released everything it held.
 
-use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::matmul::Matrix;
-use flowprefill_kernels::rope::RopeTable;
-use flowprefill_kernels::{Backend, Cpu, DType, HostBuf, KernelError, Memory, MemoryUse, Result};
+use flowprefill_kernels::{Cpu, DType, HostBuf, KernelError, Memory, MemoryUse, Result, Wrapper};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 /// Bytes in use and the refusal policy.
 #[derive(Debug)]
@@ -181,157 +178,69 @@ impl Limited {
     }
 }
 
-impl Backend for Limited {
-    type Buf = Tracked;
-    type Mat = Matrix;
-    type Mark = Instant;
+impl Wrapper for Limited {
+    type Inner = Cpu;
+    fn inner(&self) -> &Cpu {
+        &self.cpu
+    }
+    fn buf(buf: &Tracked) -> &HostBuf {
+        &buf.buf
+    }
+    fn buf_mut(buf: &mut Tracked) -> &mut HostBuf {
+        &mut buf.buf
+    }
+    fn adopt(&self, buf: HostBuf) -> Result<Tracked> {
+        self.track(buf)
+    }
+}
 
-    fn name(&self) -> &'static str {
-        "limited-cpu"
-    }
-    fn upload(&self, host: &[f32]) -> Result<Tracked> {
-        self.ledger.charge(host.len() * 4)?;
-        Ok(Tracked { buf: HostBuf::F32(host.to_vec()), charged: host.len() * 4, ledger: self.ledger.clone() })
-    }
-    fn download(&self, buf: &Tracked) -> Result<Vec<f32>> {
-        self.cpu.download(&buf.buf)
-    }
-    fn download_range(&self, buf: &Tracked, start: usize, len: usize) -> Result<Vec<f32>> {
-        self.cpu.download_range(&buf.buf, start, len)
-    }
-    fn zeros_as(&self, len: usize, dtype: DType) -> Result<Tracked> {
-        self.ledger.charge(len * dtype.size())?;
-        let buf = self.cpu.zeros_as(len, dtype);
-        let buf = buf.inspect_err(|_| self.ledger.release(len * dtype.size()))?;
-        Ok(Tracked { buf, charged: len * dtype.size(), ledger: self.ledger.clone() })
-    }
-    fn dtype(&self, buf: &Tracked) -> DType {
-        buf.buf.dtype()
-    }
-    fn kv_dtype(&self) -> DType {
-        self.cpu.kv_dtype()
-    }
-    fn act_dtype(&self) -> DType {
-        self.cpu.act_dtype()
-    }
-    fn len(&self, buf: &Tracked) -> usize {
-        buf.buf.len()
-    }
-    fn resize(&self, buf: &mut Tracked, len: usize) -> Result<()> {
-        self.grow(buf, len)?;
-        self.cpu.resize(&mut buf.buf, len)
-    }
-    fn reserve(&self, buf: &mut Tracked, capacity: usize) -> Result<()> {
-        self.grow(buf, capacity)?;
-        self.cpu.reserve(&mut buf.buf, capacity)
-    }
-    fn matrix(&self, m: Matrix) -> Result<Matrix> {
-        // Weights are charged for the model's lifetime (never given back).
-        self.ledger.charge(m.rows() * m.cols() * 4)?;
-        Ok(m)
-    }
-    fn mat_shape(&self, m: &Matrix) -> (usize, usize) {
-        (m.rows(), m.cols())
-    }
-    fn embedding(&self, table: &Matrix, ids: &[u32], out: &mut Tracked) -> Result<()> {
-        self.cpu.embedding(table, ids, &mut out.buf)
-    }
-    fn matmul_t(&self, x: &Tracked, rows: usize, w: &Matrix, out: &mut Tracked) -> Result<()> {
-        self.cpu.matmul_t(&x.buf, rows, w, &mut out.buf)
-    }
-    fn matmul_t_acc(&self, x: &Tracked, rows: usize, w: &Matrix, out: &mut Tracked) -> Result<()> {
-        // In the epilogue, as the real backends do: no temporary to count.
-        self.cpu.matmul_t_acc(&x.buf, rows, w, &mut out.buf)
-    }
-    fn add_bias(&self, x: &mut Tracked, bias: &Tracked) -> Result<()> {
-        self.cpu.add_bias(&mut x.buf, &bias.buf)
-    }
-    fn rms_norm(&self, x: &Tracked, w: &Tracked, eps: f32, out: &mut Tracked) -> Result<()> {
-        self.cpu.rms_norm(&x.buf, &w.buf, eps, &mut out.buf)
-    }
-    fn rope(&self, x: &mut Tracked, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
-        self.cpu.rope(&mut x.buf, n_heads, positions, table)
-    }
-    fn attention(
-        &self,
-        shape: &AttnShape,
-        q: &Tracked,
-        qpos: &[u32],
-        k: &Tracked,
-        v: &Tracked,
-        kpos: &[u32],
-        out: &mut Tracked,
-        lse: &mut Tracked,
-    ) -> Result<()> {
-        self.cpu.attention(shape, &q.buf, qpos, &k.buf, &v.buf, kpos, &mut out.buf, &mut lse.buf)
-    }
-    fn attention_scores(
-        &self,
-        shape: &AttnShape,
-        q: &Tracked,
-        qpos: &[u32],
-        k: &Tracked,
-        kpos: &[u32],
-        lse: &Tracked,
-        scores: &mut Tracked,
-    ) -> Result<()> {
-        self.cpu.attention_scores(shape, &q.buf, qpos, &k.buf, kpos, &lse.buf, &mut scores.buf)
-    }
-    fn merge_partial(
-        &self,
-        out: &mut Tracked,
-        lse: &mut Tracked,
-        block_out: &Tracked,
-        block_lse: &Tracked,
-        head_dim: usize,
-    ) -> Result<()> {
-        self.cpu.merge_partial(&mut out.buf, &mut lse.buf, &block_out.buf, &block_lse.buf, head_dim)
-    }
-    fn silu_mul(&self, gate_up: &Tracked, ffn: usize, out: &mut Tracked) -> Result<()> {
-        self.cpu.silu_mul(&gate_up.buf, ffn, &mut out.buf)
-    }
-    fn add_assign(&self, x: &mut Tracked, y: &Tracked) -> Result<()> {
-        self.cpu.add_assign(&mut x.buf, &y.buf)
-    }
-    fn copy_columns(&self, src: &Tracked, src_cols: usize, col: usize, width: usize, dst: &mut Tracked) -> Result<()> {
-        self.cpu.copy_columns(&src.buf, src_cols, col, width, &mut dst.buf)
-    }
-    fn copy_rows(
-        &self,
-        src: &Tracked,
-        src_rows: &[usize],
-        dst: &mut Tracked,
-        dst_rows: &[usize],
-        row_len: usize,
-    ) -> Result<()> {
-        self.cpu.copy_rows(&src.buf, src_rows, &mut dst.buf, dst_rows, row_len)
-    }
-    fn append(&self, dst: &mut Tracked, src: &Tracked) -> Result<()> {
-        self.grow(dst, dst.buf.len() + src.buf.len())?;
-        self.cpu.append(&mut dst.buf, &src.buf)
-    }
-    fn download_typed(&self, buf: &Tracked) -> Result<HostBuf> {
-        self.cpu.download_typed(&buf.buf)
-    }
-    fn upload_typed(&self, host: &HostBuf) -> Result<Tracked> {
-        self.track(host.clone())
-    }
-    fn mark(&self) -> Result<Instant> {
-        self.cpu.mark()
-    }
-    fn seconds_between(&self, start: &Instant, end: &Instant) -> Result<f64> {
-        self.cpu.seconds_between(start, end)
-    }
-    fn memory_use(&self) -> Option<MemoryUse> {
-        Some(MemoryUse { now: self.ledger.in_use(), peak: self.ledger.peak() })
-    }
-    fn reset_memory_peak(&self) {
-        self.ledger.reset_peak();
-    }
-    fn memory(&self) -> Option<Memory> {
-        // Free memory is what the limit leaves; without one it is unknown.
-        let limit = self.ledger.limit.load(Ordering::SeqCst);
-        (limit != usize::MAX)
-            .then(|| Memory { device: "limited".into(), free: limit.saturating_sub(self.ledger.in_use()) })
+// The ops not written here run on the CPU, a buffer they make charged when it is adopted;
+// `matmul_t_acc` adds in the epilogue, as the real backends do: no temporary to count.
+flowprefill_kernels::forward_backend! {
+    impl Backend for Limited {
+        type Buf = Tracked;
+        // The trait's defaults, not the CPU's: they allocate through `zeros_as`, `matrix` and
+        // `append` here, so their buffers, temporaries and weights are charged (before they are
+        // made).
+        defaults(zeros, duplicate, rope_copy, matrix_typed, attention_rows, append_rows);
+
+        fn name(&self) -> &'static str {
+            "limited-cpu"
+        }
+        fn zeros_as(&self, len: usize, dtype: DType) -> Result<Tracked> {
+            self.ledger.charge(len * dtype.size())?;
+            let buf = self.cpu.zeros_as(len, dtype);
+            let buf = buf.inspect_err(|_| self.ledger.release(len * dtype.size()))?;
+            Ok(Tracked { buf, charged: len * dtype.size(), ledger: self.ledger.clone() })
+        }
+        fn resize(&self, buf: &mut Tracked, len: usize) -> Result<()> {
+            self.grow(buf, len)?;
+            self.cpu.resize(&mut buf.buf, len)
+        }
+        fn reserve(&self, buf: &mut Tracked, capacity: usize) -> Result<()> {
+            self.grow(buf, capacity)?;
+            self.cpu.reserve(&mut buf.buf, capacity)
+        }
+        fn matrix(&self, m: Matrix) -> Result<Matrix> {
+            // Weights are charged for the model's lifetime (never given back).
+            self.ledger.charge(m.rows() * m.cols() * 4)?;
+            Ok(m)
+        }
+        fn append(&self, dst: &mut Tracked, src: &Tracked) -> Result<()> {
+            self.grow(dst, dst.buf.len() + src.buf.len())?;
+            self.cpu.append(&mut dst.buf, &src.buf)
+        }
+        fn memory_use(&self) -> Option<MemoryUse> {
+            Some(MemoryUse { now: self.ledger.in_use(), peak: self.ledger.peak() })
+        }
+        fn reset_memory_peak(&self) {
+            self.ledger.reset_peak();
+        }
+        fn memory(&self) -> Option<Memory> {
+            // Free memory is what the limit leaves; without one it is unknown.
+            let limit = self.ledger.limit.load(Ordering::SeqCst);
+            (limit != usize::MAX)
+                .then(|| Memory { device: "limited".into(), free: limit.saturating_sub(self.ledger.in_use()) })
+        }
     }
 }
