@@ -20,9 +20,14 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
 }
 
+impl AdamWConfig {
+    /// The usual settings (those of candle-nn's and PyTorch's AdamW), usable in constants.
+    pub const DEFAULT: Self = Self { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+}
+
 impl Default for AdamWConfig {
     fn default() -> Self {
-        Self { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+        Self::DEFAULT
     }
 }
 

@@ -1,11 +1,15 @@
 //! Training the trained seeds, on the CPU: the model as a differentiable candle function
-//! ([`model`]), an AdamW whose state can be checkpointed ([`adamw`]), KV Packet's
-//! self-distillation ([`kvpacket`]), and LookaheadKV's ground truth and training ([`lookahead`]).
+//! ([`model`]), an AdamW whose state can be checkpointed ([`adamw`]), one training run for
+//! every method ([`run`]: samples, steps, validation, checkpoints, the adapter), and what is
+//! each method's own: KV Packet's self-distillation ([`kvpacket`]), LookaheadKV's ground truth
+//! and loss ([`lookahead`]).
 
 pub mod adamw;
+mod checkpoint;
 pub mod kvpacket;
 pub mod lookahead;
 pub mod model;
+pub mod run;
 
 use std::path::PathBuf;
 

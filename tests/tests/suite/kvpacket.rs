@@ -5,8 +5,9 @@
 use candle_core::{Device, Tensor, Var, D};
 use flowprefill_coordinator::layout::Layout;
 use flowprefill_coordinator::{Context, Engine, Job, Method, Request, RunOptions, ThreadRanks};
-use flowprefill_lab::train::kvpacket::{self, student_logits, student_loss, Packets, Sample, Settings};
+use flowprefill_lab::train::kvpacket::{student_logits, student_loss, KvPacket, Packets, Sample, Settings};
 use flowprefill_lab::train::model::{Placed, TrainModel};
+use flowprefill_lab::train::run;
 use flowprefill_tests::{default_model, default_model_path, max_abs_diff, range, rel_diff, small_docs};
 use flowprefill_worker::adapter::{Adapter, AdapterMeta};
 use flowprefill_worker::attend::SelfOnly;
@@ -158,8 +159,7 @@ fn adapter_gradients_match_finite_differences() {
 fn a_short_training_run_lowers_the_loss_and_resumes() {
     let (lm, tm, dir) = flowprefill_tests::tiny_lm("kvpacket", 11);
     let settings = Settings {
-        header: 2,
-        trailer: 2,
+        method: KvPacket { header: 2, trailer: 2, continuation: 3 },
         tasks: vec!["niah_single".into(), "qa_twohop".into()],
         length: 200,
         samples: 4,
@@ -167,13 +167,12 @@ fn a_short_training_run_lowers_the_loss_and_resumes() {
         epochs: 3,
         batch: 2,
         lr: 0.05,
-        continuation: 3,
         ..Settings::default()
     };
-    let out = kvpacket::Outputs { dir: dir.join("run"), adapter: dir.join("tiny.adapter.safetensors") };
+    let out = run::Outputs { dir: dir.join("run"), adapter: dir.join("tiny.adapter.safetensors") };
     let mut steps = 0;
-    let (adapter, history) = kvpacket::train(&lm, &tm, &settings, &out, &mut |e| {
-        if let kvpacket::Event::Step { .. } = e {
+    let (adapter, history) = run::train(&lm, &tm, &settings, &out, &mut |e| {
+        if let run::Event::Step { .. } = e {
             steps += 1
         }
     })
@@ -187,13 +186,13 @@ fn a_short_training_run_lowers_the_loss_and_resumes() {
     assert_eq!(loaded.meta.training["steps"], 6);
     loaded.check_model("tiny", "tiny", 64).expect("made for this model");
     // Resuming a finished run takes no step and gives the same adapter.
-    let (again, _) = kvpacket::train(&lm, &tm, &settings, &out, &mut |e| {
-        assert!(!matches!(e, kvpacket::Event::Step { .. }), "a finished run takes no step");
+    let (again, _) = run::train(&lm, &tm, &settings, &out, &mut |e| {
+        assert!(!matches!(e, run::Event::Step { .. }), "a finished run takes no step");
     })
     .expect("resume");
     assert_eq!(again.rows, adapter.rows);
     let other = Settings { lr: 0.01, ..settings };
-    let e = kvpacket::train(&lm, &tm, &other, &out, &mut |_| ()).unwrap_err().to_string();
+    let e = run::train(&lm, &tm, &other, &out, &mut |_| ()).unwrap_err().to_string();
     assert!(e.contains("other settings"), "{e}");
     std::fs::remove_dir_all(dir).ok();
 }

@@ -6,8 +6,9 @@
 use candle_core::{Device, Tensor, Var};
 use flowprefill_comm::local::LocalComm;
 use flowprefill_coordinator::{Evict, EvictPolicy, Job, Method, RunOptions, RunResult, ThreadRanks};
-use flowprefill_lab::train::lookahead::fit::{self, Params, Sample, Settings};
+use flowprefill_lab::train::lookahead::fit::{self, LookaheadKv, Params, Sample, Settings};
 use flowprefill_lab::train::model::{Extras, Placed, TrainModel};
+use flowprefill_lab::train::run;
 use flowprefill_tests::{default_model_path, gate_request};
 use flowprefill_worker::generate::prefill_into;
 use flowprefill_worker::kv::{KeyForm, KvCache};
@@ -76,7 +77,7 @@ fn training_importance(tm: &TrainModel, a: &LookaheadAdapter, prefix: &[u32]) ->
     let pos: Vec<u32> = (0..n).collect();
     let (_, kv) = tm.forward(&tm.embed_tokens(prefix).unwrap(), &pos, &[]).unwrap();
     let flat: Vec<f32> = a.tensors.iter().flatten().copied().collect();
-    let s = Settings { rows: a.meta.rows, rank: a.meta.rank, alpha: a.meta.alpha, ..Settings::default() };
+    let s = LookaheadKv { rows: a.meta.rows, rank: a.meta.rank, alpha: a.meta.alpha, ..LookaheadKv::default() };
     let t = Tensor::from_vec(flat.clone(), flat.len(), &Device::Cpu).unwrap();
     let p = fit::params(&t, tm, &s).unwrap();
     let la_pos: Vec<u32> = (n..n + a.meta.rows as u32).collect();
@@ -129,9 +130,7 @@ fn the_inference_rows_attend_as_the_training_rows() {
 
 fn tiny_settings() -> Settings {
     Settings {
-        rows: 4,
-        rank: 2,
-        alpha: 8.0,
+        method: LookaheadKv { rows: 4, rank: 2, alpha: 8.0, max_answer: 4 },
         tasks: vec!["niah_single".into(), "qa_twohop".into()],
         length: 200,
         samples: 4,
@@ -139,7 +138,6 @@ fn tiny_settings() -> Settings {
         epochs: 3,
         batch: 2,
         lr: 0.02,
-        max_answer: 4,
         ..Settings::default()
     }
 }
@@ -152,15 +150,15 @@ fn loss_gradients_match_finite_differences() {
     let s = tiny_settings();
     let case = flowprefill_lab::tasks::generate("niah_single", &lm.tokenizer, 5, 200, 0, &[0.5]).expect("a case");
     let sample: Sample = fit::sample(&lm, &case, s.prompts, 4).unwrap().expect("an answer");
-    let specs = tensor_specs(tm.config(), s.rows, s.rank);
+    let specs = tensor_specs(tm.config(), s.method.rows, s.method.rank);
     let n: usize = specs.iter().map(|(_, [r, c])| r * c).sum();
     let init = flowprefill_worker::synthetic::random_values(n, 9, 0.2);
     let var = Var::from_vec(init.clone(), n, &Device::Cpu).unwrap();
     let loss_at = |v: &Tensor| -> f32 {
-        let p: Params = fit::params(v, &tm, &s).unwrap();
+        let p: Params = fit::params(v, &tm, &s.method).unwrap();
         fit::loss(&tm, &p, &sample).unwrap().to_scalar::<f32>().unwrap()
     };
-    let p = fit::params(var.as_tensor(), &tm, &s).unwrap();
+    let p = fit::params(var.as_tensor(), &tm, &s.method).unwrap();
     let g: Vec<f32> =
         fit::loss(&tm, &p, &sample).unwrap().backward().unwrap().remove(var.as_tensor()).unwrap().to_vec1().unwrap();
     // In the rows and in A and B of the first layer's query and down projections, the entry
@@ -193,10 +191,10 @@ fn loss_gradients_match_finite_differences() {
 fn a_short_training_run_lowers_the_loss_and_resumes() {
     let (lm, tm, dir) = flowprefill_tests::tiny_lm("lookahead", 13);
     let settings = tiny_settings();
-    let out = fit::Outputs { dir: dir.join("run"), adapter: dir.join("tiny.lookahead.safetensors") };
+    let out = run::Outputs { dir: dir.join("run"), adapter: dir.join("tiny.lookahead.safetensors") };
     let mut steps = 0;
-    let (adapter, history) = fit::train(&lm, &tm, &settings, &out, &mut |e| {
-        if let flowprefill_lab::train::kvpacket::Event::Step { .. } = e {
+    let (adapter, history) = run::train(&lm, &tm, &settings, &out, &mut |e| {
+        if let run::Event::Step { .. } = e {
             steps += 1
         }
     })
@@ -209,8 +207,8 @@ fn a_short_training_run_lowers_the_loss_and_resumes() {
     assert_eq!(loaded.tensors, adapter.tensors);
     assert_eq!(loaded.meta.training["steps"], 6);
     loaded.check_model("tiny", tm.config()).expect("made for this model");
-    let (again, _) = fit::train(&lm, &tm, &settings, &out, &mut |e| {
-        assert!(!matches!(e, flowprefill_lab::train::kvpacket::Event::Step { .. }), "a finished run takes no step");
+    let (again, _) = run::train(&lm, &tm, &settings, &out, &mut |e| {
+        assert!(!matches!(e, run::Event::Step { .. }), "a finished run takes no step");
     })
     .expect("resume");
     assert_eq!(again.tensors, adapter.tensors);

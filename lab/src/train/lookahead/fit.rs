@@ -16,135 +16,40 @@
 
 use super::case_importance;
 use crate::tasks::{self, PromptStyle};
-use crate::train::adamw::{AdamW, AdamWConfig};
-use crate::train::kvpacket::{Checkpoint, Event, History};
+use crate::train::adamw::AdamWConfig;
 use crate::train::model::{Extras, LoraSet, Placed, SegmentKv, TrainModel};
+use crate::train::run::{self, Method, Provenance, Recipe, Schedule};
 use crate::train::{Result, TrainError};
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Tensor};
 use flowprefill_coordinator::layout::Layout;
 use flowprefill_worker::generate::{prefill_into, DEFAULT_PREFILL_CHUNK};
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::lookahead::{tensor_specs, LookaheadAdapter, LookaheadMeta, LORA_ALPHA, LORA_RANK};
 use flowprefill_worker::{Backend, Cpu, LoadedModel};
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
-use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::path::Path;
 
-/// Training seeds of LookaheadKV start here (KV Packet's are 7,000,000 + ...; the held-back
-/// seeds of `flowprefill importance` are 7,800,000 + ...; evaluation seeds are below 100).
-pub const TRAIN_SEED_BASE: u64 = 7_200_000;
-/// Validation seeds.
-pub const VAL_SEED: u64 = 7_600_000;
-
-/// What a training run does.
+/// LookaheadKV's own parameters: the rows, their LoRA, and the answer whose attention is the
+/// truth.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Settings {
+pub struct LookaheadKv {
     /// Lookahead rows.
     pub rows: usize,
     /// LoRA rank.
     pub rank: usize,
     /// LoRA alpha.
     pub alpha: f32,
-    /// Task generators the samples come from (cycled).
-    pub tasks: Vec<String>,
-    /// Context length of a sample (tokens).
-    pub length: usize,
-    /// Training samples.
-    pub samples: usize,
-    /// Held-out samples scored after every epoch.
-    pub val_samples: usize,
-    /// Passes over the samples (0: the untrained adapter).
-    pub epochs: usize,
-    /// Samples per optimiser step.
-    pub batch: usize,
-    /// Peak learning rate.
-    pub lr: f64,
-    /// AdamW's decoupled weight decay.
-    pub weight_decay: f64,
-    /// Seed of the order, the initial values and the samples.
-    pub seed: u64,
     /// Answer tokens at most (the truth's rows).
     pub max_answer: usize,
-    /// Prompt style of the samples.
-    pub prompts: PromptStyle,
 }
 
-impl Default for Settings {
+impl Default for LookaheadKv {
     fn default() -> Self {
-        Self {
-            rows: flowprefill_worker::lookahead::LOOKAHEAD_ROWS,
-            rank: LORA_RANK,
-            alpha: LORA_ALPHA,
-            tasks: tasks::all_tasks().into_iter().map(String::from).collect(),
-            length: 1024,
-            samples: 64,
-            val_samples: 8,
-            epochs: 4,
-            batch: 4,
-            lr: 1e-3,
-            weight_decay: 0.0,
-            seed: 0,
-            max_answer: 32,
-            prompts: PromptStyle::Ruler,
-        }
+        Self { rows: flowprefill_worker::lookahead::LOOKAHEAD_ROWS, rank: LORA_RANK, alpha: LORA_ALPHA, max_answer: 32 }
     }
 }
 
-impl Settings {
-    /// Refuses settings that cannot train, naming the flag.
-    pub fn check(&self) -> Result<()> {
-        let bad = |m: String| Err(TrainError::Settings(m));
-        if self.rows == 0 || self.rank == 0 {
-            return bad("--rows and --rank must be at least 1".into());
-        }
-        if self.tasks.is_empty() {
-            return bad("--tasks names no task".into());
-        }
-        if let Some(t) = self.tasks.iter().find(|t| !tasks::all_tasks().contains(&t.as_str())) {
-            return bad(format!("--tasks: unknown task `{t}` (known: {})", tasks::all_tasks().join(", ")));
-        }
-        if self.batch == 0 || self.samples < self.batch {
-            return bad(format!("--batch {} needs at least as many --samples ({})", self.batch, self.samples));
-        }
-        if self.val_samples == 0 {
-            return bad("--val-samples must be at least 1 (the held-out loss is the run's measure)".into());
-        }
-        if !(self.lr > 0.0 && self.lr.is_finite()) {
-            return bad(format!("--lr {} must be a positive number", self.lr));
-        }
-        if !(self.alpha > 0.0 && self.alpha.is_finite()) {
-            return bad(format!("--alpha {} must be a positive number", self.alpha));
-        }
-        if self.max_answer == 0 {
-            return bad("--max-answer must be at least 1".into());
-        }
-        Ok(())
-    }
-
-    /// Optimiser steps per epoch.
-    pub fn steps_per_epoch(&self) -> usize {
-        self.samples / self.batch
-    }
-
-    /// Optimiser steps of the whole run.
-    pub fn total_steps(&self) -> usize {
-        self.steps_per_epoch() * self.epochs
-    }
-
-    /// The learning rate at step `t`: linear warm-up over the first 2% of the steps (at least
-    /// one), then cosine decay to 0.
-    pub fn lr_at(&self, t: usize) -> f64 {
-        let total = self.total_steps().max(1) as f64;
-        let warm = (0.02 * total).ceil().max(1.0);
-        let t = t as f64;
-        if t < warm {
-            return self.lr * (t + 1.0) / warm;
-        }
-        let p = ((t - warm) / (total - warm).max(1.0)).min(1.0);
-        self.lr * 0.5 * (1.0 + (std::f64::consts::PI * p).cos())
-    }
-}
+/// What a LookaheadKV training run does.
+pub type Settings = run::Settings<LookaheadKv>;
 
 /// One case: the cache the lookahead rows read and the truth they learn.
 pub struct Sample {
@@ -247,7 +152,7 @@ pub struct Params {
 }
 
 /// Splits the parameter vector `t` into [`tensor_specs`]'s tensors (views: gradients reach `t`).
-pub fn params(t: &Tensor, tm: &TrainModel, s: &Settings) -> Result<Params> {
+pub fn params(t: &Tensor, tm: &TrainModel, s: &LookaheadKv) -> Result<Params> {
     let specs = tensor_specs(tm.config(), s.rows, s.rank);
     let mut views = Vec::with_capacity(specs.len());
     let mut off = 0;
@@ -295,49 +200,10 @@ pub fn loss(tm: &TrainModel, p: &Params, s: &Sample) -> Result<Tensor> {
     Ok(cross.affine(-1.0 / pairs as f64, s.truth_neg_entropy / pairs as f64)?)
 }
 
-/// Builds the samples of `count` seeds from `first_seed` (tasks cycled; a case whose answer is
-/// empty is skipped and the next seed taken).
-pub fn samples(
-    lm: &LoadedModel<Cpu>,
-    s: &Settings,
-    first_seed: u64,
-    count: usize,
-    on: &mut dyn FnMut(usize),
-) -> Result<Vec<Sample>> {
-    let mut out = Vec::with_capacity(count);
-    let mut seed = first_seed;
-    while out.len() < count {
-        if seed >= first_seed + 4 * count as u64 + 16 {
-            return Err(TrainError::Settings(format!(
-                "the model answered nothing in most cases of {} tokens; try other --tasks or --length",
-                s.length
-            )));
-        }
-        let task = &s.tasks[out.len() % s.tasks.len()];
-        let c = tasks::generate(task, &lm.tokenizer, seed, s.length, 0, &tasks::DEPTHS)
-            .ok_or_else(|| TrainError::Settings(format!("task `{task}` made no case of {} tokens", s.length)))?;
-        seed += 1;
-        if let Some(x) = sample(lm, &c, s.prompts, s.max_answer)? {
-            out.push(x);
-            on(out.len());
-        }
-    }
-    Ok(out)
-}
-
-/// Mean loss and mean SnapKV KL over `set` (no gradient kept).
-fn mean_loss(tm: &TrainModel, p: &Params, set: &[Sample]) -> Result<f64> {
-    let mut sum = 0.0;
-    for s in set {
-        sum += f64::from(loss(tm, p, s)?.detach().to_scalar::<f32>()?);
-    }
-    Ok(sum / set.len().max(1) as f64)
-}
-
 /// The initial values: the rows are the embedding of "The answer is" cycled plus 10% noise (a
 /// query that starts like an answer), every `A` uniform with the std of `1/sqrt(in)`, every
 /// `B` zero (the LoRA starts as no change).
-fn initial(tm: &TrainModel, lm: &LoadedModel<Cpu>, s: &Settings) -> Result<Tensor> {
+fn initial(tm: &TrainModel, lm: &LoadedModel<Cpu>, s: &LookaheadKv, seed: u64) -> Result<Tensor> {
     let ids = lm.tokenizer.encode_text(" The answer is")?;
     if ids.is_empty() {
         return Err(TrainError::Model("the tokenizer made no tokens of the initial text".into()));
@@ -347,12 +213,12 @@ fn initial(tm: &TrainModel, lm: &LoadedModel<Cpu>, s: &Settings) -> Result<Tenso
     let cycled: Vec<u32> = (0..s.rows).map(|i| ids[i % ids.len()]).collect();
     let base = tm.embed_tokens(&cycled)?;
     let std = base.sqr()?.mean_all()?.to_scalar::<f32>()?.sqrt();
-    let noise = flowprefill_worker::synthetic::random_values(s.rows * d, s.seed ^ 0x100a, 0.1 * std);
+    let noise = flowprefill_worker::synthetic::random_values(s.rows * d, seed ^ 0x100a, 0.1 * std);
     let rows = (base + Tensor::from_vec(noise, (s.rows, d), &Device::Cpu)?)?.flatten_all()?;
     let mut parts = vec![rows];
     for (i, (name, [r, c])) in tensor_specs(cfg, s.rows, s.rank).iter().enumerate().skip(1) {
         let v = if name.ends_with("lora_a") {
-            flowprefill_worker::synthetic::random_values(r * c, s.seed ^ (i as u64 * 0x9e37), 1.0 / (*c as f32).sqrt())
+            flowprefill_worker::synthetic::random_values(r * c, seed ^ (i as u64 * 0x9e37), 1.0 / (*c as f32).sqrt())
         } else {
             vec![0.0; r * c]
         };
@@ -361,168 +227,87 @@ fn initial(tm: &TrainModel, lm: &LoadedModel<Cpu>, s: &Settings) -> Result<Tenso
     Ok(Tensor::cat(&parts, 0)?)
 }
 
-/// The mean gradient and loss of `batch`, the gradient's norm clipped to 1.
-fn batch_gradient<'a>(
-    tm: &TrainModel,
-    var: &Var,
-    s: &Settings,
-    batch: impl Iterator<Item = &'a Sample>,
-) -> Result<(Tensor, f64)> {
-    let (mut grad, mut loss_sum, mut n): (Option<Tensor>, f64, usize) = (None, 0.0, 0);
-    for sample in batch {
-        let p = params(var.as_tensor(), tm, s)?;
-        let l = loss(tm, &p, sample)?;
-        loss_sum += f64::from(l.to_scalar::<f32>()?);
-        let g = l
-            .backward()?
-            .remove(var.as_tensor())
-            .ok_or_else(|| TrainError::Model("no gradient reached the lookahead parameters".into()))?;
-        grad = Some(match grad {
-            None => g,
-            Some(acc) => (acc + g)?,
-        });
-        n += 1;
-    }
-    let grad = (grad.ok_or_else(|| TrainError::Model("an empty batch".into()))? / n as f64)?;
-    let norm = f64::from(grad.sqr()?.sum_all()?.to_scalar::<f32>()?).sqrt();
-    let grad = if norm > 1.0 { (grad / norm)? } else { grad };
-    Ok((grad, loss_sum / n as f64))
-}
-
-/// Where a run writes: checkpoint, `loss.png`, and the adapter.
-pub struct Outputs {
-    /// The run's folder.
-    pub dir: PathBuf,
-    /// The adapter file to write at the end.
-    pub adapter: PathBuf,
-}
-
-/// Trains a LookaheadKV adapter with `settings`, resuming from the checkpoint in `out.dir`
-/// made with the same settings; writes the loss curve and the adapter. The history's
-/// reference loss (`none_val`) is SnapKV's held-out KL to the truth.
-pub fn train(
-    lm: &LoadedModel<Cpu>,
-    tm: &TrainModel,
-    settings: &Settings,
-    out: &Outputs,
-    on: &mut dyn FnMut(Event),
-) -> Result<(LookaheadAdapter, History)> {
-    settings.check()?;
-    let ckpt_err = |d: String| TrainError::Checkpoint { path: out.dir.clone(), detail: d };
-    std::fs::create_dir_all(&out.dir).map_err(|e| ckpt_err(format!("cannot create the folder: {e}")))?;
-    // The adapter's folder too, before any work (an adapter path elsewhere fails now, not
-    // after the training).
-    if let Some(dir) = out.adapter.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| TrainError::Checkpoint {
-            path: dir.to_path_buf(),
-            detail: format!("cannot create the adapter's folder: {e}"),
-        })?;
-    }
-    let ckpt_path = out.dir.join("checkpoint.safetensors");
-    let resumed = Checkpoint::load(&ckpt_path, settings)?;
-    let total = settings.samples + settings.val_samples;
-    let mut made = |k: usize| on(Event::Teacher { done: k, total });
-    let base = TRAIN_SEED_BASE + settings.seed * 100_000;
-    let train_set = samples(lm, settings, base, settings.samples, &mut made)?;
-    let mut made = |k: usize| on(Event::Teacher { done: settings.samples + k, total });
-    let val_set = samples(lm, settings, VAL_SEED + settings.seed * 100_000, settings.val_samples, &mut made)?;
-
-    let start = match &resumed {
-        Some(c) => c.rows.clone(),
-        None => initial(tm, lm, settings)?,
+impl Method for LookaheadKv {
+    type Sample = Sample;
+    type Adapter = LookaheadAdapter;
+    /// KV Packet's are 7,000,000 + ...; the held-back seeds of `flowprefill importance` are
+    /// 7,800,000 + ...; evaluation seeds are below 100.
+    const TRAIN_SEED_BASE: u64 = 7_200_000;
+    const VAL_SEED: u64 = 7_600_000;
+    const DEFAULT_SAMPLES: usize = 64;
+    const DEFAULT_BATCH: usize = 4;
+    const DEFAULT_LR: f64 = 1e-3;
+    /// The paper's: AdamW with beta2 0.95, 2% warm-up then cosine decay, gradients clipped to
+    /// norm 1; whole batches only.
+    const RECIPE: Recipe = Recipe {
+        adamw: AdamWConfig { beta2: 0.95, ..AdamWConfig::DEFAULT },
+        schedule: Schedule::WarmupCosine(0.02),
+        clip_norm: Some(1.0),
+        partial_batches: false,
+        epoch_adapters: false,
     };
-    let var = Var::from_tensor(&start)?;
-    let cfg =
-        AdamWConfig { lr: settings.lr, weight_decay: settings.weight_decay, beta2: 0.95, ..AdamWConfig::default() };
-    let mut opt = AdamW::new(&var, cfg)?;
-    let (mut step, mut history) = match resumed {
-        Some(c) => {
-            opt.m = c.m;
-            opt.v = c.v;
-            opt.step = c.step as u64;
-            (c.step, c.history)
-        }
-        None => {
-            let snap = val_set.iter().map(|s| s.snapkv_kl).sum::<f64>() / val_set.len() as f64;
-            let initial_val = mean_loss(tm, &params(var.as_tensor(), tm, settings)?, &val_set)?;
-            (0, History { none_val: snap, initial_val, ..History::default() })
-        }
-    };
-    on(Event::Baseline { reference: history.none_val, initial: history.initial_val });
-    let spe = settings.steps_per_epoch();
-    while step < settings.total_steps() {
-        let (epoch, k) = (step / spe, step % spe);
-        let mut order: Vec<usize> = (0..train_set.len()).collect();
-        order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(settings.seed ^ (epoch as u64 + 1)));
-        let batch = &order[k * settings.batch..((k + 1) * settings.batch).min(order.len())];
-        let t0 = Instant::now();
-        let (grad, loss) = batch_gradient(tm, &var, settings, batch.iter().map(|&i| &train_set[i]))?;
-        let lr = settings.lr_at(step);
-        opt.step(&var, &grad, lr)?;
-        step += 1;
-        let seconds = t0.elapsed().as_secs_f64();
-        history.train.push(loss);
-        history.seconds += seconds;
-        on(Event::Step { step, total: settings.total_steps(), loss, lr, seconds });
-        if step % spe == 0 {
-            let v = mean_loss(tm, &params(var.as_tensor(), tm, settings)?, &val_set)?;
-            history.validation.push((step / spe, v));
-            on(Event::Validation { epoch: step / spe, loss: v });
-        }
-        let ck = Checkpoint { rows: var.as_tensor().clone(), m: opt.m.clone(), v: opt.v.clone(), step, history };
-        ck.save(&ckpt_path, settings)?;
-        history = ck.history;
-        on(Event::Saved { step });
-    }
-    crate::train::kvpacket::loss_curve(
-        &out.dir.join("loss.png"),
-        &history,
-        spe,
-        "LookaheadKV: KL(answer's attention || lookahead rows'), mean over layers and KV heads",
-        "SnapKV (validation)",
-    )?;
-    let adapter = adapter_of(lm, tm, settings, var.as_tensor(), &history)?;
-    adapter.save(&out.adapter, tm.config())?;
-    Ok((adapter, history))
-}
+    const REFERENCE: &'static str = "SnapKV";
+    const REFERENCE_KEY: &'static str = "snapkv_val_loss";
+    const CURVE_TITLE: &'static str =
+        "LookaheadKV: KL(answer's attention || lookahead rows'), mean over layers and KV heads";
+    const ADAPTER_FILE: &'static str = "lookahead.safetensors";
 
-/// The adapter of the parameter vector `t`, its metadata saying how it was trained.
-pub fn adapter_of(
-    lm: &LoadedModel<Cpu>,
-    tm: &TrainModel,
-    s: &Settings,
-    t: &Tensor,
-    h: &History,
-) -> Result<LookaheadAdapter> {
-    let meta = LookaheadMeta {
-        model: lm.fingerprint.clone(),
-        model_name: lm.model.config().name.clone(),
-        rows: s.rows,
-        rank: s.rank,
-        alpha: s.alpha,
-        training: serde_json::json!({
-            "settings": s,
-            "train_seeds": format!("{} + {}", TRAIN_SEED_BASE + s.seed * 100_000, s.samples),
-            "val_seeds": format!("{} + {}", VAL_SEED + s.seed * 100_000, s.val_samples),
-            "steps": h.train.len(),
-            "seconds": h.seconds,
-            "final_train_loss": h.train.last(),
-            "val_loss": h.validation.last().map(|v| v.1),
-            "snapkv_val_loss": h.none_val,
-            "initial_val_loss": h.initial_val,
-        }),
-    };
-    let flat: Vec<f32> = t.to_vec1()?;
-    let mut tensors = Vec::new();
-    let mut off = 0;
-    for (_, [r, c]) in tensor_specs(tm.config(), s.rows, s.rank) {
-        tensors.push(flat[off..off + r * c].to_vec());
-        off += r * c;
+    fn check(s: &Settings) -> Result<()> {
+        let bad = |m: String| Err(TrainError::Settings(m));
+        let m = &s.method;
+        if m.rows == 0 || m.rank == 0 {
+            return bad("--rows and --rank must be at least 1".into());
+        }
+        if !(m.alpha > 0.0 && m.alpha.is_finite()) {
+            return bad(format!("--alpha {} must be a positive number", m.alpha));
+        }
+        if m.max_answer == 0 {
+            return bad("--max-answer must be at least 1".into());
+        }
+        if s.val_samples == 0 {
+            return bad("--val-samples must be at least 1 (the held-out loss is the run's measure)".into());
+        }
+        Ok(())
     }
-    Ok(LookaheadAdapter::new(meta, tm.config(), tensors)?)
-}
 
-/// Writes nothing; says where a run's adapter goes by default.
-pub fn default_adapter(dir: &Path) -> PathBuf {
-    dir.join("lookahead.safetensors")
+    fn sample(&self, lm: &LoadedModel<Cpu>, case: &tasks::QaCase, prompts: PromptStyle) -> Result<Option<Sample>> {
+        sample(lm, case, prompts, self.max_answer)
+    }
+
+    fn initial(&self, tm: &TrainModel, lm: &LoadedModel<Cpu>, seed: u64) -> Result<Tensor> {
+        initial(tm, lm, self, seed)
+    }
+
+    fn loss(&self, tm: &TrainModel, values: &Tensor, s: &Sample) -> Result<Tensor> {
+        loss(tm, &params(values, tm, self)?, s)
+    }
+
+    /// SnapKV's KL to the truth.
+    fn reference_loss(&self, _: &TrainModel, set: &[Sample]) -> Result<f64> {
+        run::mean_of(set, |s| Ok(s.snapkv_kl))
+    }
+
+    fn adapter(&self, tm: &TrainModel, values: &Tensor, made: Provenance) -> Result<LookaheadAdapter> {
+        let (rows, rank, alpha) = (self.rows, self.rank, self.alpha);
+        let meta = LookaheadMeta {
+            model: made.model,
+            model_name: made.model_name,
+            rows,
+            rank,
+            alpha,
+            training: made.training,
+        };
+        let flat: Vec<f32> = values.to_vec1()?;
+        let mut tensors = Vec::new();
+        let mut off = 0;
+        for (_, [r, c]) in tensor_specs(tm.config(), self.rows, self.rank) {
+            tensors.push(flat[off..off + r * c].to_vec());
+            off += r * c;
+        }
+        Ok(LookaheadAdapter::new(meta, tm.config(), tensors)?)
+    }
+
+    fn save(&self, adapter: &LookaheadAdapter, tm: &TrainModel, path: &Path) -> Result<()> {
+        Ok(adapter.save(path, tm.config())?)
+    }
 }
