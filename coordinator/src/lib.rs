@@ -3,9 +3,9 @@
 //! * [`request`]: methods, prefix modes, geometries, options and their validation;
 //! * [`admit`]: the checks that need the model, and per-request cost bounds;
 //! * [`layout`]: tokenization through the model's chat template, positions per geometry;
-//! * [`method`]: every method's facts in one table, and one selection policy per file
-//!   (InfoFlow, ProphetKV, CacheBlend, EPIC, CacheClip, random, LookaheadKV);
-//! * [`select`]: what the policies share (the scoring context, the probe, top-k, coverage);
+//! * [`method`]: every method's facts in one table (below the request and the selection);
+//! * [`select`]: one selection policy per file (InfoFlow, ProphetKV, CacheBlend, EPIC,
+//!   CacheClip, random, LookaheadKV) and what they share (the probe, top-k, coverage);
 //! * [`reorder`]: two-stage chunk reordering;
 //! * [`shard`]: which rank holds which chunk;
 //! * [`engine`]: the phase pipeline on every rank, with the chunk store, TTFT and per-phase

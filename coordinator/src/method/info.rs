@@ -1,8 +1,8 @@
 //! The facts a method's row in the table gives ([`Info`]) and their types.
 
-use crate::request::PrefixMode;
 use flowprefill_kernels::Backend;
 use flowprefill_worker::{Field, InputError, LoadedModel};
+use std::str::FromStr;
 
 /// What the rest of the system needs to know about a method.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -160,5 +160,46 @@ impl Adapter {
                 self.trainer()
             ),
         )
+    }
+}
+
+/// What a chunk is prefilled behind (methods.md section 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum PrefixMode {
+    /// Each chunk alone from position 0 (the first chunk follows the template's head, as it does
+    /// in the real sequence).
+    None,
+    /// Every chunk behind the template head (system prompt); one copy of it kept (CacheClip).
+    Shared,
+    /// Every chunk after the first behind the anchor block (template head + first chunk),
+    /// dropped after prefill (Star Attention).
+    Anchor,
+}
+
+impl FromStr for PrefixMode {
+    type Err = InputError;
+    fn from_str(s: &str) -> std::result::Result<Self, InputError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "none" => Ok(Self::None),
+            "shared" => Ok(Self::Shared),
+            "anchor" => Ok(Self::Anchor),
+            other => Err(InputError::new(
+                Field::Prefix,
+                format!("unknown prefix mode `{other}`; choose none, shared or anchor"),
+            )),
+        }
+    }
+}
+
+impl PrefixMode {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Shared => "shared",
+            Self::Anchor => "anchor",
+        }
     }
 }

@@ -1,34 +1,15 @@
-//! Every method in one place: what it is ([`Info`], one row each in [`Method::info`]) and its
-//! selection policy (one file each, a [`Selector`]). The pipeline, the memory plan, the
-//! projection, admission, the demo and check tables and the eval read a method's facts from its
-//! row, never from a list of their own. Adding a method touches its policy file and this table
-//! (the variant, its row, its selector).
-//!
-//! | policy | signal | source |
-//! | --- | --- | --- |
-//! | [`infoflow`] | prompt-to-context attention mass at the scoring layers (GLOBAL) | 003 eq. 7-8 |
-//! | [`prophet`] | query attention averaged over all layers | 000 eq. 7 |
-//! | [`cacheblend`] | `||V_new - V_cached||^2` at check layer 1 | 000 Table 3 |
-//! | [`epic`] | the first tokens of each chunk | 000 Table 3 |
-//! | [`cacheclip`] | auxiliary model's last-layer query attention + 8/5 windows | 002 §3.3 |
-//! | [`random`] | uniform, seeded | - |
-//! | [`lookahead`] | LookaheadKV's trained rows' attention mass at the scoring layers | 004 + issue 31 |
-
-pub mod cacheblend;
-pub mod cacheclip;
-pub mod epic;
-pub mod infoflow;
-pub mod lookahead;
-pub mod prophet;
-pub mod random;
+//! Every method's facts in one table: what it is ([`Info`], one row each in [`Method::info`]).
+//! The pipeline, the memory plan, the projection, admission, the demo and check tables and the
+//! eval read a method's facts from its row, never from a list of their own. This module stands
+//! below the request and the selection machinery (it imports neither); a method's policy, if it
+//! selects, is a [`crate::select::Selector`] in a file of its own under `select/`, built by
+//! [`crate::select::selector_for`]. Adding a method touches its policy file, this table (the
+//! variant and its row) and the selector's arm.
 
 mod info;
 
-pub use info::{Adapter, Build, Depth, Info, Probe, Recompute};
+pub use info::{Adapter, Build, Depth, Info, PrefixMode, Probe, Recompute};
 
-use crate::request::PrefixMode;
-use crate::select::Selector;
-use flowprefill_kernels::Backend;
 use flowprefill_worker::lookahead::LOOKAHEAD_ROWS;
 use flowprefill_worker::{Field, InputError};
 use std::str::FromStr;
@@ -188,20 +169,6 @@ impl Method {
     }
 }
 
-/// The policy of a method (`None` for methods that select nothing).
-pub fn selector_for<B: Backend>(method: Method) -> Option<Box<dyn Selector<B>>> {
-    Some(match method {
-        Method::Infoflow => Box::new(infoflow::InfoFlow),
-        Method::Prophet => Box::new(prophet::Prophet),
-        Method::Cacheblend => Box::new(cacheblend::CacheBlend::default()),
-        Method::Epic => Box::new(epic::Epic),
-        Method::Cacheclip => Box::new(cacheclip::CacheClip::default()),
-        Method::Random => Box::new(random::Random),
-        Method::Lookahead => Box::new(lookahead::Lookahead),
-        Method::Full | Method::None | Method::Star | Method::Ring | Method::Kvpacket | Method::Auto => return None,
-    })
-}
-
 impl FromStr for Method {
     type Err = InputError;
     fn from_str(s: &str) -> std::result::Result<Self, InputError> {
@@ -232,9 +199,8 @@ mod tests {
     fn every_row_is_named_after_its_method_and_parses_back() {
         for m in Method::ALL.into_iter().chain([Method::Auto]) {
             assert_eq!(m.name().parse::<Method>().unwrap(), m);
-            // A selector exactly where a ratio applies; a probe or a mass only with a selector.
+            // A probe or a mass only where a ratio applies.
             let i = m.info();
-            assert_eq!(selector_for::<flowprefill_kernels::Cpu>(m).is_some(), m.selects(), "{m}");
             assert!(m.selects() || (i.probe == Probe::None && !i.scores_mass), "{m}");
             assert!(!(i.build.is_exact() && i.recompute != Recompute::Everything), "{m}");
         }

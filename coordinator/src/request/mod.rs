@@ -7,50 +7,9 @@ use flowprefill_worker::{Field, InputError};
 use std::str::FromStr;
 
 mod spec;
-pub use crate::method::Method;
 use crate::method::Recompute;
+pub use crate::method::{Method, PrefixMode};
 pub use spec::{Coverage, MethodSpec};
-
-/// What a chunk is prefilled behind (methods.md section 1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
-pub enum PrefixMode {
-    /// Each chunk alone from position 0 (the first chunk follows the template's head, as it does
-    /// in the real sequence).
-    None,
-    /// Every chunk behind the template head (system prompt); one copy of it kept (CacheClip).
-    Shared,
-    /// Every chunk after the first behind the anchor block (template head + first chunk),
-    /// dropped after prefill (Star Attention).
-    Anchor,
-}
-
-impl FromStr for PrefixMode {
-    type Err = InputError;
-    fn from_str(s: &str) -> std::result::Result<Self, InputError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "none" => Ok(Self::None),
-            "shared" => Ok(Self::Shared),
-            "anchor" => Ok(Self::Anchor),
-            other => Err(InputError::new(
-                Field::Prefix,
-                format!("unknown prefix mode `{other}`; choose none, shared or anchor"),
-            )),
-        }
-    }
-}
-
-impl PrefixMode {
-    /// Lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::None => "none",
-            Self::Shared => "shared",
-            Self::Anchor => "anchor",
-        }
-    }
-}
 
 /// RoPE positions used for scoring (InfoFlow section 4.2). Decoding always uses GLOBAL.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]

@@ -1,6 +1,16 @@
-//! Selection: the machinery every policy shares (what a policy sees, the probe, the top-k and
-//! the coverage cut). The policies themselves, one file each, and the table of what each method
-//! is, are in [`crate::method`].
+//! Selection policies, one file each, and the machinery they share (what a policy sees, the
+//! probe, the top-k and the coverage cut). What each method is (whether it selects, probes,
+//! how deep) is its row in [`crate::method`].
+//!
+//! | policy | signal | source |
+//! | --- | --- | --- |
+//! | [`infoflow`] | prompt-to-context attention mass at the scoring layers (GLOBAL) | 003 eq. 7-8 |
+//! | [`prophet`] | query attention averaged over all layers | 000 eq. 7 |
+//! | [`cacheblend`] | `||V_new - V_cached||^2` at check layer 1 | 000 Table 3 |
+//! | [`epic`] | the first tokens of each chunk | 000 Table 3 |
+//! | [`cacheclip`] | auxiliary model's last-layer query attention + 8/5 windows | 002 §3.3 |
+//! | [`random`] | uniform, seeded | - |
+//! | [`lookahead`] | LookaheadKV's trained rows' attention mass at the scoring layers | 004 + issue 31 |
 //!
 //! Every policy returns one score per context token, per chunk in layout order; the top
 //! `k = round(ratio * N)` over all context tokens are recomputed (ties: earlier token first),
@@ -13,9 +23,17 @@
 //! chunk and then over the chunks in layout order, so the cut is the same on any number of
 //! ranks.
 
+pub mod cacheblend;
+pub mod cacheclip;
+pub mod epic;
+pub mod infoflow;
+pub mod lookahead;
+pub mod prophet;
+pub mod random;
+
 use crate::error::{internal, Result};
 use crate::layout::Layout;
-use crate::request::{Geometry, RunOptions};
+use crate::request::{Geometry, Method, RunOptions};
 use flowprefill_comm::Communicator;
 use flowprefill_kernels::topk::top_k;
 use flowprefill_kernels::Backend;
@@ -266,6 +284,20 @@ pub trait Selector<B: Backend> {
     }
 }
 
+/// The policy of a method (`None` for methods that select nothing).
+pub fn selector_for<B: Backend>(method: Method) -> Option<Box<dyn Selector<B>>> {
+    Some(match method {
+        Method::Infoflow => Box::new(infoflow::InfoFlow),
+        Method::Prophet => Box::new(prophet::Prophet),
+        Method::Cacheblend => Box::new(cacheblend::CacheBlend::default()),
+        Method::Epic => Box::new(epic::Epic),
+        Method::Cacheclip => Box::new(cacheclip::CacheClip::default()),
+        Method::Random => Box::new(random::Random),
+        Method::Lookahead => Box::new(lookahead::Lookahead),
+        Method::Full | Method::None | Method::Star | Method::Ring | Method::Kvpacket | Method::Auto => return None,
+    })
+}
+
 /// `scores` pooled as `--score-pool` asks (unchanged when it is off or 1).
 pub fn pooled(opts: &RunOptions, scores: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
     match opts.score_pool {
@@ -363,6 +395,13 @@ mod tests {
         let e = layout_index(&order, 3).unwrap_err();
         assert!(matches!(e, crate::CoordError::Internal(_)), "{e:?}");
         assert!(e.to_string().contains("chunk 3 is not in the chunk order [2, 0, 1]"), "{e}");
+    }
+
+    #[test]
+    fn a_selector_exactly_where_a_ratio_applies() {
+        for m in Method::ALL.into_iter().chain([Method::Auto]) {
+            assert_eq!(selector_for::<flowprefill_kernels::Cpu>(m).is_some(), m.selects(), "{m}");
+        }
     }
 
     #[test]

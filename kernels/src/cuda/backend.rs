@@ -45,6 +45,7 @@
 use super::buffers::{self, ControlCache, DevData, DeviceRope, MatData, Scratch};
 pub use super::buffers::{DeviceBuf, DeviceMat, Mark};
 use super::err;
+use super::loader::{load_file, Occupancy};
 use crate::attention::AttnShape;
 use crate::backend::{from_bf16, to_bf16, Backend, DType, HostBuf};
 use crate::error::{check_len, KernelError, Result};
@@ -73,12 +74,12 @@ pub struct CudaBackend {
     pub(super) extra: Mutex<HashMap<&'static str, CudaFunction>>,
     /// Blocks per SM of every loaded kernel: what its launch shape assumes, and what the
     /// occupancy API says fits.
-    pub(super) occupancy: Mutex<Vec<super::loader::Occupancy>>,
+    pub(super) occupancy: Mutex<Vec<Occupancy>>,
     /// The GPU's name and the driver's CUDA version (the autotuner's key).
     pub(super) gpu_name: String,
     pub(super) driver: i32,
     /// The attention autotuner's decisions and mode.
-    pub(super) tuning: super::tune::Tuning,
+    pub(super) tuning: super::tuning::Tuning,
     weights: WeightType,
     kv: DType,
     /// Uploaded RoPE tables, by their content.
@@ -147,7 +148,7 @@ impl CudaBackend {
         let mut functions = HashMap::new();
         let mut occupancy = Vec::new();
         for file in gpu::FILES {
-            for (name, f, occ) in super::loader::load_file(&ctx, &arch, file, 0, file.kernels)? {
+            for (name, f, occ) in load_file(&ctx, &arch, file, 0, file.kernels)? {
                 functions.insert(name, f);
                 occupancy.push(occ);
             }
@@ -164,7 +165,7 @@ impl CudaBackend {
             occupancy: Mutex::new(occupancy),
             gpu_name: d.name.clone(),
             driver,
-            tuning: super::tune::Tuning::new(fixed),
+            tuning: super::tuning::Tuning::new(fixed),
             weights,
             kv,
             ropes: Mutex::new(HashMap::new()),
@@ -719,5 +720,35 @@ impl Backend for CudaBackend {
             }
         };
         Ok(DeviceBuf { data, len: host.len() })
+    }
+}
+
+impl CudaBackend {
+    pub(super) fn extra_function(&self, kernel: &str) -> Option<CudaFunction> {
+        self.extra.lock().unwrap_or_else(|p| p.into_inner()).get(kernel).cloned()
+    }
+
+    /// Loads flash2's configuration `config` (compiled by NVRTC on first use, cached on disk
+    /// like every kernel) unless it is loaded.
+    pub(super) fn load_config(&self, config: usize) -> Result<()> {
+        let budgets = gpu::config_budgets(config);
+        if budgets.iter().all(|b| self.extra_function(b.kernel).is_some()) {
+            return Ok(());
+        }
+        let file = gpu::FILES.iter().find(|f| f.name == "flash2.cu").ok_or_else(|| err("flash2", "not in FILES"))?;
+        let loaded = load_file(self.stream.context(), self.arch(), file, config, &budgets)?;
+        let mut extra = self.extra.lock().unwrap_or_else(|p| p.into_inner());
+        let mut occ = self.occupancy.lock().unwrap_or_else(|p| p.into_inner());
+        for (name, f, o) in loaded {
+            extra.insert(name, f);
+            occ.push(o);
+        }
+        Ok(())
+    }
+
+    /// Blocks per SM of every kernel loaded so far (assumed by its launch shape, and what the
+    /// occupancy API says fits on this GPU).
+    pub fn occupancy(&self) -> Vec<Occupancy> {
+        self.occupancy.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }

@@ -1,9 +1,8 @@
-//! Loading kernels into a [`CudaBackend`]: a `.cu` file compiled by NVRTC (or read from the
+//! Loading kernels into a [`super::CudaBackend`]: a `.cu` file compiled by NVRTC (or read from the
 //! disk cache) in one of flash2's configurations, each kernel prepared (dynamic shared memory,
 //! carveout) and its occupancy read and checked against its launch shape; flash2's other
 //! configurations loaded on demand (the autotuner, a decision that names one).
 
-use super::backend::CudaBackend;
 use super::err;
 use super::nvrtc;
 use crate::error::Result;
@@ -11,36 +10,6 @@ use crate::gpu;
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
-
-impl CudaBackend {
-    pub(super) fn extra_function(&self, kernel: &str) -> Option<CudaFunction> {
-        self.extra.lock().unwrap_or_else(|p| p.into_inner()).get(kernel).cloned()
-    }
-
-    /// Loads flash2's configuration `config` (compiled by NVRTC on first use, cached on disk
-    /// like every kernel) unless it is loaded.
-    pub(super) fn load_config(&self, config: usize) -> Result<()> {
-        let budgets = gpu::config_budgets(config);
-        if budgets.iter().all(|b| self.extra_function(b.kernel).is_some()) {
-            return Ok(());
-        }
-        let file = gpu::FILES.iter().find(|f| f.name == "flash2.cu").ok_or_else(|| err("flash2", "not in FILES"))?;
-        let loaded = load_file(self.stream.context(), self.arch(), file, config, &budgets)?;
-        let mut extra = self.extra.lock().unwrap_or_else(|p| p.into_inner());
-        let mut occ = self.occupancy.lock().unwrap_or_else(|p| p.into_inner());
-        for (name, f, o) in loaded {
-            extra.insert(name, f);
-            occ.push(o);
-        }
-        Ok(())
-    }
-
-    /// Blocks per SM of every kernel loaded so far (assumed by its launch shape, and what the
-    /// occupancy API says fits on this GPU).
-    pub fn occupancy(&self) -> Vec<Occupancy> {
-        self.occupancy.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}
 
 /// Blocks per SM of one kernel on this GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]

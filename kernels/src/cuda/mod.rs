@@ -16,6 +16,7 @@ pub mod nccl;
 pub mod nvrtc;
 mod rotary;
 mod tune;
+mod tuning;
 
 pub use crate::backend::to_bf16;
 pub use backend::{CudaBackend, DeviceBuf, DeviceMat, Mark, WeightType};

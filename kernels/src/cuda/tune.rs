@@ -15,13 +15,12 @@
 
 use super::backend::CudaBackend;
 use super::err;
+use super::tuning::Mode;
 use crate::error::Result;
 use crate::gpu::ops::{self, AttnDims, FlashKernel};
 use crate::gpu::tune::{self, ShapeClass, TuneEntry, TuneKey, TuneTable, DEFAULT_BLOCKS_PER_SM};
 use crate::gpu::{self, shapes, Elem, Ptr};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
-use std::collections::HashMap;
-use std::sync::Mutex;
 
 /// Query-key pairs (times the query heads of a KV group) a call needs to be timed for a
 /// decision: smaller calls are dominated by launch overhead and would decide on noise.
@@ -35,35 +34,6 @@ const RUNS: usize = 5;
 
 /// Blocks per SM the key splits of decode-like calls may aim at.
 const DECODE_BLOCKS: [u32; 4] = [1, 2, 4, 8];
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
-    Fixed(FlashKernel),
-    Auto,
-    Off,
-}
-
-/// The autotuner's state in one backend.
-pub(crate) struct Tuning {
-    mode: Mode,
-    /// The decisions file, read on first need.
-    table: Mutex<Option<TuneTable>>,
-    /// What this process settled per (head dimension, class): configuration, blocks per SM.
-    chosen: Mutex<HashMap<(u32, ShapeClass), (u8, u32)>>,
-    /// A failure already reported (once per process).
-    warned: Mutex<bool>,
-}
-
-impl Tuning {
-    pub(crate) fn new(fixed: Option<FlashKernel>) -> Self {
-        let mode = match (fixed, std::env::var("FLOWPREFILL_TUNE").as_deref()) {
-            (Some(k), _) => Mode::Fixed(k),
-            (None, Ok("off")) => Mode::Off,
-            _ => Mode::Auto,
-        };
-        Self { mode, table: Mutex::new(None), chosen: Mutex::new(HashMap::new()), warned: Mutex::new(false) }
-    }
-}
 
 /// The device inputs of one attention call, for timing candidates on them: bf16 queries,
 /// query positions, bf16 keys and values, the key metadata (all device addresses).

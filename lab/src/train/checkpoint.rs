@@ -2,7 +2,6 @@
 //! the step reached and the history, with the settings they were made with (a run resumes only
 //! under the same settings).
 
-use super::run::History;
 use super::{Result, TrainError};
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
@@ -75,4 +74,19 @@ impl Checkpoint {
             .map_err(|e| ckpt_err(path, format!("its history does not parse ({e})")))?;
         Ok(Some(Self { rows, m, v, step, history }))
     }
+}
+
+/// A run's history, kept in the checkpoint and the adapter's metadata.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct History {
+    /// Mean training loss of each step.
+    pub train: Vec<f64>,
+    /// Validation loss after each epoch `(epoch, loss)`.
+    pub validation: Vec<(usize, f64)>,
+    /// Validation loss of the reference: KV Packet's `none` (no packets), LookaheadKV's SnapKV.
+    pub none_val: f64,
+    /// Validation loss of the adapter before training.
+    pub initial_val: f64,
+    /// Training seconds so far (all sessions of a resumed run).
+    pub seconds: f64,
 }

@@ -16,6 +16,7 @@
 //! ```
 
 use super::adamw::{AdamW, AdamWConfig};
+pub use super::checkpoint::History;
 use super::checkpoint::{ckpt_err, Checkpoint};
 use super::model::TrainModel;
 use super::{Result, TrainError};
@@ -240,21 +241,6 @@ pub enum Event {
     Validation { epoch: usize, loss: f64 },
     /// A checkpoint was written.
     Saved { step: usize },
-}
-
-/// A run's history, kept in the checkpoint and the adapter's metadata.
-#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
-pub struct History {
-    /// Mean training loss of each step.
-    pub train: Vec<f64>,
-    /// Validation loss after each epoch `(epoch, loss)`.
-    pub validation: Vec<(usize, f64)>,
-    /// Validation loss of the reference: KV Packet's `none` (no packets), LookaheadKV's SnapKV.
-    pub none_val: f64,
-    /// Validation loss of the adapter before training.
-    pub initial_val: f64,
-    /// Training seconds so far (all sessions of a resumed run).
-    pub seconds: f64,
 }
 
 /// Where a run writes: `checkpoint.safetensors` (+ `.json`), `loss.png`, and the adapter.

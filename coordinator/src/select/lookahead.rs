@@ -12,8 +12,8 @@
 //! Cost over InfoFlow's probe: the prompt through every layer (its keys are what the rows read)
 //! and 32 rows to the last scoring layer.
 
+use super::{pooled, ScoreCtx, Selector};
 use crate::error::Result;
-use crate::select::{pooled, ScoreCtx, Selector};
 use flowprefill_kernels::Backend;
 
 /// The lookahead policy.

@@ -3,8 +3,8 @@
 //! vectors moved most from their cached (chunk-local) values at the check layer are selected:
 //! `score_j = ||V_new(j) - V_cached(j)||^2` at layer 1. Later layers recompute only those.
 
+use super::{ScoreCtx, Selector};
 use crate::error::Result;
-use crate::select::{ScoreCtx, Selector};
 use flowprefill_kernels::Backend;
 use flowprefill_worker::kv::KvCache;
 use flowprefill_worker::steps::{value_deviation, Selection, Target};

@@ -10,9 +10,9 @@
 //! selects everything; (2) dropped tokens are not replaced, so CacheClip recomputes at most
 //! the budget (the run reports how many tokens were actually selected).
 
+use super::probe_local;
+use super::{ScoreCtx, Selector};
 use crate::error::{internal, Result};
-use crate::select::probe_local;
-use crate::select::{ScoreCtx, Selector};
 use crate::timings::phase;
 use flowprefill_comm::local::LocalComm;
 use flowprefill_kernels::Backend;

@@ -2,8 +2,8 @@
 //! averaged uniformly over all L layers of a lightweight pass of the prompt over the assembled
 //! caches; one global top set is recomputed at every layer.
 
+use super::{ScoreCtx, Selector};
 use crate::error::Result;
-use crate::select::{ScoreCtx, Selector};
 use flowprefill_kernels::Backend;
 
 /// The ProphetKV policy.

@@ -3,8 +3,8 @@
 //! takes position 0 of every chunk, then position 1, ...: an even split of the budget across
 //! chunks (earlier chunks get the remainder).
 
+use super::{ScoreCtx, Selector};
 use crate::error::Result;
-use crate::select::{ScoreCtx, Selector};
 use flowprefill_kernels::Backend;
 
 /// The EPIC policy.

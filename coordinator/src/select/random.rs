@@ -2,8 +2,8 @@
 //! informed policy must beat. A token's score is a hash of the seed and its global index, so
 //! the selection does not depend on how chunks are spread over ranks.
 
+use super::{ScoreCtx, Selector};
 use crate::error::Result;
-use crate::select::{ScoreCtx, Selector};
 use flowprefill_kernels::Backend;
 
 /// The random policy.

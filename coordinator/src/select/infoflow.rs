@@ -13,8 +13,8 @@
 //! neighbours of an important token are recomputed with it, at the cost of fewer distinct
 //! places within the same budget.
 
+use super::{pooled, ScoreCtx, Selector};
 use crate::error::Result;
-use crate::select::{pooled, ScoreCtx, Selector};
 use flowprefill_kernels::Backend;
 
 /// The InfoFlow policy.

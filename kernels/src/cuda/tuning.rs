@@ -1,0 +1,36 @@
+//! The autotuner's state in one backend ([`Tuning`]); the tuning itself is [`super::tune`].
+
+use crate::gpu::ops::FlashKernel;
+use crate::gpu::tune::{ShapeClass, TuneTable};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// How the autotuner decides (`FLOWPREFILL_FLASH_KERNEL`, `FLOWPREFILL_TUNE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Mode {
+    Fixed(FlashKernel),
+    Auto,
+    Off,
+}
+
+/// The autotuner's state in one backend.
+pub(crate) struct Tuning {
+    pub(super) mode: Mode,
+    /// The decisions file, read on first need.
+    pub(super) table: Mutex<Option<TuneTable>>,
+    /// What this process settled per (head dimension, class): configuration, blocks per SM.
+    pub(super) chosen: Mutex<HashMap<(u32, ShapeClass), (u8, u32)>>,
+    /// A failure already reported (once per process).
+    pub(super) warned: Mutex<bool>,
+}
+
+impl Tuning {
+    pub(crate) fn new(fixed: Option<FlashKernel>) -> Self {
+        let mode = match (fixed, std::env::var("FLOWPREFILL_TUNE").as_deref()) {
+            (Some(k), _) => Mode::Fixed(k),
+            (None, Ok("off")) => Mode::Off,
+            _ => Mode::Auto,
+        };
+        Self { mode, table: Mutex::new(None), chosen: Mutex::new(HashMap::new()), warned: Mutex::new(false) }
+    }
+}
