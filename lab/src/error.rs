@@ -42,6 +42,27 @@ pub enum LabError {
     /// Training failed.
     #[error(transparent)]
     Train(#[from] crate::train::TrainError),
+    /// A mistake in the arguments of a measurement (the caller's to fix: exit code 2).
+    #[error("{0}")]
+    Usage(String),
+    /// The engine or the ranks failed a run.
+    #[error(transparent)]
+    Coord(#[from] flowprefill_coordinator::CoordError),
+    /// The model failed (loading, tokenizing, a forward).
+    #[error(transparent)]
+    Worker(#[from] flowprefill_worker::WorkerError),
+    /// The caller's input, refused by the system.
+    #[error(transparent)]
+    Input(#[from] flowprefill_worker::InputError),
+    /// A kernel failed (a measured op of the calibration).
+    #[error(transparent)]
+    Kernel(#[from] flowprefill_kernels::KernelError),
+    /// Communication between ranks failed.
+    #[error(transparent)]
+    Comm(#[from] flowprefill_comm::CommError),
+    /// A measurement that went wrong (a server that did not start, a run that made no number).
+    #[error("{0}")]
+    Failed(String),
     /// Results that do not serialise.
     #[error("{}: {source}", path.display())]
     Json {
@@ -51,6 +72,48 @@ pub enum LabError {
         source: serde_json::Error,
     },
 }
+
+impl LabError {
+    /// Whose fault the error is, where the system says (the binary maps it to an exit code);
+    /// `None` for the lab's own failures (IO, plots, results files).
+    pub fn class(&self) -> Option<flowprefill_coordinator::ErrorClass> {
+        use flowprefill_coordinator::ErrorClass;
+        match self {
+            LabError::Usage(_) | LabError::Input(_) => Some(ErrorClass::Caller),
+            LabError::Coord(e) => Some(e.class()),
+            LabError::Worker(e) => Some(e.class()),
+            LabError::Comm(_) => Some(ErrorClass::Peer),
+            LabError::Kernel(e) => Some(match e {
+                flowprefill_kernels::KernelError::Shape { .. } => ErrorClass::Internal,
+                flowprefill_kernels::KernelError::OutOfMemory { .. } => ErrorClass::Resource,
+                _ => ErrorClass::Model,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// An IO error said as `WHAT PATH: CAUSE` in one message (a [`LabError::Failed`]: no
+/// separate source, so that a printed chain says the cause once).
+pub(crate) fn io_said(what: impl Into<String>, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> LabError {
+    let (what, path) = (what.into(), path.into());
+    move |e| LabError::Failed(format!("{what} {}: {e}", path.display()))
+}
+
+/// An IO error as its own message alone (a [`LabError::Failed`]).
+pub(crate) fn io_plain(e: std::io::Error) -> LabError {
+    LabError::Failed(e.to_string())
+}
+
+/// Fails with [`LabError::Usage`] (the caller's mistake) unless `cond` holds.
+macro_rules! ensure_usage {
+    ($cond:expr, $($arg:tt)+) => {
+        if !$cond {
+            return Err($crate::LabError::Usage(format!($($arg)+)));
+        }
+    };
+}
+pub(crate) use ensure_usage;
 
 /// Results of the lab.
 pub type Result<T> = std::result::Result<T, LabError>;

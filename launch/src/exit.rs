@@ -77,6 +77,7 @@ pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
             .or_else(|| c.downcast_ref::<WorkerError>().map(WorkerError::class))
             .or_else(|| c.downcast_ref::<flowprefill_worker::InputError>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<Usage>().map(|_| ErrorClass::Caller))
+            .or_else(|| c.downcast_ref::<flowprefill_lab::LabError>().and_then(flowprefill_lab::LabError::class))
             .or_else(|| c.downcast_ref::<flowprefill_comm::CommError>().map(|_| ErrorClass::Peer))
             .or_else(|| {
                 // A device that cannot be used (no driver, no GPU) is the machine's configuration.

@@ -1,7 +1,10 @@
 //! Evaluation records: one scored run ([`Record`]), the resumable results file, and the
-//! report made from them ([`report`]: tables, both retention metrics, plots).
+//! report made from them ([`report`]: tables, both retention metrics, plots); the plan of an
+//! eval ([`plan`]) and its running ([`run`]).
 
+pub mod plan;
 pub mod report;
+pub mod run;
 
 use crate::error::io;
 use crate::tasks::{PromptStyle, QaCase};
@@ -10,6 +13,7 @@ use flowprefill_coordinator::{MethodSpec, RunResult};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+pub use plan::Scoring;
 pub use report::{plots, summarize};
 
 /// One scored run.

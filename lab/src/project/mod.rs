@@ -14,10 +14,12 @@
 //! machine come from `flowprefill bench calibrate`. Figures made here are projections and are
 //! labelled so wherever they are printed.
 
+pub mod bench;
 mod shape;
 pub mod time;
 pub mod work;
 
+pub use bench::{load_profiles, project_run};
 pub use shape::Shape;
 pub use time::{project, Device, Link, Profiles, Projection};
 pub use work::{plan, range_pairs, Counts, Request, Work};

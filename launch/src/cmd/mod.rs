@@ -19,7 +19,6 @@ pub mod tune;
 
 use crate::Common;
 use anyhow::{Context, Result};
-use flowprefill_coordinator::RunOptions;
 use flowprefill_kernels::{DType, Device, DeviceSpec, WeightType};
 use flowprefill_worker::synthetic::SyntheticSpec;
 use flowprefill_worker::LoadedModel;
@@ -249,7 +248,8 @@ pub fn chooser(common: &Common, mpi: bool) -> Option<std::sync::Arc<dyn flowpref
         (true, false) => "cpu-threads",
         (false, _) => "nvlink4",
     };
-    let made = project::load_profiles(&files)
+    let made = flowprefill_lab::project::load_profiles(&files)
+        .map_err(anyhow::Error::from)
         .and_then(|p| Ok(flowprefill_lab::auto::ProjectedChooser::new(p, device, link, history_file())?));
     match made {
         Ok(c) => Some(std::sync::Arc::new(c)),
@@ -482,31 +482,8 @@ fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
     Ok(Some((p(a)?, p(b)?)))
 }
 
-/// Parsed [`ScoringArgs`].
-#[derive(Clone, Copy, Debug)]
-pub struct Scoring {
-    /// Scoring geometry.
-    pub geometry: flowprefill_coordinator::Geometry,
-    /// InfoFlow's scoring layers (inclusive), if not the default.
-    pub score_layers: Option<(usize, usize)>,
-    /// InfoFlow's score pooling window, if any.
-    pub score_pool: Option<usize>,
-    /// Chunk prefix mode, if not the method's.
-    pub prefix: Option<flowprefill_coordinator::PrefixMode>,
-}
-
-impl Scoring {
-    /// These settings in `opts`.
-    pub fn apply(&self, opts: RunOptions) -> RunOptions {
-        RunOptions {
-            geometry: self.geometry,
-            score_layers: self.score_layers,
-            score_pool: self.score_pool,
-            prefix: self.prefix,
-            ..opts
-        }
-    }
-}
+/// Parsed [`ScoringArgs`] (the lab's).
+pub use flowprefill_lab::eval::Scoring;
 
 /// KV eviction before decoding (`run`, `demo`, `check`, `eval`).
 #[derive(clap::Args, Debug, Clone, Default)]

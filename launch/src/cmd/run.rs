@@ -474,11 +474,7 @@ pub fn print_summary(r: &RunResult) {
     }
 }
 
-/// Decoding time per token after the first (None with fewer than two tokens).
-pub fn decode_ms_per_token(r: &RunResult) -> Option<f64> {
-    let decode = r.phases.entries().iter().find(|(n, _)| *n == flowprefill_coordinator::timings::phase::DECODE)?.1;
-    (r.tokens.len() > 1).then(|| decode.as_secs_f64() * 1e3 / (r.tokens.len() - 1) as f64)
-}
+use flowprefill_lab::bench::decode_ms_per_token;
 
 /// The JSON object of a run.
 pub fn to_json(r: &RunResult) -> serde_json::Value {

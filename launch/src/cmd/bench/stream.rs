@@ -3,12 +3,10 @@
 //! ranks whose chunk stores live through the stream: the chunk-store hit rate and TTFT with
 //! positional placement (`--slack 0`) against cache-aware placement (issue 52, item 4).
 
-use super::{bench_docs, median};
 use crate::Common;
 use anyhow::Result;
-use flowprefill_coordinator::{Context, Job, MethodSpec, Request, RunOptions};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use flowprefill_coordinator::{MethodSpec, RunOptions};
+use flowprefill_lab::bench::{bench_docs, stream as lab_stream};
 use std::io::Write;
 
 /// Arguments of `bench stream`.
@@ -46,30 +44,6 @@ pub struct StreamArgs {
     pub out: std::path::PathBuf,
 }
 
-/// The questions: each a list of distinct document indices, most popular first drawn.
-fn stream(a: &StreamArgs) -> Vec<Vec<usize>> {
-    let weights: Vec<f64> = (1..=a.corpus).map(|i| 1.0 / (i as f64).powf(a.zipf)).collect();
-    let total: f64 = weights.iter().sum();
-    let mut rng = StdRng::seed_from_u64(a.seed ^ 0x5eed);
-    (0..a.queries)
-        .map(|_| {
-            let mut picked: Vec<usize> = Vec::with_capacity(a.docs_per_query);
-            while picked.len() < a.docs_per_query.min(a.corpus) {
-                let mut x = rng.random_range(0.0..total);
-                let d = weights.iter().position(|&w| {
-                    x -= w;
-                    x < 0.0
-                });
-                let d = d.unwrap_or(a.corpus - 1);
-                if !picked.contains(&d) {
-                    picked.push(d);
-                }
-            }
-            picked
-        })
-        .collect()
-}
-
 /// Runs the command.
 pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     let ranks: Vec<usize> = a.ranks.concat();
@@ -83,56 +57,31 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     crate::ensure_usage!(slacks.iter().all(|s| (0.0..=1.0).contains(s)), "--slack values must be in [0, 1]");
     let lm = std::sync::Arc::new(crate::cmd::load_model(common)?);
     let corpus = bench_docs(&lm.tokenizer, a.corpus * a.doc_tokens, a.doc_tokens, a.seed)?;
-    let questions = stream(&a);
+    let shape = lab_stream::Stream {
+        corpus: a.corpus,
+        queries: a.queries,
+        docs_per_query: a.docs_per_query,
+        zipf: a.zipf,
+        seed: a.seed,
+    };
+    let questions = lab_stream::questions(&shape);
     let base =
         MethodSpec::merge(Some(a.method), None, None, None, RunOptions { max_new_tokens: 1, ..RunOptions::default() })?;
     std::fs::create_dir_all(&a.out)?;
     let csv_path = a.out.join("stream.csv");
     let mut csv = std::fs::File::create(&csv_path)?;
-    writeln!(csv, "ranks,slack,queries,lookups,ram_hits,disk_hits,misses,hit_rate,ttft_mean_ms,ttft_median_ms")?;
+    writeln!(csv, "{}", lab_stream::CSV_HEADER)?;
     println!(
         "{} questions over {} documents of {} tokens ({} each, Zipf {}), method {}, thread ranks, chunk stores kept through the stream",
         a.queries, a.corpus, a.doc_tokens, a.docs_per_query, a.zipf, a.method
     );
-    println!(
-        "{:>5} {:>6} {:>9} {:>7} {:>7} {:>9} {:>13} {:>15}",
-        "ranks", "slack", "lookups", "hits", "misses", "hit rate", "TTFT mean ms", "TTFT median ms"
-    );
+    println!("{}", lab_stream::header());
     for &p in &ranks {
         for &slack in &slacks {
             let mut world = crate::cmd::thread_world(common, lm.clone(), p, std::time::Duration::from_secs(600))?;
-            let (mut ram, mut disk, mut miss) = (0u64, 0u64, 0u64);
-            let mut ttft = Vec::with_capacity(questions.len());
-            for q in &questions {
-                let req = Request {
-                    context: Context::Documents(q.iter().map(|&d| corpus[d].clone()).collect()),
-                    query: "Which place is named most often in these documents?".into(),
-                    system: None,
-                    answer_prefix: None,
-                };
-                let opts = RunOptions { cache_slack: slack, ..base.clone() };
-                let r = world.run(&Job { request: req, options: opts }, &mut |_| true)?;
-                for s in &r.rank_stats {
-                    ram += s.cache_hits.saturating_sub(s.cache_disk_hits);
-                    disk += s.cache_disk_hits;
-                    miss += s.cache_misses;
-                }
-                ttft.push(r.ttft.as_secs_f64() * 1e3);
-            }
-            let lookups = ram + disk + miss;
-            let rate = (ram + disk) as f64 / lookups.max(1) as f64;
-            let mean = ttft.iter().sum::<f64>() / ttft.len() as f64;
-            let med = median(&mut ttft);
-            println!(
-                "{p:>5} {slack:>6} {lookups:>9} {:>7} {miss:>7} {:>8.1}% {mean:>13.0} {med:>15.0}",
-                ram + disk,
-                100.0 * rate
-            );
-            writeln!(
-                csv,
-                "{p},{slack},{},{lookups},{ram},{disk},{miss},{rate:.4},{mean:.1},{med:.1}",
-                questions.len()
-            )?;
+            let row = lab_stream::run(&mut world, &corpus, &questions, &base, slack)?;
+            println!("{}", row.line());
+            writeln!(csv, "{}", row.csv())?;
         }
     }
     println!("wrote {}", csv_path.display());

@@ -1,0 +1,222 @@
+//! What `eval` was asked for, checked: the plan's axes, the scoring settings, one results
+//! folder per eviction setting, and the settings key of each `results.json`.
+
+use super::key;
+use crate::error::ensure_usage;
+use crate::tasks::{all_tasks, PromptStyle};
+use crate::Result;
+use flowprefill_coordinator::{Evict, Geometry, Method, MethodSpec, PrefixMode, RunOptions};
+use std::path::PathBuf;
+
+/// How the selective methods score tokens (the ablations of InfoFlow §4.2).
+#[derive(Clone, Copy, Debug)]
+pub struct Scoring {
+    /// Scoring geometry.
+    pub geometry: Geometry,
+    /// InfoFlow's scoring layers (inclusive), if not the default.
+    pub score_layers: Option<(usize, usize)>,
+    /// InfoFlow's score pooling window, if any.
+    pub score_pool: Option<usize>,
+    /// Chunk prefix mode, if not the method's.
+    pub prefix: Option<PrefixMode>,
+}
+
+impl Scoring {
+    /// These settings in `opts`.
+    pub fn apply(&self, opts: RunOptions) -> RunOptions {
+        RunOptions {
+            geometry: self.geometry,
+            score_layers: self.score_layers,
+            score_pool: self.score_pool,
+            prefix: self.prefix,
+            ..opts
+        }
+    }
+}
+
+/// The axes of a plan, checked: tasks, lengths, ratios, depths, methods.
+pub struct Axes {
+    /// Tasks.
+    pub tasks: Vec<String>,
+    /// Context lengths.
+    pub lengths: Vec<usize>,
+    /// Recompute ratios of the selective methods.
+    pub ratios: Vec<f64>,
+    /// Needle depths.
+    pub depths: Vec<f64>,
+    /// Methods without ratios (the ratios are `ratios`).
+    pub methods: Vec<MethodSpec>,
+}
+
+impl Axes {
+    /// Checks the axes of `eval` (`tasks` and `methods` comma-separated, as the flags write
+    /// them; `samples` per task and length).
+    pub fn check(
+        tasks: &str,
+        lengths: Vec<usize>,
+        ratios: Vec<f64>,
+        depths: Vec<f64>,
+        methods: &str,
+        samples: usize,
+    ) -> Result<Self> {
+        let tasks: Vec<String> = tasks.split(',').map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).collect();
+        let known = all_tasks();
+        for t in &tasks {
+            ensure_usage!(known.contains(&t.as_str()), "unknown task `{t}`; choose from {}", known.join(", "));
+        }
+        ensure_usage!(
+            !tasks.is_empty() && !lengths.is_empty() && samples > 0 && !depths.is_empty(),
+            "nothing to evaluate"
+        );
+        for &r in &ratios {
+            flowprefill_coordinator::request::check_ratio(r)?;
+        }
+        let methods = MethodSpec::parse_list(methods)?;
+        ensure_usage!(
+            methods.iter().all(|m| m.ratio.is_none()),
+            "--methods names methods without ratios; give the ratios with --ratios"
+        );
+        ensure_usage!(
+            methods.iter().any(|m| m.method == Method::Full),
+            "--methods must include full (the baseline for retention)"
+        );
+        Ok(Axes { tasks, lengths, ratios, depths, methods })
+    }
+}
+
+/// What keys a results file besides the scoring: the model and the cases.
+pub struct Key {
+    /// The model's label.
+    pub model: String,
+    /// Seed of the cases.
+    pub seed: u64,
+    /// Answer tokens at most, if not per task.
+    pub max_tokens: Option<usize>,
+    /// Thread ranks.
+    pub ranks: usize,
+    /// Prompt style.
+    pub prompts: PromptStyle,
+}
+
+/// What `eval` was asked for, checked: the plan's axes and the settings that key results.json.
+pub struct Plan {
+    /// Tasks, lengths, ratios, depths and methods.
+    pub axes: Axes,
+    /// Scoring settings (the ablations).
+    pub scoring: Scoring,
+    /// One per eviction setting (one without eviction).
+    pub settings: Vec<Setting>,
+}
+
+/// One eviction setting of a plan: its own results folder and settings key.
+pub struct Setting {
+    /// KV eviction before decoding, if any.
+    pub evict: Option<Evict>,
+    /// The settings results.json is keyed by.
+    pub config: serde_json::Value,
+    /// Its folder (results.json, results.md, plots).
+    pub out: PathBuf,
+}
+
+impl Setting {
+    /// Its results file.
+    pub fn results_path(&self) -> PathBuf {
+        self.out.join("results.json")
+    }
+
+    /// Its name in progress lines (empty without a sweep).
+    pub fn label(&self, several: bool) -> String {
+        match self.evict {
+            Some(e) if several => format!(" {}-{}", e.policy, e.budget),
+            _ => String::new(),
+        }
+    }
+}
+
+impl Plan {
+    /// The plan of `axes` under `scoring`, keyed by `key`, one setting per eviction of `evicts`
+    /// (folders under `out` when there are several).
+    pub fn new(axes: Axes, scoring: Scoring, key: Key, evicts: Vec<Evict>, out: PathBuf) -> Self {
+        let mut config = serde_json::json!({
+            "model": key.model,
+            "seed": key.seed,
+            "max_tokens": key.max_tokens,
+            "depths": axes.depths,
+            "ranks": key.ranks,
+        });
+        // Ablation settings join the key only when set, so results made with the defaults resume.
+        if scoring.geometry != Geometry::Global {
+            config["geometry"] = serde_json::json!(scoring.geometry.name());
+        }
+        if let Some((lo, hi)) = scoring.score_layers {
+            config["score_layers"] = serde_json::json!([lo, hi]);
+        }
+        if let Some(w) = scoring.score_pool {
+            config["score_pool"] = serde_json::json!(w);
+        }
+        if let Some(p) = scoring.prefix {
+            config["prefix"] = serde_json::json!(p.name());
+        }
+        if key.prompts != PromptStyle::Plain {
+            config["prompts"] = serde_json::json!(key.prompts.name());
+        }
+        let settings = if evicts.is_empty() {
+            vec![Setting { evict: None, config, out }]
+        } else {
+            let several = evicts.len() > 1;
+            evicts
+                .into_iter()
+                .map(|e| {
+                    let mut config = config.clone();
+                    config["evict"] = serde_json::json!(e.policy.to_string());
+                    config["kv_budget"] = serde_json::json!(e.budget);
+                    let out = if several { out.join(format!("{}-{}", e.policy, e.budget)) } else { out.clone() };
+                    Setting { evict: Some(e), config, out }
+                })
+                .collect()
+        };
+        Plan { axes, scoring, settings }
+    }
+
+    /// The ratios a method runs at (one run without a ratio for the methods that select nothing).
+    pub fn ratios_of(&self, spec: &MethodSpec) -> Vec<Option<f64>> {
+        // A budget by coverage (`infoflow~0.9`) takes the place of the ratios.
+        if spec.method.selects() && spec.coverage.is_none() {
+            self.axes.ratios.iter().map(|&r| Some(r)).collect()
+        } else {
+            vec![None]
+        }
+    }
+
+    /// Keys of every planned run, in the order they run.
+    pub fn keys(&self, samples: usize) -> Vec<String> {
+        let mut plan = Vec::new();
+        let a = &self.axes;
+        for task in &a.tasks {
+            for &len in &a.lengths {
+                for sample in 0..samples {
+                    for spec in &a.methods {
+                        plan.extend(self.ratios_of(spec).into_iter().map(|r| key(task, len, sample, spec, r)));
+                    }
+                }
+            }
+        }
+        plan
+    }
+
+    /// The chunk caches the methods read (full and ring read none): only these are primed,
+    /// each by a job of the method that makes them (`none` for plain chunks in a prefix mode,
+    /// `kvpacket` for packets).
+    pub fn primers(&self) -> Vec<(Method, PrefixMode)> {
+        let mut primers: Vec<(Method, PrefixMode)> = Vec::new();
+        for spec in &self.axes.methods {
+            let mode = self.scoring.prefix.unwrap_or(spec.method.default_prefix());
+            let wraps = spec.method.info().adapter.is_some_and(|a| a.wraps_chunks());
+            let maker = if wraps { spec.method } else { Method::None };
+            if !spec.method.is_exact_prefill() && !primers.contains(&(maker, mode)) {
+                primers.push((maker, mode));
+            }
+        }
+        primers
+    }
+}

@@ -1,0 +1,204 @@
+//! Running an eval's plan: the runs already in each setting's `results.json`, the cases still
+//! to compute (chunk caches primed, so every recorded TTFT is warm), and the report.
+
+use super::plan::{Plan, Setting};
+use super::{answer_budget, key, plots, record, summarize, write_atomic, Record, ResultsFile};
+use crate::error::{ensure_usage, io_said};
+use crate::tasks::{generate, PromptStyle};
+use crate::{LabError, Result};
+use flowprefill_coordinator::{Job, Method, PrefixMode, Request, RunOptions, ThreadRanks};
+use flowprefill_kernels::Device;
+use flowprefill_worker::LoadedModel;
+use std::collections::HashSet;
+use std::path::Path;
+
+/// One setting's runs: those in its results.json, and the new ones.
+pub struct Runs {
+    /// Every run.
+    pub records: Vec<Record>,
+    /// Keys of the runs read from results.json.
+    pub have: HashSet<String>,
+}
+
+/// The runs already in `results.json` (made with the same settings), or none.
+fn earlier_runs(
+    path: &Path,
+    config: &serde_json::Value,
+    report_only: bool,
+    log: &mut dyn FnMut(&str),
+) -> Result<Vec<Record>> {
+    if !path.exists() {
+        ensure_usage!(
+            !report_only,
+            "--report-only needs the runs of an earlier eval, but {} does not exist; pass that eval's --out",
+            path.display()
+        );
+        return Ok(Vec::new());
+    }
+    let prev = ResultsFile::read(path)?;
+    ensure_usage!(
+        prev.config == *config,
+        "{} was made with other settings ({}); pass another --out or delete it",
+        path.display(),
+        prev.config
+    );
+    log(&format!("resuming: {} runs already in {}", prev.records.len(), path.display()));
+    Ok(prev.records)
+}
+
+/// Says how many planned runs are done and how many are left (or left out, with --report-only).
+fn say_pending(plan: usize, pending: usize, resumed: bool, report_only: bool, path: &Path, log: &mut dyn FnMut(&str)) {
+    if report_only && pending == 0 {
+        log(&format!("report only: all {plan} planned runs are in {}", path.display()));
+    } else if report_only {
+        log(&format!(
+            "report only: {} of {plan} planned runs are in {}; the {pending} missing ones are left out",
+            plan - pending,
+            path.display()
+        ));
+    } else if resumed {
+        log(&format!("{} of {plan} planned runs are already done; {pending} to compute", plan - pending));
+    }
+}
+
+/// Every setting's runs so far (its folder made), and how many planned runs are missing in all.
+pub fn open(plan: &Plan, samples: usize, report_only: bool, log: &mut dyn FnMut(&str)) -> Result<(Vec<Runs>, usize)> {
+    let keys = plan.keys(samples);
+    let mut runs = Vec::with_capacity(plan.settings.len());
+    let mut pending = 0;
+    for s in &plan.settings {
+        let path = s.results_path();
+        let records = earlier_runs(&path, &s.config, report_only, log)?;
+        std::fs::create_dir_all(&s.out).map_err(io_said("creating", &s.out))?;
+        let have: HashSet<String> = records.iter().map(Record::key).collect();
+        let left = keys.iter().filter(|k| !have.contains(*k)).count();
+        say_pending(keys.len(), left, !have.is_empty(), report_only, &path, log);
+        pending += left;
+        runs.push(Runs { records, have });
+    }
+    Ok((runs, pending))
+}
+
+/// How each case runs: its seed, samples, prompts and answer budget, and verification.
+#[derive(Clone, Copy, Debug)]
+pub struct Cases {
+    /// Samples per task and length.
+    pub samples: usize,
+    /// Seed of the cases.
+    pub seed: u64,
+    /// Prompt style.
+    pub prompts: PromptStyle,
+    /// Answer tokens at most (default: per task).
+    pub max_tokens: Option<usize>,
+    /// Verify every run against the exact answer.
+    pub verify: bool,
+}
+
+/// Runs every planned run not in its setting's results, writing every setting's
+/// `results.json` after every case; `done` is told each run's key as it finishes.
+pub fn compute(
+    world: &mut ThreadRanks<Device>,
+    lm: &LoadedModel<Device>,
+    plan: &Plan,
+    c: Cases,
+    runs: &mut [Runs],
+    done: &mut dyn FnMut(&str),
+) -> Result<()> {
+    let tok = &lm.tokenizer;
+    let primers = plan.primers();
+    for (s, r) in plan.settings.iter().zip(runs.iter()) {
+        check_adapter(&r.records, lm, &s.results_path())?;
+    }
+    let several = plan.settings.len() > 1;
+    let axes = &plan.axes;
+    for task in &axes.tasks {
+        for &len in &axes.lengths {
+            for sample in 0..c.samples {
+                let case = generate(task, tok, c.seed, len, sample, &axes.depths).ok_or_else(|| {
+                    LabError::Failed(format!("task `{task}` made no case (a bug: the plan checked its name)"))
+                })?;
+                let req = case.request(c.prompts);
+                let needles = case.needle_rows(tok);
+                let mut primed = false;
+                for spec in &axes.methods {
+                    for ratio in plan.ratios_of(spec) {
+                        let k = key(task, len, sample, spec, ratio);
+                        for (s, runs) in plan.settings.iter().zip(runs.iter_mut()) {
+                            if runs.have.contains(&k) {
+                                continue;
+                            }
+                            if !primed {
+                                prime(world, &req, &primers)?;
+                                primed = true;
+                            }
+                            let opts = plan.scoring.apply(RunOptions {
+                                max_new_tokens: c.max_tokens.unwrap_or_else(|| answer_budget(task)),
+                                evict: s.evict,
+                                verify: c.verify,
+                                ..spec.options(ratio.unwrap_or(0.0))
+                            });
+                            let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
+                            let mut rec = record(&case, sample, c.prompts, *spec, ratio, &r, &needles);
+                            rec.adapter = spec.method.info().adapter.and_then(|a| a.hash(lm));
+                            runs.records.push(rec);
+                            done(&format!("{k}{}", s.label(several)));
+                        }
+                    }
+                }
+                for (s, runs) in plan.settings.iter().zip(runs.iter()) {
+                    ResultsFile { config: s.config.clone(), records: runs.records.clone() }.write(&s.results_path())?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes results.md and the plots of `setting` from the runs of the tasks and lengths asked
+/// for (the tables at `table_ratio`); returns results.md's text.
+pub fn report(plan: &Plan, setting: &Setting, records: Vec<Record>, table_ratio: f64) -> Result<String> {
+    let settings: Vec<String> = ["geometry", "score_layers", "score_pool", "prefix", "evict", "kv_budget", "prompts"]
+        .iter()
+        .filter_map(|k| setting.config.get(*k).map(|v| format!("{k} {v}")))
+        .collect();
+    let out = &setting.out;
+    // Tables and plots cover the tasks and lengths asked for; results.json keeps every run (an
+    // earlier, wider run in the same folder would otherwise leak into the means).
+    let a = &plan.axes;
+    let shown: Vec<Record> =
+        records.into_iter().filter(|r| a.tasks.contains(&r.task) && a.lengths.contains(&r.length)).collect();
+    let md = summarize(&shown, &a.tasks, &a.lengths, &a.methods, &a.ratios, table_ratio, &settings);
+    write_atomic(&out.join("results.md"), md.as_bytes())?;
+    plots(&shown, &a.tasks, &a.lengths, &a.methods, &a.ratios, &a.depths, table_ratio, out)?;
+    Ok(md)
+}
+
+/// The runs of a method with an adapter already in the results must come from the adapter in
+/// use (another adapter's rows are another method).
+fn check_adapter<B: flowprefill_kernels::Backend>(records: &[Record], lm: &LoadedModel<B>, path: &Path) -> Result<()> {
+    for method in Method::ALL {
+        let Some(needed) = method.info().adapter else { continue };
+        let adapter = needed.hash(lm);
+        if let Some(r) = records.iter().find(|r| r.method.method == method && r.adapter != adapter) {
+            ensure_usage!(
+                false,
+                "{} holds {method} runs of adapter {} but this eval uses {}; pass another --out or the same {}",
+                path.display(),
+                r.adapter.as_deref().unwrap_or("(none)"),
+                adapter.as_deref().unwrap_or("none"),
+                needed.flag()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Fills the chunk stores the methods read, so that every recorded TTFT is warm (caches no
+/// method reads are not made: at 8K tokens each costs a chunked prefill).
+fn prime(world: &mut ThreadRanks<Device>, req: &Request, primers: &[(Method, PrefixMode)]) -> Result<()> {
+    for &(method, prefix) in primers {
+        let opts = RunOptions { method, prefix: Some(prefix), max_new_tokens: 1, ..RunOptions::default() };
+        world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
+    }
+    Ok(())
+}
