@@ -96,43 +96,6 @@ impl Tokens {
     }
 }
 
-/// The dimensions of a model the plan needs (no weights).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Dims {
-    /// Hidden size.
-    pub d_model: usize,
-    /// Query width (heads x head dimension).
-    pub q_dim: usize,
-    /// Key/value width (KV heads x head dimension).
-    pub kv_dim: usize,
-    /// Query heads.
-    pub n_heads: usize,
-    /// Feed-forward inner size.
-    pub ffn_dim: usize,
-    /// Transformer blocks.
-    pub n_layers: usize,
-    /// Vocabulary size.
-    pub vocab_size: usize,
-    /// Per-head norms of queries and keys (Qwen3).
-    pub qk_norm: bool,
-}
-
-impl Dims {
-    /// The dimensions of a loaded model's configuration.
-    pub fn of(cfg: &ModelConfig) -> Self {
-        Self {
-            d_model: cfg.d_model,
-            q_dim: cfg.q_dim(),
-            kv_dim: cfg.kv_dim(),
-            n_heads: cfg.n_heads,
-            ffn_dim: cfg.ffn_dim,
-            n_layers: cfg.n_layers,
-            vocab_size: cfg.vocab_size,
-            qk_norm: cfg.arch.qk_norm(),
-        }
-    }
-}
-
 /// Sizes of one model at one KV type, in bytes where they are bytes.
 #[derive(Clone, Copy, Debug)]
 struct Sizes {
@@ -151,16 +114,16 @@ struct Sizes {
 }
 
 impl Sizes {
-    fn new(m: &Dims, kv: DType, act: DType) -> Self {
+    fn new(m: &ModelConfig, kv: DType, act: DType) -> Self {
         Self {
             d: m.d_model,
-            qd: m.q_dim,
-            kvd: m.kv_dim,
+            qd: m.q_dim(),
+            kvd: m.kv_dim(),
             heads: m.n_heads,
             ffn: m.ffn_dim,
             layers: m.n_layers,
             vocab: m.vocab_size,
-            qk_norm: m.qk_norm,
+            qk_norm: m.arch.qk_norm(),
             kv: kv.size(),
             act: act.size(),
         }
@@ -231,7 +194,7 @@ fn peak(rank: usize, phases: Vec<Phase>) -> RankMemory {
 /// dimensions `dims` keeping K/V as `kv` and activations as `act`; `scratch(rows, width)` is the backend's own scratch
 /// for a forward of `rows` rows (see [`Backend::scratch_bytes`]).
 pub fn plan(
-    dims: &Dims,
+    dims: &ModelConfig,
     kv: DType,
     act: DType,
     scratch: &dyn Fn(usize, usize) -> usize,
@@ -256,8 +219,15 @@ pub fn plan(
 /// [`plan`] for a loaded model and a tokenized request.
 pub fn plan_for<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, ranks: usize, layout: &Layout) -> Vec<RankMemory> {
     let be = lm.model.backend();
-    let dims = Dims::of(lm.model.config());
-    plan(&dims, be.kv_dtype(), be.act_dtype(), &|r, w| be.scratch_bytes(r, w), opts, ranks, &Tokens::of(layout))
+    plan(
+        lm.model.config(),
+        be.kv_dtype(),
+        be.act_dtype(),
+        &|r, w| be.scratch_bytes(r, w),
+        opts,
+        ranks,
+        &Tokens::of(layout),
+    )
 }
 
 /// `full`: the cache reserved for the whole sequence and the answer, one piece's forward.
@@ -547,8 +517,7 @@ pub fn smallest_job<B: Backend>(lm: &LoadedModel<B>) -> usize {
     let be = lm.model.backend();
     let opts = RunOptions { method: Method::Full, max_new_tokens: 1, ..RunOptions::default() };
     let tokens = Tokens { head: 16, chunks: vec![1], prompt: 16 };
-    let dims = Dims::of(lm.model.config());
-    plan(&dims, be.kv_dtype(), be.act_dtype(), &|r, w| be.scratch_bytes(r, w), &opts, 1, &tokens)[0].bytes()
+    plan(lm.model.config(), be.kv_dtype(), be.act_dtype(), &|r, w| be.scratch_bytes(r, w), &opts, 1, &tokens)[0].bytes()
 }
 
 #[cfg(test)]
@@ -556,8 +525,8 @@ mod tests {
     use super::*;
     use flowprefill_worker::config::Arch;
 
-    fn cfg() -> Dims {
-        Dims::of(&ModelConfig {
+    fn cfg() -> ModelConfig {
+        ModelConfig {
             arch: Arch::Llama,
             name: "t".into(),
             n_layers: 4,
@@ -572,7 +541,7 @@ mod tests {
             rope_dim: 16,
             rms_eps: 1e-5,
             tied_embeddings: true,
-        })
+        }
     }
 
     fn none(_: usize, _: usize) -> usize {

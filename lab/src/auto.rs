@@ -10,7 +10,7 @@
 //! The history is a JSON-lines file of verified answers (`$FLOWPREFILL_HOME/quality/history.jsonl`
 //! for `run` and `serve`), appended by every verified job of a process that has a chooser.
 
-use crate::project::{self, Profiles, Shape};
+use crate::project::{self, Profiles};
 use flowprefill_coordinator::auto::{label, Candidate, Choice, Chooser, Situation, DEFAULT_AUTO_FLOOR};
 use flowprefill_coordinator::request::{Method, RunOptions};
 use std::io::Write;
@@ -111,7 +111,7 @@ impl ProjectedChooser {
 
     /// Predicted TTFT of `opts` in milliseconds.
     fn predict(&self, s: &Situation<'_>, opts: &RunOptions, recomputed: f64) -> Result<f64, String> {
-        let shape = Shape::of_config(s.config);
+        let shape = s.config.clone();
         let dev = self.profiles.device(&self.device).map_err(|e| e.to_string())?;
         let link = self.profiles.link(&self.link).map_err(|e| e.to_string())?;
         let ranks = if opts.method == Method::Full { 1 } else { s.ranks };

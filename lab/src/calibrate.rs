@@ -2,7 +2,7 @@
 //! device and link profile for `bench project` and `bench ttft --project`. Every measure
 //! reports its figure to a log (the binary's standard error) as it is made.
 
-use crate::project::{self, Device, Link, Shape};
+use crate::project::{self, Cost, Device, Link, Shape};
 use crate::{LabError, Result};
 use flowprefill_comm::ProcessGroup;
 use flowprefill_kernels::attention::AttnShape;

@@ -58,7 +58,7 @@ impl Arch {
 }
 
 /// Hyper-parameters of a loaded model.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct ModelConfig {
     /// Architecture.
     pub arch: Arch,

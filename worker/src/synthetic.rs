@@ -11,33 +11,14 @@ use crate::error::{Result, WorkerError};
 use flowprefill_kernels::matmul::Matrix;
 use rayon::prelude::*;
 
-/// A known model's shape: what its published `config.json` says.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// A known model's shape: what its published `config.json` says, as the [`ModelConfig`] a GGUF
+/// of it would give (its `name` empty: the shape's own is [`KnownShape::name`]).
+#[derive(Clone, Debug, PartialEq)]
 pub struct KnownShape {
     /// Name (`--model synthetic:NAME`, `bench project --shape NAME`).
     pub name: &'static str,
-    /// Architecture.
-    pub arch: Arch,
-    /// Transformer blocks.
-    pub n_layers: usize,
-    /// Hidden size.
-    pub d_model: usize,
-    /// Query heads.
-    pub n_heads: usize,
-    /// Key/value heads.
-    pub n_kv_heads: usize,
-    /// Dimension of one head.
-    pub head_dim: usize,
-    /// Feed-forward inner size.
-    pub ffn_dim: usize,
-    /// Vocabulary size.
-    pub vocab_size: usize,
-    /// Context window.
-    pub context_length: usize,
-    /// RoPE base frequency.
-    pub rope_base: f64,
-    /// The output projection is the embedding.
-    pub tied_embeddings: bool,
+    /// The hyper-parameters.
+    pub config: ModelConfig,
     /// Where the numbers come from.
     pub source: &'static str,
 }
@@ -51,9 +32,9 @@ const fn shape(
     source: &'static str,
 ) -> KnownShape {
     let [n_layers, d_model, n_heads, n_kv_heads, head_dim, ffn_dim, vocab_size, context_length] = dims;
-    KnownShape {
-        name,
+    let config = ModelConfig {
         arch,
+        name: String::new(),
         n_layers,
         d_model,
         n_heads,
@@ -63,8 +44,17 @@ const fn shape(
         vocab_size,
         context_length,
         rope_base,
+        rope_dim: head_dim,
+        rms_eps: 1e-5,
         tied_embeddings,
-        source,
+    };
+    KnownShape { name, config, source }
+}
+
+impl KnownShape {
+    /// Its hyper-parameters under its own name.
+    pub fn named_config(&self) -> ModelConfig {
+        ModelConfig { name: self.name.to_string(), ..self.config.clone() }
     }
 }
 
@@ -176,13 +166,13 @@ impl SyntheticSpec {
             ))));
         };
         let layers = match layers {
-            None => shape.n_layers,
+            None => shape.config.n_layers,
             Some(l) => match l.trim().parse::<usize>() {
-                Ok(n) if (1..=shape.n_layers).contains(&n) => n,
+                Ok(n) if (1..=shape.config.n_layers).contains(&n) => n,
                 _ => {
                     return Some(Err(bad(format!(
                         "`{spec}`: the layer count must be a whole number from 1 to {} ({} has {} layers)",
-                        shape.n_layers, shape.name, shape.n_layers
+                        shape.config.n_layers, shape.name, shape.config.n_layers
                     ))))
                 }
             },
@@ -192,28 +182,12 @@ impl SyntheticSpec {
 
     /// The model's hyper-parameters.
     pub fn config(&self) -> ModelConfig {
-        let s = self.shape;
-        ModelConfig {
-            arch: s.arch,
-            name: self.name(),
-            n_layers: self.layers,
-            d_model: s.d_model,
-            n_heads: s.n_heads,
-            n_kv_heads: s.n_kv_heads,
-            head_dim: s.head_dim,
-            ffn_dim: s.ffn_dim,
-            vocab_size: s.vocab_size,
-            context_length: s.context_length,
-            rope_base: s.rope_base,
-            rope_dim: s.head_dim,
-            rms_eps: 1e-5,
-            tied_embeddings: s.tied_embeddings,
-        }
+        ModelConfig { name: self.name(), n_layers: self.layers, ..self.shape.config.clone() }
     }
 
     /// `synthetic:llama-3.1-8b:2`.
     pub fn name(&self) -> String {
-        if self.layers == self.shape.n_layers {
+        if self.layers == self.shape.config.n_layers {
             format!("{PREFIX}{}", self.shape.name)
         } else {
             format!("{PREFIX}{}:{}", self.shape.name, self.layers)
@@ -227,7 +201,7 @@ impl SyntheticSpec {
             self.name(),
             self.shape.name,
             self.layers,
-            self.shape.n_layers
+            self.shape.config.n_layers
         )
     }
 }

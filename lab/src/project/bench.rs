@@ -1,7 +1,7 @@
 //! `bench project`: projected TTFT per method, rank count and length on a device and link
 //! profile (table, CSV and charts), and the profile files the projection reads.
 
-use super::{plan, Device, Link, Profiles, Projection, Request, Shape};
+use super::{plan, Cost, Device, Link, Profiles, Projection, Request, Shape};
 use crate::error::{ensure_usage, io_plain, io_said};
 use crate::Result;
 use flowprefill_coordinator::{memory, Method, MethodSpec, RunOptions, RunResult, Scope};
@@ -175,9 +175,8 @@ impl Target {
     fn memory(&self, opts: &RunOptions, p: usize, n: usize) -> usize {
         let req = self.request(n);
         let tokens = memory::Tokens { head: req.head, chunks: req.chunks.clone(), prompt: req.prompt };
-        let dims = self.shape.dims();
         let plans =
-            memory::plan(&dims, self.kv(), self.act(), &flowprefill_kernels::gpu_scratch_bytes, opts, p, &tokens);
+            memory::plan(&self.shape, self.kv(), self.act(), &flowprefill_kernels::gpu_scratch_bytes, opts, p, &tokens);
         plans.iter().map(memory::RankMemory::bytes).max().unwrap_or(0)
     }
 
@@ -224,8 +223,8 @@ fn shown_at(opts: &RunOptions, p: usize) -> bool {
 /// `bench project --list`: the shapes, devices and links (newline-terminated lines).
 pub fn list(profiles: &Profiles) -> String {
     let mut s = String::from("shapes (built in; or any GGUF with --model):\n");
-    for n in Shape::builtin_names() {
-        s.push_str(&format!("  {n:<16} {}\n", Shape::builtin_source(n).unwrap_or("")));
+    for n in super::shape::builtin_names() {
+        s.push_str(&format!("  {n:<16} {}\n", super::shape::builtin_source(n).unwrap_or("")));
     }
     s.push_str("devices (--target):\n");
     for (n, d) in &profiles.devices {

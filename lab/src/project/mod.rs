@@ -15,12 +15,12 @@
 //! labelled so wherever they are printed.
 
 pub mod bench;
-mod shape;
+pub mod shape;
 pub mod time;
 pub mod work;
 
 pub use bench::{load_profiles, project_run};
-pub use shape::Shape;
+pub use shape::{Cost, Shape};
 pub use time::{project, Device, Link, Profiles, Projection};
 pub use work::{plan, range_pairs, Counts, Request, Work};
 

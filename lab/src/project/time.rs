@@ -12,7 +12,7 @@
 //! calibration on one published cell; it is 1 unless the caller sets it.
 
 use super::work::{Attn, Forward, Message, PhaseWork, Work};
-use super::{ProjectError, Shape};
+use super::{Cost, ProjectError, Shape};
 use std::collections::BTreeMap;
 
 /// A constant and where it comes from.
@@ -385,7 +385,7 @@ mod tests {
     #[test]
     fn ring_steps_overlap_transfers_and_phases_wait_for_the_slowest_rank() {
         use crate::project::work::{Attn, Message, PhaseWork, Work};
-        let shape = Shape::builtin("smollm2-135m").expect("built in");
+        let shape = crate::project::shape::builtin("smollm2-135m").expect("built in");
         let link = Link {
             description: "test".into(),
             bytes_per_s: Const { value: 1e9, source: "test".into() },
@@ -420,7 +420,7 @@ mod tests {
 
     #[test]
     fn bytes_both_ways_move_at_the_two_way_rate_and_the_rest_at_the_one_way_rate() {
-        let shape = Shape::builtin("smollm2-135m").expect("built in");
+        let shape = crate::project::shape::builtin("smollm2-135m").expect("built in");
         let k = |v: f64| Const { value: v, source: "test".into() };
         let mut link =
             Link { description: "test".into(), bytes_per_s: k(1e6), one_way_bytes_per_s: None, latency_s: k(0.0) };

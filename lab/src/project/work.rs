@@ -15,7 +15,7 @@
 //! demands the same numbers from this module: if the pipeline changes, that test fails until
 //! this accounting follows.
 
-use super::{ProjectError, Shape};
+use super::{Cost, ProjectError, Shape};
 use flowprefill_coordinator::method::Build;
 use flowprefill_coordinator::pipeline::{Pipeline, Selection, Step};
 use flowprefill_coordinator::request::{Method, PrefixMode, RunOptions, Scope};
@@ -665,6 +665,7 @@ mod tests {
             head_dim: 4,
             ffn_dim: 24,
             vocab_size: 50,
+            ..super::super::shape::builtin("smollm2-135m").expect("built in")
         }
     }
 

@@ -44,7 +44,7 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
     #[cfg(not(feature = "mpi"))]
     let lead = true;
     let cfg = super::model_config(common)?;
-    let shape = Shape::of_config(&cfg);
+    let shape = cfg.clone();
     let threads = rayon::current_num_threads();
     let when = calibrate::today();
     let by =

@@ -5,7 +5,7 @@ use crate::Common;
 use anyhow::Result;
 use flowprefill_coordinator::Scope;
 use flowprefill_lab::project::bench::{self, Settings};
-use flowprefill_lab::project::{load_profiles, Shape};
+use flowprefill_lab::project::load_profiles;
 use std::path::PathBuf;
 
 /// Arguments of `bench project`.
@@ -69,8 +69,8 @@ pub fn run_project(common: &Common, a: ProjectArgs) -> Result<()> {
         return Ok(());
     }
     let shape = match &a.shape {
-        Some(s) => Shape::builtin(s)?,
-        None => Shape::of_config(&super::model_config(common)?),
+        Some(s) => flowprefill_lab::project::shape::builtin(s)?,
+        None => super::model_config(common)?,
     };
     let settings = Settings {
         target: a.target,

@@ -8,7 +8,7 @@
 
 use flowprefill_coordinator::pipeline::Pipeline;
 use flowprefill_coordinator::{Method, PrefixMode, RunOptions, Scope};
-use flowprefill_lab::project::{plan, Request, Shape};
+use flowprefill_lab::project::{plan, Request};
 use flowprefill_tests::counting::{needle_request, per_thread, run_counted, Counting, Ran};
 use flowprefill_worker::LoadedModel;
 use std::sync::Arc;
@@ -33,7 +33,7 @@ fn key(r: &Ran) -> (u64, u64, u64) {
 fn projected_work_equals_what_the_engine_runs() {
     let path = flowprefill_tests::default_model_path();
     let lm = Arc::new(LoadedModel::load(&path, Counting::default()).expect("model loads"));
-    let shape = Shape::of_config(lm.model.config());
+    let shape = lm.model.config().clone();
     let request = needle_request();
     let cases: Vec<(&str, usize, RunOptions)> = vec![
         ("full", 1, RunOptions { method: Method::Full, ..RunOptions::default() }),

@@ -5,7 +5,6 @@ use crate::Common;
 use anyhow::Result;
 use flowprefill_coordinator::World;
 use flowprefill_lab::bench::ttft::{self as lab_ttft, Cache, Measure};
-use flowprefill_lab::project::Shape;
 
 /// Arguments of `bench ttft`.
 #[derive(clap::Args, Debug)]
@@ -157,7 +156,7 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
         );
     }
     let csv_path = a.out.join("ttft.csv");
-    let shape = Shape::of_config(lm.model.config());
+    let shape = lm.model.config().clone();
     let csv = lab_ttft::CSV_HEADER.to_string();
     let mut m = Measure { runs: a.runs, ratio: a.ratio, scope: a.scope, shape, projection, disk, csv };
     let mut log = |l: &str| eprintln!("{l}");
