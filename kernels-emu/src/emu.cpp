@@ -11,6 +11,7 @@
 // clang-format off
 #include "shapes.inc"
 #include "common.cuh"
+#include "flash_tiles.cuh"
 #include "files.inc"
 #include "configs.inc"
 // clang-format on

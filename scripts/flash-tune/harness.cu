@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "flash_tiles.cuh"
 #include FLASH_SRC
 
 // The kernel pair and launch shape of the build: flash2.cu (FLASH2 defined) or flash.cu.

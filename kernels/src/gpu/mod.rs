@@ -34,6 +34,11 @@ use std::sync::OnceLock;
 /// Prepended to every kernel file (types, bf16 bits, warp reductions, tensor-core wrappers).
 pub const COMMON: &str = include_str!("../../cuda/common.cuh");
 
+/// Prepended after [`COMMON`]: the tile steps of the reference tensor-core kernels (`flash.cu`,
+/// `flash_scores.cu`: copies, Q fragments, S = Q K^T), templates the other files never
+/// instantiate.
+pub const FLASH_TILES: &str = include_str!("../../cuda/flash_tiles.cuh");
+
 /// The CPU launch shim (for the emulation; never sent to NVRTC).
 pub const CPU_SHIM: &str = include_str!("../../cuda/cpu_shim.h");
 
@@ -218,6 +223,12 @@ pub const FILES: &[KernelFile] = &[
         kernels: &[
             budget_dyn("fp_flash_attn_d64", 168, 16, ops::flash_shared_bytes(64)).blocks(2),
             budget_dyn("fp_flash_attn_d128", 240, 16, ops::flash_shared_bytes(128)).blocks(2),
+        ],
+    },
+    KernelFile {
+        name: "flash_scores.cu",
+        source: include_str!("../../cuda/flash_scores.cu"),
+        kernels: &[
             budget_dyn("fp_flash_scores_d64", 168, 16, ops::flash_scores_shared_bytes(64)).blocks(2),
             budget_dyn("fp_flash_scores_d128", 168, 16, ops::flash_scores_shared_bytes(128)).blocks(2),
         ],
@@ -244,7 +255,7 @@ pub const FILES: &[KernelFile] = &[
 ];
 
 /// The full NVRTC program of `file`: the launch-shape header ([`shapes::header`], the default
-/// configuration), [`COMMON`], then the file.
+/// configuration), [`COMMON`], [`FLASH_TILES`], then the file.
 pub fn program(file: &KernelFile) -> String {
     program_in(file, 0)
 }
@@ -252,7 +263,7 @@ pub fn program(file: &KernelFile) -> String {
 /// [`program`] with `flash2.cu`'s configuration `config` (an index of
 /// [`shapes::FA2_CONFIGS`]; other than 0, its kernels carry the configuration's suffix).
 pub fn program_in(file: &KernelFile, config: usize) -> String {
-    format!("{}{COMMON}\n{}", shapes::header(config), file.source)
+    format!("{}{COMMON}\n{FLASH_TILES}\n{}", shapes::header(config), file.source)
 }
 
 /// FNV-1a of every source and of the launch shapes: part of the on-disk cache key of compiled
@@ -260,7 +271,10 @@ pub fn program_in(file: &KernelFile, config: usize) -> String {
 pub fn sources_hash() -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     let headers: Vec<String> = (0..shapes::FA2_CONFIGS.len()).map(shapes::header).collect();
-    let parts = std::iter::once(COMMON).chain(FILES.iter().map(|f| f.source)).chain(headers.iter().map(String::as_str));
+    let parts = [COMMON, FLASH_TILES]
+        .into_iter()
+        .chain(FILES.iter().map(|f| f.source))
+        .chain(headers.iter().map(String::as_str));
     for part in parts {
         for b in part.bytes() {
             h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
