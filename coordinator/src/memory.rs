@@ -290,7 +290,7 @@ fn chunked(
     let probe = opts.method.info().probe;
     let m = t.prompt + if let Probe::Attention { rows_after_prompt, .. } = probe { rows_after_prompt } else { 0 };
     if plan.probes {
-        phases.push(share.probe(opts, &plan, m));
+        phases.push(share.probe(opts, &plan, probe, m));
     }
     if plan.recomputed() > 0 {
         phases.push(share.recompute(opts, &plan));
@@ -389,10 +389,9 @@ impl<'a> Share<'a> {
         )
     }
 
-    /// The probe of `m` query rows (the method's probe: its depth, CacheBlend's deviation).
-    fn probe(&self, opts: &RunOptions, plan: &Pipeline, m: usize) -> Phase {
+    /// The method's `probe` (its depth, CacheBlend's deviation) of `m` query rows.
+    fn probe(&self, opts: &RunOptions, plan: &Pipeline, probe: Probe, m: usize) -> Phase {
         let (s, local_tokens) = (self.s, self.local_tokens);
-        let probe = opts.method.info().probe;
         let parts = if probe == Probe::Deviation && !opts.reorder {
             // Every local token through the first layers, the segments copied per layer, the
             // queries of every rank visiting them (exact scope).
