@@ -292,6 +292,25 @@ impl<B: Backend> ThreadRanks<B> {
         }
     }
 
+    /// Between jobs: tells the followers rank 0 is alive (see [`World::idle`]); a follower
+    /// found gone marks the world broken, for the next job to rebuild.
+    pub fn idle(&mut self) -> Result<()> {
+        if self.broken.is_some() {
+            return Ok(());
+        }
+        if let Err(e) = Engine::<B>::idle(&mut self.comm) {
+            let msg = self.root_cause().map_or_else(|| e.to_string(), |r| format!("{r} (rank 0 saw: {e})"));
+            self.broken = Some(msg);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// How often a service's rank 0 must call [`ThreadRanks::idle`] while it has no job.
+    pub fn idle_every(&self) -> Duration {
+        crate::engine::tick_period(self.parts.timeout)
+    }
+
     /// The first error of a follower that has ended (after a short grace period).
     fn root_cause(&mut self) -> Option<String> {
         let t = Instant::now();
@@ -431,6 +450,23 @@ impl<B: Backend> World<B> {
         match self {
             World::Threads(t) => t.run_with(job, ctl, on_text),
             World::Mpi { comm, engine } => engine.lead_with(comm.as_mut(), job, ctl, on_text),
+        }
+    }
+
+    /// Between jobs of a service: tells the followers rank 0 is alive, so that a world idle
+    /// for longer than the comm timeout stays up. Call it every [`World::idle_every`].
+    pub fn idle(&mut self) -> Result<()> {
+        match self {
+            World::Threads(t) => t.idle(),
+            World::Mpi { comm, .. } => Engine::<B>::idle(comm.as_mut()),
+        }
+    }
+
+    /// How often [`World::idle`] must run while there is no job.
+    pub fn idle_every(&self) -> Duration {
+        match self {
+            World::Threads(t) => t.idle_every(),
+            World::Mpi { comm, .. } => crate::engine::tick_period(comm.timeout()),
         }
     }
 

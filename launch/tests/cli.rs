@@ -266,20 +266,25 @@ fn a_failed_thread_rank_is_named_and_nothing_hangs() {
             "Salt and wool reach the market.",
         ],
     );
-    let run = |fault: &str, timeout: &str| {
+    let run_as = |fault: &str, timeout: &str, method: &str| {
         let mut a = vec!["run".to_string()];
         a.extend(docs.iter().cloned());
         a.extend(["--query", "What is the access code?", "--ranks", "2", "--comm-timeout", timeout].map(String::from));
+        a.extend(["--method".to_string(), method.to_string()]);
         let t = std::time::Instant::now();
         let out = bin().args(&a).env("FLOWPREFILL_FAULT", fault).output().expect("run");
         (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned(), t.elapsed())
     };
+    let run = |fault: &str, timeout: &str| run_as(fault, timeout, "infoflow");
     let (ok, err, took) = run("rank:1,phase:probe,mode:panic", "60");
     assert!(!ok && err.contains("rank 1 panicked") && err.contains("rank 1 was lost"), "{err}");
     assert!(took < std::time::Duration::from_secs(30), "{took:?}");
     let (ok, err, took) = run("rank:1,phase:final_prompt,mode:hang", "3");
     assert!(!ok && err.contains("rank 1 did not answer within 3 s during `final."), "{err}");
     assert!(took < std::time::Duration::from_secs(30), "{took:?}");
+    // Rank 0 computing `full` alone for longer than the follower's deadline is not a fault.
+    let (ok, err, took) = run_as("rank:0,phase:prefill,mode:stall:4000", "1", "full");
+    assert!(ok && took >= std::time::Duration::from_secs(4), "{took:?} {err}");
     let _ = std::fs::remove_dir_all(dir);
 }
 

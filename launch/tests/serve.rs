@@ -292,6 +292,30 @@ fn a_failed_thread_rank_gives_503_and_the_service_recovers() {
     assert_eq!(s.req("GET", "/readyz", &[], b"").status, 200);
 }
 
+/// Waits on rank 0 alone longer than `--comm-timeout` are not a lost rank 0: a service idle
+/// for several deadlines keeps its ranks, and a `full` job whose prefill on rank 0 outlasts
+/// the deadline (an injected 5 s stall, the deadline 2 s) is answered.
+#[test]
+fn waits_on_rank_0_longer_than_the_comm_timeout_keep_the_ranks_up() {
+    let s = Server::start(
+        &["--ranks", "2", "--comm-timeout", "2"],
+        &[("FLOWPREFILL_FAULT", "rank:0,phase:prefill,mode:stall:5000")],
+    );
+    std::thread::sleep(Duration::from_secs(5));
+    let d = docs(3, 6);
+    let r = s.post("/v1/jobs", &job(&d));
+    assert_eq!(r.status, 200, "after 5 s idle: {}", r.text());
+    let mut full = job(&d);
+    full["method"] = "full".into();
+    let t = Instant::now();
+    let r = s.post("/v1/jobs", &full);
+    assert_eq!(r.status, 200, "full with rank 0 stalled for 5 s: {}", r.text());
+    assert!(t.elapsed() >= Duration::from_secs(5), "the stall fired: {:?}", t.elapsed());
+    assert!(json(&r)["answer"].as_str().is_some_and(|a| a.contains("472")), "{}", r.text());
+    let m = s.metrics();
+    assert!(!m.contains("kind=\"rank_failure\""), "{m}");
+}
+
 #[test]
 fn sigterm_with_a_half_sent_request_still_exits() {
     let mut s = Server::start(&["--shutdown-grace", "1"], &[]);
@@ -346,6 +370,28 @@ fn exit_within(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
         assert!(t.elapsed() < limit, "mpirun did not exit within {limit:?}");
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// The same under mpirun, where a follower that times out would leave the world for good.
+#[cfg(feature = "mpi")]
+#[test]
+fn under_mpirun_an_idle_service_and_a_long_full_job_keep_the_follower() {
+    let (mut child, addr) =
+        mpirun_serve(&[("FLOWPREFILL_FAULT", "rank:0,phase:prefill,mode:stall:5000")], &["--comm-timeout", "2"]);
+    std::thread::sleep(Duration::from_secs(5));
+    let r = post_small_job(&addr);
+    assert_eq!(r.status, 200, "after 5 s idle: {}", r.text());
+    assert_eq!(json(&r)["ranks"], 2);
+    let mut full = job(&docs(3, 6));
+    full["method"] = "full".into();
+    let r =
+        http::request(&addr, "POST", "/v1/jobs", &[], full.to_string().as_bytes(), Duration::from_secs(120)).unwrap();
+    assert_eq!(r.status, 200, "full with rank 0 stalled for 5 s: {}", r.text());
+    let r = post_small_job(&addr);
+    assert_eq!(r.status, 200, "the follower is still there: {}", r.text());
+    Command::new("kill").args(["-USR1", &child.id().to_string()]).status().unwrap();
+    let status = exit_within(&mut child, Duration::from_secs(60));
+    assert!(status.success(), "a clean exit on SIGUSR1: {status:?}");
 }
 
 #[cfg(feature = "mpi")]

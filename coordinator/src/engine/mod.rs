@@ -37,8 +37,9 @@
 //! rank: rank 0 knows the client's cancellation flag; the deadline travels with the job as a
 //! time budget, so followers stop on it by themselves.
 //!
-//! This file holds the request lifecycle (lead / follow / stop, `full`, `ring`); the phases
-//! live beside it: `caches` (store lookups and batched chunk prefill per prefix mode),
+//! This file holds the request lifecycle (lead / follow / stop, `ring`); beside it: `pace`
+//! (rank 0's idle and progress ticks, which keep the followers' deadlines for real faults),
+//! `full` (rank 0 alone), and the phases: `caches` (store lookups and batched chunk prefill per prefix mode),
 //! `chunked` (reorder, placement, selection, recomputation), `decode` (the prompt over the
 //! sharded segments and the token loop), `evict` (KV eviction between them).
 
@@ -48,11 +49,14 @@ mod caches;
 mod chunked;
 mod decode;
 mod evict;
+mod full;
 mod ingest;
+mod pace;
 mod verify;
 
 pub use evict::Eviction;
 pub use ingest::Ingested;
+pub use pace::tick_period;
 pub use verify::{exact_job, Quality};
 
 use crate::auto::Chooser;
@@ -65,13 +69,14 @@ use crate::timings::{phase, PhaseTimes, Settle};
 use flowprefill_comm::local::LocalComm;
 use flowprefill_comm::{all_gather_value, broadcast_value, CommStats, Communicator, ErrorClass};
 use flowprefill_kernels::Backend;
-use flowprefill_worker::generate::{decode, prefill_into_checked, StopReason, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::generate::StopReason;
 use flowprefill_worker::interrupt::Watch;
-use flowprefill_worker::kv::{KeyForm, KvCache};
+use flowprefill_worker::kv::KvCache;
 use flowprefill_worker::sampling::Sampler;
 use flowprefill_worker::steps::{ring_prefill, zigzag_pieces, LocalSegment};
 use flowprefill_worker::store::{ChunkKey, ChunkStore};
 use flowprefill_worker::{Field, InputError, LoadedModel};
+use pace::Next;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -245,7 +250,7 @@ pub struct Control<'a> {
     pub on_admitted: Option<Box<dyn FnMut() + Send + 'a>>,
 }
 
-/// What rank 0 broadcasts: the job and the time it may still take.
+/// A job as rank 0 broadcasts it, with the time it may still take.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Envelope {
     job: Job,
@@ -469,15 +474,15 @@ impl<B: Backend> Engine<B> {
         comm.reset_stats();
         let budget = ctl.deadline.map(|d| d.saturating_duration_since(t0));
         let env = Envelope { job: job.clone(), budget_ms: budget.map(|b| b.as_millis().min(u64::MAX as u128) as u64) };
-        let sent = broadcast_value(comm, "request", 0, Some(&Some(env)));
-        let env: Option<Envelope> = match sent {
-            Ok(e) => e,
+        let sent = broadcast_value(comm, "request", 0, Some(&Next::Job(Box::new(env))));
+        let env = match sent {
+            Ok(Next::Job(e)) => *e,
+            Ok(_) => return Err(internal("broadcast lost the job")),
             Err(e) => {
                 comm.end_job();
                 return Err(e.into());
             }
         };
-        let env = env.ok_or_else(|| internal("broadcast lost the job"))?;
         let watch = Watch::new(ctl.cancel, budget);
         let steer = Steer { watch, t0, on_admitted: ctl.on_admitted, on_text };
         let r = self.job_on_rank(comm, &env.job, steer)?;
@@ -486,8 +491,14 @@ impl<B: Backend> Engine<B> {
 
     /// Rank 0: tells the followers there is no more work.
     pub fn stop(comm: &mut dyn Communicator) -> Result<()> {
-        broadcast_value::<Option<Envelope>>(comm, "request", 0, Some(&None))?;
+        broadcast_value(comm, "request", 0, Some(&Next::Stop))?;
         Ok(())
+    }
+
+    /// Rank 0, between jobs: tells the followers it is alive, so that a world idle for longer
+    /// than the comm timeout stays up (call it every [`tick_period`] of the timeout).
+    pub fn idle(comm: &mut dyn Communicator) -> Result<()> {
+        pace::idle(comm)
     }
 
     /// Ranks other than 0: runs the jobs rank 0 broadcasts until it stops; returns how many.
@@ -509,7 +520,7 @@ impl<B: Backend> Engine<B> {
         loop {
             let t0 = Instant::now();
             comm.reset_stats();
-            let env: Option<Envelope> = match broadcast_value(comm, "request", 0, None) {
+            let next: Next = match broadcast_value(comm, "request", 0, None) {
                 Ok(e) => e,
                 Err(e) => {
                     let e = CoordError::from(e);
@@ -520,7 +531,11 @@ impl<B: Backend> Engine<B> {
                     continue;
                 }
             };
-            let Some(env) = env else { return Ok(done) };
+            let env = match next {
+                Next::Job(env) => *env,
+                Next::Idle => continue,
+                Next::Stop => return Ok(done),
+            };
             let watch = Watch::new(None, env.budget_ms.map(Duration::from_millis));
             let steer = Steer { watch, t0, on_admitted: None, on_text: &mut |_| true };
             match self.job_on_rank(comm, &env.job, steer) {
@@ -605,9 +620,15 @@ impl<B: Backend> Engine<B> {
             watch,
         };
         let decoded = match opts.method {
-            Method::Full if lead && opts.evict.is_some() => self.full_then_evict(&layout, &mut turn)?,
-            Method::Full if lead => Some(self.full(&layout, &mut turn)?),
-            Method::Full => None,
+            // Rank 0 computes alone; the others wait for it (see `pace`).
+            Method::Full if lead && opts.evict.is_some() => {
+                pace::lead_alone(comm, || self.full_then_evict(&layout, &mut turn))?
+            }
+            Method::Full if lead => Some(pace::lead_alone(comm, || self.full(&layout, &mut turn))?),
+            Method::Full => {
+                pace::wait_for_lead(comm)?;
+                None
+            }
             Method::Ring => self.ring(comm, &layout, &mut turn)?,
             _ => self.chunked(comm, &layout, &mut turn)?,
         };
@@ -682,71 +703,6 @@ impl<B: Backend> Engine<B> {
             auto: None,
             verify_error: None,
         })
-    }
-
-    /// Method `full`: single-pass prefill on rank 0.
-    fn full(&self, layout: &Layout, turn: &mut Turn<'_>) -> Result<(Vec<u32>, StopReason)> {
-        let model = &self.lm.model;
-        let cfg = model.config();
-        let Role::Lead { sampler, on_text } = &mut turn.role else {
-            return Err(internal("full prefill runs on rank 0"));
-        };
-        let tokens = layout.full_tokens(&turn.out.order);
-        let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
-        cache.reserve(model.backend(), tokens.len() + turn.opts.max_new_tokens)?;
-        self.fault_point(0, phase::PREFILL)?;
-        let watch = &turn.watch;
-        let mut check = || watch.check(phase::PREFILL);
-        let logits = turn.phases.time(phase::PREFILL, || {
-            prefill_into_checked(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK, &mut check)
-        })?;
-        let first = turn.phases.time(phase::FIRST_TOKEN, || sampler.sample(&logits));
-        turn.out.ttft = turn.t0.elapsed();
-        turn.out.first_logits = logits;
-        turn.out.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
-        let mut check = || watch.check(phase::DECODE);
-        let max = turn.opts.max_new_tokens;
-        let tokenizer = &self.lm.tokenizer;
-        turn.phases
-            .time(phase::DECODE, || decode(model, tokenizer, &mut cache, first, sampler, max, *on_text, &mut check))
-            .map_err(Into::into)
-    }
-
-    /// Method `full` with eviction: the context prefilled on rank 0, then the prompt over it
-    /// (scoring the cache per head), eviction and decoding, in a world of rank 0 alone.
-    fn full_then_evict(&self, layout: &Layout, turn: &mut Turn<'_>) -> Result<Option<(Vec<u32>, StopReason)>> {
-        let model = &self.lm.model;
-        let cfg = model.config();
-        let mut tokens = layout.full_tokens(&turn.out.order);
-        tokens.truncate(layout.prompt_start() as usize);
-        self.fault_point(0, phase::PREFILL)?;
-        // The context's cache is kept in the store (rotated, from position 0): another
-        // eviction of the same context (another policy or budget, another question) copies it
-        // instead of prefilling again. Eviction packs a copy, never the stored cache. A
-        // prefilled cache goes to the store after eviction has read it (no second copy while
-        // the job runs: the memory plan's peak holds).
-        let key = ChunkKey::context(&tokens);
-        let (be, rope, heads) = (model.backend(), model.rope(), cfg.n_kv_heads);
-        let (cache, store_as) = match self.store.get(&key) {
-            Some(kept) => {
-                turn.mine.cache_hits = 1;
-                (turn.phases.time(phase::PREFILL, || kept.placed(be, rope, kept.positions(), heads))?, None)
-            }
-            None => {
-                turn.mine.cache_misses = 1;
-                let mut cache = KvCache::new(be, cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
-                cache.reserve(be, tokens.len())?;
-                let watch = &turn.watch;
-                let mut check = || watch.check(phase::PREFILL);
-                turn.phases.time(phase::PREFILL, || {
-                    prefill_into_checked(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK, &mut check)
-                })?;
-                (cache, Some(key))
-            }
-        };
-        turn.out.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();
-        let mut alone = LocalComm::group(1).pop().ok_or_else(|| internal("a world of one rank"))?;
-        self.prompt_then_decode(&mut alone, vec![(0, cache)], layout, store_as, turn)
     }
 
     /// The layout's prompt over `segments` at its positions, then decoding (`store_as`: see

@@ -36,7 +36,9 @@ pub struct Args {
     /// Ranks as threads of this process (under mpirun, each process is one rank instead).
     #[arg(long)]
     pub ranks: Option<usize>,
-    /// Seconds a rank waits for another before declaring it lost.
+    /// Seconds a rank waits for another before declaring it lost. Rank 0 tells the others it
+    /// is alive every quarter of it while it has no job or computes `full` alone, so neither
+    /// counts against it.
     #[arg(long, default_value_t = 60.0)]
     pub comm_timeout: f64,
     /// Print per-rank phase times, model time per op family (matmul, attention, norm_rope,

@@ -82,7 +82,9 @@ pub struct Args {
     /// Connections open at once.
     #[arg(long, default_value_t = 256)]
     pub max_connections: usize,
-    /// Seconds a rank waits for another before declaring it lost.
+    /// Seconds a rank waits for another before declaring it lost. Rank 0 tells the others it
+    /// is alive every quarter of it while it has no job or computes `full` alone, so neither
+    /// counts against it.
     #[arg(long, default_value_t = 120.0)]
     pub comm_timeout: f64,
     /// Also serve /metrics on this address (non-loopback needs --token or --insecure).

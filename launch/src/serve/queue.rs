@@ -24,7 +24,7 @@ use flowprefill_coordinator::{Control, CoordError, Job, RunResult};
 use flowprefill_kernels::Device;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
@@ -286,15 +286,28 @@ fn spawn_executor(
 /// over (this one was declared stuck).
 fn executor(mut world: World, rx: Arc<Mutex<Receiver<Queued>>>, shared: Arc<Shared>, generation: u64) {
     let current = |s: &Shared| s.generation.load(Ordering::Relaxed) == generation;
+    let tick = world.idle_every();
     loop {
         let next = {
             let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
             if !current(&shared) {
                 break;
             }
-            rx.recv()
+            rx.recv_timeout(tick)
         };
-        let Ok(q) = next else { break };
+        let q = match next {
+            Ok(q) => q,
+            // No job: the followers hear that rank 0 is alive (their wait for the next job
+            // has the comm timeout's deadline). A lost follower shows here; the next job finds
+            // the world down and rebuilds it (thread ranks) or fails it (MPI).
+            Err(RecvTimeoutError::Timeout) => {
+                if let Err(e) = world.idle() {
+                    tracing::warn!("between jobs, a rank did not hear from rank 0: {e}");
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+        };
         let depth = shared.depth.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
         metrics::queue_depth(depth);
         execute(&mut world, q, &shared, generation);
