@@ -39,3 +39,28 @@ for l, p, c in cells:
     within += ratio <= 1.10
     print(f"| {l} | {p} | {c} | {chose} | {auto:.1f} | {bm} | {meeting[bm]:.1f} | {ratio:.2f} | {ba} | {fixed[ba]:.1f} | {auto / fixed[ba]:.2f} |")
 print(f"\nauto within 10% of the best method meeting the floor in {within} of {len(cells)} cells")
+
+# How close auto's predictions came: each candidate's predicted TTFT (the median over auto's
+# runs in the cell, from the `auto_predicted` column) against the same method's measured median
+# in that cell (full: its one-rank cold time, as above).
+if "auto_predicted" in rows[0]:
+    preds = defaultdict(list)
+    for r in rows:
+        if r["method"] == "auto" and r["auto_predicted"]:
+            for item in r["auto_predicted"].split(";"):
+                label, ms = item.rsplit("=", 1)
+                preds[(int(r["length"]), int(r["ranks"]), r["cache"], label)].append(float(ms))
+    print("\n| length | ranks | cache | candidate | predicted ms | measured ms | error |")
+    print("|---:|---:|---|---|---:|---:|---:|")
+    errors = []
+    for (l, p, c, label), v in sorted(preds.items()):
+        m = label.split("@")[0]
+        key = (l, 1, "full", "cold") if m == "full" else (l, p, m, c)
+        if key not in med:
+            continue
+        pred, meas = statistics.median(v), med[key]
+        errors.append(abs(pred - meas) / meas)
+        print(f"| {l} | {p} | {c} | {label} | {pred:.1f} | {meas:.1f} | {(pred - meas) / meas:+.0%} |")
+    if errors:
+        print(f"\n{len(errors)} predictions: median |error| {statistics.median(errors):.1%}, "
+              f"{sum(e <= 0.15 for e in errors)} within 15%, worst {max(errors):.0%}")

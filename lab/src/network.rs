@@ -339,7 +339,7 @@ pub fn report(dir: &Path) -> Result<Written> {
 mod tests {
     use super::*;
 
-    const HEADER: &str = "length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,disk_hits,ran";
+    const HEADER: &str = "length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,disk_hits,auto_predicted,ran";
 
     fn write(path: &Path, rows: &[&str]) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -353,18 +353,18 @@ mod tests {
         write(
             &dir.join("full/4096/ttft.csv"),
             &[
-                "4096,4120,1,full,exact,0,4000.0,3900.0,0,0,0,0,0,0,0,0.0,0.0,0.0,cold,0,full",
-                "4096,4120,1,full,exact,1,4200.0,3900.0,0,0,0,0,0,0,0,0.0,0.0,0.0,cold,0,full",
-                "4096,4120,1,full,exact,2,4100.0,3900.0,0,0,0,0,0,0,0,0.0,0.0,0.0,cold,0,full",
+                "4096,4120,1,full,exact,0,4000.0,3900.0,0,0,0,0,0,0,0,0.0,0.0,0.0,cold,0,,full",
+                "4096,4120,1,full,exact,1,4200.0,3900.0,0,0,0,0,0,0,0,0.0,0.0,0.0,cold,0,,full",
+                "4096,4120,1,full,exact,2,4100.0,3900.0,0,0,0,0,0,0,0,0.0,0.0,0.0,cold,0,,full",
             ],
         );
         write(&dir.join("2-hosts/100mbit/4096/exact/ttft.csv"), &[
-            "4096,4120,2,ring,exact,0,3000.0,3300.0,0,0,0,0,0,9000000,5000000,900.0,800.0,500.0,cold,0,ring",
-            "4096,4120,2,infoflow,exact,0,2000.0,1800.0,0,0,0,0,0,3000000,2000000,300.0,250.0,100.0,cold,0,infoflow",
+            "4096,4120,2,ring,exact,0,3000.0,3300.0,0,0,0,0,0,9000000,5000000,900.0,800.0,500.0,cold,0,,ring",
+            "4096,4120,2,infoflow,exact,0,2000.0,1800.0,0,0,0,0,0,3000000,2000000,300.0,250.0,100.0,cold,0,,infoflow",
         ]);
         write(
             &dir.join("2-hosts/100mbit/4096/sparse/ttft.csv"),
-            &["4096,4120,2,infoflow,sparse,0,1500.0,,0,0,0,0,0,1000000,600000,100.0,,,cold,0,infoflow"],
+            &["4096,4120,2,infoflow,sparse,0,1500.0,,0,0,0,0,0,1000000,600000,100.0,,,cold,0,,infoflow"],
         );
         std::fs::create_dir_all(dir.join("links")).unwrap();
         std::fs::write(

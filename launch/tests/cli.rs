@@ -756,3 +756,33 @@ fn run_budgets_by_coverage_and_auto_explains_its_choice() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `bench ttft` with `auto`: each auto run's row names what ran and every candidate's
+/// predicted TTFT (`label=ms;...`), so a grid can hold the predictions against what each
+/// method measured (docs/quality/auto_grid.py).
+#[test]
+fn bench_ttft_records_what_auto_predicted() {
+    let dir = std::env::temp_dir().join(format!("fp-ttft-auto-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_string_lossy().into_owned();
+    let args = ["bench", "ttft", "--lengths", "300", "--doc-tokens", "100", "--ranks", "1", "--runs", "1"];
+    let (ok, out, err) = run(&[&args[..], &["--methods", "full,auto", "--out", &d]].concat());
+    assert!(ok, "{out}\n{err}");
+    let csv = std::fs::read_to_string(dir.join("ttft.csv")).expect("ttft.csv");
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no {name}: {csv}"));
+    let (method, predicted, ran) = (col("method"), col("auto_predicted"), col("ran"));
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert!(rows.iter().all(|r| r.len() == header.len()), "{csv}");
+    let auto = rows.iter().find(|r| r[method] == "auto").unwrap_or_else(|| panic!("no auto row: {csv}"));
+    let cands: Vec<(&str, f64)> = auto[predicted]
+        .split(';')
+        .map(|c| c.rsplit_once('=').map(|(l, ms)| (l, ms.parse().expect("ms"))).expect("label=ms"))
+        .collect();
+    assert!(cands.iter().any(|(l, _)| *l == "full") && cands.iter().all(|(_, ms)| *ms > 0.0), "{csv}");
+    assert!(cands.iter().any(|(l, _)| *l == auto[ran]), "what ran is a candidate: {csv}");
+    let full = rows.iter().find(|r| r[method] == "full").expect("full row");
+    assert!(full[predicted].is_empty(), "{csv}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -10,7 +10,7 @@ use flowprefill_worker::LoadedModel;
 use std::path::PathBuf;
 
 /// The CSV's header line.
-pub const CSV_HEADER: &str = "length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,disk_hits,ran\n";
+pub const CSV_HEADER: &str = "length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,disk_hits,auto_predicted,ran\n";
 
 /// Where `bench ttft` takes its chunk caches from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -191,8 +191,13 @@ impl Measure {
         let bytes_max = r.rank_stats.iter().map(|s| s.comm.bytes_sent()).max().unwrap_or(0);
         let wait_ms = r.rank_stats.iter().map(|s| s.comm.wait_s()).fold(0.0, f64::max) * 1e3;
         let opt = |x: Option<f64>| x.map_or(String::new(), |x| format!("{x:.1}"));
+        // `auto`: every candidate's predicted TTFT (`label=ms;...`), to hold against what
+        // each method measured in the same cell.
+        let predicted = r.auto.as_ref().map_or(String::new(), |c| {
+            c.candidates.iter().map(|k| format!("{}={:.1}", k.label, k.ttft_ms)).collect::<Vec<_>>().join(";")
+        });
         self.csv.push_str(&format!(
-            "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{bytes_max},{wait_ms:.1},{},{},{},{}",
+            "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{bytes_max},{wait_ms:.1},{},{},{},{},{predicted}",
             self.scope.name(),
             opt(proj.as_ref().map(|p| p.ttft_s * 1e3)),
             ph("chunk_prefill"),
