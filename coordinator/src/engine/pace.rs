@@ -73,8 +73,11 @@ pub(super) fn lead_alone<T>(comm: &mut dyn Communicator, work: impl FnOnce() -> 
             }
             Ok(())
         });
+        // Stops the ticks however the work ends (a panic too: the scope joins the ticker
+        // before the panic goes on, which must not wait forever).
+        let stop = StopOnDrop(done);
         let out = work();
-        done.store(true, Ordering::Relaxed);
+        drop(stop);
         (out, ticker.join())
     });
     // The work's own error first; a tick that could not be sent means a follower is gone.
@@ -82,6 +85,15 @@ pub(super) fn lead_alone<T>(comm: &mut dyn Communicator, work: impl FnOnce() -> 
     ticks.map_err(|p| internal(format!("the progress thread panicked: {}", crate::error::panic_message(p))))??;
     broadcast_value(comm, PROGRESS, 0, Some(&Progress::Done))?;
     Ok(out)
+}
+
+/// Sets its flag when dropped.
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 /// A follower, while rank 0 computes alone: waits until it is done (each tick renews the
@@ -131,6 +143,22 @@ mod tests {
         let e = wait_for_lead(&mut follower).expect_err("rank 0 never said anything");
         assert!(e.to_string().contains("rank 0 did not answer"), "{e}");
         drop(lead);
+    }
+
+    #[test]
+    fn a_panic_in_the_work_ends_the_ticks_and_goes_on() {
+        let mut comms = LocalComm::group(2);
+        let _follower = comms.pop().expect("rank 1");
+        let mut lead = comms.pop().expect("rank 0");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                lead_alone::<()>(&mut lead, || panic!("inside the prefill"))
+            }));
+            let _ = tx.send(r.is_err());
+        });
+        let panicked = rx.recv_timeout(Duration::from_secs(10)).expect("lead_alone returned (no hang)");
+        assert!(panicked, "the panic goes on to the caller");
     }
 
     #[test]
