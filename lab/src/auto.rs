@@ -60,6 +60,8 @@ pub struct ProjectedChooser {
     link: String,
     history: Option<PathBuf>,
     seen: Mutex<Vec<Verified>>,
+    /// Whether the ranks share one device's compute (CPU ranks on one machine's cores).
+    shared: bool,
 }
 
 impl ProjectedChooser {
@@ -82,7 +84,16 @@ impl ProjectedChooser {
                 tracing::warn!("auto: {bad} unreadable lines of the quality history skipped");
             }
         }
-        Ok(Self { profiles, device: device.into(), link: link.into(), history, seen: Mutex::new(seen) })
+        Ok(Self { profiles, device: device.into(), link: link.into(), history, seen: Mutex::new(seen), shared: false })
+    }
+
+    /// Ranks that share one device's compute (CPU ranks on the cores `device` was calibrated
+    /// on): each of P ranks computing at once gets a P-th of it. Without this, P ranks are
+    /// predicted P times the device (measured 2026-11-26: every 2-rank candidate came out about
+    /// half its measured TTFT on 2 cores, docs/quality.md).
+    pub fn sharing_the_device(mut self, shared: bool) -> Self {
+        self.shared = shared;
+        self
     }
 
     /// The verified answers of `label` on `model` so far: (count, mean KL, mean recomputed).
@@ -125,7 +136,8 @@ impl ProjectedChooser {
         // The projection counts a budget by its ratio: a coverage is predicted at its share.
         let counted = RunOptions { ratio: recomputed, coverage: None, reorder: false, ..opts.clone() };
         let work = project::plan(&shape, &counted, ranks, &req, s.kv_bytes).map_err(|e| e.to_string())?;
-        Ok(project::project(&work, &shape, dev, link, 1.0).ttft_s * 1e3)
+        let share = if self.shared && ranks > 1 { 1.0 / ranks as f64 } else { 1.0 };
+        Ok(project::project(&work, &shape, dev, link, share).ttft_s * 1e3)
     }
 }
 
@@ -216,6 +228,37 @@ mod tests {
         assert!(prior_kl(Method::Infoflow, 0.15) < PRIOR_KL_NONE);
         assert!(prior_kl(Method::Infoflow, 0.3) < prior_kl(Method::Infoflow, 0.15));
         assert_eq!(prior_kl(Method::Infoflow, 1.0), 0.0);
+    }
+
+    #[test]
+    fn ranks_sharing_the_device_are_predicted_slower_and_full_is_not() {
+        let config = crate::project::shape::builtin("smollm2-135m").expect("built in");
+        let opts = RunOptions { method: Method::Auto, ..RunOptions::default() };
+        let s = Situation {
+            opts: &opts,
+            ranks: 2,
+            head: 20,
+            chunks: vec![512; 8],
+            prompt: 24,
+            cached: vec![false; 8],
+            config: &config,
+            model: "m",
+            kv_bytes: 4,
+        };
+        let predicted = |shared: bool| -> Vec<(String, f64)> {
+            let c = ProjectedChooser::new(Profiles::builtin().unwrap(), "cpu-local", "cpu-threads", None)
+                .unwrap()
+                .sharing_the_device(shared);
+            c.choose(&s).unwrap().0.candidates.into_iter().map(|k| (k.label, k.ttft_ms)).collect()
+        };
+        let (own, shared) = (predicted(false), predicted(true));
+        for ((label, a), (_, b)) in own.iter().zip(&shared) {
+            if label == "full" {
+                assert_eq!(a, b, "full runs on one rank: nothing is shared");
+            } else {
+                assert!(*b > 1.5 * a && *b <= 2.0 * a + 1e-9, "{label}: own device {a} ms, sharing {b} ms");
+            }
+        }
     }
 
     #[test]

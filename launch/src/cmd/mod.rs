@@ -236,8 +236,8 @@ pub fn history_file() -> Option<std::path::PathBuf> {
 }
 
 /// What resolves `--method auto` for `common`'s device: the projection on `cpu-local` (the
-/// calibration file's where there is one) or `h100-sxm` for a GPU, ranks joined by MPI or
-/// thread channels on a CPU, NVLink between GPUs; learning from [`history_file`]. `None`, with
+/// calibration file's where there is one; CPU ranks share its cores) or `h100-sxm` for a GPU,
+/// ranks joined by MPI or thread channels on a CPU, NVLink between GPUs; learning from [`history_file`]. `None`, with
 /// a warning, when the profiles cannot be read (auto is then refused with that reason).
 pub fn chooser(common: &Common, mpi: bool) -> Option<std::sync::Arc<dyn flowprefill_coordinator::auto::Chooser>> {
     let cpu = common.device == DeviceSpec::Cpu;
@@ -250,7 +250,9 @@ pub fn chooser(common: &Common, mpi: bool) -> Option<std::sync::Arc<dyn flowpref
     };
     let made = flowprefill_lab::project::load_profiles(&files)
         .map_err(anyhow::Error::from)
-        .and_then(|p| Ok(flowprefill_lab::auto::ProjectedChooser::new(p, device, link, history_file())?));
+        .and_then(|p| Ok(flowprefill_lab::auto::ProjectedChooser::new(p, device, link, history_file())?))
+        // CPU ranks (threads, or processes on this machine) share its cores.
+        .map(|c| c.sharing_the_device(cpu));
     match made {
         Ok(c) => Some(std::sync::Arc::new(c)),
         Err(e) => {
