@@ -8,6 +8,8 @@
 #
 #   scripts/network-study.sh OUT [--hosts 2,4] [--rates unshaped,1gbit,100mbit] [--lengths 4096]
 #                               [--runs 3] [--threads 1] [--bin target/release/flowprefill]
+#                               [--model NAME]   (the model of every run; default SmolLM2-135M. Use
+#                                                  one OUT per model: `bench network` reads it as one study)
 #
 # Every point is resumable: a folder that already has its ttft.csv is skipped, so a study can be
 # run in parts (say `--hosts 2` first, `--hosts 4` later) into one OUT.
@@ -16,6 +18,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 out=${1:?usage: network-study.sh OUT [--hosts 2,4] [--rates ...] [--lengths ...] [--runs N]}
 shift
 hosts_list=2,4 rates=unshaped,1gbit,100mbit lengths=4096 runs=3 threads=1 bin=target/release/flowprefill
+model=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --hosts) hosts_list=$2 ;;
@@ -24,6 +27,7 @@ while [ $# -gt 0 ]; do
     --runs) runs=$2 ;;
     --threads) threads=$2 ;;
     --bin) bin=$2 ;;
+    --model) model=(--model "$2") ;;
     *) echo "network-study.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift 2
@@ -38,10 +42,10 @@ hosts=("$here/hosts.sh")
 trap '"${hosts[@]}" down' EXIT
 
 # The device (one rank, this many threads) once; single-host full prefill once per length.
-[ -f "$out/cpu-local.json" ] || "$bin" --threads "$threads" bench calibrate --out "$out/cpu-local.json"
+[ -f "$out/cpu-local.json" ] || "$bin" --threads "$threads" bench calibrate "${model[@]}" --out "$out/cpu-local.json"
 for len in ${lengths//,/ }; do
   [ -f "$out/full/$len/ttft.csv" ] && continue
-  "$bin" --threads "$threads" bench ttft --lengths "$len" --ranks 1 --methods full --runs "$runs" \
+  "$bin" --threads "$threads" bench ttft "${model[@]}" --lengths "$len" --ranks 1 --methods full --runs "$runs" \
     --project cpu-local --profiles "$out/cpu-local.json" --out "$out/full/$len"
 done
 
@@ -52,7 +56,7 @@ for n in ${hosts_list//,/ }; do
   if [ ! -f "$device_file" ]; then
     "${hosts[@]}" down
     "${hosts[@]}" up "$n"
-    "${hosts[@]}" mpirun -np "$n" "$bin" --threads "$threads" bench calibrate --concurrent \
+    "${hosts[@]}" mpirun -np "$n" "$bin" --threads "$threads" bench calibrate "${model[@]}" --concurrent \
       --device-name "$device" --out "$device_file"
   fi
   for rate in ${rates//,/ }; do
@@ -68,7 +72,7 @@ for n in ${hosts_list//,/ }; do
         methods=infoflow
         [ "$scope" = exact ] && methods=ring,infoflow
         echo "== $n hosts, link $rate, $len tokens, $methods (scope $scope)"
-        "${hosts[@]}" mpirun -np "$n" "$bin" --threads "$threads" bench ttft --lengths "$len" --ranks "$n" \
+        "${hosts[@]}" mpirun -np "$n" "$bin" --threads "$threads" bench ttft "${model[@]}" --lengths "$len" --ranks "$n" \
           --methods "$methods" --scope "$scope" --runs "$runs" --project "$device" \
           --profiles "$device_file" --profiles "$out/links/$link.json" --link "$link" --out "$dir"
       done
