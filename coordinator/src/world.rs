@@ -278,11 +278,7 @@ impl<B: Backend> ThreadRanks<B> {
             .unwrap_or_else(|p| Err(CoordError::Panicked { rank: 0, message: panic_message(p) }));
         match out {
             Err(e) if e.breaks_world() => {
-                let msg = match (&e, self.root_cause()) {
-                    (CoordError::Panicked { .. }, _) | (_, None) => e.to_string(),
-                    (_, Some(r)) => format!("{r} (rank 0 saw: {e})"),
-                };
-                self.broken = Some(msg);
+                self.mark_broken(&e);
                 match e {
                     CoordError::Panicked { .. } => Err(e),
                     _ => Err(CoordError::WorldDown(self.broken.clone().unwrap_or_default())),
@@ -298,17 +294,16 @@ impl<B: Backend> ThreadRanks<B> {
         if self.broken.is_some() {
             return Ok(());
         }
-        if let Err(e) = Engine::<B>::idle(&mut self.comm) {
-            let msg = self.root_cause().map_or_else(|| e.to_string(), |r| format!("{r} (rank 0 saw: {e})"));
-            self.broken = Some(msg);
-            return Err(e);
-        }
-        Ok(())
+        Engine::<B>::idle(&mut self.comm).inspect_err(|e| self.mark_broken(e))
     }
 
-    /// How often a service's rank 0 must call [`ThreadRanks::idle`] while it has no job.
-    pub fn idle_every(&self) -> Duration {
-        crate::engine::tick_period(self.parts.timeout)
+    /// Marks the world broken by `e`, naming the follower that ended first where one did.
+    fn mark_broken(&mut self, e: &CoordError) {
+        let msg = match (e, self.root_cause()) {
+            (CoordError::Panicked { .. }, _) | (_, None) => e.to_string(),
+            (_, Some(r)) => format!("{r} (rank 0 saw: {e})"),
+        };
+        self.broken = Some(msg);
     }
 
     /// The first error of a follower that has ended (after a short grace period).
@@ -464,10 +459,10 @@ impl<B: Backend> World<B> {
 
     /// How often [`World::idle`] must run while there is no job.
     pub fn idle_every(&self) -> Duration {
-        match self {
-            World::Threads(t) => t.idle_every(),
-            World::Mpi { comm, .. } => crate::engine::tick_period(comm.timeout()),
-        }
+        crate::engine::tick_period(match self {
+            World::Threads(t) => t.parts.timeout,
+            World::Mpi { comm, .. } => comm.timeout(),
+        })
     }
 
     /// Forgets every chunk cache, so that the next job runs cold: fresh thread ranks, or this

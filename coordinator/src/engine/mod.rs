@@ -498,7 +498,10 @@ impl<B: Backend> Engine<B> {
     /// Rank 0, between jobs: tells the followers it is alive, so that a world idle for longer
     /// than the comm timeout stays up (call it every [`tick_period`] of the timeout).
     pub fn idle(comm: &mut dyn Communicator) -> Result<()> {
-        pace::idle(comm)
+        if comm.size() > 1 {
+            broadcast_value(comm, "request", 0, Some(&Next::Idle))?;
+        }
+        Ok(())
     }
 
     /// Ranks other than 0: runs the jobs rank 0 broadcasts until it stops; returns how many.

@@ -44,14 +44,6 @@ pub fn tick_period(timeout: Duration) -> Duration {
     (timeout / 4).max(Duration::from_millis(10))
 }
 
-/// Rank 0, between jobs: tells the followers it is alive (nothing to do in a world of one).
-pub(super) fn idle(comm: &mut dyn Communicator) -> Result<()> {
-    if comm.size() > 1 {
-        broadcast_value(comm, "request", 0, Some(&Next::Idle))?;
-    }
-    Ok(())
-}
-
 /// Rank 0: runs `work`, which needs no other rank, while a thread beside it tells the others
 /// every [`tick_period`] that it is still at it, then that it is done.
 pub(super) fn lead_alone<T>(comm: &mut dyn Communicator, work: impl FnOnce() -> Result<T>) -> Result<T> {
