@@ -235,6 +235,8 @@ pub struct Engine<B: Backend> {
     memory_limit: Option<usize>,
     /// What resolves `--method auto` (rank 0).
     chooser: Option<Arc<dyn Chooser>>,
+    /// The last exact answer computed to verify a job (rank 0).
+    exact_memo: verify::ExactMemo,
 }
 
 /// How the caller of [`Engine::lead_with`] steers the job: its client's cancellation flag,
@@ -322,6 +324,7 @@ impl<B: Backend> Engine<B> {
             memory_peers: 1,
             memory_limit: None,
             chooser: None,
+            exact_memo: verify::ExactMemo::default(),
         }
     }
 
@@ -444,10 +447,21 @@ impl<B: Backend> Engine<B> {
         let mut r = self.lead_one(comm, job, Control { cancel: cancel.clone(), deadline, on_admitted }, on_text)?;
         if job.options.verify {
             // The exact twin, a job of its own for every rank; its answer is not streamed.
+            // An exact answer kept from the job before (the same request) is not computed again.
             let exact = verify::exact_job(job, comm.size());
-            match self.lead_one(comm, &exact, Control { cancel, deadline, on_admitted: None }, &mut |_| true) {
+            let key = verify::ExactMemo::key(&exact, comm.size());
+            let kept = key.as_deref().and_then(|k| self.exact_memo.get(k));
+            let reused = kept.is_some();
+            let computed = match kept {
+                Some(e) => Ok(e),
+                None => self.lead_one(comm, &exact, Control { cancel, deadline, on_admitted: None }, &mut |_| true),
+            };
+            match computed {
                 Ok(e) => {
-                    verify::judge(&mut r, e, &job.options);
+                    if let (Some(k), false) = (key, reused) {
+                        self.exact_memo.put(k, &e);
+                    }
+                    verify::judge(&mut r, e, reused, &job.options);
                     self.learn(&r);
                 }
                 // A broken world ends everything; any other failure of the twin (its memory,

@@ -9,10 +9,16 @@
 //! decoded freely: its leading tokens equal the approximate answer's exactly as far as the
 //! exact model, fed the approximate answer, would have picked the same tokens (teacher
 //! forcing), and it is the answer a breached job falls back to.
+//!
+//! The exact answer depends only on the twin (request, answer length, sampling, seed) and the
+//! world's size, so the last one computed is kept ([`ExactMemo`]): jobs that ask the same
+//! request in turn (an eval's methods over one case, a client retrying with another method)
+//! pay for it once, and their `quality` says it was reused.
 
 use super::RunResult;
 use crate::request::{Job, Method, OnBreach, RunOptions};
 use flowprefill_worker::sampling::argmax;
+use std::sync::Mutex;
 
 /// How a verified answer compares with the exact one.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -27,8 +33,13 @@ pub struct Quality {
     pub answer_tokens: usize,
     /// How the exact answer was computed (full on one rank, ring on several).
     pub exact_method: Method,
-    /// The exact computation's time to first token, in milliseconds.
+    /// The exact computation's time to first token, in milliseconds (when reused, the time it
+    /// took when it was computed).
     pub exact_ttft_ms: f64,
+    /// Whether the exact answer was the one computed for an earlier job with the same request
+    /// (nothing was computed for this job's verification).
+    #[serde(default)]
+    pub exact_reused: bool,
     /// The exact answer's text.
     pub exact_answer: String,
     /// The KL bound the answer was held to (`--quality-floor`), if any.
@@ -57,6 +68,29 @@ pub fn exact_job(job: &Job, ranks: usize) -> Job {
     Job { request: job.request.clone(), options }
 }
 
+/// The last exact answer computed for verification, under its twin's key (the twin as JSON
+/// and the world's size). One entry: the jobs that share an exact answer come in turn.
+#[derive(Default)]
+pub(super) struct ExactMemo(Mutex<Option<(String, RunResult)>>);
+
+impl ExactMemo {
+    /// The key of `exact` in a world of `ranks` (None: the job does not serialize, never reused).
+    pub(super) fn key(exact: &Job, ranks: usize) -> Option<String> {
+        serde_json::to_string(exact).ok().map(|j| format!("{ranks} {j}"))
+    }
+
+    /// The exact answer kept under `key`, if it is the last one computed.
+    pub(super) fn get(&self, key: &str) -> Option<RunResult> {
+        let kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        kept.as_ref().filter(|(k, _)| k == key).map(|(_, r)| r.clone())
+    }
+
+    /// Keeps `exact` under `key` in place of the last one.
+    pub(super) fn put(&self, key: String, exact: &RunResult) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some((key, exact.clone()));
+    }
+}
+
 /// KL(p || q) of the distributions of two logit vectors, in nats (f64 throughout).
 fn kl_of_logits(p: &[f32], q: &[f32]) -> f64 {
     if p.len() != q.len() || p.is_empty() {
@@ -73,8 +107,9 @@ fn kl_of_logits(p: &[f32], q: &[f32]) -> f64 {
 }
 
 /// The quality of `answered` against `exact`, and the gate's verdict under `opts`; under
-/// `fallback` a breached answer becomes the exact one.
-pub(super) fn judge(answered: &mut RunResult, exact: RunResult, opts: &RunOptions) {
+/// `fallback` a breached answer becomes the exact one; `reused`: the exact answer was kept
+/// from an earlier job.
+pub(super) fn judge(answered: &mut RunResult, exact: RunResult, reused: bool, opts: &RunOptions) {
     let kl = kl_of_logits(&exact.first_logits, &answered.first_logits);
     let agree_tokens = answered.tokens.iter().zip(&exact.tokens).take_while(|(a, b)| a == b).count();
     let breached = opts.quality_floor.is_some_and(|f| kl > f);
@@ -86,6 +121,7 @@ pub(super) fn judge(answered: &mut RunResult, exact: RunResult, opts: &RunOption
         answer_tokens: answered.tokens.len(),
         exact_method: exact.method,
         exact_ttft_ms: exact.ttft.as_secs_f64() * 1e3,
+        exact_reused: reused,
         exact_answer: exact.answer.clone(),
         floor: opts.quality_floor,
         breached,

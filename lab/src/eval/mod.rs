@@ -81,6 +81,9 @@ pub struct Verified {
     pub exact_score: f64,
     /// The exact computation's time to first token.
     pub exact_ttft_ms: f64,
+    /// Whether the exact answer was kept from the case's run before (not computed again).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exact_reused: bool,
 }
 
 impl Record {
@@ -195,6 +198,7 @@ pub fn record(
             answer_tokens: q.answer_tokens,
             exact_score: case.score_with(&q.exact_answer, prompts).value,
             exact_ttft_ms: q.exact_ttft_ms,
+            exact_reused: q.exact_reused,
         }),
     }
 }

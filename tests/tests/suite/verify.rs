@@ -45,6 +45,30 @@ fn full_prefill_verified_against_itself_is_exact() {
 }
 
 #[test]
+fn jobs_asking_the_same_request_in_turn_share_one_exact_computation() {
+    let req = two_hops();
+    let e = engine();
+    let verified = |method, max_new_tokens| {
+        let opts = RunOptions { method, ratio: 0.3, verify: true, max_new_tokens, ..Default::default() };
+        e.run(&req, &opts, &mut |_| true).expect("run")
+    };
+    let first = verified(Method::None, 14);
+    let second = verified(Method::Infoflow, 14);
+    let (q1, q2) = (quality(&first).clone(), quality(&second).clone());
+    assert!(!q1.exact_reused, "the first job computes the exact answer");
+    assert!(q2.exact_reused, "the second job with the same request reuses it");
+    assert_eq!((q2.exact_answer.as_str(), q2.exact_ttft_ms), (q1.exact_answer.as_str(), q1.exact_ttft_ms));
+    // The reused answer judges as one computed for the job alone would.
+    let alone = run(&req, RunOptions { method: Method::Infoflow, ratio: 0.3, verify: true, ..Default::default() });
+    let qa = quality(&alone);
+    assert!(!qa.exact_reused);
+    assert_eq!((q2.kl, q2.top1, q2.agree_tokens), (qa.kl, qa.top1, qa.agree_tokens));
+    assert_eq!(q2.exact_answer, qa.exact_answer);
+    // Another answer length is another exact answer.
+    assert!(!quality(&verified(Method::Infoflow, 6)).exact_reused);
+}
+
+#[test]
 fn a_damaged_selection_breaches_the_floor_and_falls_back_or_is_flagged() {
     let req = two_hops();
     let plain = run(&req, RunOptions { method: Method::None, ..Default::default() });
