@@ -64,6 +64,9 @@ pub struct Record {
     /// Against the exact answer (`eval --verify`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verified: Option<Verified>,
+    /// What `auto` ran (its winning candidate's label, `auto` runs only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ran: Option<String>,
 }
 
 /// A run measured against the exact answer of its case (`eval --verify`).
@@ -200,5 +203,6 @@ pub fn record(
             exact_ttft_ms: q.exact_ttft_ms,
             exact_reused: q.exact_reused,
         }),
+        ran: r.auto.as_ref().and_then(|c| c.chosen()).map(|c| c.label.clone()),
     }
 }

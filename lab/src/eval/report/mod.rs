@@ -218,6 +218,19 @@ fn diagnostics(md: &mut String, records: &[Record], labels: &[MethodSpec], tr: f
             dist.map_or("-".into(), |d| format!("{d:.2}"))
         ));
     }
+    // What `auto` ran, per length: its runs are the chosen methods' runs.
+    let mut ran: std::collections::BTreeMap<(usize, &str), usize> = std::collections::BTreeMap::new();
+    for r in records {
+        if let Some(label) = &r.ran {
+            *ran.entry((r.length, label.as_str())).or_default() += 1;
+        }
+    }
+    if !ran.is_empty() {
+        md.push_str("\nWhat `auto` ran: ");
+        let parts: Vec<String> = ran.iter().map(|((len, label), n)| format!("{label} {n}x at {len}")).collect();
+        md.push_str(&parts.join(", "));
+        md.push_str(".\n");
+    }
 }
 
 /// A case: task and sample at one length.
@@ -386,6 +399,7 @@ mod tests {
             hit_budget: None,
             adapter: None,
             verified: None,
+            ran: None,
         }
     }
 
@@ -459,6 +473,18 @@ mod tests {
         // Without any complete case the sweep table says so instead of mixing cases.
         let md = summarize(&records[3..], &tasks, &[100], &labels, &[0.15, 0.3], 0.15, &[]);
         assert!(md.contains("No case at 100 tokens has every method at every ratio yet"), "{md}");
+    }
+
+    #[test]
+    fn the_report_says_what_auto_ran() {
+        let t = "niah_single";
+        let auto = |sample, ran: &str| Record { ran: Some(ran.into()), ..rec(t, sample, "auto", None, 1.0) };
+        let records = vec![rec(t, 0, "full", None, 1.0), auto(0, "full"), auto(1, "infoflow@0.15"), auto(2, "full")];
+        let labels: Vec<MethodSpec> = vec![FULL, "auto".parse().unwrap()];
+        let md = summarize(&records, &[t.to_string()], &[100], &labels, &[0.15], 0.15, &[]);
+        assert!(md.contains("What `auto` ran: full 2x at 100, infoflow@0.15 1x at 100."), "{md}");
+        let plain = summarize(&records[..1], &[t.to_string()], &[100], &labels, &[0.15], 0.15, &[]);
+        assert!(!plain.contains("What `auto` ran"), "{plain}");
     }
 
     /// The paper's retention: sums of paired scores, an interval that holds the point estimate,
