@@ -7,7 +7,8 @@
 //!        pairs), score passes, messages (bytes per collective per layer), ring steps
 //!     -> time::project: roofline per op class (FLOP/s x efficiency by size, bytes / bandwidth),
 //!        latency + bytes / bandwidth per message, the ring's transfers overlapped with its
-//!        attention step by step; a phase lasts as long as its slowest rank
+//!        attention step by step, the sparse K/V all-gather's sends behind the sender's own
+//!        work (its receivers wait for them); a phase lasts as long as its slowest rank
 //!     -> TTFT and where it goes (compute, communication, exposed communication)
 //! ```
 //! Every constant of a profile carries its source (`profiles.json`); measured profiles of this

@@ -4,7 +4,10 @@
 //! GEMM efficiency is a curve over the GEMM's rows (small row counts fill few tiles),
 //! attention efficiency a curve over query rows; the non-GEMM ops move their rows through
 //! memory; every block of a forward pays a fixed overhead (kernel launches). A message costs
-//! `latency + max(sent, received) / bandwidth`. The ring's transfer of step `s` overlaps its
+//! `latency + max(sent, received) / bandwidth`; where the sender does not wait for its sends
+//! (the sparse scope's K/V all-gather: it goes on to its own attention and MLP while they
+//! travel), they cost the receivers only, so a rank that recomputes most of the rows hides
+//! its sends behind that work, and the others wait for them. The ring's transfer of step `s` overlaps its
 //! attention of step `s`: the step lasts as long as the longer of the two, and the ring's
 //! attention section is divided by the device's ring efficiency (how close an implementation
 //! gets to that ideal). A phase lasts as long as its slowest rank; TTFT is the sum of phases.
@@ -267,31 +270,45 @@ impl Model<'_> {
         (flops / (peak * d.attention_efficiency.at(a.queries as f64))).max(bytes / d.mem_bytes_per_s.value)
     }
 
-    fn message(&self, m: &Message) -> f64 {
+    /// `m` as this rank sees it; `upload`: for a message sent behind the senders' work, the
+    /// most bytes one other rank sends per call (they leave through that rank's one link, and
+    /// a receiver waits for the longest of them).
+    fn message(&self, m: &Message, upload: u64) -> f64 {
         if m.sent == 0 && m.received == 0 {
             return 0.0;
         }
+        // Sends that travel behind the sender's own work cost it nothing beyond what it
+        // receives; what it receives arrives no sooner than the longest upload.
+        let (sent, received) =
+            if m.behind { (m.sent.min(m.received), m.received.max(upload)) } else { (m.sent, m.received) };
         // The bytes both directions carry at once move at the two-way rate, the rest one way.
-        let (both, one) = (m.sent.min(m.received) as f64, m.sent.abs_diff(m.received) as f64);
+        let (both, one) = (sent.min(received) as f64, sent.abs_diff(received) as f64);
         let one_way = self.link.one_way_bytes_per_s.as_ref().map_or(self.link.bytes_per_s.value, |c| c.value);
         m.calls as f64 * (self.link.latency_s.value + both / self.link.bytes_per_s.value + one / one_way)
     }
 
-    /// One rank's phase: (total, compute, gemm, attention, comm, exposed comm).
-    fn phase(&self, w: &PhaseWork) -> [f64; 6] {
+    /// One rank's phase: (total, compute, gemm, attention, comm, exposed comm); `uploads`: per
+    /// message sent behind the senders' work, in order, the most bytes one other rank sends.
+    fn phase(&self, w: &PhaseWork, uploads: &[u64]) -> [f64; 6] {
         let gemm: f64 = w.forwards.iter().map(|f| self.gemm(f)).sum();
         let other: f64 = w.forwards.iter().map(|f| self.other(f)).sum();
         let serial_attn: f64 =
             w.attn.iter().filter(|a| a.step.is_none()).map(|a| self.attention(a, 4.0, 2.0)).sum::<f64>()
                 + w.scores.iter().map(|a| self.attention(a, 2.0, 1.0)).sum::<f64>();
-        let serial_comm: f64 = w.messages.iter().filter(|m| m.step.is_none()).map(|m| self.message(m)).sum();
+        let mut uploads = uploads.iter();
+        let serial_comm: f64 = w
+            .messages
+            .iter()
+            .filter(|m| m.step.is_none())
+            .map(|m| self.message(m, if m.behind { uploads.next().copied().unwrap_or(0) } else { 0 }))
+            .sum();
         // Ring steps: the transfer of a step overlaps the attention of the same step.
         let steps = w.attn.iter().filter_map(|a| a.step).chain(w.messages.iter().filter_map(|m| m.step)).max();
         let (mut ring, mut ring_attn, mut ring_comm, mut ring_exposed) = (0.0, 0.0, 0.0, 0.0);
         if let Some(last) = steps {
             for s in 0..=last {
                 let a: f64 = w.attn.iter().filter(|x| x.step == Some(s)).map(|x| self.attention(x, 4.0, 2.0)).sum();
-                let c: f64 = w.messages.iter().filter(|x| x.step == Some(s)).map(|x| self.message(x)).sum();
+                let c: f64 = w.messages.iter().filter(|x| x.step == Some(s)).map(|x| self.message(x, 0)).sum();
                 ring += a.max(c);
                 ring_attn += a;
                 ring_comm += c;
@@ -314,10 +331,28 @@ pub fn project(work: &Work, shape: &Shape, dev: &Device, link: &Link, scale: f64
     let n_phases = work.per_rank.iter().map(Vec::len).max().unwrap_or(0);
     let mut out = Projection::default();
     for i in 0..n_phases {
+        // What each rank sends per call in each message of the phase sent behind its work.
+        let behind: Vec<Vec<u64>> = (work.per_rank.iter())
+            .map(|rank| {
+                rank.get(i).map_or_else(Vec::new, |w| w.messages.iter().filter(|m| m.behind).map(|m| m.sent).collect())
+            })
+            .collect();
         let mut slowest: Option<(&'static str, [f64; 6])> = None;
-        for rank in &work.per_rank {
+        for (r, rank) in work.per_rank.iter().enumerate() {
             let Some(w) = rank.get(i) else { continue };
-            let t = model.phase(w);
+            let uploads: Vec<u64> = (0..behind[r].len())
+                .map(|j| {
+                    behind
+                        .iter()
+                        .enumerate()
+                        .filter(|&(o, _)| o != r)
+                        .filter_map(|(_, b)| b.get(j))
+                        .copied()
+                        .max()
+                        .unwrap_or(0)
+                })
+                .collect();
+            let t = model.phase(w, &uploads);
             if slowest.is_none_or(|s| t[0] > s.1[0]) {
                 slowest = Some((w.phase, t));
             }
@@ -394,7 +429,7 @@ mod tests {
         };
         // Attention of 1e6 pairs x 1 layer = 4e6 x 576 FLOPs = 2.304 ms at 1 TFLOP/s.
         let attn = |step| Attn { queries: 10, keys: 10, pairs: 1_000_000, layers: 1, step };
-        let msg = |bytes, step| Message { op: "x".into(), calls: 1, sent: bytes, received: bytes, step };
+        let msg = |bytes, step| Message { op: "x".into(), calls: 1, sent: bytes, received: bytes, step, behind: false };
         let ring = PhaseWork {
             phase: "prefill",
             attn: vec![attn(Some(0)), attn(Some(1))],
@@ -426,16 +461,42 @@ mod tests {
             Link { description: "test".into(), bytes_per_s: k(1e6), one_way_bytes_per_s: None, latency_s: k(0.0) };
         let dev = flat_device(1.0);
         let m = Model { shape: &shape, dev: &dev, link: &link, scale: 1.0 };
-        let msg =
-            |sent, received| crate::project::work::Message { op: "x".into(), calls: 1, sent, received, step: None };
+        let msg = |sent, received| crate::project::work::Message {
+            op: "x".into(),
+            calls: 1,
+            sent,
+            received,
+            step: None,
+            behind: false,
+        };
         // Without a one-way rate: the larger direction at the one rate, as before.
-        assert!((m.message(&msg(3_000_000, 1_000_000)) - 3.0).abs() < 1e-12);
+        assert!((m.message(&msg(3_000_000, 1_000_000), 0) - 3.0).abs() < 1e-12);
         link.one_way_bytes_per_s = Some(k(2e6));
         let m = Model { shape: &shape, dev: &dev, link: &link, scale: 1.0 };
         // 1 MB both ways at 1 MB/s, the other 2 MB one way at 2 MB/s.
-        assert!((m.message(&msg(3_000_000, 1_000_000)) - 2.0).abs() < 1e-12);
-        assert!((m.message(&msg(0, 4_000_000)) - 2.0).abs() < 1e-12, "a gather's receiver");
-        assert!((m.message(&msg(2_000_000, 2_000_000)) - 2.0).abs() < 1e-12, "an all-gather");
+        assert!((m.message(&msg(3_000_000, 1_000_000), 0) - 2.0).abs() < 1e-12);
+        assert!((m.message(&msg(0, 4_000_000), 0) - 2.0).abs() < 1e-12, "a gather's receiver");
+        assert!((m.message(&msg(2_000_000, 2_000_000), 0) - 2.0).abs() < 1e-12, "an all-gather");
+        // Sends that travel behind the sender's work: the sender pays for what it receives
+        // (1 MB, both ways at once); the receiver of the 3 MB pays for all of them.
+        let behind = |sent, received| crate::project::work::Message { behind: true, ..msg(sent, received) };
+        assert!((m.message(&behind(3_000_000, 1_000_000), 0) - 1.0).abs() < 1e-12);
+        assert!((m.message(&behind(1_000_000, 3_000_000), 0) - 2.0).abs() < 1e-12);
+        assert!((m.message(&behind(2_000_000, 2_000_000), 0) - 2.0).abs() < 1e-12, "even: as any all-gather");
+        // A receiver waits for the longest upload: 0.1 MB both ways, 2.9 MB more one way.
+        assert!((m.message(&behind(100_000, 1_000_000), 3_000_000) - 1.55).abs() < 1e-12);
+        // In a phase: rank 0 sends 2 MB to each of two peers, behind its work; each peer
+        // receives its 2 MB only when rank 0's 4 MB have left (one way, 2 s); rank 0 waits for
+        // nothing.
+        let send = |sent, received| PhaseWork {
+            phase: "recompute",
+            messages: vec![behind(sent, received)],
+            ..Default::default()
+        };
+        let per_rank = vec![vec![send(4_000_000, 0)], vec![send(0, 2_000_000)], vec![send(0, 2_000_000)]];
+        let work = Work { method: flowprefill_coordinator::Method::Infoflow, ranks: 3, per_rank };
+        let p = project(&work, &shape, &dev, &link, 1.0);
+        assert!((p.ttft_s - 2.0).abs() < 1e-12, "{}", p.ttft_s);
         link.one_way_bytes_per_s = Some(k(0.0));
         let text =
             serde_json::to_string(&Profiles { devices: BTreeMap::new(), links: [("l".to_string(), link)].into() })

@@ -64,6 +64,11 @@ pub struct Message {
     pub received: u64,
     /// Ring step (the transfer that overlaps the attention of the same step).
     pub step: Option<usize>,
+    /// Whether this rank's sends travel behind its own later work: it posts them and goes on
+    /// as soon as what it receives is here, because nothing it computes next waits on a reply
+    /// to them (the sparse scope's K/V all-gather). The rank waits for the bytes it receives;
+    /// the bytes it sends cost the receivers.
+    pub behind: bool,
 }
 
 /// The work of one rank in one phase.
@@ -359,6 +364,7 @@ fn ring(shape: &Shape, req: &Request, p: usize, kv: usize) -> Vec<Vec<PhaseWork>
                         sent: bytes(blk_rows),
                         received: bytes(prev_blk),
                         step: Some(step),
+                        behind: false,
                     });
                 }
             }
@@ -543,9 +549,23 @@ impl<'a> Job<'a> {
             let merged = partials(1, m, shape);
             let others: u64 = (1..p).map(|o| partials(self.pipe.local_chunks(o).len(), m, shape)).sum();
             let (gs, gr, bs, br) = if r == 0 { (0, others, merged * (p as u64 - 1), 0) } else { (own, 0, 0, merged) };
-            let gather = Message { op: format!("{op}.gather"), calls: layers, sent: gs, received: gr, step: None };
+            let gather = Message {
+                op: format!("{op}.gather"),
+                calls: layers,
+                sent: gs,
+                received: gr,
+                step: None,
+                behind: false,
+            };
             ph.messages.push(gather);
-            ph.messages.push(Message { op: format!("{op}.merged"), calls: layers, sent: bs, received: br, step: None });
+            ph.messages.push(Message {
+                op: format!("{op}.merged"),
+                calls: layers,
+                sent: bs,
+                received: br,
+                step: None,
+                behind: false,
+            });
         }
         ph
     }
@@ -587,9 +607,23 @@ impl<'a> Job<'a> {
             }
         }
         let (own, theirs) = gathered(&|c| message(c, &[(c * shape.q_dim(), 4)]));
-        rc.messages.push(Message { op: "recompute.q".into(), calls: l, sent: own, received: theirs, step: None });
+        rc.messages.push(Message {
+            op: "recompute.q".into(),
+            calls: l,
+            sent: own,
+            received: theirs,
+            step: None,
+            behind: false,
+        });
         let (own, theirs) = gathered(&|c| message(c, &[(c * shape.q_dim(), 4), (c * shape.n_heads, 4)]));
-        let partials = Message { op: "recompute.partials".into(), calls: l, sent: theirs, received: own, step: None };
+        let partials = Message {
+            op: "recompute.partials".into(),
+            calls: l,
+            sent: theirs,
+            received: own,
+            step: None,
+            behind: false,
+        };
         rc.messages.push(partials);
     }
 
@@ -627,7 +661,8 @@ impl<'a> Job<'a> {
         }
         let kv = self.kv;
         let (own, theirs) = gathered(&|c| message(c, &[(c * shape.kv_dim(), kv), (c * shape.kv_dim(), kv)]));
-        rc.messages.push(Message { op: "recompute.kv".into(), calls: l, sent: own, received: theirs, step: None });
+        let kv = Message { op: "recompute.kv".into(), calls: l, sent: own, received: theirs, step: None, behind: true };
+        rc.messages.push(kv);
     }
 }
 
