@@ -454,13 +454,12 @@ impl<B: Backend> Engine<B> {
             let reused = kept.is_some();
             let computed = match kept {
                 Some(e) => Ok(e),
-                None => self.lead_one(comm, &exact, Control { cancel, deadline, on_admitted: None }, &mut |_| true),
+                None => self
+                    .lead_one(comm, &exact, Control { cancel, deadline, on_admitted: None }, &mut |_| true)
+                    .inspect(|e| key.into_iter().for_each(|k| self.exact_memo.put(k, e))),
             };
             match computed {
                 Ok(e) => {
-                    if let (Some(k), false) = (key, reused) {
-                        self.exact_memo.put(k, &e);
-                    }
                     verify::judge(&mut r, e, reused, &job.options);
                     self.learn(&r);
                 }

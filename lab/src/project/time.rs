@@ -7,10 +7,11 @@
 //! `latency + max(sent, received) / bandwidth`; where the sender does not wait for its sends
 //! (the sparse scope's K/V all-gather: it goes on to its own attention and MLP while they
 //! travel), they cost the receivers only, so a rank that recomputes most of the rows hides
-//! its sends behind that work, and the others wait for them. The ring's transfer of step `s` overlaps its
-//! attention of step `s`: the step lasts as long as the longer of the two, and the ring's
-//! attention section is divided by the device's ring efficiency (how close an implementation
-//! gets to that ideal). A phase lasts as long as its slowest rank; TTFT is the sum of phases.
+//! its sends behind that work, and the others wait for them. The ring's transfer of step `s`
+//! overlaps its attention of step `s`: the step lasts as long as the longer of the two, and
+//! the ring's attention section is divided by the device's ring efficiency (how close an
+//! implementation gets to that ideal). A phase lasts as long as its slowest rank; TTFT is the
+//! sum of phases.
 //! `scale` is one global factor on compute efficiency (GEMM and attention alike), for a
 //! calibration on one published cell; it is 1 unless the caller sets it.
 
