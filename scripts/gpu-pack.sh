@@ -17,7 +17,7 @@ features=(--features flowprefill/cuda --features flowprefill/nccl)
 mkdir -p "$out/tests"
 cargo build --release -p flowprefill "${features[@]}"
 tests=$(cargo test --release --workspace "${features[@]}" --no-run --message-format=json \
-  --test cuda --test cuda_ops --test cuda_compile_gate --test nccl_smoke --test cuda_libs 2>/dev/null |
+  --test cuda --test cuda_ops --test cuda_hopper_fallback --test cuda_compile_gate --test nccl_smoke --test cuda_libs 2>/dev/null |
   python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -25,6 +25,9 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m.get("target", {}).get("kind", []):
         print(m["target"]["name"], m["executable"])')
 strip -o "$out/flowprefill" target/release/flowprefill
+# The attention kernels timed alone (flash2 and, on a Hopper GPU, flash_hopper): gpu-check.sh.
+cargo build --release -p flowprefill-kernels --features cuda --example cuda_attention_bench
+strip -o "$out/cuda_attention_bench" target/release/examples/cuda_attention_bench
 {
   echo "bin $(pwd)/target/release/flowprefill"
   while read -r name exe; do

@@ -12,6 +12,7 @@
 #include "shapes.inc"
 #include "common.cuh"
 #include "flash_tiles.cuh"
+#include "hopper.cuh"
 #include "files.inc"
 #include "configs.inc"
 // clang-format on
@@ -31,6 +32,7 @@ constexpr int type_code() {
         if constexpr (std::is_same_v<P, bf16_t>) return 2;
         if constexpr (std::is_same_v<P, u32>) return 3;
         if constexpr (std::is_same_v<P, double>) return 4;
+        if constexpr (std::is_same_v<P, u64>) return 8;
         return -1;
     } else {
         if constexpr (std::is_same_v<T, u32>) return 5;

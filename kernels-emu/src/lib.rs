@@ -35,9 +35,15 @@ mod ffi {
 /// not match the kernel's declaration, or a primitive reported misuse (a `cp.async` group left
 /// in flight, a misaligned `ldmatrix` row).
 pub fn run(call: &Call) {
-    if let Err(e) = call.check() {
+    if let Err(e) = try_run(call) {
         panic!("{e}");
     }
+}
+
+/// [`run`], returning what went wrong instead of panicking: a call that does not match the
+/// kernel's declaration, or the first misuse a primitive reported (`emulated launch failed: ...`).
+pub fn try_run(call: &Call) -> Result<(), String> {
+    call.check()?;
     let cells: Vec<u64> = call.args.iter().map(|a| a.cell()).collect();
     let codes: Vec<i32> = call.args.iter().map(|a| a.param().code()).collect();
     let name = CString::new(call.kernel).expect("a kernel name without NUL");
@@ -61,8 +67,9 @@ pub fn run(call: &Call) {
     if rc != 0 {
         // SAFETY: the C++ side wrote a NUL-terminated message of at most err.len() bytes.
         let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
-        panic!("emulated launch failed: {msg}");
+        return Err(format!("emulated launch failed: {msg}"));
     }
+    Ok(())
 }
 
 fn run_all(calls: &[Call]) {
@@ -85,6 +92,9 @@ impl EmuElem for u32 {
 }
 impl EmuElem for f64 {
     const ELEM: Elem = Elem::F64;
+}
+impl EmuElem for u64 {
+    const ELEM: Elem = Elem::U64;
 }
 
 fn p<T: EmuElem>(s: &[T]) -> Ptr {
@@ -345,10 +355,43 @@ pub fn flash_attention(
     let (po, pl) = ops::flash_partial_lens(d, &plan);
     let (mut part_out, mut part_lse) = (vec![0f32; po], vec![0f32; pl]);
     let partial = (plan.splits > 1).then(|| (pm(&mut part_out), pm(&mut part_lse)));
-    let calls =
-        ops::flash_attention(d, &plan, p(q), p(qpos), p(k), p(v), p(&meta), pm(out), pm(lse), partial, shape.scale);
+    let calls = if kernel == FlashKernel::Hopper {
+        // TMA reads from 16-byte aligned tensors (device buffers are; host vectors of u16 need
+        // not be).
+        let (ka, va) = (Aligned16::of(k), Aligned16::of(v));
+        let maps = ops::hopper_attention_maps(d, ka.ptr(), va.ptr()).unwrap_or_else(|e| panic!("{e}"));
+        let words: Vec<u64> = maps.iter().flatten().flat_map(|m| m.emulated()).collect();
+        let words = if words.is_empty() { vec![0u64; 1] } else { words };
+        let calls =
+            ops::hopper_attention(d, &plan, p(&words), p(q), p(qpos), p(&meta), pm(out), pm(lse), partial, shape.scale);
+        run_all(&calls.unwrap_or_else(|e| panic!("{e}")));
+        return plan;
+    } else {
+        ops::flash_attention(d, &plan, p(q), p(qpos), p(k), p(v), p(&meta), pm(out), pm(lse), partial, shape.scale)
+    };
     run_all(&calls.unwrap_or_else(|e| panic!("{e}")));
     plan
+}
+
+/// A copy of bf16 values at a 16-byte aligned address (what a device allocation gives).
+struct Aligned16(Vec<Chunk16>);
+
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+struct Chunk16([u16; 8]);
+
+impl Aligned16 {
+    fn of(x: &[u16]) -> Self {
+        let mut chunks = vec![Chunk16([0; 8]); x.len().div_ceil(8).max(1)];
+        for (c, src) in chunks.iter_mut().zip(x.chunks(8)) {
+            c.0[..src.len()].copy_from_slice(src);
+        }
+        Self(chunks)
+    }
+
+    fn ptr(&self) -> Ptr {
+        Ptr::new(self.0.as_ptr() as u64, Elem::Bf16)
+    }
 }
 
 /// Per-key attention mass on tensor cores (bf16 `q`, `k`), added to `scores`.
@@ -379,4 +422,26 @@ pub fn probe_mma(a: &[u16], b_nk: &[u16], b_kn: &[u16]) -> (Vec<f32>, Vec<f32>) 
     let (mut d_nk, mut d_kn) = (vec![0f32; 256], vec![0f32; 256]);
     run(&built(ops::probe_mma(p(a), p(b_nk), p(b_kn), pm(&mut d_nk), pm(&mut d_kn))));
     (d_nk, d_kn)
+}
+
+/// Hopper's self-check (`hopper_probe.cu`, one warpgroup) for a swizzle mode, with the
+/// deliberate mistakes `breaks` ([`ops::probe_break`]): `(A B with both operands from shared
+/// memory and B K-major, A B with A from registers and B MN-major)` for bf16 `a [64][64]`,
+/// `b_nk [128][64]` (B as [n][k]) and `b_kn [64][128]` (B as [k][n]); or what the emulation
+/// reported.
+pub fn hopper_probe(
+    swizzle: ops::Swizzle,
+    a: &[u16],
+    b_nk: &[u16],
+    b_kn: &[u16],
+    breaks: u32,
+) -> Result<(Vec<f32>, Vec<f32>), String> {
+    check("a", a.len(), 64 * 64);
+    check("b_nk", b_nk.len(), 128 * 64);
+    check("b_kn", b_kn.len(), 64 * 128);
+    let maps = ops::hopper_probe_maps(p(a), p(b_nk), p(b_kn), swizzle).unwrap_or_else(|e| panic!("{e}"));
+    let words: Vec<u64> = maps.iter().flat_map(|m| m.emulated()).collect();
+    let (mut d_ss, mut d_rs) = (vec![0f32; 64 * 128], vec![0f32; 64 * 128]);
+    try_run(&built(ops::hopper_probe(swizzle, p(&words), p(a), pm(&mut d_ss), pm(&mut d_rs), breaks)))?;
+    Ok((d_ss, d_rs))
 }

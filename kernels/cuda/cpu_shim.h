@@ -61,15 +61,41 @@ struct Warp {
     float mma_b[16][8] = {};
 };
 
+// What a wgmma.mma_async of one thread names (all 128 of a warpgroup must agree).
+struct WgmmaIssue {
+    uint64_t da = 0, db = 0;
+    int n = 0;
+    bool rs = false, trans_b = false, accumulate = false;
+    bool operator!=(const WgmmaIssue& o) const {
+        return da != o.da || db != o.db || n != o.n || rs != o.rs || trans_b != o.trans_b ||
+               accumulate != o.accumulate;
+    }
+};
+
+// Four warps (cpu_shim_hopper.h): a barrier of their threads, what each issued, and the A
+// operand of a register-sourced wgmma (64 x 16).
+struct WarpGroup {
+    explicit WarpGroup(std::ptrdiff_t lanes) : bar(lanes), lanes((unsigned)lanes) {}
+    std::barrier<> bar;
+    unsigned lanes;
+    WgmmaIssue issue[128];
+    float a_stage[64][16] = {};
+};
+
 struct Block {
     explicit Block(unsigned threads) : bar(threads) {
         for (unsigned w = 0; w < (threads + 31) / 32; w++) {
             unsigned lanes = threads - 32 * w < 32 ? threads - 32 * w : 32;
             warps.push_back(std::make_unique<Warp>(lanes));
         }
+        for (unsigned g = 0; g < (threads + 127) / 128; g++) {
+            unsigned lanes = threads - 128 * g < 128 ? threads - 128 * g : 128;
+            groups.push_back(std::make_unique<WarpGroup>(lanes));
+        }
     }
     std::barrier<> bar;
     std::vector<std::unique_ptr<Warp>> warps;
+    std::vector<std::unique_ptr<WarpGroup>> groups;
 };
 
 // One 16-byte asynchronous copy: src_bytes from src, zeros after.
@@ -129,7 +155,11 @@ inline bool vote_any(bool pred) {
     return any;
 }
 
-inline unsigned char* dynamic_smem() { return dynamic_shared.data(); }
+// The launch's dynamic shared memory, aligned to 1024 bytes (the shared addresses of
+// cpu_shim_hopper.h are offsets from it).
+inline unsigned char* dynamic_smem() {
+    return (unsigned char*)(((uintptr_t)dynamic_shared.data() + 1023) & ~(uintptr_t)1023);
+}
 
 }  // namespace fp_shim
 
@@ -293,6 +323,8 @@ inline unsigned fp_pack_bf16x2(float lo, float hi) {
 
 inline float fp_exp2(float x) { return exp2f(x); }
 
+#include "cpu_shim_hopper.h"
+
 namespace fp_shim {
 
 // One launch at a time, like one stream: `blockDim`, `gridDim`, the dynamic shared memory and
@@ -309,7 +341,7 @@ std::string launch(dim3 grid, dim3 block_shape, unsigned shared_bytes, void (*ke
     block_dim = block_shape;
     grid_dim = grid;
     launch_error.clear();
-    dynamic_shared.assign(shared_bytes + 16, 0xff);
+    dynamic_shared.assign(shared_bytes + 16 + 1024, 0xff);
     Block shared_block(threads);
     std::vector<std::thread> pool;
     pool.reserve(threads);
@@ -327,15 +359,21 @@ std::string launch(dim3 grid, dim3 block_shape, unsigned shared_bytes, void (*ke
                         block_idx = dim3(x, y, z);
                         if (t == 0) {
                             std::fill(dynamic_shared.begin(), dynamic_shared.end(), 0xff);
+                            hopper_block_start();
                         }
+                        hopper_thread_start();
                         shared_block.bar.arrive_and_wait();
                         kernel(args...);
+                        hopper_thread_end();
                         if (!committed.empty() || !open_group.empty()) {
                             fail("cp.async groups still in flight when a block ended (a missing wait_group)");
                             open_group.clear();
                             committed.clear();
                         }
                         shared_block.bar.arrive_and_wait();
+                        if (t == 0) {
+                            hopper_block_end();
+                        }
                     }
                 }
             }

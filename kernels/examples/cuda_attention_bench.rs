@@ -104,6 +104,9 @@ fn main() {
         peak.map_or("unknown".into(), |p| format!("{p} TFLOP/s")),
         bw.map_or("unknown".into(), |b| format!("{b} TB/s"))
     );
+    // FLOWPREFILL_FLASH_KERNEL=hopper: the Hopper kernel, once its self-check passed here.
+    let kernel = be.fixed_attention().map_or_else(|| "flash2 (the autotuner's choice)".to_string(), |k| k.name());
+    println!("tensor-core attention kernel: {kernel}");
     let runs = if quick { 5 } else { 21 };
     println!("\nprefill (causal), median of {runs}; old = simple kernel (f32 K/V, FP32 cores), new = tensor cores (bf16 K/V)");
     println!(

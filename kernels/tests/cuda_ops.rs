@@ -247,6 +247,36 @@ fn tensor_core_layouts_match_a_plain_product_on_the_hardware() {
     assert!(max_err(&scaled(&d_kn), &want) <= PROBE_TOL, "mma with a [k][n] B (how V is loaded)");
 }
 
+/// Hopper's self-check (`hopper_probe.cu`: TMA into swizzled shared memory, an mbarrier,
+/// wgmma from descriptors and from registers, B K-major and transposed) in every swizzle mode,
+/// against a plain product: the layouts the CPU emulation assumes (kernels-emu/tests/hopper.rs)
+/// checked against the hardware. Compute capability 9.0 only; elsewhere it says skipped.
+#[test]
+fn hopper_layouts_match_a_plain_product_on_the_hardware() {
+    let Some(g) = gpu(WeightType::Bf16) else { return };
+    if !g.has_hopper() {
+        flowprefill_kernels::testing::skipped("not a Hopper GPU", format!("{} has no sm_90a kernels", g.arch()));
+        return;
+    }
+    let mut r = StdRng::seed_from_u64(6);
+    let a = bf16_values(&rand_vec(&mut r, 64 * 64, 2.0));
+    let b = bf16_values(&rand_vec(&mut r, 64 * 128, 2.0));
+    let bits = |v: &[f32]| v.iter().map(|&x| flowprefill_kernels::backend::to_bf16(x)).collect::<Vec<u16>>();
+    let b_nk: Vec<f32> = (0..128 * 64).map(|i| b[(i % 64) * 128 + i / 64]).collect();
+    let scale = 4.0 * 64.0;
+    let want: Vec<f32> = (0..64 * 128)
+        .map(|e| {
+            (0..64).map(|k| a[(e / 128) * 64 + k] as f64 * b[k * 128 + e % 128] as f64).sum::<f64>() as f32 / scale
+        })
+        .collect();
+    let scaled = |d: &[f32]| d.iter().map(|x| x / scale).collect::<Vec<f32>>();
+    for s in flowprefill_kernels::gpu::tma::Swizzle::ALL {
+        let (d_ss, d_rs) = g.hopper_probe(s, &bits(&a), &bits(&b_nk), &bits(&b)).unwrap_or_else(|e| panic!("{e}"));
+        assert!(max_err(&scaled(&d_ss), &want) <= PROBE_TOL, "{s:?}: wgmma from descriptors, B K-major");
+        assert!(max_err(&scaled(&d_rs), &want) <= PROBE_TOL, "{s:?}: wgmma with A from registers, B transposed");
+    }
+}
+
 #[test]
 fn tensor_core_attention_over_a_bf16_cache_matches_the_cpu() {
     let Some(g) = gpu_with(WeightType::Bf16, DType::Bf16) else { return };
@@ -318,7 +348,8 @@ fn check_flash(
     assert!(worst <= 1e-4, "{label}: scores error {worst:e}");
 }
 
-/// Every configuration of flash2 (the autotuner's candidates) on the hardware against the CPU,
+/// Every configuration of flash2 (the autotuner's candidates), the reference and, on a Hopper
+/// GPU, the Hopper kernel (after its self-check) on the hardware against the CPU,
 /// then the autotuner on synthetic inputs: a decision per class, kept in the decisions file,
 /// and the tuned backend still matches the CPU.
 #[test]
@@ -327,6 +358,10 @@ fn every_attention_configuration_matches_the_cpu_and_tuning_decides() {
     let c = Cpu::with_kv_dtype(DType::Bf16);
     let mut r = StdRng::seed_from_u64(6);
     for k in FlashKernel::every() {
+        if k == FlashKernel::Hopper && !g.has_hopper() {
+            flowprefill_kernels::testing::skipped("not a Hopper GPU", format!("{}: no sm_90a attention", g.arch()));
+            continue;
+        }
         g.fix_attention(k).unwrap_or_else(|e| panic!("{k:?}: {e}"));
         let tag = format!("{} ", k.name());
         for &(shape, scattered) in &[

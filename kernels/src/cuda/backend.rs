@@ -147,14 +147,24 @@ impl CudaBackend {
         }
         let mut functions = HashMap::new();
         let mut occupancy = Vec::new();
-        for file in gpu::FILES {
-            for (name, f, occ) in load_file(&ctx, &arch, file, 0, file.kernels)? {
+        for file in gpu::FILES.iter().filter(|f| f.builds_for(&arch)) {
+            let loaded = match load_file(&ctx, &arch, file, 0, file.kernels) {
+                Ok(loaded) => loaded,
+                // The architecture-specific files (Hopper's) are an addition: without them every
+                // op runs on the kernels every GPU has.
+                Err(e) if file.only_arch.is_some() => {
+                    eprintln!("flowprefill: cuda:{ordinal}: {} not loaded, its kernels unused ({e})", file.name);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            for (name, f, occ) in loaded {
                 functions.insert(name, f);
                 occupancy.push(occ);
             }
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS (is libcublas on the library path?)", e))?;
-        Ok(Self {
+        let mut backend = Self {
             ordinal,
             arch,
             sm_count,
@@ -174,7 +184,18 @@ impl CudaBackend {
             part_out: Scratch::new(),
             part_lse: Scratch::new(),
             control: ControlCache::new(),
-        })
+        };
+        // The Hopper attention runs only after it computed a known problem as flash2 does on
+        // this very GPU; otherwise flash2 (and its autotuner) with one line saying why.
+        if fixed == Some(ops::FlashKernel::Hopper) {
+            if let Err(e) = backend.hopper_self_check() {
+                eprintln!(
+                    "flowprefill: cuda:{ordinal}: the Hopper attention is not used: {e}; flash2 (fa2) runs instead"
+                );
+                backend.tuning = super::tuning::Tuning::new(None);
+            }
+        }
+        Ok(backend)
     }
 
     /// Device ordinal.
@@ -201,6 +222,11 @@ impl CudaBackend {
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(|e| err("synchronize", e))
+    }
+
+    /// Whether `kernel` was loaded (the Hopper files load on compute capability 9.0 only).
+    pub(super) fn has_kernel(&self, kernel: &str) -> bool {
+        self.functions.contains_key(kernel)
     }
 
     /// Launches `call` on the stream (after checking it against the kernel's declaration).

@@ -239,9 +239,9 @@ impl CudaBackend {
             let (kernel, blocks_per_sm) = self.flash_choice(dims, &inputs);
             let plan = ops::flash_plan_aiming(dims, kernel, self.sm_count, blocks_per_sm, None);
             self.with_partials(dims, &plan, |partial| {
-                let calls =
-                    ops::flash_attention(dims, &plan, qb, u(qpp), kp, vp, u(mp), outp, lsep, partial, shape.scale)?;
-                calls.iter().try_for_each(|c| self.run(c))
+                let io =
+                    super::hopper::FlashIo { q: qb, qpos: u(qpp), k: kp, v: vp, meta: u(mp), out: outp, lse: lsep };
+                self.run_flash(dims, &plan, io, partial, shape.scale)
             })
         })
     }

@@ -9,6 +9,7 @@ mod backend;
 mod buffers;
 mod compute;
 mod copies;
+pub mod hopper;
 pub mod libs;
 mod loader;
 #[cfg(feature = "nccl")]

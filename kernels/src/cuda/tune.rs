@@ -49,14 +49,28 @@ pub(crate) struct Inputs {
 
 impl CudaBackend {
     /// Runs attention with `kernel` from now on (as `FLOWPREFILL_FLASH_KERNEL` does): no
-    /// decision read or made. Loads the configuration now (an error if it does not compile).
+    /// decision read or made. Loads the configuration now (an error if it does not compile);
+    /// the Hopper kernel must pass its self-check (an error, and nothing changed, if not).
     pub fn fix_attention(&mut self, kernel: FlashKernel) -> Result<()> {
         if let FlashKernel::Fa2(c) = kernel {
             self.load_config(c as usize)?;
         }
+        if kernel == FlashKernel::Hopper {
+            // Compute capability 9.0 only, and only once it computes as flash2 does here.
+            self.hopper_self_check()?;
+        }
         self.tuning.mode = Mode::Fixed(kernel);
         self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).clear();
         Ok(())
+    }
+
+    /// The kernel attention is fixed to (`FLOWPREFILL_FLASH_KERNEL`, [`Self::fix_attention`]),
+    /// `None` when the autotuner chooses.
+    pub fn fixed_attention(&self) -> Option<FlashKernel> {
+        match self.tuning.mode {
+            Mode::Fixed(k) => Some(k),
+            _ => None,
+        }
     }
 
     /// Back to the autotuner's choices (decisions on file, or made on the first large call).

@@ -24,6 +24,7 @@
 pub mod ops;
 pub mod sass;
 pub mod shapes;
+pub mod tma;
 pub mod tune;
 
 pub use sass::SassBudget;
@@ -38,6 +39,10 @@ pub const COMMON: &str = include_str!("../../cuda/common.cuh");
 /// `flash_scores.cu`: copies, Q fragments, S = Q K^T), templates the other files never
 /// instantiate.
 pub const FLASH_TILES: &str = include_str!("../../cuda/flash_tiles.cuh");
+
+/// Prepended after [`FLASH_TILES`] to the Hopper files only ([`KernelFile::only_arch`]):
+/// warpgroup products, tensor copies, mbarriers.
+pub const HOPPER: &str = include_str!("../../cuda/hopper.cuh");
 
 /// The CPU launch shim (for the emulation; never sent to NVRTC).
 pub const CPU_SHIM: &str = include_str!("../../cuda/cpu_shim.h");
@@ -74,6 +79,15 @@ pub struct KernelFile {
     pub source: &'static str,
     /// Its kernels and their budgets.
     pub kernels: &'static [Budget],
+    /// The one architecture it is built for (`sm_90a`: Hopper's instructions), or every one.
+    pub only_arch: Option<&'static str>,
+}
+
+impl KernelFile {
+    /// Whether it is built for `arch` (`sm_XY`, or `sm_90a`).
+    pub fn builds_for(&self, arch: &str) -> bool {
+        self.only_arch.is_none_or(|a| a == arch)
+    }
 }
 
 const fn budget(kernel: &'static str, max_registers: u32, max_shared_bytes: u32) -> Budget {
@@ -179,11 +193,13 @@ pub const FILES: &[KernelFile] = &[
             budget("fp_f32_to_bf16", 32, 0),
             budget("fp_bf16_to_f32", 32, 0),
         ],
+        only_arch: None,
     },
     KernelFile {
         name: "norm.cu",
         source: include_str!("../../cuda/norm.cu"),
         kernels: &[budget("fp_rms_norm", 32, 64), budget("fp_rms_norm_bf16", 40, 0).threads(32 * NORM_ROWS_PER_BLOCK)],
+        only_arch: None,
     },
     KernelFile {
         name: "rope.cu",
@@ -198,6 +214,7 @@ pub const FILES: &[KernelFile] = &[
             budget("fp_split_qkv_rope_act_bf16", 48, 0),
             budget("fp_split_qkv_rope_act_bf16_kv_f32", 48, 0),
         ],
+        only_arch: None,
     },
     KernelFile {
         name: "attention.cu",
@@ -206,16 +223,19 @@ pub const FILES: &[KernelFile] = &[
             budget("fp_attention", 64, 4096).threads(32 * ATTENTION_WARPS),
             budget("fp_attention_kvbf16", 64, 4096).threads(32 * ATTENTION_WARPS),
         ],
+        only_arch: None,
     },
     KernelFile {
         name: "scores.cu",
         source: include_str!("../../cuda/scores.cu"),
         kernels: &[budget("fp_attention_scores", 40, 0), budget("fp_attention_scores_kbf16", 40, 0)],
+        only_arch: None,
     },
     KernelFile {
         name: "merge.cu",
         source: include_str!("../../cuda/merge.cu"),
         kernels: &[budget("fp_merge_partial", 32, 0), budget("fp_attn_combine", 40, 0).threads(128)],
+        only_arch: None,
     },
     KernelFile {
         name: "flash.cu",
@@ -224,6 +244,7 @@ pub const FILES: &[KernelFile] = &[
             budget_dyn("fp_flash_attn_d64", 168, 16, ops::flash_shared_bytes(64)).blocks(2),
             budget_dyn("fp_flash_attn_d128", 240, 16, ops::flash_shared_bytes(128)).blocks(2),
         ],
+        only_arch: None,
     },
     KernelFile {
         name: "flash_scores.cu",
@@ -232,6 +253,7 @@ pub const FILES: &[KernelFile] = &[
             budget_dyn("fp_flash_scores_d64", 168, 16, ops::flash_scores_shared_bytes(64)).blocks(2),
             budget_dyn("fp_flash_scores_d128", 168, 16, ops::flash_scores_shared_bytes(128)).blocks(2),
         ],
+        only_arch: None,
     },
     KernelFile {
         name: "flash2.cu",
@@ -246,13 +268,45 @@ pub const FILES: &[KernelFile] = &[
                 .blocks(shapes::FA2_DEFAULT.d128.min_blocks)
                 .sass(FA2_D128_SASS),
         ],
+        only_arch: None,
     },
     KernelFile {
         name: "probe.cu",
         source: include_str!("../../cuda/probe.cu"),
         kernels: &[budget_dyn("fp_probe_mma", 64, 0, ops::PROBE_SHARED_BYTES).threads(32).sass(SassBudget::Plain)],
+        only_arch: None,
+    },
+    KernelFile {
+        name: "hopper_probe.cu",
+        source: include_str!("../../cuda/hopper_probe.cu"),
+        kernels: &[
+            hopper_probe_budget("fp_hopper_probe_w128"),
+            hopper_probe_budget("fp_hopper_probe_w64"),
+            hopper_probe_budget("fp_hopper_probe_w32"),
+            hopper_probe_budget("fp_hopper_probe_w16"),
+        ],
+        only_arch: Some("sm_90a"),
+    },
+    KernelFile {
+        name: "flash_hopper.cu",
+        source: include_str!("../../cuda/flash_hopper.cu"),
+        kernels: &[
+            budget_dyn("fp_flash_hopper_d64", 168, 16, ops::hopper_shared_bytes(64))
+                .threads(ops::HOPPER_THREADS)
+                .sass(SassBudget::Wgmma { hgmma: 64 / 16 + ops::HOPPER_KEYS / 16, in_loop: true }),
+            budget_dyn("fp_flash_hopper_d128", 168, 16, ops::hopper_shared_bytes(128))
+                .threads(ops::HOPPER_THREADS)
+                .sass(SassBudget::Wgmma { hgmma: 128 / 16 + ops::HOPPER_KEYS / 16, in_loop: true }),
+        ],
+        only_arch: Some("sm_90a"),
     },
 ];
+
+/// The Hopper self-check: one warpgroup, 128 + 64 accumulators a thread, every product a
+/// warpgroup instruction (12 HGMMA, no HMMA).
+const fn hopper_probe_budget(kernel: &'static str) -> Budget {
+    budget_dyn(kernel, 255, 16, ops::HOPPER_PROBE_SHARED_BYTES).sass(SassBudget::Wgmma { hgmma: 12, in_loop: false })
+}
 
 /// The full NVRTC program of `file`: the launch-shape header ([`shapes::header`], the default
 /// configuration), [`COMMON`], [`FLASH_TILES`], then the file.
@@ -263,7 +317,8 @@ pub fn program(file: &KernelFile) -> String {
 /// [`program`] with `flash2.cu`'s configuration `config` (an index of
 /// [`shapes::FA2_CONFIGS`]; other than 0, its kernels carry the configuration's suffix).
 pub fn program_in(file: &KernelFile, config: usize) -> String {
-    format!("{}{COMMON}\n{FLASH_TILES}\n{}", shapes::header(config), file.source)
+    let hopper = if file.only_arch.is_some() { HOPPER } else { "" };
+    format!("{}{COMMON}\n{FLASH_TILES}\n{hopper}\n{}", shapes::header(config), file.source)
 }
 
 /// FNV-1a of every source and of the launch shapes: part of the on-disk cache key of compiled
@@ -271,7 +326,7 @@ pub fn program_in(file: &KernelFile, config: usize) -> String {
 pub fn sources_hash() -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     let headers: Vec<String> = (0..shapes::FA2_CONFIGS.len()).map(shapes::header).collect();
-    let parts = [COMMON, FLASH_TILES]
+    let parts = [COMMON, FLASH_TILES, HOPPER]
         .into_iter()
         .chain(FILES.iter().map(|f| f.source))
         .chain(headers.iter().map(String::as_str));
@@ -327,6 +382,8 @@ pub enum Elem {
     U32,
     /// `double*`.
     F64,
+    /// `u64*` (the tensor maps of the Hopper kernels, [`tma`]).
+    U64,
 }
 
 /// One parameter of a kernel, as its `.cu` declaration has it.
@@ -350,6 +407,7 @@ impl Param {
             Param::Ptr(Elem::Bf16) => 2,
             Param::Ptr(Elem::U32) => 3,
             Param::Ptr(Elem::F64) => 4,
+            Param::Ptr(Elem::U64) => 8,
             Param::U32 => 5,
             Param::U64 => 6,
             Param::F32 => 7,
@@ -372,6 +430,7 @@ fn parse_param(text: &str) -> Result<Param, String> {
         ("bf16_t", true) => Param::Ptr(Elem::Bf16),
         ("u32", true) => Param::Ptr(Elem::U32),
         ("double", true) => Param::Ptr(Elem::F64),
+        ("u64", true) => Param::Ptr(Elem::U64),
         ("u32", false) => Param::U32,
         ("u64", false) => Param::U64,
         ("float", false) => Param::F32,
@@ -477,7 +536,7 @@ impl Elem {
         match self {
             Elem::Bf16 => 2,
             Elem::F32 | Elem::U32 => 4,
-            Elem::F64 => 8,
+            Elem::F64 | Elem::U64 => 8,
         }
     }
 }

@@ -4,10 +4,17 @@
 //! [`Call::check`]). Lengths of buffers are the callers' business: these builders see only
 //! addresses.
 
+mod hopper;
+
+pub use hopper::{
+    hopper_attention, hopper_attention_maps, hopper_probe, hopper_probe_kernel, hopper_probe_maps, hopper_shared_bytes,
+    probe_break, Swizzle, HOPPER_KEYS, HOPPER_PROBE_SHARED_BYTES, HOPPER_ROWS, HOPPER_THREADS,
+};
+
 use super::{shapes, stride_launch, Arg, Call, Elem, Launch, Ptr};
 use crate::error::{KernelError, Result};
 
-fn ptr(p: Ptr) -> Arg {
+pub(crate) fn ptr(p: Ptr) -> Arg {
     Arg::Ptr(p)
 }
 
@@ -16,7 +23,7 @@ fn dtype_err(op: &'static str, detail: String) -> KernelError {
 }
 
 /// `p` must point at `elem`s.
-fn expect(op: &'static str, what: &str, p: Ptr, elem: Elem) -> Result<()> {
+pub(crate) fn expect(op: &'static str, what: &str, p: Ptr, elem: Elem) -> Result<()> {
     if p.elem == elem {
         Ok(())
     } else {
@@ -266,7 +273,7 @@ pub fn split_qkv_rope(
 
 /// `before`, then the sizes `m, n, n_heads, n_kv_heads`, then `after`: the arguments of every
 /// attention kernel.
-fn with_dims(before: &[Arg], d: AttnDims, after: &[Arg]) -> Vec<Arg> {
+pub(crate) fn with_dims(before: &[Arg], d: AttnDims, after: &[Arg]) -> Vec<Arg> {
     before.iter().copied().chain(d.args()).chain(after.iter().copied()).collect()
 }
 
@@ -404,6 +411,9 @@ pub enum FlashKernel {
     Fa2(u8),
     /// `flash.cu`: the first tensor-core kernel (16 rows a warp), kept as the reference.
     Reference,
+    /// `flash_hopper.cu` (compute capability 9.0 only): warpgroup products, TMA copies, a
+    /// producer warpgroup ([`hopper_attention`]: it takes tensor maps).
+    Hopper,
 }
 
 impl Default for FlashKernel {
@@ -413,12 +423,16 @@ impl Default for FlashKernel {
 }
 
 impl FlashKernel {
-    /// Both kernels (flash2 in its default configuration), the default first.
-    pub const ALL: [FlashKernel; 2] = [FlashKernel::Fa2(0), FlashKernel::Reference];
+    /// Every kernel (flash2 in its default configuration), the default first.
+    pub const ALL: [FlashKernel; 3] = [FlashKernel::Fa2(0), FlashKernel::Reference, FlashKernel::Hopper];
 
-    /// Every configuration of flash2, then the reference (what the emulation tests run).
+    /// Every configuration of flash2, the reference, then the Hopper kernel (what the
+    /// emulation tests run).
     pub fn every() -> Vec<FlashKernel> {
-        (0..shapes::FA2_CONFIGS.len() as u8).map(FlashKernel::Fa2).chain([FlashKernel::Reference]).collect()
+        (0..shapes::FA2_CONFIGS.len() as u8)
+            .map(FlashKernel::Fa2)
+            .chain([FlashKernel::Reference, FlashKernel::Hopper])
+            .collect()
     }
 
     /// flash2's shape at head dimension `d` (`None` for the reference).
@@ -429,39 +443,46 @@ impl FlashKernel {
                 let c = if c < shapes::FA2_CONFIGS.len() { c } else { 0 };
                 Some(shapes::FA2_CONFIGS[c].at(d))
             }
-            FlashKernel::Reference => None,
+            FlashKernel::Reference | FlashKernel::Hopper => None,
         }
     }
 
     /// Packed query rows per block at head dimension `d`.
     pub const fn rows(self, d: u32) -> u32 {
-        match self.fa2_shape(d) {
-            Some(s) => s.rows(),
-            None => FLASH_ROWS,
+        match (self, self.fa2_shape(d)) {
+            (_, Some(s)) => s.rows(),
+            (FlashKernel::Hopper, None) => HOPPER_ROWS,
+            (_, None) => FLASH_ROWS,
         }
     }
 
     /// Threads per block at head dimension `d`.
     pub const fn threads(self, d: u32) -> u32 {
-        match self.fa2_shape(d) {
-            Some(s) => s.threads(),
-            None => FLASH_THREADS,
+        match (self, self.fa2_shape(d)) {
+            (_, Some(s)) => s.threads(),
+            (FlashKernel::Hopper, None) => HOPPER_THREADS,
+            (_, None) => FLASH_THREADS,
         }
     }
 
     /// Keys per tile at head dimension `d`.
     pub const fn keys(self, d: u32) -> u32 {
-        match self.fa2_shape(d) {
-            Some(s) => s.keys,
-            None => FLASH_KEYS,
+        match (self, self.fa2_shape(d)) {
+            (_, Some(s)) => s.keys,
+            (FlashKernel::Hopper, None) => HOPPER_KEYS,
+            (_, None) => FLASH_KEYS,
         }
     }
 
     /// Dynamic shared memory at head dimension `d`: the query tile and two stages of key and
     /// value tiles, rows padded by 16 bytes (the 8 rows an `ldmatrix` reads fall in 8 different
     /// bank groups), and two stages of key positions.
+    /// The Hopper kernel: unpadded (swizzled) tiles, 1024 bytes to align them, its mbarriers.
     pub const fn shared_bytes(self, d: u32) -> u32 {
-        (self.rows(d) + 4 * self.keys(d)) * (d + 8) * 2 + 2 * self.keys(d) * 4
+        match self {
+            FlashKernel::Hopper => hopper_shared_bytes(d),
+            _ => (self.rows(d) + 4 * self.keys(d)) * (d + 8) * 2 + 2 * self.keys(d) * 4,
+        }
     }
 
     /// The kernel's name at head dimension `d` (64 or 128).
@@ -470,6 +491,8 @@ impl FlashKernel {
             (FlashKernel::Fa2(c), _) => shapes::fa2_kernel(c as usize, d),
             (FlashKernel::Reference, 64) => Some("fp_flash_attn_d64"),
             (FlashKernel::Reference, 128) => Some("fp_flash_attn_d128"),
+            (FlashKernel::Hopper, 64) => Some("fp_flash_hopper_d64"),
+            (FlashKernel::Hopper, 128) => Some("fp_flash_hopper_d128"),
             _ => None,
         }
     }
@@ -480,6 +503,7 @@ impl FlashKernel {
             FlashKernel::Fa2(0) => "fa2".into(),
             FlashKernel::Fa2(c) => format!("fa2:c{c}"),
             FlashKernel::Reference => "reference".into(),
+            FlashKernel::Hopper => "hopper".into(),
         }
     }
 }
@@ -490,7 +514,8 @@ impl std::str::FromStr for FlashKernel {
         FlashKernel::every().into_iter().find(|k| k.name() == s).ok_or_else(|| {
             format!(
                 "unknown tensor-core attention kernel {s:?}: use fa2 (the default configuration, or the one \
-                 `flowprefill tune` chose), fa2:c1 .. fa2:c{} (one configuration), or reference",
+                 `flowprefill tune` chose), fa2:c1 .. fa2:c{} (one configuration), reference, or hopper \
+                 (compute capability 9.0)",
                 shapes::FA2_CONFIGS.len() - 1
             )
         })
@@ -556,7 +581,9 @@ pub fn flash_plan_aiming(
         None => target.div_ceil(blocks) as u32,
     };
     let wanted = wanted.clamp(1, key_tiles.max(1));
-    let tiles_per_split = key_tiles.div_ceil(wanted).max(1);
+    // The Hopper kernel's tiles hold several metadata tiles: splits are cut on its tiles.
+    let unit = if kernel == FlashKernel::Hopper { HOPPER_KEYS / FLASH_KEYS } else { 1 };
+    let tiles_per_split = key_tiles.div_ceil(wanted).max(1).next_multiple_of(unit);
     let splits = key_tiles.div_ceil(tiles_per_split).max(1);
     FlashPlan { kernel, q_tiles, key_tiles, splits, tiles_per_split }
 }
@@ -607,20 +634,20 @@ pub fn flash_attention(
     for (what, p, e) in [("q", q, Elem::Bf16), ("k", k, Elem::Bf16), ("v", v, Elem::Bf16), ("out", out, Elem::F32)] {
         expect(op, what, p, e)?;
     }
+    if plan.kernel == FlashKernel::Hopper {
+        return Err(KernelError::Shape {
+            op,
+            detail: "the Hopper kernel takes tensor maps: ops::hopper_attention".into(),
+        });
+    }
     let Some(kernel) = plan.kernel.kernel(dims.head_dim) else {
         let d = dims.head_dim;
         return Err(KernelError::Shape { op, detail: format!("head_dim {d}: the kernel takes 64 or 128") });
     };
-    let (dst_out, dst_lse) = match (plan.splits > 1, partial) {
-        (false, _) => (out, lse),
-        (true, Some(p)) => p,
-        (true, None) => {
-            return Err(KernelError::Shape { op, detail: format!("{} key splits need partial buffers", plan.splits) })
-        }
-    };
+    let (dst_out, dst_lse) = split_destinations(op, plan, (out, lse), partial)?;
     let (lo, hi) = tile_ranges(kmeta, dims.n);
     let d = dims;
-    let mut calls = vec![Call {
+    let call = Call {
         kernel,
         launch: Launch {
             grid: [plan.q_tiles, d.n_kv_heads, plan.splits],
@@ -632,15 +659,44 @@ pub fn flash_attention(
             d,
             &[Arg::F32(scale * std::f32::consts::LOG2_E), Arg::U32(plan.tiles_per_split)],
         ),
-    }];
+    };
+    then_combine(call, d, plan, (dst_out, dst_lse), (out, lse))
+}
+
+/// Where an attention launch by `plan` writes: `(out, lse)`, or with key splits the partial
+/// buffers (an error without them).
+pub(crate) fn split_destinations(
+    op: &'static str,
+    plan: &FlashPlan,
+    (out, lse): (Ptr, Ptr),
+    partial: Option<(Ptr, Ptr)>,
+) -> Result<(Ptr, Ptr)> {
+    match (plan.splits > 1, partial) {
+        (false, _) => Ok((out, lse)),
+        (true, Some(p)) => Ok(p),
+        (true, None) => {
+            Err(KernelError::Shape { op, detail: format!("{} key splits need partial buffers", plan.splits) })
+        }
+    }
+}
+
+/// `call`, then with key splits the combine of its partial results `dst` into `(out, lse)`.
+pub(crate) fn then_combine(
+    call: Call,
+    d: AttnDims,
+    plan: &FlashPlan,
+    dst: (Ptr, Ptr),
+    (out, lse): (Ptr, Ptr),
+) -> Result<Vec<Call>> {
+    let mut calls = vec![call];
     if plan.splits > 1 {
-        calls.push(attn_combine(dst_out, dst_lse, out, lse, d.m * d.n_heads, d.head_dim, plan.splits)?);
+        calls.push(attn_combine(dst.0, dst.1, out, lse, d.m * d.n_heads, d.head_dim, plan.splits)?);
     }
     Ok(calls)
 }
 
 /// Pointers to the tile minima and maxima inside a [`key_meta`] buffer of `n` keys.
-fn tile_ranges(kmeta: Ptr, n: u32) -> (Ptr, Ptr) {
+pub(crate) fn tile_ranges(kmeta: Ptr, n: u32) -> (Ptr, Ptr) {
     let tiles = n.div_ceil(FLASH_KEYS) as u64;
     let lo = Ptr::new(kmeta.addr + 4 * n as u64, Elem::U32);
     (lo, Ptr::new(lo.addr + 4 * tiles, Elem::U32))

@@ -31,6 +31,15 @@ pub enum SassBudget {
         /// HMMA per LDSM in the loop body, at least.
         min_hmma_per_ldsm: f64,
     },
+    /// Hopper's warpgroup products: at least `hgmma` HGMMA in the function and no HMMA (no
+    /// product fell back to `mma.sync`); with `in_loop`, a loop holding HGMMA must be found
+    /// (the attention's key loop), and is reported.
+    Wgmma {
+        /// HGMMA in the function, at least.
+        hgmma: u32,
+        /// Whether the HGMMA must sit in a loop.
+        in_loop: bool,
+    },
 }
 
 /// A malformed disassembly, or one without what the gate needs.
@@ -120,8 +129,10 @@ pub fn parse(text: &str) -> Result<Vec<Function>, SassError> {
 pub struct Mix {
     /// Instructions (trailing NOP padding excluded).
     pub instrs: u32,
-    /// Tensor-core matrix products.
+    /// Tensor-core matrix products (`mma.sync`).
     pub hmma: u32,
+    /// Warpgroup matrix products (`wgmma.mma_async`, sm_90a).
+    pub hgmma: u32,
     /// Shared-memory matrix loads (`ldmatrix`).
     pub ldsm: u32,
     /// Global-to-shared asynchronous copies (`cp.async`).
@@ -141,6 +152,7 @@ impl Mix {
             m.instrs += 1;
             match i.base() {
                 "HMMA" => m.hmma += 1,
+                "HGMMA" => m.hgmma += 1,
                 "LDSM" => m.ldsm += 1,
                 "LDGSTS" => m.ldgsts += 1,
                 "BAR" => m.bar += 1,
@@ -150,6 +162,11 @@ impl Mix {
             }
         }
         m
+    }
+
+    /// Instructions per HGMMA (infinite without HGMMA).
+    pub fn per_hgmma(&self) -> f64 {
+        self.instrs as f64 / self.hgmma as f64
     }
 
     /// Instructions per HMMA (infinite without HMMA).
@@ -211,6 +228,15 @@ pub fn steady_state(loops: &[Loop]) -> Option<(Loop, usize)> {
     Some((**best, innermost.len()))
 }
 
+/// The innermost loop holding HGMMA with the fewest instructions per HGMMA, and how many
+/// innermost HGMMA loops there are. `None` without one.
+pub fn wgmma_state(loops: &[Loop]) -> Option<(Loop, usize)> {
+    let with: Vec<&Loop> = loops.iter().filter(|l| l.mix.hgmma > 0).collect();
+    let innermost: Vec<&Loop> = with.iter().copied().filter(|l| !with.iter().any(|o| l.contains(o))).collect();
+    let best = innermost.iter().min_by(|a, b| a.mix.per_hgmma().total_cmp(&b.mix.per_hgmma()))?;
+    Some((**best, innermost.len()))
+}
+
 /// The gate's row of one kernel on one architecture.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Row {
@@ -220,6 +246,9 @@ pub struct Row {
     pub total: Mix,
     /// Its steady-state tensor-core loop, and how many innermost tensor-core loops it has.
     pub steady: Option<(Loop, usize)>,
+    /// Its innermost loop with warpgroup products (HGMMA) and the fewest instructions per
+    /// HGMMA, and how many innermost HGMMA loops it has.
+    pub wgmma_loop: Option<(Loop, usize)>,
 }
 
 impl Row {
@@ -235,15 +264,23 @@ impl Row {
         // Trailing padding is not code.
         let n = f.instrs.iter().rposition(|i| i.base() != "NOP").map_or(0, |p| p + 1);
         let total = Mix::of(&f.instrs[..n]);
-        let steady = steady_state(&loops(f)?);
-        if steady.is_none() && budget != SassBudget::Plain {
+        let all = loops(f)?;
+        let steady = steady_state(&all);
+        let wgmma_loop = wgmma_state(&all);
+        if wgmma_loop.is_none() && matches!(budget, SassBudget::Wgmma { in_loop: true, .. }) {
+            return Err(SassError::Parse(format!(
+                "{kernel}: no loop with warpgroup products (HGMMA) found ({} instructions, {} HGMMA in the function)",
+                total.instrs, total.hgmma
+            )));
+        }
+        if steady.is_none() && matches!(budget, SassBudget::Reported | SassBudget::Loop { .. }) {
             return Err(SassError::Parse(format!(
                 "{kernel}: no loop with tensor-core instructions (HMMA) found: the gate cannot read its \
                  steady state ({} instructions, {} HMMA in the function)",
                 total.instrs, total.hmma
             )));
         }
-        Ok(Self { kernel: kernel.to_string(), total, steady })
+        Ok(Self { kernel: kernel.to_string(), total, steady, wgmma_loop })
     }
 
     /// What breaks `budget` (empty: within it).
@@ -251,6 +288,14 @@ impl Row {
         let mut out = Vec::new();
         if self.total.local > 0 {
             out.push(format!("{}: {} local-memory instructions (LDL/STL)", self.kernel, self.total.local));
+        }
+        if let SassBudget::Wgmma { hgmma, .. } = budget {
+            if self.total.hgmma < hgmma {
+                out.push(format!("{}: {} HGMMA, at least {hgmma} expected", self.kernel, self.total.hgmma));
+            }
+            if self.total.hmma > 0 {
+                out.push(format!("{}: {} HMMA (a product fell back to mma.sync)", self.kernel, self.total.hmma));
+            }
         }
         if let (SassBudget::Loop { max_per_hmma, min_hmma_per_ldsm }, Some((l, _))) = (budget, &self.steady) {
             if l.mix.per_hmma() > max_per_hmma {

@@ -27,6 +27,8 @@ fn plans_split_keys_only_when_blocks_are_few() {
         let p = flash_plan(dims(17, 1000, 7, 1, 64), kernel, 132, Some(force));
         assert!(p.splits <= force && (p.splits - 1) * p.tiles_per_split < p.key_tiles);
         assert!(p.splits * p.tiles_per_split >= p.key_tiles);
+        // The Hopper kernel's splits are cut on its 128-key tiles.
+        assert!(kernel != FlashKernel::Hopper || p.tiles_per_split % 2 == 0, "{p:?}");
     }
 }
 
@@ -114,4 +116,31 @@ fn launch_shapes_come_from_the_header_only() {
     }
     assert_eq!("reference".parse::<FlashKernel>(), Ok(FlashKernel::Reference));
     assert!("fast".parse::<FlashKernel>().unwrap_err().contains("fa2:c1"));
+}
+
+#[test]
+fn the_hopper_kernel_is_planned_on_its_tiles_and_takes_tensor_maps() {
+    let d = dims(300, 1000, 8, 2, 128);
+    let plan = flash_plan(d, FlashKernel::Hopper, 132, Some(3));
+    assert_eq!(plan.q_tiles, (300u32 * 4).div_ceil(HOPPER_ROWS));
+    assert_eq!(plan.tiles_per_split % (HOPPER_KEYS / FLASH_KEYS), 0, "{plan:?}");
+    let (q, u, f) = (Ptr::new(0, Elem::Bf16), Ptr::new(0, Elem::U32), Ptr::new(0, Elem::F32));
+    let maps = Ptr::new(0, Elem::U64);
+    let e = flash_attention(d, &plan, q, u, q, q, u, f, f, Some((f, f)), 1.0).expect_err("no maps");
+    assert!(e.to_string().contains("hopper_attention"), "{e}");
+    let calls = hopper_attention(d, &plan, maps, q, u, u, f, f, Some((f, f)), 1.0).unwrap();
+    assert_eq!(calls[0].kernel, "fp_flash_hopper_d128");
+    assert_eq!(calls[0].launch.block, [HOPPER_THREADS, 1, 1]);
+    assert_eq!(calls[0].launch.grid, [plan.q_tiles, 2, plan.splits]);
+    calls.iter().for_each(|c| c.check().unwrap_or_else(|e| panic!("{e}")));
+    let fa2 = flash_plan(d, FlashKernel::Fa2(0), 132, None);
+    assert!(hopper_attention(d, &fa2, maps, q, u, u, f, f, None, 1.0).is_err(), "a flash2 plan");
+    assert!(hopper_attention(d, &plan, u, q, u, u, f, f, Some((f, f)), 1.0).is_err(), "maps as u32");
+    // Maps over [n, n_kv_heads, d]: rows of one key's heads, boxes of one head's 64 dims.
+    let k = Ptr::new(0x10000, Elem::Bf16);
+    let [km, vm] = hopper_attention_maps(d, k, k.at(1000 * 256)).unwrap().expect("maps");
+    assert_eq!((km.dims, km.row_bytes, km.boxed), ([256, 1000], 512, [64, HOPPER_KEYS]));
+    assert_eq!(vm.base, 0x10000 + 1000 * 256 * 2);
+    assert!(hopper_attention_maps(dims(4, 0, 8, 2, 128), k, k).unwrap().is_none(), "no keys, no maps");
+    assert_eq!("hopper".parse::<FlashKernel>(), Ok(FlashKernel::Hopper));
 }

@@ -1,0 +1,296 @@
+// Tensor-core attention for Hopper (sm_90a): the contract of flash2.cu (packed query rows of
+// one KV head, explicit positions, whole key tiles skipped, key splits with a log-sum-exp
+// output that merge_partial and attn_combine take unchanged), built on hopper.cuh:
+//   - warp specialisation: FP_FH_CONSUMERS consumer warpgroups of 64 packed rows each, and one
+//     producer warpgroup whose first thread issues the copies (its registers given to the
+//     consumers by setmaxnreg);
+//   - K and V tiles of FP_FH_KEYS keys brought by TMA through two tensor maps (128-byte
+//     swizzle, boxes of 64 elements of one KV head) into FP_FH_STAGES stages; a full barrier
+//     per stage (the producer's arrival with the tiles' bytes) and an empty one (one arrival
+//     per consumer warp when it is done with the stage);
+//   - S = Q K^T by wgmma from shared memory (Q and K K-major), the online softmax on the
+//     accumulators, then O += P V by wgmma with P from registers (the score accumulators are
+//     the A fragments) and V read transposed;
+//   - the mask only on tiles that straddle some query's position or n (no per-element test on
+//     full tiles); a row's maximum moves only when it rises by more than 2^FP_FA2_RESCALE
+//     (flash2's rule), so full tiles in the steady state do not rescale O.
+// What it does not do yet (docs/gpu.md): overlap the softmax of one tile with the products
+// of the next inside a warpgroup, or ping-pong two warpgroups; the output is f32 (as flash2).
+//
+// Maps (16 u64 each, gpu::ops::hopper_attention_maps): [0] K, [1] V, each the 2-D tensor
+// (n_kv_heads * D elements a row, n rows) with boxes of 64 elements by FP_FH_KEYS rows.
+
+#define FP_FH_CONSUMERS 2
+#define FP_FH_KEYS 128
+#define FP_FH_STAGES 2
+#define FP_FH_THREADS ((FP_FH_CONSUMERS + 1) * 128)
+
+// The smallest (LO) or largest position of kernel tile t: the metadata tiles it covers.
+template <bool LO>
+__device__ __forceinline__ u32 fp_fh_bound(const u32* meta, u32 t, u32 meta_tiles) {
+    constexpr u32 MT = FP_FH_KEYS / FP_FA2_META_KEYS;
+    u32 b = LO ? 0xffffffffu : 0u;
+    FP_UNROLL
+    for (u32 i = 0; i < MT; i++) {
+        const u32 mt = t * MT + i;
+        if (mt < meta_tiles) {
+            b = LO ? min(b, meta[mt]) : max(b, meta[mt]);
+        }
+    }
+    return b;
+}
+
+// The first key tile in [t, t_end) that some query of the block sees; t_end when none.
+__device__ __forceinline__ u32 fp_fh_visible_from(u32 t, u32 t_end, const u32* ktile_lo, u32 meta_tiles, u32 qhi) {
+    while (t < t_end && fp_fh_bound<true>(ktile_lo, t, meta_tiles) > qhi) {
+        t++;
+    }
+    return t;
+}
+
+// O += P V for one k16 slice of keys: n = D (the accumulators' count says which).
+__device__ __forceinline__ void fp_fh_pv(float (&o)[64], const u32 (&p)[4], u64 dv) {
+    fp_wgmma_rs_n128<1>(o, p, dv, 1u);
+}
+__device__ __forceinline__ void fp_fh_pv(float (&o)[32], const u32 (&p)[4], u64 dv) {
+    fp_wgmma_rs_n64<1>(o, p, dv, 1u);
+}
+
+template <int D>
+__device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos,
+                                                const u32* ktile_lo, const u32* ktile_hi, float* out, float* lse,
+                                                u32 m, u32 n, u32 n_heads, u32 n_kv_heads, float scale_log2,
+                                                u32 tiles_per_split) {
+    constexpr u32 ROWS = 64 * FP_FH_CONSUMERS, KEYS = FP_FH_KEYS, STAGES = FP_FH_STAGES;
+    constexpr u32 BOXES = D / 64;                // 64-element boxes along the head dimension
+    constexpr u32 Q_BYTES = ROWS * D * 2;
+    constexpr u32 KV_BYTES = KEYS * D * 2;       // one K (or V) tile
+    constexpr u32 MT = KEYS / FP_FA2_META_KEYS;  // metadata tiles per kernel tile
+    constexpr u32 NT = KEYS / 8, DT = D / 8;     // n8 tiles of S, of O
+    static_assert(D == 64 || D == 128, "head dimension");
+    static_assert(KEYS == 128 && KEYS % FP_FA2_META_KEYS == 0, "key tile");
+    FP_DYNAMIC_SMEM(smem);
+    const fp_sptr q_s = fp_sptr_align(fp_sptr_of(smem), 1024);
+    const fp_sptr k_s = q_s + Q_BYTES;
+    const fp_sptr v_s = k_s + STAGES * KV_BYTES;
+    const fp_sptr full_bar = v_s + STAGES * KV_BYTES;
+    const fp_sptr empty_bar = full_bar + 8 * STAGES;
+    __shared__ u32 q_range[2];
+
+    const u32 tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const u32 wg = warp / 4;  // warpgroup: 0 .. CONSUMERS - 1 consume, CONSUMERS produces
+    const u32 group = n_heads / n_kv_heads;
+    const u32 kh = blockIdx.y;
+    const u32 packed = m * group;
+    const u32 row0 = (gridDim.x - 1 - blockIdx.x) * ROWS;  // the last query tile first
+    const u32 key_tiles = (n + KEYS - 1) / KEYS;
+    const u32 meta_tiles = (n + FP_FA2_META_KEYS - 1) / FP_FA2_META_KEYS;
+    // Splits are cut in metadata tiles, a multiple of MT each (the host's plan).
+    const u32 t_begin = blockIdx.z * (tiles_per_split / MT);
+    const u32 t_end = min(key_tiles, t_begin + tiles_per_split / MT);
+    float* out_split = out + (u64)blockIdx.z * m * n_heads * D;
+    float* lse_split = lse + (u64)blockIdx.z * m * n_heads;
+
+    // The query tile, every thread, by cp.async into the swizzled layout of the maps' boxes:
+    // chunk j of row r of a box at chunk j ^ (r % 8).
+    for (u32 c = tid; c < ROWS * (D / 8); c += FP_FH_THREADS) {
+        const u32 r = c / (D / 8), ch = c % (D / 8);
+        const u32 pr = row0 + r;
+        const bool ok = pr < packed;
+        const u64 off = ok ? ((u64)(pr / group) * n_heads + (u64)kh * group + pr % group) * D + ch * 8 : 0;
+        const u32 dst = (ch / 8) * ROWS * 128 + r * 128 + (((ch % 8) ^ (r % 8)) * 16);
+        fp_cp_async16_s(q_s + dst, q + off, ok ? 16u : 0u);
+    }
+    fp_cp_async_commit();
+    if (warp == 0) {
+        fp_fa_query_range(q_range, qpos, row0, ROWS, packed, group, lane);
+    }
+    if (tid == 0) {
+        fp_tensormap_acquire(maps);
+        fp_tensormap_acquire(maps + 16);
+        for (u32 s = 0; s < STAGES; s++) {
+            fp_mbar_init(full_bar + 8 * s, 1);
+            fp_mbar_init(empty_bar + 8 * s, 4 * FP_FH_CONSUMERS);
+        }
+        fp_mbar_init_fence();
+    }
+    fp_cp_async_wait<0>();
+    fp_fence_proxy_async();  // the query tile, written by this proxy, is read by wgmma's
+    __syncthreads();
+    const u32 qlo = q_range[0], qhi = q_range[1];
+
+    if (wg == FP_FH_CONSUMERS) {
+        // The producer: one thread walks the visible tiles and copies each into the next stage
+        // once the consumers have released it.
+        fp_setmaxnreg_dec<40>();
+        if (tid == FP_FH_CONSUMERS * 128) {
+            u32 it = 0;
+            for (u32 t = fp_fh_visible_from(t_begin, t_end, ktile_lo, meta_tiles, qhi); t < t_end;
+                 t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi), it++) {
+                const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
+                fp_mbar_wait(empty_bar + 8 * s, phase ^ 1u);  // the stage's previous use released
+                fp_mbar_arrive_expect_tx(full_bar + 8 * s, 2 * KV_BYTES);
+                FP_UNROLL
+                for (u32 b = 0; b < BOXES; b++) {
+                    const int c0 = (int)(kh * D + 64 * b), c1 = (int)(t * KEYS);
+                    fp_tma_load_2d(k_s + s * KV_BYTES + b * KEYS * 128, maps, full_bar + 8 * s, c0, c1);
+                    fp_tma_load_2d(v_s + s * KV_BYTES + b * KEYS * 128, maps + 16, full_bar + 8 * s, c0, c1);
+                }
+            }
+        }
+        return;
+    }
+
+    // A consumer warpgroup: 64 packed rows; this thread's rows lane_row and lane_row + 8.
+    fp_setmaxnreg_inc<232>();
+    const u32 w4 = warp % 4, g = lane / 4, tq = lane % 4;
+    const u32 lane_row = row0 + wg * 64 + w4 * 16 + g;
+    u32 qp[2];
+    FP_UNROLL
+    for (int h = 0; h < 2; h++) {
+        const u32 pr = lane_row + 8 * h;
+        qp[h] = pr < packed ? qpos[pr / group] : 0u;
+    }
+    const fp_sptr q_wg = q_s + wg * 64 * 128;  // this warpgroup's rows inside each Q box
+    float o[D / 2];
+    FP_UNROLL
+    for (int i = 0; i < (int)(D / 2); i++) {
+        o[i] = 0.0f;
+    }
+    float m_r[2] = {-FP_INF, -FP_INF}, l_r[2] = {0.0f, 0.0f};
+    const u32 whole = n / KEYS;  // tiles below it have every key below n
+    u32 it = 0;
+    for (u32 t = fp_fh_visible_from(t_begin, t_end, ktile_lo, meta_tiles, qhi); t < t_end;
+         t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi), it++) {
+        const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
+        const bool masked = !(fp_fh_bound<false>(ktile_hi, t, meta_tiles) <= qlo && t < whole);
+        fp_mbar_wait(full_bar + 8 * s, phase);
+
+        // S = Q K^T over the head dimension.
+        float sc[KEYS / 2];
+        fp_wgmma_fence();
+        FP_UNROLL
+        for (u32 kk = 0; kk < D / 16; kk++) {
+            fp_wgmma_ss_n128<0>(sc, fp_desc_kmajor<128>(q_wg, ROWS, 16 * kk),
+                                fp_desc_kmajor<128>(k_s + s * KV_BYTES, KEYS, 16 * kk), kk > 0 ? 1u : 0u);
+        }
+        fp_wgmma_commit();
+        fp_wgmma_wait<0>();
+        fp_acc_fence(sc);
+
+        if (masked) {
+            // Keys at or past n, and keys above a row's query position, get -inf.
+            FP_UNROLL
+            for (u32 i = 0; i < NT; i++) {
+                FP_UNROLL
+                for (u32 e = 0; e < 4; e++) {
+                    const u32 key = t * KEYS + 8 * i + 2 * tq + (e & 1);
+                    if (key >= n || kpos[key] > qp[e >> 1]) {
+                        sc[4 * i + e] = -FP_INF;
+                    }
+                }
+            }
+        }
+        // Online softmax in base 2 on raw scores (flash2's rule for moving the maximum).
+        float mx[2] = {-FP_INF, -FP_INF};
+        FP_UNROLL
+        for (u32 i = 0; i < NT; i++) {
+            mx[0] = fmaxf(mx[0], fmaxf(sc[4 * i], sc[4 * i + 1]));
+            mx[1] = fmaxf(mx[1], fmaxf(sc[4 * i + 2], sc[4 * i + 3]));
+        }
+        bool rise = false;
+        FP_UNROLL
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(FP_FULL_MASK, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(FP_FULL_MASK, mx[h], 2));
+            rise = rise || (mx[h] - m_r[h]) * scale_log2 > FP_FA2_RESCALE;
+        }
+        if (__any_sync(FP_FULL_MASK, rise)) {
+            float alpha[2];
+            FP_UNROLL
+            for (int h = 0; h < 2; h++) {
+                const float nm = fmaxf(m_r[h], mx[h]);
+                alpha[h] = nm == -FP_INF ? 1.0f : fp_exp2((m_r[h] - nm) * scale_log2);
+                m_r[h] = nm;
+                l_r[h] *= alpha[h];
+            }
+            FP_UNROLL
+            for (u32 i = 0; i < DT; i++) {
+                o[4 * i] *= alpha[0];
+                o[4 * i + 1] *= alpha[0];
+                o[4 * i + 2] *= alpha[1];
+                o[4 * i + 3] *= alpha[1];
+            }
+        }
+        float base[2];
+        FP_UNROLL
+        for (int h = 0; h < 2; h++) {
+            base[h] = m_r[h] == -FP_INF ? 0.0f : m_r[h] * scale_log2;
+        }
+        u32 pf[KEYS / 16][4];
+        FP_UNROLL
+        for (u32 i = 0; i < NT; i++) {
+            FP_UNROLL
+            for (u32 e = 0; e < 4; e++) {
+                sc[4 * i + e] = fp_exp2(fmaf(sc[4 * i + e], scale_log2, -base[e >> 1]));
+            }
+            l_r[0] += sc[4 * i] + sc[4 * i + 1];
+            l_r[1] += sc[4 * i + 2] + sc[4 * i + 3];
+            pf[i / 2][(i % 2) * 2] = fp_pack_bf16x2(sc[4 * i], sc[4 * i + 1]);
+            pf[i / 2][(i % 2) * 2 + 1] = fp_pack_bf16x2(sc[4 * i + 2], sc[4 * i + 3]);
+        }
+
+        // O += P V: P from registers, V [keys][d] read transposed.
+        fp_acc_fence(o);
+        fp_wgmma_fence();
+        FP_UNROLL
+        for (u32 kk = 0; kk < KEYS / 16; kk++) {
+            const u64 dv = fp_desc_mnmajor<128>(v_s + s * KV_BYTES, KEYS, 0, 16 * kk);
+            fp_fh_pv(o, pf[kk], dv);
+        }
+        fp_wgmma_commit();
+        fp_wgmma_wait<0>();
+        fp_acc_fence(o);
+        if (lane == 0) {
+            fp_mbar_arrive(empty_bar + 8 * s);  // this warp is done with the stage
+        }
+    }
+
+    FP_UNROLL
+    for (int h = 0; h < 2; h++) {
+        float l = l_r[h];
+        l += __shfl_xor_sync(FP_FULL_MASK, l, 1);
+        l += __shfl_xor_sync(FP_FULL_MASK, l, 2);
+        const u32 pr = lane_row + 8 * h;
+        if (pr >= packed) {
+            continue;
+        }
+        const u32 qi = pr / group;
+        const u64 row = (u64)qi * n_heads + (u64)kh * group + (pr - qi * group);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        float* dst = out_split + row * D + tq * 2;
+        FP_UNROLL
+        for (u32 i = 0; i < DT; i++) {
+            *(float2*)(dst + 8 * i) = make_float2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+        }
+        if (tq == 0) {
+            lse_split[row] = l > 0.0f ? (m_r[h] * scale_log2 + log2f(l)) * FP_LN2 : -FP_INF;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FP_FH_THREADS, 1)
+    fp_flash_hopper_d64(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
+                        const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
+                        float scale_log2, u32 tiles_per_split) {
+    fp_flash_hopper<64>(maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2,
+                        tiles_per_split);
+}
+
+extern "C" __global__ void __launch_bounds__(FP_FH_THREADS, 1)
+    fp_flash_hopper_d128(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
+                         const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
+                         float scale_log2, u32 tiles_per_split) {
+    fp_flash_hopper<128>(maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2,
+                         tiles_per_split);
+}
