@@ -396,6 +396,8 @@ inline void fp_wgmma_wait() {
 
 template <int N>
 inline void fp_acc_fence(float (&)[N]) {}
+template <int N>
+inline void fp_frag_fence(unsigned (&)[N][4]) {}
 
 template <int TRANS_B>
 inline void fp_wgmma_ss_n64(float (&d)[32], unsigned long long da, unsigned long long db, unsigned scale_d) {

@@ -14,8 +14,11 @@
 //   - the mask only on tiles that straddle some query's position or n (no per-element test on
 //     full tiles); a row's maximum moves only when it rises by more than 2^FP_FA2_RESCALE
 //     (flash2's rule), so full tiles in the steady state do not rescale O.
-// What it does not do yet (docs/gpu.md): overlap the softmax of one tile with the products
-// of the next inside a warpgroup, or ping-pong two warpgroups; the output is f32 (as flash2).
+//   - a tile's S = Q K^T is issued right behind the previous tile's O += P V, one wait retires
+//     both (no idle tensor pipe between them), and the previous stage is released then.
+// What it does not do yet (docs/gpu.md): overlap a tile's softmax with its own warpgroup's
+// products (two score buffers), or order the two consumer warpgroups in ping-pong; the output
+// is f32 (as flash2).
 //
 // Maps (16 u64 each, gpu::ops::hopper_attention_maps): [0] K, [1] V, each the 2-D tensor
 // (n_kv_heads * D elements a row, n rows) with boxes of 64 elements by FP_FH_KEYS rows.
@@ -159,14 +162,23 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     }
     float m_r[2] = {-FP_INF, -FP_INF}, l_r[2] = {0.0f, 0.0f};
     const u32 whole = n / KEYS;  // tiles below it have every key below n
-    u32 it = 0;
-    for (u32 t = fp_fh_visible_from(t_begin, t_end, ktile_lo, meta_tiles, qhi); t < t_end;
-         t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi), it++) {
+    u32 it = 0;       // tiles consumed: the stage and its phase
+    u32 pf[KEYS / 16][4];  // P of the tile whose O += P V is in flight (read by the hardware)
+    FP_UNROLL
+    for (u32 i = 0; i < KEYS / 16; i++) {
+        pf[i][0] = pf[i][1] = pf[i][2] = pf[i][3] = 0u;
+    }
+    bool in_flight = false;
+    u32 prev_stage = 0;
+    // One key tile. Its S = Q K^T is issued behind the previous tile's O += P V (both run in
+    // the tensor pipe back to back); one wait retires both, then the previous tile's stage is
+    // released, and the softmax of this tile runs while the producer refills that stage.
+    // MASKED (tiles that straddle a query's position or n) is compiled apart from the full
+    // tiles' step, which has no per-element test.
+    auto step = [&](auto masked, u32 t) {
+        constexpr bool MASKED = decltype(masked)::value;
         const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
-        const bool masked = !(fp_fh_bound<false>(ktile_hi, t, meta_tiles) <= qlo && t < whole);
         fp_mbar_wait(full_bar + 8 * s, phase);
-
-        // S = Q K^T over the head dimension.
         float sc[KEYS / 2];
         fp_wgmma_fence();
         FP_UNROLL
@@ -177,8 +189,13 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         fp_wgmma_commit();
         fp_wgmma_wait<0>();
         fp_acc_fence(sc);
+        fp_acc_fence(o);
+        fp_frag_fence(pf);  // the previous P stays in its registers until here
+        if (in_flight && lane == 0) {
+            fp_mbar_arrive(empty_bar + 8 * prev_stage);  // this warp is done with that stage
+        }
 
-        if (masked) {
+        if (MASKED) {
             // Keys at or past n, and keys above a row's query position, get -inf.
             FP_UNROLL
             for (u32 i = 0; i < NT; i++) {
@@ -225,9 +242,10 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         float base[2];
         FP_UNROLL
         for (int h = 0; h < 2; h++) {
-            base[h] = m_r[h] == -FP_INF ? 0.0f : m_r[h] * scale_log2;
+            // A row that has seen nothing yet subtracts 0 (never -inf - -inf); a full tile's
+            // rows all have a finite maximum.
+            base[h] = (MASKED && m_r[h] == -FP_INF) ? 0.0f : m_r[h] * scale_log2;
         }
-        u32 pf[KEYS / 16][4];
         FP_UNROLL
         for (u32 i = 0; i < NT; i++) {
             FP_UNROLL
@@ -240,21 +258,39 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
             pf[i / 2][(i % 2) * 2 + 1] = fp_pack_bf16x2(sc[4 * i + 2], sc[4 * i + 3]);
         }
 
-        // O += P V: P from registers, V [keys][d] read transposed.
+        // O += P V: P from registers, V [keys][d] read transposed; retired by the next wait.
         fp_acc_fence(o);
+        fp_frag_fence(pf);
         fp_wgmma_fence();
         FP_UNROLL
         for (u32 kk = 0; kk < KEYS / 16; kk++) {
-            const u64 dv = fp_desc_mnmajor<128>(v_s + s * KV_BYTES, KEYS, 0, 16 * kk);
-            fp_fh_pv(o, pf[kk], dv);
+            fp_fh_pv(o, pf[kk], fp_desc_mnmajor<128>(v_s + s * KV_BYTES, KEYS, 0, 16 * kk));
         }
         fp_wgmma_commit();
-        fp_wgmma_wait<0>();
-        fp_acc_fence(o);
-        if (lane == 0) {
-            fp_mbar_arrive(empty_bar + 8 * s);  // this warp is done with the stage
+        in_flight = true;
+        prev_stage = s;
+        it++;
+    };
+    // A tile is full when no key in it is above any query of the block and all its keys are
+    // real (below n): the steady state is the inner loop over full tiles.
+    auto full = [&](u32 t) { return fp_fh_bound<false>(ktile_hi, t, meta_tiles) <= qlo && t < whole; };
+    const fp_bool<false> no;
+    const fp_bool<true> yes;
+    u32 t = fp_fh_visible_from(t_begin, t_end, ktile_lo, meta_tiles, qhi);
+    while (t < t_end) {
+        if (full(t)) {
+            do {
+                step(no, t);
+                t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi);
+            } while (t < t_end && full(t));
+        } else {
+            step(yes, t);
+            t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi);
         }
     }
+    fp_wgmma_wait<0>();  // the last O += P V
+    fp_acc_fence(o);
+    fp_frag_fence(pf);
 
     FP_UNROLL
     for (int h = 0; h < 2; h++) {

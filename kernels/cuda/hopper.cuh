@@ -175,6 +175,16 @@ __device__ __forceinline__ void fp_wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// The same for the A fragments of a register-sourced wgmma: the compiler must not give their
+// registers to anything else before the wait that retires the product reading them.
+template <int N>
+__device__ __forceinline__ void fp_frag_fence(u32 (&a)[N][4]) {
+    FP_UNROLL
+    for (int i = 0; i < N; i++) {
+        asm volatile("" : "+r"(a[i][0]), "+r"(a[i][1]), "+r"(a[i][2]), "+r"(a[i][3])::"memory");
+    }
+}
+
 // Ties accumulators to this point of the instruction stream: after a wgmma wait, so that no
 // read of them is scheduled before it; before a fence, so that every write of them is done.
 template <int N>
