@@ -188,11 +188,13 @@ impl CudaBackend {
         // The Hopper attention runs only after it computed a known problem as flash2 does on
         // this very GPU; otherwise flash2 (and its autotuner) with one line saying why.
         if fixed == Some(ops::FlashKernel::Hopper) {
-            if let Err(e) = backend.hopper_self_check() {
+            if let Err(e) = backend.hopper_verified() {
                 eprintln!(
                     "flowprefill: cuda:{ordinal}: the Hopper attention is not used: {e}; flash2 (fa2) runs instead"
                 );
-                backend.tuning = super::tuning::Tuning::new(None);
+                let tuning = super::tuning::Tuning::new(None);
+                let _ = tuning.hopper.set(Err(format!("{e}")));  // the autotuner does not retry it
+                backend.tuning = tuning;
             }
         }
         Ok(backend)

@@ -154,10 +154,22 @@ impl CudaBackend {
         calls.iter().try_for_each(|c| self.run(c))
     }
 
+    /// [`Self::hopper_self_check`], run once per backend: the Hopper kernel is used (fixed, or
+    /// timed by the autotuner) only after it passed.
+    pub(super) fn hopper_verified(&self) -> Result<()> {
+        let verdict = self.tuning.hopper.get_or_init(|| {
+            self.hopper_self_check().map_err(|e| match e {
+                KernelError::Backend { detail, .. } => detail,
+                other => other.to_string(),
+            })
+        });
+        verdict.clone().map_err(|detail| KernelError::Backend { backend: "cuda", detail })
+    }
+
     /// Hopper's self-check: the probe (128-byte swizzle) against a plain product, then the
-    /// attention on a small problem (grouped heads, causal positions, rows that see nothing,
-    /// a partial last tile, key splits) at head dimensions 64 and 128 against flash2 on this
-    /// GPU. `FLOWPREFILL_HOPPER_SELF_CHECK=fail` fails it on purpose (to see the fallback).
+    /// attention on two small problems (grouped heads, causal positions, rows that see nothing,
+    /// a partial last tile, key splits; 333 and 2048 keys) at head dimensions 64 and 128
+    /// against flash2 on this GPU. `FLOWPREFILL_HOPPER_SELF_CHECK=fail` fails it on purpose (to see the fallback).
     pub(super) fn hopper_self_check(&self) -> Result<()> {
         let fail = |detail: String| Err(KernelError::Backend { backend: "cuda", detail });
         if std::env::var("FLOWPREFILL_HOPPER_SELF_CHECK").as_deref() == Ok("fail") {
@@ -178,19 +190,22 @@ impl CudaBackend {
                 return fail(format!("the probe's element {e}: {x} and {y}, a plain product {want}"));
             }
         }
-        for d in [64usize, 128] {
-            self.hopper_attention_check(d, &mut r)?;
+        // A few tiles (3 stages' uses), and 16 tiles (each stage's barriers through 8 phases).
+        for (m, n) in [(150usize, 333usize), (512, 2048)] {
+            for d in [64usize, 128] {
+                self.hopper_attention_check(m, n, d, &mut r)?;
+            }
         }
         Ok(())
     }
 
-    fn hopper_attention_check(&self, d: usize, r: &mut Lcg) -> Result<()> {
-        let (m, n, heads, kv) = (150usize, 333usize, 8usize, 2usize);
+    fn hopper_attention_check(&self, m: usize, n: usize, d: usize, r: &mut Lcg) -> Result<()> {
+        let (heads, kv) = (8usize, 2usize);
         let q: Vec<u16> = (0..m * heads * d).map(|_| r.bf16(1.0)).collect();
         let k: Vec<u16> = (0..n * kv * d).map(|_| r.bf16(1.0)).collect();
         let v: Vec<u16> = (0..n * kv * d).map(|_| r.bf16(1.0)).collect();
         // Queries at the end of the keys, the first few before every key (they see nothing).
-        let qpos: Vec<u32> = (0..m as u32).map(|i| if i < 3 { 0 } else { i + 183 }).collect();
+        let qpos: Vec<u32> = (0..m as u32).map(|i| if i < 3 { 0 } else { i + (n - m) as u32 }).collect();
         let kpos: Vec<u32> = (1..=n as u32).collect();
         let dims =
             AttnDims { m: m as u32, n: n as u32, n_heads: heads as u32, n_kv_heads: kv as u32, head_dim: d as u32 };

@@ -57,7 +57,7 @@ impl CudaBackend {
         }
         if kernel == FlashKernel::Hopper {
             // Compute capability 9.0 only, and only once it computes as flash2 does here.
-            self.hopper_self_check()?;
+            self.hopper_verified()?;
         }
         self.tuning.mode = Mode::Fixed(kernel);
         self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).clear();
@@ -120,7 +120,7 @@ impl CudaBackend {
         let slot = (dims.head_dim, class);
         let settled = self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).get(&slot).copied();
         if let Some((c, b)) = settled {
-            return (FlashKernel::Fa2(c), b);
+            return (tune::kernel_of(c), b);
         }
         let key = self.tune_key(dims.head_dim, class);
         let on_file = self.with_table(|t| t.get(&key).map(|e| (e.config, e.blocks_per_sm)));
@@ -136,7 +136,8 @@ impl CudaBackend {
             None => None,
         };
         let Some((c, b)) = decided else { return (FlashKernel::Fa2(0), DEFAULT_BLOCKS_PER_SM) };
-        let (c, b) = match self.load_config(c as usize) {
+        let loaded = if c == tune::HOPPER_CONFIG { self.hopper_verified() } else { self.load_config(c as usize) };
+        let (c, b) = match loaded {
             Ok(()) => (c, b),
             Err(e) => {
                 self.warn_once(format!("configuration {c} of the attention did not load ({e})"));
@@ -144,7 +145,7 @@ impl CudaBackend {
             }
         };
         self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).insert(slot, (c, b));
-        (FlashKernel::Fa2(c), b)
+        (tune::kernel_of(c), b)
     }
 
     /// Times every candidate on `inputs` (the call's own), records the winner under `key` in
@@ -180,6 +181,33 @@ impl CudaBackend {
                 candidates.push((c as u8, b, median));
             }
         }
+        // On compute capability 9.0, the Hopper kernel too, once it passed its self-check.
+        if self.has_hopper() {
+            match self.hopper_verified() {
+                Ok(()) => {
+                    for &b in blocks {
+                        let plan = ops::flash_plan_aiming(dims, FlashKernel::Hopper, self.sm_count, b, None);
+                        let (op, _c) = out.device_ptr_mut(s);
+                        let (lp, _d) = lse.device_ptr_mut(s);
+                        let i = inputs;
+                        let io = super::hopper::FlashIo {
+                            q: i.q,
+                            qpos: i.qpos,
+                            k: i.k,
+                            v: i.v,
+                            meta: i.meta,
+                            out: Ptr::new(op, Elem::F32),
+                            lse: Ptr::new(lp, Elem::F32),
+                        };
+                        let median = self.with_partials(dims, &plan, |partial| {
+                            self.time_with(|| self.run_flash(dims, &plan, io, partial, i.scale))
+                        })?;
+                        candidates.push((tune::HOPPER_CONFIG, b, median));
+                    }
+                }
+                Err(e) => eprintln!("flowprefill: autotuner: the Hopper kernel is not a candidate ({e})"),
+            }
+        }
         let (config, blocks_per_sm) =
             tune::winner(&candidates).ok_or_else(|| err("tune", "no candidate could be timed"))?;
         let entry = TuneEntry { key, config, blocks_per_sm, timed_on: (dims.m, dims.n), candidates };
@@ -205,12 +233,18 @@ impl CudaBackend {
 
     /// Median microseconds of `calls` over [`RUNS`] runs after a warm-up, from CUDA events.
     fn time_calls(&self, calls: &[gpu::Call]) -> Result<f64> {
+        self.time_with(|| calls.iter().try_for_each(|c| self.run(c)))
+    }
+
+    /// The median of RUNS timings of what `launch` queues (after one untimed run), in
+    /// microseconds, by events on the stream.
+    fn time_with(&self, launch: impl Fn() -> Result<()>) -> Result<f64> {
         let s = &self.stream;
-        calls.iter().try_for_each(|c| self.run(c))?;
+        launch()?;
         let mut times = Vec::with_capacity(RUNS);
         for _ in 0..RUNS {
             let start = super::buffers::mark(s.context(), s)?;
-            calls.iter().try_for_each(|c| self.run(c))?;
+            launch()?;
             let end = super::buffers::mark(s.context(), s)?;
             end.0.synchronize().map_err(|e| err("tune", e))?;
             let ms = start.0.elapsed_ms(&end.0).map_err(|e| err("tune", e))?;

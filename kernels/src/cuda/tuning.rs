@@ -3,7 +3,7 @@
 use crate::gpu::ops::FlashKernel;
 use crate::gpu::tune::{ShapeClass, TuneTable};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 /// How the autotuner decides (`FLOWPREFILL_FLASH_KERNEL`, `FLOWPREFILL_TUNE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,6 +22,8 @@ pub(crate) struct Tuning {
     pub(super) chosen: Mutex<HashMap<(u32, ShapeClass), (u8, u32)>>,
     /// A failure already reported (once per process).
     pub(super) warned: Mutex<bool>,
+    /// The Hopper kernel's self-check, run once when first needed (`Err`: why it is not used).
+    pub(super) hopper: OnceLock<std::result::Result<(), String>>,
 }
 
 impl Tuning {
@@ -31,6 +33,12 @@ impl Tuning {
             (None, Ok("off")) => Mode::Off,
             _ => Mode::Auto,
         };
-        Self { mode, table: Mutex::new(None), chosen: Mutex::new(HashMap::new()), warned: Mutex::new(false) }
+        Self {
+            mode,
+            table: Mutex::new(None),
+            chosen: Mutex::new(HashMap::new()),
+            warned: Mutex::new(false),
+            hopper: OnceLock::new(),
+        }
     }
 }

@@ -69,7 +69,7 @@ pub struct TuneKey {
 pub struct TuneEntry {
     /// What it holds for.
     pub key: TuneKey,
-    /// The winner: an index of [`super::shapes::FA2_CONFIGS`].
+    /// The winner: an index of [`super::shapes::FA2_CONFIGS`], or [`HOPPER_CONFIG`].
     pub config: u8,
     /// Blocks per SM the key splits aim at (decode class; 2 elsewhere, the untuned default).
     pub blocks_per_sm: u32,
@@ -77,6 +77,20 @@ pub struct TuneEntry {
     pub timed_on: (u32, u32),
     /// Each candidate: (configuration, blocks per SM, median microseconds).
     pub candidates: Vec<(u8, u32, f64)>,
+}
+
+/// The configuration number of the Hopper kernel (`flash_hopper.cu`) among the candidates: the
+/// one after flash2's ([`super::shapes::FA2_CONFIGS`]); timed on compute capability 9.0 only,
+/// once its self-check passed.
+pub const HOPPER_CONFIG: u8 = super::shapes::FA2_CONFIGS.len() as u8;
+
+/// The kernel a configuration number stands for.
+pub fn kernel_of(config: u8) -> super::ops::FlashKernel {
+    if config == HOPPER_CONFIG {
+        super::ops::FlashKernel::Hopper
+    } else {
+        super::ops::FlashKernel::Fa2(config)
+    }
 }
 
 /// Blocks per SM the key splits aim at without a decision.
@@ -182,7 +196,7 @@ fn parse_line(line: &str) -> Option<TuneEntry> {
         _ => return None,
     };
     let config: u8 = config.parse().ok()?;
-    if config as usize >= super::shapes::FA2_CONFIGS.len() {
+    if config > HOPPER_CONFIG {
         return None;
     }
     let candidates = cands
@@ -249,6 +263,9 @@ pub fn describe(table: &TuneTable, gpu: &str, driver: i32, sources: u64) -> Vec<
 
 /// A configuration's shape at head dimension `d`, in words.
 pub fn describe_config(config: usize, d: u32) -> String {
+    if config == HOPPER_CONFIG as usize {
+        return "flash_hopper: 2 consumer warpgroups x 64 rows, 128 keys a tile, wgmma + TMA".into();
+    }
     let Some(c) = super::shapes::FA2_CONFIGS.get(config) else { return "unknown".into() };
     let s = c.at(d);
     format!(
@@ -353,5 +370,21 @@ mod tests {
         assert_eq!(winner(&[]), None);
         assert_eq!(ShapeClass::of(255), ShapeClass::Decode);
         assert_eq!(ShapeClass::of(256), ShapeClass::Prefill);
+    }
+
+    #[test]
+    fn the_hopper_kernel_is_the_configuration_after_flash2s() {
+        use crate::gpu::ops::FlashKernel;
+        assert_eq!(kernel_of(HOPPER_CONFIG), FlashKernel::Hopper);
+        assert_eq!(kernel_of(1), FlashKernel::Fa2(1));
+        assert!(describe_config(HOPPER_CONFIG as usize, 128).starts_with("flash_hopper"));
+        let mut t = TuneTable::default();
+        t.put(entry(12080, 128, ShapeClass::Prefill, HOPPER_CONFIG));
+        let back = TuneTable::parse(&t.render());
+        assert_eq!(back.skipped, 0);
+        assert_eq!(back.get(&key(12080, 128, ShapeClass::Prefill)).map(|e| e.config), Some(HOPPER_CONFIG));
+        // Within 1% of flash2's default, flash2 stays.
+        assert_eq!(winner(&[(0, 2, 100.0), (HOPPER_CONFIG, 2, 99.5)]), Some((0, 2)));
+        assert_eq!(winner(&[(0, 2, 100.0), (HOPPER_CONFIG, 2, 80.0)]), Some((HOPPER_CONFIG, 2)));
     }
 }
