@@ -29,6 +29,9 @@
 //   wgmma.fence           asked for before the first wgmma after the block starts and after
 //                         every wait_group (stricter than the hardware, which asks only when
 //                         registers were touched since): a missing fence is reported
+//   bar.sync / bar.arrive with an id: counting barriers of the block by id (arrivals beyond a
+//                         phase start the next one; a sync that never completes is reported
+//                         after 2 seconds)
 //   fences of proxies, tensor-map acquire, register fences, setmaxnreg: nothing (the emulation has one
 //                         proxy and no compiler reordering); what they order is not checked
 //
@@ -39,6 +42,7 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <map>
 
 namespace fp_shim {
@@ -61,6 +65,42 @@ struct MBar {
 
 inline std::mutex mbar_lock;
 inline std::map<uint32_t, MBar> mbars;
+
+// Named barriers of the block (bar.sync / bar.arrive with an id and a thread count).
+struct NamedBar {
+    unsigned count = 0;
+    unsigned arrived = 0;
+    unsigned long long generation = 0;
+};
+inline std::mutex named_lock;
+inline std::condition_variable named_cv;
+inline std::map<unsigned, NamedBar> named_bars;
+
+// One thread's arrival at named barrier `id` of `count` threads; with `wait`, until the phase
+// completes (reported after 2 seconds: a missing arrival, never a hang).
+inline void named_barrier(unsigned id, unsigned count, bool wait) {
+    std::unique_lock<std::mutex> g(named_lock);
+    if (id == 0 || id > 15 || count == 0 || count % 32 != 0) {
+        fail("bar.sync / bar.arrive: id 1-15 and a thread count that is a multiple of 32");
+        return;
+    }
+    NamedBar& b = named_bars[id];
+    if (b.arrived != 0 && b.count != count) {
+        fail("named barrier " + std::to_string(id) + ": arrivals with different thread counts");
+    }
+    b.count = count;
+    const unsigned long long gen = b.generation;
+    if (++b.arrived == count) {
+        b.arrived = 0;
+        b.generation++;
+        named_cv.notify_all();
+        return;
+    }
+    if (wait && !named_cv.wait_for(g, std::chrono::seconds(2), [&] { return named_bars[id].generation != gen; })) {
+        fail("named barrier " + std::to_string(id) + " never completed (" + std::to_string(b.arrived) + " of " +
+             std::to_string(count) + " threads): a missing bar.arrive");
+    }
+}
 
 struct WgmmaOp {
     float* d;
@@ -242,8 +282,12 @@ inline void wgmma_issue(float* d, int n, const uint32_t* a, uint64_t da, uint64_
 
 // Per block: every barrier forgotten (thread 0, before the block starts).
 inline void hopper_block_start() {
-    std::lock_guard<std::mutex> g(mbar_lock);
-    mbars.clear();
+    {
+        std::lock_guard<std::mutex> g(mbar_lock);
+        mbars.clear();
+    }
+    std::lock_guard<std::mutex> g(named_lock);
+    named_bars.clear();
 }
 
 // Per thread, at the start of each block.
@@ -370,6 +414,9 @@ inline void fp_tma_load_2d(fp_sptr dst, const void* map, fp_sptr bar, int c0, in
 }
 
 inline void fp_fence_proxy_async() {}
+
+inline void fp_named_sync(unsigned id, unsigned count) { fp_shim::named_barrier(id, count, true); }
+inline void fp_named_arrive(unsigned id, unsigned count) { fp_shim::named_barrier(id, count, false); }
 
 template <int R>
 inline void fp_setmaxnreg_inc() {}

@@ -14,18 +14,19 @@
 //   - the mask only on tiles that straddle some query's position or n (no per-element test on
 //     full tiles); a row's maximum moves only when it rises by more than 2^FP_FA2_RESCALE
 //     (flash2's rule), so full tiles in the steady state do not rescale O.
-//   - a tile's S = Q K^T is issued right behind the previous tile's O += P V, one wait retires
-//     both (no idle tensor pipe between them), and the previous stage is released then.
-// What it does not do yet (docs/gpu.md): overlap a tile's softmax with its own warpgroup's
-// products (two score buffers), or order the two consumer warpgroups in ping-pong; the output
-// is f32 (as flash2).
+//   - the two consumer warpgroups take turns at the tensor pipe (named barriers): in its turn a
+//     warpgroup issues tile t's S = Q K^T and tile t-1's O += P V back to back, hands the turn
+//     over, and runs tile t's softmax while the other warpgroup's products run (FlashAttention-
+//     3's ping-pong and its reordering of the two products); a stage is released when the
+//     P V that read it is retired.
+// What it does not do yet (docs/gpu.md): a bf16 output (f32, as flash2); two score buffers.
 //
 // Maps (16 u64 each, gpu::ops::hopper_attention_maps): [0] K, [1] V, each the 2-D tensor
 // (n_kv_heads * D elements a row, n rows) with boxes of 64 elements by FP_FH_KEYS rows.
 
 #define FP_FH_CONSUMERS 2
 #define FP_FH_KEYS 128
-#define FP_FH_STAGES 2
+#define FP_FH_STAGES 3
 #define FP_FH_THREADS ((FP_FH_CONSUMERS + 1) * 128)
 
 // The smallest (LO) or largest position of kernel tile t: the metadata tiles it covers.
@@ -72,6 +73,7 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     constexpr u32 NT = KEYS / 8, DT = D / 8;     // n8 tiles of S, of O
     static_assert(D == 64 || D == 128, "head dimension");
     static_assert(KEYS == 128 && KEYS % FP_FA2_META_KEYS == 0, "key tile");
+    static_assert(FP_FH_CONSUMERS == 2, "the ping-pong takes two consumer warpgroups");
     FP_DYNAMIC_SMEM(smem);
     const fp_sptr q_s = fp_sptr_align(fp_sptr_of(smem), 1024);
     const fp_sptr k_s = q_s + Q_BYTES;
@@ -162,24 +164,38 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     }
     float m_r[2] = {-FP_INF, -FP_INF}, l_r[2] = {0.0f, 0.0f};
     const u32 whole = n / KEYS;  // tiles below it have every key below n
-    u32 it = 0;       // tiles consumed: the stage and its phase
-    u32 pf[KEYS / 16][4];  // P of the tile whose O += P V is in flight (read by the hardware)
+    u32 it = 0;            // tiles consumed: the stage and its phase
+    u32 pf[KEYS / 16][4];  // P of the previous tile, for its O += P V
     FP_UNROLL
     for (u32 i = 0; i < KEYS / 16; i++) {
         pf[i][0] = pf[i][1] = pf[i][2] = pf[i][3] = 0u;
     }
-    bool in_flight = false;
+    bool have_prev = false;
     u32 prev_stage = 0;
-    // One key tile. Its S = Q K^T is issued behind the previous tile's O += P V (both run in
-    // the tensor pipe back to back); one wait retires both, then the previous tile's stage is
-    // released, and the softmax of this tile runs while the producer refills that stage.
-    // MASKED (tiles that straddle a query's position or n) is compiled apart from the full
-    // tiles' step, which has no per-element test.
+    // O += P V of the previous tile (its stage): P from registers, V [keys][d] transposed.
+    auto issue_pv = [&]() {
+        FP_UNROLL
+        for (u32 kk = 0; kk < KEYS / 16; kk++) {
+            fp_fh_pv(o, pf[kk], fp_desc_mnmajor<128>(v_s + prev_stage * KV_BYTES, KEYS, 0, 16 * kk));
+        }
+    };
+    // The two consumer warpgroups take turns at the tensor pipe (named barriers 1 and 2): in
+    // its turn a warpgroup issues this tile's S = Q K^T and the previous tile's O += P V, then
+    // hands the turn over and runs this tile's softmax while the other's products run.
+    const u32 my_turn = 1 + wg, their_turn = 2 - wg;
+    if (wg == 1) {
+        fp_named_arrive(1, 256);  // the first turn is warpgroup 0's
+    }
+    // One key tile. MASKED (tiles that straddle a query's position or n) is compiled apart
+    // from the full tiles' step, which has no per-element test.
     auto step = [&](auto masked, u32 t) {
         constexpr bool MASKED = decltype(masked)::value;
         const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
         fp_mbar_wait(full_bar + 8 * s, phase);
         float sc[KEYS / 2];
+        fp_named_sync(my_turn, 256);
+        fp_acc_fence(o);
+        fp_frag_fence(pf);
         fp_wgmma_fence();
         FP_UNROLL
         for (u32 kk = 0; kk < D / 16; kk++) {
@@ -187,13 +203,13 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
                                 fp_desc_kmajor<128>(k_s + s * KV_BYTES, KEYS, 16 * kk), kk > 0 ? 1u : 0u);
         }
         fp_wgmma_commit();
-        fp_wgmma_wait<0>();
-        fp_acc_fence(sc);
-        fp_acc_fence(o);
-        fp_frag_fence(pf);  // the previous P stays in its registers until here
-        if (in_flight && lane == 0) {
-            fp_mbar_arrive(empty_bar + 8 * prev_stage);  // this warp is done with that stage
+        if (have_prev) {
+            issue_pv();
         }
+        fp_wgmma_commit();
+        fp_named_arrive(their_turn, 256);
+        fp_wgmma_wait<1>();  // S (the older group); the previous P V may still run
+        fp_acc_fence(sc);
 
         if (MASKED) {
             // Keys at or past n, and keys above a row's query position, get -inf.
@@ -208,7 +224,8 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
                 }
             }
         }
-        // Online softmax in base 2 on raw scores (flash2's rule for moving the maximum).
+        // Online softmax in base 2 on raw scores (flash2's rule for moving the maximum); O is
+        // rescaled once the previous P V is done.
         float mx[2] = {-FP_INF, -FP_INF};
         FP_UNROLL
         for (u32 i = 0; i < NT; i++) {
@@ -222,21 +239,15 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(FP_FULL_MASK, mx[h], 2));
             rise = rise || (mx[h] - m_r[h]) * scale_log2 > FP_FA2_RESCALE;
         }
-        if (__any_sync(FP_FULL_MASK, rise)) {
-            float alpha[2];
+        const bool rescale = __any_sync(FP_FULL_MASK, rise) != 0;
+        float alpha[2] = {1.0f, 1.0f};
+        if (rescale) {
             FP_UNROLL
             for (int h = 0; h < 2; h++) {
                 const float nm = fmaxf(m_r[h], mx[h]);
                 alpha[h] = nm == -FP_INF ? 1.0f : fp_exp2((m_r[h] - nm) * scale_log2);
                 m_r[h] = nm;
                 l_r[h] *= alpha[h];
-            }
-            FP_UNROLL
-            for (u32 i = 0; i < DT; i++) {
-                o[4 * i] *= alpha[0];
-                o[4 * i + 1] *= alpha[0];
-                o[4 * i + 2] *= alpha[1];
-                o[4 * i + 3] *= alpha[1];
             }
         }
         float base[2];
@@ -254,20 +265,28 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
             }
             l_r[0] += sc[4 * i] + sc[4 * i + 1];
             l_r[1] += sc[4 * i + 2] + sc[4 * i + 3];
+        }
+        fp_wgmma_wait<0>();  // the previous P V: its stage is free, O and P may change
+        fp_acc_fence(o);
+        fp_frag_fence(pf);
+        if (have_prev && lane == 0) {
+            fp_mbar_arrive(empty_bar + 8 * prev_stage);  // this warp is done with that stage
+        }
+        if (rescale) {
+            FP_UNROLL
+            for (u32 i = 0; i < DT; i++) {
+                o[4 * i] *= alpha[0];
+                o[4 * i + 1] *= alpha[0];
+                o[4 * i + 2] *= alpha[1];
+                o[4 * i + 3] *= alpha[1];
+            }
+        }
+        FP_UNROLL
+        for (u32 i = 0; i < NT; i++) {
             pf[i / 2][(i % 2) * 2] = fp_pack_bf16x2(sc[4 * i], sc[4 * i + 1]);
             pf[i / 2][(i % 2) * 2 + 1] = fp_pack_bf16x2(sc[4 * i + 2], sc[4 * i + 3]);
         }
-
-        // O += P V: P from registers, V [keys][d] read transposed; retired by the next wait.
-        fp_acc_fence(o);
-        fp_frag_fence(pf);
-        fp_wgmma_fence();
-        FP_UNROLL
-        for (u32 kk = 0; kk < KEYS / 16; kk++) {
-            fp_fh_pv(o, pf[kk], fp_desc_mnmajor<128>(v_s + s * KV_BYTES, KEYS, 0, 16 * kk));
-        }
-        fp_wgmma_commit();
-        in_flight = true;
+        have_prev = true;
         prev_stage = s;
         it++;
     };
@@ -288,9 +307,17 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
             t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi);
         }
     }
-    fp_wgmma_wait<0>();  // the last O += P V
-    fp_acc_fence(o);
-    fp_frag_fence(pf);
+    if (have_prev) {
+        // The last tile's P V (no turn: the other warpgroup is done with the pipe or close).
+        fp_acc_fence(o);
+        fp_frag_fence(pf);
+        fp_wgmma_fence();
+        issue_pv();
+        fp_wgmma_commit();
+        fp_wgmma_wait<0>();
+        fp_acc_fence(o);
+        fp_frag_fence(pf);
+    }
 
     FP_UNROLL
     for (int h = 0; h < 2; h++) {

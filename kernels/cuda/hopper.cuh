@@ -148,6 +148,15 @@ __device__ __forceinline__ void fp_fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Named barriers (1-15; 0 is __syncthreads): `count` threads, whole warps, take part in each
+// phase; sync waits for the phase, arrive only counts (the ping-pong of two warpgroups).
+__device__ __forceinline__ void fp_named_sync(u32 id, u32 count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fp_named_arrive(u32 id, u32 count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // Gives the warpgroup's threads R registers each (inc) or takes them down to R (dec): the
 // producer warpgroup gives its registers to the consumers.
 template <int R>

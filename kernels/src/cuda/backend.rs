@@ -193,7 +193,7 @@ impl CudaBackend {
                     "flowprefill: cuda:{ordinal}: the Hopper attention is not used: {e}; flash2 (fa2) runs instead"
                 );
                 let tuning = super::tuning::Tuning::new(None);
-                let _ = tuning.hopper.set(Err(format!("{e}")));  // the autotuner does not retry it
+                let _ = tuning.hopper.set(Err(format!("{e}"))); // the autotuner does not retry it
                 backend.tuning = tuning;
             }
         }

@@ -14,7 +14,7 @@ pub const HOPPER_KEYS: u32 = 128;
 /// Threads per block: the two consumer warpgroups and the producer's.
 pub const HOPPER_THREADS: u32 = 3 * 128;
 /// Stages of K and V tiles in flight.
-const HOPPER_STAGES: u32 = 2;
+const HOPPER_STAGES: u32 = 3;
 
 /// Dynamic shared memory of `flash_hopper.cu` at head dimension `d`: the query tile, the K and
 /// V stages (swizzled, unpadded), 1024 bytes to align them to the swizzle atom, the barriers.
