@@ -190,7 +190,7 @@ impl CudaBackend {
                 return fail(format!("the probe's element {e}: {x} and {y}, a plain product {want}"));
             }
         }
-        // A few tiles (3 stages' uses), and 16 tiles (each stage's barriers through 8 phases).
+        // A few tiles (each stage used once), and 16 tiles (each of the 3 stages 5 or 6 times).
         for (m, n) in [(150usize, 333usize), (512, 2048)] {
             for d in [64usize, 128] {
                 self.hopper_attention_check(m, n, d, &mut r)?;
