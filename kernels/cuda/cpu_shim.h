@@ -114,6 +114,7 @@ inline thread_local std::deque<std::vector<AsyncCopy>> committed;
 inline dim3 block_dim;
 inline dim3 grid_dim;
 inline std::vector<unsigned char> dynamic_shared;
+inline unsigned dynamic_bytes = 0;  // what the launch asked for
 inline std::mutex error_lock;
 inline std::string launch_error;
 
@@ -341,6 +342,7 @@ std::string launch(dim3 grid, dim3 block_shape, unsigned shared_bytes, void (*ke
     block_dim = block_shape;
     grid_dim = grid;
     launch_error.clear();
+    dynamic_bytes = shared_bytes;
     dynamic_shared.assign(shared_bytes + 16 + 1024, 0xff);
     Block shared_block(threads);
     std::vector<std::thread> pool;

@@ -118,7 +118,7 @@ inline thread_local std::deque<std::vector<WgmmaOp>> wgmma_committed;
 // Accumulators with products in flight: their values before the first, and how many.
 inline thread_local std::map<float*, std::pair<std::vector<float>, int>> wgmma_acc;
 
-inline size_t dynamic_size() { return dynamic_shared.size() - 1024 - 16; }
+inline size_t dynamic_size() { return dynamic_bytes; }
 
 inline uint32_t saddr(const unsigned char* p, const char* what) {
     const unsigned char* base = dynamic_smem();

@@ -192,9 +192,9 @@ impl CudaBackend {
                 eprintln!(
                     "flowprefill: cuda:{ordinal}: the Hopper attention is not used: {e}; flash2 (fa2) runs instead"
                 );
-                let tuning = super::tuning::Tuning::new(None);
-                let _ = tuning.hopper.set(Err(format!("{e}"))); // the autotuner does not retry it
-                backend.tuning = tuning;
+                // The mode the backend would have without the variable; the failed verdict is
+                // kept (the autotuner does not retry it).
+                backend.tuning.mode = super::tuning::Tuning::new(None).mode;
             }
         }
         Ok(backend)

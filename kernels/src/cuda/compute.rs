@@ -239,9 +239,7 @@ impl CudaBackend {
             let (kernel, blocks_per_sm) = self.flash_choice(dims, &inputs);
             let plan = ops::flash_plan_aiming(dims, kernel, self.sm_count, blocks_per_sm, None);
             self.with_partials(dims, &plan, |partial| {
-                let io =
-                    super::hopper::FlashIo { q: qb, qpos: u(qpp), k: kp, v: vp, meta: u(mp), out: outp, lse: lsep };
-                self.run_flash(dims, &plan, io, partial, shape.scale)
+                self.run_flash(dims, &plan, inputs.io(outp, lsep), partial, shape.scale)
             })
         })
     }

@@ -142,12 +142,14 @@ impl CudaBackend {
                 ops::flash_attention(dims, plan, io.q, io.qpos, io.k, io.v, io.meta, io.out, io.lse, partial, scale)?;
             return calls.iter().try_for_each(|c| self.run(c));
         }
-        let mut words = Vec::with_capacity(2 * MAP_WORDS);
+        // The maps as control data (uploaded once per distinct content: every repeat of a call
+        // over the same K and V finds them on the device), as 32-bit words, little-endian; each
+        // entry is an allocation of its own, 256-byte aligned (TMA asks 64 of a map).
+        let mut words = Vec::with_capacity(4 * MAP_WORDS);
         for m in ops::hopper_attention_maps(dims, io.k, io.v)?.iter().flatten() {
-            words.extend(encode(m)?);
+            words.extend(encode(m)?.iter().flat_map(|w| [*w as u32, (*w >> 32) as u32]));
         }
-        words.resize(words.len().max(1), 0);
-        let maps: CudaSlice<u64> = self.stream.clone_htod(&words).map_err(|e| err("tensor map upload", e))?;
+        let maps = self.upload_u32(&words)?;
         let (mp, _m) = maps.device_ptr(&self.stream);
         let maps = Ptr::new(mp, Elem::U64);
         let calls = ops::hopper_attention(dims, plan, maps, io.q, io.qpos, io.meta, io.out, io.lse, partial, scale)?;

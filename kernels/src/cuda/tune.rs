@@ -15,6 +15,7 @@
 
 use super::backend::CudaBackend;
 use super::err;
+use super::hopper::FlashIo;
 use super::tuning::Mode;
 use crate::error::Result;
 use crate::gpu::ops::{self, AttnDims, FlashKernel};
@@ -47,21 +48,32 @@ pub(crate) struct Inputs {
     pub scale: f32,
 }
 
+impl Inputs {
+    /// The call's buffers with `out` and `lse` as its outputs.
+    pub(super) fn io(&self, out: Ptr, lse: Ptr) -> FlashIo {
+        FlashIo { q: self.q, qpos: self.qpos, k: self.k, v: self.v, meta: self.meta, out, lse }
+    }
+}
+
 impl CudaBackend {
     /// Runs attention with `kernel` from now on (as `FLOWPREFILL_FLASH_KERNEL` does): no
     /// decision read or made. Loads the configuration now (an error if it does not compile);
     /// the Hopper kernel must pass its self-check (an error, and nothing changed, if not).
     pub fn fix_attention(&mut self, kernel: FlashKernel) -> Result<()> {
-        if let FlashKernel::Fa2(c) = kernel {
-            self.load_config(c as usize)?;
-        }
-        if kernel == FlashKernel::Hopper {
-            // Compute capability 9.0 only, and only once it computes as flash2 does here.
-            self.hopper_verified()?;
-        }
+        self.ready(kernel)?;
         self.tuning.mode = Mode::Fixed(kernel);
         self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).clear();
         Ok(())
+    }
+
+    /// Makes `kernel` ready to launch: a flash2 configuration loaded (compiled on first use),
+    /// the Hopper kernel verified on this GPU (compute capability 9.0, its self-check passed).
+    fn ready(&self, kernel: FlashKernel) -> Result<()> {
+        match kernel {
+            FlashKernel::Fa2(c) => self.load_config(c as usize),
+            FlashKernel::Hopper => self.hopper_verified(),
+            FlashKernel::Reference => Ok(()),
+        }
     }
 
     /// The kernel attention is fixed to (`FLOWPREFILL_FLASH_KERNEL`, [`Self::fix_attention`]),
@@ -136,8 +148,7 @@ impl CudaBackend {
             None => None,
         };
         let Some((c, b)) = decided else { return (FlashKernel::Fa2(0), DEFAULT_BLOCKS_PER_SM) };
-        let loaded = if c == tune::HOPPER_CONFIG { self.hopper_verified() } else { self.load_config(c as usize) };
-        let (c, b) = match loaded {
+        let (c, b) = match self.ready(tune::kernel_of(c)) {
             Ok(()) => (c, b),
             Err(e) => {
                 self.warn_once(format!("configuration {c} of the attention did not load ({e})"));
@@ -161,51 +172,24 @@ impl CudaBackend {
         let mut out = s.alloc_zeros::<f32>(out_len.max(1)).map_err(|e| self.oom("tune", out_len, 4, e))?;
         let mut lse = s.alloc_zeros::<f32>(lse_len.max(1)).map_err(|e| self.oom("tune", lse_len, 4, e))?;
         let mut candidates = Vec::new();
-        for c in 0..shapes::FA2_CONFIGS.len() {
-            if let Err(e) = self.load_config(c) {
-                eprintln!("flowprefill: autotuner: configuration {c} skipped ({e})");
+        // flash2's configurations and, on compute capability 9.0, the Hopper kernel once it
+        // passed its self-check.
+        let configs = (0..shapes::FA2_CONFIGS.len() as u8).chain(self.has_hopper().then_some(tune::HOPPER_CONFIG));
+        for c in configs {
+            let kernel = tune::kernel_of(c);
+            if let Err(e) = self.ready(kernel) {
+                eprintln!("flowprefill: autotuner: configuration {c} ({}) skipped ({e})", kernel.name());
                 continue;
             }
             for &b in blocks {
-                let plan = ops::flash_plan_aiming(dims, FlashKernel::Fa2(c as u8), self.sm_count, b, None);
+                let plan = ops::flash_plan_aiming(dims, kernel, self.sm_count, b, None);
                 let (op, _c) = out.device_ptr_mut(s);
                 let (lp, _d) = lse.device_ptr_mut(s);
-                let i = inputs;
-                let (out_p, lse_p) = (Ptr::new(op, Elem::F32), Ptr::new(lp, Elem::F32));
+                let io = inputs.io(Ptr::new(op, Elem::F32), Ptr::new(lp, Elem::F32));
                 let median = self.with_partials(dims, &plan, |partial| {
-                    let calls = ops::flash_attention(
-                        dims, &plan, i.q, i.qpos, i.k, i.v, i.meta, out_p, lse_p, partial, i.scale,
-                    )?;
-                    self.time_calls(&calls)
+                    self.time_with(|| self.run_flash(dims, &plan, io, partial, inputs.scale))
                 })?;
-                candidates.push((c as u8, b, median));
-            }
-        }
-        // On compute capability 9.0, the Hopper kernel too, once it passed its self-check.
-        if self.has_hopper() {
-            match self.hopper_verified() {
-                Ok(()) => {
-                    for &b in blocks {
-                        let plan = ops::flash_plan_aiming(dims, FlashKernel::Hopper, self.sm_count, b, None);
-                        let (op, _c) = out.device_ptr_mut(s);
-                        let (lp, _d) = lse.device_ptr_mut(s);
-                        let i = inputs;
-                        let io = super::hopper::FlashIo {
-                            q: i.q,
-                            qpos: i.qpos,
-                            k: i.k,
-                            v: i.v,
-                            meta: i.meta,
-                            out: Ptr::new(op, Elem::F32),
-                            lse: Ptr::new(lp, Elem::F32),
-                        };
-                        let median = self.with_partials(dims, &plan, |partial| {
-                            self.time_with(|| self.run_flash(dims, &plan, io, partial, i.scale))
-                        })?;
-                        candidates.push((tune::HOPPER_CONFIG, b, median));
-                    }
-                }
-                Err(e) => eprintln!("flowprefill: autotuner: the Hopper kernel is not a candidate ({e})"),
+                candidates.push((c, b, median));
             }
         }
         let (config, blocks_per_sm) =
@@ -231,13 +215,8 @@ impl CudaBackend {
         Ok(entry)
     }
 
-    /// Median microseconds of `calls` over [`RUNS`] runs after a warm-up, from CUDA events.
-    fn time_calls(&self, calls: &[gpu::Call]) -> Result<f64> {
-        self.time_with(|| calls.iter().try_for_each(|c| self.run(c)))
-    }
-
-    /// The median of RUNS timings of what `launch` queues (after one untimed run), in
-    /// microseconds, by events on the stream.
+    /// Median microseconds of what `launch` queues over [`RUNS`] runs after a warm-up, from
+    /// CUDA events on the stream.
     fn time_with(&self, launch: impl Fn() -> Result<()>) -> Result<f64> {
         let s = &self.stream;
         launch()?;

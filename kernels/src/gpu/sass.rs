@@ -222,18 +222,22 @@ pub fn loops(f: &Function) -> Result<Vec<Loop>, SassError> {
 /// The steady-state tensor-core loop: among the innermost loops that hold HMMA (no loop with
 /// HMMA inside them), the one with the fewest instructions per HMMA. `None` without HMMA loops.
 pub fn steady_state(loops: &[Loop]) -> Option<(Loop, usize)> {
-    let with: Vec<&Loop> = loops.iter().filter(|l| l.mix.hmma > 0).collect();
-    let innermost: Vec<&Loop> = with.iter().copied().filter(|l| !with.iter().any(|o| l.contains(o))).collect();
-    let best = innermost.iter().min_by(|a, b| a.mix.per_hmma().total_cmp(&b.mix.per_hmma()))?;
-    Some((**best, innermost.len()))
+    innermost_with(loops, |m| m.hmma)
 }
 
 /// The innermost loop holding HGMMA with the fewest instructions per HGMMA, and how many
 /// innermost HGMMA loops there are. `None` without one.
 pub fn wgmma_state(loops: &[Loop]) -> Option<(Loop, usize)> {
-    let with: Vec<&Loop> = loops.iter().filter(|l| l.mix.hgmma > 0).collect();
+    innermost_with(loops, |m| m.hgmma)
+}
+
+/// Among the innermost loops holding some of what `count` counts, the one with the fewest
+/// instructions per counted instruction, and how many such innermost loops there are.
+fn innermost_with(loops: &[Loop], count: fn(&Mix) -> u32) -> Option<(Loop, usize)> {
+    let with: Vec<&Loop> = loops.iter().filter(|l| count(&l.mix) > 0).collect();
     let innermost: Vec<&Loop> = with.iter().copied().filter(|l| !with.iter().any(|o| l.contains(o))).collect();
-    let best = innermost.iter().min_by(|a, b| a.mix.per_hgmma().total_cmp(&b.mix.per_hgmma()))?;
+    let per = |l: &Loop| l.mix.instrs as f64 / count(&l.mix) as f64;
+    let best = innermost.iter().min_by(|a, b| per(a).total_cmp(&per(b)))?;
     Some((**best, innermost.len()))
 }
 
