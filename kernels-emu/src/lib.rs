@@ -355,21 +355,21 @@ pub fn flash_attention(
     let (po, pl) = ops::flash_partial_lens(d, &plan);
     let (mut part_out, mut part_lse) = (vec![0f32; po], vec![0f32; pl]);
     let partial = (plan.splits > 1).then(|| (pm(&mut part_out), pm(&mut part_lse)));
-    let calls = if kernel == FlashKernel::Hopper {
+    if kernel == FlashKernel::Hopper {
         // TMA reads from 16-byte aligned tensors (device buffers are; host vectors of u16 need
-        // not be).
+        // not be). The copies and the maps live until the launch is done.
         let (ka, va) = (Aligned16::of(k), Aligned16::of(v));
         let maps = ops::hopper_attention_maps(d, ka.ptr(), va.ptr()).unwrap_or_else(|e| panic!("{e}"));
-        let words: Vec<u64> = maps.iter().flatten().flat_map(|m| m.emulated()).collect();
-        let words = if words.is_empty() { vec![0u64; 1] } else { words };
+        let mut words: Vec<u64> = maps.iter().flatten().flat_map(|m| m.emulated()).collect();
+        words.resize(words.len().max(1), 0);
         let calls =
             ops::hopper_attention(d, &plan, p(&words), p(q), p(qpos), p(&meta), pm(out), pm(lse), partial, shape.scale);
         run_all(&calls.unwrap_or_else(|e| panic!("{e}")));
-        return plan;
     } else {
-        ops::flash_attention(d, &plan, p(q), p(qpos), p(k), p(v), p(&meta), pm(out), pm(lse), partial, shape.scale)
-    };
-    run_all(&calls.unwrap_or_else(|e| panic!("{e}")));
+        let calls =
+            ops::flash_attention(d, &plan, p(q), p(qpos), p(k), p(v), p(&meta), pm(out), pm(lse), partial, shape.scale);
+        run_all(&calls.unwrap_or_else(|e| panic!("{e}")));
+    }
     plan
 }
 
