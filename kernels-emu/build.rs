@@ -53,24 +53,40 @@ fn main() {
         std::fs::write(&path, text).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
         path
     };
-    // flash2.cu's other configurations, each in a translation unit of its own (the header
-    // renames its kernels `_c<N>`); emu.cpp declares them with the default kernels' types.
+    // flash2.cu's and flash_hopper.cu's other configurations, each in a translation unit of
+    // its own (the header renames their kernels `_c<N>`); emu.cpp declares them with the
+    // default kernels' types.
     let shapes_rs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernels/src/gpu/shapes.rs");
     println!("cargo:rerun-if-changed={}", shapes_rs.display());
-    let flash2 = cuda.join("flash2.cu");
     let mut units = Vec::new();
     let mut decls = String::new();
-    for c in 1..shapes::FA2_CONFIGS.len() {
-        let unit = format!(
-            "#include \"cpu_shim.h\"\n{}#include \"common.cuh\"\n#include \"{}\"\n",
-            shapes::header(c),
-            flash2.display()
-        );
-        units.push(write(&format!("flash2_c{c}.cpp"), &unit));
-        for d in [64, 128] {
-            let name = shapes::fa2_kernel(c, d).expect("a kernel per dimension");
-            let _ = writeln!(decls, "extern \"C\" decltype(fp_flash2_attn_d{d}) {name};");
-            let _ = writeln!(inc, "FP_EMU_KERNEL({name})");
+    // (file, what it includes besides common.cuh, its configurations, its kernel per
+    // configuration and head dimension)
+    type KernelOf = fn(usize, u32) -> Option<&'static str>;
+    let configurable: [(&str, &str, usize, KernelOf); 2] = [
+        ("flash2", "", shapes::FA2_CONFIGS.len(), shapes::fa2_kernel),
+        (
+            "flash_hopper",
+            "#include \"flash_tiles.cuh\"\n#include \"hopper.cuh\"\n",
+            shapes::HOPPER_CONFIGS.len(),
+            shapes::hopper_kernel,
+        ),
+    ];
+    for (file, extra, configs, kernel_of) in configurable {
+        let source = cuda.join(format!("{file}.cu"));
+        for c in 1..configs {
+            let unit = format!(
+                "#include \"cpu_shim.h\"\n{}#include \"common.cuh\"\n{extra}#include \"{}\"\n",
+                shapes::header(c),
+                source.display()
+            );
+            units.push(write(&format!("{file}_c{c}.cpp"), &unit));
+            for d in [64, 128] {
+                let base = kernel_of(0, d).expect("a kernel per dimension");
+                let name = kernel_of(c, d).expect("a kernel per dimension");
+                let _ = writeln!(decls, "extern \"C\" decltype({base}) {name};");
+                let _ = writeln!(inc, "FP_EMU_KERNEL({name})");
+            }
         }
     }
     write("shapes.inc", &shapes::header(0));

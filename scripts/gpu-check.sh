@@ -34,15 +34,15 @@ for t in cuda_compile_gate cuda_ops cuda_hopper_fallback nccl_smoke cuda_libs cu
 "$FP" bench prefill --device cuda --tokens 512,2048,4096,8000 --runs 3
 "$FP" bench prefill --device cuda --kv-dtype f32 --tokens 2048,8000 --runs 3
 "$FP" bench prefill --device cuda --weights f32 --kv-dtype f32 --tokens 2048 --runs 3
-# The attention kernels alone: flash2 (the autotuner's choice), then the Hopper kernel (on a GPU
-# of compute capability 9.0 after its self-check; elsewhere the backend says it is not used and
-# the second table is flash2's again).
+# The attention kernels alone: flash2 (the autotuner's choice), then each configuration of the
+# Hopper kernel (on a GPU of compute capability 9.0 after its self-check; elsewhere the backend
+# says it is not used and the tables are flash2's again).
 attention_bench() {
   if [ -n "$PACK_TESTS" ]; then "$PACK_TESTS/../cuda_attention_bench" "$@"
   else cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench -- "$@"; fi
 }
 attention_bench
-FLOWPREFILL_FLASH_KERNEL=hopper attention_bench
+for k in hopper hopper:c1 hopper:c2 hopper:c3; do FLOWPREFILL_FLASH_KERNEL=$k attention_bench; done
 gpus=$("$FP" devices | grep -c '^cuda:[0-9]' || true)
 if [ "$gpus" -ge 2 ]; then
   run_tests cuda p_gpus

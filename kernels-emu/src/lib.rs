@@ -355,7 +355,7 @@ pub fn flash_attention(
     let (po, pl) = ops::flash_partial_lens(d, &plan);
     let (mut part_out, mut part_lse) = (vec![0f32; po], vec![0f32; pl]);
     let partial = (plan.splits > 1).then(|| (pm(&mut part_out), pm(&mut part_lse)));
-    if kernel == FlashKernel::Hopper {
+    if kernel.is_hopper() {
         // TMA reads from 16-byte aligned tensors (device buffers are; host vectors of u16 need
         // not be). The copies and the maps live until the launch is done.
         let (ka, va) = (Aligned16::of(k), Aligned16::of(v));

@@ -11,8 +11,8 @@
 //                         so a wait on the wrong parity, which returns at once, reads the
 //                         poison (0xff bytes: NaN) that the copy wrote at issue. A wait that
 //                         never completes (parity off the other way, a missing arrive, bytes
-//                         announced that no copy brings) is reported after 2 seconds and
-//                         released, never a hang; so are arrivals beyond the count, copies
+//                         announced that no copy brings) is reported once it is stalled (below)
+//                         and released, never a hang; so are arrivals beyond the count, copies
 //                         beyond the announced bytes, and copies left unwaited at block end
 //   TMA (2-D tile load)   the tensor map is the backend's own 128 bytes in the emulation's
 //                         encoding (gpu::tma::TensorMap2d::emulated): the box at the given
@@ -31,7 +31,11 @@
 //                         registers were touched since): a missing fence is reported
 //   bar.sync / bar.arrive with an id: counting barriers of the block by id (arrivals beyond a
 //                         phase start the next one; a sync that never completes is reported
-//                         after 2 seconds)
+//                         once stalled)
+//   stalled               a wait is given up after 2 seconds in which the process also ran
+//                         1 second of CPU time, or after 120 seconds whatever the CPU did: on
+//                         a loaded machine (a test run beside a benchmark) the block's other
+//                         threads may not be scheduled for seconds, which is not a deadlock
 //   fences of proxies, tensor-map acquire, register fences, setmaxnreg: nothing (the emulation has one
 //                         proxy and no compiler reordering); what they order is not checked
 //
@@ -43,6 +47,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <ctime>
 #include <map>
 
 namespace fp_shim {
@@ -66,6 +71,19 @@ struct MBar {
 inline std::mutex mbar_lock;
 inline std::map<uint32_t, MBar> mbars;
 
+// Whether a wait that began at `wall0` (and process CPU time `cpu0`) is stalled: 2 seconds
+// in which the process ran at least 1 second of CPU (its threads were scheduled and made no
+// progress), or 120 seconds in any case.
+struct WaitClock {
+    std::chrono::steady_clock::time_point wall0 = std::chrono::steady_clock::now();
+    std::clock_t cpu0 = std::clock();
+    bool stalled() const {
+        const auto wall = std::chrono::steady_clock::now() - wall0;
+        const double cpu = double(std::clock() - cpu0) / CLOCKS_PER_SEC;
+        return (wall > std::chrono::seconds(2) && cpu >= 1.0) || wall > std::chrono::seconds(120);
+    }
+};
+
 // Named barriers of the block (bar.sync / bar.arrive with an id and a thread count).
 struct NamedBar {
     unsigned count = 0;
@@ -77,7 +95,7 @@ inline std::condition_variable named_cv;
 inline std::map<unsigned, NamedBar> named_bars;
 
 // One thread's arrival at named barrier `id` of `count` threads; with `wait`, until the phase
-// completes (reported after 2 seconds: a missing arrival, never a hang).
+// completes (reported once stalled: a missing arrival, never a hang).
 inline void named_barrier(unsigned id, unsigned count, bool wait) {
     std::unique_lock<std::mutex> g(named_lock);
     if (id == 0 || id > 15 || count == 0 || count % 32 != 0) {
@@ -96,7 +114,16 @@ inline void named_barrier(unsigned id, unsigned count, bool wait) {
         named_cv.notify_all();
         return;
     }
-    if (wait && !named_cv.wait_for(g, std::chrono::seconds(2), [&] { return named_bars[id].generation != gen; })) {
+    if (!wait) {
+        return;
+    }
+    const WaitClock clock;
+    bool done = false;
+    while (!(done = named_cv.wait_for(g, std::chrono::milliseconds(100),
+                                      [&] { return named_bars[id].generation != gen; })) &&
+           !clock.stalled()) {
+    }
+    if (!done) {
         fail("named barrier " + std::to_string(id) + " never completed (" + std::to_string(b.arrived) + " of " +
              std::to_string(count) + " threads): a missing bar.arrive");
     }
@@ -345,7 +372,7 @@ inline void fp_mbar_arrive(fp_sptr bar) { fp_shim::mbar_arrive(bar, 0); }
 inline void fp_mbar_wait(fp_sptr bar, unsigned parity) {
     using namespace fp_shim;
     const uint32_t addr = saddr(bar, "mbarrier.try_wait");
-    const auto begin = std::chrono::steady_clock::now();
+    const WaitClock clock;
     while (true) {
         {
             std::lock_guard<std::mutex> g(mbar_lock);
@@ -360,7 +387,7 @@ inline void fp_mbar_wait(fp_sptr bar, unsigned parity) {
             if ((m->completed & 1u) != (parity & 1u)) {
                 return;
             }
-            if (std::chrono::steady_clock::now() - begin > std::chrono::seconds(2)) {
+            if (clock.stalled()) {
                 fail("mbarrier.try_wait: the phase of parity " + std::to_string(parity & 1u) +
                      " never completed (" + std::to_string(m->pending) + " arrivals and " + std::to_string(m->tx) +
                      " bytes missing): a phase off by one, a missing arrive, or bytes announced that no copy brings");

@@ -14,20 +14,22 @@
 //   - the mask only on tiles that straddle some query's position or n (no per-element test on
 //     full tiles); a row's maximum moves only when it rises by more than 2^FP_FA2_RESCALE
 //     (flash2's rule), so full tiles in the steady state do not rescale O.
-//   - the two consumer warpgroups take turns at the tensor pipe (named barriers): in its turn a
-//     warpgroup issues tile t's S = Q K^T and tile t-1's O += P V back to back, hands the turn
-//     over, and runs tile t's softmax while the other warpgroup's products run (FlashAttention-
-//     3's ping-pong and its reordering of the two products); a stage is released when the
-//     P V that read it is retired.
-// What it does not do yet (docs/gpu.md): a bf16 output (f32, as flash2); two score buffers.
+//   - with FP_FH_PINGPONG, the two consumer warpgroups take turns at the tensor pipe (named
+//     barriers): in its turn a warpgroup issues tile t's S = Q K^T and tile t-1's O += P V back
+//     to back, hands the turn over, and runs tile t's softmax while the other warpgroup's
+//     products run (FlashAttention-3's ping-pong); without it (and with one consumer) each
+//     warpgroup still issues S before the previous P V and overlaps its softmax with that P V.
+//     A stage is released when the P V that read it is retired.
+// What it does not do yet (docs/gpu.md): a bf16 output (f32, as flash2); two score buffers;
+// key tiles other than 128.
 //
 // Maps (16 u64 each, gpu::ops::hopper_attention_maps): [0] K, [1] V, each the 2-D tensor
 // (n_kv_heads * D elements a row, n rows) with boxes of 64 elements by FP_FH_KEYS rows.
 
-#define FP_FH_CONSUMERS 2
-#define FP_FH_KEYS 128
-#define FP_FH_STAGES 3
-#define FP_FH_THREADS ((FP_FH_CONSUMERS + 1) * 128)
+// The configuration (flowprefill_kernels::gpu::shapes::HOPPER_CONFIGS, written into the
+// launch-shape header): FP_FH_CONSUMERS (1 or 2), FP_FH_STAGES, FP_FH_PINGPONG (two consumers
+// only), FP_FH_KEYS, FP_FH_THREADS ((FP_FH_CONSUMERS + 1) x 128).
+static_assert(FP_FH_THREADS == (FP_FH_CONSUMERS + 1) * 128, "the consumers' and the producer's warpgroups");
 
 // The smallest (LO) or largest position of kernel tile t: the metadata tiles it covers.
 template <bool LO>
@@ -60,12 +62,14 @@ __device__ __forceinline__ void fp_fh_pv(float (&o)[32], const u32 (&p)[4], u64 
     fp_wgmma_rs_n64<1>(o, p, dv, 1u);
 }
 
-template <int D>
+// The configuration is in the template's arguments (not read from the macros inside), so that
+// each configuration is its own instantiation wherever several are built into one program.
+template <int D, u32 CONSUMERS, u32 STAGES, bool PINGPONG>
 __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos,
                                                 const u32* ktile_lo, const u32* ktile_hi, float* out, float* lse,
                                                 u32 m, u32 n, u32 n_heads, u32 n_kv_heads, float scale_log2,
                                                 u32 tiles_per_split) {
-    constexpr u32 ROWS = 64 * FP_FH_CONSUMERS, KEYS = FP_FH_KEYS, STAGES = FP_FH_STAGES;
+    constexpr u32 ROWS = 64 * CONSUMERS, KEYS = FP_FH_KEYS, THREADS = (CONSUMERS + 1) * 128;
     constexpr u32 BOXES = D / 64;                // 64-element boxes along the head dimension
     constexpr u32 Q_BYTES = ROWS * D * 2;
     constexpr u32 KV_BYTES = KEYS * D * 2;       // one K (or V) tile
@@ -73,7 +77,9 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     constexpr u32 NT = KEYS / 8, DT = D / 8;     // n8 tiles of S, of O
     static_assert(D == 64 || D == 128, "head dimension");
     static_assert(KEYS == 128 && KEYS % FP_FA2_META_KEYS == 0, "key tile");
-    static_assert(FP_FH_CONSUMERS == 2, "the ping-pong takes two consumer warpgroups");
+    static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+    static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong takes two consumer warpgroups");
+    constexpr u32 TURN_THREADS = 128 * CONSUMERS;
     FP_DYNAMIC_SMEM(smem);
     const fp_sptr q_s = fp_sptr_align(fp_sptr_of(smem), 1024);
     const fp_sptr k_s = q_s + Q_BYTES;
@@ -98,7 +104,7 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
 
     // The query tile, every thread, by cp.async into the swizzled layout of the maps' boxes:
     // chunk j of row r of a box at chunk j ^ (r % 8).
-    for (u32 c = tid; c < ROWS * (D / 8); c += FP_FH_THREADS) {
+    for (u32 c = tid; c < ROWS * (D / 8); c += THREADS) {
         const u32 r = c / (D / 8), ch = c % (D / 8);
         const u32 pr = row0 + r;
         const bool ok = pr < packed;
@@ -115,7 +121,7 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         fp_tensormap_acquire(maps + 16);
         for (u32 s = 0; s < STAGES; s++) {
             fp_mbar_init(full_bar + 8 * s, 1);
-            fp_mbar_init(empty_bar + 8 * s, 4 * FP_FH_CONSUMERS);
+            fp_mbar_init(empty_bar + 8 * s, 4 * CONSUMERS);
         }
         fp_mbar_init_fence();
     }
@@ -124,11 +130,11 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     __syncthreads();
     const u32 qlo = q_range[0], qhi = q_range[1];
 
-    if (wg == FP_FH_CONSUMERS) {
+    if (wg == CONSUMERS) {
         // The producer: one thread walks the visible tiles and copies each into the next stage
         // once the consumers have released it.
         fp_setmaxnreg_dec<40>();
-        if (tid == FP_FH_CONSUMERS * 128) {
+        if (tid == CONSUMERS * 128) {
             u32 it = 0;
             for (u32 t = fp_fh_visible_from(t_begin, t_end, ktile_lo, meta_tiles, qhi); t < t_end;
                  t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi), it++) {
@@ -182,9 +188,10 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     // The two consumer warpgroups take turns at the tensor pipe (named barriers 1 and 2): in
     // its turn a warpgroup issues this tile's S = Q K^T and the previous tile's O += P V, then
     // hands the turn over and runs this tile's softmax while the other's products run.
+    // Without the ping-pong each warpgroup overlaps its own softmax with its own P V only.
     const u32 my_turn = 1 + wg, their_turn = 2 - wg;
-    if (wg == 1) {
-        fp_named_arrive(1, 256);  // the first turn is warpgroup 0's
+    if (PINGPONG && wg == 1) {
+        fp_named_arrive(1, TURN_THREADS);  // the first turn is warpgroup 0's
     }
     // One key tile. MASKED (tiles that straddle a query's position or n) is compiled apart
     // from the full tiles' step, which has no per-element test.
@@ -193,7 +200,9 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
         fp_mbar_wait(full_bar + 8 * s, phase);
         float sc[KEYS / 2];
-        fp_named_sync(my_turn, 256);
+        if (PINGPONG) {
+            fp_named_sync(my_turn, TURN_THREADS);
+        }
         fp_acc_fence(o);
         fp_frag_fence(pf);
         fp_wgmma_fence();
@@ -207,7 +216,9 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
             issue_pv();
         }
         fp_wgmma_commit();
-        fp_named_arrive(their_turn, 256);
+        if (PINGPONG) {
+            fp_named_arrive(their_turn, TURN_THREADS);
+        }
         fp_wgmma_wait<1>();  // S (the older group); the previous P V may still run
         fp_acc_fence(sc);
 
@@ -346,14 +357,14 @@ extern "C" __global__ void __launch_bounds__(FP_FH_THREADS, 1)
     fp_flash_hopper_d64(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
                         const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
                         float scale_log2, u32 tiles_per_split) {
-    fp_flash_hopper<64>(maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2,
-                        tiles_per_split);
+    fp_flash_hopper<64, FP_FH_CONSUMERS, FP_FH_STAGES, FP_FH_PINGPONG != 0>(
+        maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }
 
 extern "C" __global__ void __launch_bounds__(FP_FH_THREADS, 1)
     fp_flash_hopper_d128(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
                          const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
                          float scale_log2, u32 tiles_per_split) {
-    fp_flash_hopper<128>(maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2,
-                         tiles_per_split);
+    fp_flash_hopper<128, FP_FH_CONSUMERS, FP_FH_STAGES, FP_FH_PINGPONG != 0>(
+        maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }

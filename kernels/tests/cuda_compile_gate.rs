@@ -112,13 +112,19 @@ fn sass_line(arch: &str, row: &Row, budget: SassBudget) -> String {
 /// Every build the gate compiles: each file in the default configuration with its budgets,
 /// then flash2.cu in each other configuration of `gpu::shapes` (the autotuner's candidates),
 /// whose kernels must compile without a spill, a stack frame or local memory, within 255
-/// registers, with their tensor-core loop found (reported, no loop budget).
+/// registers, with their tensor-core loop found (reported, no loop budget), and flash_hopper.cu
+/// in each of its other configurations with the default build's budgets (HGMMA in the loop,
+/// none of HMMA, registers within the setmaxnreg plan).
 fn builds() -> Vec<(&'static KernelFile, usize, Vec<Budget>)> {
     let mut out: Vec<_> = FILES.iter().map(|f| (f, 0, f.kernels.to_vec())).collect();
     let flash2 = FILES.iter().find(|f| f.name == "flash2.cu").expect("flash2.cu");
     for c in 1..shapes::FA2_CONFIGS.len() {
         let kernels = flowprefill_kernels::gpu::config_budgets(c);
         out.push((flash2, c, kernels));
+    }
+    let hopper = FILES.iter().find(|f| f.name == "flash_hopper.cu").expect("flash_hopper.cu");
+    for c in 1..shapes::HOPPER_CONFIGS.len() {
+        out.push((hopper, c, flowprefill_kernels::gpu::hopper_config_budgets(c)));
     }
     out
 }

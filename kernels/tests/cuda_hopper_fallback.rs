@@ -50,7 +50,9 @@ fn a_failed_hopper_self_check_falls_back_to_flash2() {
     let worst = g.download(&go).unwrap().iter().zip(co.to_f32()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
     assert!(worst <= OUT_TOL, "flash2 after the fallback: out error {worst:e}");
 
-    let e = g.fix_attention(FlashKernel::Hopper).expect_err("the self-check still fails");
+    let e = g.fix_attention(FlashKernel::Hopper(0)).expect_err("the self-check still fails");
+    let e3 = g.fix_attention(FlashKernel::Hopper(3)).expect_err("every configuration's self-check fails");
+    assert!(e3.to_string().contains("FLOWPREFILL_HOPPER_SELF_CHECK"), "{e3}");
     assert!(e.to_string().contains("FLOWPREFILL_HOPPER_SELF_CHECK"), "{e}");
     assert_eq!(g.fixed_attention(), None, "a failed fix changes nothing");
 }

@@ -187,8 +187,8 @@ impl CudaBackend {
         };
         // The Hopper attention runs only after it computed a known problem as flash2 does on
         // this very GPU; otherwise flash2 (and its autotuner) with one line saying why.
-        if fixed == Some(ops::FlashKernel::Hopper) {
-            if let Err(e) = backend.hopper_verified() {
+        if let Some(ops::FlashKernel::Hopper(c)) = fixed {
+            if let Err(e) = backend.hopper_verified(c) {
                 eprintln!(
                     "flowprefill: cuda:{ordinal}: the Hopper attention is not used: {e}; flash2 (fa2) runs instead"
                 );
@@ -756,14 +756,15 @@ impl CudaBackend {
         self.extra.lock().unwrap_or_else(|p| p.into_inner()).get(kernel).cloned()
     }
 
-    /// Loads flash2's configuration `config` (compiled by NVRTC on first use, cached on disk
-    /// like every kernel) unless it is loaded.
-    pub(super) fn load_config(&self, config: usize) -> Result<()> {
-        let budgets = gpu::config_budgets(config);
+    /// Loads configuration `config` of `file` (`flash2.cu` or `flash_hopper.cu`; compiled by
+    /// NVRTC on first use, cached on disk like every kernel) unless it is loaded.
+    pub(super) fn load_config(&self, file: &str, config: usize) -> Result<()> {
+        let budgets =
+            if file == "flash_hopper.cu" { gpu::hopper_config_budgets(config) } else { gpu::config_budgets(config) };
         if budgets.iter().all(|b| self.extra_function(b.kernel).is_some()) {
             return Ok(());
         }
-        let file = gpu::FILES.iter().find(|f| f.name == "flash2.cu").ok_or_else(|| err("flash2", "not in FILES"))?;
+        let file = gpu::FILES.iter().find(|f| f.name == file).ok_or_else(|| err(file, "not in FILES"))?;
         let loaded = load_file(self.stream.context(), self.arch(), file, config, &budgets)?;
         let mut extra = self.extra.lock().unwrap_or_else(|p| p.into_inner());
         let mut occ = self.occupancy.lock().unwrap_or_else(|p| p.into_inner());

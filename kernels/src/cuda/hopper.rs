@@ -137,7 +137,7 @@ impl CudaBackend {
         partial: Option<(Ptr, Ptr)>,
         scale: f32,
     ) -> Result<()> {
-        if plan.kernel != FlashKernel::Hopper {
+        if !plan.kernel.is_hopper() {
             let calls =
                 ops::flash_attention(dims, plan, io.q, io.qpos, io.k, io.v, io.meta, io.out, io.lse, partial, scale)?;
             return calls.iter().try_for_each(|c| self.run(c));
@@ -156,11 +156,15 @@ impl CudaBackend {
         calls.iter().try_for_each(|c| self.run(c))
     }
 
-    /// [`Self::hopper_self_check`], run once per backend: the Hopper kernel is used (fixed, or
-    /// timed by the autotuner) only after it passed.
-    pub(super) fn hopper_verified(&self) -> Result<()> {
-        let verdict = self.tuning.hopper.get_or_init(|| {
-            self.hopper_self_check().map_err(|e| match e {
+    /// [`Self::hopper_self_check`] of configuration `config`, run once per backend: a
+    /// configuration of the Hopper kernel is used (fixed, or timed by the autotuner) only after
+    /// it passed.
+    pub(super) fn hopper_verified(&self, config: u8) -> Result<()> {
+        let Some(slot) = self.tuning.hopper.get(config as usize) else {
+            return Err(err("hopper", format!("there is no configuration {config} of the Hopper kernel")));
+        };
+        let verdict = slot.get_or_init(|| {
+            self.hopper_self_check(config).map_err(|e| match e {
                 KernelError::Backend { detail, .. } => detail,
                 other => other.to_string(),
             })
@@ -168,11 +172,12 @@ impl CudaBackend {
         verdict.clone().map_err(|detail| KernelError::Backend { backend: "cuda", detail })
     }
 
-    /// Hopper's self-check: the probe (128-byte swizzle) against a plain product, then the
-    /// attention on two small problems (grouped heads, causal positions, rows that see nothing,
-    /// a partial last tile, key splits; 333 and 2048 keys) at head dimensions 64 and 128
-    /// against flash2 on this GPU. `FLOWPREFILL_HOPPER_SELF_CHECK=fail` fails it on purpose (to see the fallback).
-    pub(super) fn hopper_self_check(&self) -> Result<()> {
+    /// Hopper's self-check of configuration `config`: the probe (128-byte swizzle) against a
+    /// plain product, the configuration loaded (the default is), then the attention on two
+    /// small problems (grouped heads, causal positions, rows that see nothing, a partial last
+    /// tile, key splits; 333 and 2048 keys) at head dimensions 64 and 128 against flash2 on
+    /// this GPU. `FLOWPREFILL_HOPPER_SELF_CHECK=fail` fails it on purpose (to see the fallback).
+    pub(super) fn hopper_self_check(&self, config: u8) -> Result<()> {
         let fail = |detail: String| Err(KernelError::Backend { backend: "cuda", detail });
         if std::env::var("FLOWPREFILL_HOPPER_SELF_CHECK").as_deref() == Ok("fail") {
             return fail("its self-check was made to fail (FLOWPREFILL_HOPPER_SELF_CHECK=fail)".into());
@@ -192,16 +197,19 @@ impl CudaBackend {
                 return fail(format!("the probe's element {e}: {x} and {y}, a plain product {want}"));
             }
         }
-        // A few tiles (each stage used once), and 16 tiles (each of the 3 stages 5 or 6 times).
+        if config > 0 {
+            self.load_config("flash_hopper.cu", config as usize)?;
+        }
+        // A few tiles (each stage used once), and 16 tiles (each stage used 5 to 8 times).
         for (m, n) in [(150usize, 333usize), (512, 2048)] {
             for d in [64usize, 128] {
-                self.hopper_attention_check(m, n, d, &mut r)?;
+                self.hopper_attention_check(FlashKernel::Hopper(config), m, n, d, &mut r)?;
             }
         }
         Ok(())
     }
 
-    fn hopper_attention_check(&self, m: usize, n: usize, d: usize, r: &mut Lcg) -> Result<()> {
+    fn hopper_attention_check(&self, hopper: FlashKernel, m: usize, n: usize, d: usize, r: &mut Lcg) -> Result<()> {
         let (heads, kv) = (8usize, 2usize);
         let q: Vec<u16> = (0..m * heads * d).map(|_| r.bf16(1.0)).collect();
         let k: Vec<u16> = (0..n * kv * d).map(|_| r.bf16(1.0)).collect();
@@ -218,7 +226,7 @@ impl CudaBackend {
         let (dqp, dmeta) = (up32(&qpos)?, up32(&ops::key_meta(&kpos))?);
         let mut got = Vec::new();
         for (kernel, splits) in
-            [(FlashKernel::Fa2(0), None), (FlashKernel::Hopper, None), (FlashKernel::Hopper, Some(2))]
+            [(FlashKernel::Fa2(0), None), (hopper, None), (hopper, Some(2))]
         {
             let mut out = s.alloc_zeros::<f32>(m * heads * d).map_err(|e| err("alloc", e))?;
             let mut lse = s.alloc_zeros::<f32>(m * heads).map_err(|e| err("alloc", e))?;

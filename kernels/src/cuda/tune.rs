@@ -70,8 +70,8 @@ impl CudaBackend {
     /// the Hopper kernel verified on this GPU (compute capability 9.0, its self-check passed).
     fn ready(&self, kernel: FlashKernel) -> Result<()> {
         match kernel {
-            FlashKernel::Fa2(c) => self.load_config(c as usize),
-            FlashKernel::Hopper => self.hopper_verified(),
+            FlashKernel::Fa2(c) => self.load_config("flash2.cu", c as usize),
+            FlashKernel::Hopper(c) => self.hopper_verified(c),
             FlashKernel::Reference => Ok(()),
         }
     }
@@ -172,9 +172,10 @@ impl CudaBackend {
         let mut out = s.alloc_zeros::<f32>(out_len.max(1)).map_err(|e| self.oom("tune", out_len, 4, e))?;
         let mut lse = s.alloc_zeros::<f32>(lse_len.max(1)).map_err(|e| self.oom("tune", lse_len, 4, e))?;
         let mut candidates = Vec::new();
-        // flash2's configurations and, on compute capability 9.0, the Hopper kernel once it
-        // passed its self-check.
-        let configs = (0..shapes::FA2_CONFIGS.len() as u8).chain(self.has_hopper().then_some(tune::HOPPER_CONFIG));
+        // flash2's configurations and, on compute capability 9.0, the Hopper kernel's, each once
+        // it passed its self-check.
+        let hopper = if self.has_hopper() { tune::HOPPER_CONFIG..tune::CONFIGS } else { 0..0 };
+        let configs = (0..shapes::FA2_CONFIGS.len() as u8).chain(hopper);
         for c in configs {
             let kernel = tune::kernel_of(c);
             if let Err(e) = self.ready(kernel) {

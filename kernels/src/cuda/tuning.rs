@@ -1,6 +1,7 @@
 //! The autotuner's state in one backend ([`Tuning`]); the tuning itself is [`super::tune`].
 
 use crate::gpu::ops::FlashKernel;
+use crate::gpu::shapes::HOPPER_CONFIGS;
 use crate::gpu::tune::{ShapeClass, TuneTable};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -22,8 +23,9 @@ pub(crate) struct Tuning {
     pub(super) chosen: Mutex<HashMap<(u32, ShapeClass), (u8, u32)>>,
     /// A failure already reported (once per process).
     pub(super) warned: Mutex<bool>,
-    /// The Hopper kernel's self-check, run once when first needed (`Err`: why it is not used).
-    pub(super) hopper: OnceLock<std::result::Result<(), String>>,
+    /// The Hopper kernel's self-check per configuration, run once when first needed (`Err`:
+    /// why it is not used).
+    pub(super) hopper: [OnceLock<std::result::Result<(), String>>; HOPPER_CONFIGS.len()],
 }
 
 impl Tuning {
@@ -38,7 +40,7 @@ impl Tuning {
             table: Mutex::new(None),
             chosen: Mutex::new(HashMap::new()),
             warned: Mutex::new(false),
-            hopper: OnceLock::new(),
+            hopper: std::array::from_fn(|_| OnceLock::new()),
         }
     }
 }

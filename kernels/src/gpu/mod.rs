@@ -290,17 +290,25 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         name: "flash_hopper.cu",
         source: include_str!("../../cuda/flash_hopper.cu"),
-        kernels: &[
-            budget_dyn("fp_flash_hopper_d64", 168, 16, ops::hopper_shared_bytes(64))
-                .threads(ops::HOPPER_THREADS)
-                .sass(SassBudget::Wgmma { hgmma: 64 / 16 + ops::HOPPER_KEYS / 16, in_loop: true }),
-            budget_dyn("fp_flash_hopper_d128", 168, 16, ops::hopper_shared_bytes(128))
-                .threads(ops::HOPPER_THREADS)
-                .sass(SassBudget::Wgmma { hgmma: 128 / 16 + ops::HOPPER_KEYS / 16, in_loop: true }),
-        ],
+        kernels: &[hopper_budget(0, 64), hopper_budget(0, 128)],
         only_arch: Some("sm_90a"),
     },
 ];
+
+/// The budget of `flash_hopper.cu` at head dimension `d` (64 or 128) in configuration `config`
+/// (an index of [`shapes::HOPPER_CONFIGS`]): every product of the loop a warpgroup instruction
+/// (D/16 for S, 128/16 for P V), no local memory, and registers within what the `setmaxnreg`
+/// plan starts from: the SM's 64K registers over the block's threads (168 at 384 threads), and
+/// never above the consumers' 232 (an increase must not lower the count).
+const fn hopper_budget(config: usize, d: u32) -> Budget {
+    let s = shapes::HOPPER_CONFIGS[config];
+    let regs = (65536 / s.threads()) & !7;
+    let regs = if regs < 232 { regs } else { 232 };
+    let name = shapes::HOPPER_KERNELS[config][if d == 64 { 0 } else { 1 }];
+    budget_dyn(name, regs, 16, s.shared_bytes(d))
+        .threads(s.threads())
+        .sass(SassBudget::Wgmma { hgmma: d / 16 + shapes::HOPPER_KEYS / 16, in_loop: true })
+}
 
 /// The Hopper self-check: one warpgroup, 128 + 64 accumulators a thread, every product a
 /// warpgroup instruction (12 HGMMA, no HMMA).
@@ -314,8 +322,9 @@ pub fn program(file: &KernelFile) -> String {
     program_in(file, 0)
 }
 
-/// [`program`] with `flash2.cu`'s configuration `config` (an index of
-/// [`shapes::FA2_CONFIGS`]; other than 0, its kernels carry the configuration's suffix).
+/// [`program`] in build `config` ([`shapes::header`]: `flash2.cu` in [`shapes::FA2_CONFIGS`]`[config]`,
+/// `flash_hopper.cu` in [`shapes::HOPPER_CONFIGS`]`[config]`; other than 0, their kernels carry
+/// the configuration's suffix).
 pub fn program_in(file: &KernelFile, config: usize) -> String {
     let hopper = if file.only_arch.is_some() { HOPPER } else { "" };
     format!("{}{COMMON}\n{FLASH_TILES}\n{hopper}\n{}", shapes::header(config), file.source)
@@ -325,7 +334,7 @@ pub fn program_in(file: &KernelFile, config: usize) -> String {
 /// kernels.
 pub fn sources_hash() -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
-    let headers: Vec<String> = (0..shapes::FA2_CONFIGS.len()).map(shapes::header).collect();
+    let headers: Vec<String> = (0..shapes::BUILDS).map(shapes::header).collect();
     let parts = [COMMON, FLASH_TILES, HOPPER]
         .into_iter()
         .chain(FILES.iter().map(|f| f.source))
@@ -366,9 +375,24 @@ pub fn config_budgets(config: usize) -> Vec<Budget> {
         .collect()
 }
 
+/// The budgets of `flash_hopper.cu`'s kernels in configuration `config` (an index of
+/// [`shapes::HOPPER_CONFIGS`] other than 0, whose budgets are in [`FILES`]), the same rules as
+/// the default build's.
+pub fn hopper_config_budgets(config: usize) -> Vec<Budget> {
+    if config == 0 || config >= shapes::HOPPER_CONFIGS.len() {
+        return Vec::new();
+    }
+    vec![hopper_budget(config, 64), hopper_budget(config, 128)]
+}
+
 fn all_config_budgets() -> &'static [Budget] {
     static ALL: OnceLock<Vec<Budget>> = OnceLock::new();
-    ALL.get_or_init(|| (1..shapes::FA2_CONFIGS.len()).flat_map(config_budgets).collect())
+    ALL.get_or_init(|| {
+        (1..shapes::FA2_CONFIGS.len())
+            .flat_map(config_budgets)
+            .chain((1..shapes::HOPPER_CONFIGS.len()).flat_map(hopper_config_budgets))
+            .collect()
+    })
 }
 
 /// Element type behind a kernel's pointer parameter.

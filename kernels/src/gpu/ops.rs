@@ -7,8 +7,8 @@
 mod hopper;
 
 pub use hopper::{
-    hopper_attention, hopper_attention_maps, hopper_probe, hopper_probe_kernel, hopper_probe_maps, hopper_shared_bytes,
-    probe_break, Swizzle, HOPPER_KEYS, HOPPER_PROBE_SHARED_BYTES, HOPPER_ROWS, HOPPER_THREADS,
+    hopper_attention, hopper_attention_maps, hopper_probe, hopper_probe_kernel, hopper_probe_maps, probe_break,
+    Swizzle, HOPPER_KEYS, HOPPER_PROBE_SHARED_BYTES,
 };
 
 use super::{shapes, stride_launch, Arg, Call, Elem, Launch, Ptr};
@@ -412,8 +412,9 @@ pub enum FlashKernel {
     /// `flash.cu`: the first tensor-core kernel (16 rows a warp), kept as the reference.
     Reference,
     /// `flash_hopper.cu` (compute capability 9.0 only): warpgroup products, TMA copies, a
-    /// producer warpgroup ([`hopper_attention`]: it takes tensor maps).
-    Hopper,
+    /// producer warpgroup ([`hopper_attention`]: it takes tensor maps), in configuration `.0`
+    /// (an index of [`shapes::HOPPER_CONFIGS`]; 0 the default build).
+    Hopper(u8),
 }
 
 impl Default for FlashKernel {
@@ -424,15 +425,33 @@ impl Default for FlashKernel {
 
 impl FlashKernel {
     /// Every kernel (flash2 in its default configuration), the default first.
-    pub const ALL: [FlashKernel; 3] = [FlashKernel::Fa2(0), FlashKernel::Reference, FlashKernel::Hopper];
+    pub const ALL: [FlashKernel; 3] = [FlashKernel::Fa2(0), FlashKernel::Reference, FlashKernel::Hopper(0)];
 
-    /// Every configuration of flash2, the reference, then the Hopper kernel (what the
-    /// emulation tests run).
+    /// Every configuration of flash2, the reference, then every configuration of the Hopper
+    /// kernel (what the emulation tests run).
     pub fn every() -> Vec<FlashKernel> {
         (0..shapes::FA2_CONFIGS.len() as u8)
             .map(FlashKernel::Fa2)
-            .chain([FlashKernel::Reference, FlashKernel::Hopper])
+            .chain([FlashKernel::Reference])
+            .chain((0..shapes::HOPPER_CONFIGS.len() as u8).map(FlashKernel::Hopper))
             .collect()
+    }
+
+    /// The Hopper kernel's shape (`None` for the others).
+    pub const fn hopper_shape(self) -> Option<shapes::HopperShape> {
+        match self {
+            FlashKernel::Hopper(c) => {
+                let c = c as usize;
+                let c = if c < shapes::HOPPER_CONFIGS.len() { c } else { 0 };
+                Some(shapes::HOPPER_CONFIGS[c])
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether this is the Hopper kernel (any configuration).
+    pub const fn is_hopper(self) -> bool {
+        matches!(self, FlashKernel::Hopper(_))
     }
 
     /// flash2's shape at head dimension `d` (`None` for the reference).
@@ -443,34 +462,34 @@ impl FlashKernel {
                 let c = if c < shapes::FA2_CONFIGS.len() { c } else { 0 };
                 Some(shapes::FA2_CONFIGS[c].at(d))
             }
-            FlashKernel::Reference | FlashKernel::Hopper => None,
+            FlashKernel::Reference | FlashKernel::Hopper(_) => None,
         }
     }
 
     /// Packed query rows per block at head dimension `d`.
     pub const fn rows(self, d: u32) -> u32 {
-        match (self, self.fa2_shape(d)) {
-            (_, Some(s)) => s.rows(),
-            (FlashKernel::Hopper, None) => HOPPER_ROWS,
-            (_, None) => FLASH_ROWS,
+        match (self.fa2_shape(d), self.hopper_shape()) {
+            (Some(s), _) => s.rows(),
+            (None, Some(h)) => h.rows(),
+            (None, None) => FLASH_ROWS,
         }
     }
 
     /// Threads per block at head dimension `d`.
     pub const fn threads(self, d: u32) -> u32 {
-        match (self, self.fa2_shape(d)) {
-            (_, Some(s)) => s.threads(),
-            (FlashKernel::Hopper, None) => HOPPER_THREADS,
-            (_, None) => FLASH_THREADS,
+        match (self.fa2_shape(d), self.hopper_shape()) {
+            (Some(s), _) => s.threads(),
+            (None, Some(h)) => h.threads(),
+            (None, None) => FLASH_THREADS,
         }
     }
 
     /// Keys per tile at head dimension `d`.
     pub const fn keys(self, d: u32) -> u32 {
-        match (self, self.fa2_shape(d)) {
-            (_, Some(s)) => s.keys,
-            (FlashKernel::Hopper, None) => HOPPER_KEYS,
-            (_, None) => FLASH_KEYS,
+        match (self.fa2_shape(d), self.hopper_shape()) {
+            (Some(s), _) => s.keys,
+            (None, Some(_)) => HOPPER_KEYS,
+            (None, None) => FLASH_KEYS,
         }
     }
 
@@ -479,9 +498,9 @@ impl FlashKernel {
     /// bank groups), and two stages of key positions.
     /// The Hopper kernel: unpadded (swizzled) tiles, 1024 bytes to align them, its mbarriers.
     pub const fn shared_bytes(self, d: u32) -> u32 {
-        match self {
-            FlashKernel::Hopper => hopper_shared_bytes(d),
-            _ => (self.rows(d) + 4 * self.keys(d)) * (d + 8) * 2 + 2 * self.keys(d) * 4,
+        match self.hopper_shape() {
+            Some(h) => h.shared_bytes(d),
+            None => (self.rows(d) + 4 * self.keys(d)) * (d + 8) * 2 + 2 * self.keys(d) * 4,
         }
     }
 
@@ -491,8 +510,7 @@ impl FlashKernel {
             (FlashKernel::Fa2(c), _) => shapes::fa2_kernel(c as usize, d),
             (FlashKernel::Reference, 64) => Some("fp_flash_attn_d64"),
             (FlashKernel::Reference, 128) => Some("fp_flash_attn_d128"),
-            (FlashKernel::Hopper, 64) => Some("fp_flash_hopper_d64"),
-            (FlashKernel::Hopper, 128) => Some("fp_flash_hopper_d128"),
+            (FlashKernel::Hopper(c), _) => shapes::hopper_kernel(c as usize, d),
             _ => None,
         }
     }
@@ -503,7 +521,8 @@ impl FlashKernel {
             FlashKernel::Fa2(0) => "fa2".into(),
             FlashKernel::Fa2(c) => format!("fa2:c{c}"),
             FlashKernel::Reference => "reference".into(),
-            FlashKernel::Hopper => "hopper".into(),
+            FlashKernel::Hopper(0) => "hopper".into(),
+            FlashKernel::Hopper(c) => format!("hopper:c{c}"),
         }
     }
 }
@@ -514,9 +533,10 @@ impl std::str::FromStr for FlashKernel {
         FlashKernel::every().into_iter().find(|k| k.name() == s).ok_or_else(|| {
             format!(
                 "unknown tensor-core attention kernel {s:?}: use fa2 (the default configuration, or the one \
-                 `flowprefill tune` chose), fa2:c1 .. fa2:c{} (one configuration), reference, or hopper \
-                 (compute capability 9.0)",
-                shapes::FA2_CONFIGS.len() - 1
+                 `flowprefill tune` chose), fa2:c1 .. fa2:c{} (one configuration), reference, hopper or \
+                 hopper:c1 .. hopper:c{} (compute capability 9.0)",
+                shapes::FA2_CONFIGS.len() - 1,
+                shapes::HOPPER_CONFIGS.len() - 1
             )
         })
     }
@@ -582,7 +602,7 @@ pub fn flash_plan_aiming(
     };
     let wanted = wanted.clamp(1, key_tiles.max(1));
     // The Hopper kernel's tiles hold several metadata tiles: splits are cut on its tiles.
-    let unit = if kernel == FlashKernel::Hopper { HOPPER_KEYS / FLASH_KEYS } else { 1 };
+    let unit = if kernel.is_hopper() { HOPPER_KEYS / FLASH_KEYS } else { 1 };
     let tiles_per_split = key_tiles.div_ceil(wanted).max(1).next_multiple_of(unit);
     let splits = key_tiles.div_ceil(tiles_per_split).max(1);
     FlashPlan { kernel, q_tiles, key_tiles, splits, tiles_per_split }
@@ -634,7 +654,7 @@ pub fn flash_attention(
     for (what, p, e) in [("q", q, Elem::Bf16), ("k", k, Elem::Bf16), ("v", v, Elem::Bf16), ("out", out, Elem::F32)] {
         expect(op, what, p, e)?;
     }
-    if plan.kernel == FlashKernel::Hopper {
+    if plan.kernel.is_hopper() {
         return Err(KernelError::Shape {
             op,
             detail: "the Hopper kernel takes tensor maps: ops::hopper_attention".into(),

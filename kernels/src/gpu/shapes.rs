@@ -115,7 +115,12 @@ pub const FA2_KERNELS: [[&str; 2]; 4] = [
 
 /// The kernel of configuration `config` at head dimension `d` (64 or 128).
 pub fn fa2_kernel(config: usize, d: u32) -> Option<&'static str> {
-    let names = FA2_KERNELS.get(config)?;
+    name_at(&FA2_KERNELS, config, d)
+}
+
+/// The name in a table of kernel names per configuration and head dimension (64, 128).
+fn name_at(table: &[[&'static str; 2]], config: usize, d: u32) -> Option<&'static str> {
+    let names = table.get(config)?;
     match d {
         64 => Some(names[0]),
         128 => Some(names[1]),
@@ -123,18 +128,89 @@ pub fn fa2_kernel(config: usize, d: u32) -> Option<&'static str> {
     }
 }
 
+/// Keys per tile of `flash_hopper.cu` (two metadata tiles): one wgmma of n128 for S.
+pub const HOPPER_KEYS: u32 = 128;
+
+/// One configuration of `flash_hopper.cu` (the same at both head dimensions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HopperShape {
+    /// Consumer warpgroups of 64 packed rows each (1 or 2); one producer warpgroup beside them.
+    pub consumers: u32,
+    /// K and V tiles in flight.
+    pub stages: u32,
+    /// The two consumer warpgroups take turns at the tensor pipe (FlashAttention-3's
+    /// ping-pong; two consumers only).
+    pub pingpong: bool,
+}
+
+impl HopperShape {
+    /// Packed query rows per block.
+    pub const fn rows(self) -> u32 {
+        64 * self.consumers
+    }
+
+    /// Threads per block: the consumers' warpgroups and the producer's.
+    pub const fn threads(self) -> u32 {
+        128 * (self.consumers + 1)
+    }
+
+    /// Dynamic shared memory at head dimension `d`: the query tile, the K and V stages
+    /// (swizzled, unpadded), 1024 bytes to align them to the swizzle atom, the barriers.
+    pub const fn shared_bytes(self, d: u32) -> u32 {
+        self.rows() * d * 2 + 2 * self.stages * HOPPER_KEYS * d * 2 + 1024 + 16 * self.stages
+    }
+}
+
+/// The configurations of `flash_hopper.cu`; 0 is the default build (the one the self-check
+/// and `FLOWPREFILL_FLASH_KERNEL=hopper` run). The others are the autotuner's: ping-pong off
+/// (each warpgroup overlaps its own softmax with its P V only), two stages, and one consumer
+/// warpgroup (64-row blocks: half the idle rows of calls with few packed rows, such as the
+/// probe's and the final prompt's over a long context, with key splits; three stages at d128
+/// fit beside its smaller query tile).
+pub const HOPPER_CONFIGS: [HopperShape; 4] = [
+    HopperShape { consumers: 2, stages: 3, pingpong: true },
+    HopperShape { consumers: 2, stages: 3, pingpong: false },
+    HopperShape { consumers: 2, stages: 2, pingpong: true },
+    HopperShape { consumers: 1, stages: 3, pingpong: false },
+];
+
+/// `flash_hopper.cu`'s kernel names per configuration and head dimension (as [`FA2_KERNELS`]).
+pub const HOPPER_KERNELS: [[&str; 2]; 4] = [
+    ["fp_flash_hopper_d64", "fp_flash_hopper_d128"],
+    ["fp_flash_hopper_d64_c1", "fp_flash_hopper_d128_c1"],
+    ["fp_flash_hopper_d64_c2", "fp_flash_hopper_d128_c2"],
+    ["fp_flash_hopper_d64_c3", "fp_flash_hopper_d128_c3"],
+];
+
+/// The Hopper kernel of configuration `config` at head dimension `d` (64 or 128).
+pub fn hopper_kernel(config: usize, d: u32) -> Option<&'static str> {
+    name_at(&HOPPER_KERNELS, config, d)
+}
+
+/// Builds of the configurable files: build `c` is `flash2.cu` in [`FA2_CONFIGS`]`[c]` and
+/// `flash_hopper.cu` in [`HOPPER_CONFIGS`]`[c]` ([`header`]).
+pub const BUILDS: usize = if FA2_CONFIGS.len() > HOPPER_CONFIGS.len() { FA2_CONFIGS.len() } else { HOPPER_CONFIGS.len() };
+
 /// The base name of a kernel (a configuration's suffix removed).
 pub fn base_kernel(name: &str) -> &str {
     match name.rsplit_once("_c") {
-        Some((base, n)) if base.starts_with("fp_flash2_attn_d") && n.parse::<usize>().is_ok() => base,
+        Some((base, n))
+            if (base.starts_with("fp_flash2_attn_d") || base.starts_with("fp_flash_hopper_d"))
+                && n.parse::<usize>().is_ok() =>
+        {
+            base
+        }
         _ => name,
     }
 }
 
 /// The `#define`s of every launch shape, with `flash2.cu` in configuration `config` (an index
-/// of [`FA2_CONFIGS`]; other than 0, its kernels renamed `_c<config>`).
+/// of [`FA2_CONFIGS`]) and `flash_hopper.cu` in its configuration `config` ([`HOPPER_CONFIGS`]);
+/// other than 0, their kernels renamed `_c<config>`.
 pub fn header(config: usize) -> String {
     let c = FA2_CONFIGS[config.min(FA2_CONFIGS.len() - 1)];
+    let hc = config.min(HOPPER_CONFIGS.len() - 1);
+    let hs = HOPPER_CONFIGS[hc];
     let mut h = String::from("// Launch shapes: written by flowprefill_kernels::gpu::shapes::header.\n");
     let mut def = |name: &str, value: String| {
         h.push_str(&format!("#define {name} {value}\n"));
@@ -155,9 +231,15 @@ pub fn header(config: usize) -> String {
         def(&format!("FP_FA2_D{d}_QREGS"), u32::from(s.q_in_regs).to_string());
         def(&format!("FP_FA2_D{d}_MINB"), s.min_blocks.to_string());
     }
+    def("FP_FH_CONSUMERS", hs.consumers.to_string());
+    def("FP_FH_STAGES", hs.stages.to_string());
+    def("FP_FH_PINGPONG", u32::from(hs.pingpong).to_string());
+    def("FP_FH_KEYS", HOPPER_KEYS.to_string());
+    def("FP_FH_THREADS", hs.threads().to_string());
     if config != 0 {
         for (d, name) in [(64, 0), (128, 1)] {
-            def(&format!("fp_flash2_attn_d{d}"), FA2_KERNELS[config][name].to_string());
+            def(&format!("fp_flash2_attn_d{d}"), FA2_KERNELS[config.min(FA2_KERNELS.len() - 1)][name].to_string());
+            def(&format!("fp_flash_hopper_d{d}"), HOPPER_KERNELS[hc][name].to_string());
         }
     }
     h

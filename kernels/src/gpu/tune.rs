@@ -69,7 +69,8 @@ pub struct TuneKey {
 pub struct TuneEntry {
     /// What it holds for.
     pub key: TuneKey,
-    /// The winner: an index of [`super::shapes::FA2_CONFIGS`], or [`HOPPER_CONFIG`].
+    /// The winner: an index of [`super::shapes::FA2_CONFIGS`], or [`HOPPER_CONFIG`] plus an
+    /// index of [`super::shapes::HOPPER_CONFIGS`].
     pub config: u8,
     /// Blocks per SM the key splits aim at (decode class; 2 elsewhere, the untuned default).
     pub blocks_per_sm: u32,
@@ -79,17 +80,30 @@ pub struct TuneEntry {
     pub candidates: Vec<(u8, u32, f64)>,
 }
 
-/// The configuration number of the Hopper kernel (`flash_hopper.cu`) among the candidates: the
-/// one after flash2's ([`super::shapes::FA2_CONFIGS`]); timed on compute capability 9.0 only,
-/// once its self-check passed.
+/// The configuration number of the Hopper kernel's (`flash_hopper.cu`) default configuration
+/// among the candidates: the one after flash2's ([`super::shapes::FA2_CONFIGS`]); its other
+/// configurations follow ([`super::shapes::HOPPER_CONFIGS`]). Timed on compute capability 9.0
+/// only, each once its self-check passed.
 pub const HOPPER_CONFIG: u8 = super::shapes::FA2_CONFIGS.len() as u8;
+
+/// One past the last configuration number.
+pub const CONFIGS: u8 = HOPPER_CONFIG + super::shapes::HOPPER_CONFIGS.len() as u8;
 
 /// The kernel a configuration number stands for.
 pub fn kernel_of(config: u8) -> super::ops::FlashKernel {
-    if config == HOPPER_CONFIG {
-        super::ops::FlashKernel::Hopper
+    if config >= HOPPER_CONFIG {
+        super::ops::FlashKernel::Hopper(config - HOPPER_CONFIG)
     } else {
         super::ops::FlashKernel::Fa2(config)
+    }
+}
+
+/// The configuration number of a kernel (the reference is not a candidate: `None`).
+pub fn config_of(kernel: super::ops::FlashKernel) -> Option<u8> {
+    match kernel {
+        super::ops::FlashKernel::Fa2(c) => Some(c),
+        super::ops::FlashKernel::Hopper(c) => Some(HOPPER_CONFIG + c),
+        super::ops::FlashKernel::Reference => None,
     }
 }
 
@@ -196,7 +210,7 @@ fn parse_line(line: &str) -> Option<TuneEntry> {
         _ => return None,
     };
     let config: u8 = config.parse().ok()?;
-    if config > HOPPER_CONFIG {
+    if config >= CONFIGS {
         return None;
     }
     let candidates = cands
@@ -263,8 +277,14 @@ pub fn describe(table: &TuneTable, gpu: &str, driver: i32, sources: u64) -> Vec<
 
 /// A configuration's shape at head dimension `d`, in words.
 pub fn describe_config(config: usize, d: u32) -> String {
-    if config == HOPPER_CONFIG as usize {
-        return "flash_hopper: 2 consumer warpgroups x 64 rows, 128 keys a tile, wgmma + TMA".into();
+    if let Some(h) = config.checked_sub(HOPPER_CONFIG as usize).and_then(|c| super::shapes::HOPPER_CONFIGS.get(c)) {
+        return format!(
+            "flash_hopper: {} consumer warpgroup(s) x 64 rows, {} keys a tile, {} stages, ping-pong {}, wgmma + TMA",
+            h.consumers,
+            super::shapes::HOPPER_KEYS,
+            h.stages,
+            if h.pingpong { "on" } else { "off" }
+        );
     }
     let Some(c) = super::shapes::FA2_CONFIGS.get(config) else { return "unknown".into() };
     let s = c.at(d);
@@ -375,8 +395,15 @@ mod tests {
     #[test]
     fn the_hopper_kernel_is_the_configuration_after_flash2s() {
         use crate::gpu::ops::FlashKernel;
-        assert_eq!(kernel_of(HOPPER_CONFIG), FlashKernel::Hopper);
+        assert_eq!(kernel_of(HOPPER_CONFIG), FlashKernel::Hopper(0));
+        assert_eq!(kernel_of(HOPPER_CONFIG + 3), FlashKernel::Hopper(3));
         assert_eq!(kernel_of(1), FlashKernel::Fa2(1));
+        for k in FlashKernel::every().into_iter().filter(|k| *k != FlashKernel::Reference) {
+            let c = config_of(k).expect("a candidate");
+            assert!(c < CONFIGS, "{k:?}");
+            assert_eq!(kernel_of(c), k);
+        }
+        assert!(describe_config(HOPPER_CONFIG as usize + 3, 128).contains("1 consumer warpgroup(s)"));
         assert!(describe_config(HOPPER_CONFIG as usize, 128).starts_with("flash_hopper"));
         let mut t = TuneTable::default();
         t.put(entry(12080, 128, ShapeClass::Prefill, HOPPER_CONFIG));

@@ -1,26 +1,13 @@
 //! The launches of the Hopper files (sm_90a): their tensor maps ([`super::super::tma`]) and
 //! calls.
 
-use super::{expect, ptr, split_destinations, then_combine, tile_ranges, with_dims, AttnDims, FlashKernel, FlashPlan};
+use super::{expect, ptr, split_destinations, then_combine, tile_ranges, with_dims, AttnDims, FlashPlan};
 use crate::error::{KernelError, Result};
 pub use crate::gpu::tma::Swizzle;
 use crate::gpu::tma::TensorMap2d;
 use crate::gpu::{shapes, Arg, Call, Elem, Launch, Ptr};
 
-/// Packed query rows per block of `flash_hopper.cu`: two consumer warpgroups of 64.
-pub const HOPPER_ROWS: u32 = 128;
-/// Keys per tile (two metadata tiles).
-pub const HOPPER_KEYS: u32 = 128;
-/// Threads per block: the two consumer warpgroups and the producer's.
-pub const HOPPER_THREADS: u32 = 3 * 128;
-/// Stages of K and V tiles in flight.
-const HOPPER_STAGES: u32 = 3;
-
-/// Dynamic shared memory of `flash_hopper.cu` at head dimension `d`: the query tile, the K and
-/// V stages (swizzled, unpadded), 1024 bytes to align them to the swizzle atom, the barriers.
-pub const fn hopper_shared_bytes(d: u32) -> u32 {
-    HOPPER_ROWS * d * 2 + 2 * HOPPER_STAGES * HOPPER_KEYS * d * 2 + 1024 + 16 * HOPPER_STAGES
-}
+pub use crate::gpu::shapes::HOPPER_KEYS;
 
 /// Dynamic shared memory of the Hopper self-check (`hopper_probe.cu`): A [64][64] and two B
 /// tiles of 64 x 128 (bf16), the mbarrier, and 1024 bytes to align the tiles to the swizzle
@@ -113,7 +100,7 @@ pub fn hopper_attention(
     expect(op, "q", q, Elem::Bf16)?;
     expect(op, "out", out, Elem::F32)?;
     let d = dims;
-    let (Some(kernel), FlashKernel::Hopper) = (plan.kernel.kernel(d.head_dim), plan.kernel) else {
+    let (Some(kernel), true) = (plan.kernel.kernel(d.head_dim), plan.kernel.is_hopper()) else {
         return Err(KernelError::Shape {
             op,
             detail: format!("a plan for {:?} at head_dim {} (the kernel takes 64 or 128)", plan.kernel, d.head_dim),
@@ -128,8 +115,8 @@ pub fn hopper_attention(
         kernel,
         launch: Launch {
             grid: [plan.q_tiles, d.n_kv_heads, plan.splits],
-            block: [HOPPER_THREADS, 1, 1],
-            shared_bytes: hopper_shared_bytes(d.head_dim),
+            block: [plan.kernel.threads(d.head_dim), 1, 1],
+            shared_bytes: plan.kernel.shared_bytes(d.head_dim),
         },
         args: with_dims(
             &[ptr(maps), ptr(q), ptr(qpos), ptr(kmeta), ptr(lo), ptr(hi), ptr(dst_out), ptr(dst_lse)],

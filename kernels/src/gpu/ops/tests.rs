@@ -23,12 +23,12 @@ fn plans_split_keys_only_when_blocks_are_few() {
     let p = flash_plan(dims(3, 0, 9, 3, 64), FlashKernel::Fa2(0), 132, None);
     assert_eq!((p.key_tiles, p.splits), (0, 1));
     // Forced splits cover every tile exactly once.
-    for (force, kernel) in (1..9).flat_map(|f| FlashKernel::ALL.map(|k| (f, k))) {
+    for (force, kernel) in (1..9).flat_map(|f| FlashKernel::every().into_iter().map(move |k| (f, k))) {
         let p = flash_plan(dims(17, 1000, 7, 1, 64), kernel, 132, Some(force));
         assert!(p.splits <= force && (p.splits - 1) * p.tiles_per_split < p.key_tiles);
         assert!(p.splits * p.tiles_per_split >= p.key_tiles);
         // The Hopper kernel's splits are cut on its 128-key tiles.
-        assert!(kernel != FlashKernel::Hopper || p.tiles_per_split % 2 == 0, "{p:?}");
+        assert!(!kernel.is_hopper() || p.tiles_per_split % 2 == 0, "{p:?}");
     }
 }
 
@@ -121,8 +121,8 @@ fn launch_shapes_come_from_the_header_only() {
 #[test]
 fn the_hopper_kernel_is_planned_on_its_tiles_and_takes_tensor_maps() {
     let d = dims(300, 1000, 8, 2, 128);
-    let plan = flash_plan(d, FlashKernel::Hopper, 132, Some(3));
-    assert_eq!(plan.q_tiles, (300u32 * 4).div_ceil(HOPPER_ROWS));
+    let plan = flash_plan(d, FlashKernel::Hopper(0), 132, Some(3));
+    assert_eq!(plan.q_tiles, (300u32 * 4).div_ceil(128));
     assert_eq!(plan.tiles_per_split % (HOPPER_KEYS / FLASH_KEYS), 0, "{plan:?}");
     let (q, u, f) = (Ptr::new(0, Elem::Bf16), Ptr::new(0, Elem::U32), Ptr::new(0, Elem::F32));
     let maps = Ptr::new(0, Elem::U64);
@@ -130,7 +130,8 @@ fn the_hopper_kernel_is_planned_on_its_tiles_and_takes_tensor_maps() {
     assert!(e.to_string().contains("hopper_attention"), "{e}");
     let calls = hopper_attention(d, &plan, maps, q, u, u, f, f, Some((f, f)), 1.0).unwrap();
     assert_eq!(calls[0].kernel, "fp_flash_hopper_d128");
-    assert_eq!(calls[0].launch.block, [HOPPER_THREADS, 1, 1]);
+    assert_eq!(calls[0].launch.block, [384, 1, 1]);
+    assert_eq!(calls[0].launch.shared_bytes, 128 * 128 * 2 + 2 * 3 * 128 * 128 * 2 + 1024 + 48);
     assert_eq!(calls[0].launch.grid, [plan.q_tiles, 2, plan.splits]);
     calls.iter().for_each(|c| c.check().unwrap_or_else(|e| panic!("{e}")));
     let fa2 = flash_plan(d, FlashKernel::Fa2(0), 132, None);
@@ -142,5 +143,18 @@ fn the_hopper_kernel_is_planned_on_its_tiles_and_takes_tensor_maps() {
     assert_eq!((km.dims, km.row_bytes, km.boxed), ([256, 1000], 512, [64, HOPPER_KEYS]));
     assert_eq!(vm.base, 0x10000 + 1000 * 256 * 2);
     assert!(hopper_attention_maps(dims(4, 0, 8, 2, 128), k, k).unwrap().is_none(), "no keys, no maps");
-    assert_eq!("hopper".parse::<FlashKernel>(), Ok(FlashKernel::Hopper));
+    assert_eq!("hopper".parse::<FlashKernel>(), Ok(FlashKernel::Hopper(0)));
+    // The one-consumer configuration: 64-row blocks of 256 threads, its own kernel name.
+    let one = FlashKernel::Hopper(3);
+    assert_eq!("hopper:c3".parse::<FlashKernel>(), Ok(one));
+    let plan = flash_plan(d, one, 132, Some(3));
+    assert_eq!(plan.q_tiles, (300u32 * 4).div_ceil(64));
+    let calls = hopper_attention(d, &plan, maps, q, u, u, f, f, Some((f, f)), 1.0).unwrap();
+    assert_eq!((calls[0].kernel, calls[0].launch.block), ("fp_flash_hopper_d128_c3", [256, 1, 1]));
+    assert_eq!(calls[0].launch.shared_bytes, 64 * 128 * 2 + 2 * 3 * 128 * 128 * 2 + 1024 + 48);
+    calls.iter().for_each(|c| c.check().unwrap_or_else(|e| panic!("{e}")));
+    // Every configuration fits a Hopper SM's 227 KB of shared memory at d128.
+    for k in FlashKernel::every().into_iter().filter(|k| k.is_hopper()) {
+        assert!(k.shared_bytes(128) <= 227 * 1024, "{k:?}: {}", k.shared_bytes(128));
+    }
 }
