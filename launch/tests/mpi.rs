@@ -243,9 +243,23 @@ fn bench_ttft_measures_every_rank_count_of_one_mpirun_with_its_projection() {
     for p in ["2", "3"] {
         assert!(has(p, "ring") && has(p, "infoflow"), "rank count {p} missing: {csv}");
     }
+    let phases_col = csv.lines().next().unwrap().split(',').position(|c| c == "projected_phases").expect("a column");
     for r in &rows {
         let (measured, projected): (f64, f64) = (r[6].parse().unwrap(), r[7].parse().unwrap());
         assert!(measured > 0.0 && projected > 0.0, "{r:?}");
+        // The projection phase by phase (`phase:total:compute:exposed`): the phases the
+        // method runs, whose totals add up to the projected TTFT.
+        let phases: Vec<Vec<&str>> = r[phases_col].split(';').map(|p| p.split(':').collect()).collect();
+        let names: Vec<&str> = phases.iter().map(|p| p[0]).collect();
+        let want: &[&str] =
+            if r[3] == "infoflow" { &["chunk_prefill", "probe", "recompute", "final_prompt"] } else { &["prefill"] };
+        assert_eq!(names, want, "{r:?}");
+        let total: f64 = phases.iter().map(|p| p[1].parse::<f64>().unwrap()).sum();
+        assert!((total - projected).abs() <= 0.1 * phases.len() as f64, "{total} against {projected}: {r:?}");
+        for p in &phases {
+            let [t, c, e] = [1, 2, 3].map(|i| p[i].parse::<f64>().unwrap());
+            assert!(c >= 0.0 && e >= 0.0 && c <= t + 0.1 && e <= t + 0.1, "{p:?} in {r:?}");
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

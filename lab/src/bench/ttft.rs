@@ -10,7 +10,7 @@ use flowprefill_worker::LoadedModel;
 use std::path::PathBuf;
 
 /// The CSV's header line.
-pub const CSV_HEADER: &str = "length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,disk_hits,auto_predicted,ran\n";
+pub const CSV_HEADER: &str = "length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,disk_hits,auto_predicted,projected_phases,ran\n";
 
 /// Where `bench ttft` takes its chunk caches from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,8 +196,18 @@ impl Measure {
         let predicted = r.auto.as_ref().map_or(String::new(), |c| {
             c.candidates.iter().map(|k| format!("{}={:.1}", k.label, k.ttft_ms)).collect::<Vec<_>>().join(";")
         });
+        // The projection phase by phase, to hold against the measured phases beside it:
+        // `phase:total:compute:exposed_comm` in ms (the slowest rank's), `;`-separated.
+        let phases = proj.as_ref().map_or(String::new(), |p| {
+            let ms = |s: f64| format!("{:.1}", s * 1e3);
+            p.phases
+                .iter()
+                .map(|t| format!("{}:{}:{}:{}", t.phase, ms(t.total_s), ms(t.compute_s), ms(t.exposed_comm_s)))
+                .collect::<Vec<_>>()
+                .join(";")
+        });
         self.csv.push_str(&format!(
-            "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{bytes_max},{wait_ms:.1},{},{},{},{},{predicted}",
+            "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{bytes_max},{wait_ms:.1},{},{},{},{},{predicted},{phases}",
             self.scope.name(),
             opt(proj.as_ref().map(|p| p.ttft_s * 1e3)),
             ph("chunk_prefill"),
