@@ -38,9 +38,10 @@
 //! With an f32 KV cache a chunked method at 128K needs 16.1 + 68.7 GB: it does not fit one
 //! 80 GB GPU; bf16 makes it fit.
 //!
-//! Everything runs on one stream in order; a download synchronizes, and nothing else inside a
-//! forward does (the engine settles the stream at phase boundaries, for its phase timers). Errors from the driver,
-//! NVRTC and cuBLAS become [`KernelError::Backend`] naming the op.
+//! Everything runs on one stream in order (the backend's own, non-blocking, not the legacy
+//! default stream); a download synchronizes, and nothing else inside a forward does (the engine
+//! settles the stream at phase boundaries, for its phase timers). Errors from the driver, NVRTC
+//! and cuBLAS become [`KernelError::Backend`] naming the op.
 
 use super::buffers::{self, ControlCache, DevData, DeviceRope, MatData, Scratch};
 pub use super::buffers::{DeviceBuf, DeviceMat, Mark};
@@ -132,7 +133,6 @@ impl CudaBackend {
             Err(_) => None,
         };
         let driver = super::versions().driver.unwrap_or(0);
-        let stream = ctx.default_stream();
         // SAFETY: every op of this backend runs on `stream`, one stream, so cudarc's per-buffer
         // events order nothing (two made with every allocation and destroyed with it, recorded
         // and waited on at every use once a second stream exists): a few microseconds of host
@@ -140,6 +140,12 @@ impl CudaBackend {
         // 2026-11-26). The NCCL exchange, which adds a stream, turns them back on before making
         // it (`NcclPlane::new`), for every buffer made from then on.
         unsafe { ctx.disable_event_tracking() };
+        // A stream of the backend's own, non-blocking (issue 51, item 5): not the legacy default
+        // stream, which synchronises with every other blocking stream of the context and cannot
+        // be captured into a CUDA graph. Nothing here relied on that implicit ordering: every op,
+        // copy, allocation, cuBLAS call and event of the backend names this stream, and the NCCL
+        // plane's stream (non-blocking too) is ordered against it by events.
+        let stream = ctx.new_stream().map_err(|e| err("stream", e))?;
         // Not fatal: without it the pool returns freed memory at each synchronisation and
         // allocations go back to the driver (slower, still correct).
         if let Err(e) = buffers::keep_freed_memory(&ctx) {
