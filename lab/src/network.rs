@@ -9,6 +9,10 @@
 //! DIR/full/LEN/ttft.csv                      full prefill on one host
 //! DIR/N-hosts/RATE/LEN/{exact,sparse}/ttft.csv   ring and InfoFlow on N hosts
 //! ```
+//!
+//! Where the cells carry the projection phase by phase (`projected_phases`), the report also
+//! writes `network-phases.csv` and a second table in `network.md`: each phase measured against
+//! projected, to show where a cell's projection error comes from.
 
 use crate::error::{io, LabError, Result};
 use crate::plot::{line_chart_log, Series};
@@ -43,6 +47,76 @@ pub struct Cell {
     pub projected_ms: Option<f64>,
     /// Median projected communication (overlapped or not), ms.
     pub projected_comm_ms: Option<f64>,
+    /// The projection phase by phase against the measured phases (from `projected_phases`;
+    /// empty for a `ttft.csv` written before it).
+    pub phases: Vec<PhaseCheck>,
+}
+
+/// One phase of a cell, measured against projected: medians over the cell's runs, ms.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct PhaseCheck {
+    /// `chunk_prefill`, `probe`, `recompute`, `final_prompt`, or `prefill` (ring, full).
+    pub phase: String,
+    /// Measured (the phase's wall time, the `{phase}_ms` column).
+    pub measured_ms: f64,
+    /// Projected, the slowest rank's.
+    pub projected_ms: f64,
+    /// Of which compute.
+    pub projected_compute_ms: f64,
+    /// Of which communication not hidden behind compute.
+    pub projected_exposed_comm_ms: f64,
+}
+
+impl PhaseCheck {
+    /// (projected - measured) / measured (`None` for a phase measured at 0).
+    pub fn error(&self) -> Option<f64> {
+        (self.measured_ms > 0.0).then(|| (self.projected_ms - self.measured_ms) / self.measured_ms)
+    }
+}
+
+/// The phases of a cell's runs: each `projected_phases` entry (`phase:total:compute:exposed`)
+/// beside the run's measured `{phase}_ms`, as medians per phase in the projection's order.
+fn phase_checks(path: &Path, rows: &[BTreeMap<String, String>]) -> Result<Vec<PhaseCheck>> {
+    let mut order: Vec<String> = Vec::new();
+    let mut values: BTreeMap<String, [Vec<f64>; 4]> = BTreeMap::new();
+    for row in rows {
+        let Some(text) = row.get("projected_phases").filter(|t| !t.is_empty()) else { continue };
+        for entry in text.split(';') {
+            let parts: Vec<&str> = entry.split(':').collect();
+            let nums: Option<Vec<f64>> = parts.get(1..).map(|p| p.iter().filter_map(|v| v.parse().ok()).collect());
+            let (Some(name), Some(nums)) = (parts.first(), nums.filter(|n| n.len() == 3 && parts.len() == 4)) else {
+                return Err(bad(
+                    path,
+                    format!("`projected_phases` entry {entry:?} is not phase:total:compute:exposed"),
+                ));
+            };
+            let measured = match row.get(&format!("{name}_ms")).map(|v| v.parse::<f64>()) {
+                Some(Ok(m)) => m,
+                _ => return Err(bad(path, format!("no measured `{name}_ms` beside its projection"))),
+            };
+            if !order.iter().any(|o| o == name) {
+                order.push(name.to_string());
+            }
+            let v = values.entry(name.to_string()).or_default();
+            for (i, x) in [measured, nums[0], nums[1], nums[2]].into_iter().enumerate() {
+                v[i].push(x);
+            }
+        }
+    }
+    Ok(order
+        .into_iter()
+        .filter_map(|name| {
+            let mut v = values.remove(&name)?;
+            let mut med = |i: usize| crate::median(&mut v[i]);
+            Some(PhaseCheck {
+                measured_ms: med(0),
+                projected_ms: med(1),
+                projected_compute_ms: med(2),
+                projected_exposed_comm_ms: med(3),
+                phase: name,
+            })
+        })
+        .collect())
 }
 
 impl Cell {
@@ -125,6 +199,7 @@ fn cell(
         comm_wait_ms: crate::median(&mut col("comm_wait_ms")?),
         projected_ms: opt(col("projected_ms")?),
         projected_comm_ms: opt(col("projected_comm_ms")?),
+        phases: phase_checks(path, rows)?,
     })
 }
 
@@ -294,8 +369,34 @@ pub fn report(dir: &Path) -> Result<Written> {
     let csv_path = dir.join("network.csv");
     std::fs::write(&csv_path, &csv).map_err(io("writing", &csv_path))?;
     files.push(csv_path.display().to_string());
+    // The projection phase by phase, where the cells have it: where an error comes from.
+    let mut phases_csv = String::from(
+        "hosts,rate,length,method,phase,measured_ms,projected_ms,projected_compute_ms,projected_exposed_comm_ms,error\n",
+    );
+    let mut phases_md = String::from(
+        "\n| hosts | link | tokens | method | phase | measured ms | projected ms (compute / exposed comm) | error |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for c in &cells {
+        for p in &c.phases {
+            let err = p.error();
+            let what = [c.hosts.to_string(), c.rate.clone(), c.length.to_string(), c.method.clone(), p.phase.clone()];
+            let (m, pr, pc, pe) = (p.measured_ms, p.projected_ms, p.projected_compute_ms, p.projected_exposed_comm_ms);
+            let e_csv = err.map_or(String::new(), |x| format!("{x:.3}"));
+            phases_csv.push_str(&format!("{},{m:.1},{pr:.1},{pc:.1},{pe:.1},{e_csv}\n", what.join(",")));
+            let e_md = err.map_or("-".to_string(), |x| format!("{:+.0}%", x * 100.0));
+            phases_md.push_str(&format!("| {} | {m:.0} | {pr:.0} ({pc:.0} / {pe:.0}) | {e_md} |\n", what.join(" | ")));
+        }
+    }
+    let with_phases = cells.iter().any(|c| !c.phases.is_empty());
+    if with_phases {
+        let path = dir.join("network-phases.csv");
+        std::fs::write(&path, &phases_csv).map_err(io("writing", &path))?;
+        files.push(path.display().to_string());
+    }
     let md_path = dir.join("network.md");
-    std::fs::write(&md_path, &table).map_err(io("writing", &md_path))?;
+    let md = if with_phases { format!("{table}\nBy phase (medians):\n{phases_md}") } else { table.clone() };
+    std::fs::write(&md_path, md).map_err(io("writing", &md_path))?;
     files.push(md_path.display().to_string());
     // TTFT against the measured link rate, one line per method, host count and length; full
     // prefill on one host (no link) as a flat line across the rates measured.
@@ -391,6 +492,54 @@ mod tests {
         );
         let csv = std::fs::read_to_string(dir.join("network.csv")).unwrap();
         assert_eq!(csv.lines().count(), 5, "{csv}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_projection_is_held_against_each_measured_phase() {
+        let dir = std::env::temp_dir().join(format!("fp-network-phases-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let header = HEADER.replace("auto_predicted,ran", "auto_predicted,projected_phases,ran");
+        let write_new = |path: &Path, rows: &[&str]| {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, format!("{header}\n{}\n", rows.join("\n"))).unwrap();
+        };
+        write_new(
+            &dir.join("full/4096/ttft.csv"),
+            &["4096,4120,1,full,exact,0,4000.0,3900.0,0,0,0,0,3990.0,0,0,0.0,0.0,0.0,cold,0,,prefill:3900.0:3900.0:0.0,full"],
+        );
+        let phases =
+            "chunk_prefill:1200.0:1200.0:0.0;probe:20.0:18.0:2.0;recompute:900.0:850.0:50.0;final_prompt:30.0:30.0:0.0";
+        write_new(&dir.join("4-hosts/unshaped/4096/sparse/ttft.csv"), &[
+            &format!("4096,4120,4,infoflow,sparse,0,1900.0,2150.0,1000.0,25.0,500.0,30.0,0,1,1,10.0,1.0,1.0,cold,0,,{phases},infoflow"),
+            &format!("4096,4120,4,infoflow,sparse,1,2100.0,2150.0,1100.0,25.0,600.0,30.0,0,1,1,10.0,1.0,1.0,cold,0,,{phases},infoflow"),
+        ]);
+        let w = report(&dir).unwrap();
+        let sparse = w.cells.iter().find(|c| c.method == "infoflow sparse").unwrap();
+        let names: Vec<&str> = sparse.phases.iter().map(|p| p.phase.as_str()).collect();
+        assert_eq!(names, ["chunk_prefill", "probe", "recompute", "final_prompt"]);
+        let r = &sparse.phases[2];
+        assert_eq!(
+            (r.measured_ms, r.projected_ms, r.projected_compute_ms, r.projected_exposed_comm_ms),
+            (550.0, 900.0, 850.0, 50.0)
+        );
+        assert!((r.error().unwrap() - 350.0 / 550.0).abs() < 1e-12);
+        assert_eq!(w.cells[0].phases[0].measured_ms, 3990.0, "full's one phase is `prefill`");
+        let csv = std::fs::read_to_string(dir.join("network-phases.csv")).unwrap();
+        assert_eq!(csv.lines().count(), 1 + 1 + 4, "{csv}");
+        assert!(csv.contains("4,unshaped,4096,infoflow sparse,recompute,550.0,900.0,850.0,50.0,0.636"), "{csv}");
+        let md = std::fs::read_to_string(dir.join("network.md")).unwrap();
+        assert!(
+            md.contains("| 4 | unshaped | 4096 | infoflow sparse | recompute | 550 | 900 (850 / 50) | +64% |"),
+            "{md}"
+        );
+        // A malformed entry is an error that names it.
+        write_new(
+            &dir.join("full/4096/ttft.csv"),
+            &["4096,4120,1,full,exact,0,4000.0,3900.0,0,0,0,0,3990.0,0,0,0.0,0.0,0.0,cold,0,,prefill:x,full"],
+        );
+        let e = report(&dir).unwrap_err().to_string();
+        assert!(e.contains("\"prefill:x\" is not phase:total:compute:exposed"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -225,9 +225,7 @@ impl CudaBackend {
         let (dq, dk, dv) = (up16(&q)?, up16(&k)?, up16(&v)?);
         let (dqp, dmeta) = (up32(&qpos)?, up32(&ops::key_meta(&kpos))?);
         let mut got = Vec::new();
-        for (kernel, splits) in
-            [(FlashKernel::Fa2(0), None), (hopper, None), (hopper, Some(2))]
-        {
+        for (kernel, splits) in [(FlashKernel::Fa2(0), None), (hopper, None), (hopper, Some(2))] {
             let mut out = s.alloc_zeros::<f32>(m * heads * d).map_err(|e| err("alloc", e))?;
             let mut lse = s.alloc_zeros::<f32>(m * heads).map_err(|e| err("alloc", e))?;
             {

@@ -189,7 +189,8 @@ pub fn hopper_kernel(config: usize, d: u32) -> Option<&'static str> {
 
 /// Builds of the configurable files: build `c` is `flash2.cu` in [`FA2_CONFIGS`]`[c]` and
 /// `flash_hopper.cu` in [`HOPPER_CONFIGS`]`[c]` ([`header`]).
-pub const BUILDS: usize = if FA2_CONFIGS.len() > HOPPER_CONFIGS.len() { FA2_CONFIGS.len() } else { HOPPER_CONFIGS.len() };
+pub const BUILDS: usize =
+    if FA2_CONFIGS.len() > HOPPER_CONFIGS.len() { FA2_CONFIGS.len() } else { HOPPER_CONFIGS.len() };
 
 /// The base name of a kernel (a configuration's suffix removed).
 pub fn base_kernel(name: &str) -> &str {
