@@ -98,15 +98,6 @@ pub fn kernel_of(config: u8) -> super::ops::FlashKernel {
     }
 }
 
-/// The configuration number of a kernel (the reference is not a candidate: `None`).
-pub fn config_of(kernel: super::ops::FlashKernel) -> Option<u8> {
-    match kernel {
-        super::ops::FlashKernel::Fa2(c) => Some(c),
-        super::ops::FlashKernel::Hopper(c) => Some(HOPPER_CONFIG + c),
-        super::ops::FlashKernel::Reference => None,
-    }
-}
-
 /// Blocks per SM the key splits aim at without a decision.
 pub const DEFAULT_BLOCKS_PER_SM: u32 = 2;
 
@@ -398,11 +389,12 @@ mod tests {
         assert_eq!(kernel_of(HOPPER_CONFIG), FlashKernel::Hopper(0));
         assert_eq!(kernel_of(HOPPER_CONFIG + 3), FlashKernel::Hopper(3));
         assert_eq!(kernel_of(1), FlashKernel::Fa2(1));
-        for k in FlashKernel::every().into_iter().filter(|k| *k != FlashKernel::Reference) {
-            let c = config_of(k).expect("a candidate");
-            assert!(c < CONFIGS, "{k:?}");
-            assert_eq!(kernel_of(c), k);
-        }
+        // Every candidate number names a distinct kernel, and they are every kernel but the
+        // reference.
+        let named: Vec<FlashKernel> = (0..CONFIGS).map(kernel_of).collect();
+        let want: Vec<FlashKernel> =
+            FlashKernel::every().into_iter().filter(|k| *k != FlashKernel::Reference).collect();
+        assert_eq!(named, want);
         assert!(describe_config(HOPPER_CONFIG as usize + 3, 128).contains("1 consumer warpgroup(s)"));
         assert!(describe_config(HOPPER_CONFIG as usize, 128).starts_with("flash_hopper"));
         let mut t = TuneTable::default();

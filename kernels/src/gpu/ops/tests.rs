@@ -1,6 +1,7 @@
 //! The launch builders' plans, metadata, type checks and launch shapes.
 
 use super::*;
+use crate::gpu::shapes;
 
 fn dims(m: u32, n: u32, h: u32, kv: u32, d: u32) -> AttnDims {
     AttnDims { m, n, n_heads: h, n_kv_heads: kv, head_dim: d }
