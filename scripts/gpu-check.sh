@@ -43,6 +43,16 @@ attention_bench() {
 }
 attention_bench
 for k in hopper hopper:c1 hopper:c2 hopper:c3; do FLOWPREFILL_FLASH_KERNEL=$k attention_bench; done
+# Decode at about 7K tokens of context, steps recorded once as a CUDA graph and replayed (the
+# default) against op by op, alternating in one call: ms per token.
+decode_doc=$(mktemp)
+python3 -c 'print("The harbour of Redwater is quiet; its keeper logs every ship that passes. " * 500)' > "$decode_doc"
+for g in on off on off on off; do
+  FLOWPREFILL_DECODE_GRAPH=$g "$FP" run --device cuda --method full --json --max-tokens 150 \
+    --doc "$decode_doc" --query "Count from 1 to 100, one number per line." \
+    | python3 -c 'import json,sys; d=json.load(sys.stdin); print("decode graphs", sys.argv[1], d["n_context_tokens"], "tokens:", d["decode_ms_per_token"], "ms/token")' "$g"
+done
+rm -f "$decode_doc"
 gpus=$("$FP" devices | grep -c '^cuda:[0-9]' || true)
 if [ "$gpus" -ge 2 ]; then
   run_tests cuda p_gpus

@@ -73,6 +73,7 @@ struct Parts<B: Backend> {
     memory_limit: Option<usize>,
     timeout: Duration,
     chooser: Option<Arc<dyn crate::auto::Chooser>>,
+    decode_graphs: bool,
 }
 
 impl<B: Backend> Parts<B> {
@@ -89,6 +90,7 @@ impl<B: Backend> Parts<B> {
             memory_limit: None,
             timeout,
             chooser: None,
+            decode_graphs: true,
         }
     }
 }
@@ -146,6 +148,14 @@ impl<B: Backend> ThreadRanks<B> {
         Self::build(parts)
     }
 
+    /// The same world with its ranks' decode steps recorded and replayed or not (see
+    /// [`Engine::with_decode_graphs`]).
+    pub fn with_decode_graphs(self, on: bool) -> Result<Self> {
+        let parts = Parts { decode_graphs: on, ..self.parts() };
+        drop(self);
+        Self::build(parts)
+    }
+
     /// The same world with the chunk store's disk tier `tier` under every rank's store (they
     /// share its folder; see `flowprefill_worker::store::disk`).
     pub fn with_disk(self, tier: Option<DiskTier>) -> Result<Self> {
@@ -179,6 +189,7 @@ impl<B: Backend> ThreadRanks<B> {
         // One model for every rank: one device's memory holds every rank's job.
         let e = if self.parts.lms.len() == 1 { e.with_memory_peers(self.parts.ranks) } else { e };
         let e = e.with_memory_limit(self.parts.memory_limit).with_chooser(self.parts.chooser.clone());
+        let e = e.with_decode_graphs(self.parts.decode_graphs);
         match self.parts.aux.len() {
             0 => Ok(e),
             n => e.with_aux(self.parts.aux[rank % n].clone()),

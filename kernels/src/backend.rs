@@ -354,6 +354,34 @@ pub trait Backend: Send + Sync + 'static {
         self.append(dst, &part)
     }
 
+    /// Writes all of `src` (rows of `width` values) into `dst` from row `at` on; `dst` keeps its
+    /// length (the rows must be inside it). Under [`Backend::record`] a row equal to the step's
+    /// [`StepValues::row`] is read from device memory, so a replay writes the row it is given.
+    fn put_rows(&self, dst: &mut Self::Buf, src: &Self::Buf, at: usize, width: usize) -> Result<()> {
+        if width == 0 {
+            return Ok(());
+        }
+        let rows = self.len(src) / width;
+        let src_rows: Vec<usize> = (0..rows).collect();
+        let dst_rows: Vec<usize> = (at..at + rows).collect();
+        self.copy_rows(src, &src_rows, dst, &dst_rows, width)
+    }
+
+    /// Records the ops `step` queues as one step to replay ([`Recorded::replay`]) with other
+    /// [`StepValues`], instead of running them: `Ok(None)` where the backend does not record
+    /// (the default, and the CPU, where an op costs far more than its launch). While recording,
+    /// an embedding of the one id `values.token`, a one-element position list equal to
+    /// `values.position` and [`Backend::put_rows`] at `values.row` read those values from device
+    /// memory that a replay sets; every other argument is fixed in the recording, so the caller
+    /// records only ops whose other arguments stay the same from step to step (see
+    /// [`step`](self::step)). Nothing `step` computes is valid until the recording is replayed;
+    /// it must not read results back (a download waits for work that was never queued). An error
+    /// leaves nothing recorded and the backend as before; the caller then runs the step as usual.
+    fn record(&self, values: StepValues, step: &mut dyn FnMut() -> Result<()>) -> Result<Option<Recorded>> {
+        let _ = (values, step);
+        Ok(None)
+    }
+
     /// A buffer's exact contents in host memory, in its own element type.
     fn download_typed(&self, buf: &Self::Buf) -> Result<HostBuf>;
     /// A device buffer with exactly these contents and element type.
@@ -543,9 +571,11 @@ pub struct Memory {
 
 mod cpu;
 mod forward;
+mod step;
 pub use cpu::{host_available_bytes, Cpu};
 pub(crate) use forward::forward_backend_with;
 pub use forward::Wrapper;
+pub use step::{Recorded, Replay, StepValues};
 
 #[cfg(test)]
 mod tests {

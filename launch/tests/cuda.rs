@@ -237,3 +237,41 @@ fn more_ranks_than_gpus_is_a_clear_error() {
     assert!(err.contains(&format!("needs {ranks} GPUs")) && err.contains(&format!("has {n}")), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Decode steps recorded once as a CUDA graph and replayed per token (the default on one GPU)
+/// give the answer of steps run op by op (`FLOWPREFILL_DECODE_GRAPH=off`), over up to 148 tokens
+/// (past one block of 128 rows ahead when the model counts that far), for full prefill and
+/// InfoFlow; and no recording fell back (the fallback says so on stderr).
+#[test]
+fn decode_graphs_give_the_answers_of_steps_run_op_by_op() {
+    if !has_gpu() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fp-graph-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let doc = dir.join("d.txt");
+    let text = "The harbour of Redwater is quiet. Its lighthouse keeper, Ada Voss, logs every ship. ".repeat(40);
+    std::fs::write(&doc, text).unwrap();
+    let tokens = (flowprefill_worker::steps::AHEAD + 20).to_string();
+    for method in ["full", "infoflow"] {
+        let run = |graphs: &str| {
+            let out = bin()
+                .env("FLOWPREFILL_DECODE_GRAPH", graphs)
+                .args(["run", "--device", "cuda", "--method", method, "--json", "--max-tokens", &tokens])
+                .args(["--doc", doc.to_str().unwrap(), "--query", "Count from 1 to 100, one number per line."])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr).to_string();
+            assert!(out.status.success(), "{method}, graphs {graphs}: {err}");
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            (v, err)
+        };
+        let (eager, _) = run("off");
+        let (graphs, err) = run("on");
+        assert!(!err.contains("decode steps run op by op"), "{method}: recording fell back: {err}");
+        let per = |v: &serde_json::Value| v["decode_ms_per_token"].clone();
+        eprintln!("{method}: {} ms/token with graphs, {} op by op; {}", per(&graphs), per(&eager), graphs["answer"]);
+        assert_eq!(graphs["answer"], eager["answer"], "{method}: answers differ with decode graphs");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -6,6 +6,7 @@ use crate::interrupt::Check;
 use crate::kv::{KeyForm, KvCache};
 use crate::model::{Logits, Model};
 use crate::sampling::{Sampler, SamplingConfig};
+use crate::steps::DecodeSteps;
 use crate::tokenizer::Tokenizer;
 use flowprefill_kernels::Backend;
 use std::time::{Duration, Instant};
@@ -154,8 +155,10 @@ pub fn decode_with(
     }
 }
 
-/// Decodes over `cache` (rotated keys) starting with `first`, appending each token; `check`
-/// runs before every layer of every token ([`crate::interrupt::never`] for none).
+/// Decodes over `cache` (rotated keys) starting with `first`, each token's K/V into the cache
+/// ([`DecodeSteps`]: recorded once and replayed where the backend can, when `record`); `check`
+/// runs before every layer of a step run op by op and once before a replayed one
+/// ([`crate::interrupt::never`] for none).
 #[allow(clippy::too_many_arguments)]
 pub fn decode<B: Backend>(
     model: &Model<B>,
@@ -166,15 +169,15 @@ pub fn decode<B: Backend>(
     max_new_tokens: usize,
     on_text: &mut dyn FnMut(&str) -> bool,
     check: Check<'_>,
+    record: bool,
 ) -> Result<(Vec<u32>, StopReason)> {
     let window = model.config().context_length;
     let next_pos = cache.positions().last().map_or(0, |p| p + 1);
-    let mut step = |tok: u32, pos: u32| -> Result<Vec<f32>> {
-        let mut attend = AppendAttend::new(model.backend(), cache, &[pos])?;
-        let out = model.forward_checked(&[tok], &[pos], &mut attend, Logits::Last, &mut *check)?;
-        attend.commit()?;
-        Ok(out.last().to_vec())
-    };
+    let mut alone = flowprefill_comm::local::LocalComm::group(1)
+        .pop()
+        .ok_or_else(|| crate::error::internal("a world of one rank"))?;
+    let mut steps = DecodeSteps::new(model, vec![], cache, max_new_tokens, record)?;
+    let mut step = |tok: u32, pos: u32| steps.run(&mut alone, tok, pos, &mut *check);
     decode_with(tokenizer, first, sampler, max_new_tokens, window, next_pos, &mut step, on_text)
 }
 
@@ -202,8 +205,9 @@ pub fn generate<B: Backend>(
     let ttft = t0.elapsed();
     let first_logits = logits;
     let max = cfg.max_new_tokens;
-    let (tokens, stop) =
-        decode(model, tokenizer, &mut cache, first, &mut sampler, max, on_text, &mut crate::interrupt::never)?;
+    let never = &mut crate::interrupt::never;
+    let record = crate::steps::decode_graphs_allowed();
+    let (tokens, stop) = decode(model, tokenizer, &mut cache, first, &mut sampler, max, on_text, never, record)?;
     let text = tokenizer.decode(&tokens)?;
     Ok(Generation {
         prompt_tokens: prompt.len(),

@@ -160,6 +160,22 @@ impl<B: Backend> KvCache<B> {
         self.positions = positions;
     }
 
+    /// Adds `rows` rows of zero keys and values at positions `first..first + rows` to every
+    /// layer: the rows coming decode steps write in place ([`Backend::put_rows`]). Until a step
+    /// writes one, causal masking hides it from every query before its position; its zeros keep
+    /// a masked product finite.
+    pub fn extend_ahead(&mut self, backend: &B, first: u32, rows: usize) -> Result<()> {
+        let n = self.positions.len() + rows;
+        for layer in &mut self.layers {
+            backend.reserve(&mut layer.k, n * self.kv_dim)?;
+            backend.resize(&mut layer.k, n * self.kv_dim)?;
+            backend.reserve(&mut layer.v, n * self.kv_dim)?;
+            backend.resize(&mut layer.v, n * self.kv_dim)?;
+        }
+        self.positions.extend(first..first + rows as u32);
+        Ok(())
+    }
+
     /// Drops rows beyond `n` in every layer.
     pub fn truncate(&mut self, backend: &B, n: usize) -> Result<()> {
         if n >= self.positions.len() {

@@ -10,7 +10,7 @@ use flowprefill_kernels::Backend;
 use flowprefill_worker::generate::{decode_with, StopReason};
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::model::Logits;
-use flowprefill_worker::steps::{HeadScores, LocalSegment, Replicated};
+use flowprefill_worker::steps::{DecodeSteps, HeadScores, LocalSegment, Replicated};
 use flowprefill_worker::store::ChunkKey;
 
 impl<B: Backend> Engine<B> {
@@ -111,16 +111,12 @@ impl<B: Backend> Engine<B> {
         turn: &mut Turn<'_>,
     ) -> Result<Option<(Vec<u32>, StopReason)>> {
         let model = &self.lm.model;
-        let be = model.backend();
         let window = model.config().context_length;
         let watch = turn.watch.clone();
+        let max = turn.opts.max_new_tokens;
+        let mut steps = DecodeSteps::new(model, segs, &mut tail, max, self.decode_graphs)?;
         let mut step = |comm: &mut dyn Communicator, tok: u32, pos: u32| -> flowprefill_worker::Result<Vec<f32>> {
-            let local = segs.clone();
-            let mut rep = Replicated::new(be, comm, "decode", local, &mut tail, &[pos], vec![])?;
-            let mut check = || watch.check(phase::DECODE);
-            let out = model.forward_checked(&[tok], &[pos], &mut rep, Logits::Last, &mut check)?;
-            rep.commit()?;
-            Ok(out.last().to_vec())
+            steps.run(comm, tok, pos, &mut || watch.check(phase::DECODE))
         };
         match &mut turn.role {
             Role::Lead { sampler, on_text } => {
@@ -128,7 +124,6 @@ impl<B: Backend> Engine<B> {
                 turn.out.ttft = turn.t0.elapsed();
                 turn.out.first_logits = logits;
                 self.fault_point(0, phase::DECODE)?;
-                let max = turn.opts.max_new_tokens;
                 let out = turn.phases.time(phase::DECODE, || -> Result<_> {
                     let mut lead_step = |tok: u32, pos: u32| -> flowprefill_worker::Result<Vec<f32>> {
                         broadcast_value(comm, "decode.token", 0, Some(&Some((tok, pos))))?;

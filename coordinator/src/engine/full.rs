@@ -36,8 +36,11 @@ impl<B: Backend> Engine<B> {
         let mut check = || watch.check(phase::DECODE);
         let max = turn.opts.max_new_tokens;
         let tokenizer = &self.lm.tokenizer;
+        let record = self.decode_graphs;
         turn.phases
-            .time(phase::DECODE, || decode(model, tokenizer, &mut cache, first, sampler, max, *on_text, &mut check))
+            .time(phase::DECODE, || {
+                decode(model, tokenizer, &mut cache, first, sampler, max, *on_text, &mut check, record)
+            })
             .map_err(Into::into)
     }
 

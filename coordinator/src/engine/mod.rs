@@ -237,6 +237,8 @@ pub struct Engine<B: Backend> {
     chooser: Option<Arc<dyn Chooser>>,
     /// The last exact answer computed to verify a job (rank 0).
     exact_memo: verify::ExactMemo,
+    /// Whether decode steps on one rank may be recorded and replayed ([`Backend::record`]).
+    decode_graphs: bool,
 }
 
 /// How the caller of [`Engine::lead_with`] steers the job: its client's cancellation flag,
@@ -325,7 +327,16 @@ impl<B: Backend> Engine<B> {
             memory_limit: None,
             chooser: None,
             exact_memo: verify::ExactMemo::default(),
+            decode_graphs: flowprefill_worker::steps::decode_graphs_allowed(),
         }
+    }
+
+    /// Lets decode steps be recorded once and replayed per token (on by default, unless
+    /// `FLOWPREFILL_DECODE_GRAPH=off`): only where this engine's thread is the only one driving
+    /// the device while it decodes (a service that ingests beside its jobs turns it off).
+    pub fn with_decode_graphs(mut self, on: bool) -> Self {
+        self.decode_graphs &= on;
+        self
     }
 
     /// Resolves `--method auto` with `chooser` (and tells it what verified answers show).

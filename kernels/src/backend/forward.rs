@@ -216,6 +216,9 @@ macro_rules! for_each_backend_op {
             fn append(dst: &mut Self::Buf, src: &Self::Buf) -> Result<()>;
             fn append_rows(dst: &mut Self::Buf, src: &Self::Buf, first: usize, rows: usize, width: usize)
                 -> Result<()>;
+            fn put_rows(dst: &mut Self::Buf, src: &Self::Buf, at: usize, width: usize) -> Result<()>;
+            fn record(values: $crate::backend::StepValues, step: &mut dyn FnMut() -> $crate::Result<()>)
+                -> Result<Option<$crate::backend::Recorded>>;
             fn download_typed(buf: &Self::Buf) -> Result<$crate::HostBuf>;
             fn upload_typed(host: &$crate::HostBuf) -> Result<Self::Buf>;
             fn stage_out(buf: &Self::Buf) -> Result<$crate::HostBuf>;

@@ -21,6 +21,7 @@
 //!              driver after the first forward of a size, and nothing waits for the stream
 //!   timing     `mark` records an event on the stream; `seconds_between` reads two of them
 //!              later, so the model's per-op profile adds no host synchronisation
+//!   decode     a step recorded once as a CUDA graph and replayed per token (`graph.rs`)
 //! ```
 //!
 //! Memory plan for an 8B-class llama/qwen model (32 layers, d 4096, 8 KV heads of 128, FFN
@@ -48,7 +49,7 @@ pub use super::buffers::{DeviceBuf, DeviceMat, Mark};
 use super::err;
 use super::loader::{load_file, Occupancy};
 use crate::attention::AttnShape;
-use crate::backend::{from_bf16, to_bf16, Backend, DType, HostBuf};
+use crate::backend::{from_bf16, to_bf16, Backend, DType, HostBuf, Recorded, StepValues};
 use crate::error::{check_len, KernelError, Result};
 use crate::gpu::ops;
 use crate::gpu::{self, Call, Elem, Ptr};
@@ -93,7 +94,9 @@ pub struct CudaBackend {
     pub(super) part_out: Scratch<f32>,
     pub(super) part_lse: Scratch<f32>,
     /// Uploaded control data, by content.
-    control: ControlCache,
+    pub(super) control: ControlCache,
+    /// The step being recorded, if any (`record`).
+    pub(super) recorder: super::graph::Recorder,
 }
 
 /// Why a buffer of the wrong element type was refused.
@@ -170,6 +173,7 @@ impl CudaBackend {
             }
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS (is libcublas on the library path?)", e))?;
+        let epoch = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut backend = Self {
             ordinal,
             arch,
@@ -185,11 +189,12 @@ impl CudaBackend {
             weights,
             kv,
             ropes: Mutex::new(HashMap::new()),
-            gemm_x: Scratch::new(),
-            attn_q: Scratch::new(),
-            part_out: Scratch::new(),
-            part_lse: Scratch::new(),
+            gemm_x: Scratch::new(epoch.clone()),
+            attn_q: Scratch::new(epoch.clone()),
+            part_out: Scratch::new(epoch.clone()),
+            part_lse: Scratch::new(epoch.clone()),
             control: ControlCache::new(),
+            recorder: super::graph::Recorder::new(epoch),
         };
         // The Hopper attention runs only after it computed a known problem as flash2 does on
         // this very GPU; otherwise flash2 (and its autotuner) with one line saying why.
@@ -241,6 +246,7 @@ impl CudaBackend {
     /// The caller holds the guards of every buffer the call names until this returns.
     pub(super) fn run(&self, call: &Call) -> Result<()> {
         call.check().map_err(|e| err("launch", e))?;
+        self.refuse_while_recorded_elsewhere(call.kernel)?;
         let loaded = self.functions.get(call.kernel).cloned().or_else(|| self.extra_function(call.kernel));
         let f = loaded.ok_or_else(|| err("kernel", format!("{} was not loaded", call.kernel)))?;
         let mut cells: Vec<u64> = call.args.iter().map(|a| a.cell()).collect();
@@ -267,11 +273,6 @@ impl CudaBackend {
 
     pub(super) fn run_built(&self, call: Result<Call>) -> Result<()> {
         self.run(&call?)
-    }
-
-    /// The device copy of control data `v` (cached by content, see [`ControlCache`]).
-    pub(super) fn upload_u32(&self, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
-        self.control.get(&self.stream, v)
     }
 
     /// `len` elements of `dtype` whose contents the caller overwrites entirely before any
@@ -526,7 +527,7 @@ impl Backend for CudaBackend {
         if ids.is_empty() {
             return Ok(());
         }
-        let dev_ids = self.upload_u32(ids)?;
+        let dev_ids = self.upload_as(ids, super::graph::Role::Token)?;
         let (ip, _i) = dev_ids.device_ptr(&self.stream);
         let (op, _o) = out.ptr_mut(&self.stream);
         let (tp, _t) = match &table.data {
@@ -722,6 +723,14 @@ impl Backend for CudaBackend {
 
     fn append(&self, dst: &mut DeviceBuf, src: &DeviceBuf) -> Result<()> {
         self.append_range(dst, src, 0, src.len)
+    }
+
+    fn put_rows(&self, dst: &mut DeviceBuf, src: &DeviceBuf, at: usize, width: usize) -> Result<()> {
+        self.put_rows_on_device(dst, src, at, width)
+    }
+
+    fn record(&self, values: StepValues, step: &mut dyn FnMut() -> Result<()>) -> Result<Option<Recorded>> {
+        self.record_step(values, step)
     }
 
     fn append_rows(&self, dst: &mut DeviceBuf, src: &DeviceBuf, first: usize, rows: usize, width: usize) -> Result<()> {

@@ -111,21 +111,31 @@ pub(crate) struct DeviceRope {
 /// A device allocation reused across calls, grown (never shrunk) to the largest request.
 pub(crate) struct Scratch<T> {
     buf: Mutex<Option<CudaSlice<T>>>,
+    /// Counts reallocations (shared by the backend's scratch buffers): a recorded step that
+    /// names the allocation is stale once this moves.
+    grown: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Scratch<T> {
-    pub(crate) fn new() -> Self {
-        Self { buf: Mutex::new(None) }
+    pub(crate) fn new(grown: Arc<std::sync::atomic::AtomicU64>) -> Self {
+        Self { buf: Mutex::new(None), grown }
     }
 
-    /// The allocation, at least `len` long, locked for the caller.
+    /// The allocation, at least `len` long, locked for the caller. `recording`: a step is being
+    /// recorded on this thread, which must not reallocate (the recording would name memory it
+    /// allocated itself): an error then, and the step runs as usual.
     pub(crate) fn get(
         &self,
         stream: &Arc<CudaStream>,
         len: usize,
+        recording: bool,
     ) -> Result<std::sync::MutexGuard<'_, Option<CudaSlice<T>>>> {
         let mut g = self.buf.lock().unwrap_or_else(|p| p.into_inner());
         if g.as_ref().is_none_or(|s| s.len() < len) {
+            if recording {
+                return Err(err("record", format!("a scratch buffer of {len} values would be reallocated")));
+            }
+            self.grown.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
             *g = None; // free the smaller one first
             let bytes = len.max(1) * std::mem::size_of::<T>();
             *g = Some(stream.alloc_zeros::<T>(len.max(1)).map_err(|e| alloc_err(stream, "scratch alloc", bytes, e))?);
@@ -214,6 +224,13 @@ impl ControlCache {
             }
         }
         Ok(dev)
+    }
+
+    /// The device copy of `v` if it is held, without uploading or evicting anything.
+    pub(crate) fn find(&self, v: &[u32]) -> Option<Arc<CudaSlice<u32>>> {
+        let sig = signature(v);
+        let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.iter().rev().find(|(s, host, _)| *s == sig && host.as_slice() == v).map(|e| e.2.clone())
     }
 
     /// Entries held (for tests and statistics).

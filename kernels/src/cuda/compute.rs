@@ -5,6 +5,7 @@
 use super::backend::{check_same, want, CudaBackend};
 use super::buffers::{DeviceBuf, DeviceMat, MatData};
 use super::err;
+use super::graph::Role;
 use crate::attention::AttnShape;
 use crate::backend::DType;
 use crate::error::{KernelError, Result};
@@ -60,7 +61,7 @@ impl CudaBackend {
                 // f32 activations (an attention output) go to bf16 in a scratch reused across
                 // calls.
                 let need = rows * k;
-                let mut scratch = self.gemm_x.get(&self.stream, need)?;
+                let mut scratch = self.gemm_x.get(&self.stream, need, self.recording_here())?;
                 let xb = scratch.as_mut().ok_or_else(|| err("gemm", "no scratch"))?;
                 let (xbp, _xb) = xb.device_ptr_mut(&self.stream);
                 self.run_built(ops::convert(xp, Ptr::new(xbp, Elem::Bf16), need as u64))?;
@@ -78,7 +79,7 @@ impl CudaBackend {
         if q.dtype() == DType::Bf16 {
             return f(qp);
         }
-        let mut scratch = self.attn_q.get(&self.stream, q.len)?;
+        let mut scratch = self.attn_q.get(&self.stream, q.len, self.recording_here())?;
         let qb = scratch.as_mut().ok_or_else(|| err("attention", "no scratch"))?;
         let (qbp, _g) = qb.device_ptr_mut(&self.stream);
         let qb = Ptr::new(qbp, Elem::Bf16);
@@ -106,8 +107,8 @@ impl CudaBackend {
     ) -> Result<R> {
         let s = &self.stream;
         let (po, pl) = ops::flash_partial_lens(dims, plan);
-        let mut part_o = self.part_out.get(s, po)?;
-        let mut part_l = self.part_lse.get(s, pl)?;
+        let mut part_o = self.part_out.get(s, po, self.recording_here())?;
+        let mut part_l = self.part_lse.get(s, pl, self.recording_here())?;
         let (o_slice, l_slice) = part_o.as_mut().zip(part_l.as_mut()).ok_or_else(|| err("attention", "no scratch"))?;
         let (pop, _e) = o_slice.device_ptr_mut(s);
         let (plp, _f) = l_slice.device_ptr_mut(s);
@@ -151,7 +152,7 @@ impl CudaBackend {
         let s = &self.stream;
         let wide = self.f32_queries(q)?;
         let q = wide.as_ref().unwrap_or(q);
-        let (qp, kp2) = (self.upload_u32(qpos)?, self.upload_u32(kpos)?);
+        let (qp, kp2) = (self.upload_as(qpos, Role::Position)?, self.upload_u32(kpos)?);
         let (qpp, _a) = qp.device_ptr(s);
         let (kpp, _b) = kp2.device_ptr(s);
         let (qd, _c) = q.ptr(s);
@@ -221,7 +222,7 @@ impl CudaBackend {
         let dims = AttnDims::of(shape, qpos.len(), kpos.len());
         let s = &self.stream;
         let (qd, kvd) = (shape.q_dim(), shape.kv_dim());
-        let (qp, meta) = (self.upload_u32(qpos)?, self.upload_u32(&ops::key_meta(kpos))?);
+        let (qp, meta) = (self.upload_as(qpos, Role::Position)?, self.upload_u32(&ops::key_meta(kpos))?);
         let (qpp, _a) = qp.device_ptr(s);
         let (mp, _b) = meta.device_ptr(s);
         let (kp, _c) = k.ptr(s);
@@ -267,7 +268,7 @@ impl CudaBackend {
         }
         let dims = AttnDims::of(shape, qpos.len(), kpos.len());
         let s = &self.stream;
-        let (qp, kp) = (self.upload_u32(qpos)?, self.upload_u32(kpos)?);
+        let (qp, kp) = (self.upload_as(qpos, Role::Position)?, self.upload_u32(kpos)?);
         let (qpp, _a) = qp.device_ptr(s);
         let (kpp, _b) = kp.device_ptr(s);
         let u = |p| Ptr::new(p, Elem::U32);

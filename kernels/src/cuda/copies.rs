@@ -5,6 +5,7 @@
 use super::backend::{check_same, want, CudaBackend};
 use super::buffers::{DevData, DeviceBuf};
 use super::err;
+use super::graph::Role;
 use crate::error::{KernelError, Result};
 use crate::gpu::ops;
 use crate::gpu::{Elem, Ptr};
@@ -96,6 +97,42 @@ impl CudaBackend {
         let (dp, _d) = dst.ptr_mut(&self.stream);
         let u = |p| Ptr::new(p, Elem::U32);
         self.run_built(ops::copy_rows(sp, u(sr), dp, u(dr), s.len() as u32, row_len as u32))
+    }
+
+    /// [`crate::Backend::put_rows`]: one device-to-device copy, or while this thread records a
+    /// step, for one row, the index kernel with the destination row read from the step's word
+    /// (a replay writes the row it is given).
+    pub(super) fn put_rows_on_device(
+        &self,
+        dst: &mut DeviceBuf,
+        src: &DeviceBuf,
+        at: usize,
+        width: usize,
+    ) -> Result<()> {
+        want("put_rows", "dst", dst.dtype(), src.dtype())?;
+        if width == 0 || src.len == 0 {
+            return Ok(());
+        }
+        let rows = src.len / width;
+        if rows * width != src.len || (at + rows) * width > dst.len {
+            return Err(KernelError::Shape {
+                op: "put_rows",
+                detail: format!(
+                    "{} values in rows of {width} at row {at} do not fit a buffer of {} values",
+                    src.len, dst.len
+                ),
+            });
+        }
+        if rows != 1 || !self.recording_here() {
+            return self.copy_values(src, 0, dst, at * width, src.len, "put_rows");
+        }
+        let (sd, dd) = (self.upload_u32(&[0])?, self.upload_as(&[at as u32], Role::Row)?);
+        let (sr, _a) = sd.device_ptr(&self.stream);
+        let (dr, _b) = dd.device_ptr(&self.stream);
+        let (sp, _c) = src.ptr(&self.stream);
+        let (dp, _d) = dst.ptr_mut(&self.stream);
+        let u = |p| Ptr::new(p, Elem::U32);
+        self.run_built(ops::copy_rows(sp, u(sr), dp, u(dr), 1, width as u32))
     }
 
     /// Copies `n` values of `src` from `from` to `dst` at `to` (one device-to-device copy).

@@ -9,6 +9,7 @@ mod backend;
 mod buffers;
 mod compute;
 mod copies;
+mod graph;
 pub mod hopper;
 pub mod libs;
 mod loader;

@@ -4,6 +4,7 @@
 
 use super::backend::{check_same, CudaBackend};
 use super::buffers::{DeviceBuf, DeviceRope};
+use super::graph::Role;
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::gpu::ops::{self, RopeArgs};
@@ -22,7 +23,7 @@ impl CudaBackend {
         f: impl FnOnce(&RopeArgs, Ptr) -> Result<R>,
     ) -> Result<R> {
         let t = self.rope_table(table, table.rows_for(positions))?;
-        let pos = self.upload_u32(positions)?;
+        let pos = self.upload_as(positions, Role::Position)?;
         let s = &self.stream;
         let (pp, _p) = pos.device_ptr(s);
         let (cos, _c) = t.cos.device_ptr(s);
@@ -49,7 +50,11 @@ impl CudaBackend {
         }
         let mut ropes = self.ropes.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(r) = ropes.get(&key).filter(|r| r.rows >= rows) {
+            self.recorder.keep_rope(r);
             return Ok(r.clone());
+        }
+        if self.recording_here() {
+            return Err(super::err("record", format!("the RoPE table for {rows} positions is not on the device yet")));
         }
         let (cos, sin) = table.tables_to(rows);
         let up = |v: &[f32]| -> Result<CudaSlice<f32>> {

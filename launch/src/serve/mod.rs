@@ -203,7 +203,10 @@ impl Service {
             let w = ThreadRanks::new(lm.clone(), ranks, flowprefill_coordinator::DEFAULT_STORE_BYTES, comm_timeout)?
                 .with_faults(faults.clone())?
                 .with_memory_limit(memory_limit)?
-                .with_chooser(chooser.clone())?;
+                .with_chooser(chooser.clone())?
+                // Documents are ingested on another thread beside the jobs, on the same device:
+                // a decode step being recorded would take in that thread's work.
+                .with_decode_graphs(false)?;
             let w = match &disk {
                 Some(t) => w.with_disk(Some(t.clone()))?,
                 None => w,
@@ -437,7 +440,8 @@ fn world(
         let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
             .with_faults(faults)
             .with_memory_limit(common.memory_limit)
-            .with_disk(common.disk_tier()?.as_ref());
+            .with_disk(common.disk_tier()?.as_ref())
+            .with_decode_graphs(false);
         if comm.rank() != 0 {
             // Followers run rank 0's jobs until it stops them; mpirun forwards signals to every
             // rank, and only rank 0 acts on them (it drains, then stops the followers).

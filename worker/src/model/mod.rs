@@ -22,8 +22,8 @@ mod profile;
 
 use block::{Acts, Pass};
 pub use load::LoadStats;
+pub use profile::{untimed, OpProfile, OpTimes};
 use profile::{Laps, Slot};
-pub use profile::{OpProfile, OpTimes};
 
 use crate::attend::Attend;
 use crate::config::ModelConfig;
@@ -415,6 +415,24 @@ impl<B: Backend> Model<B> {
         self.run_blocks(Input::Tokens(tokens), positions, attend, logits, self.layers.len(), check)
     }
 
+    /// As [`Model::forward_checked`] for the last row's logits, written into `out` (f32,
+    /// `vocab` long) on the device and not read back: a step that can be recorded
+    /// ([`Backend::record`], inside [`untimed`]).
+    pub fn forward_to_device(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        attend: &mut dyn Attend<B>,
+        out: &mut B::Buf,
+        check: Check<'_>,
+    ) -> Result<()> {
+        let rows = Logits::Last.rows(tokens.len())?;
+        let x = self.run_blocks_to(Input::Tokens(tokens), positions, attend, self.layers.len(), check)?;
+        let mut laps = Laps::start(&self.backend, &self.profile)?;
+        self.logits_into(&x, &rows, out)?;
+        laps.lap(Slot::Logits)
+    }
+
     /// Runs only the first `n_layers` blocks (a probe that needs no deeper layer); no logits.
     pub fn forward_layers(
         &self,
@@ -439,6 +457,26 @@ impl<B: Backend> Model<B> {
         n_layers: usize,
         check: Check<'_>,
     ) -> Result<ForwardOutput> {
+        let rows = logits.rows(positions.len())?;
+        let x = self.run_blocks_to(input, positions, attend, n_layers, check)?;
+        if n_layers < self.layers.len() {
+            return Ok(ForwardOutput { logits: Vec::new(), rows: Vec::new(), vocab: self.cfg.vocab_size });
+        }
+        let mut laps = Laps::start(&self.backend, &self.profile)?;
+        let out = self.logits_of_rows(&x, &rows)?;
+        laps.lap(Slot::Logits)?;
+        Ok(out)
+    }
+
+    /// The blocks up to `n_layers` over the input rows: the residual stream after them.
+    fn run_blocks_to(
+        &self,
+        input: Input<'_>,
+        positions: &[u32],
+        attend: &mut dyn Attend<B>,
+        n_layers: usize,
+        check: Check<'_>,
+    ) -> Result<B::Buf> {
         let (m, lora) = match input {
             Input::Tokens(t) => (t.len(), None),
             Input::Lookahead => (positions.len(), self.lookahead.as_ref()),
@@ -465,20 +503,23 @@ impl<B: Backend> Model<B> {
             let _span = tracing::trace_span!("block", layer = l).entered();
             layer.forward(&pass, l, lora.map(|la| &la.layers[l]), &mut acts, attend, &mut laps)?;
         }
-        if n_layers < self.layers.len() {
-            return Ok(ForwardOutput { logits: Vec::new(), rows: Vec::new(), vocab: self.cfg.vocab_size });
-        }
-        let out = self.logits_of_rows(&acts.x, &logits.rows(m)?)?;
-        laps.lap(Slot::Logits)?;
-        Ok(out)
+        Ok(acts.x)
     }
 
     fn logits_of_rows(&self, x: &B::Buf, rows: &[usize]) -> Result<ForwardOutput> {
-        let be = &self.backend;
-        let (d, vocab) = (self.cfg.d_model, self.cfg.vocab_size);
+        let vocab = self.cfg.vocab_size;
         if rows.is_empty() {
             return Ok(ForwardOutput { logits: Vec::new(), rows: Vec::new(), vocab });
         }
+        let mut lg = self.backend.zeros(rows.len() * vocab)?;
+        self.logits_into(x, rows, &mut lg)?;
+        Ok(ForwardOutput { logits: self.backend.download(&lg)?, rows: rows.to_vec(), vocab })
+    }
+
+    /// The logits of `rows` of the residual stream `x` into `lg` (f32, `rows.len() x vocab`).
+    fn logits_into(&self, x: &B::Buf, rows: &[usize], lg: &mut B::Buf) -> Result<()> {
+        let be = &self.backend;
+        let d = self.cfg.d_model;
         let r = rows.len();
         // The final norm in the activations' type, the logits in f32.
         let mut xr = be.zeros_as(r * d, be.dtype(x))?;
@@ -486,9 +527,8 @@ impl<B: Backend> Model<B> {
         be.copy_rows(x, rows, &mut xr, &dst, d)?;
         let mut hr = be.zeros_as(r * d, be.dtype(x))?;
         be.rms_norm(&xr, &self.out_norm, self.cfg.rms_eps, &mut hr)?;
-        let mut lg = be.zeros(r * vocab)?;
-        be.matmul_t(&hr, r, self.output.as_ref().unwrap_or(&self.embed), &mut lg)?;
-        Ok(ForwardOutput { logits: be.download(&lg)?, rows: rows.to_vec(), vocab })
+        be.matmul_t(&hr, r, self.output.as_ref().unwrap_or(&self.embed), lg)?;
+        Ok(())
     }
 }
 

@@ -166,7 +166,8 @@ pub(super) struct Laps<'a, B: Backend> {
 
 impl<'a, B: Backend> Laps<'a, B> {
     pub(super) fn start(be: &'a B, profile: &'a OpProfile<B>) -> Result<Self> {
-        let last = if profile.enabled() { Some(be.mark()?) } else { None };
+        let on = profile.enabled() && !UNTIMED.with(|u| u.get());
+        let last = if on { Some(be.mark()?) } else { None };
         Ok(Self { be, profile, last, done: Vec::new(), thread: std::thread::current().id() })
     }
 
@@ -188,4 +189,18 @@ impl<B: Backend> Drop for Laps<'_, B> {
             }
         }
     }
+}
+
+thread_local! {
+    /// Set while this thread records a step ([`untimed`]): a recording queues no timing marks.
+    static UNTIMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the op profile off on this thread: a recorded step (a CUDA graph) cannot hold
+/// the profile's timing marks, which are read back later.
+pub fn untimed<R>(f: impl FnOnce() -> R) -> R {
+    let before = UNTIMED.with(|u| u.replace(true));
+    let out = f();
+    UNTIMED.with(|u| u.set(before));
+    out
 }

@@ -56,6 +56,9 @@ pub struct Replicated<'a, 'c, B: Backend> {
     tail: &'c mut KvCache<B>,
     tail_positions: Vec<u32>,
     old_tail: usize,
+    /// The tail row the queries' K/V go to when the tail has rows for them already
+    /// ([`Replicated::at_row`]); `None`: appended.
+    at_row: Option<usize>,
     layers_done: usize,
     weights: Vec<f32>,
     /// Weighted attention mass per local segment row (probe), summed on the host from
@@ -118,6 +121,7 @@ impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
             tail,
             tail_positions,
             old_tail,
+            at_row: None,
             layers_done: 0,
             weights,
             scores,
@@ -125,6 +129,25 @@ impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
             head_window: 0,
             head_pending: Vec::new(),
         })
+    }
+
+    /// Made with no positions of its own ([`Replicated::new`] with `&[]`) over a tail that has
+    /// rows for the queries at `positions` already, from `row` on ([`KvCache::extend_ahead`]):
+    /// their K/V are written there ([`Backend::put_rows`]) and the tail keeps its length and
+    /// positions, so that a decode step's ops are the same from one token to the next but for
+    /// its token, position and row (what [`Backend::record`] replays).
+    pub fn at_row(mut self, positions: &[u32], row: usize) -> Result<Self> {
+        if self.tail_positions.len() != self.tail.len() {
+            return Err(crate::error::internal("rows written in place, but positions given to append"));
+        }
+        if self.tail.positions().get(row..row + positions.len()) != Some(positions) {
+            return Err(crate::error::internal(format!(
+                "tail rows {row}..{} are not at the queries' positions",
+                row + positions.len()
+            )));
+        }
+        self.at_row = Some(row);
+        Ok(self)
     }
 
     /// Also keeps, at every layer, the attention mass the last `window` query rows pay each
@@ -179,6 +202,11 @@ impl<'a, 'c, B: Backend> Replicated<'a, 'c, B> {
     }
 
     fn rollback(&mut self) {
+        if self.at_row.is_some() {
+            // Rows written in place stay (the next step at that row writes them again).
+            self.layers_done = usize::MAX;
+            return;
+        }
         let n = self.old_tail * self.tail.kv_dim();
         for l in 0..self.layers_done.min(self.tail.n_layers()) {
             let layer = self.tail.layer_mut(l);
@@ -347,9 +375,15 @@ impl<B: Backend> Attend<B> for Replicated<'_, '_, B> {
         let mut acc = merge_at_root(be, self.comm, self.op, parts, m * qd, m * h, d)?;
         // The tail (earlier replicated tokens + these queries), identical on every rank.
         {
+            let kvd = x.shape.kv_dim();
             let layer = self.tail.layer_mut(x.layer);
-            be.append(&mut layer.k, x.k)?;
-            be.append(&mut layer.v, x.v)?;
+            if let Some(row) = self.at_row {
+                be.put_rows(&mut layer.k, x.k, row, kvd)?;
+                be.put_rows(&mut layer.v, x.v, row, kvd)?;
+            } else {
+                be.append(&mut layer.k, x.k)?;
+                be.append(&mut layer.v, x.v)?;
+            }
         }
         self.layers_done += 1;
         let layer = self.tail.layer(x.layer);
