@@ -446,7 +446,18 @@ fn world(
             // Followers run rank 0's jobs until it stops them; mpirun forwards signals to every
             // rank, and only rank 0 acts on them (it drains, then stops the followers).
             keep_running_on_sigterm()?;
-            let n = engine.follow(&mut comm)?;
+            let n = match engine.follow(&mut comm) {
+                Ok(n) => n,
+                Err(e) => {
+                    // This rank left the world (it told the others why): it exits now, not after
+                    // the collective MPI_Finalize that would wait for rank 0, so that mpirun's
+                    // status is this rank's (a panic: 70) however fast rank 0 stops
+                    // (docs/faults.md).
+                    let e = anyhow::Error::from(e);
+                    eprintln!("rank {}: error: {e:#}", comm.rank());
+                    std::process::exit(crate::exit::code_of(&e));
+                }
+            };
             eprintln!("rank {}: stopped after {n} jobs", comm.rank());
             return Ok(None);
         }
