@@ -241,7 +241,8 @@ fn more_ranks_than_gpus_is_a_clear_error() {
 /// Decode steps recorded once as a CUDA graph and replayed per token (the default on one GPU)
 /// give the answer of steps run op by op (`FLOWPREFILL_DECODE_GRAPH=off`), over up to 148 tokens
 /// (past one block of 128 rows ahead when the model counts that far), for full prefill and
-/// InfoFlow; and no recording fell back (the fallback says so on stderr).
+/// InfoFlow; steps were replayed (`decode_replayed`) and no recording fell back (the fallback
+/// says so on stderr).
 #[test]
 fn decode_graphs_give_the_answers_of_steps_run_op_by_op() {
     if !has_gpu() {
@@ -272,6 +273,11 @@ fn decode_graphs_give_the_answers_of_steps_run_op_by_op() {
         let per = |v: &serde_json::Value| v["decode_ms_per_token"].clone();
         eprintln!("{method}: {} ms/token with graphs, {} op by op; {}", per(&graphs), per(&eager), graphs["answer"]);
         assert_eq!(graphs["answer"], eager["answer"], "{method}: answers differ with decode graphs");
+        assert_eq!(eager["decode_replayed"], 0, "{method}: FLOWPREFILL_DECODE_GRAPH=off replays nothing");
+        // Steps 1 and 2 run op by op, step 3 is checked: a longer answer has replayed steps.
+        let long = eager["answer"].as_str().is_some_and(|a| a.len() >= 16);
+        let replayed = graphs["decode_replayed"].as_u64().unwrap_or(0);
+        assert!(!long || replayed > 0, "{method}: no step was replayed");
     }
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -137,6 +137,8 @@ pub struct RunResult {
     pub tokens: Vec<u32>,
     /// Why decoding stopped.
     pub stop: StopReason,
+    /// Decode steps rank 0 took from a replay of a recorded step (a CUDA graph).
+    pub decode_replayed: usize,
     /// Time to first token (from the start of the request, tokenization included).
     pub ttft: Duration,
     /// Total time including decoding.
@@ -282,6 +284,8 @@ enum Role<'a> {
 struct Outcome {
     /// Time to the first answer token.
     ttft: Duration,
+    /// Decode steps taken from a replay.
+    decode_replayed: usize,
     /// Logits of the first answer token.
     first_logits: Vec<f32>,
     /// Chunk ids in the final layout order.
@@ -723,6 +727,7 @@ impl<B: Backend> Engine<B> {
             cache_misses: rank_stats.iter().map(|r| r.cache_misses).sum(),
             cache_disk_hits: rank_stats.iter().map(|r| r.cache_disk_hits).sum(),
             first_logits: out.first_logits,
+            decode_replayed: out.decode_replayed,
             rank_stats,
             kv_bytes: self.lm.model.backend().kv_dtype().size(),
             eviction: out.eviction,

@@ -514,6 +514,7 @@ pub fn to_json(r: &RunResult) -> serde_json::Value {
         "first_top_logits": top_logits(&r.first_logits, 10),
         "eviction": r.eviction,
         "decode_ms_per_token": decode_ms_per_token(r),
+        "decode_replayed": r.decode_replayed,
         "quality": r.quality,
         "verify_error": r.verify_error,
     })
