@@ -57,6 +57,7 @@ fn generate_json_and_context_file() {
     assert!(v["answer"].as_str().unwrap().contains("4417"), "{v}");
     assert!(v["ttft_ms"].as_f64().unwrap() > 0.0);
     assert!(v["prompt_tokens"].as_u64().unwrap() > 20);
+    assert_eq!(v["decode_replayed"], 0, "the CPU records no decode step: {v}");
     let _ = std::fs::remove_dir_all(dir);
 }
 

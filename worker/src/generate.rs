@@ -65,6 +65,8 @@ pub struct Generation {
     pub stop: StopReason,
     /// Logits the first token was chosen from.
     pub first_logits: Vec<f32>,
+    /// Decode steps taken from a replay of a recorded step (a CUDA graph).
+    pub replayed: usize,
 }
 
 /// Runs `tokens` at positions `start..` over `cache` (rotated keys), appending them, in
@@ -158,7 +160,8 @@ pub fn decode_with(
 /// Decodes over `cache` (rotated keys) starting with `first`, each token's K/V into the cache
 /// ([`DecodeSteps`]: recorded once and replayed where the backend can, when `record`); `check`
 /// runs before every layer of a step run op by op and once before a replayed one
-/// ([`crate::interrupt::never`] for none).
+/// ([`crate::interrupt::never`] for none). Returns the ids, why it stopped, and how many steps
+/// were replays.
 #[allow(clippy::too_many_arguments)]
 pub fn decode<B: Backend>(
     model: &Model<B>,
@@ -170,7 +173,7 @@ pub fn decode<B: Backend>(
     on_text: &mut dyn FnMut(&str) -> bool,
     check: Check<'_>,
     record: bool,
-) -> Result<(Vec<u32>, StopReason)> {
+) -> Result<(Vec<u32>, StopReason, usize)> {
     let window = model.config().context_length;
     let next_pos = cache.positions().last().map_or(0, |p| p + 1);
     let mut alone = flowprefill_comm::local::LocalComm::group(1)
@@ -178,7 +181,8 @@ pub fn decode<B: Backend>(
         .ok_or_else(|| crate::error::internal("a world of one rank"))?;
     let mut steps = DecodeSteps::new(model, vec![], cache, max_new_tokens, record)?;
     let mut step = |tok: u32, pos: u32| steps.run(&mut alone, tok, pos, &mut *check);
-    decode_with(tokenizer, first, sampler, max_new_tokens, window, next_pos, &mut step, on_text)
+    let (ids, stop) = decode_with(tokenizer, first, sampler, max_new_tokens, window, next_pos, &mut step, on_text)?;
+    Ok((ids, stop, steps.replayed()))
 }
 
 /// Prefills `prompt` from position 0 and decodes. TTFT is measured from the start of prefill
@@ -207,7 +211,8 @@ pub fn generate<B: Backend>(
     let max = cfg.max_new_tokens;
     let never = &mut crate::interrupt::never;
     let record = crate::steps::decode_graphs_allowed();
-    let (tokens, stop) = decode(model, tokenizer, &mut cache, first, &mut sampler, max, on_text, never, record)?;
+    let (tokens, stop, replayed) =
+        decode(model, tokenizer, &mut cache, first, &mut sampler, max, on_text, never, record)?;
     let text = tokenizer.decode(&tokens)?;
     Ok(Generation {
         prompt_tokens: prompt.len(),
@@ -218,5 +223,6 @@ pub fn generate<B: Backend>(
         decode: t0.elapsed().saturating_sub(ttft),
         stop,
         first_logits,
+        replayed,
     })
 }

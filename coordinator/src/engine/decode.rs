@@ -124,7 +124,6 @@ impl<B: Backend> Engine<B> {
                 turn.out.ttft = turn.t0.elapsed();
                 turn.out.first_logits = logits;
                 self.fault_point(0, phase::DECODE)?;
-                let replayed_before = flowprefill_worker::steps::replayed_steps();
                 let out = turn.phases.time(phase::DECODE, || -> Result<_> {
                     let mut lead_step = |tok: u32, pos: u32| -> flowprefill_worker::Result<Vec<f32>> {
                         broadcast_value(comm, "decode.token", 0, Some(&Some((tok, pos))))?;
@@ -143,7 +142,7 @@ impl<B: Backend> Engine<B> {
                     broadcast_value::<Option<(u32, u32)>>(comm, "decode.token", 0, Some(&None))?;
                     Ok(out)
                 })?;
-                turn.out.decode_replayed = flowprefill_worker::steps::replayed_steps() - replayed_before;
+                turn.out.decode_replayed = steps.replayed();
                 Ok(Some(out))
             }
             Role::Follow => {

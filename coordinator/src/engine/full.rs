@@ -37,12 +37,11 @@ impl<B: Backend> Engine<B> {
         let max = turn.opts.max_new_tokens;
         let tokenizer = &self.lm.tokenizer;
         let record = self.decode_graphs;
-        let before = flowprefill_worker::steps::replayed_steps();
-        let out = turn.phases.time(phase::DECODE, || {
+        let (tokens, stop, replayed) = turn.phases.time(phase::DECODE, || {
             decode(model, tokenizer, &mut cache, first, sampler, max, *on_text, &mut check, record)
         })?;
-        turn.out.decode_replayed = flowprefill_worker::steps::replayed_steps() - before;
-        Ok(out)
+        turn.out.decode_replayed = replayed;
+        Ok((tokens, stop))
     }
 
     /// Method `full` with eviction: the context prefilled on rank 0, then the prompt over it

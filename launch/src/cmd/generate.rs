@@ -74,7 +74,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             "ttft_ms": g.ttft.as_secs_f64() * 1e3,
             "prefill_ms": g.prefill.as_secs_f64() * 1e3,
             "decode_ms": g.decode.as_secs_f64() * 1e3,
-            "decode_replayed": flowprefill_worker::steps::replayed_steps(),
+            "decode_replayed": g.replayed,
             "stop": g.stop,
             "device": common.device.to_string(),
             "first_top_logits": super::run::top_logits(&g.first_logits, 10),

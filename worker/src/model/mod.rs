@@ -22,8 +22,9 @@ mod profile;
 
 use block::{Acts, Pass};
 pub use load::LoadStats;
-pub use profile::{untimed, OpProfile, OpTimes};
+pub(crate) use profile::untimed;
 use profile::{Laps, Slot};
+pub use profile::{OpProfile, OpTimes};
 
 use crate::attend::Attend;
 use crate::config::ModelConfig;

@@ -198,7 +198,7 @@ thread_local! {
 
 /// Runs `f` with the op profile off on this thread: a recorded step (a CUDA graph) cannot hold
 /// the profile's timing marks, which are read back later.
-pub fn untimed<R>(f: impl FnOnce() -> R) -> R {
+pub(crate) fn untimed<R>(f: impl FnOnce() -> R) -> R {
     let before = UNTIMED.with(|u| u.replace(true));
     let out = f();
     UNTIMED.with(|u| u.set(before));

@@ -24,7 +24,7 @@ use crate::model::Model;
 use flowprefill_comm::Communicator;
 use flowprefill_kernels::backend::{Recorded, StepValues};
 use flowprefill_kernels::{Backend, KernelError};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Tail rows made ahead at a time: a recording serves this many tokens before the tail's buffers
 /// grow and the step is recorded again.
@@ -36,15 +36,6 @@ pub const REPLAY_TOLERANCE: f32 = 1e-3;
 
 /// Said once per process: why decode steps run op by op.
 static WARNED: AtomicBool = AtomicBool::new(false);
-
-/// Steps this process took from a replay.
-static REPLAYED: AtomicUsize = AtomicUsize::new(0);
-
-/// Decode steps this process took from a replay so far (`run --json` and `generate --json`
-/// report it: what shows that recording is in use, not only that it did not fail).
-pub fn replayed_steps() -> usize {
-    REPLAYED.load(Ordering::Relaxed)
-}
 
 /// Whether decode steps may be recorded at all: not with `FLOWPREFILL_DECODE_GRAPH=off`.
 pub fn decode_graphs_allowed() -> bool {
@@ -70,7 +61,8 @@ pub struct DecodeSteps<'a, 'c, B: Backend> {
     verified: bool,
     /// Whether a step ran op by op over the present rows ahead.
     warm: bool,
-    /// Steps replayed (for statistics and tests).
+    /// Steps whose logits came from a replay (`run --json` and `generate --json` report it:
+    /// what shows recording in use, not only that it did not fail).
     replayed: usize,
 }
 
@@ -135,7 +127,6 @@ impl<'a, 'c, B: Backend> DecodeSteps<'a, 'c, B> {
             match self.replay(v)? {
                 Some(l) if self.verified => {
                     self.replayed += 1;
-                    REPLAYED.fetch_add(1, Ordering::Relaxed);
                     l
                 }
                 Some(l) => self.verify(comm, v, check, l)?,
@@ -264,6 +255,7 @@ mod tests {
     use crate::model::Logits;
     use flowprefill_comm::local::LocalComm;
     use flowprefill_kernels::{Cpu, HostBuf};
+    use std::sync::atomic::AtomicUsize;
     use std::sync::Arc;
 
     /// Float rounding of one forward, relative (f32 sums in another order).

@@ -20,7 +20,7 @@ mod ring;
 mod transport;
 
 pub use chunk_prefill::{batches, prefill_chunk, prefill_chunks, ChunkJob, DEFAULT_BATCH_TOKENS};
-pub use decoding::{decode_graphs_allowed, replayed_steps, DecodeSteps, AHEAD, REPLAY_TOLERANCE};
+pub use decoding::{decode_graphs_allowed, DecodeSteps, AHEAD, REPLAY_TOLERANCE};
 pub use recompute::{recompute, value_deviation, RecomputeMode, Scope, Selection, Target};
 pub use replicated::{HeadScores, LocalSegment, Replicated};
 pub use ring::{ring_prefill, zigzag_pieces, RingOutput};
