@@ -9,8 +9,11 @@
 # forward beside the bf16 one on the same GPU.
 #
 #   here:  bash scripts/gpu-pack.sh && bash scripts/gpu-lease.sh prepare    (carry/s1, carry/s2)
+#          bash scripts/gpu-lease.sh slim      (only scripts/ travels; `unslim` after the lease)
 #   there: bash scripts/gpu-lease.sh stage1 "$OUT"    (device call 1, carry carry/s1)
 #          bash scripts/gpu-lease.sh stage2 "$OUT"    (device call 2, carry carry/s2, at once)
+#          again1 / again2: a shorter second round after a fix (the CUDA ops; then TTFT with caches
+#          cold / RAM / disk, decode with and without CUDA graphs, ncu per kernel, memcheck)
 # Each stage leaves at most 8 files in OUT (logs, and one archive of the raw results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +21,30 @@ stage="${1:?prepare, stage1 or stage2}"
 S=/tmp/fp-lease
 t0=$(date +%s)
 mark() { echo "[$(($(date +%s) - t0)) s] $*"; }
+# kernel_env KERNEL CMD...: CMD with the attention kernel fixed (FLOWPREFILL_FLASH_KERNEL), or as
+# the autotuner decides (auto).
+kernel_env() {
+  local k="$1"; shift
+  if [ "$k" = auto ]; then env -u FLOWPREFILL_FLASH_KERNEL "$@"; else FLOWPREFILL_FLASH_KERNEL="$k" "$@"; fi
+}
+
+# unpack: the pack of carry/s1 and the model's first part into $S (call 1 of a round).
+unpack() {
+  rm -rf "$S" && mkdir -p "$S/res"
+  tar -xJf carry/s1/pack.tar.xz -C "$S" && cp carry/s1/model.a "$S/"
+  export FLOWPREFILL_PACK="$S/gpu-pack"
+}
+# join_model FIRST: the model whole again from its first part (call 1) and carry/s2's rest,
+# checked (call 2 of a round, on the machine call 1 left warm).
+join_model() {
+  [ -d "$S/gpu-pack" ] || { echo "$1 has not run on this machine (it was given back between the calls)" >&2; exit 2; }
+  export FLOWPREFILL_PACK="$S/gpu-pack"
+  local name
+  name=$(awk '{ print $2 }' carry/s2/model.sha256)
+  mkdir -p "$S/gpu-pack/home/models"
+  cat "$S/model.a" carry/s2/model.b > "$S/gpu-pack/home/models/$name"
+  (cd "$S/gpu-pack/home/models" && sha256sum -c "$OLDPWD/carry/s2/model.sha256") || exit 2
+}
 
 case "$stage" in
 prepare)
@@ -33,23 +60,50 @@ prepare)
   (cd gpu-pack/home/models && sha256sum "$(basename "$model")") > carry/s2/model.sha256
   du -b carry/s1/* carry/s2/*
   ;;
+slim)
+  # The checkout travels with every call and counts towards its 64 MiB (about 63 MiB tracked on
+  # 2026-11-27, docs/eval and adapters/ most of it): for the lease only scripts/ travels. The
+  # index is kept aside and everything else made untracked and ignored (no file is touched);
+  # `unslim` puts the index back.
+  set -e
+  [ ! -e .git/index.lease ] || { echo "slim already (run unslim first)" >&2; exit 2; }
+  cp .git/index .git/index.lease
+  [ ! -e .git/info/exclude ] || cp .git/info/exclude .git/info/exclude.lease
+  git rm -r --cached -q .
+  git add scripts
+  mkdir -p .git/info && printf '/*\n!/scripts/\n' > .git/info/exclude
+  echo "travels: $(git ls-files | wc -l) files, $(git ls-files -z | xargs -0 stat -c %s | awk '{s+=$1} END {print s}') bytes, and carry/"
+  ;;
+unslim)
+  set -e
+  [ -e .git/index.lease ] || { echo "not slim" >&2; exit 2; }
+  mv .git/index.lease .git/index
+  if [ -e .git/info/exclude.lease ]; then mv .git/info/exclude.lease .git/info/exclude; else rm -f .git/info/exclude; fi
+  git status --short
+  ;;
 stage1)
   out="${2:?OUT}"
-  rm -rf "$S" && mkdir -p "$S/res"
-  tar -xJf carry/s1/pack.tar.xz -C "$S" && cp carry/s1/model.a "$S/"
-  export FLOWPREFILL_PACK="$S/gpu-pack"
+  unpack
   . scripts/gpu-env.sh
   {
     mark "machine"
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     "$FP" devices
-    for t in cuda_compile_gate cuda_ops nccl_smoke cuda_libs; do
+    for t in cuda_compile_gate cuda_ops cuda_hopper_fallback nccl_smoke cuda_libs; do
       mark "test $t"
-      timeout 150 "$PACK_TESTS/$t" --nocapture 2>&1 | tee "$S/res/test-$t.log" | grep -E "^test |test result|SKIPPED|skipped|panicked|FAILED" || true
+      timeout 150 "$PACK_TESTS/$t" --nocapture 2>&1 | tee "$S/res/test-$t.log" | grep -E "^test |test result|SKIPPED|skipped|panicked|FAILED|self-check|hopper" || true
     done
     mark "tune"
     timeout 120 "$FP" tune --device cuda:0 2>&1 | tee "$S/res/tune.txt"
     "$FP" devices > "$S/res/devices-tuned.txt"
+    # The attention kernels alone: the autotuner's choice, then each Hopper configuration fixed,
+    # and PyTorch SDPA on the same shapes in the same call.
+    for k in auto hopper hopper:c1 hopper:c2 hopper:c3; do
+      mark "attention bench: $k"
+      kernel_env "$k" timeout 120 "$S/gpu-pack/cuda_attention_bench" 2>&1 | tee "$S/res/attention-${k/:/-}.txt"
+    done
+    mark "pytorch sdpa"
+    timeout 120 python3 scripts/sdpa_baseline.py 2>&1 | tee "$S/res/sdpa.txt"
     mark "pytorch baseline"
     python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' | tee "$S/res/baseline.txt"
     timeout 150 python3 scripts/torch_baseline.py --shape smollm2-135m --lengths 2048,4096,8000 --runs 3 \
@@ -64,12 +118,7 @@ stage1)
   ;;
 stage2)
   out="${2:?OUT}"
-  [ -d "$S/gpu-pack" ] || { echo "stage 1 has not run on this machine (it was given back between the calls)" >&2; exit 2; }
-  export FLOWPREFILL_PACK="$S/gpu-pack"
-  name=$(awk '{ print $2 }' carry/s2/model.sha256)
-  mkdir -p "$S/gpu-pack/home/models"
-  cat "$S/model.a" carry/s2/model.b > "$S/gpu-pack/home/models/$name"
-  (cd "$S/gpu-pack/home/models" && sha256sum -c "$OLDPWD/carry/s2/model.sha256") || exit 2
+  join_model "stage 1"
   . scripts/gpu-env.sh
   mkdir -p "$S/res2" "$S/bench"
   cp "$S"/torch-*.jsonl "$S/bench/" 2>/dev/null || true
@@ -85,11 +134,80 @@ stage2)
       timeout 60 "$FP" bench prefill --device cuda --weights "$w" --tokens 2048,8000 --runs 3 2>&1 | grep -v "^note" | tail -n 4
       timeout 120 "$FP" --model synthetic:llama-3.1-8b bench prefill --device cuda --weights "$w" --tokens 8192 --runs 3 2>&1 | grep -v "^note" | tail -n 3
     done
+    mark "decode: steps replayed from a CUDA graph against op by op, alternating"
+    write_context "$S/decode.txt" 7000
+    for g in on off on off on off; do
+      FLOWPREFILL_DECODE_GRAPH=$g timeout 60 "$FP" run --device cuda --method full --json --max-tokens 150 \
+        --doc "$S/decode.txt" --query "Count from 1 to 100, one number per line." > "$S/res2/decode-$g.json" 2> "$S/res2/decode-$g.err"
+      python3 -c 'import json,sys; d=json.load(open(sys.argv[2])); print("decode graphs", sys.argv[1], d["n_context_tokens"], "tokens:", d["decode_ms_per_token"], "ms/token, replayed", d.get("decode_replayed"), "answer", hash(d["answer"]))' "$g" "$S/res2/decode-$g.json"
+      cat "$S/res2/decode-$g.err"
+    done
+    mark "8B shape prefill: flash2 against the Hopper kernel (same call)"
+    for k in fa2 hopper auto; do
+      echo "kernel $k"
+      kernel_env "$k" timeout 150 "$FP" --model synthetic:llama-3.1-8b bench prefill --device cuda --tokens 8192,32768 --runs 3 2>&1 | grep -v "^note" | tail -n 4
+    done
+    mark "bench ttft: caches cold, in RAM, on disk (disk -> pinned host -> device)"
+    timeout 200 "$FP" bench ttft --device cuda --lengths 2048,8000 --ranks 1 --methods full,infoflow,none \
+      --cache cold,ram,disk --runs 3 --out "$S/ttft-cache" 2>&1 | tail -n 30
+    cp "$S"/ttft-cache/*.csv "$S"/ttft-cache/*.txt "$S/res2/" 2>/dev/null
     mark "memory plan against the device's high-water mark"
     memory_plan_runs
     mark "stage 2 done"
   } 2>&1 | tee "$out/stage2.log"
   tar -C "$S" -czf "$out/stage2-results.tgz" res2 bench
+  ;;
+again1)
+  # A second round in the same session, after a fix (about 3 minutes in all with again2): the
+  # pack and the model's first part, the CUDA ops against the CPU (the new batched copies too).
+  out="${2:?OUT}"
+  unpack
+  . scripts/gpu-env.sh
+  {
+    mark "machine"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    mark "test cuda_ops"
+    timeout 150 "$PACK_TESTS/cuda_ops" --nocapture 2>&1 | tee "$S/res/test-cuda_ops.log" | grep -E "^test |test result|SKIPPED|panicked|FAILED" || true
+    mark "again1 done"
+  } 2>&1 | tee "$out/again1.log"
+  ;;
+again2)
+  # The model's rest, then TTFT with chunk caches cold / in RAM / on disk (the disk tier's
+  # batched copies and writes after the answer), and decode with steps replayed from a CUDA
+  # graph against op by op (bench decode: answers of --max-tokens tokens), alternating.
+  out="${2:?OUT}"
+  join_model again1
+  . scripts/gpu-env.sh
+  mkdir -p "$S/res2"
+  {
+    mark "bench ttft: caches cold, in RAM, on disk"
+    timeout 200 "$FP" bench ttft --device cuda --lengths 2048,8000 --ranks 1 --methods full,infoflow,none \
+      --cache cold,ram,disk --runs 3 --out "$S/ttft-cache" 2>&1 | grep -v "^ *[0-9]* tokens  P=" | tail -n 22
+    cp "$S"/ttft-cache/*.csv "$S/res2/" 2>/dev/null
+    mark "bench decode: graphs on / off, alternating"
+    for g in on off on off on off; do
+      echo "decode graphs $g"
+      FLOWPREFILL_DECODE_GRAPH=$g timeout 90 "$FP" bench decode --device cuda --tokens 7000 --evict none \
+        --max-tokens 128 --runs 3 --out "$S/decode-$g" 2>&1 | tail -n 4
+      cat "$S/decode-$g"/*.csv > "$S/res2/decode-$g.csv" 2>/dev/null
+    done
+    # Where a SmolLM2 prefill's GPU time goes, kernel by kernel (Nsight Compute's durations;
+    # the clocks left alone), and the Hopper attention under the memory checker.
+    if command -v ncu >/dev/null; then
+      mark "ncu: SmolLM2 full prefill at 8000 tokens, per kernel"
+      timeout 100 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        "$FP" bench prefill --device cuda --tokens 8000 --runs 1 > "$S/res2/ncu-prefill-8000.csv" 2> "$S/res2/ncu.err"
+      echo "ncu rc $? ($(wc -l < "$S/res2/ncu-prefill-8000.csv") lines)"
+    fi
+    cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1)
+    if [ -n "$cs" ]; then
+      mark "compute-sanitizer memcheck: the Hopper kernel (self-check, prefill 2K-4K, decode over 8K keys)"
+      FLOWPREFILL_FLASH_KERNEL=hopper timeout 90 "$cs" --tool memcheck "$PACK_TESTS/cuda_ops" \
+        tensor_core_attention_over_a_bf16_cache --nocapture 2>&1 | tail -n 8
+    fi
+    mark "again2 done"
+  } 2>&1 | tee "$out/again2.log"
+  tar -C "$S" -czf "$out/again2-results.tgz" res2 res
   ;;
 *)
   echo "unknown stage $stage: prepare, stage1 or stage2" >&2

@@ -208,6 +208,11 @@ __device__ __forceinline__ void fp_cp_async16_s(fp_sptr dst, const void* src, u3
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
+// 4 bytes global -> shared, asynchronously (src_bytes 0: a zero, nothing read).
+__device__ __forceinline__ void fp_cp_async4_s(fp_sptr dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
 // 16 bytes global -> shared, every byte read (a full tile: no size operand to compute).
 __device__ __forceinline__ void fp_cp_async16_full(fp_sptr dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
@@ -240,6 +245,12 @@ __device__ __forceinline__ void fp_ldmatrix_x4_trans(u32 r[4], const bf16_t* row
 // the 16 are zero-filled (src_bytes = 0: a zero row, nothing read).
 __device__ __forceinline__ void fp_cp_async16(void* dst, const void* src, u32 src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fp_smem_addr(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+
+// 4 bytes global -> shared, asynchronously (src_bytes 0: a zero, nothing read).
+__device__ __forceinline__ void fp_cp_async4(void* dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(fp_smem_addr(dst)), "l"(src),
                  "r"(src_bytes));
 }
 

@@ -62,9 +62,13 @@ __device__ __forceinline__ void fp_fa2_load_kv(fp_sptr dk, fp_sptr dv, fp_sptr d
     }
     if (threadIdx.x < KEYS / 4) {
         const u32 key = tile * KEYS + threadIdx.x * 4;
-        if (PARTIAL) {
-            const u32 valid = key < n ? min(4u, n - key) : 0u;
-            fp_cp_async16_s(dpos + threadIdx.x * 16, kpos + (valid ? key : 0u), valid * 4);
+        if (PARTIAL && key + 4 > n) {
+            // The list's end: no copy reads past it (see fp_cp_async4), zeros after.
+            FP_UNROLL
+            for (u32 i = 0; i < 4; i++) {
+                const bool ok = key + i < n;
+                fp_cp_async4_s(dpos + threadIdx.x * 16 + i * 4, kpos + (ok ? key + i : 0u), ok ? 4u : 0u);
+            }
         } else {
             fp_cp_async16_full(dpos + threadIdx.x * 16, kpos + key);
         }

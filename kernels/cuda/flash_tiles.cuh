@@ -30,8 +30,15 @@ __device__ __forceinline__ void fp_fa_load_kv(bf16_t* k_dst, bf16_t* v_dst, u32*
     }
     if (threadIdx.x < FP_FA_KEYS / 4) {
         u32 key = tile * FP_FA_KEYS + threadIdx.x * 4;
-        u32 valid = key < n ? min(4u, n - key) : 0u;
-        fp_cp_async16(kpos_dst + threadIdx.x * 4, kpos + (valid ? key : 0u), valid * 4);
+        if (key + 4 <= n) {
+            fp_cp_async16(kpos_dst + threadIdx.x * 4, kpos + key, 16);
+        } else {
+            // The list's end: no copy reads past it (see fp_cp_async4), zeros after.
+            for (u32 i = 0; i < 4; i++) {
+                bool ok = key + i < n;
+                fp_cp_async4(kpos_dst + threadIdx.x * 4 + i, kpos + (ok ? key + i : 0u), ok ? 4 : 0);
+            }
+        }
     }
 }
 

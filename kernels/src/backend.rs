@@ -386,6 +386,16 @@ pub trait Backend: Send + Sync + 'static {
     fn download_typed(&self, buf: &Self::Buf) -> Result<HostBuf>;
     /// A device buffer with exactly these contents and element type.
     fn upload_typed(&self, host: &HostBuf) -> Result<Self::Buf>;
+    /// [`Backend::download_typed`] of each of `bufs`, in order. The default takes them one at a
+    /// time; a device queues every copy through page-locked memory and waits once.
+    fn download_many(&self, bufs: &[&Self::Buf]) -> Result<Vec<HostBuf>> {
+        bufs.iter().map(|b| self.download_typed(b)).collect()
+    }
+    /// [`Backend::upload_typed`] of each of `hosts`, in order (batched like
+    /// [`Backend::download_many`]).
+    fn upload_many(&self, hosts: &[&HostBuf]) -> Result<Vec<Self::Buf>> {
+        hosts.iter().map(|h| self.upload_typed(h)).collect()
+    }
 
     /// Copies a buffer to the host for a transport that moves host memory (the thread and MPI
     /// communicators), in its own element type (a bf16 buffer crosses the network as bf16).

@@ -169,6 +169,11 @@ fn mixed(op: &'static str) -> KernelError {
     KernelError::Backend { backend: "device", detail: format!("{op}: buffers of different devices") }
 }
 
+/// Every buffer of `bufs` as one device's variant (`on`), or the error of mixed devices.
+fn unwrap_all<'a, T>(bufs: &[&'a DevBuf], on: fn(&'a DevBuf) -> Option<T>, op: &'static str) -> Result<Vec<T>> {
+    bufs.iter().map(|b| on(b).ok_or_else(|| mixed(op))).collect()
+}
+
 /// A buffer, matrix or mark reference unwrapped to one device's variant.
 trait Variant: Sized {
     type Cpu;
@@ -290,6 +295,22 @@ crate::backend::forward_backend_with! {
                 #[cfg(feature = "cuda")]
                 DevBuf::Cuda(b) => b.len(),
             }
+        }
+        fn download_many(&self, bufs: &[&DevBuf]) -> Result<Vec<HostBuf>> {
+            let _span = crate::host_time::span("download_many");
+            match self {
+                Device::Cpu(be) => be.download_many(&unwrap_all(bufs, Variant::on_cpu, "download_many")?),
+                #[cfg(feature = "cuda")]
+                Device::Cuda(be) => be.download_many(&unwrap_all(bufs, Variant::on_cuda, "download_many")?),
+            }
+        }
+        fn upload_many(&self, hosts: &[&HostBuf]) -> Result<Vec<DevBuf>> {
+            let _span = crate::host_time::span("upload_many");
+            Ok(match self {
+                Device::Cpu(be) => be.upload_many(hosts)?.into_iter().map(DevBuf::Cpu).collect(),
+                #[cfg(feature = "cuda")]
+                Device::Cuda(be) => be.upload_many(hosts)?.into_iter().map(DevBuf::Cuda).collect(),
+            })
         }
         fn mat_shape(&self, m: &DevMat) -> (usize, usize) {
             match m {

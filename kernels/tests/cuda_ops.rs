@@ -525,3 +525,35 @@ fn rows_in_place_equal_the_gathered_rows() {
         assert!(g.append_rows(&mut g.zeros_as(0, DType::Bf16).unwrap(), &k, rows - 1, 2, kvd).is_err());
     }
 }
+
+/// `download_many` and `upload_many` (one staging area, one wait) equal the copies one at a
+/// time, bit for bit, for f32 and bf16 buffers of odd lengths, an empty one among them, and a
+/// second batch larger than the first (the staging area grows).
+#[test]
+fn batched_copies_equal_copies_one_at_a_time() {
+    let Some(g) = gpu_with(WeightType::Bf16, DType::Bf16) else { return };
+    let mut r = StdRng::seed_from_u64(29);
+    for lens in [vec![3usize, 0, 1000, 77, 4096], vec![70_001, 5, 130_000, 1, 2]] {
+        let hosts: Vec<HostBuf> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let v = rand_vec(&mut r, n, 3.0);
+                if i % 2 == 0 {
+                    HostBuf::F32(v)
+                } else {
+                    HostBuf::Bf16(v.iter().map(|&x| flowprefill_kernels::backend::to_bf16(x)).collect())
+                }
+            })
+            .collect();
+        let refs: Vec<&HostBuf> = hosts.iter().collect();
+        let up = g.upload_many(&refs).unwrap();
+        assert_eq!(up.len(), hosts.len());
+        for (b, h) in up.iter().zip(&hosts) {
+            assert_eq!(&g.download_typed(b).unwrap(), h, "upload_many, {} values", h.len());
+        }
+        let singles: Vec<_> = hosts.iter().map(|h| g.upload_typed(h).unwrap()).collect();
+        let down = g.download_many(&singles.iter().collect::<Vec<_>>()).unwrap();
+        assert_eq!(down, hosts, "download_many");
+    }
+}

@@ -202,7 +202,7 @@ flowprefill_kernels::forward_backend! {
         // The trait's defaults, not the CPU's: they allocate through `zeros_as`, `matrix` and
         // `append` here, so their buffers, temporaries and weights are charged (before they are
         // made).
-        defaults(zeros, duplicate, rope_copy, matrix_typed, attention_rows, append_rows);
+        defaults(zeros, duplicate, rope_copy, matrix_typed, attention_rows, append_rows, download_many, upload_many);
 
         fn name(&self) -> &'static str {
             "limited-cpu"

@@ -80,8 +80,7 @@ fn resolve<B: Backend>(
     // RAM, then the disk tier (an entry read from disk is kept in RAM from then on).
     let be = model.backend();
     let mut found: Vec<Option<Arc<KvCache<B>>>> = Vec::with_capacity(keys.len());
-    for k in &keys {
-        let hit = store.lookup(k, be);
+    for hit in store.lookup_many(&keys, be) {
         stats.2 += u64::from(hit.as_ref().is_some_and(|(_, disk)| *disk));
         found.push(hit.map(|(kv, _)| kv));
     }
@@ -94,7 +93,7 @@ fn resolve<B: Backend>(
         .collect();
     let made = prefill_chunks(model, &jobs, DEFAULT_BATCH_TOKENS, check)?;
     for (&i, kv) in missing.iter().zip(made) {
-        found[i] = Some(store.insert_persist(keys[i], kv, be));
+        found[i] = Some(store.insert_persist(keys[i], kv));
     }
     found.into_iter().map(|f| f.ok_or_else(|| internal("chunk cache missing after prefill"))).collect()
 }

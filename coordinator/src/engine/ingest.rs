@@ -50,18 +50,31 @@ impl<B: Backend> Engine<B> {
         if layout.head.len() + tokens + 1 > window {
             return Err(WorkerError::ContextTooLong { tokens: layout.head.len() + tokens + 1, window }.into());
         }
-        // The head first, so that the counts below are the document's own.
-        let shared = crate::request::PrefixMode::Shared;
-        self.caches(lm, &self.store, &layout, shared, &[], &mut *check)?;
-        // Behind the head: the first document's form (and every document's in shared mode).
-        let first = self.caches(lm, &self.store, &layout, shared, &[0], &mut *check)?;
-        // Alone from position 0: a later document's form (prefix mode none, as chunk 1).
-        let mut later = layout.clone();
-        later.chunks.insert(0, Vec::new());
-        let alone = self.caches(lm, &self.store, &later, crate::request::PrefixMode::None, &[1], check)?;
+        // Ingesting is for the disk tier: what was made is written even when a later form failed.
+        let made = self.ingest_forms(lm, &layout, check);
+        self.store.persist_pending(lm.model.backend());
+        let (first, alone) = made?;
         if first.chunks.len() != 1 || alone.chunks.len() != 1 {
             return Err(internal("ingestion made no chunk cache"));
         }
         Ok(Ingested { tokens, prefilled: (first.misses + alone.misses) as usize })
+    }
+
+    /// The caches a document is looked up in: behind the head (the first document's form, and
+    /// every document's in shared mode) and alone from position 0 (a later document's form in
+    /// prefix mode none), the head's first so that the counts are the document's own.
+    fn ingest_forms(
+        &self,
+        lm: &flowprefill_worker::LoadedModel<B>,
+        layout: &Layout,
+        check: Check<'_>,
+    ) -> Result<(super::caches::Caches<B>, super::caches::Caches<B>)> {
+        let shared = crate::request::PrefixMode::Shared;
+        self.caches(lm, &self.store, layout, shared, &[], &mut *check)?;
+        let first = self.caches(lm, &self.store, layout, shared, &[0], &mut *check)?;
+        let mut later = layout.clone();
+        later.chunks.insert(0, Vec::new());
+        let alone = self.caches(lm, &self.store, &later, crate::request::PrefixMode::None, &[1], check)?;
+        Ok((first, alone))
     }
 }

@@ -582,6 +582,8 @@ impl<B: Backend> Engine<B> {
     /// ranks (unless they reported it, or the world is broken) and the job is ended here.
     fn job_on_rank(&self, comm: &mut dyn Communicator, job: &Job, steer: Steer<'_, '_>) -> Result<Option<RunResult>> {
         let r = self.run_job(comm, job, steer);
+        // The chunk caches this job made go to the disk tier now, after its answer.
+        self.store.persist_pending(self.lm.model.backend());
         if let Err(e) = &r {
             if e.class() == ErrorClass::Resource {
                 // The job's buffers are gone; the store gives back what the job lacks now.

@@ -221,6 +221,8 @@ macro_rules! for_each_backend_op {
                 -> Result<Option<$crate::backend::Recorded>>;
             fn download_typed(buf: &Self::Buf) -> Result<$crate::HostBuf>;
             fn upload_typed(host: &$crate::HostBuf) -> Result<Self::Buf>;
+            fn download_many(bufs: &[&Self::Buf]) -> Result<Vec<$crate::HostBuf>>;
+            fn upload_many(hosts: &[&$crate::HostBuf]) -> Result<Vec<Self::Buf>>;
             fn stage_out(buf: &Self::Buf) -> Result<$crate::HostBuf>;
             fn stage_in(host: &$crate::HostBuf) -> Result<Self::Buf>;
             fn rope_copy(src: &Self::Buf, n_heads: usize, positions: &[u32], table: &$crate::rope::RopeTable)
@@ -392,7 +394,7 @@ mod tests {
     crate::forward_backend! {
         impl Backend for Tally {
             type Buf = Boxed;
-            defaults(duplicate);
+            defaults(duplicate, download_many, upload_many);
             fn name(&self) -> &'static str {
                 "tally"
             }

@@ -97,6 +97,8 @@ pub struct CudaBackend {
     pub(super) control: ControlCache,
     /// The step being recorded, if any (`record`).
     pub(super) recorder: super::graph::Recorder,
+    /// Page-locked memory for batched copies (`download_many`, `upload_many`).
+    pub(super) staging: super::staging::Staging,
 }
 
 /// Why a buffer of the wrong element type was refused.
@@ -195,6 +197,7 @@ impl CudaBackend {
             part_lse: Scratch::new(epoch.clone()),
             control: ControlCache::new(),
             recorder: super::graph::Recorder::new(epoch),
+            staging: Default::default(),
         };
         // The Hopper attention runs only after it computed a known problem as flash2 does on
         // this very GPU; otherwise flash2 (and its autotuner) with one line saying why.
@@ -739,30 +742,19 @@ impl Backend for CudaBackend {
     }
 
     fn download_typed(&self, buf: &DeviceBuf) -> Result<HostBuf> {
-        if buf.len == 0 {
-            return Ok(HostBuf::zeros(0, buf.dtype()));
-        }
-        Ok(match &buf.data {
-            DevData::F32(d) => {
-                HostBuf::F32(self.stream.clone_dtoh(&d.slice(0..buf.len)).map_err(|e| err("download", e))?)
-            }
-            DevData::Bf16(d) => {
-                HostBuf::Bf16(self.stream.clone_dtoh(&d.slice(0..buf.len)).map_err(|e| err("download", e))?)
-            }
-        })
+        self.download_one(buf)
     }
 
     fn upload_typed(&self, host: &HostBuf) -> Result<DeviceBuf> {
-        if host.is_empty() {
-            return self.zeros_as(0, host.dtype());
-        }
-        let data = match host {
-            HostBuf::F32(v) => DevData::F32(self.stream.clone_htod(v).map_err(|e| self.oom("upload", v.len(), 4, e))?),
-            HostBuf::Bf16(v) => {
-                DevData::Bf16(self.stream.clone_htod(v).map_err(|e| self.oom("upload", v.len(), 2, e))?)
-            }
-        };
-        Ok(DeviceBuf { data, len: host.len() })
+        self.upload_one(host)
+    }
+
+    fn download_many(&self, bufs: &[&DeviceBuf]) -> Result<Vec<HostBuf>> {
+        self.download_batch(bufs)
+    }
+
+    fn upload_many(&self, hosts: &[&HostBuf]) -> Result<Vec<DeviceBuf>> {
+        self.upload_batch(hosts)
     }
 }
 

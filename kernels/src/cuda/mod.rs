@@ -17,6 +17,7 @@ mod loader;
 pub mod nccl;
 pub mod nvrtc;
 mod rotary;
+mod staging;
 mod tune;
 mod tuning;
 

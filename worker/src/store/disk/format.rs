@@ -130,6 +130,13 @@ pub(super) fn le_bytes(buf: &HostBuf, out: &mut Vec<u8>) {
 }
 
 pub(super) fn from_le(bytes: &[u8], dtype: DType) -> HostBuf {
+    // A copy (the file's bytes need not be aligned for the values).
+    #[cfg(target_endian = "little")]
+    match dtype {
+        DType::F32 => HostBuf::F32(bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / 4 * 4])),
+        DType::Bf16 => HostBuf::Bf16(bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / 2 * 2])),
+    }
+    #[cfg(not(target_endian = "little"))]
     match dtype {
         DType::F32 => {
             HostBuf::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
