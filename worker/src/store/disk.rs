@@ -388,20 +388,35 @@ impl Core {
         }
     }
 
-    fn read(&self, path: &Path, key: &ChunkKey) -> Result<Record, Bad> {
-        let bytes = match fs::read(path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Bad::Missing),
-            Err(e) => return Err(Bad::Corrupt(format!("unreadable: {e}"))),
-        };
-        let h = check_whole(&bytes).map_err(Bad::Corrupt)?;
-        if !self.scope.owns(&h) {
+    /// Whether a verified file with header `h` is the entry of `key` in this scope.
+    fn owned(&self, h: &format::Header, key: &ChunkKey) -> Result<(), Bad> {
+        if !self.scope.owns(h) {
             return Err(Bad::Foreign);
         }
         if &h.key != key.bytes() {
             // A hash collision of names (or a file copied under another name): not this entry.
             return Err(Bad::Corrupt("the entry holds another chunk".into()));
         }
+        Ok(())
+    }
+
+    fn read(&self, path: &Path, key: &ChunkKey) -> Result<Record, Bad> {
+        let unreadable = |e: io::Error| match e.kind() {
+            io::ErrorKind::NotFound => Bad::Missing,
+            _ => Bad::Corrupt(format!("unreadable: {e}")),
+        };
+        let mut f = File::open(path).map_err(unreadable)?;
+        let len = f.metadata().map_err(unreadable)?.len();
+        #[cfg(target_endian = "little")]
+        if let Some((h, positions, layers)) = format::read_streamed(&mut f, len).map_err(Bad::Corrupt)? {
+            self.owned(&h, key)?;
+            let form = if h.form == 0 { KeyForm::PreRope } else { KeyForm::Rotated };
+            return Ok(Record { form, kv_dim: h.kv_dim as usize, positions, layers });
+        }
+        // A header of an unknown type or a payload of another shape: read whole and classified.
+        let bytes = fs::read(path).map_err(unreadable)?;
+        let h = check_whole(&bytes).map_err(Bad::Corrupt)?;
+        self.owned(&h, key)?;
         let dtype = self.scope.dtype;
         let (rows, kv_dim, layers) = (h.rows as usize, h.kv_dim as usize, h.layers as usize);
         let per = rows * kv_dim * dtype.size();

@@ -241,14 +241,18 @@ impl<B: Backend> ChunkStore<B> {
     pub fn persist_pending(&self, backend: &B) -> usize {
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
         let Some(d) = &self.disk else { return 0 };
-        let mut queued = 0;
+        let (mut queued, total) = (0, pending.len());
         for (key, kv) in pending {
             match to_record(backend, &kv) {
                 Ok(rec) => {
                     d.put(&key, rec);
                     queued += 1;
                 }
-                Err(e) => tracing::warn!("chunk store: an entry was not written to disk ({e})"),
+                Err(e) => {
+                    // The device failed (a job that failed with it, say): the rest would too.
+                    tracing::warn!("chunk store: {} of {total} entries not written to disk ({e})", total - queued);
+                    break;
+                }
             }
         }
         queued
