@@ -91,3 +91,27 @@ fn an_answer_prefix_ends_the_prompt() {
     let text = lm.tokenizer.decode(&with.prompt).expect("decodes");
     assert!(text.ends_with("assistant\nThe gate code mentioned in the provided text is"), "{text:?}");
 }
+
+/// Documents long enough to be tokenized on several threads come out as one thread makes
+/// them: in order, each its text and the separator.
+#[test]
+fn many_long_documents_tokenize_in_order() {
+    let lm = flowprefill_tests::default_model();
+    // 23 documents of about 3 KB (past the threshold in all, an odd count for the threads).
+    let docs: Vec<String> = (0..23)
+        .map(|i| format!("Document {i}. ") + &format!("Harbour {i} keeps {} boats and a lantern. ", i * 7).repeat(60))
+        .collect();
+    let req = flowprefill_coordinator::Request {
+        context: flowprefill_coordinator::Context::Documents(docs.clone()),
+        query: "How many boats?".into(),
+        system: None,
+        answer_prefix: None,
+    };
+    let layout = flowprefill_coordinator::layout::Layout::build(lm, &req).expect("layout");
+    assert_eq!(layout.chunks.len(), docs.len());
+    for (d, ids) in docs.iter().zip(&layout.chunks) {
+        let alone =
+            lm.tokenizer.encode_text(&format!("{}{}", d.trim(), flowprefill_coordinator::layout::DOC_SEPARATOR));
+        assert_eq!(ids, &alone.expect("tokens"));
+    }
+}
