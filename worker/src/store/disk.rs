@@ -32,7 +32,7 @@ use super::ChunkKey;
 use crate::kv::KeyForm;
 use flowprefill_kernels::{DType, HostBuf};
 pub use format::FORMAT_VERSION;
-use format::{check_whole, dtype_code, dtype_name, encode_header, from_le, le_bytes, read_header};
+use format::{check_whole, dtype_code, dtype_name, encode_header, le_bytes, read_header};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -407,35 +407,17 @@ impl Core {
         };
         let mut f = File::open(path).map_err(unreadable)?;
         let len = f.metadata().map_err(unreadable)?.len();
-        #[cfg(target_endian = "little")]
         if let Some((h, positions, layers)) = format::read_streamed(&mut f, len).map_err(Bad::Corrupt)? {
             self.owned(&h, key)?;
             let form = if h.form == 0 { KeyForm::PreRope } else { KeyForm::Rotated };
             return Ok(Record { form, kv_dim: h.kv_dim as usize, positions, layers });
         }
-        // A header of an unknown type or a payload of another shape: read whole and classified.
+        // A header of an unknown element type or a payload of another shape: never served; read
+        // whole to say why (its checksum, then its scope, then its shape).
         let bytes = fs::read(path).map_err(unreadable)?;
         let h = check_whole(&bytes).map_err(Bad::Corrupt)?;
         self.owned(&h, key)?;
-        let dtype = self.scope.dtype;
-        let (rows, kv_dim, layers) = (h.rows as usize, h.kv_dim as usize, h.layers as usize);
-        let per = rows * kv_dim * dtype.size();
-        if h.payload as usize != rows * 4 + 2 * layers * per {
-            return Err(Bad::Corrupt("payload length does not match its shape".into()));
-        }
-        let mut at = h.start as usize;
-        let positions =
-            bytes[at..at + rows * 4].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        at += rows * 4;
-        let mut out = Vec::with_capacity(layers);
-        for _ in 0..layers {
-            let k = from_le(&bytes[at..at + per], dtype);
-            let v = from_le(&bytes[at + per..at + 2 * per], dtype);
-            at += 2 * per;
-            out.push((k, v));
-        }
-        let form = if h.form == 0 { KeyForm::PreRope } else { KeyForm::Rotated };
-        Ok(Record { form, kv_dim, positions, layers: out })
+        Err(Bad::Corrupt("payload length does not match its shape".into()))
     }
 
     /// Writes the entry of `key` (temporary file, fsync, rename, folder fsync), then trims to

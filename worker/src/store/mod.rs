@@ -7,7 +7,7 @@
 //! least-recently-used eviction.
 //!
 //! Under the RAM tier, an optional disk tier ([`disk::DiskStore`]) keeps chunk caches across
-//! processes and restarts: [`ChunkStore::lookup`] tries RAM, then disk (an entry read from disk
+//! processes and restarts: [`ChunkStore::lookup_many`] tries RAM, then disk (an entry read from disk
 //! is promoted to RAM, on the device), and [`ChunkStore::insert_persist`] writes through.
 
 pub mod disk;
@@ -145,30 +145,10 @@ impl<B: Backend> ChunkStore<B> {
         self.disk.as_ref().map(|d| d.stats())
     }
 
-    /// The cache for `key` from RAM, else from the disk tier (read, verified, uploaded to
-    /// `backend` in its element type and kept in RAM), with `true` when it came from disk;
-    /// `None` when neither has it. A disk entry that cannot be made a cache of this backend
-    /// counts as a miss.
-    pub fn lookup(&self, key: &ChunkKey, backend: &B) -> Option<(Arc<KvCache<B>>, bool)> {
-        if let Some(kv) = self.get(key) {
-            return Some((kv, false));
-        }
-        let rec = self.disk.as_ref()?.get(key)?;
-        match from_record(backend, rec) {
-            Ok(kv) => {
-                let kv = Arc::new(kv);
-                self.insert_arc(*key, kv.clone());
-                Some((kv, true))
-            }
-            Err(e) => {
-                tracing::warn!("chunk store: a disk entry could not be loaded ({e}); prefilling instead");
-                None
-            }
-        }
-    }
-
-    /// [`ChunkStore::lookup`] of every key, in order: RAM first, then the disk tier with the
-    /// files read and verified on several threads (reading, checking and decoding a file is
+    /// The cache of every key, in order, with `true` where it came from disk (`None`: neither
+    /// tier has it; a disk entry that cannot be made a cache of this backend counts as a miss):
+    /// RAM first, then the disk tier (entries read, verified, uploaded to `backend` in their
+    /// element type and kept in RAM) with the files read and verified on several threads (reading, checking and decoding a file is
     /// host work: one thread kept a GPU waiting 100-140 ms for 17 chunks of 512 tokens,
     /// H200, 2026-11-27) and uploaded in order; at most a few records are held at once. A key
     /// given twice is read once.

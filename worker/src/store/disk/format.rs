@@ -129,22 +129,6 @@ pub(super) fn le_bytes(buf: &HostBuf, out: &mut Vec<u8>) {
     }
 }
 
-pub(super) fn from_le(bytes: &[u8], dtype: DType) -> HostBuf {
-    // A copy (the file's bytes need not be aligned for the values).
-    #[cfg(target_endian = "little")]
-    match dtype {
-        DType::F32 => HostBuf::F32(bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / 4 * 4])),
-        DType::Bf16 => HostBuf::Bf16(bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / 2 * 2])),
-    }
-    #[cfg(not(target_endian = "little"))]
-    match dtype {
-        DType::F32 => {
-            HostBuf::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
-        }
-        DType::Bf16 => HostBuf::Bf16(bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()),
-    }
-}
-
 impl Scope {
     /// Whether a file with header `h` holds an entry of this scope (model, device kind, element
     /// type, format version).
@@ -183,8 +167,7 @@ pub(super) type Streamed = (Header, Vec<u32>, Vec<(HostBuf, HostBuf)>);
 /// where reading the file whole and then decoding it made two of each (the disk tier's reads
 /// are host work that a GPU waits for: 2 GB/s on an H200's host, 2026-11-27). `None`: a
 /// header of an unknown element type or a payload not of its announced shape, for the
-/// whole-file path to classify. Little-endian hosts (the values are the file's bytes).
-#[cfg(target_endian = "little")]
+/// whole-file path to classify (such a file is never served).
 pub(super) fn read_streamed(f: &mut File, len: u64) -> Result<Option<Streamed>, String> {
     const NO_HEADER: &str = "no readable header";
     let mut head = vec![0u8; 16];
@@ -221,16 +204,20 @@ pub(super) fn read_streamed(f: &mut File, len: u64) -> Result<Option<Streamed>, 
     };
     let mut positions = vec![0u32; rows as usize];
     read(bytemuck::cast_slice_mut(&mut positions))?;
+    positions.iter_mut().for_each(|p| *p = u32::from_le(*p));
     let mut part = || -> Result<HostBuf, String> {
         Ok(match dtype {
+            // The file's values are little-endian: no change on a little-endian host.
             DType::F32 => {
                 let mut v = vec![0f32; per as usize];
                 read(bytemuck::cast_slice_mut(&mut v))?;
+                v.iter_mut().for_each(|x| *x = f32::from_bits(u32::from_le(x.to_bits())));
                 HostBuf::F32(v)
             }
             DType::Bf16 => {
                 let mut v = vec![0u16; per as usize];
                 read(bytemuck::cast_slice_mut(&mut v))?;
+                v.iter_mut().for_each(|x| *x = u16::from_le(*x));
                 HostBuf::Bf16(v)
             }
         })

@@ -111,6 +111,24 @@ fn damage_anywhere_in_a_file_is_caught() {
         assert!(!path.exists(), "byte {at} damaged, not deleted");
         assert_eq!(s.stats().corrupt, n as u64 + 1);
     }
+    // Whole files (checksums made again) that the streamed read does not take: a row count the
+    // payload does not have is damaged; an element type of no scope here is another's.
+    let resealed = |at: usize, value: u8| {
+        let mut b = good.clone();
+        b[at] = value;
+        let body = b.len() - 4;
+        let crc = crc32fast::hash(&b[..body]).to_le_bytes();
+        b[body..].copy_from_slice(&crc);
+        fs::write(&path, &b).unwrap();
+    };
+    resealed(start - 12, good[start - 12] + 1);
+    assert!(s.get(&key).is_none());
+    assert_eq!(s.stats().corrupt, 5, "a shape its payload does not have");
+    // The element type: the byte before the form, before the three u32 fields and the payload's u64.
+    resealed(start - 22, 7);
+    assert!(s.get(&key).is_none());
+    assert_eq!((s.stats().corrupt, s.stats().foreign), (5, 1), "another element type is not ours");
+    assert!(path.exists(), "another's file is left alone");
     fs::write(&path, &good).unwrap();
     assert_eq!(s.get(&key), Some(record(6, 1.0)));
     let _ = fs::remove_dir_all(&dir);
