@@ -32,6 +32,9 @@ run_tests() {
 }
 for t in cuda_compile_gate cuda_ops cuda_hopper_fallback nccl_smoke cuda_libs cuda; do run_tests "$t"; done
 "$FP" bench prefill --device cuda --tokens 512,2048,4096,8000 --runs 3
+# The same in forwards of 2048 tokens (the CPU's size, and the GPU's before 2026-11-27) against
+# the GPU's 8192 (the default above): what the larger forwards bring.
+"$FP" bench prefill --device cuda --tokens 8000 --runs 3 --prefill-chunk 2048
 "$FP" bench prefill --device cuda --kv-dtype f32 --tokens 2048,8000 --runs 3
 "$FP" bench prefill --device cuda --weights f32 --kv-dtype f32 --tokens 2048 --runs 3
 # The attention kernels alone: flash2 (the autotuner's choice), then each configuration of the
@@ -42,7 +45,7 @@ attention_bench() {
   else cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench -- "$@"; fi
 }
 attention_bench
-for k in hopper hopper:c1 hopper:c2 hopper:c3; do FLOWPREFILL_FLASH_KERNEL=$k attention_bench; done
+for k in hopper hopper:c1 hopper:c2 hopper:c3 hopper:c4 hopper:c5; do FLOWPREFILL_FLASH_KERNEL=$k attention_bench; done
 # Decode at about 7K tokens of context, steps recorded once as a CUDA graph and replayed (the
 # default) against op by op, alternating, three calls each: ms per token over answers of 128
 # tokens (`bench decode` asks for a long answer; a short one gives too few replayed steps to

@@ -102,6 +102,11 @@ stage1)
       mark "attention bench: $k"
       kernel_env "$k" timeout 120 "$S/gpu-pack/cuda_attention_bench" 2>&1 | tee "$S/res/attention-${k/:/-}.txt"
     done
+    # The polynomial exp2 configurations (new 2026-11-27), up to 8K only.
+    for k in hopper:c4 hopper:c5; do
+      mark "attention bench: $k"
+      kernel_env "$k" timeout 60 "$S/gpu-pack/cuda_attention_bench" --quick 2>&1 | tee "$S/res/attention-${k/:/-}.txt"
+    done
     mark "pytorch sdpa"
     timeout 120 python3 scripts/sdpa_baseline.py 2>&1 | tee "$S/res/sdpa.txt"
     mark "pytorch baseline"
@@ -129,10 +134,11 @@ stage2)
     GPU_BENCH_TUNE=0 timeout 330 bash scripts/gpu-bench.sh "$S/bench" > "$S/res2/bench.log" 2>&1
     echo "gpu-bench rc=$?"
     cat "$S/bench/bench.md" 2>/dev/null
-    mark "f32 forward beside the bf16 one (same GPU, same call)"
-    for w in bf16 f32; do
-      timeout 60 "$FP" bench prefill --device cuda --weights "$w" --tokens 2048,8000 --runs 3 2>&1 | grep -v "^note" | tail -n 4
-      timeout 120 "$FP" --model synthetic:llama-3.1-8b bench prefill --device cuda --weights "$w" --tokens 8192 --runs 3 2>&1 | grep -v "^note" | tail -n 3
+    mark "prefill in forwards of 2048 tokens against the GPU's 8192 (alternating, same call)"
+    for c in 2048 8192 2048 8192; do
+      echo "prefill chunk $c"
+      timeout 60 "$FP" bench prefill --device cuda --prefill-chunk "$c" --tokens 8000 --runs 3 2>&1 | grep -v "^note" | tail -n 2
+      timeout 120 "$FP" --model synthetic:llama-3.1-8b bench prefill --device cuda --prefill-chunk "$c" --tokens 32768 --runs 3 2>&1 | grep -v "^note" | tail -n 2
     done
     mark "decode: steps replayed from a CUDA graph against op by op, alternating"
     write_context "$S/decode.txt" 7000

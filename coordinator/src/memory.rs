@@ -34,7 +34,6 @@ use crate::request::{Geometry, Method, PrefixMode, RunOptions, Scope};
 use crate::timings::phase;
 use flowprefill_kernels::{gib, Backend, DType, Memory};
 use flowprefill_worker::config::ModelConfig;
-use flowprefill_worker::generate::DEFAULT_PREFILL_CHUNK;
 use flowprefill_worker::steps::{batches, zigzag_pieces, DEFAULT_BATCH_TOKENS};
 use flowprefill_worker::LoadedModel;
 
@@ -190,24 +189,28 @@ fn peak(rank: usize, phases: Vec<Phase>) -> RankMemory {
     RankMemory { rank, phase, parts: parts.into_iter().filter(|p| p.bytes > 0).collect() }
 }
 
+/// What a plan needs to know of the device it plans for.
+pub struct Target<'a> {
+    /// The type K/V are kept as ([`Backend::kv_dtype`]).
+    pub kv: DType,
+    /// The activations' type ([`Backend::act_dtype`]).
+    pub act: DType,
+    /// The backend's own scratch for a forward of `rows` rows at most `width` wide
+    /// ([`Backend::scratch_bytes`]).
+    pub scratch: &'a dyn Fn(usize, usize) -> usize,
+    /// Tokens per forward of a full prefill ([`Backend::prefill_rows`]).
+    pub prefill_rows: usize,
+}
+
 /// Every rank's peak for a job of `tokens` run with `opts` on `ranks` ranks of a model of
-/// dimensions `dims` keeping K/V as `kv` and activations as `act`; `scratch(rows, width)` is the backend's own scratch
-/// for a forward of `rows` rows (see [`Backend::scratch_bytes`]).
-pub fn plan(
-    dims: &ModelConfig,
-    kv: DType,
-    act: DType,
-    scratch: &dyn Fn(usize, usize) -> usize,
-    opts: &RunOptions,
-    ranks: usize,
-    tokens: &Tokens,
-) -> Vec<RankMemory> {
-    let s = Sizes::new(dims, kv, act);
+/// dimensions `dims` on `target`.
+pub fn plan(dims: &ModelConfig, target: &Target, opts: &RunOptions, ranks: usize, tokens: &Tokens) -> Vec<RankMemory> {
+    let s = Sizes::new(dims, target.kv, target.act);
     let ranks = ranks.max(1);
-    let scratch = |rows: usize| scratch(rows, s.widest());
+    let scratch = |rows: usize| (target.scratch)(rows, s.widest());
     match opts.method.info().build {
         Build::Single => {
-            let mut out = vec![full(&s, &scratch, opts, tokens)];
+            let mut out = vec![full(&s, &scratch, opts, tokens, target.prefill_rows)];
             out.extend((1..ranks).map(|rank| RankMemory { rank, phase: "-", parts: Vec::new() }));
             out
         }
@@ -219,21 +222,22 @@ pub fn plan(
 /// [`plan`] for a loaded model and a tokenized request.
 pub fn plan_for<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, ranks: usize, layout: &Layout) -> Vec<RankMemory> {
     let be = lm.model.backend();
-    plan(
-        lm.model.config(),
-        be.kv_dtype(),
-        be.act_dtype(),
-        &|r, w| be.scratch_bytes(r, w),
-        opts,
-        ranks,
-        &Tokens::of(layout),
-    )
+    let scratch = |r, w| be.scratch_bytes(r, w);
+    plan(lm.model.config(), &Target::of(be, &scratch), opts, ranks, &Tokens::of(layout))
 }
 
-/// `full`: the cache reserved for the whole sequence and the answer, one piece's forward.
-fn full(s: &Sizes, scratch: &dyn Fn(usize) -> usize, opts: &RunOptions, t: &Tokens) -> RankMemory {
+impl<'a> Target<'a> {
+    /// `be`'s, with `scratch` its [`Backend::scratch_bytes`].
+    pub fn of<B: Backend>(be: &B, scratch: &'a dyn Fn(usize, usize) -> usize) -> Self {
+        Self { kv: be.kv_dtype(), act: be.act_dtype(), scratch, prefill_rows: be.prefill_rows() }
+    }
+}
+
+/// `full`: the cache reserved for the whole sequence and the answer, one piece's forward (of
+/// at most `rows` tokens).
+fn full(s: &Sizes, scratch: &dyn Fn(usize) -> usize, opts: &RunOptions, t: &Tokens, rows: usize) -> RankMemory {
     let total = t.head + t.context() + t.prompt;
-    let piece = total.min(DEFAULT_PREFILL_CHUNK);
+    let piece = total.min(rows.max(1));
     let act = piece * (s.forward_row() + s.lse_row()) + s.logits(1);
     let phases = vec![Phase::new(
         phase::PREFILL,
@@ -516,7 +520,8 @@ pub fn smallest_job<B: Backend>(lm: &LoadedModel<B>) -> usize {
     let be = lm.model.backend();
     let opts = RunOptions { method: Method::Full, max_new_tokens: 1, ..RunOptions::default() };
     let tokens = Tokens { head: 16, chunks: vec![1], prompt: 16 };
-    plan(lm.model.config(), be.kv_dtype(), be.act_dtype(), &|r, w| be.scratch_bytes(r, w), &opts, 1, &tokens)[0].bytes()
+    let scratch = |r, w| be.scratch_bytes(r, w);
+    plan(lm.model.config(), &Target::of(be, &scratch), &opts, 1, &tokens)[0].bytes()
 }
 
 #[cfg(test)]
@@ -547,17 +552,22 @@ mod tests {
         0
     }
 
+    /// The CPU's target with K/V kept as `kv`.
+    fn cpu(kv: DType) -> Target<'static> {
+        Target { kv, act: DType::F32, scratch: &none, prefill_rows: flowprefill_kernels::PREFILL_ROWS }
+    }
+
     #[test]
     fn the_full_plan_is_the_reserved_cache_and_one_piece() {
         let c = cfg();
         let t = Tokens { head: 10, chunks: vec![1000, 990], prompt: 20 };
         let opts = RunOptions { method: Method::Full, max_new_tokens: 8, ..RunOptions::default() };
-        let p = plan(&c, DType::F32, DType::F32, &none, &opts, 1, &t);
+        let p = plan(&c, &cpu(DType::F32), &opts, 1, &t);
         let kv = 2 * 4 * 32 * 4 * (2020 + 8);
         assert_eq!(p[0].parts[0], Part { what: "KV cache", bytes: kv });
         assert!(p[0].bytes() > kv);
         // bf16 halves the cache, not the activations.
-        let h = plan(&c, DType::Bf16, DType::F32, &none, &opts, 1, &t);
+        let h = plan(&c, &cpu(DType::Bf16), &opts, 1, &t);
         assert_eq!(h[0].parts[0].bytes, kv / 2);
         assert!(h[0].bytes() < p[0].bytes() - kv / 2);
     }
@@ -568,8 +578,8 @@ mod tests {
         let t = Tokens { head: 10, chunks: vec![500; 8], prompt: 20 };
         for method in [Method::Infoflow, Method::Cacheblend, Method::Ring, Method::Star, Method::Prophet] {
             let opts = RunOptions { method, ..RunOptions::default() };
-            let one = plan(&c, DType::F32, DType::F32, &none, &opts, 1, &t)[0].bytes();
-            let four = plan(&c, DType::F32, DType::F32, &none, &opts, 4, &t);
+            let one = plan(&c, &cpu(DType::F32), &opts, 1, &t)[0].bytes();
+            let four = plan(&c, &cpu(DType::F32), &opts, 4, &t);
             assert_eq!(four.len(), 4);
             let most = four.iter().map(RankMemory::bytes).max().unwrap_or(0);
             assert!(most < one, "{method:?}: {most} on one of 4 ranks, {one} on one");

@@ -150,6 +150,11 @@ fn flash_attention_matches_the_reference_on_odd_shapes() {
         (130, 300, 4, 1, 64, false, None),    // 520 packed rows: 5 blocks of 128, the last partial
         (70, 150, 8, 2, 128, false, Some(2)), // 32-key tiles under 64-key metadata, split in two
         (40, 97, 4, 4, 128, true, None),      // scattered: every 32-key tile masked, one partial
+        // One split over many tiles: each of the Hopper kernel's 3 stages holds 2 or 3 of its
+        // 128-key tiles, full ones then masked ones (without the forced split the plan spreads
+        // the keys over 132 SMs, a tile or two a block, and a stage read for another passes).
+        (40, 1000, 4, 1, 128, false, Some(1)),
+        (33, 700, 9, 3, 64, false, Some(1)),
     ] {
         let c = case(&mut r, m, n, heads, kv, d, scattered);
         for kernel in emu::FlashKernel::every() {

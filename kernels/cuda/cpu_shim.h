@@ -129,6 +129,13 @@ inline void fail(const std::string& what) {
     }
 }
 
+// Whether this launch has failed (a wait then gives up at once: one stall is reported, not
+// one per later wait of every thread).
+inline bool failed() {
+    std::lock_guard<std::mutex> g(error_lock);
+    return !launch_error.empty();
+}
+
 template <typename T>
 inline T exchange(T v, unsigned src_lane) {
     static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");

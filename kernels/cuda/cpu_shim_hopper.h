@@ -25,7 +25,10 @@
 //                         warpgroup must issue it with the same descriptors (checked). The
 //                         product is computed when a wait_group retires its group, reading
 //                         shared memory then (a tile overwritten before the wait gives a wrong
-//                         answer); the accumulators read NaN in between (a missing wait)
+//                         answer); the accumulators read NaN in between (a missing wait).
+//                         wait_group is .sync.aligned: every lane of the warp retires its part
+//                         before any lane goes on, so one lane's arrival after it (a stage
+//                         released to the producer) stands for its warp, as on the hardware
 //   wgmma.fence           asked for before the first wgmma after the block starts and after
 //                         every wait_group (stricter than the hardware, which asks only when
 //                         registers were touched since): a missing fence is reported
@@ -80,7 +83,7 @@ struct WaitClock {
     bool stalled() const {
         const auto wall = std::chrono::steady_clock::now() - wall0;
         const double cpu = double(std::clock() - cpu0) / CLOCKS_PER_SEC;
-        return (wall > std::chrono::seconds(2) && cpu >= 1.0) || wall > std::chrono::seconds(120);
+        return (wall > std::chrono::seconds(2) && cpu >= 1.0) || wall > std::chrono::seconds(120) || failed();
     }
 };
 
@@ -365,6 +368,23 @@ inline void fp_mbar_init(fp_sptr bar, unsigned count) {
 
 inline void fp_mbar_init_fence() {}
 
+// Ordered by the mbarriers around them (their lock), as on the device by arrive and wait.
+inline void fp_st_shared_u32(fp_sptr a, unsigned v) {
+    if (fp_shim::saddr(a, "st.shared") % 4 != 0) {
+        fp_shim::fail("st.shared.u32: a misaligned address");
+    }
+    std::memcpy(a, &v, 4);
+}
+
+inline unsigned fp_ld_shared_u32(fp_sptr a) {
+    if (fp_shim::saddr(a, "ld.shared") % 4 != 0) {
+        fp_shim::fail("ld.shared.u32: a misaligned address");
+    }
+    unsigned v;
+    std::memcpy(&v, a, 4);
+    return v;
+}
+
 inline void fp_mbar_arrive_expect_tx(fp_sptr bar, unsigned bytes) { fp_shim::mbar_arrive(bar, bytes); }
 
 inline void fp_mbar_arrive(fp_sptr bar) { fp_shim::mbar_arrive(bar, 0); }
@@ -466,6 +486,9 @@ inline void fp_wgmma_wait() {
         fp_shim::wgmma_committed.pop_front();
     }
     fp_shim::wgmma_fenced = false;
+    // Each lane computed its part above; none goes on before all of the warp have (the
+    // hardware's products are done for the whole warpgroup when the wait returns).
+    fp_shim::warp().bar.arrive_and_wait();
 }
 
 template <int N>

@@ -8,6 +8,10 @@
 //     swizzle, boxes of 64 elements of one KV head) into FP_FH_STAGES stages; a full barrier
 //     per stage (the producer's arrival with the tiles' bytes) and an empty one (one arrival
 //     per consumer warp when it is done with the stage);
+//   - the producer alone walks the key metadata: with each stage it writes which tile it holds
+//     and whether the tile is full (a word in shared memory, released by its arrival), and a
+//     last stage without a tile ends the consumers' loop, so no global load sits between one
+//     tile's softmax and the next tile's products;
 //   - S = Q K^T by wgmma from shared memory (Q and K K-major), the online softmax on the
 //     accumulators, then O += P V by wgmma with P from registers (the score accumulators are
 //     the A fragments) and V read transposed;
@@ -20,15 +24,25 @@
 //     products run (FlashAttention-3's ping-pong); without it (and with one consumer) each
 //     warpgroup still issues S before the previous P V and overlaps its softmax with that P V.
 //     A stage is released when the P V that read it is retired.
+//   - with FP_FH_POLY > 0, that many of each row's 16 score columns of 8 (spread over the tile)
+//     take their exp2 from fp_exp2_poly on the FMA and integer pipes, the rest from the
+//     special-function unit, whose 16 results a clock and SM are as many clocks as a d = 64
+//     tile's products (FlashAttention-4's split, here for Hopper's d = 64).
 // What it does not do yet (docs/gpu.md): a bf16 output (f32, as flash2); two score buffers;
 // key tiles other than 128.
 //
 // Maps (16 u64 each, gpu::ops::hopper_attention_maps): [0] K, [1] V, each the 2-D tensor
 // (n_kv_heads * D elements a row, n rows) with boxes of 64 elements by FP_FH_KEYS rows.
 
+// The producer's word per stage: the tile's index, with FP_FH_FULL_TILE when no key of it is
+// above any query of the block and all its keys are below n; FP_FH_NO_TILE (not full) ends the
+// loop.
+#define FP_FH_FULL_TILE 0x80000000u
+#define FP_FH_NO_TILE 0x7fffffffu
+
 // The configuration (flowprefill_kernels::gpu::shapes::HOPPER_CONFIGS, written into the
 // launch-shape header): FP_FH_CONSUMERS (1 or 2), FP_FH_STAGES, FP_FH_PINGPONG (two consumers
-// only), FP_FH_KEYS, FP_FH_THREADS ((FP_FH_CONSUMERS + 1) x 128).
+// only), FP_FH_POLY (0 .. 16), FP_FH_KEYS, FP_FH_THREADS ((FP_FH_CONSUMERS + 1) x 128).
 static_assert(FP_FH_THREADS == (FP_FH_CONSUMERS + 1) * 128, "the consumers' and the producer's warpgroups");
 
 // The smallest (LO) or largest position of kernel tile t: the metadata tiles it covers.
@@ -62,9 +76,16 @@ __device__ __forceinline__ void fp_fh_pv(float (&o)[32], const u32 (&p)[4], u64 
     fp_wgmma_rs_n64<1>(o, p, dv, 1u);
 }
 
+// Whether score column tile i (of n8 tiles, 16 a row) takes the polynomial exp2: POLY of every
+// 16, spread evenly (i x POLY mod 16 below POLY), so both pipes have work all along the row.
+template <u32 POLY>
+__device__ __forceinline__ bool fp_fh_poly_tile(u32 i) {
+    return (i * POLY) % 16 < POLY;
+}
+
 // The configuration is in the template's arguments (not read from the macros inside), so that
 // each configuration is its own instantiation wherever several are built into one program.
-template <int D, u32 CONSUMERS, u32 STAGES, bool PINGPONG>
+template <int D, u32 CONSUMERS, u32 STAGES, bool PINGPONG, u32 POLY>
 __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos,
                                                 const u32* ktile_lo, const u32* ktile_hi, float* out, float* lse,
                                                 u32 m, u32 n, u32 n_heads, u32 n_kv_heads, float scale_log2,
@@ -79,6 +100,7 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     static_assert(KEYS == 128 && KEYS % FP_FA2_META_KEYS == 0, "key tile");
     static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
     static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong takes two consumer warpgroups");
+    static_assert(POLY <= 16 && NT == 16, "polynomial exp2 on POLY of a row's 16 column tiles");
     constexpr u32 TURN_THREADS = 128 * CONSUMERS;
     FP_DYNAMIC_SMEM(smem);
     const fp_sptr q_s = fp_sptr_align(fp_sptr_of(smem), 1024);
@@ -86,6 +108,7 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     const fp_sptr v_s = k_s + STAGES * KV_BYTES;
     const fp_sptr full_bar = v_s + STAGES * KV_BYTES;
     const fp_sptr empty_bar = full_bar + 8 * STAGES;
+    const fp_sptr tile_word = empty_bar + 8 * STAGES;  // the producer's word per stage
     __shared__ u32 q_range[2];
 
     const u32 tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -132,14 +155,18 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
 
     if (wg == CONSUMERS) {
         // The producer: one thread walks the visible tiles and copies each into the next stage
-        // once the consumers have released it.
+        // once the consumers have released it, with the stage's word; then a stage without a
+        // tile.
         fp_setmaxnreg_dec<40>();
         if (tid == CONSUMERS * 128) {
+            const u32 whole = n / KEYS;  // tiles below it have every key below n
             u32 it = 0;
             for (u32 t = fp_fh_visible_from(t_begin, t_end, ktile_lo, meta_tiles, qhi); t < t_end;
                  t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi), it++) {
                 const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
                 fp_mbar_wait(empty_bar + 8 * s, phase ^ 1u);  // the stage's previous use released
+                const bool full = fp_fh_bound<false>(ktile_hi, t, meta_tiles) <= qlo && t < whole;
+                fp_st_shared_u32(tile_word + 4 * s, full ? t | FP_FH_FULL_TILE : t);
                 fp_mbar_arrive_expect_tx(full_bar + 8 * s, 2 * KV_BYTES);
                 FP_UNROLL
                 for (u32 b = 0; b < BOXES; b++) {
@@ -148,6 +175,10 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
                     fp_tma_load_2d(v_s + s * KV_BYTES + b * KEYS * 128, maps + 16, full_bar + 8 * s, c0, c1);
                 }
             }
+            const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
+            fp_mbar_wait(empty_bar + 8 * s, phase ^ 1u);
+            fp_st_shared_u32(tile_word + 4 * s, FP_FH_NO_TILE);
+            fp_mbar_arrive(full_bar + 8 * s);
         }
         return;
     }
@@ -163,14 +194,16 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         qp[h] = pr < packed ? qpos[pr / group] : 0u;
     }
     const fp_sptr q_wg = q_s + wg * 64 * 128;  // this warpgroup's rows inside each Q box
+    // The descriptors at the tiles' starts (stage 0); each product's is one add from these.
+    const u64 dq0 = fp_desc_kmajor<128>(q_wg, ROWS, 0);
+    const u64 dk0 = fp_desc_kmajor<128>(k_s, KEYS, 0);
+    const u64 dv0 = fp_desc_mnmajor<128>(v_s, KEYS, 0, 0);
     float o[D / 2];
     FP_UNROLL
     for (int i = 0; i < (int)(D / 2); i++) {
         o[i] = 0.0f;
     }
     float m_r[2] = {-FP_INF, -FP_INF}, l_r[2] = {0.0f, 0.0f};
-    const u32 whole = n / KEYS;  // tiles below it have every key below n
-    u32 it = 0;            // tiles consumed: the stage and its phase
     u32 pf[KEYS / 16][4];  // P of the previous tile, for its O += P V
     FP_UNROLL
     for (u32 i = 0; i < KEYS / 16; i++) {
@@ -182,7 +215,7 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     auto issue_pv = [&]() {
         FP_UNROLL
         for (u32 kk = 0; kk < KEYS / 16; kk++) {
-            fp_fh_pv(o, pf[kk], fp_desc_mnmajor<128>(v_s + prev_stage * KV_BYTES, KEYS, 0, 16 * kk));
+            fp_fh_pv(o, pf[kk], fp_desc_add(dv0, prev_stage * KV_BYTES + fp_mnmajor_offset<128>(KEYS, 0, 16 * kk)));
         }
     };
     // The two consumer warpgroups take turns at the tensor pipe (named barriers 1 and 2): in
@@ -193,12 +226,10 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     if (PINGPONG && wg == 1) {
         fp_named_arrive(1, TURN_THREADS);  // the first turn is warpgroup 0's
     }
-    // One key tile. MASKED (tiles that straddle a query's position or n) is compiled apart
-    // from the full tiles' step, which has no per-element test.
-    auto step = [&](auto masked, u32 t) {
+    // Key tile t, in stage s (its copies waited for). MASKED (tiles that straddle a query's
+    // position or n) is compiled apart from the full tiles' step, which has no per-element test.
+    auto step = [&](auto masked, u32 t, u32 s) {
         constexpr bool MASKED = decltype(masked)::value;
-        const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
-        fp_mbar_wait(full_bar + 8 * s, phase);
         float sc[KEYS / 2];
         if (PINGPONG) {
             fp_named_sync(my_turn, TURN_THREADS);
@@ -208,8 +239,9 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         fp_wgmma_fence();
         FP_UNROLL
         for (u32 kk = 0; kk < D / 16; kk++) {
-            fp_wgmma_ss_n128<0>(sc, fp_desc_kmajor<128>(q_wg, ROWS, 16 * kk),
-                                fp_desc_kmajor<128>(k_s + s * KV_BYTES, KEYS, 16 * kk), kk > 0 ? 1u : 0u);
+            fp_wgmma_ss_n128<0>(sc, fp_desc_add(dq0, fp_kmajor_offset<128>(ROWS, 16 * kk)),
+                                fp_desc_add(dk0, s * KV_BYTES + fp_kmajor_offset<128>(KEYS, 16 * kk)),
+                                kk > 0 ? 1u : 0u);
         }
         fp_wgmma_commit();
         if (have_prev) {
@@ -272,7 +304,8 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         for (u32 i = 0; i < NT; i++) {
             FP_UNROLL
             for (u32 e = 0; e < 4; e++) {
-                sc[4 * i + e] = fp_exp2(fmaf(sc[4 * i + e], scale_log2, -base[e >> 1]));
+                const float x = fmaf(sc[4 * i + e], scale_log2, -base[e >> 1]);
+                sc[4 * i + e] = fp_fh_poly_tile<POLY>(i) ? fp_exp2_poly(x) : fp_exp2(x);
             }
             l_r[0] += sc[4 * i] + sc[4 * i + 1];
             l_r[1] += sc[4 * i + 2] + sc[4 * i + 3];
@@ -299,23 +332,31 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         }
         have_prev = true;
         prev_stage = s;
-        it++;
     };
-    // A tile is full when no key in it is above any query of the block and all its keys are
-    // real (below n): the steady state is the inner loop over full tiles.
-    auto full = [&](u32 t) { return fp_fh_bound<false>(ktile_hi, t, meta_tiles) <= qlo && t < whole; };
+    // The tiles the producer delivers, in order, until its stage without a tile; the steady
+    // state is the inner loop over full tiles.
+    auto next = [&](u32 it) {
+        const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
+        fp_mbar_wait(full_bar + 8 * s, phase);
+        return fp_ld_shared_u32(tile_word + 4 * s);
+    };
     const fp_bool<false> no;
     const fp_bool<true> yes;
-    u32 t = fp_fh_visible_from(t_begin, t_end, ktile_lo, meta_tiles, qhi);
-    while (t < t_end) {
-        if (full(t)) {
+    // The producer sends at most this many tiles; the bound only matters where a stage
+    // without a tile never comes (a broken producer: the emulation reports its stalled wait
+    // and the loop ends here instead of stepping on forever).
+    const u32 most = t_end > t_begin ? t_end - t_begin : 0u;
+    u32 it = 0;  // tiles consumed: the stage and its phase
+    u32 word = next(it);
+    while (word != FP_FH_NO_TILE && it < most) {
+        if (word & FP_FH_FULL_TILE) {
             do {
-                step(no, t);
-                t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi);
-            } while (t < t_end && full(t));
+                step(no, word & ~FP_FH_FULL_TILE, it % STAGES);
+                word = next(++it);
+            } while ((word & FP_FH_FULL_TILE) && it < most);
         } else {
-            step(yes, t);
-            t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi);
+            step(yes, word, it % STAGES);
+            word = next(++it);
         }
     }
     if (have_prev) {
@@ -357,7 +398,7 @@ extern "C" __global__ void __launch_bounds__(FP_FH_THREADS, 1)
     fp_flash_hopper_d64(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
                         const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
                         float scale_log2, u32 tiles_per_split) {
-    fp_flash_hopper<64, FP_FH_CONSUMERS, FP_FH_STAGES, FP_FH_PINGPONG != 0>(
+    fp_flash_hopper<64, FP_FH_CONSUMERS, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY>(
         maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }
 
@@ -365,6 +406,6 @@ extern "C" __global__ void __launch_bounds__(FP_FH_THREADS, 1)
     fp_flash_hopper_d128(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
                          const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
                          float scale_log2, u32 tiles_per_split) {
-    fp_flash_hopper<128, FP_FH_CONSUMERS, FP_FH_STAGES, FP_FH_PINGPONG != 0>(
+    fp_flash_hopper<128, FP_FH_CONSUMERS, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY>(
         maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }

@@ -60,35 +60,57 @@ __device__ __forceinline__ u64 fp_gmma_desc(fp_sptr start, u32 lbo, u32 sbo) {
            (mode << 62);
 }
 
-// The descriptor of the k16 slice at k0 of a K-major tile (rows of an M or N dimension, k
-// contiguous; `rows` rows, boxes of W / 2 elements along k): Q and K in attention.
+// Bytes from a K-major tile's start (rows of an M or N dimension, k contiguous; `rows` rows,
+// boxes of W / 2 elements along k) to its k16 slice at k0: Q and K in attention.
 template <int W>
-__device__ __forceinline__ u64 fp_desc_kmajor(fp_sptr tile, u32 rows, u32 k0) {
-    constexpr u32 BOX_ELEMS = W / 2;
-    const u32 box_bytes = rows * W;
-    if (W == 16) {
-        // Two 8-element boxes per k16: the second at LBO; 8-row core matrices 128 bytes apart.
-        return fp_gmma_desc<W>(tile + (k0 / 8) * box_bytes, box_bytes, 128);
-    }
-    // Swizzled: the slice lies inside one box (W >= 32 bytes = 16 elements); LBO unused (16);
-    // 8-row groups one atom apart.
-    return fp_gmma_desc<W>(tile + (k0 / BOX_ELEMS) * box_bytes + (k0 % BOX_ELEMS) * 2, 16, fp_swizzle_atom<W>());
+__device__ __forceinline__ constexpr u32 fp_kmajor_offset(u32 rows, u32 k0) {
+    // Unswizzled: two 8-element boxes per k16, the slice from its first box. Swizzled: the
+    // slice lies inside one box (W >= 32 bytes = 16 elements).
+    return W == 16 ? (k0 / 8) * rows * W : (k0 / (W / 2)) * rows * W + (k0 % (W / 2)) * 2;
 }
 
-// The descriptor of the slice (k16 rows from k0, MN columns from mn0) of an MN-major tile
-// (`k_rows` rows along k, the M or N dimension contiguous; boxes of W / 2 elements along it):
-// V in attention (keys x head dimension), read transposed (trans-b).
+// Bytes from an MN-major tile's start (`k_rows` rows along k, the M or N dimension contiguous;
+// boxes of W / 2 elements along it) to the slice of k16 rows from k0, MN columns from mn0: V
+// in attention (keys x head dimension), read transposed (trans-b).
+template <int W>
+__device__ __forceinline__ constexpr u32 fp_mnmajor_offset(u32 k_rows, u32 mn0, u32 k0) {
+    return (mn0 / (W / 2)) * k_rows * W + k0 * W;
+}
+
+// The descriptor of the k16 slice at k0 of a K-major tile (as fp_kmajor_offset).
+template <int W>
+__device__ __forceinline__ u64 fp_desc_kmajor(fp_sptr tile, u32 rows, u32 k0) {
+    const u32 box_bytes = rows * W;
+    const fp_sptr start = tile + fp_kmajor_offset<W>(rows, k0);
+    if (W == 16) {
+        // The slice's second 8-element box at LBO; 8-row core matrices 128 bytes apart.
+        return fp_gmma_desc<W>(start, box_bytes, 128);
+    }
+    // Swizzled: LBO unused (16); 8-row groups one atom apart.
+    return fp_gmma_desc<W>(start, 16, fp_swizzle_atom<W>());
+}
+
+// The descriptor of the slice (k16 rows from k0, MN columns from mn0) of an MN-major tile (as
+// fp_mnmajor_offset).
 template <int W>
 __device__ __forceinline__ u64 fp_desc_mnmajor(fp_sptr tile, u32 k_rows, u32 mn0, u32 k0) {
-    constexpr u32 BOX_ELEMS = W / 2;
     const u32 box_bytes = k_rows * W;
-    const fp_sptr start = tile + (mn0 / BOX_ELEMS) * box_bytes + k0 * W;
+    const fp_sptr start = tile + fp_mnmajor_offset<W>(k_rows, mn0, k0);
     if (W == 16) {
         // 8 MN elements a box (SBO to the next), 8 k rows a core matrix (LBO to the next).
         return fp_gmma_desc<W>(start, 128, box_bytes);
     }
     // Swizzled: W / 2 MN elements a box (LBO to the next), 8 k rows an atom (SBO).
     return fp_gmma_desc<W>(start, box_bytes, fp_swizzle_atom<W>());
+}
+
+// Descriptor `desc` with its start `bytes` (a multiple of 16) further: the start field is the
+// address / 16 in bits 0-13 and every shared address is below 2^18, so the sum stays in the
+// low word and in the field (the high word is kept as it is, no carry to compute). A loop
+// makes its descriptors this way from one computed before it.
+__device__ __forceinline__ u64 fp_desc_add(u64 desc, u32 bytes) {
+    const u32 lo = (u32)desc + (bytes >> 4);
+    return (desc & 0xffffffff00000000ull) | lo;
 }
 
 #ifndef FP_CPU_SHIM
@@ -111,6 +133,18 @@ __device__ __forceinline__ void fp_mbar_arrive_expect_tx(fp_sptr bar, u32 bytes)
 
 __device__ __forceinline__ void fp_mbar_arrive(fp_sptr bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// A 32-bit word of shared memory (a producer's message to the consumers), written before the
+// mbarrier arrival that releases it and read after the wait that acquires it.
+__device__ __forceinline__ void fp_st_shared_u32(fp_sptr a, u32 v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ u32 fp_ld_shared_u32(fp_sptr a) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(a) : "memory");
+    return v;
 }
 
 // Waits until the phase of parity `parity` has completed.

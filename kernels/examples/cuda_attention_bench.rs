@@ -4,8 +4,11 @@
 //! (f32 K/V, `attention.cu`). Prefill: median ms, TFLOP/s (4 x head_dim x heads x visible
 //! pairs, the convention of FlashAttention's and PyTorch's figures) and the share of the dense
 //! BF16 tensor peak of the device's spec sheet (H100 SXM 989). Decode (one query over N keys):
-//! median ms and the K/V bytes read per second. Timed with the stream synchronized around each
-//! run, after a warm-up; needs a GPU.
+//! median ms and the K/V bytes read per second. Each call is timed on the device (events around
+//! it, as `scripts/sdpa_baseline.py` times PyTorch's SDPA) and on the host (the stream
+//! synchronized around it, so launch and wait included), after a warm-up; the TFLOP/s are the
+//! device's. The tensor-core calls take bf16 queries, as the bf16 forward gives them (f32 ones
+//! would add a conversion the forward does not run). Needs a GPU.
 
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::cuda::{devices, CudaBackend, WeightType};
@@ -49,38 +52,38 @@ struct Bufs {
 
 fn buffers(be: &CudaBackend, m: usize, n: usize, h: usize, kv: usize, d: usize, dtype: DType) -> Bufs {
     let ok = |e: flowprefill_kernels::KernelError| -> ! { panic!("{e}") };
-    let kvd = kv * d;
-    let typed = |seed| {
-        let mut b = be.zeros_as(n * kvd, dtype).unwrap_or_else(|e| ok(e));
-        be.copy_columns(&be.upload(&fill(n * kvd, seed)).unwrap_or_else(|e| ok(e)), kvd, 0, kvd, &mut b)
+    let typed = |rows: usize, width: usize, seed| {
+        let mut b = be.zeros_as(rows * width, dtype).unwrap_or_else(|e| ok(e));
+        be.copy_columns(&be.upload(&fill(rows * width, seed)).unwrap_or_else(|e| ok(e)), width, 0, width, &mut b)
             .unwrap_or_else(|e| ok(e));
         b
     };
     Bufs {
-        q: be.upload(&fill(m * h * d, 1)).unwrap_or_else(|e| ok(e)),
-        k: typed(2),
-        v: typed(3),
+        q: typed(m, h * d, 1),
+        k: typed(n, kv * d, 2),
+        v: typed(n, kv * d, 3),
         out: be.zeros(m * h * d).unwrap_or_else(|e| ok(e)),
         lse: be.zeros(m * h).unwrap_or_else(|e| ok(e)),
     }
 }
 
-/// Median seconds of `runs` calls of `attention` (after one warm-up).
-fn time(be: &CudaBackend, shape: &AttnShape, b: &mut Bufs, qpos: &[u32], kpos: &[u32], runs: usize) -> f64 {
-    let mut run = || {
-        be.attention(shape, &b.q, qpos, &b.k, &b.v, kpos, &mut b.out, &mut b.lse).unwrap_or_else(|e| panic!("{e}"));
-        be.synchronize().unwrap_or_else(|e| panic!("{e}"));
+/// Median seconds of `runs` calls of `attention` (after one warm-up): on the device (events
+/// around the call) and on the host (the stream synchronized before and after).
+fn time(be: &CudaBackend, shape: &AttnShape, b: &mut Bufs, qpos: &[u32], kpos: &[u32], runs: usize) -> (f64, f64) {
+    let fail = |e: flowprefill_kernels::KernelError| -> ! { panic!("{e}") };
+    let mut run = || -> (f64, f64) {
+        be.synchronize().unwrap_or_else(|e| fail(e));
+        let t = Instant::now();
+        let start = be.mark().unwrap_or_else(|e| fail(e));
+        be.attention(shape, &b.q, qpos, &b.k, &b.v, kpos, &mut b.out, &mut b.lse).unwrap_or_else(|e| fail(e));
+        let end = be.mark().unwrap_or_else(|e| fail(e));
+        be.synchronize().unwrap_or_else(|e| fail(e));
+        let wall = t.elapsed().as_secs_f64();
+        (be.seconds_between(&start, &end).unwrap_or_else(|e| fail(e)), wall)
     };
     run();
-    median(
-        (0..runs)
-            .map(|_| {
-                let t = Instant::now();
-                run();
-                t.elapsed().as_secs_f64()
-            })
-            .collect(),
-    )
+    let (device, wall): (Vec<f64>, Vec<f64>) = (0..runs).map(|_| run()).unzip();
+    (median(device), median(wall))
 }
 
 fn main() {
@@ -108,10 +111,13 @@ fn main() {
     let kernel = be.fixed_attention().map_or_else(|| "flash2 (the autotuner's choice)".to_string(), |k| k.name());
     println!("tensor-core attention kernel: {kernel}");
     let runs = if quick { 5 } else { 21 };
-    println!("\nprefill (causal), median of {runs}; old = simple kernel (f32 K/V, FP32 cores), new = tensor cores (bf16 K/V)");
     println!(
-        "{:>6} {:>9} {:>4} {:>11} {:>9} {:>11} {:>9} {:>7} {:>7} {:>12}",
-        "n", "heads", "d", "old ms", "old TF/s", "new ms", "new TF/s", "% peak", "x old", "SDPA H100"
+        "\nprefill (causal), median of {runs}; old = simple kernel (f32 K/V, FP32 cores), new = tensor cores (bf16 Q/K/V);\n\
+         ms and TF/s on the device (events around the call), host ms with launch and wait"
+    );
+    println!(
+        "{:>6} {:>9} {:>4} {:>11} {:>9} {:>11} {:>9} {:>9} {:>7} {:>7} {:>12}",
+        "n", "heads", "d", "old ms", "old TF/s", "new ms", "new TF/s", "host ms", "% peak", "x old", "SDPA H100"
     );
     let mut shapes: Vec<(usize, usize, usize, usize)> = vec![
         (2048, 9, 3, 64),
@@ -131,22 +137,23 @@ fn main() {
         let pos: Vec<u32> = (0..n as u32).collect();
         let flops = (n * (n + 1)) as f64 / 2.0 * (h * dim) as f64 * 4.0;
         let mut nb = buffers(&be, n, n, h, kv, dim, DType::Bf16);
-        let new = time(&be, &shape, &mut nb, &pos, &pos, runs);
+        let (new, host) = time(&be, &shape, &mut nb, &pos, &pos, runs);
         drop(nb);
         // The old kernel takes seconds at 32K: a few runs, and only up to 16K unless asked.
         let old = (n <= 16384 || std::env::args().any(|a| a == "--old-all")).then(|| {
             let mut ob = buffers(&be, n, n, h, kv, dim, DType::F32);
-            time(&be, &shape, &mut ob, &pos, &pos, 3)
+            time(&be, &shape, &mut ob, &pos, &pos, 3).0
         });
         let tf = |s: f64| flops / s / 1e12;
         let sdpa = SDPA_H100.iter().find(|s| (s.0, s.1, s.2, s.3) == (n, h, kv, dim)).map(|s| s.4);
         println!(
-            "{n:>6} {:>9} {dim:>4} {:>11} {:>9} {:>11.3} {:>9.1} {:>7} {:>7} {:>12}",
+            "{n:>6} {:>9} {dim:>4} {:>11} {:>9} {:>11.3} {:>9.1} {:>9.3} {:>7} {:>7} {:>12}",
             format!("{h}/{kv}"),
             old.map_or("-".into(), |s| format!("{:.3}", s * 1e3)),
             old.map_or("-".into(), |s| format!("{:.2}", tf(s))),
             new * 1e3,
             tf(new),
+            host * 1e3,
             peak.map_or("-".into(), |p| format!("{:.1}%", 100.0 * tf(new) / p)),
             old.map_or("-".into(), |s| format!("{:.0}x", s / new)),
             sdpa.map_or("-".into(), |t| format!("{t:.1} TF/s")),
@@ -159,10 +166,10 @@ fn main() {
         let kpos: Vec<u32> = (0..n as u32).collect();
         let qpos = [n as u32];
         let mut nb = buffers(&be, 1, n, h, kv, dim, DType::Bf16);
-        let new = time(&be, &shape, &mut nb, &qpos, &kpos, runs);
+        let new = time(&be, &shape, &mut nb, &qpos, &kpos, runs).0;
         drop(nb);
         let mut ob = buffers(&be, 1, n, h, kv, dim, DType::F32);
-        let old = time(&be, &shape, &mut ob, &qpos, &kpos, runs.min(5));
+        let old = time(&be, &shape, &mut ob, &qpos, &kpos, runs.min(5)).0;
         let gbs = (2 * n * kv * dim * 2) as f64 / new / 1e9;
         println!(
             "{n:>6} {:>9} {dim:>4} {:>11.3} {:>11.3} {gbs:>9.0} {:>9}",

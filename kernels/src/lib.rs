@@ -33,7 +33,9 @@ pub mod simd;
 pub mod testing;
 pub mod topk;
 
-pub use backend::{gpu_scratch_bytes, Backend, Cpu, DType, HostBuf, Memory, MemoryUse, Wrapper};
+pub use backend::{
+    gpu_scratch_bytes, Backend, Cpu, DType, HostBuf, Memory, MemoryUse, Wrapper, GPU_PREFILL_ROWS, PREFILL_ROWS,
+};
 pub use device::{Device, DeviceSpec, WeightType};
 pub use error::{gib, KernelError, Result};
 

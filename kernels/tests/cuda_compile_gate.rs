@@ -77,9 +77,10 @@ fn sass_line(arch: &str, row: &Row, budget: SassBudget) -> String {
         let lp = row.wgmma_loop.map_or(String::new(), |(l, n)| {
             let m = l.mix;
             format!(
-                "; loop {} instr, {} HGMMA, {} BAR, {} BRA ({n} HGMMA loops), {:.1} instr/HGMMA",
+                "; loop {} instr, {} HGMMA, {} MUFU, {} BAR, {} BRA ({n} HGMMA loops), {:.1} instr/HGMMA",
                 m.instrs,
                 m.hgmma,
+                m.mufu,
                 m.bar,
                 m.branches,
                 m.per_hgmma()

@@ -11,9 +11,10 @@ use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama;
 use divan::counter::ItemsCount;
 use divan::Bencher;
+use flowprefill_kernels::Backend as _;
 use flowprefill_lab::corpus;
 use flowprefill_tests::default_model_path;
-use flowprefill_worker::generate::{prefill_into, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::generate::prefill_into;
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::{Cpu, LoadedModel};
 use std::sync::{Mutex, OnceLock};
@@ -42,7 +43,7 @@ fn flowprefill(b: Bencher, n: usize) {
     b.counter(ItemsCount::new(n)).bench_local(|| {
         let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)
             .unwrap_or_else(|e| panic!("{e}"));
-        prefill_into(model, &mut cache, &ids, 0, DEFAULT_PREFILL_CHUNK).unwrap_or_else(|e| panic!("{e}"))
+        prefill_into(model, &mut cache, &ids, 0, model.backend().prefill_rows()).unwrap_or_else(|e| panic!("{e}"))
     });
 }
 

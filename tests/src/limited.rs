@@ -22,6 +22,8 @@ pub struct Ledger {
     /// Another tenant: takes its bytes at the first allocation of its phase, holds them until
     /// [`Ledger::tenant_leaves`].
     tenant: Mutex<Tenant>,
+    /// Tokens per full-prefill forward the backend asks for (`Backend::prefill_rows`).
+    prefill_rows: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -63,6 +65,12 @@ impl Ledger {
     /// limit).
     pub fn set_limit(&self, limit: usize) {
         self.limit.store(limit, Ordering::SeqCst);
+    }
+
+    /// Makes the backend ask for full-prefill forwards of `rows` tokens (a GPU's 8192, the
+    /// CPU's 2048 by default).
+    pub fn set_prefill_rows(&self, rows: usize) {
+        self.prefill_rows.store(rows, Ordering::SeqCst);
     }
 
     /// Refuses every allocation made inside engine phase `phase` (`None`: none).
@@ -149,6 +157,7 @@ impl Default for Limited {
             refused: AtomicUsize::new(0),
             phase_peaks: Mutex::new(Vec::new()),
             tenant: Mutex::new(Tenant::default()),
+            prefill_rows: AtomicUsize::new(flowprefill_kernels::PREFILL_ROWS),
         };
         Self { cpu: Cpu, ledger: Arc::new(ledger) }
     }
@@ -235,6 +244,9 @@ flowprefill_kernels::forward_backend! {
         }
         fn reset_memory_peak(&self) {
             self.ledger.reset_peak();
+        }
+        fn prefill_rows(&self) -> usize {
+            self.ledger.prefill_rows.load(Ordering::SeqCst)
         }
         fn memory(&self) -> Option<Memory> {
             // Free memory is what the limit leaves; without one it is unknown.

@@ -11,10 +11,6 @@ use crate::tokenizer::Tokenizer;
 use flowprefill_kernels::Backend;
 use std::time::{Duration, Instant};
 
-/// Default tokens per prefill forward: big enough for efficient GEMMs, small enough to keep
-/// activations (a few x tokens x 3072 floats) far below the KV cache.
-pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
-
 /// Options of [`generate`].
 #[derive(Clone, Debug)]
 pub struct GenerateConfig {
@@ -22,13 +18,13 @@ pub struct GenerateConfig {
     pub max_new_tokens: usize,
     /// Token choice.
     pub sampling: SamplingConfig,
-    /// Tokens per prefill forward.
-    pub prefill_chunk: usize,
+    /// Tokens per prefill forward; `None`: the backend's ([`Backend::prefill_rows`]).
+    pub prefill_chunk: Option<usize>,
 }
 
 impl Default for GenerateConfig {
     fn default() -> Self {
-        Self { max_new_tokens: 128, sampling: SamplingConfig::default(), prefill_chunk: DEFAULT_PREFILL_CHUNK }
+        Self { max_new_tokens: 128, sampling: SamplingConfig::default(), prefill_chunk: None }
     }
 }
 
@@ -203,7 +199,8 @@ pub fn generate<B: Backend>(
     let mut cache = KvCache::new(model.backend(), c.n_layers, c.kv_dim(), KeyForm::Rotated)?;
     cache.reserve(model.backend(), prompt.len() + cfg.max_new_tokens)?;
     let t0 = Instant::now();
-    let logits = prefill_into(model, &mut cache, prompt, 0, cfg.prefill_chunk)?;
+    let chunk = cfg.prefill_chunk.unwrap_or_else(|| model.backend().prefill_rows());
+    let logits = prefill_into(model, &mut cache, prompt, 0, chunk)?;
     let prefill = t0.elapsed();
     let first = sampler.sample(&logits);
     let ttft = t0.elapsed();

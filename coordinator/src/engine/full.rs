@@ -8,7 +8,7 @@ use crate::layout::Layout;
 use crate::timings::phase;
 use flowprefill_comm::local::LocalComm;
 use flowprefill_kernels::Backend;
-use flowprefill_worker::generate::{decode, prefill_into_checked, StopReason, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::generate::{decode, prefill_into_checked, StopReason};
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::store::ChunkKey;
 
@@ -27,7 +27,7 @@ impl<B: Backend> Engine<B> {
         let watch = &turn.watch;
         let mut check = || watch.check(phase::PREFILL);
         let logits = turn.phases.time(phase::PREFILL, || {
-            prefill_into_checked(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK, &mut check)
+            prefill_into_checked(model, &mut cache, &tokens, 0, model.backend().prefill_rows(), &mut check)
         })?;
         let first = turn.phases.time(phase::FIRST_TOKEN, || sampler.sample(&logits));
         turn.out.ttft = turn.t0.elapsed();
@@ -75,7 +75,7 @@ impl<B: Backend> Engine<B> {
                 let watch = &turn.watch;
                 let mut check = || watch.check(phase::PREFILL);
                 turn.phases.time(phase::PREFILL, || {
-                    prefill_into_checked(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK, &mut check)
+                    prefill_into_checked(model, &mut cache, &tokens, 0, model.backend().prefill_rows(), &mut check)
                 })?;
                 (cache, Some(key))
             }

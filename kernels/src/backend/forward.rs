@@ -239,6 +239,7 @@ macro_rules! for_each_backend_op {
             fn memory_use() -> Option<$crate::MemoryUse>;
             fn reset_memory_peak();
             fn scratch_bytes(rows: usize, width: usize) -> usize;
+            fn prefill_rows() -> usize;
         }
     };
 }

@@ -381,6 +381,10 @@ impl Backend for CudaBackend {
         crate::backend::gpu_scratch_bytes(rows, width)
     }
 
+    fn prefill_rows(&self) -> usize {
+        crate::backend::GPU_PREFILL_ROWS
+    }
+
     fn rope_copy(&self, src: &DeviceBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<DeviceBuf> {
         self.rope_copy_on_device(src, n_heads, positions, table)
     }

@@ -143,6 +143,9 @@ pub struct Mix {
     pub branches: u32,
     /// Local-memory loads and stores (LDL, STL): a stack frame or spills.
     pub local: u32,
+    /// Special-function unit instructions (MUFU: the softmax's exp2, reciprocals), 16 results
+    /// a clock and SM on sm_80 and sm_90 against the FMA pipe's 128.
+    pub mufu: u32,
 }
 
 impl Mix {
@@ -158,6 +161,7 @@ impl Mix {
                 "BAR" => m.bar += 1,
                 b if is_branch(b) => m.branches += 1,
                 "LDL" | "STL" => m.local += 1,
+                "MUFU" => m.mufu += 1,
                 _ => {}
             }
         }
@@ -417,6 +421,16 @@ k:
         let broken = row.check(SassBudget::Loop { max_per_hmma: 1.5, min_hmma_per_ldsm: 3.0 });
         assert_eq!(broken.len(), 3, "{broken:?}");
         assert!(broken[1].contains("2.00 instructions per HMMA") && broken[2].contains("HMMA per LDSM"), "{broken:?}");
+    }
+
+    #[test]
+    fn special_function_instructions_are_counted() {
+        let f = parse(
+            ".text.k:\n /*0000*/ MUFU.EX2 R1, R2 ;\n /*0010*/ FFMA R3, R1, R4, R5 ;\n /*0020*/ MUFU.RCP R6, R7 ;\n",
+        )
+        .unwrap();
+        let m = Mix::of(&f[0].instrs);
+        assert_eq!((m.instrs, m.mufu), (3, 2));
     }
 
     #[test]

@@ -141,6 +141,9 @@ pub struct HopperShape {
     /// The two consumer warpgroups take turns at the tensor pipe (FlashAttention-3's
     /// ping-pong; two consumers only).
     pub pingpong: bool,
+    /// Of every 16 score columns of 8 keys, how many take their exp2 from a polynomial on the
+    /// FMA pipe instead of the special-function unit (0 .. 16; `fp_exp2_poly`).
+    pub poly: u32,
 }
 
 impl HopperShape {
@@ -155,31 +158,39 @@ impl HopperShape {
     }
 
     /// Dynamic shared memory at head dimension `d`: the query tile, the K and V stages
-    /// (swizzled, unpadded), 1024 bytes to align them to the swizzle atom, the barriers.
+    /// (swizzled, unpadded), 1024 bytes to align them to the swizzle atom, per stage its two
+    /// barriers and the producer's word (which tile it holds).
     pub const fn shared_bytes(self, d: u32) -> u32 {
-        self.rows() * d * 2 + 2 * self.stages * HOPPER_KEYS * d * 2 + 1024 + 16 * self.stages
+        self.rows() * d * 2 + 2 * self.stages * HOPPER_KEYS * d * 2 + 1024 + 20 * self.stages
     }
 }
 
 /// The configurations of `flash_hopper.cu`; 0 is the default build (the one the self-check
 /// and `FLOWPREFILL_FLASH_KERNEL=hopper` run). The others are the autotuner's: ping-pong off
-/// (each warpgroup overlaps its own softmax with its P V only), two stages, and one consumer
+/// (each warpgroup overlaps its own softmax with its P V only), two stages, one consumer
 /// warpgroup (64-row blocks: half the idle rows of calls with few packed rows, such as the
 /// probe's and the final prompt's over a long context, with key splits; three stages at d128
-/// fit beside its smaller query tile).
-pub const HOPPER_CONFIGS: [HopperShape; 4] = [
-    HopperShape { consumers: 2, stages: 3, pingpong: true },
-    HopperShape { consumers: 2, stages: 3, pingpong: false },
-    HopperShape { consumers: 2, stages: 2, pingpong: true },
-    HopperShape { consumers: 1, stages: 3, pingpong: false },
+/// fit beside its smaller query tile), and the default with a quarter or an eighth of the
+/// exponentials on the FMA pipe. Per 32 scores a warp's special-function unit needs 8 clocks
+/// and its issue about 4.5 instructions; a polynomial exp2 costs about 8 more instructions, so
+/// the two balance near a fifth (projected; which wins is the autotuner's to say).
+pub const HOPPER_CONFIGS: [HopperShape; 6] = [
+    HopperShape { consumers: 2, stages: 3, pingpong: true, poly: 0 },
+    HopperShape { consumers: 2, stages: 3, pingpong: false, poly: 0 },
+    HopperShape { consumers: 2, stages: 2, pingpong: true, poly: 0 },
+    HopperShape { consumers: 1, stages: 3, pingpong: false, poly: 0 },
+    HopperShape { consumers: 2, stages: 3, pingpong: true, poly: 4 },
+    HopperShape { consumers: 2, stages: 3, pingpong: true, poly: 2 },
 ];
 
 /// `flash_hopper.cu`'s kernel names per configuration and head dimension (as [`FA2_KERNELS`]).
-pub const HOPPER_KERNELS: [[&str; 2]; 4] = [
+pub const HOPPER_KERNELS: [[&str; 2]; 6] = [
     ["fp_flash_hopper_d64", "fp_flash_hopper_d128"],
     ["fp_flash_hopper_d64_c1", "fp_flash_hopper_d128_c1"],
     ["fp_flash_hopper_d64_c2", "fp_flash_hopper_d128_c2"],
     ["fp_flash_hopper_d64_c3", "fp_flash_hopper_d128_c3"],
+    ["fp_flash_hopper_d64_c4", "fp_flash_hopper_d128_c4"],
+    ["fp_flash_hopper_d64_c5", "fp_flash_hopper_d128_c5"],
 ];
 
 /// The Hopper kernel of configuration `config` at head dimension `d` (64 or 128).
@@ -235,6 +246,7 @@ pub fn header(config: usize) -> String {
     def("FP_FH_CONSUMERS", hs.consumers.to_string());
     def("FP_FH_STAGES", hs.stages.to_string());
     def("FP_FH_PINGPONG", u32::from(hs.pingpong).to_string());
+    def("FP_FH_POLY", hs.poly.to_string());
     def("FP_FH_KEYS", HOPPER_KEYS.to_string());
     def("FP_FH_THREADS", hs.threads().to_string());
     if config != 0 {

@@ -270,11 +270,13 @@ pub fn describe(table: &TuneTable, gpu: &str, driver: i32, sources: u64) -> Vec<
 pub fn describe_config(config: usize, d: u32) -> String {
     if let Some(h) = config.checked_sub(HOPPER_CONFIG as usize).and_then(|c| super::shapes::HOPPER_CONFIGS.get(c)) {
         return format!(
-            "flash_hopper: {} consumer warpgroup(s) x 64 rows, {} keys a tile, {} stages, ping-pong {}, wgmma + TMA",
+            "flash_hopper: {} consumer warpgroup(s) x 64 rows, {} keys a tile, {} stages, ping-pong {}, {}/16 of \
+             exp2 by polynomial, wgmma + TMA",
             h.consumers,
             super::shapes::HOPPER_KEYS,
             h.stages,
-            if h.pingpong { "on" } else { "off" }
+            if h.pingpong { "on" } else { "off" },
+            h.poly
         );
     }
     let Some(c) = super::shapes::FA2_CONFIGS.get(config) else { return "unknown".into() };
@@ -397,6 +399,7 @@ mod tests {
         assert_eq!(named, want);
         assert!(describe_config(HOPPER_CONFIG as usize + 3, 128).contains("1 consumer warpgroup(s)"));
         assert!(describe_config(HOPPER_CONFIG as usize, 128).starts_with("flash_hopper"));
+        assert!(describe_config(HOPPER_CONFIG as usize + 4, 64).contains("4/16 of exp2 by polynomial"));
         let mut t = TuneTable::default();
         t.put(entry(12080, 128, ShapeClass::Prefill, HOPPER_CONFIG));
         let back = TuneTable::parse(&t.render());

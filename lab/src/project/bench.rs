@@ -175,8 +175,13 @@ impl Target {
     fn memory(&self, opts: &RunOptions, p: usize, n: usize) -> usize {
         let req = self.request(n);
         let tokens = memory::Tokens { head: req.head, chunks: req.chunks.clone(), prompt: req.prompt };
-        let plans =
-            memory::plan(&self.shape, self.kv(), self.act(), &flowprefill_kernels::gpu_scratch_bytes, opts, p, &tokens);
+        let target = memory::Target {
+            kv: self.kv(),
+            act: self.act(),
+            scratch: &flowprefill_kernels::gpu_scratch_bytes,
+            prefill_rows: flowprefill_kernels::GPU_PREFILL_ROWS,
+        };
+        let plans = memory::plan(&self.shape, &target, opts, p, &tokens);
         plans.iter().map(memory::RankMemory::bytes).max().unwrap_or(0)
     }
 

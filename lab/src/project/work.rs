@@ -4,7 +4,8 @@
 //! [`Pipeline`](flowprefill_coordinator::pipeline::Pipeline): who holds which chunk, the
 //! selection budget and whether the probe runs, its scoring layers, the chunk-prefill batches,
 //! the recompute batches and the prefix mode in effect; the ring's split is the engine's
-//! [`zigzag_pieces`], the full prefill's pieces its [`DEFAULT_PREFILL_CHUNK`]. What this module
+//! [`zigzag_pieces`], the full prefill's pieces the CPU's [`PREFILL_ROWS`] (a GPU's larger pieces
+//! change the count of forwards, not the rows or the visible pairs). What this module
 //! adds is the visibility rule every attention call applies (a key is seen when its position
 //! is not after the query's), counted in closed form over position ranges, and the wire size
 //! of every message (`comm::wire` sections: a 4-byte count, then the values; the control rows,
@@ -20,7 +21,7 @@ use flowprefill_coordinator::method::Build;
 use flowprefill_coordinator::pipeline::{Pipeline, Selection, Step};
 use flowprefill_coordinator::request::{Method, PrefixMode, RunOptions, Scope};
 use flowprefill_coordinator::timings::phase;
-use flowprefill_worker::generate::DEFAULT_PREFILL_CHUNK;
+use flowprefill_kernels::PREFILL_ROWS;
 use flowprefill_worker::steps::zigzag_pieces;
 use std::ops::Range;
 
@@ -311,13 +312,13 @@ pub fn plan(
     Ok(Work { method: opts.method, ranks: p, per_rank })
 }
 
-/// `full`: the whole sequence in pieces of [`DEFAULT_PREFILL_CHUNK`], each over the cache so far.
+/// `full`: the whole sequence in pieces of [`PREFILL_ROWS`], each over the cache so far.
 fn full(req: &Request, l: usize) -> Vec<PhaseWork> {
     let t = (req.head + req.n_context() + req.prompt) as u64;
     let mut ph = PhaseWork::new(phase::PREFILL);
     let mut s = 0u64;
     while s < t {
-        let e = (s + DEFAULT_PREFILL_CHUNK as u64).min(t);
+        let e = (s + PREFILL_ROWS as u64).min(t);
         ph.forwards.push(Forward { rows: (e - s) as usize, layers: l, logit_rows: usize::from(e == t) });
         ph.attn.push(Attn {
             queries: (e - s) as usize,

@@ -18,9 +18,10 @@ use super::{Result, TrainError};
 use crate::tasks::{self, PromptStyle};
 use candle_core::{Device, Tensor, D};
 use flowprefill_coordinator::layout::Layout;
+use flowprefill_kernels::Backend as _;
 use flowprefill_worker::adapter::{Adapter, AdapterMeta};
 use flowprefill_worker::attend::AppendAttend;
-use flowprefill_worker::generate::{prefill_into, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::generate::prefill_into;
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::model::Logits;
 use flowprefill_worker::sampling::{Sampler, SamplingConfig};
@@ -71,7 +72,7 @@ pub fn sample(lm: &LoadedModel<Cpu>, case: &tasks::QaCase, style: PromptStyle, c
     let model = &lm.model;
     let c = model.config();
     let mut cache = KvCache::new(model.backend(), c.n_layers, c.kv_dim(), KeyForm::Rotated)?;
-    let mut logits = prefill_into(model, &mut cache, &full, 0, DEFAULT_PREFILL_CHUNK)?;
+    let mut logits = prefill_into(model, &mut cache, &full, 0, model.backend().prefill_rows())?;
     let mut sampler = Sampler::new(SamplingConfig::default())?;
     let (mut cont, mut rows) = (Vec::new(), Vec::new());
     loop {

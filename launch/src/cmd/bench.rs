@@ -7,7 +7,6 @@ use crate::{rss, Common};
 use anyhow::Result;
 use flowprefill_lab::bench::{load as lab_load, prefill as lab_prefill};
 use flowprefill_lab::corpus;
-use flowprefill_worker::generate::DEFAULT_PREFILL_CHUNK;
 use flowprefill_worker::Backend;
 pub use ttft::TtftArgs;
 
@@ -94,9 +93,9 @@ pub struct PrefillArgs {
     /// Timed runs per length (after one warm-up run).
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
-    /// Tokens per prefill forward.
-    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK)]
-    pub prefill_chunk: usize,
+    /// Tokens per prefill forward (default: the device's, 2048 on the CPU and 8192 on a GPU).
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
     /// Seed of the generated text.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -145,9 +144,12 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     anyhow::ensure!(all_ids.len() >= max_len, "generated text has only {} tokens", all_ids.len());
     let threads = rayon::current_num_threads();
     let simd = format!("{:?}", flowprefill_kernels::simd::level());
+    crate::ensure_usage!(a.prefill_chunk != Some(0), "--prefill-chunk must be at least 1 token");
+    let chunk = a.prefill_chunk.unwrap_or_else(|| model.backend().prefill_rows());
     if !a.json {
         println!(
-            "full prefill on {} ({} KV cache), {} threads, SIMD {simd}, {} timed runs per length (+1 warm-up)",
+            "full prefill on {} ({} KV cache), {} threads, SIMD {simd}, {} timed runs per length (+1 warm-up), \
+             forwards of up to {chunk} tokens",
             common.device,
             model.backend().kv_dtype(),
             threads,
@@ -158,7 +160,7 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     let mut results = Vec::new();
     for &n in &lengths {
         let reset_ok = rss::reset_peak();
-        let (times, prof) = lab_prefill::time_prefills(&lm, &all_ids[..n], a.runs, a.prefill_chunk)?;
+        let (times, prof) = lab_prefill::time_prefills(&lm, &all_ids[..n], a.runs, chunk)?;
         let peak_mb = rss::peak_mb().unwrap_or(f64::NAN);
         let row = lab_prefill::Row { tokens: n, runs: a.runs, times, prof, peak_mb, peak_since_start: !reset_ok };
         if !a.json {
@@ -172,7 +174,7 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
             "model": cfg.name,
             "threads": threads,
             "simd": simd,
-            "prefill_chunk": a.prefill_chunk,
+            "prefill_chunk": chunk,
             "results": results,
         });
         println!("{}", serde_json::to_string_pretty(&obj)?);

@@ -2,7 +2,7 @@
 
 use crate::Common;
 use anyhow::{Context, Result};
-use flowprefill_worker::generate::{generate, GenerateConfig, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::generate::{generate, GenerateConfig};
 use flowprefill_worker::sampling::SamplingConfig;
 use std::io::Write;
 use std::path::PathBuf;
@@ -31,9 +31,9 @@ pub struct Args {
     /// Sampler seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Tokens per prefill forward.
-    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK)]
-    pub prefill_chunk: usize,
+    /// Tokens per prefill forward (default: the device's, 2048 on the CPU and 8192 on a GPU).
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -42,6 +42,7 @@ pub struct Args {
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
     anyhow::ensure!(!args.prompt.trim().is_empty(), "--prompt is empty: give the question to answer");
+    crate::ensure_usage!(args.prefill_chunk != Some(0), "--prefill-chunk must be at least 1 token");
     let user = match &args.context_file {
         Some(p) => {
             let ctx = std::fs::read_to_string(p).with_context(|| format!("reading --context-file {}", p.display()))?;

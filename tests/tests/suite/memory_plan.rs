@@ -130,6 +130,44 @@ fn the_plan_is_within_five_percent_of_the_counted_peak_at_2k_and_4k() {
     assert!(failures.is_empty(), "the plan is more than {:.0}% off: {failures:?}", 100.0 * PLAN_TOL);
 }
 
+/// The full prefill runs forwards of the backend's size (`Backend::prefill_rows`: 2048 tokens
+/// on the CPU, 8192 on a GPU) and the plan follows: 4K tokens in one forward, as a GPU runs
+/// them, hold more than in two, and the plan says so within the same bound.
+#[test]
+fn a_full_prefill_in_forwards_of_the_backends_size_is_planned_as_it_runs() {
+    let _serial = one_at_a_time();
+    let lm = model();
+    let ledger = lm.model.backend().ledger().clone();
+    let req = request(&lm, 4096, 7);
+    let layout = Layout::build(&lm, &req).expect("layout");
+    let opts = RunOptions { method: Method::Full, max_new_tokens: 4, ..RunOptions::default() };
+    let mut peaks = Vec::new();
+    for rows in [flowprefill_kernels::PREFILL_ROWS, 4096] {
+        ledger.set_prefill_rows(rows);
+        let mut world = ThreadRanks::new(lm.clone(), 1, 0, Duration::from_secs(600)).expect("world");
+        let before = ledger.in_use();
+        ledger.reset_peak();
+        let run = world.run(&Job { request: req.clone(), options: opts.clone() }, &mut |_| true);
+        let counted = ledger.peak() - before;
+        drop(world);
+        settle(&ledger, before);
+        let planned = plan_for(&lm, &opts, 1, &layout)[0].bytes();
+        ledger.set_prefill_rows(flowprefill_kernels::PREFILL_ROWS);
+        run.expect("the job runs");
+        let err = (planned as f64 - counted as f64) / counted as f64;
+        eprintln!(
+            "forwards of {rows}: counted {:.1} MiB, planned {:.1} MiB ({:+.1}%)",
+            mib(counted),
+            mib(planned),
+            100.0 * err
+        );
+        assert!(err.abs() <= PLAN_TOL, "forwards of {rows} tokens: the plan is {:+.1}% off", 100.0 * err);
+        peaks.push(counted);
+    }
+    // One forward of 4K rows holds the activations of 4K rows, not 2K: the setting was used.
+    assert!(peaks[1] > peaks[0] + peaks[0] / 10, "peaks {peaks:?}: the larger forwards were not run");
+}
+
 fn job(req: Request) -> Job {
     Job { request: req, options: RunOptions { method: Method::Infoflow, max_new_tokens: 4, ..RunOptions::default() } }
 }

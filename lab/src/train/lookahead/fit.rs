@@ -22,7 +22,7 @@ use crate::train::run::{self, Method, Provenance, Recipe, Schedule};
 use crate::train::{Result, TrainError};
 use candle_core::{Device, Tensor};
 use flowprefill_coordinator::layout::Layout;
-use flowprefill_worker::generate::{prefill_into, DEFAULT_PREFILL_CHUNK};
+use flowprefill_worker::generate::prefill_into;
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::lookahead::{tensor_specs, LookaheadAdapter, LookaheadMeta, LORA_ALPHA, LORA_RANK};
 use flowprefill_worker::{Backend, Cpu, LoadedModel};
@@ -102,7 +102,7 @@ pub fn sample(
     let model = &lm.model;
     let c = model.config();
     let mut cache = KvCache::new(model.backend(), c.n_layers, c.kv_dim(), KeyForm::Rotated)?;
-    prefill_into(model, &mut cache, &tokens, 0, DEFAULT_PREFILL_CHUNK)?;
+    prefill_into(model, &mut cache, &tokens, 0, model.backend().prefill_rows())?;
     let n = cache.len();
     let be = model.backend();
     let mut layers = Vec::with_capacity(c.n_layers);
