@@ -1,7 +1,8 @@
 // Tensor-core attention for Hopper (sm_90a): the contract of flash2.cu (packed query rows of
 // one KV head, explicit positions, whole key tiles skipped, key splits with a log-sum-exp
 // output that merge_partial and attn_combine take unchanged), built on hopper.cuh:
-//   - warp specialisation: FP_FH_CONSUMERS consumer warpgroups of 64 packed rows each, and one
+//   - warp specialisation: consumer warpgroups of 64 packed rows each (FP_FH_CONSUMERS_D64 or
+//     _D128), and one
 //     producer warpgroup whose first thread issues the copies (its registers given to the
 //     consumers by setmaxnreg);
 //   - K and V tiles of FP_FH_KEYS keys brought by TMA through two tensor maps (128-byte
@@ -41,9 +42,11 @@
 #define FP_FH_NO_TILE 0x7fffffffu
 
 // The configuration (flowprefill_kernels::gpu::shapes::HOPPER_CONFIGS, written into the
-// launch-shape header): FP_FH_CONSUMERS (1 or 2), FP_FH_STAGES, FP_FH_PINGPONG (two consumers
-// only), FP_FH_POLY (0 .. 16), FP_FH_KEYS, FP_FH_THREADS ((FP_FH_CONSUMERS + 1) x 128).
-static_assert(FP_FH_THREADS == (FP_FH_CONSUMERS + 1) * 128, "the consumers' and the producer's warpgroups");
+// launch-shape header): FP_FH_CONSUMERS_D64 (1 to 3) and FP_FH_CONSUMERS_D128 (1 or 2),
+// FP_FH_STAGES, FP_FH_PINGPONG (two consumers only), FP_FH_POLY (0 .. 16), FP_FH_KEYS,
+// FP_FH_THREADS_D64 and _D128 ((consumers + 1) x 128).
+static_assert(FP_FH_THREADS_D64 == (FP_FH_CONSUMERS_D64 + 1) * 128, "the consumers' and the producer's warpgroups");
+static_assert(FP_FH_THREADS_D128 == (FP_FH_CONSUMERS_D128 + 1) * 128, "the consumers' and the producer's warpgroups");
 
 // The smallest (LO) or largest position of kernel tile t: the metadata tiles it covers.
 template <bool LO>
@@ -98,7 +101,11 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     constexpr u32 NT = KEYS / 8, DT = D / 8;     // n8 tiles of S, of O
     static_assert(D == 64 || D == 128, "head dimension");
     static_assert(KEYS == 128 && KEYS % FP_FA2_META_KEYS == 0, "key tile");
-    static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+    static_assert(CONSUMERS >= 1 && CONSUMERS <= 3 && (D == 64 || CONSUMERS <= 2), "1-3 consumer warpgroups, 1-2 at d128");
+    // setmaxnreg: the producer's registers to the consumers, within the SM's 64K
+    // (40 x 128 + 232 x 256 = 64,512 with two consumers; 24 x 128 + 160 x 384 with three).
+    constexpr u32 PRODUCER_REGS = CONSUMERS == 3 ? 24 : 40, CONSUMER_REGS = CONSUMERS == 3 ? 160 : 232;
+    static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536, "the register plan");
     static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong takes two consumer warpgroups");
     static_assert(POLY <= 16 && NT == 16, "polynomial exp2 on POLY of a row's 16 column tiles");
     constexpr u32 TURN_THREADS = 128 * CONSUMERS;
@@ -157,7 +164,7 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         // The producer: one thread walks the visible tiles and copies each into the next stage
         // once the consumers have released it, with the stage's word; then a stage without a
         // tile.
-        fp_setmaxnreg_dec<40>();
+        fp_setmaxnreg_dec<PRODUCER_REGS>();
         if (tid == CONSUMERS * 128) {
             const u32 whole = n / KEYS;  // tiles below it have every key below n
             u32 it = 0;
@@ -184,7 +191,7 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     }
 
     // A consumer warpgroup: 64 packed rows; this thread's rows lane_row and lane_row + 8.
-    fp_setmaxnreg_inc<232>();
+    fp_setmaxnreg_inc<CONSUMER_REGS>();
     const u32 w4 = warp % 4, g = lane / 4, tq = lane % 4;
     const u32 lane_row = row0 + wg * 64 + w4 * 16 + g;
     u32 qp[2];
@@ -394,18 +401,18 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     }
 }
 
-extern "C" __global__ void __launch_bounds__(FP_FH_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(FP_FH_THREADS_D64, 1)
     fp_flash_hopper_d64(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
                         const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
                         float scale_log2, u32 tiles_per_split) {
-    fp_flash_hopper<64, FP_FH_CONSUMERS, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY>(
+    fp_flash_hopper<64, FP_FH_CONSUMERS_D64, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY>(
         maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }
 
-extern "C" __global__ void __launch_bounds__(FP_FH_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(FP_FH_THREADS_D128, 1)
     fp_flash_hopper_d128(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
                          const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
                          float scale_log2, u32 tiles_per_split) {
-    fp_flash_hopper<128, FP_FH_CONSUMERS, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY>(
+    fp_flash_hopper<128, FP_FH_CONSUMERS_D128, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY>(
         maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }

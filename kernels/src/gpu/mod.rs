@@ -302,11 +302,11 @@ pub const FILES: &[KernelFile] = &[
 /// never above the consumers' 232 (an increase must not lower the count).
 const fn hopper_budget(config: usize, d: u32) -> Budget {
     let s = shapes::HOPPER_CONFIGS[config];
-    let regs = (65536 / s.threads()) & !7;
+    let regs = (65536 / s.threads(d)) & !7;
     let regs = if regs < 232 { regs } else { 232 };
     let name = shapes::HOPPER_KERNELS[config][if d == 64 { 0 } else { 1 }];
     budget_dyn(name, regs, 16, s.shared_bytes(d))
-        .threads(s.threads())
+        .threads(s.threads(d))
         .sass(SassBudget::Wgmma { hgmma: d / 16 + shapes::HOPPER_KEYS / 16, in_loop: true })
 }
 

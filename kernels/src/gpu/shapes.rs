@@ -131,11 +131,15 @@ fn name_at(table: &[[&'static str; 2]], config: usize, d: u32) -> Option<&'stati
 /// Keys per tile of `flash_hopper.cu` (two metadata tiles): one wgmma of n128 for S.
 pub const HOPPER_KEYS: u32 = 128;
 
-/// One configuration of `flash_hopper.cu` (the same at both head dimensions).
+/// One configuration of `flash_hopper.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HopperShape {
-    /// Consumer warpgroups of 64 packed rows each (1 or 2); one producer warpgroup beside them.
+    /// Consumer warpgroups of 64 packed rows each (1 to 3) at head dimension 64; one producer
+    /// warpgroup beside them.
     pub consumers: u32,
+    /// The same at head dimension 128 (1 or 2: three would leave a consumer 160 registers,
+    /// fewer than d128's accumulators, scores and P need).
+    pub consumers_d128: u32,
     /// K and V tiles in flight.
     pub stages: u32,
     /// The two consumer warpgroups take turns at the tensor pipe (FlashAttention-3's
@@ -147,21 +151,30 @@ pub struct HopperShape {
 }
 
 impl HopperShape {
-    /// Packed query rows per block.
-    pub const fn rows(self) -> u32 {
-        64 * self.consumers
+    /// Consumer warpgroups at head dimension `d` (64 or 128).
+    pub const fn consumers_at(self, d: u32) -> u32 {
+        if d == 64 {
+            self.consumers
+        } else {
+            self.consumers_d128
+        }
     }
 
-    /// Threads per block: the consumers' warpgroups and the producer's.
-    pub const fn threads(self) -> u32 {
-        128 * (self.consumers + 1)
+    /// Packed query rows per block at head dimension `d`.
+    pub const fn rows(self, d: u32) -> u32 {
+        64 * self.consumers_at(d)
+    }
+
+    /// Threads per block at head dimension `d`: the consumers' warpgroups and the producer's.
+    pub const fn threads(self, d: u32) -> u32 {
+        128 * (self.consumers_at(d) + 1)
     }
 
     /// Dynamic shared memory at head dimension `d`: the query tile, the K and V stages
     /// (swizzled, unpadded), 1024 bytes to align them to the swizzle atom, per stage its two
     /// barriers and the producer's word (which tile it holds).
     pub const fn shared_bytes(self, d: u32) -> u32 {
-        self.rows() * d * 2 + 2 * self.stages * HOPPER_KEYS * d * 2 + 1024 + 20 * self.stages
+        self.rows(d) * d * 2 + 2 * self.stages * HOPPER_KEYS * d * 2 + 1024 + 20 * self.stages
     }
 }
 
@@ -170,27 +183,32 @@ impl HopperShape {
 /// (each warpgroup overlaps its own softmax with its P V only), two stages, one consumer
 /// warpgroup (64-row blocks: half the idle rows of calls with few packed rows, such as the
 /// probe's and the final prompt's over a long context, with key splits; three stages at d128
-/// fit beside its smaller query tile), and the default with a quarter or an eighth of the
-/// exponentials on the FMA pipe. Per 32 scores a warp's special-function unit needs 8 clocks
+/// fit beside its smaller query tile), the default with a quarter or an eighth of the
+/// exponentials on the FMA pipe (per 32 scores a warp's special-function unit needs 8 clocks
 /// and its issue about 4.5 instructions; a polynomial exp2 costs about 8 more instructions, so
-/// the two balance near a fifth (projected; which wins is the autotuner's to say).
-pub const HOPPER_CONFIGS: [HopperShape; 6] = [
-    HopperShape { consumers: 2, stages: 3, pingpong: true, poly: 0 },
-    HopperShape { consumers: 2, stages: 3, pingpong: false, poly: 0 },
-    HopperShape { consumers: 2, stages: 2, pingpong: true, poly: 0 },
-    HopperShape { consumers: 1, stages: 3, pingpong: false, poly: 0 },
-    HopperShape { consumers: 2, stages: 3, pingpong: true, poly: 4 },
-    HopperShape { consumers: 2, stages: 3, pingpong: true, poly: 2 },
+/// the two balance near a fifth), and at d64 three consumer warpgroups (192-row blocks,
+/// FlashAttention-3's shape for d64: three consumer warps per SM sub-partition to hide each
+/// other's softmax, where two did 1.5x one on an H200; at d128 it is configuration 1's shape).
+/// Which wins is the autotuner's to say; the last three were not yet on a GPU.
+pub const HOPPER_CONFIGS: [HopperShape; 7] = [
+    HopperShape { consumers: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 0 },
+    HopperShape { consumers: 2, consumers_d128: 2, stages: 3, pingpong: false, poly: 0 },
+    HopperShape { consumers: 2, consumers_d128: 2, stages: 2, pingpong: true, poly: 0 },
+    HopperShape { consumers: 1, consumers_d128: 1, stages: 3, pingpong: false, poly: 0 },
+    HopperShape { consumers: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 4 },
+    HopperShape { consumers: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 2 },
+    HopperShape { consumers: 3, consumers_d128: 2, stages: 3, pingpong: false, poly: 0 },
 ];
 
 /// `flash_hopper.cu`'s kernel names per configuration and head dimension (as [`FA2_KERNELS`]).
-pub const HOPPER_KERNELS: [[&str; 2]; 6] = [
+pub const HOPPER_KERNELS: [[&str; 2]; 7] = [
     ["fp_flash_hopper_d64", "fp_flash_hopper_d128"],
     ["fp_flash_hopper_d64_c1", "fp_flash_hopper_d128_c1"],
     ["fp_flash_hopper_d64_c2", "fp_flash_hopper_d128_c2"],
     ["fp_flash_hopper_d64_c3", "fp_flash_hopper_d128_c3"],
     ["fp_flash_hopper_d64_c4", "fp_flash_hopper_d128_c4"],
     ["fp_flash_hopper_d64_c5", "fp_flash_hopper_d128_c5"],
+    ["fp_flash_hopper_d64_c6", "fp_flash_hopper_d128_c6"],
 ];
 
 /// The Hopper kernel of configuration `config` at head dimension `d` (64 or 128).
@@ -243,12 +261,14 @@ pub fn header(config: usize) -> String {
         def(&format!("FP_FA2_D{d}_QREGS"), u32::from(s.q_in_regs).to_string());
         def(&format!("FP_FA2_D{d}_MINB"), s.min_blocks.to_string());
     }
-    def("FP_FH_CONSUMERS", hs.consumers.to_string());
+    def("FP_FH_CONSUMERS_D64", hs.consumers_at(64).to_string());
+    def("FP_FH_CONSUMERS_D128", hs.consumers_at(128).to_string());
     def("FP_FH_STAGES", hs.stages.to_string());
     def("FP_FH_PINGPONG", u32::from(hs.pingpong).to_string());
     def("FP_FH_POLY", hs.poly.to_string());
     def("FP_FH_KEYS", HOPPER_KEYS.to_string());
-    def("FP_FH_THREADS", hs.threads().to_string());
+    def("FP_FH_THREADS_D64", hs.threads(64).to_string());
+    def("FP_FH_THREADS_D128", hs.threads(128).to_string());
     if config != 0 {
         for (d, name) in [(64, 0), (128, 1)] {
             def(&format!("fp_flash2_attn_d{d}"), FA2_KERNELS[config.min(FA2_KERNELS.len() - 1)][name].to_string());

@@ -272,7 +272,7 @@ pub fn describe_config(config: usize, d: u32) -> String {
         return format!(
             "flash_hopper: {} consumer warpgroup(s) x 64 rows, {} keys a tile, {} stages, ping-pong {}, {}/16 of \
              exp2 by polynomial, wgmma + TMA",
-            h.consumers,
+            h.consumers_at(d),
             super::shapes::HOPPER_KEYS,
             h.stages,
             if h.pingpong { "on" } else { "off" },
@@ -400,6 +400,8 @@ mod tests {
         assert!(describe_config(HOPPER_CONFIG as usize + 3, 128).contains("1 consumer warpgroup(s)"));
         assert!(describe_config(HOPPER_CONFIG as usize, 128).starts_with("flash_hopper"));
         assert!(describe_config(HOPPER_CONFIG as usize + 4, 64).contains("4/16 of exp2 by polynomial"));
+        assert!(describe_config(HOPPER_CONFIG as usize + 6, 64).starts_with("flash_hopper: 3 consumer"));
+        assert!(describe_config(HOPPER_CONFIG as usize + 6, 128).starts_with("flash_hopper: 2 consumer"));
         let mut t = TuneTable::default();
         t.put(entry(12080, 128, ShapeClass::Prefill, HOPPER_CONFIG));
         let back = TuneTable::parse(&t.render());

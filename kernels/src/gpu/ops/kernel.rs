@@ -80,7 +80,7 @@ impl FlashKernel {
     pub const fn rows(self, d: u32) -> u32 {
         match (self.fa2_shape(d), self.hopper_shape()) {
             (Some(s), _) => s.rows(),
-            (None, Some(h)) => h.rows(),
+            (None, Some(h)) => h.rows(d),
             (None, None) => FLASH_ROWS,
         }
     }
@@ -89,7 +89,7 @@ impl FlashKernel {
     pub const fn threads(self, d: u32) -> u32 {
         match (self.fa2_shape(d), self.hopper_shape()) {
             (Some(s), _) => s.threads(),
-            (None, Some(h)) => h.threads(),
+            (None, Some(h)) => h.threads(d),
             (None, None) => FLASH_THREADS,
         }
     }

@@ -155,6 +155,15 @@ fn the_hopper_kernel_is_planned_on_its_tiles_and_takes_tensor_maps() {
     assert_eq!((calls[0].kernel, calls[0].launch.block), ("fp_flash_hopper_d128_c3", [256, 1, 1]));
     assert_eq!(calls[0].launch.shared_bytes, 64 * 128 * 2 + 2 * 3 * 128 * 128 * 2 + 1024 + 3 * 20);
     calls.iter().for_each(|c| c.check().unwrap_or_else(|e| panic!("{e}")));
+    // Three consumers at d64 (192-row blocks of 512 threads), two at d128.
+    let three = FlashKernel::Hopper(6);
+    let d64 = dims(300, 1000, 8, 2, 64);
+    let plan = flash_plan(d64, three, 132, Some(3));
+    assert_eq!(plan.q_tiles, (300u32 * 4).div_ceil(192));
+    let calls = hopper_attention(d64, &plan, maps, q, u, u, f, f, Some((f, f)), 1.0).unwrap();
+    assert_eq!((calls[0].kernel, calls[0].launch.block), ("fp_flash_hopper_d64_c6", [512, 1, 1]));
+    assert_eq!(calls[0].launch.shared_bytes, 192 * 64 * 2 + 2 * 3 * 128 * 64 * 2 + 1024 + 3 * 20);
+    assert_eq!((three.rows(128), three.threads(128)), (128, 384));
     // Every configuration fits a Hopper SM's 227 KB of shared memory at d128.
     for k in FlashKernel::every().into_iter().filter(|k| k.is_hopper()) {
         assert!(k.shared_bytes(128) <= 227 * 1024, "{k:?}: {}", k.shared_bytes(128));
