@@ -197,7 +197,7 @@ pub struct Target<'a> {
     pub act: DType,
     /// The backend's own scratch for a forward of `rows` rows at most `width` wide
     /// ([`Backend::scratch_bytes`]).
-    pub scratch: &'a dyn Fn(usize, usize) -> usize,
+    pub scratch: Box<dyn Fn(usize, usize) -> usize + 'a>,
     /// Tokens per forward of a full prefill ([`Backend::prefill_rows`]).
     pub prefill_rows: usize,
 }
@@ -221,14 +221,13 @@ pub fn plan(dims: &ModelConfig, target: &Target, opts: &RunOptions, ranks: usize
 
 /// [`plan`] for a loaded model and a tokenized request.
 pub fn plan_for<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, ranks: usize, layout: &Layout) -> Vec<RankMemory> {
-    let be = lm.model.backend();
-    let scratch = |r, w| be.scratch_bytes(r, w);
-    plan(lm.model.config(), &Target::of(be, &scratch), opts, ranks, &Tokens::of(layout))
+    plan(lm.model.config(), &Target::of(lm.model.backend()), opts, ranks, &Tokens::of(layout))
 }
 
 impl<'a> Target<'a> {
-    /// `be`'s, with `scratch` its [`Backend::scratch_bytes`].
-    pub fn of<B: Backend>(be: &B, scratch: &'a dyn Fn(usize, usize) -> usize) -> Self {
+    /// The device of backend `be`.
+    pub fn of<B: Backend>(be: &'a B) -> Self {
+        let scratch = Box::new(move |rows, width| be.scratch_bytes(rows, width));
         Self { kv: be.kv_dtype(), act: be.act_dtype(), scratch, prefill_rows: be.prefill_rows() }
     }
 }
@@ -520,8 +519,7 @@ pub fn smallest_job<B: Backend>(lm: &LoadedModel<B>) -> usize {
     let be = lm.model.backend();
     let opts = RunOptions { method: Method::Full, max_new_tokens: 1, ..RunOptions::default() };
     let tokens = Tokens { head: 16, chunks: vec![1], prompt: 16 };
-    let scratch = |r, w| be.scratch_bytes(r, w);
-    plan(lm.model.config(), &Target::of(be, &scratch), &opts, 1, &tokens)[0].bytes()
+    plan(lm.model.config(), &Target::of(be), &opts, 1, &tokens)[0].bytes()
 }
 
 #[cfg(test)]
@@ -554,7 +552,7 @@ mod tests {
 
     /// The CPU's target with K/V kept as `kv`.
     fn cpu(kv: DType) -> Target<'static> {
-        Target { kv, act: DType::F32, scratch: &none, prefill_rows: flowprefill_kernels::PREFILL_ROWS }
+        Target { kv, act: DType::F32, scratch: Box::new(none), prefill_rows: flowprefill_kernels::PREFILL_ROWS }
     }
 
     #[test]

@@ -33,6 +33,7 @@
 #include <math.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -118,6 +119,7 @@ inline std::vector<unsigned char> dynamic_shared;
 inline unsigned dynamic_bytes = 0;  // what the launch asked for
 inline std::mutex error_lock;
 inline std::string launch_error;
+inline std::atomic<bool> launch_failed{false};  // launch_error is set (read without the lock)
 
 inline unsigned lane() { return thread_linear % 32; }
 inline Warp& warp() { return *block->warps[thread_linear / 32]; }
@@ -126,15 +128,13 @@ inline void fail(const std::string& what) {
     std::lock_guard<std::mutex> g(error_lock);
     if (launch_error.empty()) {
         launch_error = what;
+        launch_failed.store(true, std::memory_order_release);
     }
 }
 
 // Whether this launch has failed (a wait then gives up at once: one stall is reported, not
-// one per later wait of every thread).
-inline bool failed() {
-    std::lock_guard<std::mutex> g(error_lock);
-    return !launch_error.empty();
-}
+// one per later wait of every thread). Polled by every spinning wait: no lock.
+inline bool failed() { return launch_failed.load(std::memory_order_acquire); }
 
 template <typename T>
 inline T exchange(T v, unsigned src_lane) {
@@ -366,6 +366,7 @@ std::string launch(dim3 grid, dim3 block_shape, unsigned shared_bytes, void (*ke
     block_dim = block_shape;
     grid_dim = grid;
     launch_error.clear();
+    launch_failed.store(false);
     dynamic_bytes = shared_bytes;
     dynamic_shared.assign(shared_bytes + 16 + 1024, 0xff);
     Block shared_block(threads);

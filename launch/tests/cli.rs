@@ -66,6 +66,8 @@ fn bench_prefill_json_has_the_documented_fields() {
     let (ok, out, err) = run(&["bench", "prefill", "--tokens", "64,130", "--runs", "1", "--json"]);
     assert!(ok, "stderr: {err}");
     let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    // The forwards' size the run used: the CPU's (a GPU's is 8192), unless --prefill-chunk.
+    assert_eq!(v["prefill_chunk"].as_u64(), Some(flowprefill_kernels::PREFILL_ROWS as u64), "{v}");
     let results = v["results"].as_array().expect("results");
     assert_eq!(results.len(), 2);
     for (r, n) in results.iter().zip([64, 130]) {
@@ -87,6 +89,11 @@ fn errors_say_what_to_change() {
     let (ok, _, err) = run(&["bench", "prefill", "--tokens", "9000", "--runs", "1"]);
     assert!(!ok);
     assert!(err.contains("context window of 8192"), "{err}");
+    for cmd in [&["bench", "prefill"][..], &["generate", "--prompt", "hi"][..]] {
+        let (ok, _, err) = run(&[cmd, &["--prefill-chunk", "0"]].concat());
+        assert!(!ok);
+        assert!(err.contains("--prefill-chunk") && err.contains("at least 1"), "{cmd:?}: {err}");
+    }
 }
 
 #[test]

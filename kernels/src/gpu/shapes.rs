@@ -136,7 +136,7 @@ pub const HOPPER_KEYS: u32 = 128;
 pub struct HopperShape {
     /// Consumer warpgroups of 64 packed rows each (1 to 3) at head dimension 64; one producer
     /// warpgroup beside them.
-    pub consumers: u32,
+    pub consumers_d64: u32,
     /// The same at head dimension 128 (1 or 2: three would leave a consumer 160 registers,
     /// fewer than d128's accumulators, scores and P need).
     pub consumers_d128: u32,
@@ -154,7 +154,7 @@ impl HopperShape {
     /// Consumer warpgroups at head dimension `d` (64 or 128).
     pub const fn consumers_at(self, d: u32) -> u32 {
         if d == 64 {
-            self.consumers
+            self.consumers_d64
         } else {
             self.consumers_d128
         }
@@ -191,13 +191,13 @@ impl HopperShape {
 /// other's softmax, where two did 1.5x one on an H200; at d128 it is configuration 1's shape).
 /// Which wins is the autotuner's to say; the last three were not yet on a GPU.
 pub const HOPPER_CONFIGS: [HopperShape; 7] = [
-    HopperShape { consumers: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 0 },
-    HopperShape { consumers: 2, consumers_d128: 2, stages: 3, pingpong: false, poly: 0 },
-    HopperShape { consumers: 2, consumers_d128: 2, stages: 2, pingpong: true, poly: 0 },
-    HopperShape { consumers: 1, consumers_d128: 1, stages: 3, pingpong: false, poly: 0 },
-    HopperShape { consumers: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 4 },
-    HopperShape { consumers: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 2 },
-    HopperShape { consumers: 3, consumers_d128: 2, stages: 3, pingpong: false, poly: 0 },
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 0 },
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: false, poly: 0 },
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 2, pingpong: true, poly: 0 },
+    HopperShape { consumers_d64: 1, consumers_d128: 1, stages: 3, pingpong: false, poly: 0 },
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 4 },
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 2 },
+    HopperShape { consumers_d64: 3, consumers_d128: 2, stages: 3, pingpong: false, poly: 0 },
 ];
 
 /// `flash_hopper.cu`'s kernel names per configuration and head dimension (as [`FA2_KERNELS`]).

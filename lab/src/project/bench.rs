@@ -178,7 +178,7 @@ impl Target {
         let target = memory::Target {
             kv: self.kv(),
             act: self.act(),
-            scratch: &flowprefill_kernels::gpu_scratch_bytes,
+            scratch: Box::new(flowprefill_kernels::gpu_scratch_bytes),
             prefill_rows: flowprefill_kernels::GPU_PREFILL_ROWS,
         };
         let plans = memory::plan(&self.shape, &target, opts, p, &tokens);

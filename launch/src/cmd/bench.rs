@@ -94,7 +94,7 @@ pub struct PrefillArgs {
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
     /// Tokens per prefill forward (default: the device's, 2048 on the CPU and 8192 on a GPU).
-    #[arg(long)]
+    #[arg(long, value_parser = super::parse_prefill_chunk)]
     pub prefill_chunk: Option<usize>,
     /// Seed of the generated text.
     #[arg(long, default_value_t = 1)]
@@ -144,7 +144,6 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     anyhow::ensure!(all_ids.len() >= max_len, "generated text has only {} tokens", all_ids.len());
     let threads = rayon::current_num_threads();
     let simd = format!("{:?}", flowprefill_kernels::simd::level());
-    crate::ensure_usage!(a.prefill_chunk != Some(0), "--prefill-chunk must be at least 1 token");
     let chunk = a.prefill_chunk.unwrap_or_else(|| model.backend().prefill_rows());
     if !a.json {
         println!(

@@ -32,7 +32,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Tokens per prefill forward (default: the device's, 2048 on the CPU and 8192 on a GPU).
-    #[arg(long)]
+    #[arg(long, value_parser = super::parse_prefill_chunk)]
     pub prefill_chunk: Option<usize>,
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -42,7 +42,6 @@ pub struct Args {
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
     anyhow::ensure!(!args.prompt.trim().is_empty(), "--prompt is empty: give the question to answer");
-    crate::ensure_usage!(args.prefill_chunk != Some(0), "--prefill-chunk must be at least 1 token");
     let user = match &args.context_file {
         Some(p) => {
             let ctx = std::fs::read_to_string(p).with_context(|| format!("reading --context-file {}", p.display()))?;

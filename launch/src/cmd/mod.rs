@@ -404,6 +404,14 @@ pub fn evict_grid(
     Ok(evicts)
 }
 
+/// Parses `--prefill-chunk`: tokens per prefill forward, at least 1.
+pub fn parse_prefill_chunk(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("`{s}` is not a token count of at least 1")),
+    }
+}
+
 /// Parses a comma-separated list of numbers.
 pub fn parse_list<T: std::str::FromStr>(s: &str) -> std::result::Result<Vec<T>, String> {
     s.split(',')

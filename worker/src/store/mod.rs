@@ -148,10 +148,10 @@ impl<B: Backend> ChunkStore<B> {
     /// The cache of every key, in order, with `true` where it came from disk (`None`: neither
     /// tier has it; a disk entry that cannot be made a cache of this backend counts as a miss):
     /// RAM first, then the disk tier (entries read, verified, uploaded to `backend` in their
-    /// element type and kept in RAM) with the files read and verified on several threads (reading, checking and decoding a file is
-    /// host work: one thread kept a GPU waiting 100-140 ms for 17 chunks of 512 tokens,
-    /// H200, 2026-11-27) and uploaded in order; at most a few records are held at once. A key
-    /// given twice is read once.
+    /// element type and kept in RAM) with the files read and verified on several threads
+    /// (reading, checking and decoding a file is host work: one thread kept a GPU waiting
+    /// 100-140 ms for 17 chunks of 512 tokens, H200, 2026-11-27) and uploaded in order; at most
+    /// a few records are held at once. A key given twice is read once.
     pub fn lookup_many(&self, keys: &[ChunkKey], backend: &B) -> Vec<Option<(Arc<KvCache<B>>, bool)>> {
         let mut out: Vec<Option<(Arc<KvCache<B>>, bool)>> =
             keys.iter().map(|k| self.get(k).map(|kv| (kv, false))).collect();
