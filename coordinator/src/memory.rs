@@ -12,7 +12,8 @@
 //! ```
 //! Every term is the size of buffers the pipeline allocates: the forward's (`Model::run_blocks`:
 //! residual, norm, QKV, queries, gate-up and gated activation per row at the activations' type
-//! ([`Backend::act_dtype`]: f32 on the CPU, bf16 on a GPU); the attention output in f32; K,
+//! ([`Backend::act_dtype`]: f32 on the CPU, bf16 on a GPU); the attention output in f32 (the
+//! larger of its two types: a full prefill's is in the activations' type); K,
 //! pre-RoPE K and V at the KV type), K/V of the caches at the KV type, attention partials
 //! (output and log-sum-exp per query row), logits, and the backend's own scratch
 //! ([`Backend::scratch_bytes`]). `tests/tests/suite/memory_plan.rs` runs the engine on a backend that

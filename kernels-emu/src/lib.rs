@@ -285,16 +285,16 @@ fn attn_dims(
     AttnDims::of(shape, qpos.len(), kpos.len())
 }
 
-/// The simple attention kernel (f32 queries; f32 or bf16 keys and values).
+/// The simple attention kernel (f32 queries; f32 or bf16 keys and values; f32 or bf16 out).
 #[allow(clippy::too_many_arguments)]
-pub fn attention<T: EmuElem>(
+pub fn attention<T: EmuElem, O: EmuElem>(
     shape: &AttnShape,
     q: &[f32],
     qpos: &[u32],
     k: &[T],
     v: &[T],
     kpos: &[u32],
-    out: &mut [f32],
+    out: &mut [O],
     lse: &mut [f32],
 ) {
     assert!(shape.head_dim <= ATTENTION_MAX_DIM);
@@ -330,10 +330,11 @@ pub fn merge_partial(out: &mut [f32], lse: &mut [f32], block_out: &[f32], block_
     run(&built(ops::merge_partial(pm(out), pm(lse), p(block_out), p(block_lse), rows, u32_of(head_dim))));
 }
 
-/// The tensor-core attention (bf16 `q`, `k`, `v`) by `kernel`, planned as the backend plans it
-/// for a GPU of `sm_count` SMs, or with `splits` key splits forced; returns the plan it ran.
+/// The tensor-core attention (bf16 `q`, `k`, `v`; f32 or bf16 `out`) by `kernel`, planned as
+/// the backend plans it for a GPU of `sm_count` SMs, or with `splits` key splits forced;
+/// returns the plan it ran.
 #[allow(clippy::too_many_arguments)]
-pub fn flash_attention(
+pub fn flash_attention<O: EmuElem>(
     kernel: FlashKernel,
     shape: &AttnShape,
     q: &[u16],
@@ -341,7 +342,7 @@ pub fn flash_attention(
     k: &[u16],
     v: &[u16],
     kpos: &[u32],
-    out: &mut [f32],
+    out: &mut [O],
     lse: &mut [f32],
     sm_count: u32,
     splits: Option<u32>,

@@ -167,6 +167,52 @@ fn flash_attention_matches_the_reference_on_odd_shapes() {
     }
 }
 
+/// A bf16 output (the bf16 forward's, which its output projection reads as it is) is the f32
+/// output rounded once to nearest even, value for value: from each kernel's own epilogue
+/// without key splits, from the combine kernel with them; the log-sum-exp is the same either
+/// way. The kernels' own tests cover every configuration; the epilogue is one per kernel, so
+/// here the default ones, and the Hopper kernel with one and with three consumer warpgroups
+/// (other rows per thread and block).
+#[test]
+fn a_bf16_output_is_the_f32_output_rounded_once() {
+    let mut r = rng(47);
+    // (m, n, heads, kv heads, head_dim, scattered positions, forced key splits)
+    for &(m, n, heads, kv, d, scattered, splits) in &[
+        (17, 129, 9, 3, 64, false, Some(1)), // full and masked tiles, a partial query tile
+        (3, 200, 8, 2, 128, true, Some(3)),  // key splits: the combine writes the output
+        (15, 100, 7, 1, 128, true, Some(1)), // unsorted positions, rows that see no key
+    ] {
+        let kernels =
+            emu::FlashKernel::ALL.into_iter().chain([emu::FlashKernel::Hopper(3), emu::FlashKernel::Hopper(6)]);
+        let c = case(&mut r, m, n, heads, kv, d, scattered);
+        let ((qb, _), (kb, _), (vb, _)) = (to_bf16(&c.q), to_bf16(&c.k), to_bf16(&c.v));
+        let lse_len = m * heads;
+        for kernel in kernels {
+            let label = format!("{kernel:?} m={m} n={n} heads={heads}/{kv} d={d} splits={splits:?}");
+            let (mut o32, mut l32) = (vec![7f32; c.q.len()], vec![7f32; lse_len]);
+            let (mut o16, mut l16) = (vec![0x7fc1u16; c.q.len()], vec![7f32; lse_len]);
+            let p32 = emu::flash_attention(
+                kernel, &c.shape, &qb, &c.qpos, &kb, &vb, &c.kpos, &mut o32, &mut l32, 132, splits,
+            );
+            let p16 = emu::flash_attention(
+                kernel, &c.shape, &qb, &c.qpos, &kb, &vb, &c.kpos, &mut o16, &mut l16, 132, splits,
+            );
+            assert_eq!(p16, p32, "{label}: one plan for both outputs");
+            let rounded: Vec<u16> = o32.iter().map(|&x| bf16_ref(x)).collect();
+            let first = o16.iter().zip(&rounded).position(|(a, b)| a != b);
+            assert!(first.is_none(), "{label}: bf16 output {first:?} is not the f32 output rounded");
+            assert_eq!(l16, l32, "{label}: the log-sum-exp");
+        }
+        // The simple kernel (f32 queries, bf16 keys and values) too.
+        let (mut o32, mut l32) = (vec![7f32; c.q.len()], vec![7f32; lse_len]);
+        let (mut o16, mut l16) = (vec![0x7fc1u16; c.q.len()], vec![7f32; lse_len]);
+        emu::attention(&c.shape, &c.q, &c.qpos, &kb, &vb, &c.kpos, &mut o32, &mut l32);
+        emu::attention(&c.shape, &c.q, &c.qpos, &kb, &vb, &c.kpos, &mut o16, &mut l16);
+        assert_eq!(o16, o32.iter().map(|&x| bf16_ref(x)).collect::<Vec<u16>>(), "simple kernel: bf16 output");
+        assert_eq!(l16, l32, "simple kernel: the log-sum-exp");
+    }
+}
+
 #[test]
 fn flash_attention_keeps_large_scores_finite_and_exact() {
     // |q . k| * scale up to about 80: the online softmax must rescale, not overflow.

@@ -4,6 +4,7 @@
 //   k,v [N, n_kv_heads, head_dim]   kpos [N]       kpos[j] <= qpos[i]; query head h reads
 //   out [M, n_heads,    head_dim]   lse  [M, n_heads] (natural log)   KV head h / (n_heads / n_kv_heads)
 //
+// out is f32 (`out`) or bf16 (`out_b`, rounded once): whichever pointer is given (fp_st_out).
 // A query with no visible key gets out = 0, lse = -inf.
 //
 // One warp per (query row, head), FP_ATT_WARPS warps per block (rows of one head). Keys go in
@@ -18,8 +19,8 @@
 
 template <typename KV>
 __device__ __forceinline__ void fp_attention_impl(const float* q, const u32* qpos, const KV* k, const KV* v,
-                                                  const u32* kpos, float* out, float* lse, u32 m, u32 n, u32 n_heads,
-                                                  u32 n_kv_heads, u32 head_dim, float scale) {
+                                                  const u32* kpos, float* out, bf16_t* out_b, float* lse, u32 m, u32 n,
+                                                  u32 n_heads, u32 n_kv_heads, u32 head_dim, float scale) {
     __shared__ float q_s[FP_ATT_WARPS][FP_ATT_MAX_DIM];
     u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     u32 h = blockIdx.y;
@@ -78,12 +79,12 @@ __device__ __forceinline__ void fp_attention_impl(const float* q, const u32* qpo
     if (!active) {
         return;
     }
-    float* o = out + ((u64)row * n_heads + h) * head_dim;
+    const u64 o = ((u64)row * n_heads + h) * head_dim;
     float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     for (int t = 0; t < FP_ATT_PER_LANE; t++) {
         u32 d = lane + 32 * t;
         if (d < head_dim) {
-            o[d] = acc[t] * inv;
+            fp_st_out(out, out_b, o + d, acc[t] * inv);
         }
     }
     if (lane == 0) {
@@ -92,13 +93,13 @@ __device__ __forceinline__ void fp_attention_impl(const float* q, const u32* qpo
 }
 
 extern "C" __global__ void fp_attention(const float* q, const u32* qpos, const float* k, const float* v, const u32* kpos,
-                                        float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
-                                        u32 head_dim, float scale) {
-    fp_attention_impl(q, qpos, k, v, kpos, out, lse, m, n, n_heads, n_kv_heads, head_dim, scale);
+                                        float* out, bf16_t* out_b, float* lse, u32 m, u32 n, u32 n_heads,
+                                        u32 n_kv_heads, u32 head_dim, float scale) {
+    fp_attention_impl(q, qpos, k, v, kpos, out, out_b, lse, m, n, n_heads, n_kv_heads, head_dim, scale);
 }
 
 extern "C" __global__ void fp_attention_kvbf16(const float* q, const u32* qpos, const bf16_t* k, const bf16_t* v,
-                                               const u32* kpos, float* out, float* lse, u32 m, u32 n, u32 n_heads,
-                                               u32 n_kv_heads, u32 head_dim, float scale) {
-    fp_attention_impl(q, qpos, k, v, kpos, out, lse, m, n, n_heads, n_kv_heads, head_dim, scale);
+                                               const u32* kpos, float* out, bf16_t* out_b, float* lse, u32 m, u32 n,
+                                               u32 n_heads, u32 n_kv_heads, u32 head_dim, float scale) {
+    fp_attention_impl(q, qpos, k, v, kpos, out, out_b, lse, m, n, n_heads, n_kv_heads, head_dim, scale);
 }

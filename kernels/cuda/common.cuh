@@ -298,3 +298,24 @@ __device__ __forceinline__ float fp_exp2_poly(float x) {
     p = fmaf(p, f, 1.0f);
     return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
 }
+
+// Two adjacent values of an attention output row (element i even) where the caller asked for
+// them: `out` (f32), or, where `out_b` is given, rounded to bf16 there (the bf16 forward's
+// attention output, which its output projection reads as it is; a key split's partial result
+// is always f32). Exactly one of the two is set (gpu::ops::out_pair).
+__device__ __forceinline__ void fp_st_out2(float* out, bf16_t* out_b, u64 i, float a, float b) {
+    if (out_b != nullptr) {
+        *(u32*)(out_b + i) = fp_pack_bf16x2(a, b);
+    } else {
+        *(float2*)(out + i) = make_float2(a, b);
+    }
+}
+
+// One value of an attention output row, as fp_st_out2.
+__device__ __forceinline__ void fp_st_out(float* out, bf16_t* out_b, u64 i, float v) {
+    if (out_b != nullptr) {
+        out_b[i] = fp_f32_to_bf16(v);
+    } else {
+        out[i] = v;
+    }
+}

@@ -36,8 +36,8 @@
 template <int D>
 __device__ __forceinline__ void fp_flash_attn(const bf16_t* q, const u32* qpos, const bf16_t* k, const bf16_t* v,
                                               const u32* kpos, const u32* ktile_lo, const u32* ktile_hi, float* out,
-                                              float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads, float scale_log2,
-                                              u32 tiles_per_split) {
+                                              bf16_t* out_b, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
+                                              float scale_log2, u32 tiles_per_split) {
     constexpr u32 S = D + 8, NT = FP_FA_KEYS / 8, DT = D / 8;
     FP_DYNAMIC_SMEM(smem);
     bf16_t* q_s = (bf16_t*)smem;
@@ -192,11 +192,10 @@ __device__ __forceinline__ void fp_flash_attn(const bf16_t* q, const u32* qpos, 
         const float l = half ? l_b : l_a, mrow = half ? m_b : m_a;
         const u64 row = (u64)(pr / group) * n_heads + (u64)kh * group + pr % group;
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        float* dst = out_split + row * D + (lane & 3) * 2;
+        const u64 dst = row * D + (lane & 3) * 2;
         FP_UNROLL
         for (int c = 0; c < (int)DT; c++) {
-            dst[c * 8] = o[c][2 * half] * inv;
-            dst[c * 8 + 1] = o[c][2 * half + 1] * inv;
+            fp_st_out2(out_split, out_b, dst + c * 8, o[c][2 * half] * inv, o[c][2 * half + 1] * inv);
         }
         if ((lane & 3) == 0) {
             lse_split[row] = l > 0.0f ? (mrow + log2f(l)) * FP_LN2 : -FP_INF;
@@ -206,16 +205,16 @@ __device__ __forceinline__ void fp_flash_attn(const bf16_t* q, const u32* qpos, 
 
 extern "C" __global__ void __launch_bounds__(FP_FA_THREADS, 2)
     fp_flash_attn_d64(const bf16_t* q, const u32* qpos, const bf16_t* k, const bf16_t* v, const u32* kpos,
-                      const u32* ktile_lo, const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads,
-                      u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
-    fp_flash_attn<64>(q, qpos, k, v, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2,
+                      const u32* ktile_lo, const u32* ktile_hi, float* out, bf16_t* out_b, float* lse, u32 m, u32 n,
+                      u32 n_heads, u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
+    fp_flash_attn<64>(q, qpos, k, v, kpos, ktile_lo, ktile_hi, out, out_b, lse, m, n, n_heads, n_kv_heads, scale_log2,
                       tiles_per_split);
 }
 
 extern "C" __global__ void __launch_bounds__(FP_FA_THREADS, 2)
     fp_flash_attn_d128(const bf16_t* q, const u32* qpos, const bf16_t* k, const bf16_t* v, const u32* kpos,
-                       const u32* ktile_lo, const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads,
-                       u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
-    fp_flash_attn<128>(q, qpos, k, v, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2,
+                       const u32* ktile_lo, const u32* ktile_hi, float* out, bf16_t* out_b, float* lse, u32 m, u32 n,
+                       u32 n_heads, u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
+    fp_flash_attn<128>(q, qpos, k, v, kpos, ktile_lo, ktile_hi, out, out_b, lse, m, n, n_heads, n_kv_heads, scale_log2,
                        tiles_per_split);
 }

@@ -113,7 +113,7 @@ __device__ __forceinline__ void fp_fa2_mma_x4(float (&acc)[WM][N][4], int j, con
 template <int D, int WM, int KEYS, int WARPS, bool Q_IN_REGS>
 __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos, const bf16_t* k, const bf16_t* v,
                                                const u32* kpos, const u32* ktile_lo, const u32* ktile_hi, float* out,
-                                               float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
+                                               bf16_t* out_b, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
                                                float scale_log2, u32 tiles_per_split) {
     constexpr u32 THREADS = WARPS * 32, ROWS = WARPS * 16 * WM;
     constexpr u32 S = D + 8, NT = KEYS / 8, DT = D / 8, CH = D / 8;
@@ -456,10 +456,10 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
             const u32 qi = pr / group;
             const u64 row = (u64)qi * n_heads + (u64)kh * group + (pr - qi * group);
             const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-            float* dst = out_split + row * D + (lane & 3) * 2;
+            const u64 dst = row * D + (lane & 3) * 2;
             FP_UNROLL
             for (int c = 0; c < (int)DT; c++) {
-                *(float2*)(dst + c * 8) = make_float2(o[mi][c][2 * h] * inv, o[mi][c][2 * h + 1] * inv);
+                fp_st_out2(out_split, out_b, dst + c * 8, o[mi][c][2 * h] * inv, o[mi][c][2 * h + 1] * inv);
             }
             if ((lane & 3) == 0) {
                 lse_split[row] = l > 0.0f ? (m_r[mi][h] * scale_log2 + log2f(l)) * FP_LN2 : -FP_INF;
@@ -470,16 +470,16 @@ __device__ __forceinline__ void fp_flash2_attn(const bf16_t* q, const u32* qpos,
 
 extern "C" __global__ void __launch_bounds__(FP_FA2_D64_WARPS * 32, FP_FA2_D64_MINB)
     fp_flash2_attn_d64(const bf16_t* q, const u32* qpos, const bf16_t* k, const bf16_t* v, const u32* kpos,
-                       const u32* ktile_lo, const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads,
-                       u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
+                       const u32* ktile_lo, const u32* ktile_hi, float* out, bf16_t* out_b, float* lse, u32 m, u32 n,
+                       u32 n_heads, u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
     fp_flash2_attn<64, FP_FA2_D64_WM, FP_FA2_D64_KEYS, FP_FA2_D64_WARPS, FP_FA2_D64_QREGS>(
-        q, qpos, k, v, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
+        q, qpos, k, v, kpos, ktile_lo, ktile_hi, out, out_b, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }
 
 extern "C" __global__ void __launch_bounds__(FP_FA2_D128_WARPS * 32, FP_FA2_D128_MINB)
     fp_flash2_attn_d128(const bf16_t* q, const u32* qpos, const bf16_t* k, const bf16_t* v, const u32* kpos,
-                        const u32* ktile_lo, const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads,
-                        u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
+                        const u32* ktile_lo, const u32* ktile_hi, float* out, bf16_t* out_b, float* lse, u32 m, u32 n,
+                        u32 n_heads, u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
     fp_flash2_attn<128, FP_FA2_D128_WM, FP_FA2_D128_KEYS, FP_FA2_D128_WARPS, FP_FA2_D128_QREGS>(
-        q, qpos, k, v, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
+        q, qpos, k, v, kpos, ktile_lo, ktile_hi, out, out_b, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }

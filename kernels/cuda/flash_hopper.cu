@@ -29,8 +29,10 @@
 //     take their exp2 from fp_exp2_poly on the FMA and integer pipes, the rest from the
 //     special-function unit, whose 16 results a clock and SM are as many clocks as a d = 64
 //     tile's products (FlashAttention-4's split, here for Hopper's d = 64).
-// What it does not do yet (docs/gpu.md): a bf16 output (f32, as flash2); two score buffers;
-// key tiles other than 128.
+// The output is f32, or bf16 where the caller gives `out_b` (the bf16 forward; never a key
+// split's partial result, which the combine merges in f32).
+// What it does not do yet (docs/gpu.md): two score buffers; key tiles other than 128; a
+// persistent grid.
 //
 // Maps (16 u64 each, gpu::ops::hopper_attention_maps): [0] K, [1] V, each the 2-D tensor
 // (n_kv_heads * D elements a row, n rows) with boxes of 64 elements by FP_FH_KEYS rows.
@@ -90,9 +92,9 @@ __device__ __forceinline__ bool fp_fh_poly_tile(u32 i) {
 // each configuration is its own instantiation wherever several are built into one program.
 template <int D, u32 CONSUMERS, u32 STAGES, bool PINGPONG, u32 POLY>
 __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos,
-                                                const u32* ktile_lo, const u32* ktile_hi, float* out, float* lse,
-                                                u32 m, u32 n, u32 n_heads, u32 n_kv_heads, float scale_log2,
-                                                u32 tiles_per_split) {
+                                                const u32* ktile_lo, const u32* ktile_hi, float* out, bf16_t* out_b,
+                                                float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
+                                                float scale_log2, u32 tiles_per_split) {
     constexpr u32 ROWS = 64 * CONSUMERS, KEYS = FP_FH_KEYS, THREADS = (CONSUMERS + 1) * 128;
     constexpr u32 BOXES = D / 64;                // 64-element boxes along the head dimension
     constexpr u32 Q_BYTES = ROWS * D * 2;
@@ -390,10 +392,10 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         const u32 qi = pr / group;
         const u64 row = (u64)qi * n_heads + (u64)kh * group + (pr - qi * group);
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        float* dst = out_split + row * D + tq * 2;
+        const u64 dst = row * D + tq * 2;
         FP_UNROLL
         for (u32 i = 0; i < DT; i++) {
-            *(float2*)(dst + 8 * i) = make_float2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+            fp_st_out2(out_split, out_b, dst + 8 * i, o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
         }
         if (tq == 0) {
             lse_split[row] = l > 0.0f ? (m_r[h] * scale_log2 + log2f(l)) * FP_LN2 : -FP_INF;
@@ -403,16 +405,16 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
 
 extern "C" __global__ void __launch_bounds__(FP_FH_THREADS_D64, 1)
     fp_flash_hopper_d64(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
-                        const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
-                        float scale_log2, u32 tiles_per_split) {
+                        const u32* ktile_hi, float* out, bf16_t* out_b, float* lse, u32 m, u32 n, u32 n_heads,
+                        u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
     fp_flash_hopper<64, FP_FH_CONSUMERS_D64, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY>(
-        maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
+        maps, q, qpos, kpos, ktile_lo, ktile_hi, out, out_b, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }
 
 extern "C" __global__ void __launch_bounds__(FP_FH_THREADS_D128, 1)
     fp_flash_hopper_d128(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
-                         const u32* ktile_hi, float* out, float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
-                         float scale_log2, u32 tiles_per_split) {
+                         const u32* ktile_hi, float* out, bf16_t* out_b, float* lse, u32 m, u32 n, u32 n_heads,
+                         u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
     fp_flash_hopper<128, FP_FH_CONSUMERS_D128, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY>(
-        maps, q, qpos, kpos, ktile_lo, ktile_hi, out, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
+        maps, q, qpos, kpos, ktile_lo, ktile_hi, out, out_b, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }

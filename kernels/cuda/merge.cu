@@ -31,9 +31,10 @@ extern "C" __global__ void fp_merge_partial(float* out, float* lse, const float*
 // The partial results of key splits (flash.cu with splits > 1: part_out [splits, rows,
 // head_dim], part_lse [splits, rows]) merged into (out, lse) by log-sum-exp, the rule of
 // fp_merge_partial over all splits at once. A split that saw no key (lse = -inf) adds nothing;
-// a row no split saw gets out = 0, lse = -inf. One warp per row.
-extern "C" __global__ void fp_attn_combine(const float* part_out, const float* part_lse, float* out, float* lse,
-                                           u32 rows, u32 head_dim, u32 splits) {
+// a row no split saw gets out = 0, lse = -inf. One warp per row. out is f32 (`out`) or bf16
+// (`out_b`, rounded once from the f32 sum): whichever pointer is given.
+extern "C" __global__ void fp_attn_combine(const float* part_out, const float* part_lse, float* out, bf16_t* out_b,
+                                           float* lse, u32 rows, u32 head_dim, u32 splits) {
     u32 lane = threadIdx.x % 32;
     u64 row = (u64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= rows) {
@@ -44,10 +45,10 @@ extern "C" __global__ void fp_attn_combine(const float* part_out, const float* p
         mx = fmaxf(mx, part_lse[(u64)s * rows + row]);
     }
     mx = fp_warp_max(mx);
-    float* o = out + row * head_dim;
+    const u64 o = row * head_dim;
     if (mx == -FP_INF) {
         for (u32 d = lane; d < head_dim; d += 32) {
-            o[d] = 0.0f;
+            fp_st_out(out, out_b, o + d, 0.0f);
         }
         if (lane == 0) {
             lse[row] = -FP_INF;
@@ -68,7 +69,7 @@ extern "C" __global__ void fp_attn_combine(const float* part_out, const float* p
                 acc += expf(ls - l) * part_out[((u64)s * rows + row) * head_dim + d];
             }
         }
-        o[d] = acc;
+        fp_st_out(out, out_b, o + d, acc);
     }
     if (lane == 0) {
         lse[row] = l;

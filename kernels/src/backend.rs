@@ -260,7 +260,9 @@ pub trait Backend: Send + Sync + 'static {
     fn rms_norm(&self, x: &Self::Buf, w: &Self::Buf, eps: f32, out: &mut Self::Buf) -> Result<()>;
     /// RoPE in place, token t at `positions[t]`.
     fn rope(&self, x: &mut Self::Buf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()>;
-    /// Attention with lse (see [`crate::attention`]).
+    /// Attention with lse (see [`crate::attention`]). `out` is f32 or bf16 (the f32 result
+    /// rounded once: the bf16 forward's attention output, read as it is by the output
+    /// projection); `lse` is f32. [`Backend::merge_partial`] takes f32 outputs only.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,

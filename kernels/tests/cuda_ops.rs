@@ -335,6 +335,16 @@ fn check_flash(
     assert!(out_err <= FLASH_OUT_TOL, "{label}: out error {out_err:e}");
     let lse_err = max_err(&g.download(&gl).unwrap(), &cl.to_f32());
     assert!(lse_err <= FLASH_LSE_TOL, "{label}: lse error {lse_err:e}");
+    // Into a bf16 output (the bf16 forward's): the f32 output rounded once, value for value
+    // (from the kernel's epilogue, or the combine's with key splits), the same log-sum-exp.
+    let (mut gb, mut gl2) = (g.zeros_as(q.len(), DType::Bf16).unwrap(), g.zeros(m * heads).unwrap());
+    g.attention(&shape, &gq, &qpos, &gk, &gv, &kpos, &mut gb, &mut gl2).unwrap();
+    let rounded: Vec<u16> =
+        g.download(&go).unwrap().iter().map(|&x| flowprefill_kernels::backend::to_bf16(x)).collect();
+    let HostBuf::Bf16(got) = g.download_typed(&gb).unwrap() else { panic!("{label}: a bf16 buffer") };
+    let first = got.iter().zip(&rounded).position(|(a, b)| a != b);
+    assert!(first.is_none(), "{label}: bf16 output value {first:?} is not the f32 output rounded");
+    assert!(g.download(&gl2).unwrap() == g.download(&gl).unwrap(), "{label}: lse with a bf16 output");
     // The per-key mass of the first queries on tensor cores, against the CPU.
     let mp = m.min(32);
     let (qp, lp) = (&q[(m - mp) * heads * d..], &cl.to_f32()[(m - mp) * heads..]);

@@ -10,7 +10,7 @@ use crate::error::Result;
 use crate::kv::{KeyForm, KvCache};
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::rope::RopeTable;
-use flowprefill_kernels::Backend;
+use flowprefill_kernels::{Backend, DType};
 
 /// The tensors of one layer's tokens, as the forward computed them.
 pub struct LayerInput<'a, B: Backend> {
@@ -38,6 +38,13 @@ pub struct LayerInput<'a, B: Backend> {
 pub trait Attend<B: Backend> {
     /// Called once per layer, in layer order.
     fn attend(&mut self, input: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()>;
+    /// The element type of the `out` this step writes: f32 (the default: steps that merge
+    /// partial results into it), or the backend's activation type where the step writes it by
+    /// attention calls and [`attend_over`] alone (bf16 in a GPU's bf16 forward, which the
+    /// output projection then reads as it is, without a conversion pass).
+    fn out_dtype(&self, _backend: &B) -> DType {
+        DType::F32
+    }
 }
 
 /// Keys (rotated), values and positions of one source of context at one layer.
@@ -63,7 +70,9 @@ impl<'a, B: Backend> KvSource<'a, B> {
 }
 
 /// Attention of `q` (at `qpos`) over several sources, merged into `(out, lse)`. Empty sources
-/// are skipped; with no keys at all, `out = 0` and `lse = -inf`.
+/// are skipped; with no keys at all, `out = 0` and `lse = -inf`. `out` is f32 or bf16: a
+/// single source writes a bf16 `out` directly; several merge in f32 and are rounded once at
+/// the end.
 pub fn attend_over<B: Backend>(
     be: &B,
     shape: &AttnShape,
@@ -74,6 +83,13 @@ pub fn attend_over<B: Backend>(
     lse: &mut B::Buf,
 ) -> Result<()> {
     let m = qpos.len();
+    let dtype = be.dtype(out);
+    if dtype != DType::F32 && sources.iter().filter(|s| !s.pos.is_empty()).count() > 1 {
+        let mut wide = be.zeros(m * shape.q_dim())?;
+        attend_over(be, shape, q, qpos, sources, &mut wide, lse)?;
+        be.copy_columns(&wide, shape.q_dim(), 0, shape.q_dim(), out)?;
+        return Ok(());
+    }
     let mut first = true;
     let mut tmp: Option<(B::Buf, B::Buf)> = None;
     for s in sources.iter().filter(|s| !s.pos.is_empty()) {
@@ -90,7 +106,7 @@ pub fn attend_over<B: Backend>(
         }
     }
     if first {
-        *out = be.zeros(m * shape.q_dim())?;
+        *out = be.zeros_as(m * shape.q_dim(), dtype)?;
         *lse = be.upload(&vec![f32::NEG_INFINITY; m * shape.n_heads])?;
     }
     Ok(())
@@ -105,6 +121,9 @@ impl<B: Backend> Attend<B> for SelfOnly {
         let mut lse = x.backend.zeros(x.positions.len() * x.shape.n_heads)?;
         x.backend.attention(x.shape, x.q, x.positions, x.k, x.v, x.positions, out, &mut lse)?;
         Ok(())
+    }
+    fn out_dtype(&self, backend: &B) -> DType {
+        backend.act_dtype()
     }
 }
 
@@ -200,5 +219,8 @@ impl<B: Backend> Attend<B> for AppendAttend<'_, B> {
         sources.push(KvSource { k: &layer.k, v: &layer.v, pos: &self.all_positions });
         let mut lse = be.zeros(x.positions.len() * x.shape.n_heads)?;
         attend_over(be, x.shape, x.q, x.positions, &sources, out, &mut lse)
+    }
+    fn out_dtype(&self, backend: &B) -> DType {
+        backend.act_dtype()
     }
 }

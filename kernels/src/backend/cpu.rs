@@ -265,7 +265,9 @@ impl Backend for Cpu {
         same_dtype(op, k, v)?;
         let (k, v) = (widened(k), widened(v));
         let kv = KvRef { k: &k, v: &v, pos: kpos };
-        attention::attention(shape, &widened(q), qpos, kv, out.f32s_mut(op, "out")?, lse.f32s_mut(op, "lse")?)
+        let lse = lse.f32s_mut(op, "lse")?;
+        // A bf16 output is the f32 one rounded once, as on a GPU.
+        through_f32(out, |o| attention::attention(shape, &widened(q), qpos, kv, o, lse))
     }
     fn attention_scores(
         &self,

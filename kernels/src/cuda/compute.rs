@@ -116,7 +116,8 @@ impl CudaBackend {
     }
 
     /// [`Backend::attention`] on the device: tensor cores for bf16 K/V of head_dim 64 /
-    /// 128 (key splits when few blocks would fill the GPU), the FP32 kernel otherwise.
+    /// 128 (key splits when few blocks would fill the GPU), the FP32 kernel otherwise; either
+    /// writes an f32 or a bf16 `out` (rounded once, in its epilogue or the splits' combine).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_on_device(
         &self,
@@ -142,6 +143,7 @@ impl CudaBackend {
         check_same(op, "out", out.len, q.len)?;
         check_same(op, "lse", lse.len, qpos.len() * shape.n_heads)?;
         want(op, "v", v.dtype(), k.dtype())?;
+        want(op, "lse", lse.dtype(), DType::F32)?;
         if qpos.is_empty() {
             return Ok(());
         }
@@ -198,7 +200,7 @@ impl CudaBackend {
         }
         let in_place = k.dtype() == DType::Bf16
             && q.dtype() == DType::Bf16
-            && out.dtype() == DType::F32
+            && matches!(out.dtype(), DType::F32 | DType::Bf16)
             && lse.dtype() == DType::F32
             && shape.head_dim <= gpu::ATTENTION_MAX_DIM
             && ops::flash_supported(shape.head_dim);

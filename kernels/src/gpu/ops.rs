@@ -34,6 +34,17 @@ pub(crate) fn expect(op: &'static str, what: &str, p: Ptr, elem: Elem) -> Result
     }
 }
 
+/// An attention output as the attention kernels take it, `(out, out_b)`: an f32 output as the
+/// first with a null bf16 pointer, a bf16 output (the bf16 forward's, rounded once by the
+/// kernel) as the second with a null f32 pointer (`fp_st_out2` in `common.cuh`).
+pub(crate) fn out_pair(op: &'static str, out: Ptr) -> Result<(Ptr, Ptr)> {
+    match out.elem {
+        Elem::F32 => Ok((out, Ptr::new(0, Elem::Bf16))),
+        Elem::Bf16 => Ok((Ptr::new(0, Elem::F32), out)),
+        e => Err(dtype_err(op, format!("out holds {e:?} values; the attention writes f32 or bf16"))),
+    }
+}
+
 /// `out[r] = table[ids[r]]` for an f32 or bf16 table into f32 or bf16 activations.
 pub fn embedding(table: Ptr, ids: Ptr, out: Ptr, n: u32, cols: u32) -> Result<Call> {
     let op = "embedding";
@@ -319,7 +330,8 @@ impl AttnDims {
 }
 
 /// The simple attention kernel (FP32 cores, a warp per query row and head): f32 queries,
-/// f32 or bf16 keys and values, any head dimension up to [`super::ATTENTION_MAX_DIM`].
+/// f32 or bf16 keys and values, any head dimension up to [`super::ATTENTION_MAX_DIM`]; an f32
+/// or bf16 `out` ([`out_pair`]).
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     dims: AttnDims,
@@ -340,12 +352,13 @@ pub fn attention(
         Elem::Bf16 => "fp_attention_kvbf16",
         e => return Err(dtype_err(op, format!("keys of {e:?}"))),
     };
+    let (out, out_b) = out_pair(op, out)?;
     let d = dims;
     Ok(Call {
         kernel,
         launch: super::attention_launch(d.m, d.n_heads),
         args: with_dims(
-            &[ptr(q), ptr(qpos), ptr(k), ptr(v), ptr(kpos), ptr(out), ptr(lse)],
+            &[ptr(q), ptr(qpos), ptr(k), ptr(v), ptr(kpos), ptr(out), ptr(out_b), ptr(lse)],
             d,
             &[Arg::U32(d.head_dim), Arg::F32(scale)],
         ),
@@ -488,8 +501,8 @@ pub fn flash_partial_lens(dims: AttnDims, plan: &FlashPlan) -> (usize, usize) {
 }
 
 /// The tensor-core attention: bf16 `q [m, n_heads, d]`, `k`, `v [n, n_kv_heads, d]`, positions
-/// `qpos` and key metadata `kmeta` ([`key_meta`]); f32 `out [m, n_heads, d]` and natural-log
-/// `lse [m, n_heads]`. One launch, or with `plan.splits > 1` two: the splits into `partial`
+/// `qpos` and key metadata `kmeta` ([`key_meta`]); f32 or bf16 `out [m, n_heads, d]`
+/// ([`out_pair`]) and natural-log f32 `lse [m, n_heads]`. One launch, or with `plan.splits > 1` two: the splits into `partial`
 /// (buffers of [`flash_partial_lens`]), then [`attn_combine`] into `(out, lse)`.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention(
@@ -506,9 +519,10 @@ pub fn flash_attention(
     scale: f32,
 ) -> Result<Vec<Call>> {
     let op = "flash_attention";
-    for (what, p, e) in [("q", q, Elem::Bf16), ("k", k, Elem::Bf16), ("v", v, Elem::Bf16), ("out", out, Elem::F32)] {
+    for (what, p, e) in [("q", q, Elem::Bf16), ("k", k, Elem::Bf16), ("v", v, Elem::Bf16)] {
         expect(op, what, p, e)?;
     }
+    out_pair(op, out)?;
     if plan.kernel.is_hopper() {
         return Err(KernelError::Shape {
             op,
@@ -519,7 +533,7 @@ pub fn flash_attention(
         let d = dims.head_dim;
         return Err(KernelError::Shape { op, detail: format!("head_dim {d}: the kernel takes 64 or 128") });
     };
-    let (dst_out, dst_lse) = split_destinations(op, plan, (out, lse), partial)?;
+    let (dst_out, dst_out_b, dst_lse) = split_destinations(op, plan, (out, lse), partial)?;
     let (lo, hi) = tile_ranges(kmeta, dims.n);
     let d = dims;
     let call = Call {
@@ -530,7 +544,18 @@ pub fn flash_attention(
             shared_bytes: plan.kernel.shared_bytes(d.head_dim),
         },
         args: with_dims(
-            &[ptr(q), ptr(qpos), ptr(k), ptr(v), ptr(kmeta), ptr(lo), ptr(hi), ptr(dst_out), ptr(dst_lse)],
+            &[
+                ptr(q),
+                ptr(qpos),
+                ptr(k),
+                ptr(v),
+                ptr(kmeta),
+                ptr(lo),
+                ptr(hi),
+                ptr(dst_out),
+                ptr(dst_out_b),
+                ptr(dst_lse),
+            ],
             d,
             &[Arg::F32(scale * std::f32::consts::LOG2_E), Arg::U32(plan.tiles_per_split)],
         ),
@@ -538,24 +563,29 @@ pub fn flash_attention(
     then_combine(call, d, plan, (dst_out, dst_lse), (out, lse))
 }
 
-/// Where an attention launch by `plan` writes: `(out, lse)`, or with key splits the partial
-/// buffers (an error without them).
+/// Where an attention launch by `plan` writes: `(out, out_b, lse)` ([`out_pair`]), or with key
+/// splits the partial buffers (f32; an error without them).
 pub(crate) fn split_destinations(
     op: &'static str,
     plan: &FlashPlan,
     (out, lse): (Ptr, Ptr),
     partial: Option<(Ptr, Ptr)>,
-) -> Result<(Ptr, Ptr)> {
+) -> Result<(Ptr, Ptr, Ptr)> {
+    let (out, out_b) = out_pair(op, out)?;
     match (plan.splits > 1, partial) {
-        (false, _) => Ok((out, lse)),
-        (true, Some(p)) => Ok(p),
+        (false, _) => Ok((out, out_b, lse)),
+        (true, Some((po, pl))) => {
+            expect(op, "the partial output", po, Elem::F32)?;
+            Ok((po, Ptr::new(0, Elem::Bf16), pl))
+        }
         (true, None) => {
             Err(KernelError::Shape { op, detail: format!("{} key splits need partial buffers", plan.splits) })
         }
     }
 }
 
-/// `call`, then with key splits the combine of its partial results `dst` into `(out, lse)`.
+/// `call`, then with key splits the combine of its partial results (`dst`: the partial output
+/// and log-sum-exp) into `(out, lse)`.
 pub(crate) fn then_combine(
     call: Call,
     d: AttnDims,
@@ -577,8 +607,9 @@ pub(crate) fn tile_ranges(kmeta: Ptr, n: u32) -> (Ptr, Ptr) {
     (lo, Ptr::new(lo.addr + 4 * tiles, Elem::U32))
 }
 
-/// Merges `splits` partial results `[splits, rows, head_dim]` / `[splits, rows]` into
-/// `(out, lse)` by log-sum-exp (a split that saw no key has lse = -inf and adds nothing).
+/// Merges `splits` partial results `[splits, rows, head_dim]` / `[splits, rows]` (f32) into
+/// `(out, lse)` by log-sum-exp (a split that saw no key has lse = -inf and adds nothing); `out`
+/// f32 or bf16 ([`out_pair`]).
 pub fn attn_combine(
     part_out: Ptr,
     part_lse: Ptr,
@@ -589,6 +620,7 @@ pub fn attn_combine(
     splits: u32,
 ) -> Result<Call> {
     expect("attn_combine", "part_out", part_out, Elem::F32)?;
+    let (out, out_b) = out_pair("attn_combine", out)?;
     // A warp per row, 4 per block.
     Ok(Call {
         kernel: "fp_attn_combine",
@@ -597,6 +629,7 @@ pub fn attn_combine(
             ptr(part_out),
             ptr(part_lse),
             ptr(out),
+            ptr(out_b),
             ptr(lse),
             Arg::U32(rows),
             Arg::U32(head_dim),

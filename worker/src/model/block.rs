@@ -8,7 +8,7 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::rope::RopeTable;
-use flowprefill_kernels::Backend;
+use flowprefill_kernels::{Backend, DType};
 
 /// What every block of one forward shares.
 pub(super) struct Pass<'a, B: Backend> {
@@ -26,8 +26,10 @@ pub(super) struct Pass<'a, B: Backend> {
 
 /// One forward's activations, reused by every block. Activations are in the backend's type
 /// (bf16 on a GPU with bf16 weights): the residual stream, norms, projections, the SiLU gate.
-/// The attention output stays f32 (partial results merge in f32); K and V are in the cache's
-/// type (a bf16 cache: rounded once, here).
+/// The attention output is in the type its [`Attend`] writes ([`Attend::out_dtype`]): the
+/// backend's where attention calls write it (the output projection reads a bf16 one as it
+/// is), f32 where partial results merge into it; K and V are in the cache's type (a bf16
+/// cache: rounded once, here).
 pub(super) struct Acts<B: Backend> {
     /// The residual stream.
     pub x: B::Buf,
@@ -46,8 +48,9 @@ pub(super) struct Acts<B: Backend> {
 }
 
 impl<B: Backend> Acts<B> {
-    /// Buffers for `m` rows (the per-head norm scratch only when the model has those norms).
-    pub fn new(be: &B, c: &ModelConfig, m: usize, qk_norm: bool) -> Result<Self> {
+    /// Buffers for `m` rows (the per-head norm scratch only when the model has those norms), the
+    /// attention output of `att` elements.
+    pub fn new(be: &B, c: &ModelConfig, m: usize, qk_norm: bool, att: DType) -> Result<Self> {
         let (act, kv) = (be.act_dtype(), be.kv_dtype());
         let (d, qd, kvd, ffn) = (c.d_model, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let norm_rows = if qk_norm { m } else { 0 };
@@ -62,7 +65,7 @@ impl<B: Backend> Acts<B> {
             k: be.zeros_as(m * kvd, kv)?,
             k_pre: be.zeros_as(m * kvd, kv)?,
             v: be.zeros_as(m * kvd, kv)?,
-            att: be.zeros(m * qd)?,
+            att: be.zeros_as(m * qd, att)?,
             gu: be.zeros_as(m * 2 * ffn, act)?,
             gated: be.zeros_as(m * ffn, act)?,
         })

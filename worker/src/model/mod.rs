@@ -488,7 +488,7 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let mut laps = Laps::start(be, &self.profile)?;
         let qk_norm = self.layers.iter().any(|l| l.k_norm.is_some());
-        let mut acts = Acts::new(be, &self.cfg, m, qk_norm)?;
+        let mut acts = Acts::new(be, &self.cfg, m, qk_norm, attend.out_dtype(be))?;
         match (input, lora) {
             (Input::Tokens(tokens), _) => self.embed_into(tokens, &mut acts.x)?,
             (Input::Lookahead, Some(la)) => {

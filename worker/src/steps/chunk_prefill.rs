@@ -16,7 +16,7 @@ use crate::error::Result;
 use crate::interrupt::Check;
 use crate::kv::{KeyForm, KvCache, LayerKv};
 use crate::model::{Logits, Model};
-use flowprefill_kernels::Backend;
+use flowprefill_kernels::{Backend, DType};
 
 /// Default rows per batched chunk-prefill forward.
 pub const DEFAULT_BATCH_TOKENS: usize = 4096;
@@ -95,12 +95,15 @@ impl<B: Backend> Attend<B> for Batched<'_, '_, B> {
             if single {
                 attend_over(be, x.shape, q, pos, &sources, out, &mut lse)?;
             } else {
-                let mut o = be.zeros(n * qd)?;
+                let mut o = be.zeros_as(n * qd, be.dtype(out))?;
                 attend_over(be, x.shape, q, pos, &sources, &mut o, &mut lse)?;
                 be.copy_rows(&o, &local, out, &rows, qd)?;
             }
         }
         Ok(())
+    }
+    fn out_dtype(&self, backend: &B) -> DType {
+        backend.act_dtype()
     }
 }
 

@@ -98,7 +98,7 @@ pub fn hopper_attention(
     let op = "hopper_attention";
     expect(op, "maps", maps, Elem::U64)?;
     expect(op, "q", q, Elem::Bf16)?;
-    expect(op, "out", out, Elem::F32)?;
+    super::out_pair(op, out)?;
     let d = dims;
     let (Some(kernel), true) = (plan.kernel.kernel(d.head_dim), plan.kernel.is_hopper()) else {
         return Err(KernelError::Shape {
@@ -109,7 +109,7 @@ pub fn hopper_attention(
     if plan.tiles_per_split % (HOPPER_KEYS / shapes::META_KEYS) != 0 {
         return Err(KernelError::Shape { op, detail: format!("{plan:?}: splits not cut on the kernel's tiles") });
     }
-    let (dst_out, dst_lse) = split_destinations(op, plan, (out, lse), partial)?;
+    let (dst_out, dst_out_b, dst_lse) = split_destinations(op, plan, (out, lse), partial)?;
     let (lo, hi) = tile_ranges(kmeta, d.n);
     let call = Call {
         kernel,
@@ -119,7 +119,7 @@ pub fn hopper_attention(
             shared_bytes: plan.kernel.shared_bytes(d.head_dim),
         },
         args: with_dims(
-            &[ptr(maps), ptr(q), ptr(qpos), ptr(kmeta), ptr(lo), ptr(hi), ptr(dst_out), ptr(dst_lse)],
+            &[ptr(maps), ptr(q), ptr(qpos), ptr(kmeta), ptr(lo), ptr(hi), ptr(dst_out), ptr(dst_out_b), ptr(dst_lse)],
             d,
             &[Arg::F32(scale * std::f32::consts::LOG2_E), Arg::U32(plan.tiles_per_split)],
         ),

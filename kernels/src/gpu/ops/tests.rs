@@ -82,6 +82,41 @@ fn builders_refuse_the_wrong_element_types() {
     assert!(attention(d, f, u, b, f, u, f, f, 1.0).is_err(), "k and v of different types");
 }
 
+/// An attention output is f32 or bf16: the kernels take it as a pair of pointers, the other one
+/// null; with key splits the kernel writes the f32 partials and the combine the output.
+#[test]
+fn attention_outputs_are_f32_or_bf16() {
+    let (b, u) = (Ptr::new(0x100, Elem::Bf16), Ptr::new(0x200, Elem::U32));
+    let (f, out_b) = (Ptr::new(0x300, Elem::F32), Ptr::new(0x400, Elem::Bf16));
+    let part = (Ptr::new(0x500, Elem::F32), Ptr::new(0x600, Elem::F32));
+    let pair = |c: &Call, at: usize| match (&c.args[at], &c.args[at + 1]) {
+        (Arg::Ptr(o), Arg::Ptr(ob)) => (o.addr, ob.addr),
+        other => panic!("{}: {other:?}", c.kernel),
+    };
+    let d = dims(1, 1, 1, 1, 64);
+    for kernel in [FlashKernel::Reference, FlashKernel::Fa2(0)] {
+        let plan = flash_plan(d, kernel, 1, None);
+        let whole = flash_attention(d, &plan, b, u, b, b, u, out_b, f, None, 1.0).unwrap();
+        whole[0].check().unwrap();
+        assert_eq!(pair(&whole[0], 7), (0, 0x400), "{kernel:?}: bf16 out from the kernel");
+        assert_eq!(pair(&flash_attention(d, &plan, b, u, b, b, u, f, f, None, 1.0).unwrap()[0], 7), (0x300, 0));
+        assert!(flash_attention(d, &plan, b, u, b, b, u, u, f, None, 1.0).is_err(), "u32 out");
+        let dn = dims(1, 640, 1, 1, 64);
+        let split = flash_plan(dn, kernel, 132, None);
+        assert!(split.splits > 1);
+        let calls = flash_attention(dn, &split, b, u, b, b, u, out_b, f, Some(part), 1.0).unwrap();
+        calls.iter().for_each(|c| c.check().unwrap());
+        assert_eq!(pair(&calls[0], 7), (0x500, 0), "{kernel:?}: f32 partials");
+        assert_eq!(pair(&calls[1], 2), (0, 0x400), "{kernel:?}: bf16 out from the combine");
+        let bad = (Ptr::new(0x500, Elem::Bf16), part.1);
+        assert!(flash_attention(dn, &split, b, u, b, b, u, out_b, f, Some(bad), 1.0).is_err(), "bf16 partials");
+    }
+    let simple = attention(d, f, u, b, b, u, out_b, f, 1.0).unwrap();
+    simple.check().unwrap();
+    assert_eq!(pair(&simple, 5), (0, 0x400));
+    assert!(attention(d, f, u, b, b, u, u, f, 1.0).is_err(), "u32 out");
+}
+
 /// The launch shapes are written once, in `shapes.rs`: no `.cu` file defines one, the header
 /// defines every one the sources use, and every configuration's tile divides the metadata's.
 #[test]
