@@ -45,7 +45,7 @@ attention_bench() {
   else cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench -- "$@"; fi
 }
 attention_bench
-for k in hopper hopper:c1 hopper:c2 hopper:c3 hopper:c4 hopper:c5 hopper:c6; do FLOWPREFILL_FLASH_KERNEL=$k attention_bench; done
+for k in hopper hopper:c1 hopper:c2 hopper:c3 hopper:c4 hopper:c5 hopper:c6 hopper:c7; do FLOWPREFILL_FLASH_KERNEL=$k attention_bench; done
 # Decode at about 7K tokens of context, steps recorded once as a CUDA graph and replayed (the
 # default) against op by op, alternating, three calls each: ms per token over answers of 128
 # tokens (`bench decode` asks for a long answer; a short one gives too few replayed steps to

@@ -102,8 +102,9 @@ stage1)
       mark "attention bench: $k"
       kernel_env "$k" timeout 120 "$S/gpu-pack/cuda_attention_bench" 2>&1 | tee "$S/res/attention-${k/:/-}.txt"
     done
-    # The polynomial exp2 configurations and three consumers at d64 (new 2026-11-27), up to 8K.
-    for k in hopper:c4 hopper:c5 hopper:c6; do
+    # The polynomial exp2 configurations, three consumers at d64 and the persistent kernel (new
+    # 2026-11-27), up to 8K.
+    for k in hopper:c4 hopper:c5 hopper:c6 hopper:c7; do
       mark "attention bench: $k"
       kernel_env "$k" timeout 60 "$S/gpu-pack/cuda_attention_bench" --quick 2>&1 | tee "$S/res/attention-${k/:/-}.txt"
     done

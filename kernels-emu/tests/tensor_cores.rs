@@ -213,6 +213,43 @@ fn a_bf16_output_is_the_f32_output_rounded_once() {
     }
 }
 
+/// The persistent configuration (7: configuration 0's kernel walking work items, at most a block
+/// per SM) gives configuration 0's answers bit for bit when each block walks several items: the
+/// stages, their phases and the ping-pong's turns carry over from one item to the next, each
+/// consumer warpgroup reloads its query rows, items without a visible tile (a causal query tile
+/// against a later key split) send only their stage without a tile. The other tests run it
+/// with 132 SMs, where a block mostly has one item.
+#[test]
+fn the_persistent_kernel_walks_several_items_a_block() {
+    let mut r = rng(48);
+    // (m, n, heads, kv heads, head_dim, scattered positions, forced key splits)
+    for &(m, n, heads, kv, d, scattered, splits) in &[
+        (130, 300, 4, 1, 64, false, None),    // 5 query tiles of one head
+        (129, 129, 1, 1, 64, false, Some(3)), // causal: late splits of early tiles see nothing
+        (70, 150, 8, 2, 128, true, Some(2)),  // two heads, scattered positions, two splits
+    ] {
+        let c = case(&mut r, m, n, heads, kv, d, scattered);
+        let ((qb, _), (kb, _), (vb, _)) = (to_bf16(&c.q), to_bf16(&c.k), to_bf16(&c.v));
+        for sms in [1, 2, 3] {
+            let run = |kernel| {
+                let (mut o, mut l) = (vec![7f32; c.q.len()], vec![7f32; m * heads]);
+                let plan = emu::flash_attention(
+                    kernel, &c.shape, &qb, &c.qpos, &kb, &vb, &c.kpos, &mut o, &mut l, sms, splits,
+                );
+                (plan, o, l)
+            };
+            let (p0, o0, l0) = run(emu::FlashKernel::Hopper(0));
+            let (p7, o7, l7) = run(emu::FlashKernel::Hopper(7));
+            let label = format!("m={m} n={n} heads={heads}/{kv} d={d} {sms} SMs: {p7:?}");
+            assert_eq!((p7.q_tiles, p7.splits), (p0.q_tiles, p0.splits), "{label}");
+            let items = p7.q_tiles * kv as u32 * p7.splits;
+            assert_eq!(p7.blocks, items.min(sms), "{label}: at most a block per SM");
+            assert!(items > p7.blocks, "{label}: blocks with several items");
+            assert!(o7 == o0 && l7 == l0, "{label}: not configuration 0's answers");
+        }
+    }
+}
+
 #[test]
 fn flash_attention_keeps_large_scores_finite_and_exact() {
     // |q . k| * scale up to about 80: the online softmax must rescale, not overflow.

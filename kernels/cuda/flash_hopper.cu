@@ -25,14 +25,18 @@
 //     products run (FlashAttention-3's ping-pong); without it (and with one consumer) each
 //     warpgroup still issues S before the previous P V and overlaps its softmax with that P V.
 //     A stage is released when the P V that read it is retired.
+//   - with FP_FH_PERSISTENT, a block per SM at most (the host's grid) walks work items (a query
+//     tile of a KV head and key split), the longest first (the last query tiles of every head,
+//     then the earlier ones), every gridDim.x-th item; the producer goes on to the next item's
+//     tiles while the consumers finish this one's and write its output, and each consumer
+//     warpgroup loads its own query rows for the next item when it is done with them;
 //   - with FP_FH_POLY > 0, that many of each row's 16 score columns of 8 (spread over the tile)
 //     take their exp2 from fp_exp2_poly on the FMA and integer pipes, the rest from the
 //     special-function unit, whose 16 results a clock and SM are as many clocks as a d = 64
 //     tile's products (FlashAttention-4's split, here for Hopper's d = 64).
 // The output is f32, or bf16 where the caller gives `out_b` (the bf16 forward; never a key
 // split's partial result, which the combine merges in f32).
-// What it does not do yet (docs/gpu.md): two score buffers; key tiles other than 128; a
-// persistent grid.
+// What it does not do yet (docs/gpu.md): two score buffers; key tiles other than 128.
 //
 // Maps (16 u64 each, gpu::ops::hopper_attention_maps): [0] K, [1] V, each the 2-D tensor
 // (n_kv_heads * D elements a row, n rows) with boxes of 64 elements by FP_FH_KEYS rows.
@@ -45,8 +49,8 @@
 
 // The configuration (flowprefill_kernels::gpu::shapes::HOPPER_CONFIGS, written into the
 // launch-shape header): FP_FH_CONSUMERS_D64 (1 to 3) and FP_FH_CONSUMERS_D128 (1 or 2),
-// FP_FH_STAGES, FP_FH_PINGPONG (two consumers only), FP_FH_POLY (0 .. 16), FP_FH_KEYS,
-// FP_FH_THREADS_D64 and _D128 ((consumers + 1) x 128).
+// FP_FH_STAGES, FP_FH_PINGPONG (two consumers only), FP_FH_POLY (0 .. 16), FP_FH_PERSISTENT,
+// FP_FH_KEYS, FP_FH_THREADS_D64 and _D128 ((consumers + 1) x 128).
 static_assert(FP_FH_THREADS_D64 == (FP_FH_CONSUMERS_D64 + 1) * 128, "the consumers' and the producer's warpgroups");
 static_assert(FP_FH_THREADS_D128 == (FP_FH_CONSUMERS_D128 + 1) * 128, "the consumers' and the producer's warpgroups");
 
@@ -90,7 +94,7 @@ __device__ __forceinline__ bool fp_fh_poly_tile(u32 i) {
 
 // The configuration is in the template's arguments (not read from the macros inside), so that
 // each configuration is its own instantiation wherever several are built into one program.
-template <int D, u32 CONSUMERS, u32 STAGES, bool PINGPONG, u32 POLY>
+template <int D, u32 CONSUMERS, u32 STAGES, bool PINGPONG, u32 POLY, bool PERSISTENT>
 __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos,
                                                 const u32* ktile_lo, const u32* ktile_hi, float* out, bf16_t* out_b,
                                                 float* lse, u32 m, u32 n, u32 n_heads, u32 n_kv_heads,
@@ -123,30 +127,56 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     const u32 tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const u32 wg = warp / 4;  // warpgroup: 0 .. CONSUMERS - 1 consume, CONSUMERS produces
     const u32 group = n_heads / n_kv_heads;
-    const u32 kh = blockIdx.y;
     const u32 packed = m * group;
-    const u32 row0 = (gridDim.x - 1 - blockIdx.x) * ROWS;  // the last query tile first
     const u32 key_tiles = (n + KEYS - 1) / KEYS;
     const u32 meta_tiles = (n + FP_FA2_META_KEYS - 1) / FP_FA2_META_KEYS;
-    // Splits are cut in metadata tiles, a multiple of MT each (the host's plan).
-    const u32 t_begin = blockIdx.z * (tiles_per_split / MT);
-    const u32 t_end = min(key_tiles, t_begin + tiles_per_split / MT);
-    float* out_split = out + (u64)blockIdx.z * m * n_heads * D;
-    float* lse_split = lse + (u64)blockIdx.z * m * n_heads;
+    // The work items: one (the block's own) without PERSISTENT; with it, every query tile of
+    // every KV head and key split (the host's plan: ops::flash_plan), the block taking items
+    // blockIdx.x, + gridDim.x, ...
+    const u32 q_tiles = PERSISTENT ? max(1u, (packed + ROWS - 1) / ROWS) : gridDim.x;
+    const u32 splits = PERSISTENT ? max(1u, (meta_tiles + tiles_per_split - 1) / tiles_per_split) : gridDim.z;
+    const u32 items = PERSISTENT ? q_tiles * n_kv_heads * splits : 1;
+    const u32 first_item = PERSISTENT ? blockIdx.x : 0;
+    const u32 item_step = PERSISTENT ? gridDim.x : 1;
+    // Item i: query tile x (the last first: the longest under a causal mask), KV head kh, key
+    // split z; its first packed row and its key tiles [t_begin, t_end) (splits are cut in
+    // metadata tiles, a multiple of MT each: the host's plan).
+    struct Item {
+        u32 row0, kh, z, t_begin, t_end;
+    };
+    auto item_at = [&](u32 i) {
+        Item w;
+        const u32 x = PERSISTENT ? i / (n_kv_heads * splits) : blockIdx.x;
+        w.kh = PERSISTENT ? (i / splits) % n_kv_heads : blockIdx.y;
+        w.z = PERSISTENT ? i % splits : blockIdx.z;
+        w.row0 = (q_tiles - 1 - x) * ROWS;
+        w.t_begin = w.z * (tiles_per_split / MT);
+        w.t_end = min(key_tiles, w.t_begin + tiles_per_split / MT);
+        return w;
+    };
+    // Packed row pr of KV head kh: its element offset in q (and in out, per split).
+    auto row_offset = [&](u32 pr, u32 kh) { return ((u64)(pr / group) * n_heads + (u64)kh * group + pr % group) * D; };
+    // Rows [r0, r0 + rows) of the query tile of the item at row0, by cp.async into the
+    // swizzled layout of the maps' boxes (chunk j of row r of a box at chunk j ^ (r % 8)), by
+    // `threads` threads from thread t.
+    auto load_queries = [&](u32 row0, u32 kh, u32 r0, u32 rows, u32 t, u32 threads) {
+        for (u32 c = t; c < rows * (D / 8); c += threads) {
+            const u32 r = r0 + c / (D / 8), ch = c % (D / 8);
+            const u32 pr = row0 + r;
+            const bool ok = pr < packed;
+            const u32 dst = (ch / 8) * ROWS * 128 + r * 128 + (((ch % 8) ^ (r % 8)) * 16);
+            fp_cp_async16_s(q_s + dst, q + (ok ? row_offset(pr, kh) + ch * 8 : 0), ok ? 16u : 0u);
+        }
+        fp_cp_async_commit();
+    };
 
-    // The query tile, every thread, by cp.async into the swizzled layout of the maps' boxes:
-    // chunk j of row r of a box at chunk j ^ (r % 8).
-    for (u32 c = tid; c < ROWS * (D / 8); c += THREADS) {
-        const u32 r = c / (D / 8), ch = c % (D / 8);
-        const u32 pr = row0 + r;
-        const bool ok = pr < packed;
-        const u64 off = ok ? ((u64)(pr / group) * n_heads + (u64)kh * group + pr % group) * D + ch * 8 : 0;
-        const u32 dst = (ch / 8) * ROWS * 128 + r * 128 + (((ch % 8) ^ (r % 8)) * 16);
-        fp_cp_async16_s(q_s + dst, q + off, ok ? 16u : 0u);
-    }
-    fp_cp_async_commit();
-    if (warp == 0) {
-        fp_fa_query_range(q_range, qpos, row0, ROWS, packed, group, lane);
+    if (!PERSISTENT) {
+        // The block's query tile, every thread.
+        const Item w = item_at(0);
+        load_queries(w.row0, w.kh, 0, ROWS, tid, THREADS);
+        if (warp == 0) {
+            fp_fa_query_range(q_range, qpos, w.row0, ROWS, packed, group, lane);
+        }
     }
     if (tid == 0) {
         fp_tensormap_acquire(maps);
@@ -157,68 +187,71 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         }
         fp_mbar_init_fence();
     }
-    fp_cp_async_wait<0>();
-    fp_fence_proxy_async();  // the query tile, written by this proxy, is read by wgmma's
+    if (!PERSISTENT) {
+        fp_cp_async_wait<0>();
+        fp_fence_proxy_async();  // the query tile, written by this proxy, is read by wgmma's
+    }
     __syncthreads();
-    const u32 qlo = q_range[0], qhi = q_range[1];
 
     if (wg == CONSUMERS) {
-        // The producer: one thread walks the visible tiles and copies each into the next stage
-        // once the consumers have released it, with the stage's word; then a stage without a
-        // tile.
+        // The producer: one thread walks each item's visible tiles and copies each into the
+        // next stage once the consumers have released it, with the stage's word; then a stage
+        // without a tile. With PERSISTENT its warp first finds the item's query range.
         fp_setmaxnreg_dec<PRODUCER_REGS>();
-        if (tid == CONSUMERS * 128) {
-            const u32 whole = n / KEYS;  // tiles below it have every key below n
-            u32 it = 0;
-            for (u32 t = fp_fh_visible_from(t_begin, t_end, ktile_lo, meta_tiles, qhi); t < t_end;
-                 t = fp_fh_visible_from(t + 1, t_end, ktile_lo, meta_tiles, qhi), it++) {
-                const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
-                fp_mbar_wait(empty_bar + 8 * s, phase ^ 1u);  // the stage's previous use released
-                const bool full = fp_fh_bound<false>(ktile_hi, t, meta_tiles) <= qlo && t < whole;
-                fp_st_shared_u32(tile_word + 4 * s, full ? t | FP_FH_FULL_TILE : t);
-                fp_mbar_arrive_expect_tx(full_bar + 8 * s, 2 * KV_BYTES);
-                FP_UNROLL
-                for (u32 b = 0; b < BOXES; b++) {
-                    const int c0 = (int)(kh * D + 64 * b), c1 = (int)(t * KEYS);
-                    fp_tma_load_2d(k_s + s * KV_BYTES + b * KEYS * 128, maps, full_bar + 8 * s, c0, c1);
-                    fp_tma_load_2d(v_s + s * KV_BYTES + b * KEYS * 128, maps + 16, full_bar + 8 * s, c0, c1);
-                }
+        if (warp != 4 * CONSUMERS) {
+            return;
+        }
+        const u32 whole = n / KEYS;  // tiles below it have every key below n
+        u32 it = 0;                  // stages filled: the stage and its phase
+        for (u32 i = first_item; i < items; i += item_step) {
+            const Item w = item_at(i);
+            if (PERSISTENT) {
+                fp_fa_query_range(q_range, qpos, w.row0, ROWS, packed, group, lane);
             }
-            const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
-            fp_mbar_wait(empty_bar + 8 * s, phase ^ 1u);
-            fp_st_shared_u32(tile_word + 4 * s, FP_FH_NO_TILE);
-            fp_mbar_arrive(full_bar + 8 * s);
+            if (lane == 0) {
+                const u32 qlo = q_range[0], qhi = q_range[1];
+                for (u32 t = fp_fh_visible_from(w.t_begin, w.t_end, ktile_lo, meta_tiles, qhi); t < w.t_end;
+                     t = fp_fh_visible_from(t + 1, w.t_end, ktile_lo, meta_tiles, qhi), it++) {
+                    const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
+                    fp_mbar_wait(empty_bar + 8 * s, phase ^ 1u);  // the stage's previous use released
+                    const bool full = fp_fh_bound<false>(ktile_hi, t, meta_tiles) <= qlo && t < whole;
+                    fp_st_shared_u32(tile_word + 4 * s, full ? t | FP_FH_FULL_TILE : t);
+                    fp_mbar_arrive_expect_tx(full_bar + 8 * s, 2 * KV_BYTES);
+                    FP_UNROLL
+                    for (u32 b = 0; b < BOXES; b++) {
+                        const int c0 = (int)(w.kh * D + 64 * b), c1 = (int)(t * KEYS);
+                        fp_tma_load_2d(k_s + s * KV_BYTES + b * KEYS * 128, maps, full_bar + 8 * s, c0, c1);
+                        fp_tma_load_2d(v_s + s * KV_BYTES + b * KEYS * 128, maps + 16, full_bar + 8 * s, c0, c1);
+                    }
+                }
+                const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
+                fp_mbar_wait(empty_bar + 8 * s, phase ^ 1u);
+                fp_st_shared_u32(tile_word + 4 * s, FP_FH_NO_TILE);
+                fp_mbar_arrive(full_bar + 8 * s);
+                it++;
+            }
         }
         return;
     }
 
-    // A consumer warpgroup: 64 packed rows; this thread's rows lane_row and lane_row + 8.
+    // A consumer warpgroup: 64 packed rows of each item; this thread's rows lane_row and
+    // lane_row + 8.
     fp_setmaxnreg_inc<CONSUMER_REGS>();
     const u32 w4 = warp % 4, g = lane / 4, tq = lane % 4;
-    const u32 lane_row = row0 + wg * 64 + w4 * 16 + g;
-    u32 qp[2];
-    FP_UNROLL
-    for (int h = 0; h < 2; h++) {
-        const u32 pr = lane_row + 8 * h;
-        qp[h] = pr < packed ? qpos[pr / group] : 0u;
-    }
+    u32 qp[2];  // the positions of this thread's rows in the item
     const fp_sptr q_wg = q_s + wg * 64 * 128;  // this warpgroup's rows inside each Q box
     // The descriptors at the tiles' starts (stage 0); each product's is one add from these.
     const u64 dq0 = fp_desc_kmajor<128>(q_wg, ROWS, 0);
     const u64 dk0 = fp_desc_kmajor<128>(k_s, KEYS, 0);
     const u64 dv0 = fp_desc_mnmajor<128>(v_s, KEYS, 0, 0);
     float o[D / 2];
-    FP_UNROLL
-    for (int i = 0; i < (int)(D / 2); i++) {
-        o[i] = 0.0f;
-    }
-    float m_r[2] = {-FP_INF, -FP_INF}, l_r[2] = {0.0f, 0.0f};
+    float m_r[2], l_r[2];
     u32 pf[KEYS / 16][4];  // P of the previous tile, for its O += P V
     FP_UNROLL
     for (u32 i = 0; i < KEYS / 16; i++) {
         pf[i][0] = pf[i][1] = pf[i][2] = pf[i][3] = 0u;
     }
-    bool have_prev = false;
+    bool have_prev;
     u32 prev_stage = 0;
     // O += P V of the previous tile (its stage): P from registers, V [keys][d] transposed.
     auto issue_pv = [&]() {
@@ -351,54 +384,92 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     };
     const fp_bool<false> no;
     const fp_bool<true> yes;
-    // The producer sends at most this many tiles; the bound only matters where a stage
-    // without a tile never comes (a broken producer: the emulation reports its stalled wait
-    // and the loop ends here instead of stepping on forever).
-    const u32 most = t_end > t_begin ? t_end - t_begin : 0u;
-    u32 it = 0;  // tiles consumed: the stage and its phase
-    u32 word = next(it);
-    while (word != FP_FH_NO_TILE && it < most) {
-        if (word & FP_FH_FULL_TILE) {
-            do {
-                step(no, word & ~FP_FH_FULL_TILE, it % STAGES);
-                word = next(++it);
-            } while ((word & FP_FH_FULL_TILE) && it < most);
-        } else {
-            step(yes, word, it % STAGES);
-            word = next(++it);
+    u32 it = 0;  // stages consumed (every item's tiles and its stage without one): stage, phase
+    for (u32 i = first_item; i < items; i += item_step) {
+        const Item w = item_at(i);
+        const u32 lane_row = w.row0 + wg * 64 + w4 * 16 + g;
+        if (PERSISTENT) {
+            // This warpgroup's rows of the item's query tile, once all its warps are done with
+            // the last item's (their products read them from shared memory).
+            fp_named_sync(3 + wg, 128);
+            load_queries(w.row0, w.kh, wg * 64, 64, tid % 128, 128);
+            fp_cp_async_wait<0>();
+            fp_fence_proxy_async();
+            fp_named_sync(3 + wg, 128);
         }
-    }
-    if (have_prev) {
-        // The last tile's P V (no turn: the other warpgroup is done with the pipe or close).
-        fp_acc_fence(o);
-        fp_frag_fence(pf);
-        fp_wgmma_fence();
-        issue_pv();
-        fp_wgmma_commit();
-        fp_wgmma_wait<0>();
-        fp_acc_fence(o);
-        fp_frag_fence(pf);
-    }
-
-    FP_UNROLL
-    for (int h = 0; h < 2; h++) {
-        float l = l_r[h];
-        l += __shfl_xor_sync(FP_FULL_MASK, l, 1);
-        l += __shfl_xor_sync(FP_FULL_MASK, l, 2);
-        const u32 pr = lane_row + 8 * h;
-        if (pr >= packed) {
-            continue;
-        }
-        const u32 qi = pr / group;
-        const u64 row = (u64)qi * n_heads + (u64)kh * group + (pr - qi * group);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        const u64 dst = row * D + tq * 2;
         FP_UNROLL
-        for (u32 i = 0; i < DT; i++) {
-            fp_st_out2(out_split, out_b, dst + 8 * i, o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+        for (int h = 0; h < 2; h++) {
+            const u32 pr = lane_row + 8 * h;
+            qp[h] = pr < packed ? qpos[pr / group] : 0u;
+            m_r[h] = -FP_INF;
+            l_r[h] = 0.0f;
         }
-        if (tq == 0) {
-            lse_split[row] = l > 0.0f ? (m_r[h] * scale_log2 + log2f(l)) * FP_LN2 : -FP_INF;
+        FP_UNROLL
+        for (int k = 0; k < (int)(D / 2); k++) {
+            o[k] = 0.0f;
+        }
+        have_prev = false;
+        // The producer sends at most this many tiles; the bound only matters where a stage
+        // without a tile never comes (a broken producer: the emulation reports its stalled
+        // wait and the loop ends here instead of stepping on forever).
+        const u32 most = w.t_end > w.t_begin ? w.t_end - w.t_begin : 0u;
+        const u32 it0 = it;
+        u32 word = next(it);
+        while (word != FP_FH_NO_TILE && it - it0 < most) {
+            if (word & FP_FH_FULL_TILE) {
+                do {
+                    step(no, word & ~FP_FH_FULL_TILE, it % STAGES);
+                    word = next(++it);
+                } while ((word & FP_FH_FULL_TILE) && it - it0 < most);
+            } else {
+                step(yes, word, it % STAGES);
+                word = next(++it);
+            }
+        }
+        if (PERSISTENT) {
+            // The stage without a tile goes back to the producer for the next item's tiles.
+            if (word == FP_FH_NO_TILE && lane == 0) {
+                fp_mbar_arrive(empty_bar + 8 * (it % STAGES));
+            }
+            it++;
+        }
+        if (have_prev) {
+            // The last tile's P V (no turn: the other warpgroup is done with the pipe or close).
+            fp_acc_fence(o);
+            fp_frag_fence(pf);
+            fp_wgmma_fence();
+            issue_pv();
+            fp_wgmma_commit();
+            fp_wgmma_wait<0>();
+            fp_acc_fence(o);
+            fp_frag_fence(pf);
+            if (PERSISTENT && lane == 0) {
+                fp_mbar_arrive(empty_bar + 8 * prev_stage);  // its stage too
+            }
+        }
+
+        float* out_split = out + (u64)w.z * m * n_heads * D;
+        float* lse_split = lse + (u64)w.z * m * n_heads;
+        FP_UNROLL
+        for (int h = 0; h < 2; h++) {
+            float l = l_r[h];
+            l += __shfl_xor_sync(FP_FULL_MASK, l, 1);
+            l += __shfl_xor_sync(FP_FULL_MASK, l, 2);
+            const u32 pr = lane_row + 8 * h;
+            if (pr >= packed) {
+                continue;
+            }
+            const u32 qi = pr / group;
+            const u64 row = (u64)qi * n_heads + (u64)w.kh * group + (pr - qi * group);
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const u64 dst = row * D + tq * 2;
+            FP_UNROLL
+            for (u32 k = 0; k < DT; k++) {
+                fp_st_out2(out_split, out_b, dst + 8 * k, o[4 * k + 2 * h] * inv, o[4 * k + 2 * h + 1] * inv);
+            }
+            if (tq == 0) {
+                lse_split[row] = l > 0.0f ? (m_r[h] * scale_log2 + log2f(l)) * FP_LN2 : -FP_INF;
+            }
         }
     }
 }
@@ -407,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(FP_FH_THREADS_D64, 1)
     fp_flash_hopper_d64(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
                         const u32* ktile_hi, float* out, bf16_t* out_b, float* lse, u32 m, u32 n, u32 n_heads,
                         u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
-    fp_flash_hopper<64, FP_FH_CONSUMERS_D64, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY>(
+    fp_flash_hopper<64, FP_FH_CONSUMERS_D64, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY, FP_FH_PERSISTENT != 0>(
         maps, q, qpos, kpos, ktile_lo, ktile_hi, out, out_b, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }
 
@@ -415,6 +486,6 @@ extern "C" __global__ void __launch_bounds__(FP_FH_THREADS_D128, 1)
     fp_flash_hopper_d128(const u64* maps, const bf16_t* q, const u32* qpos, const u32* kpos, const u32* ktile_lo,
                          const u32* ktile_hi, float* out, bf16_t* out_b, float* lse, u32 m, u32 n, u32 n_heads,
                          u32 n_kv_heads, float scale_log2, u32 tiles_per_split) {
-    fp_flash_hopper<128, FP_FH_CONSUMERS_D128, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY>(
+    fp_flash_hopper<128, FP_FH_CONSUMERS_D128, FP_FH_STAGES, FP_FH_PINGPONG != 0, FP_FH_POLY, FP_FH_PERSISTENT != 0>(
         maps, q, qpos, kpos, ktile_lo, ktile_hi, out, out_b, lse, m, n, n_heads, n_kv_heads, scale_log2, tiles_per_split);
 }

@@ -440,6 +440,10 @@ pub struct FlashPlan {
     pub splits: u32,
     /// Key tiles (of [`FLASH_KEYS`], the metadata's tiles) per split.
     pub tiles_per_split: u32,
+    /// Blocks of the launch: a block per query tile, KV head and split (`q_tiles x n_kv_heads x
+    /// splits`), or for a persistent kernel ([`super::shapes::HopperShape::persistent`]) as many work
+    /// items but at most one block per SM, each walking every `blocks`-th item.
+    pub blocks: u32,
 }
 
 /// Splits keys over more blocks when `q_tiles x n_kv_heads` blocks would leave SMs idle:
@@ -473,7 +477,10 @@ pub fn flash_plan_aiming(
     let unit = if kernel.is_hopper() { HOPPER_KEYS / FLASH_KEYS } else { 1 };
     let tiles_per_split = key_tiles.div_ceil(wanted).max(1).next_multiple_of(unit);
     let splits = key_tiles.div_ceil(tiles_per_split).max(1);
-    FlashPlan { kernel, q_tiles, key_tiles, splits, tiles_per_split }
+    let items = q_tiles as u64 * dims.n_kv_heads.max(1) as u64 * splits as u64;
+    let persistent = kernel.hopper_shape().is_some_and(|h| h.persistent);
+    let blocks = if persistent { items.min(sm_count.max(1) as u64) } else { items };
+    FlashPlan { kernel, q_tiles, key_tiles, splits, tiles_per_split, blocks: blocks.min(u32::MAX as u64) as u32 }
 }
 
 /// The key metadata the tensor-core kernels read, in one buffer: positions `[n]`, then the

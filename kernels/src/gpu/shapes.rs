@@ -148,6 +148,10 @@ pub struct HopperShape {
     /// Of every 16 score columns of 8 keys, how many take their exp2 from a polynomial on the
     /// FMA pipe instead of the special-function unit (0 .. 16; `fp_exp2_poly`).
     pub poly: u32,
+    /// At most a block per SM, each walking work items (a query tile of a KV head and key
+    /// split, the longest first): the next item's copies overlap this one's last products and
+    /// its output, and no block waits to start behind another's epilogue.
+    pub persistent: bool,
 }
 
 impl HopperShape {
@@ -188,20 +192,22 @@ impl HopperShape {
 /// and its issue about 4.5 instructions; a polynomial exp2 costs about 8 more instructions, so
 /// the two balance near a fifth), and at d64 three consumer warpgroups (192-row blocks,
 /// FlashAttention-3's shape for d64: three consumer warps per SM sub-partition to hide each
-/// other's softmax, where two did 1.5x one on an H200; at d128 it is configuration 1's shape).
-/// Which wins is the autotuner's to say; the last three were not yet on a GPU.
-pub const HOPPER_CONFIGS: [HopperShape; 7] = [
-    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 0 },
-    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: false, poly: 0 },
-    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 2, pingpong: true, poly: 0 },
-    HopperShape { consumers_d64: 1, consumers_d128: 1, stages: 3, pingpong: false, poly: 0 },
-    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 4 },
-    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 2 },
-    HopperShape { consumers_d64: 3, consumers_d128: 2, stages: 3, pingpong: false, poly: 0 },
+/// other's softmax, where two did 1.5x one on an H200; at d128 it is configuration 1's shape),
+/// and the default as a persistent kernel (a block per SM at most, walking the work items).
+/// Which wins is the autotuner's to say; the last four were not yet on a GPU.
+pub const HOPPER_CONFIGS: [HopperShape; 8] = [
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 0, persistent: false },
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: false, poly: 0, persistent: false },
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 2, pingpong: true, poly: 0, persistent: false },
+    HopperShape { consumers_d64: 1, consumers_d128: 1, stages: 3, pingpong: false, poly: 0, persistent: false },
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 4, persistent: false },
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 2, persistent: false },
+    HopperShape { consumers_d64: 3, consumers_d128: 2, stages: 3, pingpong: false, poly: 0, persistent: false },
+    HopperShape { consumers_d64: 2, consumers_d128: 2, stages: 3, pingpong: true, poly: 0, persistent: true },
 ];
 
 /// `flash_hopper.cu`'s kernel names per configuration and head dimension (as [`FA2_KERNELS`]).
-pub const HOPPER_KERNELS: [[&str; 2]; 7] = [
+pub const HOPPER_KERNELS: [[&str; 2]; 8] = [
     ["fp_flash_hopper_d64", "fp_flash_hopper_d128"],
     ["fp_flash_hopper_d64_c1", "fp_flash_hopper_d128_c1"],
     ["fp_flash_hopper_d64_c2", "fp_flash_hopper_d128_c2"],
@@ -209,6 +215,7 @@ pub const HOPPER_KERNELS: [[&str; 2]; 7] = [
     ["fp_flash_hopper_d64_c4", "fp_flash_hopper_d128_c4"],
     ["fp_flash_hopper_d64_c5", "fp_flash_hopper_d128_c5"],
     ["fp_flash_hopper_d64_c6", "fp_flash_hopper_d128_c6"],
+    ["fp_flash_hopper_d64_c7", "fp_flash_hopper_d128_c7"],
 ];
 
 /// The Hopper kernel of configuration `config` at head dimension `d` (64 or 128).
@@ -266,6 +273,7 @@ pub fn header(config: usize) -> String {
     def("FP_FH_STAGES", hs.stages.to_string());
     def("FP_FH_PINGPONG", u32::from(hs.pingpong).to_string());
     def("FP_FH_POLY", hs.poly.to_string());
+    def("FP_FH_PERSISTENT", u32::from(hs.persistent).to_string());
     def("FP_FH_KEYS", HOPPER_KEYS.to_string());
     def("FP_FH_THREADS_D64", hs.threads(64).to_string());
     def("FP_FH_THREADS_D128", hs.threads(128).to_string());

@@ -271,12 +271,13 @@ pub fn describe_config(config: usize, d: u32) -> String {
     if let Some(h) = config.checked_sub(HOPPER_CONFIG as usize).and_then(|c| super::shapes::HOPPER_CONFIGS.get(c)) {
         return format!(
             "flash_hopper: {} consumer warpgroup(s) x 64 rows, {} keys a tile, {} stages, ping-pong {}, {}/16 of \
-             exp2 by polynomial, wgmma + TMA",
+             exp2 by polynomial, {}wgmma + TMA",
             h.consumers_at(d),
             super::shapes::HOPPER_KEYS,
             h.stages,
             if h.pingpong { "on" } else { "off" },
-            h.poly
+            h.poly,
+            if h.persistent { "persistent (a block per SM), " } else { "" }
         );
     }
     let Some(c) = super::shapes::FA2_CONFIGS.get(config) else { return "unknown".into() };

@@ -114,7 +114,12 @@ pub fn hopper_attention(
     let call = Call {
         kernel,
         launch: Launch {
-            grid: [plan.q_tiles, d.n_kv_heads, plan.splits],
+            // A persistent configuration's blocks walk the items (the kernel derives them).
+            grid: if plan.kernel.hopper_shape().is_some_and(|h| h.persistent) {
+                [plan.blocks, 1, 1]
+            } else {
+                [plan.q_tiles, d.n_kv_heads, plan.splits]
+            },
             block: [plan.kernel.threads(d.head_dim), 1, 1],
             shared_bytes: plan.kernel.shared_bytes(d.head_dim),
         },

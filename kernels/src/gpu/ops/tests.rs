@@ -170,7 +170,16 @@ fn the_hopper_kernel_is_planned_on_its_tiles_and_takes_tensor_maps() {
     // Q, 3 stages of K and V, the alignment, per stage two barriers and the producer's word.
     assert_eq!(calls[0].launch.shared_bytes, 128 * 128 * 2 + 2 * 3 * 128 * 128 * 2 + 1024 + 3 * 20);
     assert_eq!(calls[0].launch.grid, [plan.q_tiles, 2, plan.splits]);
+    assert_eq!(plan.blocks, plan.q_tiles * 2 * plan.splits);
     calls.iter().for_each(|c| c.check().unwrap_or_else(|e| panic!("{e}")));
+    // The persistent configuration: as many items, at most a block per SM, a one-dimensional grid.
+    for (sms, blocks) in [(132, 60), (7, 7)] {
+        let p7 = flash_plan(d, FlashKernel::Hopper(7), sms, Some(3));
+        assert_eq!((p7.q_tiles, p7.splits, p7.blocks), (plan.q_tiles, plan.splits, blocks), "{sms} SMs");
+        let calls = hopper_attention(d, &p7, maps, q, u, u, f, f, Some((f, f)), 1.0).unwrap();
+        assert_eq!((calls[0].kernel, calls[0].launch.grid), ("fp_flash_hopper_d128_c7", [blocks, 1, 1]));
+        calls.iter().for_each(|c| c.check().unwrap_or_else(|e| panic!("{e}")));
+    }
     let fa2 = flash_plan(d, FlashKernel::Fa2(0), 132, None);
     assert!(hopper_attention(d, &fa2, maps, q, u, u, f, f, None, 1.0).is_err(), "a flash2 plan");
     assert!(hopper_attention(d, &plan, u, q, u, u, f, f, Some((f, f)), 1.0).is_err(), "maps as u32");
