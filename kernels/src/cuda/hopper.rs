@@ -176,7 +176,8 @@ impl CudaBackend {
     /// plain product, the configuration loaded (the default is), then the attention on two
     /// small problems (grouped heads, causal positions, rows that see nothing, a partial last
     /// tile, key splits; 333 and 2048 keys) at head dimensions 64 and 128 against flash2 on
-    /// this GPU. `FLOWPREFILL_HOPPER_SELF_CHECK=fail` fails it on purpose (to see the fallback).
+    /// this GPU (a persistent configuration also planned for 3 SMs, its blocks walking several
+    /// work items). `FLOWPREFILL_HOPPER_SELF_CHECK=fail` fails it on purpose (to see the fallback).
     pub(super) fn hopper_self_check(&self, config: u8) -> Result<()> {
         let fail = |detail: String| Err(KernelError::Backend { backend: "cuda", detail });
         if std::env::var("FLOWPREFILL_HOPPER_SELF_CHECK").as_deref() == Ok("fail") {
@@ -225,11 +226,18 @@ impl CudaBackend {
         let (dq, dk, dv) = (up16(&q)?, up16(&k)?, up16(&v)?);
         let (dqp, dmeta) = (up32(&qpos)?, up32(&ops::key_meta(&kpos))?);
         let mut got = Vec::new();
-        for (kernel, splits) in [(FlashKernel::Fa2(0), None), (hopper, None), (hopper, Some(2))] {
+        // The persistent configuration also as if this GPU had 3 SMs: blocks of 3 to 11 items.
+        let few = hopper.hopper_shape().is_some_and(|h| h.persistent).then_some((hopper, None, 3));
+        let runs = [
+            (FlashKernel::Fa2(0), None, self.sm_count),
+            (hopper, None, self.sm_count),
+            (hopper, Some(2), self.sm_count),
+        ];
+        for (kernel, splits, sms) in runs.into_iter().chain(few) {
             let mut out = s.alloc_zeros::<f32>(m * heads * d).map_err(|e| err("alloc", e))?;
             let mut lse = s.alloc_zeros::<f32>(m * heads).map_err(|e| err("alloc", e))?;
             {
-                let plan = ops::flash_plan(dims, kernel, self.sm_count, splits);
+                let plan = ops::flash_plan(dims, kernel, sms, splits);
                 let (pq, _a) = dq.device_ptr(s);
                 let (pk, _b) = dk.device_ptr(s);
                 let (pv, _c) = dv.device_ptr(s);
@@ -243,10 +251,10 @@ impl CudaBackend {
             }
             let o = s.clone_dtoh(&out).map_err(|e| err("self-check download", e))?;
             let l = s.clone_dtoh(&lse).map_err(|e| err("self-check download", e))?;
-            got.push((kernel, splits, o, l));
+            got.push((kernel, splits, sms, o, l));
         }
-        let (_, _, want_o, want_l) = &got[0];
-        for (kernel, splits, o, l) in &got[1..] {
+        let (_, _, _, want_o, want_l) = &got[0];
+        for (kernel, splits, sms, o, l) in &got[1..] {
             // flash2's bf16 rounding of P against another order of the same sums: within the
             // tensor-core kernels' ceiling (4e-3 x max|V|, max|V| <= 1) twice over.
             // NaN is never within.
@@ -256,7 +264,9 @@ impl CudaBackend {
             let bad = |what: &str, i: usize, got: f32, want: f32| {
                 Err(KernelError::Backend {
                     backend: "cuda",
-                    detail: format!("{kernel:?} (splits {splits:?}) at d{d}: {what} {i} is {got}, flash2's {want}"),
+                    detail: format!(
+                        "{kernel:?} (splits {splits:?}, planned for {sms} SMs) at d{d}: {what} {i} is {got}, flash2's {want}"
+                    ),
                 })
             };
             if let Some(i) = bad_o {
