@@ -200,7 +200,6 @@ impl CudaBackend {
         }
         let in_place = k.dtype() == DType::Bf16
             && q.dtype() == DType::Bf16
-            && matches!(out.dtype(), DType::F32 | DType::Bf16)
             && lse.dtype() == DType::F32
             && shape.head_dim <= gpu::ATTENTION_MAX_DIM
             && ops::flash_supported(shape.head_dim);

@@ -227,7 +227,7 @@ impl CudaBackend {
         let (dqp, dmeta) = (up32(&qpos)?, up32(&ops::key_meta(&kpos))?);
         let mut got = Vec::new();
         // The persistent configuration also as if this GPU had 3 SMs: blocks of 3 to 11 items.
-        let few = hopper.hopper_shape().is_some_and(|h| h.persistent).then_some((hopper, None, 3));
+        let few = hopper.is_persistent().then_some((hopper, None, 3));
         let runs = [
             (FlashKernel::Fa2(0), None, self.sm_count),
             (hopper, None, self.sm_count),

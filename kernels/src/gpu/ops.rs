@@ -478,8 +478,7 @@ pub fn flash_plan_aiming(
     let tiles_per_split = key_tiles.div_ceil(wanted).max(1).next_multiple_of(unit);
     let splits = key_tiles.div_ceil(tiles_per_split).max(1);
     let items = q_tiles as u64 * dims.n_kv_heads.max(1) as u64 * splits as u64;
-    let persistent = kernel.hopper_shape().is_some_and(|h| h.persistent);
-    let blocks = if persistent { items.min(sm_count.max(1) as u64) } else { items };
+    let blocks = if kernel.is_persistent() { items.min(sm_count.max(1) as u64) } else { items };
     FlashPlan { kernel, q_tiles, key_tiles, splits, tiles_per_split, blocks: blocks.min(u32::MAX as u64) as u32 }
 }
 
@@ -509,8 +508,9 @@ pub fn flash_partial_lens(dims: AttnDims, plan: &FlashPlan) -> (usize, usize) {
 
 /// The tensor-core attention: bf16 `q [m, n_heads, d]`, `k`, `v [n, n_kv_heads, d]`, positions
 /// `qpos` and key metadata `kmeta` ([`key_meta`]); f32 or bf16 `out [m, n_heads, d]`
-/// ([`out_pair`]) and natural-log f32 `lse [m, n_heads]`. One launch, or with `plan.splits > 1` two: the splits into `partial`
-/// (buffers of [`flash_partial_lens`]), then [`attn_combine`] into `(out, lse)`.
+/// ([`out_pair`]) and natural-log f32 `lse [m, n_heads]`. One launch, or with `plan.splits > 1`
+/// two: the splits into `partial` (buffers of [`flash_partial_lens`]), then [`attn_combine`]
+/// into `(out, lse)`.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention(
     dims: AttnDims,
@@ -529,7 +529,6 @@ pub fn flash_attention(
     for (what, p, e) in [("q", q, Elem::Bf16), ("k", k, Elem::Bf16), ("v", v, Elem::Bf16)] {
         expect(op, what, p, e)?;
     }
-    out_pair(op, out)?;
     if plan.kernel.is_hopper() {
         return Err(KernelError::Shape {
             op,

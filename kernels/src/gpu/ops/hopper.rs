@@ -98,7 +98,6 @@ pub fn hopper_attention(
     let op = "hopper_attention";
     expect(op, "maps", maps, Elem::U64)?;
     expect(op, "q", q, Elem::Bf16)?;
-    super::out_pair(op, out)?;
     let d = dims;
     let (Some(kernel), true) = (plan.kernel.kernel(d.head_dim), plan.kernel.is_hopper()) else {
         return Err(KernelError::Shape {
@@ -115,7 +114,7 @@ pub fn hopper_attention(
         kernel,
         launch: Launch {
             // A persistent configuration's blocks walk the items (the kernel derives them).
-            grid: if plan.kernel.hopper_shape().is_some_and(|h| h.persistent) {
+            grid: if plan.kernel.is_persistent() {
                 [plan.blocks, 1, 1]
             } else {
                 [plan.q_tiles, d.n_kv_heads, plan.splits]

@@ -64,6 +64,15 @@ impl FlashKernel {
         matches!(self, FlashKernel::Hopper(_))
     }
 
+    /// Whether this is a persistent configuration of the Hopper kernel
+    /// ([`shapes::HopperShape::persistent`]: a one-dimensional grid of at most a block per SM).
+    pub const fn is_persistent(self) -> bool {
+        match self.hopper_shape() {
+            Some(h) => h.persistent,
+            None => false,
+        }
+    }
+
     /// flash2's shape at head dimension `d` (`None` for the reference).
     pub const fn fa2_shape(self, d: u32) -> Option<shapes::Fa2Shape> {
         match self {
