@@ -124,7 +124,11 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     const fp_sptr tile_word = empty_bar + 8 * STAGES;  // the producer's word per stage
     __shared__ u32 q_range[2];
 
-    const u32 tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const u32 tid = threadIdx.x, lane = tid % 32;
+    // The warp's index broadcast from its lane 0: the same value, which ptxas then knows to be
+    // the same in every lane, so what derives from it (the warpgroup's Q descriptors) lives in
+    // uniform registers instead of being moved into them before every product.
+    const u32 warp = __shfl_sync(FP_FULL_MASK, tid / 32, 0);
     const u32 wg = warp / 4;  // warpgroup: 0 .. CONSUMERS - 1 consume, CONSUMERS produces
     const u32 group = n_heads / n_kv_heads;
     const u32 packed = m * group;
@@ -143,6 +147,17 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     // metadata tiles, a multiple of MT each: the host's plan).
     struct Item {
         u32 row0, kh, z, t_begin, t_end;
+    };
+    // A stage of the ring and its phase, advanced one stage at a time without a division by
+    // STAGES (the stage and the phase of the n-th use are n % STAGES and (n / STAGES) & 1).
+    struct Ring {
+        u32 stage = 0, phase = 0;
+        __device__ __forceinline__ void advance() {
+            if (++stage == STAGES) {
+                stage = 0;
+                phase ^= 1u;
+            }
+        }
     };
     auto item_at = [&](u32 i) {
         Item w;
@@ -202,7 +217,7 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
             return;
         }
         const u32 whole = n / KEYS;  // tiles below it have every key below n
-        u32 it = 0;                  // stages filled: the stage and its phase
+        Ring ring;  // the next stage to fill
         for (u32 i = first_item; i < items; i += item_step) {
             const Item w = item_at(i);
             if (PERSISTENT) {
@@ -211,9 +226,9 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
             if (lane == 0) {
                 const u32 qlo = q_range[0], qhi = q_range[1];
                 for (u32 t = fp_fh_visible_from(w.t_begin, w.t_end, ktile_lo, meta_tiles, qhi); t < w.t_end;
-                     t = fp_fh_visible_from(t + 1, w.t_end, ktile_lo, meta_tiles, qhi), it++) {
-                    const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
-                    fp_mbar_wait(empty_bar + 8 * s, phase ^ 1u);  // the stage's previous use released
+                     t = fp_fh_visible_from(t + 1, w.t_end, ktile_lo, meta_tiles, qhi), ring.advance()) {
+                    const u32 s = ring.stage;
+                    fp_mbar_wait(empty_bar + 8 * s, ring.phase ^ 1u);  // the stage's previous use released
                     const bool full = fp_fh_bound<false>(ktile_hi, t, meta_tiles) <= qlo && t < whole;
                     fp_st_shared_u32(tile_word + 4 * s, full ? t | FP_FH_FULL_TILE : t);
                     fp_mbar_arrive_expect_tx(full_bar + 8 * s, 2 * KV_BYTES);
@@ -224,11 +239,11 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
                         fp_tma_load_2d(v_s + s * KV_BYTES + b * KEYS * 128, maps + 16, full_bar + 8 * s, c0, c1);
                     }
                 }
-                const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
-                fp_mbar_wait(empty_bar + 8 * s, phase ^ 1u);
+                const u32 s = ring.stage;
+                fp_mbar_wait(empty_bar + 8 * s, ring.phase ^ 1u);
                 fp_st_shared_u32(tile_word + 4 * s, FP_FH_NO_TILE);
                 fp_mbar_arrive(full_bar + 8 * s);
-                it++;
+                ring.advance();
             }
         }
         return;
@@ -251,13 +266,14 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     for (u32 i = 0; i < KEYS / 16; i++) {
         pf[i][0] = pf[i][1] = pf[i][2] = pf[i][3] = 0u;
     }
-    bool have_prev;
+    bool have_prev;  // a tile's P V is still to issue (its P in pf, its stage prev_stage)
     u32 prev_stage = 0;
     // O += P V of the previous tile (its stage): P from registers, V [keys][d] transposed.
     auto issue_pv = [&]() {
+        const u64 dv = fp_desc_add(dv0, prev_stage * KV_BYTES);  // the stage's, then one add each
         FP_UNROLL
         for (u32 kk = 0; kk < KEYS / 16; kk++) {
-            fp_fh_pv(o, pf[kk], fp_desc_add(dv0, prev_stage * KV_BYTES + fp_mnmajor_offset<128>(KEYS, 0, 16 * kk)));
+            fp_fh_pv(o, pf[kk], fp_desc_add(dv, fp_mnmajor_offset<128>(KEYS, 0, 16 * kk)));
         }
     };
     // The two consumer warpgroups take turns at the tensor pipe (named barriers 1 and 2): in
@@ -270,8 +286,14 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     }
     // Key tile t, in stage s (its copies waited for). MASKED (tiles that straddle a query's
     // position or n) is compiled apart from the full tiles' step, which has no per-element test.
-    auto step = [&](auto masked, u32 t, u32 s) {
+    // PREV (a previous tile's P V to issue: every tile of an item but its first) is a compile-
+    // time flag too: with the P V issued under a run-time test, ptxas closed the second group
+    // with an empty product on both paths (`HGMMA.64x8x16 RZ` after the P V's chain), a third
+    // group, so the wait for S below (at most one group pending) also waited for the P V, and a
+    // warpgroup's softmax no longer ran under its own P V.
+    auto step = [&](auto masked, auto prev, u32 t, u32 s) {
         constexpr bool MASKED = decltype(masked)::value;
+        constexpr bool PREV = decltype(prev)::value;
         float sc[KEYS / 2];
         if (PINGPONG) {
             fp_named_sync(my_turn, TURN_THREADS);
@@ -279,21 +301,21 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         fp_acc_fence(o);
         fp_frag_fence(pf);
         fp_wgmma_fence();
+        const u64 dk = fp_desc_add(dk0, s * KV_BYTES);
         FP_UNROLL
         for (u32 kk = 0; kk < D / 16; kk++) {
             fp_wgmma_ss_n128<0>(sc, fp_desc_add(dq0, fp_kmajor_offset<128>(ROWS, 16 * kk)),
-                                fp_desc_add(dk0, s * KV_BYTES + fp_kmajor_offset<128>(KEYS, 16 * kk)),
-                                kk > 0 ? 1u : 0u);
+                                fp_desc_add(dk, fp_kmajor_offset<128>(KEYS, 16 * kk)), kk > 0 ? 1u : 0u);
         }
         fp_wgmma_commit();
-        if (have_prev) {
+        if (PREV) {
             issue_pv();
+            fp_wgmma_commit();
         }
-        fp_wgmma_commit();
         if (PINGPONG) {
             fp_named_arrive(their_turn, TURN_THREADS);
         }
-        fp_wgmma_wait<1>();  // S (the older group); the previous P V may still run
+        fp_wgmma_wait<PREV ? 1 : 0>();  // S (the older group); the previous P V may still run
         fp_acc_fence(sc);
 
         if (MASKED) {
@@ -352,13 +374,16 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
             l_r[0] += sc[4 * i] + sc[4 * i + 1];
             l_r[1] += sc[4 * i + 2] + sc[4 * i + 3];
         }
-        fp_wgmma_wait<0>();  // the previous P V: its stage is free, O and P may change
-        fp_acc_fence(o);
-        fp_frag_fence(pf);
-        if (have_prev && lane == 0) {
-            fp_mbar_arrive(empty_bar + 8 * prev_stage);  // this warp is done with that stage
+        if (PREV) {
+            fp_wgmma_wait<0>();  // the previous P V: its stage is free, O and P may change
+            fp_acc_fence(o);
+            fp_frag_fence(pf);
+            if (lane == 0) {
+                fp_mbar_arrive(empty_bar + 8 * prev_stage);  // this warp is done with that stage
+            }
         }
-        if (rescale) {
+        // (An item's first tile finds O at zero: nothing to rescale.)
+        if (PREV && rescale) {
             FP_UNROLL
             for (u32 i = 0; i < DT; i++) {
                 o[4 * i] *= alpha[0];
@@ -377,14 +402,13 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
     };
     // The tiles the producer delivers, in order, until its stage without a tile; the steady
     // state is the inner loop over full tiles.
-    auto next = [&](u32 it) {
-        const u32 s = it % STAGES, phase = (it / STAGES) & 1u;
-        fp_mbar_wait(full_bar + 8 * s, phase);
-        return fp_ld_shared_u32(tile_word + 4 * s);
+    Ring ring;  // the next stage to consume (every item's tiles and its stage without one)
+    auto next = [&]() {
+        fp_mbar_wait(full_bar + 8 * ring.stage, ring.phase);
+        return fp_ld_shared_u32(tile_word + 4 * ring.stage);
     };
     const fp_bool<false> no;
     const fp_bool<true> yes;
-    u32 it = 0;  // stages consumed (every item's tiles and its stage without one): stage, phase
     for (u32 i = first_item; i < items; i += item_step) {
         const Item w = item_at(i);
         const u32 lane_row = w.row0 + wg * 64 + w4 * 16 + g;
@@ -413,25 +437,40 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         // without a tile never comes (a broken producer: the emulation reports its stalled
         // wait and the loop ends here instead of stepping on forever).
         const u32 most = w.t_end > w.t_begin ? w.t_end - w.t_begin : 0u;
-        const u32 it0 = it;
-        u32 word = next(it);
-        while (word != FP_FH_NO_TILE && it - it0 < most) {
+        u32 took = 0;  // the item's tiles stepped through
+        u32 word = next();
+        if (word != FP_FH_NO_TILE && most > 0) {
+            // The item's first tile: no P V before it.
+            if (word & FP_FH_FULL_TILE) {
+                step(no, no, word & ~FP_FH_FULL_TILE, ring.stage);
+            } else {
+                step(yes, no, word, ring.stage);
+            }
+            took++;
+            ring.advance();
+            word = next();
+        }
+        while (word != FP_FH_NO_TILE && took < most) {
             if (word & FP_FH_FULL_TILE) {
                 do {
-                    step(no, word & ~FP_FH_FULL_TILE, it % STAGES);
-                    word = next(++it);
-                } while ((word & FP_FH_FULL_TILE) && it - it0 < most);
+                    step(no, yes, word & ~FP_FH_FULL_TILE, ring.stage);
+                    took++;
+                    ring.advance();
+                    word = next();
+                } while ((word & FP_FH_FULL_TILE) && took < most);
             } else {
-                step(yes, word, it % STAGES);
-                word = next(++it);
+                step(yes, yes, word, ring.stage);
+                took++;
+                ring.advance();
+                word = next();
             }
         }
         if (PERSISTENT) {
             // The stage without a tile goes back to the producer for the next item's tiles.
             if (word == FP_FH_NO_TILE && lane == 0) {
-                fp_mbar_arrive(empty_bar + 8 * (it % STAGES));
+                fp_mbar_arrive(empty_bar + 8 * ring.stage);
             }
-            it++;
+            ring.advance();
         }
         if (have_prev) {
             // The last tile's P V (no turn: the other warpgroup is done with the pipe or close).

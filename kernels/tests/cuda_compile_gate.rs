@@ -156,6 +156,10 @@ fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
                 nvrtc::parse_report(&c.log).unwrap_or_else(|e| panic!("{} for {arch}: {e}\n{}", file.name, c.log));
             let functions = tool.as_ref().map(|t| {
                 let text = sass::disassemble(t, &c.cubin).unwrap_or_else(|e| panic!("{} for {arch}: {e}", file.name));
+                if let Some(dir) = std::env::var_os("FLOWPREFILL_SASS_DIR") {
+                    let path = PathBuf::from(dir).join(format!("{}-c{config}-{arch}.sass", file.name));
+                    std::fs::write(&path, &text).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+                }
                 sass::parse(&text).unwrap_or_else(|e| panic!("{} for {arch}: {e}", file.name))
             });
             for b in &kernels {

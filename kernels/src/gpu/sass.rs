@@ -33,7 +33,8 @@ pub enum SassBudget {
     },
     /// Hopper's warpgroup products: at least `hgmma` HGMMA in the function and no HMMA (no
     /// product fell back to `mma.sync`); with `in_loop`, a loop holding HGMMA must be found
-    /// (the attention's key loop), and is reported.
+    /// (the attention's key loop), and is reported, and must close no empty group (an HGMMA
+    /// into RZ: [`Mix::hgmma_empty`]).
     Wgmma {
         /// HGMMA in the function, at least.
         hgmma: u32,
@@ -62,6 +63,8 @@ pub struct Instr {
     pub opcode: String,
     /// The branch target label, for branches.
     pub target: Option<String>,
+    /// The operands as written (`R24, gdesc[UR20], R24, gsb0`).
+    pub operands: String,
 }
 
 impl Instr {
@@ -108,7 +111,8 @@ pub fn parse(text: &str) -> Result<Vec<Function>, SassError> {
                 return Err(SassError::Parse(format!("line {}: `{t}`: no opcode", no + 1)));
             }
             let target = body.split_once("`(").and_then(|(_, r)| r.split_once(')')).map(|(l, _)| l.to_string());
-            f.instrs.push(Instr { addr, opcode: op.to_string(), target });
+            let operands = body.split_once(op).map_or("", |(_, r)| r.trim()).to_string();
+            f.instrs.push(Instr { addr, opcode: op.to_string(), target, operands });
         } else if let Some(label) = t.strip_suffix(':') {
             if !label.is_empty() && !label.contains(char::is_whitespace) && label != f.name {
                 f.labels.insert(label.to_string(), f.instrs.len());
@@ -146,6 +150,10 @@ pub struct Mix {
     /// Special-function unit instructions (MUFU: the softmax's exp2, reciprocals), 16 results
     /// a clock and SM on sm_80 and sm_90 against the FMA pipe's 128.
     pub mufu: u32,
+    /// Warpgroup products into RZ (`HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ, !UPT, gsb0`): what
+    /// ptxas issues for a `wgmma.commit_group` that closes no product, an empty group, which a
+    /// `wgmma.wait_group` then counts like any other.
+    pub hgmma_empty: u32,
 }
 
 impl Mix {
@@ -155,7 +163,12 @@ impl Mix {
             m.instrs += 1;
             match i.base() {
                 "HMMA" => m.hmma += 1,
-                "HGMMA" => m.hgmma += 1,
+                "HGMMA" => {
+                    m.hgmma += 1;
+                    if i.operands.starts_with("RZ,") {
+                        m.hgmma_empty += 1;
+                    }
+                }
                 "LDSM" => m.ldsm += 1,
                 "LDGSTS" => m.ldgsts += 1,
                 "BAR" => m.bar += 1,
@@ -304,6 +317,16 @@ impl Row {
             if self.total.hmma > 0 {
                 out.push(format!("{}: {} HMMA (a product fell back to mma.sync)", self.kernel, self.total.hmma));
             }
+            if let Some((l, _)) = &self.wgmma_loop {
+                if l.mix.hgmma_empty > 0 {
+                    out.push(format!(
+                        "{}: {} empty warpgroup product group(s) in the key loop (HGMMA into RZ: a commit_group \
+                         with no product since the last one, typically a product issued under a run-time test); \
+                         a wait_group then also waits for the group before it",
+                        self.kernel, l.mix.hgmma_empty
+                    ));
+                }
+            }
         }
         if let (SassBudget::Loop { max_per_hmma, min_hmma_per_ldsm }, Some((l, _))) = (budget, &self.steady) {
             if l.mix.per_hmma() > max_per_hmma {
@@ -431,6 +454,32 @@ k:
         .unwrap();
         let m = Mix::of(&f[0].instrs);
         assert_eq!((m.instrs, m.mufu), (3, 2));
+    }
+
+    /// A key loop whose second group may be empty (its products under a run-time test) holds the
+    /// placeholder product ptxas closes it with; the gate names it.
+    #[test]
+    fn an_empty_warpgroup_group_in_the_key_loop_breaks_the_gate() {
+        let text = |placeholder: &str| {
+            format!(
+                ".text.k:\n.L_x_0:\n /*0000*/ WARPGROUP.ARRIVE ;\n\
+                 /*0010*/ HGMMA.64x128x16.F32.BF16 R24, gdesc[UR20], RZ, !UPT, gsb0 ;\n\
+                 /*0020*/ @!P1 BRA `(.L_x_1) ;\n\
+                 /*0030*/ HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR8].tnspB, R88, gsb0 ;\n\
+                 .L_x_1:\n{placeholder}\
+                 /*0050*/ WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\n\
+                 /*0060*/ @P0 BRA `(.L_x_0) ;\n /*0070*/ EXIT ;\n"
+            )
+        };
+        let budget = SassBudget::Wgmma { hgmma: 2, in_loop: true };
+        let bad = parse(&text(" /*0040*/ HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ, !UPT, gsb0 ;\n")).unwrap();
+        let row = Row::of(&bad, "k", budget).unwrap();
+        let (l, _) = row.wgmma_loop.unwrap();
+        assert_eq!((l.mix.hgmma, l.mix.hgmma_empty), (3, 1));
+        let broken = row.check(budget);
+        assert!(broken.len() == 1 && broken[0].contains("1 empty warpgroup product group"), "{broken:?}");
+        let good = parse(&text("")).unwrap();
+        assert!(Row::of(&good, "k", budget).unwrap().check(budget).is_empty());
     }
 
     #[test]
