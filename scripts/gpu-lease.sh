@@ -108,6 +108,20 @@ stage1)
       mark "attention bench: $k"
       kernel_env "$k" timeout 60 "$S/gpu-pack/cuda_attention_bench" --quick 2>&1 | tee "$S/res/attention-${k/:/-}.txt"
     done
+    # A/B against the kernel sources packed from an earlier commit (gpu-pack/ab, GPU_PACK_AB of
+    # scripts/gpu-pack.sh), the Hopper kernel fixed, alternating, up to 8K.
+    if [ -d "$S/gpu-pack/ab" ]; then
+      for r in 1 2 3; do
+        for v in before after; do
+          mark "attention A/B: $v, round $r"
+          src=""
+          [ "$v" = before ] && src="$S/gpu-pack/ab"
+          FLOWPREFILL_CUDA_SOURCES="$src" FLOWPREFILL_FLASH_KERNEL=hopper timeout 60 \
+            "$S/gpu-pack/cuda_attention_bench" --quick > "$S/res/ab-$v-$r.txt" 2>&1
+          grep -E "built with|8192|4096" "$S/res/ab-$v-$r.txt" | head -n 8
+        done
+      done
+    fi
     mark "pytorch sdpa"
     timeout 120 python3 scripts/sdpa_baseline.py 2>&1 | tee "$S/res/sdpa.txt"
     mark "pytorch baseline"

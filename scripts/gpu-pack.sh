@@ -35,6 +35,18 @@ strip -o "$out/cuda_attention_bench" target/release/examples/cuda_attention_benc
     echo "test $name"
   done <<< "$tests"
 } > "$out/manifest"
+# The kernel sources of an earlier commit, for an A/B on the device without a rebuild
+# (FLOWPREFILL_CUDA_SOURCES=gpu-pack/ab: the GPU backend compiles those instead of its own):
+# GPU_PACK_AB=<commit>, by default the commit before the Hopper key loop's change of 2026-11-27.
+ab="${GPU_PACK_AB-4095cc1}"
+rm -rf "$out/ab"
+if [ -n "$ab" ]; then
+  mkdir -p "$out/ab"
+  for f in $(git ls-tree --name-only "$ab" kernels/cuda/); do
+    case "$f" in *.cu | *.cuh) git show "$ab:$f" > "$out/ab/$(basename "$f")" ;; esac
+  done
+  echo "ab: kernel sources of $(git rev-parse --short "$ab") in $out/ab" >&2
+fi
 model=$(./target/release/flowprefill fetch-model | tail -n1)
 mkdir -p "$out/home/models"
 cp "$model" "$out/home/models/"

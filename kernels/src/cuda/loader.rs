@@ -45,7 +45,18 @@ pub(super) fn load_file(
     budgets: &[gpu::Budget],
 ) -> Result<Vec<(&'static str, CudaFunction, Occupancy)>> {
     use cudarc::driver::sys::CUfunction_attribute_enum as A;
-    let cubin = nvrtc::cached(file.name, &gpu::program_in(file, config), arch)?;
+    let (program, replaced) = gpu::device_program(file, config)?;
+    if !replaced.is_empty() {
+        eprintln!(
+            "flowprefill: cuda:{}: {} (configuration {config}) built with {} from {}={} instead of the built-in source",
+            ctx.ordinal(),
+            file.name,
+            replaced.join(", "),
+            gpu::SOURCES_ENV,
+            std::env::var(gpu::SOURCES_ENV).unwrap_or_default()
+        );
+    }
+    let cubin = nvrtc::cached(file.name, &program, arch)?;
     let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| err(file.name, e))?;
     let mut out = Vec::with_capacity(budgets.len());
     for k in budgets {
