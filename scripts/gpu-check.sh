@@ -46,6 +46,17 @@ attention_bench() {
 }
 attention_bench
 for k in hopper hopper:c1 hopper:c2 hopper:c3 hopper:c4 hopper:c5 hopper:c6 hopper:c7; do FLOWPREFILL_FLASH_KERNEL=$k attention_bench; done
+# The Hopper kernel from the kernel sources of an earlier commit (gpu-pack/ab, packed by
+# scripts/gpu-pack.sh) against the current one, alternating: a kernel change timed in one run.
+if [ -n "$PACK_TESTS" ] && [ -d "$pack/ab" ]; then
+  ab_dir="$(cd "$pack/ab" && pwd)"
+  for r in 1 2 3; do
+    echo "A/B round $r: before ($ab_dir)"
+    FLOWPREFILL_CUDA_SOURCES="$ab_dir" FLOWPREFILL_FLASH_KERNEL=hopper attention_bench --quick
+    echo "A/B round $r: after"
+    FLOWPREFILL_FLASH_KERNEL=hopper attention_bench --quick
+  done
+fi
 # Decode at about 7K tokens of context, steps recorded once as a CUDA graph and replayed (the
 # default) against op by op, alternating, three calls each: ms per token over answers of 128
 # tokens (`bench decode` asks for a long answer; a short one gives too few replayed steps to
