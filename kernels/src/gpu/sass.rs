@@ -33,8 +33,9 @@ pub enum SassBudget {
     },
     /// Hopper's warpgroup products: at least `hgmma` HGMMA in the function and no HMMA (no
     /// product fell back to `mma.sync`); with `in_loop`, a loop holding HGMMA must be found
-    /// (the attention's key loop), and is reported, and must close no empty group (an HGMMA
-    /// into RZ: [`Mix::hgmma_empty`]).
+    /// (the attention's key loop), and is reported; it must close no empty group (an HGMMA
+    /// into RZ: [`Mix::hgmma_empty`]) and must hold a wait that leaves one group in flight
+    /// ([`Mix::hgmma_wait_one`]: the softmax under the P V).
     Wgmma {
         /// HGMMA in the function, at least.
         hgmma: u32,
@@ -154,6 +155,9 @@ pub struct Mix {
     /// ptxas issues for a `wgmma.commit_group` that closes no product, an empty group, which a
     /// `wgmma.wait_group` then counts like any other.
     pub hgmma_empty: u32,
+    /// Waits for warpgroup products that leave one group in flight (`WARPGROUP.DEPBAR.LE gsb0,
+    /// 0x1`: `wgmma.wait_group 1`), what lets a warpgroup's softmax run under its own P V.
+    pub hgmma_wait_one: u32,
 }
 
 impl Mix {
@@ -175,6 +179,11 @@ impl Mix {
                 b if is_branch(b) => m.branches += 1,
                 "LDL" | "STL" => m.local += 1,
                 "MUFU" => m.mufu += 1,
+                "WARPGROUP"
+                    if i.opcode.starts_with("WARPGROUP.DEPBAR") && i.operands.replace(' ', "") == "gsb0,0x1" =>
+                {
+                    m.hgmma_wait_one += 1
+                }
                 _ => {}
             }
         }
@@ -310,7 +319,7 @@ impl Row {
         if self.total.local > 0 {
             out.push(format!("{}: {} local-memory instructions (LDL/STL)", self.kernel, self.total.local));
         }
-        if let SassBudget::Wgmma { hgmma, .. } = budget {
+        if let SassBudget::Wgmma { hgmma, in_loop } = budget {
             if self.total.hgmma < hgmma {
                 out.push(format!("{}: {} HGMMA, at least {hgmma} expected", self.kernel, self.total.hgmma));
             }
@@ -318,6 +327,13 @@ impl Row {
                 out.push(format!("{}: {} HMMA (a product fell back to mma.sync)", self.kernel, self.total.hmma));
             }
             if let Some((l, _)) = &self.wgmma_loop {
+                if in_loop && l.mix.hgmma_wait_one == 0 {
+                    out.push(format!(
+                        "{}: no wait in the key loop that leaves a product group in flight (WARPGROUP.DEPBAR.LE \
+                         gsb0, 0x1, wgmma.wait_group 1): the softmax cannot run under the P V",
+                        self.kernel
+                    ));
+                }
                 if l.mix.hgmma_empty > 0 {
                     out.push(format!(
                         "{}: {} empty warpgroup product group(s) in the key loop (HGMMA into RZ: a commit_group \
@@ -457,9 +473,10 @@ k:
     }
 
     /// A key loop whose second group may be empty (its products under a run-time test) holds the
-    /// placeholder product ptxas closes it with; the gate names it.
+    /// placeholder product ptxas closes it with, and one that waits for every group lets no
+    /// softmax run under a P V; the gate names each.
     #[test]
-    fn an_empty_warpgroup_group_in_the_key_loop_breaks_the_gate() {
+    fn a_key_loop_must_keep_its_p_v_in_flight_and_close_no_empty_group() {
         let text = |placeholder: &str| {
             format!(
                 ".text.k:\n.L_x_0:\n /*0000*/ WARPGROUP.ARRIVE ;\n\
@@ -480,6 +497,10 @@ k:
         assert!(broken.len() == 1 && broken[0].contains("1 empty warpgroup product group"), "{broken:?}");
         let good = parse(&text("")).unwrap();
         assert!(Row::of(&good, "k", budget).unwrap().check(budget).is_empty());
+        // A loop that waits for every group: no overlap of the softmax with the P V.
+        let serial = parse(&text("").replace("gsb0, 0x1", "gsb0, 0x0")).unwrap();
+        let broken = Row::of(&serial, "k", budget).unwrap().check(budget);
+        assert!(broken.len() == 1 && broken[0].contains("no wait in the key loop"), "{broken:?}");
     }
 
     #[test]
