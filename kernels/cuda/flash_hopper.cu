@@ -413,10 +413,12 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         const Item w = item_at(i);
         const u32 lane_row = w.row0 + wg * 64 + w4 * 16 + g;
         if (PERSISTENT) {
-            // This warpgroup's rows of the item's query tile, once all its warps are done with
-            // the last item's (their products read them from shared memory).
-            fp_named_sync(3 + wg, 128);
-            load_queries(w.row0, w.kh, wg * 64, 64, tid % 128, 128);
+            // This warpgroup's rows of the item's query tile: the block's first item loads them
+            // here; every later one's were started under the last item's final P V and output
+            // (below). All four warps wait for their copies, then see each other's.
+            if (i == first_item) {
+                load_queries(w.row0, w.kh, wg * 64, 64, tid % 128, 128);
+            }
             fp_cp_async_wait<0>();
             fp_fence_proxy_async();
             fp_named_sync(3 + wg, 128);
@@ -471,6 +473,14 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
                 fp_mbar_arrive(empty_bar + 8 * ring.stage);
             }
             ring.advance();
+            // The next item's query rows, copied while this item's last P V and output run: the
+            // products that read the rows (S) are retired by each warp in its last step, so once
+            // all four warps are past their loops nothing reads them any more.
+            if (i + item_step < items) {
+                fp_named_sync(3 + wg, 128);
+                const Item nw = item_at(i + item_step);
+                load_queries(nw.row0, nw.kh, wg * 64, 64, tid % 128, 128);
+            }
         }
         if (have_prev) {
             // The last tile's P V (no turn: the other warpgroup is done with the pipe or close).
