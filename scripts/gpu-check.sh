@@ -50,12 +50,15 @@ for k in hopper hopper:c1 hopper:c2 hopper:c3 hopper:c4 hopper:c5 hopper:c6 hopp
 # scripts/gpu-pack.sh) against the current one, alternating: a kernel change timed in one run.
 if [ -n "$PACK_TESTS" ] && [ -d "$pack/ab" ]; then
   ab_dir="$(cd "$pack/ab" && pwd)"
+  ab_out=$(mktemp -d)
   for r in 1 2 3; do
     echo "A/B round $r: before ($ab_dir)"
-    FLOWPREFILL_CUDA_SOURCES="$ab_dir" FLOWPREFILL_FLASH_KERNEL=hopper attention_bench --quick
+    FLOWPREFILL_CUDA_SOURCES="$ab_dir" FLOWPREFILL_FLASH_KERNEL=hopper attention_bench --quick 2>&1 | tee "$ab_out/ab-before-$r.txt"
     echo "A/B round $r: after"
-    FLOWPREFILL_FLASH_KERNEL=hopper attention_bench --quick
+    FLOWPREFILL_FLASH_KERNEL=hopper attention_bench --quick 2>&1 | tee "$ab_out/ab-after-$r.txt"
   done
+  python3 scripts/ab-summary.py "$ab_out"/ab-*.txt
+  rm -rf "$ab_out"
 fi
 # Decode at about 7K tokens of context, steps recorded once as a CUDA graph and replayed (the
 # default) against op by op, alternating, three calls each: ms per token over answers of 128

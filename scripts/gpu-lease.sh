@@ -122,25 +122,7 @@ stage1)
         done
       done
       # Per prefill shape: the median over the rounds of each side's device TF/s, and their ratio.
-      python3 - "$S"/res/ab-*.txt <<'PY'
-import re, statistics, sys
-tf = {}
-for path in sys.argv[1:]:
-    side = "before" if "/ab-before-" in path else "after"
-    prefill = False
-    for line in open(path):
-        if line.startswith("prefill"):
-            prefill = True
-        elif line.startswith("decode"):
-            prefill = False
-        f = line.split()
-        if prefill and len(f) >= 7 and f[0].isdigit() and "/" in f[1]:
-            tf.setdefault((int(f[0]), f[1], int(f[2])), {}).setdefault(side, []).append(float(f[6]))
-print("A/B (median device TF/s over the rounds)\n     n     heads    d    before     after   after/before")
-for k in sorted(tf, key=lambda k: (k[2], k[0])):
-    b, a = (statistics.median(tf[k].get(s, [float("nan")])) for s in ("before", "after"))
-    print(f"{k[0]:>6} {k[1]:>9} {k[2]:>4} {b:>9.1f} {a:>9.1f} {a / b:>13.3f}x")
-PY
+      python3 scripts/ab-summary.py "$S"/res/ab-*.txt
     fi
     mark "pytorch sdpa"
     timeout 120 python3 scripts/sdpa_baseline.py 2>&1 | tee "$S/res/sdpa.txt"
