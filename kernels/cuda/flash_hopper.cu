@@ -89,7 +89,12 @@ __device__ __forceinline__ void fp_fh_pv(float (&o)[32], const u32 (&p)[4], u64 
 // 16, spread evenly (i x POLY mod 16 below POLY), so both pipes have work all along the row.
 template <u32 POLY>
 __device__ __forceinline__ bool fp_fh_poly_tile(u32 i) {
-    return (i * POLY) % 16 < POLY;
+    // (POLY = 0: none, without the comparison of an unsigned with zero NVRTC warns about.)
+    if constexpr (POLY == 0) {
+        return false;
+    } else {
+        return (i * POLY) % 16 < POLY;
+    }
 }
 
 // The configuration is in the template's arguments (not read from the macros inside), so that

@@ -2,7 +2,8 @@
 //! sm_90a (H100) with the ptxas report (the Hopper files, for sm_90a only); fails on a compile error, any register spill, a stack
 //! frame (a register array that fell back to local memory), registers or static shared memory
 //! above the budgets of `flowprefill_kernels::gpu`, or static + dynamic shared memory above
-//! what a block may have on the architecture. The table shows the blocks per SM that the
+//! what a block may have on the architecture, on a compiler warning, or on ptxas's remark that an attention kernel's
+//! warpgroup products were serialized or needed a wait or arrive it added. The table shows the blocks per SM that the
 //! registers and the shared memory allow (64K registers, 228 / 164 KiB shared per SM). NVRTC needs no
 //! GPU: `scripts/test.sh` installs it from PyPI and sets `FLOWPREFILL_REQUIRE_NVRTC=1`, so in
 //! CI a missing NVRTC is a failure; elsewhere this test says it was skipped.
@@ -144,6 +145,7 @@ fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
         "arch", "kernel", "regs", "smem", "dyn", "spillS", "spillL", "stack", "blk/SM/assumed"
     );
     let mut failures = Vec::new();
+    let (mut probe_remarks, mut remarks_table) = (0, Vec::new());
     for arch in ARCHS {
         for (file, config, kernels) in builds() {
             if !file.builds_for(arch) {
@@ -152,6 +154,12 @@ fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
             let c = nvrtc::compile(file.name, &flowprefill_kernels::gpu::program_in(file, config), arch)
                 .unwrap_or_else(|e| panic!("{e}"));
             assert!(!c.cubin.is_empty(), "{} for {arch}: empty CUBIN", file.name);
+            // A warning of the compiler's front end is a defect like any other (one once hid
+            // a comparison that was always false).
+            let warnings: Vec<_> = c.log.lines().filter(|l| l.contains(": warning #")).collect();
+            if !warnings.is_empty() {
+                failures.push(format!("{} for {arch} (configuration {config}): {}", file.name, warnings.join("\n  ")));
+            }
             let report =
                 nvrtc::parse_report(&c.log).unwrap_or_else(|e| panic!("{} for {arch}: {e}\n{}", file.name, c.log));
             let functions = tool.as_ref().map(|t| {
@@ -225,9 +233,37 @@ fn every_kernel_compiles_for_sm80_and_sm90a_within_its_budget() {
                         r.kernel, r.shared_bytes, b.max_shared_bytes
                     ));
                 }
+                // ptxas's own word on the warpgroup products: an attention kernel's must stay
+                // asynchronous (no serialization, no wait or arrive ptxas had to add); the
+                // self-check's deliberate break (accumulators read before the wait) must show
+                // one, or the remarks are no longer read and the first rule could pass anything.
+                match b.sass {
+                    SassBudget::Wgmma { in_loop: true, .. } if !r.wgmma_remarks.is_empty() => {
+                        failures.push(format!(
+                            "{arch} {}: ptxas serialized or fenced its warpgroup products:\n  {}",
+                            r.kernel,
+                            r.wgmma_remarks.join("\n  ")
+                        ));
+                    }
+                    SassBudget::Wgmma { in_loop: false, .. } => probe_remarks += r.wgmma_remarks.len(),
+                    _ => {}
+                }
+                if matches!(b.sass, SassBudget::Wgmma { .. }) {
+                    remarks_table.push(format!("{arch:<7} {:<26} {}", r.kernel, r.wgmma_remarks.len()));
+                }
             }
         }
     }
+    if probe_remarks == 0 {
+        failures.push(
+            "no ptxas remark on the warpgroup products of hopper_probe.cu, whose deliberate break reads the \
+             accumulators before the wait (ptxas 12.9 says C7514, serialized): has ptxas's wording changed? \
+             (nvrtc::wgmma_remarks)"
+                .to_string(),
+        );
+    }
+    println!("\nptxas remarks on warpgroup products (serialized products, an arrive or wait ptxas added), per kernel:");
+    println!("{}", remarks_table.join("\n"));
     if tool.is_some() {
         println!("\nstatic SASS gate (nvdisasm): instructions and local-memory instructions (L/S) per kernel; for");
         println!("tensor-core kernels the steady-state loop's static body (loop: its instructions), its mix,");

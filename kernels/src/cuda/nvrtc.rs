@@ -121,6 +121,33 @@ pub struct KernelReport {
     /// Stack of the kernel and the functions it calls (ptxas prints it only for kernels that
     /// make calls, e.g. the slow path of `sincosf`), bytes.
     pub call_stack_bytes: u32,
+    /// ptxas's remarks about this kernel's warpgroup products ([`wgmma_remarks`]): each a
+    /// line such as `(C7514) Potential Performance Loss: wgmma.mma_async instructions are
+    /// serialized ...`, in the order printed.
+    pub wgmma_remarks: Vec<String>,
+}
+
+/// ptxas's remarks on warpgroup products, by kernel: the `ptxas info : (Cnnnn) ...` lines that
+/// name a function (`... in the function 'fp_x'`, `... in function 'fp_x'`) and speak of
+/// `wgmma`, `GMMA` or a `warpgroup` instruction: that the products were serialized (C7514:
+/// "non wgmma instructions reading accumulator registers of a wgmma between start and end of
+/// the pipeline stage", among other causes), or that ptxas injected a `warpgroup.arrive` or
+/// `wait` of its own (C7519, C7515). Each is a product that no longer overlaps what it was
+/// written to overlap. The code and text from `(C` on, kernel name first.
+pub fn wgmma_remarks(log: &str) -> Vec<(String, String)> {
+    log.lines()
+        .filter_map(|line| {
+            let at = line.find("(C")?;
+            let text = line[at..].trim();
+            text.get(2..6).filter(|c| c.bytes().all(|b| b.is_ascii_digit()))?;
+            if !(text.contains("wgmma") || text.contains("GMMA") || text.contains("warpgroup")) {
+                return None;
+            }
+            let named = text.rsplit_once("function '")?.1;
+            let kernel = named.split('\'').next()?.to_string();
+            Some((kernel, text.split_whitespace().collect::<Vec<_>>().join(" ")))
+        })
+        .collect()
 }
 
 fn number_before(line: &str, unit: &str) -> Option<u32> {
@@ -156,6 +183,7 @@ impl Partial {
             spill_loads,
             stack_bytes,
             call_stack_bytes,
+            wgmma_remarks: Vec::new(),
         })
     }
 }
@@ -220,6 +248,11 @@ pub fn parse_report(log: &str) -> Result<Vec<KernelReport>> {
     if let Some(done) = cur.take() {
         out.push(done.finish()?);
     }
+    for (kernel, text) in wgmma_remarks(log) {
+        if let Some(r) = out.iter_mut().find(|r| r.kernel == kernel) {
+            r.wgmma_remarks.push(text);
+        }
+    }
     if out.is_empty() {
         return Err(err(format!(
             "no `Compiling entry function` in the ptxas report (was -v passed? or did NVIDIA's compute \
@@ -283,7 +316,8 @@ mod tests {
                 spill_stores: 8,
                 spill_loads: 12,
                 stack_bytes: 0,
-                call_stack_bytes: 0
+                call_stack_bytes: 0,
+                wgmma_remarks: Vec::new(),
             }
         );
         assert_eq!((r[1].kernel.as_str(), r[1].registers, r[1].shared_bytes), ("fp_fill", 10, 0));
@@ -307,5 +341,34 @@ mod tests {
             let e = parse_report(&text).unwrap_err().to_string();
             assert!(e.contains(lacking), "{lacking}: {e}");
         }
+    }
+
+    #[test]
+    fn wgmma_remarks_are_read_per_kernel() {
+        // NVRTC 12.9's wording (the self-check `hopper_probe.cu`, whose deliberate break reads
+        // accumulators before the wait), ahead of the per-kernel report as ptxas prints it.
+        let log = "ptxas info    : (C7519) warpgroup.arrive is injected in around line 351 by compiler to allow use \
+                   of registers in GMMA in function 'fp_probe_a'\n\
+            ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to \
+                   non wgmma instructions reading accumulator registers of  a wgmma between start and end of the \
+                   pipeline stage in the function 'fp_probe_a'\n\
+            ptxas info    : (C7999) something else in the function 'fp_probe_b'\n\
+            ptxas info    : 0 bytes gmem\n\
+            ptxas info    : Compiling entry function 'fp_probe_a' for 'sm_90a'\n\
+            ptxas info    : Function properties for fp_probe_a\n\
+                0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+            ptxas info    : Used 116 registers, used 1 barriers\n\
+            ptxas info    : Compiling entry function 'fp_probe_b' for 'sm_90a'\n\
+            ptxas info    : Function properties for fp_probe_b\n\
+                0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+            ptxas info    : Used 116 registers, used 1 barriers\n";
+        let r = parse_report(log).expect("a whole report");
+        assert_eq!(r[0].wgmma_remarks.len(), 2, "{:?}", r[0].wgmma_remarks);
+        assert!(r[0].wgmma_remarks[0].starts_with("(C7519) warpgroup.arrive is injected"));
+        assert!(r[0].wgmma_remarks[1]
+            .contains("(C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized"));
+        assert!(r[0].wgmma_remarks[1].contains("of a wgmma"), "whitespace folded: {}", r[0].wgmma_remarks[1]);
+        // A remark on something other than warpgroup products is not one of these.
+        assert!(r[1].wgmma_remarks.is_empty());
     }
 }
