@@ -106,7 +106,7 @@ fn attention_f64(c: &Case, q: &[f32], k: &[f32], v: &[f32], round_p: bool) -> (V
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    flowprefill_kernels::testing::max_abs_diff(a, b)
 }
 
 /// Runs the flash kernel on `c` (its inputs rounded to bf16) and checks it by the rules above;

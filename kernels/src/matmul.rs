@@ -160,7 +160,7 @@ mod tests {
             let mut b = vec![0.0; m * n];
             matmul_t(&x, m, &w, &mut a).unwrap();
             matmul_t_ref(&x, m, &w, &mut b).unwrap();
-            let err = a.iter().zip(&b).map(|(p, q)| (p - q).abs()).fold(0.0, f32::max);
+            let err = crate::testing::max_abs_diff(&a, &b);
             assert!(err <= MATMUL_TOL_PER_SQRT_K * (k as f32).sqrt(), "{m}x{k}x{n}: {err}");
         }
     }

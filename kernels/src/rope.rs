@@ -242,7 +242,7 @@ mod tests {
         let mut b = x.clone();
         rope(&mut a, heads, &positions, &table).unwrap();
         rope_ref(&mut b, heads, &positions, &table).unwrap();
-        let err = a.iter().zip(&b).map(|(p, q)| (p - q).abs()).fold(0.0, f32::max);
+        let err = crate::testing::max_abs_diff(&a, &b);
         assert!(err < ROPE_TOL, "{style:?} rot {rot_dim}: {err}");
     }
 

@@ -89,6 +89,14 @@ pub fn set_override(level: Option<SimdLevel>) {
     OVERRIDE.store(level.map_or(0, |l| l as u8), Ordering::Relaxed);
 }
 
+/// Held by the tests that set [`set_override`] (one process, tests in parallel): one test's
+/// override must not end another's while it runs.
+#[cfg(test)]
+pub(crate) fn override_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Defines a function whose body is compiled for AVX-512, AVX2+FMA and the baseline, and
 /// dispatched on [`level`] at run time. The body must not use `unsafe` intrinsics: it is
 /// plain Rust that LLVM vectorizes with the enabled features.
@@ -209,6 +217,7 @@ mod tests {
 
     #[test]
     fn override_never_exceeds_detected() {
+        let _held = override_lock();
         set_override(Some(SimdLevel::Avx512));
         assert!(level() <= detected());
         set_override(None);

@@ -47,7 +47,7 @@ fn a_failed_hopper_self_check_falls_back_to_flash2() {
     g.attention(&shape, &g.upload(&q).unwrap(), &qpos, &gk, &gv, &kpos, &mut go, &mut gl).unwrap();
     let (mut co, mut cl) = (HostBuf::zeros(q.len(), DType::F32), HostBuf::zeros(m * heads, DType::F32));
     c.attention(&shape, &HostBuf::F32(q), &qpos, &ck, &cv, &kpos, &mut co, &mut cl).unwrap();
-    let worst = g.download(&go).unwrap().iter().zip(co.to_f32()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let worst = flowprefill_kernels::testing::max_abs_diff(&g.download(&go).unwrap(), &co.to_f32());
     assert!(worst <= OUT_TOL, "flash2 after the fallback: out error {worst:e}");
 
     let e = g.fix_attention(FlashKernel::Hopper(0)).expect_err("the self-check still fails");

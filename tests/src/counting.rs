@@ -142,8 +142,9 @@ flowprefill_kernels::forward_backend! {
     impl Backend for Counting {
         type Buf = HostBuf;
         // The trait's defaults, not the CPU's: `attention_rows` gathers its rows and calls
-        // `attention` here (counted); `memory` is unknown, so that admission refuses nothing.
-        defaults(attention_rows, memory);
+        // `attention` here (counted); `memory` is unknown, so that admission refuses nothing;
+        // batched copies go through `download_typed` and `upload_typed` one by one (counted).
+        defaults(attention_rows, memory, download_many, upload_many);
 
         fn name(&self) -> &'static str {
             "counting-cpu"

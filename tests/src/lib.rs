@@ -118,10 +118,10 @@ pub fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
     max_abs_diff(a, b) / range(b).max(1e-6)
 }
 
-/// Maximum absolute difference of two slices (panics on length mismatch).
+/// Maximum absolute difference of two slices (panics on length mismatch); infinite where a
+/// value is NaN ([`flowprefill_kernels::testing::max_abs_diff`]).
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    flowprefill_kernels::testing::max_abs_diff(a, b)
 }
 
 /// Range (max - min) of a slice.

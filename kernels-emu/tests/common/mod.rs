@@ -27,7 +27,7 @@ pub fn max_err(a: &[f32], b: &[f32]) -> f32 {
                 assert_eq!(x, y, "infinities differ");
                 0.0
             } else {
-                (x - y).abs() / y.abs().max(1.0)
+                flowprefill_kernels::testing::diff(x, y) / y.abs().max(1.0)
             }
         })
         .fold(0.0, f32::max)

@@ -70,7 +70,7 @@ fn run(c: &Case, f: AttnFn) -> (Vec<f32>, Vec<f32>) {
 fn assert_close(tag: &str, a: &(Vec<f32>, Vec<f32>), b: &(Vec<f32>, Vec<f32>), out_tol: f32, lse_tol: f32) {
     assert_eq!(a.0.len(), b.0.len(), "{tag}: out shapes");
     assert_eq!(a.1.len(), b.1.len(), "{tag}: lse shapes");
-    let out_err = a.0.iter().zip(&b.0).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    let out_err = crate::testing::max_abs_diff(&a.0, &b.0);
     assert!(out_err <= out_tol, "{tag}: max |out diff| {out_err} > {out_tol}");
     for (x, y) in a.1.iter().zip(&b.1) {
         if x.is_infinite() || y.is_infinite() {
@@ -106,8 +106,18 @@ fn every_simd_level_matches_reference() {
     let mut rng = StdRng::seed_from_u64(9);
     let c = case(&mut rng, 70, 390, 9, 3, 64, Layout::Causal);
     let slow = run(&c, attention_ref);
+    let _held = simd::override_lock();
     for lvl in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512] {
+        if lvl > simd::detected() {
+            // The override never goes above the CPU: this level would rerun the detected one.
+            crate::testing::skipped(
+                "SIMD level not on this CPU",
+                format!("{lvl:?} is above this CPU's {:?}", simd::detected()),
+            );
+            continue;
+        }
         simd::set_override(Some(lvl));
+        assert_eq!(simd::level(), lvl, "the override took effect");
         let fast = run(&c, attention);
         simd::set_override(None);
         assert_close(&format!("{lvl:?}"), &fast, &slow, ATTN_OUT_TOL, ATTN_LSE_TOL);
@@ -224,7 +234,7 @@ fn scores_match_reference() {
                 let mut slow = vec![0f32; n];
                 attention_scores(&c.shape, &c.q, &c.qpos, c.kv(), &lse, &mut fast).unwrap();
                 attention_scores_ref(&c.shape, &c.q, &c.qpos, c.kv(), &lse, &mut slow).unwrap();
-                let err = fast.iter().zip(&slow).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+                let err = crate::testing::max_abs_diff(&fast, &slow);
                 let rows = (m * h) as f32;
                 assert!(err <= SCORES_TOL_PER_ROW * rows, "m{m} n{n}: {err}");
                 // Each visible row distributes probability 1 over the keys.

@@ -225,9 +225,7 @@ fn infoflow_scores_from_the_sharded_probe_equal_brute_force_in_every_geometry() 
             let mut worst = 0f32;
             for c in 0..layout.chunks.len() {
                 assert_eq!(scores[c].len(), brute[c].len(), "chunk {c}: one score per token");
-                for (x, y) in scores[c].iter().zip(brute[c]) {
-                    worst = worst.max((x - y).abs() / top);
-                }
+                worst = worst.max(flowprefill_kernels::testing::max_abs_diff(&scores[c], brute[c]) / top);
             }
             eprintln!(
                 "{} on {ranks} ranks: largest score difference {worst:.2e} of the top score {top:.3}",
@@ -261,9 +259,8 @@ fn infoflow_scores_from_the_sharded_probe_equal_brute_force_in_every_geometry() 
                     w.iter().sum::<f32>() / w.len() as f32
                 })
                 .collect();
-            for (x, y) in scores[c].iter().zip(&pooled) {
-                worst = worst.max((x - y).abs() / top);
-            }
+            assert_eq!(scores[c].len(), pooled.len(), "chunk {c}: a score per token");
+            worst = worst.max(flowprefill_kernels::testing::max_abs_diff(&scores[c], &pooled) / top);
         }
         assert!(worst <= SCORE_TOL, "{} pooled over 5: relative score difference {worst}", geometry.name());
     }

@@ -173,7 +173,13 @@ fn numbered(i: u32) -> (ChunkKey, Record) {
 #[test]
 #[ignore = "a child process of the crash and concurrency tests"]
 fn child_writer() {
-    let Some(dir) = std::env::var_os("FP_DISK_CHILD") else { return };
+    let Some(dir) = std::env::var_os("FP_DISK_CHILD") else {
+        flowprefill_kernels::testing::skipped(
+            "a child process only",
+            "child_writer runs as the crash and concurrency tests' child (FP_DISK_CHILD unset)",
+        );
+        return;
+    };
     let seed: u32 = std::env::var("FP_DISK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     let rounds: u32 = std::env::var("FP_DISK_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(u32::MAX);
     let s = DiskStore::open(Path::new(&dir), scope("m"), u64::MAX).unwrap();
