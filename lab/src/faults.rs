@@ -115,11 +115,13 @@ pub struct ServerProcess {
     pub addr: String,
 }
 
-/// Starts `EXE [--model MODEL] serve --listen 127.0.0.1:0 ARGS` (under `mpirun -np N` when
-/// `mpi` is given) with `env`; returns once it listens.
+/// Starts `EXE GLOBAL.. serve --listen 127.0.0.1:0 ARGS` (under `mpirun -np N` when `mpi` is
+/// given) with `env`; returns once it listens. `global`: the flags every command takes
+/// (`--model`, `--device`, ...), as the caller was given them. A server that exits before it
+/// listens is an error with the last lines it wrote to stderr (why it could not start).
 pub fn spawn_server(
     exe: &Path,
-    model: Option<&Path>,
+    global: &[String],
     args: &[&str],
     env: &[(&str, &str)],
     mpi: Option<usize>,
@@ -132,18 +134,43 @@ pub fn spawn_server(
         }
         None => Command::new(exe),
     };
-    if let Some(m) = model {
-        cmd.arg("--model").arg(m);
-    }
-    cmd.args(["serve", "--listen", "127.0.0.1:0"]).args(args).stdout(Stdio::piped()).stderr(Stdio::null());
+    cmd.args(global)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     for (k, v) in env {
         cmd.env(k, v);
     }
     let mut child = cmd.spawn().map_err(|e| failed(format!("starting the server: {e}")))?;
     let out = child.stdout.take().ok_or_else(|| failed("no server stdout"))?;
+    // Its stderr is drained all along (a full pipe would stall it), the last lines kept.
+    let tail = std::sync::Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
+    if let Some(err) = child.stderr.take() {
+        let tail = tail.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(err).lines().map_while(std::io::Result::ok) {
+                let mut t = tail.lock().unwrap_or_else(|p| p.into_inner());
+                if t.len() == 12 {
+                    t.pop_front();
+                }
+                t.push_back(l);
+            }
+        });
+    }
     let mut lines = BufReader::new(out).lines();
     let addr = loop {
-        let l = lines.next().ok_or_else(|| failed("the server exited before listening"))?.map_err(failed)?;
+        let Some(l) = lines.next() else {
+            // Give the drain a moment to read the last lines of a process that has exited.
+            let _ = child.wait();
+            std::thread::sleep(Duration::from_millis(100));
+            let said: Vec<String> = tail.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect();
+            return Err(failed(format!(
+                "the server exited before listening; its stderr ended with:\n  {}",
+                said.join("\n  ")
+            )));
+        };
+        let l = l.map_err(failed)?;
         if let Some(rest) = l.split("http://").nth(1) {
             break rest.split_whitespace().next().unwrap_or("").to_string();
         }
@@ -257,7 +284,9 @@ pub fn run_case(exe: &Path, model: Option<&Path>, world: &str, case: &Case) -> R
         args.extend(["--ranks", "2"]);
     }
     let spec = case.spec();
-    let mut server = spawn_server(exe, model, &args, &[("FLOWPREFILL_FAULT", &spec)], mpi)?;
+    let global: Vec<String> =
+        model.map(|m| vec!["--model".to_string(), m.to_string_lossy().into_owned()]).unwrap_or_default();
+    let mut server = spawn_server(exe, &global, &args, &[("FLOWPREFILL_FAULT", &spec)], mpi)?;
     let addr = server.addr.clone();
     let (status, message, answer_s) = match case {
         Case::Fault { .. } => {

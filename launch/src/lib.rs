@@ -78,6 +78,47 @@ pub enum StoreFlag {
 }
 
 impl Common {
+    /// These settings as the flags that give them, for a child process of this executable
+    /// (the server `bench load` starts): every flag that was set, in the form it parses.
+    pub fn global_args(&self) -> Vec<String> {
+        let gib = |bytes: f64| format!("{}", bytes / (1u64 << 30) as f64);
+        let mut a = Vec::new();
+        let mut push = |flag: &str, value: String| {
+            a.push(flag.to_string());
+            a.push(value);
+        };
+        let path = |p: &PathBuf| p.to_string_lossy().into_owned();
+        if let Some(m) = &self.model {
+            push("--model", path(m));
+        }
+        if let Some(p) = &self.adapter {
+            push("--adapter", path(p));
+        }
+        if let Some(p) = &self.lookahead_adapter {
+            push("--lookahead-adapter", path(p));
+        }
+        if let Some(t) = self.threads {
+            push("--threads", t.to_string());
+        }
+        push("--device", self.device.to_string());
+        let weights = match self.weights {
+            flowprefill_kernels::WeightType::Bf16 => "bf16",
+            flowprefill_kernels::WeightType::F32 => "f32",
+        };
+        push("--weights", weights.to_string());
+        if let Some(t) = self.kv_dtype {
+            push("--kv-dtype", t.to_string());
+        }
+        if let Some(b) = self.memory_limit {
+            push("--memory-limit", gib(b as f64));
+        }
+        if let Some(s) = &self.store {
+            push("--store", s.clone());
+        }
+        push("--store-gib", gib(self.store_gib as f64));
+        a
+    }
+
     /// `--store`, read once for every command: a folder, `off`, or nothing (an empty value is
     /// an error that says what to give).
     pub fn store_flag(&self) -> anyhow::Result<StoreFlag> {
@@ -111,5 +152,48 @@ fn parse_gib(s: &str) -> Result<usize, String> {
     match s.trim().parse::<f64>() {
         Ok(g) if g > 0.0 && g.is_finite() && g < 1e9 => Ok((g * (1u64 << 30) as f64) as usize),
         _ => Err(format!("`{s}` is not a positive number of GiB (e.g. 20 or 0.5)")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        common: Common,
+    }
+
+    /// The flags a child process is given parse to the same settings (bench load's server runs
+    /// on the device, types, memory limit and store it was asked for).
+    #[test]
+    fn global_args_give_a_child_the_same_settings() {
+        let given = [
+            "fp",
+            "--model",
+            "/m/x.gguf",
+            "--threads",
+            "3",
+            "--device",
+            "cuda:1",
+            "--weights",
+            "f32",
+            "--kv-dtype",
+            "bf16",
+            "--memory-limit",
+            "0.009765625",
+            "--store",
+            "/s",
+            "--store-gib",
+            "1.5",
+        ];
+        let a = Cli::try_parse_from(given).expect("parses").common;
+        let args = a.global_args();
+        let b = Cli::try_parse_from(std::iter::once("fp".to_string()).chain(args.clone())).expect("parses").common;
+        assert_eq!(format!("{a:?}"), format!("{b:?}"), "{args:?}");
+        assert!(args.windows(2).any(|w| w == ["--device", "cuda:1"]), "{args:?}");
+        assert!(args.windows(2).any(|w| w == ["--memory-limit", "0.009765625"]), "{args:?}");
     }
 }

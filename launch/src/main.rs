@@ -63,6 +63,16 @@ enum Command {
     Train(cmd::train::Train),
 }
 
+/// Every option that takes a value takes a negative number too, in every subcommand: `--ratio
+/// -0.1` reaches the check that names the range to give ("-0.1 is outside [0, 1]"), where clap
+/// alone answers "unexpected argument '-0' found".
+fn negative_numbers(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(
+        |a| if !a.is_positional() && a.get_action().takes_values() { a.allow_negative_numbers(true) } else { a },
+    )
+    .mut_subcommands(negative_numbers)
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -71,7 +81,8 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let mut cli = Cli::parse();
+    let matches = negative_numbers(<Cli as clap::CommandFactory>::command()).get_matches();
+    let mut cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // The chunk store's disk tier is on by default where caches are the point (a service, a
     // question over documents); the measuring commands keep their cold runs cold.
     cli.common.store_by_default = matches!(cli.command, Command::Run(_) | Command::Serve(_) | Command::Ingest(_));

@@ -94,6 +94,18 @@ fn errors_say_what_to_change() {
         assert!(!ok);
         assert!(err.contains("--prefill-chunk") && err.contains("at least 1"), "{cmd:?}: {err}");
     }
+    let (ok, _, err) = run(&["generate", "--prompt", "hi", "--temperature", "-1"]);
+    assert!(!ok && err.contains("--temperature: -1 must be"), "{err}");
+    // write-gguf: a shape error names --shape (the flag given), before any model is needed.
+    let gguf = std::env::temp_dir().join(format!("fp-wg-{}.gguf", std::process::id()));
+    std::fs::write(&gguf, b"a user's file").unwrap();
+    let (ok, _, err) = run(&["write-gguf", "--shape", "nosuch", "--out", gguf.to_str().unwrap()]);
+    assert!(!ok && err.contains("--shape: ") && err.contains("no shape `nosuch`"), "{err}");
+    assert_eq!(std::fs::read(&gguf).unwrap(), b"a user's file", "--out untouched by a failed write-gguf");
+    let _ = std::fs::remove_file(&gguf);
+    // bench faults: a `.json` --out would be written twice (the table, then the JSON over it).
+    let (ok, _, err) = run(&["bench", "faults", "--out", "rows.json"]);
+    assert!(!ok && err.contains("--out rows.json: give the Markdown table's path"), "{err}");
 }
 
 #[test]
@@ -244,6 +256,13 @@ fn run_errors_say_what_to_change() {
     check(&["--query", "q?"], both, "is empty; remove it");
     check(&[], one, "query is missing");
     check(&["--query", "q?", "--ratio", "1.5"], one, "outside [0, 1]");
+    // A negative number is a value, not a flag: the range check answers, not clap's "unexpected
+    // argument '-0'".
+    check(&["--query", "q?", "--ratio", "-0.1"], one, "--ratio: -0.1 is outside [0, 1]");
+    check(&["--query", "q?", "--comm-timeout", "-1"], one, "--comm-timeout");
+    // What a method would ignore is refused, not dropped.
+    check(&["--query", "q?", "--method", "full", "--ratio", "0.3"], one, "method full computes every token");
+    check(&["--query", "q?", "--aux-model", "x.gguf"], one, "--aux-model is CacheClip's");
     check(&["--query", "q?", "--method", "magic"], one, "invalid value 'magic' for '--method");
     check(&["--query", "q?", "--geometry", "sideways"], one, "invalid value 'sideways' for '--geometry");
     check(&["--query", "q?", "--evict", "snapkv", "--kv-budget", "0"], one, "--kv-budget: 0 keeps nothing");
@@ -261,6 +280,28 @@ fn run_errors_say_what_to_change() {
         check(&["--query", "q?", "--memory-limit", "0.009765625"], &mid, want);
     }
     check(&["--query", "q?", "--memory-limit", "0"], one, "not a positive number of GiB");
+    // `auto` with a damaged calibration file: the refusal says why and which file to fix (a
+    // job that names its method is not told about it).
+    let home = dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::write(home.join("calibration.json"), "{damaged").unwrap();
+    let model = flowprefill_worker::fetch::default_model_path().unwrap();
+    let with_home = |method: &str| {
+        let mut a = vec!["run".to_string(), "--model".into(), model.to_string_lossy().into_owned()];
+        a.extend(one.iter().cloned());
+        a.extend(["--query", "q?", "--max-tokens", "2", "--method", method].map(String::from));
+        bin().args(&a).env("FLOWPREFILL_HOME", &home).output().expect("run")
+    };
+    let out = with_home("auto");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("calibration.json") && err.contains("fix or delete") && err.contains("name a method"),
+        "{err}"
+    );
+    let out = with_home("full");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !err.contains("calibration"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -598,6 +639,12 @@ fn check_runs_the_methods_it_is_given() {
         assert!(r["accuracy"].as_f64().is_some_and(|a| (0.0..=1.0).contains(&a)), "{r}");
     }
     assert_eq!(rows[0]["accuracy"], 1.0, "full prefill finds the needle: {v}");
+    // A length too short for its documents makes them a sentence long, never empty (it was an
+    // error about a `--doc` flag this command does not have).
+    let (ok, out, err) =
+        run(&["check", "--lengths", "10", "--depths", "0.5", "--per-cell", "1", "--methods", "full", "--json"]);
+    assert!(ok && !err.contains("--doc"), "{err}");
+    assert!(out.contains("\"cases\": 1"), "{out}");
 }
 
 /// `run --method` takes the grammar of `bench`, `eval` and the API (`NAME[+reorder][@RATIO]`);

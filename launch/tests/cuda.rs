@@ -104,6 +104,7 @@ fn gpu_logits_and_answers_match_the_cpu() {
     // swap of tokens further apart fails through the per-token bound.
     let close = |cpu: &serde_json::Value, gpu: &serde_json::Value, tol: f64, what: &str| {
         let (a, b) = (cpu["first_top_logits"].as_array().unwrap(), gpu["first_top_logits"].as_array().unwrap());
+        assert!(a.len() >= 3 && b.len() >= 3, "{what}: top logits missing (CPU {a:?}, GPU {b:?})");
         assert_eq!(a[0][0], b[0][0], "{what}: the same best first token (CPU {a:?}, GPU {b:?})");
         for y in b.iter().take(3) {
             let x = a.iter().find(|x| x[0] == y[0]);
@@ -147,6 +148,7 @@ fn run_json(args: &[String]) -> serde_json::Value {
 
 fn same_top_logits(a: &serde_json::Value, b: &serde_json::Value, tag: &str) {
     let (a, b) = (a["first_top_logits"].as_array().unwrap(), b["first_top_logits"].as_array().unwrap());
+    assert!(!a.is_empty() && a.len() == b.len(), "{tag}: top logits of {} and {} tokens", a.len(), b.len());
     for (x, y) in a.iter().zip(b) {
         assert_eq!(x[0], y[0], "{tag}: the same top tokens in the same order");
         let d = (x[1].as_f64().unwrap() - y[1].as_f64().unwrap()).abs();

@@ -382,6 +382,20 @@ fn item9_small_things() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A metrics port in use: an error at start that names the flag, before the service says
+    // it serves (a client reading "serving on" would find no metrics).
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let out = std::process::Command::new(bin)
+        .args(["serve", "--listen", "127.0.0.1:0", "--metrics-listen", &format!("127.0.0.1:{port}")])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success() && stderr.contains("pass another --metrics-listen"), "{stderr}");
+    assert!(!stdout.contains("serving on"), "{stdout}");
+    drop(taken);
+    let out = std::process::Command::new(bin).args(["serve", "--max-connections", "0"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--max-connections must be"));
     // Logs written to a file carry no terminal colour codes.
     let out = std::process::Command::new(bin)
         .args(["generate", "--model", "/nonexistent/m.gguf", "--prompt", "hi"])

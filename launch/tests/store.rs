@@ -183,5 +183,34 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     assert!(!ok && err.contains("--store is off") && err.contains("--store FOLDER"), "{err}");
     let (ok, _, err) = run(&["ingest", "--store", &s]);
     assert!(!ok && err.contains("no documents"), "{err}");
+
+    // `bench ttft --cache disk` under a configured store (FLOWPREFILL_STORE here, as a user who
+    // runs `serve` with it exported): its disk tier is a folder of its own inside, and the
+    // store's entries are all still there after it.
+    let entries = |d: &std::path::Path| {
+        std::fs::read_dir(d).unwrap().flatten().filter(|e| e.path().extension().is_some_and(|x| x == "fpkv")).count()
+    };
+    let held = entries(&store);
+    assert!(held >= 6, "two forms of three documents: {held}");
+    let bench_out = dir.join("bench");
+    let out = bin()
+        .env("FLOWPREFILL_STORE", &s)
+        .args(["bench", "ttft", "--lengths", "300", "--doc-tokens", "100", "--ranks", "1", "--runs", "1"])
+        .args(["--methods", "none", "--cache", "disk", "--out", bench_out.to_str().unwrap()])
+        .output()
+        .expect("bench ttft");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(entries(&store), held, "the store's entries are left alone");
+    assert!(entries(&store.join("bench-ttft")) > 0, "the benchmark's disk tier is its own folder");
+
+    // A budget that cannot hold what ingestion writes: an error that says what to change, not
+    // a success over caches deleted as they were written.
+    let small = dir.join("small-store");
+    let (ok, _, err) = run(&[
+        &["ingest", "--store", small.to_str().unwrap(), "--store-gib", "0.0001"][..],
+        &["--doc", doc_args[1].as_str()],
+    ]
+    .concat());
+    assert!(!ok && err.contains("were deleted at once") && err.contains("raise --store-gib"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -196,10 +196,33 @@ pub struct Written {
 
 /// Writes a GGUF of `spec`'s shape with random weights (matrices in `format`, norms of ones in
 /// f32) and the tokenizer and chat template of `tokenizer_from` (its `tokenizer.*` metadata).
+/// The file is written beside `out` under a temporary name, synced, then renamed to `out`: a
+/// file already at `out` stays whole until the new one is (a full disk, an interrupted run
+/// leave it as it was, and no truncated GGUF under its name).
 pub fn write_synthetic(
     spec: &SyntheticSpec,
     format: WeightFormat,
     tokenizer_from: &Path,
+    out: &Path,
+) -> Result<Written> {
+    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = out.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let written = write_to(spec, format, tokenizer_from, &tmp, out).and_then(|w| {
+        std::fs::rename(&tmp, out).map_err(io_err(format!("renaming {} to {}", tmp.display(), out.display())))?;
+        Ok(w)
+    });
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+/// [`write_synthetic`]'s file, written to `path` (synced); `out` names it in errors.
+fn write_to(
+    spec: &SyntheticSpec,
+    format: WeightFormat,
+    tokenizer_from: &Path,
+    path: &Path,
     out: &Path,
 ) -> Result<Written> {
     let cfg = spec.config();
@@ -211,7 +234,8 @@ pub fn write_synthetic(
         meta.push((k.clone(), tok.metadata()[k].clone()));
     }
     let tensors = plan(&cfg, format);
-    let file = std::fs::File::create(out).map_err(io_err(format!("creating {}", out.display())))?;
+    let file =
+        std::fs::File::create(path).map_err(io_err(format!("creating {} (for {})", path.display(), out.display())))?;
     let mut w = BufWriter::with_capacity(8 << 20, file);
     let werr = |e: std::io::Error| WorkerError::Io { what: format!("writing {}", out.display()), source: e };
     (|| -> std::io::Result<()> {
@@ -258,6 +282,7 @@ pub fn write_synthetic(
     }
     w.flush().map_err(werr)?;
     let bytes = w.stream_position().map_err(werr)?;
+    w.get_ref().sync_all().map_err(werr)?;
     Ok(Written { bytes, tensors: tensors.len() })
 }
 

@@ -155,6 +155,28 @@ impl MethodSpec {
         }
         if let Some(r) = ratio.or(spec.and_then(|s| s.ratio)) {
             check_ratio(r)?;
+            // A ratio given to a method that takes none would be dropped without a word.
+            let what = match o.method.info().recompute {
+                crate::method::Recompute::Selected => None,
+                crate::method::Recompute::Nothing => Some("recomputes no token"),
+                crate::method::Recompute::Everything => Some("computes every token"),
+            };
+            if let Some(what) = what {
+                let takes: Vec<&str> = Method::ALL
+                    .iter()
+                    .filter(|m| m.info().recompute == crate::method::Recompute::Selected && **m != Method::Auto)
+                    .map(|m| m.name())
+                    .collect();
+                return Err(InputError::new(
+                    Field::Ratio,
+                    format!(
+                        "{r}: method {} {what} and takes no ratio; drop the ratio, or choose a method that selects \
+                         tokens: {}",
+                        o.method,
+                        takes.join(", ")
+                    ),
+                ));
+            }
             o.ratio = r;
         }
         o.reorder = reorder.unwrap_or(o.reorder) || spec.is_some_and(|s| s.reorder);
@@ -269,6 +291,17 @@ mod tests {
         let o = list[2].options(0.15);
         assert!(o.reorder && o.method == Method::Infoflow && o.ratio == 0.2);
         assert_eq!(MethodSpec::new(Method::Epic).options(0.15).ratio, 0.15);
+        // A ratio for a method that takes none is refused, not dropped.
+        let base = RunOptions::default();
+        for (m, says) in [(Method::Full, "computes every token"), (Method::None, "recomputes no token")] {
+            let e = MethodSpec::merge(Some(MethodSpec::new(m)), Some(0.3), None, None, base.clone()).unwrap_err();
+            assert_eq!(e.field, Field::Ratio, "{m}: {e}");
+            assert!(e.problem.contains(says) && e.problem.contains("infoflow"), "{m}: {e}");
+        }
+        let o = MethodSpec::merge(Some(MethodSpec::new(Method::Full)), None, None, None, base.clone()).unwrap();
+        assert_eq!(o.method, Method::Full, "no ratio given: fine");
+        let o = MethodSpec::merge(Some(MethodSpec::new(Method::Auto)), Some(0.3), None, None, base).unwrap();
+        assert_eq!(o.ratio, 0.3, "auto takes the ratio its candidates run at");
     }
 
     #[test]

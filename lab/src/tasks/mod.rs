@@ -263,7 +263,9 @@ pub fn haystack(
 ) -> (Vec<String>, Vec<usize>) {
     let n_docs = n_docs.max(1);
     let insert_tokens: usize = inserts.iter().map(|(s, _)| tok.encode_text(s).map_or(0, |v| v.len() + 1)).sum();
-    let per_doc = tokens.saturating_sub(insert_tokens) / n_docs;
+    // At least a sentence each: a length too short for its documents makes them a sentence
+    // long (more tokens than asked), never empty (an empty document is a request's error).
+    let per_doc = (tokens.saturating_sub(insert_tokens) / n_docs).max(1);
     let mut docs: Vec<Vec<(String, usize)>> = (0..n_docs).map(|_| sentences(rng, tok, per_doc)).collect();
     let total: usize = docs.iter().flatten().map(|s| s.1).sum();
     let mut where_: Vec<usize> = Vec::with_capacity(inserts.len());

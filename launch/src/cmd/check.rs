@@ -1,6 +1,5 @@
 //! `flowprefill check`: needle-in-a-haystack accuracy and TTFT of every method.
 
-use super::run::engine;
 use crate::Common;
 use anyhow::Result;
 use flowprefill_lab::check::{self, Report, Tick};
@@ -54,7 +53,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let scoring = args.scoring.parse()?;
     let evict = args.evict.parse()?;
     let mut table = super::demo::table(args.methods.as_deref())?;
-    let engine = engine(common, None)?;
+    let engine = super::run::cold_engine(common, "check")?;
     if args.methods.is_none() {
         // The default table has KV Packet and lookahead only where the model has their adapters.
         let lm = engine.model();

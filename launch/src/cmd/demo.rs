@@ -1,6 +1,5 @@
 //! `flowprefill demo`: a fact hidden in one of eight documents, answered by every method.
 
-use super::run::engine;
 use crate::Common;
 use anyhow::Result;
 use flowprefill_coordinator::{Method, MethodSpec, RunOptions};
@@ -64,7 +63,7 @@ struct Row {
 pub fn run(common: &Common, args: Args) -> Result<()> {
     // Parsed before the model loads, so a bad list fails fast.
     let table = table(args.methods.as_deref())?;
-    let engine = engine(common, None)?;
+    let engine = super::run::cold_engine(common, "demo")?;
     let tok = &engine.model().tokenizer;
     let questions = [
         (demo_case(tok), PromptStyle::Plain, "one fact, stated in one document"),

@@ -10,8 +10,9 @@ use std::time::Instant;
 /// Arguments of `bench faults`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Where the table goes (Markdown; a `.json` beside it).
-    #[arg(long, default_value = "docs/faults.md")]
+    /// Where the table goes (Markdown; a `.json` of the same name beside it). The project's own
+    /// table is `--out docs/faults.md`.
+    #[arg(long, default_value = "bench-out/faults.md")]
     pub out: PathBuf,
     /// Worlds to test: threads, mpi (needs a build with the `mpi` feature and `mpirun`).
     #[arg(long, value_delimiter = ',', default_value = "threads")]
@@ -21,11 +22,12 @@ pub struct Args {
     pub only: Option<String>,
 }
 
-/// Starts `flowprefill serve --listen 127.0.0.1:0 ARGS` (this executable, the model of
-/// `--model`; under `mpirun -np N` when `mpi` is given) with `env`; returns once it listens.
+/// Starts `flowprefill serve --listen 127.0.0.1:0 ARGS` (this executable, with this command's
+/// global flags: the same model, device, types, memory limit and store; under `mpirun -np N`
+/// when `mpi` is given) with `env`; returns once it listens.
 pub fn spawn_server(common: &Common, args: &[&str], env: &[(&str, &str)], mpi: Option<usize>) -> Result<ServerProcess> {
     let exe = std::env::current_exe()?;
-    Ok(faults::spawn_server(&exe, common.model.as_deref(), args, env, mpi)?)
+    Ok(faults::spawn_server(&exe, &common.global_args(), args, env, mpi)?)
 }
 
 /// Runs the command.
@@ -33,6 +35,13 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     for w in &a.worlds {
         crate::ensure_usage!(w == "threads" || w == "mpi", "--worlds: unknown `{w}`; choose threads, mpi");
     }
+    // The JSON goes beside the Markdown under the same name: a `.json` --out would be written
+    // twice, the table lost under the JSON.
+    crate::ensure_usage!(
+        a.out.extension().is_none_or(|e| !e.eq_ignore_ascii_case("json")),
+        "--out {}: give the Markdown table's path (e.g. faults.md); the JSON is written beside it",
+        a.out.display()
+    );
     let exe = std::env::current_exe()?;
     let mut rows = Vec::new();
     for world in &a.worlds {

@@ -71,10 +71,16 @@ pub struct WriteArgs {
 /// Writes a synthetic model's GGUF (tokenizer and chat template of the default model).
 pub fn write_gguf(args: WriteArgs) -> Result<()> {
     use flowprefill_worker::synthetic::SyntheticSpec;
+    // The shape's errors name --shape, the flag given here (the parser's are about --model).
+    let on_shape = |e: flowprefill_worker::WorkerError| match e {
+        flowprefill_worker::WorkerError::Input(i) => crate::exit::Usage(format!("--shape: {}", i.problem)),
+        other => crate::exit::Usage(format!("--shape {}: {other}", args.shape)),
+    };
     let spec = match SyntheticSpec::parse(&args.shape) {
-        Some(s) => s?,
+        Some(s) => s.map_err(on_shape)?,
         None => SyntheticSpec::parse(&format!("synthetic:{}", args.shape))
-            .ok_or_else(|| crate::exit::Usage(format!("--shape {}: give synthetic:SHAPE[:LAYERS]", args.shape)))??,
+            .ok_or_else(|| crate::exit::Usage(format!("--shape {}: give synthetic:SHAPE[:LAYERS]", args.shape)))?
+            .map_err(on_shape)?,
     };
     let tok = super::resolve_model(None)?;
     let t = std::time::Instant::now();

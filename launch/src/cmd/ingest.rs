@@ -131,6 +131,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let lm = Arc::new(super::load_model(common)?);
     let engine = Engine::new(lm, flowprefill_coordinator::DEFAULT_STORE_BYTES).with_disk(Some(&tier));
     let started = Instant::now();
+    let before = engine.store().disk_stats().unwrap_or_default();
     let mut rows = Vec::new();
     let mine: Vec<usize> = (0..docs.len()).filter(|i| i % size == rank).collect();
     for (n, &i) in mine.iter().enumerate() {
@@ -149,18 +150,27 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         }
         rows.push(Row { index: i, id, source: d.name.clone(), tokens, prefilled, rank, seconds });
     }
-    // The disk writes are queued on the store's writer: wait for them before reporting.
+    // The disk writes are queued on the store's writer: wait for them before reporting, then
+    // count what did not reach the disk or did not stay there.
+    if let Some(d) = engine.store().disk() {
+        d.flush();
+    }
+    let mut lost = Lost::between(&before, &engine.store().disk_stats().unwrap_or_default());
     drop(engine);
     if let Some(c) = comm.as_mut() {
         let op = "ingest.rows";
         if rank != 0 {
-            c.post(op, vec![(0, serde_json::to_vec(&rows)?)], vec![])?;
+            c.post(op, vec![(0, serde_json::to_vec(&(&rows, lost))?)], vec![])?;
             c.wait()?;
             return Ok(());
         }
         c.post(op, vec![], (1..size).collect())?;
         for bytes in c.wait()? {
-            rows.extend(serde_json::from_slice::<Vec<Row>>(&bytes).context("a rank's ingestion report")?);
+            let (theirs, their_lost): (Vec<Row>, Lost) =
+                serde_json::from_slice(&bytes).context("a rank's ingestion report")?;
+            rows.extend(theirs);
+            lost.unwritten += their_lost.unwritten;
+            lost.deleted += their_lost.deleted;
         }
     }
     rows.sort_by_key(|r| r.index);
@@ -172,13 +182,15 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             "store": tier.dir,
             "ranks": size,
             "seconds": seconds,
+            "unwritten": lost.unwritten,
+            "deleted": lost.deleted,
             "documents": rows.iter().map(|r| serde_json::json!({
                 "id": r.id, "source": r.source, "tokens": r.tokens,
                 "prefilled": r.prefilled, "rank": r.rank, "seconds": r.seconds,
             })).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
+        return lost.check(&tier);
     }
     let mut out = std::io::stdout().lock();
     writeln!(out, "{:<16}  {:>7}  {:<14}  source", "id", "tokens", "")?;
@@ -194,5 +206,67 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         tier.dir.display(),
         rows.len() - made,
     )?;
-    Ok(())
+    drop(out);
+    lost.check(&tier)
+}
+
+/// Chunk caches an ingestion made that are not on disk: writes that failed (a full disk, a
+/// folder not writable: the store logs the first and counts the rest), and entries of its own
+/// the store deleted at once to stay within `--store-gib` (its least recently used go first,
+/// so this ingestion's go only when the budget cannot hold them all).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Lost {
+    pub(crate) unwritten: u64,
+    pub(crate) deleted: u64,
+}
+
+impl Lost {
+    /// What the disk tier's counters say was lost between `before` and `after`.
+    pub(crate) fn between(
+        before: &flowprefill_worker::store::disk::DiskStats,
+        after: &flowprefill_worker::store::disk::DiskStats,
+    ) -> Self {
+        let written = after.writes.saturating_sub(before.writes);
+        let evicted = after.evictions.saturating_sub(before.evictions);
+        // Entries the store knows now, against what this ingestion wrote: fewer, and some of
+        // this ingestion's were deleted (at most as many as were evicted).
+        let deleted = if evicted > 0 { written.saturating_sub(after.entries as u64).min(evicted) } else { 0 };
+        Self { unwritten: after.write_failures.saturating_sub(before.write_failures), deleted }
+    }
+
+    /// An error that says what was not kept and what to change; `Ok` when everything was.
+    fn check(&self, tier: &flowprefill_coordinator::DiskTier) -> Result<()> {
+        match self.problem(tier) {
+            Some(p) => anyhow::bail!("{p}"),
+            None => Ok(()),
+        }
+    }
+
+    /// What was not kept and what to change, if anything was lost.
+    pub(crate) fn problem(&self, tier: &flowprefill_coordinator::DiskTier) -> Option<String> {
+        let mut why = Vec::new();
+        if self.unwritten > 0 {
+            why.push(format!(
+                "{} chunk caches could not be written to {} (the warning above says why: a full disk, a folder \
+                 not writable); free space there or give another --store",
+                self.unwritten,
+                tier.dir.display()
+            ));
+        }
+        if self.deleted > 0 {
+            why.push(format!(
+                "{} chunk caches written now were deleted at once: the store's budget (--store-gib, {:.3} GiB) \
+                 cannot hold them; raise --store-gib",
+                self.deleted,
+                tier.bytes as f64 / (1u64 << 30) as f64
+            ));
+        }
+        if why.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "ingestion did not keep every document: {}; then ingest again (what is stored is not made twice)",
+            why.join("; ")
+        ))
+    }
 }

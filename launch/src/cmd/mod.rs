@@ -237,8 +237,9 @@ pub fn history_file() -> Option<std::path::PathBuf> {
 
 /// What resolves `--method auto` for `common`'s device: the projection on `cpu-local` (the
 /// calibration file's where there is one; CPU ranks share its cores) or `h100-sxm` for a GPU,
-/// ranks joined by MPI or thread channels on a CPU, NVLink between GPUs; learning from [`history_file`]. `None`, with
-/// a warning, when the profiles cannot be read (auto is then refused with that reason).
+/// ranks joined by MPI or thread channels on a CPU, NVLink between GPUs; learning from [`history_file`]. Where
+/// the profiles cannot be read, a chooser that refuses `auto` with that reason and the file to
+/// fix (nothing is said to jobs that name their method).
 pub fn chooser(common: &Common, mpi: bool) -> Option<std::sync::Arc<dyn flowprefill_coordinator::auto::Chooser>> {
     let cpu = common.device == DeviceSpec::Cpu;
     let files: Vec<std::path::PathBuf> = calibration_file().into_iter().filter(|f| f.exists()).collect();
@@ -256,9 +257,22 @@ pub fn chooser(common: &Common, mpi: bool) -> Option<std::sync::Arc<dyn flowpref
     match made {
         Ok(c) => Some(std::sync::Arc::new(c)),
         Err(e) => {
-            tracing::warn!("--method auto is unavailable: {e:#}");
-            None
+            let files: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+            let fix = if files.is_empty() { String::new() } else { format!("fix or delete {}, or ", files.join(", ")) };
+            Some(std::sync::Arc::new(Unavailable(format!("unavailable here ({e:#}): {fix}name a method"))))
         }
+    }
+}
+
+/// `--method auto` where its chooser could not be made: every choice is the reason why.
+struct Unavailable(String);
+
+impl flowprefill_coordinator::auto::Chooser for Unavailable {
+    fn choose(
+        &self,
+        _: &flowprefill_coordinator::auto::Situation<'_>,
+    ) -> std::result::Result<(flowprefill_coordinator::auto::Choice, flowprefill_coordinator::RunOptions), String> {
+        Err(self.0.clone())
     }
 }
 

@@ -164,6 +164,23 @@ impl MethodArgs {
     }
 }
 
+/// The engine of a command that times cold chunk caches against warm ones in this process
+/// (`demo`, `check`): no disk tier, even where `--store` or `FLOWPREFILL_STORE` names one (its
+/// entries would serve the "cold" runs: the figures would say cold and be disk hits); one note
+/// on stderr says so. `bench ttft --cache disk` times the disk tier.
+pub fn cold_engine(common: &Common, command: &str) -> Result<Engine<Device>> {
+    if let crate::StoreFlag::Dir(d) = common.store_flag()? {
+        eprintln!(
+            "note: {command} times cold and warm chunk caches in this process; the disk store {} is not used \
+             (bench ttft --cache disk times it)",
+            d.display()
+        );
+    }
+    let mut common = common.clone();
+    common.store = Some("off".into());
+    engine(&common, None)
+}
+
 /// Builds the engine (main model, optional auxiliary model).
 pub fn engine(common: &Common, aux: Option<&PathBuf>) -> Result<Engine<Device>> {
     let lm = Arc::new(super::load_model(common)?);
@@ -207,10 +224,10 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let req =
         Request { context: args.method.context(docs), query, system: None, answer_prefix: args.answer_prefix.clone() };
     let job = Job { request: req.clone(), options: opts };
-    let timeout = std::time::Duration::try_from_secs_f64(args.comm_timeout)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .context("--comm-timeout must be a positive number of seconds")?;
+    let timeout =
+        std::time::Duration::try_from_secs_f64(args.comm_timeout).ok().filter(|d| !d.is_zero()).ok_or_else(|| {
+            crate::exit::Usage(format!("--comm-timeout {}: give a positive number of seconds", args.comm_timeout))
+        })?;
     let stream = !args.json;
     let mut stdout = std::io::stdout();
     let mut on_text = |s: &str| {
@@ -287,6 +304,11 @@ fn run_job(
             "--aux-model with --ranks {ranks} --device cuda is not supported: run under mpirun, one process per GPU"
         );
     }
+    crate::ensure_usage!(
+        args.method.aux_model.is_none() || args.method.method.method == flowprefill_coordinator::Method::Cacheclip,
+        "--aux-model is CacheClip's scoring model, and method {} does not use one: drop it, or give --method cacheclip",
+        args.method.method
+    );
     let lm = Arc::new(super::load_model(common)?);
     // On a GPU the op profile records an event per group of ops: only when --stats reads it.
     if common.device != flowprefill_kernels::DeviceSpec::Cpu && !args.stats {

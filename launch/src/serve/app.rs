@@ -118,6 +118,7 @@ impl AppState {
         let mut guard = self.ingester.lock().unwrap_or_else(|p| p.into_inner());
         let engine =
             guard.get_or_insert_with(|| Engine::new(self.lm.clone(), DEFAULT_STORE_BYTES / 4).with_disk(Some(&tier)));
+        let before = engine.store().disk_stats().unwrap_or_default();
         let mut out = Vec::with_capacity(req.documents.len());
         for (i, text) in req.documents.iter().enumerate() {
             if self.shutting_down.load(Ordering::Relaxed) {
@@ -137,6 +138,12 @@ impl AppState {
         // The answer promises the caches are on disk: a job sent next finds them.
         if let Some(d) = engine.store().disk() {
             d.flush();
+        }
+        // ... and it keeps that promise: caches not written (a full disk) or deleted at once
+        // for the budget are a 507 that says what to change, not a success.
+        let lost = crate::cmd::ingest::Lost::between(&before, &engine.store().disk_stats().unwrap_or_default());
+        if let Some(p) = lost.problem(&tier) {
+            return Err(ApiError::new(507, "insufficient_storage", p));
         }
         Ok(serde_json::json!({ "documents": out, "seconds": started.elapsed().as_secs_f64() }))
     }

@@ -318,6 +318,7 @@ async fn signal() {
 impl Args {
     fn config(&self, model_name: String) -> Result<ServeConfig> {
         crate::ensure_usage!(self.queue >= 1, "--queue must be at least 1");
+        crate::ensure_usage!(self.max_connections >= 1, "--max-connections must be at least 1");
         let secs = |name: &str, v: f64| -> Result<Duration> {
             crate::ensure_usage!(v > 0.0 && v.is_finite(), "{name} must be a positive number of seconds");
             Duration::try_from_secs_f64(v).with_context(|| format!("{name} {v} is too large"))
@@ -339,7 +340,7 @@ impl Args {
             read_timeout: secs("--read-timeout", self.read_timeout)?,
             shutdown_grace: secs("--shutdown-grace", self.shutdown_grace)?,
             hang_grace: secs("--comm-timeout", self.comm_timeout)? + Duration::from_secs(5),
-            max_connections: self.max_connections.max(1),
+            max_connections: self.max_connections,
             limits: Limits {
                 max_documents: self.max_documents,
                 max_chunks: self.max_chunks,
@@ -475,16 +476,21 @@ async fn listen(service: &Service, addr: SocketAddr, maddr: Option<SocketAddr>, 
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
         format!("cannot listen on {addr} (is the port in use? pass another --listen, or port 0 for a free one)")
     })?;
+    // Both addresses are taken before the service says it serves: a metrics port in use is an
+    // error at start, not after "serving on".
+    let metrics_listener = match maddr {
+        Some(maddr) => Some(tokio::net::TcpListener::bind(maddr).await.with_context(|| {
+            format!("cannot listen on {maddr} for metrics (is the port in use? pass another --metrics-listen)")
+        })?),
+        None => None,
+    };
     println!(
         "flowprefill serving on http://{} ({} rank(s), queue {queue}, pid {})",
         listener.local_addr()?,
         service.shared().ranks,
         std::process::id()
     );
-    if let Some(maddr) = maddr {
-        let ml = tokio::net::TcpListener::bind(maddr)
-            .await
-            .with_context(|| format!("cannot listen on {maddr} for metrics (is the port in use?)"))?;
+    if let Some(ml) = metrics_listener {
         println!("metrics on http://{}/metrics", ml.local_addr()?);
         let mapp = app::metrics_router(service.state.clone());
         tokio::spawn(async move {

@@ -48,7 +48,9 @@ pub struct TtftArgs {
     /// Chunk caches at each timed run: `cold` (none held: every chunk prefilled), `ram` (held in
     /// RAM from an untimed run), `disk` (in the store's disk tier from an untimed run, RAM
     /// emptied before each timed run: what a new process finds); comma-separated. `disk` uses
-    /// `--store DIR`, else `<out>/store` (emptied first).
+    /// a folder of its own, emptied first: `<out>/store`, or with `--store DIR` (or
+    /// `FLOWPREFILL_STORE`) `DIR/bench-ttft`, on that disk but apart from the store's entries,
+    /// which the benchmark never reads or deletes.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "cold")]
     pub cache: Vec<Cache>,
 }
@@ -79,9 +81,11 @@ fn enter_block(
     Ok(inside)
 }
 
-/// With `disk` among `caches`, every rank's store gets the disk tier (its folder emptied first,
-/// and before each cold run: `--store DIR`, else `OUT/store`); without, the measurement keeps
-/// no disk tier even where one is configured. The settings to load with, and the folder.
+/// With `disk` among `caches`, every rank's store gets the disk tier in a folder of the
+/// benchmark's own, emptied first and before each cold run: `OUT/store`, or `DIR/bench-ttft`
+/// with a store `DIR` configured (the same disk; the store lists its own folder only, so its
+/// entries are neither served to the benchmark nor deleted by it); without, the measurement
+/// keeps no disk tier even where one is configured. The settings to load with, and the folder.
 fn with_disk_tier(
     common: &Common,
     caches: &[Cache],
@@ -90,7 +94,7 @@ fn with_disk_tier(
     let mut common = common.clone();
     let disk = if caches.contains(&Cache::Disk) {
         let dir = match common.store_flag()? {
-            crate::StoreFlag::Dir(d) => d,
+            crate::StoreFlag::Dir(d) => d.join("bench-ttft"),
             _ => out.join("store"),
         };
         std::fs::create_dir_all(&dir)?;
