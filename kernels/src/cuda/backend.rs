@@ -25,16 +25,18 @@
 //! ```
 //!
 //! Memory plan for an 8B-class llama/qwen model (32 layers, d 4096, 8 KV heads of 128, FFN
-//! 14336, vocabulary 128K) on one 80 GB GPU, bf16 weights:
+//! 14336, vocabulary 128K) on one 80 GB GPU, bf16 weights (computed from the shapes, not
+//! measured; the memory plan of `flowprefill_worker::memory` was measured against a GPU's
+//! high-water mark for SmolLM2 only, docs/gpu.md):
 //!
 //! | what | 32K context | 128K context |
 //! | --- | ---: | ---: |
 //! | weights, bf16 (f32: twice) | 16.1 GB | 16.1 GB |
 //! | KV cache, bf16: 32 layers x tokens x 2 x 1024 x 2 B (f32: twice) | 4.3 GB | 17.2 GB |
 //! | chunked methods: chunk caches (pre-RoPE) and their placed copies, twice the KV cache | 8.6 GB | 34.4 GB |
-//! | activations of one 2048-token forward (x, qkv, q/k/v, attention, FFN gate-up, logits row) | 0.5 GB | 0.5 GB |
+//! | activations of one 8192-token forward, the GPU's (x and its norm, qkv, q/k/v, attention, FFN gate-up 470 MB and its product 235 MB, logits row) | 1.2 GB | 1.2 GB |
 //! | rope table, cuBLAS workspace, attention scratch (bf16 Q, key-split partials), kernels | < 0.2 GB | < 0.3 GB |
-//! | total, full prefill / chunked method | about 21 / 26 GB | about 34 / 51 GB |
+//! | total, full prefill / chunked method | about 22 / 26 GB | about 35 / 52 GB |
 //!
 //! With an f32 KV cache a chunked method at 128K needs 16.1 + 68.7 GB: it does not fit one
 //! 80 GB GPU; bf16 makes it fit.
