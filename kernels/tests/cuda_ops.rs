@@ -65,23 +65,9 @@ fn bf16_values(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| flowprefill_kernels::backend::from_bf16(flowprefill_kernels::backend::to_bf16(v))).collect()
 }
 
+/// Max of |a - b| / max(1, |b|); infinite where a value is NaN or only one side is infinite.
 fn max_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(&x, &y)| {
-            if x.is_infinite() || y.is_infinite() {
-                if x == y {
-                    0.0
-                } else {
-                    f32::INFINITY
-                }
-            } else {
-                // Infinite where either is NaN (a value the kernel never wrote shows).
-                flowprefill_kernels::testing::diff(x, y) / y.abs().max(1.0)
-            }
-        })
-        .fold(0.0, f32::max)
+    flowprefill_kernels::testing::max_rel_diff(a, b, 1.0)
 }
 
 #[test]

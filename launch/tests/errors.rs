@@ -1,0 +1,103 @@
+//! Errors of the `flowprefill` binary say what to change: bad flags and values (negative numbers
+//! reach the range checks), missing or empty inputs, what a method would ignore, a damaged
+//! calibration file (real model, real process).
+
+mod common;
+
+use common::{bin, run, write_docs};
+
+#[test]
+fn errors_say_what_to_change() {
+    let (ok, _, err) = run(&["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"]);
+    assert!(!ok);
+    assert!(err.contains("cannot open") && err.contains("--model"), "{err}");
+    let (ok, _, err) = run(&["generate", "--prompt", "  "]);
+    assert!(!ok);
+    assert!(err.contains("--prompt is empty"), "{err}");
+    let (ok, _, err) = run(&["bench", "prefill", "--tokens", "9000", "--runs", "1"]);
+    assert!(!ok);
+    assert!(err.contains("context window of 8192"), "{err}");
+    for cmd in [&["bench", "prefill"][..], &["generate", "--prompt", "hi"][..]] {
+        let (ok, _, err) = run(&[cmd, &["--prefill-chunk", "0"]].concat());
+        assert!(!ok);
+        assert!(err.contains("--prefill-chunk") && err.contains("at least 1"), "{cmd:?}: {err}");
+    }
+    let (ok, _, err) = run(&["generate", "--prompt", "hi", "--temperature", "-1"]);
+    assert!(!ok && err.contains("--temperature: -1 must be"), "{err}");
+    // write-gguf: a shape error names --shape (the flag given), before any model is needed.
+    let gguf = std::env::temp_dir().join(format!("fp-wg-{}.gguf", std::process::id()));
+    std::fs::write(&gguf, b"a user's file").unwrap();
+    let (ok, _, err) = run(&["write-gguf", "--shape", "nosuch", "--out", gguf.to_str().unwrap()]);
+    assert!(!ok && err.contains("--shape: ") && err.contains("no shape `nosuch`"), "{err}");
+    assert_eq!(std::fs::read(&gguf).unwrap(), b"a user's file", "--out untouched by a failed write-gguf");
+    let _ = std::fs::remove_file(&gguf);
+    // bench faults: a `.json` --out would be written twice (the table, then the JSON over it).
+    let (ok, _, err) = run(&["bench", "faults", "--out", "rows.json"]);
+    assert!(!ok && err.contains("--out rows.json: give the Markdown table's path"), "{err}");
+}
+
+#[test]
+fn run_errors_say_what_to_change() {
+    let (dir, docs) = write_docs("run-err", &["Some text about the harbour.", "   "]);
+    let one = &docs[..2];
+    let both = &docs[..];
+    let check = |extra: &[&str], base: &[String], want: &str| {
+        let mut a = vec!["run".to_string()];
+        a.extend(base.iter().cloned());
+        a.extend(extra.iter().map(|s| s.to_string()));
+        let out = bin().args(&a).output().expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{a:?}: {err}");
+        assert_eq!(out.status.code(), Some(2), "a caller's error exits with 2: {err}");
+    };
+    check(&["--query", "q?"], both, "is empty; remove it");
+    check(&[], one, "query is missing");
+    check(&["--query", "q?", "--ratio", "1.5"], one, "outside [0, 1]");
+    // A negative number is a value, not a flag: the range check answers, not clap's "unexpected
+    // argument '-0'".
+    check(&["--query", "q?", "--ratio", "-0.1"], one, "--ratio: -0.1 is outside [0, 1]");
+    check(&["--query", "q?", "--comm-timeout", "-1"], one, "--comm-timeout");
+    // What a method would ignore is refused, not dropped.
+    check(&["--query", "q?", "--method", "full", "--ratio", "0.3"], one, "method full computes every token");
+    check(&["--query", "q?", "--aux-model", "x.gguf"], one, "--aux-model is CacheClip's");
+    check(&["--query", "q?", "--method", "magic"], one, "invalid value 'magic' for '--method");
+    check(&["--query", "q?", "--geometry", "sideways"], one, "invalid value 'sideways' for '--geometry");
+    check(&["--query", "q?", "--evict", "snapkv", "--kv-budget", "0"], one, "--kv-budget: 0 keeps nothing");
+    check(&["--query", "q?", "--evict", "snapkv"], one, "--kv-budget <KV_BUDGET>");
+    check(&["--query", "q?", "--kv-budget", "64"], one, "--evict <EVICT>");
+    let long = dir.join("long.txt");
+    std::fs::write(&long, "The harbour was quiet and the boats rested. ".repeat(1200)).unwrap();
+    check(&["--query", "q?"], &["--doc".into(), long.to_string_lossy().into_owned()], "context window is 8192");
+    // A job whose memory plan exceeds --memory-limit: refused before any work, with what it
+    // needs, where, and what to change.
+    let mid = dir.join("mid.txt");
+    std::fs::write(&mid, "The harbour was quiet and the boats rested. ".repeat(300)).unwrap();
+    let mid = ["--doc".into(), mid.to_string_lossy().into_owned()];
+    for want in ["the job needs", "on cpu", "--memory-limit allows 10.0 MiB", "fewer context tokens", "bf16"] {
+        check(&["--query", "q?", "--memory-limit", "0.009765625"], &mid, want);
+    }
+    check(&["--query", "q?", "--memory-limit", "0"], one, "not a positive number of GiB");
+    // `auto` with a damaged calibration file: the refusal says why and which file to fix (a
+    // job that names its method is not told about it).
+    let home = dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::write(home.join("calibration.json"), "{damaged").unwrap();
+    let model = flowprefill_worker::fetch::default_model_path().unwrap();
+    let with_home = |method: &str| {
+        let mut a = vec!["run".to_string(), "--model".into(), model.to_string_lossy().into_owned()];
+        a.extend(one.iter().cloned());
+        a.extend(["--query", "q?", "--max-tokens", "2", "--method", method].map(String::from));
+        bin().args(&a).env("FLOWPREFILL_HOME", &home).output().expect("run")
+    };
+    let out = with_home("auto");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("calibration.json") && err.contains("fix or delete") && err.contains("name a method"),
+        "{err}"
+    );
+    let out = with_home("full");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && !err.contains("calibration"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
