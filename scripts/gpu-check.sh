@@ -37,15 +37,19 @@ for t in cuda_compile_gate cuda_ops cuda_hopper_fallback nccl_smoke cuda_libs cu
 "$FP" bench prefill --device cuda --tokens 8000 --runs 3 --prefill-chunk 2048
 "$FP" bench prefill --device cuda --kv-dtype f32 --tokens 2048,8000 --runs 3
 "$FP" bench prefill --device cuda --weights f32 --kv-dtype f32 --tokens 2048 --runs 3
-# The attention kernels alone: flash2 (the autotuner's choice), then each configuration of the
-# Hopper kernel (on a GPU of compute capability 9.0 after its self-check; elsewhere the backend
-# says it is not used and the tables are flash2's again).
+# The attention kernels alone: the autotuner's choice, then each configuration of the Hopper
+# kernel (on a GPU of compute capability 9.0 after its self-check; elsewhere the backend says it
+# is not used and the tables are flash2's again), each with its ratio to PyTorch's SDPA timed
+# just before on this GPU (where PyTorch is installed).
 attention_bench() {
   if [ -n "$PACK_TESTS" ]; then "$PACK_TESTS/../cuda_attention_bench" "$@"
   else cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench -- "$@"; fi
 }
-attention_bench
-for k in hopper hopper:c1 hopper:c2 hopper:c3 hopper:c4 hopper:c5 hopper:c6 hopper:c7; do FLOWPREFILL_FLASH_KERNEL=$k attention_bench; done
+sdpa=()
+sdpa_file=$(mktemp)
+if python3 scripts/sdpa_baseline.py | tee "$sdpa_file"; then sdpa=(--sdpa "$sdpa_file"); fi
+attention_bench "${sdpa[@]}"
+for k in hopper hopper:c1 hopper:c2 hopper:c3 hopper:c4 hopper:c5 hopper:c6 hopper:c7; do FLOWPREFILL_FLASH_KERNEL=$k attention_bench "${sdpa[@]}"; done
 # The Hopper kernel from the kernel sources of an earlier commit (gpu-pack/ab, packed by
 # scripts/gpu-pack.sh) against the current one, alternating: a kernel change timed in one run.
 if [ -n "$PACK_TESTS" ] && [ -d "$pack/ab" ]; then

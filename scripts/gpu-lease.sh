@@ -60,6 +60,14 @@ prepare)
   (cd gpu-pack/home/models && sha256sum "$(basename "$model")") > carry/s2/model.sha256
   du -b carry/s1/* carry/s2/*
   ;;
+prepare-one)
+  # The pack alone (stage `one`: no model), carry carry/one.
+  set -e
+  [ -f gpu-pack/manifest ] || { echo "no gpu-pack: run scripts/gpu-pack.sh first" >&2; exit 2; }
+  rm -rf carry/one && mkdir -p carry/one
+  tar -C . --exclude=gpu-pack/home -cJf carry/one/pack.tar.xz gpu-pack
+  du -b carry/one/*
+  ;;
 slim)
   # The checkout travels with every call and counts towards its 64 MiB (about 63 MiB tracked on
   # 2026-11-27, docs/eval and adapters/ most of it): for the lease only scripts/ travels. The
@@ -96,17 +104,19 @@ stage1)
     mark "tune"
     timeout 120 "$FP" tune --device cuda:0 2>&1 | tee "$S/res/tune.txt"
     "$FP" devices > "$S/res/devices-tuned.txt"
-    # The attention kernels alone: the autotuner's choice, then each Hopper configuration fixed,
-    # and PyTorch SDPA on the same shapes in the same call.
+    # The attention kernels alone, PyTorch SDPA on the same shapes first (the benches print the
+    # ratio to it): the autotuner's choice, then each Hopper configuration fixed.
+    mark "pytorch sdpa"
+    timeout 120 python3 scripts/sdpa_baseline.py 2>&1 | tee "$S/res/sdpa.txt"
     for k in auto hopper hopper:c1 hopper:c2 hopper:c3; do
       mark "attention bench: $k"
-      kernel_env "$k" timeout 120 "$S/gpu-pack/cuda_attention_bench" 2>&1 | tee "$S/res/attention-${k/:/-}.txt"
+      kernel_env "$k" timeout 120 "$S/gpu-pack/cuda_attention_bench" --sdpa "$S/res/sdpa.txt" 2>&1 | tee "$S/res/attention-${k/:/-}.txt"
     done
     # The polynomial exp2 configurations, three consumers at d64 and the persistent kernel (new
     # 2026-11-27), up to 8K.
     for k in hopper:c4 hopper:c5 hopper:c6 hopper:c7; do
       mark "attention bench: $k"
-      kernel_env "$k" timeout 60 "$S/gpu-pack/cuda_attention_bench" --quick 2>&1 | tee "$S/res/attention-${k/:/-}.txt"
+      kernel_env "$k" timeout 60 "$S/gpu-pack/cuda_attention_bench" --quick --sdpa "$S/res/sdpa.txt" 2>&1 | tee "$S/res/attention-${k/:/-}.txt"
     done
     # A/B against the kernel sources packed from an earlier commit (gpu-pack/ab, GPU_PACK_AB of
     # scripts/gpu-pack.sh), the Hopper kernel fixed, alternating, up to 8K.
@@ -124,8 +134,6 @@ stage1)
       # Per prefill shape: the median over the rounds of each side's device TF/s, and their ratio.
       python3 scripts/ab-summary.py "$S"/res/ab-*.txt
     fi
-    mark "pytorch sdpa"
-    timeout 120 python3 scripts/sdpa_baseline.py 2>&1 | tee "$S/res/sdpa.txt"
     mark "pytorch baseline"
     python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' | tee "$S/res/baseline.txt"
     timeout 150 python3 scripts/torch_baseline.py --shape smollm2-135m --lengths 2048,4096,8000 --runs 3 \
@@ -147,6 +155,13 @@ stage2)
   {
     mark "test cuda (the real model, GPU == CPU)"
     timeout 240 "$PACK_TESTS/cuda" --nocapture 2>&1 | tee "$S/res2/test-cuda.log" | grep -E "^test |test result|SKIPPED|skipped|panicked|FAILED|logit" || true
+    mark "InfoFlow, 8B shape, 32768 tokens: segments gathered into one attention call (default) or one call each (=0)"
+    for g in default 0 default 0; do
+      echo "FLOWPREFILL_GATHERED_KEYS: $g"
+      if [ "$g" = default ]; then set -- env -u FLOWPREFILL_GATHERED_KEYS; else set -- env FLOWPREFILL_GATHERED_KEYS=0; fi
+      "$@" timeout 120 "$FP" --model synthetic:llama-3.1-8b bench ttft --device cuda --lengths 32768 --ranks 1 \
+        --methods full,infoflow --runs 3 --out "$S/gather-$g" 2>&1 | grep "P=1"
+    done
     mark "gpu-bench"
     GPU_BENCH_TUNE=0 timeout 330 bash scripts/gpu-bench.sh "$S/bench" > "$S/res2/bench.log" 2>&1
     echo "gpu-bench rc=$?"
@@ -232,8 +247,87 @@ again2)
   } 2>&1 | tee "$out/again2.log"
   tar -C "$S" -czf "$out/again2-results.tgz" res2 res
   ;;
+one)
+  # A whole round in one call, for a lease whose machine start leaves about 10 minutes: no model
+  # travels (carry carry/one: the pack alone, `prepare-one`), so the model's GPU == CPU test and
+  # every prefill of ours wait for stage2 (a synthetic model takes the default model's tokenizer).
+  # Most telling first, each step only while time is left (FP_ONE_SECONDS, default 540): the CUDA
+  # ops on this GPU, racecheck over the Hopper kernel, the autotuner, the attention against
+  # PyTorch SDPA (two rounds), the A/B against gpu-pack/ab's sources, PyTorch's 8B prefill, then
+  # racecheck over gpu-pack/ab's sources.
+  out="${2:?OUT}"
+  rm -rf "$S" && mkdir -p "$S/res"
+  tar -xJf carry/one/pack.tar.xz -C "$S"
+  export FLOWPREFILL_PACK="$S/gpu-pack"
+  . scripts/gpu-env.sh
+  end=$((t0 + ${FP_ONE_SECONDS:-540}))
+  # room SECONDS WHAT: whether SECONDS are left before the end (else says WHAT is skipped).
+  room() { [ $((end - $(date +%s))) -ge "$1" ] || { mark "skipped (under $1 s left): $2"; return 1; }; }
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1)
+  {
+    mark "machine"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    "$FP" devices
+    for t in cuda_ops cuda_hopper_fallback; do
+      mark "test $t"
+      timeout 120 "$PACK_TESTS/$t" --nocapture 2>&1 | tee "$out/test-$t.log" | grep -E "^test |test result|SKIPPED|skipped|panicked|FAILED|self-check|hopper" || true
+    done
+    if [ -n "$cs" ] && room 100 "racecheck"; then
+      mark "racecheck: the Hopper kernel of this build"
+      FLOWPREFILL_FLASH_KERNEL=hopper timeout 100 "$cs" --tool racecheck "$PACK_TESTS/cuda_ops" \
+        tensor_core_attention_over_a_bf16_cache --nocapture > "$out/racecheck.log" 2>&1
+      echo "rc $?"; grep -E "RACECHECK SUMMARY|test result" "$out/racecheck.log" | tail -n 4
+    fi
+    if room 60 "tune"; then
+      mark "tune"
+      timeout 120 "$FP" tune --device cuda:0 2>&1 | tee "$S/res/tune.txt"
+    fi
+    # SDPA, ours, twice over (the medians of rounds; the benches print the ratio to the SDPA
+    # round just before them).
+    for r in 1 2; do
+      room 60 "attention against SDPA, round $r" || continue
+      mark "pytorch sdpa, round $r"
+      timeout 60 python3 scripts/sdpa_baseline.py 2>&1 | tee "$S/res/sdpa-$r.txt"
+      mark "attention bench: the autotuner's choice, round $r"
+      timeout 60 "$S/gpu-pack/cuda_attention_bench" --sdpa "$S/res/sdpa-$r.txt" 2>&1 | tee "$S/res/attention-auto-$r.txt"
+    done
+    if [ -d "$S/gpu-pack/ab" ]; then
+      for r in 1 2; do
+        for v in before after; do
+          room 25 "A/B $v, round $r" || continue
+          mark "attention A/B: $v, round $r"
+          src=""
+          [ "$v" = before ] && src="$S/gpu-pack/ab"
+          FLOWPREFILL_CUDA_SOURCES="$src" FLOWPREFILL_FLASH_KERNEL=hopper timeout 40 \
+            "$S/gpu-pack/cuda_attention_bench" --quick > "$S/res/ab-$v-$r.txt" 2>&1
+        done
+      done
+      python3 scripts/ab-summary.py "$S"/res/ab-*.txt
+    fi
+    if ! ls "$S"/gpu-pack/home/models/*.gguf >/dev/null 2>&1; then
+      mark "skipped: the 8B shape's prefill (a synthetic model takes the default model's tokenizer, which travels with stage2)"
+    elif room 120 "8B prefill"; then
+      mark "8B shape prefill (the autotuner's kernel)"
+      timeout 150 "$FP" --model synthetic:llama-3.1-8b bench prefill --device cuda --tokens 8192,32768 --runs 3 2>&1 | grep -v "^note" | tail -n 4
+    fi
+    if room 90 "pytorch 8B prefill"; then
+      mark "pytorch baseline (8B shape)"
+      python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+      timeout 150 python3 scripts/torch_baseline.py --shape llama-3.1-8b --lengths 8192,32768 --runs 3 \
+        --decode-context 7036 --decode-tokens 34 | tee "$S/res/torch-llama-3.1-8b.jsonl"
+    fi
+    if [ -n "$cs" ] && [ -d "$S/gpu-pack/ab" ] && room 70 "racecheck of gpu-pack/ab"; then
+      mark "racecheck: the Hopper kernel of gpu-pack/ab's sources"
+      FLOWPREFILL_CUDA_SOURCES="$S/gpu-pack/ab" FLOWPREFILL_FLASH_KERNEL=hopper timeout 70 "$cs" --tool racecheck \
+        "$PACK_TESTS/cuda_ops" tensor_core_attention_over_a_bf16_cache --nocapture > "$out/racecheck-ab.log" 2>&1
+      echo "rc $?"; grep -E "RACECHECK SUMMARY|test result" "$out/racecheck-ab.log" | tail -n 4
+    fi
+    mark "one done"
+  } 2>&1 | tee "$out/one.log"
+  tar -C "$S" -czf "$out/one-results.tgz" res
+  ;;
 *)
-  echo "unknown stage $stage: prepare, stage1 or stage2" >&2
+  echo "unknown stage $stage: prepare, prepare-one, slim, unslim, stage1, stage2, one, again1 or again2" >&2
   exit 2
   ;;
 esac

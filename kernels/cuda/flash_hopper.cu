@@ -383,6 +383,9 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
             fp_wgmma_wait<0>();  // the previous P V: its stage is free, O and P may change
             fp_acc_fence(o);
             fp_frag_fence(pf);
+            // Every lane read the stage's word (next()); the arrival releases it to the
+            // producer's next write, so the warp's reads come first (racecheck, 2026-11-28).
+            __syncwarp();
             if (lane == 0) {
                 fp_mbar_arrive(empty_bar + 8 * prev_stage);  // this warp is done with that stage
             }
@@ -474,6 +477,7 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
         }
         if (PERSISTENT) {
             // The stage without a tile goes back to the producer for the next item's tiles.
+            __syncwarp();  // every lane's read of the word before the release, as above
             if (word == FP_FH_NO_TILE && lane == 0) {
                 fp_mbar_arrive(empty_bar + 8 * ring.stage);
             }
@@ -497,6 +501,9 @@ __device__ __forceinline__ void fp_flash_hopper(const u64* maps, const bf16_t* q
             fp_wgmma_wait<0>();
             fp_acc_fence(o);
             fp_frag_fence(pf);
+            if (PERSISTENT) {
+                __syncwarp();
+            }
             if (PERSISTENT && lane == 0) {
                 fp_mbar_arrive(empty_bar + 8 * prev_stage);  // its stage too
             }

@@ -1,5 +1,7 @@
 //! `cargo run --release -p flowprefill-kernels --features cuda --example cuda_attention_bench`
-//! (`-- --quick` for fewer shapes and runs): the CUDA attention kernels on prefill and decode
+//! (`-- --quick` for fewer shapes and runs; `-- --sdpa FILE` for PyTorch's figures beside ours:
+//! FILE is what `scripts/sdpa_baseline.py` printed on the same GPU, best in the same call): the
+//! CUDA attention kernels on prefill and decode
 //! shapes, the tensor-core kernel (bf16 K/V, `flash.cu`) beside the simple FP32-core kernel
 //! (f32 K/V, `attention.cu`). Prefill: median ms, TFLOP/s (4 x head_dim x heads x visible
 //! pairs, the convention of FlashAttention's and PyTorch's figures) and the share of the dense
@@ -28,10 +30,36 @@ const PEAKS: &[(&str, f64, f64)] = &[
     ("RTX 4090", 165.0, 1.0),
 ];
 
-/// PyTorch SDPA (bf16, causal) on one H100 80GB HBM3, measured 2026-11-23
-/// (`../shared/notes/gpu-measured.md`): (n, heads, kv heads, head_dim, TFLOP/s).
-const SDPA_H100: &[(usize, usize, usize, usize, f64)] =
-    &[(2048, 9, 3, 64, 91.6), (8192, 14, 2, 64, 240.9), (8192, 32, 8, 128, 319.9), (32768, 32, 8, 128, 349.3)];
+/// PyTorch SDPA's prefill TFLOP/s by (n, heads, kv heads, head_dim), from the output of
+/// `scripts/sdpa_baseline.py` (rows `n heads/kv d ms TF/s` before its decode table). No fixed
+/// figures: PyTorch's SDPA on one H100 went from 320 TFLOP/s (2026-11-23) to 573 (torch
+/// 2.11 + CUDA 13, 2026-11-28) at 8192 32/8 d128, so only the same GPU and session compare.
+fn sdpa_figures(path: &str) -> Vec<((usize, usize, usize, usize), f64)> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| {
+        eprintln!("--sdpa {path}: {e} (give the output of scripts/sdpa_baseline.py)");
+        std::process::exit(2);
+    });
+    let mut rows = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("decode") {
+            break;
+        }
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let heads = f.get(1).and_then(|h| h.split_once('/'));
+        if let ([n, _, d, _, tf], Some((h, kv))) = (f.as_slice(), heads) {
+            if let (Ok(n), Ok(h), Ok(kv), Ok(d), Ok(tf)) = (n.parse(), h.parse(), kv.parse(), d.parse(), tf.parse()) {
+                rows.push(((n, h, kv, d), tf));
+            }
+        }
+    }
+    if rows.is_empty() {
+        eprintln!(
+            "--sdpa {path}: no prefill rows (n heads/kv d ms TF/s) in it; give the output of scripts/sdpa_baseline.py"
+        );
+        std::process::exit(2);
+    }
+    rows
+}
 
 fn fill(len: usize, seed: usize) -> Vec<f32> {
     (0..len).map(|i| (((i + seed) * 2654435761) % 1000) as f32 / 1000.0 - 0.5).collect()
@@ -87,7 +115,18 @@ fn time(be: &CudaBackend, shape: &AttnShape, b: &mut Bufs, qpos: &[u32], kpos: &
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let sdpa = match args.iter().position(|a| a == "--sdpa") {
+        Some(i) => match args.get(i + 1) {
+            Some(path) => sdpa_figures(path),
+            None => {
+                eprintln!("--sdpa needs a file: the output of scripts/sdpa_baseline.py");
+                std::process::exit(2);
+            }
+        },
+        None => Vec::new(),
+    };
     let list = match devices() {
         Ok(l) if !l.is_empty() => l,
         other => {
@@ -108,7 +147,10 @@ fn main() {
         bw.map_or("unknown".into(), |b| format!("{b} TB/s"))
     );
     // FLOWPREFILL_FLASH_KERNEL=hopper: the Hopper kernel, once its self-check passed here.
-    let kernel = be.fixed_attention().map_or_else(|| "flash2 (the autotuner's choice)".to_string(), |k| k.name());
+    let kernel = be.fixed_attention().map_or_else(
+        || "the autotuner's choice per head size (`flowprefill tune` prints it)".to_string(),
+        |k| k.name(),
+    );
     println!("tensor-core attention kernel: {kernel}");
     let runs = if quick { 5 } else { 21 };
     println!(
@@ -117,7 +159,7 @@ fn main() {
     );
     println!(
         "{:>6} {:>9} {:>4} {:>11} {:>9} {:>11} {:>9} {:>9} {:>7} {:>7} {:>12}",
-        "n", "heads", "d", "old ms", "old TF/s", "new ms", "new TF/s", "host ms", "% peak", "x old", "SDPA H100"
+        "n", "heads", "d", "old ms", "old TF/s", "new ms", "new TF/s", "host ms", "% peak", "x old", "x SDPA"
     );
     let mut shapes: Vec<(usize, usize, usize, usize)> = vec![
         (2048, 9, 3, 64),
@@ -145,7 +187,7 @@ fn main() {
             time(&be, &shape, &mut ob, &pos, &pos, 3).0
         });
         let tf = |s: f64| flops / s / 1e12;
-        let sdpa = SDPA_H100.iter().find(|s| (s.0, s.1, s.2, s.3) == (n, h, kv, dim)).map(|s| s.4);
+        let theirs = sdpa.iter().find(|s| s.0 == (n, h, kv, dim)).map(|s| s.1);
         println!(
             "{n:>6} {:>9} {dim:>4} {:>11} {:>9} {:>11.3} {:>9.1} {:>9.3} {:>7} {:>7} {:>12}",
             format!("{h}/{kv}"),
@@ -156,7 +198,7 @@ fn main() {
             host * 1e3,
             peak.map_or("-".into(), |p| format!("{:.1}%", 100.0 * tf(new) / p)),
             old.map_or("-".into(), |s| format!("{:.0}x", s / new)),
-            sdpa.map_or("-".into(), |t| format!("{t:.1} TF/s")),
+            theirs.map_or("-".into(), |t| format!("{:.2}x", tf(new) / t)),
         );
     }
     println!("\ndecode (one query over n keys), median of {runs}");
