@@ -34,6 +34,7 @@ use crate::pipeline::Pipeline;
 use crate::request::{Geometry, Method, PrefixMode, RunOptions, Scope};
 use crate::timings::phase;
 use flowprefill_kernels::{gib, Backend, DType, Memory};
+use flowprefill_worker::attend::GATHER_FROM_SOURCES;
 use flowprefill_worker::config::ModelConfig;
 use flowprefill_worker::steps::{batches, zigzag_pieces, DEFAULT_BATCH_TOKENS};
 use flowprefill_worker::LoadedModel;
@@ -201,6 +202,8 @@ pub struct Target<'a> {
     pub scratch: Box<dyn Fn(usize, usize) -> usize + 'a>,
     /// Tokens per forward of a full prefill ([`Backend::prefill_rows`]).
     pub prefill_rows: usize,
+    /// Keys gathered for one attention call over many sources ([`Backend::gathered_keys`]).
+    pub gathered_keys: usize,
 }
 
 /// Every rank's peak for a job of `tokens` run with `opts` on `ranks` ranks of a model of
@@ -216,7 +219,9 @@ pub fn plan(dims: &ModelConfig, target: &Target, opts: &RunOptions, ranks: usize
             out
         }
         Build::Ring => (0..ranks).map(|r| ring(&s, &scratch, opts, tokens, ranks, r)).collect(),
-        Build::Chunked | Build::Chosen => (0..ranks).map(|r| chunked(&s, &scratch, opts, tokens, ranks, r)).collect(),
+        Build::Chunked | Build::Chosen => {
+            (0..ranks).map(|r| chunked(&s, &scratch, target.gathered_keys, opts, tokens, ranks, r)).collect()
+        }
     }
 }
 
@@ -229,7 +234,13 @@ impl<'a> Target<'a> {
     /// The device of backend `be`.
     pub fn of<B: Backend>(be: &'a B) -> Self {
         let scratch = Box::new(move |rows, width| be.scratch_bytes(rows, width));
-        Self { kv: be.kv_dtype(), act: be.act_dtype(), scratch, prefill_rows: be.prefill_rows() }
+        Self {
+            kv: be.kv_dtype(),
+            act: be.act_dtype(),
+            scratch,
+            prefill_rows: be.prefill_rows(),
+            gathered_keys: be.gathered_keys(),
+        }
     }
 }
 
@@ -278,16 +289,18 @@ fn ring(s: &Sizes, scratch: &dyn Fn(usize) -> usize, opts: &RunOptions, t: &Toke
 }
 
 /// Chunked methods (see the module docs).
+#[allow(clippy::too_many_arguments)]
 fn chunked(
     s: &Sizes,
     scratch: &dyn Fn(usize) -> usize,
+    gathered_keys: usize,
     opts: &RunOptions,
     t: &Tokens,
     p: usize,
     me: usize,
 ) -> RankMemory {
     let plan = Pipeline::new(opts, &t.chunks, p, s.layers);
-    let share = Share::new(s, scratch, t, &plan, me);
+    let share = Share { gathered_keys, ..Share::new(s, scratch, t, &plan, me) };
     let mut phases = vec![share.chunk_prefill()];
     // The prompt over the segments: one partial per segment, the tail's and the merge.
     // LookaheadKV's rows follow the prompt in its probe (the prompt's K/V kept meanwhile).
@@ -304,6 +317,7 @@ fn chunked(
         vec![
             ("prompt and answer tail", s.kv_token() * (m + opts.max_new_tokens)),
             ("activations", share.replicated(m) + s.logits(1)),
+            ("gathered keys", share.gathered(m)),
             ("scratch", scratch(m)),
         ],
     ));
@@ -325,6 +339,8 @@ struct Share<'a> {
     anchored: bool,
     /// The chunk caches and the head, held from the chunk prefill on.
     held: [(&'static str, usize); 2],
+    /// Keys gathered for one attention call over the segments ([`Backend::gathered_keys`]).
+    gathered_keys: usize,
 }
 
 impl<'a> Share<'a> {
@@ -336,7 +352,30 @@ impl<'a> Share<'a> {
         // The head in the store and placed once (the chunk prefill's copy and the pipeline's
         // are not alive together).
         let held = [("chunk caches", s.kv_token() * (local_tokens + anchor)), ("head", 2 * s.kv_token() * t.head)];
-        Self { s, scratch, t, prefix: plan.prefix, local, local_tokens, lead: me == 0, anchored, held }
+        Self {
+            s,
+            scratch,
+            t,
+            prefix: plan.prefix,
+            local,
+            local_tokens,
+            lead: me == 0,
+            anchored,
+            held,
+            gathered_keys: 0,
+        }
+    }
+
+    /// K and V (one layer) of the sources attention over the segments copies into one buffer,
+    /// where the backend gathers them (`attend_over`): at most its key budget, and only with
+    /// enough sources (the segments and `rows` more keys of a tail or other ranks' rows).
+    fn gathered(&self, rows: usize) -> usize {
+        let sources = self.local.len() + usize::from(self.lead) + 1;
+        if self.gathered_keys == 0 || sources < GATHER_FROM_SOURCES {
+            return 0;
+        }
+        let keys = self.local_tokens + if self.lead { self.t.head } else { 0 } + rows;
+        keys.min(self.gathered_keys) * self.s.kv_row()
     }
 
     /// A phase after the chunk prefill: every local chunk placed at its global position (the
@@ -415,6 +454,7 @@ impl<'a> Share<'a> {
             let rotated = if opts.geometry == Geometry::Global { 0 } else { local_tokens * s.kvd * s.kv };
             vec![
                 ("activations", self.replicated(m) + rotated + weighted * local_tokens * 4),
+                ("gathered keys", self.gathered(m)),
                 ("prompt tail", s.kv_token() * m),
                 ("scratch", (self.scratch)(m)),
             ]
@@ -434,7 +474,11 @@ impl<'a> Share<'a> {
         };
         self.phase(
             phase::RECOMPUTE,
-            vec![("activations", mine * s.forward_row() + attend), ("scratch", (self.scratch)(mine))],
+            vec![
+                ("activations", mine * s.forward_row() + attend),
+                ("gathered keys", self.gathered(total.saturating_sub(mine))),
+                ("scratch", (self.scratch)(mine)),
+            ],
         )
     }
 }
@@ -553,7 +597,13 @@ mod tests {
 
     /// The CPU's target with K/V kept as `kv`.
     fn cpu(kv: DType) -> Target<'static> {
-        Target { kv, act: DType::F32, scratch: Box::new(none), prefill_rows: flowprefill_kernels::PREFILL_ROWS }
+        Target {
+            kv,
+            act: DType::F32,
+            scratch: Box::new(none),
+            prefill_rows: flowprefill_kernels::PREFILL_ROWS,
+            gathered_keys: 0,
+        }
     }
 
     #[test]

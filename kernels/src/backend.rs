@@ -493,6 +493,15 @@ pub trait Backend: Send + Sync + 'static {
     fn prefill_rows(&self) -> usize {
         PREFILL_ROWS
     }
+    /// Keys that attention over many sources (the placed segments of a chunked layout: the
+    /// probe, the recomputation, the final prompt) may copy into one K/V buffer, to attend with
+    /// one call where it would call once per source and merge each partial. 0, the default
+    /// (the CPU: its attention is bound by arithmetic, one call per source costs no more),
+    /// never copies; a GPU copies up to [`GPU_GATHERED_KEYS`] (`FLOWPREFILL_GATHERED_KEYS`
+    /// sets another number, 0 for one call per source).
+    fn gathered_keys(&self) -> usize {
+        0
+    }
 }
 
 /// Tokens per prefill forward on the CPU: big enough for efficient GEMMs, small enough to keep
@@ -506,6 +515,15 @@ pub const PREFILL_ROWS: usize = 2048;
 /// them attention. 8192 is what vLLM batches by default; the activations of such a forward
 /// (bf16) are about a GiB at an 8B model's FFN width of 14,336.
 pub const GPU_PREFILL_ROWS: usize = 8192;
+
+/// Keys a GPU gathers from several sources for one attention call ([`Backend::gathered_keys`]).
+/// Per source, InfoFlow's recomputation of the 8B shape at 32,768 tokens in documents of 512 on
+/// an H100 (2026-11-28) was one call per layer, batch of up to 2,048 rows and document, each
+/// over 512 keys, with an f32 partial and a merge after each: the recomputation of 15% of the
+/// tokens took 1.0 s, about the whole full prefill's 1.24 s, against some 0.2 s of work.
+/// One copy of the keys (K and V of 32,768 keys of the 8B shape: 128 MiB at bf16, 40 us of the
+/// H100's bandwidth) costs less than one of those merges.
+pub const GPU_GATHERED_KEYS: usize = 32768;
 
 /// That rows `first..first + rows` (of `width` values) of `what`, a buffer of `have` values,
 /// lie inside it: the check of every op that addresses a range of rows in place.

@@ -34,7 +34,8 @@ pub mod testing;
 pub mod topk;
 
 pub use backend::{
-    gpu_scratch_bytes, Backend, Cpu, DType, HostBuf, Memory, MemoryUse, Wrapper, GPU_PREFILL_ROWS, PREFILL_ROWS,
+    gpu_scratch_bytes, Backend, Cpu, DType, HostBuf, Memory, MemoryUse, Wrapper, GPU_GATHERED_KEYS, GPU_PREFILL_ROWS,
+    PREFILL_ROWS,
 };
 pub use device::{Device, DeviceSpec, WeightType};
 pub use error::{gib, KernelError, Result};

@@ -140,6 +140,7 @@ fn gpus() -> usize {
     flowprefill_kernels::cuda::devices().map_or(0, |d| d.len())
 }
 
+#[cfg(feature = "nccl")]
 fn run_json(args: &[String]) -> serde_json::Value {
     let out = bin().arg("run").args(args).args(["--json", "--max-tokens", "8"]).output().unwrap();
     assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
@@ -282,4 +283,50 @@ fn decode_graphs_give_the_answers_of_steps_run_op_by_op() {
         assert!(!long || replayed > 0, "{method}: no step was replayed");
     }
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// InfoFlow on one GPU with the segments' keys gathered into one attention call (the default,
+/// `FLOWPREFILL_GATHERED_KEYS`) against one call and merge per segment (`=0`): the same
+/// selection and answer, the first logits within the f32 bound. A bad value is refused.
+#[test]
+fn gathered_segments_on_a_gpu_equal_one_call_per_segment() {
+    if !has_gpu() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fp-gather-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut args: Vec<String> = Vec::new();
+    for i in 0..6 {
+        let p = dir.join(format!("d{i}.txt"));
+        let mut text = format!("Bridge {i} crosses the canal at dawn. ").repeat(30);
+        if i == 4 {
+            text.push_str("The ferry to the island leaves at 7:40. ");
+        }
+        std::fs::write(&p, text).unwrap();
+        args.extend(["--doc".to_string(), p.to_string_lossy().into_owned()]);
+    }
+    let q = ["--query", "When does the ferry to the island leave?", "--device", "cuda", "--weights", "f32"];
+    args.extend(q.iter().map(|s| s.to_string()));
+    args.extend(["--method", "infoflow", "--json", "--max-tokens", "8"].iter().map(|s| s.to_string()));
+    let run = |keys: Option<&str>| {
+        let mut c = bin();
+        c.arg("run").args(&args);
+        if let Some(k) = keys {
+            c.env("FLOWPREFILL_GATHERED_KEYS", k);
+        }
+        c.output().unwrap()
+    };
+    let json = |out: std::process::Output| -> serde_json::Value {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let (gathered, each) = (json(run(None)), json(run(Some("0"))));
+    eprintln!("gathered: {}; one call per segment: {}", gathered["answer"], each["answer"]);
+    assert_eq!(gathered["selected"], each["selected"], "the same selection");
+    assert_eq!(gathered["answer"], each["answer"], "the same answer");
+    same_top_logits(&gathered, &each, "gathered against one call per segment");
+    let bad = run(Some("many"));
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("FLOWPREFILL_GATHERED_KEYS"));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -4,6 +4,7 @@
 //! allocator gives it. Buffers give their bytes back when dropped, so a test can check that a
 //! failed job released everything it held.
 
+use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::matmul::Matrix;
 use flowprefill_kernels::{Cpu, DType, HostBuf, KernelError, Memory, MemoryUse, Result, Wrapper};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,6 +25,10 @@ pub struct Ledger {
     tenant: Mutex<Tenant>,
     /// Tokens per full-prefill forward the backend asks for (`Backend::prefill_rows`).
     prefill_rows: AtomicUsize,
+    /// Keys gathered for one attention call over many sources (`Backend::gathered_keys`).
+    gathered_keys: AtomicUsize,
+    /// Attention calls so far.
+    attention_calls: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -71,6 +76,17 @@ impl Ledger {
     /// CPU's 2048 by default).
     pub fn set_prefill_rows(&self, rows: usize) {
         self.prefill_rows.store(rows, Ordering::SeqCst);
+    }
+
+    /// Makes attention over many sources gather up to `keys` keys into one call, as a GPU does
+    /// (0, the CPU's default: one call per source).
+    pub fn set_gathered_keys(&self, keys: usize) {
+        self.gathered_keys.store(keys, Ordering::SeqCst);
+    }
+
+    /// Attention calls so far (`Backend::attention`, every thread).
+    pub fn attention_calls(&self) -> usize {
+        self.attention_calls.load(Ordering::SeqCst)
     }
 
     /// Refuses every allocation made inside engine phase `phase` (`None`: none).
@@ -158,6 +174,8 @@ impl Default for Limited {
             phase_peaks: Mutex::new(Vec::new()),
             tenant: Mutex::new(Tenant::default()),
             prefill_rows: AtomicUsize::new(flowprefill_kernels::PREFILL_ROWS),
+            gathered_keys: AtomicUsize::new(0),
+            attention_calls: AtomicUsize::new(0),
         };
         Self { cpu: Cpu, ledger: Arc::new(ledger) }
     }
@@ -247,6 +265,24 @@ flowprefill_kernels::forward_backend! {
         }
         fn prefill_rows(&self) -> usize {
             self.ledger.prefill_rows.load(Ordering::SeqCst)
+        }
+        fn gathered_keys(&self) -> usize {
+            self.ledger.gathered_keys.load(Ordering::SeqCst)
+        }
+        #[allow(clippy::too_many_arguments)]
+        fn attention(
+            &self,
+            shape: &AttnShape,
+            q: &Tracked,
+            qpos: &[u32],
+            k: &Tracked,
+            v: &Tracked,
+            kpos: &[u32],
+            out: &mut Tracked,
+            lse: &mut Tracked,
+        ) -> Result<()> {
+            self.ledger.attention_calls.fetch_add(1, Ordering::SeqCst);
+            self.cpu.attention(shape, &q.buf, qpos, &k.buf, &v.buf, kpos, &mut out.buf, &mut lse.buf)
         }
         fn memory(&self) -> Option<Memory> {
             // Free memory is what the limit leaves; without one it is unknown.

@@ -4,7 +4,8 @@
 //! `Attend`, which returns the attention output. Context is a list of KV sources (a cache, the
 //! placed segments of a chunked layout, the tokens themselves); attention over several sources
 //! is one kernel call per source, combined with `merge_partial` ([`attend_over`]), which is
-//! exactly what a rank does with its local shards before merging across ranks.
+//! exactly what a rank does with its local shards before merging across ranks (a GPU first
+//! gathers many small sources into a few, [`Backend::gathered_keys`]).
 
 use crate::error::Result;
 use crate::kv::{KeyForm, KvCache};
@@ -69,10 +70,19 @@ impl<'a, B: Backend> KvSource<'a, B> {
     }
 }
 
+/// Sources below this many take one attention call each, even where the backend gathers
+/// ([`Backend::gathered_keys`]): a chunk's own prefill attends to at most three (the head, the
+/// anchor, itself), where a copy would cost about what it saves.
+pub const GATHER_FROM_SOURCES: usize = 4;
+
 /// Attention of `q` (at `qpos`) over several sources, merged into `(out, lse)`. Empty sources
 /// are skipped; with no keys at all, `out = 0` and `lse = -inf`. `out` is f32 or bf16: a
 /// single source writes a bf16 `out` directly; several merge in f32 and are rounded once at
-/// the end.
+/// the end. Where the backend gathers ([`Backend::gathered_keys`] > 0) and there are at least
+/// [`GATHER_FROM_SOURCES`] sources, runs of consecutive sources of one element type and at
+/// most that many keys in all are copied into one K/V buffer each (one run at a time) and
+/// attended with one call: the same keys and positions, so the same values up to the order
+/// of the softmax's sums.
 pub fn attend_over<B: Backend>(
     be: &B,
     shape: &AttnShape,
@@ -84,7 +94,9 @@ pub fn attend_over<B: Backend>(
 ) -> Result<()> {
     let m = qpos.len();
     let dtype = be.dtype(out);
-    if dtype != DType::F32 && sources.iter().filter(|s| !s.pos.is_empty()).count() > 1 {
+    let live: Vec<&KvSource<'_, B>> = sources.iter().filter(|s| !s.pos.is_empty()).collect();
+    let runs = runs_of(be, &live);
+    if dtype != DType::F32 && runs.len() > 1 {
         let mut wide = be.zeros(m * shape.q_dim())?;
         attend_over(be, shape, q, qpos, sources, &mut wide, lse)?;
         be.copy_columns(&wide, shape.q_dim(), 0, shape.q_dim(), out)?;
@@ -92,7 +104,12 @@ pub fn attend_over<B: Backend>(
     }
     let mut first = true;
     let mut tmp: Option<(B::Buf, B::Buf)> = None;
-    for s in sources.iter().filter(|s| !s.pos.is_empty()) {
+    for run in runs {
+        let gathered = if run.len() > 1 { Some(gather(be, shape.kv_dim(), &live[run.clone()])?) } else { None };
+        let s: KvSource<'_, B> = match &gathered {
+            Some((k, v, pos)) => KvSource { k, v, pos },
+            None => KvSource { k: live[run.start].k, v: live[run.start].v, pos: live[run.start].pos },
+        };
         if first {
             be.attention(shape, q, qpos, s.k, s.v, s.pos, out, lse)?;
             first = false;
@@ -110,6 +127,56 @@ pub fn attend_over<B: Backend>(
         *lse = be.upload(&vec![f32::NEG_INFINITY; m * shape.n_heads])?;
     }
     Ok(())
+}
+
+/// The calls of [`attend_over`]: ranges of `live` attended together, one source each unless
+/// the backend gathers and there are enough sources.
+fn runs_of<B: Backend>(be: &B, live: &[&KvSource<'_, B>]) -> Vec<std::ops::Range<usize>> {
+    let cap = be.gathered_keys();
+    if cap == 0 || live.len() < GATHER_FROM_SOURCES {
+        return (0..live.len()).map(|i| i..i + 1).collect();
+    }
+    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut keys = 0;
+    for (i, s) in live.iter().enumerate() {
+        let n = s.pos.len();
+        let kind = (be.dtype(s.k), be.dtype(s.v));
+        match runs.last_mut() {
+            Some(run) if keys + n <= cap && (be.dtype(live[run.start].k), be.dtype(live[run.start].v)) == kind => {
+                run.end = i + 1;
+                keys += n;
+            }
+            _ => {
+                runs.push(i..i + 1);
+                keys = n;
+            }
+        }
+    }
+    runs
+}
+
+/// K, V and positions of `run` in one buffer each.
+fn gather<B: Backend>(be: &B, kvd: usize, run: &[&KvSource<'_, B>]) -> Result<(B::Buf, B::Buf, Vec<u32>)> {
+    let keys: usize = run.iter().map(|s| s.pos.len()).sum();
+    let (mut k, mut v) = (be.zeros_as(0, be.dtype(run[0].k))?, be.zeros_as(0, be.dtype(run[0].v))?);
+    be.reserve(&mut k, keys * kvd)?;
+    be.reserve(&mut v, keys * kvd)?;
+    let mut pos = Vec::with_capacity(keys);
+    for s in run {
+        let n = s.pos.len() * kvd;
+        if be.len(s.k) != n || be.len(s.v) != n {
+            return Err(crate::error::internal(format!(
+                "a source of {} positions holds {} / {} K / V values, not {n}",
+                s.pos.len(),
+                be.len(s.k),
+                be.len(s.v)
+            )));
+        }
+        be.append(&mut k, s.k)?;
+        be.append(&mut v, s.v)?;
+        pos.extend_from_slice(s.pos);
+    }
+    Ok((k, v, pos))
 }
 
 /// The tokens attend to themselves only (causally by position): plain prefill of a sequence

@@ -240,6 +240,7 @@ macro_rules! for_each_backend_op {
             fn reset_memory_peak();
             fn scratch_bytes(rows: usize, width: usize) -> usize;
             fn prefill_rows() -> usize;
+            fn gathered_keys() -> usize;
         }
     };
 }

@@ -86,6 +86,9 @@ pub struct CudaBackend {
     pub(super) tuning: super::tuning::Tuning,
     weights: WeightType,
     kv: DType,
+    /// Keys gathered for one attention call over many sources ([`Backend::gathered_keys`]):
+    /// [`crate::GPU_GATHERED_KEYS`], or `FLOWPREFILL_GATHERED_KEYS` (0: one call per source).
+    gathered_keys: usize,
     /// Uploaded RoPE tables, by their content.
     pub(super) ropes: Mutex<HashMap<u64, Arc<DeviceRope>>>,
     /// bf16 copy of the activations for bf16 GEMMs.
@@ -138,6 +141,17 @@ impl CudaBackend {
                 detail: format!("FLOWPREFILL_FLASH_KERNEL: {e}"),
             })?),
             Err(_) => None,
+        };
+        let gathered_keys = match std::env::var("FLOWPREFILL_GATHERED_KEYS") {
+            Ok(v) => v.trim().parse().map_err(|_| KernelError::Backend {
+                backend: "cuda",
+                detail: format!(
+                    "FLOWPREFILL_GATHERED_KEYS={v:?}: give a number of keys (0: one attention call per source; \
+                     default {})",
+                    crate::backend::GPU_GATHERED_KEYS
+                ),
+            })?,
+            Err(_) => crate::backend::GPU_GATHERED_KEYS,
         };
         let driver = super::versions().driver.unwrap_or(0);
         // SAFETY: every op of this backend runs on `stream`, one stream, so cudarc's per-buffer
@@ -192,6 +206,7 @@ impl CudaBackend {
             tuning: super::tuning::Tuning::new(fixed),
             weights,
             kv,
+            gathered_keys,
             ropes: Mutex::new(HashMap::new()),
             gemm_x: Scratch::new(epoch.clone()),
             attn_q: Scratch::new(epoch.clone()),
@@ -385,6 +400,10 @@ impl Backend for CudaBackend {
 
     fn prefill_rows(&self) -> usize {
         crate::backend::GPU_PREFILL_ROWS
+    }
+
+    fn gathered_keys(&self) -> usize {
+        self.gathered_keys
     }
 
     fn rope_copy(&self, src: &DeviceBuf, n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<DeviceBuf> {

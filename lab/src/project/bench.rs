@@ -180,6 +180,7 @@ impl Target {
             act: self.act(),
             scratch: Box::new(flowprefill_kernels::gpu_scratch_bytes),
             prefill_rows: flowprefill_kernels::GPU_PREFILL_ROWS,
+            gathered_keys: flowprefill_kernels::GPU_GATHERED_KEYS,
         };
         let plans = memory::plan(&self.shape, &target, opts, p, &tokens);
         plans.iter().map(memory::RankMemory::bytes).max().unwrap_or(0)

@@ -241,3 +241,63 @@ fn the_chunk_store_gives_back_its_entries_when_that_lets_a_job_fit() {
     ledger.tenant_leaves();
     ledger.set_limit(usize::MAX);
 }
+
+/// Where two results of InfoFlow may differ when a GPU gathers the segments' keys into one
+/// attention call instead of one call per segment and a merge each (relative to the largest
+/// first-token logit): the same keys and positions, the softmax's sums in another order (f32).
+const GATHERED_LOGITS_TOL: f32 = 2e-5;
+
+/// A backend that gathers the segments' keys into fewer attention calls (`Backend::
+/// gathered_keys`, as a GPU does) runs InfoFlow to the same selection and answer in fewer calls,
+/// and the plan counts the gathered copy: within the same bound of the counted peak.
+#[test]
+fn gathering_the_segments_keys_gives_the_same_answer_in_fewer_calls_as_planned() {
+    let _serial = one_at_a_time();
+    let lm = model();
+    let ledger = lm.model.backend().ledger().clone();
+    let req = request(&lm, 2048, 11);
+    let layout = Layout::build(&lm, &req).expect("layout");
+    let opts = RunOptions { method: Method::Infoflow, max_new_tokens: 4, ..RunOptions::default() };
+    let mut runs = Vec::new();
+    // One call per segment; runs of at most 1,100 keys (two chunks of 512 and the head, then
+    // the rest); every segment in one call.
+    for keys in [0usize, 1100, 1 << 20] {
+        ledger.set_gathered_keys(keys);
+        let mut world = ThreadRanks::new(lm.clone(), 1, 0, Duration::from_secs(600)).expect("world");
+        let before = ledger.in_use();
+        ledger.reset_peak();
+        let calls = ledger.attention_calls();
+        let r = world.run(&Job { request: req.clone(), options: opts.clone() }, &mut |_| true);
+        let calls = ledger.attention_calls() - calls;
+        let counted = ledger.peak() - before;
+        drop(world);
+        settle(&ledger, before);
+        let planned = plan_for(&lm, &opts, 1, &layout)[0].bytes();
+        ledger.set_gathered_keys(0);
+        let r = r.expect("the job runs");
+        let err = (planned as f64 - counted as f64) / counted as f64;
+        eprintln!(
+            "gathering up to {keys} keys: {calls} attention calls, counted {:.1} MiB, planned {:.1} MiB ({:+.1}%)",
+            mib(counted),
+            mib(planned),
+            100.0 * err
+        );
+        assert!(err.abs() <= PLAN_TOL, "gathering up to {keys} keys: the plan is {:+.1}% off", 100.0 * err);
+        runs.push((keys, calls, r));
+    }
+    let (_, calls, base) = &runs[0];
+    let scale = base.first_logits.iter().fold(0f32, |m, x| m.max(x.abs()));
+    for (keys, c, r) in &runs[1..] {
+        assert!(c < calls, "gathering up to {keys} keys made {c} attention calls, one per segment {calls}");
+        assert_eq!(r.selected_rows, base.selected_rows, "gathering up to {keys} keys selected other tokens");
+        assert_eq!(r.tokens, base.tokens, "gathering up to {keys} keys answered otherwise");
+        let diff = flowprefill_kernels::testing::max_abs_diff(&r.first_logits, &base.first_logits);
+        eprintln!(
+            "gathering up to {keys} keys: first-token logits {diff:.2e} from one call per segment (scale {scale:.1})"
+        );
+        assert!(
+            diff <= GATHERED_LOGITS_TOL * scale,
+            "gathering up to {keys} keys: first-token logits {diff} apart (scale {scale})"
+        );
+    }
+}
