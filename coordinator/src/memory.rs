@@ -317,7 +317,6 @@ fn chunked(
         vec![
             ("prompt and answer tail", s.kv_token() * (m + opts.max_new_tokens)),
             ("activations", share.replicated(m) + s.logits(1)),
-            ("gathered keys", share.gathered(m)),
             ("scratch", scratch(m)),
         ],
     ));
@@ -366,9 +365,9 @@ impl<'a> Share<'a> {
         }
     }
 
-    /// K and V (one layer) of the sources attention over the segments copies into one buffer,
+    /// K and V (one layer) of the sources the recomputation's attention copies into one buffer,
     /// where the backend gathers them (`attend_over`): at most its key budget, and only with
-    /// enough sources (the segments and `rows` more keys of a tail or other ranks' rows).
+    /// enough sources (the segments and `rows` more keys: other ranks' rows).
     fn gathered(&self, rows: usize) -> usize {
         let sources = self.local.len() + usize::from(self.lead) + 1;
         if self.gathered_keys == 0 || sources < GATHER_FROM_SOURCES {
@@ -454,7 +453,6 @@ impl<'a> Share<'a> {
             let rotated = if opts.geometry == Geometry::Global { 0 } else { local_tokens * s.kvd * s.kv };
             vec![
                 ("activations", self.replicated(m) + rotated + weighted * local_tokens * 4),
-                ("gathered keys", self.gathered(m)),
                 ("prompt tail", s.kv_token() * m),
                 ("scratch", (self.scratch)(m)),
             ]

@@ -493,8 +493,8 @@ pub trait Backend: Send + Sync + 'static {
     fn prefill_rows(&self) -> usize {
         PREFILL_ROWS
     }
-    /// Keys that attention over many sources (the placed segments of a chunked layout: the
-    /// probe, the recomputation, the final prompt) may copy into one K/V buffer, to attend with
+    /// Keys that attention over many sources (the placed segments of a chunked layout in the
+    /// selective recomputation) may copy into one K/V buffer, to attend with
     /// one call where it would call once per source and merge each partial. 0, the default
     /// (the CPU: its attention is bound by arithmetic, one call per source costs no more),
     /// never copies; a GPU copies up to [`GPU_GATHERED_KEYS`] (`FLOWPREFILL_GATHERED_KEYS`

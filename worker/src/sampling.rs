@@ -58,15 +58,19 @@ impl Sampler {
         Ok(Self { cfg, rng })
     }
 
-    /// Picks a token from logits.
+    /// Picks a token from logits. A NaN logit never wins, as in [`argmax`] (its probability is
+    /// 0: it used to sort first, turn every sum into NaN and hand back the least likely token).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.cfg.temperature == 0.0 || logits.is_empty() {
             return argmax(logits);
         }
         let t = self.cfg.temperature;
         let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut probs: Vec<(f32, u32)> =
-            logits.iter().enumerate().map(|(i, &l)| (((l - mx) / t).exp(), i as u32)).collect();
+        let mut probs: Vec<(f32, u32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (if l.is_nan() { 0.0 } else { ((l - mx) / t).exp() }, i as u32))
+            .collect();
         probs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         let total: f32 = probs.iter().map(|p| p.0).sum();
         // Keep the smallest prefix whose mass reaches top_p.
@@ -100,6 +104,17 @@ mod tests {
         let mut s = Sampler::new(SamplingConfig::default()).unwrap();
         assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]), 1);
         assert_eq!(argmax(&[f32::NAN, 1.0]), 1);
+    }
+
+    #[test]
+    fn a_nan_logit_is_never_sampled() {
+        let mut s = Sampler::new(SamplingConfig { temperature: 1.0, top_p: 1.0, seed: 5 }).unwrap();
+        for _ in 0..200 {
+            let t = s.sample(&[f32::NAN, 2.0, f32::NAN, 1.0, -50.0]);
+            assert!(t == 1 || t == 3 || t == 4, "sampled {t}, a NaN logit");
+        }
+        let mut s = Sampler::new(SamplingConfig { temperature: 0.7, top_p: 0.01, seed: 5 }).unwrap();
+        assert_eq!(s.sample(&[f32::NAN, 2.0, f32::NAN, 1.0, -50.0]), 1, "the best finite logit");
     }
 
     #[test]
