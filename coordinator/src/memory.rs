@@ -17,7 +17,7 @@
 //! pre-RoPE K and V at the KV type), K/V of the caches at the KV type, attention partials
 //! (output and log-sum-exp per query row), logits, and the backend's own scratch
 //! ([`Backend::scratch_bytes`]). `tests/tests/suite/memory_plan.rs` runs the engine on a backend that
-//! counts every byte it hands out and demands the plan's peak within 10% of the counted one.
+//! counts every byte it hands out and demands the plan's peak within 5% of the counted one (`PLAN_TOL`).
 //!
 //! What the plan cannot know it bounds: which tokens a query selects (spread evenly over the
 //! context, each rank's share at most one recompute batch), and whether a chunk is already in
