@@ -300,7 +300,7 @@ fn chunked(
     me: usize,
 ) -> RankMemory {
     let plan = Pipeline::new(opts, &t.chunks, p, s.layers);
-    let share = Share { gathered_keys, ..Share::new(s, scratch, t, &plan, me) };
+    let share = Share { gathered_keys, ranks: p, ..Share::new(s, scratch, t, &plan, me) };
     let mut phases = vec![share.chunk_prefill()];
     // The prompt over the segments: one partial per segment, the tail's and the merge.
     // LookaheadKV's rows follow the prompt in its probe (the prompt's K/V kept meanwhile).
@@ -340,6 +340,8 @@ struct Share<'a> {
     held: [(&'static str, usize); 2],
     /// Keys gathered for one attention call over the segments ([`Backend::gathered_keys`]).
     gathered_keys: usize,
+    /// Ranks of the job.
+    ranks: usize,
 }
 
 impl<'a> Share<'a> {
@@ -362,18 +364,27 @@ impl<'a> Share<'a> {
             anchored,
             held,
             gathered_keys: 0,
+            ranks: 1,
         }
     }
 
-    /// K and V (one layer) of the sources the recomputation's attention copies into one buffer,
-    /// where the backend gathers them (`attend_over`): at most its key budget, and only with
-    /// enough sources (the segments and `rows` more keys: other ranks' rows).
-    fn gathered(&self, rows: usize) -> usize {
-        let sources = self.local.len() + usize::from(self.lead) + 1;
+    /// K and V (one layer) of the sources that `attend_over` copies into one buffer where the
+    /// backend gathers them: at most its key budget, and only with enough sources. `other_rows`
+    /// of other ranks' selected rows travel in the sparse scope (one source per rank, beside
+    /// this rank's segments and the head, which ranks other than 0 hold as a copy); in the exact
+    /// scope (the recomputation's, CacheBlend's deviation) the sources are this rank's segments.
+    fn gathered(&self, scope: Scope, other_rows: usize) -> usize {
+        let head = if self.lead { self.t.head } else { 0 };
+        let (sources, keys) = match scope {
+            Scope::Exact => (self.local.len() + usize::from(self.lead), self.local_tokens + head),
+            Scope::Sparse => {
+                let others = if other_rows > 0 { self.ranks.saturating_sub(1) } else { 0 };
+                (self.local.len() + 1 + others, self.local_tokens + self.t.head + other_rows)
+            }
+        };
         if self.gathered_keys == 0 || sources < GATHER_FROM_SOURCES {
             return 0;
         }
-        let keys = self.local_tokens + if self.lead { self.t.head } else { 0 } + rows;
         keys.min(self.gathered_keys) * self.s.kv_row()
     }
 
@@ -441,6 +452,7 @@ impl<'a> Share<'a> {
             let exact = self.t.context() * (4 * s.qd + 3 * s.partial_row()) + local_tokens * s.partial_row();
             vec![
                 ("activations", local_tokens * s.forward_row() + copies + exact),
+                ("gathered keys", self.gathered(Scope::Exact, 0)),
                 ("scratch", (self.scratch)(local_tokens)),
             ]
         } else {
@@ -474,7 +486,7 @@ impl<'a> Share<'a> {
             phase::RECOMPUTE,
             vec![
                 ("activations", mine * s.forward_row() + attend),
-                ("gathered keys", self.gathered(total.saturating_sub(mine))),
+                ("gathered keys", self.gathered(opts.scope, total.saturating_sub(mine))),
                 ("scratch", (self.scratch)(mine)),
             ],
         )
@@ -617,6 +629,51 @@ mod tests {
         let h = plan(&c, &cpu(DType::Bf16), &opts, 1, &t);
         assert_eq!(h[0].parts[0].bytes, kv / 2);
         assert!(h[0].bytes() < p[0].bytes() - kv / 2);
+    }
+
+    /// The copy `attend_over` makes where a backend gathers: in the recomputation (both scopes)
+    /// and CacheBlend's deviation probe, at most the budget of keys, none without enough sources
+    /// or on the CPU.
+    #[test]
+    fn the_gathered_copy_is_planned_where_attend_over_makes_it() {
+        let c = cfg();
+        let t = Tokens { head: 10, chunks: vec![500; 8], prompt: 20 };
+        let s = Sizes::new(&c, DType::F32, DType::F32);
+        let kv_row = 2 * 32 * 4;
+        let gathered = |phase: &Phase| phase.parts.iter().find(|p| p.what == "gathered keys").map_or(0, |p| p.bytes);
+        for (method, scope, ranks, budget, want_keys) in [
+            // Rank 0 of one: the head and 8 chunks, 4,010 keys (the budget cuts them).
+            (Method::Infoflow, Scope::Exact, 1, 1000, 1000),
+            (Method::Infoflow, Scope::Exact, 1, 1 << 20, 4010),
+            (Method::Cacheblend, Scope::Exact, 1, 1 << 20, 4010),
+            // Rank 0 of four: the head and 2 chunks, 3 sources: no gathering in the exact scope.
+            (Method::Infoflow, Scope::Exact, 4, 1 << 20, 0),
+            // The CPU's budget: none.
+            (Method::Infoflow, Scope::Exact, 1, 0, 0),
+        ] {
+            let opts = RunOptions { method, scope, ..RunOptions::default() };
+            let plan = Pipeline::new(&opts, &t.chunks, ranks, s.layers);
+            let share = Share { gathered_keys: budget, ranks, ..Share::new(&s, &none1, &t, &plan, 0) };
+            let phase = if method == Method::Cacheblend {
+                share.probe(&opts, &plan, opts.method.info().probe, t.prompt)
+            } else {
+                share.recompute(&opts, &plan)
+            };
+            assert_eq!(gathered(&phase), want_keys * kv_row, "{method:?} {scope:?} on {ranks}, budget {budget}");
+        }
+        // The sparse scope on rank 1 of four: its 2 chunks, the head's copy and the other ranks'
+        // rows (3 sources of them): gathered, with the rows.
+        let opts = RunOptions { method: Method::Infoflow, scope: Scope::Sparse, ..RunOptions::default() };
+        let plan = Pipeline::new(&opts, &t.chunks, 4, s.layers);
+        let share = Share { gathered_keys: 1 << 20, ranks: 4, ..Share::new(&s, &none1, &t, &plan, 1) };
+        let k = plan.recomputed().min(plan.recompute_batch);
+        let mine = (k * share.local_tokens).div_ceil(t.context());
+        let want = (share.local_tokens + t.head + (k - mine)) * kv_row;
+        assert_eq!(gathered(&share.recompute(&opts, &plan)), want);
+    }
+
+    fn none1(_: usize) -> usize {
+        0
     }
 
     #[test]

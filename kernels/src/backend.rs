@@ -494,7 +494,8 @@ pub trait Backend: Send + Sync + 'static {
         PREFILL_ROWS
     }
     /// Keys that attention over many sources (the placed segments of a chunked layout in the
-    /// selective recomputation) may copy into one K/V buffer, to attend with
+    /// selective recomputation and CacheBlend's deviation probe) may copy into one K/V buffer, to
+    /// attend with
     /// one call where it would call once per source and merge each partial. 0, the default
     /// (the CPU: its attention is bound by arithmetic, one call per source costs no more),
     /// never copies; a GPU copies up to [`GPU_GATHERED_KEYS`] (`FLOWPREFILL_GATHERED_KEYS`

@@ -310,18 +310,28 @@ fn gathered_segments_on_a_gpu_equal_one_call_per_segment() {
     args.extend(["--method", "infoflow", "--json", "--max-tokens", "8"].iter().map(|s| s.to_string()));
     let run = |keys: Option<&str>| {
         let mut c = bin();
-        c.arg("run").args(&args);
+        // The host profile's table (stderr, at exit) counts the attention calls.
+        c.arg("run").args(&args).env("FLOWPREFILL_HOST_PROFILE", "1");
         if let Some(k) = keys {
             c.env("FLOWPREFILL_GATHERED_KEYS", k);
         }
         c.output().unwrap()
     };
-    let json = |out: std::process::Output| -> serde_json::Value {
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout).unwrap()
+    let json = |out: std::process::Output| -> (serde_json::Value, usize) {
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        let calls = err
+            .lines()
+            .find_map(|l| l.strip_prefix("attention ").and_then(|r| r.split_whitespace().next()?.parse().ok()))
+            .unwrap_or_else(|| panic!("no attention row in the host profile: {err}"));
+        (serde_json::from_slice(&out.stdout).unwrap(), calls)
     };
-    let (gathered, each) = (json(run(None)), json(run(Some("0"))));
-    eprintln!("gathered: {}; one call per segment: {}", gathered["answer"], each["answer"]);
+    let ((gathered, fewer), (each, calls)) = (json(run(None)), json(run(Some("0"))));
+    eprintln!(
+        "gathered: {} ({fewer} attention calls); one call per segment: {} ({calls})",
+        gathered["answer"], each["answer"]
+    );
+    assert!(fewer < calls, "gathering made {fewer} attention calls, one call per segment {calls}");
     assert_eq!(gathered["selected"], each["selected"], "the same selection");
     assert_eq!(gathered["answer"], each["answer"], "the same answer");
     same_top_logits(&gathered, &each, "gathered against one call per segment");

@@ -73,8 +73,8 @@ impl<'a, B: Backend> KvSource<'a, B> {
 /// Sources below this many take one attention call each, even where the backend gathers
 /// ([`Backend::gathered_keys`]): a chunk's own prefill attends to at most three (the head, the
 /// anchor, itself), where a copy would cost about what it saves. (Of the chunked steps, the
-/// recomputation is the one that attends to many: the probe and the final prompt merge their
-/// per-segment partials in global order in `steps/replicated.rs`, without this function.)
+/// recomputation and CacheBlend's deviation probe attend to many here; the other probes and the
+/// final prompt merge their per-segment partials in global order in `steps/replicated.rs`.)
 pub const GATHER_FROM_SOURCES: usize = 4;
 
 /// Attention of `q` (at `qpos`) over several sources, merged into `(out, lse)`. Empty sources
