@@ -300,7 +300,7 @@ fn chunked(
     me: usize,
 ) -> RankMemory {
     let plan = Pipeline::new(opts, &t.chunks, p, s.layers);
-    let share = Share { gathered_keys, ranks: p, ..Share::new(s, scratch, t, &plan, me) };
+    let share = Share::new(s, scratch, gathered_keys, t, &plan, me);
     let mut phases = vec![share.chunk_prefill()];
     // The prompt over the segments: one partial per segment, the tail's and the merge.
     // LookaheadKV's rows follow the prompt in its probe (the prompt's K/V kept meanwhile).
@@ -340,12 +340,19 @@ struct Share<'a> {
     held: [(&'static str, usize); 2],
     /// Keys gathered for one attention call over the segments ([`Backend::gathered_keys`]).
     gathered_keys: usize,
-    /// Ranks of the job.
+    /// Ranks of the job ([`Pipeline::ranks`]).
     ranks: usize,
 }
 
 impl<'a> Share<'a> {
-    fn new(s: &'a Sizes, scratch: &'a dyn Fn(usize) -> usize, t: &'a Tokens, plan: &Pipeline, me: usize) -> Self {
+    fn new(
+        s: &'a Sizes,
+        scratch: &'a dyn Fn(usize) -> usize,
+        gathered_keys: usize,
+        t: &'a Tokens,
+        plan: &Pipeline,
+        me: usize,
+    ) -> Self {
         let local = plan.local_chunks(me);
         let local_tokens: usize = local.iter().map(|&c| t.chunks[c]).sum();
         let anchored = plan.prefix == PrefixMode::Anchor && local.iter().any(|&c| c != 0);
@@ -363,8 +370,8 @@ impl<'a> Share<'a> {
             lead: me == 0,
             anchored,
             held,
-            gathered_keys: 0,
-            ranks: 1,
+            gathered_keys,
+            ranks: plan.ranks,
         }
     }
 
@@ -641,6 +648,7 @@ mod tests {
         let s = Sizes::new(&c, DType::F32, DType::F32);
         let kv_row = 2 * 32 * 4;
         let gathered = |phase: &Phase| phase.parts.iter().find(|p| p.what == "gathered keys").map_or(0, |p| p.bytes);
+        let no_scratch = |rows: usize| none(rows, 0);
         for (method, scope, ranks, budget, want_keys) in [
             // Rank 0 of one: the head and 8 chunks, 4,010 keys (the budget cuts them).
             (Method::Infoflow, Scope::Exact, 1, 1000, 1000),
@@ -653,7 +661,7 @@ mod tests {
         ] {
             let opts = RunOptions { method, scope, ..RunOptions::default() };
             let plan = Pipeline::new(&opts, &t.chunks, ranks, s.layers);
-            let share = Share { gathered_keys: budget, ranks, ..Share::new(&s, &none1, &t, &plan, 0) };
+            let share = Share::new(&s, &no_scratch, budget, &t, &plan, 0);
             let phase = if method == Method::Cacheblend {
                 share.probe(&opts, &plan, opts.method.info().probe, t.prompt)
             } else {
@@ -665,15 +673,11 @@ mod tests {
         // rows (3 sources of them): gathered, with the rows.
         let opts = RunOptions { method: Method::Infoflow, scope: Scope::Sparse, ..RunOptions::default() };
         let plan = Pipeline::new(&opts, &t.chunks, 4, s.layers);
-        let share = Share { gathered_keys: 1 << 20, ranks: 4, ..Share::new(&s, &none1, &t, &plan, 1) };
+        let share = Share::new(&s, &no_scratch, 1 << 20, &t, &plan, 1);
         let k = plan.recomputed().min(plan.recompute_batch);
         let mine = (k * share.local_tokens).div_ceil(t.context());
         let want = (share.local_tokens + t.head + (k - mine)) * kv_row;
         assert_eq!(gathered(&share.recompute(&opts, &plan)), want);
-    }
-
-    fn none1(_: usize) -> usize {
-        0
     }
 
     #[test]

@@ -86,8 +86,8 @@ pub struct CudaBackend {
     pub(super) tuning: super::tuning::Tuning,
     weights: WeightType,
     kv: DType,
-    /// Keys gathered for one attention call over many sources ([`Backend::gathered_keys`]):
-    /// [`crate::GPU_GATHERED_KEYS`], or `FLOWPREFILL_GATHERED_KEYS` (0: one call per source).
+    /// Keys gathered for one attention call over many sources ([`Backend::gathered_keys`],
+    /// `super::settings`).
     gathered_keys: usize,
     /// Uploaded RoPE tables, by their content.
     pub(super) ropes: Mutex<HashMap<u64, Arc<DeviceRope>>>,
@@ -135,24 +135,7 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("multiprocessor count", e))?
             .max(1) as u32;
-        let fixed: Option<ops::FlashKernel> = match std::env::var("FLOWPREFILL_FLASH_KERNEL") {
-            Ok(v) => Some(v.parse().map_err(|e: String| KernelError::Backend {
-                backend: "cuda",
-                detail: format!("FLOWPREFILL_FLASH_KERNEL: {e}"),
-            })?),
-            Err(_) => None,
-        };
-        let gathered_keys = match std::env::var("FLOWPREFILL_GATHERED_KEYS") {
-            Ok(v) => v.trim().parse().map_err(|_| KernelError::Backend {
-                backend: "cuda",
-                detail: format!(
-                    "FLOWPREFILL_GATHERED_KEYS={v:?}: give a number of keys (0: one attention call per source; \
-                     default {})",
-                    crate::backend::GPU_GATHERED_KEYS
-                ),
-            })?,
-            Err(_) => crate::backend::GPU_GATHERED_KEYS,
-        };
+        let super::settings::Settings { fixed, gathered_keys } = super::settings::Settings::from_env()?;
         let driver = super::versions().driver.unwrap_or(0);
         // SAFETY: every op of this backend runs on `stream`, one stream, so cudarc's per-buffer
         // events order nothing (two made with every allocation and destroyed with it, recorded

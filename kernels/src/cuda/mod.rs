@@ -17,6 +17,7 @@ mod loader;
 pub mod nccl;
 pub mod nvrtc;
 mod rotary;
+mod settings;
 mod staging;
 mod tune;
 mod tuning;
