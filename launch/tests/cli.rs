@@ -301,6 +301,47 @@ fn synthetic_models_run_and_say_their_answers_are_meaningless() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `write-gguf --tokenizer-only` writes the default model's tokenizer and chat template alone (a
+/// few MB, for a machine the model file cannot travel to); a synthetic model given it as
+/// `--tokenizer` reads the same tokens and so gives the same answer as with the model file; and
+/// each misuse says what to change.
+#[test]
+fn a_tokenizer_file_stands_in_for_the_model_file() {
+    let (dir, docs) = write_docs("tokenizer-only", &["Boats rest in the harbour.", "The code is 4729."]);
+    let tok = dir.join("tok.gguf");
+    let (ok, out, err) = run(&["write-gguf", "--tokenizer-only", "--out", tok.to_str().unwrap()]);
+    assert!(ok && out.contains("give it as --tokenizer"), "{out}{err}");
+    let bytes = std::fs::metadata(&tok).expect("the tokenizer file").len();
+    // The default model's tokenizer (49,152 tokens and their merges) is 1.8 MB; the model 98 MB.
+    assert!((500_000..4_000_000).contains(&bytes), "{bytes} bytes");
+    let answer = |extra: &[&str]| {
+        let mut a = vec!["--model".to_string(), "synthetic:smollm2-135m:2".into()];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a.push("run".into());
+        a.extend(docs.iter().cloned());
+        a.extend(["--query", "What is the code?", "--max-tokens", "6", "--json"].map(String::from));
+        let out = bin().args(&a).output().expect("run");
+        assert!(out.status.success(), "{a:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        (v["answer"].clone(), v["n_context_tokens"].clone(), v["n_prompt_tokens"].clone())
+    };
+    let with_model = answer(&[]);
+    assert!(with_model.1.as_u64().unwrap_or(0) > 0 && with_model.2.as_u64().unwrap_or(0) > 0, "{with_model:?}");
+    assert_eq!(answer(&["--tokenizer", tok.to_str().unwrap()]), with_model);
+    // Misuse: beside a GGUF model; the file as a model; a file that is not there.
+    let (ok, _, err) = run(&["--tokenizer", tok.to_str().unwrap(), "generate", "--prompt", "hi"]);
+    assert!(!ok && err.contains("is for a synthetic --model"), "{err}");
+    let (ok, _, err) = run(&["--model", tok.to_str().unwrap(), "generate", "--prompt", "hi"]);
+    assert!(!ok && err.contains("holds a tokenizer and no model") && err.contains("--tokenizer"), "{err}");
+    let missing = dir.join("none.gguf");
+    let (ok, _, err) =
+        run(&["--model", "synthetic:smollm2-135m:1", "--tokenizer", missing.to_str().unwrap(), "bench", "prefill"]);
+    assert!(!ok && err.contains("no such file") && err.contains("--tokenizer-only"), "{err}");
+    let (ok, _, err) = run(&["write-gguf", "--out", dir.join("x.gguf").to_str().unwrap()]);
+    assert!(!ok && err.contains("--tokenizer-only"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn importance_compares_snapkv_with_what_the_answer_reads() {
     let dir = std::env::temp_dir().join(format!("fp-importance-{}", std::process::id()));

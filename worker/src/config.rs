@@ -93,6 +93,14 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Reads the hyper-parameters of a GGUF file and checks they are consistent.
     pub fn from_gguf(f: &GgufFile) -> Result<Self> {
+        if f.get_str("general.name").ok() == Some(crate::gguf_write::TOKENIZER_ONLY) {
+            return Err(WorkerError::ModelFile {
+                path: f.path().to_path_buf(),
+                detail: "it holds a tokenizer and no model (`flowprefill write-gguf --tokenizer-only` writes \
+                         these): give it as `--tokenizer` beside `--model synthetic:SHAPE`, or give a model's GGUF"
+                    .into(),
+            });
+        }
         let arch_name = f.get_str("general.architecture")?;
         let arch = Arch::from_name(arch_name).ok_or_else(|| WorkerError::UnsupportedArch {
             path: f.path().to_path_buf(),

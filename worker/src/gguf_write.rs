@@ -185,7 +185,10 @@ fn config_metadata(cfg: &ModelConfig) -> Vec<(String, Value)> {
     ]
 }
 
-/// What [`write_synthetic`] wrote.
+/// `general.name` of [`write_tokenizer`]'s files.
+pub const TOKENIZER_ONLY: &str = "flowprefill tokenizer only (no weights: for synthetic models' --tokenizer)";
+
+/// What [`write_synthetic`] or [`write_tokenizer`] wrote.
 #[derive(Clone, Copy, Debug)]
 pub struct Written {
     /// Bytes of the file.
@@ -205,9 +208,28 @@ pub fn write_synthetic(
     tokenizer_from: &Path,
     out: &Path,
 ) -> Result<Written> {
+    write_replacing(Some((spec, format)), tokenizer_from, out)
+}
+
+/// Writes a GGUF of `tokenizer_from`'s tokenizer and chat template alone (its `tokenizer.*`
+/// metadata, no tensors and no model hyper-parameters; about 2 MB for the default model's),
+/// which a synthetic model takes instead of a whole model file (`--tokenizer`): what a machine
+/// with room for little more than the program needs. Replaces `out` as [`write_synthetic`]
+/// does.
+pub fn write_tokenizer(tokenizer_from: &Path, out: &Path) -> Result<Written> {
+    write_replacing(None, tokenizer_from, out)
+}
+
+/// [`write_synthetic`] (`model` given) or [`write_tokenizer`]: written under a temporary name
+/// beside `out`, then renamed.
+fn write_replacing(
+    model: Option<(&SyntheticSpec, WeightFormat)>,
+    tokenizer_from: &Path,
+    out: &Path,
+) -> Result<Written> {
     let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = out.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-    let written = write_to(spec, format, tokenizer_from, &tmp, out).and_then(|w| {
+    let written = write_to(model, tokenizer_from, &tmp, out).and_then(|w| {
         std::fs::rename(&tmp, out).map_err(io_err(format!("renaming {} to {}", tmp.display(), out.display())))?;
         Ok(w)
     });
@@ -217,23 +239,32 @@ pub fn write_synthetic(
     written
 }
 
-/// [`write_synthetic`]'s file, written to `path` (synced); `out` names it in errors.
+/// [`write_replacing`]'s file, written to `path` (synced); `out` names it in errors.
 fn write_to(
-    spec: &SyntheticSpec,
-    format: WeightFormat,
+    model: Option<(&SyntheticSpec, WeightFormat)>,
     tokenizer_from: &Path,
     path: &Path,
     out: &Path,
 ) -> Result<Written> {
-    let cfg = spec.config();
     let tok = GgufFile::open(tokenizer_from)?;
-    let mut meta = config_metadata(&cfg);
     let mut keys: Vec<&String> = tok.metadata().keys().filter(|k| k.starts_with("tokenizer.")).collect();
+    if keys.is_empty() {
+        return Err(WorkerError::ModelFile {
+            path: tokenizer_from.to_path_buf(),
+            detail: "it has no tokenizer (no `tokenizer.*` metadata) to take".into(),
+        });
+    }
     keys.sort();
+    let (mut meta, tensors) = match model {
+        Some((spec, format)) => {
+            let cfg = spec.config();
+            (config_metadata(&cfg), plan(&cfg, format))
+        }
+        None => (vec![("general.name".to_string(), Value::String(TOKENIZER_ONLY.into()))], Vec::new()),
+    };
     for k in keys {
         meta.push((k.clone(), tok.metadata()[k].clone()));
     }
-    let tensors = plan(&cfg, format);
     let file =
         std::fs::File::create(path).map_err(io_err(format!("creating {} (for {})", path.display(), out.display())))?;
     let mut w = BufWriter::with_capacity(8 << 20, file);
@@ -295,5 +326,23 @@ mod tests {
         assert_eq!("F16".parse::<WeightFormat>(), Ok(WeightFormat::F16));
         assert!("q4".parse::<WeightFormat>().is_err());
         assert_eq!((padding(0), padding(1), padding(31), padding(32), padding(33)), (0, 31, 1, 0, 31));
+    }
+
+    #[test]
+    fn a_file_without_a_tokenizer_is_refused_and_out_stays_whole() {
+        let dir = std::env::temp_dir().join(format!("fp-tokenizer-only-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A valid GGUF v3 with no tensors and no metadata.
+        let src = dir.join("bare.gguf");
+        let bare: Vec<u8> = [&b"GGUF"[..], &3u32.to_le_bytes(), &0u64.to_le_bytes(), &0u64.to_le_bytes()].concat();
+        std::fs::write(&src, bare).unwrap();
+        let out = dir.join("out.gguf");
+        std::fs::write(&out, b"a user's file").unwrap();
+        let e = write_tokenizer(&src, &out).expect_err("no tokenizer to take");
+        assert!(e.to_string().contains("no tokenizer"), "{e}");
+        assert_eq!(std::fs::read(&out).unwrap(), b"a user's file");
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+        assert_eq!(left.len(), 2, "no temporary file left: {left:?}");
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -56,10 +56,16 @@ pub fn run(_common: &Common, args: Args) -> Result<()> {
 
 /// Arguments of `write-gguf`.
 #[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("what").required(true).args(["shape", "tokenizer_only"])))]
 pub struct WriteArgs {
     /// The shape: `synthetic:SHAPE[:LAYERS]` (`bench project --list` names the shapes).
     #[arg(long)]
-    pub shape: String,
+    pub shape: Option<String>,
+    /// Write the tokenizer and chat template alone (no weights; about 2 MB for the default
+    /// model's), for `--tokenizer` beside `--model synthetic:SHAPE` where the whole model file
+    /// would not fit (a GPU machine whose calls carry little).
+    #[arg(long)]
+    pub tokenizer_only: bool,
     /// Element type of the matrices: f16, bf16 or f32 (norms are f32).
     #[arg(long, default_value = "f16")]
     pub dtype: flowprefill_worker::gguf_write::WeightFormat,
@@ -68,23 +74,36 @@ pub struct WriteArgs {
     pub out: std::path::PathBuf,
 }
 
-/// Writes a synthetic model's GGUF (tokenizer and chat template of the default model).
-pub fn write_gguf(args: WriteArgs) -> Result<()> {
+/// Writes a synthetic model's GGUF, or with `--tokenizer-only` the tokenizer alone (the
+/// tokenizer and chat template of `--tokenizer`, else of the default model).
+pub fn write_gguf(common: &Common, args: WriteArgs) -> Result<()> {
+    use flowprefill_worker::gguf_write;
     use flowprefill_worker::synthetic::SyntheticSpec;
+    let Some(shape) = args.shape.as_deref() else {
+        let tok = super::synthetic_tokenizer(common)?;
+        let w = gguf_write::write_tokenizer(&tok, &args.out)?;
+        println!(
+            "wrote {} (the tokenizer and chat template of {}, {:.2} MB; give it as --tokenizer)",
+            args.out.display(),
+            tok.display(),
+            w.bytes as f64 / 1e6
+        );
+        return Ok(());
+    };
     // The shape's errors name --shape, the flag given here (the parser's are about --model).
     let on_shape = |e: flowprefill_worker::WorkerError| match e {
         flowprefill_worker::WorkerError::Input(i) => crate::exit::Usage(format!("--shape: {}", i.problem)),
-        other => crate::exit::Usage(format!("--shape {}: {other}", args.shape)),
+        other => crate::exit::Usage(format!("--shape {shape}: {other}")),
     };
-    let spec = match SyntheticSpec::parse(&args.shape) {
+    let spec = match SyntheticSpec::parse(shape) {
         Some(s) => s.map_err(on_shape)?,
-        None => SyntheticSpec::parse(&format!("synthetic:{}", args.shape))
-            .ok_or_else(|| crate::exit::Usage(format!("--shape {}: give synthetic:SHAPE[:LAYERS]", args.shape)))?
+        None => SyntheticSpec::parse(&format!("synthetic:{shape}"))
+            .ok_or_else(|| crate::exit::Usage(format!("--shape {shape}: give synthetic:SHAPE[:LAYERS]")))?
             .map_err(on_shape)?,
     };
-    let tok = super::resolve_model(None)?;
+    let tok = super::synthetic_tokenizer(common)?;
     let t = std::time::Instant::now();
-    let w = flowprefill_worker::gguf_write::write_synthetic(&spec, args.dtype, &tok, &args.out)?;
+    let w = gguf_write::write_synthetic(&spec, args.dtype, &tok, &args.out)?;
     println!(
         "wrote {} ({}, {} weights, {} tensors, {:.2} GB) in {:.1} s",
         args.out.display(),

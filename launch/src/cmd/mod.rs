@@ -38,7 +38,27 @@ pub fn model_source(common: &Common) -> Result<ModelSource> {
     if let Some(spec) = common.model.as_deref().and_then(|p| p.to_str()).and_then(SyntheticSpec::parse) {
         return Ok(ModelSource::Synthetic(spec?));
     }
+    if let Some(t) = &common.tokenizer {
+        return Err(anyhow::Error::new(crate::exit::Usage(format!(
+            "--tokenizer {} is for a synthetic --model (synthetic:SHAPE); a GGUF model brings its own tokenizer",
+            t.display()
+        ))));
+    }
     Ok(ModelSource::File(resolve_model(common.model.as_deref())?))
+}
+
+/// The GGUF a synthetic model takes its tokenizer and chat template from: `--tokenizer`, else
+/// the default model (fetched if missing).
+pub fn synthetic_tokenizer(common: &Common) -> Result<PathBuf> {
+    match &common.tokenizer {
+        Some(t) if t.is_file() => Ok(t.clone()),
+        Some(t) => Err(anyhow::Error::new(crate::exit::Usage(format!(
+            "--tokenizer {}: no such file (write one with `flowprefill write-gguf --tokenizer-only --out FILE`, \
+             or leave it out for the default model's)",
+            t.display()
+        )))),
+        None => resolve_model(None),
+    }
 }
 
 /// The model path from `--model`, or the default model (fetched if missing); a synthetic model
@@ -53,12 +73,12 @@ pub fn model_path(common: &Common) -> Result<PathBuf> {
     }
 }
 
-/// The GGUF whose tokenizer and chat template the model uses (a synthetic model's: the default
-/// model's).
+/// The GGUF whose tokenizer and chat template the model uses (a synthetic model's:
+/// [`synthetic_tokenizer`]).
 pub fn tokenizer_path(common: &Common) -> Result<PathBuf> {
     match model_source(common)? {
         ModelSource::File(p) => Ok(p),
-        ModelSource::Synthetic(_) => resolve_model(None),
+        ModelSource::Synthetic(_) => synthetic_tokenizer(common),
     }
 }
 
@@ -88,7 +108,7 @@ fn load_on(source: &ModelSource, dev: Device, common: &Common) -> Result<LoadedM
     let mut lm = match source {
         ModelSource::File(p) => LoadedModel::load(p, dev).with_context(|| format!("loading {}", p.display()))?,
         ModelSource::Synthetic(s) => {
-            let tok = resolve_model(None)?;
+            let tok = synthetic_tokenizer(common)?;
             LoadedModel::synthetic(*s, dev, &tok).with_context(|| format!("building {}", s.name()))?
         }
     };
