@@ -54,11 +54,11 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
-    /// The chunk store's disk tier: stats, ls, gc --max-gib, clear (`--store DIR`, default
-    /// `$FLOWPREFILL_HOME/store`).
+    /// The chunk store's disk tier: stats, ls, verify, gc --max-gib, clear (`--store DIR`,
+    /// default `$FLOWPREFILL_HOME/store`).
     #[command(subcommand)]
     Store(cmd::store::Store),
-    /// Train the adapters of the trained methods (KV Packet), on the CPU.
+    /// Train the adapters of the trained methods (KV Packet, LookaheadKV), on the CPU.
     #[command(subcommand)]
     Train(cmd::train::Train),
 }

@@ -28,8 +28,8 @@ pub struct ProjectArgs {
     /// Context lengths in tokens.
     #[arg(long, default_value = "8192,16384,32768,65536,131072", value_parser = super::parse_list::<usize>)]
     pub lengths: Vec<Vec<usize>>,
-    /// Methods: full, ring, infoflow[:ratio], none.
-    #[arg(long, default_value = "full,ring,infoflow:0.15")]
+    /// Methods: full, ring, infoflow[@ratio], none.
+    #[arg(long, default_value = "full,ring,infoflow@0.15")]
     pub methods: String,
     /// Recompute scope of the selective methods.
     #[arg(long, value_enum, default_value_t = Scope::Exact)]
