@@ -95,10 +95,40 @@ pub fn code_of(e: &anyhow::Error) -> i32 {
     class_of(e).map_or(1, code)
 }
 
+/// The message of `e` and its causes, joined by ": " as `{e:#}` does, without a cause whose
+/// text the message already ends with (an error that shows its source in its own message and
+/// also gives it as its source would print the OS's words twice).
+pub fn message(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.is_empty() {
+            out = text;
+        } else if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use flowprefill_worker::{Field, InputError};
+
+    /// An error that prints its source in its own message (the worker's and the lab's IO
+    /// errors) gives the OS's words once; a context and a cause of other words keep both.
+    #[test]
+    fn a_cause_already_in_the_message_is_printed_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory (os error 2)");
+        let e = anyhow::Error::new(flowprefill_worker::WorkerError::Io { what: "creating nodir/x".into(), source: io });
+        assert_eq!(format!("{e:#}").matches("os error 2").count(), 2, "the case this is for");
+        assert_eq!(message(&e), "creating nodir/x: No such file or directory (os error 2)");
+        let e = e.context("--out nodir/x");
+        assert_eq!(message(&e), "--out nodir/x: creating nodir/x: No such file or directory (os error 2)");
+        assert_eq!(message(&anyhow::anyhow!("plain")), "plain");
+    }
 
     #[test]
     fn classes_map_to_distinct_codes_and_statuses() {

@@ -73,7 +73,29 @@ fn negative_numbers(cmd: clap::Command) -> clap::Command {
     .mut_subcommands(negative_numbers)
 }
 
+/// Exit status of a command whose standard output was closed before it finished (`flowprefill
+/// ... | head`): what a shell reports for a program a SIGPIPE ended (128 + 13).
+const CLOSED_STDOUT: i32 = 141;
+
+/// `flowprefill ... | head`: Rust ignores SIGPIPE (so that a socket whose peer went, a rank's or
+/// a client's, is an error to report and not the death of the process), and its print macros
+/// panic on the closed pipe. That panic alone ends the process quietly, as a shell tool would;
+/// every other panic is reported as before.
+fn end_quietly_on_closed_stdout() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg =
+            payload.downcast_ref::<String>().map(String::as_str).or_else(|| payload.downcast_ref::<&str>().copied());
+        if msg.is_some_and(|m| m.starts_with("failed printing to stdout") && m.contains("Broken pipe")) {
+            std::process::exit(CLOSED_STDOUT);
+        }
+        report(info);
+    }));
+}
+
 fn main() {
+    end_quietly_on_closed_stdout();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("FLOWPREFILL_LOG").unwrap_or_else(|_| "warn".into()),
@@ -101,10 +123,14 @@ fn main() {
         eprint!("{table}");
     }
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", flowprefill::exit::message(&e));
         std::process::exit(flowprefill::exit::code_of(&e));
     }
 }
+
+/// The most `--threads` taken: far more threads than cores only slows the kernels (1,000 on two
+/// cores ran 50x slower than 64), and 100,000 would not finish.
+const MAX_THREADS: usize = 1024;
 
 /// Ranks of this job on this machine, when started by an MPI launcher.
 fn local_mpi_ranks() -> Option<usize> {
@@ -116,7 +142,11 @@ fn local_mpi_ranks() -> Option<usize> {
 fn run(cli: Cli) -> Result<()> {
     let threads = match cli.common.threads {
         Some(n) => {
-            anyhow::ensure!(n > 0, "--threads must be at least 1");
+            flowprefill::ensure_usage!(
+                (1..=MAX_THREADS).contains(&n),
+                "--threads {n}: give 1 to {MAX_THREADS} (this machine has {} cores)",
+                std::thread::available_parallelism().map_or(1, |c| c.get())
+            );
             Some(n)
         }
         // Several MPI ranks on one machine share its cores instead of oversubscribing them.

@@ -101,3 +101,43 @@ fn run_errors_say_what_to_change() {
     assert!(out.status.success() && !err.contains("calibration"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Output paths and ranges are checked before any work: a file where `--out`'s folder should
+/// be costs nothing and is left as it was, values that would measure nothing or crash are the
+/// caller's error (exit 2) naming the flag; a closed standard output ends the program quietly.
+#[test]
+fn outputs_and_ranges_are_checked_before_any_work() {
+    let (dir, docs) = write_docs("out-checks", &["Some text about the harbour."]);
+    let file = dir.join("precious.txt");
+    std::fs::write(&file, b"a user's file").unwrap();
+    let f = file.to_str().unwrap();
+    let under = file.join("c.json");
+    let refused = |args: &[&str], want: &str| {
+        let out = bin().args(args).output().expect("run flowprefill");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+    };
+    let doc = docs[1].as_str();
+    refused(&["bench", "ttft", "--lengths", "256", "--runs", "1", "--out", f], "--out");
+    refused(&["bench", "decode", "--doc", doc, "--evict", "none", "--max-tokens", "2", "--out", f], "a file is there");
+    refused(&["bench", "calibrate", "--seconds", "0.05", "--out", under.to_str().unwrap()], "--out");
+    refused(&["bench", "stream", "--corpus", "2", "--doc-tokens", "0", "--queries", "1"], "--doc-tokens");
+    refused(&["bench", "ttft", "--lengths", "0", "--runs", "1"], "--lengths");
+    refused(&["check", "--lengths", "256", "--depths", "nan", "--methods", "full"], "--depths");
+    let e10 = dir.join("e10");
+    let eval = ["eval", "--tasks", "niah_single", "--methods", "full,infoflow", "--ratios", "0.3", "--lengths", "256"];
+    refused(&[&eval[..], &["--out", e10.to_str().unwrap()]].concat(), "--table-ratio 0.15 is not among --ratios");
+    refused(&["--threads", "0", "run", "--doc", doc, "--query", "q?"], "--threads 0");
+    refused(&["serve", "--max-body-bytes", "0"], "--max-body-bytes");
+    let project = ["bench", "project", "--shape", "qwen3-14b", "--target", "h100-sxm", "--link", "nvlink4"];
+    refused(&[&project[..], &["--calibrate", "full,1,8192,0"]].concat(), "MS a positive number");
+    assert_eq!(std::fs::read(&file).unwrap(), b"a user's file", "left as it was");
+    // `flowprefill ... | head` where head is gone before the first line: exit 141, no panic.
+    let script = format!("{{ sleep 1; '{}' fetch-model --list; }} | true", env!("CARGO_BIN_EXE_flowprefill"));
+    let out = std::process::Command::new("bash").args(["-o", "pipefail", "-c", &script]).output().expect("bash");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -156,15 +156,19 @@ impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path).map_err(|e| WorkerError::ModelFile {
             path: path.to_path_buf(),
-            detail: format!("cannot open it ({e}); check the path given to --model, or run `flowprefill fetch-model`"),
+            detail: format!(
+                "cannot open it ({e}); check the path given (--model, --aux-model, --tokenizer), or run \
+                 `flowprefill fetch-model`"
+            ),
         })?;
         let raw = file.try_clone().map_err(io_err(format!("opening {}", path.display())))?;
         let mut reader = BufReader::new(file);
         let content = Content::read(&mut reader).map_err(|e| WorkerError::ModelFile {
             path: path.to_path_buf(),
             detail: format!(
-                "not a readable GGUF file ({e}); if it is the cached default model, delete it and run \
-                 `flowprefill fetch-model`"
+                "not a readable GGUF file ({}); if it is the cached default model, delete it and run \
+                 `flowprefill fetch-model`",
+                first_line(&e.to_string())
             ),
         })?;
         Ok(Self { path: path.to_path_buf(), content, raw })
@@ -335,6 +339,12 @@ impl GgufFile {
 }
 
 /// Opens a file for hashing or copying, with the path in the error.
+/// The message of a candle error without the backtrace candle appends to it when
+/// `RUST_BACKTRACE` is set (after a line break).
+fn first_line(message: &str) -> &str {
+    message.lines().next().unwrap_or("").trim_end()
+}
+
 pub(crate) fn open_file(path: &Path) -> Result<File> {
     File::open(path).map_err(io_err(format!("opening {}", path.display())))
 }

@@ -104,12 +104,15 @@ fn parse_cells(s: &str, flag: &str) -> Result<Vec<Cell>> {
             if f.len() != 4 {
                 return Err(bad());
             }
-            Ok((
-                f[0].to_string(),
-                f[1].parse().map_err(|_| bad())?,
-                f[2].parse().map_err(|_| bad())?,
-                f[3].parse().map_err(|_| bad())?,
-            ))
+            let (ranks, length, ms): (usize, usize, f64) =
+                (f[1].parse().map_err(|_| bad())?, f[2].parse().map_err(|_| bad())?, f[3].parse().map_err(|_| bad())?);
+            // A cell of no ranks, no tokens or no time would scale the projection to nonsense.
+            if ranks == 0 || length == 0 || !(ms > 0.0 && ms.is_finite()) {
+                return Err(crate::LabError::Usage(format!(
+                    "{flag} `{c}`: RANKS and LENGTH must be at least 1 and MS a positive number of milliseconds"
+                )));
+            }
+            Ok((f[0].to_string(), ranks, length, ms))
         })
         .collect()
 }

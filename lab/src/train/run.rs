@@ -181,6 +181,15 @@ impl<M: Method> Settings<M> {
         if !(self.lr > 0.0 && self.lr.is_finite()) {
             return bad(format!("--lr {} must be a positive number", self.lr));
         }
+        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            return bad(format!("--weight-decay {} must be a number >= 0", self.weight_decay));
+        }
+        if self.length == 0 {
+            return bad("--length must be at least 1 token".into());
+        }
+        if self.val_samples == 0 {
+            return bad("--val-samples must be at least 1 (the held-out loss is the run's measure)".into());
+        }
         Ok(())
     }
 
@@ -563,8 +572,18 @@ mod tests {
         assert!(la.check().is_ok() && kv.check().is_ok());
         let e = Settings::<LookaheadKv> { samples: 1, ..la.clone() }.check().unwrap_err().to_string();
         assert!(e.contains("--batch 2 needs at least as many --samples (1)"), "{e}");
-        assert!(Settings::<KvPacket> { samples: 1, ..kv }.check().is_ok(), "one smaller batch a step");
+        assert!(Settings::<KvPacket> { samples: 1, ..kv.clone() }.check().is_ok(), "one smaller batch a step");
         let e = Settings::<LookaheadKv> { val_samples: 0, ..la }.check().unwrap_err().to_string();
         assert!(e.contains("--val-samples"), "{e}");
+        // Shared by both methods: no held-out samples (KV Packet printed a KL of 0 for all), a
+        // weight decay that is not a number, an empty context.
+        let e = Settings::<KvPacket> { val_samples: 0, ..kv.clone() }.check().unwrap_err().to_string();
+        assert!(e.contains("--val-samples"), "{e}");
+        for wd in [f64::NAN, f64::INFINITY, -0.1] {
+            let e = Settings::<KvPacket> { weight_decay: wd, ..kv.clone() }.check().unwrap_err().to_string();
+            assert!(e.contains("--weight-decay"), "{wd}: {e}");
+        }
+        let e = Settings::<KvPacket> { length: 0, ..kv }.check().unwrap_err().to_string();
+        assert!(e.contains("--length"), "{e}");
     }
 }

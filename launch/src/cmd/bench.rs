@@ -183,8 +183,10 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
 
 /// Job bodies of `bench load`: document sets of about --doc-tokens tokens each.
 fn load_bodies(common: &Common, a: &LoadArgs) -> Result<Vec<Vec<u8>>> {
-    let tok_lm = flowprefill_worker::LoadedModel::load(&super::tokenizer_path(common)?, flowprefill_worker::Cpu)?;
-    Ok(lab_load::bodies(&tok_lm.tokenizer, a.doc_sets, a.doc_tokens, &a.method, a.max_tokens)?)
+    // The tokenizer alone (not the weights; a synthetic model's may be a tokenizer-only file).
+    let file = flowprefill_worker::gguf::GgufFile::open(&super::tokenizer_path(common)?)?;
+    let tokenizer = flowprefill_worker::tokenizer::Tokenizer::from_gguf(&file)?;
+    Ok(lab_load::bodies(&tokenizer, a.doc_sets, a.doc_tokens, &a.method, a.max_tokens)?)
 }
 
 fn load(common: &Common, a: LoadArgs) -> Result<()> {
@@ -217,5 +219,10 @@ fn load(common: &Common, a: LoadArgs) -> Result<()> {
         println!("{l}");
     }
     anyhow::ensure!(lost == 0, "{lost} requests got no response");
+    anyhow::ensure!(
+        driven.outcomes.is_empty() || driven.outcomes.iter().any(|r| r.1 == 200),
+        "no job of {} succeeded (outcomes above): is {addr} a flowprefill server (`flowprefill serve`)?",
+        driven.outcomes.len()
+    );
     Ok(())
 }

@@ -36,6 +36,7 @@ pub struct CalibrateArgs {
 /// (feature `mpi`) the MPI link between two processes.
 pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
     crate::ensure_usage!(a.seconds.is_finite() && a.seconds > 0.0, "--seconds must be a positive number");
+    super::out_file("--out", &a.out)?;
     #[cfg(feature = "mpi")]
     let mut mpi =
         if flowprefill_comm::mpi::launched_by_mpirun() { Some(flowprefill_comm::mpi::MpiComm::init()?) } else { None };
@@ -101,7 +102,14 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
     }
     if lead {
         let p = Profiles { devices, links };
-        std::fs::write(&a.out, serde_json::to_string_pretty(&p)?)
+        // Under a temporary name, then renamed: `--method auto` reads this file, and an
+        // interrupted write must not leave it half there.
+        let tmp = a.out.with_extension(format!("json.{}.tmp", std::process::id()));
+        std::fs::write(&tmp, serde_json::to_string_pretty(&p)?)
+            .and_then(|()| std::fs::rename(&tmp, &a.out))
+            .inspect_err(|_| {
+                let _ = std::fs::remove_file(&tmp);
+            })
             .with_context(|| format!("writing {}", a.out.display()))?;
         println!("wrote {} (use it with --profiles)", a.out.display());
     }

@@ -64,6 +64,14 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         !lengths.is_empty() && !depths.is_empty() && args.per_cell > 0,
         "no cases: give --lengths, --depths, --per-cell"
     );
+    crate::ensure_usage!(lengths.iter().all(|&n| n >= 1), "--lengths values must be at least 1 token");
+    crate::ensure_usage!(
+        depths.iter().all(|d| (0.0..=1.0).contains(d)),
+        "--depths values are fractions of the context: give numbers in [0, 1]"
+    );
+    if let Some(dir) = &args.dump_cases {
+        super::out_dir("--dump-cases", dir)?;
+    }
     let cases = niah_cases(&engine.model().tokenizer, args.seed, &lengths, &depths, args.per_cell);
     if let Some(dir) = &args.dump_cases {
         check::dump(&cases, dir)?;

@@ -3,7 +3,7 @@
 //! `flowprefill_lab::bench::decode`.
 
 use crate::Common;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use flowprefill_coordinator::{EvictPolicy, MethodSpec, World};
 use flowprefill_lab::bench::decode::{self as lab_decode, Setting, Source};
 use std::path::PathBuf;
@@ -82,6 +82,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     );
     let ranks = a.ranks.unwrap_or(1);
     crate::ensure_usage!(ranks >= 1, "--ranks must be at least 1");
+    super::out_dir("--out", &a.out)?;
     let settings = settings(&a)?;
     let specs = MethodSpec::parse_list(&a.method)?;
     crate::ensure_usage!(specs.len() == 1, "--method takes one method, e.g. full or infoflow@0.15");
@@ -112,9 +113,8 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     if !lead {
         return Ok(());
     }
-    std::fs::create_dir_all(&a.out)?;
     let path = a.out.join("decode.csv");
-    std::fs::write(&path, &measured.csv)?;
+    std::fs::write(&path, &measured.csv).with_context(|| format!("writing {}", path.display()))?;
     let world = world.describe(rayon::current_num_threads());
     println!(
         "decode after {spec} prefill of {} context tokens, {world}, median of {} runs, at most {} answer tokens",

@@ -92,6 +92,15 @@ pub struct Args {
 /// Checks the arguments and builds the plan and its settings key.
 fn plan(common: &Common, a: &Args) -> Result<Plan> {
     let axes = Axes::check(&a.tasks, a.lengths.concat(), a.ratios.concat(), a.depths.concat(), &a.methods, a.samples)?;
+    // The per-task tables and heat maps show one ratio: one that was run, not empty cells.
+    let selective =
+        axes.methods.iter().any(|m| m.method.info().recompute == flowprefill_coordinator::method::Recompute::Selected);
+    crate::ensure_usage!(
+        !selective || axes.ratios.iter().any(|r| (r - a.table_ratio).abs() < 1e-9),
+        "--table-ratio {} is not among --ratios ({}): its tables would be empty; give one of them",
+        a.table_ratio,
+        axes.ratios.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")
+    );
     let scoring = a.scoring.parse()?;
     let key = Key {
         model: super::model_label(common)?,

@@ -2,7 +2,7 @@
 //! every injected fault against what a client sees), written as Markdown and JSON.
 
 use crate::Common;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use flowprefill_lab::faults::{self, cases, markdown, ServerProcess};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -42,6 +42,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         "--out {}: give the Markdown table's path (e.g. faults.md); the JSON is written beside it",
         a.out.display()
     );
+    super::out_file("--out", &a.out)?;
     let exe = std::env::current_exe()?;
     let mut rows = Vec::new();
     for world in &a.worlds {
@@ -57,11 +58,9 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
             rows.push(row);
         }
     }
-    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&a.out, markdown(&rows, &a.worlds))?;
-    std::fs::write(a.out.with_extension("json"), serde_json::to_vec_pretty(&rows)?)?;
+    let json = a.out.with_extension("json");
+    std::fs::write(&a.out, markdown(&rows, &a.worlds)).with_context(|| format!("writing {}", a.out.display()))?;
+    std::fs::write(&json, serde_json::to_vec_pretty(&rows)?).with_context(|| format!("writing {}", json.display()))?;
     eprintln!("wrote {} rows to {}", rows.len(), a.out.display());
     Ok(())
 }

@@ -79,6 +79,7 @@ pub struct WriteArgs {
 pub fn write_gguf(common: &Common, args: WriteArgs) -> Result<()> {
     use flowprefill_worker::gguf_write;
     use flowprefill_worker::synthetic::SyntheticSpec;
+    super::out_file("--out", &args.out)?;
     let Some(shape) = args.shape.as_deref() else {
         let tok = super::synthetic_tokenizer(common)?;
         let w = gguf_write::write_tokenizer(&tok, &args.out)?;

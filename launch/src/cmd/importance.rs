@@ -58,8 +58,12 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     let lengths = a.lengths.concat();
     let budgets = a.budgets.concat();
     crate::ensure_usage!(!lengths.is_empty() && !budgets.is_empty(), "give at least one --lengths and one --budgets");
+    crate::ensure_usage!(lengths.iter().all(|&n| n >= 1), "--lengths values must be at least 1 token");
     crate::ensure_usage!(budgets.iter().all(|&b| b > 0), "--budgets: every budget keeps at least one entry");
     crate::ensure_usage!(a.samples > 0 && a.max_tokens > 0, "--samples and --max-tokens must be at least 1");
+    if let Some(dir) = &a.out {
+        super::out_dir("--out", dir)?;
+    }
     let path = super::model_path(common)?;
     let mut lm = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
     super::attach_lookahead(&mut lm, common)?;

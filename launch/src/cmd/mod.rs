@@ -589,3 +589,30 @@ impl ScoringArgs {
         Ok(s)
     }
 }
+
+/// Makes the output folder of `flag` (`--out`) before any measuring, so that a bad path costs
+/// nothing: a file where the folder should be, or a folder that cannot be made, is the caller's
+/// error naming the flag and the path (not the OS's bare "File exists" after the work).
+pub fn out_dir(flag: &str, dir: &std::path::Path) -> Result<()> {
+    crate::ensure_usage!(
+        !dir.exists() || dir.is_dir(),
+        "{flag} {}: a file is there; give a folder (it is made if missing)",
+        dir.display()
+    );
+    std::fs::create_dir_all(dir).map_err(|e| {
+        anyhow::Error::new(crate::exit::Usage(format!(
+            "{flag} {}: cannot make the folder ({e}); give another",
+            dir.display()
+        )))
+    })
+}
+
+/// As [`out_dir`] for an output file of `flag`: its folder is made now, and the path must not be
+/// a folder.
+pub fn out_file(flag: &str, path: &std::path::Path) -> Result<()> {
+    crate::ensure_usage!(!path.is_dir(), "{flag} {}: a folder is there; give a file's path", path.display());
+    match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(dir) => out_dir(flag, dir),
+        None => Ok(()),
+    }
+}

@@ -327,6 +327,11 @@ impl Args {
             self.max_documents >= 1 && self.max_chunks >= 1,
             "--max-documents and --max-chunks must be at least 1"
         );
+        // Either at 0 would start a server that refuses every job while /readyz says ready.
+        crate::ensure_usage!(
+            self.max_body_bytes >= 1 && self.max_context_tokens != Some(0),
+            "--max-body-bytes and --max-context-tokens must be at least 1 (0 would refuse every job)"
+        );
         crate::ensure_usage!(
             (0.0..=1.0).contains(&self.verify_rate),
             "--verify-rate {} is outside [0, 1]; give the share of jobs to verify, e.g. 0.1",

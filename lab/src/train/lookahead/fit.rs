@@ -264,9 +264,6 @@ impl Method for LookaheadKv {
         if m.max_answer == 0 {
             return bad("--max-answer must be at least 1".into());
         }
-        if s.val_samples == 0 {
-            return bad("--val-samples must be at least 1 (the held-out loss is the run's measure)".into());
-        }
         Ok(())
     }
 

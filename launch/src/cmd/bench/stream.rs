@@ -49,12 +49,13 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     let ranks: Vec<usize> = a.ranks.concat();
     let slacks: Vec<f64> = a.slack.concat();
     crate::ensure_usage!(
-        a.corpus >= 1 && a.queries >= 1 && a.docs_per_query >= 1,
-        "--corpus, --queries and --docs-per-query must be at least 1"
+        a.corpus >= 1 && a.queries >= 1 && a.docs_per_query >= 1 && a.doc_tokens >= 1,
+        "--corpus, --queries, --docs-per-query and --doc-tokens must be at least 1"
     );
     crate::ensure_usage!(a.zipf >= 0.0 && a.zipf.is_finite(), "--zipf must be a number >= 0");
     crate::ensure_usage!(ranks.iter().all(|&r| r >= 1), "--ranks must be at least 1");
     crate::ensure_usage!(slacks.iter().all(|s| (0.0..=1.0).contains(s)), "--slack values must be in [0, 1]");
+    crate::cmd::out_dir("--out", &a.out)?;
     let lm = std::sync::Arc::new(crate::cmd::load_model(common)?);
     let corpus = bench_docs(&lm.tokenizer, a.corpus * a.doc_tokens, a.doc_tokens, a.seed)?;
     let shape = lab_stream::Stream {
@@ -67,7 +68,6 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     let questions = lab_stream::questions(&shape);
     let base =
         MethodSpec::merge(Some(a.method), None, None, None, RunOptions { max_new_tokens: 1, ..RunOptions::default() })?;
-    std::fs::create_dir_all(&a.out)?;
     let csv_path = a.out.join("stream.csv");
     let mut csv = std::fs::File::create(&csv_path)?;
     writeln!(csv, "{}", lab_stream::CSV_HEADER)?;

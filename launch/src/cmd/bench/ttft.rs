@@ -116,7 +116,12 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
         "give --lengths, --ranks and --runs >= 1"
     );
     crate::ensure_usage!(ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
+    crate::ensure_usage!(
+        lengths.iter().all(|&n| n >= 1) && a.doc_tokens >= 1,
+        "--lengths values and --doc-tokens must be at least 1 token"
+    );
     let methods = flowprefill_coordinator::MethodSpec::parse_list(&a.methods)?;
+    crate::cmd::out_dir("--out", &a.out)?;
     let caches = a.cache.clone();
     crate::ensure_usage!(!caches.is_empty(), "--cache: give cold, ram or disk");
     let (common, disk) = with_disk_tier(common, &caches, &a.out)?;
