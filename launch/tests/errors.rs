@@ -132,6 +132,16 @@ fn outputs_and_ranges_are_checked_before_any_work() {
     refused(&["serve", "--max-body-bytes", "0"], "--max-body-bytes");
     let project = ["bench", "project", "--shape", "qwen3-14b", "--target", "h100-sxm", "--link", "nvlink4"];
     refused(&[&project[..], &["--calibrate", "full,1,8192,0"]].concat(), "MS a positive number");
+    // The caller's errors that exited 1, as an unclassed failure, exit 2 as the README says.
+    refused(
+        &["bench", "project", "--shape", "bogus", "--target", "h100-sxm", "--link", "nvlink4"],
+        "unknown model shape",
+    );
+    refused(&["generate", "--prompt", ""], "--prompt is empty");
+    let missing = dir.join("missing.txt");
+    refused(&["run", "--doc", missing.to_str().unwrap(), "--query", "q?"], "reading --doc");
+    refused(&["run", "--doc", doc, "--query", "q?", "--score-layers", "abc"], "--score-layers `abc`");
+    refused(&["--store", "off", "store", "stats"], "--store off");
     assert_eq!(std::fs::read(&file).unwrap(), b"a user's file", "left as it was");
     // `flowprefill ... | head` where head is gone before the first line: exit 141, no panic.
     let script = format!("{{ sleep 1; '{}' fetch-model --list; }} | true", env!("CARGO_BIN_EXE_flowprefill"));

@@ -41,7 +41,7 @@ pub struct Args {
 
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
-    anyhow::ensure!(!args.prompt.trim().is_empty(), "--prompt is empty: give the question to answer");
+    crate::ensure_usage!(!args.prompt.trim().is_empty(), "--prompt is empty: give the question to answer");
     crate::ensure_usage!(args.max_tokens >= 1, "--max-tokens must be at least 1 (the answer's length in tokens)");
     let user = match &args.context_file {
         Some(p) => {

@@ -521,7 +521,9 @@ fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
     let Some(s) = s else { return Ok(None) };
     let (a, b) = s.split_once('-').unwrap_or((s, s));
     let p = |x: &str| {
-        x.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("--score-layers `{s}`: expected A-B, e.g. 17-19"))
+        x.trim().parse::<usize>().map_err(|_| {
+            anyhow::Error::new(crate::exit::Usage(format!("--score-layers `{s}`: expected A-B, e.g. 17-19")))
+        })
     };
     Ok(Some((p(a)?, p(b)?)))
 }

@@ -206,7 +206,14 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let mut docs = args
         .docs
         .iter()
-        .map(|p| std::fs::read_to_string(p).with_context(|| format!("reading --doc {}", p.display())))
+        .map(|p| {
+            std::fs::read_to_string(p).map_err(|e| {
+                anyhow::Error::new(crate::exit::Usage(format!(
+                    "reading --doc {}: {e}; give a readable text file",
+                    p.display()
+                )))
+            })
+        })
         .collect::<Result<Vec<_>>>()?;
     if !args.doc_ids.is_empty() {
         let dir = super::store::folder(common).context("--doc-id reads ingested documents from the store")?;

@@ -34,7 +34,9 @@ pub enum Store {
 /// off` is an error.
 pub(crate) fn folder(common: &crate::Common) -> Result<PathBuf> {
     match common.store_flag()? {
-        crate::StoreFlag::Off => anyhow::bail!("--store off: there is no disk tier to look at; give a folder"),
+        crate::StoreFlag::Off => Err(anyhow::Error::new(crate::exit::Usage(
+            "--store off: there is no disk tier to look at; give a folder".into(),
+        ))),
         crate::StoreFlag::Dir(d) => Ok(d),
         crate::StoreFlag::Unset => Ok(flowprefill_worker::fetch::home()?.join("store")),
     }
