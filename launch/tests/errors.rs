@@ -142,6 +142,7 @@ fn outputs_and_ranges_are_checked_before_any_work() {
     refused(&["run", "--doc", missing.to_str().unwrap(), "--query", "q?"], "reading --doc");
     refused(&["run", "--doc", doc, "--query", "q?", "--score-layers", "abc"], "--score-layers `abc`");
     refused(&["--store", "off", "store", "stats"], "--store off");
+    refused(&["run", "--doc", doc, "--query", "q?", "--ranks", "2000"], "give at most 256");
     assert_eq!(std::fs::read(&file).unwrap(), b"a user's file", "left as it was");
     // `flowprefill ... | head` where head is gone before the first line: exit 141, no panic.
     let script = format!("{{ sleep 1; '{}' fetch-model --list; }} | true", env!("CARGO_BIN_EXE_flowprefill"));
