@@ -178,7 +178,7 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
     assert!(ok && stats.contains("ingested documents: 3"), "{stats}{err}");
     let (ok, _, err) = run(&["run", "--store", &s, "--doc-id", "00000000deadbeef", "--query", "q"]);
-    assert!(!ok && err.contains("unknown document id `00000000deadbeef`"), "{err}");
+    assert!(!ok && err.contains("--doc-id: unknown document id `00000000deadbeef`"), "{err}");
     let (ok, _, err) = run(&["ingest", "--store", "off", "--doc", &doc_args[1]]);
     assert!(!ok && err.contains("--store is off") && err.contains("--store FOLDER"), "{err}");
     let (ok, _, err) = run(&["ingest", "--store", &s]);

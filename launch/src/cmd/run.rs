@@ -218,7 +218,9 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     if !args.doc_ids.is_empty() {
         let dir = super::store::folder(common).context("--doc-id reads ingested documents from the store")?;
         let registry = flowprefill_worker::store::documents::Documents::open(&dir)?;
-        let texts = registry.resolve(&args.doc_ids).map_err(|e| InputError::new(Field::Documents, e.to_string()))?;
+        let texts = registry
+            .resolve(&args.doc_ids)
+            .map_err(|e| anyhow::Error::new(crate::exit::Usage(format!("--doc-id: {e}"))))?;
         docs.extend(texts);
     }
     for (i, (p, d)) in args.docs.iter().zip(&docs).enumerate() {
