@@ -28,6 +28,27 @@ kernel_env() {
   if [ "$k" = auto ]; then env -u FLOWPREFILL_FLASH_KERNEL "$@"; else FLOWPREFILL_FLASH_KERNEL="$k" "$@"; fi
 }
 
+# pack_test NAME SECONDS LOG [ARGS...]: a test binary of the pack, its lines of interest shown; a
+# failure (a failed test, a panic, a timeout) is recorded in $S/failed and a test that skipped in
+# $S/skips (FLOWPREFILL_SKIP_LOG), both reported at the stage's end (`stage_end`), which then
+# exits non-zero: a GPU run whose tests failed must not read as a good one.
+pack_test() {
+  local t="$1" secs="$2" log="$3"
+  shift 3
+  FLOWPREFILL_SKIP_LOG="$S/skips" timeout "$secs" "$PACK_TESTS/$t" "$@" --nocapture 2>&1 | tee "$log" |
+    grep -E "^test |test result|SKIPPED|skipped|panicked|FAILED|self-check|hopper|logit"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || echo "$t (exit $rc$([ "$rc" = 124 ] && echo ': timed out'))" >>"$S/failed"
+}
+# stage_end: the failed and skipped tests of this stage; non-zero when a test failed.
+stage_end() {
+  [ ! -s "$S/skips" ] || { echo "tests that said skipped:"; cut -f1 "$S/skips" | sort | uniq -c; }
+  if [ -s "$S/failed" ]; then
+    echo "FAILED: $(paste -sd, "$S/failed")"
+    return 1
+  fi
+}
+
 # unpack: the pack of carry/s1 and the model's first part into $S (call 1 of a round).
 unpack() {
   rm -rf "$S" && mkdir -p "$S/res"
@@ -102,7 +123,7 @@ stage1)
     "$FP" devices
     for t in cuda_compile_gate cuda_ops cuda_hopper_fallback nccl_smoke cuda_libs; do
       mark "test $t"
-      timeout 150 "$PACK_TESTS/$t" --nocapture 2>&1 | tee "$S/res/test-$t.log" | grep -E "^test |test result|SKIPPED|skipped|panicked|FAILED|self-check|hopper" || true
+      pack_test "$t" 150 "$S/res/test-$t.log"
     done
     mark "tune"
     timeout 120 "$FP" tune --device cuda:0 2>&1 | tee "$S/res/tune.txt"
@@ -148,16 +169,18 @@ stage1)
   } 2>&1 | tee "$out/stage1.log"
   cp "$S"/torch-*.jsonl "$S/res/"
   tar -C "$S" -czf "$out/stage1-results.tgz" res
+  stage_end
   ;;
 stage2)
   out="${2:?OUT}"
   join_model "stage 1"
+  rm -f "$S/failed" "$S/skips"
   . scripts/gpu-env.sh
   mkdir -p "$S/res2" "$S/bench"
   cp "$S"/torch-*.jsonl "$S/bench/" 2>/dev/null || true
   {
     mark "test cuda (the real model, GPU == CPU)"
-    timeout 240 "$PACK_TESTS/cuda" --nocapture 2>&1 | tee "$S/res2/test-cuda.log" | grep -E "^test |test result|SKIPPED|skipped|panicked|FAILED|logit" || true
+    pack_test cuda 240 "$S/res2/test-cuda.log"
     mark "InfoFlow, 8B shape, 32768 tokens: segments gathered into one attention call (default) or one call each (=0)"
     for g in default 0 default 0; do
       echo "FLOWPREFILL_GATHERED_KEYS: $g"
@@ -197,6 +220,7 @@ stage2)
     mark "stage 2 done"
   } 2>&1 | tee "$out/stage2.log"
   tar -C "$S" -czf "$out/stage2-results.tgz" res2 bench
+  stage_end
   ;;
 again1)
   # A second round in the same session, after a fix (about 3 minutes in all with again2): the
@@ -208,9 +232,10 @@ again1)
     mark "machine"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     mark "test cuda_ops"
-    timeout 150 "$PACK_TESTS/cuda_ops" --nocapture 2>&1 | tee "$S/res/test-cuda_ops.log" | grep -E "^test |test result|SKIPPED|panicked|FAILED" || true
+    pack_test cuda_ops 150 "$S/res/test-cuda_ops.log"
     mark "again1 done"
   } 2>&1 | tee "$out/again1.log"
+  stage_end
   ;;
 again2)
   # The model's rest, then TTFT with chunk caches cold / in RAM / on disk (the disk tier's
@@ -218,6 +243,7 @@ again2)
   # graph against op by op (bench decode: answers of --max-tokens tokens), alternating.
   out="${2:?OUT}"
   join_model again1
+  rm -f "$S/failed" "$S/skips"
   . scripts/gpu-env.sh
   mkdir -p "$S/res2"
   {
@@ -249,6 +275,7 @@ again2)
     mark "again2 done"
   } 2>&1 | tee "$out/again2.log"
   tar -C "$S" -czf "$out/again2-results.tgz" res2 res
+  stage_end
   ;;
 one)
   # A whole round in one call, for a lease whose machine start leaves about 10 minutes: the model
@@ -277,7 +304,7 @@ one)
     "$FP" devices
     for t in cuda_ops cuda_hopper_fallback; do
       mark "test $t"
-      timeout 120 "$PACK_TESTS/$t" --nocapture 2>&1 | tee "$out/test-$t.log" | grep -E "^test |test result|SKIPPED|skipped|panicked|FAILED|self-check|hopper" || true
+      pack_test "$t" 120 "$out/test-$t.log"
     done
     if room 60 "tune"; then
       mark "tune"
@@ -330,6 +357,7 @@ one)
     mark "one done"
   } 2>&1 | tee "$out/one.log"
   tar -C "$S" -czf "$out/one-results.tgz" res
+  stage_end
   ;;
 *)
   echo "unknown stage $stage: prepare, prepare-one, slim, unslim, stage1, stage2, one, again1 or again2" >&2

@@ -136,6 +136,8 @@ mod tests {
     #[test]
     fn devices_errors_cleanly_or_lists() {
         match super::devices() {
+            // A driver and no GPU: nothing to check the listing against.
+            Ok(list) if list.is_empty() => crate::testing::skipped("no CUDA device", "the driver lists no GPU"),
             Ok(list) => assert!(list.iter().all(|d| d.total_mem_bytes > 0)),
             Err(e) => assert!(e.to_string().contains("cuda"), "{e}"),
         }

@@ -42,6 +42,7 @@ fn one_chunk_and_a_cold_store_go_to_full_prefill_and_held_chunks_to_an_approxima
     let r = e.run(&req, &auto(Some(0.01)), &mut |_| true).expect("cold");
     let a = r.auto.as_ref().expect("choice");
     assert_eq!(r.method, Method::Full, "{}", a.why);
+    assert!(a.candidates.iter().any(|c| c.label != "full"), "approximate candidates were weighed: {a:?}");
     assert!(a.candidates.iter().filter(|c| c.label != "full").all(|c| !c.meets), "{a:?}");
     // The chunks in the store (an InfoFlow job made them): an approximate method is faster,
     // and at the default floor InfoFlow's prior meets it.

@@ -54,6 +54,8 @@ fn bf16_caches_answer_like_f32_caches_for_every_method() {
         eprintln!("{m}: bf16 vs f32 caches, first-token logits differ by {d:.2e} of their range; {:?}", b.answer);
         assert_eq!(b.tokens, f.tokens, "{m}: the answer changed with bf16 caches");
         assert!(d <= BF16_LOGIT_TOL, "{m}: relative logit difference {d}");
+        // The bf16 caches were used: their rounding shows in the logits.
+        assert!(d > 0.0, "{m}: bf16 caches gave the f32 caches' logits bit for bit: were they used?");
     }
 }
 

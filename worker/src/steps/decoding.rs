@@ -200,7 +200,12 @@ impl<'a, 'c, B: Backend> DecodeSteps<'a, 'c, B> {
     ) -> Result<Vec<f32>> {
         let ops = self.by_ops(comm, v, check)?;
         let scale = ops.iter().fold(1.0f32, |m, x| m.max(x.abs()));
-        let diff = ops.iter().zip(&replayed).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        // A NaN on either side is an infinite difference (`f32::max` would drop it): a replay
+        // that gives NaN logits is never taken for the ops' step.
+        let diff = ops.iter().zip(&replayed).fold(0.0f32, |m, (a, b)| {
+            let d = (a - b).abs();
+            m.max(if d.is_nan() { f32::INFINITY } else { d })
+        });
         if replayed.len() == ops.len() && diff <= REPLAY_TOLERANCE * scale {
             self.verified = true;
         } else {
@@ -323,7 +328,7 @@ mod tests {
             rep.commit().unwrap();
             let got = steps.run(&mut comm, tok, pos, &mut crate::interrupt::never).unwrap();
             let scale = want.iter().fold(1.0f32, |m, x| m.max(x.abs()));
-            let diff = got.iter().zip(&want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+            let diff = flowprefill_kernels::testing::max_abs_diff(&got, &want);
             assert!(diff <= ROUNDING * scale, "step {t} (position {pos}): logits differ by {diff}");
             let best = |l: &[f32]| l.iter().enumerate().fold(0, |b, (i, &x)| if x > l[b] { i } else { b });
             assert_eq!(best(&got), best(&want), "step {t}: the greedy token");
@@ -335,7 +340,7 @@ mod tests {
             let b = m.backend().download(&tail_b.layer(l).k).unwrap();
             let a = m.backend().download(&tail_a.layer(l).k).unwrap();
             assert_eq!(a.len(), b.len());
-            let diff = b.iter().zip(&a).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+            let diff = flowprefill_kernels::testing::max_abs_diff(&b, &a);
             assert!(diff <= ROUNDING, "layer {l}: keys differ by {diff}");
         }
     }
