@@ -188,7 +188,13 @@ fn attention_and_scores_match_the_cpu() {
         let cs = cs.to_f32();
         let mut gs = g.zeros(n).unwrap();
         g.attention_scores(&shape, &gq, &qpos, &gk, &kpos, &gl, &mut gs).unwrap();
-        assert!(max_err(&g.download(&gs).unwrap(), &cs) <= OP_TOL * (m * heads) as f32, "scores m={m} n={n}");
+        // A key's score sums m x heads probabilities; the bound grows with them. It is loose (a
+        // relative error of OP_TOL per summed row, on top of max_err's own scaling): to tighten
+        // on the next GPU run, from the error it prints.
+        const SCORES_TOL_PER_ROW: f32 = OP_TOL;
+        let err = max_err(&g.download(&gs).unwrap(), &cs);
+        eprintln!("scores m={m} n={n}: error {err:e}");
+        assert!(err <= SCORES_TOL_PER_ROW * (m * heads) as f32, "scores m={m} n={n}: {err}");
     }
 }
 
@@ -341,8 +347,11 @@ fn check_flash(
     let mut cs = hz(n);
     c.attention_scores(&shape, &h(qp), &qpos[m - mp..], &ck, &kpos, &h(lp), &mut cs).unwrap();
     let (gs, cs) = (g.download(&gs).unwrap(), cs.to_f32());
-    let worst = flowprefill_kernels::testing::max_rel_diff(&gs, &cs, 1e-3);
-    assert!(worst <= 1e-4, "{label}: scores error {worst:e}");
+    // Relative (with a floor for keys of almost no mass): the same f32 sums in another order.
+    const TC_SCORES_FLOOR: f32 = 1e-3;
+    const TC_SCORES_TOL: f32 = 1e-4;
+    let worst = flowprefill_kernels::testing::max_rel_diff(&gs, &cs, TC_SCORES_FLOOR);
+    assert!(worst <= TC_SCORES_TOL, "{label}: scores error {worst:e}");
 }
 
 /// Every configuration of flash2 (the autotuner's candidates), the reference and, on a Hopper
@@ -414,7 +423,9 @@ fn the_bf16_forward_ops_match_the_cpu_with_its_roundings() {
         let (a, b) = (got.to_f32(), want.to_f32());
         let scale = b.iter().fold(1f32, |s, v| s.max(v.abs()));
         let e = max_err(&a, &b);
-        assert!(e <= scale / 128.0, "{what}: error {e} at scale {scale}");
+        // One bf16 rounding of outputs of this scale: 2^-7 of it.
+        const BF16_OP_TOL: f32 = 1.0 / 128.0;
+        assert!(e <= BF16_OP_TOL * scale, "{what}: error {e} at scale {scale}");
     };
     for out_type in [DType::Bf16, DType::F32] {
         let mut want = HostBuf::zeros(m * n, out_type);

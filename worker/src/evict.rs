@@ -259,7 +259,9 @@ mod tests {
             // Every query row in the window puts mass 1 on the keys (no key is hidden here).
             let w = window.min(m);
             let sum: f32 = total.iter().sum();
-            assert!((sum - (w * hq) as f32).abs() < 1e-3, "mass {sum} for {w} rows x {hq} heads");
+            // f32 sums of up to a few hundred probabilities per row: 1e-3 of mass in all.
+            const MASS_TOL: f32 = 1e-3;
+            assert!((sum - (w * hq) as f32).abs() < MASS_TOL, "mass {sum} for {w} rows x {hq} heads");
         }
     }
 
@@ -314,8 +316,10 @@ mod tests {
             let (mut o, mut l) = (vec![0.0; m * g * d], vec![0.0; m * g]);
             attention(&one, &qh, &qpos, KvRef { k: &kh, v: &vh, pos: &kp }, &mut o, &mut l).unwrap();
             let got = cols(&out, qd, h * g * d, g * d, &(0..m).collect::<Vec<_>>());
+            // The same f32 kernel over the same keys, read in place or from a per-head copy.
+            const PACKED_TOL: f32 = 1e-5;
             for (a, b) in got.iter().zip(&o) {
-                assert!((a - b).abs() < 1e-5, "head {h}: {a} vs {b}");
+                assert!((a - b).abs() < PACKED_TOL, "head {h}: {a} vs {b}");
             }
         }
     }

@@ -96,8 +96,10 @@ mod tests {
         }
         let a: Vec<f32> = ours.as_tensor().to_vec1().unwrap();
         let b: Vec<f32> = theirs.as_tensor().to_vec1().unwrap();
+        // The same update in f32, ours and candle's: 25 steps of values near 1 keep a few ulps.
+        const CANDLE_TOL: f32 = 1e-5;
         for (x, y) in a.iter().zip(&b) {
-            assert!((x - y).abs() < 1e-5, "{a:?} vs {b:?}");
+            assert!((x - y).abs() < CANDLE_TOL, "{a:?} vs {b:?}");
         }
         assert_eq!(opt.step, 25);
     }
