@@ -134,6 +134,10 @@ mod tests {
 
     #[test]
     fn silu_mul_matches_reference() {
+        crate::simd::at_every_level(|_| silu_mul_matches_reference_at_this_level());
+    }
+
+    fn silu_mul_matches_reference_at_this_level() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         for &(rows, ffn) in &[(1, 3), (5, 37), (70, 1536)] {
             let gu: Vec<f32> = (0..rows * 2 * ffn).map(|_| rng.random_range(-12.0f32..12.0)).collect();
@@ -168,6 +172,15 @@ mod tests {
 
     #[test]
     fn adds() {
+        crate::simd::at_every_level(|_| adds_at_this_level());
+    }
+
+    fn adds_at_this_level() {
+        // Longer than a vector register, so that the wide loop and its tail both run.
+        let (n, y): (usize, Vec<f32>) = (37, (0..37).map(|i| i as f32 * 0.5).collect());
+        let mut x = vec![1.0; n];
+        add_assign(&mut x, &y).unwrap();
+        assert!(x.iter().zip(&y).all(|(a, b)| *a == 1.0 + b), "{x:?}");
         let mut x = vec![1.0; 4];
         add_assign(&mut x, &[1.0, 2.0, 3.0, 4.0]).unwrap();
         assert_eq!(x, vec![2.0, 3.0, 4.0, 5.0]);

@@ -76,6 +76,10 @@ mod tests {
 
     #[test]
     fn matches_reference() {
+        crate::simd::at_every_level(|_| matches_reference_at_this_level());
+    }
+
+    fn matches_reference_at_this_level() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         for &(rows, dim) in &[(1, 7), (3, 64), (200, 576), (65, 13)] {
             let x: Vec<f32> = (0..rows * dim).map(|_| rng.random_range(-3.0f32..3.0)).collect();

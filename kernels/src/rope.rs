@@ -248,6 +248,10 @@ mod tests {
 
     #[test]
     fn matches_reference_both_styles_inside_and_beyond_table() {
+        crate::simd::at_every_level(|_| matches_reference_at_this_level());
+    }
+
+    fn matches_reference_at_this_level() {
         for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
             check(style, 64, 10_000);
             check(style, 64, 100);

@@ -97,6 +97,34 @@ pub(crate) fn override_lock() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Runs `f` at every SIMD level this CPU has (the baseline, AVX2+FMA, AVX-512), the override
+/// held, so that an equivalence test checks each compiled body of a kernel and not only the one
+/// this CPU picks; a level above the CPU is said skipped.
+#[cfg(test)]
+pub(crate) fn at_every_level(mut f: impl FnMut(SimdLevel)) {
+    /// Detection back even if `f` panics.
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            set_override(None);
+        }
+    }
+    let _held = override_lock();
+    let _restore = Restore;
+    for lvl in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512] {
+        if lvl > detected() {
+            crate::testing::skipped(
+                "SIMD level not on this CPU",
+                format!("{lvl:?} is above this CPU's {:?}", detected()),
+            );
+            continue;
+        }
+        set_override(Some(lvl));
+        assert_eq!(level(), lvl, "the override took effect");
+        f(lvl);
+    }
+}
+
 /// Defines a function whose body is compiled for AVX-512, AVX2+FMA and the baseline, and
 /// dispatched on [`level`] at run time. The body must not use `unsafe` intrinsics: it is
 /// plain Rust that LLVM vectorizes with the enabled features.

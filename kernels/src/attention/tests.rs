@@ -1,6 +1,6 @@
 use super::*;
 use crate::merge::merge_partial;
-use crate::simd::{self, SimdLevel};
+use crate::simd;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -106,22 +106,10 @@ fn every_simd_level_matches_reference() {
     let mut rng = StdRng::seed_from_u64(9);
     let c = case(&mut rng, 70, 390, 9, 3, 64, Layout::Causal);
     let slow = run(&c, attention_ref);
-    let _held = simd::override_lock();
-    for lvl in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512] {
-        if lvl > simd::detected() {
-            // The override never goes above the CPU: this level would rerun the detected one.
-            crate::testing::skipped(
-                "SIMD level not on this CPU",
-                format!("{lvl:?} is above this CPU's {:?}", simd::detected()),
-            );
-            continue;
-        }
-        simd::set_override(Some(lvl));
-        assert_eq!(simd::level(), lvl, "the override took effect");
+    simd::at_every_level(|lvl| {
         let fast = run(&c, attention);
-        simd::set_override(None);
         assert_close(&format!("{lvl:?}"), &fast, &slow, ATTN_OUT_TOL, ATTN_LSE_TOL);
-    }
+    });
 }
 
 #[test]
@@ -225,6 +213,10 @@ fn merge_with_empty_side_and_extreme_lse() {
 
 #[test]
 fn scores_match_reference() {
+    simd::at_every_level(|_| scores_match_reference_at_this_level());
+}
+
+fn scores_match_reference_at_this_level() {
     let mut rng = StdRng::seed_from_u64(5);
     for &(m, n) in &[(1, 1), (12, 500), (130, 300)] {
         for &(h, kvh) in HEADS {
