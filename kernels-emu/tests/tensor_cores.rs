@@ -258,7 +258,9 @@ fn flash_attention_keeps_large_scores_finite_and_exact() {
         let mut c = case(&mut r, m, n, heads, kv, d, false);
         c.q = rand_vec(&mut r, c.q.len(), 15.0);
         c.k = rand_vec(&mut r, c.k.len(), 15.0);
-        for kernel in emu::FlashKernel::ALL {
+        // Every configuration the autotuner may pick: the polynomial exp2 (Hopper 4 and 5)
+        // meets its clamp and underflow (arguments at or below -126) only at scores this large.
+        for kernel in emu::FlashKernel::every() {
             check_flash(kernel, &c, None, &format!("flash {kernel:?} large scores d={d}"));
         }
     }
@@ -298,7 +300,7 @@ fn flash_attention_rescales_when_a_late_key_dominates() {
 fn flash_partials_over_disjoint_keys_merge_into_one_call() {
     let mut r = rng(43);
     let c = case(&mut r, 12, 150, 6, 2, 64, true);
-    for kernel in emu::FlashKernel::ALL {
+    for kernel in emu::FlashKernel::every() {
         partials_merge(kernel, &c);
     }
 }
