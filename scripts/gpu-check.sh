@@ -22,6 +22,9 @@ cd "$(dirname "$0")/.."
 . scripts/gpu-env.sh
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 "$FP" devices
+# Tests that say skipped are listed at the end: on a GPU machine a GPU test that skips is a
+# finding, not a pass.
+export FLOWPREFILL_SKIP_LOG="${FLOWPREFILL_SKIP_LOG:-$(mktemp)}"
 # run_tests NAME [FILTER]: one CUDA test binary, from the pack or through cargo.
 run_tests() {
   if [ -n "$PACK_TESTS" ]; then
@@ -87,3 +90,7 @@ else
   echo "one GPU: the NCCL checks need two (skipped)"
 fi
 memory_plan_runs
+if [ -s "$FLOWPREFILL_SKIP_LOG" ]; then
+  echo "tests that said skipped on this GPU machine (by reason):"
+  cut -f1 "$FLOWPREFILL_SKIP_LOG" | sort | uniq -c
+fi
