@@ -10,8 +10,8 @@
 //! | cancelled | 6 | 499 | `cancelled` |
 //! | internal (a bug) | 70 | 500 | `internal` |
 //!
-//! Any other failure (an IO error of the command itself, a bad flag value caught by the
-//! command) exits with 1; clap's own usage errors exit with 2.
+//! A bad flag value caught by the command is the caller's too ([`Usage`], exit 2, as clap's own
+//! usage errors); any other unclassed failure (an IO error of the command itself) exits with 1.
 
 use flowprefill_coordinator::{CoordError, ErrorClass};
 use flowprefill_worker::WorkerError;
@@ -29,12 +29,17 @@ impl std::fmt::Display for Usage {
 
 impl std::error::Error for Usage {}
 
+/// A [`Usage`] error as an `anyhow::Error` (exit code 2).
+pub fn usage(message: impl Into<String>) -> anyhow::Error {
+    anyhow::Error::new(Usage(message.into()))
+}
+
 /// `anyhow::ensure!` for argument checks: fails with [`Usage`] (exit code 2).
 #[macro_export]
 macro_rules! ensure_usage {
     ($cond:expr, $($arg:tt)+) => {
         if !$cond {
-            return Err(anyhow::Error::new($crate::exit::Usage(format!($($arg)+))));
+            return Err($crate::exit::usage(format!($($arg)+)));
         }
     };
 }

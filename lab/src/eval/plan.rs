@@ -68,11 +68,8 @@ impl Axes {
             !tasks.is_empty() && !lengths.is_empty() && samples > 0 && !depths.is_empty(),
             "nothing to evaluate"
         );
-        ensure_usage!(lengths.iter().all(|&n| n >= 1), "--lengths values must be at least 1 token");
-        ensure_usage!(
-            depths.iter().all(|d| (0.0..=1.0).contains(d)),
-            "--depths values are fractions of the context: give numbers in [0, 1]"
-        );
+        crate::tasks::check_lengths(&lengths)?;
+        crate::tasks::check_depths(&depths)?;
         for &r in &ratios {
             flowprefill_coordinator::request::check_ratio(r)?;
         }

@@ -337,6 +337,21 @@ pub const DEPTHS: [f64; 5] = [0.1, 0.3, 0.5, 0.7, 0.9];
 
 /// Needle-in-a-haystack cases for `check`: for each length and depth, `per_cell` cases, each
 /// with 6 to 10 documents and a 7-digit number to retrieve.
+/// Refuses case lengths of no tokens (`--lengths`), naming the flag.
+pub fn check_lengths(lengths: &[usize]) -> crate::Result<()> {
+    crate::error::ensure_usage!(lengths.iter().all(|&n| n >= 1), "--lengths values must be at least 1 token");
+    Ok(())
+}
+
+/// Refuses needle depths outside [0, 1] or not numbers (`--depths`: fractions of the context).
+pub fn check_depths(depths: &[f64]) -> crate::Result<()> {
+    crate::error::ensure_usage!(
+        depths.iter().all(|d| (0.0..=1.0).contains(d)),
+        "--depths values are fractions of the context: give numbers in [0, 1]"
+    );
+    Ok(())
+}
+
 pub fn niah_cases(tok: &Tokenizer, seed: u64, lengths: &[usize], depths: &[f64], per_cell: usize) -> Vec<QaCase> {
     let mut cases = Vec::new();
     for &len in lengths {

@@ -64,16 +64,11 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         !lengths.is_empty() && !depths.is_empty() && args.per_cell > 0,
         "no cases: give --lengths, --depths, --per-cell"
     );
-    crate::ensure_usage!(lengths.iter().all(|&n| n >= 1), "--lengths values must be at least 1 token");
-    crate::ensure_usage!(
-        depths.iter().all(|d| (0.0..=1.0).contains(d)),
-        "--depths values are fractions of the context: give numbers in [0, 1]"
-    );
-    if let Some(dir) = &args.dump_cases {
-        super::out_dir("--dump-cases", dir)?;
-    }
+    flowprefill_lab::tasks::check_lengths(&lengths)?;
+    flowprefill_lab::tasks::check_depths(&depths)?;
     let cases = niah_cases(&engine.model().tokenizer, args.seed, &lengths, &depths, args.per_cell);
     if let Some(dir) = &args.dump_cases {
+        super::out_dir("--dump-cases", dir)?;
         check::dump(&cases, dir)?;
         eprintln!("wrote {} cases under {}", cases.len(), dir.display());
     }

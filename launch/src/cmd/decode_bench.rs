@@ -61,7 +61,7 @@ fn settings(a: &Args) -> Result<Vec<Setting>> {
         let Ok(policy) = EvictPolicy::from_str(name, true) else {
             let names: Vec<String> = EvictPolicy::value_variants().iter().map(ToString::to_string).collect();
             let why = format!("--evict {name}: give none or {} (comma-separated)", names.join(", "));
-            return Err(anyhow::Error::new(crate::exit::Usage(why)));
+            return Err(crate::exit::usage(why));
         };
         policies.push(policy);
     }

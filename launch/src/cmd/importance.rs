@@ -58,7 +58,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     let lengths = a.lengths.concat();
     let budgets = a.budgets.concat();
     crate::ensure_usage!(!lengths.is_empty() && !budgets.is_empty(), "give at least one --lengths and one --budgets");
-    crate::ensure_usage!(lengths.iter().all(|&n| n >= 1), "--lengths values must be at least 1 token");
+    flowprefill_lab::tasks::check_lengths(&lengths)?;
     crate::ensure_usage!(budgets.iter().all(|&b| b > 0), "--budgets: every budget keeps at least one entry");
     crate::ensure_usage!(a.samples > 0 && a.max_tokens > 0, "--samples and --max-tokens must be at least 1");
     if let Some(dir) = &a.out {

@@ -39,10 +39,10 @@ pub fn model_source(common: &Common) -> Result<ModelSource> {
         return Ok(ModelSource::Synthetic(spec?));
     }
     if let Some(t) = &common.tokenizer {
-        return Err(anyhow::Error::new(crate::exit::Usage(format!(
+        return Err(crate::exit::usage(format!(
             "--tokenizer {} is for a synthetic --model (synthetic:SHAPE); a GGUF model brings its own tokenizer",
             t.display()
-        ))));
+        )));
     }
     Ok(ModelSource::File(resolve_model(common.model.as_deref())?))
 }
@@ -52,11 +52,11 @@ pub fn model_source(common: &Common) -> Result<ModelSource> {
 pub fn synthetic_tokenizer(common: &Common) -> Result<PathBuf> {
     match &common.tokenizer {
         Some(t) if t.is_file() => Ok(t.clone()),
-        Some(t) => Err(anyhow::Error::new(crate::exit::Usage(format!(
+        Some(t) => Err(crate::exit::usage(format!(
             "--tokenizer {}: no such file (write one with `flowprefill write-gguf --tokenizer-only --out FILE`, \
              or leave it out for the default model's)",
             t.display()
-        )))),
+        ))),
         None => resolve_model(None),
     }
 }
@@ -66,10 +66,10 @@ pub fn synthetic_tokenizer(common: &Common) -> Result<PathBuf> {
 pub fn model_path(common: &Common) -> Result<PathBuf> {
     match model_source(common)? {
         ModelSource::File(p) => Ok(p),
-        ModelSource::Synthetic(s) => Err(anyhow::Error::new(crate::exit::Usage(format!(
+        ModelSource::Synthetic(s) => Err(crate::exit::usage(format!(
             "{} has no model file; this command needs a GGUF (give --model PATH)",
             s.name()
-        )))),
+        ))),
     }
 }
 
@@ -530,9 +530,9 @@ fn parse_layers(s: Option<&str>) -> Result<Option<(usize, usize)>> {
     let Some(s) = s else { return Ok(None) };
     let (a, b) = s.split_once('-').unwrap_or((s, s));
     let p = |x: &str| {
-        x.trim().parse::<usize>().map_err(|_| {
-            anyhow::Error::new(crate::exit::Usage(format!("--score-layers `{s}`: expected A-B, e.g. 17-19")))
-        })
+        x.trim()
+            .parse::<usize>()
+            .map_err(|_| crate::exit::usage(format!("--score-layers `{s}`: expected A-B, e.g. 17-19")))
     };
     Ok(Some((p(a)?, p(b)?)))
 }
@@ -611,10 +611,7 @@ pub fn out_dir(flag: &str, dir: &std::path::Path) -> Result<()> {
         dir.display()
     );
     std::fs::create_dir_all(dir).map_err(|e| {
-        anyhow::Error::new(crate::exit::Usage(format!(
-            "{flag} {}: cannot make the folder ({e}); give another",
-            dir.display()
-        )))
+        crate::exit::usage(format!("{flag} {}: cannot make the folder ({e}); give another", dir.display()))
     })
 }
 

@@ -208,19 +208,14 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         .iter()
         .map(|p| {
             std::fs::read_to_string(p).map_err(|e| {
-                anyhow::Error::new(crate::exit::Usage(format!(
-                    "reading --doc {}: {e}; give a readable text file",
-                    p.display()
-                )))
+                crate::exit::usage(format!("reading --doc {}: {e}; give a readable text file", p.display()))
             })
         })
         .collect::<Result<Vec<_>>>()?;
     if !args.doc_ids.is_empty() {
         let dir = super::store::folder(common).context("--doc-id reads ingested documents from the store")?;
         let registry = flowprefill_worker::store::documents::Documents::open(&dir)?;
-        let texts = registry
-            .resolve(&args.doc_ids)
-            .map_err(|e| anyhow::Error::new(crate::exit::Usage(format!("--doc-id: {e}"))))?;
+        let texts = registry.resolve(&args.doc_ids).map_err(|e| crate::exit::usage(format!("--doc-id: {e}")))?;
         docs.extend(texts);
     }
     for (i, (p, d)) in args.docs.iter().zip(&docs).enumerate() {

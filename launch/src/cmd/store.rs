@@ -34,9 +34,9 @@ pub enum Store {
 /// off` is an error.
 pub(crate) fn folder(common: &crate::Common) -> Result<PathBuf> {
     match common.store_flag()? {
-        crate::StoreFlag::Off => Err(anyhow::Error::new(crate::exit::Usage(
-            "--store off: there is no disk tier to look at; give a folder".into(),
-        ))),
+        crate::StoreFlag::Off => {
+            Err(crate::exit::usage("--store off: there is no disk tier to look at; give a folder"))
+        }
         crate::StoreFlag::Dir(d) => Ok(d),
         crate::StoreFlag::Unset => Ok(flowprefill_worker::fetch::home()?.join("store")),
     }

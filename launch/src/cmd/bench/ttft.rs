@@ -116,10 +116,8 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
         "give --lengths, --ranks and --runs >= 1"
     );
     crate::ensure_usage!(ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
-    crate::ensure_usage!(
-        lengths.iter().all(|&n| n >= 1) && a.doc_tokens >= 1,
-        "--lengths values and --doc-tokens must be at least 1 token"
-    );
+    flowprefill_lab::tasks::check_lengths(&lengths)?;
+    crate::ensure_usage!(a.doc_tokens >= 1, "--doc-tokens must be at least 1 token");
     let methods = flowprefill_coordinator::MethodSpec::parse_list(&a.methods)?;
     crate::cmd::out_dir("--out", &a.out)?;
     let caches = a.cache.clone();
@@ -153,7 +151,6 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     };
     let lead = world.lead();
     if lead {
-        std::fs::create_dir_all(&a.out)?;
         let describe = world.describe(rayon::current_num_threads());
         let c: Vec<&str> = caches.iter().map(|c| c.name()).collect();
         println!(
