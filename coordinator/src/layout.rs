@@ -33,6 +33,7 @@ pub struct Layout {
 impl Layout {
     /// Tokenizes a request with the model's tokenizer and chat template.
     pub fn build<B: Backend>(lm: &LoadedModel<B>, req: &Request) -> Result<Self> {
+        check_text_fits(lm, req)?;
         let mut msgs = Vec::new();
         if let Some(s) = &req.system {
             msgs.push(Message::text("system", s));
@@ -150,6 +151,18 @@ impl Layout {
 
 /// Text of documents this long or longer in all is tokenized on several threads.
 const PARALLEL_TOKENIZE_BYTES: usize = 32 << 10;
+
+/// Refuses a request whose text cannot fit the model's window whatever it tokenizes to (each
+/// token at most the vocabulary's longest), before tokenizing it: the exact check is
+/// admission's, on the tokens.
+fn check_text_fits<B: Backend>(lm: &LoadedModel<B>, req: &Request) -> flowprefill_worker::Result<()> {
+    let context: usize = match &req.context {
+        Context::Documents(docs) => docs.iter().map(|d| d.trim().len()).sum(),
+        Context::Text { text, .. } => text.trim().len(),
+    };
+    let others = [Some(req.query.as_str()), req.system.as_deref(), req.answer_prefix.as_deref()];
+    lm.check_text_fits(context + others.iter().flatten().map(|t| t.trim().len()).sum::<usize>())
+}
 
 /// Each document's tokens (its text and the separator), in order: on up to 8 threads when
 /// there are several documents and enough text (tokenizing is host time before any prefill

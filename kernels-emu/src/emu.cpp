@@ -95,3 +95,7 @@ extern "C" int emu_launch(const char* kernel, const unsigned* grid, const unsign
     std::snprintf(err, err_len, "%s", e.c_str());
     return 1;
 }
+
+// common.cuh's polynomial 2^x (the Hopper configurations' softmax on the FMA pipe), one value
+// at a time, for its test against exp2 in double precision.
+extern "C" float emu_exp2_poly(float x) { return fp_exp2_poly(x); }

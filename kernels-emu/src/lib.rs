@@ -28,7 +28,15 @@ mod ffi {
             err: *mut c_char,
             err_len: u32,
         ) -> i32;
+        pub fn emu_exp2_poly(x: f32) -> f32;
     }
+}
+
+/// `fp_exp2_poly` of `kernels/cuda/common.cuh` (2^x by a polynomial on the FMA pipe, what the
+/// Hopper kernel's polynomial configurations use for part of each tile's softmax), run here.
+pub fn exp2_poly(x: f32) -> f32 {
+    // SAFETY: a pure function of one float.
+    unsafe { ffi::emu_exp2_poly(x) }
 }
 
 /// Launches `call` on the CPU and waits for it. Panics (these are test helpers) if the call does

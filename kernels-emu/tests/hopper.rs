@@ -90,3 +90,43 @@ fn the_emulation_catches_each_deliberate_mistake() {
         assert!(close(&d_rs, &o), "{s:?}: the product after the wait");
     }
 }
+
+/// `fp_exp2_poly`'s relative error where its result is a normal float (the comment in
+/// common.cuh: 3.6e-6 for the degree-4 polynomial; the log-sum-exp's tolerance is 2e-5).
+const EXP2_POLY_REL_TOL: f64 = 4e-6;
+
+/// The polynomial 2^x of the Hopper kernel's configurations 4 and 5 against exp2 in f64 over
+/// every input it meets (a score minus its row's running maximum: up to FA2_RESCALE_LOG2 above,
+/// down to a masked -inf), at 2^22 points of [-130, 8] and the ends: within
+/// EXP2_POLY_REL_TOL where 2^x is a normal float, within a normal float's smallest step below,
+/// exactly +0 from -127 down, for -inf and for NaN (a masked score; fmaxf drops the NaN).
+#[test]
+fn the_polynomial_exp2_is_within_its_tolerance_over_its_whole_range() {
+    let top = flowprefill_kernels::gpu::shapes::FA2_RESCALE_LOG2 as f64;
+    let (lo, n) = (-130.0f64, 1u32 << 22);
+    let mut worst = (0.0f64, 0.0f64);
+    for i in 0..=n {
+        let x = (lo + (top - lo) * i as f64 / n as f64) as f32;
+        let (got, want) = (emu::exp2_poly(x) as f64, (x as f64).exp2());
+        assert!(got >= 0.0 && got.is_finite(), "2^{x}: {got}");
+        if x <= -127.0 {
+            assert_eq!(got.to_bits(), 0, "2^{x} is not +0");
+        } else if want >= f32::MIN_POSITIVE as f64 * 2.0 {
+            let rel = (got - want).abs() / want;
+            if rel > worst.0 {
+                worst = (rel, x as f64);
+            }
+        } else {
+            assert!((got - want).abs() <= f32::MIN_POSITIVE as f64, "2^{x}: {got:e} against {want:e}");
+        }
+    }
+    assert!(worst.0 <= EXP2_POLY_REL_TOL, "relative error {:.2e} at x = {}", worst.0, worst.1);
+    // Integers are exact (p(0) = 1 is held), and the ends.
+    for j in -126..=8 {
+        assert_eq!(emu::exp2_poly(j as f32), (j as f32).exp2(), "2^{j}");
+    }
+    for x in [f32::NEG_INFINITY, f32::NAN, -1e30, -127.0] {
+        assert_eq!(emu::exp2_poly(x).to_bits(), 0, "2^{x}");
+    }
+    eprintln!("fp_exp2_poly: worst relative error {:.2e} at x = {}", worst.0, worst.1);
+}

@@ -236,6 +236,20 @@ pub enum WorkerError {
         /// The model's window (`<arch>.context_length`).
         window: usize,
     },
+    /// A text so long that even at the vocabulary's longest tokens it exceeds the context
+    /// window: refused before it is tokenized.
+    #[error(
+        "the input is {bytes} bytes of text, at least {tokens} tokens for this model, but its context \
+         window is {window} tokens; shorten the documents or the prompt"
+    )]
+    TextTooLong {
+        /// Bytes of text (documents, question, system message, answer prefix).
+        bytes: usize,
+        /// The fewest tokens they can make.
+        tokens: usize,
+        /// The model's window.
+        window: usize,
+    },
     /// Fetching the default model failed.
     #[error("fetching the default model: {0}")]
     Fetch(String),
@@ -295,7 +309,9 @@ impl WorkerError {
     pub fn class(&self) -> ErrorClass {
         use flowprefill_kernels::KernelError;
         match self {
-            WorkerError::Input(_) | WorkerError::ContextTooLong { .. } => ErrorClass::Caller,
+            WorkerError::Input(_) | WorkerError::ContextTooLong { .. } | WorkerError::TextTooLong { .. } => {
+                ErrorClass::Caller
+            }
             WorkerError::ModelFile { .. }
             | WorkerError::UnsupportedArch { .. }
             | WorkerError::UnsupportedTensor { .. }
@@ -327,6 +343,10 @@ impl WorkerError {
             WorkerError::ContextTooLong { tokens, window } => format!(
                 "the input needs {tokens} token positions but the model's context window is {window}; \
                  shorten the documents or the query, or lower `max_tokens`"
+            ),
+            WorkerError::TextTooLong { bytes, tokens, window } => format!(
+                "the input is {bytes} bytes of text, at least {tokens} tokens for this model, but its context \
+                 window is {window} tokens; shorten the documents or the query"
             ),
             e => e.to_string(),
         }

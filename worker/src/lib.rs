@@ -103,6 +103,7 @@ impl<B: Backend> LoadedModel<B> {
 
     /// Tokenizes a single-turn chat (`system` optional) ending with the assistant header.
     pub fn chat_prompt(&self, system: Option<&str>, user: &str) -> Result<Vec<u32>> {
+        self.check_text_fits(user.len() + system.map_or(0, str::len))?;
         let mut msgs = Vec::new();
         if let Some(s) = system {
             msgs.push(template::Message::text("system", s));
@@ -113,5 +114,16 @@ impl<B: Backend> LoadedModel<B> {
             Err(WorkerError::Template(format!("unexpected slot {i}")))
         })?
         .ids)
+    }
+
+    /// Refuses `bytes` of text that cannot fit the context window whatever they tokenize to
+    /// ([`tokenizer::Tokenizer::min_tokens`]), before they are tokenized; the exact check is
+    /// on the tokens, later.
+    pub fn check_text_fits(&self, bytes: usize) -> Result<()> {
+        let (tokens, window) = (self.tokenizer.min_tokens(bytes), self.model.config().context_length);
+        if tokens + 1 > window {
+            return Err(WorkerError::TextTooLong { bytes, tokens, window });
+        }
+        Ok(())
     }
 }

@@ -38,6 +38,8 @@ pub struct Tokenizer {
     eos: Option<u32>,
     bos: Option<u32>,
     end_ids: Vec<u32>,
+    /// Bytes of the longest token (a byte-level token's characters are its bytes).
+    max_token_bytes: usize,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -103,7 +105,8 @@ impl Tokenizer {
                 }
             }
         }
-        Ok(Self { with_specials, plain, tokens, special, eos, bos, end_ids })
+        let max_token_bytes = tokens.iter().map(|t| t.chars().count()).max().unwrap_or(1).max(1);
+        Ok(Self { with_specials, plain, tokens, special, eos, bos, end_ids, max_token_bytes })
     }
 
     /// Encodes user text: special-token strings are ordinary text here.
@@ -124,6 +127,13 @@ impl Tokenizer {
     /// The raw vocabulary string of a token (byte-level encoded).
     pub fn token(&self, id: u32) -> Option<&str> {
         self.tokens.get(id as usize).map(String::as_str)
+    }
+
+    /// The fewest tokens `bytes` bytes of text can encode to: no token is longer than the
+    /// vocabulary's longest (so a text far too long for a window is refused before it is
+    /// tokenized, which takes seconds and gigabytes for tens of megabytes).
+    pub fn min_tokens(&self, bytes: usize) -> usize {
+        bytes.div_ceil(self.max_token_bytes)
     }
 
     /// Vocabulary size.

@@ -75,6 +75,54 @@ fn empty_prompt_and_too_long_context() {
 }
 
 #[test]
+fn text_far_beyond_the_window_is_refused_before_it_is_tokenized() {
+    use flowprefill_coordinator::{admit, Context, ErrorClass, Job, Limits, Request, RunOptions};
+    let lm = default_model();
+    let tok = &lm.tokenizer;
+    // The bound is a lower bound: ordinary text, a run of spaces, and the vocabulary's longest
+    // token repeated (the text that packs the most bytes into a token) encode to no fewer.
+    let longest = (0..tok.vocab_size() as u32)
+        .filter(|&id| !tok.is_special(id))
+        .max_by_key(|&id| tok.token(id).map_or(0, |t| t.chars().count()))
+        .expect("a vocabulary");
+    let longest = tok.decode(&[longest]).expect("decode");
+    for text in ["The harbour of Redwater keeps its boats. ".repeat(300), " ".repeat(5000), longest.repeat(300)] {
+        let ids = tok.encode_text(&text).expect("encode");
+        assert!(
+            tok.min_tokens(text.len()) <= ids.len(),
+            "{} bytes: bound {} above {} tokens",
+            text.len(),
+            tok.min_tokens(text.len()),
+            ids.len()
+        );
+    }
+    // 8 MB of text: refused by the bound (`TextTooLong`), not after tokenizing
+    // (`ContextTooLong`), by admission (the CLI, the service, every rank) and the chat prompt.
+    let big = "lorem ipsum dolor sit amet ".repeat(300_000);
+    let job = Job {
+        request: Request {
+            context: Context::Documents(vec![big.clone()]),
+            query: "What?".into(),
+            system: None,
+            answer_prefix: None,
+        },
+        options: RunOptions::default(),
+    };
+    let e = admit(lm, &job, &Limits::NONE).expect_err("refused");
+    assert_eq!(e.class(), ErrorClass::Caller, "{e}");
+    let (msg, api) = (e.to_string(), e.api_message());
+    assert!(msg.contains("at least") && msg.contains("context window is 8192 tokens"), "{msg}");
+    assert!(api.contains("shorten the documents or the query"), "{api}");
+    let e = lm.chat_prompt(None, &big).expect_err("refused");
+    assert!(matches!(e, WorkerError::TextTooLong { window: 8192, .. }), "{e}");
+    // 100 kB, inside the bound: the exact check on the tokens refuses it.
+    let cut = &big[..100_000];
+    let job = Job { request: Request { context: Context::Documents(vec![cut.to_string()]), ..job.request }, ..job };
+    let e = admit(lm, &job, &Limits::NONE).expect_err("refused");
+    assert!(e.to_string().contains("needs") && e.to_string().contains("token positions"), "{e}");
+}
+
+#[test]
 fn admission_checks_the_cost_bounds_and_the_model() {
     use flowprefill_coordinator::{admit, Context, ErrorClass, Job, Limits, Request, RunOptions};
     let lm = default_model();
