@@ -347,6 +347,12 @@ one)
         "$@" timeout 120 "$FP" --model synthetic:llama-3.1-8b bench ttft --device cuda --lengths 32768 --ranks 1 \
           --methods full,infoflow --runs 3 --out "$S/res/gather-$g" 2>&1 | grep "P=1"
       done
+      if room 60 "InfoFlow's host profile"; then
+        mark "InfoFlow, 8B shape, 32768 tokens, gathered: host time per backend op (FLOWPREFILL_HOST_PROFILE)"
+        FLOWPREFILL_HOST_PROFILE=1 timeout 100 "$FP" --model synthetic:llama-3.1-8b bench ttft --device cuda \
+          --lengths 32768 --ranks 1 --methods infoflow --runs 1 --out "$S/res/prof8b" > "$S/res/prof8b-infoflow.txt" 2>&1
+        grep -A 14 "^op " "$S/res/prof8b-infoflow.txt"
+      fi
     fi
     if room 90 "pytorch 8B prefill"; then
       mark "pytorch baseline (8B shape)"

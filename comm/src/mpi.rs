@@ -83,6 +83,14 @@ pub fn launched_by_mpirun() -> bool {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"].iter().any(|v| std::env::var_os(v).is_some())
 }
 
+/// This process's rank as its launcher tells it in the environment, before MPI starts
+/// (OpenMPI, PMI, PMIx); `None` when no launcher says (then it is rank 0 of a world of 1).
+pub fn launcher_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().and_then(|r| r.trim().parse().ok()))
+}
+
 impl MpiComm {
     /// Initialises MPI on the communication thread. A process started without `mpirun` is
     /// rank 0 of a world of 1.

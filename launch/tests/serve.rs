@@ -91,6 +91,25 @@ fn job(docs: &[String]) -> serde_json::Value {
     serde_json::json!({ "documents": docs, "query": "What is the access code for the north gate?", "max_tokens": 12 })
 }
 
+/// A streaming job of `max_tokens` over `docs`, sent by hand, its first bytes read: the
+/// connection to drop (a client that goes away) or keep.
+fn streaming(addr: &str, docs: &[String], max_tokens: usize) -> TcpStream {
+    let mut body = job(docs);
+    body["stream"] = true.into();
+    body["max_tokens"] = max_tokens.into();
+    let payload = body.to_string();
+    let mut c = TcpStream::connect(addr).unwrap();
+    write!(
+        c,
+        "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
+        payload.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    let _ = c.read(&mut first).unwrap();
+    c
+}
+
 fn json(r: &http::Response) -> serde_json::Value {
     serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("{e}: {}", r.text()))
 }
@@ -237,20 +256,7 @@ fn queue_full_disconnect_and_graceful_shutdown() {
     assert_eq!(b.join().unwrap().status, 200);
 
     // A client that disconnects mid-job: the job is cancelled, the server carries on.
-    let mut stream_body = job(&d);
-    stream_body["stream"] = true.into();
-    stream_body["max_tokens"] = 200.into();
-    let payload = stream_body.to_string();
-    let mut c = TcpStream::connect(&s.addr).unwrap();
-    write!(
-        c,
-        "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
-        payload.len()
-    )
-    .unwrap();
-    let mut first = [0u8; 64];
-    let _ = c.read(&mut first).unwrap();
-    drop(c);
+    drop(streaming(&s.addr, &d, 200));
     let t = Instant::now();
     loop {
         let m = s.metrics();
@@ -330,6 +336,37 @@ fn sigterm_with_a_half_sent_request_still_exits() {
     drop(c);
 }
 
+#[test]
+fn a_second_signal_stops_at_once_and_a_port_in_use_is_found_before_the_model_loads() {
+    let s = Server::start(&[], &[]);
+    // The port is taken: the error says so, before the model (a missing file here) is read.
+    let out = Command::new(env!("CARGO_BIN_EXE_flowprefill"))
+        .args(["serve", "--listen", &s.addr, "--model", "/nonexistent/model.gguf"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("cannot listen on") && err.contains("in use"), "{err}");
+    assert!(!err.contains("nonexistent"), "the model was read before the port: {err}");
+    drop(s);
+
+    // A long job in flight: the first SIGTERM drains (the job would run on), the second stops.
+    let mut s = Server::start(&[], &[]);
+    let c = streaming(&s.addr, &docs(8, 30), 2000);
+    let pid = s.child.id().to_string();
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(s.child.try_wait().unwrap().is_none(), "the first signal drains: the job runs on");
+    let t = Instant::now();
+    Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let status = exit_within(&mut s.child, Duration::from_secs(20));
+    let mut err = String::new();
+    let _ = s.child.stderr.take().unwrap().read_to_string(&mut err);
+    assert_eq!(status.code(), Some(130), "{err}");
+    assert!(err.contains("a second Ctrl-C or SIGTERM stops at once") && err.contains("a second signal"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(10), "stopped {:?} after the second signal", t.elapsed());
+    drop(c);
+}
+
 #[cfg(feature = "mpi")]
 fn mpirun_serve(env: &[(&str, &str)], extra: &[&str]) -> (Child, String) {
     let mut c = Command::new("mpirun");
@@ -360,14 +397,13 @@ fn post_small_job(addr: &str) -> http::Response {
     http::request(addr, "POST", "/v1/jobs", &[], body.as_bytes(), Duration::from_secs(120)).unwrap()
 }
 
-#[cfg(feature = "mpi")]
 fn exit_within(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     let t = Instant::now();
     loop {
         if let Some(s) = child.try_wait().unwrap() {
             return s;
         }
-        assert!(t.elapsed() < limit, "mpirun did not exit within {limit:?}");
+        assert!(t.elapsed() < limit, "the process did not exit within {limit:?}");
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -563,6 +599,8 @@ fn documents_are_ingested_once_and_jobs_name_them_by_id() {
     let r = s.post("/v1/documents", &serde_json::json!({ "documents": ["fine", "  "] }));
     assert!(r.status == 400 && r.text().contains("documents[1]"), "{}", r.text());
     let m = s.metrics();
+    // Four 400s (two jobs, two ingestions), each counted once.
+    assert!(m.contains("flowprefill_errors_total{kind=\"bad_request\"} 4"), "{m}");
     assert!(m.contains("flowprefill_documents_ingested_total{outcome=\"prefilled\"} 3"), "{m}");
     assert!(m.contains("flowprefill_documents_ingested_total{outcome=\"held\"} 3"), "{m}");
     drop(s);
@@ -570,6 +608,7 @@ fn documents_are_ingested_once_and_jobs_name_them_by_id() {
     let off = Server::start(&["--store", "off"], &[]);
     let r = off.post("/v1/documents", &serde_json::json!({ "documents": d }));
     assert!(r.status == 409 && r.text().contains("--store FOLDER"), "{}", r.text());
+    assert!(off.metrics().contains("flowprefill_errors_total{kind=\"no_store\"} 1"), "counted once");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -68,6 +68,8 @@ impl ApiError {
         match self.kind {
             "cancelled" => "cancelled",
             "deadline" => "deadline",
+            // The request's own fault, found by the ranks (the handler admits most before).
+            _ if self.status < 500 => "refused",
             _ => "error",
         }
     }
@@ -379,6 +381,16 @@ pub struct ChatMessage {
     /// A participant name (accepted, not used).
     #[serde(default)]
     pub name: Option<String>,
+    /// The call a `tool` message answers (accepted, not used: only the last user message and
+    /// the system message are read).
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// An earlier assistant turn's tool calls (accepted, not used).
+    #[serde(default)]
+    pub tool_calls: Option<serde_json::Value>,
+    /// An earlier assistant turn's refusal (accepted, not used).
+    #[serde(default)]
+    pub refusal: Option<serde_json::Value>,
 }
 
 /// `POST /v1/chat/completions` (OpenAI-compatible subset; extra knobs under `flowprefill`).
@@ -481,7 +493,24 @@ fn text_of(content: &serde_json::Value, i: usize) -> Result<String, ApiError> {
     match content {
         serde_json::Value::String(s) => Ok(s.clone()),
         serde_json::Value::Array(parts) => {
-            Ok(parts.iter().filter_map(|p| p.get("text").and_then(|t| t.as_str())).collect::<Vec<_>>().join(""))
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                let kind = p.get("type").and_then(|t| t.as_str()).unwrap_or("text");
+                match (kind, p.get("text").and_then(|t| t.as_str())) {
+                    ("text", Some(t)) => text.push_str(t),
+                    ("text", None) => {
+                        return Err(ApiError::bad_request(format!(
+                            "field `messages[{i}].content[{j}]`: a text part without a `text` string"
+                        )))
+                    }
+                    (other, _) => {
+                        return Err(ApiError::bad_request(format!(
+                            "field `messages[{i}].content[{j}]`: a part of type `{other}`; this server reads text parts only"
+                        )))
+                    }
+                }
+            }
+            Ok(text)
         }
         _ => Err(ApiError::bad_request(format!(
             "field `messages[{i}].content`: expected a string or a list of text parts"
@@ -672,6 +701,34 @@ mod tests {
             let e = chat(extra).unwrap_err();
             assert_eq!(e.status, 400);
             assert!(e.message.contains(field), "{extra}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn chat_takes_a_whole_conversation_and_refuses_parts_it_cannot_read() {
+        let chat = |messages: &str| {
+            parse::<ChatRequest>(format!(r#"{{"messages": {messages}}}"#).as_bytes()).and_then(ChatRequest::into_job)
+        };
+        // Earlier turns with the fields OpenAI clients send: read past, the last user message used.
+        let history = r#"[{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "doc\n---\nfirst?", "name": "ann"},
+            {"role": "assistant", "content": null, "refusal": null,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            {"role": "user", "content": [{"type": "text", "text": "doc two\n---\n"}, {"text": "second?"}]}]"#;
+        let (job, _, _) = chat(history).expect("a conversation with tool turns");
+        assert_eq!(job.request.query, "second?");
+        assert_eq!(job.request.system.as_deref(), Some("Be brief."));
+        for (content, says) in [
+            (
+                r#"[{"type": "text", "text": "doc\n---\nq?"}, {"type": "image_url", "image_url": {"url": "x"}}]"#,
+                "type `image_url`",
+            ),
+            (r#"[{"type": "text"}]"#, "without a `text` string"),
+        ] {
+            let e = chat(&format!(r#"[{{"role": "user", "content": {content}}}]"#)).unwrap_err();
+            assert_eq!(e.status, 400);
+            assert!(e.message.contains("field `messages[0].content[") && e.message.contains(says), "{}", e.message);
         }
     }
 

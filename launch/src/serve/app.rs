@@ -400,10 +400,8 @@ async fn jobs(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -
 async fn documents(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     match ingest(st, headers, body).await {
         Ok(v) => axum::Json(v).into_response(),
-        Err(e) => {
-            metrics::error(e.kind);
-            error_response(&e)
-        }
+        // error_response counts the error.
+        Err(e) => error_response(&e),
     }
 }
 

@@ -60,7 +60,8 @@ pub const QUEUE_DEPTH: &str = "flowprefill_queue_depth";
 pub const QUEUE_CAPACITY: &str = "flowprefill_queue_capacity";
 /// Jobs being computed (0 or 1: one model, one world).
 pub const JOBS_IN_FLIGHT: &str = "flowprefill_jobs_in_flight";
-/// Finished jobs, by method and outcome (ok, error, cancelled, deadline).
+/// Finished jobs, by method and outcome (ok; error: the server's fault; refused: the request's,
+/// found by the ranks; cancelled; deadline).
 pub const JOBS_TOTAL: &str = "flowprefill_jobs_total";
 /// Errors answered, by kind.
 pub const ERRORS_TOTAL: &str = "flowprefill_errors_total";
@@ -176,6 +177,16 @@ pub fn document_ingested(prefilled: bool) {
     counter!(DOCUMENTS_INGESTED, "outcome" => if prefilled { "prefilled" } else { "held" }).increment(1);
 }
 
+/// A job's `method` label: the method (the one `auto` chose, once it has), `+reorder` when
+/// reordered; the same for every outcome.
+pub fn method_label(method: impl std::fmt::Display, reorder: bool) -> String {
+    if reorder {
+        format!("{method}+reorder")
+    } else {
+        method.to_string()
+    }
+}
+
 /// Counts a finished job.
 pub fn job_outcome(method: &str, outcome: &'static str) {
     counter!(JOBS_TOTAL, "method" => method.to_string(), "outcome" => outcome).increment(1);
@@ -184,7 +195,7 @@ pub fn job_outcome(method: &str, outcome: &'static str) {
 /// Records everything a successful job reports; `cache_bytes` and `disk` are rank 0's chunk
 /// store's RAM bytes and disk tier counters.
 pub fn record_job(r: &RunResult, cache_bytes: usize, disk: Option<DiskStats>) {
-    let method = if r.opts.reorder { format!("{}+reorder", r.method) } else { r.method.to_string() };
+    let method = method_label(r.method, r.opts.reorder);
     histogram!(TTFT_SECONDS, "method" => method.clone()).record(r.ttft.as_secs_f64());
     histogram!(JOB_SECONDS, "method" => method.clone()).record(r.total.as_secs_f64());
     counter!(CONTEXT_TOKENS, "method" => method.clone()).increment(r.n_context_tokens as u64);

@@ -371,6 +371,8 @@ impl Args {
 /// Runs the command.
 pub fn run(common: &Common, a: Args) -> Result<()> {
     let (addr, maddr, comm_timeout) = a.checked()?;
+    // A port in use is found now, in a second, not once the model has loaded.
+    let early = bind_early(addr, maddr)?;
     let lm = Arc::new(crate::cmd::load_model(common)?);
     let model = crate::cmd::model_label(common)?;
     let cfg = ServeConfig { memory_limit: common.memory_limit, store: common.disk_tier()?, ..a.config(model)? };
@@ -379,7 +381,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     };
     let service = Service::start(lm, world, rebuild, cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let served = rt.block_on(listen(&service, addr, maddr, a.queue));
+    let served = rt.block_on(listen(&service, early, addr, maddr, a.queue));
     // Background tasks (metrics listener, upkeep) hold the state: stop them first.
     rt.shutdown_timeout(Duration::from_secs(2));
     // The executor drains (nothing is queued any more), stops the ranks and ends.
@@ -476,19 +478,45 @@ fn world(
     Ok(Some((w, Some(f))))
 }
 
-/// Serves the API on `addr` (and the metrics on `maddr`) until a signal, then drains.
-async fn listen(service: &Service, addr: SocketAddr, maddr: Option<SocketAddr>, queue: usize) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
-        format!("cannot listen on {addr} (is the port in use? pass another --listen, or port 0 for a free one)")
+/// The API's and the metrics' listeners, bound before the model loads; `None` on a follower
+/// rank under mpirun (only rank 0 serves HTTP).
+type Bound = Option<(std::net::TcpListener, Option<std::net::TcpListener>)>;
+
+fn bind_one(addr: SocketAddr, flag: &str) -> Result<std::net::TcpListener> {
+    let l = std::net::TcpListener::bind(addr).with_context(|| {
+        format!("cannot listen on {addr} (is the port in use? pass another {flag}, or port 0 for a free one)")
     })?;
-    // Both addresses are taken before the service says it serves: a metrics port in use is an
-    // error at start, not after "serving on".
-    let metrics_listener = match maddr {
-        Some(maddr) => Some(tokio::net::TcpListener::bind(maddr).await.with_context(|| {
-            format!("cannot listen on {maddr} for metrics (is the port in use? pass another --metrics-listen)")
-        })?),
-        None => None,
+    l.set_nonblocking(true).with_context(|| format!("{flag} {addr}: cannot make the socket non-blocking"))?;
+    Ok(l)
+}
+
+/// Takes both addresses (see [`Bound`]): a port in use is an error at start, before the model
+/// loads and the ranks start.
+fn bind_early(addr: SocketAddr, maddr: Option<SocketAddr>) -> Result<Bound> {
+    #[cfg(feature = "mpi")]
+    if flowprefill_comm::mpi::launched_by_mpirun() && flowprefill_comm::mpi::launcher_rank().is_some_and(|r| r != 0) {
+        return Ok(None);
+    }
+    let api = bind_one(addr, "--listen")?;
+    let metrics = maddr.map(|m| bind_one(m, "--metrics-listen")).transpose()?;
+    Ok(Some((api, metrics)))
+}
+
+/// Serves the API (and the metrics) on the listeners bound early (or, where none were, on
+/// `addr` and `maddr` now) until a signal, then drains.
+async fn listen(
+    service: &Service,
+    early: Bound,
+    addr: SocketAddr,
+    maddr: Option<SocketAddr>,
+    queue: usize,
+) -> Result<()> {
+    let (api, metrics) = match early {
+        Some(b) => b,
+        None => (bind_one(addr, "--listen")?, maddr.map(|m| bind_one(m, "--metrics-listen")).transpose()?),
     };
+    let listener = tokio::net::TcpListener::from_std(api)?;
+    let metrics_listener = metrics.map(tokio::net::TcpListener::from_std).transpose()?;
     println!(
         "flowprefill serving on http://{} ({} rank(s), queue {queue}, pid {})",
         listener.local_addr()?,
@@ -510,5 +538,15 @@ async fn listen(service: &Service, addr: SocketAddr, maddr: Option<SocketAddr>, 
             upkeep.run_upkeep();
         }
     });
-    serve(listener, service, signal()).await
+    // The first signal drains; a second one (an operator who will not wait for the accepted
+    // jobs) stops the process at once.
+    let first = async {
+        signal().await;
+        tokio::spawn(async {
+            signal().await;
+            eprintln!("a second signal: stopping now, without finishing the accepted jobs");
+            std::process::exit(130);
+        });
+    };
+    serve(listener, service, first).await
 }

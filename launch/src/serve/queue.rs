@@ -327,7 +327,7 @@ fn executor(mut world: World, rx: Arc<Mutex<Receiver<Queued>>>, shared: Arc<Shar
 
 /// Runs one dequeued job and answers it.
 fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
-    let method = q.job.options.method.to_string();
+    let method = metrics::method_label(q.job.options.method, q.job.options.reorder);
     let answer = |e: ApiError| {
         let _ = q.events.send(Event::Failed(e));
     };

@@ -90,7 +90,10 @@ pub async fn run(
     }
     drop(listener);
     on_stop();
-    eprintln!("shutting down: finishing {} accepted job(s)", shared.outstanding.load(Ordering::Relaxed));
+    eprintln!(
+        "shutting down: finishing {} accepted job(s) (a second Ctrl-C or SIGTERM stops at once)",
+        shared.outstanding.load(Ordering::Relaxed)
+    );
     // Accepted jobs finish (each is bounded by its deadline, and a stuck one by the watchdog).
     while shared.outstanding.load(Ordering::Relaxed) > 0 && !shared.fatal.load(Ordering::Relaxed) {
         let changed = shared.changed.notified();
