@@ -52,6 +52,17 @@ pub use wire::{decode, encode, Packet, Unpack};
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What can go wrong talking to other ranks.
+/// This process's rank as an MPI launcher tells it in the environment, before MPI starts
+/// (OpenMPI, PMI, PMIx); `None` when no launcher says (then it is rank 0 of a world of 1).
+pub fn launcher_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"].iter().find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+}
+
+/// Processes in the job as an MPI launcher tells it (1 without one).
+pub fn launcher_size() -> usize {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"].iter().find_map(|v| std::env::var(v).ok()?.trim().parse().ok()).unwrap_or(1)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     /// A peer disappeared (its thread ended or its process died).
@@ -66,12 +77,13 @@ pub enum CommError {
     },
     /// A peer did not answer in time.
     #[error(
-        "rank {rank} did not answer within {secs:.0} s during `{op}` ({}); raise --comm-timeout \
+        "{} did not answer within {secs:.0} s during `{op}` ({}); raise --comm-timeout \
          if ranks legitimately compute longer between collectives",
+        who(*rank),
         timeout_cause(*unsent)
     )]
     Timeout {
-        /// The rank waited for.
+        /// The rank waited for (`usize::MAX`: not known, a collective of every rank).
         rank: usize,
         /// The collective in progress.
         op: String,
@@ -187,6 +199,16 @@ pub type Result<T> = std::result::Result<T, CommError>;
 
 /// Why a peer may not have answered: lost or stuck, or (when this rank's own messages were not
 /// delivered either) a link too slow for the deadline.
+/// The rank a timeout names: "rank R", or where the wait was on every rank at once (forming a
+/// group, an abort poll) and none is known, "a rank of the world".
+fn who(rank: usize) -> String {
+    if rank == usize::MAX {
+        "a rank of the world".into()
+    } else {
+        format!("rank {rank}")
+    }
+}
+
 fn timeout_cause(unsent: u64) -> String {
     if unsent == 0 {
         "lost or stuck".to_string()

@@ -83,14 +83,6 @@ pub fn launched_by_mpirun() -> bool {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"].iter().any(|v| std::env::var_os(v).is_some())
 }
 
-/// This process's rank as its launcher tells it in the environment, before MPI starts
-/// (OpenMPI, PMI, PMIx); `None` when no launcher says (then it is rank 0 of a world of 1).
-pub fn launcher_rank() -> Option<usize> {
-    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok().and_then(|r| r.trim().parse().ok()))
-}
-
 impl MpiComm {
     /// Initialises MPI on the communication thread. A process started without `mpirun` is
     /// rank 0 of a world of 1.
@@ -144,7 +136,7 @@ impl MpiComm {
         let saved = std::mem::replace(&mut self.timeout, timeout);
         let got = self.call(Job::Group { size });
         self.timeout = saved;
-        let got = got?;
+        let got = got.map_err(|e| named(e, "use_group"))?;
         let word = |i: usize| -> usize {
             got.get(i).and_then(|b| b.get(..4)).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
         };
@@ -187,6 +179,17 @@ impl MpiComm {
                 Err(CommError::Mpi("the communication thread stopped (MPI error)".into()))
             }
         }
+    }
+}
+
+/// A timeout of the communication thread's reply, named after the operation waited for (the
+/// thread knows no collective's name for a group or a poll).
+fn named(e: CommError, op: &str) -> CommError {
+    match e {
+        CommError::Timeout { rank, op: o, secs, unsent } if o == "mpi" => {
+            CommError::Timeout { rank, op: op.to_string(), secs, unsent }
+        }
+        e => e,
     }
 }
 
@@ -432,7 +435,7 @@ impl Communicator for MpiComm {
         if let Some(p) = &self.pending {
             return Err(CommError::Misuse(format!("poll during `{}` (wait first)", p.op)));
         }
-        self.call(Job::Poll { epoch: self.epoch, op: op.to_string() }).map(|_| ())
+        self.call(Job::Poll { epoch: self.epoch, op: op.to_string() }).map(|_| ()).map_err(|e| named(e, op))
     }
 
     fn end_job(&mut self) {

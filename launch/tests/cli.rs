@@ -236,8 +236,15 @@ fn a_failed_thread_rank_is_named_and_nothing_hangs() {
     assert!(!ok && err.contains("rank 1 did not answer within 3 s during `final."), "{err}");
     assert!(took < std::time::Duration::from_secs(30), "{took:?}");
     // Rank 0 computing `full` alone for longer than the follower's deadline is not a fault.
-    let (ok, err, took) = run_as("rank:0,phase:prefill,mode:stall:4000", "1", "full");
+    let (ok, err, took) = run_as("rank:0,phase:prefill,mode:stall:4000", "2", "full");
     assert!(ok && took >= std::time::Duration::from_secs(4), "{took:?} {err}");
+    // Rank 0 stuck in its own work (no layer for four deadlines): no follower's deadline
+    // reaches it, the watchdog does, with `full` (alone) and with InfoFlow (between collectives).
+    for (phase, method) in [("prefill", "full"), ("probe", "infoflow")] {
+        let (ok, err, took) = run_as(&format!("rank:0,phase:{phase},mode:hang"), "2", method);
+        assert!(!ok && err.contains("no layer has finished for 8 s") && err.contains("a rank is stuck"), "{err}");
+        assert!(took < std::time::Duration::from_secs(40), "{method}: {took:?}");
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 

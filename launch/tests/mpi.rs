@@ -291,5 +291,23 @@ fn mpirun_ingest_spreads_documents_over_the_ranks_into_one_store() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let r = json(&out);
     assert_eq!(r["cache_misses"], 0, "every cache was ingested by one rank or the other: {r}");
+    // A document rank 1 cannot ingest (far beyond the window): rank 0 says so at once, with
+    // rank 1's reason and what was stored, instead of waiting out the comm timeout.
+    let huge = dir.join("huge.txt");
+    std::fs::write(&huge, "word ".repeat(400_000)).unwrap();
+    let t = std::time::Instant::now();
+    let out = mpirun(2)
+        .arg(bin())
+        .args(["ingest", "--store", store.to_str().unwrap(), "--doc"])
+        .arg(&doc_args[1])
+        .arg("--doc")
+        .arg(&huge)
+        .output()
+        .expect("mpirun");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("rank 0: error: ingestion stopped on 1 rank(s): rank 1:"), "{err}");
+    assert!(err.contains("huge.txt") && err.contains("context") && err.contains("stored before that:"), "{err}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(50), "{:?}: rank 0 waited for rank 1", t.elapsed());
     let _ = std::fs::remove_dir_all(&dir);
 }

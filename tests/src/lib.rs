@@ -301,6 +301,7 @@ pub fn tiny_lm(tag: &str, seed: u64) -> (LoadedModel<Cpu>, flowprefill_lab::trai
         synthetic: None,
         fingerprint: "tiny".into(),
         adapter: None,
+        cache_identity: format!("tiny-{tag}-{seed}"),
     };
     (lm, tm, dir)
 }

@@ -37,6 +37,9 @@ pub struct RawTensor {
     pub bytes: Vec<u8>,
 }
 
+/// Bytes read from each end of every tensor for [`GgufFile::content_digest`].
+pub const DIGEST_SAMPLE: usize = 64 << 10;
+
 /// Values per parallel piece of a conversion.
 const PIECE: usize = 1 << 16;
 
@@ -303,6 +306,44 @@ impl GgufFile {
                 .map(Some),
             Some(v) => Err(self.meta_err(key, format!("expected an array, found {:?}", v.value_type()))),
         }
+    }
+
+    /// What the model computes with, as a hex digest: every metadata value but the tokenizer's
+    /// (its token ids are in every chunk key already), the tensor table (names, shapes, types,
+    /// offsets), and the first and last [`DIGEST_SAMPLE`] bytes of every tensor: a fine-tune, a
+    /// requantization or another RoPE base changes it, at the cost of reading a few MB.
+    pub fn content_digest(&self) -> Result<String> {
+        use sha2::{Digest, Sha256};
+        use std::os::unix::fs::FileExt;
+        let mut h = Sha256::new();
+        let mut keys: Vec<&String> =
+            self.content.metadata.keys().filter(|k| !k.starts_with("tokenizer.") && *k != "general.name").collect();
+        keys.sort();
+        for k in keys {
+            h.update(format!("{k}={:?};", self.content.metadata[k]).as_bytes());
+        }
+        let mut names: Vec<&String> = self.content.tensor_infos.keys().collect();
+        names.sort();
+        let mut sample = vec![0u8; DIGEST_SAMPLE];
+        for name in names {
+            let info = &self.content.tensor_infos[name];
+            let n: usize = info.shape.dims().iter().product();
+            let len = (n / info.ggml_dtype.block_size() * info.ggml_dtype.type_size()) as u64;
+            h.update(format!("{name}:{:?}:{:?}:{}:{len};", info.shape.dims(), info.ggml_dtype, info.offset).as_bytes());
+            let at = self.content.tensor_data_offset + info.offset;
+            let take = (len as usize).min(DIGEST_SAMPLE);
+            for from in [at, at + len - take as u64] {
+                self.raw.read_exact_at(&mut sample[..take], from).map_err(|e| WorkerError::UnsupportedTensor {
+                    path: self.path.clone(),
+                    name: name.clone(),
+                    detail: format!(
+                        "cannot read it ({e}): the file is truncated or corrupt; download or write it again"
+                    ),
+                })?;
+                h.update(&sample[..take]);
+            }
+        }
+        Ok(h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect())
     }
 
     /// Reads a tensor as stored, with one positioned read (no seek: several threads may read

@@ -10,9 +10,42 @@
 //! they were (appends are rolled back by their `Attend`s).
 
 use crate::error::{Result, StopCause, WorkerError};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+/// The process's clock for [`beat`].
+static EPOCH: OnceLock<Instant> = OnceLock::new();
+/// Milliseconds from [`EPOCH`] to the last [`beat`].
+static LAST_BEAT_MS: AtomicU64 = AtomicU64::new(0);
+/// The phase of the last [`beat`].
+static LAST_PHASE: Mutex<&'static str> = Mutex::new("start");
+
+fn epoch_ms() -> u64 {
+    EPOCH.get_or_init(Instant::now).elapsed().as_millis() as u64
+}
+
+/// A sign that this process is making progress in `phase`: every [`Watch::check`] (between
+/// two layers of any forward) gives one. What a watchdog reads ([`since_beat`]) to tell a
+/// stuck process from a slow one.
+pub fn beat(phase: &'static str) {
+    LAST_BEAT_MS.store(epoch_ms(), Ordering::Relaxed);
+    *LAST_PHASE.lock().unwrap_or_else(|p| p.into_inner()) = phase;
+}
+
+/// How long a process may go without a [`beat`] before it counts as stuck, for a comm
+/// deadline of `timeout`: four deadlines (a layer may outlast one deadline: a long context's
+/// forward on a CPU; a rank that finished nothing for four is not coming back).
+pub fn stuck_after(timeout: Duration) -> Duration {
+    timeout.saturating_mul(4)
+}
+
+/// Time since the last [`beat`] of any thread of this process, and its phase.
+pub fn since_beat() -> (Duration, &'static str) {
+    let at = LAST_BEAT_MS.load(Ordering::Relaxed);
+    let phase = *LAST_PHASE.lock().unwrap_or_else(|p| p.into_inner());
+    (Duration::from_millis(epoch_ms().saturating_sub(at)), phase)
+}
 
 /// Called between layers of a long forward; an error stops it.
 pub type Check<'a> = &'a mut dyn FnMut() -> Result<()>;
@@ -54,8 +87,10 @@ impl Watch {
         self.cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed))
     }
 
-    /// `Err(Stopped)` naming `phase` if the job was cancelled or is past its deadline.
-    pub fn check(&self, phase: &str) -> Result<()> {
+    /// `Err(Stopped)` naming `phase` if the job was cancelled or is past its deadline; a
+    /// [`beat`] either way.
+    pub fn check(&self, phase: &'static str) -> Result<()> {
+        beat(phase);
         let cause = if self.cancelled() {
             StopCause::Cancelled
         } else {
@@ -88,5 +123,16 @@ mod tests {
         w.check("decode").unwrap();
         assert!(w.remaining().is_some_and(|r| r > Duration::from_secs(1 << 30)));
         Watch::default().check("any").unwrap();
+    }
+
+    #[test]
+    fn every_check_is_a_beat() {
+        beat("before");
+        std::thread::sleep(Duration::from_millis(30));
+        let (gap, phase) = since_beat();
+        assert!(gap >= Duration::from_millis(25) && phase == "before", "{gap:?} {phase}");
+        Watch::default().check("probe").unwrap();
+        let (gap, phase) = since_beat();
+        assert!(gap < Duration::from_millis(25) && phase == "probe", "{gap:?} {phase}");
     }
 }

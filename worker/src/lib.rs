@@ -59,6 +59,10 @@ pub struct LoadedModel<B: Backend> {
     pub fingerprint: String,
     /// The KV Packet adapter in use, if any ([`LoadedModel::use_adapter`]).
     pub adapter: Option<adapter::Adapter>,
+    /// What a chunk cache's bytes depend on in the model (the disk tier's scope): the
+    /// fingerprint and [`gguf::GgufFile::content_digest`] (every weight tensor sampled, the
+    /// configuration), so that a fine-tune sharing the embedding never serves another's caches.
+    pub cache_identity: String,
 }
 
 impl<B: Backend> LoadedModel<B> {
@@ -69,8 +73,9 @@ impl<B: Backend> LoadedModel<B> {
         let tokenizer = tokenizer::Tokenizer::from_gguf(&file)?;
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
         let fingerprint = adapter::model_fingerprint(&cfg, &file.raw_tensor("token_embd.weight")?.bytes);
+        let cache_identity = format!("{fingerprint}-{}", file.content_digest()?);
         let model = Model::from_file(&mut file, cfg, backend)?;
-        Ok(Self { model, tokenizer, template, synthetic: None, fingerprint, adapter: None })
+        Ok(Self { model, tokenizer, template, synthetic: None, fingerprint, adapter: None, cache_identity })
     }
 
     /// A synthetic model (random weights of `spec`'s shape, built in memory), with the tokenizer
@@ -81,7 +86,13 @@ impl<B: Backend> LoadedModel<B> {
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
         let fingerprint = adapter::model_fingerprint(&spec.config(), &synthetic::SEED.to_le_bytes());
         let model = Model::synthetic(spec.config(), backend, synthetic::SEED)?;
-        Ok(Self { model, tokenizer, template, synthetic: Some(spec), fingerprint, adapter: None })
+        // The weights follow from the shape and the seed; the configuration is the spec's.
+        let cache_identity = {
+            use sha2::Digest;
+            let d = sha2::Sha256::digest(format!("{:?}", spec.config()).as_bytes());
+            format!("{fingerprint}-{}", d.iter().take(16).map(|b| format!("{b:02x}")).collect::<String>())
+        };
+        Ok(Self { model, tokenizer, template, synthetic: Some(spec), fingerprint, adapter: None, cache_identity })
     }
 
     /// Wraps every chunk of later `kvpacket` jobs with `adapter` after checking it was trained

@@ -355,10 +355,15 @@ impl<B: Backend> Engine<B> {
     pub fn with_disk(mut self, tier: Option<&DiskTier>) -> Self {
         let Some(t) = tier else { return self };
         let be = self.lm.model.backend();
+        // A GPU's bf16 forward and its f32 one make different bits.
+        let device = match be.act_dtype() {
+            flowprefill_kernels::DType::F32 => be.name().to_string(),
+            act => format!("{}+{}", be.name(), act.name()),
+        };
         let scope = flowprefill_worker::store::disk::Scope {
-            model: self.lm.fingerprint.clone(),
+            model: self.lm.cache_identity.clone(),
             dtype: be.kv_dtype(),
-            device: be.name().to_string(),
+            device,
         };
         match flowprefill_worker::store::disk::DiskStore::open(&t.dir, scope, t.bytes) {
             Ok(d) => {

@@ -6,7 +6,11 @@
 //! hours) and the wait while rank 0 computes a `full` job by itself (a long context's prefill
 //! and its answer). In both, rank 0 tells the followers every quarter of the timeout that it
 //! is still there (an idle tick on `request`, a progress tick on `lead.progress`), so a
-//! follower's deadline is passed only when rank 0 has really gone silent.
+//! follower's deadline is passed only when rank 0 has really gone silent. A progress tick is
+//! sent only while rank 0's work moves: a layer finished within
+//! [`flowprefill_worker::interrupt::stuck_after`] (four deadlines); a rank 0 stuck inside its
+//! work stops ticking, and the followers' deadline ends the job (under mpirun, the launcher
+//! then stops rank 0 too; `run` has its own watchdog on the same bound).
 //!
 //! ```text
 //!   rank 0 (idle)        request: Idle ... Idle ... Job ─────────────> every rank runs the job
@@ -50,7 +54,8 @@ pub(super) fn lead_alone<T>(comm: &mut dyn Communicator, work: impl FnOnce() -> 
     if comm.size() == 1 {
         return work();
     }
-    let period = tick_period(comm.timeout());
+    let (stuck, period) = (flowprefill_worker::interrupt::stuck_after(comm.timeout()), tick_period(comm.timeout()));
+    flowprefill_worker::interrupt::beat("lead");
     let done = AtomicBool::new(false);
     let (out, ticks) = std::thread::scope(|s| {
         let (c, done) = (&mut *comm, &done);
@@ -58,7 +63,10 @@ pub(super) fn lead_alone<T>(comm: &mut dyn Communicator, work: impl FnOnce() -> 
             let mut last = Instant::now();
             while !done.load(Ordering::Relaxed) {
                 std::thread::sleep(period.min(Duration::from_millis(20)));
-                if last.elapsed() >= period && !done.load(Ordering::Relaxed) {
+                // Only while the work moves (a layer finished lately): a rank 0 stuck in its work
+                // goes silent, and the followers' deadline says so.
+                let moving = flowprefill_worker::interrupt::since_beat().0 < stuck;
+                if last.elapsed() >= period && !done.load(Ordering::Relaxed) && moving {
                     broadcast_value(c, PROGRESS, 0, Some(&Progress::Working))?;
                     last = Instant::now();
                 }
@@ -112,9 +120,12 @@ mod tests {
             .drain(..)
             .map(|mut c| std::thread::spawn(move || wait_for_lead(&mut c).map(|_| c.stats().clone())))
             .collect();
-        // Five deadlines of work on rank 0 alone.
+        // Five deadlines of work on rank 0 alone, a layer every 20 ms.
         let got = lead_alone(&mut lead, || {
-            std::thread::sleep(Duration::from_millis(400));
+            for _ in 0..20 {
+                std::thread::sleep(Duration::from_millis(20));
+                flowprefill_worker::interrupt::beat("prefill");
+            }
             Ok(7)
         });
         assert_eq!(got.expect("rank 0's work"), 7);

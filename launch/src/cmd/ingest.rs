@@ -33,6 +33,11 @@ pub struct Args {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Under mpirun: seconds rank 0 waits, once its own documents are done, for the other
+    /// ranks' reports (their documents may take longer than its own); a rank silent for longer
+    /// is reported lost.
+    #[arg(long, default_value_t = 3600.0)]
+    pub comm_timeout: f64,
 }
 
 /// One document to ingest: where it came from, its text.
@@ -106,15 +111,20 @@ fn sources(args: &Args) -> Result<Vec<Source>> {
 /// This process's rank and the world's size, and the communicator under mpirun.
 type Ranks = (usize, usize, Option<Box<dyn flowprefill_comm::Communicator>>);
 
-fn ranks() -> Result<Ranks> {
+fn ranks(timeout: std::time::Duration) -> Result<Ranks> {
     #[cfg(feature = "mpi")]
     if flowprefill_comm::mpi::launched_by_mpirun() {
         use flowprefill_comm::Communicator;
-        let comm = flowprefill_comm::mpi::MpiComm::init()?;
+        let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
+        comm.set_timeout(timeout);
         return Ok((comm.rank(), comm.size(), Some(Box::new(comm))));
     }
+    let _ = timeout;
     Ok((0, 1, None))
 }
+
+/// What a rank sends rank 0 at the end: its rows and losses, or why it stopped.
+type Report = std::result::Result<(Vec<Row>, Lost), String>;
 
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
@@ -127,20 +137,36 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     };
     let registry = Documents::open(&tier.dir)
         .with_context(|| format!("--store {}: the documents folder cannot be made", tier.dir.display()))?;
-    let (rank, size, mut comm) = ranks()?;
+    let timeout =
+        std::time::Duration::try_from_secs_f64(args.comm_timeout).ok().filter(|d| !d.is_zero()).ok_or_else(|| {
+            crate::exit::usage(format!("--comm-timeout {}: give a positive number of seconds", args.comm_timeout))
+        })?;
+    let (rank, size, mut comm) = ranks(timeout)?;
     let lm = Arc::new(super::load_model(common)?);
     let engine = Engine::new(lm, flowprefill_coordinator::DEFAULT_STORE_BYTES).with_disk(Some(&tier));
     let started = Instant::now();
     let before = engine.store().disk_stats().unwrap_or_default();
     let mut rows = Vec::new();
     let mine: Vec<usize> = (0..docs.len()).filter(|i| i % size == rank).collect();
+    // A document that fails stops this rank's share; the others still report theirs to rank 0.
+    let mut failed: Option<anyhow::Error> = None;
     for (n, &i) in mine.iter().enumerate() {
         let d = &docs[i];
         let t = Instant::now();
-        let (id, _) = registry.put(&d.text).with_context(|| format!("keeping {} in {}", d.name, tier.dir.display()))?;
-        let Ingested { tokens, prefilled } = engine
-            .ingest(&d.text, args.system.as_deref(), &mut || Ok(()))
-            .with_context(|| format!("ingesting {}", d.name))?;
+        let done = registry
+            .put(&d.text)
+            .with_context(|| format!("keeping {} in {}", d.name, tier.dir.display()))
+            .and_then(|(id, _)| {
+                let got = engine.ingest(&d.text, args.system.as_deref(), &mut || Ok(()));
+                Ok((id, got.with_context(|| format!("ingesting {}", d.name))?))
+            });
+        let (id, Ingested { tokens, prefilled }) = match done {
+            Ok(x) => x,
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        };
         let seconds = t.elapsed().as_secs_f64();
         if !args.json {
             let what =
@@ -157,21 +183,42 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     }
     let mut lost = Lost::between(&before, &engine.store().disk_stats().unwrap_or_default());
     drop(engine);
+    let mut errors: Vec<String> = failed.iter().map(|e| format!("rank {rank}: {e:#}")).collect();
     if let Some(c) = comm.as_mut() {
         let op = "ingest.rows";
         if rank != 0 {
-            c.post(op, vec![(0, serde_json::to_vec(&(&rows, lost))?)], vec![])?;
+            let report: Report = match &failed {
+                None => Ok((rows, lost)),
+                Some(e) => Err(format!("{e:#}")),
+            };
+            c.post(op, vec![(0, serde_json::to_vec(&report)?)], vec![])?;
             c.wait()?;
-            return Ok(());
+            return failed.map_or(Ok(()), Err);
         }
         c.post(op, vec![], (1..size).collect())?;
-        for bytes in c.wait()? {
-            let (theirs, their_lost): (Vec<Row>, Lost) =
-                serde_json::from_slice(&bytes).context("a rank's ingestion report")?;
-            rows.extend(theirs);
-            lost.unwritten += their_lost.unwritten;
-            lost.deleted += their_lost.deleted;
+        for (r, bytes) in (1..size).zip(c.wait()?) {
+            match serde_json::from_slice::<Report>(&bytes).context("a rank's ingestion report")? {
+                Ok((theirs, their_lost)) => {
+                    rows.extend(theirs);
+                    lost.unwritten += their_lost.unwritten;
+                    lost.deleted += their_lost.deleted;
+                }
+                Err(e) => errors.push(format!("rank {r}: {e}")),
+            }
         }
+    }
+    if let Some(e) = failed.filter(|_| size == 1) {
+        return Err(e);
+    }
+    if !errors.is_empty() {
+        // What was stored stays; say which documents are in and why the rest are not.
+        let kept: Vec<String> = rows.iter().map(|r| format!("{} ({})", r.source, r.id)).collect();
+        anyhow::bail!(
+            "ingestion stopped on {} rank(s): {}; stored before that: {}",
+            errors.len(),
+            errors.join("; "),
+            if kept.is_empty() { "none".to_string() } else { kept.join(", ") }
+        );
     }
     rows.sort_by_key(|r| r.index);
     let seconds = started.elapsed().as_secs_f64();

@@ -236,8 +236,12 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let mut stdout = std::io::stdout();
     let mut on_text = |s: &str| {
         if stream {
+            // A reader that does not read (a paused pager) is not a stuck rank.
+            WRITING.store(true, std::sync::atomic::Ordering::Relaxed);
             let _ = write!(stdout, "{s}");
             let _ = stdout.flush();
+            WRITING.store(false, std::sync::atomic::Ordering::Relaxed);
+            flowprefill_worker::interrupt::beat("answer");
         }
         true
     };
@@ -339,7 +343,48 @@ fn run_job(
             World::Mpi { comm, engine } => World::Mpi { comm, engine: engine.with_aux(a)? },
         };
     }
+    // A rank stuck in its own work (rank 0 above all: no follower's deadline reaches it, and
+    // under mpirun the followers wait on its ticks) would hang the command for good.
+    let limit = flowprefill_worker::interrupt::stuck_after(timeout);
+    let _watchdog = (flowprefill_comm::launcher_rank().unwrap_or(0) == 0).then(|| Watchdog::start(limit));
     Ok(world.run(job, on_text)?.map(|r| (r, lm)))
+}
+
+/// Set while the answer is written to stdout (the watchdog does not count that time).
+static WRITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Ends the process (exit 4, a stuck rank) when no rank of it has finished a layer for
+/// `limit` ([`flowprefill_worker::interrupt::since_beat`]); stops watching when dropped.
+struct Watchdog(Arc<std::sync::atomic::AtomicBool>);
+
+impl Watchdog {
+    fn start(limit: std::time::Duration) -> Self {
+        use std::sync::atomic::Ordering;
+        flowprefill_worker::interrupt::beat("start");
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = stop.clone();
+        let _ = std::thread::Builder::new().name("watchdog".into()).spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(250));
+                let (gap, phase) = flowprefill_worker::interrupt::since_beat();
+                if gap >= limit && !s.load(Ordering::Relaxed) && !WRITING.load(Ordering::Relaxed) {
+                    eprintln!(
+                        "rank 0: error: no layer has finished for {:.0} s (the last during `{phase}`): a rank is stuck; \
+                         stopping (raise --comm-timeout if one layer legitimately takes longer than a quarter of this)",
+                        gap.as_secs_f64()
+                    );
+                    std::process::exit(4);
+                }
+            }
+        });
+        Self(stop)
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Per-rank phase times and bytes per collective.

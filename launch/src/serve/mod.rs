@@ -494,7 +494,7 @@ fn bind_one(addr: SocketAddr, flag: &str) -> Result<std::net::TcpListener> {
 /// loads and the ranks start.
 fn bind_early(addr: SocketAddr, maddr: Option<SocketAddr>) -> Result<Bound> {
     #[cfg(feature = "mpi")]
-    if flowprefill_comm::mpi::launched_by_mpirun() && flowprefill_comm::mpi::launcher_rank().is_some_and(|r| r != 0) {
+    if flowprefill_comm::mpi::launched_by_mpirun() && flowprefill_comm::launcher_rank().is_some_and(|r| r != 0) {
         return Ok(None);
     }
     let api = bind_one(addr, "--listen")?;

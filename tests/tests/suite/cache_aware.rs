@@ -97,3 +97,29 @@ fn the_forms_asked_for_are_the_forms_stored() {
         assert_eq!(engine.held_levels(&layout, mode), vec![2; 4], "{method} ({mode:?}): every chunk in RAM");
     }
 }
+
+/// The disk tier's scope tells two models apart by every weight, not by the embedding alone
+/// (the adapters' fingerprint): a copy of a model with one byte of its last tensor changed (a
+/// fine-tune that keeps the embedding) has the same fingerprint and another content digest.
+#[test]
+fn the_disk_tier_tells_models_apart_by_every_weight_not_only_the_embedding() {
+    use flowprefill_tests::{temp_dir, write_tiny_gguf, TinySpec};
+    use flowprefill_worker::{adapter::model_fingerprint, config::ModelConfig, gguf::GgufFile};
+    let dir = temp_dir("identity");
+    let (a, b) = (dir.join("a.gguf"), dir.join("b.gguf"));
+    write_tiny_gguf(&a, &TinySpec::new("llama"));
+    let mut bytes = std::fs::read(&a).unwrap();
+    let at = bytes.len() - 5;
+    bytes[at] ^= 0x10;
+    std::fs::write(&b, &bytes).unwrap();
+    let ids = |p: &std::path::Path| {
+        let f = GgufFile::open(p).unwrap();
+        let cfg = ModelConfig::from_gguf(&f).unwrap();
+        (model_fingerprint(&cfg, &f.raw_tensor("token_embd.weight").unwrap().bytes), f.content_digest().unwrap())
+    };
+    let ((fa, da), (fb, db)) = (ids(&a), ids(&b));
+    assert_eq!(fa, fb, "the embedding is the same");
+    assert_ne!(da, db, "a changed weight changes the digest");
+    assert_eq!(ids(&a).1, da, "the same file, the same digest");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -148,6 +148,7 @@ fn tiny_lm() -> Arc<LoadedModel<Cpu>> {
         synthetic: None,
         fingerprint: real.fingerprint,
         adapter: None,
+        cache_identity: "tiny-llama-7".into(),
     })
 }
 

@@ -21,8 +21,11 @@
 //! is the index. Two writers of one entry write the same bytes (the same chunk on the same
 //! kind of device); the last rename wins. A reader whose file is evicted under it keeps reading
 //! its open file (POSIX unlink semantics). Each process bounds the bytes it knows of (its
-//! listing at open plus what it wrote or read since) to its budget by deleting the least
-//! recently used (file modification time, refreshed on each read).
+//! listing at open, every entry of its scope counted, plus what it wrote or read since) to its
+//! budget by deleting the least recently used (file modification time, refreshed on each
+//! read): a folder that earlier runs filled is trimmed at the next open. The stores of one
+//! folder and scope within a process (thread ranks, a service's ingester) share one listing and
+//! one budget; temporary names carry a counter of the whole process.
 //!
 //! **A full disk** (or any write error) is a warning and a skipped write, never a failed job.
 
@@ -156,7 +159,30 @@ struct Core {
     scope: Scope,
     budget: u64,
     state: Mutex<State>,
-    tmp_counter: AtomicU64,
+}
+
+/// Numbers the temporary files of every store of this process: thread ranks open a store each
+/// over one folder and write the same entries (the shared head first), so a counter per store
+/// gave them one temporary name, and one rank's file was truncated under another's.
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The stores open in this process, by folder and scope: a second open of the same (thread
+/// ranks, a service's ingester) shares the first's listing, byte count and budget, so the
+/// process keeps its budget once, not once per rank.
+static OPEN: Mutex<Vec<(PathBuf, Scope, std::sync::Weak<Core>)>> = Mutex::new(Vec::new());
+
+/// The core of the store of `dir` and `scope` in this process, opened now if none is.
+fn shared_core(dir: &Path, scope: Scope, budget: u64) -> io::Result<Arc<Core>> {
+    fs::create_dir_all(dir)?;
+    let at = fs::canonicalize(dir)?;
+    let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+    open.retain(|(_, _, w)| w.strong_count() > 0);
+    if let Some(core) = open.iter().find(|(d, s, _)| *d == at && *s == scope).and_then(|(_, _, w)| w.upgrade()) {
+        return Ok(core);
+    }
+    let core = Arc::new(Core::open(dir, scope.clone(), budget)?);
+    open.push((at, scope, Arc::downgrade(&core)));
+    Ok(core)
 }
 
 impl std::fmt::Debug for DiskStore {
@@ -169,8 +195,10 @@ impl DiskStore {
     /// Opens (creating) the folder `dir` for entries of `scope`, keeping at most `budget`
     /// bytes of them: lists what is there (headers and sizes: a truncated file is dropped),
     /// removes dead writers' temporary files, trims to the budget, and starts the writer.
+    /// Within one process, the stores of one folder and scope share one listing and budget
+    /// (the first open's); each has its own writer.
     pub fn open(dir: &Path, scope: Scope, budget: u64) -> io::Result<Self> {
-        let core = Arc::new(Core::open(dir, scope, budget)?);
+        let core = shared_core(dir, scope, budget)?;
         let (tx, rx) = sync_channel::<Msg>(QUEUE);
         let c = core.clone();
         let writer = std::thread::Builder::new().name("store-writer".into()).spawn(move || {
@@ -274,7 +302,6 @@ impl Core {
                 warned_write: false,
                 warned_corrupt: false,
             }),
-            tmp_counter: AtomicU64::new(0),
         };
         let now = SystemTime::now();
         for e in fs::read_dir(dir)?.flatten() {
@@ -295,8 +322,12 @@ impl Core {
             }
             match store.check_listed(&path) {
                 Ok((bytes, used)) => {
+                    // Counted: the budget holds for what earlier processes left too.
                     let mut g = store.lock();
-                    g.index.insert(name, (bytes, used));
+                    if g.index.insert(name, (bytes, used)).is_none() {
+                        g.stats.bytes += bytes;
+                    }
+                    g.stats.entries = g.index.len();
                 }
                 Err(Bad::Foreign) => store.lock().stats.foreign += 1,
                 Err(Bad::Corrupt(why)) => store.drop_corrupt(&path, &why),
@@ -401,10 +432,9 @@ impl Core {
     }
 
     fn read(&self, path: &Path, key: &ChunkKey) -> Result<Record, Bad> {
-        let unreadable = |e: io::Error| match e.kind() {
-            io::ErrorKind::NotFound => Bad::Missing,
-            _ => Bad::Corrupt(format!("unreadable: {e}")),
-        };
+        // A file that cannot be opened or read (gone, another user's, too many open files, an
+        // I/O error) is a miss, not damage: it is left for whoever can read it.
+        let unreadable = |_: io::Error| Bad::Missing;
         let mut f = File::open(path).map_err(unreadable)?;
         let len = f.metadata().map_err(unreadable)?.len();
         if let Some((h, positions, layers)) = format::read_streamed(&mut f, len).map_err(Bad::Corrupt)? {
@@ -428,7 +458,7 @@ impl Core {
             return;
         }
         let name = self.name_of(key);
-        let n = self.tmp_counter.fetch_add(1, Ordering::Relaxed);
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
         let tmp = self.dir.join(format!(".{name}.{}.{n}.{TMP}", std::process::id()));
         match self.write(&tmp, &self.dir.join(&name), key, rec) {
             Ok(len) => {

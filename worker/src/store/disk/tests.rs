@@ -82,6 +82,8 @@ fn a_damaged_file_is_dropped_and_counted_never_served() {
     let tmp = dir.join(format!(".x.1.0.{TMP}"));
     fs::write(&tmp, b"partial").unwrap();
     File::options().write(true).open(&tmp).unwrap().set_modified(SystemTime::now() - STALE_TMP * 2).unwrap();
+    // A new open (another process: this one's store is closed first, or it would be shared).
+    drop(s);
     let again = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
     assert_eq!((again.stats().corrupt, again.stats().stale_tmp, again.stats().entries), (1, 1, 0));
     assert!(!tmp.exists());
@@ -158,6 +160,46 @@ fn the_budget_evicts_the_least_recently_used_and_gc_trims_the_folder() {
     assert_eq!(list(&dir, None).unwrap().len(), 2);
     assert_eq!(gc(&dir, one).unwrap(), (1, one));
     assert_eq!(list(&dir, Some(&scope("m"))).unwrap().len(), 1);
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_budget_holds_for_what_earlier_stores_left_and_for_stores_open_together() {
+    let dir = temp("budget-shared");
+    let keys: Vec<ChunkKey> = (0..6).map(|i| ChunkKey::new(&[], 0, &[i])).collect();
+    let one = {
+        let s = DiskStore::open(&dir, scope("m"), u64::MAX).unwrap();
+        for (i, k) in keys.iter().enumerate() {
+            put_now(&s, k, record(8, i as f32));
+        }
+        assert_eq!(s.stats().entries, 6);
+        s.stats().bytes / 6
+    };
+    let folder = || list(&dir, None).unwrap().iter().map(|l| l.bytes).sum::<u64>();
+    assert_eq!(folder(), 6 * one);
+    // A later store (another run) counts what is there: trimmed to its budget at open.
+    let s = DiskStore::open(&dir, scope("m"), 3 * one).unwrap();
+    assert_eq!((s.stats().bytes, s.stats().entries, s.stats().evictions), (3 * one, 3, 3));
+    assert_eq!(folder(), 3 * one);
+    // Two stores of one folder and scope in one process (thread ranks) keep the budget once,
+    // and their writers never share a temporary file: the same entries from both, at once.
+    let t = DiskStore::open(&dir, scope("m"), 3 * one).unwrap();
+    std::thread::scope(|sc| {
+        for st in [&s, &t] {
+            sc.spawn(|| {
+                for round in 0..20 {
+                    for (i, k) in keys.iter().enumerate() {
+                        st.put(k, record(8, (i + round) as f32));
+                    }
+                }
+                st.flush();
+            });
+        }
+    });
+    assert_eq!(s.stats().write_failures + t.stats().write_failures, 0, "no writer lost its temporary file");
+    assert!(folder() <= 3 * one, "{} bytes in the folder for a budget of {}", folder(), 3 * one);
+    assert_eq!(s.stats(), t.stats(), "one listing");
+    drop((s, t));
     let _ = fs::remove_dir_all(&dir);
 }
 
