@@ -489,11 +489,20 @@ impl<'a> Share<'a> {
             Scope::Exact => total * (4 * s.qd + 3 * s.partial_row()) + mine * s.partial_row(),
             Scope::Sparse => total.saturating_sub(mine) * s.kv_row() + mine * (s.lse_row() + s.partial_row()),
         };
+        // The sparse scope keeps the other ranks' rows of earlier batches, every layer's, for
+        // the later batches (none with one batch or one rank).
+        let kept = if opts.scope == Scope::Sparse && k > batch && self.ranks > 1 {
+            let mine_all = (k * self.local_tokens).div_ceil(self.t.context().max(1));
+            k.saturating_sub(mine_all) * s.kv_token()
+        } else {
+            0
+        };
         self.phase(
             phase::RECOMPUTE,
             vec![
                 ("activations", mine * s.forward_row() + attend),
                 ("gathered keys", self.gathered(opts.scope, total.saturating_sub(mine))),
+                ("other ranks' rows", kept),
                 ("scratch", (self.scratch)(mine)),
             ],
         )

@@ -577,6 +577,8 @@ impl<'a> Job<'a> {
         let mut rc = PhaseWork::new(Step::Recompute.phase());
         let mut sorted = self.sel.clone();
         sorted.sort_unstable();
+        // The sparse scope keeps the other ranks' rows of earlier batches (every layer).
+        let mut earlier: Vec<u64> = Vec::new();
         for batch in sorted.chunks(self.pipe.recompute_batch) {
             let count = |o: usize| batch.iter().filter(|x| x.1 == o).count();
             let mine: Vec<u64> = batch.iter().filter(|x| x.1 == r).map(|x| x.0).collect();
@@ -589,7 +591,10 @@ impl<'a> Job<'a> {
             rc.forwards.push(Forward { rows: mine.len(), layers: l, logit_rows: 0 });
             match self.scope {
                 Scope::Exact => self.exact_batch(&mut rc, batch, segs, &gathered),
-                Scope::Sparse => self.sparse_batch(&mut rc, r, batch, &mine, segs, &gathered),
+                Scope::Sparse => {
+                    self.sparse_batch(&mut rc, r, batch, &mine, segs, &earlier, &gathered);
+                    earlier.extend(batch.iter().filter(|x| x.1 != r).map(|x| x.0));
+                }
             }
         }
         rc
@@ -628,8 +633,10 @@ impl<'a> Job<'a> {
         rc.messages.push(partials);
     }
 
-    /// Sparse scope: own queries over own segments, the head (replicated off rank 0) and the
-    /// other ranks' rows of this batch, whose K/V every rank gathers.
+    /// Sparse scope: own queries over own segments, the head (replicated off rank 0), the other
+    /// ranks' rows of earlier batches (`earlier`, kept as one source) and those of this batch,
+    /// whose K/V every rank gathers.
+    #[allow(clippy::too_many_arguments)]
     fn sparse_batch(
         &self,
         rc: &mut PhaseWork,
@@ -637,6 +644,7 @@ impl<'a> Job<'a> {
         batch: &[(u64, usize)],
         mine: &[u64],
         segs: &[Range<u64>],
+        earlier: &[u64],
         gathered: Gathered<'_>,
     ) {
         let (l, shape, h) = (self.shape.n_layers, self.shape, self.req.head as u64);
@@ -648,6 +656,8 @@ impl<'a> Job<'a> {
             let keys = (s.end - s.start) as usize;
             sources.push((keys, Box::new(move |q| range_pairs(q..q + 1, s.clone()))));
         }
+        let before = earlier.to_vec();
+        sources.push((before.len(), Box::new(move |q| points_before(&before, q))));
         for o in (0..self.p).filter(|&o| o != r) {
             let theirs: Vec<u64> = batch.iter().filter(|x| x.1 == o).map(|x| x.0).collect();
             let keys = theirs.len();

@@ -134,6 +134,43 @@ fn one_chunk_is_full_prefill_for_every_method_and_reorder_changes_nothing() {
     assert!(reordered.first_logits == plain.first_logits, "reorder of one chunk changed the logits");
 }
 
+/// Reordering moves the chunk the question is about next to the prompt, wherever it was: four
+/// documents of one topic each, the vault's code in one of them. Before the sink of a chunk
+/// prefilled from position 0 left its importance (`reorder::without_sink`), the order was
+/// [0, 3, 1, 2] for every needle (chunk 0, behind the head, has no sink and always went first).
+#[test]
+fn reorder_puts_the_chunk_the_question_is_about_last() {
+    let e = engine();
+    let topics = [
+        "The mill on the east river grinds barley every autumn and the miller keeps careful books of each sack.",
+        "Sheep graze on the northern hills where the shepherds count the flock twice a day in spring.",
+        "The old lighthouse warns ships away from the rocks; its keeper trims the wick each evening.",
+        "Merchants bring cloth and copper to the square market, where prices are called out at noon.",
+    ];
+    for needle in 0..topics.len() {
+        let docs = topics
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let t = format!("{t} ");
+                if i == needle {
+                    format!("{}The secret code of the vault is 8841. {}", t.repeat(2), t.repeat(3))
+                } else {
+                    t.repeat(5)
+                }
+            })
+            .collect();
+        let req = Request {
+            context: flowprefill_coordinator::Context::Documents(docs),
+            query: "What is the secret code of the vault?".into(),
+            system: None,
+            answer_prefix: None,
+        };
+        let r = run(&e, &req, RunOptions { method: Method::Infoflow, reorder: true, ..Default::default() });
+        assert_eq!(r.order.last(), Some(&needle), "needle in chunk {needle}: order {:?}", r.order);
+    }
+}
+
 fn jaccard(a: &[Vec<usize>], b: &[Vec<usize>]) -> f64 {
     let (mut inter, mut union) = (0usize, 0usize);
     for (x, y) in a.iter().zip(b) {

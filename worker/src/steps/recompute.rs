@@ -15,6 +15,10 @@
 //!   partials back to their owners, merged        + other ranks' X rows (not their caches)
 //!   == one rank                                == one rank when everything is selected
 //! ```
+//! In the sparse scope the other ranks' rows of earlier batches stay (per layer) for the later
+//! batches: without them a token of a later batch saw no other rank's context at all once more
+//! than one batch was selected (2,048 tokens), and ratio 1 on two ranks was not one rank.
+//!
 //! Targets are processed in global position batches: a target never sees a later target's
 //! stale row (causality) and every earlier target has written all its layers, so batching is
 //! exact; every rank runs the same number of batches (possibly empty) so collectives match.
@@ -79,9 +83,16 @@ enum Rows<'a, B: Backend> {
     Copies { segments: &'a [&'a KvCache<B>], check: usize, dev: Vec<f32> },
 }
 
+/// Other ranks' recomputed rows of one layer from earlier batches (the sparse scope): positions,
+/// K and V.
+type Earlier<B> = (Vec<u32>, <B as Backend>::Buf, <B as Backend>::Buf);
+
 struct Step<'a, 'c, B: Backend> {
     comm: &'c mut dyn Communicator,
     scope: Scope,
+    /// The sparse scope's other-rank rows of earlier batches, per layer: a later batch's
+    /// tokens attend to them as a one-rank run attends to those tokens' recomputed rows.
+    earlier: Option<&'c mut Vec<Option<Earlier<B>>>>,
     /// Read-only context every rank holds a copy of (the template head), attended to in the
     /// sparse scope by ranks that do not hold it as a segment.
     replicated: Option<&'a KvCache<B>>,
@@ -101,7 +112,10 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
             }
         };
         match self.scope {
-            Scope::Sparse => sparse(&mut *self.comm, self.op, self.replicated, x, local, out),
+            Scope::Sparse => {
+                let earlier = self.earlier.as_deref_mut().and_then(|e| e.get_mut(x.layer));
+                sparse(&mut *self.comm, self.op, self.replicated, earlier, x, local, out)
+            }
             Scope::Exact => exact(&mut *self.comm, self.op, x, &local, out),
         }
     }
@@ -151,11 +165,13 @@ impl<B: Backend> Step<'_, '_, B> {
 }
 
 /// The sparse scope: other ranks' selected rows travel (own rows are already in the segments),
-/// and this rank's rows attend to its segments, the replicated head and those rows.
+/// and this rank's rows attend to its segments, the replicated head, those rows and the other
+/// ranks' rows of earlier batches (`earlier`, this layer's; this batch's are added to it).
 fn sparse<B: Backend>(
     comm: &mut dyn Communicator,
     op: &str,
     replicated: Option<&KvCache<B>>,
+    earlier: Option<&mut Option<Earlier<B>>>,
     x: &LayerInput<'_, B>,
     local: Vec<KvSource<'_, B>>,
     out: &mut B::Buf,
@@ -171,14 +187,31 @@ fn sparse<B: Backend>(
             bufs.try_into().map_err(|_| crate::error::internal(format!("`{op}`: rows without K and V")))?;
         remote.push((pos, k, v));
     }
-    let mut sources = Vec::with_capacity(local.len() + remote.len() + 1);
+    let mut sources = Vec::with_capacity(local.len() + remote.len() + 2);
     if let Some(r) = replicated {
         sources.push(KvSource::layer(r, x.layer)?);
     }
     sources.extend(local);
+    if let Some(Some((pos, k, v))) = earlier.as_deref() {
+        sources.push(KvSource { k, v, pos });
+    }
     sources.extend(remote.iter().map(|(pos, k, v)| KvSource { k, v, pos }));
     let mut lse = be.zeros(x.positions.len() * x.shape.n_heads)?;
-    attend_over(be, x.shape, x.q, x.positions, &sources, out, &mut lse)
+    attend_over(be, x.shape, x.q, x.positions, &sources, out, &mut lse)?;
+    drop(sources);
+    if let Some(slot) = earlier {
+        for (pos, k, v) in remote {
+            match slot {
+                Some((p, ek, ev)) => {
+                    p.extend_from_slice(&pos);
+                    be.append(ek, &k)?;
+                    be.append(ev, &v)?;
+                }
+                None => *slot = Some((pos, k, v)),
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The exact scope (pass-Q): every rank's queries visit this rank's segments, the partials go
@@ -360,14 +393,27 @@ pub fn recompute<B: Backend>(
         let refs: Vec<&KvCache<B>> = segments.iter().collect();
         plan(&refs, sel.targets, sel.tokens, sel.all_positions, batch)?
     };
+    // Kept only between batches of the sparse scope (one batch needs none).
+    let keep = scope == Scope::Sparse && batches.len() > 1 && comm.size() > 1;
+    let mut earlier: Vec<Option<Earlier<B>>> = Vec::new();
+    if keep {
+        earlier.resize_with(model.config().n_layers, || None);
+    }
     for (lo, hi) in batches {
         let part: Vec<&Planned> = mine.iter().filter(|x| (lo..=hi).contains(&x.0)).collect();
         let t: Vec<Target> = part.iter().map(|x| x.1).collect();
         let ids: Vec<u32> = part.iter().map(|x| x.2).collect();
         let pos: Vec<u32> = part.iter().map(|x| x.0).collect();
         let groups = group_targets(&t, &segments.iter().collect::<Vec<_>>())?;
-        let mut step =
-            Step { comm: &mut *comm, scope, replicated, op: "recompute", rows: Rows::InPlace(&mut *segments), groups };
+        let mut step = Step {
+            comm: &mut *comm,
+            scope,
+            earlier: keep.then_some(&mut earlier),
+            replicated,
+            op: "recompute",
+            rows: Rows::InPlace(&mut *segments),
+            groups,
+        };
         model.forward_checked(&ids, &pos, &mut step, Logits::None, &mut *check)?;
     }
     Ok(())
@@ -395,6 +441,7 @@ pub fn value_deviation<B: Backend>(
     let mut step = Step {
         comm,
         scope: Scope::Exact,
+        earlier: None,
         replicated: None,
         op: "blend",
         rows: Rows::Copies { segments, check: check_layer, dev: vec![0.0; t.len()] },
