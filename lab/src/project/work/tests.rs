@@ -130,8 +130,8 @@ fn chunked_counts_match_a_brute_force_over_positions() {
                 // Exact: a selected token at position g sees every key at or before g.
                 assert_eq!(pairs, pos.iter().map(|g| g + 1).sum::<u64>() * 3, "exact P={p}");
             } else {
-                // Sparse: its own rank's keys and the head, plus other ranks' selected tokens
-                // of the same batch that precede it.
+                // Sparse: its own rank's keys and the head, plus every other rank's selected
+                // token that precedes it (of its batch and the earlier ones: they are kept).
                 let owners = shard::plan(&chunks, p);
                 let bounds: Vec<u64> = chunks
                     .iter()
@@ -142,14 +142,12 @@ fn chunked_counts_match_a_brute_force_over_positions() {
                     .collect();
                 let owner_of = |g: u64| owners[bounds.iter().position(|&b| g < b).unwrap_or(0)];
                 let mut want = 0u64;
-                for batch in pos.chunks(4) {
-                    for &q in batch {
-                        let r = owner_of(q);
-                        for k in 0..=q {
-                            let mine = k < h || owner_of(k) == r;
-                            let remote = batch.contains(&k) && owner_of(k) != r;
-                            want += u64::from(mine || remote);
-                        }
+                for &q in &pos {
+                    let r = owner_of(q);
+                    for k in 0..=q {
+                        let mine = k < h || owner_of(k) == r;
+                        let remote = pos.contains(&k) && owner_of(k) != r;
+                        want += u64::from(mine || remote);
                     }
                 }
                 assert_eq!(pairs, want * 3, "sparse P={p}");
