@@ -347,12 +347,16 @@ one)
         "$@" timeout 120 "$FP" --model synthetic:llama-3.1-8b bench ttft --device cuda --lengths 32768 --ranks 1 \
           --methods full,infoflow --runs 3 --out "$S/res/gather-$g" 2>&1 | grep "P=1"
       done
-      if room 60 "InfoFlow's host profile"; then
-        mark "InfoFlow, 8B shape, 32768 tokens, gathered: host time per backend op (FLOWPREFILL_HOST_PROFILE)"
-        FLOWPREFILL_HOST_PROFILE=1 timeout 100 "$FP" --model synthetic:llama-3.1-8b bench ttft --device cuda \
-          --lengths 32768 --ranks 1 --methods infoflow --runs 1 --out "$S/res/prof8b" > "$S/res/prof8b-infoflow.txt" 2>&1
-        grep -A 14 "^op " "$S/res/prof8b-infoflow.txt"
-      fi
+      # Host time per backend op, control data copied through the page-locked ring (default)
+      # and from pageable memory (FLOWPREFILL_PINNED_CONTROL=0, which waits for the stream).
+      for pc in 1 0; do
+        room 60 "InfoFlow's host profile, pinned control $pc" || continue
+        mark "InfoFlow, 8B shape, 32768 tokens, gathered, FLOWPREFILL_PINNED_CONTROL=$pc: host time per op"
+        FLOWPREFILL_PINNED_CONTROL=$pc FLOWPREFILL_HOST_PROFILE=1 timeout 100 "$FP" --model synthetic:llama-3.1-8b \
+          bench ttft --device cuda --lengths 32768 --ranks 1 --methods infoflow --runs 1 --out "$S/res/prof8b-$pc" \
+          > "$S/res/prof8b-infoflow-pinned$pc.txt" 2>&1
+        grep -E "P=1|^op |^attention|^merge|^copy_rows|^append_rows|^zeros" "$S/res/prof8b-infoflow-pinned$pc.txt"
+      done
     fi
     if room 90 "pytorch 8B prefill"; then
       mark "pytorch baseline (8B shape)"

@@ -171,6 +171,90 @@ pub(crate) fn alloc_err(
 /// reads it was queued before the free).
 pub(crate) struct ControlCache {
     entries: Mutex<Vec<ControlEntry>>,
+    /// Where a miss is copied from (`None`: `FLOWPREFILL_PINNED_CONTROL=0`, from pageable
+    /// memory as before 2026-11-28; made on first use).
+    ring: Option<Mutex<Option<ControlRing>>>,
+}
+
+/// Words of the page-locked ring control data is copied from (4 MiB).
+const RING_WORDS: usize = 1 << 20;
+
+/// Page-locked memory that control data is copied to the device from. A copy from pageable
+/// memory (`clone_htod`) waits until every op queued before it has run (the driver stages the
+/// bytes after a stream synchronisation); the Hopper kernel's tensor maps name the K/V
+/// addresses, so nearly every attention call missed the cache and drained the queue: 65-75 us
+/// of host time per attention call, the device idle in between (H100, 2026-11-28; the reading
+/// of a review, to be measured). Two halves: a half is written again only once the event
+/// recorded when the writer left it has completed (long before, in practice).
+struct ControlRing {
+    ptr: *mut u32,
+    stream: Arc<CudaStream>,
+    /// Next free word.
+    at: usize,
+    /// The half `at` is in.
+    half: usize,
+    /// Per half: the event recorded when the writer last left it.
+    left: [Option<CudaEvent>; 2],
+}
+
+// SAFETY: the allocation is owned by this value alone and written only under the cache's
+// lock; the device reads it through copies that are waited for before it is written again.
+unsafe impl Send for ControlRing {}
+
+impl Drop for ControlRing {
+    fn drop(&mut self) {
+        // No copy may still read the ring when it is freed.
+        let _ = self.stream.synchronize();
+        // SAFETY: allocated by `malloc_host`, freed once, no copy in flight.
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr.cast()) };
+    }
+}
+
+impl ControlRing {
+    fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        stream.context().bind_to_thread().map_err(|e| err("control ring", e))?;
+        // SAFETY: a plain page-locked allocation of RING_WORDS u32 values.
+        let ptr = unsafe { cudarc::driver::result::malloc_host(RING_WORDS * 4, 0) }
+            .map_err(|e| err("control ring: page-locked memory", e))?;
+        Ok(Self { ptr: ptr.cast(), stream: stream.clone(), at: 0, half: 0, left: [None, None] })
+    }
+
+    /// A new device allocation holding `v` (at most half the ring), its copy queued from the
+    /// ring without waiting for the stream.
+    fn upload(&mut self, v: &[u32]) -> Result<CudaSlice<u32>> {
+        let half = RING_WORDS / 2;
+        // 64-word (256-byte) places.
+        let len = v.len().div_ceil(64) * 64;
+        if len > half {
+            return Err(err("control ring", format!("{} words do not fit half the ring", v.len())));
+        }
+        if self.at + len > (self.half + 1) * half {
+            let ev = self.stream.context().new_event(None).map_err(|e| err("control ring", e))?;
+            ev.record(&self.stream).map_err(|e| err("control ring", e))?;
+            self.left[self.half] = Some(ev);
+            self.half ^= 1;
+            self.at = self.half * half;
+            if let Some(ev) = self.left[self.half].take() {
+                ev.synchronize().map_err(|e| err("control ring", e))?;
+            }
+        }
+        // SAFETY: `at + v.len()` is within the ring (checked above), no other slice over it is
+        // alive, and the copies that read these words before were waited for (the half's event).
+        let src = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(self.at), v.len()) };
+        src.copy_from_slice(v);
+        // SAFETY: every element is written by the copy queued next, before any reader.
+        let mut dev = unsafe { self.stream.alloc::<u32>(v.len()) }
+            .map_err(|e| alloc_err(&self.stream, "upload", 4 * v.len(), e))?;
+        {
+            let (dst, _g) = dev.device_ptr_mut(&self.stream);
+            // SAFETY: `v.len()` u32 values into an allocation of as many, from page-locked
+            // memory that stays untouched until the copy has run (see above).
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, &*src, self.stream.cu_stream()) }
+                .map_err(|e| err("upload", e))?;
+        }
+        self.at += len;
+        Ok(dev)
+    }
 }
 
 /// A cheap first test of equal contents: the length and eight values spread over them.
@@ -198,7 +282,22 @@ impl ControlCache {
     pub(crate) const BYTES: usize = 16 << 20;
 
     pub(crate) fn new() -> Self {
-        Self { entries: Mutex::new(Vec::new()) }
+        let pinned = std::env::var("FLOWPREFILL_PINNED_CONTROL").map_or(true, |v| v.trim() != "0");
+        Self { entries: Mutex::new(Vec::new()), ring: pinned.then(|| Mutex::new(None)) }
+    }
+
+    /// `v` on the device, copied through the ring where there is one and it fits.
+    fn upload(&self, stream: &Arc<CudaStream>, v: &[u32]) -> Result<CudaSlice<u32>> {
+        if let Some(ring) = self.ring.as_ref().filter(|_| v.len() <= RING_WORDS / 2) {
+            let mut g = ring.lock().unwrap_or_else(|p| p.into_inner());
+            if g.is_none() {
+                *g = Some(ControlRing::new(stream)?);
+            }
+            if let Some(r) = g.as_mut() {
+                return r.upload(v);
+            }
+        }
+        stream.clone_htod(v).map_err(|e| alloc_err(stream, "upload", 4 * v.len(), e))
     }
 
     /// The device copy of `v` (at least one element: an empty allocation is not allowed).
@@ -214,7 +313,7 @@ impl ControlCache {
         let dev = Arc::new(if v.is_empty() {
             stream.alloc_zeros::<u32>(1).map_err(|e| alloc_err(stream, "upload", 4, e))?
         } else {
-            stream.clone_htod(v).map_err(|e| alloc_err(stream, "upload", 4 * v.len(), e))?
+            self.upload(stream, v)?
         });
         if 4 * v.len() <= Self::BYTES {
             entries.push((sig, v.to_vec(), dev.clone()));
