@@ -196,7 +196,10 @@ impl Request {
         Self { head, chunks, prompt, selected: None, cached: Vec::new() }
     }
 
-    /// The request of a finished run, with the run's own selection.
+    /// The request of a finished run, with the run's own selection; a run whose chunk caches
+    /// were all found in the store (`bench ttft --cache ram|disk`) is projected with every
+    /// chunk cached (no chunk prefill; a disk read is not modelled), where it was projected
+    /// cold before 2026-11-28 (proj/meas 24 on a warm row).
     pub fn of_run(r: &flowprefill_coordinator::RunResult) -> Self {
         let mut selected = Vec::new();
         let mut start = 0;
@@ -210,7 +213,7 @@ impl Request {
             chunks: r.chunk_tokens.clone(),
             prompt: r.n_prompt_tokens,
             selected: Some(selected),
-            cached: Vec::new(),
+            cached: if r.cache_misses == 0 && r.cache_hits > 0 { vec![true; r.chunk_tokens.len()] } else { Vec::new() },
         }
     }
 

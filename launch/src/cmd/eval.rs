@@ -71,7 +71,8 @@ pub struct Args {
     /// the evaluations before 2026-11-22 were made, so their results.json files resume).
     #[arg(long, value_enum, default_value_t = PromptStyle::Ruler)]
     pub prompts: PromptStyle,
-    /// Maximum answer tokens (default: per task, 32, or 64 for the four-value tasks).
+    /// Maximum answer tokens (default: per task, 128 for the needle tasks and 32 for the others:
+    /// RULER's budgets).
     #[arg(long)]
     pub max_tokens: Option<usize>,
     /// Output folder (results.json, results.md, PNG plots).

@@ -91,8 +91,7 @@ pub(super) fn length_charts(
             let rs = rs_at(l, x);
             let Some(a) = acc(&rs) else { continue };
             let mut t: Vec<f64> = rs.iter().map(|r| r.ttft_ms).collect();
-            t.sort_by(|a, b| a.total_cmp(b));
-            pts.push((t[t.len() / 2] / 1e3, 100.0 * a));
+            pts.push((crate::median(&mut t) / 1e3, 100.0 * a));
             if rs.iter().all(|r| r.ratio.is_none()) {
                 break;
             }

@@ -56,6 +56,13 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     crate::ensure_usage!(ranks.iter().all(|&r| r >= 1), "--ranks must be at least 1");
     crate::ensure_usage!(slacks.iter().all(|s| (0.0..=1.0).contains(s)), "--slack values must be in [0, 1]");
     crate::cmd::out_dir("--out", &a.out)?;
+    // Every configuration starts with empty chunk stores and keeps them in RAM only: a disk
+    // tier (a configured --store) would hand each configuration what the earlier ones wrote,
+    // and cache-aware placement would win by running second.
+    if common.disk_tier()?.is_some() {
+        eprintln!("note: bench stream keeps chunk caches in RAM only; the configured --store is not used");
+    }
+    let common = &crate::Common { store: Some("off".into()), ..common.clone() };
     let lm = std::sync::Arc::new(crate::cmd::load_model(common)?);
     let corpus = bench_docs(&lm.tokenizer, a.corpus * a.doc_tokens, a.doc_tokens, a.seed)?;
     let shape = lab_stream::Stream {
