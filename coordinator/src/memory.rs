@@ -483,8 +483,9 @@ impl<'a> Share<'a> {
     fn recompute(&self, opts: &RunOptions, plan: &Pipeline) -> Phase {
         let s = self.s;
         let (k, batch) = (plan.recomputed(), plan.recompute_batch);
-        let mine = (k * self.local_tokens).div_ceil(self.t.context().max(1)).min(batch);
-        let total = k.min(batch);
+        // This rank's share of the whole selection, and of one batch.
+        let mine_all = (k * self.local_tokens).div_ceil(self.t.context().max(1));
+        let (mine, total) = (mine_all.min(batch), k.min(batch));
         let attend = match opts.scope {
             Scope::Exact => total * (4 * s.qd + 3 * s.partial_row()) + mine * s.partial_row(),
             Scope::Sparse => total.saturating_sub(mine) * s.kv_row() + mine * (s.lse_row() + s.partial_row()),
@@ -492,7 +493,6 @@ impl<'a> Share<'a> {
         // The sparse scope keeps the other ranks' rows of earlier batches, every layer's, for
         // the later batches (none with one batch or one rank).
         let kept = if opts.scope == Scope::Sparse && k > batch && self.ranks > 1 {
-            let mine_all = (k * self.local_tokens).div_ceil(self.t.context().max(1));
             k.saturating_sub(mine_all) * s.kv_token()
         } else {
             0

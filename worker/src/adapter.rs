@@ -61,7 +61,7 @@ fn rows_hash(rows: &[f32]) -> String {
     for x in rows {
         h.update(x.to_le_bytes());
     }
-    h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+    crate::fetch::hex(&h.finalize()[..8])
 }
 
 /// What identifies a model's weights for an adapter: the architecture's shape and a hash of
@@ -72,7 +72,7 @@ pub fn model_fingerprint(cfg: &crate::config::ModelConfig, embedding_bytes: &[u8
         format!("{}:{}:{}:{}:{}", cfg.arch.name(), cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size).as_bytes(),
     );
     h.update(embedding_bytes);
-    h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+    crate::fetch::hex(&h.finalize()[..8])
 }
 
 /// A safetensors file's tensors and its JSON metadata under `key`; every failure goes through

@@ -277,7 +277,8 @@ fn fetch_into(src: &ModelSource, tmp: &Path, dest: &Path, log: &mut dyn FnMut(&s
     Ok(dest.to_path_buf())
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// Lower-case hex of `bytes` (digests, ids and file names across the crate).
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

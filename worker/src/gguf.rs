@@ -343,7 +343,7 @@ impl GgufFile {
                 h.update(&sample[..take]);
             }
         }
-        Ok(h.finalize().iter().take(16).map(|b| format!("{b:02x}")).collect())
+        Ok(crate::fetch::hex(&h.finalize()[..16]))
     }
 
     /// Reads a tensor as stored, with one positioned read (no seek: several threads may read

@@ -90,7 +90,7 @@ impl<B: Backend> LoadedModel<B> {
         let cache_identity = {
             use sha2::Digest;
             let d = sha2::Sha256::digest(format!("{:?}", spec.config()).as_bytes());
-            format!("{fingerprint}-{}", d.iter().take(16).map(|b| format!("{b:02x}")).collect::<String>())
+            format!("{fingerprint}-{}", fetch::hex(&d[..16]))
         };
         Ok(Self { model, tokenizer, template, synthetic: Some(spec), fingerprint, adapter: None, cache_identity })
     }

@@ -136,7 +136,7 @@ fn values_hash(tensors: &[Vec<f32>]) -> String {
     for x in tensors.iter().flatten() {
         h.update(x.to_le_bytes());
     }
-    h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+    crate::fetch::hex(&h.finalize()[..8])
 }
 
 impl LookaheadAdapter {

@@ -137,10 +137,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     };
     let registry = Documents::open(&tier.dir)
         .with_context(|| format!("--store {}: the documents folder cannot be made", tier.dir.display()))?;
-    let timeout =
-        std::time::Duration::try_from_secs_f64(args.comm_timeout).ok().filter(|d| !d.is_zero()).ok_or_else(|| {
-            crate::exit::usage(format!("--comm-timeout {}: give a positive number of seconds", args.comm_timeout))
-        })?;
+    let timeout = super::comm_timeout(args.comm_timeout)?;
     let (rank, size, mut comm) = ranks(timeout)?;
     let lm = Arc::new(super::load_model(common)?);
     let engine = Engine::new(lm, flowprefill_coordinator::DEFAULT_STORE_BYTES).with_disk(Some(&tier));

@@ -601,6 +601,15 @@ impl ScoringArgs {
     }
 }
 
+/// `--comm-timeout SECONDS` as a deadline: a positive number that fits a `Duration`, else a
+/// caller's error (exit 2) that says so.
+pub fn comm_timeout(secs: f64) -> Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| crate::exit::usage(format!("--comm-timeout {secs}: give a positive number of seconds")))
+}
+
 /// Makes the output folder of `flag` (`--out`) before any measuring, so that a bad path costs
 /// nothing: a file where the folder should be, or a folder that cannot be made, is the caller's
 /// error naming the flag and the path (not the OS's bare "File exists" after the work).

@@ -228,10 +228,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let req =
         Request { context: args.method.context(docs), query, system: None, answer_prefix: args.answer_prefix.clone() };
     let job = Job { request: req.clone(), options: opts };
-    let timeout =
-        std::time::Duration::try_from_secs_f64(args.comm_timeout).ok().filter(|d| !d.is_zero()).ok_or_else(|| {
-            crate::exit::Usage(format!("--comm-timeout {}: give a positive number of seconds", args.comm_timeout))
-        })?;
+    let timeout = super::comm_timeout(args.comm_timeout)?;
     let stream = !args.json;
     let mut stdout = std::io::stdout();
     let mut on_text = |s: &str| {

@@ -381,7 +381,12 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     };
     let service = Service::start(lm, world, rebuild, cfg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let served = rt.block_on(listen(&service, early, addr, maddr, a.queue));
+    // Bound already, but on a rank 0 whose launcher named no rank in its environment.
+    let listeners = match early {
+        Some(l) => l,
+        None => bind_both(addr, maddr)?,
+    };
+    let served = rt.block_on(listen(&service, listeners, a.queue));
     // Background tasks (metrics listener, upkeep) hold the state: stop them first.
     rt.shutdown_timeout(Duration::from_secs(2));
     // The executor drains (nothing is queued any more), stops the ranks and ends.
@@ -416,10 +421,7 @@ impl Args {
             }
             None => None,
         };
-        let comm_timeout = Duration::try_from_secs_f64(self.comm_timeout)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .context("--comm-timeout must be a positive number of seconds")?;
+        let comm_timeout = crate::cmd::comm_timeout(self.comm_timeout)?;
         Ok((addr, maddr, comm_timeout))
     }
 }
@@ -480,7 +482,7 @@ fn world(
 
 /// The API's and the metrics' listeners, bound before the model loads; `None` on a follower
 /// rank under mpirun (only rank 0 serves HTTP).
-type Bound = Option<(std::net::TcpListener, Option<std::net::TcpListener>)>;
+type Bound = Option<Listeners>;
 
 fn bind_one(addr: SocketAddr, flag: &str) -> Result<std::net::TcpListener> {
     let l = std::net::TcpListener::bind(addr).with_context(|| {
@@ -490,6 +492,14 @@ fn bind_one(addr: SocketAddr, flag: &str) -> Result<std::net::TcpListener> {
     Ok(l)
 }
 
+/// The API's listener and the metrics' (if any).
+type Listeners = (std::net::TcpListener, Option<std::net::TcpListener>);
+
+/// Takes both addresses.
+fn bind_both(addr: SocketAddr, maddr: Option<SocketAddr>) -> Result<Listeners> {
+    Ok((bind_one(addr, "--listen")?, maddr.map(|m| bind_one(m, "--metrics-listen")).transpose()?))
+}
+
 /// Takes both addresses (see [`Bound`]): a port in use is an error at start, before the model
 /// loads and the ranks start.
 fn bind_early(addr: SocketAddr, maddr: Option<SocketAddr>) -> Result<Bound> {
@@ -497,24 +507,11 @@ fn bind_early(addr: SocketAddr, maddr: Option<SocketAddr>) -> Result<Bound> {
     if flowprefill_comm::mpi::launched_by_mpirun() && flowprefill_comm::launcher_rank().is_some_and(|r| r != 0) {
         return Ok(None);
     }
-    let api = bind_one(addr, "--listen")?;
-    let metrics = maddr.map(|m| bind_one(m, "--metrics-listen")).transpose()?;
-    Ok(Some((api, metrics)))
+    bind_both(addr, maddr).map(Some)
 }
 
-/// Serves the API (and the metrics) on the listeners bound early (or, where none were, on
-/// `addr` and `maddr` now) until a signal, then drains.
-async fn listen(
-    service: &Service,
-    early: Bound,
-    addr: SocketAddr,
-    maddr: Option<SocketAddr>,
-    queue: usize,
-) -> Result<()> {
-    let (api, metrics) = match early {
-        Some(b) => b,
-        None => (bind_one(addr, "--listen")?, maddr.map(|m| bind_one(m, "--metrics-listen")).transpose()?),
-    };
+/// Serves the API (and the metrics) on `listeners` until a signal, then drains.
+async fn listen(service: &Service, (api, metrics): Listeners, queue: usize) -> Result<()> {
     let listener = tokio::net::TcpListener::from_std(api)?;
     let metrics_listener = metrics.map(tokio::net::TcpListener::from_std).transpose()?;
     println!(

@@ -290,8 +290,8 @@ enum Bad {
 }
 
 impl Core {
+    /// The folder exists ([`shared_core`] made it).
     fn open(dir: &Path, scope: Scope, budget: u64) -> io::Result<Self> {
-        fs::create_dir_all(dir)?;
         let store = Self {
             dir: dir.to_path_buf(),
             scope,
@@ -354,7 +354,7 @@ impl Core {
         h.update([dtype_code(self.scope.dtype)]);
         h.update(key.bytes());
         let d = h.finalize();
-        let hex: String = d[..20].iter().map(|b| format!("{b:02x}")).collect();
+        let hex = crate::fetch::hex(&d[..20]);
         format!("{hex}.{EXT}")
     }
 

@@ -37,7 +37,7 @@ pub struct Documents {
 /// The id of `text` (see the module docs).
 pub fn id_of(text: &str) -> String {
     let digest = Sha256::digest(text.trim().as_bytes());
-    digest.iter().take(ID_LEN / 2).map(|b| format!("{b:02x}")).collect()
+    crate::fetch::hex(&digest[..ID_LEN / 2])
 }
 
 /// Whether `id` has an id's form (16 lowercase hex digits).

@@ -70,7 +70,7 @@ impl ChunkKey {
 
     /// Short hex form for logs.
     pub fn short(&self) -> String {
-        self.0[..6].iter().map(|b| format!("{b:02x}")).collect()
+        crate::fetch::hex(&self.0[..6])
     }
 }
 
