@@ -45,6 +45,11 @@ impl Server {
 
     fn term(&mut self) -> (bool, String) {
         Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        self.wait_exit()
+    }
+
+    /// Waits (60 s at most) for the process to exit: its success and stderr.
+    fn wait_exit(&mut self) -> (bool, String) {
         let t = Instant::now();
         while t.elapsed() < Duration::from_secs(60) {
             if let Some(s) = self.child.try_wait().unwrap() {
@@ -268,11 +273,19 @@ fn queue_full_disconnect_and_graceful_shutdown() {
     }
     assert_eq!(s.req("GET", "/readyz", &[], b"").status, 200);
 
-    // SIGTERM with a job in flight: it completes, then the server exits cleanly.
+    // SIGTERM with a job in flight: it completes, then the server exits cleanly. While it
+    // drains, the port still answers: new work gets 503, /readyz 503, /metrics its figures.
     let inflight = spawn(s.addr.clone(), body.clone());
     std::thread::sleep(Duration::from_millis(500));
     let addr = s.addr.clone();
-    let (ok, err) = s.term();
+    Command::new("kill").args(["-TERM", &s.child.id().to_string()]).status().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let r = s.req("GET", "/readyz", &[], b"");
+    assert!(r.status == 503 && r.text().contains("shutting down"), "{} {}", r.status, r.text());
+    let r = s.req("POST", "/v1/jobs", &[], body.as_bytes());
+    assert!(r.status == 503 && r.text().contains("shutting_down"), "{} {}", r.status, r.text());
+    assert!(s.metrics().contains("flowprefill_jobs_in_flight 1"), "the drain is visible");
+    let (ok, err) = s.wait_exit();
     let r = inflight.join().unwrap();
     assert_eq!(r.status, 200, "the in-flight job finished: {}", r.text());
     assert!(ok, "clean exit: {err}");
@@ -609,6 +622,62 @@ fn documents_are_ingested_once_and_jobs_name_them_by_id() {
     let r = off.post("/v1/documents", &serde_json::json!({ "documents": d }));
     assert!(r.status == 409 && r.text().contains("--store FOLDER"), "{}", r.text());
     assert!(off.metrics().contains("flowprefill_errors_total{kind=\"no_store\"} 1"), "counted once");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Ingestions wait like jobs (one runs, `--queue` wait, the next gets 429 with Retry-After),
+/// and a client that goes away stops its own between layers (counted as cancelled, nothing
+/// counted as ingested); the documents of the finished ones are stored.
+#[test]
+fn ingestions_are_bounded_and_a_client_that_goes_away_cancels_its_own() {
+    let dir = std::env::temp_dir().join(format!("fp-serve-ingest-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let s = Server::start(&["--queue", "1", "--store", dir.join("store").to_str().unwrap()], &[]);
+    // Long documents (about 3,000 tokens each, every one new to the store).
+    let long = |tag: &str| -> String { docs(1, 160).remove(0).replace("tower 0", &format!("tower {tag}")) };
+    let post = |addr: String, doc: String| {
+        std::thread::spawn(move || {
+            let body = serde_json::json!({ "documents": [doc] }).to_string();
+            http::request(&addr, "POST", "/v1/documents", &[], body.as_bytes(), Duration::from_secs(300)).unwrap()
+        })
+    };
+    let a = post(s.addr.clone(), long("a"));
+    std::thread::sleep(Duration::from_millis(300));
+    let b = post(s.addr.clone(), long("b"));
+    std::thread::sleep(Duration::from_millis(300));
+    let body = serde_json::json!({ "documents": [long("c")] }).to_string();
+    let r = s.req("POST", "/v1/documents", &[], body.as_bytes());
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert!(r.header("retry-after").is_some_and(|v| v.parse::<u64>().is_ok()));
+    assert!(r.text().contains("--queue"), "{}", r.text());
+    assert_eq!(a.join().unwrap().status, 200);
+    assert_eq!(b.join().unwrap().status, 200);
+
+    // A client that sends a document and goes away: its ingestion stops.
+    let payload = serde_json::json!({ "documents": [long("d")] }).to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/documents HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
+        payload.len()
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(c);
+    let t = Instant::now();
+    let m = loop {
+        let m = s.metrics();
+        if m.contains("flowprefill_errors_total{kind=\"cancelled\"} 1") {
+            break m;
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "the cancelled ingestion was not recorded:\n{m}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(m.contains("flowprefill_documents_ingested_total{outcome=\"prefilled\"} 2"), "{m}");
+    // The service carries on: the next ingestion runs.
+    let r = s.post("/v1/documents", &serde_json::json!({ "documents": docs(1, 5) }));
+    assert_eq!(r.status, 200, "{}", r.text());
+    drop(s);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -22,6 +22,7 @@ use axum::Router;
 use flowprefill_coordinator::{admit, memory, Engine, Ingested, Job, RunResult, DEFAULT_STORE_BYTES};
 use flowprefill_kernels::Device;
 use flowprefill_worker::generate::StopReason;
+use flowprefill_worker::interrupt::Watch;
 use flowprefill_worker::store::documents::{Documents, ResolveError};
 use flowprefill_worker::LoadedModel;
 use futures_util::stream::{self, Stream};
@@ -52,6 +53,8 @@ pub struct AppState {
     /// The engine `POST /v1/documents` prefills with (made on first use; one ingestion at a
     /// time), over the same disk tier as the ranks' stores.
     ingester: std::sync::Mutex<Option<Engine<Device>>>,
+    /// `POST /v1/documents` requests running (one) or waiting for the ingester (`--queue`).
+    ingesting: std::sync::atomic::AtomicUsize,
     /// Jobs admitted, for `--verify-rate`'s sampling.
     admitted: AtomicU64,
 }
@@ -82,6 +85,7 @@ impl AppState {
             next_id: AtomicU64::new(1),
             admitting: tokio::sync::Semaphore::new(cores),
             ingester: std::sync::Mutex::new(None),
+            ingesting: std::sync::atomic::AtomicUsize::new(0),
             admitted: AtomicU64::new(0),
         }
     }
@@ -111,11 +115,13 @@ impl AppState {
     }
 
     /// Prefills `req`'s documents into the store (on a blocking thread): their ids, token
-    /// counts and how many caches were made, once every cache is on disk.
-    fn ingest(&self, req: DocumentsRequest) -> Result<serde_json::Value, ApiError> {
+    /// counts and how many caches were made, once every cache is on disk. `watch` stops it
+    /// between layers (the client went away, or `--job-timeout` passed, waiting included).
+    fn ingest(&self, req: DocumentsRequest, watch: &Watch) -> Result<serde_json::Value, ApiError> {
         let (docs, tier) = self.documents()?;
         let started = Instant::now();
         let mut guard = self.ingester.lock().unwrap_or_else(|p| p.into_inner());
+        watch.check("ingest").map_err(|e| ApiError::from_coord(&flowprefill_coordinator::CoordError::from(e)))?;
         let engine =
             guard.get_or_insert_with(|| Engine::new(self.lm.clone(), DEFAULT_STORE_BYTES / 4).with_disk(Some(&tier)));
         let before = engine.store().disk_stats().unwrap_or_default();
@@ -128,7 +134,7 @@ impl AppState {
                 .put(text)
                 .map_err(|e| ApiError::new(500, "internal", format!("documents[{i}] cannot be kept: {e}")))?;
             let Ingested { tokens, prefilled } =
-                engine.ingest(text, req.system.as_deref(), &mut || Ok(())).map_err(|e| {
+                engine.ingest(text, req.system.as_deref(), &mut || watch.check("ingest")).map_err(|e| {
                     let a = ApiError::from_coord(&e);
                     ApiError::new(a.status, a.kind, format!("documents[{i}]: {}", a.message))
                 })?;
@@ -426,10 +432,59 @@ async fn ingest(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<ser
             "field `documents[{i}]`: the document is empty; remove it or give it some text"
         )));
     }
+    // One ingestion runs at a time; at most `--queue` wait, like jobs (each holds its body and
+    // a blocking thread).
+    let slot = IngestSlot::take(&st)?;
+    // A client that goes away cancels its ingestion (between layers; what was stored stays).
+    let cancel = Arc::new(AtomicBool::new(false));
+    let _guard = CancelOnDrop::new(cancel.clone());
+    let watch = Watch::new(Some(cancel), Some(st.cfg.job_timeout));
     let worker = st.clone();
-    tokio::task::spawn_blocking(move || worker.ingest(req))
-        .await
-        .map_err(|e| ApiError::new(500, "internal", format!("ingestion failed: {e}")))?
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        let done = worker.ingest(req, &watch);
+        if let Err(e) = &done {
+            // Its client is gone: nobody answers it, but the errors counter still counts it.
+            if e.kind == "cancelled" {
+                metrics::error(e.kind);
+            }
+        }
+        done
+    })
+    .await
+    .map_err(|e| ApiError::new(500, "internal", format!("ingestion failed: {e}")))?
+}
+
+/// A `POST /v1/documents` request counted as waiting or running, and as work the shutdown
+/// waits for, until dropped.
+struct IngestSlot(Arc<AppState>);
+
+impl IngestSlot {
+    /// 429 with Retry-After when one ingestion runs and `--queue` wait.
+    fn take(st: &Arc<AppState>) -> Result<Self, ApiError> {
+        if st.ingesting.fetch_add(1, Ordering::Relaxed) > st.cfg.queue {
+            st.ingesting.fetch_sub(1, Ordering::Relaxed);
+            let mut e = ApiError::new(
+                429,
+                "queue_full",
+                format!(
+                    "{} document ingestions already wait behind the one running (--queue); retry later",
+                    st.cfg.queue
+                ),
+            );
+            e.retry_after = Some(st.shared.retry_after());
+            return Err(e);
+        }
+        st.shared.outstanding.fetch_add(1, Ordering::Relaxed);
+        Ok(Self(st.clone()))
+    }
+}
+
+impl Drop for IngestSlot {
+    fn drop(&mut self) {
+        self.0.ingesting.fetch_sub(1, Ordering::Relaxed);
+        self.0.shared.finished_one();
+    }
 }
 
 fn finish_reason(r: &RunResult) -> &'static str {

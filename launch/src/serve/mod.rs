@@ -15,9 +15,10 @@
 //! answers 429 with Retry-After when full, bodies above `--max-body-bytes` get 413, bodies
 //! slower than `--read-timeout` 408, malformed JSON or fields 400 naming the field, requests
 //! over the cost bounds (`--max-documents`, `--max-chunks`) or the model's window 400 before
-//! queueing, jobs past their deadline 504, a failed rank 503. SIGTERM (or Ctrl-C) stops
-//! accepting, finishes every accepted job, gives slow clients `--shutdown-grace`, stops the
-//! ranks and exits. Under `mpirun`, rank 0 serves and the other ranks follow its broadcasts.
+//! queueing, jobs past their deadline 504, a failed rank 503. SIGTERM (or Ctrl-C) turns new
+//! work away (503; /readyz 503, /metrics still answers), finishes every accepted job (an
+//! ingestion, its current document), then stops accepting, gives slow clients `--shutdown-grace`, stops the ranks
+//! and exits. Under `mpirun`, rank 0 serves and the other ranks follow its broadcasts.
 //!
 //! In-process use (tests, embedding): [`Service::start`] with a world of ranks, then
 //! [`serve`] with a listener and a shutdown future, in the manner of mini-redis.
@@ -217,6 +218,17 @@ impl Service {
         Ok((world, Box::new(make)))
     }
 
+    /// How the listeners treat connections: the header deadline, the bound on open ones, the
+    /// grace at shutdown.
+    fn conn_limits(&self) -> server::ConnLimits {
+        let cfg = &self.state.cfg;
+        server::ConnLimits {
+            header_timeout: cfg.read_timeout,
+            max_connections: cfg.max_connections,
+            grace: cfg.shutdown_grace,
+        }
+    }
+
     /// All routes.
     pub fn router(&self) -> axum::Router {
         app::router(self.state.clone())
@@ -254,11 +266,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     let st = &service.state;
-    let limits = server::ConnLimits {
-        header_timeout: st.cfg.read_timeout,
-        max_connections: st.cfg.max_connections,
-        grace: st.cfg.shutdown_grace,
-    };
+    let limits = service.conn_limits();
     let stop = || st.shutting_down.store(true, Ordering::Relaxed);
     server::run(listener, service.router(), st.shared.clone(), limits, shutdown, stop).await;
     if st.shared.fatal.load(Ordering::Relaxed) {
@@ -522,10 +530,10 @@ async fn listen(service: &Service, (api, metrics): Listeners, queue: usize) -> R
     );
     if let Some(ml) = metrics_listener {
         println!("metrics on http://{}/metrics", ml.local_addr()?);
-        let mapp = app::metrics_router(service.state.clone());
-        tokio::spawn(async move {
-            let _ = axum::serve(ml, mapp).await;
-        });
+        // The same header deadline and bound on connections as the API's listener: a slow
+        // client cannot hold the scrape port open.
+        let (mapp, limits) = (app::metrics_router(service.state.clone()), service.conn_limits());
+        tokio::spawn(server::run_plain(ml, mapp, limits));
     }
     let upkeep = service.state.prom.clone();
     tokio::spawn(async move {

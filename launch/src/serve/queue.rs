@@ -145,7 +145,7 @@ impl Shared {
         self.changed.notify_waiters();
     }
 
-    fn finished_one(&self) {
+    pub(super) fn finished_one(&self) {
         if self.outstanding.fetch_sub(1, Ordering::Relaxed) == 1 {
             self.changed.notify_waiters();
         }
