@@ -24,6 +24,10 @@ pub struct Report<'a> {
     pub warm: bool,
     /// One JSON object instead of the table.
     pub json: bool,
+    /// The model's label.
+    pub model: &'a str,
+    /// Settings that are not the defaults (scoring ablations, KV eviction), by name.
+    pub settings: Vec<(&'static str, serde_json::Value)>,
 }
 
 /// What a run of [`run`] tells its caller.
@@ -153,16 +157,22 @@ pub fn report(args: &Report<'_>, rows: &[Row], cases: usize) -> Result<String> {
                 })
             })
             .collect();
-        let all = serde_json::json!({
-            "ratio": args.ratio, "lengths": lengths, "depths": depths, "per_cell": args.per_cell,
-            "seed": args.seed, "warm": args.warm, "results": out,
+        let mut all = serde_json::json!({
+            "model": args.model, "ratio": args.ratio, "lengths": lengths, "depths": depths,
+            "per_cell": args.per_cell, "seed": args.seed, "warm": args.warm, "results": out,
         });
+        for (k, v) in &args.settings {
+            all[*k] = v.clone();
+        }
         return serde_json::to_string_pretty(&all)
             .map(|s| s + "\n")
             .map_err(|source| crate::LabError::Json { path: "(check results)".into(), source });
     }
+    let settings: String = args.settings.iter().map(|(k, v)| format!(", {k} {v}")).collect();
     let mut text = format!(
-        "needle in a haystack: {} cases (lengths {:?}, depths {:?}, {} per cell, seed {}), ratio {}, {} chunk caches\n",
+        "needle in a haystack on {}: {} cases (lengths {:?}, depths {:?}, {} per cell, seed {}), ratio {}, {} chunk \
+         caches{settings}\n",
+        args.model,
         cases,
         lengths,
         depths,

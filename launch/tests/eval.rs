@@ -118,6 +118,12 @@ fn same_command_same_table_resume_and_plots() {
     let o = report(&a, "3");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && err.contains("report only: all 36 planned runs are in"), "{err}");
+    // A report over fewer samples than the folder holds averages those samples only (every
+    // method over the same cases).
+    let o = report(&a, "2");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let two = std::fs::read_to_string(a.join("results.md")).unwrap();
+    assert!(two.contains("4 cases;") && !two.contains("6 cases;"), "{two}");
     let o = report(&base.join("nothing-here"), "1");
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("needs the runs of an earlier eval"));
@@ -129,7 +135,27 @@ fn same_command_same_table_resume_and_plots() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("other settings"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("other settings") && err.contains("seed: was 1, now 99"), "{err}");
+    // Results of an earlier flowprefill, which did not record the model's content, are not
+    // resumed (two files of one name are two models), but a report still reads them.
+    let old = base.join("old");
+    std::fs::create_dir_all(&old).unwrap();
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(a.join("results.json")).unwrap()).unwrap();
+    assert!(v["config"]["model_digest"].as_str().is_some_and(|d| d.len() >= 16), "{}", v["config"]);
+    v["config"].as_object_mut().unwrap().remove("model_digest");
+    std::fs::write(old.join("results.json"), v.to_string()).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_flowprefill"))
+        .args(["eval", "--tasks", "niah_single,qa_twohop", "--lengths", "400", "--samples", "3"])
+        .args(["--methods", "full,none,infoflow,infoflow+reorder", "--ratios", "0.15,0.3", "--table-ratio", "0.15"])
+        .args(["--max-tokens", "24"])
+        .arg("--out")
+        .arg(&old)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("model_digest: was not recorded"), "{err}");
+    assert!(report(&old, "3").status.success(), "a report reads it");
     // So is an ablation (another scoring geometry) ...
     let ablation = |dir: &std::path::Path| {
         Command::new(env!("CARGO_BIN_EXE_flowprefill"))

@@ -114,6 +114,13 @@ impl Tokenizer {
         Ok(self.plain.encode(text, false).map_err(tok_err)?.get_ids().to_vec())
     }
 
+    /// The byte range of `text` each token of [`Tokenizer::encode_text`] covers (a byte-level
+    /// token's leading space included where the vocabulary joins it to the word).
+    pub fn encode_spans(&self, text: &str) -> Result<Vec<std::ops::Range<usize>>> {
+        let enc = self.plain.encode(text, false).map_err(tok_err)?;
+        Ok(enc.get_offsets().iter().map(|&(a, b)| a..b).collect())
+    }
+
     /// Encodes template text: special-token strings become their ids.
     pub fn encode_template(&self, text: &str) -> Result<Vec<u32>> {
         Ok(self.with_specials.encode(text, false).map_err(tok_err)?.get_ids().to_vec())

@@ -133,10 +133,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// [`answer_budget`]'s rule, as results.json's key records it.
+pub const ANSWER_BUDGETS: &str = "niah* 128, others 32";
+
 /// New tokens a task's answer may take: RULER's budgets (128 for the needle tasks, whose
 /// values may be UUIDs: 36 characters, over 32 tokens where digits are single tokens, as in
 /// Qwen2's tokenizer; 30 for variable tracking, 32 for QA), rounded up to 32.
 pub fn answer_budget(task: &str) -> usize {
+    // Change ANSWER_BUDGETS with this.
     if task.starts_with("niah") {
         128
     } else {

@@ -32,6 +32,24 @@ impl Scoring {
             ..opts
         }
     }
+
+    /// The settings that are not the defaults, named as results keys write them.
+    pub fn non_default(&self) -> Vec<(&'static str, serde_json::Value)> {
+        let mut out = Vec::new();
+        if self.geometry != Geometry::Global {
+            out.push(("geometry", serde_json::json!(self.geometry.name())));
+        }
+        if let Some((lo, hi)) = self.score_layers {
+            out.push(("score_layers", serde_json::json!([lo, hi])));
+        }
+        if let Some(w) = self.score_pool {
+            out.push(("score_pool", serde_json::json!(w)));
+        }
+        if let Some(p) = self.prefix {
+            out.push(("prefix", serde_json::json!(p.name())));
+        }
+        out
+    }
 }
 
 /// The axes of a plan, checked: tasks, lengths, ratios, depths, methods.
@@ -90,6 +108,9 @@ impl Axes {
 pub struct Key {
     /// The model's label.
     pub model: String,
+    /// The model's content (`GgufFile::content_digest`, or a synthetic model's name): two
+    /// files of one name are two models.
+    pub model_digest: String,
     /// Seed of the cases.
     pub seed: u64,
     /// Answer tokens at most, if not per task.
@@ -142,22 +163,23 @@ impl Plan {
         let mut config = serde_json::json!({
             "model": key.model,
             "seed": key.seed,
+            "model_digest": key.model_digest,
             "max_tokens": key.max_tokens,
             "depths": axes.depths,
             "ranks": key.ranks,
         });
+        if key.max_tokens.is_none() {
+            // The per-task budgets join the key: results made under other defaults (32 for the
+            // needle tasks before) are other runs.
+            config["answer_budgets"] = serde_json::json!(super::ANSWER_BUDGETS);
+        }
+        if !crate::tasks::seed_kept(key.seed) {
+            // Seeds from 16 up make other cases since seeds are mixed.
+            config["cases"] = serde_json::json!("mixed seeds");
+        }
         // Ablation settings join the key only when set, so results made with the defaults resume.
-        if scoring.geometry != Geometry::Global {
-            config["geometry"] = serde_json::json!(scoring.geometry.name());
-        }
-        if let Some((lo, hi)) = scoring.score_layers {
-            config["score_layers"] = serde_json::json!([lo, hi]);
-        }
-        if let Some(w) = scoring.score_pool {
-            config["score_pool"] = serde_json::json!(w);
-        }
-        if let Some(p) = scoring.prefix {
-            config["prefix"] = serde_json::json!(p.name());
+        for (k, v) in scoring.non_default() {
+            config[k] = v;
         }
         if key.prompts != PromptStyle::Plain {
             config["prompts"] = serde_json::json!(key.prompts.name());

@@ -36,14 +36,38 @@ fn earlier_runs(
         return Ok(Vec::new());
     }
     let prev = ResultsFile::read(path)?;
+    // A report reads what is there: settings this binary records and the file does not (made
+    // by an earlier flowprefill) do not stop it.
+    let differ = differences(&prev.config, config, report_only);
     ensure_usage!(
-        prev.config == *config,
+        differ.is_empty(),
         "{} was made with other settings ({}); pass another --out or delete it",
         path.display(),
-        prev.config
+        differ.join("; ")
     );
     log(&format!("resuming: {} runs already in {}", prev.records.len(), path.display()));
     Ok(prev.records)
+}
+
+/// The settings in which `before` (a results file's key) and `now` differ, each as `name: was
+/// X, now Y` (`report_only`: only settings both record).
+fn differences(before: &serde_json::Value, now: &serde_json::Value, report_only: bool) -> Vec<String> {
+    let none = serde_json::Map::new();
+    let (b, n) = (before.as_object().unwrap_or(&none), now.as_object().unwrap_or(&none));
+    let mut names: Vec<&String> = b.keys().chain(n.keys()).collect();
+    names.sort();
+    names.dedup();
+    names
+        .into_iter()
+        .filter_map(|k| match (b.get(k), n.get(k)) {
+            (Some(x), Some(y)) if x == y => None,
+            (None, Some(_)) | (Some(_), None) if report_only => None,
+            (x, y) => {
+                let said = |v: Option<&serde_json::Value>| v.map_or("not recorded".to_string(), |v| v.to_string());
+                Some(format!("{k}: was {}, now {}", said(x), said(y)))
+            }
+        })
+        .collect()
 }
 
 /// Says how many planned runs are done and how many are left (or left out, with --report-only).
@@ -108,6 +132,7 @@ pub fn compute(
     let primers = plan.primers();
     for (s, r) in plan.settings.iter().zip(runs.iter()) {
         check_adapter(&r.records, lm, &s.results_path())?;
+        check_budgets(&r.records, c.max_tokens, &s.results_path())?;
     }
     let several = plan.settings.len() > 1;
     let axes = &plan.axes;
@@ -156,21 +181,49 @@ pub fn compute(
 
 /// Writes results.md and the plots of `setting` from the runs of the tasks and lengths asked
 /// for (the tables at `table_ratio`); returns results.md's text.
-pub fn report(plan: &Plan, setting: &Setting, records: Vec<Record>, table_ratio: f64) -> Result<String> {
+pub fn report(
+    plan: &Plan,
+    setting: &Setting,
+    records: Vec<Record>,
+    samples: usize,
+    table_ratio: f64,
+) -> Result<String> {
     let settings: Vec<String> = ["geometry", "score_layers", "score_pool", "prefix", "evict", "kv_budget", "prompts"]
         .iter()
         .filter_map(|k| setting.config.get(*k).map(|v| format!("{k} {v}")))
         .collect();
     let out = &setting.out;
-    // Tables and plots cover the tasks and lengths asked for; results.json keeps every run (an
-    // earlier, wider run in the same folder would otherwise leak into the means).
+    // Tables and plots cover the tasks, lengths, samples and methods asked for; results.json
+    // keeps every run (an earlier, wider run in the same folder would otherwise leak into the
+    // means: one method's mean over 12 cases beside another's over 3).
     let a = &plan.axes;
-    let shown: Vec<Record> =
-        records.into_iter().filter(|r| a.tasks.contains(&r.task) && a.lengths.contains(&r.length)).collect();
+    let shown: Vec<Record> = records
+        .into_iter()
+        .filter(|r| a.tasks.contains(&r.task) && a.lengths.contains(&r.length) && r.sample < samples)
+        .filter(|r| a.methods.contains(&r.method))
+        .collect();
     let md = summarize(&shown, &a.tasks, &a.lengths, &a.methods, &a.ratios, table_ratio, &settings);
     write_atomic(&out.join("results.md"), md.as_bytes())?;
     plots(&shown, &a.tasks, &a.lengths, &a.methods, &a.ratios, &a.depths, table_ratio, out)?;
     Ok(md)
+}
+
+/// The runs already in the results must have decoded under the budgets this eval gives
+/// (a run of another budget is another run).
+fn check_budgets(records: &[Record], max_tokens: Option<usize>, path: &Path) -> Result<()> {
+    let budget = |task: &str| max_tokens.unwrap_or_else(|| answer_budget(task));
+    if let Some(r) = records.iter().find(|r| r.max_new_tokens != Some(budget(&r.task))) {
+        return Err(LabError::Usage(format!(
+            "{} holds a {} run that decoded under {} new tokens, but this eval gives {} {}; pass another --out, or \
+             the --max-tokens it was made with",
+            path.display(),
+            r.task,
+            r.max_new_tokens.map_or("an unrecorded number of".to_string(), |n| n.to_string()),
+            budget(&r.task),
+            if max_tokens.is_some() { "(--max-tokens)" } else { "(the task's default)" }
+        )));
+    }
+    Ok(())
 }
 
 /// The runs of a method with an adapter already in the results must come from the adapter in

@@ -215,15 +215,25 @@ impl QaCase {
     /// Rows of each needle (and of its answer span) in its document's chunk: `(doc, needle
     /// rows, answer rows)`. The chunk's tokens are those of the trimmed document (plus the
     /// separator), so prefix tokenization locates them.
+    ///
+    /// A row belongs to a span when its token covers any of the span's bytes: a token that
+    /// joins the space before the needle's first word to it (`ĠThe`) is the needle's, as in
+    /// the chunk itself. (Counting the tokens of the text before the span put a lone space
+    /// token there instead: every range one row late, and a one-token answer an empty range.)
     pub fn needle_rows(&self, tok: &Tokenizer) -> Vec<(usize, Range<usize>, Option<Range<usize>>)> {
         let mut out = Vec::new();
         for n in &self.needles {
             let Some(doc) = self.documents.get(n.doc).map(|d| d.trim()) else { continue };
             let Some(at) = doc.find(&n.text) else { continue };
-            let count = |end: usize| tok.encode_text(&doc[..end]).map_or(0, |v| v.len());
-            let rows = count(at)..count(at + n.text.len());
+            let Ok(spans) = tok.encode_spans(doc) else { continue };
+            let rows_of = |bytes: Range<usize>| {
+                let first = spans.iter().position(|s| s.end > bytes.start).unwrap_or(spans.len());
+                let end = spans.iter().rposition(|s| s.start < bytes.end).map_or(first, |i| (i + 1).max(first));
+                first..end
+            };
+            let rows = rows_of(at..at + n.text.len());
             let ans =
-                n.answer.as_ref().and_then(|a| n.text.find(a.as_str()).map(|o| count(at + o)..count(at + o + a.len())));
+                n.answer.as_ref().and_then(|a| n.text.find(a.as_str()).map(|o| rows_of(at + o..at + o + a.len())));
             out.push((n.doc, rows, ans));
         }
         out
@@ -357,7 +367,8 @@ pub fn niah_cases(tok: &Tokenizer, seed: u64, lengths: &[usize], depths: &[f64],
     for &len in lengths {
         for &depth in depths {
             for rep in 0..per_cell {
-                let case_seed = seed ^ ((len as u64) << 20) ^ (((depth * 1000.0) as u64) << 8) ^ rep as u64;
+                let case_seed =
+                    check_family(seed) ^ ((len as u64) << 20) ^ (((depth * 1000.0) as u64) << 8) ^ rep as u64;
                 let mut c = ruler::niah_single(tok, case_seed, len, depth, ruler::NeedleKind::Number);
                 c.id = format!("niah-{len}-d{depth:.2}-{rep}");
                 cases.push(c);
@@ -365,6 +376,37 @@ pub fn niah_cases(tok: &Tokenizer, seed: u64, lengths: &[usize], depths: &[f64],
         }
     }
     cases
+}
+
+/// `check`'s default `--seed`: its cases are what they were before seeds were mixed.
+pub const CHECK_SEED: u64 = 7;
+
+/// splitmix64's finalizer: a bijection of the 64-bit numbers that maps 0 to 0.
+fn fmix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The part of an `eval` case's seed that comes from `--seed`, XORed with the sample (bits 4
+/// and up), the length (bits 24 and up) and the task. Seeds 0 to 15 are themselves (their
+/// cases are those made before this mixing, and no two share a case: they differ in bits
+/// 0-3, which nothing else touches); the higher bits are mixed, so that two seeds no longer
+/// give the same cases one sample apart (`--seed 16` sample 0 was `--seed 0` sample 1).
+pub(crate) fn seed_family(seed: u64) -> u64 {
+    (seed & 0xf) ^ fmix64(seed >> 4)
+}
+
+/// The same for `check`, whose repetitions take the low bits: [`CHECK_SEED`] is itself,
+/// every other seed mixed (`--seed 6` repetition 1 was `--seed 7` repetition 0).
+fn check_family(seed: u64) -> u64 {
+    CHECK_SEED ^ fmix64(seed ^ CHECK_SEED)
+}
+
+/// Whether `eval --seed seed` makes the cases it made before seeds were mixed (results made
+/// with other seeds are of other cases).
+pub fn seed_kept(seed: u64) -> bool {
+    seed < 16
 }
 
 /// A seeded RNG for one case.
@@ -390,6 +432,23 @@ pub fn generate(task: &str, tok: &Tokenizer, seed: u64, len: usize, sample: usiz
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn seeds_below_16_keep_their_cases_and_no_two_seeds_share_one() {
+        for s in 0..16 {
+            assert_eq!(seed_family(s), s);
+        }
+        assert_eq!(check_family(CHECK_SEED), CHECK_SEED);
+        // Each (seed, sample) of eval, and each (seed, repetition) of check, its own case seed.
+        let mut eval = std::collections::HashSet::new();
+        let mut check = std::collections::HashSet::new();
+        for seed in 0..200u64 {
+            for i in 0..64u64 {
+                assert!(eval.insert(seed_family(seed) ^ (i << 4)), "eval --seed {seed} sample {i}");
+                assert!(check.insert(check_family(seed) ^ i), "check --seed {seed} repetition {i}");
+            }
+        }
+    }
 
     #[test]
     fn scoring_rules() {

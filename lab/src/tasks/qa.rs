@@ -81,7 +81,8 @@ pub fn generate(task: &str, tok: &Tokenizer, seed: u64, len: usize, sample: usiz
         "qa_twohop" => true,
         _ => return None,
     };
-    let s = seed ^ ((len as u64) << 24) ^ ((sample as u64) << 4) ^ if two_hop { 0x2a } else { 0x15 };
+    let s =
+        super::seed_family(seed) ^ ((len as u64) << 24) ^ ((sample as u64) << 4) ^ if two_hop { 0x2a } else { 0x15 };
     let mut rng = case_rng(s);
     let (mut used_first, mut used_last, mut used_city, mut used_co) = (vec![], vec![], vec![], vec![]);
     let companies: Vec<(&str, &str)> =

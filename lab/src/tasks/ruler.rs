@@ -46,11 +46,14 @@ const KEYS: &[&str] = &[
     "the hollow oak",
     "the salt road",
 ];
-const WORDS: &[&str] = &[
+/// The answer words of the needle tasks.
+pub const WORDS: &[&str] = &[
     "marigold",
     "thunderbolt",
     "pinecone",
-    "lighthouse",
+    // Never a word of the haystack's prose (it had "lighthouse", which `the lighthouse` in
+    // the corpus's places answered for a method that lost the needle).
+    "pomegranate",
     "cinnamon",
     "velvet",
     "harpsichord",
@@ -243,7 +246,7 @@ pub fn variable_tracking(tok: &Tokenizer, seed: u64, len: usize, depth: f64) -> 
 /// Case `sample` of `task` at `len` tokens; depths cycle through `depths`.
 pub fn generate(task: &str, tok: &Tokenizer, seed: u64, len: usize, sample: usize, depths: &[f64]) -> Option<QaCase> {
     let depth = depths[sample % depths.len().max(1)];
-    let s = seed
+    let s = super::seed_family(seed)
         ^ ((len as u64) << 24)
         ^ ((sample as u64) << 4)
         ^ task.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));

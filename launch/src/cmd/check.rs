@@ -21,7 +21,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0.15)]
     pub ratio: f64,
     /// Seed of the cases.
-    #[arg(long, default_value_t = 7)]
+    #[arg(long, default_value_t = flowprefill_lab::tasks::CHECK_SEED)]
     pub seed: u64,
     /// Keep chunk caches across methods (faster; TTFT then excludes chunk prefill).
     #[arg(long)]
@@ -52,6 +52,13 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     // Parsed once, before the model loads, so a bad flag fails fast.
     let scoring = args.scoring.parse()?;
     let evict = args.evict.parse()?;
+    flowprefill_coordinator::request::check_ratio(args.ratio).map_err(|e| crate::exit::usage(e.to_string()))?;
+    let mut settings = scoring.non_default();
+    if let Some(e) = evict {
+        settings.push(("evict", serde_json::json!(e.policy.to_string())));
+        settings.push(("kv_budget", serde_json::json!(e.budget)));
+    }
+    let model = super::model_label(common)?;
     let mut table = super::demo::table(args.methods.as_deref())?;
     let engine = super::run::cold_engine(common, "check")?;
     if args.methods.is_none() {
@@ -82,7 +89,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     })?;
     let (lengths, depths) = (&lengths, &depths);
     let (ratio, per_cell, seed, warm, json) = (args.ratio, args.per_cell, args.seed, args.warm, args.json);
-    let report = Report { ratio, lengths, depths, per_cell, seed, warm, json };
+    let report = Report { ratio, lengths, depths, per_cell, seed, warm, json, model: &model, settings };
     print!("{}", check::report(&report, &rows, cases.len())?);
     Ok(())
 }

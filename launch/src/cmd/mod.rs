@@ -101,6 +101,17 @@ pub fn model_label(common: &Common) -> Result<String> {
     })
 }
 
+/// What the model is, for keys of saved results: the GGUF's content digest (metadata, tensor
+/// table and the ends of every tensor), or a synthetic model's name.
+pub fn model_digest(common: &Common) -> Result<String> {
+    Ok(match model_source(common)? {
+        ModelSource::File(p) => flowprefill_worker::gguf::GgufFile::open(&p)
+            .and_then(|f| f.content_digest())
+            .with_context(|| format!("reading {}", p.display()))?,
+        ModelSource::Synthetic(s) => s.name(),
+    })
+}
+
 /// Loads `source` on `dev`, with the KV Packet adapter of `--adapter` and the LookaheadKV
 /// adapter of `--lookahead-adapter` when given (else the ones shipped for the model, if any).
 fn load_on(source: &ModelSource, dev: Device, common: &Common) -> Result<LoadedModel<Device>> {

@@ -115,3 +115,43 @@ fn many_long_documents_tokenize_in_order() {
         assert_eq!(ids, &alone.expect("tokens"));
     }
 }
+
+/// A needle's rows are the tokens of its chunk that cover its text: the first one carries the
+/// space before it (`ĠThe`), and an answer of one token has one row. (Counting the tokens of
+/// the text before the needle put every range one row late and a one-token answer at none.)
+#[test]
+fn needle_rows_are_the_tokens_that_carry_the_needle_and_its_answer() {
+    let t = &default_model().tokenizer;
+    let mut one_token_answers = 0;
+    for task in ["niah_single", "niah_multikey", "qa_onehop"] {
+        for sample in 0..6 {
+            let case = flowprefill_lab::tasks::generate(task, t, 1, 400, sample, &[0.1, 0.5, 0.9]).expect("a task");
+            let found = case.needle_rows(t);
+            assert_eq!(found.len(), case.needles.len(), "{task} {sample}: every needle is found");
+            for (i, ((doc, rows, answer), n)) in found.into_iter().zip(&case.needles).enumerate() {
+                let ids = t.encode_text(case.documents[doc].trim()).unwrap();
+                let text = t.decode(&ids[rows.clone()]).unwrap();
+                assert_eq!(text.trim(), n.text.trim(), "{task} sample {sample} needle {i}: rows {rows:?}");
+                let Some(a) = answer else { continue };
+                let said = t.decode(&ids[a.clone()]).unwrap();
+                let want = n.answer.as_deref().expect("an answer span has an answer");
+                assert!(
+                    !a.is_empty() && said.trim().trim_matches('"').contains(want.trim_matches('"')),
+                    "{task} {sample}: {said:?} for {want:?}"
+                );
+                one_token_answers += usize::from(a.len() == 1);
+            }
+        }
+    }
+    assert!(one_token_answers > 0, "the cases include one-token answers (the words)");
+}
+
+/// No answer word of the needle tasks appears in the haystack's prose (an answer copied from
+/// the prose would score without the needle).
+#[test]
+fn answer_words_never_appear_in_the_haystack() {
+    let prose = flowprefill_lab::corpus::prose(3, 400_000).to_lowercase();
+    for w in flowprefill_lab::tasks::ruler::WORDS {
+        assert!(!prose.contains(w), "{w} is in the corpus's prose");
+    }
+}
