@@ -17,10 +17,12 @@
 //! pre-RoPE K and V at the KV type), K/V of the caches at the KV type, attention partials
 //! (output and log-sum-exp per query row), logits, and the backend's own scratch
 //! ([`Backend::scratch_bytes`]). `tests/tests/suite/memory_plan.rs` runs the engine on a backend that
-//! counts every byte it hands out and demands the plan's peak within 5% of the counted one (`PLAN_TOL`).
+//! counts every byte it hands out and demands the plan's peak within 5% of the counted one (`PLAN_TOL`;
+//! up to 10% above it on several ranks, where the selection is bounded: `PLAN_BOUND_TOL`).
 //!
-//! What the plan cannot know it bounds: which tokens a query selects (spread evenly over the
-//! context, each rank's share at most one recompute batch), and whether a chunk is already in
+//! What the plan cannot know it bounds: which tokens a query selects (a rank's share of a
+//! recompute batch as if every selected token were its own, up to its tokens and the batch;
+//! the sparse scope's kept rows as the whole selection), and whether a chunk is already in
 //! the store (counted as new; the store's bytes count as reclaimable at admission). CacheClip's
 //! auxiliary model, when it is another model, is not counted. Chunks are planned where the
 //! positional split puts them; cache-aware placement may give a rank up to `cache_slack` more
@@ -452,9 +454,9 @@ impl<'a> Share<'a> {
     /// The method's `probe` (its depth, CacheBlend's deviation) of `m` query rows.
     fn probe(&self, opts: &RunOptions, plan: &Pipeline, probe: Probe, m: usize) -> Phase {
         let (s, local_tokens) = (self.s, self.local_tokens);
-        let parts = if probe == Probe::Deviation && !opts.reorder {
-            // Every local token through the first layers, the segments copied per layer, the
-            // queries of every rank visiting them (exact scope).
+        // CacheBlend's value deviation: every local token through the first layers, the
+        // segments copied per layer, the queries of every rank visiting them (exact scope).
+        let deviation = || {
             let copies = (local_tokens + if self.lead { self.t.head } else { 0 }) * s.kv_row();
             let exact = self.t.context() * (4 * s.qd + 3 * s.partial_row()) + local_tokens * s.partial_row();
             vec![
@@ -462,19 +464,38 @@ impl<'a> Share<'a> {
                 ("gathered keys", self.gathered(Scope::Exact, 0)),
                 ("scratch", (self.scratch)(local_tokens)),
             ]
-        } else {
+        };
+        // The query's attention to the segments, weighted over the scoring layers (the method's
+        // probe, or the reorder's first stage).
+        let attention = || {
             let weighted = match probe {
                 Probe::Attention { depth: Depth::AllLayers, .. } => s.layers,
                 Probe::Attention { depth: Depth::AuxLastLayer, .. } => 1,
                 _ => plan.score_layers.1.saturating_sub(plan.score_layers.0) + 1,
             };
-            // Pre-RoPE segments are rotated per layer in the other geometries.
-            let rotated = if opts.geometry == Geometry::Global { 0 } else { local_tokens * s.kvd * s.kv };
+            // Pre-RoPE segments are rotated per layer in the other geometries, and by the
+            // reorder's first stage (it probes under HL-TP) in every one.
+            let rotated =
+                if opts.geometry == Geometry::Global && !opts.reorder { 0 } else { local_tokens * s.kvd * s.kv };
             vec![
                 ("activations", self.replicated(m) + rotated + weighted * local_tokens * 4),
                 ("prompt tail", s.kv_token() * m),
                 ("scratch", (self.scratch)(m)),
             ]
+        };
+        let total = |parts: &[(&'static str, usize)]| parts.iter().map(|p| p.1).sum::<usize>();
+        // With `+reorder` CacheBlend runs both, one after the other: the larger is the peak.
+        let parts = match (probe == Probe::Deviation, opts.reorder) {
+            (true, false) => deviation(),
+            (true, true) => {
+                let (d, a) = (deviation(), attention());
+                if total(&d) >= total(&a) {
+                    d
+                } else {
+                    a
+                }
+            }
+            (false, _) => attention(),
         };
         self.phase(phase::PROBE, parts)
     }
@@ -483,20 +504,17 @@ impl<'a> Share<'a> {
     fn recompute(&self, opts: &RunOptions, plan: &Pipeline) -> Phase {
         let s = self.s;
         let (k, batch) = (plan.recomputed(), plan.recompute_batch);
-        // This rank's share of the whole selection, and of one batch.
-        let mine_all = (k * self.local_tokens).div_ceil(self.t.context().max(1));
-        let (mine, total) = (mine_all.min(batch), k.min(batch));
+        // This rank's share of one batch: a bound, not the even share (the query's attention
+        // concentrates on the documents it is about, so one rank may hold the whole selection:
+        // [2, 11, 6] of an even [7, 7, 7] measured at ratio 0.1 on 3 ranks).
+        let (mine, total) = (k.min(self.local_tokens).min(batch), k.min(batch));
         let attend = match opts.scope {
             Scope::Exact => total * (4 * s.qd + 3 * s.partial_row()) + mine * s.partial_row(),
             Scope::Sparse => total.saturating_sub(mine) * s.kv_row() + mine * (s.lse_row() + s.partial_row()),
         };
         // The sparse scope keeps the other ranks' rows of earlier batches, every layer's, for
-        // the later batches (none with one batch or one rank).
-        let kept = if opts.scope == Scope::Sparse && k > batch && self.ranks > 1 {
-            k.saturating_sub(mine_all) * s.kv_token()
-        } else {
-            0
-        };
+        // the later batches (none with one batch or one rank): at most the whole selection.
+        let kept = if opts.scope == Scope::Sparse && k > batch && self.ranks > 1 { k * s.kv_token() } else { 0 };
         self.phase(
             phase::RECOMPUTE,
             vec![

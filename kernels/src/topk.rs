@@ -26,14 +26,30 @@ pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
     out
 }
 
-/// `round(ratio * n)` clamped to `[0, n]`: the number of tokens a ratio selects.
+/// `round(ratio * n)` clamped to `[0, n]`: the number of tokens a ratio selects; at least one
+/// for a ratio above 0 (a small ratio of a short context no longer runs as `none` in silence).
 pub fn count_for_ratio(ratio: f64, n: usize) -> usize {
-    ((ratio * n as f64).round().max(0.0) as usize).min(n)
+    let k = ((ratio * n as f64).round().max(0.0) as usize).min(n);
+    if ratio > 0.0 && n > 0 {
+        k.max(1)
+    } else {
+        k
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ratio_above_0_selects_at_least_one_token() {
+        assert_eq!(count_for_ratio(0.002, 200), 1, "0.4 rounds to 0");
+        assert_eq!(count_for_ratio(0.15, 200), 30);
+        assert_eq!(count_for_ratio(0.0, 200), 0);
+        assert_eq!(count_for_ratio(-0.0, 200), 0);
+        assert_eq!(count_for_ratio(0.5, 0), 0);
+        assert_eq!(count_for_ratio(1.0, 7), 7);
+    }
 
     #[test]
     fn picks_highest_with_index_tiebreak() {

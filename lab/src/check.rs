@@ -109,8 +109,11 @@ pub fn run(
             if !how.warm {
                 engine.store().clear();
             }
-            let opts =
-                how.scoring.apply(RunOptions { max_new_tokens: 32, evict: how.evict, ..spec.options(how.ratio) });
+            let opts = how.scoring.apply_where_used(RunOptions {
+                max_new_tokens: 32,
+                evict: how.evict,
+                ..spec.options(how.ratio)
+            });
             if how.warm {
                 // Warm means this method's own chunk caches are in the store before the timed
                 // run (each prefix mode has its own): one untimed run makes them. Without it

@@ -18,6 +18,17 @@ struct Refusal {
     api_message: String,
 }
 
+impl Refusal {
+    fn of(e: &CoordError) -> Self {
+        Self { class: e.class(), message: e.to_string(), api_message: e.api_message() }
+    }
+
+    /// Rank `rank`'s refusal as this rank's error.
+    fn into_error(self, rank: usize) -> CoordError {
+        CoordError::Remote { rank, class: self.class, message: self.message, api_message: self.api_message }
+    }
+}
+
 /// What a rank tells the others when a job arrives: its verdict, and how well its chunk store
 /// holds each chunk (for cache-aware sharding; empty when the job does not place by it).
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -73,11 +84,7 @@ impl<B: Backend> Engine<B> {
         let opts = &job.options;
         let aware = ranks > 1 && opts.cache_slack > 0.0 && !opts.method.is_exact_prefill();
         let arrival = Arrival {
-            refusal: mine.as_ref().err().map(|e| Refusal {
-                class: e.class(),
-                message: e.to_string(),
-                api_message: e.api_message(),
-            }),
+            refusal: mine.as_ref().err().map(Refusal::of),
             held: match (&mine, aware) {
                 (Ok(a), true) => self.held_levels(&a.layout, opts.prefix_mode()),
                 _ => Vec::new(),
@@ -88,12 +95,7 @@ impl<B: Backend> Engine<B> {
         let mut held = Vec::with_capacity(all.len());
         for (r, a) in all.into_iter().enumerate() {
             if let Some(v) = a.refusal {
-                return Err(CoordError::Remote {
-                    rank: r,
-                    class: v.class,
-                    message: v.message,
-                    api_message: v.api_message,
-                });
+                return Err(v.into_error(r));
             }
             held.push(a.held);
         }
@@ -101,5 +103,18 @@ impl<B: Backend> Engine<B> {
             held.clear();
         }
         Ok((admitted.layout, held))
+    }
+
+    /// Every rank's memory plan for the options `auto` chose (admission planned `auto` itself,
+    /// as a chunked method: `full` holds the whole context on rank 0): a refusal on any rank
+    /// fails the job on every rank, before any work.
+    pub(super) fn agree_memory(&self, comm: &mut dyn Communicator, opts: &RunOptions, layout: &Layout) -> Result<()> {
+        let mine = self.make_room(opts, layout, comm.rank(), comm.size());
+        let all: Vec<Option<Refusal>> = all_gather_value(comm, "auto.admit", &mine.as_ref().err().map(Refusal::of))?;
+        mine?;
+        match all.into_iter().enumerate().find_map(|(r, v)| v.map(|v| (r, v))) {
+            Some((r, v)) => Err(v.into_error(r)),
+            None => Ok(()),
+        }
     }
 }

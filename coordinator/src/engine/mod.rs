@@ -611,6 +611,9 @@ impl<B: Backend> Engine<B> {
         watch.check("admission")?;
         // `auto`: rank 0 chooses the method from what every rank holds; every rank runs it.
         let resolved = self.resolve_auto(comm, job, &layout, &held)?;
+        if let Some((chosen, _)) = &resolved {
+            self.agree_memory(comm, &chosen.options, &layout)?;
+        }
         let (job, choice) = match resolved {
             Some((j, c)) => (std::borrow::Cow::Owned(j), Some(c)),
             None => (std::borrow::Cow::Borrowed(job), None),

@@ -129,7 +129,8 @@ impl Method {
                 adapter: Some(Adapter::Lookahead),
                 ..row("lookahead")
             },
-            Method::Auto => Info { build: Build::Chosen, demo: &[], ..row("auto") },
+            // Its candidates do not reorder: `auto+reorder` is refused, not run without it.
+            Method::Auto => Info { build: Build::Chosen, demo: &[], reorders: false, ..row("auto") },
         }
     }
 

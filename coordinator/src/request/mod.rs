@@ -244,7 +244,30 @@ impl Default for RunOptions {
     }
 }
 
+/// Which scoring knobs a job's method reads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScoringKnobs {
+    /// `geometry`: the methods that score by the query's attention (InfoFlow, LookaheadKV,
+    /// ProphetKV).
+    pub geometry: bool,
+    /// `score_layers`: InfoFlow, LookaheadKV, and the reorder of any method.
+    pub score_layers: bool,
+    /// `score_pool`: InfoFlow and LookaheadKV.
+    pub score_pool: bool,
+}
+
 impl RunOptions {
+    /// The scoring knobs this job's method reads (`auto`: all, for its candidates).
+    pub fn scoring_knobs(&self) -> ScoringKnobs {
+        let m = self.method;
+        let attention = matches!(m, Method::Infoflow | Method::Lookahead | Method::Auto);
+        ScoringKnobs {
+            geometry: attention || m == Method::Prophet,
+            score_layers: attention || self.reorder,
+            score_pool: attention,
+        }
+    }
+
     /// The prefix mode in effect.
     pub fn prefix_mode(&self) -> PrefixMode {
         self.prefix.unwrap_or(self.method.default_prefix())
@@ -392,6 +415,27 @@ fn check_knobs(opts: &RunOptions) -> Result<()> {
     }
     if let Some(w) = opts.score_pool {
         check_score_pool(w)?;
+    }
+    // A knob the method does not read is refused, not dropped without a word.
+    let used = opts.scoring_knobs();
+    let m = opts.method;
+    if opts.geometry != Geometry::Global && !used.geometry {
+        return Err(bad(
+            Field::Geometry,
+            format!("does not apply to method {m} (infoflow, lookahead and prophet score by attention); leave it out"),
+        ));
+    }
+    if opts.score_layers.is_some() && !used.score_layers {
+        return Err(bad(
+            Field::ScoreLayers,
+            format!("does not apply to method {m} (infoflow, lookahead and +reorder read it); leave it out"),
+        ));
+    }
+    if opts.score_pool.is_some() && !used.score_pool {
+        return Err(bad(
+            Field::ScorePool,
+            format!("does not apply to method {m} (infoflow and lookahead read it); leave it out"),
+        ));
     }
     if let Some(e) = opts.evict {
         check_kv_budget(e.budget)?;

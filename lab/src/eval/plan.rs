@@ -33,6 +33,16 @@ impl Scoring {
         }
     }
 
+    /// These settings in `opts` where its method reads them (a sweep over methods: the others
+    /// run as they are).
+    pub fn apply_where_used(&self, opts: RunOptions) -> RunOptions {
+        let used = opts.scoring_knobs();
+        let geometry = if used.geometry { self.geometry } else { opts.geometry };
+        let score_layers = if used.score_layers { self.score_layers } else { opts.score_layers };
+        let score_pool = if used.score_pool { self.score_pool } else { opts.score_pool };
+        RunOptions { geometry, score_layers, score_pool, prefix: self.prefix, ..opts }
+    }
+
     /// The settings that are not the defaults, named as results keys write them.
     pub fn non_default(&self) -> Vec<(&'static str, serde_json::Value)> {
         let mut out = Vec::new();

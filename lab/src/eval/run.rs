@@ -156,7 +156,7 @@ pub fn compute(
                                 prime(world, &req, &primers)?;
                                 primed = true;
                             }
-                            let opts = plan.scoring.apply(RunOptions {
+                            let opts = plan.scoring.apply_where_used(RunOptions {
                                 max_new_tokens: c.max_tokens.unwrap_or_else(|| answer_budget(task)),
                                 evict: s.evict,
                                 verify: c.verify,

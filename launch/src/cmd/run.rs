@@ -246,10 +246,11 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         return Ok(()); // a follower rank under mpirun: rank 0 prints
     };
     let note = engine_model.synthetic.map(|s| s.notice());
-    // What admission planned for this job on each rank (coordinator/src/memory.rs): tokenized
+    // What admission planned for this job on each rank (coordinator/src/memory.rs; for `auto`,
+    // the method it chose): tokenized
     // again only when something prints it.
     let layout = if args.json || args.stats || args.explain { Some(Layout::build(&engine_model, &req)?) } else { None };
-    let planned = layout.as_ref().map_or_else(Vec::new, |l| memory::plan_for(&engine_model, &job.options, r.ranks, l));
+    let planned = layout.as_ref().map_or_else(Vec::new, |l| memory::plan_for(&engine_model, &r.opts, r.ranks, l));
     if args.json {
         let mut v = to_json(&r);
         if let Some(n) = &note {

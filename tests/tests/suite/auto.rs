@@ -97,3 +97,59 @@ fn on_two_ranks_the_chunks_every_rank_holds_count() {
         r.cache_misses
     );
 }
+
+/// A chooser that always runs full prefill (what `auto` chooses for one chunk or a cold store).
+struct AlwaysFull;
+
+impl Chooser for AlwaysFull {
+    fn choose(
+        &self,
+        s: &flowprefill_coordinator::auto::Situation<'_>,
+    ) -> Result<(flowprefill_coordinator::auto::Choice, RunOptions), String> {
+        let full = flowprefill_coordinator::auto::Candidate {
+            label: "full".into(),
+            ttft_ms: 1.0,
+            expected_kl: 0.0,
+            quality_from: "exact".into(),
+            meets: true,
+        };
+        let choice =
+            flowprefill_coordinator::auto::Choice { floor: 0.1, candidates: vec![full], winner: 0, why: "test".into() };
+        Ok((choice, RunOptions { method: Method::Full, ratio: 1.0, ..s.opts.clone() }))
+    }
+}
+
+/// Admission plans `auto` as a chunked method (the context spread over the ranks); once it has
+/// chosen full prefill (the whole context's K/V on rank 0), every rank checks that plan too: a
+/// memory limit on each rank's device between the two refuses the job before any work (it ran
+/// past the limit).
+#[test]
+fn what_auto_chose_is_checked_against_the_memory_limit() {
+    use flowprefill_coordinator::layout::Layout;
+    use flowprefill_coordinator::memory::plan_for;
+    use flowprefill_coordinator::{Job, ThreadRanks};
+    let lm = shared_model();
+    let req = request(small_docs());
+    let layout = Layout::build(&lm, &req).expect("layout");
+    // Each rank its own device (as under mpirun): rank 0's plan is what its device must hold.
+    let rank0 = |o: &RunOptions| plan_for(&lm, o, 3, &layout)[0].bytes();
+    let full = RunOptions { method: Method::Full, ratio: 1.0, ..auto(None) };
+    let (planned_auto, planned_full) = (rank0(&auto(None)), rank0(&full));
+    assert!(planned_full > planned_auto, "full {planned_full} against auto's {planned_auto}");
+    let limit = (planned_auto + planned_full) / 2;
+    let c: Arc<dyn Chooser> = Arc::new(AlwaysFull);
+    let ranks = || ThreadRanks::per_rank(vec![lm.clone(); 3], 0, std::time::Duration::from_secs(60));
+    let mut world =
+        ranks().and_then(|w| w.with_memory_limit(Some(limit))).and_then(|w| w.with_chooser(Some(c))).expect("ranks");
+    let e = world.run(&Job { request: req.clone(), options: auto(None) }, &mut |_| true).expect_err("refused");
+    assert_eq!(e.class(), flowprefill_worker::ErrorClass::TooLarge, "{e}");
+    // Full prefill named outright is refused the same way, and auto under a limit it fits runs.
+    let e = world.run(&Job { request: req.clone(), options: full }, &mut |_| true).expect_err("refused");
+    assert_eq!(e.class(), flowprefill_worker::ErrorClass::TooLarge, "{e}");
+    let mut roomy = ranks()
+        .and_then(|w| w.with_memory_limit(Some(planned_full * 2)))
+        .and_then(|w| w.with_chooser(Some(Arc::new(AlwaysFull) as Arc<dyn Chooser>)))
+        .expect("ranks");
+    let r = roomy.run(&Job { request: req, options: auto(None) }, &mut |_| true).expect("fits");
+    assert_eq!(r.method, Method::Full);
+}

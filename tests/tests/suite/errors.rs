@@ -163,6 +163,22 @@ fn admission_checks_the_cost_bounds_and_the_model() {
         let pool = RunOptions { score_pool: Some(w), ..RunOptions::default() };
         assert!(refused(job(1, pool)).contains(&format!("field `score_pool`: {w}: the window must be odd")));
     }
+    // A scoring knob the method does not read is refused, not dropped without a word.
+    use flowprefill_coordinator::{Geometry, Method};
+    let knob = |method, o: RunOptions| refused(job(1, RunOptions { method, ..o }));
+    let pool = RunOptions { score_pool: Some(3), ..RunOptions::default() };
+    assert!(knob(Method::Epic, pool.clone()).contains("field `score_pool`: does not apply to method epic"));
+    let layers = RunOptions { score_layers: Some((3, 4)), ..RunOptions::default() };
+    assert!(knob(Method::Prophet, layers.clone()).contains("field `score_layers`: does not apply to method prophet"));
+    let tl_tp = RunOptions { geometry: Geometry::TlTp, ..RunOptions::default() };
+    assert!(knob(Method::Cacheblend, tl_tp.clone()).contains("field `geometry`: does not apply to method cacheblend"));
+    // ... and accepted where it is read.
+    let lm_ok = |method, o: RunOptions| admit(lm, &job(1, RunOptions { method, ..o }), &limits).is_ok();
+    assert!(lm_ok(Method::Infoflow, pool) && lm_ok(Method::Prophet, tl_tp));
+    assert!(lm_ok(Method::Prophet, RunOptions { reorder: true, ..layers }), "the reorder reads the scoring layers");
+    // `auto` does not reorder its candidates: `auto+reorder` is refused.
+    let auto_reorder = RunOptions { method: Method::Auto, reorder: true, ..RunOptions::default() };
+    assert!(refused(job(1, auto_reorder)).contains("does not apply to method auto"));
     let evict =
         Some(flowprefill_coordinator::Evict { policy: flowprefill_coordinator::EvictPolicy::Snapkv, budget: 0 });
     let none_kept = RunOptions { evict, ..RunOptions::default() };
