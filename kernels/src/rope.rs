@@ -44,7 +44,7 @@ impl RopeTable {
         freq_factors: Option<&[f32]>,
         table_len: usize,
     ) -> Result<Self> {
-        if rot_dim > head_dim || rot_dim % 2 != 0 {
+        if rot_dim > head_dim || !rot_dim.is_multiple_of(2) {
             return Err(KernelError::Shape {
                 op: "RopeTable::new",
                 detail: format!("rotary dimension {rot_dim} must be even and at most head_dim {head_dim}"),

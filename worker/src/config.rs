@@ -158,13 +158,13 @@ impl ModelConfig {
         if self.n_layers == 0 || self.d_model == 0 || self.ffn_dim == 0 || self.head_dim == 0 {
             return Err(err("block_count", "layer count, hidden size, FFN size and head size must be positive".into()));
         }
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(err(
                 "attention.head_count_kv",
                 format!("{} query heads are not a multiple of {} KV heads", self.n_heads, self.n_kv_heads),
             ));
         }
-        if self.rope_dim > self.head_dim || self.rope_dim % 2 != 0 {
+        if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
             return Err(err(
                 "rope.dimension_count",
                 format!("{} must be even and at most the head size {}", self.rope_dim, self.head_dim),

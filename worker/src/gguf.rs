@@ -90,7 +90,7 @@ impl RawTensor {
             return Err(self.bad(path, format!("{} values for a tensor of {n}", out.len())));
         }
         let (bs, ts) = (self.dtype.block_size(), self.dtype.type_size());
-        if n % bs != 0 || self.bytes.len() != n / bs * ts {
+        if !n.is_multiple_of(bs) || self.bytes.len() != n / bs * ts {
             return Err(
                 self.bad(path, format!("{} bytes do not hold {n} values of {:?}", self.bytes.len(), self.dtype))
             );

@@ -40,7 +40,7 @@ pub struct AttnShape {
 impl AttnShape {
     /// Checks the head layout and sets the default scale.
     pub fn new(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Result<Self> {
-        if n_kv_heads == 0 || n_heads == 0 || n_heads % n_kv_heads != 0 {
+        if n_kv_heads == 0 || n_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
             return Err(KernelError::HeadLayout { op: "AttnShape::new", n_heads, n_kv_heads });
         }
         if head_dim == 0 {
@@ -98,7 +98,7 @@ pub(crate) fn check_shapes(
     out_len: usize,
     lse_len: usize,
 ) -> Result<()> {
-    if shape.n_kv_heads == 0 || shape.n_heads % shape.n_kv_heads != 0 {
+    if shape.n_kv_heads == 0 || !shape.n_heads.is_multiple_of(shape.n_kv_heads) {
         return Err(KernelError::HeadLayout { op, n_heads: shape.n_heads, n_kv_heads: shape.n_kv_heads });
     }
     let m = qpos.len();

@@ -27,7 +27,7 @@ fn check(
     scores: &[f32],
 ) -> Result<()> {
     let (k, kpos) = (kv.k, kv.pos);
-    if shape.n_kv_heads == 0 || shape.n_heads % shape.n_kv_heads != 0 {
+    if shape.n_kv_heads == 0 || !shape.n_heads.is_multiple_of(shape.n_kv_heads) {
         return Err(KernelError::HeadLayout { op, n_heads: shape.n_heads, n_kv_heads: shape.n_kv_heads });
     }
     check_len(op, "q", q.len(), qpos.len() * shape.q_dim())?;
