@@ -51,7 +51,17 @@ pub use wire::{decode, encode, Packet, Unpack};
 /// Default deadline of a wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// What can go wrong talking to other ranks.
+/// The deadline `timeout` from now; `None` (no deadline) where it is past what an `Instant`
+/// holds (a `--comm-timeout` of 1e19 seconds: `now + timeout` would panic).
+pub(crate) fn deadline_after(timeout: Duration) -> Option<std::time::Instant> {
+    std::time::Instant::now().checked_add(timeout)
+}
+
+/// Time left until `deadline` (zero once past; `Duration::MAX`, i.e. a blocking wait, without one).
+pub(crate) fn time_left(deadline: Option<std::time::Instant>) -> Duration {
+    deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(std::time::Instant::now()))
+}
+
 /// This process's rank as an MPI launcher tells it in the environment, before MPI starts
 /// (OpenMPI, PMI, PMIx); `None` when no launcher says (then it is rank 0 of a world of 1).
 pub fn launcher_rank() -> Option<usize> {
@@ -63,6 +73,7 @@ pub fn launcher_size() -> usize {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"].iter().find_map(|v| std::env::var(v).ok()?.trim().parse().ok()).unwrap_or(1)
 }
 
+/// What can go wrong talking to other ranks.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     /// A peer disappeared (its thread ended or its process died).
@@ -96,10 +107,11 @@ pub enum CommError {
     /// The API was used out of order (e.g. wait before post).
     #[error("communicator misuse: {0}")]
     Misuse(String),
-    /// A message could not be decoded.
-    #[error("message from rank {rank} during `{op}`: {detail}")]
+    /// A message could not be decoded (or, with `rank` = `usize::MAX`, this rank's own could
+    /// not be encoded).
+    #[error("{}: {detail}", message_of(*rank, op))]
     Decode {
-        /// The sender.
+        /// The sender (`usize::MAX`: this rank, encoding).
         rank: usize,
         /// The collective.
         op: String,
@@ -117,6 +129,22 @@ pub enum CommError {
     /// The MPI layer failed.
     #[error("MPI: {0}")]
     Mpi(String),
+    /// A message too large for the transport: a numeric section holds at most `u32::MAX`
+    /// values (its length prefix), an MPI message at most `i32::MAX` bytes (MPI's count).
+    #[error(
+        "`{op}`: {what} is too large for one message ({size} against a limit of {limit}); give the job \
+         fewer tokens, or spread it over more ranks"
+    )]
+    TooLarge {
+        /// The collective (or `packet` while a message is built).
+        op: String,
+        /// What is too large: a section of values, or the message to a rank.
+        what: String,
+        /// Its size, in the limit's unit.
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// A peer sent a message of another collective than the one this rank waits for: the
     /// ranks no longer issue the same collectives in the same order (a bug).
     #[error(
@@ -197,8 +225,6 @@ impl ErrorClass {
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, CommError>;
 
-/// Why a peer may not have answered: lost or stuck, or (when this rank's own messages were not
-/// delivered either) a link too slow for the deadline.
 /// The rank a timeout names: "rank R", or where the wait was on every rank at once (forming a
 /// group, an abort poll) and none is known, "a rank of the world".
 fn who(rank: usize) -> String {
@@ -209,6 +235,18 @@ fn who(rank: usize) -> String {
     }
 }
 
+/// Where a message that cannot be decoded (or encoded) comes from: "message from rank R during
+/// `op`", or for this rank's own (`usize::MAX`), "this rank's message (op)".
+fn message_of(rank: usize, op: &str) -> String {
+    if rank == usize::MAX {
+        format!("this rank's message ({op})")
+    } else {
+        format!("message from rank {rank} during `{op}`")
+    }
+}
+
+/// Why a peer may not have answered: lost or stuck, or (when this rank's own messages were not
+/// delivered either) a link too slow for the deadline.
 fn timeout_cause(unsent: u64) -> String {
     if unsent == 0 {
         "lost or stuck".to_string()
@@ -391,7 +429,7 @@ pub fn barrier(comm: &mut dyn Communicator, op: &str) -> Result<()> {
 
 /// All-gather of f32 slices of any length (the lengths travel with the data).
 pub fn all_gather_f32(comm: &mut dyn Communicator, op: &str, data: &[f32]) -> Result<Vec<Vec<f32>>> {
-    let got = all_gather_bytes(comm, op, Packet::new().f32s(data).into_bytes())?;
+    let got = all_gather_bytes(comm, op, Packet::new().f32s(data).into_bytes()?)?;
     got.iter().enumerate().map(|(r, b)| unpack_f32(r, op, b)).collect()
 }
 
@@ -405,7 +443,7 @@ fn unpack_f32(rank: usize, op: &str, b: &[u8]) -> Result<Vec<f32>> {
 /// Sends f32 data to `to` and receives from `from` (a ring step), split-phase: returns after
 /// posting; complete with [`wait_f32`].
 pub fn post_f32(comm: &mut dyn Communicator, op: &str, to: usize, data: &[f32], from: usize) -> Result<()> {
-    comm.post(op, vec![(to, Packet::new().f32s(data).into_bytes())], vec![from])
+    comm.post(op, vec![(to, Packet::new().f32s(data).into_bytes()?)], vec![from])
 }
 
 /// Completes a [`post_f32`].
@@ -620,6 +658,27 @@ mod tests {
             Ok(())
         });
         out.into_iter().for_each(|r| r.unwrap());
+    }
+
+    #[test]
+    fn a_timeout_past_what_an_instant_holds_means_no_deadline() {
+        // `now + timeout` panicked (overflow) for a --comm-timeout of 1e19 s.
+        for huge in [Duration::MAX, Duration::from_secs_f64(1e19)] {
+            let out = run_ranks(2, |mut c: local::LocalComm| -> Result<Vec<Vec<f32>>> {
+                c.set_timeout(huge);
+                if c.rank() == 1 {
+                    // The wait blocks until the message comes (no deadline, no panic).
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                let me = c.rank() as f32;
+                all_gather_f32(&mut c, "gather", &[me])
+            });
+            for r in out {
+                assert_eq!(r.unwrap(), vec![vec![0.0], vec![1.0]]);
+            }
+        }
+        assert_eq!(time_left(None), Duration::MAX);
+        assert!(deadline_after(Duration::MAX).is_none());
     }
 
     #[test]

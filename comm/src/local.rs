@@ -124,12 +124,12 @@ impl Communicator for LocalComm {
     fn wait(&mut self) -> Result<Vec<Vec<u8>>> {
         let p = self.pending.take().ok_or_else(|| CommError::Misuse("wait without a posted exchange".into()))?;
         let t0 = Instant::now();
-        let deadline = t0 + self.timeout;
+        let deadline = crate::deadline_after(self.timeout);
         let mut got = Vec::with_capacity(p.from.len());
         for &r in &p.from {
             let rx = self.from[r].as_ref().ok_or(CommError::BadRank { rank: r, size: self.size })?;
             let (op, secs) = (&p.op, self.timeout.as_secs_f64());
-            let recv = || match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            let recv = || match rx.recv_timeout(crate::time_left(deadline)) {
                 Ok(m) => Ok(m),
                 Err(RecvTimeoutError::Timeout) => Err(CommError::Timeout { rank: r, op: op.clone(), secs, unsent: 0 }),
                 Err(RecvTimeoutError::Disconnected) => {

@@ -158,11 +158,20 @@ impl MpiComm {
 
     /// Sends a job to the comm thread and waits for its reply (the deadline applies).
     fn call(&mut self, job: Job) -> Reply {
+        if !self.healthy {
+            return Err(unhealthy());
+        }
         self.jobs.send(job).map_err(|_| CommError::Mpi("the communication thread has stopped".into()))?;
         self.reply()
     }
 
+    /// The comm thread's reply to the last job. Refused once a reply was missed (a timeout, or
+    /// the thread gone): the thread may still answer that old job, and its late reply would be
+    /// taken for this one's (a poll would read a stale exchange's `Ok` as "no abort").
     fn reply(&mut self) -> Reply {
+        if !self.healthy {
+            return Err(unhealthy());
+        }
         match self.replies.recv_timeout(self.timeout) {
             Ok(r) => r,
             Err(RecvTimeoutError::Timeout) => {
@@ -180,6 +189,28 @@ impl MpiComm {
             }
         }
     }
+}
+
+/// The error of every call after the communicator failed (a missed reply: see
+/// [`MpiComm::reply`]).
+fn unhealthy() -> CommError {
+    CommError::Misuse("the communicator failed earlier (a peer timed out or MPI stopped); the process must exit".into())
+}
+
+/// The most bytes one MPI message may carry: MPI counts in `i32` (rsmpi panics past it).
+pub const MAX_MESSAGE: usize = i32::MAX as usize;
+
+/// Refuses a sealed message to `to` longer than [`MAX_MESSAGE`], before anything is sent.
+fn check_message(op: &str, to: usize, len: usize) -> Result<()> {
+    if len > MAX_MESSAGE {
+        return Err(CommError::TooLarge {
+            op: op.to_string(),
+            what: format!("the message to rank {to}"),
+            size: len as u64,
+            limit: MAX_MESSAGE as u64,
+        });
+    }
+    Ok(())
 }
 
 /// A timeout of the communication thread's reply, named after the operation waited for (the
@@ -368,7 +399,7 @@ impl Communicator for MpiComm {
             return Err(CommError::Misuse(format!("`{op}` posted while `{}` is still pending (wait first)", p.op)));
         }
         if !self.healthy {
-            return Err(CommError::Misuse("the communicator failed earlier; the process must exit".into()));
+            return Err(unhealthy());
         }
         for &r in sends.iter().map(|(r, _)| r).chain(&from) {
             check_rank(r, self.size)?;
@@ -378,7 +409,11 @@ impl Communicator for MpiComm {
         }
         let sent = sends.iter().map(|(_, d)| d.len()).sum();
         let first_from = from.first().copied().or(sends.first().map(|s| s.0));
-        let sends = sends.into_iter().map(|(to, d)| (to, seal_data(d, op, self.epoch))).collect();
+        let sends: Vec<(usize, Vec<u8>)> =
+            sends.into_iter().map(|(to, d)| (to, seal_data(d, op, self.epoch))).collect();
+        for (to, d) in &sends {
+            check_message(op, *to, d.len())?;
+        }
         self.jobs
             .send(Job::Exchange(Exchange { sends, from, epoch: self.epoch, op: op.to_string() }))
             .map_err(|_| CommError::Mpi("the communication thread has stopped".into()))?;
@@ -435,6 +470,9 @@ impl Communicator for MpiComm {
         if let Some(p) = &self.pending {
             return Err(CommError::Misuse(format!("poll during `{}` (wait first)", p.op)));
         }
+        if !self.healthy {
+            return Err(unhealthy());
+        }
         self.call(Job::Poll { epoch: self.epoch, op: op.to_string() }).map(|_| ()).map_err(|e| named(e, op))
     }
 
@@ -484,5 +522,58 @@ impl Drop for MpiComm {
                 let _ = t.join();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_past_mpi_count_is_refused_before_sending() {
+        // `len as i32` inside rsmpi panicked for more than i32::MAX bytes.
+        check_message("ring.kv", 1, MAX_MESSAGE).unwrap();
+        let e = check_message("ring.kv", 1, MAX_MESSAGE + 1).unwrap_err();
+        assert!(matches!(&e, CommError::TooLarge { op, size, .. } if op == "ring.kv" && *size == 1 << 31), "{e}");
+        assert!(e.to_string().contains("rank 1"), "{e}");
+    }
+
+    /// A communicator whose comm thread is the test: it holds the other ends of the job and
+    /// reply channels (no MPI).
+    fn fake() -> (MpiComm, Receiver<Job>, Sender<Reply>) {
+        let (jobs, job_rx) = channel();
+        let (reply_tx, replies) = channel();
+        let comm = MpiComm {
+            rank: 0,
+            size: 2,
+            jobs,
+            replies,
+            waiting_on: Arc::new(AtomicUsize::new(1)),
+            unsent: Arc::new(AtomicU64::new(0)),
+            timeout: Duration::from_millis(50),
+            pending: None,
+            stats: CommStats::default(),
+            plane: None,
+            thread: None,
+            healthy: true,
+            epoch: 0,
+            world_rank: 0,
+            world_size: 2,
+        };
+        (comm, job_rx, reply_tx)
+    }
+
+    #[test]
+    fn after_a_timeout_a_late_reply_is_not_taken_for_a_poll() {
+        let (mut c, jobs, replies) = fake();
+        // The comm thread does not answer the poll in time: a timeout, the communicator failed.
+        let e = c.poll_abort("prefill").unwrap_err();
+        assert!(matches!(&e, CommError::Timeout { rank: 1, op, .. } if op == "prefill"), "{e}");
+        // Its late answer to that poll arrives; the next poll must not read it as "no abort".
+        replies.send(Ok(Vec::new())).unwrap();
+        let e = c.poll_abort("prefill").unwrap_err();
+        assert!(matches!(&e, CommError::Misuse(m) if m.contains("failed earlier")), "{e}");
+        assert!(c.post("x", vec![(1, vec![1])], vec![1]).is_err());
+        assert_eq!(jobs.try_iter().count(), 1, "only the first poll reached the comm thread");
     }
 }

@@ -182,13 +182,13 @@ pub mod threads {
         fn complete(&mut self) -> Result<Vec<Buf>> {
             let (op, receives) =
                 self.pending.take().ok_or_else(|| CommError::Misuse("device complete without issue".into()))?;
-            let deadline = std::time::Instant::now() + self.timeout;
+            let deadline = crate::deadline_after(self.timeout);
             let mut out = Vec::with_capacity(receives.len());
             for (peer, want) in receives {
                 let rx =
                     self.from[peer].as_ref().ok_or_else(|| CommError::Misuse(format!("`{op}`: receive from self")))?;
                 let (got_op, b) = loop {
-                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    let left = crate::time_left(deadline);
                     match rx.recv_timeout(left) {
                         // Left over from a job that ended early: dropped.
                         Ok((epoch, _, _)) if epoch < self.epoch => continue,
@@ -314,6 +314,19 @@ mod tests {
         p[0].issue("ring.kv", &[(1, &new)], vec![]).unwrap();
         p[1].issue("ring.kv", &[], vec![recv(0, 1)]).unwrap();
         assert_eq!(p[1].complete().unwrap(), vec![new]);
+    }
+
+    #[test]
+    fn a_timeout_past_what_an_instant_holds_means_no_deadline() {
+        // `now + timeout` panicked (overflow) for a --comm-timeout of 1e19 s.
+        for huge in [Duration::MAX, Duration::from_secs_f64(1e19)] {
+            let mut p = planes(2);
+            p.iter_mut().for_each(|q| q.set_timeout(huge));
+            let v = vec![7.0];
+            p[0].issue("x", &[(1, &v)], vec![]).unwrap();
+            p[1].issue("x", &[], vec![recv(0, 1)]).unwrap();
+            assert_eq!(p[1].complete().unwrap(), vec![v]);
+        }
     }
 
     #[test]

@@ -18,11 +18,17 @@ use crate::{CommError, ErrorClass, Result};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-/// A numeric message under construction: sections of `u32` or `f32` values.
+/// A numeric message under construction: sections of `u32` or `f32` values. A section of more
+/// than `u32::MAX` values (its length prefix) is not written: [`Packet::into_bytes`] reports it.
 #[derive(Debug, Default)]
 pub struct Packet {
     bytes: Vec<u8>,
+    /// Values of the first section too long for its length prefix.
+    too_long: Option<usize>,
 }
+
+/// Values one section of a [`Packet`] holds at most.
+pub const MAX_SECTION: usize = u32::MAX as usize;
 
 impl Packet {
     /// An empty packet.
@@ -31,9 +37,16 @@ impl Packet {
     }
 
     fn section<T: bytemuck::Pod>(mut self, values: &[T]) -> Self {
-        let n = values.len() as u32;
-        self.bytes.extend_from_slice(bytemuck::bytes_of(&n));
-        self.bytes.extend_from_slice(bytemuck::cast_slice(values));
+        match u32::try_from(values.len()) {
+            Ok(n) if self.too_long.is_none() => {
+                self.bytes.extend_from_slice(bytemuck::bytes_of(&n));
+                self.bytes.extend_from_slice(bytemuck::cast_slice(values));
+            }
+            Ok(_) => {}
+            Err(_) => {
+                self.too_long.get_or_insert(values.len());
+            }
+        }
         self
     }
 
@@ -52,9 +65,19 @@ impl Packet {
         self.section(values)
     }
 
-    /// The encoded bytes.
-    pub fn into_bytes(self) -> Vec<u8> {
-        self.bytes
+    /// The encoded bytes, or [`CommError::TooLarge`] if a section had more than
+    /// [`MAX_SECTION`] values (its length would have been truncated, and the receiver would
+    /// have read the rest as other sections).
+    pub fn into_bytes(self) -> Result<Vec<u8>> {
+        match self.too_long {
+            None => Ok(self.bytes),
+            Some(n) => Err(CommError::TooLarge {
+                op: "packet".into(),
+                what: "a section of values".into(),
+                size: n as u64,
+                limit: MAX_SECTION as u64,
+            }),
+        }
     }
 }
 
@@ -124,7 +147,7 @@ impl<'a> Unpack<'a> {
 pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
     bincode::serde::encode_to_vec(value, bincode::config::standard()).map_err(|e| CommError::Decode {
         rank: usize::MAX,
-        op: "encode".into(),
+        op: "encoding a control message".into(),
         detail: e.to_string(),
     })
 }
@@ -317,7 +340,7 @@ mod tests {
 
     #[test]
     fn packets_round_trip_and_reject_garbage() {
-        let b = Packet::new().u32s(&[1, 2, 3]).f32s(&[0.5, -1.0]).f32s(&[]).into_bytes();
+        let b = Packet::new().u32s(&[1, 2, 3]).f32s(&[0.5, -1.0]).f32s(&[]).into_bytes().unwrap();
         let mut u = Unpack::new(2, "t", &b);
         assert_eq!(u.u32s().unwrap(), vec![1, 2, 3]);
         assert_eq!(u.f32s().unwrap(), vec![0.5, -1.0]);
@@ -339,6 +362,24 @@ mod tests {
         let mut u = Unpack::new(1, "t", &b);
         u.u32s().unwrap();
         assert!(u.finish().unwrap_err().to_string().contains("left over"));
+    }
+
+    #[test]
+    fn a_section_past_its_length_prefix_is_an_error_not_a_truncated_length() {
+        // 2^32 zero-sized values (no memory): the length prefix would have read 0, and the
+        // receiver would have taken the values for other sections.
+        let huge = vec![(); MAX_SECTION + 1];
+        let e = Packet::new().u32s(&[1]).section(&huge).u32s(&[2]).into_bytes().unwrap_err();
+        assert!(matches!(e, CommError::TooLarge { size, limit, .. } if size == 1 << 32 && limit == u32::MAX as u64));
+        assert!(e.to_string().contains("too large for one message"), "{e}");
+    }
+
+    #[test]
+    fn encoding_errors_name_this_rank_not_rank_usize_max() {
+        let e = CommError::Decode { rank: usize::MAX, op: "encoding a control message".into(), detail: "x".into() };
+        assert_eq!(e.to_string(), "this rank's message (encoding a control message): x");
+        let e = CommError::Decode { rank: 3, op: "probe".into(), detail: "x".into() };
+        assert_eq!(e.to_string(), "message from rank 3 during `probe`: x");
     }
 
     #[test]

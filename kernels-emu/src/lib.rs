@@ -136,7 +136,7 @@ pub fn embedding<T: EmuElem, O: EmuElem>(table: &[T], cols: usize, ids: &[u32], 
 
 /// `x[r, c] += bias[c]` (x f32 or bf16).
 pub fn add_bias<T: EmuElem>(x: &mut [T], bias: &[f32]) {
-    assert!(!bias.is_empty() && x.len() % bias.len() == 0);
+    assert!(!bias.is_empty() && x.len().is_multiple_of(bias.len()));
     let n = x.len() as u64;
     run(&built(ops::add_bias(pm(x), p(bias), n, u32_of(bias.len()))));
 }
@@ -198,7 +198,7 @@ pub fn bf16_to_f32(x: &[u16]) -> Vec<f32> {
 /// RMSNorm of rows of `w.len()` (x and out both f32, or both bf16: one warp per row).
 pub fn rms_norm<T: EmuElem>(x: &[T], w: &[f32], eps: f32, out: &mut [T]) {
     let cols = w.len();
-    assert!(cols > 0 && x.len() % cols == 0);
+    assert!(cols > 0 && x.len().is_multiple_of(cols));
     check("out", out.len(), x.len());
     let rows = u32_of(x.len() / cols);
     run(&built(ops::rms_norm(p(x), p(w), eps, pm(out), rows, u32_of(cols))));

@@ -24,7 +24,7 @@ crate::multiversion! {
 /// `out[r, j] = silu(gate[r, j]) * up[r, j]` where each row of `gate_up` is `[gate | up]`
 /// (`2 * ffn` values, the layout of a fused gate/up projection).
 pub fn silu_mul(gate_up: &[f32], ffn: usize, out: &mut [f32]) -> Result<()> {
-    if ffn == 0 || gate_up.len() % (2 * ffn) != 0 {
+    if ffn == 0 || !gate_up.len().is_multiple_of(2 * ffn) {
         return Err(KernelError::Shape {
             op: "silu_mul",
             detail: format!("gate_up has {} elements, not rows of 2*{ffn}", gate_up.len()),
@@ -72,7 +72,7 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) -> Result<()> {
 /// Adds `bias` to every row of `x` (rows of `bias.len()` values).
 pub fn add_bias(x: &mut [f32], bias: &[f32]) -> Result<()> {
     let n = bias.len();
-    if n == 0 || x.len() % n != 0 {
+    if n == 0 || !x.len().is_multiple_of(n) {
         return Err(KernelError::Shape {
             op: "add_bias",
             detail: format!("x has {} elements, not rows of {n}", x.len()),
@@ -103,7 +103,7 @@ pub fn embedding(table: &Matrix, ids: &[u32], out: &mut [f32]) -> Result<()> {
 /// Copies columns `[col, col + width)` of a row-major `[rows, src_cols]` matrix into `dst`
 /// (`[rows, width]`), e.g. to split a fused QKV projection.
 pub fn copy_columns<T: Copy>(src: &[T], src_cols: usize, col: usize, width: usize, dst: &mut [T]) -> Result<()> {
-    if src_cols == 0 || src.len() % src_cols != 0 || col + width > src_cols {
+    if src_cols == 0 || !src.len().is_multiple_of(src_cols) || col + width > src_cols {
         return Err(KernelError::Shape {
             op: "copy_columns",
             detail: format!(

@@ -34,7 +34,7 @@ crate::multiversion! {
 /// RMSNorm of each `dim`-sized row of `x` (`dim = w.len()`) into `out`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
     let dim = w.len();
-    if dim == 0 || x.len() % dim != 0 {
+    if dim == 0 || !x.len().is_multiple_of(dim) {
         return Err(KernelError::Shape {
             op: "rms_norm",
             detail: format!("x has {} elements, not a multiple of the weight length {dim}", x.len()),

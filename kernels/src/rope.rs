@@ -28,6 +28,10 @@ pub struct RopeTable {
     head_dim: usize,
     rot_dim: usize,
     style: RopeStyle,
+    /// The parameters the frequencies come from, kept for [`rope_ref`], which recomputes them.
+    base: f64,
+    freq_factors: Option<Vec<f32>>,
+    linear_factor: f64,
     inv_freq: Vec<f64>,
     table_len: usize,
     cos: Vec<f32>,
@@ -44,20 +48,43 @@ impl RopeTable {
         freq_factors: Option<&[f32]>,
         table_len: usize,
     ) -> Result<Self> {
-        if rot_dim > head_dim || rot_dim % 2 != 0 {
-            return Err(KernelError::Shape {
-                op: "RopeTable::new",
-                detail: format!("rotary dimension {rot_dim} must be even and at most head_dim {head_dim}"),
-            });
+        Self::new_scaled(head_dim, rot_dim, base, style, freq_factors, 1.0, table_len)
+    }
+
+    /// As [`RopeTable::new`], with linear position scaling (GGUF `rope.scaling.type = linear`,
+    /// Hugging Face `rope_scaling: {type: linear}`): position p is rotated as p / `linear_factor`,
+    /// i.e. every frequency is divided by `linear_factor` (1: none). Frequency i is
+    /// `1 / base^(2i / rot_dim) / freq_factors[i] / linear_factor`.
+    pub fn new_scaled(
+        head_dim: usize,
+        rot_dim: usize,
+        base: f64,
+        style: RopeStyle,
+        freq_factors: Option<&[f32]>,
+        linear_factor: f64,
+        table_len: usize,
+    ) -> Result<Self> {
+        let bad = |detail: String| KernelError::Shape { op: "RopeTable::new", detail };
+        if rot_dim > head_dim || !rot_dim.is_multiple_of(2) {
+            return Err(bad(format!("rotary dimension {rot_dim} must be even and at most head_dim {head_dim}")));
+        }
+        if !(base.is_finite() && base > 0.0) {
+            return Err(bad(format!("the base frequency {base} must be a positive number")));
+        }
+        if !(linear_factor.is_finite() && linear_factor > 0.0) {
+            return Err(bad(format!("the linear scaling factor {linear_factor} must be a positive number")));
         }
         let half = rot_dim / 2;
         if let Some(f) = freq_factors {
             check_len("RopeTable::new", "freq_factors", f.len(), half)?;
+            if let Some(x) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                return Err(bad(format!("a frequency factor is {x}; each must be a positive number")));
+            }
         }
         let inv_freq: Vec<f64> = (0..half)
             .map(|i| {
                 let f = 1.0 / base.powf(2.0 * i as f64 / rot_dim as f64);
-                f / freq_factors.map_or(1.0, |ff| ff[i] as f64)
+                f / freq_factors.map_or(1.0, |ff| ff[i] as f64) / linear_factor
             })
             .collect();
         let mut cos = vec![0f32; table_len * half];
@@ -69,7 +96,23 @@ impl RopeTable {
                 sin[p * half + i] = s as f32;
             }
         }
-        Ok(Self { head_dim, rot_dim, style, inv_freq, table_len, cos, sin })
+        Ok(Self {
+            head_dim,
+            rot_dim,
+            style,
+            base,
+            freq_factors: freq_factors.map(<[f32]>::to_vec),
+            linear_factor,
+            inv_freq,
+            table_len,
+            cos,
+            sin,
+        })
+    }
+
+    /// The linear position scaling factor (1: none).
+    pub fn linear_factor(&self) -> f64 {
+        self.linear_factor
     }
 
     /// Head dimension the table was built for.
@@ -201,15 +244,25 @@ pub fn rope(x: &mut [f32], n_heads: usize, positions: &[u32], table: &RopeTable)
     Ok(())
 }
 
-/// Slow reference of [`rope`]: angles and rotation in f64, element by element.
+/// Slow reference of [`rope`]: frequencies recomputed from the table's parameters (base,
+/// frequency factors, linear factor; not the fast path's `inv_freq`), angles and rotation in
+/// f64, element by element.
 pub fn rope_ref(x: &mut [f32], n_heads: usize, positions: &[u32], table: &RopeTable) -> Result<()> {
     let hd = table.head_dim;
     check_len("rope_ref", "x", x.len(), positions.len() * n_heads * hd)?;
-    let half = table.rot_dim / 2;
+    let (rot, half) = (table.rot_dim, table.rot_dim / 2);
+    // theta_i = base^(-2i / rot) / ff[i] / factor: the angle of position p is p * theta_i,
+    // i.e. the angle of the scaled position p / factor at the factored frequency.
+    let freqs: Vec<f64> = (0..half)
+        .map(|i| {
+            let ff = table.freq_factors.as_ref().map_or(1.0, |f| f[i] as f64);
+            table.base.powf(-2.0 * i as f64 / rot as f64) / ff / table.linear_factor
+        })
+        .collect();
     for (t, &p) in positions.iter().enumerate() {
         for h in 0..n_heads {
             let base = (t * n_heads + h) * hd;
-            for (i, &f) in table.inv_freq.iter().enumerate() {
+            for (i, &f) in freqs.iter().enumerate() {
                 let (ia, ib) = match table.style {
                     RopeStyle::Interleaved => (base + 2 * i, base + 2 * i + 1),
                     RopeStyle::Neox => (base + i, base + i + half),
@@ -232,10 +285,22 @@ mod tests {
     /// Max abs error of the table-driven f32 rotation against f64 (named tolerance).
     const ROPE_TOL: f32 = 2e-6;
 
+    /// Non-unit frequency factors of [`check`]'s tables (Llama 3.1's are 1 for the high
+    /// frequencies, up to 8 for the low ones).
+    fn factors(half: usize) -> Vec<f32> {
+        (0..half).map(|i| 1.0 + 7.0 * i as f32 / half as f32).collect()
+    }
+
     fn check(style: RopeStyle, rot_dim: usize, table_len: usize) {
+        check_scaled(style, rot_dim, table_len, false, 1.0);
+    }
+
+    fn check_scaled(style: RopeStyle, rot_dim: usize, table_len: usize, with_factors: bool, linear: f64) {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let (hd, heads, n) = (64, 3, 45);
-        let table = RopeTable::new(hd, rot_dim, 10_000.0, style, None, table_len).unwrap();
+        let ff = factors(rot_dim / 2);
+        let ff = with_factors.then_some(&ff[..]);
+        let table = RopeTable::new_scaled(hd, rot_dim, 10_000.0, style, ff, linear, table_len).unwrap();
         let positions: Vec<u32> = (0..n).map(|_| rng.random_range(0..9000)).collect();
         let x: Vec<f32> = (0..n * heads * hd).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         let mut a = x.clone();
@@ -243,7 +308,7 @@ mod tests {
         rope(&mut a, heads, &positions, &table).unwrap();
         rope_ref(&mut b, heads, &positions, &table).unwrap();
         let err = crate::testing::max_abs_diff(&a, &b);
-        assert!(err < ROPE_TOL, "{style:?} rot {rot_dim}: {err}");
+        assert!(err < ROPE_TOL, "{style:?} rot {rot_dim} factors {with_factors} linear {linear}: {err}");
     }
 
     #[test]
@@ -256,6 +321,47 @@ mod tests {
             check(style, 64, 10_000);
             check(style, 64, 100);
             check(style, 32, 10_000);
+            for (with_factors, linear) in [(true, 1.0), (false, 4.0), (true, 2.5)] {
+                check_scaled(style, 64, 10_000, with_factors, linear);
+                check_scaled(style, 64, 100, with_factors, linear);
+                check_scaled(style, 32, 10_000, with_factors, linear);
+            }
+        }
+    }
+
+    #[test]
+    fn the_reference_recomputes_the_frequencies() {
+        // rope_ref's angles come from base, factors and the linear factor, not from the fast
+        // path's inv_freq: a table whose inv_freq were wrong would fail against it.
+        let ff = factors(16);
+        let mut table = RopeTable::new_scaled(32, 32, 10_000.0, RopeStyle::Neox, Some(&ff), 2.0, 0).unwrap();
+        let x: Vec<f32> = (0..32).map(|i| (i as f32 * 0.37).sin()).collect();
+        let (mut a, mut b) = (x.clone(), x.clone());
+        rope(&mut a, 1, &[1234], &table).unwrap();
+        rope_ref(&mut b, 1, &[1234], &table).unwrap();
+        assert!(crate::testing::max_abs_diff(&a, &b) < ROPE_TOL);
+        table.inv_freq[3] *= 1.01;
+        let (mut a, mut b) = (x.clone(), x.clone());
+        rope(&mut a, 1, &[1234], &table).unwrap();
+        rope_ref(&mut b, 1, &[1234], &table).unwrap();
+        assert!(crate::testing::max_abs_diff(&a, &b) > 1e-3, "a wrong frequency is caught");
+    }
+
+    #[test]
+    fn linear_scaling_divides_positions() {
+        // With factor 4, position 4p rotates as position p does without scaling (the angle
+        // is the same f64 product up to one rounding of the frequency).
+        for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+            let plain = RopeTable::new(16, 16, 10_000.0, style, None, 64).unwrap();
+            let scaled = RopeTable::new_scaled(16, 16, 10_000.0, style, None, 4.0, 64).unwrap();
+            assert_eq!(scaled.linear_factor(), 4.0);
+            let x: Vec<f32> = (0..16).map(|i| 1.0 - i as f32 / 8.0).collect();
+            for p in [0u32, 3, 15, 40, 999] {
+                let (mut a, mut b) = (x.clone(), x.clone());
+                rope(&mut a, 1, &[4 * p], &scaled).unwrap();
+                rope(&mut b, 1, &[p], &plain).unwrap();
+                assert!(crate::testing::max_abs_diff(&a, &b) < ROPE_TOL, "{style:?} position {p}");
+            }
         }
     }
 
@@ -298,5 +404,10 @@ mod tests {
     fn rejects_bad_dims() {
         assert!(RopeTable::new(64, 65, 1e4, RopeStyle::Neox, None, 1).is_err());
         assert!(RopeTable::new(64, 64, 1e4, RopeStyle::Neox, Some(&[1.0; 3]), 1).is_err());
+        for factor in [0.0, -2.0, f64::NAN, f64::INFINITY] {
+            assert!(RopeTable::new_scaled(64, 64, 1e4, RopeStyle::Neox, None, factor, 1).is_err(), "{factor}");
+        }
+        assert!(RopeTable::new(64, 64, 0.0, RopeStyle::Neox, None, 1).is_err());
+        assert!(RopeTable::new(4, 4, 1e4, RopeStyle::Neox, Some(&[1.0, 0.0]), 1).is_err());
     }
 }

@@ -32,7 +32,11 @@ fn from_u8(v: u8) -> SimdLevel {
     }
 }
 
-/// The best level this CPU supports, optionally capped by `FLOWPREFILL_SIMD=scalar|avx2|avx512`.
+/// The best level this CPU supports, optionally capped by `FLOWPREFILL_SIMD=scalar|avx2|avx512`
+/// (`none` is taken as `scalar`). The cap applies to this crate's [`multiversion!`] loops
+/// (softmax, norms, RoPE, SiLU, the attention's softmax); the matrix products of the `gemm`
+/// crate pick their own instructions and ignore it. Any other value is ignored, with one line
+/// on stderr naming the accepted ones (this function cannot return an error).
 pub fn detected() -> SimdLevel {
     let v = DETECTED.load(Ordering::Relaxed);
     if v != 0 {
@@ -40,15 +44,30 @@ pub fn detected() -> SimdLevel {
     }
     let mut level = cpu_level();
     if let Ok(cap) = std::env::var("FLOWPREFILL_SIMD") {
-        let cap = match cap.to_ascii_lowercase().as_str() {
-            "scalar" | "none" => SimdLevel::Scalar,
-            "avx2" => SimdLevel::Avx2,
-            _ => SimdLevel::Avx512,
-        };
-        level = level.min(cap);
+        match parse_cap(&cap) {
+            Ok(cap) => level = level.min(cap),
+            Err(e) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| eprintln!("flowprefill: {e}; using this CPU's best, {level:?}"));
+            }
+        }
     }
     DETECTED.store(level as u8, Ordering::Relaxed);
     level
+}
+
+/// A value of `FLOWPREFILL_SIMD`: `scalar` (or `none`), `avx2` or `avx512`, in any case;
+/// anything else is an error that names the accepted values.
+pub fn parse_cap(value: &str) -> Result<SimdLevel, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "scalar" | "none" => Ok(SimdLevel::Scalar),
+        "avx2" => Ok(SimdLevel::Avx2),
+        "avx512" => Ok(SimdLevel::Avx512),
+        _ => Err(format!(
+            "FLOWPREFILL_SIMD={value:?} is not a SIMD level: give scalar, avx2 or avx512 (it caps the \
+             kernels' multiversioned loops, not the gemm crate's matrix products); ignored"
+        )),
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -159,14 +178,16 @@ const LN2: f32 = std::f32::consts::LN_2;
 /// 1.5 * 2^23: adding it rounds an f32 of magnitude < 2^22 to the nearest integer.
 const ROUND_MAGIC: f32 = 12_582_912.0;
 
-/// 2^x with a relative error below 2e-7 on [-126, 127]; exactly 0 for x <= -127 (and -inf).
-/// Pure arithmetic on f32/u32 so that loops calling it vectorize.
+/// 2^x with a relative error below 2e-7 on [-126, 127]; exactly 0 for x <= -127 (and -inf),
+/// 2^127 for x >= 127 (and +inf), NaN for NaN (a softmax over a NaN score is NaN, as in f64,
+/// not a silent 0). Pure arithmetic on f32/u32 so that loops calling it vectorize.
 #[inline(always)]
 pub fn exp2(x: f32) -> f32 {
-    // Written as compares (not f32::max/min) so they lower to plain vmaxps/vminps;
-    // NaN falls to the lower clamp and yields 0.
-    let x = if x > -127.0 { x } else { -127.0 };
-    let x = if x < 127.0 { x } else { 127.0 };
+    // Written as compares (not f32::max/min) so they lower to plain vmaxps/vminps, in the
+    // operand order that returns x when x is NaN (both compares are false for NaN): NaN then
+    // stays NaN through the polynomial.
+    let x = if x < -127.0 { -127.0 } else { x };
+    let x = if x > 127.0 { 127.0 } else { x };
     let t = x + ROUND_MAGIC;
     let n = (t.to_bits() as i32).wrapping_sub(ROUND_MAGIC.to_bits() as i32);
     let f = x - (t - ROUND_MAGIC); // in [-0.5, 0.5]
@@ -179,8 +200,9 @@ pub fn exp2(x: f32) -> f32 {
     let p = p * y + 0.5;
     let p = p * y + 1.0;
     let p = p * y + 1.0;
-    // n in [-127, 127]; n = -127 gives the bit pattern 0, i.e. exactly 0.0.
-    let scale = f32::from_bits(((n + 127) as u32) << 23);
+    // n in [-127, 127]; n = -127 gives the bit pattern 0, i.e. exactly 0.0. (For NaN, n is
+    // whatever the NaN's bits make it, hence the wrapping add; p is NaN and so is the result.)
+    let scale = f32::from_bits((n.wrapping_add(127) as u32) << 23);
     p * scale
 }
 
@@ -241,6 +263,42 @@ mod tests {
         assert!((exp2(1.0) - 2.0).abs() < 1e-6);
         assert!(exp2(127.0).is_finite());
         assert!((exp(1.0) - std::f32::consts::E).abs() < 1e-6);
+    }
+
+    #[test]
+    fn exp2_passes_nan_through() {
+        assert!(exp2(f32::NAN).is_nan());
+        assert!(exp2(-f32::NAN).is_nan());
+        assert!(exp(f32::NAN).is_nan());
+        // +inf - +inf, what a softmax computes for a +inf score: NaN, not 0.
+        assert!(exp2(f32::INFINITY - f32::INFINITY).is_nan());
+        assert_eq!(exp2(f32::INFINITY), exp2(127.0));
+        // In a vectorized loop too, at every level.
+        at_every_level(|lvl| {
+            let xs: Vec<f32> = (0..40).map(|i| if i % 7 == 3 { f32::NAN } else { -(i as f32) }).collect();
+            let ys = exp2_all(&xs);
+            for (x, y) in xs.iter().zip(&ys) {
+                assert_eq!(x.is_nan(), y.is_nan(), "{lvl:?}: exp2({x}) = {y}");
+            }
+        });
+    }
+
+    crate::multiversion! {
+        fn exp2_all(xs: &[f32]) -> Vec<f32> {
+            xs.iter().map(|&x| exp2(x)).collect()
+        }
+    }
+
+    #[test]
+    fn simd_caps_parse_and_unknown_values_are_refused() {
+        assert_eq!(parse_cap("scalar"), Ok(SimdLevel::Scalar));
+        assert_eq!(parse_cap("none"), Ok(SimdLevel::Scalar));
+        assert_eq!(parse_cap(" AVX2 "), Ok(SimdLevel::Avx2));
+        assert_eq!(parse_cap("avx512"), Ok(SimdLevel::Avx512));
+        for bad in ["sse", "off", "avx-2", ""] {
+            let e = parse_cap(bad).expect_err(bad);
+            assert!(e.contains("scalar, avx2 or avx512") && e.contains("gemm"), "{e}");
+        }
     }
 
     #[test]

@@ -171,6 +171,21 @@ mod tests {
         common: Common,
     }
 
+    #[test]
+    fn a_huge_comm_timeout_is_capped_not_an_overflow() {
+        use crate::cmd::{comm_timeout, MAX_COMM_TIMEOUT};
+        assert_eq!(comm_timeout(60.0).unwrap(), std::time::Duration::from_secs(60));
+        for huge in [1e9, 1e19, 1e300, f64::INFINITY] {
+            let d = comm_timeout(huge).unwrap();
+            assert_eq!(d, MAX_COMM_TIMEOUT, "{huge}");
+            // The hang grace and a deadline from now stay far from overflowing.
+            assert!(std::time::Instant::now().checked_add(d + std::time::Duration::from_secs(5)).is_some());
+        }
+        for bad in [0.0, -1.0, f64::NAN, 1e-12] {
+            assert!(comm_timeout(bad).is_err(), "{bad}");
+        }
+    }
+
     /// The flags a child process is given parse to the same settings (bench load's server runs
     /// on the device, types, memory limit and store it was asked for).
     #[test]

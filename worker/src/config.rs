@@ -4,6 +4,7 @@ use crate::error::{Result, WorkerError};
 use crate::gguf::GgufFile;
 use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::rope::RopeStyle;
+use std::collections::HashMap;
 
 /// Supported decoder architectures (`general.architecture`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -57,6 +58,58 @@ impl Arch {
     }
 }
 
+/// The linear RoPE scaling factor of a GGUF's metadata (`ARCH.rope.scaling.type`, `.factor`,
+/// or the older `ARCH.rope.scale_linear`), as llama.cpp reads them: no type means linear, a
+/// factor of 0 or none means 1, type `none` means 1. YaRN, LongRoPE or any other type with a
+/// factor other than 1 is refused (flowprefill computes plain RoPE at scaled positions only):
+/// running it as plain RoPE would place every token at a wrong angle, silently.
+fn rope_scaling(f: &GgufFile, arch: &str) -> Result<f64> {
+    let type_key = format!("{arch}.rope.scaling.type");
+    let kind = match f.get(&type_key) {
+        None => None,
+        Some(_) => Some(f.get_str(&type_key)?.trim().to_ascii_lowercase()),
+    };
+    let mut factor_key = format!("{arch}.rope.scaling.factor");
+    let mut factor = f.get_f64_opt(&factor_key)?;
+    if factor.is_none() {
+        factor_key = format!("{arch}.rope.scale_linear");
+        factor = f.get_f64_opt(&factor_key)?;
+    }
+    let factor = match factor {
+        None => 1.0,
+        Some(0.0) => 1.0,
+        Some(x) if x.is_finite() && x > 0.0 => x,
+        Some(x) => {
+            return Err(WorkerError::Metadata {
+                path: f.path().to_path_buf(),
+                key: factor_key,
+                detail: format!("{x} must be a positive number (1 or absent: no scaling)"),
+            })
+        }
+    };
+    match kind.as_deref() {
+        None | Some("linear") => Ok(factor),
+        Some("none") => Ok(1.0),
+        Some(_) if factor == 1.0 => Ok(1.0),
+        Some(other) => {
+            let trained = f
+                .get_usize_opt(&format!("{arch}.rope.scaling.original_context_length"))
+                .ok()
+                .flatten()
+                .map_or(String::new(), |n| format!(", over a native context of {n} positions"));
+            Err(WorkerError::ModelFile {
+                path: f.path().to_path_buf(),
+                detail: format!(
+                    "RoPE scaling `{other}` (factor {factor}{trained}) is not implemented: flowprefill \
+                     computes plain RoPE and linear scaling only, and would place every token at a wrong \
+                     angle; give a GGUF converted without `rope_scaling` (the model at its native context), \
+                     or with linear scaling"
+                ),
+            })
+        }
+    }
+}
+
 /// Hyper-parameters of a loaded model.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct ModelConfig {
@@ -84,6 +137,9 @@ pub struct ModelConfig {
     pub rope_base: f64,
     /// Rotated dimensions per head.
     pub rope_dim: usize,
+    /// Linear RoPE position scaling (GGUF `ARCH.rope.scaling.type = linear` with
+    /// `ARCH.rope.scaling.factor`): positions are divided by it. 1 when the file has none.
+    pub rope_linear_factor: f64,
     /// RMSNorm epsilon.
     pub rms_eps: f32,
     /// The output projection is the embedding matrix.
@@ -121,6 +177,7 @@ impl ModelConfig {
         let context_length = f.get_usize(&key("context_length"))?;
         let rope_base = f.get_f64_opt(&key("rope.freq_base"))?.unwrap_or(10_000.0);
         let rope_dim = f.get_usize_opt(&key("rope.dimension_count"))?.unwrap_or(head_dim);
+        let rope_linear_factor = rope_scaling(f, p)?;
         let rms_eps = f.get_f64(&key("attention.layer_norm_rms_epsilon"))? as f32;
         let vocab_size = f.tensor_shape("token_embd.weight").and_then(|s| s.first().copied()).ok_or_else(|| {
             WorkerError::UnsupportedTensor {
@@ -142,6 +199,7 @@ impl ModelConfig {
             context_length,
             rope_base,
             rope_dim,
+            rope_linear_factor,
             rms_eps,
             tied_embeddings: !f.has_tensor("output.weight"),
         };
@@ -155,25 +213,68 @@ impl ModelConfig {
             key: format!("{}.{key}", self.arch.name()),
             detail,
         };
-        if self.n_layers == 0 || self.d_model == 0 || self.ffn_dim == 0 || self.head_dim == 0 {
-            return Err(err("block_count", "layer count, hidden size, FFN size and head size must be positive".into()));
+        if self.n_layers == 0 || self.d_model == 0 || self.ffn_dim == 0 {
+            return Err(err("block_count", "layer count, hidden size and FFN size must be positive".into()));
         }
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0 {
+            return Err(err("attention.head_count", "0 query heads: the model must have at least one".into()));
+        }
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(err(
                 "attention.head_count_kv",
-                format!("{} query heads are not a multiple of {} KV heads", self.n_heads, self.n_kv_heads),
+                format!(
+                    "{} query heads are not a multiple of {} KV heads (KV heads must be positive and divide \
+                     the query heads)",
+                    self.n_heads, self.n_kv_heads
+                ),
             ));
         }
-        if self.rope_dim > self.head_dim || self.rope_dim % 2 != 0 {
+        if self.head_dim == 0 {
+            return Err(err("attention.key_length", "the head size is 0: it must be positive".into()));
+        }
+        if self.n_heads.checked_mul(self.head_dim).is_none() {
+            return Err(err(
+                "attention.key_length",
+                format!("{} heads of {} values overflow a count", self.n_heads, self.head_dim),
+            ));
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
+            return Err(err(
+                "attention.layer_norm_rms_epsilon",
+                format!("{} must be a positive number (as f32; about 1e-5 or 1e-6)", self.rms_eps),
+            ));
+        }
+        if !(self.rope_base.is_finite() && self.rope_base > 0.0) {
+            return Err(err("rope.freq_base", format!("{} must be a positive number", self.rope_base)));
+        }
+        if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
             return Err(err(
                 "rope.dimension_count",
                 format!("{} must be even and at most the head size {}", self.rope_dim, self.head_dim),
             ));
         }
+        // Bound the layer count by the tensors the file has before listing the names it implies
+        // (a 3 KB file claiming 400,000,000 layers would otherwise list 3.6 billion names).
+        let per_layer = 9 + 3 * usize::from(self.arch.qkv_bias()) + 2 * usize::from(self.arch.qk_norm());
+        let have = f.tensor_count();
+        let need = self.n_layers.checked_mul(per_layer).and_then(|n| n.checked_add(2));
+        if need.is_none_or(|need| need > have) {
+            return Err(err(
+                "block_count",
+                format!(
+                    "{} layers need {} tensors ({per_layer} per layer, the embedding and the output norm) but the \
+                     file has {have}: the metadata does not describe this file's tensors (corrupt; download \
+                     or write it again)",
+                    self.n_layers,
+                    need.map_or("more than can be counted".to_string(), |n| format!("at least {n}")),
+                ),
+            ));
+        }
         // Every tensor must be one this implementation reads, with the expected shape.
         let expected = self.expected_tensors(f);
+        let shapes: HashMap<&str, &Vec<usize>> = expected.iter().map(|(n, s)| (n.as_str(), s)).collect();
         for name in f.tensor_names() {
-            let Some(want) = expected.iter().find(|(n, _)| *n == name).map(|(_, s)| s) else {
+            let Some(&want) = shapes.get(name.as_str()) else {
                 return Err(WorkerError::UnsupportedTensor {
                     path: f.path().to_path_buf(),
                     detail: format!(
@@ -202,6 +303,10 @@ impl ModelConfig {
                     detail: "missing from the file".into(),
                 });
             }
+        }
+        // And its bytes must be in the file (before anything is allocated for them).
+        for name in f.tensor_names() {
+            f.tensor_extent(&name)?;
         }
         Ok(())
     }
@@ -264,5 +369,97 @@ impl ModelConfig {
     /// f32 bytes of K and V per token over all layers.
     pub fn kv_bytes_per_token(&self) -> usize {
         2 * self.kv_dim() * self.n_layers * std::mem::size_of::<f32>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf_write::testfile::TestGguf;
+    use candle_core::quantized::gguf_file::Value;
+
+    fn load(g: TestGguf, tag: &str) -> Result<ModelConfig> {
+        let f = g.write(tag);
+        ModelConfig::from_gguf(&GgufFile::open(f.path())?)
+    }
+
+    fn metadata_error(r: Result<ModelConfig>, key: &str) -> String {
+        match r {
+            Err(e @ WorkerError::Metadata { .. }) if e.to_string().contains(key) => e.to_string(),
+            other => panic!("expected a metadata error about {key}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_huge_block_count_is_refused_before_listing_tensor_names() {
+        // 3,000,000 layers in a file of 11 tensors took 15 s and 3.4 GB to list the names it
+        // implies; 400,000,000 aborted on allocation. Now: refused at once, by the tensor count.
+        for n in [3_000_000u64, 400_000_000, u64::MAX / 2] {
+            let t = std::time::Instant::now();
+            let e =
+                metadata_error(load(TestGguf::tiny().set("llama.block_count", Value::U64(n)), "layers"), "block_count");
+            assert!(e.contains("the file has 11"), "{e}");
+            assert!(t.elapsed().as_secs_f64() < 5.0, "{n} layers took {:?}", t.elapsed());
+        }
+        // Two layers in a file of one: also by the count (not 9 "missing" tensors one by one).
+        let e =
+            metadata_error(load(TestGguf::tiny().set("llama.block_count", Value::U32(2)), "layers2"), "block_count");
+        assert!(e.contains("20 tensors"), "{e}");
+    }
+
+    #[test]
+    fn head_layouts_that_would_divide_by_zero_are_refused() {
+        // head_count = 0 passed (0 % 1 == 0) and panicked in the attention kernel.
+        let cases: [(&str, Value, &str); 5] = [
+            ("llama.attention.head_count", Value::U32(0), "head_count"),
+            ("llama.attention.head_count_kv", Value::U32(0), "head_count_kv"),
+            ("llama.attention.head_count_kv", Value::U32(4), "head_count_kv"),
+            ("llama.attention.key_length", Value::U32(0), "key_length"),
+            ("llama.attention.layer_norm_rms_epsilon", Value::F32(0.0), "rms_epsilon"),
+        ];
+        for (key, v, named) in cases {
+            metadata_error(load(TestGguf::tiny().set(key, v), "heads"), named);
+        }
+        for eps in [f32::NAN, -1e-5, f32::INFINITY] {
+            let g = TestGguf::tiny().set("llama.attention.layer_norm_rms_epsilon", Value::F32(eps));
+            metadata_error(load(g, "eps"), "rms_epsilon");
+        }
+        let g = TestGguf::tiny().set("llama.rope.freq_base", Value::F32(0.0));
+        metadata_error(load(g, "base"), "freq_base");
+    }
+
+    #[test]
+    fn rope_scaling_is_read_linear_applied_others_refused() {
+        let s = |v: &str| Value::String(v.into());
+        let with = |kvs: &[(&str, Value)]| {
+            kvs.iter().fold(TestGguf::tiny(), |g, (k, v)| g.set(&format!("llama.rope.{k}"), v.clone()))
+        };
+        let factor = |kvs: &[(&str, Value)]| load(with(kvs), "rope").map(|c| c.rope_linear_factor);
+        assert_eq!(factor(&[]).unwrap(), 1.0);
+        assert_eq!(factor(&[("scaling.type", s("linear")), ("scaling.factor", Value::F32(4.0))]).unwrap(), 4.0);
+        // As llama.cpp: no type is linear, the old key counts, 0 is none, `none` ignores the factor.
+        assert_eq!(factor(&[("scaling.factor", Value::F32(2.0))]).unwrap(), 2.0);
+        assert_eq!(factor(&[("scale_linear", Value::F32(8.0))]).unwrap(), 8.0);
+        assert_eq!(factor(&[("scaling.type", s("linear")), ("scaling.factor", Value::F32(0.0))]).unwrap(), 1.0);
+        assert_eq!(factor(&[("scaling.type", s("none")), ("scaling.factor", Value::F32(4.0))]).unwrap(), 1.0);
+        // YaRN with factor 1 computes plain RoPE.
+        assert_eq!(factor(&[("scaling.type", s("yarn")), ("scaling.factor", Value::F32(1.0))]).unwrap(), 1.0);
+        for kind in ["yarn", "longrope", "su"] {
+            let e = factor(&[
+                ("scaling.type", s(kind)),
+                ("scaling.factor", Value::F32(4.0)),
+                ("scaling.original_context_length", Value::U32(32768)),
+            ])
+            .unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, WorkerError::ModelFile { .. }), "{msg}");
+            assert!(msg.contains(&format!("`{kind}`")) && msg.contains("32768"), "{msg}");
+        }
+        let e = factor(&[("scaling.type", s("linear")), ("scaling.factor", Value::F32(-2.0))]).unwrap_err();
+        assert!(e.to_string().contains("scaling.factor"), "{e}");
+        // The model's RoPE table takes the factor.
+        let f = with(&[("scaling.type", s("linear")), ("scaling.factor", Value::F32(4.0))]).write("rope-model");
+        let model = crate::Model::load(f.path(), crate::Cpu::default()).unwrap();
+        assert_eq!(model.rope().linear_factor(), 4.0);
     }
 }

@@ -322,6 +322,7 @@ impl WorkerError {
             | WorkerError::Adapter { .. }
             | WorkerError::Io { .. } => ErrorClass::Model,
             WorkerError::Comm(flowprefill_comm::CommError::Aborted { class, .. }) => *class,
+            WorkerError::Comm(flowprefill_comm::CommError::TooLarge { .. }) => ErrorClass::TooLarge,
             WorkerError::Comm(
                 flowprefill_comm::CommError::OutOfStep { .. } | flowprefill_comm::CommError::Misuse(_),
             ) => ErrorClass::Internal,

@@ -14,7 +14,7 @@ use candle_core::quantized::GgmlDType;
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 /// An open GGUF file.
@@ -23,6 +23,8 @@ pub struct GgufFile {
     content: Content,
     /// The file, for positioned reads ([`GgufFile::raw_tensor`]).
     raw: File,
+    /// Its length when opened: every tensor's bytes must lie below it.
+    len: u64,
 }
 
 /// A tensor's bytes as the file stores them.
@@ -90,7 +92,7 @@ impl RawTensor {
             return Err(self.bad(path, format!("{} values for a tensor of {n}", out.len())));
         }
         let (bs, ts) = (self.dtype.block_size(), self.dtype.type_size());
-        if n % bs != 0 || self.bytes.len() != n / bs * ts {
+        if !n.is_multiple_of(bs) || self.bytes.len() != n / bs * ts {
             return Err(
                 self.bad(path, format!("{} bytes do not hold {n} values of {:?}", self.bytes.len(), self.dtype))
             );
@@ -165,16 +167,60 @@ impl GgufFile {
             ),
         })?;
         let raw = file.try_clone().map_err(io_err(format!("opening {}", path.display())))?;
+        let len = file.metadata().map_err(io_err(format!("reading the length of {}", path.display())))?.len();
         let mut reader = BufReader::new(file);
-        let content = Content::read(&mut reader).map_err(|e| WorkerError::ModelFile {
+        let unreadable = |e: String| WorkerError::ModelFile {
             path: path.to_path_buf(),
             detail: format!(
-                "not a readable GGUF file ({}); if it is the cached default model, delete it and run \
-                 `flowprefill fetch-model`",
-                first_line(&e.to_string())
+                "not a readable GGUF file ({e}); if it is the cached default model, delete it and run \
+                 `flowprefill fetch-model`"
             ),
+        };
+        // candle divides by `general.alignment` after parsing everything: 0 would panic there.
+        if let Some(0) = alignment_of(&mut reader, len).map_err(|e| unreadable(e.to_string()))? {
+            return Err(unreadable(
+                "its metadata `general.alignment` is 0; tensor data alignment must be a positive number of \
+                 bytes (32 when absent)"
+                    .into(),
+            ));
+        }
+        let content = Content::read(&mut reader).map_err(|e| unreadable(first_line(&e.to_string()).to_string()))?;
+        Ok(Self { path: path.to_path_buf(), content, raw, len })
+    }
+
+    /// Number of tensors in the file.
+    pub fn tensor_count(&self) -> usize {
+        self.content.tensor_infos.len()
+    }
+
+    /// Where a tensor's bytes are: `(offset, bytes)`, with checked arithmetic, after checking
+    /// they lie inside the file (a corrupt or hostile header can claim any shape and offset;
+    /// nothing is allocated for a tensor before this).
+    pub fn tensor_extent(&self, name: &str) -> Result<(u64, u64)> {
+        let bad =
+            |detail: String| WorkerError::UnsupportedTensor { path: self.path.clone(), name: name.to_string(), detail };
+        let info = self.content.tensor_infos.get(name).ok_or_else(|| bad("missing from the file".into()))?;
+        let dims = info.shape.dims();
+        let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
+            bad(format!("its shape {dims:?} has more values than can be counted: the file is corrupt"))
         })?;
-        Ok(Self { path: path.to_path_buf(), content, raw })
+        let (bs, ts) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
+        if n % bs != 0 {
+            return Err(bad(format!("{n} values are not whole blocks of {bs} ({:?})", info.ggml_dtype)));
+        }
+        let bytes = (n / bs).checked_mul(ts).and_then(|b| u64::try_from(b).ok());
+        let at = self.content.tensor_data_offset.checked_add(info.offset);
+        match (at, bytes) {
+            (Some(at), Some(bytes)) if at.checked_add(bytes).is_some_and(|end| end <= self.len) => Ok((at, bytes)),
+            _ => Err(bad(format!(
+                "its {} bytes (shape {dims:?}, {:?}) at offset {} do not fit in the file's {} bytes: the file \
+                 is truncated or corrupt; download or write it again",
+                bytes.map_or("countless".to_string(), |b| b.to_string()),
+                info.ggml_dtype,
+                at.map_or("past 2^64".to_string(), |a| a.to_string()),
+                self.len
+            ))),
+        }
     }
 
     /// The file's path.
@@ -327,11 +373,9 @@ impl GgufFile {
         let mut sample = vec![0u8; DIGEST_SAMPLE];
         for name in names {
             let info = &self.content.tensor_infos[name];
-            let n: usize = info.shape.dims().iter().product();
-            let len = (n / info.ggml_dtype.block_size() * info.ggml_dtype.type_size()) as u64;
+            let (at, len) = self.tensor_extent(name)?;
             h.update(format!("{name}:{:?}:{:?}:{}:{len};", info.shape.dims(), info.ggml_dtype, info.offset).as_bytes());
-            let at = self.content.tensor_data_offset + info.offset;
-            let take = (len as usize).min(DIGEST_SAMPLE);
+            let take = len.min(DIGEST_SAMPLE as u64) as usize;
             for from in [at, at + len - take as u64] {
                 self.raw.read_exact_at(&mut sample[..take], from).map_err(|e| WorkerError::UnsupportedTensor {
                     path: self.path.clone(),
@@ -354,13 +398,10 @@ impl GgufFile {
             |detail: String| WorkerError::UnsupportedTensor { path: self.path.clone(), name: name.to_string(), detail };
         let info = self.content.tensor_infos.get(name).ok_or_else(|| bad("missing from the file".into()))?;
         let shape = info.shape.dims().to_vec();
-        let n: usize = shape.iter().product();
-        let (bs, ts) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
-        if n % bs != 0 {
-            return Err(bad(format!("{n} values are not whole blocks of {bs} ({:?})", info.ggml_dtype)));
-        }
-        let mut bytes = vec![0u8; n / bs * ts];
-        let at = self.content.tensor_data_offset + info.offset;
+        // Checked against the file's length first: nothing is allocated for bytes it lacks.
+        let (at, len) = self.tensor_extent(name)?;
+        let len = usize::try_from(len).map_err(|_| bad(format!("{len} bytes do not fit this machine's memory")))?;
+        let mut bytes = vec![0u8; len];
         self.raw.read_exact_at(&mut bytes, at).map_err(|e| {
             bad(format!(
                 "cannot read its {} bytes at offset {at} ({e}): the file is truncated or corrupt; download or write it again",
@@ -379,13 +420,242 @@ impl GgufFile {
     }
 }
 
-/// Opens a file for hashing or copying, with the path in the error.
+/// The last `general.alignment` of a GGUF's metadata, if it is of an integer type candle's
+/// reader takes (`Some(0)` is what it would divide by), read without allocating for any value;
+/// `reader` (at the file's start, `len` bytes long) is put back there. `None` where the
+/// metadata cannot be walked (candle then says why) or has no such key.
+fn alignment_of(reader: &mut BufReader<File>, len: u64) -> std::io::Result<Option<u64>> {
+    let found = MetaWalk { r: &mut *reader, pos: 0, end: len }.alignment().unwrap_or(None);
+    reader.seek(SeekFrom::Start(0))?;
+    Ok(found)
+}
+
+/// [`alignment_of`]'s reader: the header, then each key and value, values skipped through the
+/// buffer (no seek, no allocation), every length checked against the file's end first.
+struct MetaWalk<'a> {
+    r: &'a mut BufReader<File>,
+    pos: u64,
+    end: u64,
+}
+
+impl MetaWalk<'_> {
+    fn bad() -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, "unexpected metadata")
+    }
+
+    fn bytes<const N: usize>(&mut self) -> std::io::Result<[u8; N]> {
+        let mut b = [0u8; N];
+        self.r.read_exact(&mut b)?;
+        self.pos += N as u64;
+        Ok(b)
+    }
+
+    fn u32(&mut self) -> std::io::Result<u32> {
+        self.bytes::<4>().map(u32::from_le_bytes)
+    }
+
+    /// A count or a string length: u32 in GGUF v1, u64 after.
+    fn len(&mut self, v1: bool) -> std::io::Result<u64> {
+        if v1 {
+            self.u32().map(u64::from)
+        } else {
+            self.bytes::<8>().map(u64::from_le_bytes)
+        }
+    }
+
+    fn skip(&mut self, n: u64) -> std::io::Result<()> {
+        if n > self.end.saturating_sub(self.pos) {
+            return Err(Self::bad());
+        }
+        let mut left = n;
+        while left > 0 {
+            let buf = self.r.fill_buf()?;
+            if buf.is_empty() {
+                return Err(Self::bad());
+            }
+            let k = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+            self.r.consume(k);
+            left -= k as u64;
+        }
+        self.pos += n;
+        Ok(())
+    }
+
+    /// Byte size of a fixed-size value type (GGUF value type numbers).
+    fn fixed(t: u32) -> Option<u64> {
+        match t {
+            0 | 1 | 7 => Some(1),
+            2 | 3 => Some(2),
+            4..=6 => Some(4),
+            10..=12 => Some(8),
+            _ => None,
+        }
+    }
+
+    /// Skips one value of type `t` (arrays nested to a depth of 8).
+    fn value(&mut self, t: u32, v1: bool, depth: u32) -> std::io::Result<()> {
+        if let Some(n) = Self::fixed(t) {
+            return self.skip(n);
+        }
+        match t {
+            8 => {
+                let n = self.len(v1)?;
+                self.skip(n)
+            }
+            9 if depth < 8 => {
+                let et = self.u32()?;
+                let n = self.len(v1)?;
+                match Self::fixed(et) {
+                    Some(size) => self.skip(n.checked_mul(size).ok_or_else(Self::bad)?),
+                    // Each element takes at least 4 bytes: more than the file holds is corrupt.
+                    None if n > self.end.saturating_sub(self.pos) / 4 => Err(Self::bad()),
+                    None => (0..n).try_for_each(|_| self.value(et, v1, depth + 1)),
+                }
+            }
+            _ => Err(Self::bad()),
+        }
+    }
+
+    fn alignment(&mut self) -> std::io::Result<Option<u64>> {
+        if &self.bytes::<4>()? != b"GGUF" {
+            return Ok(None);
+        }
+        let v1 = self.u32()? == 1;
+        let _tensors = self.len(v1)?;
+        let kvs = self.len(v1)?;
+        let mut found = None;
+        for _ in 0..kvs {
+            let key_len = self.len(v1)?;
+            let is_alignment = if key_len == KEY_ALIGNMENT.len() as u64 {
+                self.bytes::<17>()? == *KEY_ALIGNMENT
+            } else {
+                self.skip(key_len)?;
+                false
+            };
+            let t = self.u32()?;
+            // The integer types candle reads the alignment from (U8 to I32; others: default).
+            if is_alignment && t <= 5 {
+                let n = Self::fixed(t).ok_or_else(Self::bad)? as usize;
+                let mut b = [0u8; 8];
+                self.r.read_exact(&mut b[..n])?;
+                self.pos += n as u64;
+                found = Some(u64::from_le_bytes(b));
+            } else {
+                self.value(t, v1, 0)?;
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// The metadata key of the tensor data's alignment.
+const KEY_ALIGNMENT: &[u8; 17] = b"general.alignment";
+
 /// The message of a candle error without the backtrace candle appends to it when
 /// `RUST_BACKTRACE` is set (after a line break).
 fn first_line(message: &str) -> &str {
     message.lines().next().unwrap_or("").trim_end()
 }
 
+/// Opens a file for hashing or copying, with the path in the error.
 pub(crate) fn open_file(path: &Path) -> Result<File> {
     File::open(path).map_err(io_err(format!("opening {}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+    use crate::gguf_write::testfile::TestGguf;
+
+    fn open(g: &TestGguf, tag: &str) -> (crate::gguf_write::testfile::TempFile, Result<GgufFile>) {
+        let f = g.write(tag);
+        let opened = GgufFile::open(f.path());
+        (f, opened)
+    }
+
+    #[test]
+    fn an_alignment_of_zero_is_refused_not_a_panic() {
+        // candle's reader divides by `general.alignment` (it panicked: divide by zero).
+        for v in [Value::U32(0), Value::U8(0), Value::I32(0), Value::U16(0)] {
+            let g = TestGguf::tiny().set("general.alignment", v.clone());
+            let e = open(&g, "align0").1.expect_err("alignment 0");
+            let msg = e.to_string();
+            assert!(matches!(e, WorkerError::ModelFile { .. }) && msg.contains("general.alignment"), "{v:?}: {msg}");
+        }
+        // Other alignments, and 0 in a type candle does not read it from, still open.
+        for v in [Value::U32(32), Value::U64(0), Value::I32(-1)] {
+            let g = TestGguf::tiny().set("general.alignment", v.clone());
+            open(&g, "align-ok").1.unwrap_or_else(|e| panic!("{v:?}: {e}"));
+        }
+    }
+
+    #[test]
+    fn the_metadata_walk_skips_every_value_type() {
+        // Strings, arrays of strings and nested arrays before the key, one key after it.
+        let g = TestGguf::tiny()
+            .set("a.strings", Value::Array(vec![Value::String("x".into()), Value::String("yz".into())]))
+            .set("a.nested", Value::Array(vec![Value::Array(vec![Value::U8(1), Value::U8(2)]), Value::Array(vec![])]))
+            .set("a.floats", Value::Array(vec![Value::F64(1.0); 3]))
+            .set("a.bool", Value::Bool(true))
+            .set("general.alignment", Value::U16(0))
+            .set("z.after", Value::String("after".into()));
+        let f = g.write("walk");
+        let file = File::open(f.path()).unwrap();
+        let len = file.metadata().unwrap().len();
+        let mut r = BufReader::new(file);
+        assert_eq!(alignment_of(&mut r, len).unwrap(), Some(0));
+        assert_eq!(r.stream_position().unwrap(), 0, "the reader is put back at the start");
+        // A truncated header is not this walk's to report: None, and candle says why.
+        let cut = &g.bytes()[..60];
+        let p = std::env::temp_dir().join(format!("fp-test-{}-walk-cut.gguf", std::process::id()));
+        std::fs::write(&p, cut).unwrap();
+        let mut r = BufReader::new(File::open(&p).unwrap());
+        assert_eq!(alignment_of(&mut r, cut.len() as u64).unwrap(), None);
+        let e = GgufFile::open(&p).unwrap_err().to_string();
+        assert!(e.contains("not a readable GGUF"), "{e}");
+        let _ = std::fs::remove_file(p);
+    }
+
+    #[test]
+    fn a_tensor_larger_than_the_file_is_refused_before_allocating() {
+        // token_embd claims [2^36, 8] f32 (2 TiB) in a file of a few KB: it aborted allocating.
+        let mut g = TestGguf::tiny();
+        g.tensor("token_embd.weight").1 = vec![1 << 36, 8];
+        let (_f, file) = open(&g, "huge");
+        let file = file.unwrap();
+        for e in [
+            file.raw_tensor("token_embd.weight").map(|_| ()).unwrap_err(),
+            file.content_digest().map(|_| ()).unwrap_err(),
+            ModelConfig::from_gguf(&file).map(|_| ()).unwrap_err(),
+        ] {
+            let msg = e.to_string();
+            assert!(msg.contains("token_embd.weight") && msg.contains("truncated or corrupt"), "{msg}");
+        }
+        // A shape whose count overflows, and an offset past 2^64: errors, not wrapped offsets.
+        let mut g = TestGguf::tiny();
+        g.tensor("output_norm.weight").1 = vec![usize::MAX / 2, 4];
+        g.tensor("blk.0.attn_norm.weight").3 = u64::MAX - 10;
+        let (_f, file) = open(&g, "overflow");
+        let file = file.unwrap();
+        let e = file.raw_tensor("output_norm.weight").map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("more values than can be counted"), "{e}");
+        let e = file.raw_tensor("blk.0.attn_norm.weight").map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("truncated or corrupt"), "{e}");
+        assert!(file.content_digest().is_err());
+    }
+
+    #[test]
+    fn a_truncated_file_names_the_tensor() {
+        let g = TestGguf::tiny();
+        let bytes = g.bytes();
+        let p = std::env::temp_dir().join(format!("fp-test-{}-trunc.gguf", std::process::id()));
+        std::fs::write(&p, &bytes[..bytes.len() - 40]).unwrap();
+        let file = GgufFile::open(&p).unwrap();
+        let last = g.tensors.iter().max_by_key(|t| t.3).unwrap().0.clone();
+        let e = file.raw_tensor(&last).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains(&last) && e.contains("truncated"), "{e}");
+        assert!(file.content_digest().is_err());
+        let _ = std::fs::remove_file(p);
+    }
 }

@@ -168,7 +168,7 @@ fn plan(cfg: &ModelConfig, format: WeightFormat) -> Vec<Planned> {
 fn config_metadata(cfg: &ModelConfig) -> Vec<(String, Value)> {
     let a = cfg.arch.name();
     let u = |v: usize| Value::U32(v as u32);
-    vec![
+    let mut meta = vec![
         ("general.architecture".into(), Value::String(a.into())),
         ("general.name".into(), Value::String(cfg.name.clone())),
         (format!("{a}.block_count"), u(cfg.n_layers)),
@@ -182,7 +182,12 @@ fn config_metadata(cfg: &ModelConfig) -> Vec<(String, Value)> {
         (format!("{a}.context_length"), u(cfg.context_length)),
         (format!("{a}.rope.freq_base"), Value::F32(cfg.rope_base as f32)),
         (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(cfg.rms_eps)),
-    ]
+    ];
+    if cfg.rope_linear_factor != 1.0 {
+        meta.push((format!("{a}.rope.scaling.type"), Value::String("linear".into())));
+        meta.push((format!("{a}.rope.scaling.factor"), Value::F32(cfg.rope_linear_factor as f32)));
+    }
+    meta
 }
 
 /// `general.name` of [`write_tokenizer`]'s files.
@@ -315,6 +320,138 @@ fn write_to(
     let bytes = w.stream_position().map_err(werr)?;
     w.get_ref().sync_all().map_err(werr)?;
     Ok(Written { bytes, tensors: tensors.len() })
+}
+
+/// Hand-made GGUF files for the loader's tests, hostile ones included: metadata, tensor infos
+/// of any shape, type and offset, and the data bytes, written as given (no check).
+#[cfg(test)]
+pub(crate) mod testfile {
+    use super::{config_metadata, padding, plan, value_type, write_str, write_value, WeightFormat};
+    use crate::config::{Arch, ModelConfig};
+    use candle_core::quantized::gguf_file::Value;
+    use std::path::{Path, PathBuf};
+
+    /// A GGUF under construction.
+    pub(crate) struct TestGguf {
+        /// Metadata, in file order.
+        pub(crate) meta: Vec<(String, Value)>,
+        /// Tensor infos: name, dimensions (outermost first), ggml type, offset in the data.
+        pub(crate) tensors: Vec<(String, Vec<usize>, u32, u64)>,
+        /// The data section.
+        pub(crate) data: Vec<u8>,
+    }
+
+    /// A file that is removed when dropped.
+    pub(crate) struct TempFile(pub(crate) PathBuf);
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    impl TempFile {
+        pub(crate) fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    /// A one-layer llama: d 8, 2 heads of 4 over 1 KV head, FFN 16, vocabulary 10.
+    pub(crate) fn tiny_config() -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Llama,
+            name: "tiny".into(),
+            n_layers: 1,
+            d_model: 8,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            ffn_dim: 16,
+            vocab_size: 10,
+            context_length: 64,
+            rope_base: 10_000.0,
+            rope_dim: 4,
+            rope_linear_factor: 1.0,
+            rms_eps: 1e-5,
+            tied_embeddings: true,
+        }
+    }
+
+    impl TestGguf {
+        /// A whole model of `cfg`'s shape, f32 zeros.
+        pub(crate) fn model(cfg: &ModelConfig) -> Self {
+            let mut tensors = Vec::new();
+            let mut data = Vec::new();
+            for t in plan(cfg, WeightFormat::F32) {
+                let bytes = t.bytes();
+                tensors.push((t.name, t.dims, 0, data.len() as u64));
+                data.resize(data.len() + (bytes + padding(bytes)) as usize, 0);
+            }
+            Self { meta: config_metadata(cfg), tensors, data }
+        }
+
+        /// [`tiny_config`]'s model.
+        pub(crate) fn tiny() -> Self {
+            Self::model(&tiny_config())
+        }
+
+        /// Sets metadata `key` (replacing it where present).
+        pub(crate) fn set(mut self, key: &str, value: Value) -> Self {
+            match self.meta.iter_mut().find(|(k, _)| k == key) {
+                Some(kv) => kv.1 = value,
+                None => self.meta.push((key.to_string(), value)),
+            }
+            self
+        }
+
+        /// The tensor info of `name`.
+        pub(crate) fn tensor(&mut self, name: &str) -> &mut (String, Vec<usize>, u32, u64) {
+            self.tensors.iter_mut().find(|t| t.0 == name).expect("a tensor of the test file")
+        }
+
+        /// The file's bytes (tensor data aligned to 32 bytes, as `general.alignment` absent).
+        pub(crate) fn bytes(&self) -> Vec<u8> {
+            let mut w = Vec::new();
+            w.extend_from_slice(b"GGUF");
+            w.extend_from_slice(&3u32.to_le_bytes());
+            w.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
+            w.extend_from_slice(&(self.meta.len() as u64).to_le_bytes());
+            for (k, v) in &self.meta {
+                write_str(&mut w, k).expect("a Vec takes every write");
+                w.extend_from_slice(&value_type(v).to_le_bytes());
+                write_value(&mut w, v).expect("a Vec takes every write");
+            }
+            for (name, dims, ty, offset) in &self.tensors {
+                write_str(&mut w, name).expect("a Vec takes every write");
+                w.extend_from_slice(&(dims.len() as u32).to_le_bytes());
+                for &d in dims.iter().rev() {
+                    w.extend_from_slice(&(d as u64).to_le_bytes());
+                }
+                w.extend_from_slice(&ty.to_le_bytes());
+                w.extend_from_slice(&offset.to_le_bytes());
+            }
+            w.resize(w.len() + padding(w.len() as u64) as usize, 0);
+            w.extend_from_slice(&self.data);
+            w
+        }
+
+        /// Writes it to a temporary file named after `tag` (removed when the result drops).
+        pub(crate) fn write(&self, tag: &str) -> TempFile {
+            let path = std::env::temp_dir().join(format!("fp-test-{}-{tag}.gguf", std::process::id()));
+            std::fs::write(&path, self.bytes()).expect("writing a test GGUF");
+            TempFile(path)
+        }
+    }
+
+    #[test]
+    fn the_tiny_model_loads() {
+        let f = TestGguf::tiny().write("tiny-loads");
+        let file = crate::gguf::GgufFile::open(f.path()).unwrap();
+        let cfg = ModelConfig::from_gguf(&file).unwrap();
+        assert_eq!(ModelConfig { name: "tiny".into(), ..cfg.clone() }, tiny_config());
+        let mut file = file;
+        crate::Model::from_file(&mut file, cfg, crate::Cpu::default()).unwrap();
+    }
 }
 
 #[cfg(test)]

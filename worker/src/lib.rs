@@ -65,12 +65,31 @@ pub struct LoadedModel<B: Backend> {
     pub cache_identity: String,
 }
 
+/// Refuses a tokenizer that makes ids past the embedding's `rows` (found at load, not as an
+/// internal error when a prompt first uses such a token). `path` holds the tokenizer; `what`
+/// names the embedding.
+fn check_vocab(tokenizer: &tokenizer::Tokenizer, rows: usize, path: &Path, what: &str) -> Result<()> {
+    if tokenizer.vocab_size() > rows {
+        return Err(WorkerError::ModelFile {
+            path: path.to_path_buf(),
+            detail: format!(
+                "its tokenizer has {} tokens but {what} has {rows} rows: ids from {rows} on have no \
+                 embedding; give a model whose tokenizer matches its weights (or, for a synthetic model, \
+                 a --tokenizer of at most {rows} tokens)",
+                tokenizer.vocab_size()
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl<B: Backend> LoadedModel<B> {
     /// Loads everything from `path`.
     pub fn load(path: &Path, backend: B) -> Result<Self> {
         let mut file = gguf::GgufFile::open(path)?;
         let cfg = config::ModelConfig::from_gguf(&file)?;
         let tokenizer = tokenizer::Tokenizer::from_gguf(&file)?;
+        check_vocab(&tokenizer, cfg.vocab_size, path, "this file's embedding (`token_embd.weight`)")?;
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
         let fingerprint = adapter::model_fingerprint(&cfg, &file.raw_tensor("token_embd.weight")?.bytes);
         let cache_identity = format!("{fingerprint}-{}", file.content_digest()?);
@@ -83,6 +102,7 @@ impl<B: Backend> LoadedModel<B> {
     pub fn synthetic(spec: synthetic::SyntheticSpec, backend: B, tokenizer_from: &Path) -> Result<Self> {
         let file = gguf::GgufFile::open(tokenizer_from)?;
         let tokenizer = tokenizer::Tokenizer::from_gguf(&file)?;
+        check_vocab(&tokenizer, spec.config().vocab_size, tokenizer_from, "the synthetic shape's embedding")?;
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
         let fingerprint = adapter::model_fingerprint(&spec.config(), &synthetic::SEED.to_le_bytes());
         let model = Model::synthetic(spec.config(), backend, synthetic::SEED)?;
@@ -136,5 +156,30 @@ impl<B: Backend> LoadedModel<B> {
             return Err(WorkerError::TextTooLong { bytes, tokens, window });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf_write::testfile::TestGguf;
+    use candle_core::quantized::gguf_file::Value;
+
+    #[test]
+    fn a_tokenizer_larger_than_the_embedding_is_refused_at_load() {
+        // 12 tokens for an embedding of 10 rows: it loaded, then the first prompt with token 10
+        // or 11 failed as an internal error ("a bug in flowprefill").
+        let tokens: Vec<Value> = "abcdefghijkl".chars().map(|c| Value::String(c.to_string())).collect();
+        let g = TestGguf::tiny()
+            .set("tokenizer.ggml.model", Value::String("gpt2".into()))
+            .set("tokenizer.ggml.tokens", Value::Array(tokens))
+            .set("tokenizer.ggml.merges", Value::Array(vec![]))
+            .set("tokenizer.chat_template", Value::String("{{ messages[0]['content'] }}".into()));
+        let f = g.write("vocab");
+        let e = LoadedModel::load(f.path(), Cpu::default()).map(|_| ()).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, WorkerError::ModelFile { .. }), "{msg}");
+        assert!(msg.contains("12 tokens") && msg.contains("10 rows"), "{msg}");
+        assert_eq!(e.class(), ErrorClass::Model);
     }
 }

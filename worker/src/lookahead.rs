@@ -329,6 +329,7 @@ mod tests {
             context_length: 256,
             rope_base: 10000.0,
             rope_dim: 8,
+            rope_linear_factor: 1.0,
             rms_eps: 1e-5,
             tied_embeddings: true,
         }

@@ -45,6 +45,7 @@ const fn shape(
         context_length,
         rope_base,
         rope_dim: head_dim,
+        rope_linear_factor: 1.0,
         rms_eps: 1e-5,
         tied_embeddings,
     };

@@ -153,7 +153,7 @@ impl ChatTemplate {
             let n: usize = after[..close]
                 .parse()
                 .map_err(|_| WorkerError::Template("the template altered a content placeholder".into()))?;
-            pieces.push(if n % 2 == 0 { Piece::Text(texts[n / 2].clone()) } else { Piece::Slot(n / 2) });
+            pieces.push(if n.is_multiple_of(2) { Piece::Text(texts[n / 2].clone()) } else { Piece::Slot(n / 2) });
             rest = &after[close + SLOT_CLOSE.len_utf8()..];
         }
         if !rest.is_empty() {

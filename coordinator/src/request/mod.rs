@@ -298,7 +298,7 @@ pub const MAX_SCORE_POOL: usize = 63;
 
 /// A score-pooling window must be odd (centred on its token) and at most [`MAX_SCORE_POOL`].
 pub fn check_score_pool(window: usize) -> std::result::Result<(), InputError> {
-    if window % 2 == 0 || window > MAX_SCORE_POOL {
+    if window.is_multiple_of(2) || window > MAX_SCORE_POOL {
         return Err(InputError::new(
             Field::ScorePool,
             format!("{window}: the window must be odd (centred on the token) and at most {MAX_SCORE_POOL}, e.g. 7"),

@@ -182,7 +182,10 @@ fn tile(
                 let r = t * g + gi;
                 let hidx = t * hq + kh * g + gi;
                 let dst = &mut out[hidx * d..][..d];
-                if sc.l[r] > 0.0 {
+                // l is NaN when a visible score was NaN or +inf (exp2 passes NaN on, and
+                // +inf - +inf is NaN): out and lse are NaN then, as in the f64 reference,
+                // never the "sees no key" of l = 0 that a merge would drop.
+                if sc.l[r] > 0.0 || sc.l[r].is_nan() {
                     let inv = 1.0 / sc.l[r];
                     for (x, &y) in dst.iter_mut().zip(&sc.o[r * d..(r + 1) * d]) {
                         *x = y * inv;
@@ -209,13 +212,18 @@ fn mask_rows(s: &mut [f32], nb: usize, rowpos: &[u32], kpos: &[u32]) {
 }
 
 crate::multiversion! {
-    /// Online softmax step in base 2: S becomes P = 2^(S - m_new), O and l are rescaled.
+    /// Online softmax step in base 2: S becomes P = 2^(S - m_new), O and l are rescaled. A
+    /// NaN score, or a +inf one (2^(inf - inf)), makes l NaN for good (see [`simd::exp2`]).
     fn softmax_update(s: &mut [f32], nb: usize, m: &mut [f32], l: &mut [f32], o: &mut [f32], d: usize) {
         for (r, row) in s.chunks_exact_mut(nb).enumerate() {
             let mb = simd::max_of(row);
             let m_new = if mb > m[r] { mb } else { m[r] };
             if m_new == f32::NEG_INFINITY {
-                // Nothing visible yet: P = 0 contributes nothing to O.
+                // Nothing visible yet (max_of skips NaN): P = 0 contributes nothing to O, but
+                // a NaN score makes the row NaN (rare: only rows that saw no finite score).
+                if row.iter().any(|x| x.is_nan()) {
+                    l[r] = f32::NAN;
+                }
                 row.fill(0.0);
                 continue;
             }

@@ -40,7 +40,7 @@ pub struct AttnShape {
 impl AttnShape {
     /// Checks the head layout and sets the default scale.
     pub fn new(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> Result<Self> {
-        if n_kv_heads == 0 || n_heads == 0 || n_heads % n_kv_heads != 0 {
+        if n_kv_heads == 0 || n_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
             return Err(KernelError::HeadLayout { op: "AttnShape::new", n_heads, n_kv_heads });
         }
         if head_dim == 0 {
@@ -88,6 +88,19 @@ impl KvRef<'_> {
     }
 }
 
+/// Checks a head layout that may not come from [`AttnShape::new`] (the fields are public):
+/// heads and KV heads positive, the query heads a multiple of the KV heads, a positive head
+/// size. A zero would divide by zero in the kernels, or make every buffer empty.
+pub(crate) fn check_layout(op: &'static str, shape: &AttnShape) -> Result<()> {
+    if shape.n_kv_heads == 0 || shape.n_heads == 0 || !shape.n_heads.is_multiple_of(shape.n_kv_heads) {
+        return Err(KernelError::HeadLayout { op, n_heads: shape.n_heads, n_kv_heads: shape.n_kv_heads });
+    }
+    if shape.head_dim == 0 {
+        return Err(KernelError::Shape { op, detail: "head_dim is 0".into() });
+    }
+    Ok(())
+}
+
 /// Checks all buffer lengths of an attention call.
 pub(crate) fn check_shapes(
     op: &'static str,
@@ -98,9 +111,7 @@ pub(crate) fn check_shapes(
     out_len: usize,
     lse_len: usize,
 ) -> Result<()> {
-    if shape.n_kv_heads == 0 || shape.n_heads % shape.n_kv_heads != 0 {
-        return Err(KernelError::HeadLayout { op, n_heads: shape.n_heads, n_kv_heads: shape.n_kv_heads });
-    }
+    check_layout(op, shape)?;
     let m = qpos.len();
     let n = kv.pos.len();
     check_len(op, "q", q.len(), m * shape.q_dim())?;

@@ -27,7 +27,15 @@ pub fn attention_ref(
                     })
                 })
                 .collect();
-            let mx = scores.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
+            // The largest visible score; NaN if one is NaN (f64::max would skip it, and a row
+            // of NaN scores would read as one that sees no key).
+            let mx = scores.iter().flatten().copied().fold(f64::NEG_INFINITY, |a, s| {
+                if a.is_nan() || s.is_nan() {
+                    f64::NAN
+                } else {
+                    a.max(s)
+                }
+            });
             let o = &mut out[(i * hq + h) * d..][..d];
             if mx == f64::NEG_INFINITY {
                 o.fill(0.0);

@@ -10,7 +10,7 @@
 //! task the score tile is a small GEMM as in the attention kernel.
 
 use super::{AttnShape, KvRef};
-use crate::error::{check_len, KernelError, Result};
+use crate::error::{check_len, Result};
 use crate::simd;
 use rayon::prelude::*;
 
@@ -27,9 +27,7 @@ fn check(
     scores: &[f32],
 ) -> Result<()> {
     let (k, kpos) = (kv.k, kv.pos);
-    if shape.n_kv_heads == 0 || shape.n_heads % shape.n_kv_heads != 0 {
-        return Err(KernelError::HeadLayout { op, n_heads: shape.n_heads, n_kv_heads: shape.n_kv_heads });
-    }
+    super::check_layout(op, shape)?;
     check_len(op, "q", q.len(), qpos.len() * shape.q_dim())?;
     check_len(op, "k", k.len(), kpos.len() * shape.kv_dim())?;
     check_len(op, "lse", lse.len(), qpos.len() * shape.n_heads)?;

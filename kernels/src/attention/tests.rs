@@ -252,3 +252,127 @@ fn rejects_bad_layouts() {
     let err = attention(&shape, &[0.0; 7], &[0], KvRef { k: &[], v: &[], pos: &[] }, &mut out, &mut lse).unwrap_err();
     assert!(err.to_string().contains("q has 7 elements"), "{err}");
 }
+
+#[test]
+fn layouts_built_without_new_are_checked() {
+    // AttnShape's fields are public (the worker builds it from a model's metadata): a zero
+    // head count or head size is an error, not a division by zero inside the kernel.
+    let q = [0.0f32; 8];
+    let kv = KvRef { k: &[0.0; 8], v: &[0.0; 8], pos: &[0] };
+    for (n_heads, n_kv_heads, head_dim) in [(0, 1, 4), (0, 0, 4), (2, 1, 0), (1, 2, 4)] {
+        let shape = AttnShape { n_heads, n_kv_heads, head_dim, scale: 1.0 };
+        let (mut out, mut lse) = (vec![0f32; 8], vec![0f32; 2]);
+        let fast = attention(&shape, &q, &[0], kv, &mut out, &mut lse).expect_err("fast");
+        let slow = attention_ref(&shape, &q, &[0], kv, &mut out, &mut lse).expect_err("reference");
+        let mut scores = vec![0f32; 1];
+        let mass = attention_scores(&shape, &q, &[0], kv, &lse, &mut scores).expect_err("scores");
+        for e in [fast, slow, mass] {
+            let e = e.to_string();
+            assert!(e.contains("head"), "{n_heads}/{n_kv_heads}/{head_dim}: {e}");
+        }
+    }
+}
+
+/// The query rows (token, head) that see key `j`: the keys of its KV head, at or before the
+/// query's position.
+fn rows_seeing(c: &Case, j: usize, kh: usize) -> Vec<usize> {
+    let (hq, g) = (c.shape.n_heads, c.shape.group());
+    let mut rows = Vec::new();
+    for (i, &p) in c.qpos.iter().enumerate() {
+        if c.kpos[j] <= p {
+            rows.extend((kh * g..(kh + 1) * g).map(|h| i * hq + h));
+        }
+    }
+    rows
+}
+
+/// Checks that exactly `nan_rows` are NaN (every value of out, and lse) in `got`, and that the
+/// other rows match `want` within the usual tolerances.
+fn assert_nan_rows(tag: &str, got: &(Vec<f32>, Vec<f32>), want: &(Vec<f32>, Vec<f32>), nan_rows: &[usize], d: usize) {
+    assert!(!nan_rows.is_empty(), "{tag}: the case must have rows that see the key");
+    for r in 0..got.1.len() {
+        let (o, l) = (&got.0[r * d..(r + 1) * d], got.1[r]);
+        if nan_rows.contains(&r) {
+            assert!(l.is_nan() && o.iter().all(|x| x.is_nan()), "{tag}: row {r} sees the key: lse {l}, out {o:?}");
+        } else {
+            assert!(!l.is_nan() && o.iter().all(|x| !x.is_nan()), "{tag}: row {r} does not see it: lse {l}");
+            let (wo, wl) = (&want.0[r * d..(r + 1) * d], want.1[r]);
+            let err = crate::testing::max_abs_diff(o, wo);
+            assert!(err <= ATTN_OUT_TOL, "{tag}: row {r}: out differs by {err}");
+            if l.is_infinite() || wl.is_infinite() {
+                assert_eq!(l, wl, "{tag}: row {r}");
+            } else {
+                assert!((l - wl).abs() <= ATTN_LSE_TOL * wl.abs().max(1.0), "{tag}: row {r}: lse {l} vs {wl}");
+            }
+        }
+    }
+}
+
+/// A NaN key, a +inf score (an infinite key against positive queries) and a NaN key that is a
+/// row's only visible key: the rows that see it are NaN in out and lse, in the f64 reference
+/// and in the fast kernel at every SIMD level, through one tile (many queries) and through the
+/// split-key path merged by merge_partial (one query over several key blocks). Before, the
+/// fast kernel dropped the NaN (exp2 made it 0) and turned a +inf row into "sees no key"
+/// (out 0, lse -inf), which a merge then discards.
+#[test]
+fn non_finite_keys_make_the_rows_that_see_them_nan() {
+    let mut rng = StdRng::seed_from_u64(17);
+    // (queries, keys, heads, KV heads, key index, what goes in it)
+    let cases = [(40, 300, 6, 2, 130), (1, 400, 4, 2, 250), (70, 390, 9, 3, 0)];
+    for (m, n, h, kvh, j) in cases {
+        for poison in [f32::NAN, f32::INFINITY] {
+            let mut c = case(&mut rng, m, n, h, kvh, 16, Layout::Causal);
+            // Positive queries: an infinite key scores +inf (not -inf, nor 0 * inf = NaN).
+            c.q.iter_mut().for_each(|x| *x = x.abs() + 0.1);
+            let clean = run(&c, attention_ref);
+            let kh = kvh - 1;
+            let d = c.shape.head_dim;
+            c.k[(j * kvh + kh) * d..][..d].fill(poison);
+            let rows = rows_seeing(&c, j, kh);
+            let tag = format!("m{m} n{n} key {j} = {poison}");
+            let slow = run(&c, attention_ref);
+            assert_nan_rows(&format!("{tag}, reference"), &slow, &clean, &rows, d);
+            simd::at_every_level(|lvl| {
+                let fast = run(&c, attention);
+                assert_nan_rows(&format!("{tag}, {lvl:?}"), &fast, &clean, &rows, d);
+            });
+        }
+    }
+    // A row whose only visible key is NaN (the kernel's "nothing visible yet" branch).
+    let shape = AttnShape::new(1, 1, 4).unwrap();
+    let (k, v) = ([f32::NAN, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5], [1.0f32; 8]);
+    let kv = KvRef { k: &k, v: &v, pos: &[0, 5] };
+    let q = [1.0f32; 8];
+    for f in [attention as AttnFn, attention_ref] {
+        let (mut out, mut lse) = (vec![0f32; 8], vec![0f32; 2]);
+        simd::at_every_level(|lvl| {
+            f(&shape, &q, &[0, 5], kv, &mut out, &mut lse).unwrap();
+            assert!(lse[0].is_nan() && out[..4].iter().all(|x| x.is_nan()), "{lvl:?}: {out:?} {lse:?}");
+            assert!(lse[1].is_nan(), "{lvl:?}: the second query sees the NaN key too");
+        });
+    }
+}
+
+/// The attention mass of a NaN key is NaN in the fast scores and in the reference (the fast
+/// one's exp2 made it 0), at every SIMD level; the other keys' are unchanged.
+#[test]
+fn a_nan_key_has_nan_mass_in_both_scores() {
+    let mut rng = StdRng::seed_from_u64(23);
+    let mut c = case(&mut rng, 30, 300, 4, 2, 16, Layout::Causal);
+    let (_, lse) = run(&c, attention);
+    let j = 140;
+    c.k[(j * 2 + 1) * 16..][..16].fill(f32::NAN);
+    let mut slow = vec![0f32; 300];
+    attention_scores_ref(&c.shape, &c.q, &c.qpos, c.kv(), &lse, &mut slow).unwrap();
+    simd::at_every_level(|lvl| {
+        let mut fast = vec![0f32; 300];
+        attention_scores(&c.shape, &c.q, &c.qpos, c.kv(), &lse, &mut fast).unwrap();
+        for (i, (a, b)) in fast.iter().zip(&slow).enumerate() {
+            assert_eq!(a.is_nan(), i == j, "{lvl:?}: key {i}: fast {a}");
+            assert_eq!(b.is_nan(), i == j, "key {i}: reference {b}");
+            if i != j {
+                assert!((a - b).abs() <= SCORES_TOL_PER_ROW * (30 * 4) as f32, "{lvl:?}: key {i}: {a} vs {b}");
+            }
+        }
+    });
+}

@@ -563,7 +563,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_bias(&self, x: &mut DeviceBuf, bias: &DeviceBuf) -> Result<()> {
-        if bias.len == 0 || x.len % bias.len != 0 {
+        if bias.len == 0 || !x.len.is_multiple_of(bias.len) {
             return Err(KernelError::Shape {
                 op: "add_bias",
                 detail: format!("{} values are not rows of the bias length {}", x.len, bias.len),
@@ -577,7 +577,7 @@ impl Backend for CudaBackend {
 
     fn rms_norm(&self, x: &DeviceBuf, w: &DeviceBuf, eps: f32, out: &mut DeviceBuf) -> Result<()> {
         let cols = w.len;
-        if cols == 0 || x.len % cols != 0 {
+        if cols == 0 || !x.len.is_multiple_of(cols) {
             return Err(KernelError::Shape {
                 op: "rms_norm",
                 detail: format!("x has {} elements, not a multiple of the weight length {cols}", x.len),
@@ -665,7 +665,7 @@ impl Backend for CudaBackend {
     }
 
     fn silu_mul(&self, gate_up: &DeviceBuf, ffn: usize, out: &mut DeviceBuf) -> Result<()> {
-        if ffn == 0 || out.len % ffn != 0 {
+        if ffn == 0 || !out.len.is_multiple_of(ffn) {
             return Err(KernelError::Shape {
                 op: "silu_mul",
                 detail: format!("{} outputs for rows of {ffn}", out.len),
@@ -701,7 +701,7 @@ impl Backend for CudaBackend {
         width: usize,
         dst: &mut DeviceBuf,
     ) -> Result<()> {
-        if src_cols == 0 || src.len % src_cols != 0 || col + width > src_cols {
+        if src_cols == 0 || !src.len.is_multiple_of(src_cols) || col + width > src_cols {
             return Err(KernelError::Shape {
                 op: "copy_columns",
                 detail: format!(

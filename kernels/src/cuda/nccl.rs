@@ -388,7 +388,8 @@ impl NcclPlane {
     pub fn complete(&mut self) -> PlaneResult<Vec<DeviceBuf>> {
         let p = self.pending.take().ok_or_else(|| PlaneError::Misuse("device complete without issue".into()))?;
         let peer = p.peers.first().copied().unwrap_or(0);
-        let deadline = Instant::now() + self.timeout;
+        // No deadline where `now + timeout` is past what an Instant holds (a huge --comm-timeout).
+        let deadline = Instant::now().checked_add(self.timeout);
         let mut nap = Duration::from_micros(10);
         loop {
             match p.done.try_is_complete() {
@@ -403,7 +404,7 @@ impl NcclPlane {
                 let e = PlaneError::Lost { rank: peer, op: p.op.clone(), detail };
                 return Err(self.fail(e));
             }
-            if Instant::now() >= deadline {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 let e = PlaneError::Timeout { rank: peer, op: p.op.clone(), secs: self.timeout.as_secs_f64() };
                 return Err(self.fail(e));
             }

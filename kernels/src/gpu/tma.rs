@@ -85,13 +85,16 @@ impl TensorMap2d {
 
     fn check(&self) -> Result<()> {
         let bad = |detail: String| Err(KernelError::Shape { op: "tensor map", detail });
-        if self.base % 16 != 0 {
+        if !self.base.is_multiple_of(16) {
             return bad(format!("base {:#x} is not 16-byte aligned", self.base));
         }
         if self.dims.iter().any(|&d| d == 0 || d > 1 << 32) {
             return bad(format!("dimensions {:?}: each must be 1 to 2^32", self.dims));
         }
-        if self.row_bytes % 16 != 0 || self.row_bytes < self.dims[0] * ELEM_BYTES as u64 || self.row_bytes >= 1 << 40 {
+        if !self.row_bytes.is_multiple_of(16)
+            || self.row_bytes < self.dims[0] * ELEM_BYTES as u64
+            || self.row_bytes >= 1 << 40
+        {
             return bad(format!(
                 "row stride {} B: a multiple of 16, at least a row ({} B), below 2^40",
                 self.row_bytes,

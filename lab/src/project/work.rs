@@ -190,7 +190,7 @@ impl Request {
     pub fn documents(context: usize, doc_tokens: usize, head: usize, prompt: usize) -> Self {
         let per = doc_tokens.max(1);
         let mut chunks = vec![per; context / per];
-        if context % per > 0 {
+        if !context.is_multiple_of(per) {
             chunks.push(context % per);
         }
         Self { head, chunks, prompt, selected: None, cached: Vec::new() }

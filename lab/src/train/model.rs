@@ -209,7 +209,7 @@ impl TrainModel {
         let inv_freq = (0..half)
             .map(|i| {
                 let f = 1.0 / cfg.rope_base.powf(2.0 * i as f64 / cfg.rope_dim as f64);
-                f / freq_factors.map_or(1.0, |ff| ff[i] as f64)
+                f / freq_factors.map_or(1.0, |ff| ff[i] as f64) / cfg.rope_linear_factor
             })
             .collect();
         let style = cfg.arch.rope_style();

@@ -429,7 +429,7 @@ impl<'a, M: Method> Run<'a, M> {
         self.history.train.push(loss);
         self.history.seconds += seconds;
         on(Event::Step { step: self.step, total: s.total_steps(), loss, lr, seconds });
-        if self.step % spe == 0 {
+        if self.step.is_multiple_of(spe) {
             let epoch = self.step / spe;
             let v = mean_loss(&s.method, self.tm, self.var.as_tensor(), &self.val_set)?;
             self.history.validation.push((epoch, v));

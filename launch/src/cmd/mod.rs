@@ -612,9 +612,17 @@ impl ScoringArgs {
     }
 }
 
-/// `--comm-timeout SECONDS` as a deadline: a positive number that fits a `Duration`, else a
-/// caller's error (exit 2) that says so.
+/// The longest `--comm-timeout` (about 31 years): a larger one means the same, no deadline in
+/// practice, and keeps every `Instant + timeout` (and the service's hang grace above it) far
+/// from overflowing (1e19 s panicked adding it to the clock).
+pub const MAX_COMM_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1_000_000_000);
+
+/// `--comm-timeout SECONDS` as a deadline: a positive number (capped at [`MAX_COMM_TIMEOUT`];
+/// `inf` is that cap), else a caller's error (exit 2) that says so.
 pub fn comm_timeout(secs: f64) -> Result<std::time::Duration> {
+    if secs > 0.0 && secs >= MAX_COMM_TIMEOUT.as_secs_f64() {
+        return Ok(MAX_COMM_TIMEOUT);
+    }
     std::time::Duration::try_from_secs_f64(secs)
         .ok()
         .filter(|d| !d.is_zero())

@@ -352,7 +352,7 @@ impl Args {
             job_timeout: secs("--job-timeout", self.job_timeout)?,
             read_timeout: secs("--read-timeout", self.read_timeout)?,
             shutdown_grace: secs("--shutdown-grace", self.shutdown_grace)?,
-            hang_grace: secs("--comm-timeout", self.comm_timeout)? + Duration::from_secs(5),
+            hang_grace: crate::cmd::comm_timeout(self.comm_timeout)? + Duration::from_secs(5),
             max_connections: self.max_connections,
             limits: Limits {
                 max_documents: self.max_documents,

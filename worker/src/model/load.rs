@@ -237,12 +237,13 @@ impl<B: Backend> Model<B> {
     /// one matrix at a time beyond what the backend keeps.
     pub fn synthetic(cfg: ModelConfig, backend: B, seed: u64) -> Result<Self> {
         let t0 = Instant::now();
-        let rope = RopeTable::new(
+        let rope = RopeTable::new_scaled(
             cfg.head_dim,
             cfg.rope_dim,
             cfg.rope_base,
             cfg.arch.rope_style(),
             None,
+            cfg.rope_linear_factor,
             cfg.context_length.clamp(1, ROPE_TABLE_MAX),
         )?;
         let (d, q, kv, ffn) = (cfg.d_model, cfg.q_dim(), cfg.kv_dim(), cfg.ffn_dim);
@@ -314,12 +315,13 @@ impl<B: Backend> Model<B> {
         let file: &GgufFile = file;
         let freq_factors =
             if file.has_tensor("rope_freqs.weight") { Some(file.tensor_f32("rope_freqs.weight")?.1) } else { None };
-        let rope = RopeTable::new(
+        let rope = RopeTable::new_scaled(
             cfg.head_dim,
             cfg.rope_dim,
             cfg.rope_base,
             cfg.arch.rope_style(),
             freq_factors.as_deref(),
+            cfg.rope_linear_factor,
             cfg.context_length.clamp(1, ROPE_TABLE_MAX),
         )?;
         let mut stats = LoadStats::default();

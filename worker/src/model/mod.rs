@@ -554,6 +554,7 @@ mod tests {
             context_length: 512,
             rope_base: 10000.0,
             rope_dim: 16,
+            rope_linear_factor: 1.0,
             rms_eps: 1e-5,
             tied_embeddings: true,
         };

@@ -76,9 +76,9 @@ pub(crate) fn post_bufs<B: Backend>(
         .iter()
         .map(|(to, rows, bufs)| {
             let types: Vec<u32> = bufs.iter().map(|b| be.dtype(b).code()).collect();
-            (*to, Packet::new().u32s(rows).u32s(&types).into_bytes())
+            Ok((*to, Packet::new().u32s(rows).u32s(&types).into_bytes().map_err(comm_err)?))
         })
-        .collect();
+        .collect::<Result<Vec<_>>>()?;
     comm.post(op, control, from.clone()).map_err(comm_err)?;
     let got = comm.wait().map_err(comm_err)?;
     let (rows, typed_lens) = read_control(op, &from, &got, lens)?;
@@ -120,7 +120,7 @@ fn staged<B: Backend>(be: &B, sends: &[Outgoing<'_, B>]) -> Result<Vec<(usize, V
                         HostBuf::Bf16(v) => p.u32s(&[DType::Bf16.code()]).u16s(&v),
                     };
                 }
-                p.into_bytes()
+                p.into_bytes().map_err(comm_err)?
             }
         };
         msgs.push((*to, bytes));

@@ -105,7 +105,7 @@ pub fn hopper_attention(
             detail: format!("a plan for {:?} at head_dim {} (the kernel takes 64 or 128)", plan.kernel, d.head_dim),
         });
     };
-    if plan.tiles_per_split % (HOPPER_KEYS / shapes::META_KEYS) != 0 {
+    if !plan.tiles_per_split.is_multiple_of(HOPPER_KEYS / shapes::META_KEYS) {
         return Err(KernelError::Shape { op, detail: format!("{plan:?}: splits not cut on the kernel's tiles") });
     }
     let (dst_out, dst_out_b, dst_lse) = split_destinations(op, plan, (out, lse), partial)?;

@@ -29,7 +29,7 @@ fn plans_split_keys_only_when_blocks_are_few() {
         assert!(p.splits <= force && (p.splits - 1) * p.tiles_per_split < p.key_tiles);
         assert!(p.splits * p.tiles_per_split >= p.key_tiles);
         // The Hopper kernel's splits are cut on its 128-key tiles.
-        assert!(!kernel.is_hopper() || p.tiles_per_split % 2 == 0, "{p:?}");
+        assert!(!kernel.is_hopper() || p.tiles_per_split.is_multiple_of(2), "{p:?}");
     }
 }
 
@@ -139,7 +139,10 @@ fn launch_shapes_come_from_the_header_only() {
             for (m, v) in [("WARPS", s.warps), ("WM", s.wm), ("KEYS", s.keys), ("MINB", s.min_blocks)] {
                 assert!(h.contains(&format!("#define FP_FA2_D{d}_{m} {v}\n")), "config {c}: {m}\n{h}");
             }
-            assert!(FLASH_KEYS % s.keys == 0, "config {c} d{d}: a kernel tile must divide the metadata's tile");
+            assert!(
+                FLASH_KEYS.is_multiple_of(s.keys),
+                "config {c} d{d}: a kernel tile must divide the metadata's tile"
+            );
             let k = FlashKernel::Fa2(c as u8);
             assert_eq!(k.kernel(d), shapes::fa2_kernel(c, d));
             assert_eq!(shapes::base_kernel(k.kernel(d).unwrap()), format!("fp_flash2_attn_d{d}"));

@@ -159,6 +159,7 @@ fn chunked_counts_match_a_brute_force_over_positions() {
 #[test]
 fn packets_are_counted_like_the_wire() {
     use flowprefill_comm::Packet;
-    let bytes = Packet::new().u32s(&[1, 2, 3]).u32s(&[0]).f32s(&[0.0; 5]).u32s(&[1]).u16s(&[0; 7]).into_bytes();
+    let bytes =
+        Packet::new().u32s(&[1, 2, 3]).u32s(&[0]).f32s(&[0.0; 5]).u32s(&[1]).u16s(&[0; 7]).into_bytes().unwrap();
     assert_eq!(message(3, &[(5, 4), (7, 2)]), bytes.len() as u64);
 }
