@@ -133,19 +133,34 @@ pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
+/// `need` and `free` written so that they differ (MiB, then bytes, where GiB to two places
+/// would read "needs 0.02 GiB but 0.02 GiB is free").
+fn sizes(need: usize, free: usize) -> (String, String) {
+    let (n, f) = (gib(need), gib(free));
+    if n != f {
+        return (n, f);
+    }
+    let mib = |b: usize| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+    let (n, f) = (mib(need), mib(free));
+    if n != f {
+        return (n, f);
+    }
+    (format!("{need} bytes"), format!("{free} bytes"))
+}
+
 /// A job that does not fit in the memory free for it (the memory plan's verdict,
 /// [`crate::memory::fits`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "the job needs {} on {device} (rank {rank}, at its {phase} peak: {parts}) but {}; give fewer \
      context tokens{}",
-    gib(*need),
+    sizes(*need, *free).0,
     if *capped {
-        format!("--memory-limit allows {}", gib(*free))
+        format!("--memory-limit allows {}", sizes(*need, *free).1)
     } else if *store > 0 {
-        format!("{} is free with the chunk store emptied ({} of it held by the store)", gib(*free), gib(*store))
+        format!("{} is free with the chunk store emptied ({} of it held by the store)", sizes(*need, *free).1, gib(*store))
     } else {
-        format!("{} is free", gib(*free))
+        format!("{} is free", sizes(*need, *free).1)
     },
     if *kv_bf16 { " or run on more ranks" } else { ", run on more ranks, or keep K/V in bf16 (--kv-dtype bf16)" }
 )]
@@ -168,4 +183,14 @@ pub struct DoesNotFit {
     pub capped: bool,
     /// K/V are already bf16 (halving them is no advice).
     pub kv_bf16: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn need_and_free_are_written_so_that_they_differ() {
+        assert_eq!(super::sizes(24_000_000, 22_000_000), ("22.9 MiB".to_string(), "21.0 MiB".to_string()));
+        assert_eq!(super::sizes(3 << 30, 1 << 30), ("3.00 GiB".to_string(), "1.00 GiB".to_string()));
+        assert_eq!(super::sizes(1_000_001, 1_000_000), ("1000001 bytes".to_string(), "1000000 bytes".to_string()));
+    }
 }

@@ -199,6 +199,9 @@ impl Chooser for ProjectedChooser {
                 ),
             )
         };
+        // The profile the predictions came from (a calibration file's, or the built-in one of
+        // the machine named).
+        let why = format!("{why}; predicted on the `{}` profile, ranks over `{}`", self.device, self.link);
         let chosen = options.swap_remove(winner);
         Ok((Choice { floor, candidates, winner, why }, chosen))
     }

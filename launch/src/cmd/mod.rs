@@ -274,6 +274,8 @@ pub fn history_file() -> Option<std::path::PathBuf> {
 pub fn chooser(common: &Common, mpi: bool) -> Option<std::sync::Arc<dyn flowprefill_coordinator::auto::Chooser>> {
     let cpu = common.device == DeviceSpec::Cpu;
     let files: Vec<std::path::PathBuf> = calibration_file().into_iter().filter(|f| f.exists()).collect();
+    // On a GPU the H100's profile (an H200 or A100 is predicted as one; the choice's `why`
+    // names the profile).
     let device = if cpu { "cpu-local" } else { "h100-sxm" };
     let link = match (cpu, mpi) {
         (true, true) => "cpu-mpi",
