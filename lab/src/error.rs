@@ -82,6 +82,7 @@ impl LabError {
             LabError::Usage(_) | LabError::Input(_) => Some(ErrorClass::Caller),
             LabError::Coord(e) => Some(e.class()),
             LabError::Worker(e) => Some(e.class()),
+            LabError::Train(e) => e.class(),
             LabError::Comm(_) => Some(ErrorClass::Peer),
             LabError::Kernel(e) => Some(match e {
                 flowprefill_kernels::KernelError::Shape { .. } => ErrorClass::Internal,

@@ -83,6 +83,7 @@ pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
             .or_else(|| c.downcast_ref::<flowprefill_worker::InputError>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<Usage>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<flowprefill_lab::LabError>().and_then(flowprefill_lab::LabError::class))
+            .or_else(|| c.downcast_ref::<flowprefill_lab::train::TrainError>().and_then(|e| e.class()))
             // A shape, device, link or profiles file the projection does not know: the caller's.
             .or_else(|| c.downcast_ref::<flowprefill_lab::project::ProjectError>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<flowprefill_comm::CommError>().map(|_| ErrorClass::Peer))

@@ -39,9 +39,55 @@ pub enum TrainError {
         /// What is wrong and what to do.
         detail: String,
     },
+    /// The run's folder holds a checkpoint made with another model: resuming it would train
+    /// that model's values on this one (the caller's to fix).
+    #[error(
+        "the checkpoint in {} was made with model {made}, not with {given}; give another --out, or the same --model",
+        out.display()
+    )]
+    OtherModel {
+        /// The run's folder (`--out`).
+        out: PathBuf,
+        /// The model the checkpoint was made with (name and fingerprint).
+        made: String,
+        /// The model given now.
+        given: String,
+    },
+    /// A checkpoint whose tensors are not of this run's shape.
+    #[error(
+        "checkpoint {}: `{tensor}` has shape {found:?} where this run's is {expected:?}; it is not this run's: \
+         delete it, or give another --out",
+        path.display()
+    )]
+    CheckpointShape {
+        /// The file.
+        path: PathBuf,
+        /// The tensor (`rows`, `m`, `v`).
+        tensor: &'static str,
+        /// Its shape in the file.
+        found: Vec<usize>,
+        /// The shape of this run's initial values.
+        expected: Vec<usize>,
+    },
     /// The loss curve could not be drawn.
     #[error(transparent)]
     Plot(#[from] crate::plot::PlotError),
+}
+
+impl TrainError {
+    /// Whose fault the error is, where that is known (the binary maps it to an exit code):
+    /// settings and a run folder of another run are the caller's.
+    pub fn class(&self) -> Option<flowprefill_coordinator::ErrorClass> {
+        use flowprefill_coordinator::ErrorClass;
+        match self {
+            TrainError::Settings(_) | TrainError::OtherModel { .. } | TrainError::CheckpointShape { .. } => {
+                Some(ErrorClass::Caller)
+            }
+            TrainError::Worker(e) => Some(e.class()),
+            TrainError::Coord(e) => Some(e.class()),
+            _ => None,
+        }
+    }
 }
 
 /// Results of training.

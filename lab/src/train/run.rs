@@ -9,19 +9,21 @@
 //! loss of one sample, the reference loss, the recipe, and the adapter written at the end.
 //!
 //! ```text
-//!   samples (train + held out) -> initial values or checkpoint -> reference and initial held-out loss
+//!   checkpoint (same model, settings and shapes, else refused) -> samples (train + held out)
+//!     -> initial values or the checkpoint's -> reference and initial held-out loss
 //!   per step:  batch (seeded shuffle per epoch) -> mean loss and gradient -> AdamW at lr_at(step)
 //!              epoch end: held-out loss (and the epoch's adapter) -> checkpoint
 //!   end:       loss.png, the adapter
 //! ```
 
 use super::adamw::{AdamW, AdamWConfig};
-pub use super::checkpoint::History;
-use super::checkpoint::{ckpt_err, Checkpoint};
+use super::checkpoint::{ckpt_err, Checkpoint, ModelId};
+pub use super::checkpoint::{History, Pooled};
 use super::model::TrainModel;
 use super::{Result, TrainError};
 use crate::tasks::{self, PromptStyle};
 use candle_core::{Tensor, Var};
+use flowprefill_worker::tokenizer::Tokenizer;
 use flowprefill_worker::{Cpu, LoadedModel};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -62,9 +64,9 @@ pub trait Method: Clone + PartialEq + std::fmt::Debug + serde::Serialize + serde
     type Sample;
     /// The trained adapter.
     type Adapter;
-    /// The training samples' first seed (plus 100,000 × `seed`).
+    /// The training samples' first seed (plus [`SEED_STRIDE`] × `seed`).
     const TRAIN_SEED_BASE: u64;
-    /// The held-out samples' first seed (plus 100,000 × `seed`).
+    /// The held-out samples' first seed (plus [`SEED_STRIDE`] × `seed`).
     const VAL_SEED: u64;
     /// Default training samples.
     const DEFAULT_SAMPLES: usize;
@@ -95,6 +97,12 @@ pub trait Method: Clone + PartialEq + std::fmt::Debug + serde::Serialize + serde
     fn loss(&self, tm: &TrainModel, values: &Tensor, sample: &Self::Sample) -> Result<Tensor>;
     /// The reference's mean loss over `set`.
     fn reference_loss(&self, tm: &TrainModel, set: &[Self::Sample]) -> Result<f64>;
+    /// The reference's and `values`' mean losses over `set` with the scores pooled as the
+    /// engine pools them before using them, where it does (LookaheadKV's eviction); `None`
+    /// (the default) for a method whose loss is already what the engine uses.
+    fn pooled_losses(&self, _: &TrainModel, _: &Tensor, _: &[Self::Sample]) -> Result<Option<(f64, f64)>> {
+        Ok(None)
+    }
     /// The adapter of `values`, `made` in its metadata.
     fn adapter(&self, tm: &TrainModel, values: &Tensor, made: Provenance) -> Result<Self::Adapter>;
     /// Writes `adapter` to `path`.
@@ -134,7 +142,7 @@ pub struct Settings<M> {
     /// AdamW's decoupled weight decay.
     pub weight_decay: f64,
     /// Seed of the sample order, the initial values and the samples (their seeds start at
-    /// [`Method::TRAIN_SEED_BASE`] and [`Method::VAL_SEED`] plus 100,000 × this).
+    /// [`Method::TRAIN_SEED_BASE`] and [`Method::VAL_SEED`] plus [`SEED_STRIDE`] × this).
     pub seed: u64,
     /// Prompt style of the samples.
     pub prompts: PromptStyle,
@@ -190,6 +198,17 @@ impl<M: Method> Settings<M> {
         if self.val_samples == 0 {
             return bad("--val-samples must be at least 1 (the held-out loss is the run's measure)".into());
         }
+        for (flag, n) in [("--samples", self.samples), ("--val-samples", self.val_samples)] {
+            if seeds_tried(n) > SEED_BLOCK {
+                return bad(format!(
+                    "{flag} {n} is more than a run's block of {SEED_BLOCK} seeds holds: give {flag} {} at most",
+                    MAX_SAMPLES
+                ));
+            }
+        }
+        if seed_at(M::TRAIN_SEED_BASE.max(M::VAL_SEED), self.seed).is_none() {
+            return bad(format!("--seed {} is too large: give a seed below {}", self.seed, u64::MAX / SEED_STRIDE - 8));
+        }
         Ok(())
     }
 
@@ -224,15 +243,45 @@ impl<M: Method> Settings<M> {
         }
     }
 
-    /// The training samples' first seed.
+    /// The training samples' first seed (for a seed [`Settings::check`] accepts).
     pub fn train_seed(&self) -> u64 {
-        M::TRAIN_SEED_BASE + self.seed * 100_000
+        seed_at(M::TRAIN_SEED_BASE, self.seed).unwrap_or(u64::MAX)
     }
 
-    /// The held-out samples' first seed.
+    /// The held-out samples' first seed (for a seed [`Settings::check`] accepts).
     pub fn val_seed(&self) -> u64 {
-        M::VAL_SEED + self.seed * 100_000
+        seed_at(M::VAL_SEED, self.seed).unwrap_or(u64::MAX)
     }
+}
+
+/// How far apart the seeds of two `--seed` values start. Each `--seed` owns the seeds
+/// `7,000,000 + SEED_STRIDE × seed + [0, 1,000,000)`, split into blocks of [`SEED_BLOCK`]:
+///
+/// ```text
+///   +0        KV Packet training         +500,000  KV Packet held out
+///   +200,000  LookaheadKV training       +600,000  LookaheadKV held out
+///                                        +800,000  `importance`'s held-back cases (--seed 0 only)
+/// ```
+/// so that no `--seed` trains on any `--seed`'s held-out or held-back cases (with a stride of
+/// 100,000, `train kvpacket --seed 5` trained on `--seed 0`'s held-out seeds and `train
+/// lookahead --seed 6` on `importance`'s).
+pub const SEED_STRIDE: u64 = 1_000_000;
+
+/// The seeds one run's training or held-out samples may use: [`MAX_SAMPLES`] samples at most.
+pub const SEED_BLOCK: u64 = 100_000;
+
+/// The most samples of one kind ([`Settings::samples`], [`Settings::val_samples`]) whose seeds
+/// stay in their block.
+pub const MAX_SAMPLES: usize = ((SEED_BLOCK - 16) / 4) as usize;
+
+/// Seeds [`samples`] may try for `count` samples (a case that makes no sample takes the next).
+fn seeds_tried(count: usize) -> u64 {
+    4 * count as u64 + 16
+}
+
+/// The first seed of block `base` for `--seed seed`; `None` when it does not fit in a `u64`.
+fn seed_at(base: u64, seed: u64) -> Option<u64> {
+    seed.checked_mul(SEED_STRIDE).and_then(|o| o.checked_add(base)).filter(|s| s.checked_add(SEED_BLOCK).is_some())
 }
 
 /// What a run reports as it goes.
@@ -242,17 +291,18 @@ pub enum Event {
     /// attention).
     Teacher { done: usize, total: usize },
     /// The held-out losses before training: the reference's ([`Method::REFERENCE`]) and the
-    /// untrained adapter's.
-    Baseline { reference: f64, initial: f64 },
+    /// untrained adapter's; the same with pooled scores where the method pools
+    /// ([`Method::pooled_losses`]: `(reference, initial)`).
+    Baseline { reference: f64, initial: f64, pooled: Option<(f64, f64)> },
     /// One optimiser step.
     Step { step: usize, total: usize, loss: f64, lr: f64, seconds: f64 },
-    /// Validation loss after an epoch.
-    Validation { epoch: usize, loss: f64 },
+    /// Validation loss after an epoch (and with pooled scores, where the method pools).
+    Validation { epoch: usize, loss: f64, pooled: Option<f64> },
     /// A checkpoint was written.
     Saved { step: usize },
 }
 
-/// Where a run writes: `checkpoint.safetensors` (+ `.json`), `loss.png`, and the adapter.
+/// Where a run writes: `checkpoint.safetensors`, `loss.png`, and the adapter.
 pub struct Outputs {
     /// The run's folder.
     pub dir: PathBuf,
@@ -286,7 +336,7 @@ impl Outputs {
 }
 
 /// Builds the samples of `count` cases from `first_seed` (tasks cycled; a case that makes no
-/// sample is skipped and the next seed taken).
+/// sample is skipped and the next seed taken; the cases: [`case`]).
 pub fn samples<M: Method>(
     lm: &LoadedModel<Cpu>,
     s: &Settings<M>,
@@ -297,15 +347,13 @@ pub fn samples<M: Method>(
     let mut out = Vec::with_capacity(count);
     let mut seed = first_seed;
     while out.len() < count {
-        if seed >= first_seed + 4 * count as u64 + 16 {
+        if seed >= first_seed + seeds_tried(count) {
             return Err(TrainError::Settings(format!(
                 "the model answered nothing in most cases of {} tokens; try other --tasks or --length",
                 s.length
             )));
         }
-        let task = &s.tasks[out.len() % s.tasks.len()];
-        let c = tasks::generate(task, &lm.tokenizer, seed, s.length, 0, &tasks::DEPTHS)
-            .ok_or_else(|| TrainError::Settings(format!("task `{task}` made no case of {} tokens", s.length)))?;
+        let c = case(s, &lm.tokenizer, seed, out.len())?;
         seed += 1;
         if let Some(x) = s.method.sample(lm, &c, s.prompts)? {
             out.push(x);
@@ -313,6 +361,18 @@ pub fn samples<M: Method>(
         }
     }
     Ok(out)
+}
+
+/// The case from `seed` for the sample that follows `made` samples: the task `made` cycles to,
+/// as that task's sample `made / tasks` (as in `eval`, a task's `k`-th case is its sample `k`:
+/// needle depths cycle through [`tasks::DEPTHS`], niah_single's needles through number, word
+/// and UUID; until 2026-11-28 every case was sample 0, every needle at depth 0.1 and every
+/// niah_single needle a number).
+pub fn case<M: Method>(s: &Settings<M>, tok: &Tokenizer, seed: u64, made: usize) -> Result<tasks::QaCase> {
+    let task = &s.tasks[made % s.tasks.len()];
+    let sample = made / s.tasks.len();
+    tasks::generate(task, tok, seed, s.length, sample, &tasks::DEPTHS)
+        .ok_or_else(|| TrainError::Settings(format!("task `{task}` made no case of {} tokens", s.length)))
 }
 
 /// The mean of `f` over `set` (0 for an empty set).
@@ -330,7 +390,7 @@ fn mean_loss<M: Method>(m: &M, tm: &TrainModel, values: &Tensor, set: &[M::Sampl
 }
 
 /// Trains the adapter of `settings`' method, resuming from the checkpoint in `out.dir` when
-/// there is one made with the same settings; writes the loss curve and the adapter.
+/// there is one made with the same model and settings; writes the loss curve and the adapter.
 pub fn train<M: Method>(
     lm: &LoadedModel<Cpu>,
     tm: &TrainModel,
@@ -338,13 +398,7 @@ pub fn train<M: Method>(
     out: &Outputs,
     on: &mut dyn FnMut(Event),
 ) -> Result<(M::Adapter, History)> {
-    settings.check()?;
-    out.create()?;
-    let mut run = Run::start(lm, tm, settings, out, on)?;
-    on(Event::Baseline { reference: run.history.none_val, initial: run.history.initial_val });
-    while run.step < settings.total_steps() {
-        run.step(on)?;
-    }
+    let run = run_until(lm, tm, settings, out, settings.total_steps(), on)?;
     loss_curve(
         &out.dir.join("loss.png"),
         &run.history,
@@ -357,6 +411,44 @@ pub fn train<M: Method>(
     Ok((adapter, run.history))
 }
 
+/// Trains as [`train`] does but stops after optimiser step `until` (the run's total at most),
+/// its checkpoint written and no adapter: what a run killed after that step leaves, for a later
+/// [`train`] to resume (the tests stop runs mid-way with it). Returns the history so far.
+pub fn train_until<M: Method>(
+    lm: &LoadedModel<Cpu>,
+    tm: &TrainModel,
+    settings: &Settings<M>,
+    out: &Outputs,
+    until: usize,
+    on: &mut dyn FnMut(Event),
+) -> Result<History> {
+    Ok(run_until(lm, tm, settings, out, until.min(settings.total_steps()), on)?.history)
+}
+
+/// Starts or resumes the run, then steps it to step `until`.
+fn run_until<'a, M: Method>(
+    lm: &'a LoadedModel<Cpu>,
+    tm: &'a TrainModel,
+    settings: &'a Settings<M>,
+    out: &'a Outputs,
+    until: usize,
+    on: &mut dyn FnMut(Event),
+) -> Result<Run<'a, M>> {
+    settings.check()?;
+    out.create()?;
+    let mut run = Run::start(lm, tm, settings, out, on)?;
+    let h = &run.history;
+    on(Event::Baseline {
+        reference: h.none_val,
+        initial: h.initial_val,
+        pooled: h.pooled.as_ref().map(|p| (p.reference, p.initial)),
+    });
+    while run.step < until {
+        run.step(on)?;
+    }
+    Ok(run)
+}
+
 /// A run under way: its samples, the trained values and their optimiser, the step reached, the
 /// history.
 struct Run<'a, M: Method> {
@@ -366,6 +458,7 @@ struct Run<'a, M: Method> {
     out: &'a Outputs,
     train_set: Vec<M::Sample>,
     val_set: Vec<M::Sample>,
+    model: ModelId,
     var: Var,
     opt: AdamW,
     step: usize,
@@ -373,8 +466,10 @@ struct Run<'a, M: Method> {
 }
 
 impl<'a, M: Method> Run<'a, M> {
-    /// The samples, then the values and their optimiser from the checkpoint, or fresh (the
-    /// held-out losses of the reference and of the initial values measured first).
+    /// The checkpoint, refused when it is not this run's (another model, other settings, other
+    /// shapes) before any sample is made; the samples; then the values and their optimiser
+    /// from the checkpoint, or fresh (the held-out losses of the reference and of the initial
+    /// values measured first).
     fn start(
         lm: &'a LoadedModel<Cpu>,
         tm: &'a TrainModel,
@@ -382,16 +477,21 @@ impl<'a, M: Method> Run<'a, M> {
         out: &'a Outputs,
         on: &mut dyn FnMut(Event),
     ) -> Result<Self> {
-        let resumed = Checkpoint::load(&out.checkpoint(), settings)?;
+        let model = ModelId::of(lm);
+        let m = &settings.method;
+        let resumed = Checkpoint::load(&out.checkpoint(), &model, settings)?;
+        let initial = m.initial(tm, lm, settings.seed)?;
+        if let Some(c) = &resumed {
+            c.check_shapes(&out.checkpoint(), &initial)?;
+        }
         let total = settings.samples + settings.val_samples;
         let mut made = |k: usize| on(Event::Teacher { done: k, total });
         let train_set = samples(lm, settings, settings.train_seed(), settings.samples, &mut made)?;
         let mut made = |k: usize| on(Event::Teacher { done: settings.samples + k, total });
         let val_set = samples(lm, settings, settings.val_seed(), settings.val_samples, &mut made)?;
-        let m = &settings.method;
         let values = match &resumed {
             Some(c) => c.rows.clone(),
-            None => m.initial(tm, lm, settings.seed)?,
+            None => initial,
         };
         let var = Var::from_tensor(&values)?;
         let cfg = AdamWConfig { lr: settings.lr, weight_decay: settings.weight_decay, ..M::RECIPE.adamw };
@@ -406,10 +506,15 @@ impl<'a, M: Method> Run<'a, M> {
             None => {
                 let none_val = m.reference_loss(tm, &val_set)?;
                 let initial_val = mean_loss(m, tm, var.as_tensor(), &val_set)?;
-                (0, History { none_val, initial_val, ..History::default() })
+                let pooled = m.pooled_losses(tm, var.as_tensor(), &val_set)?.map(|(reference, initial)| Pooled {
+                    reference,
+                    initial,
+                    validation: Vec::new(),
+                });
+                (0, History { none_val, initial_val, pooled, ..History::default() })
             }
         };
-        Ok(Self { lm, tm, settings, out, train_set, val_set, var, opt, step, history })
+        Ok(Self { lm, tm, settings, out, train_set, val_set, model, var, opt, step, history })
     }
 
     /// One optimiser step; the held-out loss at an epoch's end; the checkpoint.
@@ -433,7 +538,15 @@ impl<'a, M: Method> Run<'a, M> {
             let epoch = self.step / spe;
             let v = mean_loss(&s.method, self.tm, self.var.as_tensor(), &self.val_set)?;
             self.history.validation.push((epoch, v));
-            on(Event::Validation { epoch, loss: v });
+            let pooled = match s.method.pooled_losses(self.tm, self.var.as_tensor(), &self.val_set)? {
+                Some((_, p)) => {
+                    let h = self.history.pooled.get_or_insert_with(Pooled::default);
+                    h.validation.push((epoch, p));
+                    Some(p)
+                }
+                None => None,
+            };
+            on(Event::Validation { epoch, loss: v, pooled });
             if M::RECIPE.epoch_adapters {
                 let adapter = self.adapter()?;
                 s.method.save(&adapter, self.tm, &self.out.dir.join(format!("adapter-epoch{epoch}.safetensors")))?;
@@ -446,7 +559,7 @@ impl<'a, M: Method> Run<'a, M> {
             step: self.step,
             history: self.history.clone(),
         };
-        ck.save(&self.out.checkpoint(), s)?;
+        ck.save(&self.out.checkpoint(), &self.model, s)?;
         on(Event::Saved { step: self.step });
         Ok(())
     }
@@ -460,10 +573,15 @@ impl<'a, M: Method> Run<'a, M> {
         for &i in batch {
             let loss = self.settings.method.loss(self.tm, values, &self.train_set[i])?;
             loss_sum += f64::from(loss.to_scalar::<f32>()?);
-            let g = loss
-                .backward()?
-                .remove(values)
-                .ok_or_else(|| TrainError::Model("no gradient reached the adapter's values".into()))?;
+            let g = loss.backward()?.remove(values).ok_or_else(|| {
+                TrainError::Model(format!(
+                    "training sample {i} (of those from seed {}) gives the trained values no gradient: its loss \
+                     does not read them (a KV Packet sample without chunks to wrap, a LookaheadKV sample without \
+                     context rows); give a longer --length or other --tasks, and if the sample has chunks or \
+                     context, the method's loss detaches the values (a bug in flowprefill)",
+                    self.settings.train_seed()
+                ))
+            })?;
             grad = Some(match grad {
                 None => g,
                 Some(acc) => (acc + g)?,
@@ -497,8 +615,18 @@ impl<'a, M: Method> Run<'a, M> {
             "final_train_loss": h.train.last(),
             "val_loss": h.validation.last().map(|v| v.1),
             "initial_val_loss": h.initial_val,
+            // Adapters made before this key cycled no depths or needle kinds (every case sample 0).
+            "case_samples": "per task: depths and needle kinds cycle",
         });
         training[M::REFERENCE_KEY] = h.none_val.into();
+        if let Some(p) = &h.pooled {
+            let mut pooled = serde_json::json!({
+                "initial_val_loss": p.initial,
+                "val_loss": p.validation.last().map(|v| v.1),
+            });
+            pooled[M::REFERENCE_KEY] = p.reference.into();
+            training["pooled"] = pooled;
+        }
         let made = Provenance {
             model: self.lm.fingerprint.clone(),
             model_name: self.lm.model.config().name.clone(),
@@ -585,5 +713,50 @@ mod tests {
         }
         let e = Settings::<KvPacket> { length: 0, ..kv }.check().unwrap_err().to_string();
         assert!(e.contains("--length"), "{e}");
+    }
+
+    /// No `--seed` of either method trains on a seed held out by any `--seed`, held back by
+    /// `importance` or used by evaluation (with the earlier stride of 100,000, `train kvpacket
+    /// --seed 5` trained on `--seed 0`'s held-out seeds and `train lookahead --seed 6` on
+    /// `importance`'s); seeds and sample counts that leave their block are refused.
+    #[test]
+    fn no_seed_trains_on_held_out_or_held_back_seeds() {
+        use std::ops::Range;
+        fn ranges<M: Method + Default>(seed: u64) -> (Range<u64>, Range<u64>) {
+            let s = Settings::<M> { seed, samples: MAX_SAMPLES, val_samples: MAX_SAMPLES, ..Default::default() };
+            s.check().expect("the largest sample counts are accepted");
+            let t = s.train_seed()..s.train_seed() + seeds_tried(s.samples);
+            (t, s.val_seed()..s.val_seed() + seeds_tried(s.val_samples))
+        }
+        let back = crate::importance::HELD_BACK_SEED;
+        let (mut train, mut held) = (Vec::new(), vec![0..100, back..back + SEED_BLOCK]);
+        for seed in 0..64 {
+            for (t, v) in [ranges::<KvPacket>(seed), ranges::<LookaheadKv>(seed)] {
+                train.push((seed, t));
+                held.push(v);
+            }
+        }
+        for (seed, t) in &train {
+            for h in &held {
+                assert!(t.end <= h.start || h.end <= t.start, "--seed {seed} trains on {t:?}, which meets {h:?}");
+            }
+        }
+        let e = Settings::<KvPacket> { samples: MAX_SAMPLES + 1, ..Default::default() }.check().unwrap_err();
+        assert!(e.to_string().contains(&format!("--samples {MAX_SAMPLES} at most")), "{e}");
+        let e = Settings::<LookaheadKv> { val_samples: MAX_SAMPLES + 1, ..Default::default() }.check().unwrap_err();
+        assert!(e.to_string().contains("--val-samples"), "{e}");
+        let e = Settings::<LookaheadKv> { seed: u64::MAX / 1000, ..Default::default() }.check().unwrap_err();
+        assert!(e.to_string().contains("--seed"), "{e}");
+    }
+
+    /// KV Packet's default batch is the one both shipped adapters were trained with (their
+    /// metadata), which docs/kvpacket.md lists among the chosen settings (the default was 8).
+    #[test]
+    fn kvpacket_default_batch_is_the_shipped_adapters() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../adapters");
+        for f in ["smollm2-135m-instruct.kvpacket.safetensors", "qwen2.5-coder-0.5b-instruct.kvpacket.safetensors"] {
+            let a = flowprefill_worker::adapter::Adapter::load(&dir.join(f)).expect("a shipped adapter");
+            assert_eq!(a.meta.training["settings"]["batch"], Settings::<KvPacket>::default().batch, "{f}");
+        }
     }
 }

@@ -11,6 +11,7 @@ use flowprefill_lab::train::kvpacket::KvPacket;
 use flowprefill_lab::train::lookahead::fit::LookaheadKv;
 use flowprefill_lab::train::model::TrainModel;
 use flowprefill_lab::train::run::{self, Event, History, Method, Outputs, Settings};
+use flowprefill_worker::evict::SNAPKV_POOL;
 use flowprefill_worker::{Cpu, LoadedModel};
 use std::path::{Path, PathBuf};
 
@@ -19,13 +20,13 @@ use std::path::{Path, PathBuf};
 pub enum Train {
     /// KV Packet header/trailer adapters for `--model` (paper 001): full prefill is the teacher,
     /// chunk caches made independently with the adapters are the student; only the adapters
-    /// learn. Resumable: run the same command again to continue from the last step.
+    /// learn. Resumable: run the same command (same --model) again to continue from the last step.
     #[command(mut_args(|a| KVPACKET.apply(a)))]
     Kvpacket(KvpacketArgs),
     /// LookaheadKV for `--model` (paper 004): 32 lookahead rows and LoRA (rank 8, alpha 32) on
     /// every projection of those rows learn to attend to the context as the model's own greedy
     /// answer does (KL per layer and KV head, eq. 5); `--evict lookahead` then keeps what they
-    /// attend to. Resumable: run the same command again to continue from the last step.
+    /// attend to. Resumable: run the same command (same --model) again to continue from the last step.
     #[command(mut_args(|a| LOOKAHEAD.apply(a)))]
     Lookahead(LookaheadArgs),
 }
@@ -158,11 +159,12 @@ struct Differs {
 
 const KVPACKET: Differs = Differs {
     samples: "128",
-    batch: "8",
+    batch: "4",
     lr: "0.002",
     lr_help: "Peak learning rate (linear decay to 0)",
-    seed_help: "Seed of the sample order and of the samples (training seeds start at 7,000,000, far from every \
-                evaluation seed)",
+    seed_help: "Seed of the sample order, of the rows' initial noise and of the samples (training seeds start at \
+                7,000,000 + 1,000,000 x seed, held-out ones at 7,500,000 + 1,000,000 x seed: apart from every \
+                evaluation seed and from every --seed's held-out and held-back seeds)",
     out: "kvpacket-run",
     adapter_file: KvPacket::ADAPTER_FILE,
 };
@@ -172,8 +174,9 @@ const LOOKAHEAD: Differs = Differs {
     batch: "4",
     lr: "0.001",
     lr_help: "Peak learning rate (2% warm-up, cosine decay to 0)",
-    seed_help: "Seed of the order, the initial values and the samples (training seeds start at 7,200,000, away \
-                from evaluation, KV Packet's and `importance`'s seeds)",
+    seed_help: "Seed of the sample order, of the initial values (rows' noise, LoRA A) and of the samples \
+                (training seeds start at 7,200,000 + 1,000,000 x seed, held-out ones at 7,600,000 + 1,000,000 x \
+                seed: apart from evaluation, KV Packet's and `importance`'s seeds for every --seed)",
     out: "lookahead-run",
     adapter_file: LookaheadKv::ADAPTER_FILE,
 };
@@ -216,8 +219,9 @@ trait Shown: Method {
     const SAMPLES: &'static str;
     /// What is trained (the first line).
     fn what(&self) -> String;
-    /// The held-out losses before training: the reference's and the untrained adapter's.
-    fn baseline(reference: f64, initial: f64) -> String;
+    /// The held-out losses before training: the reference's and the untrained adapter's (and
+    /// the same pooled, where the method pools).
+    fn baseline(reference: f64, initial: f64, pooled: Option<(f64, f64)>) -> String;
     /// The adapter written, in a few words.
     fn summary(adapter: &Self::Adapter) -> String;
 }
@@ -227,7 +231,7 @@ impl Shown for KvPacket {
     fn what(&self) -> String {
         format!("KV Packet adapters ({} + {} rows)", self.header, self.trailer)
     }
-    fn baseline(none: f64, packet: f64) -> String {
+    fn baseline(none: f64, packet: f64, _: Option<(f64, f64)>) -> String {
         format!("held-out KL to full prefill: none {none:.4}, packets before training {packet:.4} (nats/token)")
     }
     fn summary(a: &Self::Adapter) -> String {
@@ -240,8 +244,15 @@ impl Shown for LookaheadKv {
     fn what(&self) -> String {
         format!("LookaheadKV ({} rows, LoRA rank {} alpha {})", self.rows, self.rank, self.alpha)
     }
-    fn baseline(snap: f64, init: f64) -> String {
-        format!("held-out KL to the answer's attention: SnapKV {snap:.4}, lookahead rows before training {init:.4}")
+    fn baseline(snap: f64, init: f64, pooled: Option<(f64, f64)>) -> String {
+        let mut s = format!(
+            "held-out KL to the answer's attention (scores unpooled, as the loss): SnapKV {snap:.4}, lookahead rows \
+             before training {init:.4}"
+        );
+        if let Some((ps, pi)) = pooled {
+            s += &format!("; pooled over {} rows as eviction: SnapKV {ps:.4}, rows {pi:.4}", SNAPKV_POOL);
+        }
+        s
     }
     fn summary(a: &Self::Adapter) -> String {
         format!("{} rows, LoRA rank {}, hash {}", a.meta.rows, a.meta.rank, a.hash)
@@ -286,6 +297,14 @@ fn report(adapter: &Path, dir: &Path, what: &str, h: &History, reference: &str) 
         h.none_val,
         h.initial_val,
     );
+    if let Some(p) = &h.pooled {
+        let trained = p.validation.last().map_or_else(|| "not trained".into(), |v| format!("trained {:.4}", v.1));
+        println!(
+            "held-out KL with scores pooled over {SNAPKV_POOL} rows (as eviction): {reference} {:.4}, untrained {:.4}, \
+             {trained}",
+            p.reference, p.initial
+        );
+    }
     let png = dir.join("loss.png");
     if png.exists() {
         println!("loss curve: {}", png.display());
@@ -293,23 +312,26 @@ fn report(adapter: &Path, dir: &Path, what: &str, h: &History, reference: &str) 
 }
 
 /// Prints a run's events: sample making, baseline, steps, epochs.
-fn printer(samples_label: &'static str, baseline: fn(f64, f64) -> String) -> impl FnMut(Event) {
+fn printer(samples_label: &'static str, baseline: fn(f64, f64, Option<(f64, f64)>) -> String) -> impl FnMut(Event) {
     let mut teacher: Option<Progress> = None;
     let mut steps: Option<Progress> = None;
     move |e: Event| match e {
         Event::Teacher { done, total } => {
             teacher.get_or_insert_with(|| Progress::new(total, samples_label)).inc(&format!("sample {done}"));
         }
-        Event::Baseline { reference, initial } => {
+        Event::Baseline { reference, initial, pooled } => {
             teacher = None;
-            eprintln!("{}", baseline(reference, initial));
+            eprintln!("{}", baseline(reference, initial, pooled));
         }
         Event::Step { step, total, loss, lr, seconds } => {
             let p = steps.get_or_insert_with(|| Progress::new(total + 1 - step, "steps"));
             p.inc(&format!("step {step}/{total}: KL {loss:.4}, lr {lr:.2e}, {seconds:.1} s"));
         }
-        Event::Validation { epoch, loss } => {
-            let line = format!("epoch {epoch}: held-out KL {loss:.4}");
+        Event::Validation { epoch, loss, pooled } => {
+            let mut line = format!("epoch {epoch}: held-out KL {loss:.4}");
+            if let Some(p) = pooled {
+                line += &format!(" (pooled {p:.4})");
+            }
             match &steps {
                 Some(p) => p.println(&line),
                 None => eprintln!("{line}"),

@@ -197,6 +197,77 @@ fn a_short_training_run_lowers_the_loss_and_resumes() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// A run stopped mid-epoch (after step 3 of 6) and resumed ends bit for bit where the
+/// uninterrupted run ends: AdamW's moments and step, the values, the sample order and the
+/// history come back from the checkpoint. Resuming it with another model is refused before any
+/// sample is made (the checkpoint names the model: a tiny model's checkpoint was resumed by
+/// any model of its shape, and trained it on that model).
+#[test]
+fn a_run_stopped_mid_way_resumes_exactly_and_only_for_its_model() {
+    let (mut lm, tm, dir) = flowprefill_tests::tiny_lm("kvpacket-resume", 11);
+    let settings = Settings {
+        method: KvPacket { header: 2, trailer: 2, continuation: 3 },
+        tasks: vec!["niah_single".into(), "qa_twohop".into()],
+        length: 200,
+        samples: 4,
+        val_samples: 1,
+        epochs: 3,
+        batch: 2,
+        lr: 0.05,
+        ..Settings::default()
+    };
+    let outputs = |name: &str| run::Outputs { dir: dir.join(name), adapter: dir.join(name).join("a.safetensors") };
+    let is_step = |e: &run::Event| usize::from(matches!(e, run::Event::Step { .. }));
+    let (whole, whole_history) = run::train(&lm, &tm, &settings, &outputs("whole"), &mut |_| ()).expect("training");
+    let out = outputs("stopped");
+    let mut first = 0;
+    let stopped = run::train_until(&lm, &tm, &settings, &out, 3, &mut |e| first += is_step(&e)).expect("three steps");
+    assert_eq!((first, stopped.train.len()), (3, 3));
+    assert!(!out.adapter.exists(), "a stopped run writes no adapter");
+
+    let given = std::mem::replace(&mut lm.fingerprint, "another".into());
+    let mut events = 0;
+    let e = run::train(&lm, &tm, &settings, &out, &mut |_| events += 1).unwrap_err().to_string();
+    assert!(e.contains("--out") && e.contains("--model") && e.contains("weights tiny"), "{e}");
+    assert_eq!(events, 0, "refused before any sample is made");
+    lm.fingerprint = given;
+
+    let mut rest = 0;
+    let (resumed, history) = run::train(&lm, &tm, &settings, &out, &mut |e| rest += is_step(&e)).expect("resume");
+    assert_eq!(rest, 3, "the resumed run takes the other three steps");
+    assert_eq!(resumed.rows, whole.rows, "bit for bit");
+    assert_eq!(history.train, whole_history.train);
+    assert_eq!(history.validation, whole_history.validation);
+    assert_eq!((history.none_val, history.initial_val), (whole_history.none_val, whole_history.initial_val));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A task's k-th training case is its sample k (as `eval` makes them): needle depths cycle
+/// through DEPTHS and niah_single's needles through number, word and UUID (every case was
+/// sample 0: every needle at depth 0.1, every niah_single needle a number).
+#[test]
+fn training_cases_cycle_depths_and_needle_kinds() {
+    let lm = default_model();
+    let s = Settings { tasks: vec!["niah_single".into(), "qa_twohop".into()], length: 300, ..Settings::default() };
+    let niah: Vec<_> = (0..20)
+        .step_by(2)
+        .map(|made| run::case(&s, &lm.tokenizer, s.train_seed() + made as u64, made).unwrap())
+        .collect();
+    let depths: Vec<f64> = niah.iter().map(|c| c.depth).collect();
+    let want: Vec<f64> = (0..10).map(|k| flowprefill_lab::tasks::DEPTHS[k % 5]).collect();
+    assert_eq!(depths, want);
+    let ids: Vec<&str> = niah.iter().take(3).map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, ["niah_single-300-0", "niah_single-300-1", "niah_single-300-2"]);
+    let numeric =
+        |c: &flowprefill_lab::tasks::QaCase| c.answers.iter().all(|a| a.chars().all(|ch| ch.is_ascii_digit()));
+    assert!(
+        numeric(&niah[0]) && !numeric(&niah[1]) && !numeric(&niah[2]),
+        "{:?}",
+        niah.iter().map(|c| &c.answers).collect::<Vec<_>>()
+    );
+    assert_eq!(run::case(&s, &lm.tokenizer, 7, 1).unwrap().task, "qa_twohop");
+}
+
 /// The student trains what the engine runs: its first-token logits equal the engine's
 /// `kvpacket` job on the real model (chunk caches made alone with the adapter rows, placed by
 /// one rotation, the prompt over them); without an adapter the job is refused; packet caches

@@ -5,11 +5,14 @@
 
 use candle_core::{Device, Tensor, Var};
 use flowprefill_comm::local::LocalComm;
+use flowprefill_coordinator::select::pool_mean;
 use flowprefill_coordinator::{Evict, EvictPolicy, Job, Method, RunOptions, RunResult, ThreadRanks};
 use flowprefill_lab::train::lookahead::fit::{self, LookaheadKv, Params, Sample, Settings};
+use flowprefill_lab::train::lookahead::{case_importance, HeadImportance};
 use flowprefill_lab::train::model::{Extras, Placed, TrainModel};
 use flowprefill_lab::train::run;
 use flowprefill_tests::{default_model_path, gate_request};
+use flowprefill_worker::evict::SNAPKV_POOL;
 use flowprefill_worker::generate::prefill_into;
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::lookahead::{tensor_specs, LookaheadAdapter, LookaheadMeta};
@@ -24,6 +27,10 @@ const IMPORTANCE_TOL: f32 = 2e-4;
 /// A gradient entry against its central difference.
 const FD_REL_TOL: f32 = 0.05;
 const FD_STEP: f32 = 1e-2;
+/// A KL of f32 scores normalised in f32 against the same normalised in f64, relative.
+const KL_TOL: f64 = 1e-5;
+/// The loss (an f32 graph) against the same KL in f64, relative.
+const LOSS_TOL: f64 = 1e-3;
 
 fn tiny(arch: &'static str, vocab: usize) -> (Model<Cpu>, TrainModel, std::path::PathBuf) {
     flowprefill_tests::tiny_pair("lookahead", arch, vocab, 13)
@@ -208,15 +215,98 @@ fn a_short_training_run_lowers_the_loss_and_resumes() {
     let last = history.validation.last().expect("validation").1;
     assert!(last < history.initial_val, "held-out KL {} -> {last}", history.initial_val);
     assert!(history.none_val > 0.0, "SnapKV's held-out KL is measured: {}", history.none_val);
+    // Both also with the scores pooled as eviction pools them, before training and every epoch.
+    let pooled = history.pooled.as_ref().expect("LookaheadKV reports the pooled KLs");
+    assert!(pooled.reference > 0.0 && pooled.initial > 0.0, "{pooled:?}");
+    assert_eq!(pooled.validation.iter().map(|v| v.0).collect::<Vec<_>>(), [1, 2, 3]);
     let loaded = LookaheadAdapter::load(&out.adapter, tm.config()).expect("adapter file");
     assert_eq!(loaded.tensors, adapter.tensors);
     assert_eq!(loaded.meta.training["steps"], 6);
+    assert_eq!(loaded.meta.training["pooled"]["snapkv_val_loss"], pooled.reference);
+    assert_eq!(loaded.meta.training["pooled"]["val_loss"], pooled.validation[2].1);
     loaded.check_model("tiny", tm.config()).expect("made for this model");
     let (again, _) = run::train(&lm, &tm, &settings, &out, &mut |e| {
         assert!(!matches!(e, run::Event::Step { .. }), "a finished run takes no step");
     })
     .expect("resume");
     assert_eq!(again.tensors, adapter.tensors);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A run stopped after step 3 of 6 (mid-epoch, past the warm-up) and resumed ends bit for bit
+/// where the uninterrupted run ends (AdamW's moments and step, the clipped gradients' values,
+/// the schedule's step, the history from the one checkpoint file).
+#[test]
+fn a_run_stopped_mid_way_resumes_exactly() {
+    let (lm, tm, dir) = flowprefill_tests::tiny_lm("lookahead-resume", 13);
+    let settings = Settings { val_samples: 1, ..tiny_settings() };
+    let outputs = |name: &str| run::Outputs { dir: dir.join(name), adapter: dir.join(name).join("a.safetensors") };
+    let (whole, whole_history) = run::train(&lm, &tm, &settings, &outputs("whole"), &mut |_| ()).expect("training");
+    let out = outputs("stopped");
+    let stopped = run::train_until(&lm, &tm, &settings, &out, 3, &mut |_| ()).expect("three steps");
+    assert_eq!(stopped.train.len(), 3);
+    let mut rest = 0;
+    let (resumed, history) = run::train(&lm, &tm, &settings, &out, &mut |e| {
+        rest += usize::from(matches!(e, run::Event::Step { .. }));
+    })
+    .expect("resume");
+    assert_eq!(rest, 3, "the resumed run takes the other three steps");
+    assert_eq!(resumed.tensors, whole.tensors, "bit for bit");
+    assert_eq!(history.train, whole_history.train);
+    assert_eq!(history.validation, whole_history.validation);
+    assert_eq!(history.pooled, whole_history.pooled);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// KL(truth || prediction) per (layer, KV head), mean over them; the prediction pooled over
+/// `pool` rows first (1: as it is), both normalised to sum 1.
+fn mean_kl(truth: &HeadImportance, pred: &HeadImportance, pool: usize) -> f64 {
+    let norm = |v: &[f32]| {
+        let s: f64 = v.iter().map(|&x| f64::from(x.max(0.0))).sum();
+        v.iter().map(|&x| f64::from(x.max(0.0)) / s).collect::<Vec<f64>>()
+    };
+    let (mut sum, mut pairs) = (0.0, 0);
+    for (t, q) in truth.pairs().zip(pred.pairs()) {
+        let (t, q) = (norm(t), norm(&pool_mean(q, pool)));
+        sum += t.iter().zip(&q).filter(|(a, _)| **a > 0.0).map(|(a, b)| a * (a.ln() - b.max(1e-12).ln())).sum::<f64>();
+        pairs += 1;
+    }
+    sum / pairs as f64
+}
+
+/// SnapKV's reference KL is on the loss's transform (its window's scores as they are, as the
+/// loss takes the rows'), and its pooled KL on eviction's (pooled over SNAPKV_POOL rows): the
+/// reference was SnapKV pooled against rows unpooled, two transforms.
+#[test]
+fn snapkv_reference_is_on_the_loss_transform_and_pooled_apart() {
+    let (lm, tm, dir) = flowprefill_tests::tiny_lm("lookahead-kl", 13);
+    let s = tiny_settings();
+    let case = flowprefill_lab::tasks::generate("niah_single", &lm.tokenizer, 5, 200, 0, &[0.5]).expect("a case");
+    let ci = case_importance(&lm, &case.request(s.prompts), 4).unwrap().expect("an answer");
+    let sample: Sample = fit::sample(&lm, &case, s.prompts, 4).unwrap().expect("an answer");
+    let unpooled = mean_kl(&ci.truth, &ci.snapkv_window, 1);
+    let pooled = mean_kl(&ci.truth, &ci.snapkv_window, SNAPKV_POOL);
+    // The sample normalises in f32, this in f64.
+    assert!((sample.snapkv_kl - unpooled).abs() < KL_TOL * unpooled, "{} vs {unpooled}", sample.snapkv_kl);
+    assert!((sample.snapkv_pooled_kl - pooled).abs() < KL_TOL * pooled, "{} vs {pooled}", sample.snapkv_pooled_kl);
+    assert!((unpooled - pooled).abs() > 1e-3, "the transforms differ here: {unpooled} vs {pooled}");
+    // The rows' pooled KL is their importance pooled the same way.
+    let n: usize = tensor_specs(tm.config(), s.method.rows, s.method.rank).iter().map(|(_, [r, c])| r * c).sum();
+    let values = Tensor::from_vec(flowprefill_worker::synthetic::random_values(n, 3, 0.2), n, &Device::Cpu).unwrap();
+    let p = fit::params(&values, &tm, &s.method).unwrap();
+    let rows = HeadImportance {
+        values: fit::lookahead_importance(&tm, &p, &sample)
+            .unwrap()
+            .iter()
+            .map(|t| t.to_vec2::<f32>().unwrap())
+            .collect(),
+    };
+    let got = fit::pooled_kl(&tm, &p, &sample).unwrap();
+    let want = mean_kl(&ci.truth, &rows, SNAPKV_POOL);
+    assert!((got - want).abs() < KL_TOL * want, "{got} vs {want}");
+    let loss = f64::from(fit::loss(&tm, &p, &sample).unwrap().to_scalar::<f32>().unwrap());
+    let unpooled_rows = mean_kl(&ci.truth, &rows, 1);
+    assert!((loss - unpooled_rows).abs() < LOSS_TOL * unpooled_rows, "the loss is the unpooled KL: {loss}");
     std::fs::remove_dir_all(dir).ok();
 }
 

@@ -10,6 +10,8 @@
 //!          projection; the rows' mean attention per (layer, KV head), normalised
 //!   loss (eq. 5): mean over layers and KV heads of KL(truth || lookahead); AdamW (beta2 0.95),
 //!          2% warm-up then cosine decay, gradients clipped to norm 1
+//!   reference: the same KL of SnapKV's window scores (unpooled, as the loss takes the rows');
+//!          both also pooled over 7 rows as eviction pools them ([`Method::pooled_losses`])
 //! ```
 //! Every trainable value is one parameter vector laid out as the adapter file's tensors
 //! ([`tensor_specs`]); the frozen model gives gradients to it only.
@@ -22,6 +24,8 @@ use crate::train::run::{self, Method, Provenance, Recipe, Schedule};
 use crate::train::{Result, TrainError};
 use candle_core::{Device, Tensor};
 use flowprefill_coordinator::layout::Layout;
+use flowprefill_coordinator::select::pool_mean;
+use flowprefill_worker::evict::SNAPKV_POOL;
 use flowprefill_worker::generate::prefill_into;
 use flowprefill_worker::kv::{KeyForm, KvCache};
 use flowprefill_worker::lookahead::{tensor_specs, LookaheadAdapter, LookaheadMeta, LORA_ALPHA, LORA_RANK};
@@ -63,8 +67,11 @@ pub struct Sample {
     pub truth: Vec<Tensor>,
     /// `sum t log t` over every (layer, head) (the KL's constant part).
     pub truth_neg_entropy: f64,
-    /// KL(truth || SnapKV's pooled scores), mean over (layer, head): the baseline.
+    /// KL(truth || SnapKV's window scores), mean over (layer, head): the baseline, on the
+    /// transform of the loss (no pooling).
     pub snapkv_kl: f64,
+    /// KL(truth || SnapKV's scores pooled as eviction pools them), mean over (layer, head).
+    pub snapkv_pooled_kl: f64,
 }
 
 /// Normalises `v` to sum 1 (all zeros stay zeros).
@@ -119,27 +126,31 @@ pub fn sample(
         )?;
         layers.push((k, v));
     }
-    let (mut ent, mut snap_cross, mut pairs) = (0.0, 0.0, 0usize);
+    let (mut ent, mut snap_cross, mut pooled_cross, mut pairs) = (0.0, 0.0, 0.0, 0usize);
     let mut truth = Vec::with_capacity(c.n_layers);
-    for (tl, sl) in ci.truth.values.iter().zip(&ci.snapkv.values) {
+    let layers_of = ci.truth.values.iter().zip(&ci.snapkv_window.values).zip(&ci.snapkv.values);
+    for ((tl, wl), pl) in layers_of {
         let mut rows = Vec::with_capacity(tl.len() * ci.context_rows);
-        for (t, s) in tl.iter().zip(sl) {
-            let (t, s) = (normalised(t), normalised(s));
-            let (e, x) = kl_parts(&t, &s);
+        for ((t, w), p) in tl.iter().zip(wl).zip(pl) {
+            let t = normalised(t);
+            let (e, x) = kl_parts(&t, &normalised(w));
             ent += e;
             snap_cross += x;
+            pooled_cross += kl_parts(&t, &normalised(p)).1;
             pairs += 1;
             rows.extend_from_slice(&t);
         }
         truth.push(Tensor::from_vec(rows, (tl.len(), ci.context_rows), &Device::Cpu)?);
     }
+    let pairs = pairs.max(1) as f64;
     Ok(Some(Sample {
         id: case.id.clone(),
         prefix: SegmentKv { layers, rotated: true },
         context: ci.context_rows,
         truth,
         truth_neg_entropy: ent,
-        snapkv_kl: (ent - snap_cross) / pairs.max(1) as f64,
+        snapkv_kl: (ent - snap_cross) / pairs,
+        snapkv_pooled_kl: (ent - pooled_cross) / pairs,
     }))
 }
 
@@ -200,6 +211,22 @@ pub fn loss(tm: &TrainModel, p: &Params, s: &Sample) -> Result<Tensor> {
     Ok(cross.affine(-1.0 / pairs as f64, s.truth_neg_entropy / pairs as f64)?)
 }
 
+/// KL(truth || the rows' scores pooled as eviction pools them), mean over (layer, head); no
+/// gradient.
+pub fn pooled_kl(tm: &TrainModel, p: &Params, s: &Sample) -> Result<f64> {
+    let imps = lookahead_importance(tm, p, s)?;
+    let (mut ent, mut cross, mut pairs) = (0.0, 0.0, 0usize);
+    for (q, t) in imps.iter().zip(&s.truth) {
+        for (q, t) in q.detach().to_vec2::<f32>()?.iter().zip(t.to_vec2::<f32>()?) {
+            let (e, x) = kl_parts(&t, &normalised(&pool_mean(q, SNAPKV_POOL)));
+            ent += e;
+            cross += x;
+            pairs += 1;
+        }
+    }
+    Ok((ent - cross) / pairs.max(1) as f64)
+}
+
 /// The initial values: the rows are the embedding of "The answer is" cycled plus 10% noise (a
 /// query that starts like an answer), every `A` uniform with the std of `1/sqrt(in)`, every
 /// `B` zero (the LoRA starts as no change).
@@ -230,8 +257,8 @@ fn initial(tm: &TrainModel, lm: &LoadedModel<Cpu>, s: &LookaheadKv, seed: u64) -
 impl Method for LookaheadKv {
     type Sample = Sample;
     type Adapter = LookaheadAdapter;
-    /// KV Packet's are 7,000,000 + ...; the held-back seeds of `flowprefill importance` are
-    /// 7,800,000 + ...; evaluation seeds are below 100.
+    /// In the layout of [`run::SEED_STRIDE`]: KV Packet's are 7,000,000 + ...; the held-back
+    /// seeds of `flowprefill importance` are 7,800,000; evaluation seeds are below 100.
     const TRAIN_SEED_BASE: u64 = 7_200_000;
     const VAL_SEED: u64 = 7_600_000;
     const DEFAULT_SAMPLES: usize = 64;
@@ -279,9 +306,18 @@ impl Method for LookaheadKv {
         loss(tm, &params(values, tm, self)?, s)
     }
 
-    /// SnapKV's KL to the truth.
+    /// SnapKV's KL to the truth, its window scores unpooled as the loss takes the rows' (the
+    /// adapters shipped before 2026-11-28 recorded the pooled one here: another transform).
     fn reference_loss(&self, _: &TrainModel, set: &[Sample]) -> Result<f64> {
         run::mean_of(set, |s| Ok(s.snapkv_kl))
+    }
+
+    /// SnapKV's and the rows' KL to the truth with both pooled as `--evict` pools them.
+    fn pooled_losses(&self, tm: &TrainModel, values: &Tensor, set: &[Sample]) -> Result<Option<(f64, f64)>> {
+        let p = params(&values.detach(), tm, self)?;
+        let reference = run::mean_of(set, |s| Ok(s.snapkv_pooled_kl))?;
+        let rows = run::mean_of(set, |s| pooled_kl(tm, &p, s))?;
+        Ok(Some((reference, rows)))
     }
 
     fn adapter(&self, tm: &TrainModel, values: &Tensor, made: Provenance) -> Result<LookaheadAdapter> {

@@ -5,8 +5,9 @@
 //! (layer, KV head): the answer's rows run teacher-forced after the prompt over the context
 //! cache, and their attention mass under the exact normaliser is summed over the rows and over
 //! the query heads of each KV group (GQA), as the paper aggregates it. SnapKV's prediction is
-//! what `--evict snapkv` keeps by: the prompt's last 32 rows, pooled over 7. For a budget N,
-//! per (layer, head):
+//! what `--evict snapkv` keeps by: the prompt's last 32 rows, pooled over 7 (the window's own
+//! scores are kept too: the training loss compares the lookahead rows' unpooled scores, and
+//! SnapKV's baseline is measured on both transforms). For a budget N, per (layer, head):
 //! * overlap: the share of the truth's top N that the prediction's top N holds;
 //! * recall: the share of the answer's attention mass on the context that the prediction's top
 //!   N rows carry (what eviction to N keeps of what the answer will read);
@@ -62,8 +63,10 @@ pub struct CaseImportance {
     pub answer: Vec<u32>,
     /// Context rows (template head and chunks).
     pub context_rows: usize,
-    /// SnapKV's scores (pooled).
+    /// SnapKV's scores (pooled, as eviction pools them).
     pub snapkv: HeadImportance,
+    /// SnapKV's window's scores before pooling (the transform of the training loss).
+    pub snapkv_window: HeadImportance,
     /// LookaheadKV's scores (pooled), when the model has a lookahead adapter.
     pub lookahead: Option<HeadImportance>,
     /// The answer's attention mass.
@@ -99,7 +102,8 @@ pub fn case_importance(lm: &LoadedModel<Cpu>, req: &Request, max_answer: usize) 
         }
         h
     };
-    let snapkv = pooled(HeadImportance::of_one_segment(heads)?);
+    let snapkv_window = HeadImportance::of_one_segment(heads)?;
+    let snapkv = pooled(snapkv_window.clone());
     // LookaheadKV's rows after the prompt (their own K/V dropped again).
     let lookahead = match model.lookahead_rows() {
         0 => None,
@@ -140,7 +144,7 @@ pub fn case_importance(lm: &LoadedModel<Cpu>, req: &Request, max_answer: usize) 
     model.forward(&forced, &forced_pos, &mut rep, Logits::None)?;
     let (_, heads) = rep.commit_with_heads()?;
     let truth = HeadImportance::of_one_segment(heads)?;
-    Ok(Some(CaseImportance { answer, context_rows: ctx, snapkv, lookahead, truth }))
+    Ok(Some(CaseImportance { answer, context_rows: ctx, snapkv, snapkv_window, lookahead, truth }))
 }
 
 /// How well one choice of N rows matches the truth, averaged over (layer, head) pairs.
@@ -200,7 +204,8 @@ mod tests {
         CaseImportance {
             answer: vec![1],
             context_rows: truth.len(),
-            snapkv: HeadImportance { values: vec![vec![pred]] },
+            snapkv: HeadImportance { values: vec![vec![pred.clone()]] },
+            snapkv_window: HeadImportance { values: vec![vec![pred]] },
             lookahead: None,
             truth: HeadImportance { values: vec![vec![truth]] },
         }
