@@ -190,7 +190,13 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             };
             c.post(op, vec![(0, serde_json::to_vec(&report)?)], vec![])?;
             c.wait()?;
-            return failed.map_or(Ok(()), Err);
+            // Rank 0 reports the failure, with what every rank stored, and exits non-zero: a
+            // non-zero exit here would make mpirun abort rank 0 before it says so (a race that
+            // CI lost once).
+            if let Some(e) = failed {
+                eprintln!("rank {rank}: {e:#} (reported to rank 0)");
+            }
+            return Ok(());
         }
         c.post(op, vec![], (1..size).collect())?;
         for (r, bytes) in (1..size).zip(c.wait()?) {
