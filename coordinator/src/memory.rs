@@ -504,13 +504,15 @@ impl<'a> Share<'a> {
     fn recompute(&self, opts: &RunOptions, plan: &Pipeline) -> Phase {
         let s = self.s;
         let (k, batch) = (plan.recomputed(), plan.recompute_batch);
-        // This rank's share of one batch: a bound, not the even share (the query's attention
-        // concentrates on the documents it is about, so one rank may hold the whole selection:
-        // [2, 11, 6] of an even [7, 7, 7] measured at ratio 0.1 on 3 ranks).
-        let (mine, total) = (k.min(self.local_tokens).min(batch), k.min(batch));
+        // This rank's rows of one batch and the other ranks' rows it sees, each at its bound,
+        // not the even share: the query's attention concentrates on the documents it is about,
+        // so one rank may hold the whole selection, or none of it ([2, 11, 6] of an even
+        // [7, 7, 7] measured at ratio 0.1 on 3 ranks).
+        let total = k.min(batch);
+        let (mine, others) = (total.min(self.local_tokens), if self.ranks > 1 { total } else { 0 });
         let attend = match opts.scope {
             Scope::Exact => total * (4 * s.qd + 3 * s.partial_row()) + mine * s.partial_row(),
-            Scope::Sparse => total.saturating_sub(mine) * s.kv_row() + mine * (s.lse_row() + s.partial_row()),
+            Scope::Sparse => others * s.kv_row() + mine * (s.lse_row() + s.partial_row()),
         };
         // The sparse scope keeps the other ranks' rows of earlier batches, every layer's, for
         // the later batches (none with one batch or one rank): at most the whole selection.
@@ -519,7 +521,7 @@ impl<'a> Share<'a> {
             phase::RECOMPUTE,
             vec![
                 ("activations", mine * s.forward_row() + attend),
-                ("gathered keys", self.gathered(opts.scope, total.saturating_sub(mine))),
+                ("gathered keys", self.gathered(opts.scope, others)),
                 ("other ranks' rows", kept),
                 ("scratch", (self.scratch)(mine)),
             ],
@@ -702,9 +704,9 @@ mod tests {
         let opts = RunOptions { method: Method::Infoflow, scope: Scope::Sparse, ..RunOptions::default() };
         let plan = Pipeline::new(&opts, &t.chunks, 4, s.layers);
         let share = Share::new(&s, &no_scratch, 1 << 20, &t, &plan, 1);
+        // The other ranks' rows at their bound: the whole batch.
         let k = plan.recomputed().min(plan.recompute_batch);
-        let mine = (k * share.local_tokens).div_ceil(t.context());
-        let want = (share.local_tokens + t.head + (k - mine)) * kv_row;
+        let want = (share.local_tokens + t.head + k) * kv_row;
         assert_eq!(gathered(&share.recompute(&opts, &plan)), want);
     }
 

@@ -212,5 +212,12 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     ]
     .concat());
     assert!(!ok && err.contains("were deleted at once") && err.contains("raise --store-gib"), "{err}");
+
+    // `store clear` deletes the caches and says that the ingested texts stay (ids still resolve).
+    let (ok, out, err) = run(&["store", "clear", "--store", &s]);
+    assert!(ok && out.contains("kept: 3 ingested documents' texts"), "{out}{err}");
+    assert_eq!(entries(&store), 0, "every cache deleted");
+    let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
+    assert!(ok && stats.contains("ingested documents: 3"), "{stats}{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

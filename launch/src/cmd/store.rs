@@ -20,13 +20,15 @@ pub enum Store {
     },
     /// Reads every entry whole and checks its checksum; deletes the damaged ones.
     Verify,
-    /// Deletes the least recently used entries until at most `--max-gib` remain.
+    /// Deletes the least recently used entries until at most `--max-gib` remain (the ingested
+    /// documents' texts, `documents/`, are kept and not counted).
     Gc {
         /// GiB to keep.
         #[arg(long)]
         max_gib: f64,
     },
-    /// Deletes every entry (and writers' temporary files).
+    /// Deletes every entry (and writers' temporary files); the ingested documents' texts
+    /// (`documents/`) are kept: a job naming one by id prefills it again.
     Clear,
 }
 
@@ -67,6 +69,20 @@ fn who(l: &disk::Listed) -> String {
 }
 
 /// Runs `flowprefill store ...`.
+/// Says that the ingested documents' texts stay (and how to forget them), if there are any.
+fn say_documents_kept(dir: &std::path::Path) -> Result<()> {
+    if dir.join("documents").is_dir() {
+        let docs = flowprefill_worker::store::documents::Documents::open(dir)?;
+        println!(
+            "  kept: {} ingested documents' texts in {} (a job naming one by id prefills it again; delete that \
+             folder to forget them)",
+            docs.ids()?.len(),
+            docs.dir().display()
+        );
+    }
+    Ok(())
+}
+
 pub fn run(common: &crate::Common, cmd: Store) -> Result<()> {
     let dir = folder(common)?;
     if !dir.is_dir() {
@@ -117,10 +133,12 @@ pub fn run(common: &crate::Common, cmd: Store) -> Result<()> {
             anyhow::ensure!(max_gib >= 0.0 && max_gib.is_finite(), "--max-gib {max_gib}: give a size of at least 0");
             let (files, bytes) = disk::gc(&dir, (max_gib * (1u64 << 30) as f64) as u64)?;
             println!("{}: deleted {files} least recently used entries, {}", dir.display(), gib(bytes));
+            say_documents_kept(&dir)?;
         }
         Store::Clear => {
             let (files, bytes) = disk::clear(&dir)?;
             println!("{}: deleted {files} files, {}", dir.display(), gib(bytes));
+            say_documents_kept(&dir)?;
         }
     }
     Ok(())
