@@ -156,7 +156,7 @@ fn adapter_gradients_match_finite_differences() {
 /// adapter file records the run; a finished run's checkpoint gives the same adapter again and
 /// refuses other settings.
 #[test]
-fn a_short_training_run_lowers_the_loss_and_resumes() {
+fn a_short_training_run_takes_its_steps_and_resumes() {
     let (lm, tm, dir) = flowprefill_tests::tiny_lm("kvpacket", 11);
     let settings = Settings {
         method: KvPacket { header: 2, trailer: 2, continuation: 3 },
@@ -179,8 +179,14 @@ fn a_short_training_run_lowers_the_loss_and_resumes() {
     .expect("training");
     assert_eq!(steps, 6);
     assert_eq!(history.train.len(), 6);
+    // On this tiny random model the packets change nothing measurable: the held-out KL is f32
+    // noise (about 1e-7, before and after, some training losses below 0), so "it went down"
+    // was a coin toss that a fresh-clone CI run lost (8.7e-8 -> 1.07e-7). What is pinned here
+    // is the machinery; a real model's loss going down is not tested (docs/kvpacket.md has
+    // the measured runs).
     let last = history.validation.last().expect("validation").1;
-    assert!(last < history.initial_val, "held-out KL {} -> {last}", history.initial_val);
+    assert!(history.train.iter().all(|l| l.is_finite()) && last.is_finite(), "{history:?}");
+    assert!(history.initial_val < 1e-5 && last < 1e-5, "held-out KL {} -> {last}", history.initial_val);
     let loaded = Adapter::load(&out.adapter).expect("adapter file");
     assert_eq!(loaded.rows, adapter.rows);
     assert_eq!(loaded.meta.training["steps"], 6);
