@@ -222,10 +222,18 @@ impl QaCase {
     /// token there instead: every range one row late, and a one-token answer an empty range.)
     pub fn needle_rows(&self, tok: &Tokenizer) -> Vec<(usize, Range<usize>, Option<Range<usize>>)> {
         let mut out = Vec::new();
+        // Each document tokenized once, however many needles it holds.
+        let mut spans_of: std::collections::HashMap<usize, Vec<Range<usize>>> = Default::default();
         for n in &self.needles {
             let Some(doc) = self.documents.get(n.doc).map(|d| d.trim()) else { continue };
             let Some(at) = doc.find(&n.text) else { continue };
-            let Ok(spans) = tok.encode_spans(doc) else { continue };
+            let spans = match spans_of.entry(n.doc) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => match tok.encode_spans(doc) {
+                    Ok(s) => e.insert(s),
+                    Err(_) => continue,
+                },
+            };
             let rows_of = |bytes: Range<usize>| {
                 let first = spans.iter().position(|s| s.end > bytes.start).unwrap_or(spans.len());
                 let end = spans.iter().rposition(|s| s.start < bytes.end).map_or(first, |i| (i + 1).max(first));

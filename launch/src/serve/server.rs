@@ -35,14 +35,13 @@ pub struct ConnLimits {
 }
 
 /// Accepts one connection of `listener` and serves `app` on it in a task of its own, with the
-/// header deadline and within the bound on open connections (`open`); `graceful` (if any)
-/// watches it.
+/// header deadline and within the bound on open connections (`open`); `graceful` watches it.
 async fn accept_one(
     listener: &TcpListener,
     app: &Router,
     open: &Arc<Semaphore>,
     limits: ConnLimits,
-    graceful: Option<&GracefulShutdown>,
+    graceful: &GracefulShutdown,
 ) {
     let stream = match listener.accept().await {
         Ok((s, _)) => s,
@@ -61,21 +60,11 @@ async fn accept_one(
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout)
         .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
-    match graceful {
-        Some(g) => {
-            let conn = g.watch(conn);
-            tokio::spawn(async move {
-                let _ = conn.await;
-                drop(permit);
-            });
-        }
-        None => {
-            tokio::spawn(async move {
-                let _ = conn.await;
-                drop(permit);
-            });
-        }
-    }
+    let conn = graceful.watch(conn);
+    tokio::spawn(async move {
+        let _ = conn.await;
+        drop(permit);
+    });
 }
 
 /// Serves `app` on `listener` until `shutdown` completes or the world of ranks fails for good
@@ -104,7 +93,7 @@ pub async fn run(
     };
     loop {
         tokio::select! {
-            () = accept_one(&listener, &app, &open, limits, Some(&graceful)) => {}
+            () = accept_one(&listener, &app, &open, limits, &graceful) => {}
             _ = &mut shutdown => break,
             _ = fatal() => {
                 eprintln!("a rank failed and the world cannot be rebuilt: stopping");
@@ -133,7 +122,7 @@ pub async fn run(
     loop {
         tokio::select! {
             () = &mut drained => break,
-            () = accept_one(&listener, &app, &open, limits, Some(&graceful)) => {}
+            () = accept_one(&listener, &app, &open, limits, &graceful) => {}
         }
     }
     drop(listener);
@@ -147,7 +136,9 @@ pub async fn run(
 /// bound on open connections, until the runtime stops.
 pub async fn run_plain(listener: TcpListener, app: Router, limits: ConnLimits) {
     let open = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    // Never shut down: the connections end with the runtime.
+    let graceful = GracefulShutdown::new();
     loop {
-        accept_one(&listener, &app, &open, limits, None).await;
+        accept_one(&listener, &app, &open, limits, &graceful).await;
     }
 }

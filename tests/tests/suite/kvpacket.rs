@@ -158,17 +158,7 @@ fn adapter_gradients_match_finite_differences() {
 #[test]
 fn a_short_training_run_takes_its_steps_and_resumes() {
     let (lm, tm, dir) = flowprefill_tests::tiny_lm("kvpacket", 11);
-    let settings = Settings {
-        method: KvPacket { header: 2, trailer: 2, continuation: 3 },
-        tasks: vec!["niah_single".into(), "qa_twohop".into()],
-        length: 200,
-        samples: 4,
-        val_samples: 2,
-        epochs: 3,
-        batch: 2,
-        lr: 0.05,
-        ..Settings::default()
-    };
+    let settings = tiny_run();
     let out = run::Outputs { dir: dir.join("run"), adapter: dir.join("tiny.adapter.safetensors") };
     let mut steps = 0;
     let (adapter, history) = run::train(&lm, &tm, &settings, &out, &mut |e| {
@@ -211,17 +201,7 @@ fn a_short_training_run_takes_its_steps_and_resumes() {
 #[test]
 fn a_run_stopped_mid_way_resumes_exactly_and_only_for_its_model() {
     let (mut lm, tm, dir) = flowprefill_tests::tiny_lm("kvpacket-resume", 11);
-    let settings = Settings {
-        method: KvPacket { header: 2, trailer: 2, continuation: 3 },
-        tasks: vec!["niah_single".into(), "qa_twohop".into()],
-        length: 200,
-        samples: 4,
-        val_samples: 1,
-        epochs: 3,
-        batch: 2,
-        lr: 0.05,
-        ..Settings::default()
-    };
+    let settings = Settings { val_samples: 1, ..tiny_run() };
     let outputs = |name: &str| run::Outputs { dir: dir.join(name), adapter: dir.join(name).join("a.safetensors") };
     let is_step = |e: &run::Event| usize::from(matches!(e, run::Event::Step { .. }));
     let (whole, whole_history) = run::train(&lm, &tm, &settings, &outputs("whole"), &mut |_| ()).expect("training");
@@ -370,4 +350,19 @@ fn the_default_model_has_its_shipped_adapter() {
     let e = a.check_model("tiny", "tiny-llama", tm.config().d_model).unwrap_err().to_string();
     assert!(e.contains("hidden size of 64"), "{e}");
     std::fs::remove_dir_all(dir).ok();
+}
+
+/// The short run of the tiny model's tests: 6 steps of 2 samples over two tasks.
+fn tiny_run() -> Settings {
+    Settings {
+        method: KvPacket { header: 2, trailer: 2, continuation: 3 },
+        tasks: vec!["niah_single".into(), "qa_twohop".into()],
+        length: 200,
+        samples: 4,
+        val_samples: 2,
+        epochs: 3,
+        batch: 2,
+        lr: 0.05,
+        ..Settings::default()
+    }
 }
