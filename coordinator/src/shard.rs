@@ -2,13 +2,16 @@
 //!
 //! Chunks go to ranks contiguously in request order, balanced by tokens: the smallest
 //! per-rank token load that a left-to-right contiguous split can achieve is found by binary
-//! search, then ranks are filled greedily up to it (the classic linear partition).
+//! search, then ranks are filled greedily up to it (the classic linear partition), except that
+//! once the chunks left are no more than the ranks left each takes a rank of its own: with at
+//! least as many chunks as ranks every rank holds one (5 equal chunks on 4 ranks: 0 0 1 2 3,
+//! where filling alone gave 0 0 1 1 2 and left rank 3 idle at the same largest load).
 //!
 //! ```text
 //!   tokens:  |--c0--|----c1----|-c2-|---c3---|--c4--|      P = 3
 //!   owner:       0       0        1      1       2         (max load minimal)
 //! ```
-//! More ranks than chunks (trailing ranks hold nothing), empty ranks and uneven chunks all
+//! More ranks than chunks (trailing ranks hold nothing), uneven chunks all
 //! work: a rank that holds nothing still takes part in every collective. Chunk 0 always lands
 //! on rank 0, next to the template head (every rank may compute the head as a prefill head;
 //! only rank 0 contributes it as a segment).
@@ -16,12 +19,18 @@
 /// Owner rank of each chunk (request order).
 pub fn plan(chunk_tokens: &[usize], ranks: usize) -> Vec<usize> {
     let p = ranks.max(1);
+    let count = chunk_tokens.len();
     let fill = |cap: usize| -> Vec<usize> {
         let (mut r, mut load) = (0usize, 0usize);
         chunk_tokens
             .iter()
-            .map(|&n| {
-                if load > 0 && load + n > cap {
+            .enumerate()
+            .map(|(c, &n)| {
+                // A new rank when this chunk would pass the cap, or when the chunks left (this
+                // one included) are no more than the ranks after this one: each of those then
+                // takes one chunk, which is within any feasible cap, so no rank idles while
+                // another holds two.
+                if load > 0 && (load + n > cap || count - c <= p - 1 - r.min(p - 1)) {
                     r += 1;
                     load = 0;
                 }
@@ -149,6 +158,45 @@ mod tests {
             assert!(o.iter().all(|&r| r < p));
         }
         assert_eq!(local_chunks(&[0, 0, 1, 1], 1), vec![2, 3]);
+    }
+
+    /// The largest load of the best contiguous split, by trying every one (small inputs).
+    fn best_max_load(sizes: &[usize], p: usize) -> usize {
+        if p == 1 || sizes.len() <= 1 {
+            return sizes.iter().sum();
+        }
+        (1..sizes.len())
+            .map(|cut| sizes[..cut].iter().sum::<usize>().max(best_max_load(&sizes[cut..], p - 1)))
+            .min()
+            .map_or(sizes.iter().sum(), |m| m.min(sizes.iter().sum()))
+    }
+
+    #[test]
+    fn no_rank_idles_while_another_holds_two_chunks() {
+        assert_eq!(plan(&[10; 5], 4), vec![0, 0, 1, 2, 3], "filling alone gave 0 0 1 1 2");
+        assert_eq!(plan(&[10; 9], 8), vec![0, 0, 1, 2, 3, 4, 5, 6, 7], "filling alone used 5 of 8 ranks");
+        assert_eq!(plan(&[10; 3], 3), vec![0, 1, 2]);
+        // Every input up to 7 chunks of sizes from a small set, on 1-6 ranks: contiguous, the
+        // best largest load, and every rank holds a chunk when there are enough chunks.
+        let mut seed = 0x9e37_79b9_u64;
+        for _ in 0..3000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let n = (seed % 8) as usize;
+            let sizes: Vec<usize> = (0..n).map(|i| [1, 5, 10, 37, 300][((seed >> (8 + 3 * i)) % 5) as usize]).collect();
+            for p in 1..=6 {
+                let o = plan(&sizes, p);
+                assert_eq!(o.len(), n);
+                assert!(o.windows(2).all(|w| w[0] <= w[1] && w[1] - w[0] <= 1), "contiguous: {sizes:?} {o:?}");
+                assert!(o.iter().all(|&r| r < p), "{sizes:?} on {p}: {o:?}");
+                let used = o.last().map_or(0, |&r| r + 1);
+                assert_eq!(used, n.min(p), "{sizes:?} on {p}: {o:?}");
+                let top =
+                    (0..p).map(|r| sizes.iter().zip(&o).filter(|(_, &x)| x == r).map(|(s, _)| s).sum::<usize>()).max();
+                assert_eq!(top, Some(best_max_load(&sizes, p)), "{sizes:?} on {p}: {o:?}");
+            }
+        }
         assert!(local_chunks(&[0, 0], 1).is_empty());
     }
 }
