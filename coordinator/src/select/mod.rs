@@ -35,7 +35,6 @@ use crate::error::{internal, Result};
 use crate::layout::Layout;
 use crate::request::{Geometry, Method, RunOptions};
 use flowprefill_comm::Communicator;
-use flowprefill_kernels::topk::top_k;
 use flowprefill_kernels::Backend;
 use flowprefill_worker::interrupt::{Check, Watch};
 use flowprefill_worker::kv::{KeyForm, KvCache};
@@ -70,8 +69,9 @@ pub struct ScoreCtx<'a, 'c, B: Backend> {
     /// The head placed at 0..P, contributed by rank 0 only (segment 0).
     pub head: Option<&'a KvCache<B>>,
     /// The local chunks placed at their GLOBAL positions (same order as `local`); empty when
-    /// only other geometries are scored.
-    pub placed: &'a [KvCache<B>],
+    /// only other geometries are scored. CacheBlend's probe writes the rows it recomputes
+    /// (every context token, its first layers) into them: the recomputation starts from there.
+    pub placed: &'a mut [KvCache<B>],
     /// Options of the run.
     pub opts: &'a RunOptions,
     /// Auxiliary caches provider.
@@ -323,23 +323,6 @@ pub fn pool_mean(scores: &[f32], window: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Flags of the `k` best tokens over all chunks (ties: earlier token in layout order).
-pub fn top_k_flags(scores: &[Vec<f32>], k: usize) -> Vec<Vec<bool>> {
-    let flat: Vec<f32> = scores.iter().flatten().copied().collect();
-    let mut flags: Vec<Vec<bool>> = scores.iter().map(|s| vec![false; s.len()]).collect();
-    let mut starts = Vec::with_capacity(scores.len());
-    let mut acc = 0;
-    for s in scores {
-        starts.push(acc);
-        acc += s.len();
-    }
-    for i in top_k(&flat, k) {
-        let c = starts.partition_point(|&s| s <= i) - 1;
-        flags[c][i - starts[c]] = true;
-    }
-    flags
-}
-
 /// What a score adds to a coverage budget's mass: a finite positive score itself, anything
 /// else nothing.
 pub fn mass(score: f32) -> f64 {
@@ -376,11 +359,6 @@ pub fn coverage_count(best_first: &[f32], total: f64, share: f64, least: usize) 
         k.max(least).min(most)
     };
     (k, covered(k).min(1.0))
-}
-
-/// Rows selected per chunk (layout order) from flags.
-pub fn rows_of(flags: &[Vec<bool>]) -> Vec<Vec<usize>> {
-    flags.iter().map(|f| f.iter().enumerate().filter(|(_, &s)| s).map(|(i, _)| i).collect()).collect()
 }
 
 #[cfg(test)]
@@ -450,13 +428,5 @@ mod tests {
         assert_eq!(coverage_count(&[0.0, 0.0], 0.0, 0.9, 1).0, 1);
         assert_eq!(mass(f32::NAN) + mass(-1.0) + mass(f32::INFINITY), 0.0);
         assert_eq!(chunk_mass(&[0.25, -3.0, 0.5]), 0.75);
-    }
-
-    #[test]
-    fn top_k_flags_spans_chunks() {
-        let s = vec![vec![0.1, 0.9], vec![0.5], vec![0.9, 0.0, 0.3]];
-        let f = top_k_flags(&s, 3);
-        assert_eq!(rows_of(&f), vec![vec![1], vec![0], vec![0]]);
-        assert_eq!(rows_of(&top_k_flags(&s, 0)), vec![Vec::<usize>::new(); 3]);
     }
 }
