@@ -172,8 +172,8 @@ fn a_short_training_run_takes_its_steps_and_resumes() {
     // On this tiny random model the packets change nothing measurable: the held-out KL is f32
     // noise (about 1e-7, before and after, some training losses below 0), so "it went down"
     // was a coin toss that a fresh-clone CI run lost (8.7e-8 -> 1.07e-7). What is pinned here
-    // is the machinery; a real model's loss going down is not tested (docs/kvpacket.md has
-    // the measured runs).
+    // is the machinery; the real model's loss going down is
+    // `training_on_the_real_model_lowers_the_loss_of_its_samples`.
     let last = history.validation.last().expect("validation").1;
     assert!(history.train.iter().all(|l| l.is_finite()) && last.is_finite(), "{history:?}");
     assert!(history.initial_val < 1e-5 && last < 1e-5, "held-out KL {} -> {last}", history.initial_val);
@@ -365,4 +365,33 @@ fn tiny_run() -> Settings {
         lr: 0.05,
         ..Settings::default()
     }
+}
+
+/// On the real model the gradients move the packets the right way: four steps over the same
+/// two samples lower their loss (a tiny random model's loss is f32 noise, above), and every
+/// loss is finite. Measured 2026-11-28: 0.642, 0.256, 0.182, 0.118 (held-out 0.123 -> 0.053).
+#[test]
+fn training_on_the_real_model_lowers_the_loss_of_its_samples() {
+    let lm = default_model();
+    let tm = TrainModel::from_gguf(&default_model_path()).expect("training model");
+    let dir = std::env::temp_dir().join(format!("fp-kvpacket-real-{}", std::process::id()));
+    let settings = Settings {
+        tasks: vec!["niah_single".into()],
+        length: 160,
+        samples: 2,
+        val_samples: 1,
+        epochs: 4,
+        batch: 2,
+        lr: 0.05,
+        ..tiny_run()
+    };
+    let out = run::Outputs { dir: dir.join("run"), adapter: dir.join("real.adapter.safetensors") };
+    let (_, history) = run::train(lm, &tm, &settings, &out, &mut |_| ()).expect("training");
+    eprintln!("training losses {:?}, held-out {} -> {:?}", history.train, history.initial_val, history.validation);
+    assert_eq!(history.train.len(), 4, "one step per epoch: {history:?}");
+    assert!(history.train.iter().all(|l| l.is_finite() && *l >= 0.0), "{history:?}");
+    let (first, last) = (history.train[0], history.train[3]);
+    assert!(first > 1e-3, "the untrained packets already fit ({first}): the test shows nothing");
+    assert!(last < 0.8 * first, "the loss of the trained samples went {first} -> {last}");
+    std::fs::remove_dir_all(dir).ok();
 }
