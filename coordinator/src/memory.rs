@@ -454,13 +454,13 @@ impl<'a> Share<'a> {
     /// The method's `probe` (its depth, CacheBlend's deviation) of `m` query rows.
     fn probe(&self, opts: &RunOptions, plan: &Pipeline, probe: Probe, m: usize) -> Phase {
         let (s, local_tokens) = (self.s, self.local_tokens);
-        // CacheBlend's value deviation: every local token through the first layers, the
-        // segments copied per layer, the queries of every rank visiting them (exact scope).
+        // CacheBlend's value deviation: every local token through the first layers, its rows
+        // written into the placed segments (no copies), the queries of every rank visiting
+        // them (exact scope).
         let deviation = || {
-            let copies = (local_tokens + if self.lead { self.t.head } else { 0 }) * s.kv_row();
             let exact = self.t.context() * (4 * s.qd + 3 * s.partial_row()) + local_tokens * s.partial_row();
             vec![
-                ("activations", local_tokens * s.forward_row() + copies + exact),
+                ("activations", local_tokens * s.forward_row() + exact),
                 ("gathered keys", self.gathered(Scope::Exact, 0)),
                 ("scratch", (self.scratch)(local_tokens)),
             ]

@@ -66,7 +66,7 @@ impl<B: Backend> Engine<B> {
         let order = self.reorder_chunks(comm, layout, &local_ids, &caches, &head_placed, turn)?;
         let held = held(&order, &turn.plan.owners, comm.rank(), &local_ids, &caches)?;
         let mut placed = self.place(layout, &order, &held, &head_placed, comm.rank() == 0, turn)?;
-        let selected = self.select(comm, layout, &order, &held, &placed, turn)?;
+        let selected = self.select(comm, layout, &order, &held, &mut placed, turn)?;
         let located = self.locate(layout, &order, &held, &placed, &selected, comm.rank(), turn)?;
         turn.mine.selected = located.targets.len();
         self.fault_point(comm.rank(), phase::RECOMPUTE)?;
@@ -140,7 +140,7 @@ impl<B: Backend> Engine<B> {
             local: local_ids,
             chunks: &caches.chunks,
             head: (comm.rank() == 0).then_some(head_placed),
-            placed: &[],
+            placed: &mut [],
             opts: turn.opts,
             aux: self,
             comm,
@@ -191,7 +191,7 @@ impl<B: Backend> Engine<B> {
         layout: &Layout,
         order: &[usize],
         held: &Held<B>,
-        placed: &Placed<B>,
+        placed: &mut Placed<B>,
         turn: &mut Turn<'_>,
     ) -> Result<Vec<u32>> {
         let n = layout.n_context();
@@ -211,7 +211,7 @@ impl<B: Backend> Engine<B> {
         let (opts, rank) = (turn.opts, comm.rank());
         let selector =
             selector_for::<B>(opts.method).ok_or_else(|| internal(format!("{} selects nothing", opts.method)))?;
-        let (head, chunks) = placed.segments.split_at(placed.first_chunk);
+        let (head, chunks) = placed.segments.split_at_mut(placed.first_chunk);
         let mut ctx = ScoreCtx {
             lm: &self.lm,
             layout,

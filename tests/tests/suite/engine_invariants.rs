@@ -249,3 +249,103 @@ fn bad_requests_say_what_to_change() {
     let m = err(&request(vec![]), RunOptions::default());
     assert!(m.contains("no documents"), "{m}");
 }
+
+/// K/V rows recomputed under the global layout against a full prefill's, relative to the range
+/// of the full prefill's layer (the same math in another blocking and merge order; measured
+/// at most 2.4e-7 on SmolLM2, 2026-11-28).
+const RECOMPUTED_KV_TOL: f32 = 1e-5;
+
+/// CacheBlend recomputes every context token through its check layer and keeps those rows
+/// (LMCache's blender: the first layers fully recomputed, only the selected tokens after): the
+/// probe leaves layers 0..=1 of every chunk equal to a full prefill's, layer 2 as cached, and
+/// its deviation is `||V_full - V_cached||^2` at layer 1.
+#[test]
+fn cacheblend_probe_leaves_its_first_layers_recomputed_for_every_token() {
+    let lm = default_model();
+    let model = &lm.model;
+    let be = model.backend();
+    let cfg = model.config();
+    let kvd = cfg.kv_dim();
+    let req = request(small_docs());
+    let layout = flowprefill_coordinator::layout::Layout::build(lm, &req).unwrap();
+    let p = layout.head.len() as u32;
+    let head = prefill_chunk(model, &[], &layout.head, 0).unwrap();
+    let head_rot = head.placed(be, model.rope(), head.positions(), cfg.n_kv_heads).unwrap();
+    let mut chunks = Vec::new();
+    let mut all_tokens = layout.head.clone();
+    let mut offsets = Vec::new();
+    for (c, toks) in layout.chunks.iter().enumerate() {
+        let kv = if c == 0 { prefill_chunk(model, &[&head_rot], toks, p) } else { prefill_chunk(model, &[], toks, 0) };
+        let start = all_tokens.len() as u32;
+        let global: Vec<u32> = (start..start + toks.len() as u32).collect();
+        chunks.push(kv.unwrap().placed(be, model.rope(), &global, cfg.n_kv_heads).unwrap());
+        offsets.push(start as usize);
+        all_tokens.extend_from_slice(toks);
+    }
+    let full = prefill_chunk(model, &[], &all_tokens, 0).unwrap();
+    let full = full.placed(be, model.rope(), full.positions(), cfg.n_kv_heads).unwrap();
+    let rows_of = |kv: &KvCache<Cpu>, l: usize, v: bool| {
+        let layer = kv.layer(l);
+        be.download(if v { &layer.v } else { &layer.k }).unwrap()
+    };
+    // The full prefill's rows of chunk `c` at layer `l`.
+    let full_rows = |c: usize, l: usize, v: bool| {
+        let all = rows_of(&full, l, v);
+        all[offsets[c] * kvd..(offsets[c] + layout.chunks[c].len()) * kvd].to_vec()
+    };
+    let before: Vec<Vec<Vec<f32>>> = chunks.iter().map(|kv| (0..3).map(|l| rows_of(kv, l, true)).collect()).collect();
+    // Before: a chunk prefilled alone has other layer-1 values than under the whole context.
+    let stale = (1..chunks.len()).map(|c| rel_diff(&before[c][1], &full_rows(c, 1, true))).fold(0f32, f32::max);
+    assert!(
+        stale > 20.0 * RECOMPUTED_KV_TOL,
+        "chunk-local layer 1 is already global ({stale}): the test shows nothing"
+    );
+
+    let mut targets = Vec::new();
+    let mut tokens = Vec::new();
+    for (c, toks) in layout.chunks.iter().enumerate() {
+        for (row, &t) in toks.iter().enumerate() {
+            targets.push(flowprefill_worker::steps::Target { segment: 1 + c, row });
+            tokens.push(t);
+        }
+    }
+    let all: Vec<u32> = (p..p + layout.n_context() as u32).collect();
+    let sel = flowprefill_worker::steps::Selection { targets: &targets, tokens: &tokens, all_positions: &all };
+    let mut comm = flowprefill_comm::local::LocalComm::group(1).pop().unwrap();
+    let dev = flowprefill_worker::steps::value_deviation(
+        model,
+        &mut comm,
+        Some(&head_rot),
+        &mut chunks,
+        &sel,
+        1,
+        &mut || Ok(()),
+    )
+    .unwrap();
+
+    let mut at = 0;
+    for (c, kv) in chunks.iter().enumerate() {
+        for l in 0..2 {
+            for v in [false, true] {
+                let d = rel_diff(&rows_of(kv, l, v), &full_rows(c, l, v));
+                assert!(
+                    d <= RECOMPUTED_KV_TOL,
+                    "chunk {c} layer {l} {}: {d} from the full prefill",
+                    ["K", "V"][v as usize]
+                );
+            }
+        }
+        assert!(rows_of(kv, 2, true) == before[c][2], "chunk {c}: layer 2 is the cached one, untouched");
+        // The deviation is measured against the cached rows, before they were overwritten.
+        let want: Vec<f32> = before[c][1]
+            .chunks(kvd)
+            .zip(full_rows(c, 1, true).chunks(kvd))
+            .map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum())
+            .collect();
+        let got = &dev[at..at + want.len()];
+        at += want.len();
+        let d = rel_diff(got, &want);
+        assert!(d <= 10.0 * RECOMPUTED_KV_TOL, "chunk {c}: deviation {d} from ||V_full - V_cached||^2");
+    }
+    assert_eq!(at, dev.len());
+}

@@ -24,7 +24,7 @@
 //! exact; every rank runs the same number of batches (possibly empty) so collectives match.
 
 use super::transport::{all_gather_bufs, exchange_bufs, per_row};
-use super::{clone_buf, group_targets, merge_into, TargetGroup};
+use super::{group_targets, merge_into, TargetGroup};
 use crate::attend::{attend_over, Attend, KvSource, LayerInput};
 use crate::error::{Field, InputError, Result, WorkerError};
 use crate::interrupt::Check;
@@ -79,8 +79,12 @@ impl std::str::FromStr for Scope {
 enum Rows<'a, B: Backend> {
     /// Rows are written into the segments (the recompute phase).
     InPlace(&'a mut [KvCache<B>]),
-    /// Rows go into per-layer copies; value deviation is measured at `check` (CacheBlend).
-    Copies { segments: &'a [&'a KvCache<B>], check: usize, dev: Vec<f32> },
+    /// CacheBlend's probe: every context row of the first layers is written into the chunk
+    /// segments (in place, and kept: those layers end fully recomputed, as in CacheBlend),
+    /// and the value deviation from the cached row is measured at `check` before the write.
+    /// `head` (rank 0's template head) is attended to, never written; target segment `s` is
+    /// `chunks[s - first]`.
+    Blend { head: Option<&'a KvCache<B>>, chunks: &'a mut [KvCache<B>], first: usize, check: usize, dev: Vec<f32> },
 }
 
 /// Other ranks' recomputed rows of one layer from earlier batches (the sparse scope): positions,
@@ -104,11 +108,11 @@ struct Step<'a, 'c, B: Backend> {
 impl<B: Backend> Attend<B> for Step<'_, '_, B> {
     fn attend(&mut self, x: &LayerInput<'_, B>, out: &mut B::Buf) -> Result<()> {
         // The segments of this layer with this rank's new rows written in.
-        let copies = self.write_rows(x)?;
+        self.write_rows(x)?;
         let local: Vec<KvSource<'_, B>> = match &self.rows {
             Rows::InPlace(segs) => segs.iter().map(|s| KvSource::layer(s, x.layer)).collect::<Result<_>>()?,
-            Rows::Copies { segments, .. } => {
-                copies.iter().zip(segments.iter()).map(|((k, v), s)| KvSource { k, v, pos: s.positions() }).collect()
+            Rows::Blend { head, chunks, .. } => {
+                head.iter().copied().chain(chunks.iter()).map(|s| KvSource::layer(s, x.layer)).collect::<Result<_>>()?
             }
         };
         match self.scope {
@@ -122,13 +126,11 @@ impl<B: Backend> Attend<B> for Step<'_, '_, B> {
 }
 
 impl<B: Backend> Step<'_, '_, B> {
-    /// Writes this rank's new K/V rows of layer `x.layer` into its segments (in place), or into
-    /// copies of them that it returns (CacheBlend's probe, which also measures the value
-    /// deviation at its check layer).
-    fn write_rows(&mut self, x: &LayerInput<'_, B>) -> Result<Vec<(B::Buf, B::Buf)>> {
+    /// Writes this rank's new K/V rows of layer `x.layer` into its segments (in place); in
+    /// CacheBlend's probe, first measures the value deviation at its check layer.
+    fn write_rows(&mut self, x: &LayerInput<'_, B>) -> Result<()> {
         let be = x.backend;
         let kvd = x.shape.kv_dim();
-        let mut copies = Vec::new();
         match &mut self.rows {
             Rows::InPlace(segs) => {
                 for (seg, toks, rows) in &self.groups {
@@ -137,20 +139,15 @@ impl<B: Backend> Step<'_, '_, B> {
                     be.copy_rows(x.v, toks, &mut layer.v, rows, kvd)?;
                 }
             }
-            Rows::Copies { segments, check, dev } => {
-                for s in segments.iter() {
-                    let l = s.layer(x.layer);
-                    copies.push((clone_buf(be, &l.k, kvd)?, clone_buf(be, &l.v, kvd)?));
-                }
-                for (seg, toks, rows) in &self.groups {
-                    let (k, v) = &mut copies[*seg];
-                    be.copy_rows(x.k, toks, k, rows, kvd)?;
-                    be.copy_rows(x.v, toks, v, rows, kvd)?;
-                }
+            Rows::Blend { chunks, first, check, dev, .. } => {
+                let chunk = |seg: usize| {
+                    seg.checked_sub(*first)
+                        .ok_or_else(|| crate::error::internal(format!("CacheBlend's probe writes into segment {seg}")))
+                };
                 if x.layer == *check {
                     let new_v = be.download(x.v)?;
                     for (seg, toks, rows) in &self.groups {
-                        let old_v = be.download(&segments[*seg].layer(x.layer).v)?;
+                        let old_v = be.download(&chunks[chunk(*seg)?].layer(x.layer).v)?;
                         for (&t, &r) in toks.iter().zip(rows) {
                             let a = &new_v[t * kvd..(t + 1) * kvd];
                             let b = &old_v[r * kvd..(r + 1) * kvd];
@@ -158,9 +155,14 @@ impl<B: Backend> Step<'_, '_, B> {
                         }
                     }
                 }
+                for (seg, toks, rows) in &self.groups {
+                    let layer = chunks[chunk(*seg)?].layer_mut(x.layer);
+                    be.copy_rows(x.k, toks, &mut layer.k, rows, kvd)?;
+                    be.copy_rows(x.v, toks, &mut layer.v, rows, kvd)?;
+                }
             }
         }
-        Ok(copies)
+        Ok(())
     }
 }
 
@@ -420,35 +422,47 @@ pub fn recompute<B: Backend>(
 }
 
 /// CacheBlend's signal: `||V_new - V_cached||^2` at `check_layer` for each of this rank's
-/// targets (in the order given), recomputing every rank's targets jointly through layers
-/// `0..=check_layer` (exact scope) without modifying the segments.
+/// targets (in the order given; every context token of the rank), recomputing every rank's
+/// targets jointly through layers `0..=check_layer` (exact scope). Those layers of `chunks`
+/// keep the recomputed rows: CacheBlend recomputes every token there and only the selected
+/// ones after. `head` (rank 0's placed template head, segment 0 of the targets' numbering) is
+/// attended to and not written; the chunks are segments `first..` with `first` 1 beside a
+/// head and 0 without.
 pub fn value_deviation<B: Backend>(
     model: &Model<B>,
     comm: &mut dyn Communicator,
-    segments: &[&KvCache<B>],
+    head: Option<&KvCache<B>>,
+    chunks: &mut [KvCache<B>],
     sel: &Selection<'_>,
     check_layer: usize,
     check: Check<'_>,
 ) -> Result<Vec<f32>> {
-    if segments.iter().any(|s| s.form() != KeyForm::Rotated) {
-        return Err(crate::error::internal("deviation scoring needs placed (rotated) segments"));
-    }
-    let (mine, _) = plan(segments, sel.targets, sel.tokens, sel.all_positions, usize::MAX)?;
-    let t: Vec<Target> = mine.iter().map(|x| x.1).collect();
+    let first = usize::from(head.is_some());
+    let (mine, groups) = {
+        let segments: Vec<&KvCache<B>> = head.into_iter().chain(chunks.iter()).collect();
+        if segments.iter().any(|s| s.form() != KeyForm::Rotated) {
+            return Err(crate::error::internal("deviation scoring needs placed (rotated) segments"));
+        }
+        let (mine, _) = plan(&segments, sel.targets, sel.tokens, sel.all_positions, usize::MAX)?;
+        let t: Vec<Target> = mine.iter().map(|x| x.1).collect();
+        if let Some(h) = t.iter().find(|t| t.segment < first) {
+            return Err(crate::error::internal(format!("CacheBlend's probe targets the head (row {})", h.row)));
+        }
+        (mine, group_targets(&t, &segments)?)
+    };
     let ids: Vec<u32> = mine.iter().map(|x| x.2).collect();
     let pos: Vec<u32> = mine.iter().map(|x| x.0).collect();
-    let groups = group_targets(&t, segments)?;
     let mut step = Step {
         comm,
         scope: Scope::Exact,
         earlier: None,
         replicated: None,
         op: "blend",
-        rows: Rows::Copies { segments, check: check_layer, dev: vec![0.0; t.len()] },
+        rows: Rows::Blend { head, chunks, first, check: check_layer, dev: vec![0.0; mine.len()] },
         groups,
     };
     model.forward_layers(&ids, &pos, &mut step, check_layer + 1, check)?;
-    let Rows::Copies { dev, .. } = step.rows else { return Err(crate::error::internal("deviation lost")) };
+    let Rows::Blend { dev, .. } = step.rows else { return Err(crate::error::internal("deviation lost")) };
     // Back to the caller's target order.
     let mut out = vec![0f32; sel.targets.len()];
     for (d, x) in dev.into_iter().zip(&mine) {
