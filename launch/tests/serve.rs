@@ -6,6 +6,9 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "support/promlint.rs"]
+mod promlint;
+
 struct Server {
     child: Child,
     addr: String,
@@ -39,8 +42,12 @@ impl Server {
         self.req("POST", path, &[("Content-Type", "application/json")], body.to_string().as_bytes())
     }
 
+    /// A scrape of `/metrics`, which must pass Prometheus' lint (every scrape of every test).
     fn metrics(&self) -> String {
-        self.req("GET", "/metrics", &[], b"").text()
+        let m = self.req("GET", "/metrics", &[], b"").text();
+        let problems = promlint::lint(&m);
+        assert!(problems.is_empty(), "/metrics fails Prometheus' lint: {problems:#?}\n{m}");
+        m
     }
 
     fn term(&mut self) -> (bool, String) {
@@ -135,6 +142,7 @@ fn endpoints_streaming_openai_and_metrics() {
     assert!(v["ttft_ms"].as_f64().unwrap() > 0.0);
     assert_eq!(v["ranks"], 2);
     assert!(v["phases"]["recompute"].as_f64().is_some());
+    let after_one_job = s.metrics();
 
     // KV eviction before decoding: each KV head keeps 64 context entries over the two ranks.
     let mut body = job(&d);
@@ -214,6 +222,35 @@ fn endpoints_streaming_openai_and_metrics() {
     }
     assert!(m.contains("rank=\"1\""), "per-rank series");
     assert!(m.contains("flowprefill_errors_total{kind=\"bad_request\"}"), "{m}");
+
+    // Time is counted in seconds (promtool: base units), with fractions, per op family and rank
+    // and per collective, transport and rank; the jobs since the first scrape added to them, and
+    // no counter went down.
+    let seconds = |text: &str, name: &str| -> f64 {
+        promlint::samples(text).iter().filter(|x| x.name == name).map(|x| x.value).sum()
+    };
+    for name in ["flowprefill_op_seconds_total", "flowprefill_collective_wait_seconds_total"] {
+        assert!(m.contains(&format!("# TYPE {name} counter")), "{name}:\n{m}");
+        let (first, now) = (seconds(&after_one_job, name), seconds(&m, name));
+        assert!(first > 0.0 && now > first, "{name}: {first} s after one job, {now} s now");
+    }
+    for rank in ["0", "1"] {
+        for op in ["matmul", "attention", "norm_rope", "other"] {
+            let series = promlint::samples(&m).into_iter().find(|x| {
+                x.name == "flowprefill_op_seconds_total"
+                    && x.labels.contains(&("op".into(), op.into()))
+                    && x.labels.contains(&("rank".into(), rank.into()))
+            });
+            assert!(series.is_some_and(|x| x.value > 0.0), "{op} on rank {rank}:\n{m}");
+        }
+    }
+    let now = promlint::samples(&m);
+    for before in promlint::samples(&after_one_job) {
+        if before.name.ends_with("_total") {
+            let after = now.iter().find(|x| x.name == before.name && x.labels == before.labels);
+            assert!(after.is_some_and(|a| a.value >= before.value), "{before:?} went down or away:\n{m}");
+        }
+    }
 }
 
 #[test]

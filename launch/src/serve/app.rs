@@ -604,7 +604,7 @@ async fn render_metrics(State(st): State<Arc<AppState>>, headers: HeaderMap) -> 
     if let Err(e) = st.authorize(&headers) {
         return error_response(&e);
     }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.prom.render()).into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], metrics::render(&st.prom)).into_response()
 }
 
 /// Every route.

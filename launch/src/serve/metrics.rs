@@ -1,14 +1,21 @@
 //! Prometheus metrics of the service. Rank 0 aggregates: every job's per-rank statistics
 //! (phase times, bytes per collective, selected tokens) travel back to rank 0 with the job,
 //! so one `/metrics` endpoint covers every rank of a thread or MPI deployment, with a
-//! `rank` label. Names carry their unit; labels are bounded (method, phase, rank,
-//! collective, kind, outcome), never request ids.
+//! `rank` label. Names carry their base unit (seconds, bytes) and counters end in `_total`, as
+//! Prometheus' naming rules (`promtool check metrics`) ask; labels are bounded (method, phase,
+//! rank, collective, kind, outcome), never request ids.
+//!
+//! The `metrics` crate's counters are integers; the two counters of seconds (op time, collective
+//! waits) need fractions, so they are kept here (`SecondsCounter`) and [`render`] writes them
+//! after the exporter's text, in the same format.
 
 use flowprefill_coordinator::RunResult;
 use flowprefill_worker::store::disk::DiskStats;
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use std::sync::OnceLock;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 /// Time to first token, by method.
 pub const TTFT_SECONDS: &str = "flowprefill_ttft_seconds";
@@ -18,17 +25,17 @@ pub const JOB_SECONDS: &str = "flowprefill_job_duration_seconds";
 pub const QUEUE_WAIT_SECONDS: &str = "flowprefill_queue_wait_seconds";
 /// Wall time of each phase on each rank, by method, phase, rank.
 pub const PHASE_SECONDS: &str = "flowprefill_phase_duration_seconds";
-/// Microseconds of model work per op family (matmul, attention, norm_rope, other) and rank:
-/// device time from CUDA events on a GPU, wall time on the CPU.
-pub const OP_MICROS: &str = "flowprefill_op_microseconds_total";
+/// Counter of seconds of model work per op family (matmul, attention, norm_rope, other) and
+/// rank: device time from CUDA events on a GPU, wall time on the CPU (rendered by [`render`]).
+pub const OP_SECONDS: &str = "flowprefill_op_seconds_total";
 /// Jobs that ran out of memory, by device (`cuda:N`, `cpu`).
 pub const OUT_OF_MEMORY: &str = "flowprefill_out_of_memory_total";
 /// Slowest minus fastest rank per phase, by phase.
 pub const STRAGGLER_GAP_SECONDS: &str = "flowprefill_straggler_gap_seconds";
 /// Payload bytes sent per collective, transport (`host` or the device plane, `nccl`) and rank.
 pub const COLLECTIVE_BYTES: &str = "flowprefill_collective_bytes_total";
-/// Microseconds spent waiting per collective, transport and rank.
-pub const COLLECTIVE_WAIT_MICROS: &str = "flowprefill_collective_wait_microseconds_total";
+/// Counter of seconds spent waiting per collective, transport and rank (rendered by [`render`]).
+pub const COLLECTIVE_WAIT_SECONDS: &str = "flowprefill_collective_wait_seconds_total";
 /// Tokens recomputed per rank.
 pub const SELECTED_TOKENS: &str = "flowprefill_selected_tokens_total";
 /// Context tokens processed, by method.
@@ -91,6 +98,89 @@ pub const KL_BUCKETS: &[f64] = &[0.0001, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.
 /// Buckets of a fraction in [0, 1].
 pub const RATIO_BUCKETS: &[f64] = &[0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0];
 
+/// [`OP_SECONDS`], by op family and rank.
+static OP_TIME: SecondsCounter<2> = SecondsCounter::new(
+    OP_SECONDS,
+    "Seconds of model work per op family (matmul, attention, norm_rope, other) and rank; device time on a GPU",
+    ["op", "rank"],
+);
+/// [`COLLECTIVE_WAIT_SECONDS`], by collective, transport and rank.
+static COLLECTIVE_WAIT_TIME: SecondsCounter<3> = SecondsCounter::new(
+    COLLECTIVE_WAIT_SECONDS,
+    "Seconds waited per collective, transport (host or nccl) and rank",
+    ["collective", "transport", "rank"],
+);
+
+/// A Prometheus counter of seconds with fractions, by `N` labels: the `metrics` crate's
+/// counters are integers (whole microseconds would put a non-base unit in the name and lose
+/// the waits below one). Monotonic: only non-negative amounts are added.
+struct SecondsCounter<const N: usize> {
+    name: &'static str,
+    help: &'static str,
+    labels: [&'static str; N],
+    series: Mutex<BTreeMap<[String; N], f64>>,
+}
+
+impl<const N: usize> SecondsCounter<N> {
+    /// A counter `name` (ending in `_seconds_total`) with its HELP text and label names.
+    const fn new(name: &'static str, help: &'static str, labels: [&'static str; N]) -> Self {
+        SecondsCounter { name, help, labels, series: Mutex::new(BTreeMap::new()) }
+    }
+
+    /// Adds `seconds` to the series of label `values` (in the order of the label names),
+    /// creating it at 0. A negative or non-finite amount adds nothing: a counter never goes down.
+    fn add(&self, values: [String; N], seconds: f64) {
+        let amount = if seconds.is_finite() && seconds > 0.0 { seconds } else { 0.0 };
+        *self.series.lock().unwrap_or_else(PoisonError::into_inner).entry(values).or_insert(0.0) += amount;
+    }
+
+    /// Appends the family in the text exposition format (HELP, TYPE, a line per series, a blank
+    /// line); nothing before the first [`add`](Self::add), as the exporter does.
+    fn render_into(&self, out: &mut String) {
+        let series = self.series.lock().unwrap_or_else(PoisonError::into_inner);
+        if series.is_empty() {
+            return;
+        }
+        let _ = writeln!(out, "# HELP {} {}", self.name, escape(self.help, false));
+        let _ = writeln!(out, "# TYPE {} counter", self.name);
+        for (values, seconds) in series.iter() {
+            out.push_str(self.name);
+            if N > 0 {
+                out.push('{');
+                for (i, (label, value)) in self.labels.iter().zip(values).enumerate() {
+                    let comma = if i > 0 { "," } else { "" };
+                    let _ = write!(out, "{comma}{label}=\"{}\"", escape(value, true));
+                }
+                out.push('}');
+            }
+            let _ = writeln!(out, " {seconds}");
+        }
+        out.push('\n');
+    }
+}
+
+/// Escapes a HELP text (backslash, line feed) or, with `quote`, a label value (also `"`).
+fn escape(s: &str, quote: bool) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '"' if quote => out.push_str("\\\""),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The `/metrics` text: the exporter's families, then the counters of seconds.
+pub fn render(prom: &PrometheusHandle) -> String {
+    let mut out = prom.render();
+    OP_TIME.render_into(&mut out);
+    COLLECTIVE_WAIT_TIME.render_into(&mut out);
+    out
+}
+
 /// Installs the global recorder once (the exporter renders on `/metrics`).
 pub fn install() -> anyhow::Result<PrometheusHandle> {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -116,16 +206,6 @@ fn describe() {
     describe_histogram!(PHASE_SECONDS, Unit::Seconds, "Wall time per phase and rank");
     describe_histogram!(STRAGGLER_GAP_SECONDS, Unit::Seconds, "Slowest minus fastest rank per phase");
     describe_counter!(COLLECTIVE_BYTES, Unit::Bytes, "Payload bytes sent per collective, transport and rank");
-    describe_counter!(
-        COLLECTIVE_WAIT_MICROS,
-        Unit::Microseconds,
-        "Microseconds waited per collective, transport (host or nccl) and rank"
-    );
-    describe_counter!(
-        OP_MICROS,
-        Unit::Microseconds,
-        "Model work per op family (matmul, attention, norm_rope, other) and rank; device time on a GPU"
-    );
     describe_counter!(OUT_OF_MEMORY, Unit::Count, "Jobs that ran out of memory, by device");
     describe_counter!(SELECTED_TOKENS, Unit::Count, "Tokens recomputed per rank");
     describe_counter!(CONTEXT_TOKENS, Unit::Count, "Context tokens processed");
@@ -247,7 +327,7 @@ pub fn record_job(r: &RunResult, cache_bytes: usize, disk: Option<DiskStats>) {
             }
         }
         for (family, ms) in &s.ops {
-            counter!(OP_MICROS, "op" => family.clone(), "rank" => rank.clone()).increment((ms * 1e3).round() as u64);
+            OP_TIME.add([family.clone(), rank.clone()], ms / 1e3);
         }
         for (op, o) in &s.comm.ops {
             // `<collective>@<plane>`: buffers that went over a device plane (NCCL); the rest
@@ -256,7 +336,7 @@ pub fn record_job(r: &RunResult, cache_bytes: usize, disk: Option<DiskStats>) {
             let labels =
                 [("collective", collective.to_string()), ("transport", transport.to_string()), ("rank", rank.clone())];
             counter!(COLLECTIVE_BYTES, &labels).increment(o.bytes_sent);
-            counter!(COLLECTIVE_WAIT_MICROS, &labels).increment((o.wait_s * 1e6) as u64);
+            COLLECTIVE_WAIT_TIME.add(labels.map(|(_, v)| v), o.wait_s);
         }
         counter!(SELECTED_TOKENS, "rank" => rank.clone()).increment(s.selected as u64);
     }
@@ -301,5 +381,31 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         gauge!(JOBS_IN_FLIGHT).decrement(1.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_counters_render_fractions_escape_labels_and_never_go_down() {
+        let c = SecondsCounter::new("x_wait_seconds_total", "Seconds \\ waited\nper rank", ["op", "rank"]);
+        let mut out = String::new();
+        c.render_into(&mut out);
+        assert_eq!(out, "", "no family before the first add");
+        c.add(["matmul".into(), "0".into()], 0.25);
+        c.add(["matmul".into(), "0".into()], 0.000_000_5);
+        c.add(["a\"b\\c\nd".into(), "1".into()], -3.0);
+        c.add(["a\"b\\c\nd".into(), "1".into()], f64::NAN);
+        c.add(["matmul".into(), "0".into()], f64::INFINITY);
+        c.render_into(&mut out);
+        assert_eq!(
+            out,
+            "# HELP x_wait_seconds_total Seconds \\\\ waited\\nper rank\n\
+             # TYPE x_wait_seconds_total counter\n\
+             x_wait_seconds_total{op=\"a\\\"b\\\\c\\nd\",rank=\"1\"} 0\n\
+             x_wait_seconds_total{op=\"matmul\",rank=\"0\"} 0.2500005\n\n"
+        );
     }
 }
