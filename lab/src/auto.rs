@@ -27,6 +27,25 @@ pub const HISTORY_MIN: usize = 20;
 /// prefill measured on SmolLM2-135M at 2,048 tokens (docs/quality.md: 0.21 over 32 cases).
 pub const PRIOR_KL_NONE: f64 = 0.2;
 
+/// The built-in device profile and link `auto` predicts a GPU named `name` with (the driver's
+/// name, `NVIDIA H200`, `NVIDIA A100-SXM4-80GB`, ...): an H200 as `h200`, an A100 as `a100-sxm`
+/// (NVLink 3), an H100 as `h100-sxm` (NVLink 4); the PCIe cards' links as PCIe. Any other GPU,
+/// or none known, is predicted as an H100, and the third value says so (the choice's `why`
+/// names the profile).
+pub fn gpu_profile(name: Option<&str>) -> (&'static str, &'static str, bool) {
+    let n = name.unwrap_or("").to_ascii_uppercase();
+    let pcie = n.contains("PCIE");
+    if n.contains("H200") {
+        ("h200", "nvlink4", true)
+    } else if n.contains("H100") {
+        ("h100-sxm", if pcie { "pcie5" } else { "nvlink4" }, true)
+    } else if n.contains("A100") {
+        ("a100-sxm", if pcie { "pcie4" } else { "nvlink3" }, true)
+    } else {
+        ("h100-sxm", "nvlink4", false)
+    }
+}
+
 /// The InfoFlow share of the context a coverage budget is predicted to recompute before any
 /// run of it is in the history.
 pub const PRIOR_COVERAGE_RATIO: f64 = 0.15;
@@ -226,6 +245,23 @@ impl Chooser for ProjectedChooser {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gpu_is_predicted_on_its_own_profile_where_there_is_one() {
+        assert_eq!(gpu_profile(Some("NVIDIA H200")), ("h200", "nvlink4", true));
+        assert_eq!(gpu_profile(Some("NVIDIA H100 80GB HBM3")), ("h100-sxm", "nvlink4", true));
+        assert_eq!(gpu_profile(Some("NVIDIA H100 PCIe")), ("h100-sxm", "pcie5", true));
+        assert_eq!(gpu_profile(Some("NVIDIA A100-SXM4-80GB")), ("a100-sxm", "nvlink3", true));
+        assert_eq!(gpu_profile(Some("NVIDIA A100-PCIE-40GB")), ("a100-sxm", "pcie4", true));
+        assert_eq!(gpu_profile(Some("NVIDIA L40S")), ("h100-sxm", "nvlink4", false));
+        assert_eq!(gpu_profile(None), ("h100-sxm", "nvlink4", false));
+        // Every profile named is a built-in one.
+        let p = crate::project::Profiles::builtin().expect("built-in profiles");
+        for name in ["NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA A100-PCIE-40GB", "NVIDIA A100-SXM4-80GB"] {
+            let (d, l, _) = gpu_profile(Some(name));
+            assert!(p.device(d).is_ok() && p.link(l).is_ok(), "{name}: {d} over {l}");
+        }
+    }
 
     #[test]
     fn the_prior_falls_with_what_is_recomputed_and_is_zero_when_exact() {

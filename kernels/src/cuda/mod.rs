@@ -27,7 +27,6 @@ pub use backend::{CudaBackend, DeviceBuf, DeviceMat, Mark, WeightType};
 pub use loader::Occupancy;
 
 use crate::error::{KernelError, Result};
-use cudarc::driver::CudaContext;
 
 /// One visible GPU.
 #[derive(Clone, Debug)]
@@ -110,22 +109,33 @@ pub fn versions() -> Versions {
     Versions { driver, nvrtc: nvrtc::version().ok(), cublas, nccl }
 }
 
-/// Lists the GPUs, or says why there are none.
+/// Lists the GPUs, or says why there are none. Asks the driver about each device without
+/// creating a context on it: a context per GPU per process took device memory and time on every
+/// GPU at every start, and fails outright on a GPU in exclusive-process mode that another rank
+/// holds (the usual setting of a cluster's nodes, one rank per GPU).
 pub fn devices() -> Result<Vec<CudaDevice>> {
+    use cudarc::driver::result::{self, device};
+    use cudarc::driver::sys::CUdevice_attribute as Attr;
     if !driver_present() {
         return Err(fail("the CUDA driver (libcuda) was not found: no NVIDIA driver on this machine"));
     }
-    let n = CudaContext::device_count().map_err(|e| fail(format!("cuInit/cuDeviceGetCount failed: {e:?}")))?;
-    (0..n.max(0) as usize)
+    result::init().map_err(|e| fail(format!("cuInit failed: {e:?}")))?;
+    let n = device::get_count().map_err(|e| fail(format!("cuDeviceGetCount failed: {e:?}")))?;
+    (0..n.max(0))
         .map(|ordinal| {
-            let ctx = CudaContext::new(ordinal).map_err(|e| fail(format!("device {ordinal}: {e:?}")))?;
+            let what = |field: &str, e: cudarc::driver::DriverError| fail(format!("device {ordinal} {field}: {e:?}"));
+            let dev = device::get(ordinal).map_err(|e| what("handle", e))?;
+            // SAFETY: `dev` was returned by cuDeviceGet just above; the queries need no context.
+            let attribute = |a: Attr| unsafe { device::get_attribute(dev, a) }.map_err(|e| what("capability", e));
             Ok(CudaDevice {
-                ordinal,
-                name: ctx.name().map_err(|e| fail(format!("device {ordinal} name: {e:?}")))?,
-                compute_capability: ctx
-                    .compute_capability()
-                    .map_err(|e| fail(format!("device {ordinal} capability: {e:?}")))?,
-                total_mem_bytes: ctx.total_mem().map_err(|e| fail(format!("device {ordinal} memory: {e:?}")))?,
+                ordinal: ordinal as usize,
+                name: device::get_name(dev).map_err(|e| what("name", e))?,
+                compute_capability: (
+                    attribute(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                    attribute(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+                ),
+                // SAFETY: as above.
+                total_mem_bytes: unsafe { device::total_mem(dev) }.map_err(|e| what("memory", e))?,
             })
         })
         .collect()

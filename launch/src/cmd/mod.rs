@@ -267,20 +267,23 @@ pub fn history_file() -> Option<std::path::PathBuf> {
 }
 
 /// What resolves `--method auto` for `common`'s device: the projection on `cpu-local` (the
-/// calibration file's where there is one; CPU ranks share its cores) or `h100-sxm` for a GPU,
-/// ranks joined by MPI or thread channels on a CPU, NVLink between GPUs; learning from [`history_file`]. Where
+/// calibration file's where there is one; CPU ranks share its cores) or a GPU's own profile
+/// ([`flowprefill_lab::auto::gpu_profile`]: `h200`, `a100-sxm`, else `h100-sxm`), ranks joined
+/// by MPI or thread channels on a CPU, the GPU's NVLink or PCIe between GPUs; learning from [`history_file`]. Where
 /// the profiles cannot be read, a chooser that refuses `auto` with that reason and the file to
 /// fix (nothing is said to jobs that name their method).
 pub fn chooser(common: &Common, mpi: bool) -> Option<std::sync::Arc<dyn flowprefill_coordinator::auto::Chooser>> {
     let cpu = common.device == DeviceSpec::Cpu;
     let files: Vec<std::path::PathBuf> = calibration_file().into_iter().filter(|f| f.exists()).collect();
-    // On a GPU the H100's profile (an H200 or A100 is predicted as one; the choice's `why`
-    // names the profile).
-    let device = if cpu { "cpu-local" } else { "h100-sxm" };
-    let link = match (cpu, mpi) {
-        (true, true) => "cpu-mpi",
-        (true, false) => "cpu-threads",
-        (false, _) => "nvlink4",
+    // On a GPU its own profile where there is one (H100, H200, A100: the driver's name of the
+    // device, asked without a context), else the H100's; the choice's `why` names it.
+    let (device, link) = match (cpu, mpi) {
+        (true, true) => ("cpu-local", "cpu-mpi"),
+        (true, false) => ("cpu-local", "cpu-threads"),
+        (false, _) => {
+            let (device, link, _) = flowprefill_lab::auto::gpu_profile(gpu_name(common.device).as_deref());
+            (device, link)
+        }
     };
     let made = flowprefill_lab::project::load_profiles(&files)
         .map_err(anyhow::Error::from)
@@ -294,6 +297,21 @@ pub fn chooser(common: &Common, mpi: bool) -> Option<std::sync::Arc<dyn flowpref
             let fix = if files.is_empty() { String::new() } else { format!("fix or delete {}, or ", files.join(", ")) };
             Some(std::sync::Arc::new(Unavailable(format!("unavailable here ({e:#}): {fix}name a method"))))
         }
+    }
+}
+
+/// The driver's name of the GPU `spec` names (no context is created), if there is one.
+fn gpu_name(spec: DeviceSpec) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        let gpus = flowprefill_kernels::cuda::devices().ok()?;
+        let DeviceSpec::Cuda(n) = spec.resolve(gpus.len()) else { return None };
+        gpus.into_iter().find(|g| g.ordinal == n).map(|g| g.name)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = spec;
+        None
     }
 }
 
