@@ -60,6 +60,9 @@ fn gib(b: u64) -> String {
 
 fn who(l: &disk::Listed) -> String {
     match &l.made_by {
+        Some((_, _, _, version)) if *version != disk::FORMAT_VERSION => {
+            format!("format v{version} (another build of flowprefill: never served by this one)")
+        }
         Some((model, device, dtype, version)) => {
             let short: String = model.chars().take(12).collect();
             format!("model {short} {device} {dtype} v{version}")
@@ -122,12 +125,18 @@ pub fn run(common: &crate::Common, cmd: Store) -> Result<()> {
             }
         }
         Store::Verify => {
-            let (ok, bad) = disk::verify(&dir)?;
-            for b in &bad {
+            let v = disk::verify(&dir)?;
+            for b in &v.damaged {
                 let _ = std::fs::remove_file(b);
                 println!("damaged, deleted: {}", b.display());
             }
-            println!("{}: {ok} intact, {} damaged", dir.display(), bad.len());
+            let other = match v.other_versions.len() {
+                0 => String::new(),
+                n => format!(
+                    ", {n} of another format version left alone (another build of flowprefill; never served here,                      `store gc` or `store clear` removes them)"
+                ),
+            };
+            println!("{}: {} intact, {} damaged{other}", dir.display(), v.ok, v.damaged.len());
         }
         Store::Gc { max_gib } => {
             anyhow::ensure!(max_gib >= 0.0 && max_gib.is_finite(), "--max-gib {max_gib}: give a size of at least 0");

@@ -543,7 +543,7 @@ pub fn list(dir: &Path, scope: Option<&Scope>) -> io::Result<Vec<Listed>> {
     let mut out = Vec::new();
     for path in entry_files(dir)? {
         let Ok((h, meta)) = read_header(&path) else { continue };
-        let ours = h.as_ref().is_some_and(|h| scope.is_none_or(|s| s.owns(h)));
+        let ours = h.as_ref().is_some_and(|h| h.current() && scope.is_none_or(|s| s.owns(h)));
         let made_by = h.as_ref().map(|h| (h.model.clone(), h.device.clone(), dtype_name(h.dtype), h.version));
         out.push(Listed {
             path,
@@ -569,17 +569,35 @@ fn entry_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
 
 /// Reads every entry file of `dir` whole and checks its header, length and checksum (any
 /// scope): returns the intact ones' count and the damaged files.
-pub fn verify(dir: &Path) -> io::Result<(usize, Vec<PathBuf>)> {
-    let (mut ok, mut bad) = (0, Vec::new());
+pub fn verify(dir: &Path) -> io::Result<Verified> {
+    let mut v = Verified::default();
     for path in entry_files(dir)? {
+        // Another format version's file is not this build's to judge (nor to delete).
+        if let Ok((Some(h), _)) = read_header(&path) {
+            if !h.current() {
+                v.other_versions.push(path);
+                continue;
+            }
+        }
         let Ok(bytes) = fs::read(&path) else { continue };
         if check_whole(&bytes).is_ok() {
-            ok += 1;
+            v.ok += 1;
         } else {
-            bad.push(path);
+            v.damaged.push(path);
         }
     }
-    Ok((ok, bad))
+    Ok(v)
+}
+
+/// What [`verify`] found.
+#[derive(Debug, Default)]
+pub struct Verified {
+    /// Entries whose length and checksum hold.
+    pub ok: usize,
+    /// Entries of this format version that do not.
+    pub damaged: Vec<PathBuf>,
+    /// Files of another format version (another build of flowprefill): not checked.
+    pub other_versions: Vec<PathBuf>,
 }
 
 /// Deletes every entry file of `dir` and writers' temporary files (of every scope); returns

@@ -11,8 +11,12 @@ use std::fs::{File, Metadata};
 use std::io::{self, Read};
 use std::path::Path;
 
-/// The file format's version, in every file's header.
-pub const FORMAT_VERSION: u32 = 1;
+/// The version of the file format and of the numbers an entry holds, in every file's header and
+/// in its name: bumped when the layout changes and also when a prefill's numbers change for the
+/// same model file (a file of another version is never served, and left alone). 2 (2026-11-28):
+/// linear RoPE scaling read from the model file (such models' caches of version 1 were computed
+/// at the wrong angles) and the GPU's bf16 attention outputs (2026-11-27).
+pub const FORMAT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"FPKVSTOR";
 
 pub(super) fn dtype_code(d: DType) -> u8 {
@@ -47,6 +51,29 @@ pub(super) struct Header {
 }
 
 impl Header {
+    /// The header of a file of another format `version`: every other field empty, so that no
+    /// scope owns it.
+    fn of_version(version: u32) -> Header {
+        Header {
+            version,
+            key: [0; 32],
+            model: String::new(),
+            device: String::new(),
+            dtype: u8::MAX,
+            form: u8::MAX,
+            layers: 0,
+            kv_dim: 0,
+            rows: 0,
+            payload: 0,
+            start: 0,
+        }
+    }
+
+    /// Whether the file is of this build's format version (the rest of the header was read).
+    pub(super) fn current(&self) -> bool {
+        self.version == FORMAT_VERSION
+    }
+
     pub(super) fn file_len(&self) -> u64 {
         self.start + self.payload + 4
     }
@@ -88,6 +115,11 @@ pub(super) fn decode_header(bytes: &[u8]) -> Option<Header> {
     }
     let u32_of = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     let version = u32_of(take(4)?);
+    if version != FORMAT_VERSION {
+        // Another version's file: its layout may differ, so nothing past the version is read
+        // (read as this version's, it looked damaged and was deleted). Only the version counts.
+        return Some(Header::of_version(version));
+    }
     let hlen = u32_of(take(4)?) as usize;
     if hlen > 1 << 16 {
         return None;
@@ -175,6 +207,10 @@ pub(super) fn read_streamed(f: &mut File, len: u64) -> Result<Option<Streamed>, 
     if &head[..8] != MAGIC {
         return Err(NO_HEADER.into());
     }
+    if u32::from_le_bytes([head[8], head[9], head[10], head[11]]) != FORMAT_VERSION {
+        // Another version's file: for the whole-file path, which finds it another's.
+        return Ok(None);
+    }
     let hlen = u32::from_le_bytes([head[12], head[13], head[14], head[15]]) as usize;
     if hlen > 1 << 16 {
         return Err(NO_HEADER.into());
@@ -235,6 +271,10 @@ pub(super) fn read_streamed(f: &mut File, len: u64) -> Result<Option<Streamed>, 
 /// byte of it is used.
 pub(super) fn check_whole(bytes: &[u8]) -> Result<Header, String> {
     let h = decode_header(bytes).ok_or("no readable header")?;
+    if !h.current() {
+        // Another version's layout: not this build's to check (no scope owns it).
+        return Ok(h);
+    }
     if bytes.len() as u64 != h.file_len() {
         return Err(format!("{} bytes, the header says {}", bytes.len(), h.file_len()));
     }

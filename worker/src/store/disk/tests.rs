@@ -54,6 +54,47 @@ fn an_entry_survives_a_new_store_and_another_scope_never_sees_it() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A file of another format version (another build of flowprefill: its numbers, or its layout,
+/// may differ) is never served and never deleted as damaged, by a store's open, its reads or
+/// `verify`, whatever follows the version; `gc` and `clear` still remove it.
+#[test]
+fn a_file_of_another_format_version_is_left_alone_and_never_served() {
+    let dir = temp("version");
+    let key = ChunkKey::new(&[1], 1, &[2, 3]);
+    let a = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
+    put_now(&a, &key, record(2, 1.0));
+    drop(a);
+    let path =
+        fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|e| e == EXT));
+    let path = path.expect("the entry's file");
+    let good = fs::read(&path).unwrap();
+    // The same bytes under the version before (version 1's entries, computed by older code),
+    // checksum made again; and a later version whose layout this build cannot read.
+    let mut older = good.clone();
+    older[8..12].copy_from_slice(&(FORMAT_VERSION - 1).to_le_bytes());
+    let body = older.len() - 4;
+    let crc = crc32fast::hash(&older[..body]).to_le_bytes();
+    older[body..].copy_from_slice(&crc);
+    let mut later = good[..8].to_vec();
+    later.extend_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
+    later.extend_from_slice(&[0xab; 40]);
+    for (what, bytes) in [("older", &older), ("later", &later)] {
+        fs::write(&path, bytes).unwrap();
+        let s = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
+        assert_eq!((s.stats().foreign, s.stats().corrupt, s.stats().entries), (1, 0, 0), "{what}");
+        assert!(s.get(&key).is_none(), "{what}: served");
+        assert_eq!(s.stats().corrupt, 0, "{what}: read as damaged");
+        assert!(path.exists(), "{what}: deleted");
+        let v = verify(&dir).unwrap();
+        assert_eq!((v.ok, v.damaged.len(), v.other_versions.len()), (0, 0, 1), "{what}");
+        let listed = list(&dir, None).unwrap();
+        assert!(listed.len() == 1 && !listed[0].ours, "{what}: listed as this build's");
+    }
+    assert_eq!(gc(&dir, 0).unwrap().0, 1, "gc removes it");
+    assert!(!path.exists());
+    let _ = fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_damaged_file_is_dropped_and_counted_never_served() {
     let dir = temp("damage");
@@ -260,7 +301,7 @@ fn writers_killed_mid_write_leave_no_damaged_entry() {
         c.kill().unwrap();
         let _ = c.wait();
     }
-    let (ok, bad) = verify(&dir).unwrap();
+    let Verified { ok, damaged: bad, .. } = verify(&dir).unwrap();
     assert!(bad.is_empty(), "damaged entries under entry names: {bad:?}");
     assert!(ok > 0, "the writers wrote nothing in the time given");
     let s = DiskStore::open(&dir, scope("m"), u64::MAX).unwrap();
@@ -287,7 +328,7 @@ fn two_processes_share_a_folder() {
         let out = c.wait_with_output().unwrap();
         assert!(out.status.success(), "process {name}: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let (ok, bad) = verify(&dir).unwrap();
+    let Verified { ok, damaged: bad, .. } = verify(&dir).unwrap();
     assert!(bad.is_empty() && ok > 0, "{ok} intact, damaged {bad:?}");
     let _ = fs::remove_dir_all(&dir);
 }
