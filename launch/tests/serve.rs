@@ -653,6 +653,12 @@ fn documents_are_ingested_once_and_jobs_name_them_by_id() {
     assert!(m.contains("flowprefill_errors_total{kind=\"bad_request\"} 4"), "{m}");
     assert!(m.contains("flowprefill_documents_ingested_total{outcome=\"prefilled\"} 3"), "{m}");
     assert!(m.contains("flowprefill_documents_ingested_total{outcome=\"held\"} 3"), "{m}");
+    // The store emptied under the service (`store clear`, a trim by another process): the same
+    // documents are prefilled again, not answered as stored from the ingester's memory.
+    let (files, _) = flowprefill_worker::store::disk::clear(&store).unwrap();
+    assert!(files >= 6, "two forms of three documents: {files}");
+    let after = json(&s.post("/v1/documents", &serde_json::json!({ "documents": d })));
+    assert!(after["documents"].as_array().unwrap().iter().all(|x| x["prefilled"] == 2), "{after}");
     drop(s);
 
     let off = Server::start(&["--store", "off"], &[]);

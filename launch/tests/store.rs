@@ -62,7 +62,7 @@ fn the_disk_tier_serves_a_new_process_bit_for_bit() {
     };
     let stats = st(&["stats"]);
     assert!(
-        stats.contains(&format!("{} entries", 2 * chunks)) && stats.contains(" f32 v1") && stats.contains(" bf16 v1"),
+        stats.contains(&format!("{} entries", 2 * chunks)) && stats.contains(" f32 v2") && stats.contains(" bf16 v2"),
         "{stats}"
     );
     assert_eq!(st(&["ls"]).lines().count() as u64, 2 * chunks);
@@ -177,6 +177,13 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
 
     let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
     assert!(ok && stats.contains("ingested documents: 3"), "{stats}{err}");
+    // A document that fails (longer than the model's window) is not left behind as ingested.
+    let long = dir.join("long.txt");
+    std::fs::write(&long, "The ferry to Varrow leaves at dawn and returns at dusk. ".repeat(1200)).unwrap();
+    let (ok, _, err) = run(&["ingest", "--store", &s, "--doc", long.to_str().unwrap()]);
+    assert!(!ok && err.contains("window"), "{err}");
+    let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
+    assert!(ok && stats.contains("ingested documents: 3"), "the failed document was kept: {stats}{err}");
     let (ok, _, err) = run(&["run", "--store", &s, "--doc-id", "00000000deadbeef", "--query", "q"]);
     assert!(!ok && err.contains("--doc-id: unknown document id `00000000deadbeef`"), "{err}");
     let (ok, _, err) = run(&["ingest", "--store", "off", "--doc", &doc_args[1]]);
@@ -219,5 +226,12 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     assert_eq!(entries(&store), 0, "every cache deleted");
     let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
     assert!(ok && stats.contains("ingested documents: 3"), "{stats}{err}");
+    // A document that fails (longer than the model's window) is not left behind as ingested.
+    let long = dir.join("long.txt");
+    std::fs::write(&long, "The ferry to Varrow leaves at dawn and returns at dusk. ".repeat(1200)).unwrap();
+    let (ok, _, err) = run(&["ingest", "--store", &s, "--doc", long.to_str().unwrap()]);
+    assert!(!ok && err.contains("window"), "{err}");
+    let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
+    assert!(ok && stats.contains("ingested documents: 3"), "the failed document was kept: {stats}{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -150,12 +150,15 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     for (n, &i) in mine.iter().enumerate() {
         let d = &docs[i];
         let t = Instant::now();
-        let done = registry
-            .put(&d.text)
-            .with_context(|| format!("keeping {} in {}", d.name, tier.dir.display()))
-            .and_then(|(id, _)| {
-                let got = engine.ingest(&d.text, args.system.as_deref(), &mut || Ok(()));
-                Ok((id, got.with_context(|| format!("ingesting {}", d.name))?))
+        // Kept under its id only once its caches are made: a document that fails (longer than
+        // the window) is not left behind as ingested.
+        let done = engine
+            .ingest(&d.text, args.system.as_deref(), &mut || Ok(()))
+            .with_context(|| format!("ingesting {}", d.name))
+            .and_then(|got| {
+                let (id, _) =
+                    registry.put(&d.text).with_context(|| format!("keeping {} in {}", d.name, tier.dir.display()))?;
+                Ok((id, got))
             });
         let (id, Ingested { tokens, prefilled }) = match done {
             Ok(x) => x,

@@ -124,20 +124,26 @@ impl AppState {
         watch.check("ingest").map_err(|e| ApiError::from_coord(&flowprefill_coordinator::CoordError::from(e)))?;
         let engine =
             guard.get_or_insert_with(|| Engine::new(self.lm.clone(), DEFAULT_STORE_BYTES / 4).with_disk(Some(&tier)));
+        // What is stored is what is on disk: the ingester's memory of earlier ingestions (which
+        // the folder may no longer hold: `store clear`, a trim) would answer "stored" for a
+        // document nothing holds, and keep device memory no job can reclaim.
+        engine.store().clear();
         let before = engine.store().disk_stats().unwrap_or_default();
         let mut out = Vec::with_capacity(req.documents.len());
         for (i, text) in req.documents.iter().enumerate() {
             if self.shutting_down.load(Ordering::Relaxed) {
                 return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
             }
-            let (id, _) = docs
-                .put(text)
-                .map_err(|e| ApiError::new(500, "internal", format!("documents[{i}] cannot be kept: {e}")))?;
+            // Kept under its id only once its caches are made (a document that fails is not
+            // left behind as ingested).
             let Ingested { tokens, prefilled } =
                 engine.ingest(text, req.system.as_deref(), &mut || watch.check("ingest")).map_err(|e| {
                     let a = ApiError::from_coord(&e);
                     ApiError::new(a.status, a.kind, format!("documents[{i}]: {}", a.message))
                 })?;
+            let (id, _) = docs
+                .put(text)
+                .map_err(|e| ApiError::new(500, "internal", format!("documents[{i}] cannot be kept: {e}")))?;
             metrics::document_ingested(prefilled > 0);
             out.push(serde_json::json!({ "id": id, "tokens": tokens, "prefilled": prefilled }));
         }
@@ -151,6 +157,7 @@ impl AppState {
         if let Some(p) = lost.problem(&tier) {
             return Err(ApiError::new(507, "insufficient_storage", p));
         }
+        engine.store().clear();
         Ok(serde_json::json!({ "documents": out, "seconds": started.elapsed().as_secs_f64() }))
     }
 

@@ -70,11 +70,18 @@ impl Documents {
             return Ok((id, false));
         }
         let tmp = self.dir.join(format!(".{id}.{}.tmp", std::process::id()));
-        let mut f = File::create(&tmp)?;
-        f.write_all(text.trim().as_bytes())?;
-        f.sync_all()?;
-        drop(f);
-        fs::rename(&tmp, &path)?;
+        let write = || -> io::Result<()> {
+            let mut f = File::create(&tmp)?;
+            f.write_all(text.trim().as_bytes())?;
+            f.sync_all()?;
+            drop(f);
+            fs::rename(&tmp, &path)
+        };
+        if let Err(e) = write() {
+            // A full disk: no half-written temporary file stays behind (nothing removes it later).
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
         File::open(&self.dir)?.sync_all()?;
         Ok((id, true))
     }
