@@ -220,6 +220,23 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     .concat());
     assert!(!ok && err.contains("were deleted at once") && err.contains("raise --store-gib"), "{err}");
 
+    // A process whose budget is smaller than what the folder holds says what it deleted and
+    // which flag keeps it (it was silent: an ingestion under a larger --store-gib, then a run).
+    let (ok, _, err) = run(&[
+        "run",
+        "--store",
+        &s,
+        "--store-gib",
+        "0.000001",
+        "--doc-id",
+        &ids[0],
+        "--query",
+        "q",
+        "--max-tokens",
+        "1",
+    ]);
+    assert!(ok && err.contains("over this process's budget") && err.contains("--store-gib"), "{err}");
+
     // `store clear` deletes the caches and says that the ingested texts stay (ids still resolve).
     let (ok, out, err) = run(&["store", "clear", "--store", &s]);
     assert!(ok && out.contains("kept: 3 ingested documents' texts"), "{out}{err}");

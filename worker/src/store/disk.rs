@@ -334,7 +334,22 @@ impl Core {
                 Err(Bad::Missing) => {}
             }
         }
+        let (found, found_bytes) = {
+            let g = store.lock();
+            (g.index.len(), g.stats.bytes)
+        };
         store.trim(None);
+        let evicted = store.lock().stats.evictions;
+        if evicted > 0 {
+            // Entries other runs made (an ingestion under a larger --store-gib): never silently.
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            tracing::warn!(
+                "chunk store: {} held {found} entries of this model ({:.3} GiB), over this process's budget of {:.3}                  GiB: deleted the {evicted} least recently used (give --store-gib the size the folder should keep)",
+                dir.display(),
+                gib(found_bytes),
+                gib(budget)
+            );
+        }
         Ok(store)
     }
 
