@@ -214,7 +214,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     if !args.doc_ids.is_empty() {
         let dir = super::store::folder(common).context("--doc-id reads ingested documents from the store")?;
-        let registry = flowprefill_worker::store::documents::Documents::open(&dir)?;
+        let registry = flowprefill_worker::store::documents::Documents::at(&dir);
         let texts = registry.resolve(&args.doc_ids).map_err(|e| crate::exit::usage(format!("--doc-id: {e}")))?;
         docs.extend(texts);
     }

@@ -109,7 +109,10 @@ impl AppState {
     fn resolve_ids(&self, ids: &[String]) -> Result<Vec<String>, ApiError> {
         let (docs, _) = self.documents()?;
         docs.resolve(ids).map_err(|e| match e {
-            ResolveError::Unknown(_) => ApiError::bad_request(format!("field `document_ids`: {e}")),
+            // The service's folder is not the client's business: the id alone.
+            ResolveError::Unknown { id, .. } => ApiError::bad_request(format!(
+                "field `document_ids`: unknown document id `{id}`: ingest the document first (POST /v1/documents)"
+            )),
             ResolveError::Io(..) => ApiError::new(500, "internal", e.to_string()),
         })
     }

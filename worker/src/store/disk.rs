@@ -615,13 +615,18 @@ pub struct Verified {
     pub other_versions: Vec<PathBuf>,
 }
 
-/// Deletes every entry file of `dir` and writers' temporary files (of every scope); returns
-/// (files, bytes) deleted.
+/// Deletes every entry file of `dir` and dead writers' temporary files (of every scope; a
+/// temporary file younger than a minute may be a live writer's, whose rename would then fail);
+/// returns (files, bytes) deleted.
 pub fn clear(dir: &Path) -> io::Result<(usize, u64)> {
     let (mut files, mut bytes) = (0, 0);
+    let now = SystemTime::now();
     for e in fs::read_dir(dir)?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.ends_with(EXT) || name.ends_with(TMP) {
+        let stale = || {
+            e.metadata().and_then(|m| m.modified()).is_ok_and(|t| now.duration_since(t).unwrap_or_default() > STALE_TMP)
+        };
+        if name.ends_with(EXT) || (name.ends_with(TMP) && stale()) {
             let len = e.metadata().map(|m| m.len()).unwrap_or(0);
             if fs::remove_file(e.path()).is_ok() {
                 files += 1;

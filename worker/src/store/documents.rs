@@ -17,9 +17,18 @@ use std::path::{Path, PathBuf};
 /// Why [`Documents::resolve`] failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ResolveError {
-    /// No document has this id here.
-    #[error("unknown document id `{0}`: ingest the document first (`flowprefill ingest`, POST /v1/documents)")]
-    Unknown(String),
+    /// No document has this id here (the folder looked in).
+    #[error(
+        "unknown document id `{id}` in {folder}: ingest the document first (`flowprefill ingest`, POST \
+         /v1/documents), or give the --store it was ingested into",
+        folder = folder.display()
+    )]
+    Unknown {
+        /// The id asked for.
+        id: String,
+        /// The folder looked in.
+        folder: PathBuf,
+    },
     /// Its text could not be read.
     #[error("document `{0}` cannot be read: {1}")]
     Io(String, #[source] io::Error),
@@ -51,6 +60,12 @@ impl Documents {
         let dir = store.join("documents");
         fs::create_dir_all(&dir)?;
         Ok(Self { dir })
+    }
+
+    /// The documents of the store folder `store`, for reading only: nothing is made (a
+    /// mistyped folder is not created by looking an id up in it).
+    pub fn at(store: &Path) -> Self {
+        Self { dir: store.join("documents") }
     }
 
     /// The folder.
@@ -103,7 +118,7 @@ impl Documents {
         ids.iter()
             .map(|id| match self.get(id) {
                 Ok(Some(t)) => Ok(t),
-                Ok(None) => Err(ResolveError::Unknown(id.clone())),
+                Ok(None) => Err(ResolveError::Unknown { id: id.clone(), folder: self.dir.clone() }),
                 Err(e) => Err(ResolveError::Io(id.clone(), e)),
             })
             .collect()
@@ -145,6 +160,11 @@ mod tests {
         assert_eq!(docs.resolve(&[id.clone(), id.clone()]).unwrap().len(), 2);
         let e = docs.resolve(&[id.clone(), "00000000deadbeef".into()]).unwrap_err().to_string();
         assert!(e.contains("`00000000deadbeef`") && e.contains("ingest"), "{e}");
+        assert!(e.contains(&docs.dir().display().to_string()), "names the folder it looked in: {e}");
+        // Looking up in a folder that does not exist makes nothing.
+        let typo = dir.join("typo");
+        assert!(Documents::at(&typo).resolve(&[id.clone()]).is_err());
+        assert!(!typo.exists(), "a lookup made the folder");
         // Another process (a new handle) sees it.
         assert_eq!(Documents::open(&dir).unwrap().get(&id).unwrap().as_deref(), Some("The vault code is 4417."));
         let _ = fs::remove_dir_all(&dir);

@@ -349,3 +349,24 @@ fn a_write_that_fails_is_a_counted_warning() {
     assert_eq!(s.stats().write_failures, 2);
     let _ = fs::remove_dir_all(&dir);
 }
+
+/// `clear` deletes every entry and the temporary files of dead writers, and leaves a live
+/// writer's (younger than a minute: deleting it made that writer's rename fail, reported as a
+/// full disk).
+#[test]
+fn clear_leaves_a_live_writers_temporary_file() {
+    let dir = temp("clear");
+    let s = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
+    put_now(&s, &ChunkKey::new(&[], 0, &[7]), record(2, 1.0));
+    drop(s);
+    let live = dir.join(format!(".live.1.0.{TMP}"));
+    let dead = dir.join(format!(".dead.1.1.{TMP}"));
+    fs::write(&live, b"half").unwrap();
+    fs::write(&dead, b"half").unwrap();
+    let old = SystemTime::now() - 2 * STALE_TMP;
+    File::options().write(true).open(&dead).unwrap().set_modified(old).unwrap();
+    let (files, _) = clear(&dir).unwrap();
+    assert_eq!(files, 2, "the entry and the dead writer's file");
+    assert!(live.exists() && !dead.exists());
+    let _ = fs::remove_dir_all(&dir);
+}
