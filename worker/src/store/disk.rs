@@ -53,6 +53,8 @@ pub const EXT: &str = "fpkv";
 const TMP: &str = "fpkv-tmp";
 /// A temporary file older than this is a dead writer's.
 const STALE_TMP: Duration = Duration::from_secs(60);
+/// How often a use served from memory refreshes an entry's last use ([`DiskStore::touch`]).
+pub const TOUCH_EVERY: Duration = Duration::from_secs(60);
 
 /// What an entry's bytes depend on besides its chunk key.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -231,6 +233,20 @@ impl DiskStore {
         self.core.get(key)
     }
 
+    /// A use of `key` served from memory: its last use, what eviction orders by, moves to now
+    /// in this process's index and in the file's modification time that other processes list,
+    /// at most once a [`TOUCH_EVERY`] per entry (a file written once, read from RAM at every job
+    /// after, was the oldest on disk and the first a trim deleted). Nothing for an entry this
+    /// process does not know of.
+    pub fn touch(&self, key: &ChunkKey) {
+        self.core.touch(key)
+    }
+
+    /// The file that holds (or would hold) the entry of `key`.
+    pub fn path_of(&self, key: &ChunkKey) -> PathBuf {
+        self.core.dir.join(self.core.name_of(key))
+    }
+
     /// Whether a file for `key` is in the folder (not read nor checked: what a placement
     /// decision needs; [`DiskStore::get`] verifies before serving).
     pub fn holds(&self, key: &ChunkKey) -> bool {
@@ -355,6 +371,20 @@ impl Core {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn touch(&self, key: &ChunkKey) {
+        let name = self.name_of(key);
+        let now = SystemTime::now();
+        {
+            let mut g = self.lock();
+            let Some((_, used)) = g.index.get_mut(&name) else { return };
+            if now.duration_since(*used).unwrap_or_default() < TOUCH_EVERY {
+                return;
+            }
+            *used = now;
+        }
+        let _ = File::options().write(true).open(self.dir.join(&name)).and_then(|f| f.set_modified(now));
     }
 
     /// The entry file of `key` in this scope.

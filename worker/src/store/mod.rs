@@ -254,6 +254,12 @@ impl<B: Backend> ChunkStore<B> {
                 e.last_used = tick;
                 let kv = e.kv.clone();
                 g.stats.hits += 1;
+                drop(g);
+                // A use the disk tier's eviction must see too (else the hottest entries, served
+                // from RAM, are the oldest on disk and the first its trims delete).
+                if let Some(d) = &self.disk {
+                    d.touch(key);
+                }
                 Some(kv)
             }
             None => {
@@ -447,6 +453,48 @@ mod tests {
                 (Cpu.download(&b.k).unwrap(), Cpu.download(&b.v).unwrap())
             );
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// An entry served from RAM is a use the disk tier's eviction sees: written before another,
+    /// then hit in RAM, it outlives the other at the next trim (by file times: what every
+    /// process orders by); before, the hottest entry was the oldest on disk and went first.
+    #[test]
+    fn a_hit_in_ram_keeps_its_disk_entry_from_eviction() {
+        let dir = std::env::temp_dir().join(format!("fp-store-touch-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let scope = disk::Scope { model: "m".into(), dtype: flowprefill_kernels::DType::F32, device: "cpu".into() };
+        let open = |budget: u64| disk::DiskStore::open(&dir, scope.clone(), budget).expect("disk tier");
+        let (hot, cold, new) = (ChunkKey::new(&[], 0, &[1]), ChunkKey::new(&[], 0, &[2]), ChunkKey::new(&[], 0, &[3]));
+        let one = {
+            let store = ChunkStore::<Cpu>::new(1 << 20).with_disk(open(u64::MAX));
+            for k in [hot, cold] {
+                store.insert_persist(k, cache(8));
+            }
+            store.persist_pending(&Cpu);
+            let d = store.disk().expect("disk tier");
+            d.flush();
+            d.stats().bytes / 2
+        };
+        // Written minutes ago, `hot` first.
+        let now = std::time::SystemTime::now();
+        let d = open(u64::MAX);
+        for (k, age) in [(hot, 300), (cold, 200)] {
+            let f = std::fs::File::options().write(true).open(d.path_of(&k)).expect("entry file");
+            f.set_modified(now - std::time::Duration::from_secs(age)).expect("file time");
+        }
+        drop(d);
+        // A process that holds `hot` in RAM (as one that made it does) and serves it from there,
+        // then writes `new` with room for two entries.
+        let store = ChunkStore::<Cpu>::new(1 << 20).with_disk(open(2 * one + one / 2));
+        store.insert(hot, cache(8));
+        assert!(store.get(&hot).is_some(), "a RAM hit");
+        store.insert_persist(new, cache(8));
+        store.persist_pending(&Cpu);
+        let d = store.disk().expect("disk tier");
+        d.flush();
+        assert!(d.holds(&hot), "the entry used last was evicted");
+        assert!(!d.holds(&cold) && d.holds(&new), "the entry unused for longest stayed");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
