@@ -3,7 +3,7 @@
 //! the world of ranks survives it ([`CoordError::breaks_world`]).
 
 use flowprefill_comm::{CommError, ErrorClass};
-use flowprefill_kernels::gib;
+use flowprefill_kernels::{either, gib, OomAdvice};
 use flowprefill_worker::{InputError, WorkerError};
 
 /// What can go wrong running a request.
@@ -106,6 +106,15 @@ impl CoordError {
         Some(device.unwrap_or("unknown").to_string())
     }
 
+    /// This error with `advice` when it is a kernel's out-of-memory error (any other unchanged):
+    /// see [`flowprefill_kernels::KernelError::advised`].
+    pub fn advised(self, advice: OomAdvice) -> Self {
+        match self {
+            CoordError::Worker(e) => CoordError::Worker(e.advised(advice)),
+            e => e,
+        }
+    }
+
     /// The message for the HTTP API: input errors name JSON fields rather than flags.
     pub fn api_message(&self) -> String {
         match self {
@@ -149,11 +158,11 @@ fn sizes(need: usize, free: usize) -> (String, String) {
 }
 
 /// A job that does not fit in the memory free for it (the memory plan's verdict,
-/// [`crate::memory::fits`]).
+/// [`crate::memory::fits`]). Its advice names only what would make room: more ranks only where
+/// the job spreads over them and each has a device of its own ([`DoesNotFit::more_ranks_help`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "the job needs {} on {device} (rank {rank}, at its {phase} peak: {parts}) but {}; give fewer \
-     context tokens{}",
+    "the job needs {} on {device} (rank {rank}, at its {phase} peak: {parts}) but {}; {}",
     sizes(*need, *free).0,
     if *capped {
         format!("--memory-limit allows {}", sizes(*need, *free).1)
@@ -162,7 +171,7 @@ fn sizes(need: usize, free: usize) -> (String, String) {
     } else {
         format!("{} is free", sizes(*need, *free).1)
     },
-    if *kv_bf16 { " or run on more ranks" } else { ", run on more ranks, or keep K/V in bf16 (--kv-dtype bf16)" }
+    self.advice()
 )]
 pub struct DoesNotFit {
     /// The rank that cannot hold it.
@@ -183,6 +192,39 @@ pub struct DoesNotFit {
     pub capped: bool,
     /// K/V are already bf16 (halving them is no advice).
     pub kv_bf16: bool,
+    /// The method holds the whole context on rank 0 (`full`): more ranks do not spread it.
+    pub whole_on_rank_0: bool,
+    /// Ranks whose jobs share this device's memory (1: a device of its own): more of them on
+    /// it add to what it holds rather than split it.
+    pub peers: usize,
+}
+
+impl DoesNotFit {
+    /// Whether more ranks would make room: only where the job spreads over its ranks and each
+    /// has a device of its own.
+    pub fn more_ranks_help(&self) -> bool {
+        !self.whole_on_rank_0 && self.peers <= 1
+    }
+
+    /// What to change ("give fewer context tokens, run on more ranks, or keep K/V in bf16 ..."),
+    /// and, where more ranks would not help, why.
+    fn advice(&self) -> String {
+        let mut parts = vec!["give fewer context tokens"];
+        parts.extend(self.more_ranks_help().then_some("run on more ranks"));
+        parts.extend((!self.kv_bf16).then_some("keep K/V in bf16 (--kv-dtype bf16)"));
+        let mut why = Vec::new();
+        if self.whole_on_rank_0 {
+            why.push("`full` holds the whole context on rank 0".to_string());
+        }
+        if self.peers > 1 {
+            why.push(format!("the job's {} ranks share the memory of {}", self.peers, self.device));
+        }
+        if why.is_empty() {
+            either(&parts)
+        } else {
+            format!("{} ({})", either(&parts), why.join("; "))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -111,6 +111,7 @@ impl FaultPlan {
                     device: "injected".into(),
                     requested: 1 << 30,
                     free: Some(0),
+                    advice: flowprefill_kernels::OomAdvice::default(),
                 })
             }
         }

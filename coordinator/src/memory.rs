@@ -550,6 +550,8 @@ pub fn fits(mine: &RankMemory, need: usize, memory: &Memory, reclaimable: usize)
         parts: mine.describe(),
         capped: false,
         kv_bf16: false,
+        whole_on_rank_0: false,
+        peers: 1,
     })))
 }
 
@@ -598,6 +600,8 @@ pub fn admit_memory<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, layout: 
         CoordError::DoesNotFit(mut d) => {
             d.capped = capped;
             d.kv_bf16 = lm.model.backend().kv_dtype() == DType::Bf16;
+            d.whole_on_rank_0 = opts.method.info().build == Build::Single;
+            d.peers = room.peers.max(1);
             CoordError::DoesNotFit(d)
         }
         e => e,
@@ -738,5 +742,39 @@ mod tests {
             assert!(msg.contains(want), "{want:?} missing from {msg}");
         }
         assert_eq!(e.class(), flowprefill_comm::ErrorClass::TooLarge);
+        assert!(msg.contains("give fewer context tokens, run on more ranks, or keep K/V in bf16"), "{msg}");
+    }
+
+    /// More ranks are advised only where they would make room: not for `full` (rank 0 holds the
+    /// whole context), not where the ranks share the device (their jobs add up on it).
+    #[test]
+    fn a_shortfall_advises_more_ranks_only_where_they_spread_the_job() {
+        let mine = RankMemory { rank: 0, phase: "prefill", parts: vec![Part { what: "kv cache", bytes: 3 << 30 }] };
+        let mem = Memory { device: "cpu".into(), free: 1 << 30 };
+        let refusal = |whole_on_rank_0: bool, peers: usize, kv_bf16: bool| match fits(&mine, 3 << 30, &mem, 0) {
+            Err(CoordError::DoesNotFit(mut d)) => {
+                (d.whole_on_rank_0, d.peers, d.kv_bf16) = (whole_on_rank_0, peers, kv_bf16);
+                (d.more_ranks_help(), d.to_string())
+            }
+            other => panic!("not a DoesNotFit: {other:?}"),
+        };
+        let (helps, msg) = refusal(false, 1, false);
+        assert!(
+            helps
+                && msg.ends_with("give fewer context tokens, run on more ranks, or keep K/V in bf16 (--kv-dtype bf16)")
+        );
+        let (helps, msg) = refusal(true, 1, false);
+        assert!(!helps && !msg.contains("more ranks"), "{msg}");
+        assert!(
+            msg.ends_with(
+                "give fewer context tokens or keep K/V in bf16 (--kv-dtype bf16) (`full` holds the whole context on rank 0)"
+            ),
+            "{msg}"
+        );
+        let (helps, msg) = refusal(false, 4, true);
+        assert!(!helps && !msg.contains("more ranks") && !msg.contains("--kv-dtype"), "{msg}");
+        assert!(msg.ends_with("give fewer context tokens (the job's 4 ranks share the memory of cpu)"), "{msg}");
+        let (_, msg) = refusal(true, 2, false);
+        assert!(msg.contains("`full` holds the whole context on rank 0; the job's 2 ranks share"), "{msg}");
     }
 }

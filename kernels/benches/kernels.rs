@@ -1,14 +1,16 @@
 //! `cargo bench -p flowprefill-kernels`: the attention kernel (causal prefill and one-query
-//! decode) and the weight GEMM at SmolLM2-135M shapes, on divan.
+//! decode), the weight GEMM and RMSNorm at SmolLM2-135M shapes, on divan.
 //!
 //! Throughput columns: `item/s` counts floating-point operations (so `Gitem/s` reads GFLOP/s)
-//! for the causal attention and the GEMMs; `B/s` counts the K/V bytes read by a decode step.
+//! for the causal attention and the GEMMs; `B/s` counts the K/V bytes read by a decode step
+//! and the rows RMSNorm reads.
 //! Filter like any divan bench: `cargo bench -p flowprefill-kernels -- matmul`.
 
 use divan::counter::{BytesCount, ItemsCount};
 use divan::Bencher;
 use flowprefill_kernels::attention::{attention, AttnShape, KvRef};
 use flowprefill_kernels::matmul::{matmul_t, Matrix};
+use flowprefill_kernels::norm::rms_norm;
 
 fn main() {
     println!("threads: {}, simd: {:?}", rayon::current_num_threads(), flowprefill_kernels::simd::level());
@@ -79,4 +81,14 @@ fn matmul(b: Bencher, (m, k, n): (usize, usize, usize)) {
     let mut out = vec![0f32; m * n];
     b.counter(ItemsCount::new(2 * m * k * n))
         .bench_local(|| matmul_t(&x, m, &w, &mut out).unwrap_or_else(|e| panic!("{e}")));
+}
+
+/// RMSNorm of `rows` rows of d_model 576 (the fast path: no row overflows f32).
+#[divan::bench(args = [1, 64, 2048], sample_count = 30)]
+fn rms_norm_rows(b: Bencher, rows: usize) {
+    let dim = 576;
+    let (x, w) = (fill(rows * dim, 7), fill(dim, 8));
+    let mut out = vec![0f32; x.len()];
+    b.counter(BytesCount::new(x.len() * 4))
+        .bench_local(|| rms_norm(&x, &w, 1e-5, &mut out).unwrap_or_else(|e| panic!("{e}")));
 }

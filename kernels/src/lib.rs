@@ -38,7 +38,7 @@ pub use backend::{
     PREFILL_ROWS,
 };
 pub use device::{Device, DeviceSpec, WeightType};
-pub use error::{gib, KernelError, Result};
+pub use error::{either, gib, KernelError, OomAdvice, Result};
 
 /// flowprefill's cache folder: `$FLOWPREFILL_HOME`, else `$XDG_CACHE_HOME/flowprefill`, else
 /// `~/.cache/flowprefill` (the temporary folder if there is no home): where compiled kernels,

@@ -1,4 +1,6 @@
-//! RMSNorm: `y = x / sqrt(mean(x²) + eps) * w`, row by row.
+//! RMSNorm: `y = x / sqrt(mean(x²) + eps) * w`, row by row. The sum of squares is in f32
+//! (eight lanes); a row where it overflows (|x| past about 1.8e19) is done again in f64, so
+//! its result is finite where the exact one is.
 
 use crate::error::{check_len, KernelError, Result};
 use rayon::prelude::*;
@@ -23,6 +25,13 @@ crate::multiversion! {
                 ss += v * v;
             }
             ss += acc.iter().sum::<f32>();
+            if !ss.is_finite() {
+                // The squares overflowed f32 (|x| past about 1.8e19, or a row of them): in f64
+                // (the squares of f32 values cannot overflow it). A NaN or infinite input goes
+                // here too and stays NaN, as on the fast path.
+                rms_norm_row_f64(xr, w, eps, yr);
+                continue;
+            }
             let inv = 1.0 / (ss / dim as f32 + eps).sqrt();
             for ((y, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
                 *y = v * inv * g;
@@ -52,16 +61,22 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// One row of RMSNorm in f64, rounded once to f32: the reference, and [`rms_norm`]'s way for
+/// a row whose sum of squares overflows f32.
+fn rms_norm_row_f64(xr: &[f32], w: &[f32], eps: f32, yr: &mut [f32]) {
+    let ms = xr.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / w.len() as f64;
+    let inv = 1.0 / (ms + eps as f64).sqrt();
+    for ((y, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
+        *y = (v as f64 * inv * g as f64) as f32;
+    }
+}
+
 /// Slow reference of [`rms_norm`] in f64.
 pub fn rms_norm_ref(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
     let dim = w.len();
     check_len("rms_norm_ref", "out", out.len(), x.len())?;
     for (xr, yr) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let ms = xr.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / dim as f64;
-        let inv = 1.0 / (ms + eps as f64).sqrt();
-        for ((y, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
-            *y = (v as f64 * inv * g as f64) as f32;
-        }
+        rms_norm_row_f64(xr, w, eps, yr);
     }
     Ok(())
 }
@@ -92,6 +107,38 @@ mod tests {
                 assert!((p - q).abs() <= RMS_NORM_TOL * q.abs().max(1.0), "{p} vs {q}");
             }
         }
+    }
+
+    /// Rows whose sum of squares overflows f32 (|x| ~ 1e20: x² = 1e40; a row of 1e19s: 1e38
+    /// each, past f32::MAX after four) have a finite RMSNorm: it matches the f64 reference at
+    /// every SIMD level, the other rows of the same call keep the fast path's values.
+    #[test]
+    fn huge_rows_match_the_f64_reference() {
+        crate::simd::at_every_level(|_| huge_rows_match_the_f64_reference_at_this_level());
+    }
+
+    fn huge_rows_match_the_f64_reference_at_this_level() {
+        let dim = 64;
+        let mut x = Vec::new();
+        x.extend((0..dim).map(|i| if i == 5 { 1e20 } else { 0.5 }));
+        x.extend((0..dim).map(|i| if i % 2 == 0 { 1e19 } else { -1e19 }));
+        x.extend((0..dim).map(|i| (i as f32 - 30.0) * 1e18));
+        x.extend((0..dim).map(|i| f32::MAX / (i as f32 + 1.0)));
+        x.extend((0..dim).map(|i| i as f32 * 0.1 - 3.0));
+        let w: Vec<f32> = (0..dim).map(|i| 0.5 + i as f32 / dim as f32).collect();
+        let (mut got, mut want) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+        rms_norm(&x, &w, 1e-5, &mut got).unwrap();
+        rms_norm_ref(&x, &w, 1e-5, &mut want).unwrap();
+        for (i, (p, q)) in got.iter().zip(&want).enumerate() {
+            assert!(q.is_finite(), "row {}: the reference {q}", i / dim);
+            assert!((p - q).abs() <= RMS_NORM_TOL * q.abs().max(1.0), "row {}, col {}: {p} vs {q}", i / dim, i % dim);
+        }
+        // The one huge value of row 0 is its whole mean square: it normalizes to about sqrt(dim).
+        assert!((got[5] / w[5] - (dim as f32).sqrt()).abs() < 1e-3, "{}", got[5]);
+        // The ordinary row is the fast path's, bit for bit.
+        let mut alone = vec![0.0; dim];
+        rms_norm(&x[4 * dim..], &w, 1e-5, &mut alone).unwrap();
+        assert_eq!(alone, got[4 * dim..]);
     }
 
     #[test]

@@ -582,9 +582,12 @@ fn a_job_larger_than_the_memory_limit_gets_413_before_queueing_and_readyz_watche
     let v = json(&r);
     assert_eq!(v["error"]["kind"], "too_large", "{v}");
     let msg = v["error"]["message"].as_str().unwrap_or_default();
-    for want in ["the job needs", "on cpu", "--memory-limit allows 0.25 GiB", "fewer context tokens", "more ranks"] {
+    let shared = "the job's 2 ranks share the memory of cpu";
+    for want in ["the job needs", "on cpu", "--memory-limit allows 0.25 GiB", "fewer context tokens", shared] {
         assert!(msg.contains(want), "{want:?} missing from: {msg}");
     }
+    // More thread ranks on this device would add to its memory, not split it.
+    assert!(!msg.contains("more ranks"), "{msg}");
     // The small job fits and runs.
     let r = s.post("/v1/jobs", &job(&docs(3, 6)));
     assert_eq!(r.status, 200, "{}", r.text());

@@ -126,6 +126,7 @@ impl Ledger {
                 device: "limited".into(),
                 requested: bytes,
                 free: Some(limit.saturating_sub(used)),
+                advice: flowprefill_kernels::OomAdvice::default(),
             });
         }
         let now = self.in_use.fetch_add(bytes, Ordering::SeqCst) + bytes;

@@ -337,6 +337,18 @@ impl WorkerError {
         }
     }
 
+    /// This error with `advice` when it is a kernel's [`KernelError::OutOfMemory`] (any other
+    /// unchanged): see [`KernelError::advised`].
+    ///
+    /// [`KernelError::OutOfMemory`]: flowprefill_kernels::KernelError::OutOfMemory
+    /// [`KernelError::advised`]: flowprefill_kernels::KernelError::advised
+    pub fn advised(self, advice: flowprefill_kernels::OomAdvice) -> Self {
+        match self {
+            WorkerError::Kernel(e) => WorkerError::Kernel(e.advised(advice)),
+            e => e,
+        }
+    }
+
     /// The message for the HTTP API (input errors name JSON fields, not flags).
     pub fn api_message(&self) -> String {
         match self {

@@ -41,6 +41,7 @@ pub use error::{ErrorClass, Field, InputError, Result, StopCause, WorkerError};
 pub use flowprefill_kernels::{Backend, Cpu};
 pub use model::Model;
 
+use flowprefill_kernels::OomAdvice;
 use std::path::Path;
 
 /// A model with its tokenizer and chat template, loaded from one GGUF file (or a synthetic
@@ -93,7 +94,8 @@ impl<B: Backend> LoadedModel<B> {
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
         let fingerprint = adapter::model_fingerprint(&cfg, &file.raw_tensor("token_embd.weight")?.bytes);
         let cache_identity = format!("{fingerprint}-{}", file.content_digest()?);
-        let model = Model::from_file(&mut file, cfg, backend)?;
+        // Out of memory here is the weights': neither fewer tokens nor more ranks make room.
+        let model = Model::from_file(&mut file, cfg, backend).map_err(|e| e.advised(OomAdvice::Weights))?;
         Ok(Self { model, tokenizer, template, synthetic: None, fingerprint, adapter: None, cache_identity })
     }
 
@@ -105,7 +107,8 @@ impl<B: Backend> LoadedModel<B> {
         check_vocab(&tokenizer, spec.config().vocab_size, tokenizer_from, "the synthetic shape's embedding")?;
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
         let fingerprint = adapter::model_fingerprint(&spec.config(), &synthetic::SEED.to_le_bytes());
-        let model = Model::synthetic(spec.config(), backend, synthetic::SEED)?;
+        let model =
+            Model::synthetic(spec.config(), backend, synthetic::SEED).map_err(|e| e.advised(OomAdvice::Weights))?;
         // The weights follow from the shape and the seed; the configuration is the spec's.
         let cache_identity = {
             use sha2::Digest;

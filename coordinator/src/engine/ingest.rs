@@ -53,7 +53,8 @@ impl<B: Backend> Engine<B> {
         // Ingesting is for the disk tier: what was made is written even when a later form failed.
         let made = self.ingest_forms(lm, &layout, check);
         self.store.persist_pending(lm.model.backend());
-        let (first, alone) = made?;
+        // One document is prefilled on one rank: more ranks do not spread it.
+        let (first, alone) = made.map_err(|e| e.advised(self.oom_advice(false)))?;
         if first.chunks.len() != 1 || alone.chunks.len() != 1 {
             return Err(internal("ingestion made no chunk cache"));
         }

@@ -63,12 +63,13 @@ use crate::auto::Chooser;
 use crate::error::{internal, CoordError, Result};
 use crate::fault::FaultPlan;
 use crate::layout::Layout;
+use crate::method::Build;
 use crate::pipeline::Pipeline;
 use crate::request::{Job, Method, PrefixMode, Request, RunOptions};
 use crate::timings::{phase, PhaseTimes, Settle};
 use flowprefill_comm::local::LocalComm;
 use flowprefill_comm::{all_gather_value, broadcast_value, CommStats, Communicator, ErrorClass};
-use flowprefill_kernels::Backend;
+use flowprefill_kernels::{Backend, DType, OomAdvice};
 use flowprefill_worker::generate::StopReason;
 use flowprefill_worker::interrupt::Watch;
 use flowprefill_worker::kv::KvCache;
@@ -586,7 +587,9 @@ impl<B: Backend> Engine<B> {
     /// One job on this rank, from admission to its end: an error is reported to the other
     /// ranks (unless they reported it, or the world is broken) and the job is ended here.
     fn job_on_rank(&self, comm: &mut dyn Communicator, job: &Job, steer: Steer<'_, '_>) -> Result<Option<RunResult>> {
-        let r = self.run_job(comm, job, steer);
+        // Out of memory: more ranks spread every method's context but `full`'s (rank 0 holds it).
+        let spreads = job.options.method.info().build != Build::Single;
+        let r = self.run_job(comm, job, steer).map_err(|e| e.advised(self.oom_advice(spreads)));
         // The chunk caches this job made go to the disk tier now, after its answer.
         self.store.persist_pending(self.lm.model.backend());
         if let Err(e) = &r {
@@ -600,6 +603,17 @@ impl<B: Backend> Engine<B> {
         }
         comm.end_job();
         r
+    }
+
+    /// What would make room when work that `spreads` over the ranks (or not: `full`, one
+    /// document ingested) runs out of memory here: more ranks only where it spreads and this
+    /// rank's device is its own (thread ranks over one model share it: more of them add to its
+    /// memory rather than split it); K/V in bf16 unless they are.
+    pub(super) fn oom_advice(&self, spreads: bool) -> OomAdvice {
+        OomAdvice::Job {
+            more_ranks: spreads && self.memory_peers == 1,
+            kv_bf16: self.lm.model.backend().kv_dtype() == DType::Bf16,
+        }
     }
 
     /// The pipeline of one job on this rank (see the module docs); `Some` on rank 0.

@@ -188,6 +188,7 @@ impl Backend for Cpu {
             device: "cpu".into(),
             requested: extra.saturating_mul(size),
             free: host_available_bytes(),
+            advice: crate::OomAdvice::default(),
         };
         match buf {
             HostBuf::F32(v) => {

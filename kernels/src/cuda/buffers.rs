@@ -159,6 +159,7 @@ pub(crate) fn alloc_err(
             device: format!("cuda:{}", ctx.ordinal()),
             requested: bytes,
             free: ctx.mem_get_info().ok().map(|(free, _)| free),
+            advice: crate::OomAdvice::default(),
         };
     }
     err(op, e)

@@ -47,7 +47,10 @@ pub struct Record {
     pub needle_selected: f64,
     /// Fraction of answer tokens selected.
     pub answer_selected: f64,
-    /// Distance of the answer-bearing chunk from the prompt in the final layout (0 = last).
+    /// Distance from the prompt in the final layout (0 = the last chunk) of the farthest chunk
+    /// holding an answer-bearing needle ([`answer_chunk_distance`]: both hops of `qa_twohop`,
+    /// every value of the multi-value tasks; older results files hold the first such needle's
+    /// chunk in document order).
     pub needle_chunk_rank: Option<usize>,
     /// The model's output.
     pub answer: String,
@@ -151,6 +154,19 @@ pub fn answer_budget(task: &str) -> usize {
 /// A needle's document, its rows, and its answer's rows.
 pub type NeedleRows = (usize, std::ops::Range<usize>, Option<std::ops::Range<usize>>);
 
+/// How far from the prompt the answer lies in the final chunk `order` (first = farthest): the
+/// distance (0 = the last chunk, right before the prompt) of the farthest chunk holding an
+/// answer-bearing needle. An answer needs every one of them (the person's company and the
+/// company's city of `qa_twohop`, each value of the multi-value tasks), so it is as near as its
+/// farthest part; with one such needle, its chunk's distance. `None` without one, or when a
+/// needle's chunk is not in the order.
+pub fn answer_chunk_distance(needles: &[NeedleRows], order: &[usize]) -> Option<usize> {
+    let distance = |doc: usize| order.iter().position(|&c| c == doc).map(|p| order.len() - 1 - p);
+    let distances: Option<Vec<usize>> =
+        needles.iter().filter(|n| n.2.is_some()).map(|&(doc, _, _)| distance(doc)).collect();
+    distances?.into_iter().max()
+}
+
 /// The record of run `r` of `case`, sample `sample` of its task and length (`needles`:
 /// [`QaCase::needle_rows`]). The sample is the planner's, never read back from the case's id.
 pub fn record(
@@ -173,11 +189,7 @@ pub fn record(
             a_sel += sel.iter().filter(|x| a.contains(x)).count();
         }
     }
-    // The answer-bearing needle's chunk, counted from the prompt in the final order.
-    let needle_chunk_rank = needles
-        .iter()
-        .find(|n| n.2.is_some())
-        .and_then(|(doc, _, _)| r.order.iter().position(|c| c == doc).map(|p| r.order.len() - 1 - p));
+    let needle_chunk_rank = answer_chunk_distance(needles, &r.order);
     Record {
         task: case.task.clone(),
         length: case.target_tokens,
@@ -208,5 +220,33 @@ pub fn record(
             exact_reused: q.exact_reused,
         }),
         ran: r.auto.as_ref().and_then(|c| c.chosen()).map(|c| c.label.clone()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `(doc, needle rows, answer rows)` of a needle; `answer`: whether it bears the answer.
+    fn needle(doc: usize, answer: bool) -> NeedleRows {
+        (doc, 3..9, answer.then_some(5..7))
+    }
+
+    /// Both hops count: the answer is as near as its farthest answer-bearing chunk, whichever
+    /// comes first in document order; needles that bear no answer (distractors) do not count.
+    #[test]
+    fn the_answer_is_as_near_as_its_farthest_needle() {
+        // Documents 2 (the person: hop 1) and 5 (the company: hop 2); order first = farthest.
+        let twohop = [needle(2, true), needle(5, true)];
+        assert_eq!(answer_chunk_distance(&twohop, &[0, 1, 3, 4, 5, 2]), Some(1), "hop 2 at 1, hop 1 at 0");
+        assert_eq!(answer_chunk_distance(&twohop, &[5, 0, 1, 3, 4, 2]), Some(5), "hop 2 farthest");
+        assert_eq!(answer_chunk_distance(&twohop, &[2, 0, 1, 3, 4, 5]), Some(5), "hop 1 farthest");
+        assert_eq!(answer_chunk_distance(&[needle(5, true), needle(2, true)], &[5, 0, 1, 3, 4, 2]), Some(5));
+        // One answer-bearing needle among distractors: its chunk.
+        let multikey = [needle(0, false), needle(3, true), needle(1, false)];
+        assert_eq!(answer_chunk_distance(&multikey, &[3, 2, 1, 0]), Some(3));
+        assert_eq!(answer_chunk_distance(&multikey, &[0, 1, 2, 3]), Some(0));
+        assert_eq!(answer_chunk_distance(&[needle(0, false)], &[0]), None, "no answer-bearing needle");
+        assert_eq!(answer_chunk_distance(&twohop, &[0, 1, 2]), None, "a needle's chunk not in the order");
     }
 }

@@ -219,6 +219,36 @@ fn a_job_that_cannot_fit_is_refused_before_any_work_and_says_what_to_change() {
     eprintln!("refused with {} free: {msg}", need / 2);
 }
 
+/// The refusal advises more ranks only where they would make room: not for `full` (rank 0
+/// holds the whole context), not for thread ranks over one model (they share its device: their
+/// plans add up on it). Each says why instead.
+#[test]
+fn a_refusal_advises_more_ranks_only_where_they_would_make_room() {
+    let _serial = one_at_a_time();
+    let lm = model();
+    let ledger = lm.model.backend().ledger().clone();
+    let cases = [
+        (Method::Infoflow, 1, None),
+        (Method::Full, 1, Some("`full` holds the whole context on rank 0")),
+        (Method::Infoflow, 2, Some("the job's 2 ranks share the memory of limited")),
+    ];
+    for (method, ranks, why) in cases {
+        let mut job = job(request(&lm, 2048, 13));
+        job.options.method = method;
+        let mut world = ThreadRanks::new(lm.clone(), ranks, 0, Duration::from_secs(300)).expect("world");
+        ledger.set_limit(ledger.in_use() + (64 << 10));
+        let e = world.run(&job, &mut |_| true).expect_err("no job fits in 64 KiB");
+        ledger.set_limit(usize::MAX);
+        let msg = e.to_string();
+        assert_eq!(e.class(), ErrorClass::TooLarge, "{msg}");
+        assert!(msg.contains("fewer context tokens") && msg.contains("--kv-dtype bf16"), "{msg}");
+        assert_eq!(msg.contains("more ranks"), why.is_none(), "{method:?} on {ranks}: {msg}");
+        if let Some(why) = why {
+            assert!(msg.contains(why), "{why:?} missing from: {msg}");
+        }
+    }
+}
+
 #[test]
 fn the_chunk_store_gives_back_its_entries_when_that_lets_a_job_fit() {
     let _serial = one_at_a_time();

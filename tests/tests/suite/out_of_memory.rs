@@ -13,11 +13,17 @@ use flowprefill_worker::LoadedModel;
 use std::sync::Arc;
 use std::time::Duration;
 
-fn check_refusal(what: &str, e: &dyn std::fmt::Display, class: ErrorClass) {
+/// A job's refusal: how much more on which device, what is free, and what would make room:
+/// more ranks only where they would (`more_ranks`: the job spreads over ranks on devices of
+/// their own).
+fn check_refusal(what: &str, e: &dyn std::fmt::Display, class: ErrorClass, more_ranks: bool) {
     let msg = e.to_string();
     assert_eq!(class, ErrorClass::Resource, "{what}: {msg}");
     assert!(msg.contains("out of memory: needs") && msg.contains("more on limited"), "{what}: {msg}");
-    assert!(msg.contains("free") && msg.contains("fewer tokens, more ranks"), "{what}: {msg}");
+    let advice =
+        if more_ranks { "fewer tokens, more ranks, or --kv-dtype bf16" } else { "fewer tokens or --kv-dtype bf16" };
+    assert!(msg.contains("free") && msg.contains(advice), "{what}: {advice:?} missing from {msg}");
+    assert_eq!(msg.contains("more ranks"), more_ranks, "{what}: {msg}");
 }
 
 /// Waits (up to 20 s) until the ledger holds at most `held` bytes: the rank that failed answers
@@ -34,7 +40,11 @@ fn loading_past_the_memory_is_a_resource_error() {
     let be = Limited::default();
     be.ledger().set_limit(8 << 20);
     let e = LoadedModel::load(&flowprefill_tests::default_model_path(), be).err().expect("the weights do not fit");
-    check_refusal("load", &e, e.class());
+    let msg = e.to_string();
+    assert_eq!(e.class(), ErrorClass::Resource, "{msg}");
+    assert!(msg.contains("out of memory: needs") && msg.contains("more on limited"), "{msg}");
+    // Neither fewer tokens, more ranks nor bf16 K/V make room for the weights.
+    assert!(msg.ends_with("retry when memory is free, or load a smaller model"), "{msg}");
 }
 
 #[test]
@@ -76,7 +86,9 @@ fn out_of_memory_in_any_phase_fails_the_job_releases_its_memory_and_the_next_job
             let e = world.run(&job, &mut |_| true).err().unwrap_or_else(|| panic!("{what}: the job succeeded"));
             ledger.fail_in(None);
             assert!(ledger.refused() > refused, "{what}: nothing was refused");
-            check_refusal(&what, &e, e.class());
+            // `full` holds the context on rank 0; thread ranks over one model share its
+            // memory: more ranks would not make room for either.
+            check_refusal(&what, &e, e.class(), false);
             settle(&ledger, held);
             assert!(ledger.in_use() <= held, "{what}: {} B held after the failure, {held} B before", ledger.in_use());
             let again = world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{what}: the next job failed: {e}"));
@@ -102,5 +114,48 @@ fn out_of_memory_in_any_phase_fails_the_job_releases_its_memory_and_the_next_job
         assert_eq!(world.run(&job, &mut |_| true).unwrap().answer, first.answer);
         settle(&ledger, held);
         assert_eq!(ledger.in_use(), held);
+    }
+}
+
+/// Ranks on devices of their own (one model each, its own ledger): running out of memory on one
+/// advises more ranks for a method that spreads the context over them, and not for `full`,
+/// whose whole context is on rank 0 however many ranks there are. Admission's refusal (the plan
+/// does not fit) says the same.
+#[test]
+fn more_ranks_are_advised_only_where_they_spread_the_job_over_devices_of_their_own() {
+    let load = || Arc::new(LoadedModel::load(&flowprefill_tests::default_model_path(), Limited::default()).unwrap());
+    let lms = vec![load(), load()];
+    let ledgers: Vec<_> = lms.iter().map(|lm| lm.model.backend().ledger().clone()).collect();
+    let mut world = ThreadRanks::per_rank(lms, 0, Duration::from_secs(300)).unwrap();
+    let cases = [(Method::Infoflow, 1, phase::RECOMPUTE, true), (Method::Full, 0, phase::PREFILL, false)];
+    for (method, rank, p, more_ranks) in cases {
+        let what = format!("{method:?} on 2 devices, rank {rank} refused in {p}");
+        let job = Job {
+            request: needle_request(),
+            options: RunOptions { method, max_new_tokens: 4, ..RunOptions::default() },
+        };
+        world.run(&job, &mut |_| true).unwrap_or_else(|e| panic!("{what}: the first job failed: {e}"));
+        std::thread::sleep(Duration::from_millis(500));
+        let held: Vec<usize> = ledgers.iter().map(|l| l.in_use()).collect();
+        let refused = ledgers[rank].refused();
+        ledgers[rank].fail_in(Some(p));
+        let e = world.run(&job, &mut |_| true).err().unwrap_or_else(|| panic!("{what}: the job succeeded"));
+        ledgers[rank].fail_in(None);
+        assert!(ledgers[rank].refused() > refused, "{what}: nothing was refused");
+        check_refusal(&what, &e, e.class(), more_ranks);
+        for (l, &h) in ledgers.iter().zip(&held) {
+            settle(l, h);
+        }
+
+        // Admission: 64 KiB above what rank 0 holds between jobs.
+        ledgers[0].set_limit(held[0] + (64 << 10));
+        let e = world.run(&job, &mut |_| true).expect_err("a job does not fit in 64 KiB");
+        ledgers[0].set_limit(usize::MAX);
+        let msg = e.to_string();
+        assert_eq!(e.class(), ErrorClass::TooLarge, "{what}: {msg}");
+        assert!(msg.contains("the job needs") && msg.contains("give fewer context tokens"), "{what}: {msg}");
+        assert_eq!(msg.contains("run on more ranks"), more_ranks, "{what}: {msg}");
+        assert_eq!(msg.contains("`full` holds the whole context on rank 0"), !more_ranks, "{what}: {msg}");
+        assert!(!msg.contains("share the memory"), "{what}: devices of their own: {msg}");
     }
 }

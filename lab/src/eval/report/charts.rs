@@ -111,6 +111,26 @@ pub(super) fn length_charts(
     Ok((ratio_chart, pareto_chart))
 }
 
+/// How near a run's depth must be to a heat map row's to count in it.
+const DEPTH_TOL: f64 = 1e-6;
+
+/// The heat maps' row labels of `depths`: the fewest decimals (at least one) that write every
+/// depth to within [`DEPTH_TOL`] and tell distinct depths apart (`0.1`..`0.9`; `0.10`, `0.12`;
+/// `0.25`, not `0.2`), else each depth's shortest exact form. One decimal made 0.1 and 0.12
+/// one label, 0.25 read as 0.2.
+fn depth_labels(depths: &[f64]) -> Vec<String> {
+    let fits = |labels: &[String]| {
+        let exact = labels.iter().zip(depths).all(|(l, d)| l.parse::<f64>().is_ok_and(|v| (v - d).abs() < DEPTH_TOL));
+        let apart =
+            depths.iter().zip(labels).all(|(a, la)| depths.iter().zip(labels).all(|(b, lb)| a == b || la != lb));
+        exact && apart
+    };
+    (1..=6)
+        .map(|places| depths.iter().map(|d| format!("{d:.places$}")).collect::<Vec<_>>())
+        .find(|labels| fits(labels))
+        .unwrap_or_else(|| depths.iter().map(f64::to_string).collect())
+}
+
 /// Needle depth x length heat maps on the NIAH tasks, one per method.
 pub(super) fn heatmaps(
     records: &[Record],
@@ -125,7 +145,7 @@ pub(super) fn heatmaps(
     if !niah.is_empty() {
         for l in labels {
             let cols: Vec<String> = lengths.iter().map(|l| l.to_string()).collect();
-            let rows: Vec<String> = depths.iter().map(|d| format!("{d:.1}")).collect();
+            let rows = depth_labels(depths);
             let mut values = vec![vec![None; cols.len()]; rows.len()];
             let mut any = false;
             for (ri, &d) in depths.iter().enumerate() {
@@ -136,7 +156,7 @@ pub(super) fn heatmaps(
                             .filter(|x| {
                                 niah.contains(x.task.as_str())
                                     && x.length == len
-                                    && (x.depth - d).abs() < 1e-6
+                                    && (x.depth - d).abs() < DEPTH_TOL
                                     && at(x, l, tr)
                             })
                             .map(|x| x.score),
@@ -200,4 +220,25 @@ pub fn plots(
     }
     super::budgets::budget_charts(records, lengths, out)?;
     heatmaps(records, tasks, lengths, labels, depths, tr, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::depth_labels;
+
+    #[test]
+    fn depth_labels_are_distinct_for_distinct_depths() {
+        assert_eq!(depth_labels(&[0.1, 0.3, 0.5, 0.7, 0.9]), ["0.1", "0.3", "0.5", "0.7", "0.9"], "the defaults");
+        assert_eq!(depth_labels(&[0.1, 0.12, 0.5]), ["0.10", "0.12", "0.50"], "one decimal made 0.1 twice");
+        assert_eq!(depth_labels(&[0.0, 0.25, 0.5, 0.75, 1.0]), ["0.00", "0.25", "0.50", "0.75", "1.00"]);
+        assert_eq!(depth_labels(&[0.5, 0.5]), ["0.5", "0.5"], "one depth twice: one label");
+        let thirds = depth_labels(&[1.0 / 3.0, 2.0 / 3.0]);
+        assert_eq!(thirds, ["0.333333", "0.666667"]);
+        // Closer than six decimals tell: every depth exactly.
+        let close = [0.5, 0.5 + 1e-9];
+        let labels = depth_labels(&close);
+        assert_ne!(labels[0], labels[1], "{labels:?}");
+        assert_eq!(labels.iter().map(|l| l.parse::<f64>().unwrap()).collect::<Vec<_>>(), close);
+        assert!(depth_labels(&[]).is_empty());
+    }
 }

@@ -194,12 +194,13 @@ fn qa_table(md: &mut String, records: &[Record], lengths: &[usize], labels: &[Me
     }
 }
 
-/// Selection diagnostics at the table ratio: needle and answer tokens recomputed, the answer
-/// chunk's distance from the prompt, answers cut at the token budget.
+/// Selection diagnostics at the table ratio: needle and answer tokens recomputed, the distance
+/// of the farthest answer-bearing chunk from the prompt, answers cut at the token budget.
 fn diagnostics(md: &mut String, records: &[Record], labels: &[MethodSpec], tr: f64) {
     md.push_str(&format!(
         "## Selection diagnostics at ratio {tr} (all lengths)\n\nShare of needle-sentence and answer tokens recomputed; mean distance of the \
-         answer-bearing chunk from the prompt (0 = nearest) in the final layout; answers that ran to the token budget (of the runs that \
+         farthest answer-bearing chunk from the prompt (0 = nearest) in the final layout (the answer needs every one: both \
+         hops of qa_twohop, each value of the multi-value tasks); answers that ran to the token budget (of the runs that \
          recorded it).\n\n| method | needle tokens | answer tokens | chunk distance | at budget |\n|---|---:|---:|---:|---:|\n"
     ));
     for l in labels {
