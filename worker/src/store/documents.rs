@@ -163,7 +163,7 @@ mod tests {
         assert!(e.contains(&docs.dir().display().to_string()), "names the folder it looked in: {e}");
         // Looking up in a folder that does not exist makes nothing.
         let typo = dir.join("typo");
-        assert!(Documents::at(&typo).resolve(&[id.clone()]).is_err());
+        assert!(Documents::at(&typo).resolve(std::slice::from_ref(&id)).is_err());
         assert!(!typo.exists(), "a lookup made the folder");
         // Another process (a new handle) sees it.
         assert_eq!(Documents::open(&dir).unwrap().get(&id).unwrap().as_deref(), Some("The vault code is 4417."));
