@@ -10,7 +10,7 @@ use flowprefill_worker::LoadedModel;
 use std::path::PathBuf;
 
 /// The CSV's header line.
-pub const CSV_HEADER: &str = "length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,disk_hits,auto_predicted,projected_phases,ran\n";
+pub const CSV_HEADER: &str = "length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,cache_hits,disk_hits,auto_predicted,projected_phases,ran\n";
 
 /// Where `bench ttft` takes its chunk caches from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +70,19 @@ pub fn request(lm: &LoadedModel<Device>, len: usize, doc_tokens: usize) -> Resul
     let window = lm.model.config().context_length;
     ensure_usage!(n_ctx + 64 < window, "--lengths {len} does not fit the model's window of {window}");
     Ok((req, n_ctx))
+}
+
+/// A cold run reads no chunk from the disk tier (its folder was emptied before it): one that
+/// did measured a cache, not a cold prefill, and is an error rather than a row.
+pub fn check_cold(cache: Cache, label: &str, r: &flowprefill_coordinator::RunResult) -> Result<()> {
+    if cache == Cache::Cold && r.cache_disk_hits > 0 {
+        return Err(crate::LabError::Failed(format!(
+            "a cold run of {label} read {} chunk caches from the disk tier, whose folder was emptied \
+             before it: the measurement is not cold (a rank still writing while the folder was emptied?)",
+            r.cache_disk_hits
+        )));
+    }
+    Ok(())
 }
 
 /// The measurement of `bench ttft`: its settings, the projection beside it, the CSV so far.
@@ -146,6 +159,7 @@ impl Measure {
                 Cache::Disk => self.forget(world, false)?,
             }
             let Some(r) = world.run(&job, &mut |_| true)? else { continue };
+            check_cold(cache, &label, &r)?;
             let ms = r.ttft.as_secs_f64() * 1e3;
             let proj = self.row(&r, &label, [len, n_ctx, p, run], spec, cache);
             // What ran: the method itself, or what `auto` chose.
@@ -207,7 +221,7 @@ impl Measure {
                 .join(";")
         });
         self.csv.push_str(&format!(
-            "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{bytes_max},{wait_ms:.1},{},{},{},{},{predicted},{phases}",
+            "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{bytes_max},{wait_ms:.1},{},{},{},{},{},{predicted},{phases}",
             self.scope.name(),
             opt(proj.as_ref().map(|p| p.ttft_s * 1e3)),
             ph("chunk_prefill"),
@@ -218,6 +232,7 @@ impl Measure {
             opt(proj.as_ref().map(|p| p.sum(|t| t.comm_s) * 1e3)),
             opt(proj.as_ref().map(|p| p.sum(|t| t.exposed_comm_s) * 1e3)),
             cache.name(),
+            r.cache_hits,
             r.cache_disk_hits
         ));
         proj.map(|p| p.ttft_s * 1e3)
