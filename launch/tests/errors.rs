@@ -152,3 +152,31 @@ fn outputs_and_ranges_are_checked_before_any_work() {
     assert!(!err.contains("panicked"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A build without MPI started by mpirun as one of several processes (the launcher's
+/// `OMPI_COMM_WORLD_SIZE` or `PMI_SIZE`) refuses every command that computes across ranks with
+/// a usage error saying to rebuild with the feature, instead of each copy running alone on one
+/// output and exiting 0.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn mpirun_without_the_mpi_feature_is_refused() {
+    let (dir, docs) = write_docs("no-mpi", &["The north gate opens with code 4471."]);
+    let out_dir = dir.join("out");
+    let out = out_dir.to_str().unwrap();
+    let doc = docs[1].as_str();
+    let commands: [&[&str]; 3] = [
+        &["run", "--doc", doc, "--query", "What opens the north gate?", "--max-tokens", "2"],
+        &["bench", "ttft", "--lengths", "256", "--ranks", "1", "--methods", "none", "--runs", "1", "--out", out],
+        &["bench", "decode", "--doc", doc, "--evict", "none", "--max-tokens", "2", "--out", out],
+    ];
+    for var in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"] {
+        for args in commands {
+            let o = bin().args(args).env(var, "2").output().expect("run flowprefill");
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(2), "{var}=2 {args:?}: {err}");
+            assert!(err.contains("--features mpi") && err.contains("one of 2 processes"), "{args:?}: {err}");
+            assert!(!out_dir.join("ttft.csv").exists(), "{args:?}: nothing measured");
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

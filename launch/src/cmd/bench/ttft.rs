@@ -110,6 +110,7 @@ fn with_disk_tier(
 
 /// Runs the benchmark.
 pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
+    crate::cmd::refuse_mpirun_without_mpi()?;
     let (lengths, ranks) = (a.lengths.concat(), a.ranks.concat());
     crate::ensure_usage!(
         a.runs >= 1 && !lengths.is_empty() && !ranks.is_empty(),
