@@ -48,9 +48,9 @@ pub struct TtftArgs {
     /// Chunk caches at each timed run: `cold` (none held: every chunk prefilled), `ram` (held in
     /// RAM from an untimed run), `disk` (in the store's disk tier from an untimed run, RAM
     /// emptied before each timed run: what a new process finds); comma-separated. `disk` uses
-    /// a folder of its own, emptied first: `<out>/store`, or with `--store DIR` (or
+    /// a folder of its own, emptied first: `<out>/bench-store`, or with `--store DIR` (or
     /// `FLOWPREFILL_STORE`) `DIR/bench-ttft`, on that disk but apart from the store's entries,
-    /// which the benchmark never reads or deletes.
+    /// which the benchmark never reads or deletes; a folder there that it did not make is refused.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "cold")]
     pub cache: Vec<Cache>,
 }
@@ -81,11 +81,17 @@ fn enter_block(
     Ok(inside)
 }
 
+/// The file that marks a folder as `bench ttft`'s own disk tier: only a folder holding it (or a
+/// new, empty one, which gets it) is ever emptied.
+const MARKER: &str = ".flowprefill-bench-ttft";
+
 /// With `disk` among `caches`, every rank's store gets the disk tier in a folder of the
-/// benchmark's own, emptied first and before each cold run: `OUT/store`, or `DIR/bench-ttft`
-/// with a store `DIR` configured (the same disk; the store lists its own folder only, so its
-/// entries are neither served to the benchmark nor deleted by it); without, the measurement
-/// keeps no disk tier even where one is configured. The settings to load with, and the folder.
+/// benchmark's own, emptied first and before each cold run: `OUT/bench-store`, or
+/// `DIR/bench-ttft` with a store `DIR` configured (the same disk; the store lists its own folder
+/// only, so its entries are neither served to the benchmark nor deleted by it); without, the
+/// measurement keeps no disk tier even where one is configured. A folder the benchmark did not
+/// make (no marker file, not empty) is refused, never emptied. The settings to load with, and
+/// the folder.
 fn with_disk_tier(
     common: &Common,
     caches: &[Cache],
@@ -95,9 +101,9 @@ fn with_disk_tier(
     let disk = if caches.contains(&Cache::Disk) {
         let dir = match common.store_flag()? {
             crate::StoreFlag::Dir(d) => d.join("bench-ttft"),
-            _ => out.join("store"),
+            _ => out.join("bench-store"),
         };
-        std::fs::create_dir_all(&dir)?;
+        claim(&dir)?;
         flowprefill_worker::store::disk::clear(&dir)?;
         common.store = Some(dir.to_string_lossy().into_owned());
         Some(dir)
@@ -106,6 +112,26 @@ fn with_disk_tier(
         None
     };
     Ok((common, disk))
+}
+
+/// Makes `dir` the benchmark's own (created, or found empty, and marked), or checks that it
+/// is (marked); a folder with anything else in it is a usage error.
+fn claim(dir: &std::path::Path) -> Result<()> {
+    let marker = dir.join(MARKER);
+    if marker.is_file() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: the folder cannot be made ({e})", dir.display()))?;
+    let mut entries = std::fs::read_dir(dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+    crate::ensure_usage!(
+        entries.next().is_none(),
+        "--cache disk: {} holds files bench ttft did not make (no {MARKER}); the benchmark empties its \
+         folder, so it will not use this one: move them away, or give another --out (or --store)",
+        dir.display()
+    );
+    std::fs::write(&marker, b"bench ttft's disk tier: emptied before each measurement\n")
+        .map_err(|e| anyhow::anyhow!("{}: {e}", marker.display()))?;
+    Ok(())
 }
 
 /// Runs the benchmark.
