@@ -180,3 +180,25 @@ fn mpirun_without_the_mpi_feature_is_refused() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `bench ttft` with no (method × rank count) to measure (full runs on one rank only; no
+/// method at all) is refused with exit 2 before the model loads, saying why, and the last
+/// run's ttft.csv is left as it was.
+#[test]
+fn bench_ttft_that_measures_nothing_is_refused_and_keeps_the_last_csv() {
+    let dir = std::env::temp_dir().join(format!("fp-ttft-nothing-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let csv = dir.join("ttft.csv");
+    std::fs::write(&csv, "the last run's results\n").unwrap();
+    let out = dir.to_str().unwrap();
+    for (methods, ranks, want) in [("full", "2", "full prefill runs on one rank only"), ("", "1", "--methods")] {
+        let args = ["bench", "ttft", "--lengths", "256", "--ranks", ranks, "--methods", methods, "--out", out];
+        let o = bin().args(args).output().expect("run flowprefill");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want) && !err.contains("loaded"), "{args:?}: {err}");
+        assert_eq!(std::fs::read_to_string(&csv).unwrap(), "the last run's results\n", "{args:?}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

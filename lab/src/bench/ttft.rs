@@ -295,7 +295,12 @@ pub fn chart(
     csv_path: &std::path::Path,
 ) -> Result<Vec<String>> {
     let png = out.join("ttft.png");
+    // Drawn beside it, then renamed over it: a failed drawing leaves the last chart.
+    let tmp = out.join(".ttft.tmp.png");
     let title = format!("TTFT vs context length ({world})");
-    let drawn = crate::plot::line_chart(&png, &title, "context tokens", "TTFT (s)", &series(points, ranks))?;
+    let drawn = crate::plot::line_chart(&tmp, &title, "context tokens", "TTFT (s)", &series(points, ranks))?;
+    if drawn {
+        std::fs::rename(&tmp, &png).map_err(crate::error::io("renaming the chart to", &png))?;
+    }
     Ok(std::iter::once(csv_path.display().to_string()).chain(crate::plot::written(&png, drawn)).collect())
 }

@@ -134,6 +134,33 @@ fn claim(dir: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
+/// A usage error when no method of `methods` runs at any of `ranks` (before anything is
+/// loaded or written): full prefill is measured on one rank only, ring on two or more when
+/// other rank counts are given.
+fn measures_something(methods: &[flowprefill_coordinator::MethodSpec], ranks: &[usize]) -> Result<()> {
+    crate::ensure_usage!(!methods.is_empty(), "--methods: give at least one method (e.g. full,ring,infoflow)");
+    let any = methods.iter().any(|s| ranks.iter().any(|&p| lab_ttft::measured_at(s.method, p, ranks.len())));
+    crate::ensure_usage!(
+        any,
+        "--methods {} at --ranks {ranks:?} measures nothing: full prefill runs on one rank only (add 1 to \
+         --ranks), ring on two or more (add a count of at least 2, or give ring alone)",
+        methods.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(",")
+    );
+    Ok(())
+}
+
+/// Writes `bytes` to `path` through a temporary file beside it and a rename, so that a run that
+/// stops midway leaves the last complete file, never a half-written one.
+fn replace(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .map_err(|e| anyhow::anyhow!("renaming {} to {}: {e}", tmp.display(), path.display()))?;
+    Ok(())
+}
+
 /// Runs the benchmark.
 pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     crate::cmd::refuse_mpirun_without_mpi()?;
@@ -146,6 +173,7 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     flowprefill_lab::tasks::check_lengths(&lengths)?;
     crate::ensure_usage!(a.doc_tokens >= 1, "--doc-tokens must be at least 1 token");
     let methods = flowprefill_coordinator::MethodSpec::parse_list(&a.methods)?;
+    measures_something(&methods, &ranks)?;
     crate::cmd::out_dir("--out", &a.out)?;
     let caches = a.cache.clone();
     crate::ensure_usage!(!caches.is_empty(), "--cache: give cold, ram or disk");
@@ -207,7 +235,7 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
             }
         }
         if lead {
-            std::fs::write(&csv_path, &m.csv)?;
+            replace(&csv_path, m.csv.as_bytes())?;
         }
     }
     if let Some(max) = world.max_ranks() {
