@@ -202,3 +202,23 @@ fn bench_ttft_that_measures_nothing_is_refused_and_keeps_the_last_csv() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `bench ttft --lengths` with a length over the model's window (SmolLM2: 8192) is refused
+/// before any length is measured, and the last run's ttft.csv is left as it was (before, the
+/// lengths before it were measured and written over the CSV, then the run failed).
+#[test]
+fn bench_ttft_checks_every_length_against_the_window_before_measuring() {
+    let dir = std::env::temp_dir().join(format!("fp-ttft-window-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let csv = dir.join("ttft.csv");
+    std::fs::write(&csv, "the last run's results\n").unwrap();
+    let args = ["bench", "ttft", "--lengths", "256,9000", "--doc-tokens", "64", "--ranks", "1", "--methods", "none"];
+    let o = bin().args(args).args(["--runs", "1", "--out", dir.to_str().unwrap()]).output().expect("run flowprefill");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--lengths 9000 does not fit"), "{err}");
+    assert!(!err.contains("P=1"), "nothing measured: {err}");
+    assert_eq!(std::fs::read_to_string(&csv).unwrap(), "the last run's results\n");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -222,8 +222,11 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     let mut m = Measure { runs: a.runs, ratio: a.ratio, scope: a.scope, shape, projection, disk, csv };
     let mut log = |l: &str| eprintln!("{l}");
     let mut points = Vec::new();
-    for &len in &lengths {
-        let (req, n_ctx) = lab_ttft::request(&lm, len, a.doc_tokens)?;
+    // Every length's request first: one over the model's window is refused before any is
+    // measured (and before the CSV of a previous run is replaced).
+    let requests =
+        lengths.iter().map(|&len| lab_ttft::request(&lm, len, a.doc_tokens)).collect::<Result<Vec<_>, _>>()?;
+    for (&len, (req, n_ctx)) in lengths.iter().zip(requests) {
         for &p in &ranks {
             if !enter_block(common, &lm, &mut world, p)? {
                 continue;
