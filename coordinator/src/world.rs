@@ -342,35 +342,46 @@ impl<B: Backend> ThreadRanks<B> {
         None
     }
 
-    /// Abandons the current ranks (a hung thread is left behind, never waited for) and starts
-    /// new ones with empty chunk stores; rank 0's engine is new too (a panic may have left its
-    /// store mid-update).
+    /// Stops the current ranks and starts new ones with empty chunk stores; rank 0's engine is
+    /// new too (a panic may have left its store mid-update). A working world's followers are
+    /// stopped and joined first, as on drop, so that their engines (and the disk tier's writers,
+    /// which finish their queued writes when dropped) are gone before this returns: a caller
+    /// that empties the disk tier's folder next finds no write landing after it. A broken
+    /// world's ranks are abandoned (a hung thread is left behind, never waited for).
     pub fn rebuild(&mut self) -> Result<()> {
-        let leader = self.engine(0)?;
+        self.stop_followers();
+        // The old rank 0's engine (and its disk writer) goes before the new ranks start.
+        self.leader = self.engine(0)?;
         let (comm, followers) = self.spawn()?;
         // Dropping the old rank-0 communicator disconnects every old follower that still reads.
         self.comm = comm;
         self.followers = followers;
-        self.leader = leader;
         self.broken = None;
         Ok(())
+    }
+
+    /// Tells a working world's followers to stop and joins those that end within the comm
+    /// timeout (10 s at most); a broken world's are left alone (one may hang).
+    fn stop_followers(&mut self) {
+        if self.broken.is_some() {
+            return;
+        }
+        let _ = Engine::<B>::stop(&mut self.comm);
+        let deadline = Instant::now() + self.parts.timeout.min(Duration::from_secs(10));
+        for h in self.followers.drain(..) {
+            while !h.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
+        }
     }
 }
 
 impl<B: Backend> Drop for ThreadRanks<B> {
     fn drop(&mut self) {
-        if self.broken.is_none() {
-            let _ = Engine::<B>::stop(&mut self.comm);
-            let deadline = Instant::now() + self.parts.timeout.min(Duration::from_secs(10));
-            for h in self.followers.drain(..) {
-                while !h.is_finished() && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                if h.is_finished() {
-                    let _ = h.join();
-                }
-            }
-        }
+        self.stop_followers();
     }
 }
 
@@ -481,9 +492,11 @@ impl<B: Backend> World<B> {
     pub fn forget_caches(&mut self) -> Result<()> {
         match self {
             World::Threads(t) => t.rebuild(),
-            World::Mpi { engine, .. } => {
+            World::Mpi { comm, engine } => {
+                // Each process waits for its disk writes, then for every other process's, so
+                // that a folder rank 0 empties next gets no write after it.
                 engine.clear_stores();
-                Ok(())
+                Ok(flowprefill_comm::barrier(comm.as_mut(), "forget_caches")?)
             }
         }
     }

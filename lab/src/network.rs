@@ -160,7 +160,40 @@ fn read_ttft(path: &Path) -> Result<Runs> {
         };
         out.entry(label).or_default().push(row);
     }
+    one_cell(path, &out)?;
     Ok(out)
+}
+
+/// A study's `ttft.csv` is one cell: one length, one rank count, cold chunk caches. Rows of
+/// another length, rank count or cache state would be pooled into the cell's medians (a RAM
+/// hit's TTFT beside a cold prefill's), so such a file is refused, saying what to do.
+fn one_cell(path: &Path, runs: &Runs) -> Result<()> {
+    let rows = || runs.values().flatten();
+    for (col, what) in [("length", "context length"), ("ranks", "rank count")] {
+        let mut seen: Vec<&str> = rows().filter_map(|r| r.get(col).map(String::as_str)).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() > 1 {
+            return Err(bad(
+                path,
+                format!(
+                    "rows of more than one {what} ({col} {}): a study cell is one `bench ttft` run with one \
+                     --lengths and one --ranks; split the file or run the study again into a fresh folder",
+                    seen.join(", ")
+                ),
+            ));
+        }
+    }
+    if let Some(c) = rows().filter_map(|r| r.get("cache")).find(|c| !c.is_empty() && c.as_str() != "cold") {
+        return Err(bad(
+            path,
+            format!(
+                "rows with chunk caches `{c}`: the study measures cold prefill only; run its cells with \
+                 --cache cold (the default) or drop the other rows"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn cell(
@@ -540,6 +573,28 @@ mod tests {
         );
         let e = report(&dir).unwrap_err().to_string();
         assert!(e.contains("\"prefill:x\" is not phase:total:compute:exposed"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_file_of_several_lengths_rank_counts_or_warm_caches_is_refused() {
+        let dir = std::env::temp_dir().join(format!("fp-network-mixed-{}", std::process::id()));
+        let row = |len: usize, ranks: usize, cache: &str| {
+            format!("{len},4120,{ranks},infoflow,exact,0,2000.0,,0,0,0,0,0,1,1,1.0,,,{cache},0,,infoflow")
+        };
+        let path = dir.join("2-hosts/unshaped/4096/exact/ttft.csv");
+        let cases = [
+            (vec![row(4096, 2, "cold"), row(4096, 2, "ram")], "chunk caches `ram`"),
+            (vec![row(4096, 2, "cold"), row(4096, 1, "cold")], "more than one rank count (ranks 1, 2)"),
+            (vec![row(4096, 2, "cold"), row(8192, 2, "cold")], "more than one context length"),
+        ];
+        for (rows, want) in cases {
+            let _ = std::fs::remove_dir_all(&dir);
+            let rows: Vec<&str> = rows.iter().map(String::as_str).collect();
+            write(&path, &rows);
+            let e = report(&dir).unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -152,3 +152,73 @@ fn outputs_and_ranges_are_checked_before_any_work() {
     assert!(!err.contains("panicked"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A build without MPI started by mpirun as one of several processes (the launcher's
+/// `OMPI_COMM_WORLD_SIZE` or `PMI_SIZE`) refuses every command that computes across ranks with
+/// a usage error saying to rebuild with the feature, instead of each copy running alone on one
+/// output and exiting 0.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn mpirun_without_the_mpi_feature_is_refused() {
+    let (dir, docs) = write_docs("no-mpi", &["The north gate opens with code 4471."]);
+    let out_dir = dir.join("out");
+    let out = out_dir.to_str().unwrap();
+    let doc = docs[1].as_str();
+    let commands: [&[&str]; 3] = [
+        &["run", "--doc", doc, "--query", "What opens the north gate?", "--max-tokens", "2"],
+        &["bench", "ttft", "--lengths", "256", "--ranks", "1", "--methods", "none", "--runs", "1", "--out", out],
+        &["bench", "decode", "--doc", doc, "--evict", "none", "--max-tokens", "2", "--out", out],
+    ];
+    for var in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"] {
+        for args in commands {
+            let o = bin().args(args).env(var, "2").output().expect("run flowprefill");
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(2), "{var}=2 {args:?}: {err}");
+            assert!(err.contains("--features mpi") && err.contains("one of 2 processes"), "{args:?}: {err}");
+            assert!(!out_dir.join("ttft.csv").exists(), "{args:?}: nothing measured");
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `bench ttft` with no (method × rank count) to measure (full runs on one rank only; no
+/// method at all) is refused with exit 2 before the model loads, saying why, and the last
+/// run's ttft.csv is left as it was.
+#[test]
+fn bench_ttft_that_measures_nothing_is_refused_and_keeps_the_last_csv() {
+    let dir = std::env::temp_dir().join(format!("fp-ttft-nothing-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let csv = dir.join("ttft.csv");
+    std::fs::write(&csv, "the last run's results\n").unwrap();
+    let out = dir.to_str().unwrap();
+    for (methods, ranks, want) in [("full", "2", "full prefill runs on one rank only"), ("", "1", "--methods")] {
+        let args = ["bench", "ttft", "--lengths", "256", "--ranks", ranks, "--methods", methods, "--out", out];
+        let o = bin().args(args).output().expect("run flowprefill");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want) && !err.contains("loaded"), "{args:?}: {err}");
+        assert_eq!(std::fs::read_to_string(&csv).unwrap(), "the last run's results\n", "{args:?}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `bench ttft --lengths` with a length over the model's window (SmolLM2: 8192) is refused
+/// before any length is measured, and the last run's ttft.csv is left as it was (before, the
+/// lengths before it were measured and written over the CSV, then the run failed).
+#[test]
+fn bench_ttft_checks_every_length_against_the_window_before_measuring() {
+    let dir = std::env::temp_dir().join(format!("fp-ttft-window-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let csv = dir.join("ttft.csv");
+    std::fs::write(&csv, "the last run's results\n").unwrap();
+    let args = ["bench", "ttft", "--lengths", "256,9000", "--doc-tokens", "64", "--ranks", "1", "--methods", "none"];
+    let o = bin().args(args).args(["--runs", "1", "--out", dir.to_str().unwrap()]).output().expect("run flowprefill");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--lengths 9000 does not fit"), "{err}");
+    assert!(!err.contains("P=1"), "nothing measured: {err}");
+    assert_eq!(std::fs::read_to_string(&csv).unwrap(), "the last run's results\n");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -252,3 +252,44 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     assert!(ok && stats.contains("ingested documents: 3"), "the failed document was kept: {stats}{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `bench ttft --cache disk` with no store configured and `--out` at `FLOWPREFILL_HOME` keeps its
+/// disk tier in a folder of its own (`OUT/bench-store`), not `$FLOWPREFILL_HOME/store`, whose
+/// entries survive; and a folder at its place that it did not make is refused, never emptied.
+#[test]
+fn bench_ttft_on_disk_never_empties_a_folder_it_did_not_make() {
+    let home = std::env::temp_dir().join(format!("fp-bench-home-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    let store = home.join("store");
+    std::fs::create_dir_all(&store).unwrap();
+    let entry = store.join("users-entry.fpkv");
+    std::fs::write(&entry, b"a user's chunk cache").unwrap();
+    let bench = |out: &std::path::Path| {
+        common::bin()
+            .env("FLOWPREFILL_HOME", &home)
+            .env_remove("FLOWPREFILL_STORE")
+            .args(["bench", "ttft", "--lengths", "256", "--doc-tokens", "64", "--ranks", "1", "--methods", "none"])
+            .args(["--cache", "cold,disk", "--runs", "1", "--out"])
+            .arg(out)
+            .output()
+            .expect("run flowprefill")
+    };
+    let o = bench(&home);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(std::fs::read(&entry).unwrap(), b"a user's chunk cache", "the user's entry survives");
+    assert!(home.join("bench-store/.flowprefill-bench-ttft").is_file(), "the bench's own folder, marked");
+    // Again: its own folder is reused.
+    assert!(bench(&home).status.success());
+    // A folder at OUT/bench-store that the bench did not make is refused, left as it was.
+    let other = home.join("other");
+    let theirs = other.join("bench-store/keep.fpkv");
+    std::fs::create_dir_all(theirs.parent().unwrap()).unwrap();
+    std::fs::write(&theirs, b"keep").unwrap();
+    let o = bench(&other);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("did not make"), "{err}");
+    assert_eq!(std::fs::read(&theirs).unwrap(), b"keep");
+    let _ = std::fs::remove_dir_all(&home);
+}

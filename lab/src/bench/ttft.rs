@@ -10,7 +10,7 @@ use flowprefill_worker::LoadedModel;
 use std::path::PathBuf;
 
 /// The CSV's header line.
-pub const CSV_HEADER: &str = "length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,disk_hits,auto_predicted,projected_phases,ran\n";
+pub const CSV_HEADER: &str = "length,context_tokens,ranks,method,scope,run,ttft_ms,projected_ms,chunk_prefill_ms,probe_ms,recompute_ms,final_prompt_ms,prefill_ms,bytes_sent,bytes_sent_max,comm_wait_ms,projected_comm_ms,projected_exposed_comm_ms,cache,cache_hits,disk_hits,auto_predicted,projected_phases,ran\n";
 
 /// Where `bench ttft` takes its chunk caches from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +70,19 @@ pub fn request(lm: &LoadedModel<Device>, len: usize, doc_tokens: usize) -> Resul
     let window = lm.model.config().context_length;
     ensure_usage!(n_ctx + 64 < window, "--lengths {len} does not fit the model's window of {window}");
     Ok((req, n_ctx))
+}
+
+/// A cold run reads no chunk from the disk tier (its folder was emptied before it): one that
+/// did measured a cache, not a cold prefill, and is an error rather than a row.
+pub fn check_cold(cache: Cache, label: &str, r: &flowprefill_coordinator::RunResult) -> Result<()> {
+    if cache == Cache::Cold && r.cache_disk_hits > 0 {
+        return Err(crate::LabError::Failed(format!(
+            "a cold run of {label} read {} chunk caches from the disk tier, whose folder was emptied \
+             before it: the measurement is not cold (a rank still writing while the folder was emptied?)",
+            r.cache_disk_hits
+        )));
+    }
+    Ok(())
 }
 
 /// The measurement of `bench ttft`: its settings, the projection beside it, the CSV so far.
@@ -146,6 +159,7 @@ impl Measure {
                 Cache::Disk => self.forget(world, false)?,
             }
             let Some(r) = world.run(&job, &mut |_| true)? else { continue };
+            check_cold(cache, &label, &r)?;
             let ms = r.ttft.as_secs_f64() * 1e3;
             let proj = self.row(&r, &label, [len, n_ctx, p, run], spec, cache);
             // What ran: the method itself, or what `auto` chose.
@@ -207,7 +221,7 @@ impl Measure {
                 .join(";")
         });
         self.csv.push_str(&format!(
-            "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{bytes_max},{wait_ms:.1},{},{},{},{},{predicted},{phases}",
+            "{len},{n_ctx},{p},{spec},{},{run},{ms:.1},{},{:.1},{:.1},{:.1},{:.1},{:.1},{bytes},{bytes_max},{wait_ms:.1},{},{},{},{},{},{predicted},{phases}",
             self.scope.name(),
             opt(proj.as_ref().map(|p| p.ttft_s * 1e3)),
             ph("chunk_prefill"),
@@ -218,6 +232,7 @@ impl Measure {
             opt(proj.as_ref().map(|p| p.sum(|t| t.comm_s) * 1e3)),
             opt(proj.as_ref().map(|p| p.sum(|t| t.exposed_comm_s) * 1e3)),
             cache.name(),
+            r.cache_hits,
             r.cache_disk_hits
         ));
         proj.map(|p| p.ttft_s * 1e3)
@@ -227,8 +242,13 @@ impl Measure {
 /// The table of `bench ttft`, with speedups against single-rank full prefill and ring at the
 /// same rank count (one line each, newline-terminated).
 pub fn table(points: &[Point]) -> String {
+    // Full and ring read no chunk cache: their rows under `--cache ram` or `disk` (labelled
+    // `full ram`, ...) are baselines too, the cold one first where there is one.
+    let base = |l: &str| l.split(' ').next().unwrap_or(l).to_string();
     let find = |len: usize, p: usize, label: &str| {
-        points.iter().find(|m| m.len == len && m.ranks == p && m.label == label).map(|m| m.ms)
+        let at = |m: &&Point| m.len == len && m.ranks == p;
+        let cold = points.iter().filter(at).find(|m| m.label == label);
+        cold.or_else(|| points.iter().filter(at).find(|m| base(&m.label) == label)).map(|m| m.ms)
     };
     let mut out = format!(
         "{:>7} {:>6} {:>5} {:<18} {:>11} {:>10} {:>10} {:>13} {:>8}\n",
@@ -280,7 +300,33 @@ pub fn chart(
     csv_path: &std::path::Path,
 ) -> Result<Vec<String>> {
     let png = out.join("ttft.png");
+    // Drawn beside it, then renamed over it: a failed drawing leaves the last chart.
+    let tmp = out.join(".ttft.tmp.png");
     let title = format!("TTFT vs context length ({world})");
-    let drawn = crate::plot::line_chart(&png, &title, "context tokens", "TTFT (s)", &series(points, ranks))?;
+    let drawn = crate::plot::line_chart(&tmp, &title, "context tokens", "TTFT (s)", &series(points, ranks))?;
+    if drawn {
+        std::fs::rename(&tmp, &png).map_err(crate::error::io("renaming the chart to", &png))?;
+    }
     Ok(std::iter::once(csv_path.display().to_string()).chain(crate::plot::written(&png, drawn)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn speedups_find_full_and_ring_under_a_warm_cache_too() {
+        let pt = |ranks: usize, label: &str, ms: f64| Point {
+            len: 1024,
+            ranks,
+            label: label.into(),
+            ms,
+            n_ctx: 1000,
+            projected: None,
+        };
+        let points = [pt(1, "full ram", 400.0), pt(2, "ring ram", 300.0), pt(2, "infoflow ram", 100.0)];
+        let t = table(&points);
+        let line = t.lines().find(|l| l.contains("infoflow ram")).unwrap();
+        assert!(line.contains("4.00x") && line.contains("3.00x"), "{t}");
+    }
 }

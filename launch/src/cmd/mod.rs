@@ -351,7 +351,26 @@ pub fn mpi_world(
         return Ok(Some(flowprefill_coordinator::World::Mpi { comm: Box::new(comm), engine }));
     }
     let _ = (common, lm, timeout, attach);
+    refuse_mpirun_without_mpi()?;
     Ok(None)
+}
+
+/// Without the `mpi` feature, a process that an MPI launcher started as one of several
+/// (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE` above 1) is refused with a usage error: each copy would
+/// run the whole command alone, racing the others on one output, and exit 0. Every command that
+/// computes across ranks calls it before loading anything.
+pub fn refuse_mpirun_without_mpi() -> Result<()> {
+    #[cfg(not(feature = "mpi"))]
+    {
+        let n = flowprefill_comm::launcher_size();
+        crate::ensure_usage!(
+            n <= 1,
+            "started by mpirun as one of {n} processes, but this build has no MPI: each process would run \
+             the whole command alone on one output; rebuild with `cargo build --release --features mpi` (or run \
+             without mpirun, with --ranks for thread ranks)"
+        );
+    }
+    Ok(())
 }
 
 /// The most thread ranks one process runs: each keeps its own buffers and threads, and 2,000 of

@@ -481,6 +481,7 @@ fn world(
         }
         return Ok(Some((World::Mpi { comm: Box::new(comm), engine }, None)));
     }
+    crate::cmd::refuse_mpirun_without_mpi()?;
     // Thread ranks (the world a failure rebuilds), every rank's store over the disk tier.
     let (ranks, disk) = (a.ranks.unwrap_or(1), common.disk_tier()?);
     let chooser = crate::cmd::chooser(common, false);

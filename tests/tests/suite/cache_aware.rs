@@ -123,3 +123,41 @@ fn the_disk_tier_tells_models_apart_by_every_weight_not_only_the_embedding() {
     assert_eq!(ids(&a).1, da, "the same file, the same digest");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `bench ttft`'s cold runs on thread ranks with a disk tier: run, forget every chunk cache
+/// (fresh ranks), empty the folder, run again; no entry lands in the folder after it was
+/// emptied, and the next run reads nothing from disk. Before, `rebuild` left the old followers
+/// running, and their disk writers still wrote after the folder was emptied (a "cold" run with
+/// disk hits, and a warning that an entry was not written).
+#[test]
+fn a_cold_run_after_forget_and_clear_reads_nothing_from_the_disk_tier() {
+    use flowprefill_coordinator::{DiskTier, World};
+    use flowprefill_worker::store::disk;
+    // On the build's disk (where fsync takes time), not a RAM-backed temporary folder.
+    let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cold-disk-{nonce}"));
+    std::fs::create_dir_all(&dir).expect("folder");
+    let tier = DiskTier { dir: dir.clone(), bytes: 1 << 30 };
+    let ranks = ThreadRanks::new(shared_model(), 2, 1 << 30, Duration::from_secs(120))
+        .and_then(|w| w.with_disk(Some(tier)))
+        .expect("ranks");
+    let mut world = World::Threads(ranks);
+    let opts = RunOptions { method: Method::None, max_new_tokens: 1, ..Default::default() };
+    // Eight documents of about 400 tokens (four on rank 1): megabytes for its disk writer.
+    let long = |d: String| [d.clone(), d.replace("Warden", "Keeper"), d.replace("salt", "wool"), d].concat();
+    let mut many: Vec<String> = docs().into_iter().map(long).collect();
+    many.extend(docs().into_iter().map(|d| long(d.replace("east", "west"))));
+    let job = Job { request: request(many), options: opts };
+    for i in 0..4 {
+        let r = world.run(&job, &mut |_| true).expect("job").expect("a result on thread ranks");
+        assert_eq!(r.cache_disk_hits, 0, "run {i}: a cold run read {} chunks from disk", r.cache_disk_hits);
+        assert!(r.cache_misses > 0, "run {i}: chunks were prefilled");
+        world.forget_caches().expect("forget");
+        disk::clear(&dir).expect("clear");
+        std::thread::sleep(Duration::from_millis(300));
+        let late = disk::list(&dir, None).expect("list").len();
+        assert_eq!(late, 0, "run {i}: {late} entries written after the folder was emptied");
+    }
+    drop(world);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -48,9 +48,9 @@ pub struct TtftArgs {
     /// Chunk caches at each timed run: `cold` (none held: every chunk prefilled), `ram` (held in
     /// RAM from an untimed run), `disk` (in the store's disk tier from an untimed run, RAM
     /// emptied before each timed run: what a new process finds); comma-separated. `disk` uses
-    /// a folder of its own, emptied first: `<out>/store`, or with `--store DIR` (or
+    /// a folder of its own, emptied first: `<out>/bench-store`, or with `--store DIR` (or
     /// `FLOWPREFILL_STORE`) `DIR/bench-ttft`, on that disk but apart from the store's entries,
-    /// which the benchmark never reads or deletes.
+    /// which the benchmark never reads or deletes; a folder there that it did not make is refused.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "cold")]
     pub cache: Vec<Cache>,
 }
@@ -81,11 +81,17 @@ fn enter_block(
     Ok(inside)
 }
 
+/// The file that marks a folder as `bench ttft`'s own disk tier: only a folder holding it (or a
+/// new, empty one, which gets it) is ever emptied.
+const MARKER: &str = ".flowprefill-bench-ttft";
+
 /// With `disk` among `caches`, every rank's store gets the disk tier in a folder of the
-/// benchmark's own, emptied first and before each cold run: `OUT/store`, or `DIR/bench-ttft`
-/// with a store `DIR` configured (the same disk; the store lists its own folder only, so its
-/// entries are neither served to the benchmark nor deleted by it); without, the measurement
-/// keeps no disk tier even where one is configured. The settings to load with, and the folder.
+/// benchmark's own, emptied first and before each cold run: `OUT/bench-store`, or
+/// `DIR/bench-ttft` with a store `DIR` configured (the same disk; the store lists its own folder
+/// only, so its entries are neither served to the benchmark nor deleted by it); without, the
+/// measurement keeps no disk tier even where one is configured. A folder the benchmark did not
+/// make (no marker file, not empty) is refused, never emptied. The settings to load with, and
+/// the folder.
 fn with_disk_tier(
     common: &Common,
     caches: &[Cache],
@@ -95,9 +101,9 @@ fn with_disk_tier(
     let disk = if caches.contains(&Cache::Disk) {
         let dir = match common.store_flag()? {
             crate::StoreFlag::Dir(d) => d.join("bench-ttft"),
-            _ => out.join("store"),
+            _ => out.join("bench-store"),
         };
-        std::fs::create_dir_all(&dir)?;
+        claim(&dir)?;
         flowprefill_worker::store::disk::clear(&dir)?;
         common.store = Some(dir.to_string_lossy().into_owned());
         Some(dir)
@@ -108,8 +114,56 @@ fn with_disk_tier(
     Ok((common, disk))
 }
 
+/// Makes `dir` the benchmark's own (created, or found empty, and marked), or checks that it
+/// is (marked); a folder with anything else in it is a usage error.
+fn claim(dir: &std::path::Path) -> Result<()> {
+    let marker = dir.join(MARKER);
+    if marker.is_file() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("{}: the folder cannot be made ({e})", dir.display()))?;
+    let mut entries = std::fs::read_dir(dir).map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+    crate::ensure_usage!(
+        entries.next().is_none(),
+        "--cache disk: {} holds files bench ttft did not make (no {MARKER}); the benchmark empties its \
+         folder, so it will not use this one: move them away, or give another --out (or --store)",
+        dir.display()
+    );
+    std::fs::write(&marker, b"bench ttft's disk tier: emptied before each measurement\n")
+        .map_err(|e| anyhow::anyhow!("{}: {e}", marker.display()))?;
+    Ok(())
+}
+
+/// A usage error when no method of `methods` runs at any of `ranks` (before anything is
+/// loaded or written): full prefill is measured on one rank only, ring on two or more when
+/// other rank counts are given.
+fn measures_something(methods: &[flowprefill_coordinator::MethodSpec], ranks: &[usize]) -> Result<()> {
+    crate::ensure_usage!(!methods.is_empty(), "--methods: give at least one method (e.g. full,ring,infoflow)");
+    let any = methods.iter().any(|s| ranks.iter().any(|&p| lab_ttft::measured_at(s.method, p, ranks.len())));
+    crate::ensure_usage!(
+        any,
+        "--methods {} at --ranks {ranks:?} measures nothing: full prefill runs on one rank only (add 1 to \
+         --ranks), ring on two or more (add a count of at least 2, or give ring alone)",
+        methods.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(",")
+    );
+    Ok(())
+}
+
+/// Writes `bytes` to `path` through a temporary file beside it and a rename, so that a run that
+/// stops midway leaves the last complete file, never a half-written one.
+fn replace(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .map_err(|e| anyhow::anyhow!("renaming {} to {}: {e}", tmp.display(), path.display()))?;
+    Ok(())
+}
+
 /// Runs the benchmark.
 pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
+    crate::cmd::refuse_mpirun_without_mpi()?;
     let (lengths, ranks) = (a.lengths.concat(), a.ranks.concat());
     crate::ensure_usage!(
         a.runs >= 1 && !lengths.is_empty() && !ranks.is_empty(),
@@ -119,6 +173,7 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     flowprefill_lab::tasks::check_lengths(&lengths)?;
     crate::ensure_usage!(a.doc_tokens >= 1, "--doc-tokens must be at least 1 token");
     let methods = flowprefill_coordinator::MethodSpec::parse_list(&a.methods)?;
+    measures_something(&methods, &ranks)?;
     crate::cmd::out_dir("--out", &a.out)?;
     let caches = a.cache.clone();
     crate::ensure_usage!(!caches.is_empty(), "--cache: give cold, ram or disk");
@@ -167,8 +222,11 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     let mut m = Measure { runs: a.runs, ratio: a.ratio, scope: a.scope, shape, projection, disk, csv };
     let mut log = |l: &str| eprintln!("{l}");
     let mut points = Vec::new();
-    for &len in &lengths {
-        let (req, n_ctx) = lab_ttft::request(&lm, len, a.doc_tokens)?;
+    // Every length's request first: one over the model's window is refused before any is
+    // measured (and before the CSV of a previous run is replaced).
+    let requests =
+        lengths.iter().map(|&len| lab_ttft::request(&lm, len, a.doc_tokens)).collect::<Result<Vec<_>, _>>()?;
+    for (&len, (req, n_ctx)) in lengths.iter().zip(requests) {
         for &p in &ranks {
             if !enter_block(common, &lm, &mut world, p)? {
                 continue;
@@ -180,7 +238,7 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
             }
         }
         if lead {
-            std::fs::write(&csv_path, &m.csv)?;
+            replace(&csv_path, m.csv.as_bytes())?;
         }
     }
     if let Some(max) = world.max_ranks() {
