@@ -164,10 +164,14 @@ fn mpirun_without_the_mpi_feature_is_refused() {
     let out_dir = dir.join("out");
     let out = out_dir.to_str().unwrap();
     let doc = docs[1].as_str();
-    let commands: [&[&str]; 3] = [
+    let store = dir.join("store");
+    let store = store.to_str().unwrap();
+    let commands: [&[&str]; 4] = [
         &["run", "--doc", doc, "--query", "What opens the north gate?", "--max-tokens", "2"],
         &["bench", "ttft", "--lengths", "256", "--ranks", "1", "--methods", "none", "--runs", "1", "--out", out],
         &["bench", "decode", "--doc", doc, "--evict", "none", "--max-tokens", "2", "--out", out],
+        // Every process ingested every document, each saying it ran on one rank.
+        &["ingest", "--store", store, "--doc", doc],
     ];
     for var in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"] {
         for args in commands {
