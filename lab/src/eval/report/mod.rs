@@ -200,7 +200,7 @@ fn diagnostics(md: &mut String, records: &[Record], labels: &[MethodSpec], tr: f
     md.push_str(&format!(
         "## Selection diagnostics at ratio {tr} (all lengths)\n\nShare of needle-sentence and answer tokens recomputed; mean distance of the \
          farthest answer-bearing chunk from the prompt (0 = nearest) in the final layout (the answer needs every one: both \
-         hops of qa_twohop, each value of the multi-value tasks); answers that ran to the token budget (of the runs that \
+         hops of a two-hop question, each value of a multi-value task); answers that ran to the token budget (of the runs that \
          recorded it).\n\n| method | needle tokens | answer tokens | chunk distance | at budget |\n|---|---:|---:|---:|---:|\n"
     ));
     for l in labels {
