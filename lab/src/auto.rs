@@ -30,19 +30,18 @@ pub const PRIOR_KL_NONE: f64 = 0.2;
 /// The built-in device profile and link `auto` predicts a GPU named `name` with (the driver's
 /// name, `NVIDIA H200`, `NVIDIA A100-SXM4-80GB`, ...): an H200 as `h200`, an A100 as `a100-sxm`
 /// (NVLink 3), an H100 as `h100-sxm` (NVLink 4); the PCIe cards' links as PCIe. Any other GPU,
-/// or none known, is predicted as an H100, and the third value says so (the choice's `why`
-/// names the profile).
-pub fn gpu_profile(name: Option<&str>) -> (&'static str, &'static str, bool) {
+/// or none known, is predicted as an H100 (the choice's `why` names the profile).
+pub fn gpu_profile(name: Option<&str>) -> (&'static str, &'static str) {
     let n = name.unwrap_or("").to_ascii_uppercase();
     let pcie = n.contains("PCIE");
     if n.contains("H200") {
-        ("h200", "nvlink4", true)
+        ("h200", "nvlink4")
     } else if n.contains("H100") {
-        ("h100-sxm", if pcie { "pcie5" } else { "nvlink4" }, true)
+        ("h100-sxm", if pcie { "pcie5" } else { "nvlink4" })
     } else if n.contains("A100") {
-        ("a100-sxm", if pcie { "pcie4" } else { "nvlink3" }, true)
+        ("a100-sxm", if pcie { "pcie4" } else { "nvlink3" })
     } else {
-        ("h100-sxm", "nvlink4", false)
+        ("h100-sxm", "nvlink4")
     }
 }
 
@@ -248,17 +247,17 @@ mod tests {
 
     #[test]
     fn a_gpu_is_predicted_on_its_own_profile_where_there_is_one() {
-        assert_eq!(gpu_profile(Some("NVIDIA H200")), ("h200", "nvlink4", true));
-        assert_eq!(gpu_profile(Some("NVIDIA H100 80GB HBM3")), ("h100-sxm", "nvlink4", true));
-        assert_eq!(gpu_profile(Some("NVIDIA H100 PCIe")), ("h100-sxm", "pcie5", true));
-        assert_eq!(gpu_profile(Some("NVIDIA A100-SXM4-80GB")), ("a100-sxm", "nvlink3", true));
-        assert_eq!(gpu_profile(Some("NVIDIA A100-PCIE-40GB")), ("a100-sxm", "pcie4", true));
-        assert_eq!(gpu_profile(Some("NVIDIA L40S")), ("h100-sxm", "nvlink4", false));
-        assert_eq!(gpu_profile(None), ("h100-sxm", "nvlink4", false));
+        assert_eq!(gpu_profile(Some("NVIDIA H200")), ("h200", "nvlink4"));
+        assert_eq!(gpu_profile(Some("NVIDIA H100 80GB HBM3")), ("h100-sxm", "nvlink4"));
+        assert_eq!(gpu_profile(Some("NVIDIA H100 PCIe")), ("h100-sxm", "pcie5"));
+        assert_eq!(gpu_profile(Some("NVIDIA A100-SXM4-80GB")), ("a100-sxm", "nvlink3"));
+        assert_eq!(gpu_profile(Some("NVIDIA A100-PCIE-40GB")), ("a100-sxm", "pcie4"));
+        assert_eq!(gpu_profile(Some("NVIDIA L40S")), ("h100-sxm", "nvlink4"));
+        assert_eq!(gpu_profile(None), ("h100-sxm", "nvlink4"));
         // Every profile named is a built-in one.
         let p = crate::project::Profiles::builtin().expect("built-in profiles");
         for name in ["NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA A100-PCIE-40GB", "NVIDIA A100-SXM4-80GB"] {
-            let (d, l, _) = gpu_profile(Some(name));
+            let (d, l) = gpu_profile(Some(name));
             assert!(p.device(d).is_ok() && p.link(l).is_ok(), "{name}: {d} over {l}");
         }
     }

@@ -185,16 +185,25 @@ fn mpirun_without_the_mpi_feature_is_refused() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// A fresh folder holding a previous run's `ttft.csv` (its content is [`LAST_CSV`]).
+fn folder_with_last_csv(tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("fp-ttft-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let csv = dir.join("ttft.csv");
+    std::fs::write(&csv, LAST_CSV).unwrap();
+    (dir, csv)
+}
+
+/// What [`folder_with_last_csv`] writes.
+const LAST_CSV: &str = "the last run's results\n";
+
 /// `bench ttft` with no (method × rank count) to measure (full runs on one rank only; no
 /// method at all) is refused with exit 2 before the model loads, saying why, and the last
 /// run's ttft.csv is left as it was.
 #[test]
 fn bench_ttft_that_measures_nothing_is_refused_and_keeps_the_last_csv() {
-    let dir = std::env::temp_dir().join(format!("fp-ttft-nothing-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let csv = dir.join("ttft.csv");
-    std::fs::write(&csv, "the last run's results\n").unwrap();
+    let (dir, csv) = folder_with_last_csv("nothing");
     let out = dir.to_str().unwrap();
     for (methods, ranks, want) in [("full", "2", "full prefill runs on one rank only"), ("", "1", "--methods")] {
         let args = ["bench", "ttft", "--lengths", "256", "--ranks", ranks, "--methods", methods, "--out", out];
@@ -202,7 +211,7 @@ fn bench_ttft_that_measures_nothing_is_refused_and_keeps_the_last_csv() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(want) && !err.contains("loaded"), "{args:?}: {err}");
-        assert_eq!(std::fs::read_to_string(&csv).unwrap(), "the last run's results\n", "{args:?}");
+        assert_eq!(std::fs::read_to_string(&csv).unwrap(), LAST_CSV, "{args:?}");
     }
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -212,17 +221,13 @@ fn bench_ttft_that_measures_nothing_is_refused_and_keeps_the_last_csv() {
 /// lengths before it were measured and written over the CSV, then the run failed).
 #[test]
 fn bench_ttft_checks_every_length_against_the_window_before_measuring() {
-    let dir = std::env::temp_dir().join(format!("fp-ttft-window-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let csv = dir.join("ttft.csv");
-    std::fs::write(&csv, "the last run's results\n").unwrap();
+    let (dir, csv) = folder_with_last_csv("window");
     let args = ["bench", "ttft", "--lengths", "256,9000", "--doc-tokens", "64", "--ranks", "1", "--methods", "none"];
     let o = bin().args(args).args(["--runs", "1", "--out", dir.to_str().unwrap()]).output().expect("run flowprefill");
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("--lengths 9000 does not fit"), "{err}");
     assert!(!err.contains("P=1"), "nothing measured: {err}");
-    assert_eq!(std::fs::read_to_string(&csv).unwrap(), "the last run's results\n");
+    assert_eq!(std::fs::read_to_string(&csv).unwrap(), LAST_CSV);
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -280,10 +280,7 @@ pub fn chooser(common: &Common, mpi: bool) -> Option<std::sync::Arc<dyn flowpref
     let (device, link) = match (cpu, mpi) {
         (true, true) => ("cpu-local", "cpu-mpi"),
         (true, false) => ("cpu-local", "cpu-threads"),
-        (false, _) => {
-            let (device, link, _) = flowprefill_lab::auto::gpu_profile(gpu_name(common.device).as_deref());
-            (device, link)
-        }
+        (false, _) => flowprefill_lab::auto::gpu_profile(gpu_name(common.device).as_deref()),
     };
     let made = flowprefill_lab::project::load_profiles(&files)
         .map_err(anyhow::Error::from)

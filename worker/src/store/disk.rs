@@ -617,18 +617,12 @@ fn entry_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
 pub fn verify(dir: &Path) -> io::Result<Verified> {
     let mut v = Verified::default();
     for path in entry_files(dir)? {
-        // Another format version's file is not this build's to judge (nor to delete).
-        if let Ok((Some(h), _)) = read_header(&path) {
-            if !h.current() {
-                v.other_versions.push(path);
-                continue;
-            }
-        }
         let Ok(bytes) = fs::read(&path) else { continue };
-        if check_whole(&bytes).is_ok() {
-            v.ok += 1;
-        } else {
-            v.damaged.push(path);
+        match check_whole(&bytes) {
+            // Another format version's file is not this build's to judge (nor to delete).
+            Ok(h) if !h.current() => v.other_versions.push(path),
+            Ok(_) => v.ok += 1,
+            Err(_) => v.damaged.push(path),
         }
     }
     Ok(v)
