@@ -133,10 +133,18 @@ pub fn run(common: &crate::Common, cmd: Store) -> Result<()> {
             let other = match v.other_versions.len() {
                 0 => String::new(),
                 n => format!(
-                    ", {n} of another format version left alone (another build of flowprefill; never served here,                      `store gc` or `store clear` removes them)"
+                    ", {n} of another format version left alone (another build of flowprefill; never served here; \
+                     `store gc` or `store clear` removes them)"
                 ),
             };
-            println!("{}: {} intact, {} damaged{other}", dir.display(), v.ok, v.damaged.len());
+            for u in &v.unreadable {
+                println!("unreadable, left alone: {}", u.display());
+            }
+            let unreadable = match v.unreadable.len() {
+                0 => String::new(),
+                n => format!(", {n} unreadable here (permissions or an I/O error; not checked, not deleted)"),
+            };
+            println!("{}: {} intact, {} damaged{other}{unreadable}", dir.display(), v.ok, v.damaged.len());
         }
         Store::Gc { max_gib } => {
             anyhow::ensure!(max_gib >= 0.0 && max_gib.is_finite(), "--max-gib {max_gib}: give a size of at least 0");

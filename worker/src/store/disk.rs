@@ -482,7 +482,11 @@ impl Core {
         let unreadable = |_: io::Error| Bad::Missing;
         let mut f = File::open(path).map_err(unreadable)?;
         let len = f.metadata().map_err(unreadable)?.len();
-        if let Some((h, positions, layers)) = format::read_streamed(&mut f, len).map_err(Bad::Corrupt)? {
+        let streamed = format::read_streamed(&mut f, len).map_err(|e| match e {
+            format::ReadError::Damaged(why) => Bad::Corrupt(why),
+            format::ReadError::Io(e) => unreadable(e),
+        })?;
+        if let Some((h, positions, layers)) = streamed {
             self.owned(&h, key)?;
             let form = if h.form == 0 { KeyForm::PreRope } else { KeyForm::Rotated };
             return Ok(Record { form, kv_dim: h.kv_dim as usize, positions, layers });
@@ -617,7 +621,13 @@ fn entry_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
 pub fn verify(dir: &Path) -> io::Result<Verified> {
     let mut v = Verified::default();
     for path in entry_files(dir)? {
-        let Ok(bytes) = fs::read(&path) else { continue };
+        let Ok(bytes) = fs::read(&path) else {
+            // Gone since the listing, another user's, or an I/O error: not this check's to judge.
+            if path.exists() {
+                v.unreadable.push(path);
+            }
+            continue;
+        };
         match check_whole(&bytes) {
             // Another format version's file is not this build's to judge (nor to delete).
             Ok(h) if !h.current() => v.other_versions.push(path),
@@ -637,6 +647,8 @@ pub struct Verified {
     pub damaged: Vec<PathBuf>,
     /// Files of another format version (another build of flowprefill): not checked.
     pub other_versions: Vec<PathBuf>,
+    /// Files that could not be read (permissions, an I/O error): not checked, not damaged.
+    pub unreadable: Vec<PathBuf>,
 }
 
 /// Deletes every entry file of `dir` and dead writers' temporary files (of every scope; a

@@ -190,6 +190,16 @@ pub(super) fn read_header(path: &Path) -> io::Result<(Option<Header>, Metadata)>
     Ok((decode_header(&head), meta))
 }
 
+/// Why [`read_streamed`] returned no entry.
+#[derive(Debug)]
+pub(super) enum ReadError {
+    /// The file is damaged (truncated, a wrong checksum, no header): it may be deleted.
+    Damaged(String),
+    /// Reading failed (an I/O error of the device, a file that shrank while it was read): the
+    /// file may be intact and is left alone.
+    Io(io::Error),
+}
+
 /// What [`read_streamed`] read: the header, the positions and each layer's K and V.
 pub(super) type Streamed = (Header, Vec<u32>, Vec<(HostBuf, HostBuf)>);
 
@@ -200,12 +210,19 @@ pub(super) type Streamed = (Header, Vec<u32>, Vec<(HostBuf, HostBuf)>);
 /// are host work that a GPU waits for: 2 GB/s on an H200's host, 2026-11-27). `None`: a
 /// header of an unknown element type or a payload not of its announced shape, for the
 /// whole-file path to classify (such a file is never served).
-pub(super) fn read_streamed(f: &mut File, len: u64) -> Result<Option<Streamed>, String> {
+pub(super) fn read_streamed(f: &mut impl Read, len: u64) -> Result<Option<Streamed>, ReadError> {
     const NO_HEADER: &str = "no readable header";
+    let damaged = |why: &str| ReadError::Damaged(why.into());
+    // A file shorter than what it announces (or than a header) is damaged; any other error of
+    // the read itself is the device's or the system's, not the file's.
+    let short = |e: io::Error| match e.kind() {
+        io::ErrorKind::UnexpectedEof => ReadError::Damaged(NO_HEADER.into()),
+        _ => ReadError::Io(e),
+    };
     let mut head = vec![0u8; 16];
-    f.read_exact(&mut head).map_err(|_| NO_HEADER)?;
+    f.read_exact(&mut head).map_err(short)?;
     if &head[..8] != MAGIC {
-        return Err(NO_HEADER.into());
+        return Err(damaged(NO_HEADER));
     }
     if u32::from_le_bytes([head[8], head[9], head[10], head[11]]) != FORMAT_VERSION {
         // Another version's file: for the whole-file path, which finds it another's.
@@ -213,13 +230,13 @@ pub(super) fn read_streamed(f: &mut File, len: u64) -> Result<Option<Streamed>, 
     }
     let hlen = u32::from_le_bytes([head[12], head[13], head[14], head[15]]) as usize;
     if hlen > 1 << 16 {
-        return Err(NO_HEADER.into());
+        return Err(damaged(NO_HEADER));
     }
     head.resize(16 + hlen, 0);
-    f.read_exact(&mut head[16..]).map_err(|_| NO_HEADER)?;
-    let h = decode_header(&head).ok_or(NO_HEADER)?;
+    f.read_exact(&mut head[16..]).map_err(short)?;
+    let h = decode_header(&head).ok_or_else(|| damaged(NO_HEADER))?;
     if len != h.file_len() {
-        return Err(format!("{len} bytes, the header says {}", h.file_len()));
+        return Err(ReadError::Damaged(format!("{len} bytes, the header says {}", h.file_len())));
     }
     let dtype = match h.dtype {
         0 => DType::F32,
@@ -233,15 +250,17 @@ pub(super) fn read_streamed(f: &mut File, len: u64) -> Result<Option<Streamed>, 
     // The file holds `payload` bytes (its length was checked), so these allocations do too.
     let mut crc = crc32fast::Hasher::new();
     crc.update(&head);
-    let mut read = |bytes: &mut [u8]| -> Result<(), String> {
-        f.read_exact(bytes).map_err(|e| format!("unreadable: {e}"))?;
+    // The length was checked: an end of file from here on is a file that shrank while it was
+    // read (nobody writes in place), and any other error the device's; neither is damage.
+    let mut read = |bytes: &mut [u8]| -> Result<(), ReadError> {
+        f.read_exact(bytes).map_err(ReadError::Io)?;
         crc.update(bytes);
         Ok(())
     };
     let mut positions = vec![0u32; rows as usize];
     read(bytemuck::cast_slice_mut(&mut positions))?;
     positions.iter_mut().for_each(|p| *p = u32::from_le(*p));
-    let mut part = || -> Result<HostBuf, String> {
+    let mut part = || -> Result<HostBuf, ReadError> {
         Ok(match dtype {
             // The file's values are little-endian: no change on a little-endian host.
             DType::F32 => {
@@ -258,11 +277,11 @@ pub(super) fn read_streamed(f: &mut File, len: u64) -> Result<Option<Streamed>, 
             }
         })
     };
-    let out = (0..layers).map(|_| Ok((part()?, part()?))).collect::<Result<Vec<_>, String>>()?;
+    let out = (0..layers).map(|_| Ok((part()?, part()?))).collect::<Result<Vec<_>, ReadError>>()?;
     let mut tail = [0u8; 4];
-    f.read_exact(&mut tail).map_err(|e| format!("unreadable: {e}"))?;
+    f.read_exact(&mut tail).map_err(ReadError::Io)?;
     if crc.finalize() != u32::from_le_bytes(tail) {
-        return Err("checksum mismatch".into());
+        return Err(damaged("checksum mismatch"));
     }
     Ok(Some((h, positions, out)))
 }

@@ -131,6 +131,65 @@ fn a_damaged_file_is_dropped_and_counted_never_served() {
     let _ = fs::remove_dir_all(&dir);
 }
 
+/// A read that fails part way (an I/O error of the device, a file that shrank while it was
+/// read) is not damage: the streamed read says so at every place it can fail, and the store
+/// neither serves nor deletes such a file. The same bytes read in full serve.
+#[test]
+fn an_io_error_while_reading_is_a_miss_not_damage() {
+    /// Yields `good[..at]`, then fails with `kind`.
+    struct Failing<'a> {
+        bytes: &'a [u8],
+        at: usize,
+        kind: io::ErrorKind,
+    }
+    impl io::Read for Failing<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if self.at == 0 {
+                return Err(io::Error::new(self.kind, "device error (test)"));
+            }
+            let n = buf.len().min(self.at).min(self.bytes.len());
+            buf[..n].copy_from_slice(&self.bytes[..n]);
+            self.bytes = &self.bytes[n..];
+            self.at -= n;
+            Ok(n)
+        }
+    }
+    let dir = temp("ioerror");
+    let s = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
+    let key = ChunkKey::new(&[], 0, &[9]);
+    put_now(&s, &key, record(6, 1.0));
+    let good = fs::read(dir.join(s.core.name_of(&key))).unwrap();
+    let len = good.len() as u64;
+    let start = format::decode_header(&good).unwrap().start as usize;
+    // In the fixed head, in the header, in the positions, in the last layer, in the checksum.
+    for at in [3, 20, start + 2, good.len() - 9, good.len() - 2] {
+        let mut r = Failing { bytes: &good, at, kind: io::ErrorKind::Other };
+        match format::read_streamed(&mut r, len) {
+            Err(format::ReadError::Io(_)) => {}
+            other => panic!("an I/O error at byte {at} read as {other:?}"),
+        }
+        // A file that ends early past its checked length (it shrank while read).
+        let mut r = Failing { bytes: &good, at, kind: io::ErrorKind::UnexpectedEof };
+        let got = format::read_streamed(&mut r, len);
+        if at >= start {
+            assert!(matches!(got, Err(format::ReadError::Io(_))), "a file shrinking at byte {at} read as {got:?}");
+        }
+    }
+    // The same bytes in full: the entry.
+    let whole = format::read_streamed(&mut &good[..], len).unwrap().unwrap();
+    assert_eq!(whole.1, record(6, 1.0).positions);
+    // Through the store: a path that cannot be read as a file (a folder under the entry's name
+    // fails at its first read) is a miss, neither counted as damage nor removed.
+    let other = ChunkKey::new(&[], 0, &[10]);
+    let odd = dir.join(s.core.name_of(&other));
+    fs::create_dir(&odd).unwrap();
+    assert!(s.get(&other).is_none());
+    assert_eq!(s.stats().corrupt, 0, "an unreadable path counted as damage");
+    assert!(odd.is_dir());
+    assert_eq!(s.get(&key), Some(record(6, 1.0)), "the intact entry still serves");
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// Damage in any part of a file is caught, on the streamed read and on the whole-file path it
 /// falls back to: the header's row count (the payload no longer has its announced shape), a
 /// position, the last layer, the checksum itself. Each is dropped and counted; the intact
