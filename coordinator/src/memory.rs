@@ -592,7 +592,7 @@ pub fn admit_memory<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, layout: 
     let Some(mine) = plans.get(room.rank) else {
         return Err(crate::error::internal(format!("no memory plan for rank {} of {}", room.rank, room.ranks)));
     };
-    let need = if room.peers > 1 { plans.iter().map(RankMemory::bytes).sum() } else { mine.bytes() };
+    let need = shared_need(&plans, room.rank, room.peers);
     // A cap is a bound on the job, not on what is free: the store cannot raise it.
     let capped = room.limit.is_some_and(|l| l <= mem.free);
     let reclaimable = if capped { 0 } else { room.reclaimable };
@@ -606,6 +606,17 @@ pub fn admit_memory<B: Backend>(lm: &LoadedModel<B>, opts: &RunOptions, layout: 
         }
         e => e,
     })
+}
+
+/// What rank `rank`'s device must hold when `peers` ranks of the job (it included) use it:
+/// its own plan and the largest `peers - 1` of the others' (every rank's for thread ranks,
+/// whose peers are all of the job's; which MPI ranks share a node is not known here, so the
+/// largest stand for them).
+fn shared_need(plans: &[RankMemory], rank: usize, peers: usize) -> usize {
+    let mine = plans.get(rank).map_or(0, RankMemory::bytes);
+    let mut others: Vec<usize> = plans.iter().filter(|p| p.rank != rank).map(RankMemory::bytes).collect();
+    others.sort_unstable_by(|a, b| b.cmp(a));
+    mine + others.iter().take(peers.saturating_sub(1)).sum::<usize>()
 }
 
 /// Bytes the smallest job needs (one context token, a short prompt, one answer token, `full`):
@@ -712,6 +723,25 @@ mod tests {
         let k = plan.recomputed().min(plan.recompute_batch);
         let want = (share.local_tokens + t.head + k) * kv_row;
         assert_eq!(gathered(&share.recompute(&opts, &plan)), want);
+    }
+
+    /// Ranks sharing a device add up on it: thread ranks (peers = every rank) need the sum of
+    /// every plan; two MPI processes of a node sharing it, this one's and the largest other's;
+    /// a device of its own, this one's alone.
+    #[test]
+    fn peers_on_one_device_need_their_plans_together() {
+        let r = |rank: usize, gib: usize| RankMemory {
+            rank,
+            phase: "prefill",
+            parts: vec![Part { what: "kv", bytes: gib << 30 }],
+        };
+        let plans = vec![r(0, 5), r(1, 2), r(2, 3), r(3, 1)];
+        assert_eq!(shared_need(&plans, 1, 1), 2 << 30);
+        assert_eq!(shared_need(&plans, 1, 4), 11 << 30);
+        assert_eq!(shared_need(&plans, 1, 2), 7 << 30, "its own and rank 0's");
+        assert_eq!(shared_need(&plans, 0, 3), 10 << 30, "its own and ranks 2 and 1");
+        // At most every plan, whatever the count of peers.
+        assert_eq!(shared_need(&plans, 3, 9), 11 << 30);
     }
 
     #[test]

@@ -93,7 +93,30 @@ pub fn node_local_rank() -> Option<usize> {
         .find_map(|v| std::env::var(v).ok().and_then(|s| s.trim().parse().ok()))
 }
 
+/// The processes of this job on this node, as the MPI launchers (and torchrun) set it.
+pub fn node_local_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().and_then(|s| s.trim().parse().ok()))
+}
+
 impl DeviceSpec {
+    /// The processes of this node (this one included) whose jobs use the device `self` names,
+    /// when every process of the node was given the same `--device`: all of them on the CPU or
+    /// on an explicit `cuda:N`; under `cuda`, those whose node-local rank maps to the same one
+    /// of the `gpus` visible GPUs. 1 outside a launcher (no node-local rank or size).
+    pub fn sharing_processes(self, local_rank: Option<usize>, local_size: Option<usize>, gpus: usize) -> usize {
+        let (Some(rank), Some(size)) = (local_rank, local_size) else { return 1 };
+        let size = size.max(rank + 1);
+        match self {
+            DeviceSpec::Cpu | DeviceSpec::Cuda(_) => size,
+            DeviceSpec::CudaLocal => {
+                let g = gpus.max(1);
+                (0..size).filter(|r| r % g == rank % g).count()
+            }
+        }
+    }
+
     /// The concrete device: `cuda` becomes `cuda:L mod G` for node-local rank `L` and `G`
     /// visible GPUs (`cuda:0` outside a launcher or when no GPU is visible), so that `mpirun -np
     /// N ... --device cuda` gives each rank of a node its own GPU.
@@ -326,6 +349,23 @@ crate::backend::forward_backend_with! {
 mod tests {
     use super::*;
     use crate::Backend;
+
+    #[test]
+    fn processes_on_one_node_share_its_cpu_and_the_gpus_they_map_to() {
+        use DeviceSpec::*;
+        // Outside a launcher: alone.
+        assert_eq!(Cpu.sharing_processes(None, None, 0), 1);
+        assert_eq!(Cpu.sharing_processes(Some(0), None, 0), 1);
+        // Four processes on one node: all share its memory, or one explicit GPU.
+        assert_eq!(Cpu.sharing_processes(Some(2), Some(4), 0), 4);
+        assert_eq!(Cuda(1).sharing_processes(Some(2), Some(4), 8), 4);
+        // `cuda`: node-local rank L on GPU L mod G.
+        assert_eq!(CudaLocal.sharing_processes(Some(3), Some(4), 4), 1, "a GPU each");
+        assert_eq!(CudaLocal.sharing_processes(Some(3), Some(4), 2), 2, "ranks 1 and 3 on GPU 1");
+        assert_eq!(CudaLocal.sharing_processes(Some(0), Some(5), 2), 3, "ranks 0, 2, 4 on GPU 0");
+        assert_eq!(CudaLocal.sharing_processes(Some(1), Some(5), 2), 2);
+        assert_eq!(CudaLocal.sharing_processes(Some(0), Some(3), 0), 3, "no GPU seen: every rank on cuda:0");
+    }
 
     #[test]
     fn specs_parse_and_cpu_runs_through_the_enum() {

@@ -135,13 +135,6 @@ fn main() {
 /// cores ran 50x slower than 64), and 100,000 would not finish.
 const MAX_THREADS: usize = 1024;
 
-/// Ranks of this job on this machine, when started by an MPI launcher.
-fn local_mpi_ranks() -> Option<usize> {
-    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok().and_then(|s| s.parse().ok()))
-}
-
 fn run(cli: Cli) -> Result<()> {
     let threads = match cli.common.threads {
         Some(n) => {
@@ -153,7 +146,7 @@ fn run(cli: Cli) -> Result<()> {
             Some(n)
         }
         // Several MPI ranks on one machine share its cores instead of oversubscribing them.
-        None => local_mpi_ranks().filter(|&l| l > 1).map(|l| {
+        None => flowprefill_kernels::device::node_local_size().filter(|&l| l > 1).map(|l| {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             (cores / l).max(1)
         }),

@@ -78,6 +78,36 @@ fn mpi_np2_and_np4_equal_one_rank() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// MPI processes of one machine share its memory: a job's plan counts both processes' shares
+/// against it (each process took all the free memory as its own before, and together they
+/// could overrun it), and the refusal does not advise more ranks, which would add up there too.
+#[test]
+fn mpi_ranks_on_one_machine_count_their_jobs_against_its_memory_together() {
+    let (dir, doc_args) = docs("share", 4, 30);
+    let mut args: Vec<String> = vec!["run".into()];
+    args.extend(doc_args.iter().cloned());
+    args.extend(["--query", "q?", "--max-tokens", "2", "--memory-limit", "0.001"].map(String::from));
+    let needs = |out: &std::process::Output| -> (f64, String) {
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        let gib = err
+            .split("the job needs ")
+            .nth(1)
+            .and_then(|r| r.split(" GiB").next())
+            .and_then(|g| g.parse().ok())
+            .unwrap_or_else(|| panic!("no need in GiB in: {err}"));
+        (gib, err)
+    };
+    let (one, _) = needs(&Command::new(bin()).args(&args).output().unwrap());
+    let (two, err) = needs(&mpirun(2).arg(bin()).args(&args).output().unwrap());
+    assert!(err.contains("the job's 2 ranks share the memory of cpu"), "{err}");
+    assert!(!err.contains("run on more ranks"), "{err}");
+    // Two ranks' shares together: about one rank's whole job (each holds half the chunks), far
+    // above one share alone (half of it).
+    assert!(two > 0.8 * one, "2 processes need {two} GiB together, 1 needs {one} GiB");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// PIDs of processes whose environment says they are MPI rank `rank` of a job started with
 /// `marker` in their command line.
 fn rank_pids(marker: &str, rank: usize) -> Vec<u32> {

@@ -105,8 +105,12 @@ pub struct Engine<B: Backend> {
     store: ChunkStore<B>,
     aux_store: ChunkStore<B>,
     faults: Option<Arc<FaultPlan>>,
-    /// Ranks whose jobs share this rank's device memory (thread ranks on one CPU or GPU).
+    /// Ranks whose jobs share this rank's device memory (thread ranks on one CPU or GPU, or
+    /// MPI processes of one node on its CPU or on one GPU).
     memory_peers: usize,
+    /// Whether those peers are other processes (each measures its own memory) rather than
+    /// threads of this one (one of them measures for all).
+    peers_are_processes: bool,
     /// At most this many bytes per job on this rank's device (`--memory-limit`).
     memory_limit: Option<usize>,
     /// What resolves `--method auto` (rank 0).
@@ -202,6 +206,7 @@ impl<B: Backend> Engine<B> {
             aux_store: ChunkStore::new(store_bytes / 4),
             faults: FaultPlan::from_env(),
             memory_peers: 1,
+            peers_are_processes: false,
             memory_limit: None,
             chooser: None,
             exact_memo: verify::ExactMemo::default(),
@@ -260,7 +265,22 @@ impl<B: Backend> Engine<B> {
     /// share its device (thread ranks over one model).
     pub fn with_memory_peers(mut self, ranks: usize) -> Self {
         self.memory_peers = ranks.max(1);
+        self.peers_are_processes = false;
         self
+    }
+
+    /// Counts the jobs of `processes` processes of this node (this one included) against this
+    /// rank's free memory at admission: MPI ranks on one machine's CPU, or on one GPU. Without
+    /// it each process took the whole free memory as its own, and together they overran it.
+    pub fn with_sharing_processes(mut self, processes: usize) -> Self {
+        self.memory_peers = processes.max(1);
+        self.peers_are_processes = true;
+        self
+    }
+
+    /// Ranks whose jobs share this rank's device memory (1: a device of its own).
+    pub fn memory_peers(&self) -> usize {
+        self.memory_peers
     }
 
     /// Uses `aux` as CacheClip's auxiliary model; it must share the main model's vocabulary.
@@ -514,7 +534,8 @@ impl<B: Backend> Engine<B> {
         let lead = rank == 0;
         // The device's high-water mark from here (one rank per device counts it).
         let be = self.lm.model.backend();
-        let held_before = (self.memory_peers == 1 || lead).then(|| be.memory_use().map(|u| u.now)).flatten();
+        let own = self.memory_peers == 1 || self.peers_are_processes;
+        let held_before = (own || lead).then(|| be.memory_use().map(|u| u.now)).flatten();
         if held_before.is_some() {
             be.reset_memory_peak();
         }

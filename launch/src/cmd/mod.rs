@@ -312,6 +312,29 @@ fn gpu_name(spec: DeviceSpec) -> Option<String> {
     }
 }
 
+/// The processes of this node whose jobs share this process's device (itself included; 1
+/// outside an MPI launcher): memory admission counts their jobs together.
+pub fn sharing_processes(common: &Common) -> usize {
+    use flowprefill_kernels::device::{node_local_rank, node_local_size};
+    let gpus = match common.device {
+        DeviceSpec::CudaLocal => visible_gpus(),
+        _ => 0,
+    };
+    common.device.sharing_processes(node_local_rank(), node_local_size(), gpus)
+}
+
+/// GPUs the driver lists (0 without CUDA).
+fn visible_gpus() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        flowprefill_kernels::cuda::devices().map_or(0, |g| g.len())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        0
+    }
+}
+
 /// `--method auto` where its chooser could not be made: every choice is the reason why.
 struct Unavailable(String);
 
@@ -343,6 +366,7 @@ pub fn mpi_world(
         }
         let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
             .with_memory_limit(common.memory_limit)
+            .with_sharing_processes(sharing_processes(common))
             .with_disk(common.disk_tier()?.as_ref())
             .with_chooser(chooser(common, true));
         return Ok(Some(flowprefill_coordinator::World::Mpi { comm: Box::new(comm), engine }));

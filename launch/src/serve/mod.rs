@@ -168,10 +168,11 @@ impl Service {
     ) -> Result<Self> {
         crate::ensure_usage!(cfg.token.as_deref() != Some(""), "the bearer token is empty; give a real token or none");
         let prom = metrics::install()?;
-        // Thread ranks share this process's device; an MPI rank has its own.
+        // Thread ranks share this process's device; MPI ranks the node's CPU, or a GPU where
+        // there are fewer GPUs than processes on the node.
         let memory_peers = match &world {
             World::Threads(w) => w.size(),
-            World::Mpi { .. } => 1,
+            World::Mpi { engine, .. } => engine.memory_peers(),
         };
         let (queue, shared, workers) = Queue::start(world, rebuild, cfg.queue, cfg.hang_grace)?;
         let state = Arc::new(app::AppState::new(queue, shared, lm, cfg, prom, memory_peers));
@@ -458,6 +459,7 @@ fn world(
         let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
             .with_faults(faults)
             .with_memory_limit(common.memory_limit)
+            .with_sharing_processes(crate::cmd::sharing_processes(common))
             .with_disk(common.disk_tier()?.as_ref())
             .with_decode_graphs(false);
         if comm.rank() != 0 {
