@@ -125,6 +125,8 @@ fn outputs_and_ranges_are_checked_before_any_work() {
     refused(&["bench", "stream", "--corpus", "2", "--doc-tokens", "0", "--queries", "1"], "--doc-tokens");
     refused(&["bench", "ttft", "--lengths", "0", "--runs", "1"], "--lengths");
     refused(&["check", "--lengths", "256", "--depths", "nan", "--methods", "full"], "--depths");
+    // One cell twice: one id for two cases, and --dump-cases would mix their documents in one folder.
+    refused(&["check", "--lengths", "256", "--depths", "0.5,0.5", "--methods", "full"], "--depths gives 0.5 twice");
     let e10 = dir.join("e10");
     let eval = ["eval", "--tasks", "niah_single", "--methods", "full,infoflow", "--ratios", "0.3", "--lengths", "256"];
     refused(&[&eval[..], &["--out", e10.to_str().unwrap()]].concat(), "--table-ratio 0.15 is not among --ratios");

@@ -353,8 +353,6 @@ pub const DEMO_CROSS: (&str, usize, u64, usize) = ("niah_multikey", 2048, 1, 11)
 /// of sample `i` is entry `i % 5`).
 pub const DEPTHS: [f64; 5] = [0.1, 0.3, 0.5, 0.7, 0.9];
 
-/// Needle-in-a-haystack cases for `check`: for each length and depth, `per_cell` cases, each
-/// with 6 to 10 documents and a 7-digit number to retrieve.
 /// Refuses case lengths of no tokens (`--lengths`), naming the flag.
 pub fn check_lengths(lengths: &[usize]) -> crate::Result<()> {
     crate::error::ensure_usage!(lengths.iter().all(|&n| n >= 1), "--lengths values must be at least 1 token");
@@ -370,15 +368,53 @@ pub fn check_depths(depths: &[f64]) -> crate::Result<()> {
     Ok(())
 }
 
+/// Refuses a length or a depth given twice (`check`'s cells: the same cases twice, under one
+/// id, where `--dump-cases` would write one file over the other), naming the flag.
+pub fn check_cells(lengths: &[usize], depths: &[f64]) -> crate::Result<()> {
+    for (i, n) in lengths.iter().enumerate() {
+        crate::error::ensure_usage!(!lengths[..i].contains(n), "--lengths gives {n} twice; give each length once");
+    }
+    for (i, d) in depths.iter().enumerate() {
+        crate::error::ensure_usage!(!depths[..i].contains(d), "--depths gives {d} twice; give each depth once");
+    }
+    Ok(())
+}
+
+/// A depth as case ids write it: two decimals where that is exact (0.1 is `0.10`, as ids
+/// always were), every digit it needs otherwise (0.101 and 0.104 were both `0.10`).
+fn depth_label(depth: f64) -> String {
+    let two = format!("{depth:.2}");
+    if two.parse::<f64>().ok() == Some(depth) {
+        two
+    } else {
+        depth.to_string()
+    }
+}
+
+/// What a case seed mixes in beyond a depth's thousandths: nothing where they are the depth
+/// (every seed stays what it was), the depth's bits otherwise (0.1001 and 0.1004 had one seed,
+/// so the same cases).
+fn fine_depth(depth: f64) -> u64 {
+    if ((depth * 1000.0) as u64) as f64 / 1000.0 == depth {
+        0
+    } else {
+        fmix64(depth.to_bits()) << 8
+    }
+}
+
+/// Needle-in-a-haystack cases for `check`: for each length and depth, `per_cell` cases, each
+/// with 6 to 10 documents and a 7-digit number to retrieve; distinct ids and seeds for
+/// distinct depths.
 pub fn niah_cases(tok: &Tokenizer, seed: u64, lengths: &[usize], depths: &[f64], per_cell: usize) -> Vec<QaCase> {
     let mut cases = Vec::new();
     for &len in lengths {
         for &depth in depths {
+            let fine = fine_depth(depth);
             for rep in 0..per_cell {
                 let case_seed =
-                    check_family(seed) ^ ((len as u64) << 20) ^ (((depth * 1000.0) as u64) << 8) ^ rep as u64;
+                    check_family(seed) ^ ((len as u64) << 20) ^ (((depth * 1000.0) as u64) << 8) ^ fine ^ rep as u64;
                 let mut c = ruler::niah_single(tok, case_seed, len, depth, ruler::NeedleKind::Number);
-                c.id = format!("niah-{len}-d{depth:.2}-{rep}");
+                c.id = format!("niah-{len}-d{}-{rep}", depth_label(depth));
                 cases.push(c);
             }
         }
@@ -456,6 +492,31 @@ mod tests {
                 assert!(check.insert(check_family(seed) ^ i), "check --seed {seed} repetition {i}");
             }
         }
+    }
+
+    /// `check`'s cases: the default depths keep their ids and seeds; distinct depths get
+    /// distinct ids and seeds however close; a length or depth given twice is refused.
+    #[test]
+    fn distinct_depths_make_distinct_cases_and_repeats_are_refused() {
+        for d in DEPTHS {
+            assert_eq!(fine_depth(d), 0, "{d}: its seed changed");
+        }
+        assert_eq!(depth_label(0.1), "0.10");
+        assert_eq!(depth_label(0.5), "0.50");
+        assert_eq!(depth_label(1.0), "1.00");
+        assert_eq!(depth_label(0.25), "0.25");
+        assert_ne!(depth_label(0.101), depth_label(0.104));
+        assert_eq!(depth_label(0.101), "0.101");
+        // Seeds: thousandths, then finer depths by their bits.
+        let seed = |d: f64| (((d * 1000.0) as u64) << 8) ^ fine_depth(d);
+        let depths = [0.1, 0.101, 0.104, 0.1001, 0.1004, 0.57, 0.569, 0.0, 1.0, 0.33333];
+        let seeds: std::collections::HashSet<u64> = depths.iter().map(|&d| seed(d)).collect();
+        assert_eq!(seeds.len(), depths.len(), "two depths share a seed");
+        assert!(check_cells(&[1024, 2048], &[0.1, 0.5]).is_ok());
+        let e = check_cells(&[1024, 2048, 1024], &[0.5]).expect_err("a length twice").to_string();
+        assert!(e.contains("--lengths gives 1024 twice"), "{e}");
+        let e = check_cells(&[1024], &[0.5, 0.3, 0.5]).expect_err("a depth twice").to_string();
+        assert!(e.contains("--depths gives 0.5 twice"), "{e}");
     }
 
     #[test]

@@ -73,6 +73,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     );
     flowprefill_lab::tasks::check_lengths(&lengths)?;
     flowprefill_lab::tasks::check_depths(&depths)?;
+    flowprefill_lab::tasks::check_cells(&lengths, &depths)?;
     let cases = niah_cases(&engine.model().tokenizer, args.seed, &lengths, &depths, args.per_cell);
     if let Some(dir) = &args.dump_cases {
         super::out_dir("--dump-cases", dir)?;
