@@ -82,7 +82,7 @@ impl<B: Backend> Engine<B> {
         let mine = admit(&self.lm, job, &Limits::NONE)
             .and_then(|a| self.make_room(&job.options, &a.layout, rank, ranks).map(|()| a));
         let opts = &job.options;
-        let aware = ranks > 1 && opts.cache_slack > 0.0 && !opts.method.is_exact_prefill();
+        let aware = ranks > 1 && opts.cache_slack > 0.0 && !opts.method.is_exact_prefill() && !opts.fresh;
         let arrival = Arrival {
             refusal: mine.as_ref().err().map(Refusal::of),
             held: match (&mine, aware) {

@@ -17,6 +17,7 @@ use flowprefill_kernels::Backend;
 use flowprefill_worker::generate::StopReason;
 use flowprefill_worker::kv::KvCache;
 use flowprefill_worker::steps::{recompute, RecomputeMode, Selection, Target};
+use flowprefill_worker::store::ChunkStore;
 use flowprefill_worker::WorkerError;
 use std::sync::Arc;
 
@@ -108,9 +109,11 @@ impl<B: Backend> Engine<B> {
         };
         let prefix = turn.plan.prefix;
         let lm = &*self.lm;
-        let caches = turn
-            .phases
-            .time(phase::CHUNK_PREFILL, || self.caches(lm, &self.store, layout, prefix, local_ids, &mut check))?;
+        // A cold job's caches live in a store of its own, dropped with it.
+        let own = turn.opts.fresh.then(|| ChunkStore::new(usize::MAX));
+        let store = own.as_ref().unwrap_or(&self.store);
+        let caches =
+            turn.phases.time(phase::CHUNK_PREFILL, || self.caches(lm, store, layout, prefix, local_ids, &mut check))?;
         turn.mine.cache_hits = caches.hits;
         turn.mine.cache_misses = caches.misses;
         turn.mine.cache_disk_hits = caches.disk_hits;

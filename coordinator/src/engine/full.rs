@@ -63,7 +63,9 @@ impl<B: Backend> Engine<B> {
         // the job runs: the memory plan's peak holds).
         let key = ChunkKey::context(&tokens);
         let (be, rope, heads) = (model.backend(), model.rope(), cfg.n_kv_heads);
-        let (cache, store_as) = match self.store.get(&key) {
+        // A cold job (`fresh`) neither reads nor keeps it.
+        let kept = if turn.opts.fresh { None } else { self.store.get(&key) };
+        let (cache, store_as) = match kept {
             Some(kept) => {
                 turn.mine.cache_hits = 1;
                 (turn.phases.time(phase::PREFILL, || kept.placed(be, rope, kept.positions(), heads))?, None)
@@ -77,7 +79,7 @@ impl<B: Backend> Engine<B> {
                 turn.phases.time(phase::PREFILL, || {
                     prefill_into_checked(model, &mut cache, &tokens, 0, model.backend().prefill_rows(), &mut check)
                 })?;
-                (cache, Some(key))
+                (cache, (!turn.opts.fresh).then_some(key))
             }
         };
         turn.out.selected_rows = layout.chunks.iter().map(|c| (0..c.len()).collect()).collect();

@@ -146,6 +146,11 @@ pub struct RunOptions {
     /// What a breach does (`--on-breach`; default: answer from the exact computation).
     #[serde(default)]
     pub on_breach: OnBreach,
+    /// A cold job: no chunk cache is read from, or kept in, the chunk store's tiers, whatever
+    /// other processes write there meanwhile (`bench ttft`'s cold rows: under mpirun another
+    /// process's late write to an emptied disk folder made a cold run read a cache).
+    #[serde(default)]
+    pub fresh: bool,
 }
 
 /// What the quality gate does with a verified answer that breached its floor.
@@ -240,6 +245,7 @@ impl Default for RunOptions {
             verify: false,
             quality_floor: None,
             on_breach: OnBreach::Fallback,
+            fresh: false,
         }
     }
 }

@@ -72,14 +72,13 @@ pub fn request(lm: &LoadedModel<Device>, len: usize, doc_tokens: usize) -> Resul
     Ok((req, n_ctx))
 }
 
-/// A cold run reads no chunk from the disk tier (its folder was emptied before it): one that
-/// did measured a cache, not a cold prefill, and is an error rather than a row.
+/// A cold run reads no chunk cache (its job is `fresh`, and the stores were emptied before
+/// it): one that did measured a cache, not a cold prefill, and is an error rather than a row.
 pub fn check_cold(cache: Cache, label: &str, r: &flowprefill_coordinator::RunResult) -> Result<()> {
-    if cache == Cache::Cold && r.cache_disk_hits > 0 {
+    if cache == Cache::Cold && r.cache_hits > 0 {
         return Err(crate::LabError::Failed(format!(
-            "a cold run of {label} read {} chunk caches from the disk tier, whose folder was emptied \
-             before it: the measurement is not cold (a rank still writing while the folder was emptied?)",
-            r.cache_disk_hits
+            "a cold run of {label} read {} chunk caches ({} from the disk tier): the measurement is not cold",
+            r.cache_hits, r.cache_disk_hits
         )));
     }
     Ok(())
@@ -144,7 +143,10 @@ impl Measure {
             Cache::Cold => spec.to_string(),
             c => format!("{spec} {}", c.name()),
         };
-        let opts = RunOptions { scope: self.scope, max_new_tokens: 1, ..spec.options(self.ratio) };
+        // A cold run reads no cache whatever another process writes (`fresh`), besides the
+        // emptied stores.
+        let fresh = cache == Cache::Cold;
+        let opts = RunOptions { scope: self.scope, max_new_tokens: 1, fresh, ..spec.options(self.ratio) };
         let job = Job { request: req.clone(), options: opts };
         if cache != Cache::Cold {
             self.fill(world, &job, spec.method)?;

@@ -222,6 +222,27 @@ fn second_query_reuses_chunk_caches_and_answers_like_a_cold_run() {
     assert_eq!(warm.selected_rows, cold.selected_rows);
     assert!(warm.first_logits == cold.first_logits, "reused caches gave different logits");
     assert!(warm.phases.get("chunk_prefill") < cold.phases.get("chunk_prefill"));
+    // A fresh job on the warm engine is cold (`bench ttft`'s cold rows): it reads no cache,
+    // keeps none, and answers as the cold engine did; the store is as it was.
+    let entries = e.store().stats().entries;
+    let fresh = run(&e, &q2, RunOptions { fresh: true, ..RunOptions::default() });
+    assert_eq!((fresh.cache_hits, fresh.cache_misses), (0, 4), "a fresh job read a cache");
+    assert!(fresh.first_logits == cold.first_logits && fresh.answer == cold.answer);
+    assert_eq!(e.store().stats().entries, entries, "a fresh job kept its caches");
+    // `full` with eviction keeps its context's cache for the next eviction; a fresh job
+    // neither reads nor keeps it.
+    let evict = flowprefill_coordinator::request::Evict {
+        policy: flowprefill_coordinator::request::EvictPolicy::Snapkv,
+        budget: 64,
+    };
+    let full = RunOptions { method: Method::Full, max_new_tokens: 2, evict: Some(evict), ..RunOptions::default() };
+    run(&e, &q2, full.clone());
+    let kept = run(&e, &q2, full.clone());
+    assert_eq!(kept.cache_hits, 1, "full's context cache reused");
+    let entries = e.store().stats().entries;
+    let fresh = run(&e, &q2, RunOptions { fresh: true, ..full });
+    assert_eq!((fresh.cache_hits, fresh.cache_misses), (0, 1));
+    assert_eq!(e.store().stats().entries, entries);
 }
 
 #[test]
