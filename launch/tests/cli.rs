@@ -68,6 +68,9 @@ fn bench_prefill_json_has_the_documented_fields() {
     let v: serde_json::Value = serde_json::from_str(&out).expect("json");
     // The forwards' size the run used: the CPU's (a GPU's is 8192), unless --prefill-chunk.
     assert_eq!(v["prefill_chunk"].as_u64(), Some(flowprefill_kernels::PREFILL_ROWS as u64), "{v}");
+    // Where it ran, as the table's header says it: the device and the KV cache's data type.
+    assert_eq!(v["device"].as_str(), Some("cpu"), "{v}");
+    assert!(v["kv_dtype"].as_str().is_some_and(|d| !d.is_empty()), "{v}");
     let results = v["results"].as_array().expect("results");
     assert_eq!(results.len(), 2);
     for (r, n) in results.iter().zip([64, 130]) {
@@ -792,4 +795,57 @@ fn bench_ttft_records_what_auto_predicted() {
     let full = rows.iter().find(|r| r[method] == "full").expect("full row");
     assert!(full[predicted].is_empty(), "{csv}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `bench ttft --project cpu-local` projects on this machine's calibration file where `bench
+/// calibrate` wrote one (`$FLOWPREFILL_HOME/calibration.json`, what `--method auto` predicts
+/// with), and says which profile it used; `--profiles` replaces it. Every timed run follows an
+/// untimed warm-up run, and the CSV holds the timed runs only.
+#[test]
+fn bench_ttft_names_the_profile_it_projects_on() {
+    let home = std::env::temp_dir().join(format!("fp-ttft-profile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(&home).unwrap();
+    // The built-in cpu-local device under another description, as a calibration would write it.
+    let builtin: serde_json::Value =
+        serde_json::from_str(include_str!("../../lab/profiles.json")).expect("the built-in profiles");
+    let mut dev = builtin["devices"]["cpu-local"].clone();
+    dev["description"] = serde_json::json!("calibrated here");
+    let profile = serde_json::json!({ "devices": { "cpu-local": dev }, "links": {} });
+    let calibration = home.join("calibration.json");
+    std::fs::write(&calibration, profile.to_string()).unwrap();
+    let given = home.join("given.json");
+    std::fs::write(&given, profile.to_string()).unwrap();
+    let out = home.join("out");
+    // The model from where it is, not fetched again under the test's home.
+    let model = match std::env::var_os("FLOWPREFILL_MODEL") {
+        Some(m) => std::path::PathBuf::from(m),
+        None => flowprefill_worker::fetch::default_model_path().expect("the default model's path"),
+    };
+    let bench = |extra: &[&str]| {
+        let o = bin()
+            .env("FLOWPREFILL_HOME", &home)
+            .env("FLOWPREFILL_MODEL", &model)
+            .args(["bench", "ttft", "--lengths", "256", "--doc-tokens", "64", "--ranks", "1", "--methods", "none"])
+            .args(["--runs", "2", "--project", "cpu-local", "--out"])
+            .arg(&out)
+            .args(extra)
+            .output()
+            .expect("run flowprefill");
+        let (stdout, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success(), "{stdout}\n{err}");
+        stdout.into_owned()
+    };
+    let said = bench(&[]);
+    let want = format!("projected on device cpu-local ({}), link cpu-threads (built in)", calibration.display());
+    assert!(said.contains(&want), "{said}");
+    assert!(said.contains("2 timed runs after one untimed warm-up run"), "{said}");
+    let csv = std::fs::read_to_string(out.join("ttft.csv")).expect("ttft.csv");
+    assert_eq!(csv.lines().count(), 3, "the header and the two timed runs: {csv}");
+    let said = bench(&["--profiles", given.to_str().unwrap(), "--link", "cpu-threads"]);
+    assert!(said.contains(&format!("device cpu-local ({})", given.display())), "{said}");
+    std::fs::remove_file(&calibration).unwrap();
+    let said = bench(&[]);
+    assert!(said.contains("projected on device cpu-local (built in)"), "{said}");
+    let _ = std::fs::remove_dir_all(&home);
 }

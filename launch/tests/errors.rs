@@ -233,3 +233,27 @@ fn bench_ttft_checks_every_length_against_the_window_before_measuring() {
     assert_eq!(std::fs::read_to_string(&csv).unwrap(), LAST_CSV);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `bench ttft` and `bench stream` refuse, before loading anything, what they cannot run:
+/// `--link` or `--profiles` without `--project` (they only shape the projection), more thread
+/// ranks than one process holds (as `run` does), and a stream asking more distinct documents
+/// per question than its corpus has (the error names both numbers).
+#[test]
+fn bench_ttft_and_stream_refuse_flags_and_ranks_they_cannot_use() {
+    let refused = |args: &[&str], want: &[&str]| {
+        let out = bin().args(args).output().expect("run flowprefill");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(want.iter().all(|w| err.contains(w)) && !err.contains("panicked"), "{args:?}: {err}");
+    };
+    let ttft = ["bench", "ttft", "--lengths", "256", "--runs", "1"];
+    refused(&[&ttft[..], &["--link", "cpu-mpi"]].concat(), &["--project"]);
+    refused(&[&ttft[..], &["--profiles", "cpu-local.json"]].concat(), &["--project"]);
+    refused(&[&ttft[..], &["--ranks", "1,300"]].concat(), &["--ranks 300", "at most 256"]);
+    let stream = ["bench", "stream", "--queries", "1", "--ranks", "2"];
+    refused(
+        &[&stream[..], &["--corpus", "3", "--docs-per-query", "5"]].concat(),
+        &["--docs-per-query 5", "3 documents"],
+    );
+    refused(&["bench", "stream", "--queries", "1", "--ranks", "300"], &["--ranks 300", "at most 256"]);
+}

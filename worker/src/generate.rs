@@ -153,6 +153,17 @@ pub fn decode_with(
     }
 }
 
+/// The decode steps (calls of `step`, each a timed forward of one token) that [`decode_with`]
+/// took to give `tokens` ids stopping for `stop`: one per id after the first, and one more when
+/// the end token stopped it (the step that chose it ran too). What milliseconds per token divide
+/// by.
+pub fn decode_steps(tokens: usize, stop: StopReason) -> usize {
+    match stop {
+        StopReason::EndToken => tokens,
+        StopReason::MaxTokens | StopReason::ContextFull | StopReason::Cancelled => tokens.saturating_sub(1),
+    }
+}
+
 /// Decodes over `cache` (rotated keys) starting with `first`, each token's K/V into the cache
 /// ([`DecodeSteps`]: recorded once and replayed where the backend can, when `record`); `check`
 /// runs before every layer of a step run op by op and once before a replayed one
@@ -222,4 +233,70 @@ pub fn generate<B: Backend>(
         first_logits,
         replayed,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf_write::testfile::TestGguf;
+    use candle_core::quantized::gguf_file::Value;
+
+    /// Decodes with a step that chooses `script[i]` at its i-th call (then token 0) and an
+    /// `on_text` that stops after `texts` pieces: the ids, why it stopped, the steps taken.
+    fn decode_script(
+        tok: &Tokenizer,
+        script: &[u32],
+        max: usize,
+        window: usize,
+        texts: usize,
+    ) -> (Vec<u32>, StopReason, usize) {
+        let cfg = SamplingConfig { temperature: 0.0, top_p: 1.0, seed: 1 };
+        let mut sampler = Sampler::new(cfg).expect("a greedy sampler");
+        let mut calls = 0usize;
+        let mut step = |_tok: u32, _pos: u32| -> Result<Vec<f32>> {
+            let mut logits = vec![0.0f32; 10];
+            logits[script.get(calls).copied().unwrap_or(0) as usize] = 1.0;
+            calls += 1;
+            Ok(logits)
+        };
+        let mut shown = 0usize;
+        let mut on_text = |_: &str| {
+            shown += 1;
+            shown < texts
+        };
+        let (ids, stop) = decode_with(tok, 1, &mut sampler, max, window, 5, &mut step, &mut on_text).expect("decodes");
+        (ids, stop, calls)
+    }
+
+    #[test]
+    fn decode_steps_are_the_steps_decode_with_took_for_every_stop() {
+        // The letters a..j, `j` (id 9) the end of sequence.
+        let letters: Vec<Value> = ('a'..='j').map(|c| Value::String(c.to_string())).collect();
+        let g = TestGguf::tiny()
+            .set("tokenizer.ggml.model", Value::String("gpt2".into()))
+            .set("tokenizer.ggml.tokens", Value::Array(letters))
+            .set("tokenizer.ggml.merges", Value::Array(vec![]))
+            .set("tokenizer.ggml.eos_token_id", Value::U32(9));
+        let f = g.write("decode-steps");
+        let tok =
+            Tokenizer::from_gguf(&crate::gguf::GgufFile::open(f.path()).expect("the test file")).expect("letters");
+        assert!(tok.is_end(9) && !tok.is_end(2));
+        let cases = [
+            // The end token chosen by the third step: three ids, and three steps timed (not two).
+            ((&[2, 3, 9][..], 10, 64, usize::MAX), 3, StopReason::EndToken, 3),
+            // The end token chosen by the first step: one id, one step.
+            ((&[9][..], 10, 64, usize::MAX), 1, StopReason::EndToken, 1),
+            ((&[2, 3, 4, 5, 6][..], 4, 64, usize::MAX), 4, StopReason::MaxTokens, 3),
+            // Positions 5 and 6 fit a window of 7: two steps, three ids.
+            ((&[2, 3, 4, 5][..], 10, 7, usize::MAX), 3, StopReason::ContextFull, 2),
+            ((&[2, 3, 4, 5][..], 10, 64, 2), 2, StopReason::Cancelled, 1),
+        ];
+        for ((script, max, window, texts), n_ids, stop, steps) in cases {
+            let (ids, got, calls) = decode_script(&tok, script, max, window, texts);
+            assert_eq!((ids.len(), got, calls), (n_ids, stop, steps), "script {script:?}");
+            assert_eq!(decode_steps(ids.len(), got), calls, "script {script:?}");
+        }
+        assert_eq!(decode_steps(0, StopReason::EndToken), 0);
+        assert_eq!(decode_steps(0, StopReason::MaxTokens), 0);
+    }
 }

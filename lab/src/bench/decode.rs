@@ -6,8 +6,9 @@
 //! machine's drift spreads over every setting alike. Full prefill with eviction keeps the
 //! context's cache in the chunk store, so after the first eviction run the others copy it
 //! instead of prefilling again: the bench costs one prefill per run of the whole cache and one
-//! in all for the evicting settings. Decoding is what is timed: milliseconds per token after the
-//! first, the median of the runs.
+//! in all for the evicting settings. Decoding is what is timed: milliseconds per decode step (one
+//! per token after the first, and the one that chose the end token), the median of the runs. TTFT is reported apart for the runs that prefilled the context
+//! (no chunk-store hit: cold) and those that copied it from the store, never as one median.
 
 use crate::error::ensure_usage;
 use crate::{LabError, Result};
@@ -99,7 +100,7 @@ fn sample(r: &RunResult, full_kv: usize) -> Option<Sample> {
 
 /// What the rounds measured: every setting's samples, the context tokens, the CSV.
 pub struct Measured {
-    /// Per setting, its runs that decoded two tokens or more.
+    /// Per setting, its runs that took a decode step or more.
     pub runs: Vec<Vec<Sample>>,
     /// Context tokens of the request.
     pub n_ctx: usize,
@@ -148,7 +149,7 @@ pub fn measure(
             let full_kv = (r.n_head_tokens + r.n_context_tokens) * cfg.n_layers * cfg.kv_dim() * 2 * r.kv_bytes;
             let Some(x) = sample(&r, full_kv) else {
                 log(&format!(
-                    "  {} run {round}: the answer stopped after {} token(s); nothing to time",
+                    "  {} run {round}: the answer stopped after {} token(s) without a decode step; nothing to time",
                     label(s),
                     r.tokens.len()
                 ));
@@ -183,8 +184,18 @@ pub fn measure(
 /// lines).
 pub fn table(settings: &[Setting], runs: &[Vec<Sample>]) -> String {
     let med = |v: &mut Vec<f64>| if v.is_empty() { f64::NAN } else { crate::median(v) };
+    // TTFT of the runs that prefilled the context (cold) apart from those whose context came
+    // from the chunk store (one prefill serves every evicting run): "-" where there is none.
+    let ttft = |r: &[Sample], from_store: bool| {
+        let mut v: Vec<f64> = r.iter().filter(|m| (m.cache_hits > 0) == from_store).map(|m| m.ttft_ms).collect();
+        if v.is_empty() {
+            "-".to_string()
+        } else {
+            format!("{:.0}", crate::median(&mut v))
+        }
+    };
     let mut out = format!(
-        "{:<16} {:>10} {:>14} {:>14} {:>16} {:>10} {:>8} {:>10} {:>10}\n",
+        "{:<16} {:>10} {:>14} {:>14} {:>16} {:>10} {:>8} {:>10} {:>13} {:>15}\n",
         "setting",
         "kept/head",
         "context KV MiB",
@@ -193,12 +204,13 @@ pub fn table(settings: &[Setting], runs: &[Vec<Sample>]) -> String {
         "vs none",
         "tokens",
         "evict ms",
-        "TTFT ms"
+        "cold TTFT ms",
+        "stored TTFT ms"
     );
     let mut none_ms = None;
     for (s, r) in settings.iter().zip(runs) {
         let Some(last) = r.last() else {
-            out.push_str(&format!("{:<16} (no run decoded two tokens or more)\n", label(s)));
+            out.push_str(&format!("{:<16} (no run took a decode step)\n", label(s)));
             continue;
         };
         let mut d: Vec<f64> = r.iter().map(|m| m.decode_ms).collect();
@@ -209,7 +221,7 @@ pub fn table(settings: &[Setting], runs: &[Vec<Sample>]) -> String {
         }
         let vs = none_ms.filter(|_| s.is_some()).map_or("-".to_string(), |n| format!("{:.2}x", n / dm));
         out.push_str(&format!(
-            "{:<16} {:>10} {:>14.1} {:>14.2} {:>16} {:>10} {:>8.0} {:>10.0} {:>10.0}\n",
+            "{:<16} {:>10} {:>14.1} {:>14.2} {:>16} {:>10} {:>8.0} {:>10.0} {:>13} {:>15}\n",
             label(s),
             last.kept,
             last.kv_bytes as f64 / (1u64 << 20) as f64,
@@ -218,8 +230,36 @@ pub fn table(settings: &[Setting], runs: &[Vec<Sample>]) -> String {
             vs,
             med(&mut r.iter().map(|m| m.tokens as f64).collect()),
             med(&mut r.iter().map(|m| m.evict_ms).collect()),
-            med(&mut r.iter().map(|m| m.ttft_ms).collect())
+            ttft(r, false),
+            ttft(r, true)
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(ttft_ms: f64, cache_hits: u64) -> Sample {
+        Sample { decode_ms: 5.0, tokens: 8, ttft_ms, evict_ms: 0.0, kept: 64, kv_bytes: 1 << 20, cache_hits }
+    }
+
+    #[test]
+    fn ttft_from_the_store_is_not_a_cold_ttft() {
+        let evict = flowprefill_coordinator::Evict { policy: flowprefill_coordinator::EvictPolicy::Snapkv, budget: 64 };
+        let settings = [None, Some(evict)];
+        // The whole cache prefilled every run; the evicting setting prefilled once, then copied.
+        let runs =
+            vec![vec![sample(900.0, 0), sample(1000.0, 0)], vec![sample(950.0, 0), sample(20.0, 1), sample(30.0, 1)]];
+        let t = table(&settings, &runs);
+        let cols = |name: &str| -> Vec<String> {
+            let line = t.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name}: {t}"));
+            line.split_whitespace().rev().take(2).map(str::to_string).collect()
+        };
+        // The last two columns, last first: TTFT from the store, then cold.
+        assert_eq!(cols("none"), ["-", "950"], "{t}");
+        assert_eq!(cols(&label(&settings[1])), ["25", "950"], "{t}");
+        assert!(t.lines().next().is_some_and(|h| h.contains("cold TTFT ms") && h.contains("stored TTFT ms")), "{t}");
+    }
 }

@@ -51,10 +51,13 @@ fn docs_from<E>(
         .collect()
 }
 
-/// Milliseconds per decoded token after the first (`None` when fewer than two were decoded).
+/// Milliseconds per decode step: the decode phase over the steps it ran
+/// ([`flowprefill_worker::generate::decode_steps`]: one per token after the first, and the one
+/// that chose the end token where that stopped it); `None` when no step ran.
 pub fn decode_ms_per_token(r: &RunResult) -> Option<f64> {
     let decode = r.phases.entries().iter().find(|(n, _)| *n == flowprefill_coordinator::timings::phase::DECODE)?.1;
-    (r.tokens.len() > 1).then(|| decode.as_secs_f64() * 1e3 / (r.tokens.len() - 1) as f64)
+    let steps = flowprefill_worker::generate::decode_steps(r.tokens.len(), r.stop);
+    (steps > 0).then(|| decode.as_secs_f64() * 1e3 / steps as f64)
 }
 
 #[cfg(test)]

@@ -72,6 +72,39 @@ pub fn request(lm: &LoadedModel<Device>, len: usize, doc_tokens: usize) -> Resul
     Ok((req, n_ctx))
 }
 
+/// The device and link profiles a projection uses, each with the file it came from.
+pub struct Target {
+    /// The device profile.
+    pub device: ProjDevice,
+    /// The link profile.
+    pub link: Link,
+    /// What the header says: `device NAME (FROM), link NAME (FROM)`, FROM a file or `built in`.
+    pub said: String,
+}
+
+/// The device `device` and link `link` of the built-in profiles and `files` in order (a later
+/// file's profile of a name replaces an earlier one's), and where each came from.
+pub fn target(files: &[PathBuf], device: &str, link: &str) -> Result<Target> {
+    let mut all = crate::project::Profiles::builtin()?;
+    let (mut device_from, mut link_from) = ("built in".to_string(), "built in".to_string());
+    for f in files {
+        let text = std::fs::read_to_string(f).map_err(crate::error::io_said("reading the profiles", f))?;
+        let p = crate::project::Profiles::parse(&f.display().to_string(), &text)?;
+        if p.devices.contains_key(device) {
+            device_from = f.display().to_string();
+        }
+        if p.links.contains_key(link) {
+            link_from = f.display().to_string();
+        }
+        all.merge(p);
+    }
+    Ok(Target {
+        device: all.device(device)?.clone(),
+        link: all.link(link)?.clone(),
+        said: format!("device {device} ({device_from}), link {link} ({link_from})"),
+    })
+}
+
 /// A cold run reads no chunk cache (its job is `fresh`, and the stores were emptied before
 /// it): one that did measured a cache, not a cold prefill, and is an error rather than a row.
 pub fn check_cold(cache: Cache, label: &str, r: &flowprefill_coordinator::RunResult) -> Result<()> {
@@ -86,7 +119,7 @@ pub fn check_cold(cache: Cache, label: &str, r: &flowprefill_coordinator::RunRes
 
 /// The measurement of `bench ttft`: its settings, the projection beside it, the CSV so far.
 pub struct Measure {
-    /// Runs per point.
+    /// Timed runs per point (after one untimed warm-up run).
     pub runs: usize,
     /// Recompute ratio of the selective methods.
     pub ratio: f64,
@@ -125,8 +158,8 @@ impl Measure {
         Ok(())
     }
 
-    /// Runs `spec` `runs` times on the block's `p` ranks with chunk caches from `cache`; the
-    /// medians on the leader (and its line for the log).
+    /// Runs `spec` once untimed, then `runs` timed times on the block's `p` ranks with chunk
+    /// caches from `cache`; the medians on the leader (and its line for the log).
     #[allow(clippy::too_many_arguments)]
     pub fn point(
         &mut self,
@@ -148,7 +181,12 @@ impl Measure {
         let fresh = cache == Cache::Cold;
         let opts = RunOptions { scope: self.scope, max_new_tokens: 1, fresh, ..spec.options(self.ratio) };
         let job = Job { request: req.clone(), options: opts };
-        if cache != Cache::Cold {
+        // One untimed run first, which pays the point's one-off costs (buffers sized, pages
+        // touched): for `ram` and `disk` the run that fills the caches, else a cold one.
+        if cache == Cache::Cold {
+            self.forget(world, true)?;
+            world.run(&job, &mut |_| true)?;
+        } else {
             self.fill(world, &job, spec.method)?;
         }
         let mut ran = String::new();

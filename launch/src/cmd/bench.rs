@@ -171,6 +171,8 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
         let obj = serde_json::json!({
             "bench": "prefill",
             "model": cfg.name,
+            "device": common.device.to_string(),
+            "kv_dtype": model.backend().kv_dtype().to_string(),
             "threads": threads,
             "simd": simd,
             "prefill_chunk": chunk,

@@ -55,6 +55,17 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     crate::ensure_usage!(a.zipf >= 0.0 && a.zipf.is_finite(), "--zipf must be a number >= 0");
     crate::ensure_usage!(ranks.iter().all(|&r| r >= 1), "--ranks must be at least 1");
     crate::ensure_usage!(slacks.iter().all(|s| (0.0..=1.0).contains(s)), "--slack values must be in [0, 1]");
+    crate::ensure_usage!(
+        a.docs_per_query <= a.corpus,
+        "--docs-per-query {} is more than the {} documents of --corpus: a question's documents are distinct; \
+         give at most {} (or a larger --corpus)",
+        a.docs_per_query,
+        a.corpus,
+        a.corpus
+    );
+    // Thread ranks, as many as the machine holds, checked as `run` does before anything is
+    // loaded.
+    crate::cmd::check_thread_world(common, ranks.iter().copied().max().unwrap_or(1))?;
     crate::cmd::out_dir("--out", &a.out)?;
     // Every configuration starts with empty chunk stores and keeps them in RAM only: a disk
     // tier (a configured --store) would hand each configuration what the earlier ones wrote,
@@ -81,6 +92,10 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     println!(
         "{} questions over {} documents of {} tokens ({} each, Zipf {}), method {}, thread ranks, chunk stores kept through the stream",
         a.queries, a.corpus, a.doc_tokens, a.docs_per_query, a.zipf, a.method
+    );
+    println!(
+        "one untimed question first per configuration (documents outside the corpus), so that every rank's store holds \
+         the head (the template before the documents); lookups, hits and the hit rate count the documents' chunks only"
     );
     println!("{}", lab_stream::header());
     for &p in &ranks {

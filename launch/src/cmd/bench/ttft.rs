@@ -20,7 +20,8 @@ pub struct TtftArgs {
     /// (e.g. infoflow@0.3) runs at its own ratio instead of --ratio.
     #[arg(long, default_value = "full,ring,infoflow,infoflow+reorder")]
     pub methods: String,
-    /// Runs per point (each with empty chunk stores); the median is reported.
+    /// Timed runs per point, after one untimed warm-up run (for `--cache ram` and `disk`, the
+    /// run that fills the caches); the median is reported.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
     /// Recompute ratio of the selective methods.
@@ -35,15 +36,17 @@ pub struct TtftArgs {
     /// Output folder for ttft.csv and ttft.png.
     #[arg(long, default_value = "bench-out")]
     pub out: std::path::PathBuf,
-    /// Print the projection of every run beside it, for this device profile (e.g. `cpu-local`
-    /// from `bench calibrate`, given with --profiles).
+    /// Print the projection of every run beside it, for this device profile (e.g. `cpu-local`:
+    /// the built-in one, replaced by this machine's calibration file
+    /// `$FLOWPREFILL_HOME/calibration.json` where `bench calibrate` wrote one, and by
+    /// --profiles); the output names the profiles used and where each came from.
     #[arg(long)]
     pub project: Option<String>,
     /// Link profile of the projection (default: cpu-mpi under mpirun, else cpu-threads).
-    #[arg(long)]
+    #[arg(long, requires = "project")]
     pub link: Option<String>,
-    /// Profile files for --project.
-    #[arg(long)]
+    /// Profile files for --project, read after the calibration file (theirs replace its).
+    #[arg(long, requires = "project")]
     pub profiles: Vec<std::path::PathBuf>,
     /// Chunk caches at each timed run: `cold` (none held: every chunk prefilled), `ram` (held in
     /// RAM from an untimed run), `disk` (in the store's disk tier from an untimed run, RAM
@@ -149,6 +152,13 @@ fn measures_something(methods: &[flowprefill_coordinator::MethodSpec], ranks: &[
     Ok(())
 }
 
+/// The profile files of `--project`: this machine's calibration file where `bench calibrate`
+/// wrote one (what `--method auto` predicts with), then `given` (theirs replace its).
+fn profile_files(given: &[std::path::PathBuf]) -> Vec<std::path::PathBuf> {
+    let calibration = crate::cmd::calibration_file().filter(|f| f.exists());
+    calibration.into_iter().chain(given.iter().cloned()).collect()
+}
+
 /// Writes `bytes` to `path` through a temporary file beside it and a rename, so that a run that
 /// stops midway leaves the last complete file, never a half-written one.
 fn replace(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
@@ -177,6 +187,15 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     crate::cmd::out_dir("--out", &a.out)?;
     let caches = a.cache.clone();
     crate::ensure_usage!(!caches.is_empty(), "--cache: give cold, ram or disk");
+    // Thread ranks (not under mpirun, where --ranks counts processes): as many as the machine
+    // holds, checked as `run` does before anything is loaded.
+    #[cfg(feature = "mpi")]
+    let under_mpirun = flowprefill_comm::mpi::launched_by_mpirun();
+    #[cfg(not(feature = "mpi"))]
+    let under_mpirun = false;
+    if !under_mpirun {
+        crate::cmd::check_thread_world(common, ranks.iter().copied().max().unwrap_or(1))?;
+    }
     let (common, disk) = with_disk_tier(common, &caches, &a.out)?;
     let common = &common;
     let lm = std::sync::Arc::new(crate::cmd::load_model(common)?);
@@ -195,13 +214,11 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
             "--ranks {ranks:?}: under mpirun every rank count must be at most the {max} processes (-np)"
         );
     }
-    let projection = match &a.project {
-        Some(target) => Some(flowprefill_lab::project::bench::target(
-            &a.profiles,
-            target,
-            a.link.as_deref(),
-            world.max_ranks().is_some(),
-        )?),
+    let target = match &a.project {
+        Some(device) => {
+            let link = a.link.as_deref().unwrap_or(if world.max_ranks().is_some() { "cpu-mpi" } else { "cpu-threads" });
+            Some(lab_ttft::target(&profile_files(&a.profiles), device, link)?)
+        }
         None => None,
     };
     let lead = world.lead();
@@ -209,13 +226,17 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
         let describe = world.describe(rayon::current_num_threads());
         let c: Vec<&str> = caches.iter().map(|c| c.name()).collect();
         println!(
-            "TTFT (median of {} runs; chunk caches {}), {describe}, ratio {}, scope {}",
+            "TTFT (median of {} timed runs after one untimed warm-up run; chunk caches {}), {describe}, ratio {}, scope {}",
             a.runs,
             c.join(", "),
             a.ratio,
             a.scope.name()
         );
+        if let Some(t) = &target {
+            println!("projected on {}", t.said);
+        }
     }
+    let projection = target.map(|t| (t.device, t.link));
     let csv_path = a.out.join("ttft.csv");
     let shape = lm.model.config().clone();
     let csv = lab_ttft::CSV_HEADER.to_string();
@@ -234,11 +255,12 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
             for spec in methods.iter().filter(|s| lab_ttft::measured_at(s.method, p, ranks.len())) {
                 for &cache in &caches {
                     points.extend(m.point(&mut world, &req, spec, cache, len, n_ctx, p, &mut log)?);
+                    // After every point: a long study stopped midway keeps what it measured.
+                    if lead {
+                        replace(&csv_path, m.csv.as_bytes())?;
+                    }
                 }
             }
-        }
-        if lead {
-            replace(&csv_path, m.csv.as_bytes())?;
         }
     }
     if let Some(max) = world.max_ranks() {
