@@ -161,7 +161,10 @@ fn rms_norm_of_rows_whose_squares_overflow_f32_matches_the_reference() {
         let mut want = vec![0f32; x.len()];
         rms_norm_ref(&x, &w, 1e-5, &mut want).unwrap();
         assert!(want.iter().all(|v| v.is_finite()), "the reference is finite");
-        eprintln!("rms_norm overflowing rows, {cols} columns: max error {:e} (NORM_TOL {NORM_TOL:e})", max_err(&got, &want));
+        eprintln!(
+            "rms_norm overflowing rows, {cols} columns: max error {:e} (NORM_TOL {NORM_TOL:e})",
+            max_err(&got, &want)
+        );
         assert_close(&format!("rms_norm overflowing rows, {cols} columns"), &got, &want, NORM_TOL);
         // The lone 1e20 is its row's whole mean square: it normalizes to about sqrt(cols) * w.
         let y = got[cols + 5] / w[5];

@@ -161,8 +161,13 @@ mod tests {
     #[test]
     fn reference_rejects_the_shapes_rms_norm_rejects() {
         let shape = |r: Result<()>| matches!(r, Err(KernelError::Shape { .. }));
-        let cases: [(&[f32], &[f32], usize); 5] =
-            [(&[], &[], 0), (&[1.0; 4], &[], 4), (&[0.0; 5], &[1.0; 2], 5), (&[0.0; 4], &[1.0; 2], 3), (&[0.0; 4], &[1.0; 2], 5)];
+        let cases: [(&[f32], &[f32], usize); 5] = [
+            (&[], &[], 0),
+            (&[1.0; 4], &[], 4),
+            (&[0.0; 5], &[1.0; 2], 5),
+            (&[0.0; 4], &[1.0; 2], 3),
+            (&[0.0; 4], &[1.0; 2], 5),
+        ];
         for (x, w, n) in cases {
             let mut out = vec![0.0; n];
             assert!(shape(rms_norm(x, w, 1e-5, &mut out)), "rms_norm {} {} {n}", x.len(), w.len());
