@@ -108,6 +108,33 @@ fn silu_gate_into_bf16_is_within_one_unit() {
     }
 }
 
+/// bf16 has f32's range: rows whose sum of squares overflows f32 (a lone 1e20, ±1e19s, values
+/// up to the largest bf16) between normal rows, 16-byte loads (64 columns) and single values
+/// (577): the kernel's scaled second sum matches the CPU backend (which redoes such rows in
+/// f64) within one bf16 unit, and every output is finite.
+#[test]
+fn rms_norm_of_bf16_rows_whose_squares_overflow_f32_is_within_one_unit() {
+    let mut r = rng(64);
+    let be = reference();
+    for cols in [64usize, 577] {
+        let mut x = rand_vec(&mut r, cols, 3.0);
+        x.extend((0..cols).map(|i| if i == 5 { 1e20 } else { 0.5 }));
+        x.extend((0..cols).map(|i| if i % 2 == 0 { 1e19 } else { -1e19 }));
+        x.extend(rand_vec(&mut r, cols, 3.0));
+        x.extend((0..cols).map(|i| 3.3e38 / (i as f32 + 1.0)));
+        let rows = x.len() / cols;
+        let x = bf16s(&x);
+        let w = rand_vec(&mut r, cols, 1.5);
+        let mut got = vec![0xffffu16; rows * cols];
+        emu::rms_norm(&x, &w, 1e-5, &mut got);
+        let mut want = HostBuf::zeros(rows * cols, DType::Bf16);
+        be.rms_norm(&HostBuf::Bf16(x), &HostBuf::F32(w), 1e-5, &mut want).unwrap();
+        let want = bits_of(&want);
+        assert!(want.iter().all(|&b| b & 0x7f80 != 0x7f80), "the reference is finite");
+        assert_within_one_ulp(&format!("rms_norm bf16 overflowing rows, {cols} columns"), &got, &want);
+    }
+}
+
 /// One warp per row, 16-byte loads where a row is a multiple of 8 values (576: SmolLM2's
 /// d_model; 64 and 128: head dims for the per-head norms), single values otherwise; row counts
 /// that do not fill the last block of 4 warps.

@@ -13,7 +13,7 @@ use flowprefill_kernels::rope::{rope_ref, RopeStyle, RopeTable};
 use flowprefill_kernels_emu as emu;
 
 mod common;
-use common::{assert_close, bf16_ref, case, rand_vec, rng};
+use common::{assert_close, bf16_ref, case, max_err, rand_vec, rng};
 use rand::Rng;
 
 /// Attention outputs (values of order 1) against the f64 reference: f32 accumulation in a
@@ -137,6 +137,38 @@ fn rms_norm_matches_the_reference() {
         let mut want = vec![0f32; rows * cols];
         rms_norm_ref(&x, &w, 1e-5, &mut want).unwrap();
         assert_close(&format!("rms_norm {rows}x{cols}"), &got, &want, NORM_TOL);
+    }
+}
+
+/// Rows whose sum of squares overflows f32 (one |x| ~ 1e20: x² = 1e40; a row of ±1e19s: 1e38
+/// each, past f32::MAX after four; a ramp of 1e18s; values up to f32::MAX), between normal rows:
+/// the kernel sums them again scaled by 2^-80 and matches the f64 reference (finite), and the
+/// normal rows keep the one-pass values. Widths below and above the block of 256 threads.
+#[test]
+fn rms_norm_of_rows_whose_squares_overflow_f32_matches_the_reference() {
+    let mut r = rng(14);
+    for cols in [64usize, 577] {
+        let mut x = rand_vec(&mut r, cols, 3.0);
+        x.extend((0..cols).map(|i| if i == 5 { 1e20 } else { 0.5 }));
+        x.extend(rand_vec(&mut r, cols, 3.0));
+        x.extend((0..cols).map(|i| if i % 2 == 0 { 1e19 } else { -1e19 }));
+        x.extend((0..cols).map(|i| (i as f32 - 30.0) * 1e18));
+        x.extend((0..cols).map(|i| f32::MAX / (i as f32 + 1.0)));
+        x.extend(rand_vec(&mut r, cols, 3.0));
+        let w = rand_vec(&mut r, cols, 1.5);
+        let mut got = vec![0f32; x.len()];
+        emu::rms_norm(&x, &w, 1e-5, &mut got);
+        let mut want = vec![0f32; x.len()];
+        rms_norm_ref(&x, &w, 1e-5, &mut want).unwrap();
+        assert!(want.iter().all(|v| v.is_finite()), "the reference is finite");
+        eprintln!(
+            "rms_norm overflowing rows, {cols} columns: max error {:e} (NORM_TOL {NORM_TOL:e})",
+            max_err(&got, &want)
+        );
+        assert_close(&format!("rms_norm overflowing rows, {cols} columns"), &got, &want, NORM_TOL);
+        // The lone 1e20 is its row's whole mean square: it normalizes to about sqrt(cols) * w.
+        let y = got[cols + 5] / w[5];
+        assert!((y - (cols as f32).sqrt()).abs() < 1e-3 * (cols as f32).sqrt(), "{y}");
     }
 }
 

@@ -40,15 +40,21 @@ crate::multiversion! {
     }
 }
 
+/// `n` elements are a whole number of rows of a nonzero width `dim` (zero rows are allowed).
+fn check_rows(op: &'static str, n: usize, dim: usize) -> Result<()> {
+    if dim == 0 || !n.is_multiple_of(dim) {
+        return Err(KernelError::Shape {
+            op,
+            detail: format!("x has {n} elements, not a multiple of the weight length {dim}"),
+        });
+    }
+    Ok(())
+}
+
 /// RMSNorm of each `dim`-sized row of `x` (`dim = w.len()`) into `out`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
     let dim = w.len();
-    if dim == 0 || !x.len().is_multiple_of(dim) {
-        return Err(KernelError::Shape {
-            op: "rms_norm",
-            detail: format!("x has {} elements, not a multiple of the weight length {dim}", x.len()),
-        });
-    }
+    check_rows("rms_norm", x.len(), dim)?;
     check_len("rms_norm", "out", out.len(), x.len())?;
     let rows = x.len() / dim;
     if rows <= ROWS_PER_TASK {
@@ -72,8 +78,11 @@ fn rms_norm_row_f64(xr: &[f32], w: &[f32], eps: f32, yr: &mut [f32]) {
 }
 
 /// Slow reference of [`rms_norm`] in f64.
+/// Errors as [`rms_norm`]'s: an empty weight, `x` not a whole number of rows, or `out` not
+/// the length of `x` is [`KernelError::Shape`] (not a panic).
 pub fn rms_norm_ref(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) -> Result<()> {
     let dim = w.len();
+    check_rows("rms_norm_ref", x.len(), dim)?;
     check_len("rms_norm_ref", "out", out.len(), x.len())?;
     for (xr, yr) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
         rms_norm_row_f64(xr, w, eps, yr);
@@ -145,5 +154,27 @@ mod tests {
     fn rejects_ragged_rows() {
         let mut out = vec![0.0; 5];
         assert!(rms_norm(&[0.0; 5], &[1.0; 2], 1e-5, &mut out).is_err());
+    }
+
+    /// The reference refuses what `rms_norm` refuses, with the same typed error and no panic:
+    /// width 0 (even with an empty x), ragged rows, an out of another length.
+    #[test]
+    fn reference_rejects_the_shapes_rms_norm_rejects() {
+        let shape = |r: Result<()>| matches!(r, Err(KernelError::Shape { .. }));
+        let cases: [(&[f32], &[f32], usize); 5] = [
+            (&[], &[], 0),
+            (&[1.0; 4], &[], 4),
+            (&[0.0; 5], &[1.0; 2], 5),
+            (&[0.0; 4], &[1.0; 2], 3),
+            (&[0.0; 4], &[1.0; 2], 5),
+        ];
+        for (x, w, n) in cases {
+            let mut out = vec![0.0; n];
+            assert!(shape(rms_norm(x, w, 1e-5, &mut out)), "rms_norm {} {} {n}", x.len(), w.len());
+            assert!(shape(rms_norm_ref(x, w, 1e-5, &mut out)), "rms_norm_ref {} {} {n}", x.len(), w.len());
+        }
+        // Zero rows of a real width are fine for both.
+        assert!(rms_norm(&[], &[1.0; 3], 1e-5, &mut []).is_ok());
+        assert!(rms_norm_ref(&[], &[1.0; 3], 1e-5, &mut []).is_ok());
     }
 }
