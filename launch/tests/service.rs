@@ -34,10 +34,15 @@ struct Server {
 }
 
 fn start(cfg: ServeConfig, ranks: usize, faults: Option<Arc<FaultPlan>>) -> Server {
+    start_with(cfg, ranks, faults, true)
+}
+
+/// [`start`], with thread ranks that are rebuilt after a failure, or not (as under MPI).
+fn start_with(cfg: ServeConfig, ranks: usize, faults: Option<Arc<FaultPlan>>, rebuilt: bool) -> Server {
     let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let lm = lm();
     let (world, rebuild) = Service::thread_world(lm.clone(), ranks, Duration::from_secs(5), faults, None).unwrap();
-    let service = Service::start(lm, world, Some(rebuild), cfg).unwrap();
+    let service = Service::start(lm, world, rebuilt.then_some(rebuild), cfg).unwrap();
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let done = std::thread::spawn(move || {
@@ -154,6 +159,41 @@ fn item1_a_deadline_too_large_for_a_duration_gets_an_answer() {
     let r = s.post("/v1/jobs", &body);
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(json(&r)["answer"].as_str().is_some_and(|a| !a.is_empty()));
+}
+
+/// Ranks that fail for good (rank 0 stuck, and ranks that cannot be rebuilt, as under MPI):
+/// the job that met the failure and the jobs waiting behind it are all answered 503
+/// `rank_failure` with the reason. The waiting ones were left unanswered (no executor was left
+/// to take them) until the stopping server closed their connections.
+#[test]
+fn jobs_waiting_when_the_ranks_fail_for_good_get_503_with_the_reason() {
+    let cfg = ServeConfig { hang_grace: Duration::from_secs(1), ..ServeConfig::default() };
+    let s = start_with(cfg, 2, Some(FaultPlan::new(0, "probe", FaultMode::Hang)), false);
+    let d = docs(3, 6, "fatal");
+    let addr = s.addr.clone();
+    let answers: Vec<http::Response> = std::thread::scope(|sc| {
+        let posts: Vec<_> = (0..3u64)
+            .map(|i| {
+                let mut body = job(&d);
+                body["deadline_s"] = 1.0.into();
+                let (addr, body) = (addr.clone(), body.to_string());
+                sc.spawn(move || {
+                    // The first job computes; the others wait behind it.
+                    std::thread::sleep(Duration::from_millis(40 * i));
+                    let h = [("Content-Type", "application/json")];
+                    http::request(&addr, "POST", "/v1/jobs", &h, body.as_bytes(), Duration::from_secs(300))
+                        .expect("an answer")
+                })
+            })
+            .collect();
+        posts.into_iter().map(|p| p.join().expect("a client thread")).collect()
+    });
+    for (i, r) in answers.iter().enumerate() {
+        assert_eq!((r.status, error_kind(r).as_str()), (503, "rank_failure"), "job {i}: {}", r.text());
+        assert!(r.text().contains("stuck"), "job {i} names the failure: {}", r.text());
+    }
+    let (_, served) = s.stop();
+    assert!(served.is_err(), "the service stops when its ranks cannot be rebuilt");
 }
 
 #[test]

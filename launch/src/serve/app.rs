@@ -266,7 +266,7 @@ impl AppState {
         let cancel = Arc::new(AtomicBool::new(false));
         let deadline = super::queue::deadline_of(deadline_s, self.cfg.job_timeout);
         let q = Queued { job, accepted: Instant::now(), deadline, cancel: cancel.clone(), events: tx };
-        self.queue.submit(q)?;
+        self.queue.submit(q, &self.shutting_down)?;
         Ok(Pending { rx, guard: CancelOnDrop::new(cancel), answer_by: deadline + ANSWER_GRACE })
     }
 

@@ -268,7 +268,7 @@ pub async fn serve(
 ) -> Result<()> {
     let st = &service.state;
     let limits = service.conn_limits();
-    let stop = || st.shutting_down.store(true, Ordering::Relaxed);
+    let stop = || st.shutting_down.store(true, Ordering::SeqCst);
     server::run(listener, service.router(), st.shared.clone(), limits, shutdown, stop).await;
     if st.shared.fatal.load(Ordering::Relaxed) {
         let why = st.shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();

@@ -141,7 +141,7 @@ impl Shared {
 
     fn set_fatal(&self, reason: String) {
         self.set_ready(false, Some(reason));
-        self.fatal.store(true, Ordering::Relaxed);
+        self.fatal.store(true, Ordering::SeqCst);
         self.changed.notify_waiters();
     }
 
@@ -234,13 +234,25 @@ impl Queue {
     }
 
     /// Enqueues a job, or says the queue is full.
-    pub fn submit(&self, q: Queued) -> Result<(), ApiError> {
+    pub fn submit(&self, q: Queued, closing: &AtomicBool) -> Result<(), ApiError> {
         let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let Some(tx) = tx else {
             return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
         };
+        // Counted before the flags are read: a drain that starts meanwhile either sees this job
+        // outstanding and waits for it, or this job sees the drain and is refused (a job taken
+        // between the flag's check and the count was dropped unanswered by the closing server).
+        self.shared.outstanding.fetch_add(1, Ordering::SeqCst);
+        if self.shared.fatal.load(Ordering::SeqCst) {
+            self.shared.finished_one();
+            let why = self.shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
+            return Err(ApiError::new(503, "rank_failure", format!("the service is stopping: {why}")));
+        }
+        if closing.load(Ordering::SeqCst) {
+            self.shared.finished_one();
+            return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
+        }
         self.shared.depth.fetch_add(1, Ordering::Relaxed);
-        self.shared.outstanding.fetch_add(1, Ordering::Relaxed);
         match tx.try_send(q) {
             Ok(()) => {
                 metrics::queue_depth(self.shared.depth.load(Ordering::Relaxed));
@@ -321,8 +333,28 @@ fn executor(mut world: World, rx: Arc<Mutex<Receiver<Queued>>>, shared: Arc<Shar
         }
     }
     if current(&shared) {
+        if shared.fatal.load(Ordering::SeqCst) {
+            fail_waiting(&rx, &shared);
+        }
         world.shutdown();
     }
+}
+
+/// After a fatal failure: answers every job still waiting with 503 and the reason. Dropped
+/// with the queue, they were answered 500 "the job ended without a result", and never counted.
+fn fail_waiting(rx: &Mutex<Receiver<Queued>>, shared: &Shared) {
+    let why = shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let why = why.unwrap_or_else(|| "the ranks failed".into());
+    let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
+    while let Ok(q) = rx.try_recv() {
+        let method = metrics::method_label(q.job.options.method, q.job.options.reorder);
+        metrics::job_outcome(&method, "error");
+        let e = ApiError::new(503, "rank_failure", format!("the service is stopping: {why}"));
+        let _ = q.events.send(Event::Failed(e));
+        let _ = shared.depth.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| Some(d.saturating_sub(1)));
+        shared.finished_one();
+    }
+    metrics::queue_depth(shared.depth.load(Ordering::Relaxed));
 }
 
 /// Runs one dequeued job and answers it.
@@ -349,7 +381,8 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
         if world.repair() {
             shared.set_ready(true, None);
         } else {
-            answer(ApiError::new(503, "rank_failure", "the ranks are down"));
+            let why = shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            answer(ApiError::new(503, "rank_failure", format!("the ranks are down: {}", why.unwrap_or_default())));
             shared.finished_one();
             return;
         }
@@ -460,9 +493,11 @@ fn watchdog(
                 *executor.lock().unwrap_or_else(|p| p.into_inner()) = Some(h);
                 shared.set_ready(true, None);
             }
-            Some(Err(e)) => return shared.set_fatal(format!("{why}, but a new world could not be built: {e}")),
-            None => return shared.set_fatal(format!("{why}; an MPI world cannot be rebuilt: stopping")),
+            Some(Err(e)) => shared.set_fatal(format!("{why}, but a new world could not be built: {e}")),
+            None => shared.set_fatal(format!("{why}; an MPI world cannot be rebuilt: stopping")),
         }
+        // No executor is left to take the waiting jobs: they are answered here.
+        return fail_waiting(&rx, &shared);
     }
 }
 

@@ -110,7 +110,7 @@ pub async fn run(
     // Meanwhile the port still answers: a new job gets 503 (shutting down), /readyz 503, and
     // /metrics shows the drain.
     let drained = async {
-        while shared.outstanding.load(Ordering::Relaxed) > 0 && !shared.fatal.load(Ordering::Relaxed) {
+        while shared.outstanding.load(Ordering::SeqCst) > 0 && !shared.fatal.load(Ordering::Relaxed) {
             let changed = shared.changed.notified();
             if shared.outstanding.load(Ordering::Relaxed) == 0 {
                 break;
