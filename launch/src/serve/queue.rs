@@ -492,6 +492,7 @@ fn watchdog(
                 // The stuck thread is abandoned, never joined.
                 *executor.lock().unwrap_or_else(|p| p.into_inner()) = Some(h);
                 shared.set_ready(true, None);
+                continue;
             }
             Some(Err(e)) => shared.set_fatal(format!("{why}, but a new world could not be built: {e}")),
             None => shared.set_fatal(format!("{why}; an MPI world cannot be rebuilt: stopping")),
