@@ -54,7 +54,7 @@ pub struct Common {
     pub memory_limit: Option<usize>,
     /// The chunk store's disk tier: a folder of chunk caches that outlive the process and are
     /// shared by every process on the machine (several ranks, a `serve` and a `run`), or `off`
-    /// (RAM only). Default: `$FLOWPREFILL_HOME/store` for `run` and `serve`; the measuring
+    /// (RAM only). Default: `$FLOWPREFILL_HOME/store` for `run`, `serve` and `ingest`; the measuring
     /// commands (demo, check, eval, bench) use one only when it is given.
     #[arg(long, global = true, env = "FLOWPREFILL_STORE", value_name = "DIR|off")]
     pub store: Option<String>,
@@ -95,6 +95,9 @@ impl Common {
         let path = |p: &PathBuf| p.to_string_lossy().into_owned();
         if let Some(m) = &self.model {
             push("--model", path(m));
+        }
+        if let Some(t) = &self.tokenizer {
+            push("--tokenizer", path(t));
         }
         if let Some(p) = &self.adapter {
             push("--adapter", path(p));
@@ -194,6 +197,8 @@ mod tests {
             "fp",
             "--model",
             "/m/x.gguf",
+            "--tokenizer",
+            "/m/t.gguf",
             "--threads",
             "3",
             "--device",

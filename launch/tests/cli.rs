@@ -324,6 +324,17 @@ fn a_tokenizer_file_stands_in_for_the_model_file() {
     let bytes = std::fs::metadata(&tok).expect("the tokenizer file").len();
     // The default model's tokenizer (49,152 tokens and their merges) is 1.8 MB; the model 98 MB.
     assert!((500_000..4_000_000).contains(&bytes), "{bytes} bytes");
+    // A file already at --out is kept unless --force is given (it may be the user's model).
+    let (ok, _, err) = run(&["write-gguf", "--tokenizer-only", "--out", tok.to_str().unwrap()]);
+    assert!(!ok && err.contains("a file is already there") && err.contains("--force"), "{err}");
+    let mine = dir.join("mine.gguf");
+    std::fs::write(&mine, b"a user's model").unwrap();
+    let (ok, _, err) = run(&["write-gguf", "--shape", "smollm2-135m:1", "--out", mine.to_str().unwrap()]);
+    assert!(!ok && err.contains("a file is already there"), "{err}");
+    assert_eq!(std::fs::read(&mine).unwrap(), b"a user's model", "--out untouched without --force");
+    let (ok, out, err) = run(&["write-gguf", "--tokenizer-only", "--out", mine.to_str().unwrap(), "--force"]);
+    assert!(ok && out.contains("give it as --tokenizer"), "{out}{err}");
+    assert_eq!(std::fs::metadata(&mine).map(|m| m.len()).unwrap_or(0), bytes, "--force replaced it");
     let answer = |extra: &[&str]| {
         let mut a = vec!["--model".to_string(), "synthetic:smollm2-135m:2".into()];
         a.extend(extra.iter().map(|s| s.to_string()));
@@ -743,9 +754,20 @@ fn run_budgets_by_coverage_and_auto_explains_its_choice() {
     let (k, n) = (v["coverage"]["k"].as_u64().unwrap(), v["n_context_tokens"].as_u64().unwrap());
     assert!(k > 0 && k <= n.div_ceil(2) && v["budget"] == k && v["n_selected"] == k, "{v}");
     assert!(v["coverage"]["covered"].as_f64().unwrap() > 0.0, "{v}");
-    let (ok, out, err) = with(&["--method", "infoflow~0.9"]);
+    let (ok, out, err) = with(&["--method", "infoflow~0.9", "--explain"]);
     assert!(ok, "{err}");
     assert!(out.contains("coverage 0.9: kept") && out.contains("of the score mass"), "{out}");
+    assert!(out.contains("tokens selected):") && out.contains('⟦') && out.contains('⟧'), "{out}");
+    // The bounds go with a coverage given in the method too; --explain's spans go in the JSON.
+    let (ok, out, err) = with(&["--method", "infoflow~0.9", "--max-ratio", "0.5", "--json", "--explain"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert!(v["coverage"]["k"].as_u64().is_some_and(|k| k > 0 && k <= n.div_ceil(2)), "{v}");
+    let chunks = v["explain"].as_array().expect("explain in the JSON");
+    let selected: u64 = chunks.iter().map(|c| c["selected"].as_u64().unwrap_or(0)).sum();
+    assert!(!chunks.is_empty() && selected == v["n_selected"].as_u64().unwrap(), "{v}");
+    let span = &chunks[0]["spans"][0];
+    assert!(span["text"].as_str().is_some_and(|t| !t.is_empty()) && span["rows"].is_array(), "{span}");
     // auto reports its candidates and reason; a floor without --verify only steers it.
     let (ok, out, err) = with(&["--method", "auto", "--quality-floor", "0.01", "--json"]);
     assert!(ok, "{err}");
@@ -759,7 +781,7 @@ fn run_budgets_by_coverage_and_auto_explains_its_choice() {
         (&["--coverage", "0.9", "--ratio", "0.2"][..], "--coverage"),
         (&["--coverage", "0.9", "--min-ratio", "0.6", "--max-ratio", "0.3"][..], "--min-ratio"),
         (&["--method", "epic", "--coverage", "0.9"][..], "prophet"),
-        (&["--min-ratio", "0.1"][..], "--coverage"),
+        (&["--min-ratio", "0.1"][..], "--min-ratio: bounds a budget by coverage"),
     ] {
         let (ok, _, err) = with(extra);
         assert!(!ok && err.contains(says), "{extra:?}: {err}");

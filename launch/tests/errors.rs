@@ -11,6 +11,16 @@ fn errors_say_what_to_change() {
     let (ok, _, err) = run(&["generate", "--model", "/nonexistent/model.gguf", "--prompt", "hi"]);
     assert!(!ok);
     assert!(err.contains("cannot open") && err.contains("--model"), "{err}");
+    // Values are checked before the model loads (a missing model would be named first).
+    let (ok, _, err) = run(&["--model", "/nonexistent/model.gguf", "demo", "--ratio", "2"]);
+    assert!(!ok && err.contains("--ratio: 2 is outside [0, 1]"), "{err}");
+    let (dir, docs) = write_docs("before-load", &["A document."]);
+    let docs: Vec<&str> = docs.iter().map(String::as_str).collect();
+    let (ok, _, err) =
+        run(&[&["--model", "/nonexistent/model.gguf", "run"][..], &docs, &["--query", "q", "--max-tokens", "0"]]
+            .concat());
+    assert!(!ok && err.contains("--max-tokens: must be at least 1"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
     let (ok, _, err) = run(&["generate", "--prompt", "  "]);
     assert!(!ok);
     assert!(err.contains("--prompt is empty"), "{err}");
@@ -27,7 +37,7 @@ fn errors_say_what_to_change() {
     // write-gguf: a shape error names --shape (the flag given), before any model is needed.
     let gguf = std::env::temp_dir().join(format!("fp-wg-{}.gguf", std::process::id()));
     std::fs::write(&gguf, b"a user's file").unwrap();
-    let (ok, _, err) = run(&["write-gguf", "--shape", "nosuch", "--out", gguf.to_str().unwrap()]);
+    let (ok, _, err) = run(&["write-gguf", "--shape", "nosuch", "--out", gguf.to_str().unwrap(), "--force"]);
     assert!(!ok && err.contains("--shape: ") && err.contains("no shape `nosuch`"), "{err}");
     assert_eq!(std::fs::read(&gguf).unwrap(), b"a user's file", "--out untouched by a failed write-gguf");
     let _ = std::fs::remove_file(&gguf);
@@ -141,7 +151,12 @@ fn outputs_and_ranges_are_checked_before_any_work() {
     );
     refused(&["generate", "--prompt", ""], "--prompt is empty");
     let missing = dir.join("missing.txt");
-    refused(&["run", "--doc", missing.to_str().unwrap(), "--query", "q?"], "reading --doc");
+    refused(&["run", "--doc", missing.to_str().unwrap(), "--query", "q?"], "missing.txt: No such file");
+    refused(&["generate", "--prompt", "q?", "--context-file", missing.to_str().unwrap()], "--context-file");
+    let latin1 = dir.join("latin1.txt");
+    std::fs::write(&latin1, b"caf\xe9 au lait").unwrap();
+    refused(&["run", "--doc", latin1.to_str().unwrap(), "--query", "q?"], "not UTF-8 text (byte 3 is not)");
+    refused(&["generate", "--prompt", "q?", "--context-file", latin1.to_str().unwrap()], "iconv -f LATIN1");
     refused(&["run", "--doc", doc, "--query", "q?", "--score-layers", "abc"], "--score-layers `abc`");
     refused(&["--store", "off", "store", "stats"], "--store off");
     refused(&["run", "--doc", doc, "--query", "q?", "--ranks", "2000"], "give at most 256");

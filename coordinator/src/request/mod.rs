@@ -347,7 +347,7 @@ fn check_budget(opts: &RunOptions) -> Result<()> {
             return Err(bad(
                 Field::Coverage,
                 format!(
-                    "method {} has no score mass to cover; a coverage budget applies to {} (give --ratio for the others)",
+                    "method {} has no score mass to cover; a coverage budget applies to {} (the others take a ratio)",
                     opts.method,
                     with.join(", ")
                 ),

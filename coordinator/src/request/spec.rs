@@ -33,6 +33,30 @@ impl Coverage {
         Self { share, min_ratio: 0.0, max_ratio: 1.0 }
     }
 
+    /// The budget by coverage a request asks for, with the bounds it gives: the share given on
+    /// its own (`--coverage`, `coverage`) or, failing that, the method's (`infoflow~0.9`). Bounds
+    /// with no share anywhere say what is missing (they would bound nothing). A share given both
+    /// ways is compared by [`MethodSpec::merge`].
+    pub fn requested(
+        share: Option<f64>,
+        spec: Option<MethodSpec>,
+        min_ratio: Option<f64>,
+        max_ratio: Option<f64>,
+    ) -> std::result::Result<Option<Self>, InputError> {
+        let Some(share) = share.or(spec.and_then(|s| s.coverage)) else {
+            if min_ratio.is_some() || max_ratio.is_some() {
+                let field = if min_ratio.is_some() { Field::MinRatio } else { Field::MaxRatio };
+                return Err(InputError::new(
+                    field,
+                    "bounds a budget by coverage; add a coverage (e.g. 0.9, or the method as NAME~0.9) or drop it",
+                ));
+            }
+            return Ok(None);
+        };
+        let d = Self::new(share);
+        Ok(Some(Self { min_ratio: min_ratio.unwrap_or(d.min_ratio), max_ratio: max_ratio.unwrap_or(d.max_ratio), ..d }))
+    }
+
     /// The least and the largest number of tokens it recomputes of `n`.
     pub fn bounds(&self, n: usize) -> (usize, usize) {
         (count_for_ratio(self.min_ratio, n), count_for_ratio(self.max_ratio, n))

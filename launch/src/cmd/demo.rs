@@ -61,7 +61,8 @@ struct Row {
 
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
-    // Parsed before the model loads, so a bad list fails fast.
+    // Parsed before the model loads, so a bad list or ratio fails fast.
+    flowprefill_coordinator::request::check_ratio(args.ratio).map_err(|e| crate::exit::usage(e.to_string()))?;
     let table = table(args.methods.as_deref())?;
     let engine = super::run::cold_engine(common, "demo")?;
     let tok = &engine.model().tokenizer;

@@ -69,9 +69,13 @@ pub struct WriteArgs {
     /// Element type of the matrices: f16, bf16 or f32 (norms are f32).
     #[arg(long, default_value = "f16")]
     pub dtype: flowprefill_worker::gguf_write::WeightFormat,
-    /// The file to write.
+    /// The file to write. A file already there is refused (it may be a model of yours) unless
+    /// `--force` is given; the new file is written beside it and renamed over it when complete.
     #[arg(long)]
     pub out: std::path::PathBuf,
+    /// Replace a file already at `--out`.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// Writes a synthetic model's GGUF, or with `--tokenizer-only` the tokenizer alone (the
@@ -80,6 +84,15 @@ pub fn write_gguf(common: &Common, args: WriteArgs) -> Result<()> {
     use flowprefill_worker::gguf_write;
     use flowprefill_worker::synthetic::SyntheticSpec;
     super::out_file("--out", &args.out)?;
+    if !args.force {
+        if let Ok(meta) = std::fs::symlink_metadata(&args.out) {
+            return Err(crate::exit::usage(format!(
+                "--out {}: a file is already there ({:.2} MB); give another path, or --force to replace it",
+                args.out.display(),
+                meta.len() as f64 / 1e6
+            )));
+        }
+    }
     let Some(shape) = args.shape.as_deref() else {
         let tok = super::synthetic_tokenizer(common)?;
         let w = gguf_write::write_tokenizer(&tok, &args.out)?;

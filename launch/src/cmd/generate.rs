@@ -1,7 +1,7 @@
 //! `flowprefill generate`: one answer with full prefill.
 
 use crate::Common;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use flowprefill_worker::generate::{generate, GenerateConfig};
 use flowprefill_worker::sampling::SamplingConfig;
 use std::io::Write;
@@ -45,8 +45,8 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     crate::ensure_usage!(args.max_tokens >= 1, "--max-tokens must be at least 1 (the answer's length in tokens)");
     let user = match &args.context_file {
         Some(p) => {
-            let ctx = std::fs::read_to_string(p).with_context(|| format!("reading --context-file {}", p.display()))?;
-            anyhow::ensure!(!ctx.trim().is_empty(), "--context-file {} is empty", p.display());
+            let ctx = super::read_text("--context-file", p)?;
+            crate::ensure_usage!(!ctx.trim().is_empty(), "--context-file {} is empty; give it some text", p.display());
             format!("{ctx}\n\n{}", args.prompt)
         }
         None => args.prompt.clone(),

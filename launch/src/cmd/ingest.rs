@@ -59,7 +59,7 @@ struct Row {
 }
 
 fn read(path: &Path, what: &str) -> Result<String> {
-    std::fs::read_to_string(path).with_context(|| format!("reading {what} {}", path.display()))
+    super::read_text(what, path)
 }
 
 /// Every document the arguments name, in order: files, folders, JSON Lines.

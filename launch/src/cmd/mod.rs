@@ -703,6 +703,25 @@ pub fn out_dir(flag: &str, dir: &std::path::Path) -> Result<()> {
     })
 }
 
+/// A text file a flag names, read whole: a usage error that names the flag and says what to
+/// change (a missing or unreadable file; text that is not UTF-8, with the `iconv` to convert it).
+pub fn read_text(flag: &str, path: &std::path::Path) -> Result<String> {
+    match std::fs::read(path) {
+        Ok(bytes) => String::from_utf8(bytes).map_err(|e| {
+            crate::exit::usage(format!(
+                "{flag} {}: not UTF-8 text (byte {} is not); convert it first, e.g. `iconv -f LATIN1 -t UTF-8 {} > out.txt`",
+                path.display(),
+                e.utf8_error().valid_up_to(),
+                path.display()
+            ))
+        }),
+        Err(e) if path.is_dir() => {
+            Err(crate::exit::usage(format!("{flag} {}: a folder, not a file ({e}); give a text file", path.display())))
+        }
+        Err(e) => Err(crate::exit::usage(format!("{flag} {}: {e}; give a readable text file", path.display()))),
+    }
+}
+
 /// As [`out_dir`] for an output file of `flag`: its folder is made now, and the path must not be
 /// a folder.
 pub fn out_file(flag: &str, path: &std::path::Path) -> Result<()> {

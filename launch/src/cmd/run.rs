@@ -45,7 +45,8 @@ pub struct Args {
     /// other; device time on a GPU) and bytes per collective.
     #[arg(long)]
     pub stats: bool,
-    /// Show the selected spans in context.
+    /// Show the selected spans in context (with --json: `explain`, per chunk its first 12 runs
+    /// of selected tokens with 40 characters on each side).
     #[arg(long)]
     pub explain: bool,
     /// Print one JSON object.
@@ -77,12 +78,14 @@ pub struct MethodArgs {
     /// lookahead. The chosen number is reported (`budget`, `coverage` in --json).
     #[arg(long)]
     pub coverage: Option<f64>,
-    /// The coverage budget's least ratio of the context.
-    #[arg(long, requires = "coverage", default_value_t = 0.0)]
-    pub min_ratio: f64,
-    /// The coverage budget's largest ratio of the context.
-    #[arg(long, requires = "coverage", default_value_t = 1.0)]
-    pub max_ratio: f64,
+    /// The coverage budget's least ratio of the context (default 0; with --coverage or
+    /// `--method NAME~SHARE`).
+    #[arg(long)]
+    pub min_ratio: Option<f64>,
+    /// The coverage budget's largest ratio of the context (default 1; with --coverage or
+    /// `--method NAME~SHARE`).
+    #[arg(long)]
+    pub max_ratio: Option<f64>,
     /// Two-stage chunk reordering (documents only); the same as `--method NAME+reorder`.
     #[arg(long)]
     pub reorder: bool,
@@ -132,8 +135,7 @@ impl MethodArgs {
     /// Options for the coordinator.
     pub fn options(&self) -> Result<RunOptions> {
         let scoring = self.scoring.parse()?;
-        let coverage =
-            self.coverage.map(|share| Coverage { share, min_ratio: self.min_ratio, max_ratio: self.max_ratio });
+        let coverage = Coverage::requested(self.coverage, Some(self.method), self.min_ratio, self.max_ratio)?;
         let base = MethodSpec::merge(
             Some(self.method),
             self.ratio,
@@ -204,15 +206,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     if query.trim().is_empty() {
         return Err(InputError::new(Field::Query, "the query is missing: pass --query TEXT").into());
     }
-    let mut docs = args
-        .docs
-        .iter()
-        .map(|p| {
-            std::fs::read_to_string(p).map_err(|e| {
-                crate::exit::usage(format!("reading --doc {}: {e}; give a readable text file", p.display()))
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let mut docs = args.docs.iter().map(|p| super::read_text("--doc", p)).collect::<Result<Vec<_>>>()?;
     if !args.doc_ids.is_empty() {
         let dir = super::store::folder(common).context("--doc-id reads ingested documents from the store")?;
         let registry = flowprefill_worker::store::documents::Documents::at(&dir);
@@ -228,6 +222,9 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let opts = RunOptions { keep_scores: args.scores, ..args.method.options()? };
     let req =
         Request { context: args.method.context(docs), query, system: None, answer_prefix: args.answer_prefix.clone() };
+    // Every check that needs no model, before it loads (a zero --max-tokens, a coverage for a
+    // method without a score mass).
+    flowprefill_coordinator::request::validate(&req, &opts)?;
     let job = Job { request: req.clone(), options: opts };
     let timeout = super::comm_timeout(args.comm_timeout)?;
     let stream = !args.json;
@@ -258,6 +255,9 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             v["note"] = serde_json::json!(n);
         }
         v["memory_plan"] = serde_json::to_value(&planned)?;
+        if let (true, Some(layout)) = (args.explain, &layout) {
+            v["explain"] = serde_json::to_value(explain::spans(&engine_model.tokenizer, layout, &r, 12))?;
+        }
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!();

@@ -20,7 +20,6 @@ use flowprefill_coordinator::{
     Context, CoordError, Coverage, Geometry, Job, MethodSpec, PrefixMode, Request, RunOptions, Scope,
 };
 use flowprefill_worker::sampling::SamplingConfig;
-use flowprefill_worker::{Field, InputError};
 use serde::Deserialize;
 
 /// The separator between documents and the question in a chat message.
@@ -228,7 +227,8 @@ fn options(
     top_p: Option<f32>,
     seed: Option<u64>,
 ) -> Result<RunOptions, ApiError> {
-    let coverage = coverage_fields(m).map_err(|e| ApiError::bad_request(e.api_message()))?;
+    let coverage = Coverage::requested(m.coverage, m.method, m.min_ratio, m.max_ratio)
+        .map_err(|e| ApiError::bad_request(e.api_message()))?;
     let mut o = MethodSpec::merge(m.method, m.ratio, coverage, m.reorder, RunOptions::default())
         .map_err(|e| ApiError::bad_request(e.api_message()))?;
     o.scope = m.scope.unwrap_or(o.scope);
@@ -253,23 +253,6 @@ fn options(
     }
     o.seed = seed.unwrap_or(0);
     Ok(o)
-}
-
-/// The coverage budget of the fields; bounds without a coverage say what is missing.
-fn coverage_fields(m: &MethodFields) -> Result<Option<Coverage>, InputError> {
-    let Some(share) = m.coverage else {
-        if m.min_ratio.is_some() || m.max_ratio.is_some() {
-            let field = if m.min_ratio.is_some() { Field::MinRatio } else { Field::MaxRatio };
-            return Err(InputError::new(field, "bounds a budget by coverage; add `coverage` (e.g. 0.9) or drop it"));
-        }
-        return Ok(None);
-    };
-    let d = Coverage::new(share);
-    Ok(Some(Coverage {
-        min_ratio: m.min_ratio.unwrap_or(d.min_ratio),
-        max_ratio: m.max_ratio.unwrap_or(d.max_ratio),
-        ..d
-    }))
 }
 
 /// Parses a JSON object with the path of the offending field in the error. Anything but an
@@ -610,6 +593,9 @@ mod tests {
         assert_eq!(o.coverage, Some(Coverage { share: 0.9, min_ratio: 0.0, max_ratio: 0.4 }));
         let o = job(r#"{"documents": ["a"], "query": "q", "method": "prophet~0.8"}"#).unwrap().options;
         assert_eq!(o.coverage, Some(Coverage::new(0.8)));
+        let o =
+            job(r#"{"documents": ["a"], "query": "q", "method": "prophet~0.8", "min_ratio": 0.1}"#).unwrap().options;
+        assert_eq!(o.coverage, Some(Coverage { min_ratio: 0.1, ..Coverage::new(0.8) }));
         let o = job(r#"{"documents": ["a"], "query": "q", "method": "auto", "quality_floor": 0.05}"#).unwrap().options;
         assert!(o.method == flowprefill_coordinator::Method::Auto && o.quality_floor == Some(0.05));
         for (body, says) in [
