@@ -104,6 +104,10 @@ pub struct Row {
     pub next_s: Option<f64>,
     /// /readyz after.
     pub ready: String,
+    /// `flowprefill_jobs_in_flight` on /metrics after the next job (0 once every job is
+    /// answered; a job the watchdog gave up on must not stay counted).
+    #[serde(default)]
+    pub in_flight_after: String,
     /// How the server exited on stop.
     pub exit: String,
 }
@@ -275,6 +279,17 @@ fn ready(addr: &str) -> String {
     }
 }
 
+/// The jobs-in-flight gauge of `/metrics` (what follows its name), or what happened instead.
+fn in_flight(addr: &str) -> String {
+    match http::request(addr, "GET", "/metrics", &[], b"", Duration::from_secs(10)) {
+        Ok(r) => String::from_utf8_lossy(&r.body)
+            .lines()
+            .find_map(|l| l.strip_prefix("flowprefill_jobs_in_flight ").map(|v| v.trim().to_string()))
+            .unwrap_or_else(|| "not on /metrics".into()),
+        Err(_) => "no answer".into(),
+    }
+}
+
 /// Runs one row on a fresh server (`exe`, with `model`) in `world` (threads or mpi).
 pub fn run_case(exe: &Path, model: Option<&Path>, world: &str, case: &Case) -> Result<Row> {
     let mpi = (world == "mpi").then_some(2);
@@ -311,6 +326,7 @@ pub fn run_case(exe: &Path, model: Option<&Path>, world: &str, case: &Case) -> R
     let (next, next_msg, next_s) = post(&addr, &job_body("next", 60.0));
     let next = if next == "200" { "200".to_string() } else { format!("{next} {next_msg}") };
     let ready = ready(&addr);
+    let in_flight_after = in_flight(&addr);
     let exit = match server.gone() {
         Some(e) => format!("{e} (before the stop)"),
         None => server.stop(if mpi.is_some() { "-USR1" } else { "-TERM" }, Duration::from_secs(60)),
@@ -324,6 +340,7 @@ pub fn run_case(exe: &Path, model: Option<&Path>, world: &str, case: &Case) -> R
         next,
         next_s: Some(next_s),
         ready,
+        in_flight_after,
         exit,
     })
 }

@@ -62,26 +62,6 @@ fn generate_json_and_context_file() {
 }
 
 #[test]
-fn bench_prefill_json_has_the_documented_fields() {
-    let (ok, out, err) = run(&["bench", "prefill", "--tokens", "64,130", "--runs", "1", "--json"]);
-    assert!(ok, "stderr: {err}");
-    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
-    // The forwards' size the run used: the CPU's (a GPU's is 8192), unless --prefill-chunk.
-    assert_eq!(v["prefill_chunk"].as_u64(), Some(flowprefill_kernels::PREFILL_ROWS as u64), "{v}");
-    // Where it ran, as the table's header says it: the device and the KV cache's data type.
-    assert_eq!(v["device"].as_str(), Some("cpu"), "{v}");
-    assert!(v["kv_dtype"].as_str().is_some_and(|d| !d.is_empty()), "{v}");
-    let results = v["results"].as_array().expect("results");
-    assert_eq!(results.len(), 2);
-    for (r, n) in results.iter().zip([64, 130]) {
-        assert_eq!(r["tokens"].as_u64(), Some(n));
-        for k in ["median_s", "tok_per_s", "peak_rss_mb"] {
-            assert!(r[k].as_f64().is_some_and(|x| x > 0.0), "{k} in {r}");
-        }
-    }
-}
-
-#[test]
 fn fetch_model_into_a_fresh_home() {
     let home = std::env::temp_dir().join(format!("fp-home-{}", std::process::id()));
     let out = bin().arg("fetch-model").env("FLOWPREFILL_HOME", &home).output().expect("run");
@@ -503,48 +483,6 @@ fn train_kvpacket_writes_only_into_its_own_outputs() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// `bench decode`: every setting decodes, eviction keeps N entries per head in fewer bytes than
-/// the whole cache, the evicting settings after the first reuse the context's prefill, and the
-/// CSV has a row per run; a bad setting is refused before the model loads.
-#[test]
-fn bench_decode_times_each_eviction_setting() {
-    let dir = std::env::temp_dir().join(format!("fp-bench-decode-{}", std::process::id()));
-    let out = bin()
-        .args(["bench", "decode", "--tokens", "300", "--doc-tokens", "150", "--evict", "none,snapkv,lookahead"])
-        .args(["--kv-budget", "16", "--runs", "2", "--max-tokens", "6", "--out", dir.to_str().unwrap()])
-        .output()
-        .expect("bench decode");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    for setting in ["none ", "snapkv-16 ", "lookahead-16 "] {
-        assert!(text.lines().any(|l| l.starts_with(setting)), "no row for {setting}: {text}");
-    }
-    let csv = std::fs::read_to_string(dir.join("decode.csv")).expect("decode.csv");
-    let rows: Vec<Vec<&str>> = csv.lines().skip(1).map(|l| l.split(',').collect()).collect();
-    assert_eq!(rows.len(), 6, "two runs of three settings: {csv}");
-    let col = |r: &Vec<&str>, i: usize| r[i].parse::<f64>().unwrap_or_else(|_| panic!("{csv}"));
-    let whole = rows.iter().find(|r| r[0] == "none").expect("a run without eviction");
-    for r in &rows {
-        assert!(col(r, 2) > 0.0 && col(r, 3) >= 2.0, "decoded and timed: {r:?}");
-        if r[0] != "none" {
-            assert_eq!(r[6], "16", "kept per head: {r:?}");
-            assert!(col(r, 7) * 4.0 < col(whole, 7), "16 of ~300 rows in fewer bytes: {r:?} vs {whole:?}");
-        }
-    }
-    let hits = rows.iter().filter(|r| r[0] != "none" && r[8] != "0").count();
-    assert_eq!(hits, 3, "every evicting run but the first copies the stored prefill: {csv}");
-    let _ = std::fs::remove_dir_all(dir);
-
-    let (ok, _, err) = run(&["bench", "decode", "--evict", "none,h2o", "--kv-budget", "16"]);
-    assert!(!ok && err.contains("give none or snapkv, lookahead"), "{err}");
-    let (ok, _, err) = run(&["bench", "decode", "--evict", "snapkv", "--kv-budget", "0"]);
-    assert!(!ok && err.contains("keeps nothing"), "{err}");
-    // A model without a LookaheadKV adapter: refused at admission, before any prefill.
-    let (ok, out, err) =
-        run(&["--model", "synthetic:smollm2-135m:2", "bench", "decode", "--tokens", "200", "--kv-budget", "16"]);
-    assert!(!ok && err.contains("LookaheadKV adapter") && !err.contains("ms/token"), "{out}{err}");
-}
-
 /// The README's first command, shortened to four methods: both questions are asked, the
 /// second is the one where recomputing nothing (`none`) or random tokens fails and InfoFlow's
 /// selection answers (measured, `flowprefill_lab::tasks::DEMO_CROSS`), and the closing line
@@ -643,67 +581,6 @@ fn run_takes_the_method_grammar_of_every_command() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// `bench load` against a server it starts itself: every job answered, none lost, latency
-/// percentiles printed.
-#[test]
-fn bench_load_drives_its_own_server() {
-    let (ok, out, err) = run(&[
-        "bench",
-        "load",
-        "--clients",
-        "2",
-        "--duration",
-        "60",
-        "--max-jobs",
-        "3",
-        "--doc-tokens",
-        "300",
-        "--doc-sets",
-        "2",
-        "--max-tokens",
-        "4",
-        "--method",
-        "infoflow@0.2",
-    ]);
-    assert!(ok, "{err}");
-    assert!(out.contains("3 requests, 3 ok"), "{out}");
-    assert!(out.contains("lost (no response at all): 0") && out.contains("latency of ok jobs: p50"), "{out}");
-}
-
-/// `bench faults` runs a row of the fault matrix end to end; the row is the hung rank 0 of a
-/// thread world (docs/faults.md): answered 504 at the deadline + 2 s, the ranks rebuilt, the
-/// next job 200, a clean stop.
-#[test]
-fn bench_faults_a_hung_rank_0_is_answered_at_the_deadline_and_the_ranks_are_rebuilt() {
-    let dir = std::env::temp_dir().join(format!("fp-faults-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let md = dir.join("faults.md");
-    let (ok, out, err) = run(&[
-        "bench",
-        "faults",
-        "--worlds",
-        "threads",
-        "--only",
-        "hang on rank 0 at probe",
-        "--out",
-        md.to_str().unwrap(),
-    ]);
-    assert!(ok, "{out}{err}");
-    let rows: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(md.with_extension("json")).expect("the JSON beside")).unwrap();
-    let rows = rows.as_array().expect("rows");
-    assert_eq!(rows.len(), 1, "{rows:?}");
-    let r = &rows[0];
-    assert_eq!((r["world"].as_str(), r["case"].as_str()), (Some("threads"), Some("hang on rank 0 at probe")), "{r}");
-    assert_eq!(r["status"], "504", "{r}");
-    // The fault rows' deadline is 10 s; the handler answers 2 s after it.
-    let answered = r["answer_s"].as_f64().unwrap_or(0.0);
-    assert!((11.5..15.0).contains(&answered), "answered after {answered} s: {r}");
-    assert_eq!(r["next"], "200", "{r}");
-    assert!(r["exit"].as_str().is_some_and(|e| e.starts_with("exit 0")), "{r}");
-    let _ = std::fs::remove_dir_all(dir);
-}
-
 /// `run --verify --quality-floor`: a damaged answer (`none`, two hops across documents) is
 /// measured against the exact one and replaced by it; the JSON carries the verdict.
 #[test]
@@ -787,87 +664,4 @@ fn run_budgets_by_coverage_and_auto_explains_its_choice() {
         assert!(!ok && err.contains(says), "{extra:?}: {err}");
     }
     let _ = std::fs::remove_dir_all(dir);
-}
-
-/// `bench ttft` with `auto`: each auto run's row names what ran and every candidate's
-/// predicted TTFT (`label=ms;...`), so a grid can hold the predictions against what each
-/// method measured (docs/quality/auto_grid.py).
-#[test]
-fn bench_ttft_records_what_auto_predicted() {
-    let dir = std::env::temp_dir().join(format!("fp-ttft-auto-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let d = dir.to_string_lossy().into_owned();
-    let args = ["bench", "ttft", "--lengths", "300", "--doc-tokens", "100", "--ranks", "1", "--runs", "1"];
-    let (ok, out, err) = run(&[&args[..], &["--methods", "full,auto", "--out", &d]].concat());
-    assert!(ok, "{out}\n{err}");
-    let csv = std::fs::read_to_string(dir.join("ttft.csv")).expect("ttft.csv");
-    let mut lines = csv.lines();
-    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
-    let col = |name: &str| header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no {name}: {csv}"));
-    let (method, predicted, ran) = (col("method"), col("auto_predicted"), col("ran"));
-    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
-    assert!(rows.iter().all(|r| r.len() == header.len()), "{csv}");
-    let auto = rows.iter().find(|r| r[method] == "auto").unwrap_or_else(|| panic!("no auto row: {csv}"));
-    let cands: Vec<(&str, f64)> = auto[predicted]
-        .split(';')
-        .map(|c| c.rsplit_once('=').map(|(l, ms)| (l, ms.parse().expect("ms"))).expect("label=ms"))
-        .collect();
-    assert!(cands.iter().any(|(l, _)| *l == "full") && cands.iter().all(|(_, ms)| *ms > 0.0), "{csv}");
-    assert!(cands.iter().any(|(l, _)| *l == auto[ran]), "what ran is a candidate: {csv}");
-    let full = rows.iter().find(|r| r[method] == "full").expect("full row");
-    assert!(full[predicted].is_empty(), "{csv}");
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// `bench ttft --project cpu-local` projects on this machine's calibration file where `bench
-/// calibrate` wrote one (`$FLOWPREFILL_HOME/calibration.json`, what `--method auto` predicts
-/// with), and says which profile it used; `--profiles` replaces it. Every timed run follows an
-/// untimed warm-up run, and the CSV holds the timed runs only.
-#[test]
-fn bench_ttft_names_the_profile_it_projects_on() {
-    let home = std::env::temp_dir().join(format!("fp-ttft-profile-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&home);
-    std::fs::create_dir_all(&home).unwrap();
-    // The built-in cpu-local device under another description, as a calibration would write it.
-    let builtin: serde_json::Value =
-        serde_json::from_str(include_str!("../../lab/profiles.json")).expect("the built-in profiles");
-    let mut dev = builtin["devices"]["cpu-local"].clone();
-    dev["description"] = serde_json::json!("calibrated here");
-    let profile = serde_json::json!({ "devices": { "cpu-local": dev }, "links": {} });
-    let calibration = home.join("calibration.json");
-    std::fs::write(&calibration, profile.to_string()).unwrap();
-    let given = home.join("given.json");
-    std::fs::write(&given, profile.to_string()).unwrap();
-    let out = home.join("out");
-    // The model from where it is, not fetched again under the test's home.
-    let model = match std::env::var_os("FLOWPREFILL_MODEL") {
-        Some(m) => std::path::PathBuf::from(m),
-        None => flowprefill_worker::fetch::default_model_path().expect("the default model's path"),
-    };
-    let bench = |extra: &[&str]| {
-        let o = bin()
-            .env("FLOWPREFILL_HOME", &home)
-            .env("FLOWPREFILL_MODEL", &model)
-            .args(["bench", "ttft", "--lengths", "256", "--doc-tokens", "64", "--ranks", "1", "--methods", "none"])
-            .args(["--runs", "2", "--project", "cpu-local", "--out"])
-            .arg(&out)
-            .args(extra)
-            .output()
-            .expect("run flowprefill");
-        let (stdout, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
-        assert!(o.status.success(), "{stdout}\n{err}");
-        stdout.into_owned()
-    };
-    let said = bench(&[]);
-    let want = format!("projected on device cpu-local ({}), link cpu-threads (built in)", calibration.display());
-    assert!(said.contains(&want), "{said}");
-    assert!(said.contains("2 timed runs after one untimed warm-up run"), "{said}");
-    let csv = std::fs::read_to_string(out.join("ttft.csv")).expect("ttft.csv");
-    assert_eq!(csv.lines().count(), 3, "the header and the two timed runs: {csv}");
-    let said = bench(&["--profiles", given.to_str().unwrap(), "--link", "cpu-threads"]);
-    assert!(said.contains(&format!("device cpu-local ({})", given.display())), "{said}");
-    std::fs::remove_file(&calibration).unwrap();
-    let said = bench(&[]);
-    assert!(said.contains("projected on device cpu-local (built in)"), "{said}");
-    let _ = std::fs::remove_dir_all(&home);
 }

@@ -662,12 +662,74 @@ fn documents_are_ingested_once_and_jobs_name_them_by_id() {
     assert!(files >= 6, "two forms of three documents: {files}");
     let after = json(&s.post("/v1/documents", &serde_json::json!({ "documents": d })));
     assert!(after["documents"].as_array().unwrap().iter().all(|x| x["prefilled"] == 2), "{after}");
+    // An ingestion that fails part way names what it stored before the failure, and those stay.
+    let fresh = "The lighthouse keeper logs the tide at 0600 every morning.";
+    let too_long = "word ".repeat(12_000);
+    let r = s.post("/v1/documents", &serde_json::json!({ "documents": [fresh, too_long] }));
+    assert!(r.status >= 400 && r.text().contains("documents[1]"), "{}", r.text());
+    assert!(r.text().contains("the documents before it are stored (ids "), "{}", r.text());
+    let again = json(&s.post("/v1/documents", &serde_json::json!({ "documents": [fresh] })));
+    assert_eq!(again["documents"][0]["prefilled"], 0, "{again}");
+    assert!(r.text().contains(again["documents"][0]["id"].as_str().unwrap()), "{}", r.text());
     drop(s);
 
     let off = Server::start(&["--store", "off"], &[]);
     let r = off.post("/v1/documents", &serde_json::json!({ "documents": d }));
     assert!(r.status == 409 && r.text().contains("--store FOLDER"), "{}", r.text());
     assert!(off.metrics().contains("flowprefill_errors_total{kind=\"no_store\"} 1"), "counted once");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A damaged file of the disk tier is dropped and counted by the rank that read it: with two
+/// ranks, `flowprefill_store_corrupt_total` counts both ranks' (rank 0's alone before).
+#[test]
+fn damaged_store_files_are_counted_on_every_rank() {
+    let dir = std::env::temp_dir().join(format!("fp-serve-corrupt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = dir.join("store");
+    let d = docs(4, 5);
+    let s = Server::start(&["--store", store.to_str().unwrap()], &[]);
+    let r = s.post("/v1/documents", &serde_json::json!({ "documents": d }));
+    assert_eq!(r.status, 200, "{}", r.text());
+    drop(s);
+    // Every cache file damaged in its middle (its checksum no longer matches).
+    let mut files = Vec::new();
+    let mut dirs = vec![store.clone()];
+    while let Some(p) = dirs.pop() {
+        for e in std::fs::read_dir(&p).unwrap().flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().and_then(|x| x.to_str()) == Some("fpkv") {
+                files.push(path);
+            }
+        }
+    }
+    assert!(files.len() >= 8, "two forms of four documents: {files:?}");
+    for f in &files {
+        let mut bytes = std::fs::read(f).unwrap();
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0xff;
+        std::fs::write(f, bytes).unwrap();
+    }
+    let s = Server::start(&["--store", store.to_str().unwrap(), "--ranks", "2"], &[]);
+    let v = json(&s.post("/v1/jobs", &job(&d)));
+    let ranks = v["rank_stats"].as_array().map_or(0, Vec::len);
+    let m = s.metrics();
+    let corrupt: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("flowprefill_store_corrupt_total ").and_then(|v| v.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("no corrupt counter:\n{m}"));
+    // Each of the four documents' caches was read from disk, found damaged and prefilled again,
+    // on whichever rank holds it; each rank counts what it dropped (two ranks may both find the
+    // head's file damaged), and the service counts every rank's.
+    assert_eq!((ranks, v["cache_hits"].as_u64()), (2, Some(0)), "{v}");
+    let per_rank: Vec<u64> =
+        v["rank_stats"].as_array().unwrap().iter().map(|r| r["disk_corrupt"].as_u64().unwrap_or(0)).collect();
+    assert!(per_rank.iter().all(|&c| c > 0), "every rank read damaged files: {per_rank:?}");
+    assert_eq!(corrupt, per_rank.iter().sum::<u64>(), "{per_rank:?}:\n{m}");
+    assert!(corrupt >= 4, "{corrupt}:\n{m}");
+    drop(s);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

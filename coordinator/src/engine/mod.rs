@@ -119,6 +119,8 @@ pub struct Engine<B: Backend> {
     exact_memo: verify::ExactMemo,
     /// Whether decode steps on one rank may be recorded and replayed ([`Backend::record`]).
     decode_graphs: bool,
+    /// The disk tier's damaged entries and skipped writes reported so far ([`RankStats`]).
+    disk_reported: std::sync::Mutex<(u64, u64)>,
 }
 
 /// How the caller of [`Engine::lead_with`] steers the job: its client's cancellation flag,
@@ -211,6 +213,7 @@ impl<B: Backend> Engine<B> {
             chooser: None,
             exact_memo: verify::ExactMemo::default(),
             decode_graphs: flowprefill_worker::steps::decode_graphs_allowed(),
+            disk_reported: std::sync::Mutex::new((0, 0)),
         }
     }
 
@@ -313,6 +316,17 @@ impl<B: Backend> Engine<B> {
     /// This rank's chunk store.
     pub fn store(&self) -> &ChunkStore<B> {
         &self.store
+    }
+
+    /// The disk tier's damaged entries dropped and writes skipped since the last call (0 without
+    /// a disk tier): a job's [`RankStats`] carry them, so a service counts every rank's, once,
+    /// including those of writes that finished after an earlier job.
+    pub fn disk_faults_since_report(&self) -> (u64, u64) {
+        let Some(d) = self.store.disk_stats() else { return (0, 0) };
+        let mut reported = self.disk_reported.lock().unwrap_or_else(|p| p.into_inner());
+        let delta = (d.corrupt.saturating_sub(reported.0), d.write_failures.saturating_sub(reported.1));
+        *reported = (d.corrupt.max(reported.0), d.write_failures.max(reported.1));
+        delta
     }
 
     /// Empties this rank's chunk stores (the next job prefills every chunk: a cold run).
@@ -584,6 +598,7 @@ impl<B: Backend> Engine<B> {
         let Turn { plan, phases, out, mut mine, .. } = turn;
         mine.phases = phases.entries().iter().map(|(n, d)| (n.to_string(), d.as_secs_f64() * 1e3)).collect();
         mine.memory_peak = held_before.and_then(|b| be.memory_use().map(|u| u.peak.saturating_sub(b)));
+        (mine.disk_corrupt, mine.disk_write_failures) = self.disk_faults_since_report();
         let all = self.gather_stats(comm, mine)?;
         let Some(decoded) = decoded.filter(|_| lead) else {
             return if lead { Err(internal("rank 0 did not decode")) } else { Ok(None) };

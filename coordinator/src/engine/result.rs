@@ -38,6 +38,13 @@ pub struct RankStats {
     /// a device, rank 0's figure is the device's.
     #[serde(default)]
     pub memory_peak: Option<usize>,
+    /// Damaged files this rank's disk tier dropped since its previous job's report (reads of
+    /// any job, or of none: counted once).
+    #[serde(default)]
+    pub disk_corrupt: u64,
+    /// Disk writes this rank skipped after an error (a full disk) since its previous report.
+    #[serde(default)]
+    pub disk_write_failures: u64,
 }
 
 /// Outcome of one request (on rank 0).

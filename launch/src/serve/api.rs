@@ -501,7 +501,9 @@ fn text_of(content: &serde_json::Value, i: usize) -> Result<String, ApiError> {
     }
 }
 
-/// Splits a user message into documents and the question on lines of `---`.
+/// Splits a user message into documents and the question on lines of `---` (each trimmed; an
+/// empty one is kept, for the caller to refuse: dropped, it would shift every later document's
+/// number in the answer's `selected` and `order`).
 pub fn split_documents(message: &str) -> (Vec<String>, String) {
     let mut parts: Vec<String> = Vec::new();
     let mut cur = String::new();
@@ -517,7 +519,7 @@ pub fn split_documents(message: &str) -> (Vec<String>, String) {
     }
     parts.push(cur);
     let question = parts.pop().unwrap_or_default();
-    (parts.into_iter().map(|p| p.trim().to_string()).filter(|p| !p.is_empty()).collect(), question.trim().to_string())
+    (parts.into_iter().map(|p| p.trim().to_string()).collect(), question.trim().to_string())
 }
 
 impl ChatRequest {
@@ -549,6 +551,13 @@ impl ChatRequest {
         if question.is_empty() {
             return Err(ApiError::bad_request(format!(
                 "field `messages[{i}].content`: the question after the last `{DOC_SEPARATOR}` is empty"
+            )));
+        }
+        if let Some(d) = docs.iter().position(|d| d.is_empty()) {
+            return Err(ApiError::bad_request(format!(
+                "field `messages[{i}].content`: document {} (before `{DOC_SEPARATOR}` number {}) is empty; remove the extra `{DOC_SEPARATOR}` line",
+                d + 1,
+                d + 1
             )));
         }
         let m = self.flowprefill.unwrap_or_default();
@@ -584,6 +593,19 @@ mod tests {
         let (d, q) = split_documents("just a question");
         assert!(d.is_empty());
         assert_eq!(q, "just a question");
+        // An empty document between two separators is refused (dropped, it would renumber the
+        // documents after it), naming which.
+        let chat = |content: &str| {
+            let body = serde_json::json!({ "messages": [{ "role": "user", "content": content }] }).to_string();
+            parse::<ChatRequest>(body.as_bytes()).unwrap().into_job().map(|j| j.0)
+        };
+        assert!(chat("a\n---\nb\n---\nq?").is_ok());
+        let e = chat("a\n---\n  \n---\nb\n---\nq?").unwrap_err();
+        assert!(
+            e.message.contains("messages[0].content`: document 2 ") && e.message.contains("empty"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

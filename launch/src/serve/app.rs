@@ -133,26 +133,45 @@ impl AppState {
         engine.store().clear();
         let before = engine.store().disk_stats().unwrap_or_default();
         let mut out = Vec::with_capacity(req.documents.len());
-        for (i, text) in req.documents.iter().enumerate() {
-            if self.shutting_down.load(Ordering::Relaxed) {
-                return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
+        let mut stored: Vec<String> = Vec::new();
+        let mut each = || -> Result<(), ApiError> {
+            for (i, text) in req.documents.iter().enumerate() {
+                if self.shutting_down.load(Ordering::Relaxed) {
+                    return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
+                }
+                // Kept under its id only once its caches are made (a document that fails is not
+                // left behind as ingested).
+                let Ingested { tokens, prefilled } =
+                    engine.ingest(text, req.system.as_deref(), &mut || watch.check("ingest")).map_err(|e| {
+                        let a = ApiError::from_coord(&e);
+                        ApiError::new(a.status, a.kind, format!("documents[{i}]: {}", a.message))
+                    })?;
+                let (id, _) = docs
+                    .put(text)
+                    .map_err(|e| ApiError::new(500, "internal", format!("documents[{i}] cannot be kept: {e}")))?;
+                metrics::document_ingested(prefilled > 0);
+                out.push(serde_json::json!({ "id": id, "tokens": tokens, "prefilled": prefilled }));
+                stored.push(id);
             }
-            // Kept under its id only once its caches are made (a document that fails is not
-            // left behind as ingested).
-            let Ingested { tokens, prefilled } =
-                engine.ingest(text, req.system.as_deref(), &mut || watch.check("ingest")).map_err(|e| {
-                    let a = ApiError::from_coord(&e);
-                    ApiError::new(a.status, a.kind, format!("documents[{i}]: {}", a.message))
-                })?;
-            let (id, _) = docs
-                .put(text)
-                .map_err(|e| ApiError::new(500, "internal", format!("documents[{i}] cannot be kept: {e}")))?;
-            metrics::document_ingested(prefilled > 0);
-            out.push(serde_json::json!({ "id": id, "tokens": tokens, "prefilled": prefilled }));
-        }
-        // The answer promises the caches are on disk: a job sent next finds them.
-        if let Some(d) = engine.store().disk() {
-            d.flush();
+            Ok(())
+        };
+        let done = each();
+        // Nothing is kept in memory between ingestions, whatever the outcome; `clear` first
+        // waits for the disk writes, so the caches made are on disk either way: the answer
+        // promises it (a job sent next finds them), and after a failure the documents stored
+        // before it stay usable.
+        engine.store().clear();
+        let (corrupt, write_failures) = engine.disk_faults_since_report();
+        metrics::store_faults(corrupt, write_failures);
+        if let Err(mut e) = done {
+            if !stored.is_empty() {
+                e.message = format!(
+                    "{}; the documents before it are stored (ids {}): send only the rest again",
+                    e.message,
+                    stored.join(", ")
+                );
+            }
+            return Err(e);
         }
         // ... and it keeps that promise: caches not written (a full disk) or deleted at once
         // for the budget are a 507 that says what to change, not a success.
@@ -160,7 +179,6 @@ impl AppState {
         if let Some(p) = lost.problem(&tier) {
             return Err(ApiError::new(507, "insufficient_storage", p));
         }
-        engine.store().clear();
         Ok(serde_json::json!({ "documents": out, "seconds": started.elapsed().as_secs_f64() }))
     }
 
@@ -258,30 +276,42 @@ impl AppState {
         }
     }
 
-    fn enqueue(&self, job: Job, deadline_s: Option<f64>) -> Result<Pending, ApiError> {
+    /// Queues `job`, whose request arrived at `arrived`: its deadline counts from then (reading
+    /// the body and admission included, as the client's clock does).
+    fn enqueue(&self, job: Job, deadline_s: Option<f64>, arrived: Instant) -> Result<Pending, ApiError> {
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(ApiError::new(503, "shutting_down", "the service is shutting down"));
         }
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        let deadline = super::queue::deadline_of(deadline_s, self.cfg.job_timeout);
+        let deadline = super::queue::deadline_of(deadline_s, self.cfg.job_timeout, arrived);
         let q = Queued { job, accepted: Instant::now(), deadline, cancel: cancel.clone(), events: tx };
         self.queue.submit(q, &self.shutting_down)?;
         Ok(Pending { rx, guard: CancelOnDrop::new(cancel), answer_by: deadline + ANSWER_GRACE })
     }
 
-    /// Token, body, JSON, admission, queue: a job waiting for its first event.
-    async fn accept<T: serde::de::DeserializeOwned>(
+    /// Token, body, JSON, admission, queue: a job waiting for its first event, whether to
+    /// stream, and what `into_job` kept for the answer. `into_job` runs on a blocking thread
+    /// (it may read the document store).
+    async fn accept<T, X>(
         &self,
         headers: &HeaderMap,
         body: Body,
-        into_job: impl FnOnce(T) -> Result<(Job, bool, Option<f64>), ApiError>,
-    ) -> Result<(Pending, bool), ApiError> {
+        into_job: impl FnOnce(T) -> Result<(Job, bool, Option<f64>, X), ApiError> + Send + 'static,
+    ) -> Result<(Pending, bool, X), ApiError>
+    where
+        T: serde::de::DeserializeOwned + Send + 'static,
+        X: Send + 'static,
+    {
+        let arrived = Instant::now();
         self.authorize(headers)?;
         let body = self.body(headers, body).await?;
-        let (job, stream, deadline) = into_job(api::parse::<T>(&body)?)?;
+        let request = api::parse::<T>(&body)?;
+        let (job, stream, deadline, kept) = tokio::task::spawn_blocking(move || into_job(request))
+            .await
+            .map_err(|e| ApiError::new(500, "internal", format!("reading the request failed: {e}")))??;
         let job = self.admit(job).await?;
-        Ok((self.enqueue(job, deadline)?, stream))
+        Ok((self.enqueue(job, deadline, arrived)?, stream, kept))
     }
 }
 
@@ -374,16 +404,17 @@ fn sse<S: Stream<Item = SseEvent> + Send + 'static>(events: S) -> Response {
 
 async fn jobs(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     // Documents named by id are read from the store before admission.
-    let into_job = |mut r: JobRequest| {
+    let resolver = st.clone();
+    let into_job = move |mut r: JobRequest| {
         if let Some(ids) = r.document_ids.take() {
             if r.documents.is_some() || r.text.is_some() {
                 return Err(ApiError::bad_request("give one of `documents`, `text` and `document_ids`"));
             }
-            r.documents = Some(st.resolve_ids(&ids)?);
+            r.documents = Some(resolver.resolve_ids(&ids)?);
         }
-        r.into_job()
+        r.into_job().map(|(job, stream, deadline)| (job, stream, deadline, ()))
     };
-    let (pending, stream) = match st.accept::<JobRequest>(&headers, body, into_job).await {
+    let (pending, stream, ()) = match st.accept::<JobRequest, ()>(&headers, body, into_job).await {
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };
@@ -505,14 +536,8 @@ fn finish_reason(r: &RunResult) -> &'static str {
 }
 
 async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    let mut model = String::new();
-    let into_job = |r: ChatRequest| {
-        r.into_job().map(|(job, stream, m)| {
-            model = m;
-            (job, stream, None)
-        })
-    };
-    let (pending, stream) = match st.accept::<ChatRequest>(&headers, body, into_job).await {
+    let into_job = |r: ChatRequest| r.into_job().map(|(job, stream, model)| (job, stream, None, model));
+    let (pending, stream, model) = match st.accept::<ChatRequest, String>(&headers, body, into_job).await {
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };

@@ -214,7 +214,11 @@ fn describe() {
     describe_counter!(STORE_HITS, Unit::Count, "Chunk-store hits by tier (ram, disk) and rank");
     describe_counter!(STORE_MISSES, Unit::Count, "Chunk-store misses (chunks prefilled) by rank");
     describe_gauge!(STORE_BYTES, Unit::Bytes, "Bytes rank 0's chunk store holds, by tier (ram, disk)");
-    describe_counter!(STORE_CORRUPT, Unit::Count, "Damaged disk entries dropped (never served)");
+    describe_counter!(
+        STORE_CORRUPT,
+        Unit::Count,
+        "Damaged disk files dropped, by every rank (never served; two ranks may both find one)"
+    );
     describe_counter!(STORE_WRITE_FAILURES, Unit::Count, "Disk writes skipped after an error (a full disk)");
     describe_counter!(CACHE_MISSES, Unit::Count, "Chunk-store misses");
     describe_gauge!(CACHE_BYTES, Unit::Bytes, "Bytes in rank 0's chunk store");
@@ -298,8 +302,11 @@ pub fn record_job(r: &RunResult, cache_bytes: usize, disk: Option<DiskStats>) {
     // Without a disk tier: 0 disk bytes, nothing dropped or skipped (the series exist either way).
     let d = disk.unwrap_or_default();
     gauge!(STORE_BYTES, "tier" => "disk").set(d.bytes as f64);
-    counter!(STORE_CORRUPT).absolute(d.corrupt);
-    counter!(STORE_WRITE_FAILURES).absolute(d.write_failures);
+    // Every rank's, each counted once (rank 0's store alone missed the others').
+    store_faults(
+        r.rank_stats.iter().map(|s| s.disk_corrupt).sum(),
+        r.rank_stats.iter().map(|s| s.disk_write_failures).sum(),
+    );
     match (&r.quality, &r.verify_error) {
         (Some(q), _) => {
             histogram!(QUALITY_KL, "method" => method.clone()).record(q.kl);
@@ -357,6 +364,13 @@ pub fn ranks(total: usize, up: usize) {
     gauge!(RANKS_UP).set(up as f64);
 }
 
+/// Damaged disk entries dropped and disk writes skipped, newly seen (by a job's ranks or an
+/// ingestion).
+pub fn store_faults(corrupt: u64, write_failures: u64) {
+    counter!(STORE_CORRUPT).increment(corrupt);
+    counter!(STORE_WRITE_FAILURES).increment(write_failures);
+}
+
 /// Queue depth gauge.
 pub fn queue_depth(n: usize) {
     gauge!(QUEUE_DEPTH).set(n as f64);
@@ -367,21 +381,9 @@ pub fn queue_capacity(n: usize) {
     gauge!(QUEUE_CAPACITY).set(n as f64);
 }
 
-/// Marks a job as computing while alive (RAII).
-pub struct InFlight;
-
-impl InFlight {
-    /// Increments the gauge.
-    pub fn start() -> Self {
-        gauge!(JOBS_IN_FLIGHT).increment(1.0);
-        InFlight
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        gauge!(JOBS_IN_FLIGHT).decrement(1.0);
-    }
+/// Jobs computing (0 or 1: the executor computes one at a time).
+pub fn jobs_in_flight(n: usize) {
+    gauge!(JOBS_IN_FLIGHT).set(n as f64);
 }
 
 #[cfg(test)]

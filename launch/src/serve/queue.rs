@@ -151,6 +151,31 @@ impl Shared {
         }
     }
 
+    /// The answer to a job the service can no longer compute (the ranks failed for good).
+    fn stopping(&self) -> ApiError {
+        let why = self.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let why = why.unwrap_or_else(|| "the ranks failed".into());
+        ApiError::new(503, "rank_failure", format!("the service is stopping: {why}"))
+    }
+
+    /// The job computing now (`None`: none), shown by the jobs-in-flight gauge. The gauge follows
+    /// this slot, not the executor's stack: a job the watchdog gave up on leaves it at once.
+    fn set_running(&self, job: Option<Running>) {
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        metrics::jobs_in_flight(usize::from(job.is_some()));
+        *running = job;
+    }
+
+    /// Takes the running job if `pred` holds for it; the gauge drops to 0 when one is taken.
+    fn take_running_if(&self, pred: impl FnOnce(&Running) -> bool) -> Option<Running> {
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        let taken = running.take_if(|r| pred(r));
+        if taken.is_some() {
+            metrics::jobs_in_flight(0);
+        }
+        taken
+    }
+
     fn record_duration(&self, secs: f64) {
         let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
         r.push(secs);
@@ -221,6 +246,7 @@ impl Queue {
         metrics::ranks(shared.ranks, shared.ranks);
         metrics::queue_capacity(shared.capacity);
         metrics::queue_depth(0);
+        metrics::jobs_in_flight(0);
         let rx = Arc::new(Mutex::new(rx));
         let executor = Arc::new(Mutex::new(Some(spawn_executor(world, rx.clone(), shared.clone(), 0)?)));
         let watchdog = {
@@ -245,8 +271,7 @@ impl Queue {
         self.shared.outstanding.fetch_add(1, Ordering::SeqCst);
         if self.shared.fatal.load(Ordering::SeqCst) {
             self.shared.finished_one();
-            let why = self.shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
-            return Err(ApiError::new(503, "rank_failure", format!("the service is stopping: {why}")));
+            return Err(self.shared.stopping());
         }
         if closing.load(Ordering::SeqCst) {
             self.shared.finished_one();
@@ -343,14 +368,11 @@ fn executor(mut world: World, rx: Arc<Mutex<Receiver<Queued>>>, shared: Arc<Shar
 /// After a fatal failure: answers every job still waiting with 503 and the reason. Dropped
 /// with the queue, they were answered 500 "the job ended without a result", and never counted.
 fn fail_waiting(rx: &Mutex<Receiver<Queued>>, shared: &Shared) {
-    let why = shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let why = why.unwrap_or_else(|| "the ranks failed".into());
     let rx = rx.lock().unwrap_or_else(|p| p.into_inner());
     while let Ok(q) = rx.try_recv() {
         let method = metrics::method_label(q.job.options.method, q.job.options.reorder);
         metrics::job_outcome(&method, "error");
-        let e = ApiError::new(503, "rank_failure", format!("the service is stopping: {why}"));
-        let _ = q.events.send(Event::Failed(e));
+        let _ = q.events.send(Event::Failed(shared.stopping()));
         let _ = shared.depth.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| Some(d.saturating_sub(1)));
         shared.finished_one();
     }
@@ -373,7 +395,7 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
     ::metrics::histogram!(metrics::QUEUE_WAIT_SECONDS).record(now.duration_since(q.accepted).as_secs_f64());
     if now >= q.deadline {
         metrics::job_outcome(&method, "deadline");
-        answer(ApiError::new(504, "deadline", "the job's deadline passed while it was queued"));
+        answer(ApiError::new(504, "deadline", "the job's deadline passed before it started (it counts from the request's arrival: admission and the queue)"));
         shared.finished_one();
         return;
     }
@@ -387,12 +409,11 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
             return;
         }
     }
-    let _guard = metrics::InFlight::start();
-    *shared.running.lock().unwrap_or_else(|p| p.into_inner()) = Some(Running {
+    shared.set_running(Some(Running {
         method: method.clone(),
         hard_deadline: q.deadline + shared.hang_grace,
         events: q.events.clone(),
-    });
+    }));
     let (cancel, events) = (q.cancel.clone(), q.events.clone());
     let admitted = q.events.clone();
     let ctl = Control {
@@ -408,8 +429,8 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
         .unwrap_or_else(|p| Err(CoordError::Panicked { rank: 0, message: panic_message(p) }));
     shared.record_duration(t.elapsed().as_secs_f64());
     // The watchdog may have given up on this job (and this executor) meanwhile.
-    let still_mine = shared.generation.load(Ordering::Relaxed) == generation
-        && shared.running.lock().unwrap_or_else(|p| p.into_inner()).take().is_some();
+    let still_mine =
+        shared.generation.load(Ordering::Relaxed) == generation && shared.take_running_if(|_| true).is_some();
     if !still_mine {
         return;
     }
@@ -467,13 +488,7 @@ fn watchdog(
         if finished || shared.fatal.load(Ordering::Relaxed) {
             return;
         }
-        let stuck = {
-            let mut running = shared.running.lock().unwrap_or_else(|p| p.into_inner());
-            match running.as_ref() {
-                Some(r) if Instant::now() >= r.hard_deadline => running.take(),
-                _ => None,
-            }
-        };
+        let stuck = shared.take_running_if(|r| Instant::now() >= r.hard_deadline);
         let Some(job) = stuck else { continue };
         let generation = shared.generation.fetch_add(1, Ordering::Relaxed) + 1;
         let why = format!(
@@ -502,11 +517,26 @@ fn watchdog(
     }
 }
 
-/// Deadline of a job: its own, capped by the server's limit.
-pub fn deadline_of(requested: Option<f64>, limit: Duration) -> Instant {
-    let now = Instant::now();
+/// Deadline of a job that arrived at `now`: its own, capped by the server's limit.
+pub fn deadline_of(requested: Option<f64>, limit: Duration, now: Instant) -> Instant {
     // `try_from_secs_f64` refuses what does not fit a Duration (1e20 s): the server's limit
     // applies then, as it does to any request above it.
     let d = requested.and_then(|s| Duration::try_from_secs_f64(s).ok()).map_or(limit, |d| d.min(limit));
     now.checked_add(d).unwrap_or(now + limit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job's deadline counts from its arrival (the time given), capped by the server's limit.
+    #[test]
+    fn a_deadline_counts_from_the_arrival_and_the_limit_caps_it() {
+        let arrived = Instant::now() - Duration::from_secs(3);
+        let limit = Duration::from_secs(60);
+        assert_eq!(deadline_of(Some(5.0), limit, arrived), arrived + Duration::from_secs(5));
+        assert_eq!(deadline_of(None, limit, arrived), arrived + limit);
+        assert_eq!(deadline_of(Some(600.0), limit, arrived), arrived + limit);
+        assert_eq!(deadline_of(Some(1e20), limit, arrived), arrived + limit);
+    }
 }
