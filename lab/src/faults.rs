@@ -349,7 +349,7 @@ pub fn run_case(exe: &Path, model: Option<&Path>, world: &str, case: &Case) -> R
 pub fn markdown(rows: &[Row], worlds: &[String]) -> String {
     let mut s = format!(
         "# Fault matrix\n\n\
-         Made by `flowprefill bench faults --worlds {}` (every row a fresh `serve` with 2 ranks, \
+         Made on {} by `flowprefill bench faults --worlds {}` (every row a fresh `serve` with 2 ranks, \
          `--comm-timeout {COMM_TIMEOUT_S}`; thread ranks, or 2 processes under `mpirun`). Each row \
          injects one fault with `FLOWPREFILL_FAULT`, sends a small job (3 documents, about 270 \
          context tokens, deadline {FAULT_DEADLINE_S} s; {DEADLINE_S} s in the deadline rows), then a \
@@ -359,6 +359,7 @@ pub fn markdown(rows: &[Row], worlds: &[String]) -> String {
          leaves, or the deadline passes, while the job is in that phase.\n\n\
          | world | fault | status | message | answered in (s) | next job | next job in (s) | /readyz after | server exit on stop |\n\
          | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        crate::calibrate::today(),
         worlds.join(",")
     );
     let f = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.1}"));
@@ -390,13 +391,29 @@ How to read it:
   rebuilt: after answering, the service stops, and `mpirun`'s status is that of the first rank
   to exit with an error: 4 (a rank failure) where rank 0 stops the service (rank 0 panicked, or
   a follower hung), 70 (internal: a bug) where a follower panicked, since its own process exits
-  first (the exit column; `launch/tests/serve.rs` pins 4, 70 and 4 for a panic on rank 0, a
+  first (at once after telling the others, without waiting for rank 0 in MPI_Finalize: before
+  2026-11-27 it waited there, and a loaded machine let rank 0 exit first once, with 4) (the exit column; `launch/tests/serve.rs` pins 4, 70 and 4 for a panic on rank 0, a
   panic on rank 1 and a hang on rank 1).
 - **hang**: a hung follower is named after `--comm-timeout` (503). A hung rank 0 cannot answer
   at all: the handler answers 504 at the job's deadline + 2 s, and the watchdog declares rank 0
   stuck `--comm-timeout` + 5 s after the deadline, abandons its thread and starts new ranks (the
   next job waits until then). Under `mpirun` the follower gives up on a hung rank 0 after
   `--comm-timeout` and `mpirun` ends the job: the connection closes without an answer.
+  Waits on rank 0 that are not a fault do not count: while it has no job, and while it
+  computes a `full` job alone, rank 0 tells the followers every quarter of `--comm-timeout`
+  that it is alive (`request` idle ticks, `lead.progress`). Before 2026-11-26 a service idle
+  for longer than `--comm-timeout` lost its followers (the next job got 503 \"the ranks are
+  down\" with thread ranks; under `mpirun` the follower had exited), and a `full` job whose
+  prefill on rank 0 took longer than the timeout failed the same way; `launch/tests/serve.rs`
+  and `cli.rs` now pin both. Since 2026-11-28 (third session) rank 0 ticks only while its work
+  moves: a layer finished within four `--comm-timeout`s (`interrupt::stuck_after`; every check
+  between two layers is a beat); a rank 0 hung inside a `full` job stops ticking and the
+  followers' deadline ends it (before, it kept ticking, and under `mpirun` nothing ended the
+  job). `flowprefill run` (no service watchdog above it) has a watchdog of its own on the same
+  bound: a rank 0 stuck in its work, with thread ranks or under `mpirun`, ended the command
+  never; it now ends it with exit 4 and \"no layer has finished for 8 s (the last during
+  `probe`): a rank is stuck\" (`--comm-timeout 2`; `cli.rs`
+  `a_failed_thread_rank_is_named_and_nothing_hangs` pins `full` and InfoFlow).
 - **exit**: thread ranks share one process, so a thread rank that exits ends the service
   (no answer, exit status 99 of the injected exit). Under `mpirun` the process of the rank is
   gone; `mpirun` ends the others.
@@ -404,4 +421,5 @@ How to read it:
   gone; the next job runs right after rank 0's stall ends.
 - **deadline**: 504 naming the phase where the ranks stopped (between two layers, on every
   rank); the next job runs at once.
+
 ";

@@ -20,7 +20,7 @@ pub struct Common {
     #[arg(long, global = true, env = "FLOWPREFILL_MODEL")]
     pub model: Option<PathBuf>,
     /// The tokenizer and chat template of a synthetic `--model`: a GGUF that has them (a model's,
-    /// or the 2 MB file of `write-gguf --tokenizer-only`); default: the default model's. A GGUF
+    /// or the 1.8 MB file of `write-gguf --tokenizer-only`); default: the default model's. A GGUF
     /// `--model` brings its own, and this is refused beside one.
     #[arg(long, global = true, env = "FLOWPREFILL_TOKENIZER", value_name = "GGUF")]
     pub tokenizer: Option<PathBuf>,
@@ -54,8 +54,8 @@ pub struct Common {
     pub memory_limit: Option<usize>,
     /// The chunk store's disk tier: a folder of chunk caches that outlive the process and are
     /// shared by every process on the machine (several ranks, a `serve` and a `run`), or `off`
-    /// (RAM only). Default: `$FLOWPREFILL_HOME/store` for `run`, `serve` and `ingest`; the measuring
-    /// commands (demo, check, eval, bench) use one only when it is given.
+    /// (RAM only). Default: `$FLOWPREFILL_HOME/store` for `run`, `serve` and `ingest`; eval and bench
+    /// use one only when it is given; demo and check never do (their cold runs stay cold).
     #[arg(long, global = true, env = "FLOWPREFILL_STORE", value_name = "DIR|off")]
     pub store: Option<String>,
     /// GiB the chunk store may keep on disk (least recently used entries go first).

@@ -499,6 +499,13 @@ fn under_mpirun_a_deadline_stops_every_rank_and_the_next_job_runs() {
     assert_eq!(r.status, 200, "the next job runs on the same processes: {}", r.text());
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     assert_eq!(json(&r)["ranks"], 2);
+    // `auto` picks a method on an MPI service too (it was refused: no chooser).
+    let mut body = job(&docs(3, 6));
+    body["method"] = "auto".into();
+    let r = post(&body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = json(&r);
+    assert!(v["auto"]["candidates"].as_array().is_some_and(|c| !c.is_empty()), "{v}");
     // mpirun forwards SIGUSR1 to every rank: rank 0 drains and stops the follower.
     Command::new("kill").args(["-USR1", &child.id().to_string()]).status().unwrap();
     let status = exit_within(&mut child, Duration::from_secs(60));

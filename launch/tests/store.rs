@@ -66,6 +66,9 @@ fn the_disk_tier_serves_a_new_process_bit_for_bit() {
         "{stats}"
     );
     assert_eq!(st(&["ls"]).lines().count() as u64, 2 * chunks);
+    let one = st(&["ls", "--limit", "1"]);
+    let more = format!("({} older entries not shown; --limit {} lists every one)", 2 * chunks - 1, 2 * chunks);
+    assert!(one.lines().count() == 2 && one.contains(&more), "{one}");
     assert!(st(&["verify"]).contains(&format!("{} intact, 0 damaged", 2 * chunks)));
     assert!(st(&["gc", "--max-gib", "0"]).contains(&format!("deleted {} least recently used", 2 * chunks)));
     assert!(st(&["clear"]).contains("deleted 0 files"));
@@ -143,7 +146,9 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
         assert!(d["tokens"].as_u64().unwrap() > 10, "{d}");
         assert_eq!(d["prefilled"], 2, "both forms made (behind the head, alone): {d}");
     }
-    // The folder (its files; the store below it is skipped) and JSON Lines: nothing new.
+    // The folder (its files; the store below it and hidden files skipped) and JSON Lines:
+    // nothing new.
+    std::fs::write(dir.join(".gitkeep"), "").unwrap();
     let again = ingest(&["--dir".to_string(), dir.to_str().unwrap().to_string()]);
     let again_ids: Vec<&str> =
         again["documents"].as_array().unwrap().iter().map(|d| d["id"].as_str().unwrap()).collect();
@@ -155,6 +160,12 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     let from_jsonl = ingest(&["--jsonl".to_string(), jsonl.to_str().unwrap().to_string()]);
     assert_eq!(from_jsonl["documents"][0]["id"], ids[1].as_str(), "{from_jsonl}");
     assert!(from_jsonl["documents"].as_array().unwrap().iter().all(|d| d["prefilled"] == 0), "{from_jsonl}");
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": 5}\n").unwrap();
+    let out = bin().args(["ingest", "--store", &s, "--jsonl", bad.to_str().unwrap()]).output().expect("ingest");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(2) && err.contains("line 1: an object needs a string field `text`"), "{err}");
+    std::fs::remove_file(&bad).unwrap();
 
     let query = ["--query", "What is the locker code at Varrow station?", "--max-tokens", "16", "--json"];
     let run_json = |docs: &[String], store: &str| -> serde_json::Value {
@@ -173,6 +184,15 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
             assert_eq!(warm[k], cold[k], "{k}: ingested caches answer as a cold run");
         }
     }
+    // Ingested with a system message: a job with the same one finds every cache on disk.
+    let system = ["--system", "You answer in one short sentence."];
+    let out = bin().args(["ingest", "--store", &s]).args(system).args(&doc_args).output().expect("ingest");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("run --doc-id ID with the same --system"));
+    let out = bin().arg("run").args(&id_args).args(query).args(["--store", &s]).args(system).output().expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["cache_misses"], 0, "the system message's caches were ingested: {v}");
     assert!(cold["answer"].as_str().unwrap().contains("5820"), "{cold}");
 
     let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
@@ -180,8 +200,14 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     // A document that fails (longer than the model's window) is not left behind as ingested.
     let long = dir.join("long.txt");
     std::fs::write(&long, "The ferry to Varrow leaves at dawn and returns at dusk. ".repeat(1200)).unwrap();
-    let (ok, _, err) = run(&["ingest", "--store", &s, "--doc", long.to_str().unwrap()]);
-    assert!(!ok && err.contains("window"), "{err}");
+    let out = bin()
+        .args(["ingest", "--store", &s, "--doc", &doc_args[1], "--doc", long.to_str().unwrap(), "--doc", &doc_args[5]])
+        .output()
+        .expect("ingest");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(2) && err.contains("window"), "{err}");
+    let (before, after) = (format!("stored before that: {} (", doc_args[1]), format!("not reached: {}", doc_args[5]));
+    assert!(err.contains(&before) && err.contains(&after), "says what is in and what is not: {err}");
     let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
     assert!(ok && stats.contains("ingested documents: 3"), "the failed document was kept: {stats}{err}");
     let (ok, _, err) = run(&["run", "--store", &s, "--doc-id", "00000000deadbeef", "--query", "q"]);
@@ -190,6 +216,10 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     assert!(!ok && err.contains("--store is off") && err.contains("--store FOLDER"), "{err}");
     let (ok, _, err) = run(&["ingest", "--store", &s]);
     assert!(!ok && err.contains("no documents"), "{err}");
+    // A file where the store's folder should be: an error, not "no chunk store there yet".
+    let out = bin().args(["store", "stats", "--store", &doc_args[1]]).output().expect("store stats");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(2) && err.contains("a file, not a folder"), "{err}");
 
     // `bench ttft --cache disk` under a configured store (FLOWPREFILL_STORE here, as a user who
     // runs `serve` with it exported): its disk tier is a folder of its own inside, and the
@@ -219,6 +249,25 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     ]
     .concat());
     assert!(!ok && err.contains("were deleted at once") && err.contains("raise --store-gib"), "{err}");
+    // A budget that holds one document's caches: a second ingestion of it and another finds the
+    // first stored, then the store deletes the oldest files (the head's, the first's) for the
+    // second's; the first is not kept any more, and the ingestion says so (it exited 0).
+    let tight = dir.join("tight-store");
+    let t = tight.to_str().unwrap();
+    let (ok, _, err) = run(&["ingest", "--store", t, "--doc", &doc_args[1]]);
+    assert!(ok, "{err}");
+    let held: u64 = std::fs::read_dir(&tight)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "fpkv"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    let gib = format!("{}", held as f64 * 1.2 / (1u64 << 30) as f64);
+    let (ok, out, err) =
+        run(&["ingest", "--store", t, "--store-gib", &gib, "--doc", &doc_args[1], "--doc", &doc_args[3]]);
+    assert!(!ok && err.contains("not on disk now") && err.contains(&doc_args[1]), "{out}{err}");
+    assert!(out.contains("NOT KEPT"), "{out}");
 
     // A process whose budget is smaller than what the folder holds says what it deleted and
     // which flag keeps it (it was silent: an ingestion under a larger --store-gib, then a run).

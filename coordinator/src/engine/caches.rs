@@ -37,7 +37,7 @@ struct Spec<'a, B: Backend> {
 
 /// The store key of `tokens` prefilled from `start` behind `head_tokens`; a packet (soft ids
 /// past the vocabulary) is keyed by its adapter too.
-fn chunk_key<B: Backend>(
+pub(super) fn chunk_key<B: Backend>(
     model: &flowprefill_worker::Model<B>,
     head_tokens: &[u32],
     start: u32,

@@ -17,6 +17,16 @@ use flowprefill_kernels::Backend;
 use flowprefill_worker::interrupt::Check;
 use flowprefill_worker::{Field, InputError, WorkerError};
 
+/// The request a document is ingested as: it alone, no question, behind the head of `system`.
+fn document_request(document: &str, system: Option<&str>) -> Request {
+    Request {
+        context: Context::Documents(vec![document.to_string()]),
+        query: String::new(),
+        system: system.map(str::to_string),
+        answer_prefix: None,
+    }
+}
+
 /// What ingesting one document did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Ingested {
@@ -38,12 +48,7 @@ impl<B: Backend> Engine<B> {
             );
         }
         let lm = &*self.lm;
-        let req = Request {
-            context: Context::Documents(vec![document.to_string()]),
-            query: String::new(),
-            system: system.map(str::to_string),
-            answer_prefix: None,
-        };
+        let req = document_request(document, system);
         let layout = Layout::build(lm, &req)?;
         let window = lm.model.config().context_length;
         let tokens = layout.chunks.first().map_or(0, Vec::len);
@@ -59,6 +64,25 @@ impl<B: Backend> Engine<B> {
             return Err(internal("ingestion made no chunk cache"));
         }
         Ok(Ingested { tokens, prefilled: (first.misses + alone.misses) as usize })
+    }
+
+    /// Whether the disk tier holds the files of every cache a job needs of `document` (as
+    /// [`Engine::ingest`] made them behind the head of `system`): the head's, and the
+    /// document's behind it and alone. `false` without a disk tier. What an ingestion checks
+    /// at its end: the store may have deleted any of them to stay within its budget, the head's
+    /// too, which every document shares (counting this ingestion's writes misses that).
+    pub fn on_disk(&self, document: &str, system: Option<&str>) -> Result<bool> {
+        let Some(disk) = self.store.disk() else { return Ok(false) };
+        let lm = &*self.lm;
+        let req = document_request(document, system);
+        let layout = Layout::build(lm, &req)?;
+        let Some(doc) = layout.chunks.first() else { return Ok(false) };
+        let key = |head: &[u32], start: usize, tokens: &[u32]| {
+            super::caches::chunk_key(&lm.model, head, start as u32, tokens)
+        };
+        Ok([key(&[], 0, &layout.head), key(&layout.head, layout.head.len(), doc), key(&[], 0, doc)]
+            .iter()
+            .all(|k| disk.holds(k)))
     }
 
     /// The caches a document is looked up in: behind the head (the first document's form, and

@@ -10,7 +10,8 @@ use std::path::PathBuf;
 /// Arguments of `bench calibrate`.
 #[derive(clap::Args, Debug)]
 pub struct CalibrateArgs {
-    /// Where to write the profile (JSON, for `--profiles`).
+    /// Where to write the profile (JSON, for `--profiles`); `$FLOWPREFILL_HOME/calibration.json`
+    /// is the one `--method auto` and `bench ttft --project cpu-local` read by themselves.
     #[arg(long, default_value = "cpu-local.json")]
     pub out: PathBuf,
     /// Seconds per measured point.

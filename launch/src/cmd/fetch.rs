@@ -61,7 +61,7 @@ pub struct WriteArgs {
     /// The shape: `synthetic:SHAPE[:LAYERS]` (`bench project --list` names the shapes).
     #[arg(long)]
     pub shape: Option<String>,
-    /// Write the tokenizer and chat template alone (no weights; about 2 MB for the default
+    /// Write the tokenizer and chat template alone (no weights; about 1.8 MB for the default
     /// model's), for `--tokenizer` beside `--model synthetic:SHAPE` where the whole model file
     /// would not fit (a GPU machine whose calls carry little).
     #[arg(long)]

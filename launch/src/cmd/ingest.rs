@@ -27,7 +27,8 @@ pub struct Args {
     #[arg(long)]
     pub jsonl: Vec<PathBuf>,
     /// The system message the questions will be asked with (default: the template's own): the
-    /// head the first document's cache is prefilled behind.
+    /// head the first document's cache is prefilled behind. Jobs find these caches only with the
+    /// same system message (`run --system S`, the API's `system` field).
     #[arg(long)]
     pub system: Option<String>,
     /// Print one JSON object instead of the table.
@@ -56,6 +57,13 @@ struct Row {
     prefilled: usize,
     rank: usize,
     seconds: f64,
+    /// Whether every cache a job needs of it (the head's too) was on disk at the end.
+    #[serde(default = "yes")]
+    on_disk: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn read(path: &Path, what: &str) -> Result<String> {
@@ -70,10 +78,11 @@ fn sources(args: &Args) -> Result<Vec<Source>> {
     }
     for d in &args.dirs {
         let mut files: Vec<PathBuf> = std::fs::read_dir(d)
-            .with_context(|| format!("reading --dir {}", d.display()))?
+            .map_err(|e| crate::exit::usage(format!("--dir {}: {e}; give a readable folder", d.display())))?
             .flatten()
             .map(|e| e.path())
-            .filter(|p| p.is_file())
+            // Hidden files (`.gitkeep`, an editor's swap file) are not documents.
+            .filter(|p| p.is_file() && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
             .collect();
         files.sort();
         for p in files {
@@ -85,15 +94,16 @@ fn sources(args: &Args) -> Result<Vec<Source>> {
             if line.trim().is_empty() {
                 continue;
             }
-            let v: serde_json::Value = serde_json::from_str(line)
-                .with_context(|| format!("--jsonl {} line {}: not JSON", f.display(), i + 1))?;
+            let at = || format!("--jsonl {} line {}", f.display(), i + 1);
+            let v: serde_json::Value =
+                serde_json::from_str(line).map_err(|e| crate::exit::usage(format!("{}: not JSON ({e})", at())))?;
             let text = match &v {
                 serde_json::Value::String(s) => s.clone(),
                 serde_json::Value::Object(o) => match o.get("text") {
                     Some(serde_json::Value::String(s)) => s.clone(),
-                    _ => anyhow::bail!("--jsonl {} line {}: an object needs a string field `text`", f.display(), i + 1),
+                    _ => return Err(crate::exit::usage(format!("{}: an object needs a string field `text`", at()))),
                 },
-                _ => anyhow::bail!("--jsonl {} line {}: give a JSON string or {{\"text\": ...}}", f.display(), i + 1),
+                _ => return Err(crate::exit::usage(format!("{}: give a JSON string or {{\"text\": ...}}", at()))),
             };
             out.push(Source { name: format!("{}:{}", f.display(), i + 1), text });
         }
@@ -102,8 +112,8 @@ fn sources(args: &Args) -> Result<Vec<Source>> {
         return Err(crate::exit::Usage("no documents: give --doc FILE, --dir FOLDER or --jsonl FILE".into()).into());
     }
     if let Some(s) = out.iter().find(|s| s.text.trim().is_empty()) {
-        let problem = format!("{} is empty; remove it or give it some text", s.name);
-        return Err(flowprefill_worker::InputError::new(flowprefill_worker::Field::Documents, problem).into());
+        // Named by where it came from (a file of --dir, a line of --jsonl), not as a --doc.
+        return Err(crate::exit::usage(format!("{}: the document is empty; remove it or give it some text", s.name)));
     }
     Ok(out)
 }
@@ -176,7 +186,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             let who = if size > 1 { format!("rank {rank} ") } else { String::new() };
             eprintln!("{who}[{}/{}] {id} {}: {tokens} tokens, {what}", n + 1, mine.len(), d.name);
         }
-        rows.push(Row { index: i, id, source: d.name.clone(), tokens, prefilled, rank, seconds });
+        rows.push(Row { index: i, id, source: d.name.clone(), tokens, prefilled, rank, seconds, on_disk: true });
     }
     // The disk writes are queued on the store's writer: wait for them before reporting, then
     // count what did not reach the disk or did not stay there.
@@ -184,6 +194,11 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         d.flush();
     }
     let mut lost = Lost::between(&before, &engine.store().disk_stats().unwrap_or_default());
+    // What the counts cannot see: a cache this run found stored (or the head's, which every
+    // document shares) deleted since for the budget. Each document's files are looked for.
+    for r in &mut rows {
+        r.on_disk = engine.on_disk(&docs[r.index].text, args.system.as_deref())?;
+    }
     drop(engine);
     let mut errors: Vec<String> = failed.iter().map(|e| format!("rank {rank}: {e:#}")).collect();
     if let Some(c) = comm.as_mut() {
@@ -216,7 +231,17 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         }
     }
     if let Some(e) = failed.filter(|_| size == 1) {
-        return Err(e);
+        // What was stored stays; say which documents are in and which were not reached (the
+        // error's class, and so the exit status, is the failure's).
+        let kept: Vec<String> = rows.iter().map(|r| format!("{} ({})", r.source, r.id)).collect();
+        let reached = rows.len() + 1;
+        let rest: Vec<&str> = docs.iter().skip(reached).map(|d| d.name.as_str()).collect();
+        let list = |v: Vec<String>| if v.is_empty() { "none".to_string() } else { v.join(", ") };
+        return Err(e.context(format!(
+            "ingestion stopped; stored before that: {}; not reached: {}",
+            list(kept),
+            list(rest.iter().map(|s| s.to_string()).collect())
+        )));
     }
     if !errors.is_empty() {
         // What was stored stays; say which documents are in and why the rest are not.
@@ -241,28 +266,52 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             "deleted": lost.deleted,
             "documents": rows.iter().map(|r| serde_json::json!({
                 "id": r.id, "source": r.source, "tokens": r.tokens,
-                "prefilled": r.prefilled, "rank": r.rank, "seconds": r.seconds,
+                "prefilled": r.prefilled, "rank": r.rank, "seconds": r.seconds, "on_disk": r.on_disk,
             })).collect::<Vec<_>>(),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
-        return lost.check(&tier);
+        return kept(&lost, &rows, &tier);
     }
     let mut out = std::io::stdout().lock();
     writeln!(out, "{:<16}  {:>7}  {:<14}  source", "id", "tokens", "")?;
     for r in &rows {
-        let state = if r.prefilled == 0 { "already stored" } else { "prefilled" };
+        let state = match (r.on_disk, r.prefilled) {
+            (false, _) => "NOT KEPT",
+            (true, 0) => "already stored",
+            (true, _) => "prefilled",
+        };
         writeln!(out, "{:<16}  {:>7}  {:<14}  {}", r.id, r.tokens, state, r.source)?;
     }
+    let distinct = rows.iter().map(|r| r.id.as_str()).collect::<std::collections::HashSet<_>>().len();
+    let repeated = if distinct < rows.len() { format!(" ({distinct} distinct)") } else { String::new() };
+    let system = if args.system.is_some() { " with the same --system" } else { "" };
     writeln!(
         out,
-        "{} documents, {tokens} tokens, in {} ({made} prefilled, {} already stored) in {seconds:.1} s on {size} rank(s); \
-         name them by id: run --doc-id ID, or \"document_ids\" in POST /v1/jobs",
+        "{} documents{repeated}, {tokens} tokens, in {} ({made} prefilled, {} already stored) in {seconds:.1} s on \
+         {size} rank(s); name them by id: run --doc-id ID{system}, or \"document_ids\" in POST /v1/jobs",
         rows.len(),
         tier.dir.display(),
         rows.len() - made,
     )?;
     drop(out);
-    lost.check(&tier)
+    kept(&lost, &rows, &tier)
+}
+
+/// `Ok` when every document's caches are on disk; else an error that says what was not kept,
+/// which documents lack caches now, and what to change.
+fn kept(lost: &Lost, rows: &[Row], tier: &flowprefill_coordinator::DiskTier) -> Result<()> {
+    let missing: Vec<String> = rows.iter().filter(|r| !r.on_disk).map(|r| format!("{} ({})", r.source, r.id)).collect();
+    match (lost.problem(tier), missing.is_empty()) {
+        (None, true) => Ok(()),
+        (Some(p), true) => anyhow::bail!("{p}"),
+        (p, false) => anyhow::bail!(
+            "{}not on disk now, so a job prefills them again: {} (the store deletes its least recently used \
+             entries to stay within --store-gib, {:.3} GiB: raise it, then ingest again)",
+            p.map_or(String::new(), |p| format!("{p}. ")),
+            missing.join(", "),
+            tier.bytes as f64 / (1u64 << 30) as f64
+        ),
+    }
 }
 
 /// Chunk caches an ingestion made that are not on disk: writes that failed (a full disk, a
@@ -287,14 +336,6 @@ impl Lost {
         // this ingestion's were deleted (at most as many as were evicted).
         let deleted = if evicted > 0 { written.saturating_sub(after.entries as u64).min(evicted) } else { 0 };
         Self { unwritten: after.write_failures.saturating_sub(before.write_failures), deleted }
-    }
-
-    /// An error that says what was not kept and what to change; `Ok` when everything was.
-    fn check(&self, tier: &flowprefill_coordinator::DiskTier) -> Result<()> {
-        match self.problem(tier) {
-            Some(p) => anyhow::bail!("{p}"),
-            None => Ok(()),
-        }
     }
 
     /// What was not kept and what to change, if anything was lost.

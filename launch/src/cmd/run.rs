@@ -31,6 +31,10 @@ pub struct Args {
     /// it (e.g. "The access code is"); the probe scores with it as part of the prompt.
     #[arg(long)]
     pub answer_prefix: Option<String>,
+    /// The system message (default: the chat template's own). Chunk caches depend on it:
+    /// documents ingested with `ingest --system S` are found on disk by jobs with the same S.
+    #[arg(long)]
+    pub system: Option<String>,
     #[command(flatten)]
     pub method: MethodArgs,
     /// Ranks as threads of this process (under mpirun, each process is one rank instead).
@@ -220,8 +224,12 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         }
     }
     let opts = RunOptions { keep_scores: args.scores, ..args.method.options()? };
-    let req =
-        Request { context: args.method.context(docs), query, system: None, answer_prefix: args.answer_prefix.clone() };
+    let req = Request {
+        context: args.method.context(docs),
+        query,
+        system: args.system.clone(),
+        answer_prefix: args.answer_prefix.clone(),
+    };
     // Every check that needs no model, before it loads (a zero --max-tokens, a coverage for a
     // method without a score mass).
     flowprefill_coordinator::request::validate(&req, &opts)?;

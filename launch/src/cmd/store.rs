@@ -88,6 +88,11 @@ fn say_documents_kept(dir: &std::path::Path) -> Result<()> {
 
 pub fn run(common: &crate::Common, cmd: Store) -> Result<()> {
     let dir = folder(common)?;
+    crate::ensure_usage!(
+        !dir.exists() || dir.is_dir(),
+        "--store {}: a file, not a folder; give the chunk store's folder",
+        dir.display()
+    );
     if !dir.is_dir() {
         println!("{}: no chunk store there yet (run or serve makes it)", dir.display());
         return Ok(());
@@ -119,9 +124,13 @@ pub fn run(common: &crate::Common, cmd: Store) -> Result<()> {
             }
         }
         Store::Ls { limit } => {
-            for l in disk::list(&dir, None)?.iter().take(limit) {
+            let all = disk::list(&dir, None)?;
+            for l in all.iter().take(limit) {
                 let name = l.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
                 println!("{name}  {:>10} B  {:>6} tokens  {:>14}  {}", l.bytes, l.rows, ago(l.used), who(l));
+            }
+            if all.len() > limit {
+                println!("({} older entries not shown; --limit {} lists every one)", all.len() - limit, all.len());
             }
         }
         Store::Verify => {
@@ -147,7 +156,10 @@ pub fn run(common: &crate::Common, cmd: Store) -> Result<()> {
             println!("{}: {} intact, {} damaged{other}{unreadable}", dir.display(), v.ok, v.damaged.len());
         }
         Store::Gc { max_gib } => {
-            anyhow::ensure!(max_gib >= 0.0 && max_gib.is_finite(), "--max-gib {max_gib}: give a size of at least 0");
+            crate::ensure_usage!(
+                max_gib >= 0.0 && max_gib.is_finite(),
+                "--max-gib {max_gib}: give a size of at least 0"
+            );
             let (files, bytes) = disk::gc(&dir, (max_gib * (1u64 << 30) as f64) as u64)?;
             println!("{}: deleted {files} least recently used entries, {}", dir.display(), gib(bytes));
             say_documents_kept(&dir)?;

@@ -461,7 +461,9 @@ fn world(
             .with_memory_limit(common.memory_limit)
             .with_sharing_processes(crate::cmd::sharing_processes(common))
             .with_disk(common.disk_tier()?.as_ref())
-            .with_decode_graphs(false);
+            .with_decode_graphs(false)
+            // `"method": "auto"` (refused without one: "auto needs a chooser").
+            .with_chooser(crate::cmd::chooser(common, true));
         if comm.rank() != 0 {
             // Followers run rank 0's jobs until it stops them; mpirun forwards signals to every
             // rank, and only rank 0 acts on them (it drains, then stops the followers).

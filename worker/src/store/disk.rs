@@ -51,6 +51,28 @@ use std::time::{Duration, SystemTime};
 pub const EXT: &str = "fpkv";
 /// Temporary files of writers end in this.
 const TMP: &str = "fpkv-tmp";
+/// Whether `name` is an entry file's: 40 lowercase hex digits and `.fpkv` (what
+/// [`DiskStore`] names them). A file that only ends in the same letters (`notes-fpkv`,
+/// `backup.fpkv`) is someone else's: never listed, judged or deleted.
+pub fn is_entry_name(name: &str) -> bool {
+    name.strip_suffix(EXT)
+        .and_then(|s| s.strip_suffix('.'))
+        .is_some_and(|stem| stem.len() == 40 && stem.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+}
+
+/// Whether `name` is a writer's temporary file: `.ENTRY.PID.N.fpkv-tmp`.
+fn is_tmp_name(name: &str) -> bool {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let Some(inner) = name.strip_prefix('.').and_then(|s| s.strip_suffix(TMP)).and_then(|s| s.strip_suffix('.')) else {
+        return false;
+    };
+    let mut parts = inner.rsplitn(3, '.');
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(n), Some(pid), Some(entry)) => digits(n) && digits(pid) && is_entry_name(entry),
+        _ => false,
+    }
+}
+
 /// A temporary file older than this is a dead writer's.
 const STALE_TMP: Duration = Duration::from_secs(60);
 /// How often a use served from memory refreshes an entry's last use ([`DiskStore::touch`]).
@@ -323,7 +345,7 @@ impl Core {
         for e in fs::read_dir(dir)?.flatten() {
             let path = e.path();
             let name = e.file_name().to_string_lossy().into_owned();
-            if name.ends_with(TMP) {
+            if is_tmp_name(&name) {
                 let old = e
                     .metadata()
                     .and_then(|m| m.modified())
@@ -333,7 +355,7 @@ impl Core {
                 }
                 continue;
             }
-            if !name.ends_with(EXT) {
+            if !is_entry_name(&name) {
                 continue;
             }
             match store.check_listed(&path) {
@@ -612,7 +634,7 @@ fn entry_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
     Ok(fs::read_dir(dir)?
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.extension().and_then(|x| x.to_str()) == Some(EXT))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(is_entry_name))
         .collect())
 }
 
@@ -662,7 +684,7 @@ pub fn clear(dir: &Path) -> io::Result<(usize, u64)> {
         let stale = || {
             e.metadata().and_then(|m| m.modified()).is_ok_and(|t| now.duration_since(t).unwrap_or_default() > STALE_TMP)
         };
-        if name.ends_with(EXT) || (name.ends_with(TMP) && stale()) {
+        if is_entry_name(&name) || (is_tmp_name(&name) && stale()) {
             let len = e.metadata().map(|m| m.len()).unwrap_or(0);
             if fs::remove_file(e.path()).is_ok() {
                 files += 1;

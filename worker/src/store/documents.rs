@@ -59,6 +59,20 @@ impl Documents {
     pub fn open(store: &Path) -> io::Result<Self> {
         let dir = store.join("documents");
         fs::create_dir_all(&dir)?;
+        // A writer killed between its temporary file and the rename left the file behind: one
+        // older than a minute is nobody's now (a live writer's is younger).
+        let now = std::time::SystemTime::now();
+        for e in fs::read_dir(&dir)?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let ours = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")).and_then(|n| n.split_once('.'));
+            let old = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| now.duration_since(t).unwrap_or_default() > std::time::Duration::from_secs(60));
+            if ours.is_some_and(|(id, pid)| is_id(id) && pid.bytes().all(|b| b.is_ascii_digit())) && old {
+                let _ = fs::remove_file(e.path());
+            }
+        }
         Ok(Self { dir })
     }
 
@@ -101,12 +115,14 @@ impl Documents {
         Ok((id, true))
     }
 
-    /// The text of `id`: `Ok(None)` for an id not ingested or not of an id's form.
+    /// The text of `id` (upper-case hex digits read as lower-case): `Ok(None)` for an id not
+    /// ingested or not of an id's form.
     pub fn get(&self, id: &str) -> io::Result<Option<String>> {
-        if !is_id(id) {
+        let id = id.trim().to_ascii_lowercase();
+        if !is_id(&id) {
             return Ok(None);
         }
-        match fs::read_to_string(self.path(id)) {
+        match fs::read_to_string(self.path(&id)) {
             Ok(t) => Ok(Some(t)),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
@@ -155,6 +171,18 @@ mod tests {
         assert_eq!(id, id_of("The vault code is 4417."), "surrounding whitespace is not part of the text");
         assert_eq!(docs.put("The vault code is 4417.").unwrap(), (id.clone(), false), "ingested twice: one entry");
         assert_eq!(docs.get(&id).unwrap().as_deref(), Some("The vault code is 4417."));
+        let upper = format!(" {} ", id.to_ascii_uppercase());
+        assert_eq!(docs.get(&upper).unwrap().as_deref(), Some("The vault code is 4417."), "the id in capitals");
+        // A dead writer's temporary file goes at the next open; a live one's (young) stays.
+        let (dead, live) =
+            (dir.join("documents/.0123456789abcdef.77.tmp"), dir.join("documents/.0123456789abcdef.78.tmp"));
+        fs::write(&dead, "half").unwrap();
+        fs::write(&live, "half").unwrap();
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(120);
+        File::options().write(true).open(&dead).unwrap().set_modified(old).unwrap();
+        Documents::open(&dir).unwrap();
+        assert!(!dead.exists() && live.exists());
+        fs::remove_file(&live).unwrap();
         assert_ne!(id_of("another text"), id);
         assert_eq!(docs.ids().unwrap(), vec![id.clone()]);
         assert_eq!(docs.resolve(&[id.clone(), id.clone()]).unwrap().len(), 2);
@@ -175,7 +203,7 @@ mod tests {
         let dir = temp("ids");
         let docs = Documents::open(&dir).unwrap();
         fs::write(dir.join("secret.txt"), "not a document").unwrap();
-        for bad in ["", "../secret", "../../etc/passwd", "0123456789ABCDEF", "0123456789abcde", "secret"] {
+        for bad in ["", "../secret", "../../etc/passwd", "0123456789ABCDEG", "0123456789abcde", "secret"] {
             assert_eq!(docs.get(bad).unwrap(), None, "{bad:?}");
         }
         assert_eq!(docs.get("0123456789abcdef").unwrap(), None, "well formed, not ingested");

@@ -38,7 +38,7 @@ pub struct TtftArgs {
     pub out: std::path::PathBuf,
     /// Print the projection of every run beside it, for this device profile (e.g. `cpu-local`:
     /// the built-in one, replaced by this machine's calibration file
-    /// `$FLOWPREFILL_HOME/calibration.json` where `bench calibrate` wrote one, and by
+    /// `$FLOWPREFILL_HOME/calibration.json` where `bench calibrate --out` wrote one there, and by
     /// --profiles); the output names the profiles used and where each came from.
     #[arg(long)]
     pub project: Option<String>,

@@ -120,7 +120,7 @@ fn a_damaged_file_is_dropped_and_counted_never_served() {
     let b = fs::read(path(&k3)).unwrap();
     fs::write(path(&k3), &b[..100]).unwrap();
     // A dead writer's temporary file, old: removed at open.
-    let tmp = dir.join(format!(".x.1.0.{TMP}"));
+    let tmp = dir.join(format!(".{}.{EXT}.1.0.{TMP}", "ab".repeat(20)));
     fs::write(&tmp, b"partial").unwrap();
     File::options().write(true).open(&tmp).unwrap().set_modified(SystemTime::now() - STALE_TMP * 2).unwrap();
     // A new open (another process: this one's store is closed first, or it would be shared).
@@ -418,8 +418,9 @@ fn clear_leaves_a_live_writers_temporary_file() {
     let s = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
     put_now(&s, &ChunkKey::new(&[], 0, &[7]), record(2, 1.0));
     drop(s);
-    let live = dir.join(format!(".live.1.0.{TMP}"));
-    let dead = dir.join(format!(".dead.1.1.{TMP}"));
+    let entry = format!("{}.{EXT}", "0f".repeat(20));
+    let live = dir.join(format!(".{entry}.1.0.{TMP}"));
+    let dead = dir.join(format!(".{entry}.1.1.{TMP}"));
     fs::write(&live, b"half").unwrap();
     fs::write(&dead, b"half").unwrap();
     let old = SystemTime::now() - 2 * STALE_TMP;
@@ -427,5 +428,36 @@ fn clear_leaves_a_live_writers_temporary_file() {
     let (files, _) = clear(&dir).unwrap();
     assert_eq!(files, 2, "the entry and the dead writer's file");
     assert!(live.exists() && !dead.exists());
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// Files that only end in the entries' letters are someone else's (a `--store` pointed at a
+/// folder in use): opening the store, reading it, `clear`, `verify` and `list` leave them alone
+/// (they were judged damaged and deleted, or deleted by `clear`).
+#[test]
+fn files_that_are_not_entries_are_never_touched() {
+    let dir = temp("not-entries");
+    fs::create_dir_all(&dir).unwrap();
+    let theirs = ["draft-fpkv", "backup.fpkv", "x.fpkv", &format!("{}.fpkv", "AB".repeat(20)), ".x.1.0.fpkv-tmp"];
+    for name in theirs {
+        fs::write(dir.join(name), b"a user's file").unwrap();
+        File::options()
+            .write(true)
+            .open(dir.join(name))
+            .unwrap()
+            .set_modified(SystemTime::now() - 2 * STALE_TMP)
+            .unwrap();
+    }
+    let s = DiskStore::open(&dir, scope("m"), 1 << 20).unwrap();
+    put_now(&s, &ChunkKey::new(&[], 0, &[7]), record(2, 1.0));
+    assert_eq!((s.stats().corrupt, s.stats().stale_tmp, s.stats().entries), (0, 0, 1));
+    drop(s);
+    assert_eq!(list(&dir, None).unwrap().len(), 1, "only the entry is listed");
+    let v = verify(&dir).unwrap();
+    assert!(v.damaged.is_empty(), "{:?}", v.damaged);
+    assert_eq!(clear(&dir).unwrap().0, 1, "only the entry is deleted");
+    for name in theirs {
+        assert_eq!(fs::read(dir.join(name)).unwrap(), b"a user's file", "{name}");
+    }
     let _ = fs::remove_dir_all(&dir);
 }
