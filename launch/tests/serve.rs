@@ -687,31 +687,24 @@ fn documents_are_ingested_once_and_jobs_name_them_by_id() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A damaged file of the disk tier is dropped and counted by the rank that read it: with two
-/// ranks, `flowprefill_store_corrupt_total` counts both ranks' (rank 0's alone before).
-#[test]
-fn damaged_store_files_are_counted_on_every_rank() {
-    let dir = std::env::temp_dir().join(format!("fp-serve-corrupt-{}", std::process::id()));
+/// Ingests four documents into a store in `tag`'s folder, then damages every cache file in its
+/// middle (its checksum no longer matches): the folder, the store, the documents and the count
+/// of damaged files.
+fn damaged_store(tag: &str) -> (std::path::PathBuf, String, Vec<String>, usize) {
+    let dir = std::env::temp_dir().join(format!("fp-serve-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let store = dir.join("store");
+    let store = dir.join("store").to_str().unwrap().to_string();
     let d = docs(4, 5);
-    let s = Server::start(&["--store", store.to_str().unwrap()], &[]);
+    let s = Server::start(&["--store", &store], &[]);
     let r = s.post("/v1/documents", &serde_json::json!({ "documents": d }));
     assert_eq!(r.status, 200, "{}", r.text());
     drop(s);
-    // Every cache file damaged in its middle (its checksum no longer matches).
-    let mut files = Vec::new();
-    let mut dirs = vec![store.clone()];
-    while let Some(p) = dirs.pop() {
-        for e in std::fs::read_dir(&p).unwrap().flatten() {
-            let path = e.path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if path.extension().and_then(|x| x.to_str()) == Some("fpkv") {
-                files.push(path);
-            }
-        }
-    }
+    let files: Vec<std::path::PathBuf> = std::fs::read_dir(&store)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().and_then(|x| x.to_str()) == Some("fpkv"))
+        .collect();
     assert!(files.len() >= 8, "two forms of four documents: {files:?}");
     for f in &files {
         let mut bytes = std::fs::read(f).unwrap();
@@ -719,24 +712,55 @@ fn damaged_store_files_are_counted_on_every_rank() {
         bytes[mid] ^= 0xff;
         std::fs::write(f, bytes).unwrap();
     }
-    let s = Server::start(&["--store", store.to_str().unwrap(), "--ranks", "2"], &[]);
-    let v = json(&s.post("/v1/jobs", &job(&d)));
-    let ranks = v["rank_stats"].as_array().map_or(0, Vec::len);
-    let m = s.metrics();
-    let corrupt: u64 = m
+    (dir, store, d, files.len())
+}
+
+/// The damaged-entries counter of `/metrics`, and the job's ranks' reports of them.
+fn corrupt_counts(metrics: &str, v: &serde_json::Value) -> (u64, Vec<u64>) {
+    let corrupt = metrics
         .lines()
         .find_map(|l| l.strip_prefix("flowprefill_store_corrupt_total ").and_then(|v| v.trim().parse().ok()))
-        .unwrap_or_else(|| panic!("no corrupt counter:\n{m}"));
-    // Each of the four documents' caches was read from disk, found damaged and prefilled again,
-    // on whichever rank holds it; each rank counts what it dropped (two ranks may both find the
-    // head's file damaged), and the service counts every rank's.
-    assert_eq!((ranks, v["cache_hits"].as_u64()), (2, Some(0)), "{v}");
-    let per_rank: Vec<u64> =
+        .unwrap_or_else(|| panic!("no corrupt counter:\n{metrics}"));
+    let per_rank =
         v["rank_stats"].as_array().unwrap().iter().map(|r| r["disk_corrupt"].as_u64().unwrap_or(0)).collect();
-    assert!(per_rank.iter().all(|&c| c > 0), "every rank read damaged files: {per_rank:?}");
-    assert_eq!(corrupt, per_rank.iter().sum::<u64>(), "{per_rank:?}:\n{m}");
-    assert!(corrupt >= 4, "{corrupt}:\n{m}");
+    (corrupt, per_rank)
+}
+
+/// A damaged file of the disk tier is dropped and counted once: two thread ranks share their
+/// process's store, and the job's ranks report its new faults once between them (an MPI world's
+/// processes each report their own: `under_mpirun_damaged_store_files_are_counted_on_both_ranks`).
+#[test]
+fn damaged_store_files_are_counted_once() {
+    let (dir, store, d, files) = damaged_store("corrupt");
+    let s = Server::start(&["--store", &store, "--ranks", "2"], &[]);
+    let v = json(&s.post("/v1/jobs", &job(&d)));
+    // Each of the four documents' caches was read from disk, found damaged and prefilled again,
+    // on whichever rank holds it: each file dropped is counted once (no more than there were).
+    assert_eq!((v["ranks"].as_u64(), v["cache_hits"].as_u64()), (Some(2), Some(0)), "{v}");
+    let (corrupt, per_rank) = corrupt_counts(&s.metrics(), &v);
+    assert_eq!(corrupt, per_rank.iter().sum::<u64>(), "{per_rank:?}");
+    assert!(corrupt >= 4 && corrupt <= files as u64, "{corrupt} of {files} files");
     drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Under mpirun each process has its own view of the store: the follower's damaged files are
+/// counted too (the service showed rank 0's alone).
+#[cfg(feature = "mpi")]
+#[test]
+fn under_mpirun_damaged_store_files_are_counted_on_both_ranks() {
+    let (dir, store, d, _) = damaged_store("corrupt-mpi");
+    let (mut child, addr) = mpirun_serve(&[], &["--store", &store, "--comm-timeout", "20"]);
+    let body = job(&d).to_string();
+    let r = http::request(&addr, "POST", "/v1/jobs", &[], body.as_bytes(), Duration::from_secs(120)).unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = json(&r);
+    let m = http::request(&addr, "GET", "/metrics", &[], b"", Duration::from_secs(10)).unwrap();
+    let (corrupt, per_rank) = corrupt_counts(&m.text(), &v);
+    assert!(per_rank.len() == 2 && per_rank.iter().all(|&c| c > 0), "both processes dropped files: {per_rank:?}");
+    assert_eq!(corrupt, per_rank.iter().sum::<u64>(), "{per_rank:?}");
+    Command::new("kill").args(["-USR1", &child.id().to_string()]).status().unwrap();
+    assert!(exit_within(&mut child, Duration::from_secs(60)).success());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -119,8 +119,6 @@ pub struct Engine<B: Backend> {
     exact_memo: verify::ExactMemo,
     /// Whether decode steps on one rank may be recorded and replayed ([`Backend::record`]).
     decode_graphs: bool,
-    /// The disk tier's damaged entries and skipped writes reported so far ([`RankStats`]).
-    disk_reported: std::sync::Mutex<(u64, u64)>,
 }
 
 /// How the caller of [`Engine::lead_with`] steers the job: its client's cancellation flag,
@@ -213,7 +211,6 @@ impl<B: Backend> Engine<B> {
             chooser: None,
             exact_memo: verify::ExactMemo::default(),
             decode_graphs: flowprefill_worker::steps::decode_graphs_allowed(),
-            disk_reported: std::sync::Mutex::new((0, 0)),
         }
     }
 
@@ -318,15 +315,12 @@ impl<B: Backend> Engine<B> {
         &self.store
     }
 
-    /// The disk tier's damaged entries dropped and writes skipped since the last call (0 without
-    /// a disk tier): a job's [`RankStats`] carry them, so a service counts every rank's, once,
-    /// including those of writes that finished after an earlier job.
+    /// The disk tier's damaged entries dropped and writes skipped since they were last reported
+    /// (0 without a disk tier): a job's [`RankStats`] carry them, so a service counts every
+    /// process's, once (thread ranks share their process's store: one of them reports), with
+    /// those of writes that finished after an earlier job.
     pub fn disk_faults_since_report(&self) -> (u64, u64) {
-        let Some(d) = self.store.disk_stats() else { return (0, 0) };
-        let mut reported = self.disk_reported.lock().unwrap_or_else(|p| p.into_inner());
-        let delta = (d.corrupt.saturating_sub(reported.0), d.write_failures.saturating_sub(reported.1));
-        *reported = (d.corrupt.max(reported.0), d.write_failures.max(reported.1));
-        delta
+        self.store.disk().map_or((0, 0), |d| d.faults_since_report())
     }
 
     /// Empties this rank's chunk stores (the next job prefills every chunk: a cold run).

@@ -38,8 +38,8 @@ pub struct RankStats {
     /// a device, rank 0's figure is the device's.
     #[serde(default)]
     pub memory_peak: Option<usize>,
-    /// Damaged files this rank's disk tier dropped since its previous job's report (reads of
-    /// any job, or of none: counted once).
+    /// Damaged files this rank's process's disk tier dropped since they were last reported (reads
+    /// of any job, or of none; thread ranks share one tier, and one of them reports: counted once).
     #[serde(default)]
     pub disk_corrupt: u64,
     /// Disk writes this rank skipped after an error (a full disk) since its previous report.

@@ -44,6 +44,14 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     );
     super::out_file("--out", &a.out)?;
     let exe = std::env::current_exe()?;
+    let json = a.out.with_extension("json");
+    // Both files are rewritten after every row (temporary file, rename): a matrix stopped part
+    // way (a world that cannot start, an interrupt) keeps the rows it measured.
+    let save = |rows: &[faults::Row]| -> Result<()> {
+        flowprefill_lab::eval::write_atomic(&a.out, markdown(rows, &a.worlds).as_bytes())?;
+        flowprefill_lab::eval::write_atomic(&json, &serde_json::to_vec_pretty(rows)?)?;
+        Ok(())
+    };
     let mut rows = Vec::new();
     for world in &a.worlds {
         for case in cases() {
@@ -53,14 +61,14 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
             }
             eprint!("{label:<50} ");
             let t = Instant::now();
-            let row = faults::run_case(&exe, common.model.as_deref(), world, &case)?;
+            let row = faults::run_case(&exe, common.model.as_deref(), world, &case)
+                .with_context(|| format!("{label}: the {} rows before it are in {}", rows.len(), a.out.display()))?;
             eprintln!("{} / next {} ({:.0} s)", row.status, row.next, t.elapsed().as_secs_f64());
             rows.push(row);
+            save(&rows)?;
         }
     }
-    let json = a.out.with_extension("json");
-    std::fs::write(&a.out, markdown(&rows, &a.worlds)).with_context(|| format!("writing {}", a.out.display()))?;
-    std::fs::write(&json, serde_json::to_vec_pretty(&rows)?).with_context(|| format!("writing {}", json.display()))?;
+    save(&rows)?;
     eprintln!("wrote {} rows to {}", rows.len(), a.out.display());
     Ok(())
 }

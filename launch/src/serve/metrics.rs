@@ -51,9 +51,9 @@ pub const STORE_HITS: &str = "flowprefill_store_hits_total";
 /// Bytes rank 0's chunk store holds, by tier (`ram`, `disk`: what this process knows of the
 /// shared folder).
 pub const STORE_BYTES: &str = "flowprefill_store_bytes";
-/// Damaged disk entries dropped by rank 0's store (truncated, a wrong checksum).
+/// Damaged disk entries dropped (truncated, a wrong checksum), by every process's store.
 pub const STORE_CORRUPT: &str = "flowprefill_store_corrupt_total";
-/// Disk writes rank 0's store skipped after an error (a full disk).
+/// Disk writes skipped after an error (a full disk), by every process's store.
 pub const STORE_WRITE_FAILURES: &str = "flowprefill_store_write_failures_total";
 /// Bytes held by rank 0's chunk store.
 pub const CACHE_BYTES: &str = "flowprefill_chunk_cache_bytes";
@@ -302,11 +302,7 @@ pub fn record_job(r: &RunResult, cache_bytes: usize, disk: Option<DiskStats>) {
     // Without a disk tier: 0 disk bytes, nothing dropped or skipped (the series exist either way).
     let d = disk.unwrap_or_default();
     gauge!(STORE_BYTES, "tier" => "disk").set(d.bytes as f64);
-    // Every rank's, each counted once (rank 0's store alone missed the others').
-    store_faults(
-        r.rank_stats.iter().map(|s| s.disk_corrupt).sum(),
-        r.rank_stats.iter().map(|s| s.disk_write_failures).sum(),
-    );
+    store_faults_of(r);
     match (&r.quality, &r.verify_error) {
         (Some(q), _) => {
             histogram!(QUALITY_KL, "method" => method.clone()).record(q.kl);
@@ -369,6 +365,15 @@ pub fn ranks(total: usize, up: usize) {
 pub fn store_faults(corrupt: u64, write_failures: u64) {
     counter!(STORE_CORRUPT).increment(corrupt);
     counter!(STORE_WRITE_FAILURES).increment(write_failures);
+}
+
+/// The store faults a job's ranks reported: every process's, each once (rank 0's store alone
+/// missed those of the other processes under mpirun).
+pub fn store_faults_of(r: &RunResult) {
+    store_faults(
+        r.rank_stats.iter().map(|s| s.disk_corrupt).sum(),
+        r.rank_stats.iter().map(|s| s.disk_write_failures).sum(),
+    );
 }
 
 /// Queue depth gauge.

@@ -404,6 +404,8 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
             shared.set_ready(true, None);
         } else {
             let why = shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            // Counted as the other rank failures are (the error-rate alert reads the outcome).
+            metrics::job_outcome(&method, "error");
             answer(ApiError::new(503, "rank_failure", format!("the ranks are down: {}", why.unwrap_or_default())));
             shared.finished_one();
             return;
@@ -435,9 +437,11 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
         return;
     }
     match out {
-        Ok(_) if q.cancel.load(Ordering::Relaxed) => {
+        Ok(r) if q.cancel.load(Ordering::Relaxed) => {
             metrics::job_outcome(&method, "cancelled");
             metrics::error("cancelled");
+            // The store's faults the ranks reported with it are counted all the same.
+            metrics::store_faults_of(&r);
         }
         Ok(r) => {
             let store = world.leader().store();

@@ -158,6 +158,8 @@ struct State {
     stats: DiskStats,
     warned_write: bool,
     warned_corrupt: bool,
+    /// Damaged files and failed writes already handed out by [`DiskStore::faults_since_report`].
+    reported: (u64, u64),
 }
 
 /// The disk tier of one process: reads on the caller's thread, writes on a writer thread of
@@ -305,6 +307,18 @@ impl DiskStore {
     pub fn stats(&self) -> DiskStats {
         self.core.stats()
     }
+
+    /// Damaged files dropped and writes skipped since the last call, by any user of this
+    /// process's store of the folder and scope (thread ranks and a service's ingester share
+    /// one: each event is handed out once, to whichever asks first). What a service adds to
+    /// its counters: every process reports its own, none twice.
+    pub fn faults_since_report(&self) -> (u64, u64) {
+        let mut g = self.core.lock();
+        let now = (g.stats.corrupt, g.stats.write_failures);
+        let delta = (now.0.saturating_sub(g.reported.0), now.1.saturating_sub(g.reported.1));
+        g.reported = now;
+        delta
+    }
 }
 
 impl Drop for DiskStore {
@@ -339,6 +353,7 @@ impl Core {
                 stats: DiskStats::default(),
                 warned_write: false,
                 warned_corrupt: false,
+                reported: (0, 0),
             }),
         };
         let now = SystemTime::now();
