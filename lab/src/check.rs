@@ -109,12 +109,17 @@ pub fn run(
             if !how.warm {
                 engine.store().clear();
             }
+            // An exact prefill (full, ring) has no chunk caches to warm; with eviction, full keeps
+            // its context's cache for the next job, which would then copy it instead of
+            // prefilling: its runs are fresh, so its TTFT (every speedup's baseline) is a prefill.
+            let exact = spec.method.info().recompute == flowprefill_coordinator::method::Recompute::Everything;
             let opts = how.scoring.apply_where_used(RunOptions {
                 max_new_tokens: 32,
                 evict: how.evict,
+                fresh: exact && how.evict.is_some(),
                 ..spec.options(how.ratio)
             });
-            if how.warm {
+            if how.warm && !exact {
                 // Warm means this method's own chunk caches are in the store before the timed
                 // run (each prefix mode has its own): one untimed run makes them. Without it
                 // the first method to read caches (and `star`, whose anchor mode no other

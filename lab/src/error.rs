@@ -79,7 +79,8 @@ impl LabError {
     pub fn class(&self) -> Option<flowprefill_coordinator::ErrorClass> {
         use flowprefill_coordinator::ErrorClass;
         match self {
-            LabError::Usage(_) | LabError::Input(_) => Some(ErrorClass::Caller),
+            // A results file that is not eval's: the caller named the wrong --out.
+            LabError::Usage(_) | LabError::Input(_) | LabError::NotResults { .. } => Some(ErrorClass::Caller),
             LabError::Coord(e) => Some(e.class()),
             LabError::Worker(e) => Some(e.class()),
             LabError::Train(e) => e.class(),

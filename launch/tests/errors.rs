@@ -137,6 +137,17 @@ fn outputs_and_ranges_are_checked_before_any_work() {
     refused(&["check", "--lengths", "256", "--depths", "nan", "--methods", "full"], "--depths");
     // One cell twice: one id for two cases, and --dump-cases would mix their documents in one folder.
     refused(&["check", "--lengths", "256", "--depths", "0.5,0.5", "--methods", "full"], "--depths gives 0.5 twice");
+    // ... before the model loads (a missing model would be named first).
+    let nomodel = ["--model", "/nonexistent/model.gguf", "check", "--lengths", "256,256", "--methods", "full"];
+    refused(&nomodel, "--lengths gives 256 twice");
+    // eval: a value given twice would run twice and count twice in the paired tables.
+    let eval = ["eval", "--tasks", "niah_single", "--lengths", "256", "--samples", "1"];
+    refused(&[&eval[..], &["--methods", "full,infoflow,infoflow"]].concat(), "--methods gives infoflow twice");
+    refused(&[&eval[..], &["--methods", "full,infoflow", "--ratios", "0.1,0.1"]].concat(), "--ratios gives 0.1 twice");
+    refused(
+        &["eval", "--tasks", "qa_onehop,qa_onehop", "--lengths", "256", "--samples", "1"],
+        "--tasks gives qa_onehop twice",
+    );
     let e10 = dir.join("e10");
     let eval = ["eval", "--tasks", "niah_single", "--methods", "full,infoflow", "--ratios", "0.3", "--lengths", "256"];
     refused(&[&eval[..], &["--out", e10.to_str().unwrap()]].concat(), "--table-ratio 0.15 is not among --ratios");

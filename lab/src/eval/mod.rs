@@ -128,9 +128,12 @@ impl ResultsFile {
     }
 }
 
-/// Writes `bytes` to a temporary file next to `path`, then renames it over `path`.
+/// Writes `bytes` to a temporary file next to `path`, then renames it over `path`. The
+/// temporary name is this file's and this process's (`results.json.PID.tmp`): two files of one
+/// folder (results.json, results.md), or two processes writing one, never share one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
+    let name = path.file_name().map_or_else(|| "out".into(), |n| n.to_string_lossy().into_owned());
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
     std::fs::write(&tmp, bytes).map_err(io("writing", &tmp))?;
     std::fs::rename(&tmp, path).map_err(io("writing", path))?;
     Ok(())

@@ -98,10 +98,22 @@ impl Axes {
         );
         crate::tasks::check_lengths(&lengths)?;
         crate::tasks::check_depths(&depths)?;
+        // A value given twice would run twice and count twice in the paired tables (two wins
+        // of one case against full's one).
+        crate::tasks::check_cells(&lengths, &depths)?;
+        for (i, t) in tasks.iter().enumerate() {
+            ensure_usage!(!tasks[..i].contains(t), "--tasks gives {t} twice; give each task once");
+        }
+        for (i, r) in ratios.iter().enumerate() {
+            ensure_usage!(!ratios[..i].contains(r), "--ratios gives {r} twice; give each ratio once");
+        }
         for &r in &ratios {
             flowprefill_coordinator::request::check_ratio(r)?;
         }
         let methods = MethodSpec::parse_list(methods)?;
+        for (i, m) in methods.iter().enumerate() {
+            ensure_usage!(!methods[..i].contains(m), "--methods gives {m} twice; give each method once");
+        }
         ensure_usage!(
             methods.iter().all(|m| m.ratio.is_none()),
             "--methods names methods without ratios; give the ratios with --ratios"
@@ -129,6 +141,11 @@ pub struct Key {
     pub ranks: usize,
     /// Prompt style.
     pub prompts: PromptStyle,
+    /// Where and in which number formats the model runs, where it is not the CPU's f32 (e.g.
+    /// `cuda, KV bf16, weights bf16`): answers and times of another numeric path are other runs.
+    pub numerics: Option<String>,
+    /// Whether every answer is verified against the exact one (`--verify`).
+    pub verify: bool,
 }
 
 /// What `eval` was asked for, checked: the plan's axes and the settings that key results.json.
@@ -193,6 +210,14 @@ impl Plan {
         }
         if key.prompts != PromptStyle::Plain {
             config["prompts"] = serde_json::json!(key.prompts.name());
+        }
+        // Written only where they differ from what every earlier folder was made with (the CPU
+        // in f32, unverified), so that those resume.
+        if let Some(n) = &key.numerics {
+            config["numerics"] = serde_json::json!(n);
+        }
+        if key.verify {
+            config["verify"] = serde_json::json!(true);
         }
         let settings = if evicts.is_empty() {
             vec![Setting { evict: None, config, out }]

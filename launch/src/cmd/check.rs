@@ -60,12 +60,6 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     }
     let model = super::model_label(common)?;
     let mut table = super::demo::table(args.methods.as_deref())?;
-    let engine = super::run::cold_engine(common, "check")?;
-    if args.methods.is_none() {
-        // The default table has KV Packet and lookahead only where the model has their adapters.
-        let lm = engine.model();
-        table.retain(|t| t.method.info().adapter.is_none_or(|a| a.loaded(lm)));
-    }
     let (lengths, depths) = (args.lengths.concat(), args.depths.concat());
     crate::ensure_usage!(
         !lengths.is_empty() && !depths.is_empty() && args.per_cell > 0,
@@ -74,9 +68,17 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     flowprefill_lab::tasks::check_lengths(&lengths)?;
     flowprefill_lab::tasks::check_depths(&depths)?;
     flowprefill_lab::tasks::check_cells(&lengths, &depths)?;
-    let cases = niah_cases(&engine.model().tokenizer, args.seed, &lengths, &depths, args.per_cell);
     if let Some(dir) = &args.dump_cases {
         super::out_dir("--dump-cases", dir)?;
+    }
+    let engine = super::run::cold_engine(common, "check")?;
+    if args.methods.is_none() {
+        // The default table has KV Packet and lookahead only where the model has their adapters.
+        let lm = engine.model();
+        table.retain(|t| t.method.info().adapter.is_none_or(|a| a.loaded(lm)));
+    }
+    let cases = niah_cases(&engine.model().tokenizer, args.seed, &lengths, &depths, args.per_cell);
+    if let Some(dir) = &args.dump_cases {
         check::dump(&cases, dir)?;
         eprintln!("wrote {} cases under {}", cases.len(), dir.display());
     }

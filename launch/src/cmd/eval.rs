@@ -110,9 +110,28 @@ fn plan(common: &Common, a: &Args) -> Result<Plan> {
         max_tokens: a.max_tokens,
         ranks: a.ranks,
         prompts: a.prompts,
+        numerics: numerics(common),
+        verify: a.verify,
     };
     let evicts = super::evict_grid(&a.evict, &a.kv_budget)?;
     Ok(Plan::new(axes, scoring, key, evicts, a.out.clone()))
+}
+
+/// Where and in which formats the model runs, where that is not the CPU's f32 (the numeric
+/// path every earlier results folder was made on): a GPU's bf16 cache and forward give other
+/// answers and times, so a study resumed there is another study.
+fn numerics(common: &Common) -> Option<String> {
+    use flowprefill_kernels::{DType, DeviceSpec, WeightType};
+    let cpu = common.device == DeviceSpec::Cpu;
+    let kv = common.kv_dtype.unwrap_or(if cpu { DType::F32 } else { DType::Bf16 });
+    if cpu && kv == DType::F32 {
+        return None;
+    }
+    let weights = match common.weights {
+        WeightType::Bf16 => "bf16",
+        WeightType::F32 => "f32",
+    };
+    Some(if cpu { format!("cpu, KV {kv}") } else { format!("cuda, KV {kv}, weights {weights}") })
 }
 
 /// Runs the command.
