@@ -149,6 +149,8 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     };
     let registry = Documents::open(&tier.dir)
         .with_context(|| format!("--store {}: the documents folder cannot be made", tier.dir.display()))?;
+    // Housekeeping: what a killed ingestion left (a folder that cannot be read fails below).
+    let _ = registry.remove_dead_writes();
     let timeout = super::comm_timeout(args.comm_timeout)?;
     let (rank, size, mut comm) = ranks(timeout)?;
     let lm = Arc::new(super::load_model(common)?);

@@ -122,6 +122,8 @@ impl AppState {
     /// between layers (the client went away, or `--job-timeout` passed, waiting included).
     fn ingest(&self, req: DocumentsRequest, watch: &Watch) -> Result<serde_json::Value, ApiError> {
         let (docs, tier) = self.documents()?;
+        // Housekeeping, here and not on every lookup by id: what a killed ingestion left.
+        let _ = docs.remove_dead_writes();
         let started = Instant::now();
         let mut guard = self.ingester.lock().unwrap_or_else(|p| p.into_inner());
         watch.check("ingest").map_err(|e| ApiError::from_coord(&flowprefill_coordinator::CoordError::from(e)))?;

@@ -59,10 +59,15 @@ impl Documents {
     pub fn open(store: &Path) -> io::Result<Self> {
         let dir = store.join("documents");
         fs::create_dir_all(&dir)?;
-        // A writer killed between its temporary file and the rename left the file behind: one
-        // older than a minute is nobody's now (a live writer's is younger).
+        Ok(Self { dir })
+    }
+
+    /// Removes what writers killed between their temporary file and the rename left behind: a
+    /// temporary file older than a minute is nobody's now (a live writer's is younger). Called
+    /// by ingestion, which writes here, not by every lookup (it reads the whole folder).
+    pub fn remove_dead_writes(&self) -> io::Result<()> {
         let now = std::time::SystemTime::now();
-        for e in fs::read_dir(&dir)?.flatten() {
+        for e in fs::read_dir(&self.dir)?.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             let ours = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")).and_then(|n| n.split_once('.'));
             let old = e
@@ -73,7 +78,7 @@ impl Documents {
                 let _ = fs::remove_file(e.path());
             }
         }
-        Ok(Self { dir })
+        Ok(())
     }
 
     /// The documents of the store folder `store`, for reading only: nothing is made (a
@@ -173,14 +178,14 @@ mod tests {
         assert_eq!(docs.get(&id).unwrap().as_deref(), Some("The vault code is 4417."));
         let upper = format!(" {} ", id.to_ascii_uppercase());
         assert_eq!(docs.get(&upper).unwrap().as_deref(), Some("The vault code is 4417."), "the id in capitals");
-        // A dead writer's temporary file goes at the next open; a live one's (young) stays.
+        // A dead writer's temporary file goes at the next ingestion; a live one's (young) stays.
         let (dead, live) =
             (dir.join("documents/.0123456789abcdef.77.tmp"), dir.join("documents/.0123456789abcdef.78.tmp"));
         fs::write(&dead, "half").unwrap();
         fs::write(&live, "half").unwrap();
         let old = std::time::SystemTime::now() - std::time::Duration::from_secs(120);
         File::options().write(true).open(&dead).unwrap().set_modified(old).unwrap();
-        Documents::open(&dir).unwrap();
+        docs.remove_dead_writes().unwrap();
         assert!(!dead.exists() && live.exists());
         fs::remove_file(&live).unwrap();
         assert_ne!(id_of("another text"), id);
