@@ -63,6 +63,17 @@ pub enum LabError {
     /// A measurement that went wrong (a server that did not start, a run that made no number).
     #[error("{0}")]
     Failed(String),
+    /// One run of a study failed; the runs before it are saved and a rerun resumes at it.
+    #[error(
+        "run {run} failed: {error}; every run before it is in results.json, and the same command resumes at this \
+         one (leave its method, task or length out to go past it)"
+    )]
+    StudyRun {
+        /// The run's key (task|length|sample|method|ratio, and its setting).
+        run: String,
+        /// Why (its class is the error's).
+        error: flowprefill_coordinator::CoordError,
+    },
     /// Results that do not serialise.
     #[error("{}: {source}", path.display())]
     Json {
@@ -81,7 +92,7 @@ impl LabError {
         match self {
             // A results file that is not eval's: the caller named the wrong --out.
             LabError::Usage(_) | LabError::Input(_) | LabError::NotResults { .. } => Some(ErrorClass::Caller),
-            LabError::Coord(e) => Some(e.class()),
+            LabError::Coord(e) | LabError::StudyRun { error: e, .. } => Some(e.class()),
             LabError::Worker(e) => Some(e.class()),
             LabError::Train(e) => e.class(),
             LabError::Comm(_) => Some(ErrorClass::Peer),

@@ -129,6 +129,27 @@ fn same_command_same_table_resume_and_plots() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let two = std::fs::read_to_string(a.join("results.md")).unwrap();
     assert!(two.contains("4 cases;") && !two.contains("6 cases;"), "{two}");
+    // A setting the file does not record (its runs were not verified) does not stop a report,
+    // which says so and is labelled with the file's settings, not this command's flags.
+    let o = Command::new(env!("CARGO_BIN_EXE_flowprefill"))
+        .args(["eval", "--tasks", "niah_single,qa_twohop", "--lengths", "400", "--samples", "2"])
+        .args(["--methods", "full,none,infoflow,infoflow+reorder", "--ratios", "0.15,0.3", "--table-ratio", "0.15"])
+        .args(["--max-tokens", "24", "--report-only", "--verify"])
+        .arg("--out")
+        .arg(&a)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("verify: was not recorded, now true"), "{err}");
+    let labelled = std::fs::read_to_string(a.join("results.md")).unwrap();
+    assert!(!labelled.contains("verify"), "labelled with what the runs were made with: {labelled}");
+    // A file as --out is the caller's mistake (exit 2), before any model loads.
+    let file = base.join("a-file");
+    std::fs::write(&file, "mine").unwrap();
+    let o = report(&file, "1");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.code() == Some(2) && err.contains("a file is there"), "{err}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
     let o = report(&base.join("nothing-here"), "1");
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("needs the runs of an earlier eval"));
@@ -179,7 +200,7 @@ fn same_command_same_table_resume_and_plots() {
     let o = ablation(&c);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let tc = std::fs::read_to_string(c.join("results.md")).unwrap();
-    assert!(tc.contains("Selection settings: geometry \"tl-tp\""), "{tc}");
+    assert!(tc.contains("Settings: geometry \"tl-tp\""), "{tc}");
     let _ = std::fs::remove_dir_all(base);
 }
 
@@ -213,6 +234,21 @@ fn an_eviction_sweep_writes_one_eval_per_setting() {
     let o = eval("lookahead", "48", &base.join("lookahead-48"));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && err.contains("1 of 1 planned runs are already done; 0 to compute"), "{err}");
+    // Runs evicted by LookaheadKV record its adapter; another adapter's runs are not mixed in.
+    let path = base.join("lookahead-48").join("results.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert!(v["records"][0]["evict_adapter"].as_str().is_some_and(|h| !h.is_empty()), "{v}");
+    v["records"][0]["evict_adapter"] = serde_json::json!("another-adapter");
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_flowprefill"))
+        .args(["eval", "--tasks", "niah_single", "--lengths", "400", "--samples", "2", "--methods", "full"])
+        .args(["--evict", "lookahead", "--kv-budget", "48"])
+        .arg("--out")
+        .arg(base.join("lookahead-48"))
+        .output()
+        .expect("run eval");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.code() == Some(2) && err.contains("evicted by LookaheadKV adapter another-adapter"), "{err}");
     // A setting asked twice is refused before any model loads.
     let o = eval("snapkv,snapkv", "16", &base.join("twice"));
     let err = String::from_utf8_lossy(&o.stderr);
@@ -220,6 +256,43 @@ fn an_eviction_sweep_writes_one_eval_per_setting() {
     let o = eval("snapkv", "16,0", &base.join("zero"));
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("0 keeps nothing"));
     let _ = std::fs::remove_dir_all(base);
+}
+
+/// A run that fails ends the study with its error's exit status, keeps every run before it
+/// (the case's earlier methods too), and the same command resumes at it.
+#[test]
+fn a_failed_run_keeps_the_runs_before_it_and_the_study_resumes_there() {
+    let out = std::env::temp_dir().join(format!("fp-eval-fail-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let eval = |fault: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_flowprefill"));
+        c.args(["eval", "--tasks", "niah_single", "--lengths", "400", "--samples", "1"])
+            .args(["--methods", "full,none,infoflow", "--ratios", "0.15", "--max-tokens", "8"])
+            .arg("--out")
+            .arg(&out);
+        if let Some(f) = fault {
+            c.env("FLOWPREFILL_FAULT", f);
+        }
+        c.output().expect("run eval")
+    };
+    let runs = || {
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+        v["records"].as_array().map(|r| r.iter().map(|r| r["method"].as_str().unwrap_or("?").to_string()).collect())
+    };
+    // InfoFlow's probe runs out of memory (the injected fault): full and none are done.
+    let o = eval(Some("rank:0,phase:probe,mode:oom"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(75), "out of memory is a resource failure: {err}");
+    assert!(
+        err.contains("run niah_single|400|0|infoflow|0.1500 failed") && err.contains("resumes at this one"),
+        "{err}"
+    );
+    assert_eq!(runs(), Some(vec!["full".to_string(), "none".to_string()]), "the case's runs before it are kept");
+    let o = eval(None);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("2 of 3 planned runs are already done; 1 to compute"), "{err}");
+    assert_eq!(runs().map(|r: Vec<String>| r.len()), Some(3));
+    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]

@@ -196,7 +196,7 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     assert!(cold["answer"].as_str().unwrap().contains("5820"), "{cold}");
 
     let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
-    assert!(ok && stats.contains("ingested documents: 3"), "{stats}{err}");
+    assert!(ok && stats.contains("ingested documents: 3") && !stats.contains("no cache of theirs"), "{stats}{err}");
     // A document that fails (longer than the model's window) is not left behind as ingested.
     let long = dir.join("long.txt");
     std::fs::write(&long, "The ferry to Varrow leaves at dawn and returns at dusk. ".repeat(1200)).unwrap();
@@ -205,7 +205,8 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
         .output()
         .expect("ingest");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.code() == Some(2) && err.contains("window"), "{err}");
+    assert!(out.status.code() == Some(2) && err.contains("split it into smaller documents"), "{err}");
+    assert!(!err.contains("answer tokens"), "ingestion has no answer to shorten: {err}");
     let (before, after) = (format!("stored before that: {} (", doc_args[1]), format!("not reached: {}", doc_args[5]));
     assert!(err.contains(&before) && err.contains(&after), "says what is in and what is not: {err}");
     let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
@@ -292,6 +293,7 @@ fn ingested_documents_are_disk_hits_by_file_and_by_id() {
     assert_eq!(entries(&store), 0, "every cache deleted");
     let (ok, stats, err) = run(&["store", "stats", "--store", &s]);
     assert!(ok && stats.contains("ingested documents: 3"), "{stats}{err}");
+    assert!(stats.contains("no cache of theirs is on disk"), "says their caches are gone: {stats}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

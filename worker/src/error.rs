@@ -236,6 +236,20 @@ pub enum WorkerError {
         /// The model's window (`<arch>.context_length`).
         window: usize,
     },
+    /// A document to ingest that does not fit the context window behind the template's head
+    /// (ingestion has no question or answer to shorten: the document is what must change).
+    #[error(
+        "the document is {tokens} tokens and needs {needed} token positions with the chat template's \
+         head, but the model's context window is {window}; split it into smaller documents"
+    )]
+    DocumentTooLong {
+        /// The document's tokens.
+        tokens: usize,
+        /// Positions needed: the head's, the document's and one more.
+        needed: usize,
+        /// The model's window (`<arch>.context_length`).
+        window: usize,
+    },
     /// A text so long that even at the vocabulary's longest tokens it exceeds the context
     /// window: refused before it is tokenized.
     #[error(
@@ -309,9 +323,10 @@ impl WorkerError {
     pub fn class(&self) -> ErrorClass {
         use flowprefill_kernels::KernelError;
         match self {
-            WorkerError::Input(_) | WorkerError::ContextTooLong { .. } | WorkerError::TextTooLong { .. } => {
-                ErrorClass::Caller
-            }
+            WorkerError::Input(_)
+            | WorkerError::ContextTooLong { .. }
+            | WorkerError::DocumentTooLong { .. }
+            | WorkerError::TextTooLong { .. } => ErrorClass::Caller,
             WorkerError::ModelFile { .. }
             | WorkerError::UnsupportedArch { .. }
             | WorkerError::UnsupportedTensor { .. }

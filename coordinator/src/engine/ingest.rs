@@ -52,8 +52,9 @@ impl<B: Backend> Engine<B> {
         let layout = Layout::build(lm, &req)?;
         let window = lm.model.config().context_length;
         let tokens = layout.chunks.first().map_or(0, Vec::len);
-        if layout.head.len() + tokens + 1 > window {
-            return Err(WorkerError::ContextTooLong { tokens: layout.head.len() + tokens + 1, window }.into());
+        let needed = layout.head.len() + tokens + 1;
+        if needed > window {
+            return Err(WorkerError::DocumentTooLong { tokens, needed, window }.into());
         }
         // Ingesting is for the disk tier: what was made is written even when a later form failed.
         let made = self.ingest_forms(lm, &layout, check);

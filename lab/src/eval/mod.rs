@@ -61,9 +61,14 @@ pub struct Record {
     /// Whether decoding stopped at the budget rather than at an end-of-turn token.
     #[serde(default)]
     pub hit_budget: Option<bool>,
-    /// The KV Packet adapter's hash (`kvpacket` runs only).
+    /// The hash of the method's adapter (KV Packet's, LookaheadKV's for `lookahead`), for
+    /// methods with one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapter: Option<String>,
+    /// The LookaheadKV adapter's hash, for runs under `--evict lookahead` (absent in results
+    /// made before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evict_adapter: Option<String>,
     /// Against the exact answer (`eval --verify`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verified: Option<Verified>,
@@ -213,6 +218,7 @@ pub fn record(
         max_new_tokens: Some(r.opts.max_new_tokens),
         hit_budget: Some(r.stop == flowprefill_worker::generate::StopReason::MaxTokens),
         adapter: None,
+        evict_adapter: None,
         verified: r.quality.as_ref().map(|q| Verified {
             kl: q.kl,
             top1: q.top1,

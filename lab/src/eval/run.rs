@@ -6,7 +6,8 @@ use super::{answer_budget, key, plots, record, summarize, write_atomic, Record, 
 use crate::error::{ensure_usage, io_said};
 use crate::tasks::{generate, PromptStyle};
 use crate::{LabError, Result};
-use flowprefill_coordinator::{Job, Method, PrefixMode, Request, RunOptions, ThreadRanks};
+use flowprefill_coordinator::method::Adapter;
+use flowprefill_coordinator::{EvictPolicy, Job, Method, PrefixMode, Request, RunOptions, ThreadRanks};
 use flowprefill_kernels::Device;
 use flowprefill_worker::LoadedModel;
 use std::collections::HashSet;
@@ -18,22 +19,26 @@ pub struct Runs {
     pub records: Vec<Record>,
     /// Keys of the runs read from results.json.
     pub have: HashSet<String>,
+    /// The settings the report is labelled with: results.json's key where it exists (what its
+    /// runs were made with: under --report-only a setting recorded on one side only is let
+    /// through), else this command's.
+    pub config: serde_json::Value,
 }
 
-/// The runs already in `results.json` (made with the same settings), or none.
+/// The runs already in `results.json` (made with the same settings) and its key, or none.
 fn earlier_runs(
     path: &Path,
     config: &serde_json::Value,
     report_only: bool,
     log: &mut dyn FnMut(&str),
-) -> Result<Vec<Record>> {
+) -> Result<Option<ResultsFile>> {
     if !path.exists() {
         ensure_usage!(
             !report_only,
             "--report-only needs the runs of an earlier eval, but {} does not exist; pass that eval's --out",
             path.display()
         );
-        return Ok(Vec::new());
+        return Ok(None);
     }
     let prev = ResultsFile::read(path)?;
     // A report reads what is there: settings this binary records and the file does not (made
@@ -45,8 +50,21 @@ fn earlier_runs(
         path.display(),
         differ.join("; ")
     );
-    log(&format!("resuming: {} runs already in {}", prev.records.len(), path.display()));
-    Ok(prev.records)
+    if report_only {
+        // Settings recorded on one side only: the report says what the file records.
+        let unmatched = differences(&prev.config, config, false);
+        if !unmatched.is_empty() {
+            log(&format!(
+                "report only: {} and this command differ in settings one side does not record ({}); the report is \
+                 labelled with the file's",
+                path.display(),
+                unmatched.join("; ")
+            ));
+        }
+    } else {
+        log(&format!("resuming: {} runs already in {}", prev.records.len(), path.display()));
+    }
+    Ok(Some(prev))
 }
 
 /// The settings in which `before` (a results file's key) and `now` differ, each as `name: was
@@ -91,14 +109,22 @@ pub fn open(plan: &Plan, samples: usize, report_only: bool, log: &mut dyn FnMut(
     let mut runs = Vec::with_capacity(plan.settings.len());
     let mut pending = 0;
     for s in &plan.settings {
+        ensure_usage!(
+            !s.out.exists() || s.out.is_dir(),
+            "--out {}: a file is there; eval writes a folder (results.json, results.md, plots): give a folder's path",
+            s.out.display()
+        );
         let path = s.results_path();
-        let records = earlier_runs(&path, &s.config, report_only, log)?;
+        let (records, config) = match earlier_runs(&path, &s.config, report_only, log)? {
+            Some(f) => (f.records, f.config),
+            None => (Vec::new(), s.config.clone()),
+        };
         std::fs::create_dir_all(&s.out).map_err(io_said("creating", &s.out))?;
         let have: HashSet<String> = records.iter().map(Record::key).collect();
         let left = keys.iter().filter(|k| !have.contains(*k)).count();
         say_pending(keys.len(), left, !have.is_empty(), report_only, &path, log);
         pending += left;
-        runs.push(Runs { records, have });
+        runs.push(Runs { records, have, config });
     }
     Ok((runs, pending))
 }
@@ -132,6 +158,7 @@ pub fn compute(
     let primers = plan.primers();
     for (s, r) in plan.settings.iter().zip(runs.iter()) {
         check_adapter(&r.records, lm, &s.results_path())?;
+        check_evict_adapter(&r.records, s, lm)?;
         check_budgets(&r.records, c.max_tokens, &s.results_path())?;
     }
     let several = plan.settings.len() > 1;
@@ -148,8 +175,8 @@ pub fn compute(
                 for spec in &axes.methods {
                     for ratio in plan.ratios_of(spec) {
                         let k = key(task, len, sample, spec, ratio);
-                        for (s, runs) in plan.settings.iter().zip(runs.iter_mut()) {
-                            if runs.have.contains(&k) {
+                        for (i, s) in plan.settings.iter().enumerate() {
+                            if runs[i].have.contains(&k) {
                                 continue;
                             }
                             if !primed {
@@ -162,36 +189,48 @@ pub fn compute(
                                 verify: c.verify,
                                 ..spec.options(ratio.unwrap_or(0.0))
                             });
-                            let r = world.run(&Job { request: req.clone(), options: opts }, &mut |_| true)?;
+                            let r = match world.run(&Job { request: req.clone(), options: opts }, &mut |_| true) {
+                                Ok(r) => r,
+                                Err(e) => {
+                                    // The case's runs done so far are kept; the study stops
+                                    // here, and a rerun of the command resumes at this run.
+                                    save(plan, runs)?;
+                                    return Err(LabError::StudyRun {
+                                        run: format!("{k}{}", s.label(several)),
+                                        error: e,
+                                    });
+                                }
+                            };
                             let mut rec = record(&case, sample, c.prompts, *spec, ratio, &r, &needles);
                             rec.adapter = spec.method.info().adapter.and_then(|a| a.hash(lm));
-                            runs.records.push(rec);
+                            rec.evict_adapter = evict_adapter(s, lm);
+                            runs[i].records.push(rec);
                             done(&format!("{k}{}", s.label(several)));
                         }
                     }
                 }
-                for (s, runs) in plan.settings.iter().zip(runs.iter()) {
-                    ResultsFile { config: s.config.clone(), records: runs.records.clone() }.write(&s.results_path())?;
-                }
+                save(plan, runs)?;
             }
         }
     }
     Ok(())
 }
 
+/// Writes every setting's `results.json`.
+fn save(plan: &Plan, runs: &[Runs]) -> Result<()> {
+    for (s, r) in plan.settings.iter().zip(runs) {
+        ResultsFile { config: s.config.clone(), records: r.records.clone() }.write(&s.results_path())?;
+    }
+    Ok(())
+}
+
 /// Writes results.md and the plots of `setting` from the runs of the tasks and lengths asked
 /// for (the tables at `table_ratio`); returns results.md's text.
-pub fn report(
-    plan: &Plan,
-    setting: &Setting,
-    records: Vec<Record>,
-    samples: usize,
-    table_ratio: f64,
-) -> Result<String> {
-    let settings: Vec<String> = ["geometry", "score_layers", "score_pool", "prefix", "evict", "kv_budget", "prompts"]
-        .iter()
-        .filter_map(|k| setting.config.get(*k).map(|v| format!("{k} {v}")))
-        .collect();
+pub fn report(plan: &Plan, setting: &Setting, runs: Runs, samples: usize, table_ratio: f64) -> Result<String> {
+    const LABELS: [&str; 9] =
+        ["geometry", "score_layers", "score_pool", "prefix", "evict", "kv_budget", "prompts", "numerics", "verify"];
+    let settings: Vec<String> = LABELS.iter().filter_map(|k| runs.config.get(*k).map(|v| format!("{k} {v}"))).collect();
+    let records = runs.records;
     let out = &setting.out;
     // Tables and plots cover the tasks, lengths, samples and methods asked for; results.json
     // keeps every run (an earlier, wider run in the same folder would otherwise leak into the
@@ -242,6 +281,33 @@ fn check_adapter<B: flowprefill_kernels::Backend>(records: &[Record], lm: &Loade
                 needed.flag()
             );
         }
+    }
+    Ok(())
+}
+
+/// The LookaheadKV adapter's hash where `setting` evicts by it.
+fn evict_adapter<B: flowprefill_kernels::Backend>(setting: &Setting, lm: &LoadedModel<B>) -> Option<String> {
+    let lookahead = setting.evict.is_some_and(|e| e.policy == EvictPolicy::Lookahead);
+    lookahead.then(|| Adapter::Lookahead.hash(lm)).flatten()
+}
+
+/// The runs already in the results of a setting that evicts by LookaheadKV must come from the
+/// adapter in use (its scores chose what was kept); runs that did not record it are let through.
+fn check_evict_adapter<B: flowprefill_kernels::Backend>(
+    records: &[Record],
+    setting: &Setting,
+    lm: &LoadedModel<B>,
+) -> Result<()> {
+    let now = evict_adapter(setting, lm);
+    if let Some(r) = records.iter().find(|r| r.evict_adapter.is_some() && r.evict_adapter != now) {
+        ensure_usage!(
+            false,
+            "{} holds runs evicted by LookaheadKV adapter {} but this eval uses {}; pass another --out or the same {}",
+            setting.results_path().display(),
+            r.evict_adapter.as_deref().unwrap_or("(none)"),
+            now.as_deref().unwrap_or("none"),
+            Adapter::Lookahead.flag()
+        );
     }
     Ok(())
 }

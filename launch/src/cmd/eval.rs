@@ -143,7 +143,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         compute(common, &a, &plan, pending, &mut runs)?;
     }
     for (s, r) in plan.settings.iter().zip(runs) {
-        let md = lab_run::report(&plan, s, r.records, a.samples, a.table_ratio)?;
+        let md = lab_run::report(&plan, s, r, a.samples, a.table_ratio)?;
         println!("{md}");
         let md_path = s.out.join("results.md");
         println!("wrote {}, {} and plots in {}", s.results_path().display(), md_path.display(), s.out.display());

@@ -10,7 +10,7 @@ use anyhow::{Context as _, Result};
 use flowprefill_coordinator::{Engine, Ingested};
 use flowprefill_worker::store::documents::Documents;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -66,15 +66,11 @@ fn yes() -> bool {
     true
 }
 
-fn read(path: &Path, what: &str) -> Result<String> {
-    super::read_text(what, path)
-}
-
 /// Every document the arguments name, in order: files, folders, JSON Lines.
 fn sources(args: &Args) -> Result<Vec<Source>> {
     let mut out = Vec::new();
     for p in &args.docs {
-        out.push(Source { name: p.display().to_string(), text: read(p, "--doc")? });
+        out.push(Source { name: p.display().to_string(), text: super::read_text("--doc", p)? });
     }
     for d in &args.dirs {
         let mut files: Vec<PathBuf> = std::fs::read_dir(d)
@@ -86,11 +82,11 @@ fn sources(args: &Args) -> Result<Vec<Source>> {
             .collect();
         files.sort();
         for p in files {
-            out.push(Source { name: p.display().to_string(), text: read(&p, "a file of --dir")? });
+            out.push(Source { name: p.display().to_string(), text: super::read_text("a file of --dir", &p)? });
         }
     }
     for f in &args.jsonl {
-        for (i, line) in read(f, "--jsonl")?.lines().enumerate() {
+        for (i, line) in super::read_text("--jsonl", f)?.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
             }
@@ -232,27 +228,25 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             }
         }
     }
+    // What was stored stays; a failure says which documents are in (and, on one rank, which
+    // were not reached).
+    let list = |v: Vec<String>| if v.is_empty() { "none".to_string() } else { v.join(", ") };
+    let stored = || list(rows.iter().map(|r| format!("{} ({})", r.source, r.id)).collect());
     if let Some(e) = failed.filter(|_| size == 1) {
-        // What was stored stays; say which documents are in and which were not reached (the
-        // error's class, and so the exit status, is the failure's).
-        let kept: Vec<String> = rows.iter().map(|r| format!("{} ({})", r.source, r.id)).collect();
-        let reached = rows.len() + 1;
-        let rest: Vec<&str> = docs.iter().skip(reached).map(|d| d.name.as_str()).collect();
-        let list = |v: Vec<String>| if v.is_empty() { "none".to_string() } else { v.join(", ") };
+        // The error's class, and so the exit status, is the failure's.
+        let rest = docs.iter().skip(rows.len() + 1).map(|d| d.name.clone()).collect();
         return Err(e.context(format!(
             "ingestion stopped; stored before that: {}; not reached: {}",
-            list(kept),
-            list(rest.iter().map(|s| s.to_string()).collect())
+            stored(),
+            list(rest)
         )));
     }
     if !errors.is_empty() {
-        // What was stored stays; say which documents are in and why the rest are not.
-        let kept: Vec<String> = rows.iter().map(|r| format!("{} ({})", r.source, r.id)).collect();
         anyhow::bail!(
             "ingestion stopped on {} rank(s): {}; stored before that: {}",
             errors.len(),
             errors.join("; "),
-            if kept.is_empty() { "none".to_string() } else { kept.join(", ") }
+            stored()
         );
     }
     rows.sort_by_key(|r| r.index);

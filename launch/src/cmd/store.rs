@@ -116,8 +116,15 @@ pub fn run(common: &crate::Common, cmd: Store) -> Result<()> {
             }
             if dir.join("documents").is_dir() {
                 let docs = flowprefill_worker::store::documents::Documents::open(&dir)?;
+                // Their caches may have gone (store clear, gc, the budget); with no entry at all
+                // none is left, and a job naming one by id prefills it from its text.
+                let caches = if all.is_empty() {
+                    "; no cache of theirs is on disk: a job naming one prefills it again, `ingest` stores them again"
+                } else {
+                    ""
+                };
                 println!(
-                    "  ingested documents: {} (texts by id in {}; name them with run --doc-id ID)",
+                    "  ingested documents: {} (texts by id in {}; name them with run --doc-id ID{caches})",
                     docs.ids()?.len(),
                     docs.dir().display()
                 );

@@ -72,7 +72,7 @@ fn is_niah(task: &str) -> bool {
 }
 
 /// The markdown report (deterministic: accuracy only, no timings). `settings` lists the
-/// non-default selection settings (ablations), if any.
+/// non-default settings (ablations, prompts, numerics, verification), if any.
 #[allow(clippy::too_many_arguments)]
 pub fn summarize(
     records: &[Record],
@@ -89,7 +89,7 @@ pub fn summarize(
         "# flowprefill eval\n\n{n_cases} cases; lengths {lengths:?}; ratios {ratios:?}; scores in %.\n\n"
     ));
     if !settings.is_empty() {
-        md.push_str(&format!("Selection settings: {}.\n\n", settings.join("; ")));
+        md.push_str(&format!("Settings: {}.\n\n", settings.join("; ")));
     }
     for &len in lengths {
         accuracy_tables(&mut md, records, tasks, len, labels, tr);
@@ -399,6 +399,7 @@ mod tests {
             max_new_tokens: None,
             hit_budget: None,
             adapter: None,
+            evict_adapter: None,
             verified: None,
             ran: None,
         }
