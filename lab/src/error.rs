@@ -131,6 +131,15 @@ pub(crate) use ensure_usage;
 /// Results of the lab.
 pub type Result<T> = std::result::Result<T, LabError>;
 
+/// Refuses a list (`flag`'s) that gives a value twice ("--lengths gives 1024 twice; give each
+/// length once"): a measurement would run it twice and count it twice in its tables.
+pub fn each_once<T: PartialEq + std::fmt::Display>(flag: &str, what: &str, values: &[T]) -> Result<()> {
+    for (i, v) in values.iter().enumerate() {
+        ensure_usage!(!values[..i].contains(v), "{flag} gives {v} twice; give each {what} once");
+    }
+    Ok(())
+}
+
 /// An IO error with what was being done and to which file.
 pub(crate) fn io(what: impl Into<String>, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> LabError {
     let (what, path) = (what.into(), path.into());

@@ -141,7 +141,8 @@ pub fn line_chart(path: &Path, title: &str, x_label: &str, y_label: &str, series
 }
 
 /// Each series as a line with markers in its color (points that `keep` refuses are left out),
-/// and the legend at `legend`.
+/// joined in the order of x (lengths given out of order would draw a zig-zag), and the legend
+/// at `legend`.
 fn draw_lines<'a, X, Y>(
     chart: &mut ChartContext<'a, BitMapBackend<'a>, Cartesian2d<X, Y>>,
     series: &[Series],
@@ -154,7 +155,7 @@ where
 {
     for (i, s) in series.iter().enumerate() {
         let c = color(i);
-        let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| keep(p)).collect();
+        let pts = in_x_order(&s.points, &keep);
         chart
             .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
             .label(&s.name)
@@ -169,6 +170,13 @@ where
         .position(legend)
         .draw()?;
     Ok(())
+}
+
+/// The points `keep` accepts, in the order of x.
+fn in_x_order(points: &[(f64, f64)], keep: impl Fn(&(f64, f64)) -> bool) -> Vec<(f64, f64)> {
+    let mut pts: Vec<(f64, f64)> = points.iter().copied().filter(|p| keep(p)).collect();
+    pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+    pts
 }
 
 /// A line chart on log-log axes (lengths and times spanning decades), markers and a legend.
@@ -347,4 +355,14 @@ pub fn heatmap(
     }
     presented(root.present(), path)?;
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Lengths given out of order (`--lengths 8000,2048,4096`) are joined from left to right.
+    #[test]
+    fn lines_join_points_in_the_order_of_x() {
+        let pts = [(8000.0, 3.0), (2048.0, 1.0), (0.0, 9.0), (4096.0, 2.0)];
+        assert_eq!(super::in_x_order(&pts, |p| p.0 > 0.0), vec![(2048.0, 1.0), (4096.0, 2.0), (8000.0, 3.0)]);
+    }
 }

@@ -127,11 +127,14 @@ fn outputs_and_ranges_are_checked_before_any_work() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+        err.into_owned()
     };
     let doc = docs[1].as_str();
     refused(&["bench", "ttft", "--lengths", "256", "--runs", "1", "--out", f], "--out");
     refused(&["bench", "decode", "--doc", doc, "--evict", "none", "--max-tokens", "2", "--out", f], "a file is there");
     refused(&["bench", "calibrate", "--seconds", "0.05", "--out", under.to_str().unwrap()], "--out");
+    // A file that is not a profile file is not replaced by one.
+    refused(&["bench", "calibrate", "--seconds", "0.05", "--out", f], "not a profile file");
     refused(&["bench", "stream", "--corpus", "2", "--doc-tokens", "0", "--queries", "1"], "--doc-tokens");
     refused(&["bench", "ttft", "--lengths", "0", "--runs", "1"], "--lengths");
     refused(&["check", "--lengths", "256", "--depths", "nan", "--methods", "full"], "--depths");
@@ -155,6 +158,23 @@ fn outputs_and_ranges_are_checked_before_any_work() {
     refused(&["serve", "--max-body-bytes", "0"], "--max-body-bytes");
     let project = ["bench", "project", "--shape", "qwen3-14b", "--target", "h100-sxm", "--link", "nvlink4"];
     refused(&[&project[..], &["--calibrate", "full,1,8192,0"]].concat(), "MS a positive number");
+    // A cell no efficiency reaches would leave every figure scaled by the search's bound.
+    refused(&[&project[..], &["--calibrate", "full,1,8192,0.001"]].concat(), "cannot reach 0.001 ms");
+    refused(&[&project[..], &["--methods", "ring", "--ranks", "1"]].concat(), "nothing to project");
+    refused(&[&project[..], &["--lengths", "8192,8192"]].concat(), "--lengths gives 8192 twice");
+    // The bench commands' values, refused before the model loads (no "loaded" line).
+    for (args, want) in [
+        (&["bench", "ttft", "--lengths", "256", "--ratio", "1.5"][..], "outside [0, 1]"),
+        (&["bench", "ttft", "--lengths", "256,512,256"][..], "--lengths gives 256 twice"),
+        (&["bench", "ttft", "--lengths", "256", "--ranks", "1,1"][..], "--ranks gives 1 twice"),
+        (&["bench", "prefill", "--tokens", "0"][..], "must be positive"),
+        (&["bench", "prefill", "--tokens", "9000"][..], "context window of 8192"),
+        (&["bench", "load", "--max-jobs", "0"][..], "--max-jobs"),
+        (&["bench", "stream", "--slack", "0,0.5,0"][..], "--slack gives 0 twice"),
+    ] {
+        let err = refused(args, want);
+        assert!(!err.contains("loaded "), "{args:?} loaded the model first: {err}");
+    }
     // The caller's errors that exited 1, as an unclassed failure, exit 2 as the README says.
     refused(
         &["bench", "project", "--shape", "bogus", "--target", "h100-sxm", "--link", "nvlink4"],

@@ -428,9 +428,14 @@ fn bench_ttft_records_what_auto_predicted() {
     let dir = std::env::temp_dir().join(format!("fp-ttft-auto-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let d = dir.to_string_lossy().into_owned();
+    // An earlier study's chart in the folder does not stand beside this study's CSV.
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("ttft.png"), b"an earlier study's chart").unwrap();
     let args = ["bench", "ttft", "--lengths", "300", "--doc-tokens", "100", "--ranks", "1", "--runs", "1"];
     let (ok, out, err) = run(&[&args[..], &["--methods", "full,auto", "--out", &d]].concat());
     assert!(ok, "{out}\n{err}");
+    assert!(err.contains("ttft.png of an earlier study"), "{err}");
+    assert!(std::fs::read(dir.join("ttft.png")).map_or(true, |b| b != b"an earlier study's chart"), "stale chart");
     let csv = std::fs::read_to_string(dir.join("ttft.csv")).expect("ttft.csv");
     let mut lines = csv.lines();
     let header: Vec<&str> = lines.next().expect("header").split(',').collect();

@@ -252,6 +252,19 @@ fn bench_ttft_measures_every_rank_count_of_one_mpirun_with_its_projection() {
             "{link}: {p}"
         );
     }
+    // A link measured alone is added beside the device measured before, which stays.
+    let out = mpirun(2)
+        .arg(bin())
+        .args(["--threads", "1", "bench", "calibrate", "--seconds", "0.02", "--link-name", "hosts-test", "--out"])
+        .arg(&profile)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("kept from") && err.contains("device cpu-local"), "{err}");
+    let p: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
+    assert!(p["devices"]["cpu-local"]["peak_flops"]["value"].as_f64().unwrap() > 0.0, "the device stays: {p}");
+    assert!(p["links"]["hosts-test"]["bytes_per_s"]["value"].as_f64().unwrap() > 0.0, "{p}");
+    assert!(p["links"]["cpu-mpi"].is_object(), "{p}");
     let t = Instant::now();
     let out = mpirun(3)
         .arg(bin())

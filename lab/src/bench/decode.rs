@@ -131,13 +131,15 @@ pub fn jobs(
     Ok(jobs)
 }
 
-/// Runs every setting's job once per round, `rounds` rounds; a line per run goes to `log`.
+/// Runs every setting's job once per round, `rounds` rounds; a line per run goes to `log`, and
+/// the CSV so far to `csv` (replaced whole) after every run.
 pub fn measure(
     world: &mut World<Device>,
     lm: &LoadedModel<Device>,
     settings: &[Setting],
     jobs: &[Job],
     rounds: usize,
+    csv: Option<&std::path::Path>,
     log: &mut dyn FnMut(&str),
 ) -> Result<Measured> {
     let cfg = lm.model.config();
@@ -175,6 +177,10 @@ pub fn measure(
                 x.cache_hits
             ));
             m.runs[i].push(x);
+            // After every run: an interrupted or failed measurement keeps what it measured.
+            if let Some(path) = csv {
+                crate::eval::write_atomic(path, m.csv.as_bytes())?;
+            }
         }
     }
     Ok(m)

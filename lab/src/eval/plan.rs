@@ -101,19 +101,13 @@ impl Axes {
         // A value given twice would run twice and count twice in the paired tables (two wins
         // of one case against full's one).
         crate::tasks::check_cells(&lengths, &depths)?;
-        for (i, t) in tasks.iter().enumerate() {
-            ensure_usage!(!tasks[..i].contains(t), "--tasks gives {t} twice; give each task once");
-        }
-        for (i, r) in ratios.iter().enumerate() {
-            ensure_usage!(!ratios[..i].contains(r), "--ratios gives {r} twice; give each ratio once");
-        }
+        crate::each_once("--tasks", "task", &tasks)?;
+        crate::each_once("--ratios", "ratio", &ratios)?;
         for &r in &ratios {
             flowprefill_coordinator::request::check_ratio(r)?;
         }
         let methods = MethodSpec::parse_list(methods)?;
-        for (i, m) in methods.iter().enumerate() {
-            ensure_usage!(!methods[..i].contains(m), "--methods gives {m} twice; give each method once");
-        }
+        crate::each_once("--methods", "method", &methods)?;
         ensure_usage!(
             methods.iter().all(|m| m.ratio.is_none()),
             "--methods names methods without ratios; give the ratios with --ratios"

@@ -204,6 +204,17 @@ impl Target {
         let (_, opts) = cell_label(methods, m)
             .ok_or_else(|| crate::LabError::Usage(format!("--calibrate: method {m} is not among --methods")))?;
         let (mut lo, mut hi) = (1e-3f64, 1e3f64);
+        // A cell the projection cannot reach at any scale in range (its communication alone
+        // above it, or slower than even a thousandth of the efficiency) would leave the scale at
+        // a bound and every figure of the table scaled by it.
+        let (fastest, slowest) =
+            (self.project(opts, *p, *n, hi)?.ttft_s * 1e3, self.project(opts, *p, *n, lo)?.ttft_s * 1e3);
+        ensure_usage!(
+            (fastest..=slowest).contains(ms),
+            "--calibrate {m},{p},{n},{ms}: the projection cannot reach {ms} ms at any compute efficiency from 1/1000 \
+             to 1000 times the profile's ({fastest:.1} to {slowest:.1} ms: below that is communication and memory \
+             traffic); check the cell, --target and --link"
+        );
         for _ in 0..100 {
             let mid = (lo * hi).sqrt();
             if self.project(opts, *p, *n, mid)?.ttft_s * 1e3 > *ms {
@@ -262,6 +273,8 @@ pub fn project_grid(a: Settings, shape: Shape, profiles: &Profiles) -> Result<Pr
     ensure_usage!(!a.ranks.is_empty() && a.ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
     ensure_usage!(!a.lengths.is_empty() && a.lengths.iter().all(|&n| n >= 1), "--lengths values must be positive");
     ensure_usage!(a.doc_tokens >= 1, "--doc-tokens must be at least 1");
+    crate::each_once("--ranks", "rank count", &a.ranks)?;
+    crate::each_once("--lengths", "length", &a.lengths)?;
     let methods = parse_methods(&a.methods, a.scope)?;
     ensure_usage!(!methods.is_empty(), "--methods names no method");
     let (dev, link) = (profiles.device(&a.target)?.clone(), profiles.link(&a.link)?.clone());
@@ -273,6 +286,10 @@ pub fn project_grid(a: Settings, shape: Shape, profiles: &Profiles) -> Result<Pr
         text.push_str(&line);
         text.push('\n');
     }
+    ensure_usage!(
+        t.a.ranks.iter().any(|&p| methods.iter().any(|m| shown_at(&m.1, p))),
+        "nothing to project: full runs on 1 rank and ring on 2 or more; give --ranks with such a count for --methods"
+    );
     let mut rows = Vec::new();
     for &n in &t.a.lengths {
         for &p in &t.a.ranks {

@@ -371,13 +371,8 @@ pub fn check_depths(depths: &[f64]) -> crate::Result<()> {
 /// Refuses a length or a depth given twice (`check`'s cells: the same cases twice, under one
 /// id, where `--dump-cases` would write one file over the other), naming the flag.
 pub fn check_cells(lengths: &[usize], depths: &[f64]) -> crate::Result<()> {
-    for (i, n) in lengths.iter().enumerate() {
-        crate::error::ensure_usage!(!lengths[..i].contains(n), "--lengths gives {n} twice; give each length once");
-    }
-    for (i, d) in depths.iter().enumerate() {
-        crate::error::ensure_usage!(!depths[..i].contains(d), "--depths gives {d} twice; give each depth once");
-    }
-    Ok(())
+    crate::each_once("--lengths", "length", lengths)?;
+    crate::each_once("--depths", "depth", depths)
 }
 
 /// A depth as case ids write it: two decimals where that is exact (0.1 is `0.10`, as ids

@@ -128,16 +128,17 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     let lengths: Vec<usize> = a.tokens.concat();
     crate::ensure_usage!(!lengths.is_empty(), "--tokens needs at least one length");
     crate::ensure_usage!(a.runs >= 1, "--runs must be at least 1");
+    crate::ensure_usage!(lengths.iter().all(|&n| n > 0), "--tokens lengths must be positive");
+    // The window from the file's header, before the weights load.
+    let window = super::model_config(common)?.context_length;
+    let max_len = *lengths.iter().max().unwrap_or(&0);
+    crate::ensure_usage!(
+        max_len <= window,
+        "--tokens {max_len} exceeds the model's context window of {window} tokens; give at most {window}"
+    );
     let lm = super::load_model(common)?;
     let model = &lm.model;
     let cfg = model.config();
-    let max_len = *lengths.iter().max().unwrap_or(&0);
-    crate::ensure_usage!(
-        max_len <= cfg.context_length,
-        "--tokens {max_len} exceeds the model's context window of {} tokens",
-        cfg.context_length
-    );
-    crate::ensure_usage!(lengths.iter().all(|&n| n > 0), "--tokens lengths must be positive");
     // Enough prose for the longest length (about 4 characters per token).
     let text = corpus::prose(a.seed, max_len * 6);
     let all_ids = lm.tokenizer.encode_text(&text)?;
@@ -195,6 +196,10 @@ fn load(common: &Common, a: LoadArgs) -> Result<()> {
     crate::ensure_usage!(
         a.clients >= 1 && a.duration > 0.0 && a.doc_sets >= 1,
         "give --clients >= 1, --duration > 0, --doc-sets >= 1"
+    );
+    crate::ensure_usage!(
+        a.max_jobs >= 1 && a.doc_tokens >= 1 && a.max_tokens >= 1,
+        "give --max-jobs, --doc-tokens and --max-tokens of at least 1 (0 measures nothing)"
     );
     // The server: started here as a child process (so its memory is measured), or given.
     let mut child = None;

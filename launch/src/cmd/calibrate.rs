@@ -11,7 +11,9 @@ use std::path::PathBuf;
 #[derive(clap::Args, Debug)]
 pub struct CalibrateArgs {
     /// Where to write the profile (JSON, for `--profiles`); `$FLOWPREFILL_HOME/calibration.json`
-    /// is the one `--method auto` and `bench ttft --project cpu-local` read by themselves.
+    /// is the one `--method auto` and `bench ttft --project cpu-local` read by themselves. A
+    /// profile file already there keeps the devices and links this run does not measure (a
+    /// `--link-name` run adds its link beside the device measured before).
     #[arg(long, default_value = "cpu-local.json")]
     pub out: PathBuf,
     /// Seconds per measured point.
@@ -38,6 +40,18 @@ pub struct CalibrateArgs {
 pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
     crate::ensure_usage!(a.seconds.is_finite() && a.seconds > 0.0, "--seconds must be a positive number");
     super::out_file("--out", &a.out)?;
+    // What is there already: kept, but for what this run measures; a file of something else
+    // is not replaced.
+    let earlier = match std::fs::read_to_string(&a.out) {
+        Ok(text) => Some(Profiles::parse(&a.out.display().to_string(), &text).map_err(|e| {
+            crate::exit::usage(format!(
+                "--out {}: a file that is not a profile file is there ({e}); give another path",
+                a.out.display()
+            ))
+        })?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(crate::exit::usage(format!("--out {}: cannot be read ({e})", a.out.display()))),
+    };
     #[cfg(feature = "mpi")]
     let mut mpi =
         if flowprefill_comm::mpi::launched_by_mpirun() { Some(flowprefill_comm::mpi::MpiComm::init()?) } else { None };
@@ -102,7 +116,24 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
         }
     }
     if lead {
-        let p = Profiles { devices, links };
+        let measured = Profiles { devices, links };
+        let p = match earlier {
+            Some(mut p) => {
+                let kept: Vec<String> = p
+                    .devices
+                    .keys()
+                    .filter(|n| !measured.devices.contains_key(*n))
+                    .map(|n| format!("device {n}"))
+                    .chain(p.links.keys().filter(|n| !measured.links.contains_key(*n)).map(|n| format!("link {n}")))
+                    .collect();
+                if !kept.is_empty() {
+                    eprintln!("kept from {}: {} (not measured by this run)", a.out.display(), kept.join(", "));
+                }
+                p.merge(measured);
+                p
+            }
+            None => measured,
+        };
         // Under a temporary name, then renamed: `--method auto` reads this file, and an
         // interrupted write must not leave it half there.
         let tmp = a.out.with_extension(format!("json.{}.tmp", std::process::id()));

@@ -3,7 +3,7 @@
 //! `flowprefill_lab::bench::decode`.
 
 use crate::Common;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use flowprefill_coordinator::{EvictPolicy, MethodSpec, World};
 use flowprefill_lab::bench::decode::{self as lab_decode, Setting, Source};
 use std::path::PathBuf;
@@ -110,12 +110,11 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     let lead = world.lead();
     let jobs = lab_decode::jobs(&lm, &req, &settings, spec, a.max_tokens)?;
     let mut log = |l: &str| eprintln!("{l}");
-    let measured = lab_decode::measure(&mut world, &lm, &settings, &jobs, a.runs, &mut log)?;
+    let path = a.out.join("decode.csv");
+    let measured = lab_decode::measure(&mut world, &lm, &settings, &jobs, a.runs, lead.then_some(&*path), &mut log)?;
     if !lead {
         return Ok(());
     }
-    let path = a.out.join("decode.csv");
-    std::fs::write(&path, &measured.csv).with_context(|| format!("writing {}", path.display()))?;
     let world = world.describe(rayon::current_num_threads());
     println!(
         "decode after {spec} prefill of {} context tokens, {world}, median of {} runs, at most {} answer tokens",

@@ -55,6 +55,9 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     crate::ensure_usage!(a.zipf >= 0.0 && a.zipf.is_finite(), "--zipf must be a number >= 0");
     crate::ensure_usage!(ranks.iter().all(|&r| r >= 1), "--ranks must be at least 1");
     crate::ensure_usage!(slacks.iter().all(|s| (0.0..=1.0).contains(s)), "--slack values must be in [0, 1]");
+    crate::ensure_usage!(!ranks.is_empty() && !slacks.is_empty(), "give --ranks and --slack (nothing to measure)");
+    flowprefill_lab::each_once("--ranks", "rank count", &ranks)?;
+    flowprefill_lab::each_once("--slack", "slack", &slacks)?;
     crate::ensure_usage!(
         a.docs_per_query <= a.corpus,
         "--docs-per-query {} is more than the {} documents of --corpus: a question's documents are distinct; \

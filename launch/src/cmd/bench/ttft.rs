@@ -2,7 +2,7 @@
 //! (cold, in RAM, on disk), each run beside its projection when a device profile is given.
 
 use crate::Common;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use flowprefill_coordinator::World;
 use flowprefill_lab::bench::ttft::{self as lab_ttft, Cache, Measure};
 
@@ -159,18 +159,6 @@ fn profile_files(given: &[std::path::PathBuf]) -> Vec<std::path::PathBuf> {
     calibration.into_iter().chain(given.iter().cloned()).collect()
 }
 
-/// Writes `bytes` to `path` through a temporary file beside it and a rename, so that a run that
-/// stops midway leaves the last complete file, never a half-written one.
-fn replace(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = std::path::PathBuf::from(tmp);
-    std::fs::write(&tmp, bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .map_err(|e| anyhow::anyhow!("renaming {} to {}: {e}", tmp.display(), path.display()))?;
-    Ok(())
-}
-
 /// Runs the benchmark.
 pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     crate::cmd::refuse_mpirun_without_mpi()?;
@@ -181,8 +169,15 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     );
     crate::ensure_usage!(ranks.iter().all(|&r| r >= 1), "--ranks values must be at least 1");
     flowprefill_lab::tasks::check_lengths(&lengths)?;
+    // A value twice would be measured twice, drawn as a line that doubles back, and (a rank
+    // count) taken for a second count.
+    flowprefill_lab::each_once("--lengths", "length", &lengths)?;
+    flowprefill_lab::each_once("--ranks", "rank count", &ranks)?;
     crate::ensure_usage!(a.doc_tokens >= 1, "--doc-tokens must be at least 1 token");
+    // Checked here, not by the first run's admission after the model loads.
+    flowprefill_coordinator::request::check_ratio(a.ratio).map_err(|e| crate::exit::usage(e.to_string()))?;
     let methods = flowprefill_coordinator::MethodSpec::parse_list(&a.methods)?;
+    flowprefill_lab::each_once("--methods", "method", &methods)?;
     measures_something(&methods, &ranks)?;
     crate::cmd::out_dir("--out", &a.out)?;
     let caches = a.cache.clone();
@@ -247,6 +242,13 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     // measured (and before the CSV of a previous run is replaced).
     let requests =
         lengths.iter().map(|&len| lab_ttft::request(&lm, len, a.doc_tokens)).collect::<Result<Vec<_>, _>>()?;
+    // The chart of an earlier study in this folder would stand beside this study's CSV until
+    // the end (or for good, if this one stops): it goes as the first point replaces the CSV.
+    let stale_chart = a.out.join("ttft.png");
+    if lead && stale_chart.is_file() {
+        std::fs::remove_file(&stale_chart).with_context(|| format!("removing {}", stale_chart.display()))?;
+        eprintln!("removed {} of an earlier study (drawn again at the end)", stale_chart.display());
+    }
     for (&len, (req, n_ctx)) in lengths.iter().zip(requests) {
         for &p in &ranks {
             if !enter_block(common, &lm, &mut world, p)? {
@@ -257,7 +259,7 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
                     points.extend(m.point(&mut world, &req, spec, cache, len, n_ctx, p, &mut log)?);
                     // After every point: a long study stopped midway keeps what it measured.
                     if lead {
-                        replace(&csv_path, m.csv.as_bytes())?;
+                        flowprefill_lab::eval::write_atomic(&csv_path, m.csv.as_bytes())?;
                     }
                 }
             }
