@@ -138,6 +138,36 @@ fn wait_with_deadline(child: &mut std::process::Child, limit: Duration) -> Optio
     None
 }
 
+/// Ranks started with different settings (here rank 0 with `--kv-dtype bf16`, as when a
+/// `FLOWPREFILL_*` variable reaches one host and not the other) are refused before any job,
+/// every process naming rank 1 and what differs, each with exit status 2; before, the first
+/// exchange failed on a truncated message (or, with another model of the same shape, answered).
+#[test]
+fn ranks_started_with_different_settings_are_refused_naming_what_differs() {
+    let (dir, doc_args) = docs("setup", 3, 6);
+    let run = |kv: Option<&str>| {
+        let mut a: Vec<String> = kv.map(|t| vec!["--kv-dtype".to_string(), t.to_string()]).unwrap_or_default();
+        a.push("run".into());
+        a.extend(doc_args.iter().cloned());
+        a.extend(["--query", "Which gate?", "--method", "infoflow", "--max-tokens", "2"].map(String::from));
+        a
+    };
+    let out = mpirun(1)
+        .arg(bin())
+        .args(run(Some("bf16")))
+        .args([":", "-np", "1"])
+        .arg(bin())
+        .args(run(None))
+        .output()
+        .expect("mpirun");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("the ranks were not started alike: rank 1: KV dtype f32 (rank 0: bf16)"), "{err}");
+    assert!(err.contains("mpirun -x FLOWPREFILL_MODEL"), "says how to pass the settings: {err}");
+    assert!(!err.contains("truncated") && !err.contains("out of step"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn a_killed_mpi_rank_ends_the_job_within_30_seconds_naming_it() {
     killed_rank_is_named_within_30_seconds("kill", &[]);

@@ -89,6 +89,8 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     crate::ensure_usage!(specs.len() == 1, "--method takes one method, e.g. full or infoflow@0.15");
     let spec = specs[0];
     super::check_thread_world(common, ranks)?;
+    let timeout = std::time::Duration::from_secs(600);
+    let start = super::mpi_start(timeout)?;
     let lm = std::sync::Arc::new(super::load_model(common)?);
     let source = if a.docs.is_empty() {
         Source::Prose { tokens: a.tokens, doc_tokens: a.doc_tokens }
@@ -96,8 +98,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         Source::Files(&a.docs)
     };
     let req = lab_decode::request(source, &a.query, &lm)?;
-    let timeout = std::time::Duration::from_secs(600);
-    let mut world = match super::mpi_world(common, &lm, timeout, true)? {
+    let mut world = match super::mpi_world(common, &lm, start, true)? {
         Some(w) => w,
         None => World::Threads(super::thread_world(common, lm.clone(), ranks, timeout)?),
     };

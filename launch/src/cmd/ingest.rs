@@ -150,6 +150,9 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let timeout = super::comm_timeout(args.comm_timeout)?;
     let (rank, size, mut comm) = ranks(timeout)?;
     let lm = Arc::new(super::load_model(common)?);
+    if let Some(c) = comm.as_mut() {
+        super::setup::agree(&mut **c, &lm)?;
+    }
     let engine = Engine::new(lm, flowprefill_coordinator::DEFAULT_STORE_BYTES).with_disk(Some(&tier));
     let started = Instant::now();
     let before = engine.store().disk_stats().unwrap_or_default();

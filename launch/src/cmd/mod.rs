@@ -13,6 +13,7 @@ pub mod importance;
 pub mod ingest;
 pub mod project;
 pub mod run;
+pub mod setup;
 pub mod store;
 pub mod train;
 pub mod tune;
@@ -347,20 +348,65 @@ impl flowprefill_coordinator::auto::Chooser for Unavailable {
     }
 }
 
-/// This process as one rank of an `mpirun` world (an engine on `lm`, the communicator's
-/// deadline `timeout`, with `attach` the device plane between the GPUs), or `None` when the
-/// process was not launched by mpirun (or the build has no MPI).
+/// This process's MPI communicator under mpirun, started before the model loads: MPI's start
+/// waits for every process, and started after the model, a rank that loads fast waited there
+/// for the slowest loader and gave up after MPI's start limit (120 s). The ranks then wait for
+/// each other at [`setup::agree`], which allows for loading.
+pub struct MpiStart {
+    #[cfg(feature = "mpi")]
+    comm: Option<flowprefill_comm::mpi::MpiComm>,
+}
+
+impl MpiStart {
+    /// Whether this process is one rank of an mpirun world.
+    pub fn is_mpi(&self) -> bool {
+        #[cfg(feature = "mpi")]
+        {
+            self.comm.is_some()
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            false
+        }
+    }
+
+    /// The communicator, under mpirun.
+    #[cfg(feature = "mpi")]
+    pub fn take(self) -> Option<flowprefill_comm::mpi::MpiComm> {
+        self.comm
+    }
+}
+
+/// Starts MPI when mpirun launched this process (its collectives' deadline `timeout`); a build
+/// without MPI under mpirun is refused ([`refuse_mpirun_without_mpi`]).
+pub fn mpi_start(timeout: std::time::Duration) -> Result<MpiStart> {
+    #[cfg(feature = "mpi")]
+    if flowprefill_comm::mpi::launched_by_mpirun() {
+        let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
+        flowprefill_comm::Communicator::set_timeout(&mut comm, timeout);
+        return Ok(MpiStart { comm: Some(comm) });
+    }
+    let _ = timeout;
+    refuse_mpirun_without_mpi()?;
+    Ok(MpiStart {
+        #[cfg(feature = "mpi")]
+        comm: None,
+    })
+}
+
+/// This process as one rank of an `mpirun` world (`start`'s communicator, an engine on `lm`,
+/// with `attach` the device plane between the GPUs) once every rank's setup agrees
+/// ([`setup::agree`]), or `None` when the process was not launched by mpirun (or the build has
+/// no MPI).
 pub fn mpi_world(
     common: &Common,
     lm: &std::sync::Arc<LoadedModel<Device>>,
-    timeout: std::time::Duration,
+    start: MpiStart,
     attach: bool,
 ) -> Result<Option<flowprefill_coordinator::World<Device>>> {
     #[cfg(feature = "mpi")]
-    if flowprefill_comm::mpi::launched_by_mpirun() {
-        use flowprefill_comm::Communicator;
-        let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
-        comm.set_timeout(timeout);
+    if let Some(mut comm) = start.take() {
+        setup::agree(&mut comm, lm)?;
         if attach {
             attach_device_plane(common, &mut comm)?;
         }
@@ -371,8 +417,8 @@ pub fn mpi_world(
             .with_chooser(chooser(common, true));
         return Ok(Some(flowprefill_coordinator::World::Mpi { comm: Box::new(comm), engine }));
     }
-    let _ = (common, lm, timeout, attach);
-    refuse_mpirun_without_mpi()?;
+    #[cfg(not(feature = "mpi"))]
+    let _ = (common, lm, start, attach);
     Ok(None)
 }
 

@@ -324,6 +324,11 @@ fn run_job(
         "--aux-model is CacheClip's scoring model, and method {} does not use one: drop it, or give --method cacheclip",
         args.method.method
     );
+    crate::ensure_usage!(
+        !under_mpirun || args.ranks.is_none_or(|r| r == 1),
+        "--ranks is for thread ranks; under mpirun every process is one rank (use -np N)"
+    );
+    let start = super::mpi_start(timeout)?;
     let lm = Arc::new(super::load_model(common)?);
     // On a GPU the op profile records an event per group of ops: only when --stats reads it.
     if common.device != flowprefill_kernels::DeviceSpec::Cpu && !args.stats {
@@ -336,11 +341,7 @@ fn run_job(
         )),
         None => None,
     };
-    anyhow::ensure!(
-        !under_mpirun || args.ranks.is_none_or(|r| r == 1),
-        "--ranks is for thread ranks; under mpirun every process is one rank (use -np N)"
-    );
-    let mut world = match super::mpi_world(common, &lm, timeout, true)? {
+    let mut world = match super::mpi_world(common, &lm, start, true)? {
         Some(w) => w,
         None => World::Threads(super::thread_world(common, lm.clone(), ranks, timeout)?),
     };

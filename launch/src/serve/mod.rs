@@ -380,12 +380,18 @@ impl Args {
 /// Runs the command.
 pub fn run(common: &Common, a: Args) -> Result<()> {
     let (addr, maddr, comm_timeout) = a.checked()?;
-    // A port in use is found now, in a second, not once the model has loaded.
+    // MPI first (a build without it refuses mpirun here, before a port is bound or the model
+    // loads), then a port in use is found now, in a second, not once the model has loaded.
+    let start = crate::cmd::mpi_start(comm_timeout)?;
+    crate::ensure_usage!(
+        !start.is_mpi() || a.ranks.is_none_or(|r| r == 1),
+        "--ranks is for thread ranks; under mpirun every process is one rank"
+    );
     let early = bind_early(addr, maddr)?;
     let lm = Arc::new(crate::cmd::load_model(common)?);
     let model = crate::cmd::model_label(common)?;
     let cfg = ServeConfig { memory_limit: common.memory_limit, store: common.disk_tier()?, ..a.config(model)? };
-    let Some((world, rebuild)) = world(common, &a, &lm, comm_timeout)? else {
+    let Some((world, rebuild)) = world(common, &a, &lm, start, comm_timeout)? else {
         return Ok(());
     };
     let service = Service::start(lm, world, rebuild, cfg)?;
@@ -442,18 +448,14 @@ fn world(
     common: &Common,
     a: &Args,
     lm: &Arc<LoadedModel<Device>>,
+    start: crate::cmd::MpiStart,
     comm_timeout: Duration,
 ) -> Result<Option<(World, Option<WorldFactory>)>> {
     let faults = flowprefill_coordinator::fault::FaultPlan::from_env();
     #[cfg(feature = "mpi")]
-    if flowprefill_comm::mpi::launched_by_mpirun() {
+    if let Some(mut comm) = start.take() {
         use flowprefill_comm::Communicator;
-        crate::ensure_usage!(
-            a.ranks.is_none_or(|r| r == 1),
-            "--ranks is for thread ranks; under mpirun every process is one rank"
-        );
-        let mut comm = flowprefill_comm::mpi::MpiComm::init()?;
-        comm.set_timeout(comm_timeout);
+        crate::cmd::setup::agree(&mut comm, lm)?;
         // With --device cuda: NCCL between the ranks' GPUs.
         crate::cmd::attach_device_plane(common, &mut comm)?;
         let engine = flowprefill_coordinator::Engine::new(lm.clone(), flowprefill_coordinator::DEFAULT_STORE_BYTES)
@@ -485,7 +487,8 @@ fn world(
         }
         return Ok(Some((World::Mpi { comm: Box::new(comm), engine }, None)));
     }
-    crate::cmd::refuse_mpirun_without_mpi()?;
+    #[cfg(not(feature = "mpi"))]
+    let _ = start;
     // Thread ranks (the world a failure rebuilds), every rank's store over the disk tier.
     let (ranks, disk) = (a.ranks.unwrap_or(1), common.disk_tier()?);
     let chooser = crate::cmd::chooser(common, false);

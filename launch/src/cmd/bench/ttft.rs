@@ -193,13 +193,14 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     }
     let (common, disk) = with_disk_tier(common, &caches, &a.out)?;
     let common = &common;
+    let timeout = std::time::Duration::from_secs(600);
+    let start = crate::cmd::mpi_start(timeout)?;
     let lm = std::sync::Arc::new(crate::cmd::load_model(common)?);
     // TTFT is the measure here: no op profile (on a GPU it records events).
     if common.device != flowprefill_kernels::DeviceSpec::Cpu {
         lm.model.profile().set_enabled(false);
     }
-    let timeout = std::time::Duration::from_secs(600);
-    let mut world = match crate::cmd::mpi_world(common, &lm, timeout, false)? {
+    let mut world = match crate::cmd::mpi_world(common, &lm, start, false)? {
         Some(w) => w,
         None => World::Threads(crate::cmd::thread_world(common, lm.clone(), 1, timeout)?),
     };

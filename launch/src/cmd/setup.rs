@@ -1,0 +1,109 @@
+//! Under mpirun: every process starts MPI before its model loads, and the ranks check that they
+//! were started alike (the same flowprefill, model, device kind and number formats) before
+//! their first job.
+//!
+//! Each process reads its own flags and `FLOWPREFILL_*` variables, and OpenMPI passes the
+//! launching shell's variables to other hosts only when asked (`mpirun -x NAME`): a rank on
+//! another host could load another model (a wrong answer when its shape is the same), store
+//! its K/V in another format (a truncated message at the first exchange) or run on another
+//! device kind (a collective the others never make). Nothing else compares them.
+
+use anyhow::Result;
+use flowprefill_comm::Communicator;
+use flowprefill_kernels::Backend;
+use flowprefill_worker::LoadedModel;
+use std::time::Duration;
+
+/// How long a rank waits at the check for the others to finish loading their model (a model
+/// on a network filesystem loads at different speeds on different hosts).
+pub const LOAD_WAIT: Duration = Duration::from_secs(1800);
+
+/// What must be the same on every rank, as (what, value) pairs.
+pub fn of<B: Backend>(lm: &LoadedModel<B>) -> Vec<(String, String)> {
+    let backend = lm.model.backend();
+    let none = || "none".to_string();
+    [
+        ("flowprefill", env!("CARGO_PKG_VERSION").to_string()),
+        ("model", format!("{} ({})", lm.model.config().name, lm.cache_identity)),
+        ("device kind", backend.name().to_string()),
+        ("KV dtype", backend.kv_dtype().to_string()),
+        ("activations", backend.act_dtype().to_string()),
+        ("KV Packet adapter", lm.adapter.as_ref().map_or_else(none, |a| a.hash.clone())),
+        ("LookaheadKV adapter", lm.model.lookahead_hash().map_or_else(none, str::to_string)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// Each rank's differences from rank 0's setup (`all[r]` is rank r's), one line per rank that
+/// differs: "rank 1: KV dtype bf16 (rank 0: f32)".
+pub fn differences(all: &[Vec<(String, String)>]) -> Vec<String> {
+    let Some(first) = all.first() else { return Vec::new() };
+    all.iter()
+        .enumerate()
+        .skip(1)
+        .filter_map(|(r, theirs)| {
+            let mut said = Vec::new();
+            for (what, zero) in first {
+                let v = theirs.iter().find(|(k, _)| k == what).map_or("not said", |(_, v)| v.as_str());
+                if v != zero {
+                    said.push(format!("{what} {v} (rank 0: {zero})"));
+                }
+            }
+            (!said.is_empty()).then(|| format!("rank {r}: {}", said.join(", ")))
+        })
+        .collect()
+}
+
+/// Every rank's setup gathered on every rank, and the same verdict on each: a usage error
+/// naming each rank that differs from rank 0 and how, on all of them (so that every process
+/// exits with the same status). Waits up to [`LOAD_WAIT`] for a rank still loading.
+pub fn agree<B: Backend>(comm: &mut dyn Communicator, lm: &LoadedModel<B>) -> Result<()> {
+    if comm.size() == 1 {
+        return Ok(());
+    }
+    let mine = serde_json::to_vec(&of(lm))?;
+    let timeout = comm.timeout();
+    comm.set_timeout(timeout.max(LOAD_WAIT));
+    let gathered = flowprefill_comm::all_gather_bytes(comm, "setup.agree", mine);
+    comm.set_timeout(timeout);
+    let all = gathered?
+        .iter()
+        .map(|b| serde_json::from_slice(b))
+        .collect::<std::result::Result<Vec<Vec<(String, String)>>, _>>()?;
+    let differ = differences(&all);
+    crate::ensure_usage!(
+        differ.is_empty(),
+        "the ranks were not started alike: {}; every rank must load the same model with the same settings: give \
+         them as flags, or pass the FLOWPREFILL_* variables to every host (`mpirun -x FLOWPREFILL_MODEL -x \
+         FLOWPREFILL_KV_DTYPE ...`)",
+        differ.join("; ")
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::differences;
+
+    fn setup(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn each_rank_that_differs_from_rank_0_is_named_with_what_differs() {
+        let zero = setup(&[("model", "m (a1)"), ("KV dtype", "f32")]);
+        let same = zero.clone();
+        let other = setup(&[("model", "m (b2)"), ("KV dtype", "bf16")]);
+        let short = setup(&[("model", "m (a1)")]);
+        assert!(differences(&[zero.clone(), same.clone()]).is_empty());
+        assert_eq!(
+            differences(&[zero, same, other, short]),
+            vec![
+                "rank 2: model m (b2) (rank 0: m (a1)), KV dtype bf16 (rank 0: f32)".to_string(),
+                "rank 3: KV dtype not said (rank 0: f32)".to_string(),
+            ]
+        );
+    }
+}
