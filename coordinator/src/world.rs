@@ -305,7 +305,9 @@ impl<B: Backend> ThreadRanks<B> {
         if self.broken.is_some() {
             return Ok(());
         }
-        Engine::<B>::idle(&mut self.comm).inspect_err(|e| self.mark_broken(e))
+        Engine::<B>::idle(&mut self.comm).inspect_err(|e| self.mark_broken(e))?;
+        self.leader.release_unused();
+        Ok(())
     }
 
     /// Marks the world broken by `e`, naming the follower that ended first where one did.
@@ -475,7 +477,11 @@ impl<B: Backend> World<B> {
     pub fn idle(&mut self) -> Result<()> {
         match self {
             World::Threads(t) => t.idle(),
-            World::Mpi { comm, .. } => Engine::<B>::idle(comm.as_mut()),
+            World::Mpi { comm, engine } => {
+                Engine::<B>::idle(comm.as_mut())?;
+                engine.release_unused();
+                Ok(())
+            }
         }
     }
 

@@ -481,6 +481,9 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Restarts the peak of [`Backend::memory_use`] from the bytes held now.
     fn reset_memory_peak(&self) {}
+    /// Gives memory the backend keeps for reuse but no buffer holds back to the system
+    /// (between jobs, when a service is idle); nothing on the CPU.
+    fn release_unused(&self) {}
     /// Bytes of the backend's own scratch for a forward of `rows` rows at most `width` wide
     /// (buffers the model does not see: bf16 copies of GEMM inputs, cuBLAS workspace); none
     /// on the CPU.

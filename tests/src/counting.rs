@@ -55,12 +55,18 @@ impl std::ops::AddAssign for Ran {
 pub struct Counting {
     cpu: Cpu,
     ran: Mutex<HashMap<(ThreadId, &'static str), Ran>>,
+    released: std::sync::atomic::AtomicU64,
 }
 
 impl Counting {
     /// A counting backend whose KV caches hold `kv` elements.
     pub fn with_kv_dtype(kv: DType) -> Self {
-        Self { cpu: Cpu::with_kv_dtype(kv), ran: Mutex::default() }
+        Self { cpu: Cpu::with_kv_dtype(kv), ran: Mutex::default(), released: Default::default() }
+    }
+
+    /// How many times [`flowprefill_kernels::Backend::release_unused`] was called.
+    pub fn released(&self) -> u64 {
+        self.released.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn add(&self, f: impl FnOnce(&mut Ran)) {
@@ -148,6 +154,9 @@ flowprefill_kernels::forward_backend! {
 
         fn name(&self) -> &'static str {
             "counting-cpu"
+        }
+        fn release_unused(&self) {
+            self.released.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         fn upload(&self, host: &[f32]) -> Result<HostBuf> {
             self.uploaded(host.len());

@@ -439,6 +439,16 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// Between jobs, when the world is idle: the device memory this rank's backends keep for
+    /// reuse goes back to the system ([`Backend::release_unused`]), so that an idle service
+    /// does not hold its last job's peak (on a GPU: for every other process on it).
+    pub fn release_unused(&self) {
+        self.lm.model.backend().release_unused();
+        if let Some(aux) = &self.aux {
+            aux.model.backend().release_unused();
+        }
+    }
+
     /// Ranks other than 0: runs the jobs rank 0 broadcasts until it stops; returns how many.
     /// A job that fails is over on every rank (see the module docs); only an error that breaks
     /// the world ends the rank, and a panic: the rank then leaves the world, telling the others
@@ -471,7 +481,10 @@ impl<B: Backend> Engine<B> {
             };
             let env = match next {
                 Next::Job(env) => *env,
-                Next::Idle => continue,
+                Next::Idle => {
+                    self.release_unused();
+                    continue;
+                }
                 Next::Stop => return Ok(done),
             };
             let watch = Watch::new(None, env.budget_ms.map(Duration::from_millis));

@@ -238,6 +238,7 @@ macro_rules! for_each_backend_op {
             fn memory() -> Option<$crate::Memory>;
             fn memory_use() -> Option<$crate::MemoryUse>;
             fn reset_memory_peak();
+            fn release_unused();
             fn scratch_bytes(rows: usize, width: usize) -> usize;
             fn prefill_rows() -> usize;
             fn gathered_keys() -> usize;

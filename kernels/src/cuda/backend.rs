@@ -125,6 +125,8 @@ impl CudaBackend {
             backend: "cuda",
             detail: format!("there is no GPU {ordinal} (this machine has {})", devices.len()),
         })?;
+        gpu::check_capability(&format!("GPU {ordinal} ({})", d.name), d.compute_capability)
+            .map_err(|detail| KernelError::Backend { backend: "cuda", detail })?;
         let arch = gpu::compile_arch(d.compute_capability);
         // cudarc panics on a library it cannot load: say which is missing and where we looked.
         for lib in ["NVRTC", "cuBLAS", "cuBLASLt"] {
@@ -135,7 +137,8 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("multiprocessor count", e))?
             .max(1) as u32;
-        let super::settings::Settings { fixed, gathered_keys } = super::settings::Settings::from_env()?;
+        let super::settings::Settings { fixed, gathered_keys, tune_off, pinned_control } =
+            super::settings::Settings::from_env()?;
         let driver = super::versions().driver.unwrap_or(0);
         // SAFETY: every op of this backend runs on `stream`, one stream, so cudarc's per-buffer
         // events order nothing (two made with every allocation and destroyed with it, recorded
@@ -186,7 +189,7 @@ impl CudaBackend {
             occupancy: Mutex::new(occupancy),
             gpu_name: d.name.clone(),
             driver,
-            tuning: super::tuning::Tuning::new(fixed),
+            tuning: super::tuning::Tuning::new(fixed, tune_off),
             weights,
             kv,
             gathered_keys,
@@ -195,12 +198,25 @@ impl CudaBackend {
             attn_q: Scratch::new(epoch.clone()),
             part_out: Scratch::new(epoch.clone()),
             part_lse: Scratch::new(epoch.clone()),
-            control: ControlCache::new(),
+            control: ControlCache::new(pinned_control),
             recorder: super::graph::Recorder::new(epoch),
             staging: Default::default(),
         };
         // The Hopper attention runs only after it computed a known problem as flash2 does on
         // this very GPU; otherwise flash2 (and its autotuner) with one line saying why.
+        // A fixed flash2 configuration other than 0 is not among the kernels loaded above: it
+        // loads now (every attention call failed with "was not loaded" before).
+        if let Some(k @ ops::FlashKernel::Fa2(_)) = fixed {
+            backend.ready(k).map_err(|e| {
+                err(
+                    "FLOWPREFILL_FLASH_KERNEL",
+                    format!(
+                        "{} did not load on cuda:{ordinal} ({e}); give another configuration, or unset it",
+                        k.name()
+                    ),
+                )
+            })?;
+        }
         if let Some(ops::FlashKernel::Hopper(c)) = fixed {
             if let Err(e) = backend.hopper_verified(c) {
                 eprintln!(
@@ -208,7 +224,7 @@ impl CudaBackend {
                 );
                 // The mode the backend would have without the variable; the failed verdict is
                 // kept (the autotuner does not retry it).
-                backend.tuning.mode = super::tuning::Tuning::new(None).mode;
+                backend.tuning.mode = super::tuning::Tuning::new(None, tune_off).mode;
             }
         }
         Ok(backend)
@@ -375,6 +391,12 @@ impl Backend for CudaBackend {
     fn reset_memory_peak(&self) {
         // Not fatal: the next peak then includes earlier ones.
         let _ = buffers::reset_pool_peak(self.stream.context());
+    }
+
+    fn release_unused(&self) {
+        if let Err(e) = buffers::trim_pool(self.stream.context()) {
+            eprintln!("flowprefill: cuda:{}: the memory pool was not trimmed: {e}", self.ordinal);
+        }
     }
 
     fn scratch_bytes(&self, rows: usize, width: usize) -> usize {

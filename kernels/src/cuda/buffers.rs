@@ -282,8 +282,8 @@ impl ControlCache {
     /// Bytes kept (an entry larger than this is uploaded and not kept).
     pub(crate) const BYTES: usize = 16 << 20;
 
-    pub(crate) fn new() -> Self {
-        let pinned = std::env::var("FLOWPREFILL_PINNED_CONTROL").map_or(true, |v| v.trim() != "0");
+    /// `pinned`: misses are copied through the page-locked ring.
+    pub(crate) fn new(pinned: bool) -> Self {
         Self { entries: Mutex::new(Vec::new()), ring: pinned.then(|| Mutex::new(None)) }
     }
 
@@ -422,6 +422,20 @@ pub(crate) fn reset_pool_peak(ctx: &Arc<CudaContext>) -> Result<()> {
 }
 
 /// Sets a u64 attribute of the device's default pool (nothing on a device without one).
+/// Returns the default pool's memory that no allocation holds to the driver (the pool keeps
+/// freed memory for reuse, [`keep_freed_memory`]: after one long job, its peak stayed reserved
+/// while the process sat idle, taken for every other process on the GPU and for allocations
+/// outside the pool, NCCL's and cuBLAS's).
+pub(crate) fn trim_pool(ctx: &Arc<CudaContext>) -> Result<()> {
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    let pool = default_pool(ctx)?;
+    // SAFETY: `pool` is a valid pool handle (the context is current); trimming releases only
+    // memory that backs no outstanding allocation.
+    unsafe { cudarc::driver::result::mem_pool::trim_to(pool, 0).map_err(|e| err("memory pool", e)) }
+}
+
 fn set_pool_attribute(
     ctx: &Arc<CudaContext>,
     attr: cudarc::driver::sys::CUmemPool_attribute,

@@ -56,8 +56,23 @@ pub(super) fn load_file(
             std::env::var(gpu::SOURCES_ENV).unwrap_or_default()
         );
     }
-    let cubin = nvrtc::cached(file.name, &program, arch)?;
-    let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| err(file.name, e))?;
+    let (cubin, entry) = nvrtc::cached(file.name, &program, arch)?;
+    let module = match (ctx.load_module(Ptx::from_binary(cubin)), entry) {
+        (Ok(m), _) => m,
+        // A damaged entry of the cache (a write cut short) failed every later start: it is
+        // dropped and compiled again, once.
+        (Err(e), Some(path)) => {
+            eprintln!(
+                "flowprefill: cuda:{}: {} from the kernel cache did not load ({e}); compiling it again",
+                ctx.ordinal(),
+                path.display()
+            );
+            let _ = std::fs::remove_file(&path);
+            let (cubin, _) = nvrtc::cached(file.name, &program, arch)?;
+            ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| err(file.name, e))?
+        }
+        (Err(e), None) => return Err(err(file.name, e)),
+    };
     let mut out = Vec::with_capacity(budgets.len());
     for k in budgets {
         let f = module.load_function(k.kernel).map_err(|e| err(k.kernel, e))?;

@@ -268,8 +268,9 @@ pub fn cache_dir() -> PathBuf {
 }
 
 /// The CUBIN of `name` for `arch`: from the cache if this exact source was compiled for it
-/// before, else compiled now and kept (a cache that cannot be written is only a slower start).
-pub fn cached(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
+/// before (with the entry's path, so that one the driver refuses can be dropped and compiled
+/// again), else compiled now and kept (a cache that cannot be written is only a slower start).
+pub fn cached(name: &str, source: &str, arch: &str) -> Result<(Vec<u8>, Option<PathBuf>)> {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for b in source.bytes().chain(arch.bytes()) {
         h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
@@ -277,17 +278,23 @@ pub fn cached(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
     let path = cache_dir().join(format!("{}-{arch}-{h:016x}.cubin", name.trim_end_matches(".cu")));
     if let Ok(bytes) = std::fs::read(&path) {
         if !bytes.is_empty() {
-            return Ok(bytes);
+            return Ok((bytes, Some(path)));
         }
     }
     let c = compile(name, source, arch)?;
     if let Some(dir) = path.parent() {
-        let tmp = path.with_extension("tmp");
-        if std::fs::create_dir_all(dir).is_ok() && std::fs::write(&tmp, &c.cubin).is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
+        // The temporary file is this process's and thread's: the ranks of a fresh node compile
+        // the same kernels at once, and one shared name let a rank rename another's half-written
+        // file into place.
+        let tmp = path.with_extension(crate::gpu::temporary_suffix());
+        if std::fs::create_dir_all(dir).is_ok()
+            && std::fs::write(&tmp, &c.cubin).is_ok()
+            && std::fs::rename(&tmp, &path).is_err()
+        {
+            let _ = std::fs::remove_file(&tmp);
         }
     }
-    Ok(c.cubin)
+    Ok((c.cubin, None))
 }
 
 #[cfg(test)]

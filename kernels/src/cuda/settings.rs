@@ -11,6 +11,20 @@ pub(super) struct Settings {
     /// Keys gathered for one attention call over many sources (`Backend::gathered_keys`):
     /// `FLOWPREFILL_GATHERED_KEYS`, or [`crate::GPU_GATHERED_KEYS`].
     pub gathered_keys: usize,
+    /// `FLOWPREFILL_TUNE=off`: the autotuner never times (`auto`, the default: it does).
+    pub tune_off: bool,
+    /// Control data copied through a page-locked ring (`FLOWPREFILL_PINNED_CONTROL`: `1`, the
+    /// default, or `0` for the pageable copy).
+    pub pinned_control: bool,
+}
+
+/// `var`'s value `v` as one of `choices` (value, meaning), refused naming the variable and
+/// every choice otherwise (`FLOWPREFILL_TUNE=0` meant `auto`, the opposite of what was meant).
+fn one_of<T: Copy>(var: &str, v: &str, choices: &[(&str, T)]) -> Result<T> {
+    choices.iter().find(|(name, _)| *name == v.trim()).map(|(_, t)| *t).ok_or_else(|| KernelError::Backend {
+        backend: "cuda",
+        detail: format!("{var}={v:?}: give {}", choices.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(" or ")),
+    })
 }
 
 impl Settings {
@@ -30,6 +44,29 @@ impl Settings {
             })?,
             Err(_) => crate::backend::GPU_GATHERED_KEYS,
         };
-        Ok(Self { fixed, gathered_keys })
+        let var = |name: &str| std::env::var(name).ok();
+        let tune_off = match var("FLOWPREFILL_TUNE") {
+            Some(v) => one_of("FLOWPREFILL_TUNE", &v, &[("auto", false), ("off", true)])?,
+            None => false,
+        };
+        let pinned_control = match var("FLOWPREFILL_PINNED_CONTROL") {
+            Some(v) => one_of("FLOWPREFILL_PINNED_CONTROL", &v, &[("1", true), ("0", false)])?,
+            None => true,
+        };
+        Ok(Self { fixed, gathered_keys, tune_off, pinned_control })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_switch_takes_its_documented_values_only() {
+        let tune = [("auto", false), ("off", true)];
+        assert!(super::one_of("FLOWPREFILL_TUNE", "off", &tune).unwrap());
+        assert!(!super::one_of("FLOWPREFILL_TUNE", " auto ", &tune).unwrap());
+        for bad in ["0", "OFF", "false", ""] {
+            let e = super::one_of("FLOWPREFILL_TUNE", bad, &tune).expect_err(bad).to_string();
+            assert!(e.contains("FLOWPREFILL_TUNE=") && e.contains("give auto or off"), "{e}");
+        }
     }
 }

@@ -68,7 +68,7 @@ impl CudaBackend {
 
     /// Makes `kernel` ready to launch: a flash2 configuration loaded (compiled on first use),
     /// the Hopper kernel verified on this GPU (compute capability 9.0, its self-check passed).
-    fn ready(&self, kernel: FlashKernel) -> Result<()> {
+    pub(super) fn ready(&self, kernel: FlashKernel) -> Result<()> {
         match kernel {
             FlashKernel::Fa2(c) => self.load_config("flash2.cu", c as usize),
             FlashKernel::Hopper(c) => self.hopper_verified(c),
@@ -133,6 +133,13 @@ impl CudaBackend {
         let settled = self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).get(&slot).copied();
         if let Some((c, b)) = settled {
             return (tune::kernel_of(c), b);
+        }
+        // Inside a decode step being recorded as a CUDA graph nothing may wait on the device (the
+        // tuner's timing, a self-check's download, a module load): that invalidated the capture
+        // (graphs off for the process) and pinned configuration 0. This call takes the default,
+        // not kept: the next call outside a recording settles the choice.
+        if self.recording_here() {
+            return (FlashKernel::Fa2(0), DEFAULT_BLOCKS_PER_SM);
         }
         let key = self.tune_key(dims.head_dim, class);
         let on_file = self.with_table(|t| t.get(&key).map(|e| (e.config, e.blocks_per_sm)));

@@ -29,11 +29,12 @@ pub(crate) struct Tuning {
 }
 
 impl Tuning {
-    pub(crate) fn new(fixed: Option<FlashKernel>) -> Self {
-        let mode = match (fixed, std::env::var("FLOWPREFILL_TUNE").as_deref()) {
+    /// Fixed to `fixed`, else never timing (`off`: `FLOWPREFILL_TUNE=off`), else automatic.
+    pub(crate) fn new(fixed: Option<FlashKernel>, off: bool) -> Self {
+        let mode = match (fixed, off) {
             (Some(k), _) => Mode::Fixed(k),
-            (None, Ok("off")) => Mode::Off,
-            _ => Mode::Auto,
+            (None, true) => Mode::Off,
+            (None, false) => Mode::Auto,
         };
         Self {
             mode,

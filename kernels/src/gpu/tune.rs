@@ -184,7 +184,8 @@ impl TuneTable {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        let tmp = path.with_extension(format!("tsv.{}.tmp", std::process::id()));
+        // This process's and thread's: thread ranks tune at once in one process.
+        let tmp = path.with_extension(format!("tsv.{}", super::temporary_suffix()));
         std::fs::write(&tmp, self.render())?;
         std::fs::rename(&tmp, path)
     }

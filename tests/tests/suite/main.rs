@@ -14,6 +14,7 @@ mod errors;
 mod eviction;
 mod forward_equivalence;
 mod host_copies;
+mod idle;
 mod kv_bf16;
 mod kvpacket;
 mod lookahead;

@@ -151,8 +151,8 @@ impl std::str::FromStr for FlashKernel {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         FlashKernel::every().into_iter().find(|k| k.name() == s).ok_or_else(|| {
             format!(
-                "unknown tensor-core attention kernel {s:?}: use fa2 (the default configuration, or the one \
-                 `flowprefill tune` chose), fa2:c1 .. fa2:c{} (one configuration), reference, hopper or \
+                "unknown tensor-core attention kernel {s:?}: use fa2 (flash2's default configuration; unset \
+                 the variable for the one `flowprefill tune` chose), fa2:c1 .. fa2:c{} (one configuration), reference, hopper or \
                  hopper:c1 .. hopper:c{} (compute capability 9.0)",
                 shapes::FA2_CONFIGS.len() - 1,
                 shapes::HOPPER_CONFIGS.len() - 1
