@@ -404,6 +404,18 @@ fn train_lookahead_then_evict_and_score_with_it() {
     assert!(adapter.exists() && dir.join("loss.png").exists(), "{text}");
     assert!(text.contains(&format!("adapter written to {}", adapter.display())), "{text}");
     assert_left_alone(&mine, &sentinel);
+    // KV Packet's run into the same folder finds LookaheadKV's checkpoint: refused as another
+    // run (exit 2), never called damaged, and the checkpoint stays.
+    let ckpt = std::fs::read(dir.join("checkpoint.safetensors")).expect("a checkpoint");
+    let out = bin()
+        .args(["train", "kvpacket", "--tasks", "niah_single", "--length", "300", "--samples", "2"])
+        .args(["--out", dir.to_str().unwrap()])
+        .output()
+        .expect("train kvpacket");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("another method's run") && !err.contains("damaged"), "{err}");
+    assert_eq!(std::fs::read(dir.join("checkpoint.safetensors")).unwrap(), ckpt, "left as it was");
 
     let (docs_dir, doc_args) = write_docs("run-lookahead", &["The north gate code is 4417.", "Bees make honey."]);
     let mut args: Vec<&str> = vec!["run"];
@@ -416,11 +428,23 @@ fn train_lookahead_then_evict_and_score_with_it() {
     assert!(ok, "{err}");
     assert!(out.contains("evicted (lookahead, window 32)"), "{out}");
 
-    let out = bin()
-        .args(["importance", "--tasks", "niah_single", "--lengths", "300", "--samples", "1", "--budgets", "16"])
-        .args(["--lookahead-adapter", adapter.to_str().unwrap()])
-        .output()
-        .expect("importance");
+    let importance = |given: Option<&std::path::Path>| {
+        let mut c = bin();
+        c.args(["importance", "--tasks", "niah_single", "--lengths", "300", "--samples", "1", "--budgets", "16"]);
+        if let Some(a) = given {
+            c.arg("--lookahead-adapter").arg(a);
+        }
+        c.output().expect("importance")
+    };
+    // The adapter that scores is the one given (its hash), not the built-in one.
+    let hash_of = |o: &std::process::Output| {
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        let line = err.lines().find(|l| l.starts_with("LookaheadKV adapter ")).map(str::to_string);
+        line.unwrap_or_else(|| panic!("no adapter line: {err}"))
+    };
+    let built_in = hash_of(&importance(None));
+    let out = importance(Some(&adapter));
+    assert_ne!(hash_of(&out), built_in, "--lookahead-adapter is the adapter used");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let row = text.lines().find(|l| l.starts_with("| niah_single | 300 | 16 |")).unwrap_or_else(|| panic!("{text}"));

@@ -171,6 +171,10 @@ fn outputs_and_ranges_are_checked_before_any_work() {
         (&["bench", "prefill", "--tokens", "9000"][..], "context window of 8192"),
         (&["bench", "load", "--max-jobs", "0"][..], "--max-jobs"),
         (&["bench", "stream", "--slack", "0,0.5,0"][..], "--slack gives 0 twice"),
+        // Cases go to the model directly: a context past the window is refused, not run.
+        (&["train", "lookahead", "--length", "8000", "--out", "/tmp/fp-never"][..], "give at most 7680"),
+        (&["importance", "--lengths", "300,9000"][..], "--lengths 9000: the model's window is 8192"),
+        (&["importance", "--lengths", "300", "--budgets", "16,16"][..], "--budgets gives 16 twice"),
     ] {
         let err = refused(args, want);
         assert!(!err.contains("loaded "), "{args:?} loaded the model first: {err}");

@@ -27,6 +27,12 @@ pub struct AdapterMeta {
     pub header: usize,
     /// Trailer rows.
     pub trailer: usize,
+    /// The weights it was trained with (the model's cache identity: the fingerprint and a
+    /// digest of every weight tensor), so that a fine-tune sharing the embedding is refused;
+    /// absent in adapters made before it was recorded (the built-in ones carry it in
+    /// [`SHIPPED`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<String>,
     /// How it was trained (the command's settings, samples, epochs, final loss), as written by
     /// `flowprefill train kvpacket`.
     #[serde(default)]
@@ -126,8 +132,9 @@ impl Adapter {
         out
     }
 
-    /// Refuses an adapter trained for another model.
-    pub fn check_model(&self, fingerprint: &str, name: &str, d_model: usize) -> Result<()> {
+    /// Refuses an adapter trained for another model (`fingerprint`, `weights`: the model's
+    /// [`crate::LoadedModel::fingerprint`] and [`crate::LoadedModel::cache_identity`]).
+    pub fn check_model(&self, fingerprint: &str, weights: &str, name: &str, d_model: usize) -> Result<()> {
         let at = self.path.clone().unwrap_or_default();
         if self.d_model != d_model {
             return Err(bad(
@@ -149,7 +156,7 @@ impl Adapter {
                 ),
             ));
         }
-        Ok(())
+        check_weights(&at, self.meta.weights.as_deref(), weights, &self.meta.model_name, "kvpacket")
     }
 
     /// Writes the adapter (safetensors, metadata included), through a temporary file so that a
@@ -163,7 +170,7 @@ impl Adapter {
         let info = HashMap::from([(META.to_string(), meta)]);
         let data = safetensors::serialize([(TENSOR, view)], Some(info))
             .map_err(|e| bad(path, format!("cannot serialise: {e}")))?;
-        let tmp = path.with_extension("partial");
+        let tmp = path.with_extension(format!("partial.{}", std::process::id()));
         let io = |what: &str| {
             let what = format!("{what} {}", path.display());
             move |source| WorkerError::Io { what, source }
@@ -220,26 +227,57 @@ impl Adapter {
 /// The adapters trained by the project (`adapters/` in the repository; how each was trained is
 /// in its metadata and in docs/kvpacket.md), built into the binary: `--method kvpacket` works
 /// with the models flowprefill fetches without an `--adapter`.
-const SHIPPED: &[(&str, &[u8])] = &[
+const SHIPPED: &[(&str, &[u8], &str)] = &[
     (
         "adapters/smollm2-135m-instruct.kvpacket.safetensors",
         include_bytes!("../../adapters/smollm2-135m-instruct.kvpacket.safetensors"),
+        SMOLLM2_WEIGHTS,
     ),
     (
         "adapters/qwen2.5-coder-0.5b-instruct.kvpacket.safetensors",
         include_bytes!("../../adapters/qwen2.5-coder-0.5b-instruct.kvpacket.safetensors"),
+        QWEN_CODER_WEIGHTS,
     ),
 ];
 
-/// The shipped adapter trained for the weights `fingerprint`, if there is one.
-pub fn shipped(fingerprint: &str) -> Result<Option<Adapter>> {
-    for (name, bytes) in SHIPPED {
+/// The shipped adapter trained for the model `fingerprint` with these `weights` (its cache
+/// identity), if there is one: a fine-tune sharing the embedding has no built-in adapter.
+pub fn shipped(fingerprint: &str, weights: &str) -> Result<Option<Adapter>> {
+    for (name, bytes, trained_with) in SHIPPED {
         let a = Adapter::from_bytes(bytes, Path::new(name))?;
-        if a.meta.model == fingerprint {
+        if a.meta.model == fingerprint && *trained_with == weights {
             return Ok(Some(a));
         }
     }
     Ok(None)
+}
+
+/// The weights (cache identities) of the models flowprefill fetches, which the built-in
+/// adapters were trained with (their files predate the `weights` field).
+pub(crate) const SMOLLM2_WEIGHTS: &str = "55cc427940c0941e-92533cb7a4c9ff1af88415d17b009fd5";
+/// Qwen2.5-Coder-0.5B-Instruct Q4_K_M's.
+pub(crate) const QWEN_CODER_WEIGHTS: &str = "d1a85f95b4c86514-2dd5640dd8a215b18125d0708de9a19b";
+
+/// Refuses an adapter whose recorded `trained` weights are not `weights` (the same embedding
+/// and shape, other layers: a fine-tune); one that recorded none is let through.
+pub(crate) fn check_weights(
+    at: &Path,
+    trained: Option<&str>,
+    weights: &str,
+    model_name: &str,
+    method: &str,
+) -> Result<()> {
+    match trained {
+        Some(w) if w != weights => Err(bad(
+            at,
+            format!(
+                "it was trained for {model_name} with other weights ({w}) than this model's ({weights}): the same \
+                 embedding and shape with other layers, a fine-tune of it; pass an adapter trained for this model \
+                 (flowprefill train {method} --model ...)"
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -252,6 +290,7 @@ mod tests {
             model_name: "tiny".into(),
             header: 2,
             trailer: 1,
+            weights: Some("abc-w1".into()),
             training: serde_json::json!({"steps": 3}),
         }
     }
@@ -261,10 +300,14 @@ mod tests {
     #[test]
     fn shipped_adapters_parse() {
         let mut names = Vec::new();
-        for (name, bytes) in SHIPPED {
+        for (name, bytes, weights) in SHIPPED {
             let a = Adapter::from_bytes(bytes, Path::new(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!((a.meta.header, a.meta.trailer), (8, 8), "{name}");
-            let found = shipped(&a.meta.model).unwrap().unwrap_or_else(|| panic!("{name}: not found by its model"));
+            assert!(weights.starts_with(&format!("{}-", a.meta.model)), "{name}: weights of another model");
+            let found =
+                shipped(&a.meta.model, weights).unwrap().unwrap_or_else(|| panic!("{name}: not found by its model"));
+            // A fine-tune sharing the embedding (the same fingerprint, other weights) has none.
+            assert!(shipped(&a.meta.model, &format!("{}-0000", a.meta.model)).unwrap().is_none(), "{name}");
             assert_eq!(found.hash, a.hash, "{name}: two shipped adapters claim one model");
             names.push(a.meta.model_name.clone());
         }
@@ -275,7 +318,7 @@ mod tests {
                 "no adapter for {model} among {names:?}"
             );
         }
-        assert!(shipped("no such model").unwrap().is_none());
+        assert!(shipped("no such model", "no such weights").unwrap().is_none());
     }
 
     #[test]
@@ -288,10 +331,12 @@ mod tests {
         let b = Adapter::load(&path).unwrap();
         assert_eq!((b.rows.clone(), b.meta.clone(), b.hash.clone()), (a.rows.clone(), a.meta.clone(), a.hash.clone()));
         assert_eq!(b.wrap(&[7, 8], 100), vec![100, 101, 7, 8, 102]);
-        b.check_model("abc", "tiny", 4).unwrap();
-        let e = b.check_model("abd", "other", 4).unwrap_err().to_string();
+        b.check_model("abc", "abc-w1", "tiny", 4).unwrap();
+        let e = b.check_model("abd", "abd-w1", "other", 4).unwrap_err().to_string();
         assert!(e.contains("trained for tiny") && e.contains("not for other"), "{e}");
-        let e = b.check_model("abc", "wide", 8).unwrap_err().to_string();
+        let e = b.check_model("abc", "abc-w2", "tiny", 4).unwrap_err().to_string();
+        assert!(e.contains("other weights (abc-w1) than this model's (abc-w2)"), "a fine-tune: {e}");
+        let e = b.check_model("abc", "abc-w1", "wide", 8).unwrap_err().to_string();
         assert!(e.contains("hidden size of 8"), "{e}");
         let other = Adapter::new(meta(), 4, (0..12).map(|i| i as f32).collect()).unwrap();
         assert_ne!(other.hash, a.hash, "the hash follows the rows");

@@ -122,7 +122,7 @@ impl<B: Backend> LoadedModel<B> {
     /// for these weights.
     pub fn use_adapter(&mut self, adapter: adapter::Adapter) -> Result<()> {
         let c = self.model.config();
-        adapter.check_model(&self.fingerprint, &c.name, c.d_model)?;
+        adapter.check_model(&self.fingerprint, &self.cache_identity, &c.name, c.d_model)?;
         self.model.set_adapter(Some(&adapter))?;
         self.adapter = Some(adapter);
         Ok(())
@@ -131,7 +131,7 @@ impl<B: Backend> LoadedModel<B> {
     /// Makes `--evict lookahead` (and `--method lookahead`) score with `adapter` after checking
     /// it was trained for these weights.
     pub fn use_lookahead(&mut self, adapter: &lookahead::LookaheadAdapter) -> Result<()> {
-        adapter.check_model(&self.fingerprint, self.model.config())?;
+        adapter.check_model(&self.fingerprint, &self.cache_identity, self.model.config())?;
         self.model.set_lookahead(Some(adapter))
     }
 

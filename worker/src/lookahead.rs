@@ -103,6 +103,9 @@ pub struct LookaheadMeta {
     pub rank: usize,
     /// LoRA alpha.
     pub alpha: f32,
+    /// The weights it was trained with (see [`crate::adapter::AdapterMeta::weights`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<String>,
     /// How it was trained (written by `flowprefill train lookahead`).
     #[serde(default)]
     pub training: serde_json::Value,
@@ -182,8 +185,9 @@ impl LookaheadAdapter {
         self.meta.alpha / self.meta.rank as f32
     }
 
-    /// Refuses an adapter trained for another model.
-    pub fn check_model(&self, fingerprint: &str, cfg: &ModelConfig) -> Result<()> {
+    /// Refuses an adapter trained for another model (`fingerprint`, `weights`: the model's
+    /// [`crate::LoadedModel::fingerprint`] and [`crate::LoadedModel::cache_identity`]).
+    pub fn check_model(&self, fingerprint: &str, weights: &str, cfg: &ModelConfig) -> Result<()> {
         let at = self.path.clone().unwrap_or_default();
         let again = "pass the adapter trained for this model (flowprefill train lookahead --model ...)";
         if self.d_model != cfg.d_model || self.n_layers != cfg.n_layers {
@@ -204,7 +208,7 @@ impl LookaheadAdapter {
                 ),
             ));
         }
-        Ok(())
+        crate::adapter::check_weights(&at, self.meta.weights.as_deref(), weights, &self.meta.model_name, "lookahead")
     }
 
     /// Writes the adapter (safetensors with metadata) through a temporary file.
@@ -222,7 +226,7 @@ impl LookaheadAdapter {
         let info = HashMap::from([(META.to_string(), meta)]);
         let data =
             safetensors::serialize(views, Some(info)).map_err(|e| bad(path, format!("cannot serialise: {e}")))?;
-        let tmp = path.with_extension("partial");
+        let tmp = path.with_extension(format!("partial.{}", std::process::id()));
         let io = |what: &str| {
             let what = format!("{what} {}", path.display());
             move |source| WorkerError::Io { what, source }
@@ -258,7 +262,20 @@ impl LookaheadAdapter {
         let mut tensors = Vec::new();
         for (name, [r, c]) in tensor_specs(cfg, meta.rows, meta.rank) {
             let t = st.tensor(&name).map_err(|_| {
-                corrupt(format!("no `{name}` tensor (is it for another model than {} layers?)", cfg.n_layers))
+                if meta.model_name != cfg.name {
+                    // Another model's adapter of the same width (fewer layers): say so, not
+                    // "damaged".
+                    bad(
+                        origin,
+                        format!(
+                            "it was trained for {}, not for {} (it has no `{name}` tensor for its {} layers); pass the \
+                             adapter trained for this model (flowprefill train lookahead --model ...)",
+                            meta.model_name, cfg.name, cfg.n_layers
+                        ),
+                    )
+                } else {
+                    corrupt(format!("no `{name}` tensor (is it for another model than {} layers?)", cfg.n_layers))
+                }
             })?;
             if t.dtype() != safetensors::Dtype::F32 || t.shape() != [r, c] {
                 return Err(bad(
@@ -280,20 +297,26 @@ impl LookaheadAdapter {
 }
 
 /// The LookaheadKV adapters trained by the project (`adapters/`), built into the binary.
-const SHIPPED: &[(&str, &[u8])] = &[
+const SHIPPED: &[(&str, &[u8], &str)] = &[
     (
         "adapters/smollm2-135m-instruct.lookahead.safetensors",
         include_bytes!("../../adapters/smollm2-135m-instruct.lookahead.safetensors"),
+        crate::adapter::SMOLLM2_WEIGHTS,
     ),
     (
         "adapters/qwen2.5-coder-0.5b-instruct.lookahead.safetensors",
         include_bytes!("../../adapters/qwen2.5-coder-0.5b-instruct.lookahead.safetensors"),
+        crate::adapter::QWEN_CODER_WEIGHTS,
     ),
 ];
 
-/// The shipped LookaheadKV adapter trained for the weights `fingerprint`, if there is one.
-pub fn shipped(fingerprint: &str, cfg: &ModelConfig) -> Result<Option<LookaheadAdapter>> {
-    for (name, bytes) in SHIPPED {
+/// The shipped LookaheadKV adapter trained for the model `fingerprint` with these `weights`
+/// (its cache identity), if there is one: a fine-tune sharing the embedding has none.
+pub fn shipped(fingerprint: &str, weights: &str, cfg: &ModelConfig) -> Result<Option<LookaheadAdapter>> {
+    for (name, bytes, trained_with) in SHIPPED {
+        if *trained_with != weights {
+            continue;
+        }
         // Only the adapter of this model parses with its shapes: look at the metadata first.
         let (_, header) = safetensors::SafeTensors::read_metadata(bytes)
             .map_err(|e| bad(Path::new(name), format!("no header ({e})")))?;
@@ -342,6 +365,7 @@ mod tests {
             rows: 4,
             rank: 2,
             alpha: 8.0,
+            weights: None,
             training: serde_json::json!({"steps": 1}),
         };
         let tensors = tensor_specs(cfg, 4, 2)
@@ -365,15 +389,20 @@ mod tests {
         assert_eq!(b.scale(), 4.0);
         let (qa, qb) = b.lora(1, Proj::K);
         assert_eq!((qa.len(), qb.len()), (2 * cfg.d_model, cfg.kv_dim() * 2));
-        b.check_model("abc", &cfg).unwrap();
-        let e = b.check_model("abd", &cfg).unwrap_err().to_string();
+        // No weights recorded (an adapter of before): any weights of the fingerprint pass.
+        b.check_model("abc", "abc-w", &cfg).unwrap();
+        let e = b.check_model("abd", "abd-w", &cfg).unwrap_err().to_string();
         assert!(e.contains("trained for tiny") && e.contains("train lookahead"), "{e}");
         let mut deeper = cfg.clone();
         deeper.n_layers += 1;
-        let e = b.check_model("abc", &deeper).unwrap_err().to_string();
+        let e = b.check_model("abc", "abc-w", &deeper).unwrap_err().to_string();
         assert!(e.contains("layers"), "{e}");
         let e = LookaheadAdapter::load(&path, &deeper).unwrap_err().to_string();
         assert!(e.contains("no `blk.") && e.contains("damaged"), "{e}");
+        // Another model of the same width and more layers: named, not "damaged".
+        deeper.name = "deeper".into();
+        let e = LookaheadAdapter::load(&path, &deeper).unwrap_err().to_string();
+        assert!(e.contains("trained for tiny, not for deeper") && !e.contains("damaged"), "{e}");
         assert_ne!(adapter(&cfg, 0.25).hash, a.hash, "the hash follows the values");
 
         let e = LookaheadAdapter::load(&dir.join("missing.safetensors"), &cfg).unwrap_err().to_string();

@@ -146,16 +146,20 @@ impl Checkpoint {
                 given: model.said(),
             });
         }
-        let saved: S = serde_json::from_value(meta.settings.clone())
-            .map_err(|e| corrupt(format!("its settings do not parse ({e})")))?;
+        // Settings of another form are another method's run (KV Packet's and LookaheadKV's share
+        // the checkpoint's name): never "damaged: delete it", which lost that run.
+        let other = |why: String| TrainError::OtherRun {
+            path: path.to_path_buf(),
+            detail: format!("{why}; train with those, or give another --out (this one is left as it is)"),
+        };
+        let saved: S = serde_json::from_value(meta.settings.clone()).map_err(|e| {
+            other(format!(
+                "it is another method's run, or of another flowprefill ({e}; its settings: {})",
+                meta.settings
+            ))
+        })?;
         if &saved != settings {
-            return Err(ckpt_err(
-                path,
-                format!(
-                    "it was made with other settings ({}); train with those, or give another --out to start over",
-                    meta.settings
-                ),
-            ));
+            return Err(other(format!("it was made with other settings ({})", meta.settings)));
         }
         let st = safetensors::SafeTensors::deserialize(&data).map_err(|e| corrupt(format!("not safetensors ({e})")))?;
         let take = |k: &str| -> Result<Tensor> {
@@ -203,7 +207,8 @@ fn old_form(path: &Path) -> TrainError {
 /// Writes `data` to `path` through `path.partial`: written, synced, renamed over `path`, the
 /// folder synced (the rename survives a crash).
 fn write_synced(path: &Path, data: &[u8]) -> Result<()> {
-    let tmp: PathBuf = path.with_extension("partial");
+    // This process's: a name shared by two writers let one truncate the other's file.
+    let tmp: PathBuf = path.with_extension(format!("partial.{}", std::process::id()));
     let fail = |what: &str, at: &Path, e: std::io::Error| {
         ckpt_err(
             path,

@@ -244,8 +244,14 @@ impl Method for KvPacket {
 
     fn adapter(&self, tm: &TrainModel, values: &Tensor, made: Provenance) -> Result<Adapter> {
         let (header, trailer) = (self.header, self.trailer);
-        let meta =
-            AdapterMeta { model: made.model, model_name: made.model_name, header, trailer, training: made.training };
+        let meta = AdapterMeta {
+            model: made.model,
+            model_name: made.model_name,
+            header,
+            trailer,
+            weights: Some(made.weights),
+            training: made.training,
+        };
         let rows: Vec<f32> = values.flatten_all()?.to_vec1()?;
         Ok(Adapter::new(meta, tm.config().d_model, rows)?)
     }

@@ -39,6 +39,15 @@ pub enum TrainError {
         /// What is wrong and what to do.
         detail: String,
     },
+    /// The run's folder holds a checkpoint of another method's run or made with other settings
+    /// (the caller's to fix: the same settings, or another `--out`).
+    #[error("checkpoint {}: {detail}", path.display())]
+    OtherRun {
+        /// The file.
+        path: PathBuf,
+        /// What differs and what to do.
+        detail: String,
+    },
     /// The run's folder holds a checkpoint made with another model: resuming it would train
     /// that model's values on this one (the caller's to fix).
     #[error(
@@ -80,9 +89,10 @@ impl TrainError {
     pub fn class(&self) -> Option<flowprefill_coordinator::ErrorClass> {
         use flowprefill_coordinator::ErrorClass;
         match self {
-            TrainError::Settings(_) | TrainError::OtherModel { .. } | TrainError::CheckpointShape { .. } => {
-                Some(ErrorClass::Caller)
-            }
+            TrainError::Settings(_)
+            | TrainError::OtherModel { .. }
+            | TrainError::OtherRun { .. }
+            | TrainError::CheckpointShape { .. } => Some(ErrorClass::Caller),
             TrainError::Worker(e) => Some(e.class()),
             TrainError::Coord(e) => Some(e.class()),
             _ => None,

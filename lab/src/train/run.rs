@@ -115,6 +115,8 @@ pub struct Provenance {
     pub model: String,
     /// That model's name.
     pub model_name: String,
+    /// The weights it was trained with (the model's cache identity).
+    pub weights: String,
     /// How it was trained: the settings, the samples' seeds, steps, time and losses.
     pub training: serde_json::Value,
 }
@@ -323,15 +325,41 @@ impl Outputs {
     }
 
     /// The run's folder, and the adapter's before any work (an adapter path elsewhere fails
-    /// now, not after the training).
-    fn create(&self) -> Result<()> {
+    /// now, not after the training); the folder's lock, held while the run lives: two runs in
+    /// one folder (a run left going, and the same command "run again to continue") rewrote one
+    /// checkpoint, each truncating the other's (`None` where the file system cannot lock).
+    fn create(&self) -> Result<Option<std::fs::File>> {
         std::fs::create_dir_all(&self.dir)
             .map_err(|e| ckpt_err(&self.dir, format!("cannot create the folder: {e}")))?;
         if let Some(dir) = self.adapter.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)
                 .map_err(|e| ckpt_err(dir, format!("cannot create the adapter's folder: {e}")))?;
         }
-        Ok(())
+        if self.adapter.is_dir() {
+            return Err(TrainError::Settings(format!(
+                "the adapter's path {} is a folder; give a file's path (--adapter-out)",
+                self.adapter.display()
+            )));
+        }
+        let path = self.dir.join(".train.lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| ckpt_err(&path, format!("cannot open the run's lock: {e}")))?;
+        match file.try_lock() {
+            Ok(()) => Ok(Some(file)),
+            Err(std::fs::TryLockError::WouldBlock) => Err(TrainError::OtherRun {
+                path: self.checkpoint(),
+                detail: format!(
+                    "another training is running in {} (it holds {}): wait for it to end, or give another --out",
+                    self.dir.display(),
+                    path.display()
+                ),
+            }),
+            Err(std::fs::TryLockError::Error(_)) => Ok(None),
+        }
     }
 }
 
@@ -435,8 +463,9 @@ fn run_until<'a, M: Method>(
     on: &mut dyn FnMut(Event),
 ) -> Result<Run<'a, M>> {
     settings.check()?;
-    out.create()?;
+    let lock = out.create()?;
     let mut run = Run::start(lm, tm, settings, out, on)?;
+    run._lock = lock;
     let h = &run.history;
     on(Event::Baseline {
         reference: h.none_val,
@@ -463,6 +492,8 @@ struct Run<'a, M: Method> {
     opt: AdamW,
     step: usize,
     history: History,
+    /// The run's folder's lock ([`Outputs::create`]).
+    _lock: Option<std::fs::File>,
 }
 
 impl<'a, M: Method> Run<'a, M> {
@@ -514,7 +545,7 @@ impl<'a, M: Method> Run<'a, M> {
                 (0, History { none_val, initial_val, pooled, ..History::default() })
             }
         };
-        Ok(Self { lm, tm, settings, out, train_set, val_set, model, var, opt, step, history })
+        Ok(Self { lm, tm, settings, out, train_set, val_set, model, var, opt, step, history, _lock: None })
     }
 
     /// One optimiser step; the held-out loss at an epoch's end; the checkpoint.
@@ -630,6 +661,7 @@ impl<'a, M: Method> Run<'a, M> {
         let made = Provenance {
             model: self.lm.fingerprint.clone(),
             model_name: self.lm.model.config().name.clone(),
+            weights: self.lm.cache_identity.clone(),
             training,
         };
         s.method.adapter(self.tm, self.var.as_tensor(), made)

@@ -61,6 +61,10 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     flowprefill_lab::tasks::check_lengths(&lengths)?;
     crate::ensure_usage!(budgets.iter().all(|&b| b > 0), "--budgets: every budget keeps at least one entry");
     crate::ensure_usage!(a.samples > 0 && a.max_tokens > 0, "--samples and --max-tokens must be at least 1");
+    flowprefill_lab::each_once("--tasks", "task", &tasks)?;
+    flowprefill_lab::each_once("--lengths", "length", &lengths)?;
+    flowprefill_lab::each_once("--budgets", "budget", &budgets)?;
+    super::check_case_lengths(common, "--lengths", &lengths)?;
     if let Some(dir) = &a.out {
         super::out_dir("--out", dir)?;
     }

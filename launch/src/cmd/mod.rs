@@ -131,7 +131,7 @@ fn load_on(source: &ModelSource, dev: Device, common: &Common) -> Result<LoadedM
         }
         // The adapter trained by the project for this model, if there is one.
         None => {
-            if let Some(a) = flowprefill_worker::adapter::shipped(&lm.fingerprint)? {
+            if let Some(a) = flowprefill_worker::adapter::shipped(&lm.fingerprint, &lm.cache_identity)? {
                 lm.use_adapter(a)?;
             }
         }
@@ -150,7 +150,7 @@ pub fn attach_lookahead<B: flowprefill_kernels::Backend>(lm: &mut LoadedModel<B>
             lm.use_lookahead(&a).context("--lookahead-adapter")?;
         }
         None => {
-            if let Some(a) = shipped(&lm.fingerprint, lm.model.config())? {
+            if let Some(a) = shipped(&lm.fingerprint, &lm.cache_identity, lm.model.config())? {
                 lm.use_lookahead(&a)?;
             }
         }
@@ -435,6 +435,27 @@ pub fn refuse_mpirun_without_mpi() -> Result<()> {
             "started by mpirun as one of {n} processes, but this build has no MPI: each process would run \
              the whole command alone on one output; rebuild with `cargo build --release --features mpi` (or run \
              without mpirun, with --ranks for thread ranks)"
+        );
+    }
+    Ok(())
+}
+
+/// Positions of the window a training or measuring case keeps beside its context: the question,
+/// the chat template, the answer and an adapter's rows.
+pub const CASE_SPARE_POSITIONS: usize = 512;
+
+/// Refuses context lengths (`flag`'s) that leave fewer than [`CASE_SPARE_POSITIONS`] of the
+/// model's window (read from the file's header, before the weights load): the cases go to the
+/// model directly, not through a job's admission, and ran at positions past the window
+/// without a word.
+pub fn check_case_lengths(common: &Common, flag: &str, lengths: &[usize]) -> Result<()> {
+    let window = model_config(common)?.context_length;
+    let most = window.saturating_sub(CASE_SPARE_POSITIONS);
+    if let Some(&n) = lengths.iter().find(|&&n| n > most) {
+        crate::ensure_usage!(
+            false,
+            "{flag} {n}: the model's window is {window} tokens, and a case needs {CASE_SPARE_POSITIONS} of them beside \
+             its context (the question, the template, the answer, an adapter's rows); give at most {most}"
         );
     }
     Ok(())

@@ -264,6 +264,7 @@ impl Shown for LookaheadKv {
 fn train<M: Shown>(common: &Common, a: &RunArgs, method: M) -> Result<()> {
     let settings = a.settings(method);
     settings.check().map_err(|e| crate::exit::usage(e.to_string()))?;
+    super::check_case_lengths(common, "--length", &[settings.length])?;
     let path = super::model_path(common)?;
     let lm = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
     let tm = TrainModel::from_gguf(&path).with_context(|| format!("loading {} for training", path.display()))?;

@@ -81,6 +81,7 @@ fn soft_ids_read_the_adapter_rows() {
         model_name: "tiny".into(),
         header: 1,
         trailer: 1,
+        weights: None,
         training: Default::default(),
     };
     let adapter = Adapter::new(meta, 64, rows).unwrap();
@@ -180,16 +181,24 @@ fn a_short_training_run_takes_its_steps_and_resumes() {
     let loaded = Adapter::load(&out.adapter).expect("adapter file");
     assert_eq!(loaded.rows, adapter.rows);
     assert_eq!(loaded.meta.training["steps"], 6);
-    loaded.check_model("tiny", "tiny", 64).expect("made for this model");
+    assert_eq!(loaded.meta.weights.as_deref(), Some(lm.cache_identity.as_str()), "records the weights");
+    loaded.check_model("tiny", &lm.cache_identity, "tiny", 64).expect("made for this model");
     // Resuming a finished run takes no step and gives the same adapter.
     let (again, _) = run::train(&lm, &tm, &settings, &out, &mut |e| {
         assert!(!matches!(e, run::Event::Step { .. }), "a finished run takes no step");
     })
     .expect("resume");
     assert_eq!(again.rows, adapter.rows);
-    let other = Settings { lr: 0.01, ..settings };
+    let other = Settings { lr: 0.01, ..settings.clone() };
     let e = run::train(&lm, &tm, &other, &out, &mut |_| ()).unwrap_err().to_string();
     assert!(e.contains("other settings"), "{e}");
+    // A second run in a folder whose run is still going is refused (it held the lock).
+    let held = std::fs::OpenOptions::new().write(true).open(out.dir.join(".train.lock")).expect("the run's lock");
+    held.try_lock().expect("no run holds it now");
+    let e = run::train(&lm, &tm, &settings, &out, &mut |_| ()).unwrap_err().to_string();
+    assert!(e.contains("another training is running"), "{e}");
+    drop(held);
+    run::train(&lm, &tm, &settings, &out, &mut |_| ()).expect("the folder is free again");
     std::fs::remove_dir_all(dir).ok();
 }
 
@@ -271,6 +280,7 @@ fn the_student_is_the_engines_kvpacket_job() {
         model_name: "test".into(),
         header: 2,
         trailer: 2,
+        weights: None,
         training: Default::default(),
     };
     let adapter = Adapter::new(meta, d, rows.clone()).unwrap();
@@ -327,10 +337,12 @@ fn the_student_is_the_engines_kvpacket_job() {
 fn the_qwen_model_has_its_shipped_adapter() {
     let path = flowprefill_tests::qwen_model_path();
     let mut lm = LoadedModel::load(&path, Cpu).expect("Qwen loads");
-    let a = flowprefill_worker::adapter::shipped(&lm.fingerprint)
+    let a = flowprefill_worker::adapter::shipped(&lm.fingerprint, &lm.cache_identity)
         .expect("shipped adapters parse")
         .expect("one for Qwen2.5-Coder-0.5B");
-    let smol = flowprefill_worker::adapter::shipped(&default_model().fingerprint).unwrap().expect("one for SmolLM2");
+    let d = default_model();
+    let smol =
+        flowprefill_worker::adapter::shipped(&d.fingerprint, &d.cache_identity).unwrap().expect("one for SmolLM2");
     assert_ne!(a.hash, smol.hash);
     let e = lm.use_adapter(smol).unwrap_err().to_string();
     assert!(e.contains("hidden size of 896"), "{e}");
@@ -342,12 +354,14 @@ fn the_qwen_model_has_its_shipped_adapter() {
 #[test]
 fn the_default_model_has_its_shipped_adapter() {
     let lm = default_model();
-    let a = flowprefill_worker::adapter::shipped(&lm.fingerprint)
+    let a = flowprefill_worker::adapter::shipped(&lm.fingerprint, &lm.cache_identity)
         .expect("shipped adapters parse")
         .expect("one for SmolLM2");
-    a.check_model(&lm.fingerprint, "SmolLM2", lm.model.config().d_model).expect("trained for it");
+    a.check_model(&lm.fingerprint, &lm.cache_identity, "SmolLM2", lm.model.config().d_model).expect("trained for it");
+    // A fine-tune sharing the embedding (the same fingerprint, other weights) gets none.
+    assert!(flowprefill_worker::adapter::shipped(&lm.fingerprint, "other-weights").unwrap().is_none());
     let (_, tm, dir) = tiny("llama", 97);
-    let e = a.check_model("tiny", "tiny-llama", tm.config().d_model).unwrap_err().to_string();
+    let e = a.check_model("tiny", "tiny-w", "tiny-llama", tm.config().d_model).unwrap_err().to_string();
     assert!(e.contains("hidden size of 64"), "{e}");
     std::fs::remove_dir_all(dir).ok();
 }

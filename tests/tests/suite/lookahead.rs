@@ -44,6 +44,7 @@ fn random_adapter(cfg: &flowprefill_worker::config::ModelConfig, rows: usize, fi
         rows,
         rank: 2,
         alpha: 4.0,
+        weights: None,
         training: Default::default(),
     };
     let tensors = tensor_specs(cfg, rows, 2)
@@ -224,7 +225,10 @@ fn a_short_training_run_lowers_the_loss_and_resumes() {
     assert_eq!(loaded.meta.training["steps"], 6);
     assert_eq!(loaded.meta.training["pooled"]["snapkv_val_loss"], pooled.reference);
     assert_eq!(loaded.meta.training["pooled"]["val_loss"], pooled.validation[2].1);
-    loaded.check_model("tiny", tm.config()).expect("made for this model");
+    assert_eq!(loaded.meta.weights.as_deref(), Some(lm.cache_identity.as_str()), "records the weights");
+    loaded.check_model("tiny", &lm.cache_identity, tm.config()).expect("made for this model");
+    let e = loaded.check_model("tiny", "tiny-other", tm.config()).expect_err("a fine-tune").to_string();
+    assert!(e.contains("other weights"), "{e}");
     let (again, _) = run::train(&lm, &tm, &settings, &out, &mut |e| {
         assert!(!matches!(e, run::Event::Step { .. }), "a finished run takes no step");
     })
@@ -433,14 +437,20 @@ fn lookahead_selection_is_full_prefill_at_ratio_one_and_needs_an_adapter() {
 fn the_fetched_models_have_their_shipped_lookahead_adapters() {
     use flowprefill_worker::lookahead::{shipped, LOOKAHEAD_ROWS, LORA_RANK};
     let mut lm = LoadedModel::load(&default_model_path(), Cpu).expect("default model");
-    let smol = shipped(&lm.fingerprint, lm.model.config()).expect("shipped adapters parse").expect("one for SmolLM2");
+    let smol = shipped(&lm.fingerprint, &lm.cache_identity, lm.model.config())
+        .expect("shipped adapters parse")
+        .expect("one for SmolLM2");
+    // A fine-tune sharing the embedding (the same fingerprint, other weights) gets none.
+    assert!(shipped(&lm.fingerprint, "other-weights", lm.model.config()).unwrap().is_none());
     assert_eq!((smol.meta.rows, smol.meta.rank), (LOOKAHEAD_ROWS, LORA_RANK));
     lm.use_lookahead(&smol).expect("its own adapter fits");
     assert_eq!(lm.model.lookahead_rows(), LOOKAHEAD_ROWS);
-    assert!(shipped("no such model", lm.model.config()).unwrap().is_none());
+    assert!(shipped("no such model", "no such weights", lm.model.config()).unwrap().is_none());
     let path = flowprefill_tests::qwen_model_path();
     let mut qwen = LoadedModel::load(&path, Cpu).expect("Qwen loads");
-    let a = shipped(&qwen.fingerprint, qwen.model.config()).expect("parse").expect("one for Qwen2.5-Coder-0.5B");
+    let a = shipped(&qwen.fingerprint, &qwen.cache_identity, qwen.model.config())
+        .expect("parse")
+        .expect("one for Qwen2.5-Coder-0.5B");
     assert_ne!(a.hash, smol.hash);
     qwen.use_lookahead(&a).expect("its own adapter fits");
 }

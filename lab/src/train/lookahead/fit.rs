@@ -328,6 +328,7 @@ impl Method for LookaheadKv {
             rows,
             rank,
             alpha,
+            weights: Some(made.weights),
             training: made.training,
         };
         let flat: Vec<f32> = values.to_vec1()?;
