@@ -310,6 +310,16 @@ one)
       mark "tune"
       timeout 120 "$FP" tune --device cuda:0 2>&1 | tee "$S/res/tune.txt"
     fi
+    # What the host review of 2026-11-29 changed without a GPU (docs/gpu.md, "What a first GPU
+    # run would have hit"): a fixed flash2 configuration other than 0 runs (it failed every call),
+    # a value FLOWPREFILL_TUNE does not take is refused at start.
+    if room 60 "first-run checks" && { [ -n "${FLOWPREFILL_TOKENIZER:-}" ] || ls "$S"/gpu-pack/home/models/*.gguf >/dev/null 2>&1; }; then
+      mark "first-run checks: FLOWPREFILL_FLASH_KERNEL=fa2:c2 runs; FLOWPREFILL_TUNE=0 is refused"
+      FLOWPREFILL_FLASH_KERNEL=fa2:c2 timeout 40 "$FP" --model synthetic:llama-3.1-8b:2 bench prefill --device cuda \
+        --tokens 4096 --runs 1 2>&1 | tail -n 2
+      FLOWPREFILL_TUNE=0 timeout 20 "$FP" --model synthetic:llama-3.1-8b:2 bench prefill --device cuda --tokens 256 \
+        --runs 1 2>&1 | tail -n 1
+    fi
     # SDPA, ours, twice over (the medians of rounds; the benches print the ratio to the SDPA
     # round just before them).
     for r in 1 2; do

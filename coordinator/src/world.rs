@@ -33,7 +33,17 @@ pub fn run_rank<B: Backend>(
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<Option<RunResult>> {
     if comm.rank() == 0 {
-        let r = engine.lead(comm, job, on_text);
+        let lead = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.lead(comm, job, on_text)));
+        let r = match lead {
+            Ok(r) => r,
+            Err(p) => {
+                // The followers hear it now: they waited for rank 0's next word until their
+                // deadline (60 s by default), and mpirun then reported their timeout, not this.
+                let e = CoordError::Panicked { rank: 0, message: panic_message(p) };
+                comm.leave(&e.to_string());
+                return Err(e);
+            }
+        };
         // Stop the followers even after a failed job (they skip jobs that fail everywhere).
         let stopped = Engine::<B>::stop(comm);
         let r = r?;

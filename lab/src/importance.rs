@@ -51,8 +51,13 @@ pub struct Row {
     pub lookahead: Option<Agreement>,
 }
 
-/// Every case of `plan` at every budget (`done` is told each case's `task|length|sample`).
-pub fn measure(lm: &LoadedModel<Cpu>, plan: &Plan<'_>, done: &mut dyn FnMut(&str)) -> Result<Vec<Row>> {
+/// Every case of `plan` at every budget (`done` is told each case's `task|length|sample` and
+/// the rows so far, which a caller may write: a long run stopped part way keeps them).
+pub fn measure(
+    lm: &LoadedModel<Cpu>,
+    plan: &Plan<'_>,
+    done: &mut dyn FnMut(&str, &[Row]) -> Result<()>,
+) -> Result<Vec<Row>> {
     let depths = crate::tasks::DEPTHS;
     let mut rows = Vec::new();
     for task in plan.tasks {
@@ -62,8 +67,10 @@ pub fn measure(lm: &LoadedModel<Cpu>, plan: &Plan<'_>, done: &mut dyn FnMut(&str
                     return Err(LabError::Failed(format!("task `{task}` makes no case of {len} tokens")));
                 };
                 let imp = case_importance(lm, &case.request(PromptStyle::Ruler), plan.max_tokens)?;
-                done(&format!("{task}|{len}|{sample}"));
-                let Some(imp) = imp else { continue };
+                let Some(imp) = imp else {
+                    done(&format!("{task}|{len}|{sample}"), &rows)?;
+                    continue;
+                };
                 for &budget in plan.budgets {
                     rows.push(Row {
                         task: task.clone(),
@@ -76,6 +83,7 @@ pub fn measure(lm: &LoadedModel<Cpu>, plan: &Plan<'_>, done: &mut dyn FnMut(&str
                         lookahead: imp.lookahead.as_ref().map(|p| agreement_of(p, &imp.truth, budget)),
                     });
                 }
+                done(&format!("{task}|{len}|{sample}"), &rows)?;
             }
         }
     }
@@ -84,8 +92,13 @@ pub fn measure(lm: &LoadedModel<Cpu>, plan: &Plan<'_>, done: &mut dyn FnMut(&str
 
 /// Writes `importance.md` (the table `md`) and `importance.json` (the rows) into `dir`.
 pub fn write(dir: &Path, md: &str, rows: &[Row]) -> Result<()> {
-    std::fs::create_dir_all(dir).map_err(io_said("creating", dir))?;
     crate::eval::write_atomic(&dir.join("importance.md"), md.as_bytes())?;
+    write_rows(dir, rows)
+}
+
+/// Writes `importance.json` (the rows so far) into `dir`.
+pub fn write_rows(dir: &Path, rows: &[Row]) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(io_said("creating", dir))?;
     let path = dir.join("importance.json");
     let json = serde_json::to_vec_pretty(rows).map_err(|source| LabError::Json { path: path.clone(), source })?;
     crate::eval::write_atomic(&path, &json)

@@ -168,6 +168,55 @@ fn ranks_started_with_different_settings_are_refused_naming_what_differs() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Only rank 0 reads the inputs: a --doc that exists on rank 0's host alone (here: rank 1 is
+/// given a path that does not exist) runs; the followers run the job rank 0 broadcasts.
+#[test]
+fn only_rank_0_reads_the_documents() {
+    let (dir, doc_args) = docs("inputs", 5, 9);
+    let query = ["--query", "What is the access code for the north gate?", "--method", "infoflow"];
+    let query = [&query[..], &["--max-tokens", "14", "--json"]].concat();
+    let missing = dir.join("not-on-this-host.txt");
+    let out = mpirun(1)
+        .arg(bin())
+        .arg("run")
+        .args(&doc_args)
+        .args(&query)
+        .args([":", "-np", "1"])
+        .arg(bin())
+        .args(["run", "--doc", missing.to_str().unwrap()])
+        .args(&query)
+        .output()
+        .expect("mpirun");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(json(&out)["answer"].as_str().is_some_and(|a| a.contains("4729")), "{}", json(&out));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A panic on rank 0 under mpirun ends the job at once, both ranks saying why (the follower
+/// told that rank 0 left); before, rank 0 sat in MPI's finalisation until the follower's
+/// deadline (60 s) and mpirun reported the follower's timeout.
+#[test]
+fn a_panic_on_rank_0_ends_the_mpi_job_at_once() {
+    let (dir, doc_args) = docs("panic0", 4, 10);
+    let t = Instant::now();
+    let out = mpirun(2)
+        .arg(bin())
+        .arg("run")
+        .args(&doc_args)
+        .args(["--query", "What is the access code for the north gate?", "--method", "infoflow", "--max-tokens", "4"])
+        .env("FLOWPREFILL_FAULT", "rank:0,phase:probe,mode:panic")
+        .output()
+        .expect("mpirun");
+    let took = t.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(took < Duration::from_secs(30), "took {took:?}: {err}");
+    // mpirun's status is the first process to exit: rank 0's (70) or the follower's (4, its peer lost).
+    assert!(matches!(out.status.code(), Some(70 | 4)), "{err}");
+    assert!(err.contains("rank 0: error: rank 0 panicked"), "{err}");
+    assert!(err.contains("rank 1: error: rank 0 was lost") && err.contains("it left the world"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn a_killed_mpi_rank_ends_the_job_within_30_seconds_naming_it() {
     killed_rank_is_named_within_30_seconds("kill", &[]);

@@ -86,7 +86,11 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         max_tokens: a.max_tokens,
     };
     let mut progress = Progress::new(tasks.len() * lengths.len() * a.samples, "cases");
-    let rows = measure(&lm, &plan, &mut |c| progress.inc(c))?;
+    // The rows after every case: a long run stopped part way keeps what it measured.
+    let rows = measure(&lm, &plan, &mut |c, rows| {
+        progress.inc(c);
+        a.out.as_ref().map_or(Ok(()), |dir| flowprefill_lab::importance::write_rows(dir, rows))
+    })?;
     let md = table(&rows, &tasks, &lengths, &budgets, &super::model_label(common)?);
     println!("{md}");
     if let Some(dir) = &a.out {

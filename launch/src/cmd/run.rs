@@ -210,8 +210,15 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     if query.trim().is_empty() {
         return Err(InputError::new(Field::Query, "the query is missing: pass --query TEXT").into());
     }
-    let mut docs = args.docs.iter().map(|p| super::read_text("--doc", p)).collect::<Result<Vec<_>>>()?;
-    if !args.doc_ids.is_empty() {
+    // Under mpirun the other ranks run the job rank 0 broadcasts: only rank 0 reads the inputs
+    // (a --doc on its host alone, a --doc-id of its store: another host failed them).
+    let follower = flowprefill_comm::launcher_rank().is_some_and(|r| r > 0) && cfg!(feature = "mpi");
+    let mut docs = if follower {
+        Vec::new()
+    } else {
+        args.docs.iter().map(|p| super::read_text("--doc", p)).collect::<Result<Vec<_>>>()?
+    };
+    if !args.doc_ids.is_empty() && !follower {
         let dir = super::store::folder(common).context("--doc-id reads ingested documents from the store")?;
         let registry = flowprefill_worker::store::documents::Documents::at(&dir);
         let texts = registry.resolve(&args.doc_ids).map_err(|e| crate::exit::usage(format!("--doc-id: {e}")))?;
@@ -231,8 +238,10 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         answer_prefix: args.answer_prefix.clone(),
     };
     // Every check that needs no model, before it loads (a zero --max-tokens, a coverage for a
-    // method without a score mass).
-    flowprefill_coordinator::request::validate(&req, &opts)?;
+    // method without a score mass); rank 0's job is the one that runs.
+    if !follower {
+        flowprefill_coordinator::request::validate(&req, &opts)?;
+    }
     let job = Job { request: req.clone(), options: opts };
     let timeout = super::comm_timeout(args.comm_timeout)?;
     let stream = !args.json;
