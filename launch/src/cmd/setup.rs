@@ -36,6 +36,38 @@ pub fn of<B: Backend>(lm: &LoadedModel<B>) -> Vec<(String, String)> {
     .collect()
 }
 
+/// Where a rank computes: its host and device (`cuda:N`, or the backend's name).
+pub fn place<B: Backend>(lm: &LoadedModel<B>) -> (String, String) {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map_or_else(|| "?".to_string(), |h| h.trim().to_string());
+    let backend = lm.model.backend();
+    let device = backend.memory().map_or_else(|| backend.name().to_string(), |m| m.device);
+    (host, device)
+}
+
+/// Ranks that share one GPU of one host, one line per GPU: NCCL takes one GPU per rank (it
+/// failed with a bare "duplicate GPU"). Ranks on the CPU may share it.
+pub fn shared_gpus(places: &[(String, String)]) -> Vec<String> {
+    let mut said = Vec::new();
+    for (i, (host, device)) in places.iter().enumerate() {
+        if !device.starts_with("cuda") || places[..i].contains(&(host.clone(), device.clone())) {
+            continue;
+        }
+        let ranks: Vec<String> = places
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| **p == (host.clone(), device.clone()))
+            .map(|(r, _)| r.to_string())
+            .collect();
+        if ranks.len() > 1 {
+            said.push(format!("ranks {} all on {device} of {host}", ranks.join(", ")));
+        }
+    }
+    said
+}
+
 /// Each rank's differences from rank 0's setup (`all[r]` is rank r's), one line per rank that
 /// differs: "rank 1: KV dtype bf16 (rank 0: f32)".
 pub fn differences(all: &[Vec<(String, String)>]) -> Vec<String> {
@@ -63,15 +95,18 @@ pub fn agree<B: Backend>(comm: &mut dyn Communicator, lm: &LoadedModel<B>) -> Re
     if comm.size() == 1 {
         return Ok(());
     }
-    let mine = serde_json::to_vec(&of(lm))?;
+    let mine = serde_json::to_vec(&(of(lm), place(lm)))?;
     let timeout = comm.timeout();
     comm.set_timeout(timeout.max(LOAD_WAIT));
     let gathered = flowprefill_comm::all_gather_bytes(comm, "setup.agree", mine);
     comm.set_timeout(timeout);
-    let all = gathered?
+    type Setup = (Vec<(String, String)>, (String, String));
+    let (all, places): (Vec<_>, Vec<_>) = gathered?
         .iter()
-        .map(|b| serde_json::from_slice(b))
-        .collect::<std::result::Result<Vec<Vec<(String, String)>>, _>>()?;
+        .map(|b| serde_json::from_slice::<Setup>(b))
+        .collect::<std::result::Result<Vec<Setup>, _>>()?
+        .into_iter()
+        .unzip();
     let differ = differences(&all);
     crate::ensure_usage!(
         differ.is_empty(),
@@ -79,6 +114,13 @@ pub fn agree<B: Backend>(comm: &mut dyn Communicator, lm: &LoadedModel<B>) -> Re
          them as flags, or pass the FLOWPREFILL_* variables to every host (`mpirun -x FLOWPREFILL_MODEL -x \
          FLOWPREFILL_KV_DTYPE ...`)",
         differ.join("; ")
+    );
+    let shared = shared_gpus(&places);
+    crate::ensure_usage!(
+        shared.is_empty(),
+        "{}: the ranks move K/V over NCCL, which takes one GPU per rank; start at most as many processes per host as \
+         it has GPUs (mpirun -np, or --map-by), or give each rank its own --device cuda:N",
+        shared.join("; ")
     );
     Ok(())
 }
@@ -89,6 +131,21 @@ mod tests {
 
     fn setup(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn ranks_sharing_a_gpu_are_named_and_the_cpu_may_be_shared() {
+        let at = |h: &str, d: &str| (h.to_string(), d.to_string());
+        let places = [
+            at("a", "cuda:0"),
+            at("a", "cuda:1"),
+            at("b", "cuda:0"),
+            at("a", "cuda:0"),
+            at("a", "cpu"),
+            at("a", "cpu"),
+        ];
+        assert_eq!(super::shared_gpus(&places), vec!["ranks 0, 3 all on cuda:0 of a".to_string()]);
+        assert!(super::shared_gpus(&places[..3]).is_empty());
     }
 
     #[test]
