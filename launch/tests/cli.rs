@@ -504,6 +504,19 @@ fn train_kvpacket_writes_only_into_its_own_outputs() {
         assert!(expected.exists(), "{text}");
         assert_left_alone(&mine, &sentinel);
     }
+    // The untrained baseline (--epochs 0) left its settings: a run of other settings in its
+    // folder is refused, and the baseline's adapter stays.
+    let baseline = dir.join("run").join("adapter.safetensors");
+    let before = std::fs::read(&baseline).expect("the baseline adapter");
+    let out = bin()
+        .args(["train", "kvpacket", "--tasks", "niah_single", "--length", "300", "--samples", "2"])
+        .args(["--val-samples", "1", "--epochs", "1"])
+        .args(["--out", dir.join("run").to_str().unwrap()])
+        .output()
+        .expect("train kvpacket");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(2) && err.contains("other settings"), "{err}");
+    assert_eq!(std::fs::read(&baseline).unwrap(), before, "the baseline is not written over");
     let _ = std::fs::remove_dir_all(dir);
 }
 

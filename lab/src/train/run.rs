@@ -475,6 +475,11 @@ fn run_until<'a, M: Method>(
     while run.step < until {
         run.step(on)?;
     }
+    // A run of no step (--epochs 0: the untrained baseline) leaves its settings too, so that a
+    // later run of other settings in this folder is refused, not written over its adapter.
+    if run.step == 0 && settings.total_steps() == 0 && !out.checkpoint().exists() {
+        run.save(on)?;
+    }
     Ok(run)
 }
 
@@ -583,6 +588,11 @@ impl<'a, M: Method> Run<'a, M> {
                 s.method.save(&adapter, self.tm, &self.out.dir.join(format!("adapter-epoch{epoch}.safetensors")))?;
             }
         }
+        self.save(on)
+    }
+
+    /// The checkpoint of the run as it is.
+    fn save(&self, on: &mut dyn FnMut(Event)) -> Result<()> {
         let ck = Checkpoint {
             rows: self.var.as_tensor().clone(),
             m: self.opt.m.clone(),
@@ -590,7 +600,7 @@ impl<'a, M: Method> Run<'a, M> {
             step: self.step,
             history: self.history.clone(),
         };
-        ck.save(&self.out.checkpoint(), &self.model, s)?;
+        ck.save(&self.out.checkpoint(), &self.model, self.settings)?;
         on(Event::Saved { step: self.step });
         Ok(())
     }
