@@ -401,7 +401,10 @@ How to read it:
   `--comm-timeout` and `mpirun` ends the job: the connection closes without an answer.
   Waits on rank 0 that are not a fault do not count: while it has no job, and while it
   computes a `full` job alone, rank 0 tells the followers every quarter of `--comm-timeout`
-  that it is alive (`request` idle ticks, `lead.progress`). Before 2026-11-26 a service idle
+  that it is alive (`request` idle ticks, `lead.progress`); since 2026-11-29 every follower
+  answers each idle tick (`idle.ack`), so a follower stuck or gone between jobs turns `/readyz`
+  to 503 within a tick and the timeout (thread ranks are rebuilt; under `mpirun` the service
+  ends), before a job waits out the deadline. Before 2026-11-26 a service idle
   for longer than `--comm-timeout` lost its followers (the next job got 503 \"the ranks are
   down\" with thread ranks; under `mpirun` the follower had exited), and a `full` job whose
   prefill on rank 0 took longer than the timeout failed the same way; `launch/tests/serve.rs`

@@ -558,6 +558,46 @@ fn a_hung_mpi_rank_gives_503_and_a_clean_exit() {
     assert_eq!(status.code(), Some(4), "an unrecoverable rank failure ends the job with status 4: {status:?}");
 }
 
+/// A follower stopped between jobs (SIGSTOP: stuck, or its host gone quiet) is noticed at the
+/// next idle tick, which each follower now answers: /readyz stops saying ready within seconds,
+/// naming the reason, and the service (an MPI world cannot be rebuilt) ends. Before, the idle
+/// ticks went one way and /readyz said ready until a job waited out the deadline.
+#[cfg(feature = "mpi")]
+#[test]
+fn under_mpirun_a_follower_stopped_between_jobs_is_noticed_before_a_job_comes() {
+    let marker = format!("fp-idle-{}", std::process::id());
+    let (mut child, addr) = mpirun_serve(&[("FP_TEST_MARKER", marker.as_str())], &["--comm-timeout", "3"]);
+    let r = post_small_job(&addr);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let follower = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+        .find(|pid| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let has = |kv: &str| env.split(|&b| b == 0).any(|x| x == kv.as_bytes());
+            has(&format!("FP_TEST_MARKER={marker}")) && has("OMPI_COMM_WORLD_RANK=1")
+        })
+        .expect("the follower's process");
+    Command::new("kill").args(["-STOP", &follower.to_string()]).status().unwrap();
+    let stopped = Instant::now();
+    let noticed = loop {
+        match http::request(&addr, "GET", "/readyz", &[], b"", Duration::from_secs(5)) {
+            Ok(r) if r.status == 200 => {}
+            Ok(r) => break Some(r.text()),
+            Err(_) => break None, // the service already ended
+        }
+        assert!(stopped.elapsed() < Duration::from_secs(20), "still ready 20 s after the follower stopped");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    if let Some(body) = &noticed {
+        assert!(body.contains("did not answer"), "{body}");
+    }
+    Command::new("kill").args(["-CONT", &follower.to_string()]).status().unwrap();
+    let status = exit_within(&mut child, Duration::from_secs(60));
+    assert!(!status.success(), "the world cannot be rebuilt: {status:?}");
+}
+
 /// Out of memory on a rank mid-job (injected: the GPU's memory taken by another tenant) is a
 /// resource error: 503 with Retry-After and kind `resource`, counted per device; the ranks
 /// stay up and the next job succeeds.

@@ -431,10 +431,14 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Rank 0, between jobs: tells the followers it is alive, so that a world idle for longer
-    /// than the comm timeout stays up (call it every [`tick_period`] of the timeout).
+    /// than the comm timeout stays up (call it every [`tick_period`] of the timeout), and hears
+    /// each answer: a follower stuck or gone shows now, while no job waits (a service marks
+    /// itself not ready), not at the next job's deadline.
     pub fn idle(comm: &mut dyn Communicator) -> Result<()> {
         if comm.size() > 1 {
             broadcast_value(comm, "request", 0, Some(&Next::Idle))?;
+            let followers = (1..comm.size()).collect();
+            flowprefill_comm::exchange(comm, "idle.ack", Vec::new(), followers)?;
         }
         Ok(())
     }
@@ -482,6 +486,7 @@ impl<B: Backend> Engine<B> {
             let env = match next {
                 Next::Job(env) => *env,
                 Next::Idle => {
+                    flowprefill_comm::exchange(comm, "idle.ack", vec![(0, Vec::new())], Vec::new())?;
                     self.release_unused();
                     continue;
                 }

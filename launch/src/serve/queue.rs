@@ -339,7 +339,18 @@ fn executor(mut world: World, rx: Arc<Mutex<Receiver<Queued>>>, shared: Arc<Shar
             // the world down and rebuilds it (thread ranks) or fails it (MPI).
             Err(RecvTimeoutError::Timeout) => {
                 if let Err(e) = world.idle() {
-                    tracing::warn!("between jobs, a rank did not hear from rank 0: {e}");
+                    // Not ready until the ranks are rebuilt (thread ranks), or for good (MPI):
+                    // the next job is refused at once instead of waiting out the deadline.
+                    tracing::warn!("between jobs, a rank did not answer rank 0: {e}");
+                    shared.set_ready(false, Some(format!("between jobs, a rank did not answer rank 0: {e}")));
+                    if world.repair() {
+                        shared.set_ready(true, None);
+                    } else {
+                        shared.set_fatal(format!(
+                            "a rank did not answer between jobs, and an MPI world cannot be rebuilt: {e}"
+                        ));
+                        break;
+                    }
                 }
                 continue;
             }
