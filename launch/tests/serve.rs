@@ -185,6 +185,27 @@ fn endpoints_streaming_openai_and_metrics() {
     chat_stream["stream"] = true.into();
     let t = s.post("/v1/chat/completions", &chat_stream).text();
     assert!(t.contains("chat.completion.chunk") && t.trim_end().ends_with("data: [DONE]"), "{t}");
+    // The streamed deltas join up to the answer, and with `include_usage` a last chunk before
+    // [DONE] carries the counts (it was accepted and ignored).
+    let chunks: Vec<serde_json::Value> = t
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("a JSON chunk"))
+        .collect();
+    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(streamed, v["choices"][0]["message"]["content"].as_str().unwrap(), "the stream is the answer: {t}");
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()), "no usage chunk unless asked: {t}");
+    chat_stream["stream_options"] = serde_json::json!({"include_usage": true});
+    let t = s.post("/v1/chat/completions", &chat_stream).text();
+    let last: serde_json::Value = t
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .rfind(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("a JSON chunk"))
+        .expect("chunks");
+    assert!(last["choices"].as_array().is_some_and(Vec::is_empty), "{t}");
+    assert_eq!(last["usage"], v["usage"], "the counts of the same job: {t}");
 
     // Errors name what to change.
     let bad = |body: &[u8], want: &str| {

@@ -124,33 +124,40 @@ pub fn decode_with(
     let mut ids = Vec::new();
     let mut shown = 0usize;
     let mut next = first;
-    loop {
+    let stop = loop {
         if ids.len() >= max_new_tokens {
-            return Ok((ids, StopReason::MaxTokens));
+            break StopReason::MaxTokens;
         }
         if tokenizer.is_end(next) {
-            return Ok((ids, StopReason::EndToken));
+            break StopReason::EndToken;
         }
         ids.push(next);
         let text = tokenizer.decode(&ids)?;
         // Emit only complete characters (a multi-byte character may span tokens).
         if text.len() > shown && !text.ends_with('\u{FFFD}') {
-            let keep_going = on_text(&text[shown..]);
+            let keep_going = on_text(text.get(shown..).unwrap_or_default());
             shown = text.len();
             if !keep_going {
                 return Ok((ids, StopReason::Cancelled));
             }
         }
         if ids.len() >= max_new_tokens {
-            return Ok((ids, StopReason::MaxTokens));
+            break StopReason::MaxTokens;
         }
         if next_pos as usize >= window {
-            return Ok((ids, StopReason::ContextFull));
+            break StopReason::ContextFull;
         }
         let logits = step(next, next_pos)?;
         next_pos += 1;
         next = sampler.sample(&logits);
+    };
+    // What was held back for a character still incomplete when decoding stopped: the answer
+    // (the decode of every id) holds it, so the stream gets it too, and the two are equal.
+    let text = tokenizer.decode(&ids)?;
+    if text.len() > shown {
+        on_text(text.get(shown..).unwrap_or_default());
     }
+    Ok((ids, stop))
 }
 
 /// The decode steps (calls of `step`, each a timed forward of one token) that [`decode_with`]
@@ -242,44 +249,63 @@ mod tests {
     use candle_core::quantized::gguf_file::Value;
 
     /// Decodes with a step that chooses `script[i]` at its i-th call (then token 0) and an
-    /// `on_text` that stops after `texts` pieces: the ids, why it stopped, the steps taken.
+    /// `on_text` that stops after `texts` pieces: the ids, why it stopped, the steps taken, the
+    /// pieces streamed.
     fn decode_script(
         tok: &Tokenizer,
         script: &[u32],
         max: usize,
         window: usize,
         texts: usize,
-    ) -> (Vec<u32>, StopReason, usize) {
+    ) -> (Vec<u32>, StopReason, usize, Vec<String>) {
         let cfg = SamplingConfig { temperature: 0.0, top_p: 1.0, seed: 1 };
         let mut sampler = Sampler::new(cfg).expect("a greedy sampler");
         let mut calls = 0usize;
         let mut step = |_tok: u32, _pos: u32| -> Result<Vec<f32>> {
-            let mut logits = vec![0.0f32; 10];
+            let mut logits = vec![0.0f32; tok.vocab_size()];
             logits[script.get(calls).copied().unwrap_or(0) as usize] = 1.0;
             calls += 1;
             Ok(logits)
         };
-        let mut shown = 0usize;
-        let mut on_text = |_: &str| {
-            shown += 1;
-            shown < texts
+        let mut pieces = Vec::new();
+        let mut on_text = |s: &str| {
+            pieces.push(s.to_string());
+            pieces.len() < texts
         };
         let (ids, stop) = decode_with(tok, 1, &mut sampler, max, window, 5, &mut step, &mut on_text).expect("decodes");
-        (ids, stop, calls)
+        (ids, stop, calls, pieces)
+    }
+
+    /// A byte-level tokenizer of the letters a..j (`j`, id 9, the end of sequence) and `extra`.
+    fn letters(tag: &str, extra: &[&str]) -> Tokenizer {
+        let mut vocab: Vec<Value> = ('a'..='j').map(|c| Value::String(c.to_string())).collect();
+        vocab.extend(extra.iter().map(|t| Value::String(t.to_string())));
+        let g = TestGguf::tiny()
+            .set("tokenizer.ggml.model", Value::String("gpt2".into()))
+            .set("tokenizer.ggml.tokens", Value::Array(vocab))
+            .set("tokenizer.ggml.merges", Value::Array(vec![]))
+            .set("tokenizer.ggml.eos_token_id", Value::U32(9));
+        let f = g.write(tag);
+        Tokenizer::from_gguf(&crate::gguf::GgufFile::open(f.path()).expect("the test file")).expect("a tokenizer")
+    }
+
+    /// The pieces streamed join up to the answer (the decode of every id), also when decoding
+    /// stops inside a character that spans two tokens (its first byte held back until then).
+    #[test]
+    fn the_stream_joins_up_to_the_answer_when_a_character_is_cut() {
+        // Byte-level tokens: `Ã` and `©` (ids 10, 11) are the bytes 0xC3 and 0xA9, together "é".
+        let tok = letters("decode-split", &["\u{C3}", "\u{A9}"]);
+        assert_eq!(tok.decode(&[1, 10, 11]).expect("decodes"), "bé");
+        for (script, max, want) in [(&[10u32, 11][..], 3, vec!["b", "é"]), (&[10u32][..], 2, vec!["b", "\u{FFFD}"])] {
+            let (ids, _, _, pieces) = decode_script(&tok, script, max, 64, usize::MAX);
+            assert_eq!(pieces, want, "{script:?}");
+            assert_eq!(pieces.concat(), tok.decode(&ids).expect("decodes"), "the stream is the answer");
+        }
     }
 
     #[test]
     fn decode_steps_are_the_steps_decode_with_took_for_every_stop() {
-        // The letters a..j, `j` (id 9) the end of sequence.
-        let letters: Vec<Value> = ('a'..='j').map(|c| Value::String(c.to_string())).collect();
-        let g = TestGguf::tiny()
-            .set("tokenizer.ggml.model", Value::String("gpt2".into()))
-            .set("tokenizer.ggml.tokens", Value::Array(letters))
-            .set("tokenizer.ggml.merges", Value::Array(vec![]))
-            .set("tokenizer.ggml.eos_token_id", Value::U32(9));
-        let f = g.write("decode-steps");
-        let tok =
-            Tokenizer::from_gguf(&crate::gguf::GgufFile::open(f.path()).expect("the test file")).expect("letters");
+        let tok = letters("decode-steps", &[]);
         assert!(tok.is_end(9) && !tok.is_end(2));
         let cases = [
             // The end token chosen by the third step: three ids, and three steps timed (not two).
@@ -292,7 +318,7 @@ mod tests {
             ((&[2, 3, 4, 5][..], 10, 64, 2), 2, StopReason::Cancelled, 1),
         ];
         for ((script, max, window, texts), n_ids, stop, steps) in cases {
-            let (ids, got, calls) = decode_script(&tok, script, max, window, texts);
+            let (ids, got, calls, _) = decode_script(&tok, script, max, window, texts);
             assert_eq!((ids.len(), got, calls), (n_ids, stop, steps), "script {script:?}");
             assert_eq!(decode_steps(ids.len(), got), calls, "script {script:?}");
         }

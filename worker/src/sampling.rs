@@ -66,6 +66,11 @@ impl Sampler {
         }
         let t = self.cfg.temperature;
         let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // No finite maximum (a +inf logit, or none above -inf): `l - mx` would be NaN for every
+        // token and the least likely one handed back. The greedy choice is the only sensible one.
+        if !mx.is_finite() {
+            return argmax(logits);
+        }
         let mut probs: Vec<(f32, u32)> = logits
             .iter()
             .enumerate()
@@ -104,6 +109,15 @@ mod tests {
         let mut s = Sampler::new(SamplingConfig::default()).unwrap();
         assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]), 1);
         assert_eq!(argmax(&[f32::NAN, 1.0]), 1);
+    }
+
+    #[test]
+    fn an_infinite_logit_is_chosen_and_all_minus_infinity_is_greedy() {
+        let mut s = Sampler::new(SamplingConfig { temperature: 1.0, top_p: 0.9, seed: 3 }).unwrap();
+        for _ in 0..20 {
+            assert_eq!(s.sample(&[0.5, f32::INFINITY, 2.0, -1.0]), 1);
+            assert_eq!(s.sample(&[f32::NEG_INFINITY; 4]), 0);
+        }
     }
 
     #[test]

@@ -84,8 +84,10 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&obj)?);
     } else {
         println!();
-        let decode_tps =
-            if g.tokens.len() > 1 { (g.tokens.len() - 1) as f64 / g.decode.as_secs_f64().max(1e-9) } else { 0.0 };
+        // The steps decoding timed (one more than the ids after the first when the end token
+        // stopped it), as `run` counts them.
+        let steps = flowprefill_worker::generate::decode_steps(g.tokens.len(), g.stop);
+        let decode_tps = if steps > 0 { steps as f64 / g.decode.as_secs_f64().max(1e-9) } else { 0.0 };
         eprintln!(
             "prompt {} tokens | TTFT {:.1} ms (prefill {:.0} tok/s) | {} tokens generated, {:.1} tok/s | stop: {:?}",
             g.prompt_tokens,

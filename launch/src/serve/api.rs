@@ -240,10 +240,12 @@ fn options(
         }
         o.max_new_tokens = n;
     }
+    // Sampling without a seed draws a fresh one (it was 0: the same "random" answer to every
+    // request); `seed` repeats a draw. The selection's seed (the `random` method) stays 0.
     o.sampling = SamplingConfig {
         temperature: temperature.unwrap_or(0.0),
         top_p: top_p.unwrap_or(1.0),
-        seed: seed.unwrap_or(0),
+        seed: seed.unwrap_or_else(rand::random),
     };
     if !(o.sampling.temperature >= 0.0 && o.sampling.temperature.is_finite()) {
         return Err(ApiError::bad_request("field `temperature`: must be a finite number >= 0"));
@@ -433,7 +435,8 @@ pub struct ChatRequest {
     /// End-user id (accepted, not used).
     #[serde(default)]
     pub user: Option<String>,
-    /// Streaming options (accepted, not used).
+    /// Streaming options: `include_usage` (a last chunk with the token counts, as OpenAI's);
+    /// other keys are accepted and not used.
     #[serde(default)]
     pub stream_options: Option<serde_json::Value>,
 }
@@ -523,17 +526,36 @@ pub fn split_documents(message: &str) -> (Vec<String>, String) {
 }
 
 impl ChatRequest {
+    /// Whether `stream_options.include_usage` asks for the usage chunk (it was accepted and
+    /// ignored: clients that count tokens from it recorded nothing).
+    pub fn include_usage(&self) -> Result<bool, ApiError> {
+        match self.stream_options.as_ref().and_then(|o| o.get("include_usage")) {
+            None | Some(serde_json::Value::Null) => Ok(false),
+            Some(serde_json::Value::Bool(b)) => Ok(*b),
+            Some(v) => {
+                Err(ApiError::bad_request(format!("field `stream_options.include_usage`: {v} is not true or false")))
+            }
+        }
+    }
+
     /// The job, checked; whether to stream; the model name to echo.
     pub fn into_job(self) -> Result<(Job, bool, String), ApiError> {
         self.refuse_unsupported()?;
         if self.messages.is_empty() {
             return Err(ApiError::bad_request("field `messages`: empty"));
         }
-        let mut system = None;
+        // Every system and developer message, in order (only the last was kept).
+        let mut system: Option<String> = None;
         let mut last_user = None;
         for (i, m) in self.messages.iter().enumerate() {
             match m.role.as_str() {
-                "system" | "developer" => system = Some(text_of(&m.content, i)?),
+                "system" | "developer" => {
+                    let text = text_of(&m.content, i)?;
+                    system = Some(match system {
+                        Some(s) => format!("{s}\n\n{text}"),
+                        None => text,
+                    });
+                }
                 "user" => last_user = Some((i, text_of(&m.content, i)?)),
                 "assistant" | "tool" => {}
                 other => {
@@ -727,6 +749,34 @@ mod tests {
         let (job, _, _) = chat(history).expect("a conversation with tool turns");
         assert_eq!(job.request.query, "second?");
         assert_eq!(job.request.system.as_deref(), Some("Be brief."));
+        // Every system and developer message is kept, in order (the last alone was).
+        let two = r#"[{"role": "system", "content": "You are a lawyer."}, {"role": "developer", "content": "Answer in French."},
+            {"role": "user", "content": "doc\n---\nq?"}]"#;
+        let (job, _, _) = chat(two).expect("two system messages");
+        assert_eq!(job.request.system.as_deref(), Some("You are a lawyer.\n\nAnswer in French."));
+        // Sampling without a seed draws one per request; a seed repeats it.
+        let sampled = |extra: &str| {
+            let body = format!(
+                r#"{{"messages": [{{"role": "user", "content": "doc\n---\nq?"}}], "temperature": 0.8{extra}}}"#
+            );
+            parse::<ChatRequest>(body.as_bytes())
+                .and_then(ChatRequest::into_job)
+                .expect("a job")
+                .0
+                .options
+                .sampling
+                .seed
+        };
+        assert_ne!(sampled(""), sampled(""), "no seed: a fresh draw each time");
+        assert_eq!((sampled(r#", "seed": 7"#), sampled(r#", "seed": 7"#)), (7, 7));
+        // stream_options.include_usage is read, not ignored.
+        let usage = |o: &str| {
+            parse::<ChatRequest>(format!(r#"{{"messages": [], "stream_options": {o}}}"#).as_bytes())
+                .expect("parses")
+                .include_usage()
+        };
+        assert!(usage(r#"{"include_usage": true}"#).expect("true") && !usage("{}").expect("absent"));
+        assert!(usage(r#"{"include_usage": "yes"}"#).unwrap_err().message.contains("not true or false"));
         for (content, says) in [
             (
                 r#"[{"type": "text", "text": "doc\n---\nq?"}, {"type": "image_url", "image_url": {"url": "x"}}]"#,

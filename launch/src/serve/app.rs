@@ -530,6 +530,17 @@ impl Drop for IngestSlot {
     }
 }
 
+/// OpenAI's `usage`: the prompt's tokens (the template's head, the context, the question) and
+/// the answer's.
+fn usage_of(r: &RunResult) -> serde_json::Value {
+    let prompt_tokens = r.n_head_tokens + r.n_context_tokens + r.n_prompt_tokens;
+    serde_json::json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": r.tokens.len(),
+        "total_tokens": prompt_tokens + r.tokens.len(),
+    })
+}
+
 fn finish_reason(r: &RunResult) -> &'static str {
     match r.stop {
         StopReason::MaxTokens | StopReason::ContextFull => "length",
@@ -538,36 +549,33 @@ fn finish_reason(r: &RunResult) -> &'static str {
 }
 
 async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    let into_job = |r: ChatRequest| r.into_job().map(|(job, stream, model)| (job, stream, None, model));
-    let (pending, stream, model) = match st.accept::<ChatRequest, String>(&headers, body, into_job).await {
-        Ok(x) => x,
-        Err(e) => return error_response(&e),
+    let into_job = |r: ChatRequest| {
+        let usage = r.include_usage()?;
+        r.into_job().map(|(job, stream, model)| (job, stream, None, (model, usage)))
     };
+    let (pending, stream, (model, include_usage)) =
+        match st.accept::<ChatRequest, (String, bool)>(&headers, body, into_job).await {
+            Ok(x) => x,
+            Err(e) => return error_response(&e),
+        };
     let id = format!("chatcmpl-{}", st.next_id.fetch_add(1, Ordering::Relaxed));
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     if !stream {
         return match pending.result().await {
-            Ok(r) => {
-                let prompt_tokens = r.n_head_tokens + r.n_context_tokens + r.n_prompt_tokens;
-                axum::Json(serde_json::json!({
-                    "id": id,
-                    "object": "chat.completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [{
-                        "index": 0,
-                        "message": { "role": "assistant", "content": r.answer },
-                        "finish_reason": finish_reason(&r),
-                    }],
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": r.tokens.len(),
-                        "total_tokens": prompt_tokens + r.tokens.len(),
-                    },
-                    "flowprefill": to_json(&r),
-                }))
-                .into_response()
-            }
+            Ok(r) => axum::Json(serde_json::json!({
+                "id": id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": { "role": "assistant", "content": r.answer },
+                    "finish_reason": finish_reason(&r),
+                }],
+                "usage": usage_of(&r),
+                "flowprefill": to_json(&r),
+            }))
+            .into_response(),
             Err(e) => error_response(&e),
         };
     }
@@ -575,10 +583,19 @@ async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };
+    let (usage_id, usage_model) = (id.clone(), model.clone());
     let chunk = move |delta: serde_json::Value, finish: Option<&str>| {
         serde_json::json!({
             "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }],
+        })
+        .to_string()
+    };
+    // `stream_options.include_usage`: one more chunk before [DONE], no choices, the counts.
+    let usage_chunk = move |r: &RunResult| {
+        serde_json::json!({
+            "id": usage_id, "object": "chat.completion.chunk", "created": created, "model": usage_model,
+            "choices": [], "usage": usage_of(r),
         })
         .to_string()
     };
@@ -588,7 +605,14 @@ async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -
         let data = match ev {
             Event::Admitted => None,
             Event::Text(s) => Some(vec![chunk(serde_json::json!({ "content": s }), None)]),
-            Event::Done(r) => Some(vec![chunk(serde_json::json!({}), Some(finish_reason(&r))), "[DONE]".to_string()]),
+            Event::Done(r) => {
+                let mut last = vec![chunk(serde_json::json!({}), Some(finish_reason(&r)))];
+                if include_usage {
+                    last.push(usage_chunk(&r));
+                }
+                last.push("[DONE]".to_string());
+                Some(last)
+            }
             Event::Failed(e) => {
                 metrics::error(e.kind);
                 Some(vec![e.body().to_string(), "[DONE]".to_string()])
