@@ -48,11 +48,12 @@ pub fn place<B: Backend>(lm: &LoadedModel<B>) -> (String, String) {
 }
 
 /// Ranks that share one GPU of one host, one line per GPU: NCCL takes one GPU per rank (it
-/// failed with a bare "duplicate GPU"). Ranks on the CPU may share it.
+/// failed with a bare "duplicate GPU"). Ranks on the CPU may share it, and a GPU whose ordinal
+/// is not known (no `cuda:N`: the driver did not say) is not compared.
 pub fn shared_gpus(places: &[(String, String)]) -> Vec<String> {
     let mut said = Vec::new();
     for (i, (host, device)) in places.iter().enumerate() {
-        if !device.starts_with("cuda") || places[..i].contains(&(host.clone(), device.clone())) {
+        if !device.starts_with("cuda:") || places[..i].contains(&(host.clone(), device.clone())) {
             continue;
         }
         let ranks: Vec<String> = places
@@ -143,6 +144,8 @@ mod tests {
             at("a", "cuda:0"),
             at("a", "cpu"),
             at("a", "cpu"),
+            at("b", "cuda"),
+            at("b", "cuda"),
         ];
         assert_eq!(super::shared_gpus(&places), vec!["ranks 0, 3 all on cuda:0 of a".to_string()]);
         assert!(super::shared_gpus(&places[..3]).is_empty());
