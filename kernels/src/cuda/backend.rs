@@ -204,29 +204,7 @@ impl CudaBackend {
         };
         // The Hopper attention runs only after it computed a known problem as flash2 does on
         // this very GPU; otherwise flash2 (and its autotuner) with one line saying why.
-        // A fixed flash2 configuration other than 0 is not among the kernels loaded above: it
-        // loads now (every attention call failed with "was not loaded" before).
-        if let Some(k @ ops::FlashKernel::Fa2(_)) = fixed {
-            backend.ready(k).map_err(|e| {
-                err(
-                    "FLOWPREFILL_FLASH_KERNEL",
-                    format!(
-                        "{} did not load on cuda:{ordinal} ({e}); give another configuration, or unset it",
-                        k.name()
-                    ),
-                )
-            })?;
-        }
-        if let Some(ops::FlashKernel::Hopper(c)) = fixed {
-            if let Err(e) = backend.hopper_verified(c) {
-                eprintln!(
-                    "flowprefill: cuda:{ordinal}: the Hopper attention is not used: {e}; flash2 (fa2) runs instead"
-                );
-                // The mode the backend would have without the variable; the failed verdict is
-                // kept (the autotuner does not retry it).
-                backend.tuning.mode = super::tuning::Tuning::new(None, tune_off).mode;
-            }
-        }
+        backend.settle_fixed(fixed, tune_off)?;
         Ok(backend)
     }
 

@@ -66,6 +66,38 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// At start, the kernel `FLOWPREFILL_FLASH_KERNEL` fixed: a flash2 configuration other
+    /// than 0 (not among the kernels loaded with the backend) loads now, or the start fails
+    /// naming the variable (every attention call failed "not loaded" before); the Hopper kernel
+    /// runs only after its self-check on this GPU, else flash2 (and its autotuner, unless
+    /// `tune_off`) with one line saying why.
+    pub(super) fn settle_fixed(&mut self, fixed: Option<FlashKernel>, tune_off: bool) -> Result<()> {
+        let ordinal = self.ordinal();
+        match fixed {
+            Some(k @ FlashKernel::Fa2(_)) => self.ready(k).map_err(|e| {
+                err(
+                    "FLOWPREFILL_FLASH_KERNEL",
+                    format!(
+                        "{} did not load on cuda:{ordinal} ({e}); give another configuration, or unset it",
+                        k.name()
+                    ),
+                )
+            }),
+            Some(FlashKernel::Hopper(c)) => {
+                if let Err(e) = self.hopper_verified(c) {
+                    eprintln!(
+                        "flowprefill: cuda:{ordinal}: the Hopper attention is not used: {e}; flash2 (fa2) runs instead"
+                    );
+                    // The mode the backend would have without the variable; the failed verdict
+                    // is kept (the autotuner does not retry it).
+                    self.tuning.mode = super::tuning::Tuning::new(None, tune_off).mode;
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Makes `kernel` ready to launch: a flash2 configuration loaded (compiled on first use),
     /// the Hopper kernel verified on this GPU (compute capability 9.0, its self-check passed).
     pub(super) fn ready(&self, kernel: FlashKernel) -> Result<()> {

@@ -21,6 +21,8 @@
 //! argument put in the wrong place by a builder is caught by the emulation tests, on any
 //! machine. This module needs no CUDA library: it is plain data and arithmetic.
 
+mod host;
+pub use host::{check_capability, temporary_suffix, MIN_COMPUTE_CAPABILITY};
 pub mod ops;
 pub mod sass;
 pub mod shapes;
@@ -148,26 +150,6 @@ pub fn compile_arch((major, minor): (i32, i32)) -> String {
     } else {
         format!("sm_{major}{minor}")
     }
-}
-
-/// The oldest compute capability the kernels are written for: bf16 tensor-core products
-/// (`mma.sync` of bf16, 8.0) and more than 64 KiB of shared memory a block (the attention asks
-/// for 85 KiB and more).
-pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
-
-/// Whether a GPU of compute capability `cc` (named `name`) can run the kernels; the error
-/// says what to do instead (a T4 or V100 failed with NVRTC's log, or a shared-memory limit).
-pub fn check_capability(name: &str, cc: (i32, i32)) -> std::result::Result<(), String> {
-    if cc >= MIN_COMPUTE_CAPABILITY {
-        return Ok(());
-    }
-    let (major, minor) = MIN_COMPUTE_CAPABILITY;
-    Err(format!(
-        "{name} has compute capability {}.{}, and flowprefill's GPU kernels need {major}.{minor} or later (bf16 \
-         tensor cores, over 64 KiB of shared memory a block: A100, A10, L4, RTX 30 series, H100 and newer); run \
-         with --device cpu",
-        cc.0, cc.1
-    ))
 }
 
 /// Dynamic shared memory a kernel may use without raising its limit.
@@ -662,33 +644,9 @@ pub fn attention_launch(rows: u32, n_heads: u32) -> Launch {
     Launch::grid2(rows.div_ceil(ATTENTION_WARPS).max(1), n_heads, 32 * ATTENTION_WARPS)
 }
 
-/// A temporary file's extension that no other process or thread uses at the same time.
-pub fn temporary_suffix() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    let thread = format!("{:?}", std::thread::current().id()).chars().filter(char::is_ascii_digit).collect::<String>();
-    format!("{}.{thread}.{}.tmp", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn gpus_older_than_ampere_are_refused_naming_the_capability() {
-        assert!(check_capability("NVIDIA H100", (9, 0)).is_ok() && check_capability("A100", (8, 0)).is_ok());
-        assert!(check_capability("RTX 4090", (8, 9)).is_ok() && check_capability("B200", (10, 0)).is_ok());
-        let e = check_capability("Tesla T4", (7, 5)).expect_err("sm_75");
-        assert!(e.contains("Tesla T4 has compute capability 7.5") && e.contains("--device cpu"), "{e}");
-    }
-
-    #[test]
-    fn temporary_names_are_never_shared() {
-        let a = temporary_suffix();
-        let b = std::thread::spawn(temporary_suffix).join().expect("thread");
-        assert!(a != b && a.starts_with(&std::process::id().to_string()) && a.ends_with(".tmp"), "{a} {b}");
-        assert_ne!(a, temporary_suffix());
-    }
 
     #[test]
     fn every_kernel_has_a_budget_a_signature_and_appears_in_its_source() {

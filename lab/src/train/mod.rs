@@ -9,6 +9,7 @@ mod checkpoint;
 pub mod kvpacket;
 pub mod lookahead;
 pub mod model;
+mod outputs;
 pub mod run;
 
 use std::path::PathBuf;
