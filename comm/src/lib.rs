@@ -204,6 +204,9 @@ pub enum ErrorClass {
     /// running: refused before any work; the caller must make it smaller (fewer tokens, more
     /// ranks, bf16 K/V).
     TooLarge,
+    /// A device that can run nothing more in this process (a kernel fault, an uncorrectable
+    /// memory error, a kernel that never finished): only a new process has it again.
+    Device,
 }
 
 impl ErrorClass {
@@ -218,6 +221,7 @@ impl ErrorClass {
             ErrorClass::Deadline => "deadline",
             ErrorClass::Resource => "resource",
             ErrorClass::TooLarge => "too_large",
+            ErrorClass::Device => "device",
         }
     }
 }

@@ -4,9 +4,12 @@
 //! (the rank's thread panics), `hang` (the rank stops answering), `stall:MS` (the rank is
 //! busy for MS milliseconds without looking at cancellations or deadlines, then goes on: a
 //! slow step, for timing what happens after it), `oom` (the rank's next step fails with the
-//! backend's out-of-memory error, as a GPU whose memory another tenant took).
+//! backend's out-of-memory error, as a GPU whose memory another tenant took), `device-lost`
+//! (the step fails as after a kernel fault, and so does every later step of the rank: a GPU
+//! whose context is lost stays lost for the process's life).
 //!
-//! A plan fires once (so that a service can recover by rebuilding its ranks) and is shared by
+//! A plan fires once (so that a service can recover by rebuilding its ranks; `device-lost`
+//! keeps failing, as the driver does) and is shared by
 //! the engines of a world. Every engine starts with the process's plan from
 //! `FLOWPREFILL_FAULT=rank:R,phase:P,mode:M` ([`FaultPlan::from_env`]); tests set one directly.
 
@@ -30,6 +33,8 @@ pub enum FaultMode {
     Stall(Duration),
     /// The rank's step fails for want of memory (device `injected`).
     OutOfMemory,
+    /// The rank's device is lost: this step and every later one of the rank fail.
+    DeviceLost,
 }
 
 /// One planned fault.
@@ -65,6 +70,7 @@ impl FaultPlan {
                         "panic" => FaultMode::Panic,
                         "hang" => FaultMode::Hang,
                         "oom" => FaultMode::OutOfMemory,
+                        "device-lost" => FaultMode::DeviceLost,
                         _ => {
                             let ms = v.strip_prefix("stall")?.trim_start_matches([':', '=']);
                             FaultMode::Stall(Duration::from_millis(ms.parse().ok()?))
@@ -86,15 +92,24 @@ impl FaultPlan {
             let s = std::env::var("FLOWPREFILL_FAULT").ok()?;
             let plan = Self::parse(&s);
             if plan.is_none() {
-                tracing::warn!(value = %s, "FLOWPREFILL_FAULT ignored: expected rank:R,phase:P,mode:exit|panic|hang|stall:MS|oom");
+                tracing::warn!(value = %s, "FLOWPREFILL_FAULT ignored: expected rank:R,phase:P,mode:exit|panic|hang|stall:MS|oom|device-lost");
             }
             plan
         })
         .clone()
     }
 
-    /// Misbehaves here if the plan says so (once); the `oom` mode is an error of the step.
+    /// Misbehaves here if the plan says so (once); the `oom` mode is an error of the step, the
+    /// `device-lost` mode of this step and of every later one of the rank, whatever its phase.
     pub fn point(&self, rank: usize, phase: &str) -> Result<(), flowprefill_kernels::KernelError> {
+        let lost = || flowprefill_kernels::KernelError::DeviceLost {
+            device: "injected".into(),
+            detail: format!("an injected fault at rank {rank}'s {phase} (FLOWPREFILL_FAULT)"),
+            hung: false,
+        };
+        if self.rank == rank && self.mode == FaultMode::DeviceLost && self.fired.load(Ordering::Relaxed) {
+            return Err(lost());
+        }
         if self.rank != rank || self.phase != phase || self.fired.swap(true, Ordering::Relaxed) {
             return Ok(());
         }
@@ -114,6 +129,7 @@ impl FaultPlan {
                     advice: flowprefill_kernels::OomAdvice::default(),
                 })
             }
+            FaultMode::DeviceLost => return Err(lost()),
         }
         Ok(())
     }
@@ -135,6 +151,15 @@ mod tests {
         let p = FaultPlan::parse("rank:1,phase:recompute,mode:oom").unwrap();
         assert!(p.point(1, "recompute").is_err_and(|e| e.to_string().contains("needs 1.00 GiB more on injected")));
         assert!(p.point(1, "recompute").is_ok(), "fires once");
+        // A lost device stays lost: every later step of the rank fails, another rank's does not.
+        let p = FaultPlan::parse("rank:1,phase:probe,mode:device-lost").unwrap();
+        assert!(p.point(1, "chunk_prefill").is_ok(), "not before the planned phase");
+        let e = p.point(1, "probe").unwrap_err();
+        assert!(matches!(e, flowprefill_kernels::KernelError::DeviceLost { .. }), "{e:?}");
+        assert!(e.to_string().contains("injected failed: an injected fault at rank 1's probe"), "{e}");
+        assert!(e.to_string().contains("restart the process"), "{e}");
+        assert!(p.point(1, "decode").is_err() && p.point(1, "probe").is_err(), "sticky");
+        assert!(p.point(0, "probe").is_ok(), "only the planned rank");
     }
 
     #[test]

@@ -60,6 +60,23 @@ pub enum KernelError {
         /// What failed.
         detail: String,
     },
+    /// The device can no longer run anything in this process: a kernel fault (an illegal
+    /// address or instruction), an uncorrectable memory error, or a kernel that never finished.
+    /// CUDA keeps such an error for the context's life, so every later call fails the same way
+    /// and only a new process has the GPU again: a service stops rather than fail every job.
+    #[error(
+        "{device} failed: {detail}; its context is lost (every later call on it in this process fails): restart \
+         the process{}",
+        if *hung { " (the GPU stays busy with that kernel until this process ends)" } else { "" }
+    )]
+    DeviceLost {
+        /// `cuda:N`, or `the GPU` where the failing call did not know its ordinal.
+        device: String,
+        /// The call that failed and the driver's words.
+        detail: String,
+        /// A kernel that never finished (it still holds the GPU), not a fault.
+        hung: bool,
+    },
 }
 
 /// What, besides memory being freed, would let an allocation that failed succeed

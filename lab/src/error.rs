@@ -99,6 +99,7 @@ impl LabError {
             LabError::Kernel(e) => Some(match e {
                 flowprefill_kernels::KernelError::Shape { .. } => ErrorClass::Internal,
                 flowprefill_kernels::KernelError::OutOfMemory { .. } => ErrorClass::Resource,
+                flowprefill_kernels::KernelError::DeviceLost { .. } => ErrorClass::Device,
                 _ => ErrorClass::Model,
             }),
             _ => None,

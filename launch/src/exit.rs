@@ -9,6 +9,7 @@
 //! | deadline passed | 5 | 504 | `deadline` |
 //! | cancelled | 6 | 499 | `cancelled` |
 //! | internal (a bug) | 70 | 500 | `internal` |
+//! | a device lost (its context: a kernel fault, a hung kernel) | 69 | 503 | `device_failure` |
 //!
 //! A bad flag value caught by the command is the caller's too ([`Usage`], exit 2, as clap's own
 //! usage errors); any other unclassed failure (an IO error of the command itself) exits with 1.
@@ -57,6 +58,8 @@ pub fn code(class: ErrorClass) -> i32 {
         ErrorClass::Resource => 75,
         // The request must change, as for any other input error.
         ErrorClass::TooLarge => 2,
+        // sysexits' EX_UNAVAILABLE: the GPU can do nothing more in this process; a new one may.
+        ErrorClass::Device => 69,
     }
 }
 
@@ -71,6 +74,7 @@ pub fn http(class: ErrorClass) -> (u16, &'static str) {
         ErrorClass::Internal => (500, "internal"),
         ErrorClass::Resource => (503, "resource"),
         ErrorClass::TooLarge => (413, "too_large"),
+        ErrorClass::Device => (503, "device_failure"),
     }
 }
 
@@ -82,6 +86,7 @@ pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
             .or_else(|| c.downcast_ref::<WorkerError>().map(WorkerError::class))
             .or_else(|| c.downcast_ref::<flowprefill_worker::InputError>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<Usage>().map(|_| ErrorClass::Caller))
+            .or_else(|| c.downcast_ref::<crate::serve::DeviceStopped>().map(|_| ErrorClass::Device))
             .or_else(|| c.downcast_ref::<flowprefill_lab::LabError>().and_then(flowprefill_lab::LabError::class))
             .or_else(|| c.downcast_ref::<flowprefill_lab::train::TrainError>().and_then(|e| e.class()))
             // A shape, device, link or profiles file the projection does not know: the caller's.
@@ -92,6 +97,7 @@ pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
                 c.downcast_ref::<flowprefill_kernels::KernelError>().map(|e| match e {
                     flowprefill_kernels::KernelError::Shape { .. } => ErrorClass::Internal,
                     flowprefill_kernels::KernelError::OutOfMemory { .. } => ErrorClass::Resource,
+                    flowprefill_kernels::KernelError::DeviceLost { .. } => ErrorClass::Device,
                     _ => ErrorClass::Model,
                 })
             })

@@ -264,8 +264,9 @@ pub enum WorkerError {
         /// The model's window.
         window: usize,
     },
-    /// Fetching the default model failed.
-    #[error("fetching the default model: {0}")]
+    /// Fetching a model flowprefill knows (the default one, or another named by
+    /// `fetch-model`) failed.
+    #[error("fetching the model: {0}")]
     Fetch(String),
     /// A KV Packet adapter file that cannot be used.
     #[error("adapter {}: {detail}", path.display())]
@@ -344,6 +345,7 @@ impl WorkerError {
             WorkerError::Comm(_) | WorkerError::Protocol { .. } => ErrorClass::Peer,
             WorkerError::Kernel(KernelError::Backend { .. } | KernelError::HeadLayout { .. }) => ErrorClass::Model,
             WorkerError::Kernel(KernelError::OutOfMemory { .. }) => ErrorClass::Resource,
+            WorkerError::Kernel(KernelError::DeviceLost { .. }) => ErrorClass::Device,
             WorkerError::Kernel(KernelError::Shape { .. } | KernelError::Dtype { .. }) | WorkerError::Internal(_) => {
                 ErrorClass::Internal
             }

@@ -385,9 +385,10 @@ impl<B: Backend> Engine<B> {
                     verify::judge(&mut r, e, reused, &job.options);
                     self.learn(&r);
                 }
-                // A broken world ends everything; any other failure of the twin (its memory,
-                // its deadline) leaves the answer as computed, saying why it is not verified.
-                Err(e) if e.breaks_world() => return Err(e),
+                // A broken world or a lost GPU ends everything; any other failure of the twin
+                // (its memory, its deadline) leaves the answer as computed, saying why it is not
+                // verified.
+                Err(e) if e.breaks_world() || e.class() == ErrorClass::Device => return Err(e),
                 Err(e) => {
                     tracing::warn!("verification: the exact computation failed: {e}");
                     r.verify_error = Some(e.to_string());

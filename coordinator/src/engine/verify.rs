@@ -91,9 +91,12 @@ impl ExactMemo {
     }
 }
 
-/// KL(p || q) of the distributions of two logit vectors, in nats (f64 throughout).
+/// KL(p || q) of the distributions of two logit vectors, in nats (f64 throughout). Logits
+/// that are no distribution (a NaN or +inf on either side: a broken computation) are as far as
+/// can be: infinite, never a pass (a NaN sum read as 0 through `max` passed every floor).
 fn kl_of_logits(p: &[f32], q: &[f32]) -> f64 {
-    if p.len() != q.len() || p.is_empty() {
+    let broken = |x: &[f32]| x.iter().any(|v| v.is_nan() || *v == f32::INFINITY);
+    if p.len() != q.len() || p.is_empty() || broken(p) || broken(q) {
         return f64::INFINITY;
     }
     let log_softmax = |x: &[f32]| -> Vec<f64> {
@@ -103,6 +106,9 @@ fn kl_of_logits(p: &[f32], q: &[f32]) -> f64 {
     };
     let (lp, lq) = (log_softmax(p), log_softmax(q));
     let kl: f64 = lp.iter().zip(&lq).map(|(a, b)| if a.is_finite() { a.exp() * (a - b) } else { 0.0 }).sum();
+    if kl.is_nan() {
+        return f64::INFINITY;
+    }
     kl.max(0.0)
 }
 
@@ -155,6 +161,19 @@ mod tests {
         let kl = kl_of_logits(&[0.0, three], &[three, 0.0]);
         assert!((kl - 3f64.ln() / 2.0).abs() < 1e-6, "{kl}");
         assert!(kl_of_logits(&[1.0], &[1.0, 2.0]).is_infinite(), "different vocabularies never pass");
+        // A NaN or +inf anywhere is a broken computation: never a pass (a NaN was 0 before).
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut broken = p;
+            broken[2] = bad;
+            assert_eq!(kl_of_logits(&p, &broken), f64::INFINITY, "{bad} answered");
+            assert_eq!(kl_of_logits(&broken, &p), f64::INFINITY, "{bad} exact");
+        }
+        // A token the answer gives no chance (-inf) where the exact one gives some: infinite;
+        // one neither gives any: nothing.
+        let mut none = p;
+        none[3] = f32::NEG_INFINITY;
+        assert_eq!(kl_of_logits(&p, &none), f64::INFINITY);
+        assert_eq!(kl_of_logits(&none, &none), 0.0);
     }
 
     #[test]

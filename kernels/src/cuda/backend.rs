@@ -44,9 +44,10 @@
 //! Everything runs on one stream in order (the backend's own, non-blocking, not the legacy
 //! default stream); a download synchronizes, and nothing else inside a forward does (the engine
 //! settles the stream at phase boundaries, for its phase timers). Errors from the driver, NVRTC
-//! and cuBLAS become [`KernelError::Backend`] naming the op.
+//! and cuBLAS become [`KernelError::Backend`] naming the op ([`KernelError::DeviceLost`] where
+//! the GPU can run nothing more in this process: `super::health`).
 
-use super::buffers::{self, ControlCache, DevData, DeviceRope, MatData, Scratch};
+use super::buffers::{self, want, ControlCache, DevData, DeviceRope, MatData, Scratch};
 pub use super::buffers::{DeviceBuf, DeviceMat, Mark};
 use super::err;
 use super::loader::{load_file, Occupancy};
@@ -104,15 +105,8 @@ pub struct CudaBackend {
     pub(super) recorder: super::graph::Recorder,
     /// Page-locked memory for batched copies (`download_many`, `upload_many`).
     pub(super) staging: super::staging::Staging,
-}
-
-/// Why a buffer of the wrong element type was refused.
-pub(super) fn want(op: &'static str, what: &str, got: DType, want: DType) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(KernelError::Dtype { op, detail: format!("{what} holds {got} values; this operation takes {want}") })
-    }
+    /// Set once a kernel was seen never to finish (`super::health`).
+    pub(super) hung: super::health::Hung,
 }
 
 impl CudaBackend {
@@ -201,6 +195,7 @@ impl CudaBackend {
             control: ControlCache::new(pinned_control),
             recorder: super::graph::Recorder::new(epoch),
             staging: Default::default(),
+            hung: Default::default(),
         };
         // The Hopper attention runs only after it computed a known problem as flash2 does on
         // this very GPU; otherwise flash2 (and its autotuner) with one line saying why.
@@ -243,6 +238,7 @@ impl CudaBackend {
     /// The caller holds the guards of every buffer the call names until this returns.
     pub(super) fn run(&self, call: &Call) -> Result<()> {
         call.check().map_err(|e| err("launch", e))?;
+        self.hung.check(self.ordinal)?;
         self.refuse_while_recorded_elsewhere(call.kernel)?;
         let loaded = self.functions.get(call.kernel).cloned().or_else(|| self.extra_function(call.kernel));
         let f = loaded.ok_or_else(|| err("kernel", format!("{} was not loaded", call.kernel)))?;

@@ -144,6 +144,15 @@ impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Scratch<T>
     }
 }
 
+/// Why a buffer of the wrong element type was refused.
+pub(super) fn want(op: &'static str, what: &str, got: DType, want: DType) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(crate::KernelError::Dtype { op, detail: format!("{what} holds {got} values; this operation takes {want}") })
+    }
+}
+
 /// The error of a failed allocation of `bytes` on `stream`'s device (or of an upload that
 /// allocates): [`crate::KernelError::OutOfMemory`] with the device's free memory when the
 /// driver is out of memory, else a backend error naming `op`.

@@ -2,7 +2,8 @@
 //! scratch buffers and launch plans). Buffer growth and copies are in `copies.rs`, the rest of
 //! the op set in `backend.rs`.
 
-use super::backend::{check_same, want, CudaBackend};
+use super::backend::{check_same, CudaBackend};
+use super::buffers::want;
 use super::buffers::{DeviceBuf, DeviceMat, MatData};
 use super::err;
 use super::graph::Role;

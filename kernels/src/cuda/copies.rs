@@ -2,7 +2,8 @@
 //! `resize`), appends (all of a buffer or a range of its rows) and row copies (one
 //! device-to-device copy for consecutive rows, the index kernel otherwise).
 
-use super::backend::{check_same, want, CudaBackend};
+use super::backend::{check_same, CudaBackend};
+use super::buffers::want;
 use super::buffers::{DevData, DeviceBuf};
 use super::err;
 use super::graph::Role;

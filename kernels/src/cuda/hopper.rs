@@ -97,6 +97,7 @@ impl CudaBackend {
             let f = |p| Ptr::new(p, Elem::F32);
             self.run_built(ops::hopper_probe(swizzle, Ptr::new(pm, Elem::U64), b(pa), f(p1), f(p2), 0))?;
         }
+        self.finish_within("the Hopper probe (its first run on this GPU)", super::health::FIRST_RUN_LIMIT)?;
         let get = |d: &CudaSlice<f32>| s.clone_dtoh(d).map_err(|e| err("hopper probe download", e));
         Ok((get(&d1)?, get(&d2)?))
     }
@@ -159,16 +160,24 @@ impl CudaBackend {
     /// [`Self::hopper_self_check`] of configuration `config`, run once per backend: a
     /// configuration of the Hopper kernel is used (fixed, or timed by the autotuner) only after
     /// it passed.
+    /// A GPU lost during the check (a fault, a kernel that never finished) is that error, not a
+    /// verdict: nothing, flash2 included, runs on it any more.
     pub(super) fn hopper_verified(&self, config: u8) -> Result<()> {
         let Some(slot) = self.tuning.hopper.get(config as usize) else {
             return Err(err("hopper", format!("there is no configuration {config} of the Hopper kernel")));
         };
+        let mut lost = None;
         let verdict = slot.get_or_init(|| {
             self.hopper_self_check(config).map_err(|e| match e {
                 KernelError::Backend { detail, .. } => detail,
+                e @ KernelError::DeviceLost { .. } => lost.insert(e).to_string(),
                 other => other.to_string(),
             })
         });
+        if let Some(e) = lost {
+            return Err(e);
+        }
+        self.hung.check(self.ordinal())?;
         verdict.clone().map_err(|detail| KernelError::Backend { backend: "cuda", detail })
     }
 
@@ -249,6 +258,7 @@ impl CudaBackend {
                 let io = FlashIo { q: b(pq), qpos: u(pqp), k: b(pk), v: b(pv), meta: u(pm), out: f(po), lse: f(pl) };
                 self.with_partials(dims, &plan, |partial| self.run_flash(dims, &plan, io, partial, 0.125))?;
             }
+            self.finish_within(&format!("the self-check of {kernel:?} at d{d}"), super::health::FIRST_RUN_LIMIT)?;
             let o = s.clone_dtoh(&out).map_err(|e| err("self-check download", e))?;
             let l = s.clone_dtoh(&lse).map_err(|e| err("self-check download", e))?;
             got.push((kernel, splits, sms, o, l));

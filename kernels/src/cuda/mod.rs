@@ -10,6 +10,7 @@ mod buffers;
 mod compute;
 mod copies;
 mod graph;
+mod health;
 pub mod hopper;
 pub mod libs;
 mod loader;
@@ -46,9 +47,35 @@ fn fail(detail: impl Into<String>) -> KernelError {
     KernelError::Backend { backend: "cuda", detail: detail.into() }
 }
 
-/// A CUDA call `op` that failed with `e` (every module of the backend reports this way).
-pub(crate) fn err(op: &str, e: impl std::fmt::Debug) -> KernelError {
+/// A CUDA call `op` that failed with `e` (every module of the backend reports this way): a
+/// driver error that CUDA keeps for the context's life is [`KernelError::DeviceLost`].
+pub(crate) fn err(op: &str, e: impl std::fmt::Debug + 'static) -> KernelError {
+    let driver = (&e as &dyn std::any::Any).downcast_ref::<cudarc::driver::DriverError>();
+    if driver.is_some_and(|d| context_lost(d.0)) {
+        return KernelError::DeviceLost { device: "the GPU".into(), detail: format!("{op}: {e:?}"), hung: false };
+    }
     fail(format!("{op}: {e:?}"))
+}
+
+/// The driver's results that leave the context unusable ("sticky" errors: a kernel fault, an
+/// uncorrectable ECC error, a kernel stopped by the display watchdog); every later call of
+/// the process on that context returns the same.
+fn context_lost(r: cudarc::driver::sys::CUresult) -> bool {
+    use cudarc::driver::sys::CUresult as R;
+    matches!(
+        r,
+        R::CUDA_ERROR_ILLEGAL_ADDRESS
+            | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | R::CUDA_ERROR_MISALIGNED_ADDRESS
+            | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | R::CUDA_ERROR_INVALID_PC
+            | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | R::CUDA_ERROR_LAUNCH_FAILED
+            | R::CUDA_ERROR_LAUNCH_TIMEOUT
+            | R::CUDA_ERROR_ECC_UNCORRECTABLE
+            | R::CUDA_ERROR_ASSERT
+            | R::CUDA_ERROR_CONTEXT_IS_DESTROYED
+    )
 }
 
 /// True when the CUDA driver library can be loaded.
@@ -151,5 +178,33 @@ mod tests {
             Ok(list) => assert!(list.iter().all(|d| d.total_mem_bytes > 0)),
             Err(e) => assert!(e.to_string().contains("cuda"), "{e}"),
         }
+    }
+
+    /// The driver's "sticky" results are a lost device; any other failure stays a backend
+    /// error of its call (an allocation that failed, a bad argument: the GPU still works).
+    /// (`err` itself formats the driver's words, which needs the driver: its classification is
+    /// tested here, its message below.)
+    #[test]
+    fn faults_the_driver_keeps_are_a_lost_device_and_other_errors_are_not() {
+        use cudarc::driver::sys::CUresult as R;
+        for r in [R::CUDA_ERROR_ILLEGAL_ADDRESS, R::CUDA_ERROR_LAUNCH_FAILED, R::CUDA_ERROR_ECC_UNCORRECTABLE] {
+            assert!(super::context_lost(r), "{r:?}");
+        }
+        for r in [R::CUDA_ERROR_OUT_OF_MEMORY, R::CUDA_ERROR_INVALID_VALUE, R::CUDA_ERROR_NOT_READY, R::CUDA_SUCCESS] {
+            assert!(!super::context_lost(r), "{r:?}");
+        }
+        // Text, NVRTC's or cuBLAS's errors are not the driver's results.
+        assert!(matches!(super::err("load", "no such kernel"), crate::KernelError::Backend { .. }));
+        let hung = crate::KernelError::DeviceLost {
+            device: "cuda:3".into(),
+            detail: "the self-check of Hopper(0) at d64 did not finish within 60 s".into(),
+            hung: true,
+        };
+        assert_eq!(
+            hung.to_string(),
+            "cuda:3 failed: the self-check of Hopper(0) at d64 did not finish within 60 s; its context is lost (every \
+             later call on it in this process fails): restart the process (the GPU stays busy with that kernel until \
+             this process ends)"
+        );
     }
 }

@@ -17,7 +17,7 @@ use super::backend::CudaBackend;
 use super::err;
 use super::hopper::FlashIo;
 use super::tuning::Mode;
-use crate::error::Result;
+use crate::error::{KernelError, Result};
 use crate::gpu::ops::{self, AttnDims, FlashKernel};
 use crate::gpu::tune::{self, ShapeClass, TuneEntry, TuneKey, TuneTable, DEFAULT_BLOCKS_PER_SM};
 use crate::gpu::{self, shapes, Elem, Ptr};
@@ -85,6 +85,9 @@ impl CudaBackend {
             }),
             Some(FlashKernel::Hopper(c)) => {
                 if let Err(e) = self.hopper_verified(c) {
+                    if matches!(e, KernelError::DeviceLost { .. }) {
+                        return Err(e);
+                    }
                     eprintln!(
                         "flowprefill: cuda:{ordinal}: the Hopper attention is not used: {e}; flash2 (fa2) runs instead"
                     );
@@ -218,6 +221,9 @@ impl CudaBackend {
         for c in configs {
             let kernel = tune::kernel_of(c);
             if let Err(e) = self.ready(kernel) {
+                if matches!(e, KernelError::DeviceLost { .. }) {
+                    return Err(e);
+                }
                 eprintln!("flowprefill: autotuner: configuration {c} ({}) skipped ({e})", kernel.name());
                 continue;
             }
@@ -265,7 +271,8 @@ impl CudaBackend {
             let start = super::buffers::mark(s.context(), s)?;
             launch()?;
             let end = super::buffers::mark(s.context(), s)?;
-            end.0.synchronize().map_err(|e| err("tune", e))?;
+            // Bounded: a configuration's first run on a call of this size.
+            self.finish_within("the autotuner's timing", super::health::FIRST_RUN_LIMIT)?;
             let ms = start.0.elapsed_ms(&end.0).map_err(|e| err("tune", e))?;
             times.push(f64::from(ms) * 1e3);
         }

@@ -31,7 +31,7 @@ pub struct ApiError {
     /// HTTP status.
     pub status: u16,
     /// Bounded kind: bad_request, unauthorized, too_large, queue_full, deadline, cancelled,
-    /// rank_failure, shutting_down, internal.
+    /// rank_failure, device_failure, resource, shutting_down, internal.
     pub kind: &'static str,
     /// What to change.
     pub message: String,
@@ -549,6 +549,9 @@ impl ChatRequest {
         let mut last_user = None;
         for (i, m) in self.messages.iter().enumerate() {
             match m.role.as_str() {
+                // A blank one (some clients send `""`) is none: it replaced the template's own
+                // default system prompt with an empty turn.
+                "system" | "developer" if text_of(&m.content, i)?.trim().is_empty() => {}
                 "system" | "developer" => {
                     let text = text_of(&m.content, i)?;
                     system = Some(match system {

@@ -287,7 +287,7 @@ impl AppState {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let deadline = super::queue::deadline_of(deadline_s, self.cfg.job_timeout, arrived);
-        let q = Queued { job, accepted: Instant::now(), deadline, cancel: cancel.clone(), events: tx };
+        let q = Queued { job, accepted: Instant::now(), arrived, deadline, cancel: cancel.clone(), events: tx };
         self.queue.submit(q, &self.shutting_down)?;
         Ok(Pending { rx, guard: CancelOnDrop::new(cancel), answer_by: deadline + ANSWER_GRACE })
     }

@@ -16,8 +16,10 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::{Mutex, OnceLock, PoisonError};
+use std::time::Duration;
 
-/// Time to first token, by method.
+/// Time to first token from the request's arrival (reading the body, admission, the queue and
+/// the computation: the client's wait), by method.
 pub const TTFT_SECONDS: &str = "flowprefill_ttft_seconds";
 /// Whole job (queueing excluded), by method.
 pub const JOB_SECONDS: &str = "flowprefill_job_duration_seconds";
@@ -91,10 +93,13 @@ pub const RANKS_UP: &str = "flowprefill_ranks_up";
 /// long-context jobs on CPU take minutes.
 pub const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0, 2560.0,
+    160.0, 320.0, 640.0, 1280.0, 2560.0,
 ];
 /// KL buckets in nats: agreement to a few digits up to a different answer.
 pub const KL_BUCKETS: &[f64] = &[0.0001, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0];
+/// What an infinite KL (logits that are no distribution, a token given no chance) is recorded
+/// as: past the last bucket, and finite, so that `_sum` keeps meaning something afterwards.
+pub const KL_RECORDED_MAX: f64 = 100.0;
 /// Buckets of a fraction in [0, 1].
 pub const RATIO_BUCKETS: &[f64] = &[0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0];
 
@@ -200,7 +205,11 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
 
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
-    describe_histogram!(TTFT_SECONDS, Unit::Seconds, "Time to first token");
+    describe_histogram!(
+        TTFT_SECONDS,
+        Unit::Seconds,
+        "Time to first token from the request's arrival, queueing included"
+    );
     describe_histogram!(JOB_SECONDS, Unit::Seconds, "Job duration, queueing excluded");
     describe_histogram!(QUEUE_WAIT_SECONDS, Unit::Seconds, "Time queued before a job starts");
     describe_histogram!(PHASE_SECONDS, Unit::Seconds, "Wall time per phase and rank");
@@ -251,6 +260,26 @@ pub fn memory_free(device: &str, bytes: usize) {
     gauge!(MEMORY_FREE, "device" => device.to_string()).set(bytes as f64);
 }
 
+/// The chunk store's size by tier: after every job, and at every idle tick (an ingestion, a
+/// failed job's release, an out-of-memory's room-making change it between jobs).
+pub fn store_bytes(cache_bytes: usize, disk: Option<DiskStats>) {
+    gauge!(CACHE_BYTES).set(cache_bytes as f64);
+    gauge!(STORE_BYTES, "tier" => "ram").set(cache_bytes as f64);
+    // Without a disk tier: 0 disk bytes, nothing dropped or skipped (the series exist either way).
+    let d = disk.unwrap_or_default();
+    gauge!(STORE_BYTES, "tier" => "disk").set(d.bytes as f64);
+}
+
+/// [`TTFT_SECONDS`] of a job that produced a token (a cancelled one too): `before` (from the
+/// request's arrival to the job's start on the ranks) plus the engine's time to its first token.
+pub fn record_first_token(r: &RunResult, before: Duration) {
+    if r.tokens.is_empty() {
+        return;
+    }
+    let method = method_label(r.method, r.opts.reorder);
+    histogram!(TTFT_SECONDS, "method" => method).record((before + r.ttft).as_secs_f64());
+}
+
 /// Counts a job that ran out of memory on `device`.
 pub fn out_of_memory(device: &str) {
     counter!(OUT_OF_MEMORY, "device" => device.to_string()).increment(1);
@@ -278,9 +307,9 @@ pub fn job_outcome(method: &str, outcome: &'static str) {
 
 /// Records everything a successful job reports; `cache_bytes` and `disk` are rank 0's chunk
 /// store's RAM bytes and disk tier counters.
-pub fn record_job(r: &RunResult, cache_bytes: usize, disk: Option<DiskStats>) {
+pub fn record_job(r: &RunResult, before: Duration, cache_bytes: usize, disk: Option<DiskStats>) {
     let method = method_label(r.method, r.opts.reorder);
-    histogram!(TTFT_SECONDS, "method" => method.clone()).record(r.ttft.as_secs_f64());
+    record_first_token(r, before);
     histogram!(JOB_SECONDS, "method" => method.clone()).record(r.total.as_secs_f64());
     counter!(CONTEXT_TOKENS, "method" => method.clone()).increment(r.n_context_tokens as u64);
     if r.n_context_tokens > 0 {
@@ -297,15 +326,11 @@ pub fn record_job(r: &RunResult, cache_bytes: usize, disk: Option<DiskStats>) {
         counter!(STORE_HITS, "tier" => "disk", "rank" => rank.clone()).increment(s.cache_disk_hits);
         counter!(STORE_MISSES, "rank" => rank).increment(s.cache_misses);
     }
-    gauge!(CACHE_BYTES).set(cache_bytes as f64);
-    gauge!(STORE_BYTES, "tier" => "ram").set(cache_bytes as f64);
-    // Without a disk tier: 0 disk bytes, nothing dropped or skipped (the series exist either way).
-    let d = disk.unwrap_or_default();
-    gauge!(STORE_BYTES, "tier" => "disk").set(d.bytes as f64);
+    store_bytes(cache_bytes, disk);
     store_faults_of(r);
     match (&r.quality, &r.verify_error) {
         (Some(q), _) => {
-            histogram!(QUALITY_KL, "method" => method.clone()).record(q.kl);
+            histogram!(QUALITY_KL, "method" => method.clone()).record(q.kl.min(KL_RECORDED_MAX));
             let verdict = if q.breached { "breached" } else { "ok" };
             counter!(VERIFIED, "method" => method.clone(), "verdict" => verdict).increment(1);
             if q.fell_back {

@@ -20,7 +20,7 @@
 use super::api::ApiError;
 use super::metrics;
 use flowprefill_coordinator::world::panic_message;
-use flowprefill_coordinator::{Control, CoordError, Job, RunResult};
+use flowprefill_coordinator::{Control, CoordError, ErrorClass, Job, RunResult};
 use flowprefill_kernels::Device;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -46,8 +46,10 @@ pub enum Event {
 pub struct Queued {
     /// The job.
     pub job: Job,
-    /// When it was accepted.
+    /// When it was accepted (queued).
     pub accepted: Instant,
+    /// When its request arrived (before reading the body and admission).
+    pub arrived: Instant,
     /// When it must be finished.
     pub deadline: Instant,
     /// Set when the client went away.
@@ -112,6 +114,8 @@ pub struct Shared {
     pub ranks: usize,
     /// Set when the world failed and cannot be rebuilt: the service must stop.
     pub fatal: AtomicBool,
+    /// The fatal failure was a GPU this process can no longer use (exit 69, not 4).
+    pub device_lost: AtomicBool,
     /// Wakes whoever waits for a fatal failure or for the last job to finish.
     pub changed: tokio::sync::Notify,
     /// Recent job durations (seconds), for Retry-After.
@@ -237,6 +241,7 @@ impl Queue {
             reason: Mutex::new(None),
             ranks: world.size(),
             fatal: AtomicBool::new(false),
+            device_lost: AtomicBool::new(false),
             changed: tokio::sync::Notify::new(),
             recent: Mutex::new(Vec::new()),
             generation: AtomicU64::new(0),
@@ -352,6 +357,8 @@ fn executor(mut world: World, rx: Arc<Mutex<Receiver<Queued>>>, shared: Arc<Shar
                         break;
                     }
                 }
+                let store = world.leader().store();
+                metrics::store_bytes(store.stats().bytes, store.disk_stats());
                 continue;
             }
             Err(RecvTimeoutError::Disconnected) => break,
@@ -447,16 +454,21 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
     if !still_mine {
         return;
     }
+    // From the request's arrival to the job's start on the ranks: what the client waited
+    // before the engine's own clock started (reading the body, admission, the queue).
+    let before = t.saturating_duration_since(q.arrived);
     match out {
         Ok(r) if q.cancel.load(Ordering::Relaxed) => {
             metrics::job_outcome(&method, "cancelled");
             metrics::error("cancelled");
+            // A client that left after its first tokens had them: that wait counts too.
+            metrics::record_first_token(&r, before);
             // The store's faults the ranks reported with it are counted all the same.
             metrics::store_faults_of(&r);
         }
         Ok(r) => {
             let store = world.leader().store();
-            metrics::record_job(&r, store.stats().bytes, store.disk_stats());
+            metrics::record_job(&r, before, store.stats().bytes, store.disk_stats());
             let _ = q.events.send(Event::Done(Box::new(r)));
         }
         Err(e) => {
@@ -473,7 +485,13 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
             if matches!(e, CoordError::Panicked { rank: 0, .. }) {
                 world.abandon_job(&e.to_string());
             }
-            if e.breaks_world() {
+            if e.class() == ErrorClass::Device {
+                // A GPU that can run nothing more in this process: rebuilt ranks would meet it
+                // again, and every later job would fail on it. The service stops (exit 69), so
+                // that whatever runs it starts a new process.
+                shared.device_lost.store(true, Ordering::SeqCst);
+                shared.set_fatal(format!("a GPU can no longer be used by this process: {e}"));
+            } else if e.breaks_world() {
                 // Settle the world before answering: a client that retries at once finds the
                 // ranks rebuilt (or the service stopping).
                 shared.set_ready(false, Some(e.to_string()));
