@@ -271,7 +271,7 @@ impl ModelConfig {
             ));
         }
         // Every tensor must be one this implementation reads, with the expected shape.
-        let expected = self.expected_tensors(f);
+        let expected = self.expected_tensors();
         let shapes: HashMap<&str, &Vec<usize>> = expected.iter().map(|(n, s)| (n.as_str(), s)).collect();
         for name in f.tensor_names() {
             let Some(&want) = shapes.get(name.as_str()) else {
@@ -311,8 +311,19 @@ impl ModelConfig {
         Ok(())
     }
 
+    /// Values of the weights the model holds once loaded (the output matrix where it is not the
+    /// embedding's): times the backend's bytes per weight, the least that loading it takes.
+    pub fn weight_elements(&self) -> usize {
+        let held = |n: &str| n != "rope_freqs.weight" && !(self.tied_embeddings && n == "output.weight");
+        self.expected_tensors()
+            .iter()
+            .filter(|(n, _)| held(n))
+            .map(|(_, s)| s.iter().product::<usize>())
+            .fold(0, usize::saturating_add)
+    }
+
     /// Every tensor name this architecture may have, with its shape (`[out, in]` for linears).
-    fn expected_tensors(&self, _f: &GgufFile) -> Vec<(String, Vec<usize>)> {
+    fn expected_tensors(&self) -> Vec<(String, Vec<usize>)> {
         let (d, q, kv, ffn) = (self.d_model, self.q_dim(), self.kv_dim(), self.ffn_dim);
         let mut v = vec![
             ("token_embd.weight".to_string(), vec![self.vocab_size, d]),

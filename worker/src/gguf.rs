@@ -184,7 +184,30 @@ impl GgufFile {
                     .into(),
             ));
         }
-        let content = Content::read(&mut reader).map_err(|e| unreadable(first_line(&e.to_string()).to_string()))?;
+        let content = Content::read(&mut reader).map_err(|e| {
+            let message = first_line(&e.to_string()).to_string();
+            match unsupported_type(&message) {
+                // A valid file of a quantization this reader lacks: not a damaged one.
+                Some(detail) => WorkerError::ModelFile { path: path.to_path_buf(), detail },
+                None => unreadable(message),
+            }
+        })?;
+        // One part of a split model (llama.cpp's gguf-split): the other parts hold tensors this
+        // file's metadata counts on; merged, it is one model like any other.
+        let part = |key| {
+            let v: &Value = content.metadata.get(key)?;
+            v.to_u64().or_else(|_| v.to_u32().map(u64::from)).or_else(|_| v.to_u16().map(u64::from)).ok()
+        };
+        if let Some(parts) = part("split.count").filter(|&n| n > 1) {
+            let no = part("split.no").map_or(String::new(), |n| format!("part {} ", n + 1));
+            return Err(WorkerError::ModelFile {
+                path: path.to_path_buf(),
+                detail: format!(
+                    "{no}of a model split into {parts} files (llama.cpp's gguf-split); flowprefill reads one file: \
+                     merge the parts first (llama-gguf-split --merge FIRST_PART.gguf MERGED.gguf)"
+                ),
+            });
+        }
         Ok(Self { path: path.to_path_buf(), content, raw, len })
     }
 
@@ -548,6 +571,42 @@ impl MetaWalk<'_> {
     }
 }
 
+/// The tensor types of ggml that the GGUF reader (candle's) does not read, by number: a valid
+/// model file in one of them is named as such, not as a damaged file.
+const UNREAD_TYPES: &[(u32, &str)] = &[
+    (4, "Q4_2"),
+    (5, "Q4_3"),
+    (16, "IQ2_XXS"),
+    (17, "IQ2_XS"),
+    (18, "IQ3_XXS"),
+    (19, "IQ1_S"),
+    (20, "IQ4_NL"),
+    (21, "IQ3_S"),
+    (22, "IQ2_S"),
+    (23, "IQ4_XS"),
+    (24, "I8"),
+    (25, "I16"),
+    (26, "I32"),
+    (27, "I64"),
+    (28, "F64"),
+    (29, "IQ1_M"),
+    (34, "TQ1_0"),
+    (35, "TQ2_0"),
+    (39, "MXFP4"),
+];
+
+/// The message for candle's "unknown dtype for tensor N" (N is the type's number, not a
+/// tensor's): the quantization by name, what is read, what to do.
+fn unsupported_type(message: &str) -> Option<String> {
+    let n: u32 = message.strip_prefix("unknown dtype for tensor ")?.trim().parse().ok()?;
+    let name = UNREAD_TYPES.iter().find(|(k, _)| *k == n).map_or(format!("ggml type {n}"), |(_, s)| s.to_string());
+    Some(format!(
+        "its tensors are quantized as {name}, which flowprefill does not read (it reads F32, F16, BF16, Q4_0, Q4_1, \
+         Q5_0, Q5_1, Q8_0 and Q2_K to Q6_K); use a file of one of those (Q4_K_M, Q8_0 and F16 are the usual ones), \
+         or convert this one (llama.cpp: llama-quantize --allow-requantize IN.gguf OUT.gguf Q4_K_M)"
+    ))
+}
+
 /// The metadata key of the tensor data's alignment.
 const KEY_ALIGNMENT: &[u8; 17] = b"general.alignment";
 
@@ -643,6 +702,28 @@ mod tests {
         let e = file.raw_tensor("blk.0.attn_norm.weight").map(|_| ()).unwrap_err().to_string();
         assert!(e.contains("truncated or corrupt"), "{e}");
         assert!(file.content_digest().is_err());
+    }
+
+    /// A valid file in a quantization candle does not read (IQ4_XS, type 23: candle says
+    /// "unknown dtype for tensor 23") is named by its quantization, not called damaged; a part
+    /// of a split model says to merge the parts.
+    #[test]
+    fn an_unread_quantization_and_a_split_model_are_named_not_called_damaged() {
+        let mut g = TestGguf::tiny();
+        g.tensor("output_norm.weight").2 = 23;
+        let e = open(&g, "iq4").1.map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("quantized as IQ4_XS, which flowprefill does not read") && e.contains("Q4_K_M"), "{e}");
+        assert!(!e.contains("not a readable GGUF") && !e.contains("fetch-model"), "{e}");
+        let mut g = TestGguf::tiny();
+        g.tensor("output_norm.weight").2 = 200;
+        let e = open(&g, "type200").1.map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("quantized as ggml type 200"), "{e}");
+        let g = TestGguf::tiny().set("split.count", Value::U16(3)).set("split.no", Value::U16(0));
+        let e = open(&g, "split").1.map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("part 1 of a model split into 3 files") && e.contains("llama-gguf-split --merge"), "{e}");
+        // A file that says it is the only part opens.
+        let g = TestGguf::tiny().set("split.count", Value::U16(1));
+        open(&g, "split1").1.unwrap();
     }
 
     #[test]

@@ -84,6 +84,23 @@ fn check_vocab(tokenizer: &tokenizer::Tokenizer, rows: usize, path: &Path, what:
     Ok(())
 }
 
+/// Refuses, before any weight is read, a model whose weights alone do not fit in the memory
+/// the device has free: on the CPU the allocation aborted the process minutes into the load
+/// (or the kernel killed it), with no message.
+fn weights_fit<B: Backend>(cfg: &config::ModelConfig, backend: &B) -> Result<()> {
+    let Some(mem) = backend.memory() else { return Ok(()) };
+    let need = cfg.weight_elements().saturating_mul(backend.weight_dtype().size());
+    if need <= mem.free {
+        return Ok(());
+    }
+    Err(WorkerError::Kernel(flowprefill_kernels::KernelError::OutOfMemory {
+        device: mem.device,
+        requested: need,
+        free: Some(mem.free),
+        advice: OomAdvice::Weights,
+    }))
+}
+
 impl<B: Backend> LoadedModel<B> {
     /// Loads everything from `path`.
     pub fn load(path: &Path, backend: B) -> Result<Self> {
@@ -94,6 +111,7 @@ impl<B: Backend> LoadedModel<B> {
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
         let fingerprint = adapter::model_fingerprint(&cfg, &file.raw_tensor("token_embd.weight")?.bytes);
         let cache_identity = format!("{fingerprint}-{}", file.content_digest()?);
+        weights_fit(&cfg, &backend)?;
         // Out of memory here is the weights': neither fewer tokens nor more ranks make room.
         let model = Model::from_file(&mut file, cfg, backend).map_err(|e| e.advised(OomAdvice::Weights))?;
         Ok(Self { model, tokenizer, template, synthetic: None, fingerprint, adapter: None, cache_identity })
@@ -107,6 +125,7 @@ impl<B: Backend> LoadedModel<B> {
         check_vocab(&tokenizer, spec.config().vocab_size, tokenizer_from, "the synthetic shape's embedding")?;
         let template = template::ChatTemplate::from_gguf(&file, &tokenizer)?;
         let fingerprint = adapter::model_fingerprint(&spec.config(), &synthetic::SEED.to_le_bytes());
+        weights_fit(&spec.config(), &backend)?;
         let model =
             Model::synthetic(spec.config(), backend, synthetic::SEED).map_err(|e| e.advised(OomAdvice::Weights))?;
         // The weights follow from the shape and the seed; the configuration is the spec's.

@@ -80,9 +80,17 @@ impl ChatTemplate {
         Self::new(src, tokenizer.token_str(tokenizer.bos()), tokenizer.token_str(tokenizer.eos()))
     }
 
-    /// A template from its Jinja source.
+    /// A template from its Jinja source, rendered as Hugging Face's `apply_chat_template` does:
+    /// the newline after a block tag dropped (`trim_blocks`), the indentation before one
+    /// (`lstrip_blocks`), `{% break %}` and `{% continue %}` known.
     pub fn new(source: &str, bos: String, eos: String) -> Result<Self> {
         let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| WorkerError::Template(format!("the template syntax: {e}")))?;
+        env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_template_owned("chat".to_string(), source.to_string())
@@ -153,7 +161,17 @@ impl ChatTemplate {
             let n: usize = after[..close]
                 .parse()
                 .map_err(|_| WorkerError::Template("the template altered a content placeholder".into()))?;
-            pieces.push(if n.is_multiple_of(2) { Piece::Text(texts[n / 2].clone()) } else { Piece::Slot(n / 2) });
+            // A placeholder the messages did not hold (a template that writes one of its own)
+            // is the template's error, never an index past the texts.
+            let held = slotted.iter().flat_map(|m| &m.parts).any(|p| matches!(p, Part::Slot(k) if *k == n));
+            let piece = match n {
+                _ if !held => None,
+                _ if n.is_multiple_of(2) => texts.get(n / 2).cloned().map(Piece::Text),
+                _ => Some(Piece::Slot(n / 2)),
+            };
+            pieces.push(piece.ok_or_else(|| {
+                WorkerError::Template(format!("the template wrote a content placeholder ({n}) no message holds"))
+            })?);
             rest = &after[close + SLOT_CLOSE.len_utf8()..];
         }
         if !rest.is_empty() {
@@ -196,4 +214,48 @@ pub fn tokenize_pieces(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template(source: &str) -> ChatTemplate {
+        ChatTemplate::new(source, "<s>".into(), "</s>".into()).expect("a template")
+    }
+
+    /// Block tags on lines of their own leave no newline or indentation behind, as in Hugging
+    /// Face's renderer (jinja2 with trim_blocks and lstrip_blocks); loop controls parse.
+    #[test]
+    fn templates_render_as_hugging_face_renders_them() {
+        let t = template(
+            "{% for m in messages %}\n    {% if m.role == 'skip' %}\n        {% continue %}\n    {% endif %}\n\
+             <{{ m.role }}>{{ m.content }}\n    {% if m.content == 'stop' %}\n        {% break %}\n    {% endif %}\n\
+             {% endfor %}\n{% if add_generation_prompt %}\n<assistant>\n{% endif %}",
+        );
+        let msgs = [
+            Message::text("system", "be brief"),
+            Message::text("skip", "x"),
+            Message::text("user", "stop"),
+            Message::text("user", "never"),
+        ];
+        assert_eq!(t.render(&msgs, true).unwrap(), "<system>be brief\n<user>stop\n<assistant>\n");
+    }
+
+    /// A placeholder the messages do not hold (a template writing one of its own) is the
+    /// template's error: it indexed past the texts (a panic) or was taken as a slot.
+    #[test]
+    fn a_placeholder_no_message_holds_is_an_error() {
+        let msgs = [Message { role: "user".into(), parts: vec![Part::Text("hi".into()), Part::Slot(0)] }];
+        let ok = template("{% for m in messages %}[{{ m.content }}]{% endfor %}");
+        let pieces = ok.render_pieces(&msgs, false).unwrap();
+        assert_eq!(pieces[1..3], [Piece::Text("hi".into()), Piece::Slot(0)]);
+        for n in [4, 5, 9] {
+            let t = template(&format!(
+                "{{% for m in messages %}}[{{{{ m.content }}}}]{SLOT_OPEN}{n}{SLOT_CLOSE}{{% endfor %}}"
+            ));
+            let e = t.render_pieces(&msgs, false).unwrap_err().to_string();
+            assert!(e.contains(&format!("a content placeholder ({n}) no message holds")), "{e}");
+        }
+    }
 }

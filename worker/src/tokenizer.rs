@@ -76,11 +76,19 @@ impl Tokenizer {
         let special: Vec<bool> = (0..tokens.len()).map(|i| types.get(i) == Some(&TOKEN_TYPE_CONTROL)).collect();
         let pre = f.get_str("tokenizer.ggml.pre").unwrap_or("default");
         let pre_tok = pre_tokenizer(pre)?;
+        // Llama 3's tokenizer takes a piece that is a whole vocabulary entry as it is, before any
+        // merge (Hugging Face's `ignore_merges`, set by llama.cpp for these names too): merges
+        // alone split some such words into several tokens, ids the model never saw.
+        let ignore_merges = matches!(pre, "llama-bpe" | "llama3" | "smaug-bpe");
 
         let build = || -> Result<tokenizers::Tokenizer> {
             let vocab: tokenizers::models::bpe::Vocab =
                 tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-            let bpe = BPE::builder().vocab_and_merges(vocab, merges.clone()).build().map_err(tok_err)?;
+            let bpe = BPE::builder()
+                .vocab_and_merges(vocab, merges.clone())
+                .ignore_merges(ignore_merges)
+                .build()
+                .map_err(tok_err)?;
             let mut t = tokenizers::Tokenizer::new(bpe);
             t.with_pre_tokenizer(Some(pre_tok.clone()));
             t.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
@@ -96,9 +104,15 @@ impl Tokenizer {
             |key: &str| f.get_usize_opt(key).ok().flatten().map(|v| v as u32).filter(|&v| (v as usize) < tokens.len());
         let eos = id_of("tokenizer.ggml.eos_token_id");
         let bos = id_of("tokenizer.ggml.bos_token_id");
-        // The end-of-turn tokens of common chat templates also stop generation.
+        // The end-of-turn tokens the file names (llama.cpp's keys) and those of common chat
+        // templates also stop generation.
         let mut end_ids: Vec<u32> = eos.into_iter().collect();
-        for name in ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>"] {
+        for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            end_ids.extend(id_of(key).filter(|i| !end_ids.contains(i)));
+        }
+        for name in
+            ["<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>", "<end_of_turn>"]
+        {
             if let Some(i) = tokens.iter().position(|t| t == name) {
                 if special[i] && !end_ids.contains(&(i as u32)) {
                     end_ids.push(i as u32);
@@ -205,4 +219,35 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
             )))
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf_write::testfile::TestGguf;
+    use candle_core::quantized::gguf_file::Value;
+
+    /// A tokenizer of tokens a, b, c, ab, abc with the one merge `a b`, and pre-tokenizer `pre`.
+    fn tokenizer(pre: &str) -> Tokenizer {
+        let strings = |v: &[&str]| Value::Array(v.iter().map(|s| Value::String(s.to_string())).collect());
+        let g = TestGguf::tiny()
+            .set("tokenizer.ggml.model", Value::String("gpt2".into()))
+            .set("tokenizer.ggml.pre", Value::String(pre.into()))
+            .set("tokenizer.ggml.tokens", strings(&["a", "b", "c", "ab", "abc"]))
+            .set("tokenizer.ggml.merges", strings(&["a b"]));
+        let f = g.write(&format!("tok-{pre}"));
+        Tokenizer::from_gguf(&crate::gguf::GgufFile::open(f.path()).unwrap()).unwrap()
+    }
+
+    /// Llama 3's pre-tokenizer names take a piece that is a vocabulary entry whole (`abc`, no
+    /// merge makes it); the others merge (`ab`, `c`), as Hugging Face and llama.cpp do.
+    #[test]
+    fn llama3_takes_whole_vocabulary_entries_before_merging() {
+        for pre in ["llama-bpe", "llama3", "smaug-bpe"] {
+            assert_eq!(tokenizer(pre).encode_text("abc").unwrap(), [4], "{pre}");
+        }
+        for pre in ["qwen2", "gpt2"] {
+            assert_eq!(tokenizer(pre).encode_text("abc").unwrap(), [3, 2], "{pre}");
+        }
+    }
 }

@@ -39,8 +39,12 @@ fn settle(ledger: &Ledger, held: usize) {
 fn loading_past_the_memory_is_a_resource_error() {
     let be = Limited::default();
     be.ledger().set_limit(8 << 20);
+    let ledger = be.ledger().clone();
     let e = LoadedModel::load(&flowprefill_tests::default_model_path(), be).err().expect("the weights do not fit");
     let msg = e.to_string();
+    // Refused from the shape before any weight was read: 134.5M values as f32, none allocated.
+    assert!(msg.contains("needs 0.50 GiB more on limited (8.0 MiB free)"), "{msg}");
+    assert_eq!(ledger.peak(), 0, "nothing was allocated");
     assert_eq!(e.class(), ErrorClass::Resource, "{msg}");
     assert!(msg.contains("out of memory: needs") && msg.contains("more on limited"), "{msg}");
     // Neither fewer tokens, more ranks nor bf16 K/V make room for the weights.
