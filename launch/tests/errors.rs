@@ -66,7 +66,7 @@ fn run_errors_say_what_to_change() {
     // A negative number is a value, not a flag: the range check answers, not clap's "unexpected
     // argument '-0'".
     check(&["--query", "q?", "--ratio", "-0.1"], one, "--ratio: -0.1 is outside [0, 1]");
-    check(&["--query", "q?", "--comm-timeout", "-1"], one, "--comm-timeout");
+    check(&["--query", "q?", "--comm-timeout", "-1"], one, "--comm-timeout -1: give a positive number of seconds");
     // What a method would ignore is refused, not dropped.
     check(&["--query", "q?", "--method", "full", "--ratio", "0.3"], one, "method full computes every token");
     check(&["--query", "q?", "--aux-model", "x.gguf"], one, "--aux-model is CacheClip's");

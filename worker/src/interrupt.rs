@@ -125,14 +125,23 @@ mod tests {
         Watch::default().check("any").unwrap();
     }
 
+    /// The beat is the process's: other tests of this binary beat from their threads at any
+    /// time, so each step is tried until no other beat came between (a check that does not
+    /// beat fails every try).
     #[test]
     fn every_check_is_a_beat() {
-        beat("before");
-        std::thread::sleep(Duration::from_millis(30));
-        let (gap, phase) = since_beat();
-        assert!(gap >= Duration::from_millis(25) && phase == "before", "{gap:?} {phase}");
-        Watch::default().check("probe").unwrap();
-        let (gap, phase) = since_beat();
-        assert!(gap < Duration::from_millis(25) && phase == "probe", "{gap:?} {phase}");
+        let quiet_gap = (0..100).any(|_| {
+            beat("before");
+            std::thread::sleep(Duration::from_millis(30));
+            let (gap, phase) = since_beat();
+            gap >= Duration::from_millis(25) && phase == "before"
+        });
+        assert!(quiet_gap, "a beat ages, and keeps its phase");
+        let beats = (0..100).any(|_| {
+            beat("before");
+            std::thread::sleep(Duration::from_millis(30));
+            Watch::default().check("probe").is_ok() && since_beat().1 == "probe"
+        });
+        assert!(beats, "a check beats with its phase");
     }
 }

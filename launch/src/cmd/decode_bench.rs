@@ -75,7 +75,7 @@ fn settings(a: &Args) -> Result<Vec<Setting>> {
 
 /// Runs the benchmark.
 pub fn run(common: &Common, a: Args) -> Result<()> {
-    super::refuse_mpirun_without_mpi()?;
+    super::setup::refuse_mpirun_without_mpi()?;
     crate::ensure_usage!(a.runs >= 1, "--runs must be at least 1");
     crate::ensure_usage!(
         a.max_tokens >= 2,

@@ -119,7 +119,7 @@ type Ranks = (usize, usize, Option<Box<dyn flowprefill_comm::Communicator>>);
 
 fn ranks(timeout: std::time::Duration) -> Result<Ranks> {
     // Without MPI every process would ingest every document (and say it ran on one rank).
-    super::refuse_mpirun_without_mpi()?;
+    super::setup::refuse_mpirun_without_mpi()?;
     #[cfg(feature = "mpi")]
     if flowprefill_comm::mpi::launched_by_mpirun() {
         use flowprefill_comm::Communicator;

@@ -378,7 +378,7 @@ impl MpiStart {
 }
 
 /// Starts MPI when mpirun launched this process (its collectives' deadline `timeout`); a build
-/// without MPI under mpirun is refused ([`refuse_mpirun_without_mpi`]).
+/// without MPI under mpirun is refused ([`setup::refuse_mpirun_without_mpi`]).
 pub fn mpi_start(timeout: std::time::Duration) -> Result<MpiStart> {
     #[cfg(feature = "mpi")]
     if flowprefill_comm::mpi::launched_by_mpirun() {
@@ -387,7 +387,7 @@ pub fn mpi_start(timeout: std::time::Duration) -> Result<MpiStart> {
         return Ok(MpiStart { comm: Some(comm) });
     }
     let _ = timeout;
-    refuse_mpirun_without_mpi()?;
+    setup::refuse_mpirun_without_mpi()?;
     Ok(MpiStart {
         #[cfg(feature = "mpi")]
         comm: None,
@@ -420,24 +420,6 @@ pub fn mpi_world(
     #[cfg(not(feature = "mpi"))]
     let _ = (common, lm, start, attach);
     Ok(None)
-}
-
-/// Without the `mpi` feature, a process that an MPI launcher started as one of several
-/// (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE` above 1) is refused with a usage error: each copy would
-/// run the whole command alone, racing the others on one output, and exit 0. Every command that
-/// computes across ranks calls it before loading anything.
-pub fn refuse_mpirun_without_mpi() -> Result<()> {
-    #[cfg(not(feature = "mpi"))]
-    {
-        let n = flowprefill_comm::launcher_size();
-        crate::ensure_usage!(
-            n <= 1,
-            "started by mpirun as one of {n} processes, but this build has no MPI: each process would run \
-             the whole command alone on one output; rebuild with `cargo build --release --features mpi` (or run \
-             without mpirun, with --ranks for thread ranks)"
-        );
-    }
-    Ok(())
 }
 
 /// Positions of the window a training or measuring case keeps beside its context: the question,

@@ -205,7 +205,7 @@ pub fn engine(common: &Common, aux: Option<&PathBuf>) -> Result<Engine<Device>> 
 
 /// Runs the command.
 pub fn run(common: &Common, args: Args) -> Result<()> {
-    super::refuse_mpirun_without_mpi()?;
+    super::setup::refuse_mpirun_without_mpi()?;
     let query = args.query.clone().unwrap_or_default();
     if query.trim().is_empty() {
         return Err(InputError::new(Field::Query, "the query is missing: pass --query TEXT").into());

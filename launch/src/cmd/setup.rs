@@ -126,8 +126,43 @@ pub fn agree<B: Backend>(comm: &mut dyn Communicator, lm: &LoadedModel<B>) -> Re
     Ok(())
 }
 
+/// Without the `mpi` feature, a process that an MPI launcher started as one of several
+/// (`OMPI_COMM_WORLD_SIZE`, `PMI_SIZE` above 1) is refused with a usage error: each copy would
+/// run the whole command alone, racing the others on one output, and exit 0. Every command that
+/// computes across ranks calls it before loading anything.
+pub fn refuse_mpirun_without_mpi() -> Result<()> {
+    match mpirun_refusal(cfg!(feature = "mpi"), flowprefill_comm::launcher_size()) {
+        Some(why) => Err(crate::exit::usage(why)),
+        None => Ok(()),
+    }
+}
+
+/// Why a process that a launcher started as one of `processes` is refused, for a build with or
+/// without MPI (`mpi_built`); `None` where it may run.
+fn mpirun_refusal(mpi_built: bool, processes: usize) -> Option<String> {
+    (!mpi_built && processes > 1).then(|| {
+        format!(
+            "started by mpirun as one of {processes} processes, but this build has no MPI: each process would run \
+             the whole command alone on one output; rebuild with `cargo build --release --features mpi` (or run \
+             without mpirun, with --ranks for thread ranks)"
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
+    /// Runs in every build (the command-level test, `errors.rs`, only in a build without MPI,
+    /// which CI does not make): a build without MPI started as one of several processes is
+    /// refused, saying to rebuild; one process, or a build with MPI, runs.
+    #[test]
+    fn only_a_build_without_mpi_under_mpirun_is_refused() {
+        let why = super::mpirun_refusal(false, 2).expect("refused");
+        assert!(why.contains("one of 2 processes") && why.contains("--features mpi"), "{why}");
+        assert_eq!(super::mpirun_refusal(false, 1), None);
+        assert_eq!(super::mpirun_refusal(false, 0), None);
+        assert_eq!(super::mpirun_refusal(true, 4), None);
+    }
+
     use super::differences;
 
     fn setup(pairs: &[(&str, &str)]) -> Vec<(String, String)> {

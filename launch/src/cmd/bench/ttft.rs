@@ -161,7 +161,7 @@ fn profile_files(given: &[std::path::PathBuf]) -> Vec<std::path::PathBuf> {
 
 /// Runs the benchmark.
 pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
-    crate::cmd::refuse_mpirun_without_mpi()?;
+    crate::cmd::setup::refuse_mpirun_without_mpi()?;
     let (lengths, ranks) = (a.lengths.concat(), a.ranks.concat());
     crate::ensure_usage!(
         a.runs >= 1 && !lengths.is_empty() && !ranks.is_empty(),
