@@ -266,6 +266,13 @@ fn a_killed_mpi_rank_is_named_by_rank_0_when_the_launcher_does_not_end_the_job()
         })
     };
     let victim = started_rank(&marker, 1);
+    // Killed once both ranks have loaded and the job runs (a rank that dies while loading is
+    // waited for up to setup::LOAD_WAIT, 30 min, where the launcher leaves the job running).
+    let t = Instant::now();
+    while err.lock().unwrap().lines().filter(|l| l.starts_with("loaded ")).count() < 2 {
+        assert!(t.elapsed() < Duration::from_secs(120), "the ranks did not load: {}", err.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+    }
     std::thread::sleep(Duration::from_secs(2));
     Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap();
     let killed_at = Instant::now();

@@ -73,6 +73,7 @@ impl AppState {
         if let Some(m) = memory::available(lm.model.backend(), cfg.memory_limit) {
             metrics::memory_free(&m.device, m.free);
         }
+        metrics::ingestions_in_flight(0);
         Self {
             memory_peers,
             smallest_job,
@@ -505,7 +506,8 @@ struct IngestSlot(Arc<AppState>);
 impl IngestSlot {
     /// 429 with Retry-After when one ingestion runs and `--queue` wait.
     fn take(st: &Arc<AppState>) -> Result<Self, ApiError> {
-        if st.ingesting.fetch_add(1, Ordering::Relaxed) > st.cfg.queue {
+        let before = st.ingesting.fetch_add(1, Ordering::Relaxed);
+        if before > st.cfg.queue {
             st.ingesting.fetch_sub(1, Ordering::Relaxed);
             let mut e = ApiError::new(
                 429,
@@ -519,13 +521,17 @@ impl IngestSlot {
             return Err(e);
         }
         st.shared.outstanding.fetch_add(1, Ordering::Relaxed);
+        // An ingestion holds the device as a job does: without this, the dashboard showed an
+        // idle service while one prefilled.
+        metrics::ingestions_in_flight(before + 1);
         Ok(Self(st.clone()))
     }
 }
 
 impl Drop for IngestSlot {
     fn drop(&mut self) {
-        self.0.ingesting.fetch_sub(1, Ordering::Relaxed);
+        let before = self.0.ingesting.fetch_sub(1, Ordering::Relaxed);
+        metrics::ingestions_in_flight(before.saturating_sub(1));
         self.0.shared.finished_one();
     }
 }

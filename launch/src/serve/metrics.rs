@@ -69,6 +69,8 @@ pub const QUEUE_DEPTH: &str = "flowprefill_queue_depth";
 pub const QUEUE_CAPACITY: &str = "flowprefill_queue_capacity";
 /// Jobs being computed (0 or 1: one model, one world).
 pub const JOBS_IN_FLIGHT: &str = "flowprefill_jobs_in_flight";
+/// `POST /v1/documents` requests waiting or prefilling (they share the device with the jobs).
+pub const INGESTIONS_IN_FLIGHT: &str = "flowprefill_ingestions_in_flight";
 /// Finished jobs, by method and outcome (ok; error: the server's fault; refused: the request's,
 /// found by the ranks; cancelled; deadline).
 pub const JOBS_TOTAL: &str = "flowprefill_jobs_total";
@@ -240,6 +242,7 @@ fn describe() {
     describe_gauge!(QUEUE_DEPTH, Unit::Count, "Jobs waiting");
     describe_gauge!(QUEUE_CAPACITY, Unit::Count, "Jobs the queue can hold");
     describe_gauge!(JOBS_IN_FLIGHT, Unit::Count, "Jobs computing");
+    describe_gauge!(INGESTIONS_IN_FLIGHT, Unit::Count, "Document ingestions waiting or prefilling");
     describe_counter!(JOBS_TOTAL, Unit::Count, "Finished jobs by outcome");
     describe_counter!(DOCUMENTS_INGESTED, Unit::Count, "Documents ingested into the chunk store, by outcome");
     describe_counter!(ERRORS_TOTAL, Unit::Count, "Errors answered by kind");
@@ -414,6 +417,11 @@ pub fn queue_capacity(n: usize) {
 /// Jobs computing (0 or 1: the executor computes one at a time).
 pub fn jobs_in_flight(n: usize) {
     gauge!(JOBS_IN_FLIGHT).set(n as f64);
+}
+
+/// Sets [`INGESTIONS_IN_FLIGHT`].
+pub fn ingestions_in_flight(n: usize) {
+    gauge!(INGESTIONS_IN_FLIGHT).set(n as f64);
 }
 
 #[cfg(test)]

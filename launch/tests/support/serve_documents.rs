@@ -178,8 +178,18 @@ fn ingestions_are_bounded_and_a_client_that_goes_away_cancels_its_own() {
     assert_eq!(r.status, 429, "{}", r.text());
     assert!(r.header("retry-after").is_some_and(|v| v.parse::<u64>().is_ok()));
     assert!(r.text().contains("--queue"), "{}", r.text());
+    // Both held the device's queue as the third was refused (the first still prefilling its
+    // 3,000 tokens, unless it finished in the moment since).
+    let m = s.metrics();
+    let held = |n: u32| m.contains(&format!("flowprefill_ingestions_in_flight {n}\n"));
+    assert!(held(2) || held(1), "{m}");
     assert_eq!(a.join().unwrap().status, 200);
     assert_eq!(b.join().unwrap().status, 200);
+    let t = Instant::now();
+    while !s.metrics().contains("flowprefill_ingestions_in_flight 0\n") {
+        assert!(t.elapsed() < Duration::from_secs(10), "the gauge went back to 0:\n{}", s.metrics());
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     // A client that sends a document and goes away: its ingestion stops.
     let payload = serde_json::json!({ "documents": [long("d")] }).to_string();
