@@ -77,9 +77,10 @@ impl Tokenizer {
         let pre = f.get_str("tokenizer.ggml.pre").unwrap_or("default");
         let pre_tok = pre_tokenizer(pre)?;
         // Llama 3's tokenizer takes a piece that is a whole vocabulary entry as it is, before any
-        // merge (Hugging Face's `ignore_merges`, set by llama.cpp for these names too): merges
-        // alone split some such words into several tokens, ids the model never saw.
-        let ignore_merges = matches!(pre, "llama-bpe" | "llama3" | "smaug-bpe");
+        // merge (Hugging Face's `ignore_merges`, set by llama.cpp for Llama 3's names, not for
+        // Smaug's, which shares the split): merges alone split some such words into several
+        // tokens, ids the model never saw.
+        let ignore_merges = matches!(pre, "llama-bpe" | "llama3" | "llama-v3");
 
         let build = || -> Result<tokenizers::Tokenizer> {
             let vocab: tokenizers::models::bpe::Vocab =
@@ -209,7 +210,7 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
         "qwen2" | "stablelm2" => {
             PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN2_SPLIT)?, byte_level(false)]))
         }
-        "llama-bpe" | "llama3" | "smaug-bpe" => {
+        "llama-bpe" | "llama3" | "llama-v3" | "smaug-bpe" => {
             PreTokenizerWrapper::Sequence(Sequence::new(vec![split(LLAMA3_SPLIT)?, byte_level(false)]))
         }
         other => {
@@ -243,10 +244,10 @@ mod tests {
     /// merge makes it); the others merge (`ab`, `c`), as Hugging Face and llama.cpp do.
     #[test]
     fn llama3_takes_whole_vocabulary_entries_before_merging() {
-        for pre in ["llama-bpe", "llama3", "smaug-bpe"] {
+        for pre in ["llama-bpe", "llama3", "llama-v3"] {
             assert_eq!(tokenizer(pre).encode_text("abc").unwrap(), [4], "{pre}");
         }
-        for pre in ["qwen2", "gpt2"] {
+        for pre in ["qwen2", "gpt2", "smaug-bpe"] {
             assert_eq!(tokenizer(pre).encode_text("abc").unwrap(), [3, 2], "{pre}");
         }
     }

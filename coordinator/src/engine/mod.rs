@@ -510,8 +510,14 @@ impl<B: Backend> Engine<B> {
         // Out of memory: more ranks spread every method's context but `full`'s (rank 0 holds it).
         let spreads = job.options.method.info().build != Build::Single;
         let r = self.run_job(comm, job, steer).map_err(|e| e.advised(self.oom_advice(spreads)));
-        // The chunk caches this job made go to the disk tier now, after its answer.
-        self.store.persist_pending(self.lm.model.backend());
+        // The chunk caches this job made go to the disk tier now, after its answer; not from a
+        // lost GPU (its last results cannot be trusted, and reading them back would wait on a
+        // kernel that may never finish).
+        if r.as_ref().is_err_and(|e| e.class() == ErrorClass::Device) {
+            self.store.forget_pending();
+        } else {
+            self.store.persist_pending(self.lm.model.backend());
+        }
         if let Err(e) = &r {
             if e.class() == ErrorClass::Resource {
                 // The job's buffers are gone; the store gives back what the job lacks now.

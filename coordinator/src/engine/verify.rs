@@ -95,7 +95,6 @@ impl ExactMemo {
 /// that are no distribution (a NaN or +inf on either side: a broken computation) are as far as
 /// can be: infinite, never a pass (a NaN sum read as 0 through `max` passed every floor).
 fn kl_of_logits(p: &[f32], q: &[f32]) -> f64 {
-    let broken = |x: &[f32]| x.iter().any(|v| v.is_nan() || *v == f32::INFINITY);
     if p.len() != q.len() || p.is_empty() || broken(p) || broken(q) {
         return f64::INFINITY;
     }
@@ -112,10 +111,22 @@ fn kl_of_logits(p: &[f32], q: &[f32]) -> f64 {
     kl.max(0.0)
 }
 
+/// Logits that are no distribution: a NaN or +inf (a broken computation).
+fn broken(x: &[f32]) -> bool {
+    x.iter().any(|v| v.is_nan() || *v == f32::INFINITY)
+}
+
 /// The quality of `answered` against `exact`, and the gate's verdict under `opts`; under
 /// `fallback` a breached answer becomes the exact one; `reused`: the exact answer was kept
 /// from an earlier job.
 pub(super) fn judge(answered: &mut RunResult, exact: RunResult, reused: bool, opts: &RunOptions) {
+    // The reference itself broken: nothing to judge by, and nothing to fall back to (nor to
+    // learn from: the caller learns from a quality only).
+    if broken(&exact.first_logits) {
+        answered.verify_error =
+            Some("the exact computation's first-token logits hold a NaN or +inf: the answer is not verified".into());
+        return;
+    }
     let kl = kl_of_logits(&exact.first_logits, &answered.first_logits);
     let agree_tokens = answered.tokens.iter().zip(&exact.tokens).take_while(|(a, b)| a == b).count();
     let breached = opts.quality_floor.is_some_and(|f| kl > f);

@@ -226,6 +226,7 @@ impl CudaBackend {
 
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<()> {
+        self.hung.check(self.ordinal)?;
         self.stream.synchronize().map_err(|e| err("synchronize", e))
     }
 

@@ -42,7 +42,7 @@ impl CudaBackend {
         let (c, _c) = out.ptr_mut(&self.stream);
         let call =
             GemmTn { handle: *self.blas.handle(), m: w.rows, n: rows, k, accumulate, c: c.addr, c_type: out_type };
-        let run = |a: u64, b: u64, t: DType, what: &str| call.run(a, b, t, what);
+        let run = |a: u64, b: u64, t: DType, what: &str| call.run(a, b, t, what).map_err(|e| self.or_lost(e));
         let (xp, _x) = x.ptr(&self.stream);
         match (&w.data, x.dtype()) {
             (MatData::F32(wd), DType::F32) => {

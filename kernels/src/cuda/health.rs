@@ -3,8 +3,10 @@
 //! stream: every later op queues behind it and the next download waits forever. The waits
 //! that run a kernel on this GPU for the first time (the Hopper kernel's self-check, the
 //! autotuner's timings) are bounded ([`CudaBackend::finish_within`]); one that runs out marks
-//! the backend hung, and from then on every launch fails at once with
-//! [`KernelError::DeviceLost`] instead of joining the queue. A fault (an illegal address) needs
+//! the GPU hung for the process, and from then on every launch and every wait for the stream
+//! of any backend on it fails at once with [`KernelError::DeviceLost`] instead of joining the
+//! queue. (A copy that waits, a download, still can: the job's error comes from its launches
+//! first, and the engine then writes nothing of that job.) A fault (an illegal address) needs
 //! no mark: the driver itself answers every later call with it (`super::err`).
 
 use super::backend::CudaBackend;
@@ -18,21 +20,31 @@ use std::time::{Duration, Instant};
 /// well under a second, even on a GPU time-sliced between processes.
 pub(super) const FIRST_RUN_LIMIT: Duration = Duration::from_secs(60);
 
-/// Why the backend's stream is held by a kernel that never finished, once one was seen.
+/// Why a GPU of this process is held by a kernel that never finished, once one was seen, by
+/// ordinal: the process's, not one backend's (ranks rebuilt in the process on that GPU would
+/// queue behind the same kernel).
+static HUNG: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
+
+/// The hung state of the backend's GPU (see [`HUNG`]).
 #[derive(Default)]
-pub(super) struct Hung(Mutex<Option<String>>);
+pub(super) struct Hung;
 
 impl Hung {
-    /// Fails with [`KernelError::DeviceLost`] once a kernel was seen not to finish.
+    /// Fails with [`KernelError::DeviceLost`] once a kernel on GPU `ordinal` was seen not to
+    /// finish.
     pub(super) fn check(&self, ordinal: usize) -> Result<()> {
-        match self.0.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            Some(why) => Err(lost(ordinal, why.clone())),
+        let hung = HUNG.lock().unwrap_or_else(|p| p.into_inner());
+        match hung.iter().find(|(o, _)| *o == ordinal) {
+            Some((_, why)) => Err(lost(ordinal, why.clone())),
             None => Ok(()),
         }
     }
 
-    fn mark(&self, why: &str) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(|| why.to_string());
+    fn mark(&self, ordinal: usize, why: &str) {
+        let mut hung = HUNG.lock().unwrap_or_else(|p| p.into_inner());
+        if !hung.iter().any(|(o, _)| *o == ordinal) {
+            hung.push((ordinal, why.to_string()));
+        }
     }
 }
 
@@ -41,6 +53,22 @@ fn lost(ordinal: usize, detail: String) -> KernelError {
 }
 
 impl CudaBackend {
+    /// `e`, a library call's failure on this GPU (cuBLAS's), or the device's loss behind it:
+    /// after an asynchronous fault the first call to notice may be a library's, whose error
+    /// does not say so (it was classed as the model's); the driver's answer to a new event does.
+    pub(super) fn or_lost(&self, e: KernelError) -> KernelError {
+        if !matches!(e, KernelError::Backend { .. }) {
+            return e;
+        }
+        match self.stream.record_event(None) {
+            Err(d) => match err(&e.to_string(), d) {
+                lost @ KernelError::DeviceLost { .. } => lost,
+                _ => e,
+            },
+            Ok(_) => e,
+        }
+    }
+
     /// Waits until everything queued on the stream so far has run, at most `limit`: past it,
     /// the backend is marked hung (every later launch fails) and the error says `what` did not
     /// finish. The host polls an event rather than blocking in the driver, which would not
@@ -51,7 +79,7 @@ impl CudaBackend {
         while !event.try_is_complete().map_err(|e| err(what, e))? {
             if start.elapsed() >= limit {
                 let why = format!("{what} did not finish within {} s", limit.as_secs());
-                self.hung.mark(&why);
+                self.hung.mark(self.ordinal(), &why);
                 return Err(lost(self.ordinal(), why));
             }
             std::thread::sleep(Duration::from_micros(200));

@@ -146,6 +146,10 @@ impl AppState {
                 // left behind as ingested).
                 let Ingested { tokens, prefilled } =
                     engine.ingest(text, req.system.as_deref(), &mut || watch.check("ingest")).map_err(|e| {
+                        if e.class() == flowprefill_coordinator::ErrorClass::Device {
+                            // The ingester shares rank 0's GPU: the service stops as for a job.
+                            self.shared.lose_device(&e);
+                        }
                         let a = ApiError::from_coord(&e);
                         ApiError::new(a.status, a.kind, format!("documents[{i}]: {}", a.message))
                     })?;
@@ -523,15 +527,15 @@ impl IngestSlot {
         st.shared.outstanding.fetch_add(1, Ordering::Relaxed);
         // An ingestion holds the device as a job does: without this, the dashboard showed an
         // idle service while one prefilled.
-        metrics::ingestions_in_flight(before + 1);
+        metrics::ingestions_change(1.0);
         Ok(Self(st.clone()))
     }
 }
 
 impl Drop for IngestSlot {
     fn drop(&mut self) {
-        let before = self.0.ingesting.fetch_sub(1, Ordering::Relaxed);
-        metrics::ingestions_in_flight(before.saturating_sub(1));
+        self.0.ingesting.fetch_sub(1, Ordering::Relaxed);
+        metrics::ingestions_change(-1.0);
         self.0.shared.finished_one();
     }
 }

@@ -424,6 +424,12 @@ pub fn ingestions_in_flight(n: usize) {
     gauge!(INGESTIONS_IN_FLIGHT).set(n as f64);
 }
 
+/// Moves [`INGESTIONS_IN_FLIGHT`] by `by` (one update: two concurrent ones cannot leave it
+/// stale, as setting it from counts read apart could).
+pub fn ingestions_change(by: f64) {
+    gauge!(INGESTIONS_IN_FLIGHT).increment(by);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -149,6 +149,14 @@ impl Shared {
         self.changed.notify_waiters();
     }
 
+    /// A GPU this process can no longer use (`e`, of [`ErrorClass::Device`]): rebuilt ranks
+    /// would meet it again and every later job would fail on it, so the service stops (exit
+    /// 69) for whatever runs it to start a new process. A job's and an ingestion's alike.
+    pub(super) fn lose_device(&self, e: &CoordError) {
+        self.device_lost.store(true, Ordering::SeqCst);
+        self.set_fatal(format!("a GPU can no longer be used by this process: {e}"));
+    }
+
     pub(super) fn finished_one(&self) {
         if self.outstanding.fetch_sub(1, Ordering::Relaxed) == 1 {
             self.changed.notify_waiters();
@@ -159,7 +167,8 @@ impl Shared {
     fn stopping(&self) -> ApiError {
         let why = self.reason.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let why = why.unwrap_or_else(|| "the ranks failed".into());
-        ApiError::new(503, "rank_failure", format!("the service is stopping: {why}"))
+        let kind = if self.device_lost.load(Ordering::SeqCst) { "device_failure" } else { "rank_failure" };
+        ApiError::new(503, kind, format!("the service is stopping: {why}"))
     }
 
     /// The job computing now (`None`: none), shown by the jobs-in-flight gauge. The gauge follows
@@ -486,11 +495,7 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
                 world.abandon_job(&e.to_string());
             }
             if e.class() == ErrorClass::Device {
-                // A GPU that can run nothing more in this process: rebuilt ranks would meet it
-                // again, and every later job would fail on it. The service stops (exit 69), so
-                // that whatever runs it starts a new process.
-                shared.device_lost.store(true, Ordering::SeqCst);
-                shared.set_fatal(format!("a GPU can no longer be used by this process: {e}"));
+                shared.lose_device(&e);
             } else if e.breaks_world() {
                 // Settle the world before answering: a client that retries at once finds the
                 // ranks rebuilt (or the service stopping).

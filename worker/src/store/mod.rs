@@ -215,6 +215,18 @@ impl<B: Backend> ChunkStore<B> {
         kv
     }
 
+    /// Drops the entries [`ChunkStore::insert_persist`] kept for the disk tier, and every entry
+    /// in RAM, without touching the device: after a job whose device failed, its caches (and
+    /// any other of that device) cannot be trusted, and reading them back would wait on the
+    /// device. Nothing is written; the disk tier's files from earlier jobs stay.
+    pub fn forget_pending(&self) {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        let mut g = self.lock();
+        g.map.clear();
+        g.stats.entries = 0;
+        g.stats.bytes = 0;
+    }
+
     /// Writes the entries [`ChunkStore::insert_persist`] kept to the disk tier: each copied
     /// to the host in one batch and queued for the tier's writer (a failed copy or write is
     /// the tier's warning, never the job's error). Returns how many were queued.
