@@ -202,6 +202,11 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     b = b.set_buckets_for_metric(Matcher::Full(QUALITY_KL.into()), KL_BUCKETS)?;
     let h = b.install_recorder()?;
     describe();
+    // The failures an alert counts exist from the start at 0: a series made by its first
+    // increment shows no increase, so a process's first rank failure would never alert.
+    for kind in ["rank_failure", "device_failure"] {
+        counter!(ERRORS_TOTAL, "kind" => kind).absolute(0);
+    }
     Ok(HANDLE.get_or_init(|| h).clone())
 }
 
