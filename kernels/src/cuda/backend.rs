@@ -105,8 +105,6 @@ pub struct CudaBackend {
     pub(super) recorder: super::graph::Recorder,
     /// Page-locked memory for batched copies (`download_many`, `upload_many`).
     pub(super) staging: super::staging::Staging,
-    /// Set once a kernel was seen never to finish (`super::health`).
-    pub(super) hung: super::health::Hung,
 }
 
 impl CudaBackend {
@@ -195,7 +193,6 @@ impl CudaBackend {
             control: ControlCache::new(pinned_control),
             recorder: super::graph::Recorder::new(epoch),
             staging: Default::default(),
-            hung: Default::default(),
         };
         // The Hopper attention runs only after it computed a known problem as flash2 does on
         // this very GPU; otherwise flash2 (and its autotuner) with one line saying why.
@@ -226,7 +223,7 @@ impl CudaBackend {
 
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<()> {
-        self.hung.check(self.ordinal)?;
+        super::health::check_hung(self.ordinal)?;
         self.stream.synchronize().map_err(|e| err("synchronize", e))
     }
 
@@ -239,7 +236,7 @@ impl CudaBackend {
     /// The caller holds the guards of every buffer the call names until this returns.
     pub(super) fn run(&self, call: &Call) -> Result<()> {
         call.check().map_err(|e| err("launch", e))?;
-        self.hung.check(self.ordinal)?;
+        super::health::check_hung(self.ordinal)?;
         self.refuse_while_recorded_elsewhere(call.kernel)?;
         let loaded = self.functions.get(call.kernel).cloned().or_else(|| self.extra_function(call.kernel));
         let f = loaded.ok_or_else(|| err("kernel", format!("{} was not loaded", call.kernel)))?;

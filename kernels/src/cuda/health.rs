@@ -25,26 +25,20 @@ pub(super) const FIRST_RUN_LIMIT: Duration = Duration::from_secs(60);
 /// queue behind the same kernel).
 static HUNG: Mutex<Vec<(usize, String)>> = Mutex::new(Vec::new());
 
-/// The hung state of the backend's GPU (see [`HUNG`]).
-#[derive(Default)]
-pub(super) struct Hung;
-
-impl Hung {
-    /// Fails with [`KernelError::DeviceLost`] once a kernel on GPU `ordinal` was seen not to
-    /// finish.
-    pub(super) fn check(&self, ordinal: usize) -> Result<()> {
-        let hung = HUNG.lock().unwrap_or_else(|p| p.into_inner());
-        match hung.iter().find(|(o, _)| *o == ordinal) {
-            Some((_, why)) => Err(lost(ordinal, why.clone())),
-            None => Ok(()),
-        }
+/// Fails with [`KernelError::DeviceLost`] once a kernel on GPU `ordinal` was seen not to
+/// finish.
+pub(super) fn check_hung(ordinal: usize) -> Result<()> {
+    let hung = HUNG.lock().unwrap_or_else(|p| p.into_inner());
+    match hung.iter().find(|(o, _)| *o == ordinal) {
+        Some((_, why)) => Err(lost(ordinal, why.clone())),
+        None => Ok(()),
     }
+}
 
-    fn mark(&self, ordinal: usize, why: &str) {
-        let mut hung = HUNG.lock().unwrap_or_else(|p| p.into_inner());
-        if !hung.iter().any(|(o, _)| *o == ordinal) {
-            hung.push((ordinal, why.to_string()));
-        }
+fn mark_hung(ordinal: usize, why: &str) {
+    let mut hung = HUNG.lock().unwrap_or_else(|p| p.into_inner());
+    if !hung.iter().any(|(o, _)| *o == ordinal) {
+        hung.push((ordinal, why.to_string()));
     }
 }
 
@@ -79,7 +73,7 @@ impl CudaBackend {
         while !event.try_is_complete().map_err(|e| err(what, e))? {
             if start.elapsed() >= limit {
                 let why = format!("{what} did not finish within {} s", limit.as_secs());
-                self.hung.mark(self.ordinal(), &why);
+                mark_hung(self.ordinal(), &why);
                 return Err(lost(self.ordinal(), why));
             }
             std::thread::sleep(Duration::from_micros(200));

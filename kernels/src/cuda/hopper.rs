@@ -177,7 +177,7 @@ impl CudaBackend {
         if let Some(e) = lost {
             return Err(e);
         }
-        self.hung.check(self.ordinal())?;
+        super::health::check_hung(self.ordinal())?;
         verdict.clone().map_err(|detail| KernelError::Backend { backend: "cuda", detail })
     }
 

@@ -549,15 +549,16 @@ impl ChatRequest {
         let mut last_user = None;
         for (i, m) in self.messages.iter().enumerate() {
             match m.role.as_str() {
-                // A blank one (some clients send `""`) is none: it replaced the template's own
-                // default system prompt with an empty turn.
-                "system" | "developer" if text_of(&m.content, i)?.trim().is_empty() => {}
                 "system" | "developer" => {
+                    // A blank one (some clients send `""`) is none: it replaced the template's
+                    // own default system prompt with an empty turn.
                     let text = text_of(&m.content, i)?;
-                    system = Some(match system {
-                        Some(s) => format!("{s}\n\n{text}"),
-                        None => text,
-                    });
+                    if !text.trim().is_empty() {
+                        system = Some(match system {
+                            Some(s) => format!("{s}\n\n{text}"),
+                            None => text,
+                        });
+                    }
                 }
                 "user" => last_user = Some((i, text_of(&m.content, i)?)),
                 "assistant" | "tool" => {}

@@ -143,6 +143,12 @@ fn chat_takes_a_whole_conversation_and_refuses_parts_it_cannot_read() {
         {"role": "user", "content": "doc\n---\nq?"}]"#;
     let (job, _, _) = chat(two).expect("two system messages");
     assert_eq!(job.request.system.as_deref(), Some("You are a lawyer.\n\nAnswer in French."));
+    // A blank one is none (the template's default system prompt stays), beside others or alone.
+    let blank = r#"[{"role": "system", "content": " "}, {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": "doc\n---\nq?"}]"#;
+    assert_eq!(chat(blank).expect("a blank system message").0.request.system.as_deref(), Some("Answer in French."));
+    let alone = r#"[{"role": "system", "content": ""}, {"role": "user", "content": "doc\n---\nq?"}]"#;
+    assert_eq!(chat(alone).expect("an empty system message").0.request.system, None);
     // Sampling without a seed draws one per request; a seed repeats it.
     let sampled = |extra: &str| {
         let body =

@@ -73,7 +73,7 @@ impl AppState {
         if let Some(m) = memory::available(lm.model.backend(), cfg.memory_limit) {
             metrics::memory_free(&m.device, m.free);
         }
-        metrics::ingestions_in_flight(0);
+        metrics::ingestions_change(0.0);
         Self {
             memory_peers,
             smallest_job,
@@ -510,8 +510,7 @@ struct IngestSlot(Arc<AppState>);
 impl IngestSlot {
     /// 429 with Retry-After when one ingestion runs and `--queue` wait.
     fn take(st: &Arc<AppState>) -> Result<Self, ApiError> {
-        let before = st.ingesting.fetch_add(1, Ordering::Relaxed);
-        if before > st.cfg.queue {
+        if st.ingesting.fetch_add(1, Ordering::Relaxed) > st.cfg.queue {
             st.ingesting.fetch_sub(1, Ordering::Relaxed);
             let mut e = ApiError::new(
                 429,

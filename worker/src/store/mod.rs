@@ -218,13 +218,11 @@ impl<B: Backend> ChunkStore<B> {
     /// Drops the entries [`ChunkStore::insert_persist`] kept for the disk tier, and every entry
     /// in RAM, without touching the device: after a job whose device failed, its caches (and
     /// any other of that device) cannot be trusted, and reading them back would wait on the
-    /// device. Nothing is written; the disk tier's files from earlier jobs stay.
+    /// device. Nothing of them is written ([`ChunkStore::clear`]: earlier jobs' queued writes,
+    /// already on the host, finish first); the disk tier's files stay.
     pub fn forget_pending(&self) {
         self.pending.lock().unwrap_or_else(|p| p.into_inner()).clear();
-        let mut g = self.lock();
-        g.map.clear();
-        g.stats.entries = 0;
-        g.stats.bytes = 0;
+        self.clear();
     }
 
     /// Writes the entries [`ChunkStore::insert_persist`] kept to the disk tier: each copied
