@@ -168,7 +168,10 @@ fn item1_a_deadline_too_large_for_a_duration_gets_an_answer() {
 #[test]
 fn jobs_waiting_when_the_ranks_fail_for_good_get_503_with_the_reason() {
     let cfg = ServeConfig { hang_grace: Duration::from_secs(1), ..ServeConfig::default() };
-    let s = start_with(cfg, 2, Some(FaultPlan::new(0, "probe", FaultMode::Hang)), false);
+    // Stuck at the first step of the job, so that its 1 s deadline always passes during the
+    // hang: stuck at the probe, a loaded CI machine (2026-11-29) took longer than 1 s over the
+    // chunk prefill before it, and the job was answered 504 `deadline`.
+    let s = start_with(cfg, 2, Some(FaultPlan::new(0, "chunk_prefill", FaultMode::Hang)), false);
     let d = docs(3, 6, "fatal");
     let addr = s.addr.clone();
     let answers: Vec<http::Response> = std::thread::scope(|sc| {
