@@ -328,6 +328,14 @@ pub trait Communicator: Send {
     fn timeout(&self) -> Duration;
     /// Changes the deadline.
     fn set_timeout(&mut self, timeout: Duration);
+    /// From now on a wait also ends, with [`CommError::RankLost`], once the peer it waits on
+    /// has been silent for `limit`, however far off its deadline is: for waits far longer than
+    /// any peer should take to answer (the others loading their model at their own speed), so
+    /// that a peer's process that died meanwhile is named within `limit`. MPI processes tell
+    /// every other process they are alive twice a second from their communication thread,
+    /// whatever their compute thread does. `None`: the deadline alone (the default). Thread
+    /// ranks live and die with their process: nothing to do.
+    fn set_silence_limit(&mut self, _limit: Option<Duration>) {}
     /// Starts an exchange: queues `sends` (to, payload) and the ranks one message is expected
     /// from. Fails if an exchange is already pending.
     fn post(&mut self, op: &str, sends: Vec<(usize, Vec<u8>)>, from: Vec<usize>) -> Result<()>;

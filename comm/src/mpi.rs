@@ -17,6 +17,13 @@
 //! taken off the wire and dropped. The compute side waits with a deadline: a peer that died or
 //! hangs becomes [`CommError::Timeout`] naming the rank the comm thread was waiting on. The comm
 //! thread is then abandoned and the process should exit.
+//!
+//! Every comm thread also tells every other process of the world that it is alive, every
+//! [`BEAT_EVERY`], in messages of their own tag, whatever its compute thread does (loading a
+//! model, computing a block it takes part in or not). A wait with a silence limit
+//! ([`Communicator::set_silence_limit`]: the start's agreement, which waits for slow loads for
+//! up to half an hour, and [`MpiComm::use_group`]) names a peer whose process has gone silent
+//! (killed, or its host gone) within that limit instead of at its deadline.
 
 use crate::wire::{find_abort, seal_abort, seal_data, seal_leave, take_ready};
 use crate::{check_rank, CommError, CommStats, Communicator, ErrorClass, Result, DEFAULT_TIMEOUT};
@@ -52,6 +59,83 @@ enum Job {
 
 type Reply = Result<Vec<Vec<u8>>>;
 
+/// The tag of every job's messages.
+const DATA: mpi::Tag = 0;
+/// The tag of the beats that say a process is alive.
+const BEAT: mpi::Tag = 1;
+/// The tag of [`MpiComm::use_group`]'s gate (every process of the world has reached it).
+const GATE: mpi::Tag = 2;
+
+/// How often each communication thread tells every other process it is alive.
+pub const BEAT_EVERY: Duration = Duration::from_millis(500);
+
+/// How often a wait with a silence limit looks at when its peer was last heard from.
+const SILENCE_CHECK: Duration = Duration::from_millis(100);
+
+/// When each process of the world was last heard from: written by the communication thread at
+/// each beat it receives, read by the compute side while it waits.
+struct Heard {
+    start: Instant,
+    /// Milliseconds after `start`, per world rank (0: not yet heard, counted from the start).
+    ms: Vec<AtomicU64>,
+}
+
+impl Heard {
+    fn new(processes: usize) -> Self {
+        Self { start: Instant::now(), ms: (0..processes).map(|_| AtomicU64::new(0)).collect() }
+    }
+
+    fn mark(&self, rank: usize) {
+        if let Some(m) = self.ms.get(rank) {
+            m.store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// How long `rank` has been silent.
+    fn quiet(&self, rank: usize) -> Duration {
+        let last = self.ms.get(rank).map_or(0, |m| m.load(Ordering::Relaxed));
+        self.start.elapsed().saturating_sub(Duration::from_millis(last))
+    }
+
+    /// The rank to say a wait is on, of the world ranks `missing` (in order): the first one
+    /// that has missed its last beats, else the first one, so that a process that died behind
+    /// one that is slow is named within the silence limit.
+    fn waited_on(&self, missing: impl Iterator<Item = usize> + Clone) -> Option<usize> {
+        let silent = missing.clone().find(|&r| self.quiet(r) > 3 * BEAT_EVERY);
+        silent.or_else(|| missing.into_iter().next())
+    }
+}
+
+/// The communication thread's side of the beats.
+struct Pulse {
+    heard: Arc<Heard>,
+    me: usize,
+    sent: Option<Instant>,
+    looked: Option<Instant>,
+}
+
+impl Pulse {
+    /// Takes the beats that arrived (at most every few milliseconds) and sends this process's
+    /// when one is due. A beat is one byte, sent eagerly: the send returns at once, even to a
+    /// process that is gone.
+    fn tick(&mut self, whole: &mpi::topology::SimpleCommunicator) {
+        let due = |t: Option<Instant>, every: Duration| t.is_none_or(|t| t.elapsed() >= every);
+        if due(self.looked, Duration::from_millis(5)) {
+            while let Some(probed) = whole.any_process().immediate_matched_probe_with_tag(BEAT) {
+                let (_, status) = probed.matched_receive_vec::<u8>();
+                self.heard.mark(status.source_rank() as usize);
+            }
+            self.looked = Some(Instant::now());
+        }
+        if due(self.sent, BEAT_EVERY) {
+            for r in (0..self.heard.ms.len()).filter(|&r| r != self.me) {
+                whole.process_at_rank(r as i32).send_with_tag(&[0u8][..], BEAT);
+            }
+            self.sent = Some(Instant::now());
+        }
+    }
+}
+
 struct Pending {
     op: String,
     sent: usize,
@@ -64,10 +148,13 @@ pub struct MpiComm {
     size: usize,
     jobs: Sender<Job>,
     replies: Receiver<Reply>,
+    /// The world rank the comm thread waits on (`usize::MAX`: none).
     waiting_on: Arc<AtomicUsize>,
     /// Bytes of the current exchange's sends not yet completed (for a timeout's message).
     unsent: Arc<AtomicU64>,
+    heard: Arc<Heard>,
     timeout: Duration,
+    silence: Option<Duration>,
     pending: Option<Pending>,
     stats: CommStats,
     plane: Option<Box<dyn crate::plane::Plane>>,
@@ -89,7 +176,7 @@ impl MpiComm {
     pub fn init() -> Result<Self> {
         let (jobs_tx, jobs_rx) = channel::<Job>();
         let (reply_tx, reply_rx) = channel::<Reply>();
-        let (init_tx, init_rx) = channel::<Result<(usize, usize)>>();
+        let (init_tx, init_rx) = channel::<Result<(usize, usize, Arc<Heard>)>>();
         let waiting_on = Arc::new(AtomicUsize::new(usize::MAX));
         let waiting = waiting_on.clone();
         let unsent = Arc::new(AtomicU64::new(0));
@@ -98,7 +185,7 @@ impl MpiComm {
             .name("mpi-comm".into())
             .spawn(move || comm_thread(jobs_rx, reply_tx, init_tx, Watch { waiting, unsent: in_flight }))
             .map_err(|e| CommError::Mpi(format!("cannot start the communication thread: {e}")))?;
-        let (rank, size) = init_rx
+        let (rank, size, heard) = init_rx
             .recv_timeout(Duration::from_secs(120))
             .map_err(|_| CommError::Mpi("MPI initialisation did not finish".into()))??;
         Ok(Self {
@@ -108,7 +195,9 @@ impl MpiComm {
             replies: reply_rx,
             waiting_on,
             unsent,
+            heard,
             timeout: DEFAULT_TIMEOUT,
+            silence: None,
             pending: None,
             stats: CommStats::default(),
             plane: None,
@@ -133,9 +222,12 @@ impl MpiComm {
         if size == 0 || size > self.world_size {
             return Err(CommError::Misuse(format!("a group of {size} ranks in a world of {}", self.world_size)));
         }
+        // A process outside the block waits for as long as the block runs; one that died
+        // meanwhile is named after the communicator's own timeout of silence (at most a minute).
         let saved = std::mem::replace(&mut self.timeout, timeout);
-        let got = self.call(Job::Group { size });
-        self.timeout = saved;
+        let silence = self.silence.replace(saved.min(timeout).min(DEFAULT_TIMEOUT));
+        let got = self.call_as(Job::Group { size }, Ranks::World);
+        (self.timeout, self.silence) = (saved, silence);
         let got = got.map_err(|e| named(e, "use_group"))?;
         let word = |i: usize| -> usize {
             got.get(i).and_then(|b| b.get(..4)).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
@@ -158,37 +250,81 @@ impl MpiComm {
 
     /// Sends a job to the comm thread and waits for its reply (the deadline applies).
     fn call(&mut self, job: Job) -> Reply {
+        self.call_as(job, Ranks::Group)
+    }
+
+    fn call_as(&mut self, job: Job, ranks: Ranks) -> Reply {
         if !self.healthy {
             return Err(unhealthy());
         }
         self.jobs.send(job).map_err(|_| CommError::Mpi("the communication thread has stopped".into()))?;
-        self.reply()
+        self.reply_as(ranks)
     }
 
-    /// The comm thread's reply to the last job. Refused once a reply was missed (a timeout, or
-    /// the thread gone): the thread may still answer that old job, and its late reply would be
-    /// taken for this one's (a poll would read a stale exchange's `Ok` as "no abort").
     fn reply(&mut self) -> Reply {
+        self.reply_as(Ranks::Group)
+    }
+
+    /// The comm thread's reply to the last job; an error names the rank waited on as `ranks`
+    /// says. Refused once a reply was missed (a timeout, a silent peer, or the thread gone):
+    /// the thread may still answer that old job, and its late reply would be taken for this
+    /// one's (a poll would read a stale exchange's `Ok` as "no abort").
+    fn reply_as(&mut self, ranks: Ranks) -> Reply {
         if !self.healthy {
             return Err(unhealthy());
         }
-        match self.replies.recv_timeout(self.timeout) {
-            Ok(r) => r,
-            Err(RecvTimeoutError::Timeout) => {
+        let deadline = crate::deadline_after(self.timeout);
+        let step = if self.silence.is_some() { SILENCE_CHECK } else { Duration::MAX };
+        loop {
+            let left = crate::time_left(deadline);
+            let waited = match self.replies.recv_timeout(left.min(step)) {
+                Ok(r) => return r,
+                Err(RecvTimeoutError::Timeout) => self.waiting_on.load(Ordering::Relaxed),
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.healthy = false;
+                    return Err(CommError::Mpi("the communication thread stopped (MPI error)".into()));
+                }
+            };
+            let rank = match ranks {
+                // The group is a run of world ranks starting at this process's offset.
+                Ranks::Group if waited != usize::MAX => {
+                    waited.checked_sub(self.world_rank - self.rank).unwrap_or(waited)
+                }
+                _ => waited,
+            };
+            if let Some(limit) = self.silence.filter(|_| waited < self.world_size) {
+                let quiet = self.heard.quiet(waited);
+                if quiet > limit {
+                    self.healthy = false;
+                    return Err(CommError::RankLost {
+                        rank,
+                        op: "mpi".into(),
+                        detail: format!(
+                            "nothing heard from its process for {:.0} s: it died, or it or its host stopped",
+                            quiet.as_secs_f64()
+                        ),
+                    });
+                }
+            }
+            if crate::time_left(deadline).is_zero() {
                 self.healthy = false;
-                Err(CommError::Timeout {
-                    rank: self.waiting_on.load(Ordering::Relaxed),
+                return Err(CommError::Timeout {
+                    rank,
                     op: "mpi".into(),
                     secs: self.timeout.as_secs_f64(),
                     unsent: self.unsent.load(Ordering::Relaxed),
-                })
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                self.healthy = false;
-                Err(CommError::Mpi("the communication thread stopped (MPI error)".into()))
+                });
             }
         }
     }
+}
+
+/// How an error names the rank a wait was on: in the current group (a job's exchanges) or
+/// in the world ([`MpiComm::use_group`]).
+#[derive(Clone, Copy)]
+enum Ranks {
+    Group,
+    World,
 }
 
 /// The error of every call after the communicator failed (a missed reply: see
@@ -213,12 +349,15 @@ fn check_message(op: &str, to: usize, len: usize) -> Result<()> {
     Ok(())
 }
 
-/// A timeout of the communication thread's reply, named after the operation waited for (the
-/// thread knows no collective's name for a group or a poll).
+/// A timeout or a silent peer of the communication thread's reply, named after the operation
+/// waited for (the thread knows no collective's name for a group or a poll).
 fn named(e: CommError, op: &str) -> CommError {
     match e {
         CommError::Timeout { rank, op: o, secs, unsent } if o == "mpi" => {
             CommError::Timeout { rank, op: op.to_string(), secs, unsent }
+        }
+        CommError::RankLost { rank, op: o, detail } if o == "mpi" => {
+            CommError::RankLost { rank, op: op.to_string(), detail }
         }
         e => e,
     }
@@ -235,10 +374,10 @@ fn backoff(idle: &mut u32) {
     }
 }
 
-/// Receives every message that has arrived, into the sender's queue; true if any did.
+/// Receives every job message that has arrived, into the sender's queue; true if any did.
 fn drain(world: &mpi::topology::SimpleCommunicator, early: &mut [VecDeque<Vec<u8>>]) -> bool {
     let mut any = false;
-    while let Some(probed) = world.any_process().immediate_matched_probe() {
+    while let Some(probed) = world.any_process().immediate_matched_probe_with_tag(DATA) {
         let (v, status) = probed.matched_receive_vec::<u8>();
         if let Some(q) = early.get_mut(status.source_rank() as usize) {
             q.push_back(v);
@@ -250,18 +389,34 @@ fn drain(world: &mpi::topology::SimpleCommunicator, early: &mut [VecDeque<Vec<u8
 
 /// What the compute side can read of the comm thread's progress when a deadline passes.
 struct Watch {
-    /// The rank the current exchange waits on (`usize::MAX`: none).
+    /// The world rank the current exchange waits on (`usize::MAX`: none).
     waiting: Arc<AtomicUsize>,
     /// Bytes of the current exchange's sends not yet completed.
     unsent: Arc<AtomicU64>,
 }
 
+/// Where the communication thread talks: the active group (the world, or the first ranks of
+/// it: see [`MpiComm::use_group`]), and the whole world for the beats.
+struct Wires<'a> {
+    group: &'a mpi::topology::SimpleCommunicator,
+    whole: &'a mpi::topology::SimpleCommunicator,
+}
+
+impl Wires<'_> {
+    /// The world rank of the group's `rank` (the group is a run of world ranks).
+    fn world_rank(&self, rank: usize) -> usize {
+        rank + (self.whole.rank() - self.group.rank()) as usize
+    }
+}
+
 fn exchange(
-    world: &mpi::topology::SimpleCommunicator,
+    wires: &Wires<'_>,
+    pulse: &mut Pulse,
     early: &mut [VecDeque<Vec<u8>>],
     watch: &Watch,
     job: Exchange,
 ) -> Reply {
+    let world = wires.group;
     let waiting = &watch.waiting;
     let Exchange { sends, from, epoch, op } = job;
     mpi::request::scope(|scope| {
@@ -294,12 +449,14 @@ fn exchange(
                 pending = reqs.len();
                 watch.unsent.store(reqs.iter().map(|r| r.1 as u64).sum(), Ordering::Relaxed);
             }
-            let missing = if outcome.is_ok() { got.iter().position(Option::is_none) } else { None };
+            let missing = got.iter().zip(&from).filter(|(g, _)| g.is_none()).map(|(_, &r)| wires.world_rank(r));
+            let missing = if outcome.is_ok() { pulse.heard.waited_on(missing) } else { None };
             match (missing, reqs.first()) {
                 (None, None) => break,
-                (Some(i), _) => waiting.store(from[i], Ordering::Relaxed),
-                (None, Some((to, _, _))) => waiting.store(*to, Ordering::Relaxed),
+                (Some(r), _) => waiting.store(r, Ordering::Relaxed),
+                (None, Some((to, _, _))) => waiting.store(wires.world_rank(*to), Ordering::Relaxed),
             }
+            pulse.tick(wires.whole);
             if drain(world, early) {
                 idle = 0;
             } else {
@@ -312,14 +469,50 @@ fn exchange(
     })
 }
 
-fn comm_thread(jobs: Receiver<Job>, replies: Sender<Reply>, init: Sender<Result<(usize, usize)>>, watch: Watch) {
+/// Every process of the world reaches this gate before any leaves it (a barrier made of
+/// messages, so that the thread keeps beating and the compute side can name a silent process
+/// while the others sit out a long block).
+fn gate(whole: &mpi::topology::SimpleCommunicator, pulse: &mut Pulse, watch: &Watch) {
+    let (me, n) = (whole.rank() as usize, whole.size() as usize);
+    for r in (0..n).filter(|&r| r != me) {
+        whole.process_at_rank(r as i32).send_with_tag(&[0u8][..], GATE);
+    }
+    let mut arrived: Vec<bool> = (0..n).map(|r| r == me).collect();
+    let mut idle = 0;
+    let heard = pulse.heard.clone();
+    let missing = |arrived: &[bool]| {
+        let missing = arrived.iter().enumerate().filter(|(_, a)| !**a).map(|(r, _)| r);
+        heard.waited_on(missing)
+    };
+    while let Some(r) = missing(&arrived) {
+        watch.waiting.store(r, Ordering::Relaxed);
+        pulse.tick(whole);
+        match whole.any_process().immediate_matched_probe_with_tag(GATE) {
+            Some(probed) => {
+                let (_, status) = probed.matched_receive_vec::<u8>();
+                if let Some(a) = arrived.get_mut(status.source_rank() as usize) {
+                    *a = true;
+                }
+                idle = 0;
+            }
+            None => backoff(&mut idle),
+        }
+    }
+    watch.waiting.store(usize::MAX, Ordering::Relaxed);
+}
+
+type Init = Result<(usize, usize, Arc<Heard>)>;
+
+fn comm_thread(jobs: Receiver<Job>, replies: Sender<Reply>, init: Sender<Init>, watch: Watch) {
     let Some((universe, _level)) = mpi::initialize_with_threading(mpi::Threading::Serialized) else {
         let _ = init.send(Err(CommError::Mpi("MPI was already initialised in this process".into())));
         return;
     };
     let whole = universe.world();
     let (world_rank, world_size) = (whole.rank() as usize, whole.size() as usize);
-    let _ = init.send(Ok((world_rank, world_size)));
+    let heard = Arc::new(Heard::new(world_size));
+    let mut pulse = Pulse { heard: heard.clone(), me: world_rank, sent: None, looked: None };
+    let _ = init.send(Ok((world_rank, world_size, heard)));
     let mut size = world_size;
     let mut early: Vec<VecDeque<Vec<u8>>> = (0..size).map(|_| VecDeque::new()).collect();
     // The active group: the world, or the first ranks of it (see `MpiComm::use_group`).
@@ -331,19 +524,25 @@ fn comm_thread(jobs: Receiver<Job>, replies: Sender<Reply>, init: Sender<Result<
                 // Idle: keep taking messages off the wire, so that a peer's send completes
                 // even when nobody here waits for it (an abort after this rank ended the job).
                 drain(group.as_ref().unwrap_or(&whole), &mut early);
+                pulse.tick(&whole);
                 continue;
             }
             Err(RecvTimeoutError::Disconnected) => break,
         };
         let reply = match job {
-            Job::Exchange(x) => exchange(group.as_ref().unwrap_or(&whole), &mut early, &watch, x),
+            Job::Exchange(x) => {
+                let wires = Wires { group: group.as_ref().unwrap_or(&whole), whole: &whole };
+                exchange(&wires, &mut pulse, &mut early, &watch, x)
+            }
             Job::Poll { epoch, op } => {
                 drain(group.as_ref().unwrap_or(&whole), &mut early);
+                pulse.tick(&whole);
                 (0..size)
                     .find_map(|r| find_abort(r, &op, epoch, &mut early[r]).transpose())
                     .map_or(Ok(Vec::new()), |e| e.and_then(Err))
             }
             Job::Group { size: want } => {
+                gate(&whole, &mut pulse, &watch);
                 let color = mpi::topology::Color::with_value(i32::from(world_rank >= want));
                 group = whole.split_by_color(color);
                 let g = group.as_ref().unwrap_or(&whole);
@@ -393,6 +592,9 @@ impl Communicator for MpiComm {
             p.set_timeout(timeout);
         }
     }
+    fn set_silence_limit(&mut self, limit: Option<Duration>) {
+        self.silence = limit;
+    }
 
     fn post(&mut self, op: &str, sends: Vec<(usize, Vec<u8>)>, from: Vec<usize>) -> Result<()> {
         if let Some(p) = &self.pending {
@@ -434,7 +636,7 @@ impl Communicator for MpiComm {
                 let rank = if rank == usize::MAX { p.first_from.unwrap_or(0) } else { rank };
                 Err(CommError::Timeout { rank, op: p.op, secs, unsent })
             }
-            Err(e) => Err(e),
+            Err(e) => Err(named(e, &p.op)),
         }
     }
 
@@ -526,54 +728,5 @@ impl Drop for MpiComm {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_message_past_mpi_count_is_refused_before_sending() {
-        // `len as i32` inside rsmpi panicked for more than i32::MAX bytes.
-        check_message("ring.kv", 1, MAX_MESSAGE).unwrap();
-        let e = check_message("ring.kv", 1, MAX_MESSAGE + 1).unwrap_err();
-        assert!(matches!(&e, CommError::TooLarge { op, size, .. } if op == "ring.kv" && *size == 1 << 31), "{e}");
-        assert!(e.to_string().contains("rank 1"), "{e}");
-    }
-
-    /// A communicator whose comm thread is the test: it holds the other ends of the job and
-    /// reply channels (no MPI).
-    fn fake() -> (MpiComm, Receiver<Job>, Sender<Reply>) {
-        let (jobs, job_rx) = channel();
-        let (reply_tx, replies) = channel();
-        let comm = MpiComm {
-            rank: 0,
-            size: 2,
-            jobs,
-            replies,
-            waiting_on: Arc::new(AtomicUsize::new(1)),
-            unsent: Arc::new(AtomicU64::new(0)),
-            timeout: Duration::from_millis(50),
-            pending: None,
-            stats: CommStats::default(),
-            plane: None,
-            thread: None,
-            healthy: true,
-            epoch: 0,
-            world_rank: 0,
-            world_size: 2,
-        };
-        (comm, job_rx, reply_tx)
-    }
-
-    #[test]
-    fn after_a_timeout_a_late_reply_is_not_taken_for_a_poll() {
-        let (mut c, jobs, replies) = fake();
-        // The comm thread does not answer the poll in time: a timeout, the communicator failed.
-        let e = c.poll_abort("prefill").unwrap_err();
-        assert!(matches!(&e, CommError::Timeout { rank: 1, op, .. } if op == "prefill"), "{e}");
-        // Its late answer to that poll arrives; the next poll must not read it as "no abort".
-        replies.send(Ok(Vec::new())).unwrap();
-        let e = c.poll_abort("prefill").unwrap_err();
-        assert!(matches!(&e, CommError::Misuse(m) if m.contains("failed earlier")), "{e}");
-        assert!(c.post("x", vec![(1, vec![1])], vec![1]).is_err());
-        assert_eq!(jobs.try_iter().count(), 1, "only the first poll reached the comm thread");
-    }
-}
+#[path = "mpi_tests.rs"]
+mod tests;

@@ -386,7 +386,9 @@ fn bench_load_drives_its_own_server() {
 
 /// `bench faults` runs a row of the fault matrix end to end; the row is the hung rank 0 of a
 /// thread world (docs/faults.md): answered 504 at the deadline + 2 s, the ranks rebuilt, the
-/// next job 200, a clean stop.
+/// next job 200, a clean stop. Hung at the job's first step, so that the row's 10 s deadline
+/// passes during the hang however slow the machine (a chunk prefill past it on a loaded CI
+/// machine would answer 504 for want of time, and the probe's fault would hit the next job).
 #[test]
 fn bench_faults_a_hung_rank_0_is_answered_at_the_deadline_and_the_ranks_are_rebuilt() {
     let dir = std::env::temp_dir().join(format!("fp-faults-{}", std::process::id()));
@@ -398,7 +400,7 @@ fn bench_faults_a_hung_rank_0_is_answered_at_the_deadline_and_the_ranks_are_rebu
         "--worlds",
         "threads",
         "--only",
-        "hang on rank 0 at probe",
+        "hang on rank 0 at chunk_prefill",
         "--out",
         md.to_str().unwrap(),
     ]);
@@ -408,7 +410,11 @@ fn bench_faults_a_hung_rank_0_is_answered_at_the_deadline_and_the_ranks_are_rebu
     let rows = rows.as_array().expect("rows");
     assert_eq!(rows.len(), 1, "{rows:?}");
     let r = &rows[0];
-    assert_eq!((r["world"].as_str(), r["case"].as_str()), (Some("threads"), Some("hang on rank 0 at probe")), "{r}");
+    assert_eq!(
+        (r["world"].as_str(), r["case"].as_str()),
+        (Some("threads"), Some("hang on rank 0 at chunk_prefill")),
+        "{r}"
+    );
     assert_eq!(r["status"], "504", "{r}");
     // The fault rows' deadline is 10 s; the handler answers 2 s after it.
     let answered = r["answer_s"].as_f64().unwrap_or(0.0);

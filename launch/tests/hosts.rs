@@ -121,8 +121,9 @@ fn two_hosts_answer_as_one_rank_and_a_lost_link_is_named() {
         );
     }
 
-    // Host 1's link goes down while rank 1 is in the recompute (it stalls there 2 s, so that
-    // the cut lands in that phase): rank 0 names it within the comm timeout and the job ends.
+    // Host 1's link goes down while rank 1 is in the recompute (it stalls there 4 s, so that
+    // the cut lands in that phase on a loaded machine too; under the 5 s comm timeout, so that
+    // the cut link is what ends the job): rank 0 names it within the comm timeout.
     let mut args: Vec<String> = vec!["--threads".into(), "1".into(), "run".into()];
     args.extend(doc_args.iter().cloned());
     args.extend(
@@ -135,7 +136,7 @@ fn two_hosts_answer_as_one_rank_and_a_lost_link_is_named() {
         .arg(bin())
         .args(&args)
         .env("FLOWPREFILL_STORE", "off")
-        .env("FLOWPREFILL_FAULT", "rank:1,phase:recompute,mode:stall:2000")
+        .env("FLOWPREFILL_FAULT", "rank:1,phase:recompute,mode:stall:4000")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

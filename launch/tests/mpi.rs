@@ -229,6 +229,37 @@ fn a_killed_mpi_rank_ends_the_job_within_30_seconds_naming_it() {
 /// at its deadline (`--comm-timeout 10`), with its exit status 4, instead of waiting forever.
 #[test]
 fn a_killed_mpi_rank_is_named_by_rank_0_when_the_launcher_does_not_end_the_job() {
+    killed_rank_is_named_by_rank_0(false);
+}
+
+/// The same, with rank 1 killed while it loads its model and rank 0 waits for it at the start's
+/// agreement (which waits up to 30 minutes for a slow load): rank 1's process stopped beating,
+/// so rank 0 names it within its `--comm-timeout` of silence. Before, it waited the 30 minutes.
+#[test]
+fn an_mpi_rank_killed_while_the_ranks_load_is_named_within_the_comm_timeout() {
+    killed_rank_is_named_by_rank_0(true);
+}
+
+/// A rank that loads its model slowly (stalled 8 s, past a `--comm-timeout` of 3 s) is alive
+/// (its process beats): the others wait for it, and the job runs (`full`: the follower waits
+/// on rank 0's ticks, so that the short deadline bounds nothing else of a loaded machine).
+#[test]
+fn a_rank_that_loads_slowly_is_waited_for_past_the_comm_timeout() {
+    let (dir, doc_args) = docs("slow-load", 4, 9);
+    let mut args = run_args(&doc_args, "full", 14);
+    args.extend(["--comm-timeout", "3"].map(String::from));
+    let t = Instant::now();
+    let out = mpirun(2).arg(bin()).args(&args).env("FLOWPREFILL_FAULT", "rank:1,phase:load,mode:stall:8000").output();
+    let out = out.unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(t.elapsed() >= Duration::from_secs(8), "rank 1's load stalled 8 s: {:?}", t.elapsed());
+    let v = json(&out);
+    assert_eq!(v["ranks"], 2);
+    assert!(v["answer"].as_str().is_some_and(|a| a.contains("4729")), "{}", v["answer"]);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn killed_rank_is_named_by_rank_0(while_loading: bool) {
     let version = Command::new("mpirun").arg("--version").output().map(|o| o.stdout).unwrap_or_default();
     if !String::from_utf8_lossy(&version).contains("Open MPI) 4.") {
         flowprefill_kernels::testing::skipped(
@@ -237,9 +268,14 @@ fn a_killed_mpi_rank_is_named_by_rank_0_when_the_launcher_does_not_end_the_job()
         );
         return;
     }
-    let (dir, doc_args) = docs("kill-own", 6, 25);
+    let (dir, doc_args) = docs(if while_loading { "kill-load" } else { "kill-own" }, 6, 25);
     let marker = dir.to_string_lossy().into_owned();
-    let mut child = mpirun(2)
+    let mut mpirun = mpirun(2);
+    if while_loading {
+        // Rank 1 never finishes loading (alive and beating until the kill).
+        mpirun.env("FLOWPREFILL_FAULT", "rank:1,phase:load,mode:hang");
+    }
+    let mut child = mpirun
         .env("OMPI_MCA_orte_abort_on_non_zero_status", "0")
         .arg(bin())
         .arg("run")
@@ -266,10 +302,11 @@ fn a_killed_mpi_rank_is_named_by_rank_0_when_the_launcher_does_not_end_the_job()
         })
     };
     let victim = started_rank(&marker, 1);
-    // Killed once both ranks have loaded and the job runs (a rank that dies while loading is
-    // waited for up to setup::LOAD_WAIT, 30 min, where the launcher leaves the job running).
+    // Killed once rank 0 has loaded (it then waits for rank 1 at the start's agreement), or
+    // once both ranks have loaded and the job runs.
+    let loaded = if while_loading { 1 } else { 2 };
     let t = Instant::now();
-    while err.lock().unwrap().lines().filter(|l| l.starts_with("loaded ")).count() < 2 {
+    while err.lock().unwrap().lines().filter(|l| l.starts_with("loaded ")).count() < loaded {
         assert!(t.elapsed() < Duration::from_secs(120), "the ranks did not load: {}", err.lock().unwrap());
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -285,7 +322,15 @@ fn a_killed_mpi_rank_is_named_by_rank_0_when_the_launcher_does_not_end_the_job()
         assert!(killed_at.elapsed() < Duration::from_secs(40), "rank 0 did not name rank 1 within 40 s: {text}");
         std::thread::sleep(Duration::from_millis(200));
     };
-    assert!(named.contains("rank 1 did not answer within 10 s") || named.contains("rank 1 was lost"), "{named}");
+    if while_loading {
+        assert!(
+            named.contains("rank 1 was lost during `setup.agree`") && named.contains("nothing heard from its process"),
+            "{named}"
+        );
+        assert!(killed_at.elapsed() < Duration::from_secs(30), "named {:?} after the kill", killed_at.elapsed());
+    } else {
+        assert!(named.contains("rank 1 did not answer within 10 s") || named.contains("rank 1 was lost"), "{named}");
+    }
     assert!(rank_pids(&marker, 0).is_empty() || wait_gone(&marker, 0), "rank 0 exited after naming it");
     let _ = child.0.kill();
     let _ = child.0.wait();

@@ -167,7 +167,9 @@ fn item1_a_deadline_too_large_for_a_duration_gets_an_answer() {
 /// to take them) until the stopping server closed their connections.
 #[test]
 fn jobs_waiting_when_the_ranks_fail_for_good_get_503_with_the_reason() {
-    let cfg = ServeConfig { hang_grace: Duration::from_secs(1), ..ServeConfig::default() };
+    // The watchdog's 503 comes at the deadline + hang_grace; the handler's own 504 at the
+    // deadline + 2 s: 200 ms leaves the watchdog a wide margin on a loaded machine.
+    let cfg = ServeConfig { hang_grace: Duration::from_millis(200), ..ServeConfig::default() };
     // Stuck at the first step of the job, so that its 1 s deadline always passes during the
     // hang: stuck at the probe, a loaded CI machine (2026-11-29) took longer than 1 s over the
     // chunk prefill before it, and the job was answered 504 `deadline`.
@@ -366,7 +368,12 @@ fn item8_errors_found_before_the_work_get_their_own_status_when_streaming() {
     let first = std::thread::spawn(move || {
         http::request(&addr, "POST", "/v1/jobs", &[], busy.as_bytes(), Duration::from_secs(300)).unwrap().status
     });
-    std::thread::sleep(Duration::from_millis(300));
+    // Once the longer job is in flight (a sleep here was a guess at a loaded machine's pace).
+    let t = Instant::now();
+    while !s.req("GET", "/metrics", &[], b"").text().contains("flowprefill_jobs_in_flight 1") {
+        assert!(t.elapsed() < Duration::from_secs(60), "the longer job never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let mut b = job(&d);
     b["stream"] = true.into();
     b["deadline_s"] = 0.2.into();

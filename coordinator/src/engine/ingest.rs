@@ -56,9 +56,15 @@ impl<B: Backend> Engine<B> {
         if needed > window {
             return Err(WorkerError::DocumentTooLong { tokens, needed, window }.into());
         }
-        // Ingesting is for the disk tier: what was made is written even when a later form failed.
+        // Ingesting is for the disk tier: what was made is written even when a later form
+        // failed, unless the GPU was lost (its last results cannot be trusted, and reading them
+        // back would wait on a kernel that may never finish).
         let made = self.ingest_forms(lm, &layout, check);
-        self.store.persist_pending(lm.model.backend());
+        if made.as_ref().is_err_and(|e| e.class() == crate::ErrorClass::Device) {
+            self.store.forget_pending();
+        } else {
+            self.store.persist_pending(lm.model.backend());
+        }
         // One document is prefilled on one rank: more ranks do not spread it.
         let (first, alone) = made.map_err(|e| e.advised(self.oom_advice(false)))?;
         if first.chunks.len() != 1 || alone.chunks.len() != 1 {
@@ -97,6 +103,8 @@ impl<B: Backend> Engine<B> {
     ) -> Result<(super::caches::Caches<B>, super::caches::Caches<B>)> {
         let shared = crate::request::PrefixMode::Shared;
         self.caches(lm, &self.store, layout, shared, &[], &mut *check)?;
+        // The head's cache is made (and waits to be written): a fault here leaves one behind.
+        self.fault_point(flowprefill_comm::launcher_rank().unwrap_or(0), "ingest")?;
         let first = self.caches(lm, &self.store, layout, shared, &[0], &mut *check)?;
         let mut later = layout.clone();
         later.chunks.insert(0, Vec::new());

@@ -110,11 +110,11 @@ mod tests {
 
     #[test]
     fn a_follower_waits_through_work_longer_than_its_deadline() {
-        // Deadlines of 400 ms (ticks every 100 ms): 80 ms left a loaded machine (tests run in
-        // parallel on two cores) a tick late now and then.
+        // Deadlines of 1 s (ticks every 250 ms): 80 ms left a loaded machine (tests run in
+        // parallel on two cores) a tick late now and then, and 400 ms is within its reach.
         let mut comms = LocalComm::group(3);
         for c in &mut comms {
-            c.set_timeout(Duration::from_millis(400));
+            c.set_timeout(Duration::from_secs(1));
         }
         let mut rest = comms.split_off(1);
         let mut lead = comms.pop().expect("rank 0");
@@ -122,10 +122,10 @@ mod tests {
             .drain(..)
             .map(|mut c| std::thread::spawn(move || wait_for_lead(&mut c).map(|_| c.stats().clone())))
             .collect();
-        // Five deadlines of work on rank 0 alone, a layer every 100 ms.
+        // Five deadlines of work on rank 0 alone, a layer every 250 ms.
         let got = lead_alone(&mut lead, || {
             for _ in 0..20 {
-                std::thread::sleep(Duration::from_millis(100));
+                std::thread::sleep(Duration::from_millis(250));
                 flowprefill_worker::interrupt::beat("prefill");
             }
             Ok(7)

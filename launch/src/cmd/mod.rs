@@ -116,6 +116,10 @@ pub fn model_digest(common: &Common) -> Result<String> {
 /// Loads `source` on `dev`, with the KV Packet adapter of `--adapter` and the LookaheadKV
 /// adapter of `--lookahead-adapter` when given (else the ones shipped for the model, if any).
 fn load_on(source: &ModelSource, dev: Device, common: &Common) -> Result<LoadedModel<Device>> {
+    if let Some(plan) = flowprefill_coordinator::fault::FaultPlan::from_env() {
+        // The process's rank as its launcher says (MPI has started; one process: 0).
+        plan.point(flowprefill_comm::launcher_rank().unwrap_or(0), "load")?;
+    }
     let adapter = common.adapter.as_deref();
     let mut lm = match source {
         ModelSource::File(p) => LoadedModel::load(p, dev).with_context(|| format!("loading {}", p.display()))?,

@@ -218,3 +218,30 @@ fn ingestions_are_bounded_and_a_client_that_goes_away_cancels_its_own() {
     drop(s);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A GPU lost while a document is ingested: 503 naming the document, the service exits 69, and
+/// nothing of that ingestion is written to the store (the head's cache was made before the
+/// fault; read back from a lost GPU it could not be trusted).
+#[test]
+fn a_gpu_lost_during_an_ingestion_writes_nothing_and_the_service_exits_69() {
+    let dir = std::env::temp_dir().join(format!("fp-serve-ingest-lost-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let store = dir.join("store");
+    let mut s = Server::start(
+        &["--store", store.to_str().unwrap()],
+        &[("FLOWPREFILL_FAULT", "rank:0,phase:ingest,mode:device-lost")],
+    );
+    let r = s.post("/v1/documents", &serde_json::json!({ "documents": docs(2, 5) }));
+    assert_eq!(r.status, 503, "{}", r.text());
+    let v = json(&r);
+    assert_eq!(v["error"]["kind"], "device_failure", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.starts_with("documents[0]: ") && msg.contains("an injected fault at rank 0's ingest"), "{msg}");
+    let (code, err) = s.wait_code();
+    assert_eq!(code, Some(69), "{err}");
+    let written: Vec<_> = std::fs::read_dir(&store)
+        .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "fpkv")).collect())
+        .unwrap_or_default();
+    assert!(written.is_empty(), "caches from a lost GPU were written: {written:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}

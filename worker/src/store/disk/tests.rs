@@ -325,6 +325,9 @@ fn child_writer() {
     let seed: u32 = std::env::var("FP_DISK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     let rounds: u32 = std::env::var("FP_DISK_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(u32::MAX);
     let s = DiskStore::open(Path::new(&dir), scope("m"), u64::MAX).unwrap();
+    // The parent times its kill from here, not from the process's start (written to the file
+    // itself: the test harness captures `eprintln!`).
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), b"opened\n");
     for r in 0..rounds {
         let i = (seed.wrapping_add(r.wrapping_mul(7))) % 40;
         let (k, rec) = numbered(i);
@@ -356,6 +359,17 @@ fn writers_killed_mid_write_leave_no_damaged_entry() {
     fs::create_dir_all(&dir).unwrap();
     for round in 0..12u32 {
         let mut c = child(&dir, round * 11, None);
+        // Killed 15-75 ms into its writes (a loaded machine can take longer than that to start
+        // a process); the first writer only once it has written an entry, so that the check
+        // below has one to read however slow the machine.
+        let mut line = String::new();
+        let mut err = std::io::BufReader::new(c.stderr.take().unwrap());
+        std::io::BufRead::read_line(&mut err, &mut line).unwrap();
+        assert_eq!(line.trim(), "opened", "the writer's first line");
+        let t = std::time::Instant::now();
+        while round == 0 && verify(&dir).unwrap().ok == 0 && t.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         std::thread::sleep(Duration::from_millis(15 + (round as u64 * 37) % 60));
         c.kill().unwrap();
         let _ = c.wait();
