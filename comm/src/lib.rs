@@ -333,8 +333,8 @@ pub trait Communicator: Send {
     /// any peer should take to answer (the others loading their model at their own speed), so
     /// that a peer's process that died meanwhile is named within `limit`. MPI processes tell
     /// every other process they are alive twice a second from their communication thread,
-    /// whatever their compute thread does. `None`: the deadline alone (the default). Thread
-    /// ranks live and die with their process: nothing to do.
+    /// whatever their compute thread does; a limit under 10 s is raised to 10 s. `None`: the
+    /// deadline alone (the default). Thread ranks live and die with their process: nothing to do.
     fn set_silence_limit(&mut self, _limit: Option<Duration>) {}
     /// Starts an exchange: queues `sends` (to, payload) and the ranks one message is expected
     /// from. Fails if an exchange is already pending.

@@ -69,6 +69,13 @@ const GATE: mpi::Tag = 2;
 /// How often each communication thread tells every other process it is alive.
 pub const BEAT_EVERY: Duration = Duration::from_millis(500);
 
+/// The shortest silence limit (a shorter one is raised to it): 20 beats, so that a process
+/// that a loaded machine left unscheduled for seconds is not taken for a dead one.
+pub const MIN_SILENCE: Duration = Duration::from_secs(10);
+
+/// The one byte of a beat (a static buffer: a beat's send may outlive any stack frame).
+static BEAT_BYTE: [u8; 1] = [0];
+
 /// How often a wait with a silence limit looks at when its peer was last heard from.
 const SILENCE_CHECK: Duration = Duration::from_millis(100);
 
@@ -106,18 +113,27 @@ impl Heard {
     }
 }
 
+type BeatSend = mpi::request::Request<'static, [u8], mpi::request::StaticScope>;
+
 /// The communication thread's side of the beats.
 struct Pulse {
     heard: Arc<Heard>,
     me: usize,
     sent: Option<Instant>,
     looked: Option<Instant>,
+    /// Each peer's beat still in flight (a peer that stopped taking them, or is gone).
+    in_flight: Vec<Option<BeatSend>>,
 }
 
 impl Pulse {
+    fn new(heard: Arc<Heard>, me: usize) -> Self {
+        let in_flight = (0..heard.ms.len()).map(|_| None).collect();
+        Self { heard, me, sent: None, looked: None, in_flight }
+    }
+
     /// Takes the beats that arrived (at most every few milliseconds) and sends this process's
-    /// when one is due. A beat is one byte, sent eagerly: the send returns at once, even to a
-    /// process that is gone.
+    /// when one is due. Beats are sent without blocking, and a peer whose last one has not
+    /// left yet gets none more: a stopped peer never holds up the thread.
     fn tick(&mut self, whole: &mpi::topology::SimpleCommunicator) {
         let due = |t: Option<Instant>, every: Duration| t.is_none_or(|t| t.elapsed() >= every);
         if due(self.looked, Duration::from_millis(5)) {
@@ -128,10 +144,29 @@ impl Pulse {
             self.looked = Some(Instant::now());
         }
         if due(self.sent, BEAT_EVERY) {
-            for r in (0..self.heard.ms.len()).filter(|&r| r != self.me) {
-                whole.process_at_rank(r as i32).send_with_tag(&[0u8][..], BEAT);
+            for (r, slot) in self.in_flight.iter_mut().enumerate().filter(|(r, _)| *r != self.me) {
+                *slot = match slot.take().map(|req| req.test()) {
+                    Some(Err(still)) => Some(still),
+                    _ => Some(whole.process_at_rank(r as i32).immediate_send_with_tag(
+                        mpi::request::StaticScope,
+                        &BEAT_BYTE[..],
+                        BEAT,
+                    )),
+                };
             }
             self.sent = Some(Instant::now());
+        }
+    }
+}
+
+impl Drop for Pulse {
+    /// At the end, a beat that never left (its peer gone) is abandoned: a request dropped
+    /// before it completed would panic.
+    fn drop(&mut self) {
+        for req in self.in_flight.drain(..).flatten() {
+            if let Err(still) = req.test() {
+                std::mem::forget(still);
+            }
         }
     }
 }
@@ -225,7 +260,7 @@ impl MpiComm {
         // A process outside the block waits for as long as the block runs; one that died
         // meanwhile is named after the communicator's own timeout of silence (at most a minute).
         let saved = std::mem::replace(&mut self.timeout, timeout);
-        let silence = self.silence.replace(saved.min(timeout).min(DEFAULT_TIMEOUT));
+        let silence = self.silence.replace(silence_limit(saved.min(timeout)));
         let got = self.call_as(Job::Group { size }, Ranks::World);
         (self.timeout, self.silence) = (saved, silence);
         let got = got.map_err(|e| named(e, "use_group"))?;
@@ -319,6 +354,13 @@ impl MpiComm {
     }
 }
 
+/// The silence limit for a communicator whose timeout is `timeout`: the timeout, within
+/// [`MIN_SILENCE`] and [`DEFAULT_TIMEOUT`] (a process beats twice a second however long its
+/// work takes: a peer silent for a minute is gone, or stopped, whatever the timeout).
+pub fn silence_limit(timeout: Duration) -> Duration {
+    timeout.clamp(MIN_SILENCE, DEFAULT_TIMEOUT)
+}
+
 /// How an error names the rank a wait was on: in the current group (a job's exchanges) or
 /// in the world ([`MpiComm::use_group`]).
 #[derive(Clone, Copy)]
@@ -400,12 +442,18 @@ struct Watch {
 struct Wires<'a> {
     group: &'a mpi::topology::SimpleCommunicator,
     whole: &'a mpi::topology::SimpleCommunicator,
+    /// The world rank of the group's rank 0 (the group is a run of world ranks).
+    offset: usize,
 }
 
-impl Wires<'_> {
-    /// The world rank of the group's `rank` (the group is a run of world ranks).
+impl<'a> Wires<'a> {
+    fn new(group: &'a mpi::topology::SimpleCommunicator, whole: &'a mpi::topology::SimpleCommunicator) -> Self {
+        Self { group, whole, offset: (whole.rank() - group.rank()) as usize }
+    }
+
+    /// The world rank of the group's `rank`.
     fn world_rank(&self, rank: usize) -> usize {
-        rank + (self.whole.rank() - self.group.rank()) as usize
+        rank + self.offset
     }
 }
 
@@ -511,7 +559,7 @@ fn comm_thread(jobs: Receiver<Job>, replies: Sender<Reply>, init: Sender<Init>, 
     let whole = universe.world();
     let (world_rank, world_size) = (whole.rank() as usize, whole.size() as usize);
     let heard = Arc::new(Heard::new(world_size));
-    let mut pulse = Pulse { heard: heard.clone(), me: world_rank, sent: None, looked: None };
+    let mut pulse = Pulse::new(heard.clone(), world_rank);
     let _ = init.send(Ok((world_rank, world_size, heard)));
     let mut size = world_size;
     let mut early: Vec<VecDeque<Vec<u8>>> = (0..size).map(|_| VecDeque::new()).collect();
@@ -531,7 +579,7 @@ fn comm_thread(jobs: Receiver<Job>, replies: Sender<Reply>, init: Sender<Init>, 
         };
         let reply = match job {
             Job::Exchange(x) => {
-                let wires = Wires { group: group.as_ref().unwrap_or(&whole), whole: &whole };
+                let wires = Wires::new(group.as_ref().unwrap_or(&whole), &whole);
                 exchange(&wires, &mut pulse, &mut early, &watch, x)
             }
             Job::Poll { epoch, op } => {
@@ -556,6 +604,7 @@ fn comm_thread(jobs: Receiver<Job>, replies: Sender<Reply>, init: Sender<Init>, 
             break;
         }
     }
+    drop(pulse);
     drop(group);
     drop(whole);
     drop(universe); // MPI_Finalize
@@ -593,7 +642,7 @@ impl Communicator for MpiComm {
         }
     }
     fn set_silence_limit(&mut self, limit: Option<Duration>) {
-        self.silence = limit;
+        self.silence = limit.map(|l| l.max(MIN_SILENCE));
     }
 
     fn post(&mut self, op: &str, sends: Vec<(usize, Vec<u8>)>, from: Vec<usize>) -> Result<()> {

@@ -71,12 +71,20 @@ fn a_wait_on_several_ranks_is_said_to_be_on_one_that_missed_its_beats() {
 fn a_silent_peer_is_named_lost_long_before_the_deadline_and_a_beating_one_is_waited_for() {
     let (mut c, _jobs, replies) = fake();
     c.set_timeout(Duration::from_secs(600));
+    // Below the floor, a limit is raised to it.
     c.set_silence_limit(Some(Duration::from_secs(1)));
-    // Rank 1 beats (its comm thread marks it) for 2.5 s, then the reply comes.
+    assert_eq!(c.silence, Some(MIN_SILENCE));
+    assert_eq!(
+        (silence_limit(Duration::from_secs(3)), silence_limit(Duration::from_secs(600))),
+        (MIN_SILENCE, DEFAULT_TIMEOUT)
+    );
+    // Here 2 s, to keep the test short.
+    c.silence = Some(Duration::from_secs(2));
+    // Rank 1 beats (its comm thread marks it) for 5 s, then the reply comes.
     let heard = c.heard.clone();
     let t = Instant::now();
     let beating = std::thread::spawn(move || {
-        for _ in 0..50 {
+        for _ in 0..100 {
             heard.mark(1);
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -84,7 +92,7 @@ fn a_silent_peer_is_named_lost_long_before_the_deadline_and_a_beating_one_is_wai
         replies
     });
     c.poll_abort("setup.agree").unwrap();
-    assert!(t.elapsed() >= Duration::from_secs(2), "waited past the limit while rank 1 beat");
+    assert!(t.elapsed() >= Duration::from_secs(4), "waited past the limit while rank 1 beat");
     let _replies = beating.join().unwrap();
     // Now silent: named within the limit (plus a check's step), not at the deadline.
     let t = Instant::now();
@@ -95,4 +103,21 @@ fn a_silent_peer_is_named_lost_long_before_the_deadline_and_a_beating_one_is_wai
         "{e}"
     );
     assert!(c.poll_abort("x").is_err(), "the communicator failed");
+}
+
+/// A process outside the group (world ranks 2-3 of 4 after `use_group(2)`: this is world rank
+/// 3, group rank 1): a wait on world rank 2 is named as group rank 0, and `use_group`'s own
+/// waits by world rank.
+#[test]
+fn a_wait_is_named_by_the_rank_of_the_group_it_is_in() {
+    let (mut c, _jobs, _replies) = fake();
+    (c.world_rank, c.world_size, c.rank, c.size) = (3, 4, 1, 2);
+    c.waiting_on.store(2, Ordering::Relaxed);
+    let e = c.poll_abort("probe").unwrap_err();
+    assert!(matches!(&e, CommError::Timeout { rank: 0, op, .. } if op == "probe"), "{e}");
+    let (mut c, _jobs, _replies) = fake();
+    (c.world_rank, c.world_size, c.rank, c.size) = (3, 4, 1, 2);
+    c.waiting_on.store(2, Ordering::Relaxed);
+    let e = c.use_group(4, Duration::from_millis(50)).unwrap_err();
+    assert!(matches!(&e, CommError::Timeout { rank: 2, op, .. } if op == "use_group"), "{e}");
 }

@@ -1,6 +1,7 @@
 //! Fault injection for the failure tests: a [`FaultPlan`] makes rank R misbehave when it
-//! reaches phase P (`load`: the process's model load; `ingest`: a document's ingestion, after
-//! its head's cache; `chunk_prefill`, `probe`, `recompute`, `final_prompt`, `decode`). Modes:
+//! reaches phase P (`load`: the process's model load, R its MPI rank; `ingest`: a document's
+//! ingestion, after its head's cache; `prefill` (full), `chunk_prefill`, `probe`, `recompute`,
+//! `final_prompt`, `evict`, `decode`). Modes:
 //! `exit` (the process exits with status [`EXIT_STATUS`], like a crashed MPI rank), `panic`
 //! (the rank's thread panics), `hang` (the rank stops answering), `stall:MS` (the rank is
 //! busy for MS milliseconds without looking at cancellations or deadlines, then goes on: a

@@ -215,8 +215,9 @@ fn a_failed_thread_rank_is_named_and_nothing_hangs() {
     let (code, err, took) = run("rank:1,phase:probe,mode:panic", "60");
     assert!(code != Some(0) && err.contains("rank 1 panicked") && err.contains("rank 1 was lost"), "{err}");
     assert!(took < std::time::Duration::from_secs(30), "{took:?}");
-    let (code, err, took) = run("rank:1,phase:final_prompt,mode:hang", "3");
-    assert!(code != Some(0) && err.contains("rank 1 did not answer within 3 s during `final."), "{err}");
+    // Deadlines of 5 s (3 s on rank 0 was once within a loaded machine's reach before the hang).
+    let (code, err, took) = run("rank:1,phase:final_prompt,mode:hang", "5");
+    assert!(code != Some(0) && err.contains("rank 1 did not answer within 5 s during `final."), "{err}");
     assert!(took < std::time::Duration::from_secs(30), "{took:?}");
     // A GPU lost on rank 1 (a kernel fault, kept by CUDA for the process's life): exit 69, the
     // rank, the call and what to do named.
@@ -225,14 +226,14 @@ fn a_failed_thread_rank_is_named_and_nothing_hangs() {
     assert!(err.contains("rank 1") && err.contains("an injected fault at rank 1's probe"), "{err}");
     assert!(err.contains("its context is lost") && err.contains("restart the process"), "{err}");
     // Rank 0 computing `full` alone for longer than the follower's deadline is not a fault.
-    let (code, err, took) = run_as("rank:0,phase:prefill,mode:stall:4000", "2", "full");
+    let (code, err, took) = run_as("rank:0,phase:prefill,mode:stall:4000", "3", "full");
     assert!(code == Some(0) && took >= std::time::Duration::from_secs(4), "{took:?} {err}");
     // Rank 0 stuck in its own work (no layer for four deadlines): no follower's deadline
     // reaches it, the watchdog does, with `full` (alone) and with InfoFlow (between collectives).
     for (phase, method) in [("prefill", "full"), ("probe", "infoflow")] {
-        let (code, err, took) = run_as(&format!("rank:0,phase:{phase},mode:hang"), "2", method);
+        let (code, err, took) = run_as(&format!("rank:0,phase:{phase},mode:hang"), "3", method);
         assert!(
-            code != Some(0) && err.contains("no layer has finished for 8 s") && err.contains("a rank is stuck"),
+            code != Some(0) && err.contains("no layer has finished for 12 s") && err.contains("a rank is stuck"),
             "{err}"
         );
         assert!(took < std::time::Duration::from_secs(40), "{method}: {took:?}");

@@ -388,7 +388,8 @@ impl Watchdog {
                     eprintln!(
                         "rank 0: error: no layer has finished for {:.0} s (the last during `{phase}`): a rank is stuck; \
                          stopping (raise --comm-timeout if one layer legitimately takes longer than a quarter of this)",
-                        gap.as_secs_f64()
+                        // The limit, not the gap: polled every 250 ms, a gap of 8.6 s for a limit of 8 read "9 s".
+                        limit.as_secs_f64()
                     );
                     std::process::exit(4);
                 }

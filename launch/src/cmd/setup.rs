@@ -16,15 +16,9 @@ use std::time::Duration;
 
 /// How long a rank waits at the check for the others to finish loading their model (a model
 /// on a network filesystem loads at different speeds on different hosts), as long as they are
-/// alive: a rank whose process has been silent for [`silence_limit`] is named at once.
+/// alive: a rank whose process has been silent for the communicator's timeout (within 10 s and
+/// a minute: a process beats twice a second however long its load takes) is named at once.
 pub const LOAD_WAIT: Duration = Duration::from_secs(1800);
-
-/// How long a loading rank's process may be silent before the others name it lost: the
-/// communicator's timeout, at most a minute (a process beats twice a second however long its
-/// load takes; silence means it died, or it or its host stopped).
-pub fn silence_limit(timeout: Duration) -> Duration {
-    timeout.min(flowprefill_comm::DEFAULT_TIMEOUT)
-}
 
 /// What must be the same on every rank, as (what, value) pairs.
 pub fn of<B: Backend>(lm: &LoadedModel<B>) -> Vec<(String, String)> {
@@ -100,7 +94,7 @@ pub fn differences(all: &[Vec<(String, String)>]) -> Vec<String> {
 /// Every rank's setup gathered on every rank, and the same verdict on each: a usage error
 /// naming each rank that differs from rank 0 and how, on all of them (so that every process
 /// exits with the same status). Waits up to [`LOAD_WAIT`] for a rank still loading, and names
-/// one whose process went silent within [`silence_limit`].
+/// one whose process went silent.
 pub fn agree<B: Backend>(comm: &mut dyn Communicator, lm: &LoadedModel<B>) -> Result<()> {
     if comm.size() == 1 {
         return Ok(());
@@ -108,7 +102,7 @@ pub fn agree<B: Backend>(comm: &mut dyn Communicator, lm: &LoadedModel<B>) -> Re
     let mine = serde_json::to_vec(&(of(lm), place(lm)))?;
     let timeout = comm.timeout();
     comm.set_timeout(timeout.max(LOAD_WAIT));
-    comm.set_silence_limit(Some(silence_limit(timeout)));
+    comm.set_silence_limit(Some(timeout.min(flowprefill_comm::DEFAULT_TIMEOUT)));
     let gathered = flowprefill_comm::all_gather_bytes(comm, "setup.agree", mine);
     comm.set_silence_limit(None);
     comm.set_timeout(timeout);

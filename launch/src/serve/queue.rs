@@ -530,7 +530,7 @@ fn watchdog(
         let Some(job) = stuck else { continue };
         let generation = shared.generation.fetch_add(1, Ordering::Relaxed) + 1;
         let why = format!(
-            "rank 0 did not finish a job within {:.0} s after its deadline (stuck)",
+            "rank 0 did not finish a job within {} s after its deadline (stuck)",
             shared.hang_grace.as_secs_f64()
         );
         tracing::error!("{why}");
