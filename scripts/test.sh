@@ -42,12 +42,12 @@ if command -v mpirun >/dev/null 2>&1 && mpicc -show >/dev/null 2>&1; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   echo "OpenMPI found: running the MPI tests as well"
   # The one test of a build without MPI (its refusal under mpirun is unit-tested in every build).
-  printf 'a build with MPI (the test is of one without)\t%s\n' "launch/tests/errors.rs::mpirun_without_the_mpi_feature_is_refused" >>"$skips"
+  printf 'a build with MPI (the test is of one without)\t%s\n' "launch/tests/e2e/errors.rs::mpirun_without_the_mpi_feature_is_refused" >>"$skips"
 else
   echo "OpenMPI not found: MPI tests skipped (install openmpi-bin and libopenmpi-dev to run them)"
   # The MPI test files are not built at all without the feature: counted as one reason.
   # Every file gated on the feature is named here (`grep -l 'cfg(feature = "mpi")' */tests/*.rs`).
-  for t in launch/tests/mpi.rs launch/tests/hosts.rs comm/tests/mpi.rs "launch/tests/serve.rs (its mpirun tests)"; do
+  for t in launch/tests/e2e/mpi.rs launch/tests/e2e/hosts.rs comm/tests/mpi.rs "launch/tests/e2e/serve.rs (its mpirun tests)"; do
     printf 'OpenMPI not installed (MPI tests not built)\t%s\n' "$t" >>"$skips"
   done
 fi

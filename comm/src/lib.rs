@@ -51,6 +51,18 @@ pub use wire::{decode, encode, Packet, Unpack};
 /// Default deadline of a wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The shortest silence limit ([`Communicator::set_silence_limit`]; a shorter one is raised to
+/// it): 20 beats, so that a process that a loaded machine left unscheduled for seconds is not
+/// taken for a dead one.
+pub const MIN_SILENCE: Duration = Duration::from_secs(10);
+
+/// The silence limit that a wish of `limit` gets: within [`MIN_SILENCE`] and
+/// [`DEFAULT_TIMEOUT`] (a process beats twice a second however long its work takes: a peer
+/// silent for a minute is gone, or stopped, whatever the communicator's timeout).
+pub fn silence_limit(limit: Duration) -> Duration {
+    limit.clamp(MIN_SILENCE, DEFAULT_TIMEOUT)
+}
+
 /// The deadline `timeout` from now; `None` (no deadline) where it is past what an `Instant`
 /// holds (a `--comm-timeout` of 1e19 seconds: `now + timeout` would panic).
 pub(crate) fn deadline_after(timeout: Duration) -> Option<std::time::Instant> {
@@ -333,7 +345,8 @@ pub trait Communicator: Send {
     /// any peer should take to answer (the others loading their model at their own speed), so
     /// that a peer's process that died meanwhile is named within `limit`. MPI processes tell
     /// every other process they are alive twice a second from their communication thread,
-    /// whatever their compute thread does; a limit under 10 s is raised to 10 s. `None`: the
+    /// whatever their compute thread does; the limit is kept within 10 s and 60 s
+    /// ([`silence_limit`]). `None`: the
     /// deadline alone (the default). Thread ranks live and die with their process: nothing to do.
     fn set_silence_limit(&mut self, _limit: Option<Duration>) {}
     /// Starts an exchange: queues `sends` (to, payload) and the ranks one message is expected

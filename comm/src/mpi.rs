@@ -26,7 +26,7 @@
 //! (killed, or its host gone) within that limit instead of at its deadline.
 
 use crate::wire::{find_abort, seal_abort, seal_data, seal_leave, take_ready};
-use crate::{check_rank, CommError, CommStats, Communicator, ErrorClass, Result, DEFAULT_TIMEOUT};
+use crate::{check_rank, silence_limit, CommError, CommStats, Communicator, ErrorClass, Result, DEFAULT_TIMEOUT};
 use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::Communicator as _;
 use std::collections::VecDeque;
@@ -68,10 +68,6 @@ const GATE: mpi::Tag = 2;
 
 /// How often each communication thread tells every other process it is alive.
 pub const BEAT_EVERY: Duration = Duration::from_millis(500);
-
-/// The shortest silence limit (a shorter one is raised to it): 20 beats, so that a process
-/// that a loaded machine left unscheduled for seconds is not taken for a dead one.
-pub const MIN_SILENCE: Duration = Duration::from_secs(10);
 
 /// The one byte of a beat (a static buffer: a beat's send may outlive any stack frame).
 static BEAT_BYTE: [u8; 1] = [0];
@@ -352,13 +348,6 @@ impl MpiComm {
             }
         }
     }
-}
-
-/// The silence limit for a communicator whose timeout is `timeout`: the timeout, within
-/// [`MIN_SILENCE`] and [`DEFAULT_TIMEOUT`] (a process beats twice a second however long its
-/// work takes: a peer silent for a minute is gone, or stopped, whatever the timeout).
-pub fn silence_limit(timeout: Duration) -> Duration {
-    timeout.clamp(MIN_SILENCE, DEFAULT_TIMEOUT)
 }
 
 /// How an error names the rank a wait was on: in the current group (a job's exchanges) or
@@ -642,7 +631,7 @@ impl Communicator for MpiComm {
         }
     }
     fn set_silence_limit(&mut self, limit: Option<Duration>) {
-        self.silence = limit.map(|l| l.max(MIN_SILENCE));
+        self.silence = limit.map(silence_limit);
     }
 
     fn post(&mut self, op: &str, sends: Vec<(usize, Vec<u8>)>, from: Vec<usize>) -> Result<()> {

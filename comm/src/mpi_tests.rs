@@ -1,6 +1,7 @@
 //! The MPI communicator's logic without MPI: its comm thread faked by the test.
 
 use super::*;
+use crate::MIN_SILENCE;
 
 #[test]
 fn a_message_past_mpi_count_is_refused_before_sending() {

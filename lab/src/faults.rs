@@ -392,7 +392,7 @@ How to read it:
   to exit with an error: 4 (a rank failure) where rank 0 stops the service (rank 0 panicked, or
   a follower hung), 70 (internal: a bug) where a follower panicked, since its own process exits
   first (at once after telling the others, without waiting for rank 0 in MPI_Finalize: before
-  2026-11-27 it waited there, and a loaded machine let rank 0 exit first once, with 4) (the exit column; `launch/tests/serve.rs` pins 4, 70 and 4 for a panic on rank 0, a
+  2026-11-27 it waited there, and a loaded machine let rank 0 exit first once, with 4) (the exit column; `launch/tests/e2e/serve.rs` pins 4, 70 and 4 for a panic on rank 0, a
   panic on rank 1 and a hang on rank 1).
 - **hang**: a hung follower is named after `--comm-timeout` (503). A hung rank 0 cannot answer
   at all: the handler answers 504 at the job's deadline + 2 s, and the watchdog declares rank 0
@@ -407,7 +407,7 @@ How to read it:
   ends), before a job waits out the deadline. Before 2026-11-26 a service idle
   for longer than `--comm-timeout` lost its followers (the next job got 503 \"the ranks are
   down\" with thread ranks; under `mpirun` the follower had exited), and a `full` job whose
-  prefill on rank 0 took longer than the timeout failed the same way; `launch/tests/serve.rs`
+  prefill on rank 0 took longer than the timeout failed the same way; `launch/tests/e2e/serve.rs`
   and `cli.rs` now pin both. Since 2026-11-28 (third session) rank 0 ticks only while its work
   moves: a layer finished within four `--comm-timeout`s (`interrupt::stuck_after`; every check
   between two layers is a beat); a rank 0 hung inside a `full` job stops ticking and the

@@ -102,7 +102,7 @@ pub fn agree<B: Backend>(comm: &mut dyn Communicator, lm: &LoadedModel<B>) -> Re
     let mine = serde_json::to_vec(&(of(lm), place(lm)))?;
     let timeout = comm.timeout();
     comm.set_timeout(timeout.max(LOAD_WAIT));
-    comm.set_silence_limit(Some(timeout.min(flowprefill_comm::DEFAULT_TIMEOUT)));
+    comm.set_silence_limit(Some(timeout));
     let gathered = flowprefill_comm::all_gather_bytes(comm, "setup.agree", mine);
     comm.set_silence_limit(None);
     comm.set_timeout(timeout);

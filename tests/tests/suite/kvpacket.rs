@@ -381,9 +381,11 @@ fn tiny_run() -> Settings {
     }
 }
 
-/// On the real model the gradients move the packets the right way: four steps over the same
+/// On the real model the gradients move the packets the right way: two steps over the same
 /// two samples lower their loss (a tiny random model's loss is f32 noise, above), and every
-/// loss is finite. Measured 2026-11-28: 0.642, 0.256, 0.182, 0.118 (held-out 0.123 -> 0.053).
+/// loss is finite. Measured 2026-11-28 over four steps: 0.642, 0.256, 0.182, 0.118 (held-out
+/// 0.123 -> 0.053); two steps keep the test's CI time down (each is a forward and a backward
+/// through the real model per sample).
 #[test]
 fn training_on_the_real_model_lowers_the_loss_of_its_samples() {
     let lm = default_model();
@@ -394,7 +396,7 @@ fn training_on_the_real_model_lowers_the_loss_of_its_samples() {
         length: 160,
         samples: 2,
         val_samples: 1,
-        epochs: 4,
+        epochs: 2,
         batch: 2,
         lr: 0.05,
         ..tiny_run()
@@ -402,9 +404,9 @@ fn training_on_the_real_model_lowers_the_loss_of_its_samples() {
     let out = run::Outputs { dir: dir.join("run"), adapter: dir.join("real.adapter.safetensors") };
     let (_, history) = run::train(lm, &tm, &settings, &out, &mut |_| ()).expect("training");
     eprintln!("training losses {:?}, held-out {} -> {:?}", history.train, history.initial_val, history.validation);
-    assert_eq!(history.train.len(), 4, "one step per epoch: {history:?}");
+    assert_eq!(history.train.len(), 2, "one step per epoch: {history:?}");
     assert!(history.train.iter().all(|l| l.is_finite() && *l >= 0.0), "{history:?}");
-    let (first, last) = (history.train[0], history.train[3]);
+    let (first, last) = (history.train[0], history.train[1]);
     assert!(first > 1e-3, "the untrained packets already fit ({first}): the test shows nothing");
     assert!(last < 0.8 * first, "the loss of the trained samples went {first} -> {last}");
     std::fs::remove_dir_all(dir).ok();

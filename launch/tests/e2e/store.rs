@@ -3,9 +3,7 @@
 
 use std::process::Command;
 
-mod common;
-
-use common::{bin, run, write_docs};
+use crate::common::{bin, run, write_docs};
 
 /// The chunk store's disk tier (issue 52): a second process answers from the first one's
 /// entries, bit for bit (the same answer and selection, every chunk a disk hit, none
@@ -311,7 +309,7 @@ fn bench_ttft_on_disk_never_empties_a_folder_it_did_not_make() {
     let entry = store.join("users-entry.fpkv");
     std::fs::write(&entry, b"a user's chunk cache").unwrap();
     let bench = |out: &std::path::Path| {
-        common::bin()
+        bin()
             .env("FLOWPREFILL_HOME", &home)
             .env_remove("FLOWPREFILL_STORE")
             .args(["bench", "ttft", "--lengths", "256", "--doc-tokens", "64", "--ranks", "1", "--methods", "none"])

@@ -3,7 +3,6 @@
 //! memory. The answers equal one rank's; a host whose link goes down is named within the comm
 //! timeout and the job ends. Needs root (or the capabilities for network namespaces) and
 //! iproute2; elsewhere the tests say "skipped" with the reason.
-#![cfg(feature = "mpi")]
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -20,9 +19,7 @@ const FAULT_COMM_TIMEOUT_S: u64 = 5;
 const KEEPALIVE_S: u64 = 8;
 const FAULT_END_LIMIT: Duration = Duration::from_secs(45);
 
-#[path = "support/mpi.rs"]
-mod support;
-use support::{assert_same_answer, docs, json, run_args};
+use crate::mpi_support::{assert_same_answer, docs, json, run_args};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_flowprefill")

@@ -6,17 +6,14 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[path = "support/promlint.rs"]
 mod promlint;
 
 /// The document store through the service: ingestion, jobs naming documents by id, damaged
 /// cache files.
-#[path = "support/serve_documents.rs"]
 mod documents;
 
 /// The service as the ranks of an `mpirun` world: followers, deadlines and each kind of failure.
 #[cfg(feature = "mpi")]
-#[path = "support/serve_mpi.rs"]
 mod under_mpirun;
 
 struct Server {

@@ -1,5 +1,4 @@
-//! Helpers shared by the test files that run `flowprefill` under `mpirun` (`#[path]`-included:
-//! every file in `tests/` is its own crate).
+//! Helpers shared by the tests that run `flowprefill` under `mpirun` (`mpi.rs`, `hosts.rs`).
 
 use std::path::PathBuf;
 

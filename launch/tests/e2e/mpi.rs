@@ -1,6 +1,5 @@
 //! The sharded pipeline under real MPI processes (built with `--features mpi`; the README's
 //! test command enables it whenever OpenMPI is installed, and `.ci/run` installs it).
-#![cfg(feature = "mpi")]
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -8,9 +7,7 @@ use std::time::{Duration, Instant};
 /// Top first-token logits of an MPI run vs a one-rank run, absolute (logit range is ~40).
 const MPI_TOP_LOGIT_TOL: f64 = 1e-2;
 
-#[path = "support/mpi.rs"]
-mod support;
-use support::{assert_same_answer, docs, json, run_args};
+use crate::mpi_support::{assert_same_answer, docs, json, run_args};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_flowprefill")

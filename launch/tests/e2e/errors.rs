@@ -2,9 +2,7 @@
 //! reach the range checks), missing or empty inputs, what a method would ignore, a damaged
 //! calibration file (real model, real process).
 
-mod common;
-
-use common::{bin, run, write_docs};
+use crate::common::{bin, run, write_docs};
 
 #[test]
 fn errors_say_what_to_change() {

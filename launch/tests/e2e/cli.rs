@@ -1,8 +1,6 @@
 //! The `flowprefill` binary end to end: real model, real process.
 
-mod common;
-
-use common::{bin, run, write_docs};
+use crate::common::{bin, run, write_docs};
 
 #[test]
 fn generate_answers_the_capital_of_france() {
