@@ -45,6 +45,26 @@ macro_rules! ensure_usage {
     };
 }
 
+/// `eprintln!` in one write: the line reaches stderr whole. Under `mpirun` every process's
+/// stderr goes to one terminal, and `eprintln!` writes each formatted piece on its own (stderr
+/// is unbuffered): a rank's "rank 0: " and the error after it were seen split by mpirun's own
+/// lines (an abort notice between them).
+#[macro_export]
+macro_rules! say {
+    ($($arg:tt)+) => {{
+        let mut line = format!($($arg)+);
+        line.push('\n');
+        $crate::exit::write_stderr(&line);
+    }};
+}
+
+/// Writes `text` to stderr in one call (a pipe takes up to 4 KiB in one piece); an error
+/// (stderr closed) is ignored, as `eprintln!` would panic on it.
+pub fn write_stderr(text: &str) {
+    use std::io::Write as _;
+    let _ = std::io::stderr().write_all(text.as_bytes());
+}
+
 /// Exit code of a command that failed with an error of `class`.
 pub fn code(class: ErrorClass) -> i32 {
     match class {

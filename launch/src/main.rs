@@ -128,7 +128,7 @@ fn main() {
         // Under an MPI launcher every process prints to one terminal: say which one failed.
         let who = flowprefill_comm::launcher_rank().filter(|_| flowprefill_comm::launcher_size() > 1);
         let who = who.map_or(String::new(), |r| format!("rank {r}: "));
-        eprintln!("{who}error: {}", flowprefill::exit::message(&e));
+        flowprefill::say!("{who}error: {}", flowprefill::exit::message(&e));
         std::process::exit(flowprefill::exit::code_of(&e));
     }
 }

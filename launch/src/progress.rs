@@ -43,7 +43,14 @@ impl Progress {
             None => {
                 let el = self.t0.elapsed().as_secs_f64();
                 let eta = el / self.done as f64 * self.total.saturating_sub(self.done) as f64;
-                eprintln!("[{}/{} {}] {what}  elapsed {}  ETA {}", self.done, self.total, self.unit, hms(el), hms(eta));
+                crate::say!(
+                    "[{}/{} {}] {what}  elapsed {}  ETA {}",
+                    self.done,
+                    self.total,
+                    self.unit,
+                    hms(el),
+                    hms(eta)
+                );
             }
         }
     }
@@ -51,8 +58,8 @@ impl Progress {
     /// A line of output that must not be drawn over by the bar.
     pub fn println(&self, line: &str) {
         match &self.bar {
-            Some(b) => b.suspend(|| eprintln!("{line}")),
-            None => eprintln!("{line}"),
+            Some(b) => b.suspend(|| crate::say!("{line}")),
+            None => crate::say!("{line}"),
         }
     }
 }

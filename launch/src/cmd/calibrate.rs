@@ -65,7 +65,7 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
     let when = calibrate::today();
     let by =
         format!("measured {when} by `flowprefill --threads {threads} bench calibrate` with the {} shape", shape.name);
-    let mut log = |l: &str| eprintln!("{l}");
+    let mut log = |l: &str| crate::say!("{l}");
     let mut devices = std::collections::BTreeMap::new();
     let mut links = std::collections::BTreeMap::new();
     // Profile names, as `--project`/`--link` will name them.
@@ -127,7 +127,7 @@ pub fn run_calibrate(common: &Common, a: CalibrateArgs) -> Result<()> {
                     .chain(p.links.keys().filter(|n| !measured.links.contains_key(*n)).map(|n| format!("link {n}")))
                     .collect();
                 if !kept.is_empty() {
-                    eprintln!("kept from {}: {} (not measured by this run)", a.out.display(), kept.join(", "));
+                    crate::say!("kept from {}: {} (not measured by this run)", a.out.display(), kept.join(", "));
                 }
                 p.merge(measured);
                 p
@@ -157,7 +157,7 @@ fn cpu_device(
     seconds: f64,
     by: &str,
 ) -> Result<Device> {
-    let mut log = |l: &str| eprintln!("{l}");
+    let mut log = |l: &str| crate::say!("{l}");
     let gemm = calibrate::gemm_rates(shape, seconds, &mut log)?;
     let attention = calibrate::attention_rates(shape, seconds, &mut log)?;
     let mem = calibrate::copy_bandwidth(seconds, &mut log)?;

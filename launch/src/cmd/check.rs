@@ -80,9 +80,9 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     let cases = niah_cases(&engine.model().tokenizer, args.seed, &lengths, &depths, args.per_cell);
     if let Some(dir) = &args.dump_cases {
         check::dump(&cases, dir)?;
-        eprintln!("wrote {} cases under {}", cases.len(), dir.display());
+        crate::say!("wrote {} cases under {}", cases.len(), dir.display());
     }
-    eprintln!("{} cases x {} methods", cases.len(), table.len());
+    crate::say!("{} cases x {} methods", cases.len(), table.len());
     let mut progress = crate::progress::Progress::new(cases.len(), "cases");
     let how = check::Runs { ratio: args.ratio, scoring, evict, warm: args.warm };
     let rows = check::run(&engine, &table, &cases, how, &mut |t| match t {

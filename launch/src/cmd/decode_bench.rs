@@ -110,7 +110,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     }
     let lead = world.lead();
     let jobs = lab_decode::jobs(&lm, &req, &settings, spec, a.max_tokens)?;
-    let mut log = |l: &str| eprintln!("{l}");
+    let mut log = |l: &str| crate::say!("{l}");
     let path = a.out.join("decode.csv");
     let measured = lab_decode::measure(&mut world, &lm, &settings, &jobs, a.runs, lead.then_some(&*path), &mut log)?;
     if !lead {

@@ -137,7 +137,7 @@ fn numerics(common: &Common) -> Option<String> {
 /// Runs the command.
 pub fn run(common: &Common, a: Args) -> Result<()> {
     let plan = plan(common, &a)?;
-    let mut log = |l: &str| eprintln!("{l}");
+    let mut log = |l: &str| crate::say!("{l}");
     let (mut runs, pending) = lab_run::open(&plan, a.samples, a.report_only, &mut log)?;
     if !a.report_only && pending > 0 {
         compute(common, &a, &plan, pending, &mut runs)?;

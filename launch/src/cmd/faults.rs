@@ -63,12 +63,12 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
             let t = Instant::now();
             let row = faults::run_case(&exe, common.model.as_deref(), world, &case)
                 .with_context(|| format!("{label}: the {} rows before it are in {}", rows.len(), a.out.display()))?;
-            eprintln!("{} / next {} ({:.0} s)", row.status, row.next, t.elapsed().as_secs_f64());
+            crate::say!("{} / next {} ({:.0} s)", row.status, row.next, t.elapsed().as_secs_f64());
             rows.push(row);
             save(&rows)?;
         }
     }
     save(&rows)?;
-    eprintln!("wrote {} rows to {}", rows.len(), a.out.display());
+    crate::say!("wrote {} rows to {}", rows.len(), a.out.display());
     Ok(())
 }

@@ -40,7 +40,7 @@ pub fn run(_common: &Common, args: Args) -> Result<()> {
         })?,
         None => &fetch::DEFAULT_MODEL,
     };
-    let mut log = |l: &str| eprintln!("{l}");
+    let mut log = |l: &str| crate::say!("{l}");
     let path = if args.force { fetch::fetch_model(src, &mut log)? } else { fetch::ensure_model(src, &mut log)? };
     let digest = fetch::sha256_file(&path)?;
     anyhow::ensure!(

@@ -88,7 +88,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
         // stopped it), as `run` counts them.
         let steps = flowprefill_worker::generate::decode_steps(g.tokens.len(), g.stop);
         let decode_tps = if steps > 0 { steps as f64 / g.decode.as_secs_f64().max(1e-9) } else { 0.0 };
-        eprintln!(
+        crate::say!(
             "prompt {} tokens | TTFT {:.1} ms (prefill {:.0} tok/s) | {} tokens generated, {:.1} tok/s | stop: {:?}",
             g.prompt_tokens,
             g.ttft.as_secs_f64() * 1e3,

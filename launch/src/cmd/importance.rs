@@ -72,9 +72,9 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     let mut lm = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
     super::attach_lookahead(&mut lm, common)?;
     match lm.model.lookahead_hash() {
-        Some(h) => eprintln!("LookaheadKV adapter {h}: its rows are scored beside SnapKV"),
+        Some(h) => crate::say!("LookaheadKV adapter {h}: its rows are scored beside SnapKV"),
         None => {
-            eprintln!("no LookaheadKV adapter for this model: SnapKV alone (train one: flowprefill train lookahead)")
+            crate::say!("no LookaheadKV adapter for this model: SnapKV alone (train one: flowprefill train lookahead)")
         }
     }
     let plan = Plan {

@@ -185,7 +185,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             let what =
                 if prefilled == 0 { "already stored".to_string() } else { format!("prefilled in {seconds:.2} s") };
             let who = if size > 1 { format!("rank {rank} ") } else { String::new() };
-            eprintln!("{who}[{}/{}] {id} {}: {tokens} tokens, {what}", n + 1, mine.len(), d.name);
+            crate::say!("{who}[{}/{}] {id} {}: {tokens} tokens, {what}", n + 1, mine.len(), d.name);
         }
         rows.push(Row { index: i, id, source: d.name.clone(), tokens, prefilled, rank, seconds, on_disk: true });
     }
@@ -215,7 +215,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             // non-zero exit here would make mpirun abort rank 0 before it says so (a race that
             // CI lost once).
             if let Some(e) = failed {
-                eprintln!("rank {rank}: {e:#} (reported to rank 0)");
+                crate::say!("rank {rank}: {e:#} (reported to rank 0)");
             }
             return Ok(());
         }

@@ -166,7 +166,7 @@ pub fn attach_lookahead<B: flowprefill_kernels::Backend>(lm: &mut LoadedModel<B>
 /// (`flowprefill fetch-model --list`), fetched on first use; none: the default model.
 pub fn resolve_model(model: Option<&std::path::Path>) -> Result<PathBuf> {
     use flowprefill_worker::fetch;
-    let mut log = |line: &str| eprintln!("{line}");
+    let mut log = |line: &str| crate::say!("{line}");
     match model {
         None => Ok(fetch::ensure_default_model(&mut log)?),
         Some(p) if p.exists() => Ok(p.to_path_buf()),
@@ -205,10 +205,10 @@ pub fn load_model(common: &Common) -> Result<LoadedModel<Device>> {
     let t = Instant::now();
     let m = load_on(&source, device(common)?, common)?;
     if let Some(s) = &m.synthetic {
-        eprintln!("note: {}", s.notice());
+        crate::say!("note: {}", s.notice());
     }
     let c = m.model.config();
-    eprintln!(
+    crate::say!(
         "loaded {} ({} layers, d={}, {} heads / {} KV heads, window {}) in {:.1} s{}",
         model_label(common)?,
         c.n_layers,
@@ -220,7 +220,7 @@ pub fn load_model(common: &Common) -> Result<LoadedModel<Device>> {
         if m.synthetic.is_some() { String::new() } else { format!(" ({})", m.model.load_stats()) }
     );
     if let (Some(a), Some(_)) = (&m.adapter, &common.adapter) {
-        eprintln!(
+        crate::say!(
             "KV Packet adapter {} ({} + {} rows, hash {})",
             a.path.as_deref().map_or_else(|| "built in".into(), |p| p.display().to_string()),
             a.meta.header,

@@ -176,7 +176,7 @@ impl MethodArgs {
 /// on stderr says so. `bench ttft --cache disk` times the disk tier.
 pub fn cold_engine(common: &Common, command: &str) -> Result<Engine<Device>> {
     if let crate::StoreFlag::Dir(d) = common.store_flag()? {
-        eprintln!(
+        crate::say!(
             "note: {command} times cold and warm chunk caches in this process; the disk store {} is not used \
              (bench ttft --cache disk times it)",
             d.display()
@@ -385,7 +385,7 @@ impl Watchdog {
                 std::thread::sleep(std::time::Duration::from_millis(250));
                 let (gap, phase) = flowprefill_worker::interrupt::since_beat();
                 if gap >= limit && !s.load(Ordering::Relaxed) && !WRITING.load(Ordering::Relaxed) {
-                    eprintln!(
+                    crate::say!(
                         "rank 0: error: no layer has finished for {:.0} s (the last during `{phase}`): a rank is stuck; \
                          stopping (raise --comm-timeout if one layer legitimately takes longer than a quarter of this)",
                         // The limit, not the gap: polled every 250 ms, a gap of 8.6 s for a limit of 8 read "9 s".

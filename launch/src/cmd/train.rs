@@ -269,7 +269,7 @@ fn train<M: Shown>(common: &Common, a: &RunArgs, method: M) -> Result<()> {
     let lm = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
     let tm = TrainModel::from_gguf(&path).with_context(|| format!("loading {} for training", path.display()))?;
     let out = Outputs::new::<M>(a.out.clone(), a.adapter_out.clone());
-    eprintln!(
+    crate::say!(
         "training {} for {}: {} samples of {} tokens ({} tasks), {} epochs, batch {}, lr {}",
         settings.method.what(),
         lm.model.config().name,
@@ -322,7 +322,7 @@ fn printer(samples_label: &'static str, baseline: fn(f64, f64, Option<(f64, f64)
         }
         Event::Baseline { reference, initial, pooled } => {
             teacher = None;
-            eprintln!("{}", baseline(reference, initial, pooled));
+            crate::say!("{}", baseline(reference, initial, pooled));
         }
         Event::Step { step, total, loss, lr, seconds } => {
             let p = steps.get_or_insert_with(|| Progress::new(total + 1 - step, "steps"));
@@ -335,7 +335,7 @@ fn printer(samples_label: &'static str, baseline: fn(f64, f64, Option<(f64, f64)
             }
             match &steps {
                 Some(p) => p.println(&line),
-                None => eprintln!("{line}"),
+                None => crate::say!("{line}"),
             }
         }
         Event::Saved { .. } => {}

@@ -424,7 +424,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     let intact = service.finish(Duration::from_secs(30));
     served?;
     anyhow::ensure!(intact, "stopped after a rank failure");
-    eprintln!("stopped");
+    crate::say!("stopped");
     Ok(())
 }
 
@@ -494,11 +494,11 @@ fn world(
                     // status is this rank's (a panic: 70) however fast rank 0 stops
                     // (docs/faults.md).
                     let e = anyhow::Error::from(e);
-                    eprintln!("rank {}: error: {e:#}", comm.rank());
+                    crate::say!("rank {}: error: {e:#}", comm.rank());
                     std::process::exit(crate::exit::code_of(&e));
                 }
             };
-            eprintln!("rank {}: stopped after {n} jobs", comm.rank());
+            crate::say!("rank {}: stopped after {n} jobs", comm.rank());
             return Ok(None);
         }
         return Ok(Some((World::Mpi { comm: Box::new(comm), engine }, None)));
@@ -573,7 +573,7 @@ async fn listen(service: &Service, (api, metrics): Listeners, queue: usize) -> R
         signal().await;
         tokio::spawn(async {
             signal().await;
-            eprintln!("a second signal: stopping now, without finishing the accepted jobs");
+            crate::say!("a second signal: stopping now, without finishing the accepted jobs");
             std::process::exit(130);
         });
     };

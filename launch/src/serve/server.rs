@@ -96,13 +96,13 @@ pub async fn run(
             () = accept_one(&listener, &app, &open, limits, &graceful) => {}
             _ = &mut shutdown => break,
             _ = fatal() => {
-                eprintln!("a rank failed and the world cannot be rebuilt: stopping");
+                crate::say!("a rank failed and the world cannot be rebuilt: stopping");
                 break;
             }
         }
     }
     on_stop();
-    eprintln!(
+    crate::say!(
         "shutting down: finishing {} accepted job(s) (a second Ctrl-C or SIGTERM stops at once)",
         shared.outstanding.load(Ordering::Relaxed)
     );
@@ -128,7 +128,7 @@ pub async fn run(
     drop(listener);
     // Then connections get a bounded time to write their answers; slow clients are cut off.
     if tokio::time::timeout(limits.grace, graceful.shutdown()).await.is_err() {
-        eprintln!("closing connections still open after {:.0} s", limits.grace.as_secs_f64());
+        crate::say!("closing connections still open after {:.0} s", limits.grace.as_secs_f64());
     }
 }
 

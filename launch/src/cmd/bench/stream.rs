@@ -74,7 +74,7 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     // tier (a configured --store) would hand each configuration what the earlier ones wrote,
     // and cache-aware placement would win by running second.
     if common.disk_tier()?.is_some() {
-        eprintln!("note: bench stream keeps chunk caches in RAM only; the configured --store is not used");
+        crate::say!("note: bench stream keeps chunk caches in RAM only; the configured --store is not used");
     }
     let common = &crate::Common { store: Some("off".into()), ..common.clone() };
     let lm = std::sync::Arc::new(crate::cmd::load_model(common)?);

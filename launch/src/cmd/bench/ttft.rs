@@ -237,7 +237,7 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     let shape = lm.model.config().clone();
     let csv = lab_ttft::CSV_HEADER.to_string();
     let mut m = Measure { runs: a.runs, ratio: a.ratio, scope: a.scope, shape, projection, disk, csv };
-    let mut log = |l: &str| eprintln!("{l}");
+    let mut log = |l: &str| crate::say!("{l}");
     let mut points = Vec::new();
     // Every length's request first: one over the model's window is refused before any is
     // measured (and before the CSV of a previous run is replaced).
@@ -248,7 +248,7 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     let stale_chart = a.out.join("ttft.png");
     if lead && stale_chart.is_file() {
         std::fs::remove_file(&stale_chart).with_context(|| format!("removing {}", stale_chart.display()))?;
-        eprintln!("removed {} of an earlier study (drawn again at the end)", stale_chart.display());
+        crate::say!("removed {} of an earlier study (drawn again at the end)", stale_chart.display());
     }
     for (&len, (req, n_ctx)) in lengths.iter().zip(requests) {
         for &p in &ranks {
