@@ -82,7 +82,7 @@ gpus=$("$FP" devices | grep -c '^cuda:[0-9]' || true)
 if [ "$gpus" -ge 2 ]; then
   run_tests cuda p_gpus
   if command -v mpirun >/dev/null 2>&1 && [ -z "$PACK_TESTS" ]; then
-    cargo test --release -p flowprefill --features cuda,mpi --test e2e mpi::a_killed -- --nocapture
+    cargo test --release -p flowprefill --features nccl,mpi --test e2e killed -- --nocapture
   fi
   ranks=$(seq -s, 1 "$gpus")
   "$FP" bench ttft --device cuda --lengths 8000,16000,32000 --ranks "$ranks" --methods full,ring,infoflow --runs 3

@@ -46,7 +46,8 @@ if command -v mpirun >/dev/null 2>&1 && mpicc -show >/dev/null 2>&1; then
 else
   echo "OpenMPI not found: MPI tests skipped (install openmpi-bin and libopenmpi-dev to run them)"
   # The MPI test files are not built at all without the feature: counted as one reason.
-  # Every file gated on the feature is named here (`grep -l 'cfg(feature = "mpi")' */tests/*.rs`).
+  # Every test file gated on the feature is named here (`grep -rl 'cfg(feature = "mpi")' */tests/`:
+  # `launch/tests/e2e/main.rs` gates its `mpi` and `hosts` modules).
   for t in launch/tests/e2e/mpi.rs launch/tests/e2e/hosts.rs comm/tests/mpi.rs "launch/tests/e2e/serve.rs (its mpirun tests)"; do
     printf 'OpenMPI not installed (MPI tests not built)\t%s\n' "$t" >>"$skips"
   done

@@ -2,7 +2,8 @@
 //! own, and nine binaries each compiled and linked the program's library (CI time), and each ran
 //! alone, so that one that mostly waits (a deadline, an `mpirun` across hosts, a service
 //! between jobs) left a core idle that the others now use. One module alone: `cargo test
-//! --release -p flowprefill --features mpi --test e2e serve::`. `service.rs` (the service
+//! --release -p flowprefill --features mpi --test e2e serve::` (without OpenMPI, drop `--features
+//! mpi`: the MPI modules are then left out). `service.rs` (the service
 //! in-process, its tests one at a time) stays a binary of its own.
 
 mod common;

@@ -6,7 +6,7 @@
 //! colons, type names in the name; `_bucket`, `_count`, `_sum`, `le` and `quantile` only where
 //! histograms and summaries put them; and, stricter than promlint, `percent` where Prometheus'
 //! naming guide asks for a ratio, a histogram without its `+Inf` bucket, a negative counter).
-//! `#[path]`-included by the test files that scrape.
+//! Used by the tests that scrape `/metrics` (`serve.rs` and its modules).
 
 use std::collections::{BTreeMap, BTreeSet};
 
