@@ -178,10 +178,8 @@ fn odd_shapes(which: impl Fn(emu::FlashKernel) -> bool) {
         (33, 700, 9, 3, 64, false, Some(1)),
     ] {
         let c = case(&mut r, m, n, heads, kv, d, scattered);
-        for kernel in emu::FlashKernel::every().into_iter().filter(|&k| which(k)) {
-            if n >= HOPPER_STAGE_KEYS && !kernel.is_hopper() {
-                continue;
-            }
+        let picked = |k: emu::FlashKernel| which(k) && (n < HOPPER_STAGE_KEYS || k.is_hopper());
+        for kernel in emu::FlashKernel::every().into_iter().filter(|&k| picked(k)) {
             let label = format!("flash {kernel:?} m={m} n={n} heads={heads}/{kv} d={d} splits={splits:?}");
             let plan = check_flash(kernel, &c, splits, &label);
             if let Some(s) = splits {
