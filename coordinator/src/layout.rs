@@ -5,6 +5,8 @@
 //!     template tokens, never selected   context tokens (selection candidates)   question +
 //!                                                                               template close
 //! ```
+//! A chat's earlier turns (`Conversation::before`) are in the head, its turns after the
+//! question (`Conversation::after`: answers given, follow-ups) in the prompt.
 //! The chat template is rendered from the model's own Jinja template with the context as a
 //! slot, so the head and the prompt are exactly what the template produces and the context
 //! tokens are exactly the documents' tokens. `order` lists chunk ids in layout order (identity
@@ -38,10 +40,13 @@ impl Layout {
         if let Some(s) = &req.system {
             msgs.push(Message::text("system", s));
         }
+        let turn = |t: &crate::request::Turn| Message::text(t.role.name(), &t.text);
+        msgs.extend(req.conversation.before.iter().map(turn));
         msgs.push(Message {
             role: "user".into(),
             parts: vec![Part::Slot(0), Part::Text(format!("Question: {}", req.query.trim()))],
         });
+        msgs.extend(req.conversation.after.iter().map(turn));
         let pieces = lm.template.render_pieces(&msgs, true)?;
         let slot_at = pieces.iter().position(|p| *p == Piece::Slot(0));
         let Some(slot_at) = slot_at.filter(|_| pieces.iter().filter(|p| **p == Piece::Slot(0)).count() == 1) else {
@@ -161,7 +166,8 @@ fn check_text_fits<B: Backend>(lm: &LoadedModel<B>, req: &Request) -> flowprefil
         Context::Text { text, .. } => text.trim().len(),
     };
     let others = [Some(req.query.as_str()), req.system.as_deref(), req.answer_prefix.as_deref()];
-    lm.check_text_fits(context + others.iter().flatten().map(|t| t.trim().len()).sum::<usize>())
+    let turns: usize = req.conversation.turns().map(|t| t.text.trim().len()).sum();
+    lm.check_text_fits(context + turns + others.iter().flatten().map(|t| t.trim().len()).sum::<usize>())
 }
 
 /// Each document's tokens (its text and the separator), in order: on up to 8 threads when

@@ -41,7 +41,7 @@ pub use engine::{
 pub use error::{CoordError, Result};
 pub use flowprefill_comm::ErrorClass;
 pub use request::{
-    Context, Coverage, Evict, EvictPolicy, Geometry, Job, Method, MethodSpec, OnBreach, PrefixMode, Request,
-    RunOptions, Scope,
+    Context, Conversation, Coverage, Evict, EvictPolicy, Geometry, Job, Method, MethodSpec, OnBreach, PrefixMode,
+    Request, Role, RunOptions, Scope, Turn,
 };
 pub use world::{run_rank, PlaneSetup, ThreadRanks, World};

@@ -227,6 +227,7 @@ flowprefill_kernels::forward_backend! {
 /// The three small documents and the north-gate question.
 pub fn needle_request() -> flowprefill_coordinator::Request {
     flowprefill_coordinator::Request {
+        conversation: Default::default(),
         context: flowprefill_coordinator::Context::Documents(crate::small_docs()),
         query: "What is the access code for the north gate?".into(),
         system: None,

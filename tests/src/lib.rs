@@ -80,6 +80,7 @@ pub fn gate_request() -> flowprefill_coordinator::Request {
 /// The north gate's question over `docs`.
 pub fn gate_question(docs: Vec<String>) -> flowprefill_coordinator::Request {
     flowprefill_coordinator::Request {
+        conversation: Default::default(),
         context: flowprefill_coordinator::Context::Documents(docs),
         query: "What is the access code for the north gate?".into(),
         system: None,

@@ -68,6 +68,8 @@ pub enum Field {
     MinRatio,
     /// A coverage budget's largest ratio.
     MaxRatio,
+    /// A chat turn after the question (0-based), of a request's conversation.
+    FollowUp(usize),
 }
 
 impl Field {
@@ -103,6 +105,7 @@ impl Field {
             Field::Coverage => "--coverage".into(),
             Field::MinRatio => "--min-ratio".into(),
             Field::MaxRatio => "--max-ratio".into(),
+            Field::FollowUp(i) => format!("the conversation's turn #{} after the question", i + 1),
         }
     }
 
@@ -138,6 +141,7 @@ impl Field {
             Field::Coverage => "coverage".into(),
             Field::MinRatio => "min_ratio".into(),
             Field::MaxRatio => "max_ratio".into(),
+            Field::FollowUp(i) => format!("conversation.after[{i}]"),
         }
     }
 }

@@ -20,6 +20,7 @@ use flowprefill_worker::{Field, InputError, WorkerError};
 /// The request a document is ingested as: it alone, no question, behind the head of `system`.
 fn document_request(document: &str, system: Option<&str>) -> Request {
     Request {
+        conversation: Default::default(),
         context: Context::Documents(vec![document.to_string()]),
         query: String::new(),
         system: system.map(str::to_string),

@@ -191,6 +191,7 @@ mod tests {
     fn the_exact_twin_keeps_the_request_and_drops_the_approximation() {
         let job = Job {
             request: crate::request::Request {
+                conversation: Default::default(),
                 context: crate::request::Context::Documents(vec!["a".into()]),
                 query: "q?".into(),
                 system: None,

@@ -85,6 +85,64 @@ pub struct Request {
     /// it (RULER's prompts end this way). The probe scores with it as part of the prompt.
     #[serde(default)]
     pub answer_prefix: Option<String>,
+    /// A chat's other turns, around the one that holds the context and the question (default:
+    /// none, a single question).
+    #[serde(default)]
+    pub conversation: Conversation,
+}
+
+/// Who speaks a [`Turn`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// The user.
+    User,
+    /// The model (an earlier answer).
+    Assistant,
+}
+
+impl Role {
+    /// The role's name in the chat template.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::User => "user",
+            Self::Assistant => "assistant",
+        }
+    }
+}
+
+/// One turn of a conversation, as the chat template renders it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Turn {
+    /// Who said it.
+    pub role: Role,
+    /// What was said.
+    pub text: String,
+}
+
+/// The turns of a chat other than the one that holds the context: the template renders
+/// `before`, then the context's turn (documents, then the question), then `after`, then opens
+/// the assistant's answer. A follow-up question about the same documents goes in `after`, so the
+/// context keeps its place and its chunk caches: only the prompt after it grows.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Conversation {
+    /// Turns before the context's turn, in order: in the head, before the context (every chunk
+    /// is prefilled behind them, so a change here makes every chunk's cache anew).
+    #[serde(default)]
+    pub before: Vec<Turn>,
+    /// Turns after the question, in order (the answers given and the follow-ups): in the
+    /// prompt, after the context; the scoring methods score with them as with the question.
+    #[serde(default)]
+    pub after: Vec<Turn>,
+}
+
+impl Conversation {
+    /// Every turn, `before` then `after`.
+    pub fn turns(&self) -> impl Iterator<Item = &Turn> {
+        self.before.iter().chain(&self.after)
+    }
 }
 
 /// How to run a request.
@@ -382,6 +440,10 @@ fn check_context(req: &Request, opts: &RunOptions) -> Result<()> {
     if req.query.trim().is_empty() {
         return Err(bad(Field::Query, "is missing or empty; give the question to answer"));
     }
+    let blank = req.conversation.after.iter().position(|t| t.role == Role::User && t.text.trim().is_empty());
+    if let Some(i) = blank {
+        return Err(bad(Field::FollowUp(i), "a follow-up question is empty; give the question or leave the turn out"));
+    }
     match &req.context {
         Context::Documents(docs) => {
             if docs.is_empty() {
@@ -462,6 +524,7 @@ mod tests {
     #[test]
     fn a_cache_slack_outside_0_1_is_refused_and_old_jobs_get_the_default() {
         let req = Request {
+            conversation: Default::default(),
             context: Context::Documents(vec!["a document".into()]),
             query: "q".into(),
             system: None,

@@ -358,6 +358,7 @@ mod tests {
         }
         // Only a method whose scores are a mass takes a coverage budget.
         let req = Request {
+            conversation: Default::default(),
             context: Context::Documents(vec!["a document".into()]),
             query: "q".into(),
             system: None,

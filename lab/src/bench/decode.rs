@@ -66,7 +66,13 @@ pub fn request(source: Source<'_>, query: &str, lm: &LoadedModel<Device>) -> Res
             docs
         }
     };
-    Ok(Request { context: Context::Documents(docs), query: query.to_string(), system: None, answer_prefix: None })
+    Ok(Request {
+        conversation: Default::default(),
+        context: Context::Documents(docs),
+        query: query.to_string(),
+        system: None,
+        answer_prefix: None,
+    })
 }
 
 /// One run's measures.

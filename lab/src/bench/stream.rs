@@ -149,7 +149,13 @@ pub fn run(
     let mut ttft = Vec::with_capacity(questions.len());
     let opts = RunOptions { cache_slack: slack, ..base.clone() };
     let job = |docs: Vec<String>| Job {
-        request: Request { context: Context::Documents(docs), query: QUERY.into(), system: None, answer_prefix: None },
+        request: Request {
+            conversation: Default::default(),
+            context: Context::Documents(docs),
+            query: QUERY.into(),
+            system: None,
+            answer_prefix: None,
+        },
         options: opts.clone(),
     };
     world.run(&job(vec![OUTSIDE.into()]), &mut |_| true)?;

@@ -61,6 +61,7 @@ pub fn measured_at(method: Method, p: usize, rank_counts: usize) -> bool {
 pub fn request(lm: &LoadedModel<Device>, len: usize, doc_tokens: usize) -> Result<(Request, usize)> {
     let docs = super::bench_docs(&lm.tokenizer, len, doc_tokens, 11)?;
     let req = Request {
+        conversation: Default::default(),
         context: flowprefill_coordinator::Context::Documents(docs),
         query: "What is the access code for the north gate?".into(),
         system: None,

@@ -157,6 +157,7 @@ impl QaCase {
     /// The request of this case with `style`'s prompt.
     pub fn request(&self, style: PromptStyle) -> flowprefill_coordinator::Request {
         flowprefill_coordinator::Request {
+            conversation: Default::default(),
             context: flowprefill_coordinator::Context::Documents(self.documents.clone()),
             query: self.query.clone(),
             system: None,

@@ -232,6 +232,7 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     }
     let opts = RunOptions { keep_scores: args.scores, ..args.method.options()? };
     let req = Request {
+        conversation: Default::default(),
         context: args.method.context(docs),
         query,
         system: args.system.clone(),

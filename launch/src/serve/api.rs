@@ -1,8 +1,9 @@
 //! Request and response bodies of the HTTP API, and their validation.
 //!
 //! `POST /v1/jobs` takes a [`JobRequest`]; `POST /v1/chat/completions` takes an
-//! OpenAI-style [`ChatRequest`] whose last user message holds the documents and the
-//! question, separated by lines containing only `---`:
+//! OpenAI-style [`ChatRequest`] whose user message holds the documents and the question,
+//! separated by lines containing only `---` (the last user message with such a line holds
+//! them; later turns are follow-ups about the same documents, earlier ones conversation):
 //!
 //! ```text
 //!   <document 1>
@@ -17,7 +18,8 @@
 //! field to fix, by its JSON name.
 
 use flowprefill_coordinator::{
-    Context, CoordError, Coverage, Geometry, Job, MethodSpec, PrefixMode, Request, RunOptions, Scope,
+    Context, Conversation, CoordError, Coverage, Geometry, Job, MethodSpec, PrefixMode, Request, Role, RunOptions,
+    Scope, Turn,
 };
 use flowprefill_worker::sampling::SamplingConfig;
 use serde::Deserialize;
@@ -110,6 +112,11 @@ pub struct JobRequest {
     /// What the answer starts with (the assistant's turn opens with it; the answer continues it).
     #[serde(default)]
     pub answer_prefix: Option<String>,
+    /// A chat's other turns: `{"before": [...], "after": [...]}`, each turn
+    /// `{"role": "user" | "assistant", "text": ...}`; `after` holds the answers given and the
+    /// follow-ups about the same context (default: none).
+    #[serde(default)]
+    pub conversation: Conversation,
     /// Method (default infoflow), written as on the command line: `infoflow`,
     /// `infoflow+reorder`, `infoflow@0.3`.
     #[serde(default)]
@@ -340,7 +347,13 @@ impl JobRequest {
                 ))
             }
         };
-        let request = Request { context, query: self.query, system: self.system, answer_prefix: self.answer_prefix };
+        let request = Request {
+            context,
+            query: self.query,
+            system: self.system,
+            answer_prefix: self.answer_prefix,
+            conversation: self.conversation,
+        };
         check(&request, &options)?;
         if let Some(d) = self.deadline_s {
             if !(d > 0.0 && d.is_finite()) {
@@ -366,8 +379,8 @@ pub struct ChatMessage {
     /// A participant name (accepted, not used).
     #[serde(default)]
     pub name: Option<String>,
-    /// The call a `tool` message answers (accepted, not used: only the last user message and
-    /// the system message are read).
+    /// The call a `tool` message answers (accepted, not used: tools are not taken, and a tool
+    /// turn is left out of the conversation).
     #[serde(default)]
     pub tool_call_id: Option<String>,
     /// An earlier assistant turn's tool calls (accepted, not used).
@@ -388,7 +401,8 @@ pub struct ChatRequest {
     /// Ignored (one model is served); echoed back.
     #[serde(default)]
     pub model: Option<String>,
-    /// The conversation; the last user message holds documents and question.
+    /// The conversation; the last user message with a `---` line holds documents and
+    /// question, the turns after it are follow-ups.
     pub messages: Vec<ChatMessage>,
     /// Answer tokens at most.
     #[serde(default, alias = "max_completion_tokens")]
@@ -504,6 +518,11 @@ fn text_of(content: &serde_json::Value, i: usize) -> Result<String, ApiError> {
     }
 }
 
+/// Whether a message has a line containing only the separator (so it holds documents).
+fn has_separator(message: &str) -> bool {
+    message.lines().any(|l| l.trim() == DOC_SEPARATOR)
+}
+
 /// Splits a user message into documents and the question on lines of `---` (each trimmed; an
 /// empty one is kept, for the caller to refuse: dropped, it would shift every later document's
 /// number in the answer's `selected` and `order`).
@@ -544,9 +563,10 @@ impl ChatRequest {
         if self.messages.is_empty() {
             return Err(ApiError::bad_request("field `messages`: empty"));
         }
-        // Every system and developer message, in order (only the last was kept).
+        // Every system and developer message, in order (only the last was kept); the user's
+        // and the assistant's turns, in order (only the last user message was read).
         let mut system: Option<String> = None;
-        let mut last_user = None;
+        let mut turns: Vec<(usize, Role, String)> = Vec::new();
         for (i, m) in self.messages.iter().enumerate() {
             match m.role.as_str() {
                 "system" | "developer" => {
@@ -560,20 +580,31 @@ impl ChatRequest {
                         });
                     }
                 }
-                "user" => last_user = Some((i, text_of(&m.content, i)?)),
-                "assistant" | "tool" => {}
+                "user" => turns.push((i, Role::User, text_of(&m.content, i)?)),
+                // An assistant turn of tool calls alone has no text (`content: null`); this
+                // server takes no tools, so such a turn and the tool's answer to it are left out.
+                "assistant" if m.content.is_null() => {}
+                "assistant" => turns.push((i, Role::Assistant, text_of(&m.content, i)?)),
+                "tool" => {}
                 other => {
                     return Err(ApiError::bad_request(format!("field `messages[{i}].role`: unknown role `{other}`")))
                 }
             }
         }
-        let (i, user) = last_user.ok_or_else(|| ApiError::bad_request("field `messages`: no user message"))?;
-        let (docs, question) = split_documents(&user);
-        if docs.is_empty() {
+        // The documents are in the last user message that has a separator line; the turns
+        // after it (the answers given, follow-up questions) ask about them without repeating
+        // them, and the turns before it are earlier conversation.
+        let last_user = turns.iter().rposition(|t| t.1 == Role::User);
+        let last_user = last_user.ok_or_else(|| ApiError::bad_request("field `messages`: no user message"))?;
+        let held = turns.iter().rposition(|(_, role, text)| *role == Role::User && has_separator(text));
+        let Some(at) = held else {
+            let i = turns[last_user].0;
             return Err(ApiError::bad_request(format!(
-                "field `messages[{i}].content`: put the documents before the question, separated by lines containing only `{DOC_SEPARATOR}`"
+                "field `messages[{i}].content`: put the documents before the question, separated by lines containing only `{DOC_SEPARATOR}` (in this message, or in an earlier user message that a follow-up then asks about)"
             )));
-        }
+        };
+        let i = turns[at].0;
+        let (docs, question) = split_documents(&turns[at].2);
         if question.is_empty() {
             return Err(ApiError::bad_request(format!(
                 "field `messages[{i}].content`: the question after the last `{DOC_SEPARATOR}` is empty"
@@ -586,9 +617,22 @@ impl ChatRequest {
                 d + 1
             )));
         }
+        if let Some((j, _, _)) =
+            turns[at + 1..].iter().find(|(_, role, text)| *role == Role::User && text.trim().is_empty())
+        {
+            return Err(ApiError::bad_request(format!(
+                "field `messages[{j}].content`: a follow-up question is empty; give the question or leave the message out"
+            )));
+        }
+        let turn = |(_, role, text): &(usize, Role, String)| Turn { role: *role, text: text.clone() };
+        let conversation = Conversation {
+            before: turns[..at].iter().map(turn).collect(),
+            after: turns[at + 1..].iter().map(turn).collect(),
+        };
         let m = self.flowprefill.unwrap_or_default();
         let options = options(&m, self.max_tokens, self.temperature, self.top_p, self.seed)?;
-        let request = Request { context: Context::Documents(docs), query: question, system, answer_prefix: None };
+        let request =
+            Request { context: Context::Documents(docs), query: question, system, answer_prefix: None, conversation };
         check(&request, &options)?;
         Ok((Job { request, options }, self.stream.unwrap_or(false), self.model.unwrap_or_else(|| "flowprefill".into())))
     }

@@ -138,6 +138,40 @@ fn chat_takes_a_whole_conversation_and_refuses_parts_it_cannot_read() {
     let (job, _, _) = chat(history).expect("a conversation with tool turns");
     assert_eq!(job.request.query, "second?");
     assert_eq!(job.request.system.as_deref(), Some("Be brief."));
+    // The last user message with documents holds the context; the turns before it are kept in
+    // order (the tool call and the tool's answer left out: this server takes no tools).
+    let user = |t: &str| Turn { role: Role::User, text: t.into() };
+    let assistant = |t: &str| Turn { role: Role::Assistant, text: t.into() };
+    assert_eq!(job.request.conversation.before, [user("doc\n---\nfirst?")]);
+    assert!(job.request.conversation.after.is_empty());
+    // A follow-up asks about the documents of an earlier turn without repeating them.
+    let follow = r#"[{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "doc one\n---\ndoc two\n---\nfirst?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Yes."}]},
+        {"role": "user", "content": "And the second?"}]"#;
+    let (job, _, _) = chat(follow).expect("a follow-up");
+    assert_eq!(job.request.query, "first?");
+    assert!(matches!(&job.request.context, Context::Documents(d) if d == &["doc one", "doc two"]));
+    assert_eq!(job.request.conversation.before, [user("hello"), assistant("Hi.")]);
+    assert_eq!(job.request.conversation.after, [assistant("Yes."), user("And the second?")]);
+    // No user message holds documents: the error says where they go; an empty follow-up is
+    // refused by its index.
+    let e = chat(r#"[{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "why?"}]"#)
+        .unwrap_err();
+    assert!(
+        e.message.contains("field `messages[2].content`: put the documents") && e.message.contains("follow-up"),
+        "{}",
+        e.message
+    );
+    let e = chat(r#"[{"role": "user", "content": "d\n---\nq?"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": " "}]"#)
+        .unwrap_err();
+    assert!(e.message.contains("field `messages[2].content`: a follow-up question is empty"), "{}", e.message);
+    // `/v1/jobs` takes the same turns as `conversation`, and refuses a role it does not know.
+    let body = r#"{"documents": ["d"], "query": "q?", "conversation": {"after": [{"role": "assistant", "text": "a"}, {"role": "user", "text": "and?"}]}}"#;
+    let (job, _, _) = parse::<JobRequest>(body.as_bytes()).and_then(JobRequest::into_job).expect("a job with turns");
+    assert_eq!(job.request.conversation.after, [assistant("a"), user("and?")]);
+    let body = r#"{"documents": ["d"], "query": "q?", "conversation": {"after": [{"role": "tool", "text": "a"}]}}"#;
+    assert!(parse::<JobRequest>(body.as_bytes()).unwrap_err().message.contains("tool"));
     // Every system and developer message is kept, in order (the last alone was).
     let two = r#"[{"role": "system", "content": "You are a lawyer."}, {"role": "developer", "content": "Answer in French."},
         {"role": "user", "content": "doc\n---\nq?"}]"#;

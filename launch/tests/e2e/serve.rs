@@ -228,6 +228,22 @@ fn endpoints_streaming_openai_and_metrics() {
         .expect("chunks");
     assert!(last["choices"].as_array().is_some_and(Vec::is_empty), "{t}");
     assert_eq!(last["usage"], v["usage"], "the counts of the same job: {t}");
+    // A follow-up about the same documents, without them: the conversation after the question
+    // is in the prompt (more prompt tokens, the same context tokens), and the documents' chunk
+    // caches are the first turn's.
+    let answer = v["choices"][0]["message"]["content"].clone();
+    let follow_up = serde_json::json!({
+        "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer},
+                     {"role": "user", "content": "Which gate was that code for?"}],
+        "max_tokens": 4, "flowprefill": {"method": "infoflow", "ratio": 0.2}
+    });
+    let r = s.post("/v1/chat/completions", &follow_up);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let w = json(&r);
+    let (first, then) = (&v["flowprefill"], &w["flowprefill"]);
+    assert_eq!(then["n_context_tokens"], first["n_context_tokens"], "{w}");
+    assert!(then["n_prompt_tokens"].as_u64() > first["n_prompt_tokens"].as_u64(), "{w}");
+    assert!(then["cache_misses"] == 0 && then["cache_hits"] == first["cache_hits"], "{w}");
 
     // Errors name what to change.
     let bad = |body: &[u8], want: &str| {

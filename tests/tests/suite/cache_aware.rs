@@ -31,6 +31,7 @@ fn docs() -> Vec<String> {
 
 fn request(docs: Vec<String>) -> Request {
     Request {
+        conversation: Default::default(),
         context: Context::Documents(docs),
         query: "Under which stone is the cellar key of the east wall kept?".into(),
         system: None,

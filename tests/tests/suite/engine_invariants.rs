@@ -161,6 +161,7 @@ fn reorder_puts_the_chunk_the_question_is_about_last() {
             })
             .collect();
         let req = Request {
+            conversation: Default::default(),
             context: flowprefill_coordinator::Context::Documents(docs),
             query: "What is the secret code of the vault?".into(),
             system: None,
@@ -222,6 +223,18 @@ fn second_query_reuses_chunk_caches_and_answers_like_a_cold_run() {
     assert_eq!(warm.selected_rows, cold.selected_rows);
     assert!(warm.first_logits == cold.first_logits, "reused caches gave different logits");
     assert!(warm.phases.get("chunk_prefill") < cold.phases.get("chunk_prefill"));
+    // A follow-up turn about the same documents reads the same chunk caches: the conversation
+    // after the question is in the prompt, not in front of the chunks.
+    let turn = |role, text: &str| flowprefill_coordinator::Turn { role, text: text.into() };
+    let mut follow = q2.clone();
+    follow.conversation.after = vec![
+        turn(flowprefill_coordinator::Role::Assistant, &warm.answer),
+        turn(flowprefill_coordinator::Role::User, "And which town is mentioned last?"),
+    ];
+    let next = run(&e, &follow, RunOptions::default());
+    assert_eq!((next.cache_hits, next.cache_misses), (4, 0), "a follow-up prefilled a chunk again");
+    assert_eq!(next.n_context_tokens, warm.n_context_tokens);
+    assert!(next.n_prompt_tokens > warm.n_prompt_tokens + 10, "{} -> {}", warm.n_prompt_tokens, next.n_prompt_tokens);
     // A fresh job on the warm engine is cold (`bench ttft`'s cold rows): it reads no cache,
     // keeps none, and answers as the cold engine did; the store is as it was.
     let entries = e.store().stats().entries;

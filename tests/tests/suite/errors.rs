@@ -101,6 +101,7 @@ fn text_far_beyond_the_window_is_refused_before_it_is_tokenized() {
     let big = "lorem ipsum dolor sit amet ".repeat(300_000);
     let job = Job {
         request: Request {
+            conversation: Default::default(),
             context: Context::Documents(vec![big.clone()]),
             query: "What?".into(),
             system: None,
@@ -129,6 +130,7 @@ fn admission_checks_the_cost_bounds_and_the_model() {
     let doc = "The harbour of Redwater keeps its boats in the north basin. ".repeat(4);
     let job = |docs: usize, opts: RunOptions| Job {
         request: Request {
+            conversation: Default::default(),
             context: Context::Documents(vec![doc.clone(); docs]),
             query: "Which basin?".into(),
             system: None,
@@ -149,6 +151,7 @@ fn admission_checks_the_cost_bounds_and_the_model() {
     assert!(refused(job(3, RunOptions::default())).contains("this server takes at most 120"));
     let text = Job {
         request: Request {
+            conversation: Default::default(),
             context: Context::Text { text: doc.clone(), chunk_tokens: 2 },
             query: "q?".into(),
             system: None,

@@ -285,6 +285,7 @@ fn the_student_is_the_engines_kvpacket_job() {
     };
     let adapter = Adapter::new(meta, d, rows.clone()).unwrap();
     let req = Request {
+        conversation: Default::default(),
         context: Context::Documents(small_docs()),
         query: "What is the access code for the north gate?".into(),
         system: None,

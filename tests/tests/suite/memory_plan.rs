@@ -36,6 +36,7 @@ fn request(lm: &LoadedModel<Limited>, tokens: usize, seed: u64) -> Request {
     let ids = lm.tokenizer.encode_text(&prose).expect("tokenize");
     let text = lm.tokenizer.decode(&ids[..tokens.min(ids.len())]).expect("decode");
     Request {
+        conversation: Default::default(),
         context: Context::Text { text, chunk_tokens: tokens / 4 },
         query: "Which city is named most often in the text?".into(),
         system: None,

@@ -161,6 +161,7 @@ fn request() -> Request {
         "Bread is baked at dawn.",
     ];
     Request {
+        conversation: Default::default(),
         context: Context::Documents(docs.iter().map(|s| s.to_string()).collect()),
         query: "What is the access code for the north gate?".into(),
         system: None,

@@ -27,6 +27,7 @@ fn request() -> Request {
     let lm = lm();
     for extra in ["", " please", " now", " exactly"] {
         let req = Request {
+            conversation: Default::default(),
             context: Context::Documents(docs.clone()),
             query: format!("What is the access code for the north gate{extra}?"),
             system: None,

@@ -75,6 +75,7 @@ fn pieces_locate_user_text_and_slots() {
 fn an_answer_prefix_ends_the_prompt() {
     let lm = flowprefill_tests::default_model();
     let mut req = flowprefill_coordinator::Request {
+        conversation: Default::default(),
         context: flowprefill_coordinator::Context::Documents(vec!["The gate code is 4729.".into()]),
         query: "What is the gate code?".into(),
         system: None,
@@ -92,6 +93,43 @@ fn an_answer_prefix_ends_the_prompt() {
     assert!(text.ends_with("assistant\nThe gate code mentioned in the provided text is"), "{text:?}");
 }
 
+/// A chat's turns go around the context's turn as the template renders them: those after the
+/// question extend the prompt (the head and the chunks, and so their caches, stay), those before
+/// it extend the head; the context's tokens are the same either way.
+#[test]
+fn a_conversation_extends_the_prompt_or_the_head_and_keeps_the_chunks() {
+    use flowprefill_coordinator::{layout::Layout, Role, Turn};
+    let lm = flowprefill_tests::default_model();
+    let plain = flowprefill_coordinator::Request {
+        conversation: Default::default(),
+        context: flowprefill_coordinator::Context::Documents(vec!["The gate code is 4729.".into(), "Rain.".into()]),
+        query: "What is the gate code?".into(),
+        system: None,
+        answer_prefix: None,
+    };
+    let turn = |role, text: &str| Turn { role, text: text.into() };
+    let mut req = plain.clone();
+    req.conversation.after = vec![turn(Role::Assistant, "4729."), turn(Role::User, "And the weather?")];
+    let (p, a) = (Layout::build(lm, &plain).expect("layout"), Layout::build(lm, &req).expect("layout"));
+    assert_eq!((&a.head, &a.chunks), (&p.head, &p.chunks));
+    let im_end = |ids: &[u32]| ids.iter().filter(|&&i| i == 2).count();
+    assert_eq!(im_end(&a.prompt), im_end(&p.prompt) + 2, "two more closed turns");
+    let text = lm.tokenizer.decode(&a.prompt).expect("decodes");
+    let at = |s: &str| text.find(s).unwrap_or_else(|| panic!("{s:?} not in {text:?}"));
+    assert!(
+        at("Question: What is the gate code?") < at("assistant\n4729.") && at("4729.") < at("user\nAnd the weather?"),
+        "{text:?}"
+    );
+    assert!(text.ends_with("assistant\n"), "the answer's turn is open last: {text:?}");
+    let mut req = plain.clone();
+    req.conversation.before = vec![turn(Role::User, "Hello."), turn(Role::Assistant, "Hi.")];
+    let b = Layout::build(lm, &req).expect("layout");
+    assert_eq!((&b.chunks, &b.prompt), (&p.chunks, &p.prompt));
+    assert_eq!(im_end(&b.head), im_end(&p.head) + 2);
+    let head = lm.tokenizer.decode(&b.head).expect("decodes");
+    assert!(head.contains("user\nHello.") && head.contains("assistant\nHi.") && head.ends_with("user\n"), "{head:?}");
+}
+
 /// Documents long enough to be tokenized on several threads come out as one thread makes
 /// them: in order, each its text and the separator.
 #[test]
@@ -102,6 +140,7 @@ fn many_long_documents_tokenize_in_order() {
         .map(|i| format!("Document {i}. ") + &format!("Harbour {i} keeps {} boats and a lantern. ", i * 7).repeat(60))
         .collect();
     let req = flowprefill_coordinator::Request {
+        conversation: Default::default(),
         context: flowprefill_coordinator::Context::Documents(docs.clone()),
         query: "How many boats?".into(),
         system: None,

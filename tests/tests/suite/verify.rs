@@ -19,6 +19,7 @@ fn run(req: &Request, opts: RunOptions) -> RunResult {
 /// [`flowprefill_lab::tasks::TWO_HOP_DOCS`]: `none` answers 3817, full prefill 5264.
 fn two_hops() -> Request {
     Request {
+        conversation: Default::default(),
         context: Context::Documents(TWO_HOP_DOCS.iter().map(|d| d.to_string()).collect()),
         query: TWO_HOP_QUERY.into(),
         system: None,
