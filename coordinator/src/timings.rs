@@ -26,6 +26,20 @@ pub mod phase {
     pub const FIRST_TOKEN: &str = "first_token";
     /// Generating the rest of the answer (after TTFT).
     pub const DECODE: &str = "decode";
+    /// Every phase, in pipeline order.
+    pub const ALL: [&str; 11] = [
+        PREFILL,
+        CHUNK_PREFILL,
+        REORDER,
+        ASSEMBLE,
+        PROBE,
+        SELECTION,
+        RECOMPUTE,
+        FINAL_PROMPT,
+        EVICT,
+        FIRST_TOKEN,
+        DECODE,
+    ];
 }
 
 /// Ordered (phase, duration) pairs.
@@ -54,8 +68,43 @@ impl std::fmt::Debug for Settle {
     }
 }
 
+/// What [`watch_phases`] calls.
+type Watcher = std::rc::Rc<dyn Fn(Option<&'static str>)>;
+
 thread_local! {
     static CURRENT: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+    static WATCHER: std::cell::RefCell<Option<Watcher>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Calls `f` on this thread with each phase [`PhaseTimes::time`] enters, and with the phase it
+/// goes back to when one ends (`None`: outside every phase), until the guard is dropped: what
+/// the service's live phase gauge reads on the thread that leads a job. Phases that nest call
+/// it again for the inner one.
+pub fn watch_phases(f: impl Fn(Option<&'static str>) + 'static) -> PhaseWatch {
+    let before = WATCHER.with(|w| w.replace(Some(std::rc::Rc::new(f))));
+    PhaseWatch { before, _not_send: std::marker::PhantomData }
+}
+
+/// Stops [`watch_phases`]'s calls when dropped (the watcher before it is back).
+pub struct PhaseWatch {
+    before: Option<Watcher>,
+    /// The watch belongs to the thread it was made on.
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for PhaseWatch {
+    fn drop(&mut self) {
+        let before = self.before.take();
+        WATCHER.with(|w| *w.borrow_mut() = before);
+    }
+}
+
+/// Tells this thread's watcher, if any, which phase the thread is in now.
+fn notify(phase: Option<&'static str>) {
+    // Cloned out first: a watcher that itself times a phase does not find the cell borrowed.
+    if let Some(w) = WATCHER.with(|w| w.borrow().clone()) {
+        w(phase);
+    }
 }
 
 /// The phase this thread is inside ([`PhaseTimes::time`]), if any: lets instrumentation (a
@@ -74,11 +123,13 @@ impl PhaseTimes {
     pub fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
         let outer = CURRENT.with(|c| c.replace(Some(name)));
+        notify(Some(name));
         let out = f();
         if let Some(s) = &self.settle {
             (s.0)();
         }
         CURRENT.with(|c| c.set(outer));
+        notify(outer);
         self.add(name, t.elapsed());
         out
     }
@@ -99,5 +150,34 @@ impl PhaseTimes {
     /// Duration of one phase (zero if it did not run).
     pub fn get(&self, name: &str) -> Duration {
         self.entries.iter().find(|(n, _)| *n == name).map_or(Duration::ZERO, |e| e.1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    #[test]
+    fn a_watcher_sees_each_phase_entered_and_left_until_its_guard_drops() {
+        let seen = Rc::new(RefCell::new(Vec::new()));
+        let mut t = PhaseTimes::default();
+        t.time(phase::PROBE, || ());
+        let watch = {
+            let seen = seen.clone();
+            watch_phases(move |p| seen.borrow_mut().push(p))
+        };
+        t.time(phase::RECOMPUTE, || t_inner());
+        drop(watch);
+        t.time(phase::DECODE, || ());
+        let want = [Some(phase::RECOMPUTE), Some(phase::SELECTION), Some(phase::RECOMPUTE), None];
+        assert_eq!(*seen.borrow(), want, "before the watch and after its guard: nothing");
+        assert_eq!(current_phase(), None);
+    }
+
+    /// A phase timed inside another (with its own timer, as the engine's steps do).
+    fn t_inner() {
+        PhaseTimes::default().time(phase::SELECTION, || ());
     }
 }

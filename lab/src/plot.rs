@@ -74,7 +74,9 @@ pub fn drawable() -> bool {
     match init_font() {
         Ok(()) => true,
         Err(e) => {
-            WARNED.call_once(|| eprintln!("warning: PNG charts skipped: {e}"));
+            // One write, so that under mpirun another process's output cannot split the line.
+            let line = format!("warning: PNG charts skipped: {e}\n");
+            WARNED.call_once(|| drop(std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())));
             false
         }
     }

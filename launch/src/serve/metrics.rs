@@ -69,6 +69,13 @@ pub const QUEUE_DEPTH: &str = "flowprefill_queue_depth";
 pub const QUEUE_CAPACITY: &str = "flowprefill_queue_capacity";
 /// Jobs being computed (0 or 1: one model, one world).
 pub const JOBS_IN_FLIGHT: &str = "flowprefill_jobs_in_flight";
+/// The phase the job computing now is in on rank 0 (1; every other phase 0), set as phases
+/// start and end: what a long job is doing before its histograms are recorded at its end.
+pub const JOB_PHASE: &str = "flowprefill_job_phase";
+/// When the job computing now started (Unix seconds; 0 when none is): `time() - ...` is its age.
+pub const JOB_START_TIME: &str = "flowprefill_job_start_time_seconds";
+/// Answer tokens generated, by method (cancelled jobs' too).
+pub const GENERATED_TOKENS: &str = "flowprefill_generated_tokens_total";
 /// `POST /v1/documents` requests waiting or prefilling (they share the device with the jobs).
 pub const INGESTIONS_IN_FLIGHT: &str = "flowprefill_ingestions_in_flight";
 /// Finished jobs, by method and outcome (ok; error: the server's fault; refused: the request's,
@@ -247,6 +254,9 @@ fn describe() {
     describe_gauge!(QUEUE_DEPTH, Unit::Count, "Jobs waiting");
     describe_gauge!(QUEUE_CAPACITY, Unit::Count, "Jobs the queue can hold");
     describe_gauge!(JOBS_IN_FLIGHT, Unit::Count, "Jobs computing");
+    describe_gauge!(JOB_PHASE, Unit::Count, "1 for the phase rank 0's computing job is in, 0 for the others");
+    describe_gauge!(JOB_START_TIME, Unit::Seconds, "Unix time the computing job started (0: none)");
+    describe_counter!(GENERATED_TOKENS, Unit::Count, "Answer tokens generated, by method");
     describe_gauge!(INGESTIONS_IN_FLIGHT, Unit::Count, "Document ingestions waiting or prefilling");
     describe_counter!(JOBS_TOTAL, Unit::Count, "Finished jobs by outcome");
     describe_counter!(DOCUMENTS_INGESTED, Unit::Count, "Documents ingested into the chunk store, by outcome");
@@ -318,6 +328,7 @@ pub fn job_outcome(method: &str, outcome: &'static str) {
 pub fn record_job(r: &RunResult, before: Duration, cache_bytes: usize, disk: Option<DiskStats>) {
     let method = method_label(r.method, r.opts.reorder);
     record_first_token(r, before);
+    generated_tokens(r);
     histogram!(JOB_SECONDS, "method" => method.clone()).record(r.total.as_secs_f64());
     counter!(CONTEXT_TOKENS, "method" => method.clone()).increment(r.n_context_tokens as u64);
     if r.n_context_tokens > 0 {
@@ -419,9 +430,30 @@ pub fn queue_capacity(n: usize) {
     gauge!(QUEUE_CAPACITY).set(n as f64);
 }
 
-/// Jobs computing (0 or 1: the executor computes one at a time).
+/// Jobs computing (0 or 1: the executor computes one at a time), with the start time of the
+/// one computing now (0: none) and every phase at 0 until its first starts ([`job_phase`]).
 pub fn jobs_in_flight(n: usize) {
     gauge!(JOBS_IN_FLIGHT).set(n as f64);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    gauge!(JOB_START_TIME).set(if n > 0 { now.map_or(0.0, |d| d.as_secs_f64()) } else { 0.0 });
+    for p in flowprefill_coordinator::timings::phase::ALL {
+        gauge!(JOB_PHASE, "phase" => p).set(0.0);
+    }
+}
+
+/// The computing job left phase `left` for phase `entered` (`None`: between phases).
+pub fn job_phase(left: Option<&'static str>, entered: Option<&'static str>) {
+    if let Some(p) = left {
+        gauge!(JOB_PHASE, "phase" => p).set(0.0);
+    }
+    if let Some(p) = entered {
+        gauge!(JOB_PHASE, "phase" => p).set(1.0);
+    }
+}
+
+/// Counts the answer tokens of a job (finished or cancelled).
+pub fn generated_tokens(r: &RunResult) {
+    counter!(GENERATED_TOKENS, "method" => method_label(r.method, r.opts.reorder)).increment(r.tokens.len() as u64);
 }
 
 /// Moves [`INGESTIONS_IN_FLIGHT`] by `by` (one update: two concurrent ones cannot leave it

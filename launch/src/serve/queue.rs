@@ -407,7 +407,7 @@ fn fail_waiting(rx: &Mutex<Receiver<Queued>>, shared: &Shared) {
 }
 
 /// Runs one dequeued job and answers it.
-fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
+fn execute(world: &mut World, q: Queued, shared: &Arc<Shared>, generation: u64) {
     let method = metrics::method_label(q.job.options.method, q.job.options.reorder);
     let answer = |e: ApiError| {
         let _ = q.events.send(Event::Failed(e));
@@ -453,9 +453,20 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
         })),
     };
     let mut on_text = |s: &str| !cancel.load(Ordering::Relaxed) && events.send(Event::Text(s.to_string())).is_ok();
+    // The phase gauge follows rank 0's phases live (this thread leads the job), while the job is
+    // this executor's: one the watchdog gave up on no longer moves it.
+    let phases = {
+        let (shared, last) = (shared.clone(), std::cell::Cell::new(None));
+        flowprefill_coordinator::timings::watch_phases(move |p| {
+            if shared.generation.load(Ordering::Relaxed) == generation {
+                metrics::job_phase(last.replace(p), p);
+            }
+        })
+    };
     let t = Instant::now();
     let out = std::panic::catch_unwind(AssertUnwindSafe(|| world.lead_with(&q.job, ctl, &mut on_text)))
         .unwrap_or_else(|p| Err(CoordError::Panicked { rank: 0, message: panic_message(p) }));
+    drop(phases);
     shared.record_duration(t.elapsed().as_secs_f64());
     // The watchdog may have given up on this job (and this executor) meanwhile.
     let still_mine =
@@ -472,6 +483,7 @@ fn execute(world: &mut World, q: Queued, shared: &Shared, generation: u64) {
             metrics::error("cancelled");
             // A client that left after its first tokens had them: that wait counts too.
             metrics::record_first_token(&r, before);
+            metrics::generated_tokens(&r);
             // The store's faults the ranks reported with it are counted all the same.
             metrics::store_faults_of(&r);
         }

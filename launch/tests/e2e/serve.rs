@@ -149,6 +149,15 @@ fn ready_503(addr: &str) -> http::Response {
     }
 }
 
+/// The phases `flowprefill_job_phase` shows at 1.
+fn live_phases(metrics: &str) -> Vec<String> {
+    promlint::samples(metrics)
+        .into_iter()
+        .filter(|x| x.name == "flowprefill_job_phase" && x.value == 1.0)
+        .flat_map(|x| x.labels.into_iter().filter(|(k, _)| k == "phase").map(|(_, v)| v))
+        .collect()
+}
+
 fn json(r: &http::Response) -> serde_json::Value {
     serde_json::from_slice(&r.body).unwrap_or_else(|e| panic!("{e}: {}", r.text()))
 }
@@ -360,6 +369,10 @@ fn queue_full_disconnect_and_graceful_shutdown() {
     assert!(r.header("retry-after").is_some_and(|v| v.parse::<u64>().is_ok()));
     assert_eq!(a.join().unwrap().status, 200);
     assert_eq!(b.join().unwrap().status, 200);
+    // Between jobs: no phase, no start time; the answers' tokens counted.
+    let m = s.metrics();
+    assert!(live_phases(&m).is_empty() && m.contains("flowprefill_job_start_time_seconds 0\n"), "{m}");
+    assert!(m.contains("flowprefill_generated_tokens_total{method=\"infoflow\"}"), "{m}");
 
     // A client that disconnects mid-job: the job is cancelled, the server carries on.
     drop(streaming(&s.addr, &d, 200));
@@ -383,6 +396,19 @@ fn queue_full_disconnect_and_graceful_shutdown() {
         assert!(t.elapsed() < Duration::from_secs(60), "the job never started");
         std::thread::sleep(Duration::from_millis(20));
     }
+    // A job in flight shows what it is doing before it ends: the phase it is in, and its start.
+    let m = loop {
+        let m = s.metrics();
+        if !live_phases(&m).is_empty() {
+            break m;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "no phase shown while the job ran:\n{m}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(live_phases(&m).len(), 1, "one phase at a time: {:?}", live_phases(&m));
+    let started = promlint::samples(&m).into_iter().find(|x| x.name == "flowprefill_job_start_time_seconds");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!(started.is_some_and(|x| x.value > now - 120.0 && x.value <= now + 1.0), "{m}");
     let addr = s.addr.clone();
     Command::new("kill").args(["-TERM", &s.child.id().to_string()]).status().unwrap();
     let r = ready_503(&s.addr);

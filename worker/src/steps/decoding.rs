@@ -218,7 +218,9 @@ impl<'a, 'c, B: Backend> DecodeSteps<'a, 'c, B> {
     fn stop_recording(&mut self, why: &str) {
         self.record = false;
         if !WARNED.swap(true, Ordering::Relaxed) {
-            eprintln!("flowprefill: decode steps run op by op: {why}");
+            // One write, so that under mpirun another process's output cannot split the line.
+            let line = format!("flowprefill: decode steps run op by op: {why}\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
         }
     }
 }
