@@ -168,7 +168,7 @@ mod tests {
             let seen = seen.clone();
             watch_phases(move |p| seen.borrow_mut().push(p))
         };
-        t.time(phase::RECOMPUTE, || t_inner());
+        t.time(phase::RECOMPUTE, t_inner);
         drop(watch);
         t.time(phase::DECODE, || ());
         let want = [Some(phase::RECOMPUTE), Some(phase::SELECTION), Some(phase::RECOMPUTE), None];
