@@ -47,7 +47,7 @@ impl Layout {
             parts: vec![Part::Slot(0), Part::Text(format!("Question: {}", req.query.trim()))],
         });
         msgs.extend(req.conversation.after.iter().map(turn));
-        let pieces = lm.template.render_pieces(&msgs, true)?;
+        let pieces = lm.template.render_pieces(&join_runs(msgs), true)?;
         let slot_at = pieces.iter().position(|p| *p == Piece::Slot(0));
         let Some(slot_at) = slot_at.filter(|_| pieces.iter().filter(|p| **p == Piece::Slot(0)).count() == 1) else {
             return Err(flowprefill_worker::WorkerError::Template(
@@ -152,6 +152,38 @@ impl Layout {
         };
         (chunk_pos, (prompt_start..prompt_start + m).collect())
     }
+}
+
+/// Adjacent messages of one role joined into one, their texts a blank line apart: a chat whose
+/// roles do not alternate (two user messages in a row, a tool exchange left out between them)
+/// renders under templates that require alternation (Llama 2's, Mistral's raise an error), and
+/// reads the same under those that do not. A single question has nothing to join.
+fn join_runs(msgs: Vec<Message>) -> Vec<Message> {
+    let mut out: Vec<Message> = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        let Some(prev) = out.last_mut().filter(|p| p.role == m.role) else {
+            out.push(m);
+            continue;
+        };
+        let mut parts = m.parts.into_iter();
+        match (prev.parts.last_mut(), parts.next()) {
+            (Some(Part::Text(a)), Some(Part::Text(b))) => {
+                a.push_str("\n\n");
+                a.push_str(&b);
+            }
+            (Some(Part::Text(a)), Some(first)) => {
+                a.push_str("\n\n");
+                prev.parts.push(first);
+            }
+            (_, Some(first)) => {
+                prev.parts.push(Part::Text("\n\n".into()));
+                prev.parts.push(first);
+            }
+            (_, None) => {}
+        }
+        prev.parts.extend(parts);
+    }
+    out
 }
 
 /// Text of documents this long or longer in all is tokenized on several threads.

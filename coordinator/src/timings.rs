@@ -95,7 +95,19 @@ pub struct PhaseWatch {
 impl Drop for PhaseWatch {
     fn drop(&mut self) {
         let before = self.before.take();
-        WATCHER.with(|w| *w.borrow_mut() = before);
+        // Replaced, then dropped outside the borrow (a watcher's captures may run code on drop).
+        let mine = WATCHER.with(|w| w.replace(before));
+        drop(mine);
+    }
+}
+
+/// Restores this thread's phase to the one it holds when dropped, and tells the watcher.
+struct Back(Option<&'static str>);
+
+impl Drop for Back {
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.set(self.0));
+        notify(self.0);
     }
 }
 
@@ -124,12 +136,14 @@ impl PhaseTimes {
         let t = Instant::now();
         let outer = CURRENT.with(|c| c.replace(Some(name)));
         notify(Some(name));
+        // Back to the outer phase however `f` ends: a panic caught further up (a rank-0 panic
+        // fails its job, and the thread leads the next one) leaves no stale phase behind.
+        let back = Back(outer);
         let out = f();
         if let Some(s) = &self.settle {
             (s.0)();
         }
-        CURRENT.with(|c| c.set(outer));
-        notify(outer);
+        drop(back);
         self.add(name, t.elapsed());
         out
     }
@@ -169,10 +183,29 @@ mod tests {
             watch_phases(move |p| seen.borrow_mut().push(p))
         };
         t.time(phase::RECOMPUTE, t_inner);
+        // A watch inside gives the outer one back when it ends.
+        let inner = watch_phases(|_| {});
+        t.time(phase::EVICT, || ());
+        drop(inner);
+        // A panic inside a phase (caught further up) still goes back to the outer phase.
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            t.time(phase::PROBE, || PhaseTimes::default().time(phase::SELECTION, || panic!("a failing step")))
+        }));
+        assert!(caught.is_err());
+        assert_eq!(current_phase(), None, "a panic left its phase behind");
         drop(watch);
         t.time(phase::DECODE, || ());
-        let want = [Some(phase::RECOMPUTE), Some(phase::SELECTION), Some(phase::RECOMPUTE), None];
-        assert_eq!(*seen.borrow(), want, "before the watch and after its guard: nothing");
+        let want = [
+            Some(phase::RECOMPUTE),
+            Some(phase::SELECTION),
+            Some(phase::RECOMPUTE),
+            None,
+            Some(phase::PROBE),
+            Some(phase::SELECTION),
+            Some(phase::PROBE),
+            None,
+        ];
+        assert_eq!(*seen.borrow(), want, "before the watch, inside another and after its guard: nothing");
         assert_eq!(current_phase(), None);
     }
 

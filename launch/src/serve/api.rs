@@ -581,10 +581,16 @@ impl ChatRequest {
                     }
                 }
                 "user" => turns.push((i, Role::User, text_of(&m.content, i)?)),
-                // An assistant turn of tool calls alone has no text (`content: null`); this
-                // server takes no tools, so such a turn and the tool's answer to it are left out.
+                // An assistant turn of tool calls alone has no text (`content: null` or `""`);
+                // this server takes no tools, so such a turn and the tool's answer to it are left
+                // out (and so is any other assistant turn with nothing said).
                 "assistant" if m.content.is_null() => {}
-                "assistant" => turns.push((i, Role::Assistant, text_of(&m.content, i)?)),
+                "assistant" => {
+                    let text = text_of(&m.content, i)?;
+                    if !text.trim().is_empty() {
+                        turns.push((i, Role::Assistant, text));
+                    }
+                }
                 "tool" => {}
                 other => {
                     return Err(ApiError::bad_request(format!("field `messages[{i}].role`: unknown role `{other}`")))

@@ -128,7 +128,8 @@ fn chat_takes_a_whole_conversation_and_refuses_parts_it_cannot_read() {
     let chat = |messages: &str| {
         parse::<ChatRequest>(format!(r#"{{"messages": {messages}}}"#).as_bytes()).and_then(ChatRequest::into_job)
     };
-    // Earlier turns with the fields OpenAI clients send: read past, the last user message used.
+    // Earlier turns with the fields OpenAI clients send: the last user message with documents
+    // holds the context, the tool exchange is left out.
     let history = r#"[{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "doc\n---\nfirst?", "name": "ann"},
         {"role": "assistant", "content": null, "refusal": null,
@@ -172,6 +173,13 @@ fn chat_takes_a_whole_conversation_and_refuses_parts_it_cannot_read() {
     assert_eq!(job.request.conversation.after, [assistant("a"), user("and?")]);
     let body = r#"{"documents": ["d"], "query": "q?", "conversation": {"after": [{"role": "tool", "text": "a"}]}}"#;
     assert!(parse::<JobRequest>(body.as_bytes()).unwrap_err().message.contains("tool"));
+    let body = r#"{"documents": ["d"], "query": "q?", "conversation": {"after": [{"role": "assistant", "text": "a"}, {"role": "user", "text": " "}]}}"#;
+    let e = parse::<JobRequest>(body.as_bytes()).and_then(JobRequest::into_job).unwrap_err();
+    assert!(
+        e.message.contains("conversation.after[1]") && e.message.contains("follow-up question is empty"),
+        "{}",
+        e.message
+    );
     // Every system and developer message is kept, in order (the last alone was).
     let two = r#"[{"role": "system", "content": "You are a lawyer."}, {"role": "developer", "content": "Answer in French."},
         {"role": "user", "content": "doc\n---\nq?"}]"#;

@@ -458,7 +458,10 @@ fn execute(world: &mut World, q: Queued, shared: &Arc<Shared>, generation: u64) 
     let phases = {
         let (shared, last) = (shared.clone(), std::cell::Cell::new(None));
         flowprefill_coordinator::timings::watch_phases(move |p| {
-            if shared.generation.load(Ordering::Relaxed) == generation {
+            // Under the running slot's lock, as the watchdog takes the job and zeroes the
+            // gauges: a job it took no longer sets a phase after that.
+            let running = shared.running.lock().unwrap_or_else(|p| p.into_inner());
+            if running.is_some() && shared.generation.load(Ordering::Relaxed) == generation {
                 metrics::job_phase(last.replace(p), p);
             }
         })

@@ -372,7 +372,8 @@ fn queue_full_disconnect_and_graceful_shutdown() {
     // Between jobs: no phase, no start time; the answers' tokens counted.
     let m = s.metrics();
     assert!(live_phases(&m).is_empty() && m.contains("flowprefill_job_start_time_seconds 0\n"), "{m}");
-    assert!(m.contains("flowprefill_generated_tokens_total{method=\"infoflow\"}"), "{m}");
+    let generated = promlint::samples(&m).into_iter().find(|x| x.name == "flowprefill_generated_tokens_total");
+    assert!(generated.is_some_and(|x| x.value >= 2.0), "two jobs' answers: {m}");
 
     // A client that disconnects mid-job: the job is cancelled, the server carries on.
     drop(streaming(&s.addr, &d, 200));

@@ -149,6 +149,12 @@ fn admission_checks_the_cost_bounds_and_the_model() {
     };
     assert!(refused(job(4, RunOptions::default())).contains("field `documents`: 4 documents"));
     assert!(refused(job(3, RunOptions::default())).contains("this server takes at most 120"));
+    // Documents pasted into a chat turn before the context count as context: they are prefilled
+    // in front of every chunk.
+    let mut pasted = job(1, RunOptions::default());
+    let turn = flowprefill_coordinator::Turn { role: flowprefill_coordinator::Role::User, text: doc.repeat(2) };
+    pasted.request.conversation.before = vec![turn];
+    assert!(refused(pasted).contains("and the turns before it"));
     let text = Job {
         request: Request {
             conversation: Default::default(),

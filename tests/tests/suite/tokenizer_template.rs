@@ -128,6 +128,18 @@ fn a_conversation_extends_the_prompt_or_the_head_and_keeps_the_chunks() {
     assert_eq!(im_end(&b.head), im_end(&p.head) + 2);
     let head = lm.tokenizer.decode(&b.head).expect("decodes");
     assert!(head.contains("user\nHello.") && head.contains("assistant\nHi.") && head.ends_with("user\n"), "{head:?}");
+    // Turns of one role in a row are one message, as templates that require alternation need:
+    // no turn is closed between them.
+    let mut req = plain.clone();
+    req.conversation.before = vec![turn(Role::User, "Hello.")];
+    req.conversation.after = vec![turn(Role::User, "Also, the weather?")];
+    let j = Layout::build(lm, &req).expect("layout");
+    assert_eq!(j.chunks, p.chunks);
+    assert_eq!((im_end(&j.head), im_end(&j.prompt)), (im_end(&p.head), im_end(&p.prompt)));
+    let head = lm.tokenizer.decode(&j.head).expect("decodes");
+    assert!(head.ends_with("user\nHello.\n\n"), "{head:?}");
+    let text = lm.tokenizer.decode(&j.prompt).expect("decodes");
+    assert!(text.contains("Question: What is the gate code?\n\nAlso, the weather?"), "{text:?}");
 }
 
 /// Documents long enough to be tokenized on several threads come out as one thread makes
