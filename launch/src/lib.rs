@@ -2,6 +2,13 @@
 //! in-process: [`serve::Service`] and [`serve::serve`]), and the error classes mapped
 //! once to exit codes and HTTP statuses ([`exit`]).
 
+/// This build's identity: the git commit it was built from (with a hash of the sources when
+/// they differ from it; see `build.rs`). Every eval run records it.
+pub const BUILD: &str = env!("FLOWPREFILL_BUILD");
+
+/// `flowprefill --version`: the crate's version and the build.
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("FLOWPREFILL_BUILD"), ")");
+
 pub mod cmd;
 pub mod exit;
 pub mod progress;

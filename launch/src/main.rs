@@ -8,7 +8,7 @@ use std::io::IsTerminal;
 #[derive(Parser, Debug)]
 #[command(
     name = "flowprefill",
-    version,
+    version = flowprefill::VERSION,
     about = "Fast long-context prefill: chunk-local prefill, query-selected recomputation, sequence parallelism"
 )]
 struct Cli {

@@ -75,6 +75,10 @@ pub struct Record {
     /// What `auto` ran (its winning candidate's label, `auto` runs only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ran: Option<String>,
+    /// The build that made the run (`flowprefill --version`'s id; absent in results made
+    /// before 2026-11-29).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build: Option<String>,
 }
 
 /// A run measured against the exact answer of its case (`eval --verify`).
@@ -229,6 +233,7 @@ pub fn record(
             exact_reused: q.exact_reused,
         }),
         ran: r.auto.as_ref().and_then(|c| c.chosen()).map(|c| c.label.clone()),
+        build: None,
     }
 }
 

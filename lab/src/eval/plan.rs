@@ -140,6 +140,11 @@ pub struct Key {
     pub numerics: Option<String>,
     /// Whether every answer is verified against the exact one (`--verify`).
     pub verify: bool,
+    /// The build that computes runs now (`flowprefill --version`'s id): recorded in each run,
+    /// not in the key, so that a study resumes across builds and says which made what.
+    pub build: String,
+    /// Compute again the planned runs that another build made (`--redo-other-builds`).
+    pub redo_other_builds: bool,
 }
 
 /// What `eval` was asked for, checked: the plan's axes and the settings that key results.json.
@@ -150,6 +155,10 @@ pub struct Plan {
     pub scoring: Scoring,
     /// One per eviction setting (one without eviction).
     pub settings: Vec<Setting>,
+    /// The build that computes runs now ([`Key::build`]).
+    pub build: String,
+    /// Compute again the planned runs another build made ([`Key::redo_other_builds`]).
+    pub redo_other_builds: bool,
 }
 
 /// One eviction setting of a plan: its own results folder and settings key.
@@ -228,7 +237,7 @@ impl Plan {
                 })
                 .collect()
         };
-        Plan { axes, scoring, settings }
+        Plan { axes, scoring, settings, build: key.build, redo_other_builds: key.redo_other_builds }
     }
 
     /// The ratios a method runs at (one run without a ratio for the methods that select nothing).

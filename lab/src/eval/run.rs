@@ -103,6 +103,35 @@ fn say_pending(plan: usize, pending: usize, resumed: bool, report_only: bool, pa
     }
 }
 
+/// Says which of the planned runs in a results file another build made (their answers and
+/// times are that build's), and with `--redo-other-builds` takes them out to be computed again
+/// (runs outside the plan are kept as they are).
+fn other_builds(records: &mut Vec<Record>, planned: &[String], plan: &Plan, log: &mut dyn FnMut(&str)) {
+    let planned: HashSet<&str> = planned.iter().map(String::as_str).collect();
+    let other = |r: &Record| r.build.as_deref() != Some(plan.build.as_str()) && planned.contains(r.key().as_str());
+    let by_build = count_builds(records.iter().filter(|r| other(r)));
+    if by_build.is_empty() {
+        return;
+    }
+    let n: usize = by_build.values().sum();
+    let builds: Vec<String> = by_build.iter().map(|(b, k)| format!("{b}: {k}")).collect();
+    if plan.redo_other_builds {
+        log(&format!(
+            "--redo-other-builds: {n} planned runs were made by other builds ({}); computing them again with {}",
+            builds.join(", "),
+            plan.build
+        ));
+        records.retain(|r| !other(r));
+    } else {
+        log(&format!(
+            "{n} of the runs already there were made by other builds ({}), not this one ({}): their answers and \
+             times are those builds'; add --redo-other-builds to compute them again",
+            builds.join(", "),
+            plan.build
+        ));
+    }
+}
+
 /// Every setting's runs so far (its folder made), and how many planned runs are missing in all.
 pub fn open(plan: &Plan, samples: usize, report_only: bool, log: &mut dyn FnMut(&str)) -> Result<(Vec<Runs>, usize)> {
     let keys = plan.keys(samples);
@@ -115,10 +144,13 @@ pub fn open(plan: &Plan, samples: usize, report_only: bool, log: &mut dyn FnMut(
             s.out.display()
         );
         let path = s.results_path();
-        let (records, config) = match earlier_runs(&path, &s.config, report_only, log)? {
+        let (mut records, config) = match earlier_runs(&path, &s.config, report_only, log)? {
             Some(f) => (f.records, f.config),
             None => (Vec::new(), s.config.clone()),
         };
+        if !report_only {
+            other_builds(&mut records, &keys, plan, log);
+        }
         std::fs::create_dir_all(&s.out).map_err(io_said("creating", &s.out))?;
         let have: HashSet<String> = records.iter().map(Record::key).collect();
         let left = keys.iter().filter(|k| !have.contains(*k)).count();
@@ -204,6 +236,7 @@ pub fn compute(
                             let mut rec = record(&case, sample, c.prompts, *spec, ratio, &r, &needles);
                             rec.adapter = spec.method.info().adapter.and_then(|a| a.hash(lm));
                             rec.evict_adapter = evict_adapter(s, lm);
+                            rec.build = Some(plan.build.clone());
                             runs[i].records.push(rec);
                             done(&format!("{k}{}", s.label(several)));
                         }
@@ -241,10 +274,34 @@ pub fn report(plan: &Plan, setting: &Setting, runs: Runs, samples: usize, table_
         .filter(|r| a.tasks.contains(&r.task) && a.lengths.contains(&r.length) && r.sample < samples)
         .filter(|r| a.methods.contains(&r.method))
         .collect();
+    let mut settings = settings;
+    settings.push(builds_of(&shown));
     let md = summarize(&shown, &a.tasks, &a.lengths, &a.methods, &a.ratios, table_ratio, &settings);
     write_atomic(&out.join("results.md"), md.as_bytes())?;
     plots(&shown, &a.tasks, &a.lengths, &a.methods, &a.ratios, &a.depths, table_ratio, out)?;
     Ok(md)
+}
+
+/// Runs per build that made them (`not recorded` for runs made before builds were recorded).
+fn count_builds<'a>(records: impl Iterator<Item = &'a Record>) -> std::collections::BTreeMap<&'a str, usize> {
+    let mut by_build = std::collections::BTreeMap::new();
+    for r in records {
+        *by_build.entry(r.build.as_deref().unwrap_or("not recorded")).or_default() += 1;
+    }
+    by_build
+}
+
+/// Which builds made the runs shown: `built by X` (one), or each with its run count.
+fn builds_of(records: &[Record]) -> String {
+    let by_build = count_builds(records.iter());
+    match by_build.len() {
+        0 => "built by (no runs)".into(),
+        1 => format!("built by {}", by_build.keys().next().copied().unwrap_or_default()),
+        _ => format!(
+            "built by several builds: {}",
+            by_build.iter().map(|(b, n)| format!("{b} ({n} runs)")).collect::<Vec<_>>().join(", ")
+        ),
+    }
 }
 
 /// The runs already in the results must have decoded under the budgets this eval gives

@@ -88,6 +88,11 @@ pub struct Args {
     /// the exact computation per run; use its own --out.
     #[arg(long)]
     pub verify: bool,
+    /// Compute again the planned runs in `<out>/results.json` that another build of flowprefill
+    /// made (each run records its build, `flowprefill --version`; a resumed eval says how many
+    /// there are). Without it they are kept, and results.md names every build.
+    #[arg(long, conflicts_with = "report_only")]
+    pub redo_other_builds: bool,
 }
 
 /// Checks the arguments and builds the plan and its settings key.
@@ -112,6 +117,8 @@ fn plan(common: &Common, a: &Args) -> Result<Plan> {
         prompts: a.prompts,
         numerics: numerics(common),
         verify: a.verify,
+        build: crate::BUILD.to_string(),
+        redo_other_builds: a.redo_other_builds,
     };
     let evicts = super::evict_grid(&a.evict, &a.kv_budget)?;
     Ok(Plan::new(axes, scoring, key, evicts, a.out.clone()))

@@ -25,7 +25,8 @@ pub fn of<B: Backend>(lm: &LoadedModel<B>) -> Vec<(String, String)> {
     let backend = lm.model.backend();
     let none = || "none".to_string();
     [
-        ("flowprefill", env!("CARGO_PKG_VERSION").to_string()),
+        // The build, not only the version: two builds of one version may differ on the wire.
+        ("flowprefill", crate::VERSION.to_string()),
         ("model", format!("{} ({})", lm.model.config().name, lm.cache_identity)),
         ("device kind", backend.name().to_string()),
         ("KV dtype", backend.kv_dtype().to_string()),

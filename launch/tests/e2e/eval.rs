@@ -289,6 +289,41 @@ fn a_failed_run_keeps_the_runs_before_it_and_the_study_resumes_there() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && err.contains("2 of 3 planned runs are already done; 1 to compute"), "{err}");
     assert_eq!(runs().map(|r: Vec<String>| r.len()), Some(3));
+    // Each run records the build that made it (`flowprefill --version`'s id); a resumed study
+    // says how many runs other builds made, results.md names every build, and
+    // --redo-other-builds computes those runs again.
+    let version = Command::new(env!("CARGO_BIN_EXE_flowprefill")).arg("--version").output().expect("--version");
+    let version = String::from_utf8_lossy(&version.stdout).into_owned();
+    let build = version.split_once('(').and_then(|(_, b)| b.split_once(')')).map(|(b, _)| b.to_string());
+    let build = build.unwrap_or_else(|| panic!("no build in {version:?}"));
+    assert!(build.len() >= 12, "{version:?}");
+    let file = out.join("results.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let records = v["records"].as_array_mut().unwrap();
+    assert!(records.iter().all(|r| r["build"] == build.as_str()), "{records:?}");
+    records[0]["build"] = "0123456789ab".into();
+    records[1].as_object_mut().unwrap().remove("build");
+    std::fs::write(&file, v.to_string()).unwrap();
+    let o = eval(None);
+    let err = String::from_utf8_lossy(&o.stderr);
+    let said = format!("2 of the runs already there were made by other builds (0123456789ab: 1, not recorded: 1), not this one ({build})");
+    assert!(o.status.success() && err.contains(&said), "{err}");
+    let md = std::fs::read_to_string(out.join("results.md")).unwrap();
+    let named = ["0123456789ab (1 runs)", &format!("{build} (1 runs)"), "not recorded (1 runs)"];
+    assert!(md.contains("built by several builds: ") && named.iter().all(|n| md.contains(n)), "{md}");
+    let o = Command::new(env!("CARGO_BIN_EXE_flowprefill"))
+        .args(["eval", "--tasks", "niah_single", "--lengths", "400", "--samples", "1"])
+        .args(["--methods", "full,none,infoflow", "--ratios", "0.15", "--max-tokens", "8", "--redo-other-builds"])
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("1 of 3 planned runs are already done; 2 to compute"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    let records = v["records"].as_array().unwrap();
+    assert!(records.len() == 3 && records.iter().all(|r| r["build"] == build.as_str()), "{records:?}");
+    assert!(std::fs::read_to_string(out.join("results.md")).unwrap().contains(&format!("built by {build}")));
     let _ = std::fs::remove_dir_all(&out);
 }
 

@@ -402,6 +402,7 @@ mod tests {
             evict_adapter: None,
             verified: None,
             ran: None,
+            build: None,
         }
     }
 
