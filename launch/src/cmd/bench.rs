@@ -149,11 +149,12 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     if !a.json {
         println!(
             "full prefill on {} ({} KV cache), {} threads, SIMD {simd}, {} timed runs per length (+1 warm-up), \
-             forwards of up to {chunk} tokens",
+             forwards of up to {chunk} tokens; build {}",
             common.device,
             model.backend().kv_dtype(),
             threads,
-            a.runs
+            a.runs,
+            crate::BUILD
         );
         println!("{}", lab_prefill::header());
     }
@@ -171,6 +172,7 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     if a.json {
         let obj = serde_json::json!({
             "bench": "prefill",
+            "build": crate::BUILD,
             "model": cfg.name,
             "device": common.device.to_string(),
             "kv_dtype": model.backend().kv_dtype().to_string(),

@@ -574,6 +574,7 @@ pub fn to_json(r: &RunResult) -> serde_json::Value {
         r.phases.entries().iter().map(|(n, d)| (n.to_string(), serde_json::json!(d.as_secs_f64() * 1e3))).collect();
     serde_json::json!({
         "answer": r.answer,
+        "build": crate::BUILD,
         "ttft_ms": r.ttft.as_secs_f64() * 1e3,
         "total_ms": r.total.as_secs_f64() * 1e3,
         "phases": phases,

@@ -126,6 +126,7 @@ fn run_json_reports_answer_phases_and_selection() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     assert!(!v["answer"].as_str().unwrap().trim().is_empty(), "{v}");
+    assert!(v["build"].as_str().is_some_and(|b| b.len() >= 12), "the build that answered: {v}");
     for k in ["chunk_prefill", "probe", "selection", "recompute", "final_prompt", "first_token"] {
         assert!(v["phases"][k].as_f64().is_some(), "phase {k} missing: {v}");
     }

@@ -336,6 +336,7 @@ fn bench_prefill_json_has_the_documented_fields() {
     assert_eq!(v["prefill_chunk"].as_u64(), Some(flowprefill_kernels::PREFILL_ROWS as u64), "{v}");
     // Where it ran, as the table's header says it: the device and the KV cache's data type.
     assert_eq!(v["device"].as_str(), Some("cpu"), "{v}");
+    assert!(v["build"].as_str().is_some_and(|b| b.len() >= 12), "the build that measured: {v}");
     assert!(v["kv_dtype"].as_str().is_some_and(|d| !d.is_empty()), "{v}");
     let results = v["results"].as_array().expect("results");
     assert_eq!(results.len(), 2);
