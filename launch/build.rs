@@ -1,47 +1,79 @@
-//! The build's identity, `FLOWPREFILL_BUILD` for the binary (`flowprefill --version`, every
-//! eval run's record): the git commit the sources were built from, and when they differ from it
-//! (an uncommitted change) a hash of the sources after it; without git, the hash alone. So a
-//! result says which code made it, and results of two builds are not taken for one study.
+//! The build's identity. `FLOWPREFILL_BUILD` is a hash of the sources the binary is built
+//! from (12 hex digits): two builds of the same sources have the same id, on any host and after
+//! any commit that changes no source (a docs commit leaves it alone), and every eval run records
+//! it, and the MPI ranks compare it at start. `FLOWPREFILL_COMMIT` says where the sources came
+//! from for people: the git commit, `, modified` when they differ from it (`none` without git).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The folders the binary is built from (every crate it links; the tests are not in it).
-const SOURCES: [&str; 7] =
-    ["kernels/src", "kernels/cuda", "comm/src", "worker/src", "coordinator/src", "lab/src", "launch/src"];
+/// The folders the binary is built from (every crate it links, and the files they include;
+/// the tests are not in it).
+const SOURCES: [&str; 8] =
+    ["kernels/src", "kernels/cuda", "comm/src", "worker/src", "coordinator/src", "lab/src", "launch/src", "adapters"];
 
 /// The files besides them that change what is built.
-const FILES: [&str; 7] = [
+const FILES: [&str; 10] = [
+    "Cargo.toml",
     "Cargo.lock",
     "kernels/Cargo.toml",
     "comm/Cargo.toml",
     "worker/Cargo.toml",
     "coordinator/Cargo.toml",
     "lab/Cargo.toml",
+    "lab/profiles.json",
     "launch/Cargo.toml",
+    "launch/build.rs",
 ];
 
-/// Every file under `dir`, recursively, sorted.
-fn files_under(dir: &Path, out: &mut Vec<PathBuf>) {
+/// Every file under `dir`, recursively, as paths from `root`.
+fn files_under(root: &Path, dir: &Path, out: &mut Vec<String>) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
-    let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    paths.sort();
-    for p in paths {
+    for p in entries.filter_map(|e| e.ok().map(|e| e.path())) {
         if p.is_dir() {
-            files_under(&p, out);
-        } else {
-            out.push(p);
+            files_under(root, &p, out);
+        } else if let Ok(rel) = p.strip_prefix(root) {
+            out.push(rel.to_string_lossy().replace('\\', "/"));
         }
     }
 }
 
-/// FNV-1a over each file's path (from the root) and bytes: stable across Rust versions.
-fn source_hash(root: &Path) -> u64 {
-    let mut files = Vec::new();
-    for d in SOURCES {
-        files_under(&root.join(d), &mut files);
-    }
-    files.extend(FILES.iter().map(|f| root.join(f)));
+/// `git` in the workspace: its output when it succeeds.
+fn git(root: &Path, args: &[&str]) -> Option<String> {
+    let out = Command::new("git").arg("-C").arg(root).args(args).output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The source files, as paths from `root`, sorted: with git, those it tracks or would track
+/// (a file the repository's `.gitignore` files ignore, an editor's swap file, is not a
+/// source; the user's own global ignores are not read, so that two hosts list alike); without
+/// git, every file under the folders.
+fn sources(root: &Path, with_git: bool) -> Vec<String> {
+    let listed = with_git
+        .then(|| {
+            let mut args = vec!["ls-files", "-co", "--exclude-per-directory=.gitignore", "--"];
+            args.extend(SOURCES.iter().chain(&FILES));
+            git(root, &args)
+        })
+        .flatten();
+    let mut files = match listed {
+        Some(list) => list.lines().map(str::to_string).collect(),
+        None => {
+            let mut all = Vec::new();
+            for d in SOURCES {
+                files_under(root, &root.join(d), &mut all);
+            }
+            all.extend(FILES.iter().map(|f| f.to_string()));
+            all
+        }
+    };
+    files.sort();
+    files.dedup();
+    files
+}
+
+/// FNV-1a over each source's path and bytes (stable across Rust versions and hosts).
+fn source_hash(root: &Path, files: &[String]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |bytes: &[u8]| {
         for &b in bytes {
@@ -50,52 +82,55 @@ fn source_hash(root: &Path) -> u64 {
         }
     };
     for f in files {
-        let rel = f.strip_prefix(root).unwrap_or(&f).to_string_lossy().into_owned();
-        eat(rel.as_bytes());
+        eat(f.as_bytes());
         eat(&[0]);
-        eat(&std::fs::read(&f).unwrap_or_default());
+        match std::fs::read(root.join(f)) {
+            Ok(bytes) => eat(&bytes),
+            Err(_) => eat(b"\x01(missing)"),
+        }
         eat(&[0]);
     }
     h
 }
 
-/// `git` in the workspace, its output when it succeeds.
-fn git(root: &Path, args: &[&str]) -> Option<String> {
-    let out = Command::new("git").arg("-C").arg(root).args(args).output().ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
 fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = root.canonicalize().unwrap_or(root);
     for p in SOURCES.iter().chain(&FILES) {
         // Folders are scanned by cargo for any change below them.
         println!("cargo:rerun-if-changed={}", root.join(p).display());
     }
-    // A commit changes the id without changing a source: watch HEAD and the ref it names. (A
-    // path that does not exist would rerun this every build, so only those that do.)
-    let git_dir = git(&root, &["rev-parse", "--absolute-git-dir"]).map(PathBuf::from);
-    if let Some(dir) = &git_dir {
-        let head = dir.join("HEAD");
-        let named =
-            std::fs::read_to_string(&head).ok().and_then(|h| h.strip_prefix("ref: ").map(|r| dir.join(r.trim())));
-        for p in [Some(head), named, Some(dir.join("packed-refs"))].into_iter().flatten() {
-            if p.exists() {
-                println!("cargo:rerun-if-changed={}", p.display());
+    // Git only where this workspace is the repository's top (not a folder of another one).
+    let top = git(&root, &["rev-parse", "--show-toplevel"]).map(PathBuf::from);
+    let with_git = top.and_then(|t| t.canonicalize().ok()).is_some_and(|t| t == root);
+    if !with_git && root.join(".git").exists() {
+        println!(
+            "cargo:warning=git could not read {} (not installed, or it refuses the folder's owner): the build id \
+             hashes every file under the source folders, ignored ones too",
+            root.display()
+        );
+    }
+    let files = sources(&root, with_git);
+    let hash = source_hash(&root, &files);
+    let mut commit = "none".to_string();
+    if with_git {
+        // A commit changes the commit shown (not the id): HEAD and its log move with every
+        // commit, checkout and reset (paths from git: a worktree keeps them elsewhere).
+        for p in ["HEAD", "logs/HEAD"] {
+            let path = git(&root, &["rev-parse", "--git-path", p]).map(|q| root.join(q));
+            if let Some(path) = path.filter(|q| q.exists()) {
+                println!("cargo:rerun-if-changed={}", path.display());
             }
         }
+        if let Some(full) = git(&root, &["rev-parse", "HEAD"]) {
+            let mut args = vec!["diff", "--quiet", "HEAD", "--"];
+            args.extend(SOURCES.iter().chain(&FILES));
+            let untracked =
+                git(&root, &[&["ls-files", "-o", "--exclude-per-directory=.gitignore", "--"][..], &args[4..]].concat());
+            let clean = git(&root, &args).is_some() && untracked.is_some_and(|s| s.is_empty());
+            commit = format!("{}{}", &full[..full.len().min(12)], if clean { "" } else { ", modified" });
+        }
     }
-    let hash = source_hash(&root);
-    let commit = git_dir.and_then(|_| git(&root, &["rev-parse", "--short=12", "HEAD"]));
-    let mut paths = vec!["--"];
-    paths.extend(SOURCES.iter().chain(&FILES));
-    let clean = commit.is_some()
-        && git(&root, &[&["diff", "--quiet", "HEAD"][..], &paths].concat()).is_some()
-        && git(&root, &[&["ls-files", "--others", "--exclude-standard"][..], &paths].concat())
-            .is_some_and(|s| s.is_empty());
-    let id = match commit {
-        Some(c) if clean => c,
-        Some(c) => format!("{c}+modified.{:08x}", hash >> 32),
-        None => format!("src.{hash:016x}"),
-    };
-    println!("cargo:rustc-env=FLOWPREFILL_BUILD={id}");
+    println!("cargo:rustc-env=FLOWPREFILL_BUILD={:012x}", hash >> 16);
+    println!("cargo:rustc-env=FLOWPREFILL_COMMIT={commit}");
 }

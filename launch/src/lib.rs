@@ -2,12 +2,21 @@
 //! in-process: [`serve::Service`] and [`serve::serve`]), and the error classes mapped
 //! once to exit codes and HTTP statuses ([`exit`]).
 
-/// This build's identity: the git commit it was built from (with a hash of the sources when
-/// they differ from it; see `build.rs`). Every eval run records it.
+/// This build's identity: a hash of the sources it was built from (`build.rs`), the same for
+/// the same sources on any host and after a commit that changes none. Every eval run records
+/// it; the MPI ranks compare it at start.
 pub const BUILD: &str = env!("FLOWPREFILL_BUILD");
 
-/// `flowprefill --version`: the crate's version and the build.
-pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("FLOWPREFILL_BUILD"), ")");
+/// `flowprefill --version`: the crate's version, the build, and the git commit its sources
+/// came from (`, modified` when they differ from it).
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (build ",
+    env!("FLOWPREFILL_BUILD"),
+    "; commit ",
+    env!("FLOWPREFILL_COMMIT"),
+    ")"
+);
 
 pub mod cmd;
 pub mod exit;

@@ -106,7 +106,7 @@ fn say_pending(plan: usize, pending: usize, resumed: bool, report_only: bool, pa
 /// Says which of the planned runs in a results file another build made (their answers and
 /// times are that build's), and with `--redo-other-builds` takes them out to be computed again
 /// (runs outside the plan are kept as they are).
-fn other_builds(records: &mut Vec<Record>, planned: &[String], plan: &Plan, log: &mut dyn FnMut(&str)) {
+fn other_builds(records: &mut Vec<Record>, planned: &[String], plan: &Plan, path: &Path, log: &mut dyn FnMut(&str)) {
     let planned: HashSet<&str> = planned.iter().map(String::as_str).collect();
     let other = |r: &Record| r.build.as_deref() != Some(plan.build.as_str()) && planned.contains(r.key().as_str());
     let by_build = count_builds(records.iter().filter(|r| other(r)));
@@ -117,15 +117,17 @@ fn other_builds(records: &mut Vec<Record>, planned: &[String], plan: &Plan, log:
     let builds: Vec<String> = by_build.iter().map(|(b, k)| format!("{b}: {k}")).collect();
     if plan.redo_other_builds {
         log(&format!(
-            "--redo-other-builds: {n} planned runs were made by other builds ({}); computing them again with {}",
+            "--redo-other-builds: {n} planned runs in {} were made by other builds ({}); computing them again with {}",
+            path.display(),
             builds.join(", "),
             plan.build
         ));
         records.retain(|r| !other(r));
     } else {
         log(&format!(
-            "{n} of the runs already there were made by other builds ({}), not this one ({}): their answers and \
+            "{n} of the runs already in {} were made by other builds ({}), not this one ({}): their answers and \
              times are those builds'; add --redo-other-builds to compute them again",
+            path.display(),
             builds.join(", "),
             plan.build
         ));
@@ -148,9 +150,7 @@ pub fn open(plan: &Plan, samples: usize, report_only: bool, log: &mut dyn FnMut(
             Some(f) => (f.records, f.config),
             None => (Vec::new(), s.config.clone()),
         };
-        if !report_only {
-            other_builds(&mut records, &keys, plan, log);
-        }
+        other_builds(&mut records, &keys, plan, &path, log);
         std::fs::create_dir_all(&s.out).map_err(io_said("creating", &s.out))?;
         let have: HashSet<String> = records.iter().map(Record::key).collect();
         let left = keys.iter().filter(|k| !have.contains(*k)).count();

@@ -294,9 +294,10 @@ fn a_failed_run_keeps_the_runs_before_it_and_the_study_resumes_there() {
     // --redo-other-builds computes those runs again.
     let version = Command::new(env!("CARGO_BIN_EXE_flowprefill")).arg("--version").output().expect("--version");
     let version = String::from_utf8_lossy(&version.stdout).into_owned();
-    let build = version.split_once('(').and_then(|(_, b)| b.split_once(')')).map(|(b, _)| b.to_string());
+    let build = version.split_once("(build ").and_then(|(_, b)| b.split_once(';')).map(|(b, _)| b.to_string());
     let build = build.unwrap_or_else(|| panic!("no build in {version:?}"));
-    assert!(build.len() >= 12, "{version:?}");
+    assert!(build.len() == 12 && build.chars().all(|c| c.is_ascii_hexdigit()), "{version:?}");
+    assert!(version.contains("; commit "), "where the sources came from: {version:?}");
     let file = out.join("results.json");
     let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
     let records = v["records"].as_array_mut().unwrap();
@@ -306,7 +307,10 @@ fn a_failed_run_keeps_the_runs_before_it_and_the_study_resumes_there() {
     std::fs::write(&file, v.to_string()).unwrap();
     let o = eval(None);
     let err = String::from_utf8_lossy(&o.stderr);
-    let said = format!("2 of the runs already there were made by other builds (0123456789ab: 1, not recorded: 1), not this one ({build})");
+    let said = format!(
+        "2 of the runs already in {} were made by other builds (0123456789ab: 1, not recorded: 1), not this one ({build})",
+        file.display()
+    );
     assert!(o.status.success() && err.contains(&said), "{err}");
     let md = std::fs::read_to_string(out.join("results.md")).unwrap();
     let named = ["0123456789ab (1 runs)", &format!("{build} (1 runs)"), "not recorded (1 runs)"];

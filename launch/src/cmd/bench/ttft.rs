@@ -222,11 +222,12 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
         let describe = world.describe(rayon::current_num_threads());
         let c: Vec<&str> = caches.iter().map(|c| c.name()).collect();
         println!(
-            "TTFT (median of {} timed runs after one untimed warm-up run; chunk caches {}), {describe}, ratio {}, scope {}",
+            "TTFT (median of {} timed runs after one untimed warm-up run; chunk caches {}), {describe}, ratio {}, scope {}, build {}",
             a.runs,
             c.join(", "),
             a.ratio,
-            a.scope.name()
+            a.scope.name(),
+            crate::BUILD
         );
         if let Some(t) = &target {
             println!("projected on {}", t.said);
