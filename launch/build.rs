@@ -1,8 +1,10 @@
-//! The build's identity. `FLOWPREFILL_BUILD` is a hash of the sources the binary is built
+//! The build's identity. `FP_BUILD_ID` is a hash of the sources the binary is built
 //! from (12 hex digits): two builds of the same sources have the same id, on any host and after
 //! any commit that changes no source (a docs commit leaves it alone), and every eval run records
-//! it, and the MPI ranks compare it at start. `FLOWPREFILL_COMMIT` says where the sources came
+//! it, and the MPI ranks compare it at start. `FP_BUILD_COMMIT` says where the sources came
 //! from for people: the git commit, `, modified` when they differ from it (`none` without git).
+//! (Compile-time names, not `FLOWPREFILL_*`: nothing reads them at run time, and the README's
+//! table of environment variables lists what a user can set.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -131,6 +133,6 @@ fn main() {
             commit = format!("{}{}", &full[..full.len().min(12)], if clean { "" } else { ", modified" });
         }
     }
-    println!("cargo:rustc-env=FLOWPREFILL_BUILD={:012x}", hash >> 16);
-    println!("cargo:rustc-env=FLOWPREFILL_COMMIT={commit}");
+    println!("cargo:rustc-env=FP_BUILD_ID={:012x}", hash >> 16);
+    println!("cargo:rustc-env=FP_BUILD_COMMIT={commit}");
 }

@@ -5,18 +5,12 @@
 /// This build's identity: a hash of the sources it was built from (`build.rs`), the same for
 /// the same sources on any host and after a commit that changes none. Every eval run records
 /// it; the MPI ranks compare it at start.
-pub const BUILD: &str = env!("FLOWPREFILL_BUILD");
+pub const BUILD: &str = env!("FP_BUILD_ID");
 
 /// `flowprefill --version`: the crate's version, the build, and the git commit its sources
 /// came from (`, modified` when they differ from it).
-pub const VERSION: &str = concat!(
-    env!("CARGO_PKG_VERSION"),
-    " (build ",
-    env!("FLOWPREFILL_BUILD"),
-    "; commit ",
-    env!("FLOWPREFILL_COMMIT"),
-    ")"
-);
+pub const VERSION: &str =
+    concat!(env!("CARGO_PKG_VERSION"), " (build ", env!("FP_BUILD_ID"), "; commit ", env!("FP_BUILD_COMMIT"), ")");
 
 pub mod cmd;
 pub mod exit;
