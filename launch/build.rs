@@ -46,20 +46,20 @@ fn git(root: &Path, args: &[&str]) -> Option<String> {
     out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-/// The source files, as paths from `root`, sorted: with git, those it tracks or would track
-/// (a file the repository's `.gitignore` files ignore, an editor's swap file, is not a
-/// source; the user's own global ignores are not read, so that two hosts list alike); without
-/// git, every file under the folders.
-fn sources(root: &Path, with_git: bool) -> Vec<String> {
-    let listed = with_git
-        .then(|| {
-            let mut args = vec!["ls-files", "-co", "--exclude-per-directory=.gitignore", "--"];
-            args.extend(SOURCES.iter().chain(&FILES));
-            git(root, &args)
-        })
-        .flatten();
-    let mut files = match listed {
-        Some(list) => list.lines().map(str::to_string).collect(),
+/// `git ls-files` of the source folders and files with `what` (`-c` tracked, `-o` untracked),
+/// one path per line; files the repository's `.gitignore` files ignore (an editor's swap file)
+/// are not listed, and the user's own global ignores are not read, so that two hosts list alike.
+fn listed(root: &Path, what: &str) -> Option<String> {
+    let mut args = vec!["ls-files", what, "--exclude-per-directory=.gitignore", "--"];
+    args.extend(SOURCES.iter().chain(&FILES));
+    git(root, &args)
+}
+
+/// The source files, as paths from `root`, sorted: with git, those it tracks and those it
+/// would track (`tracked`, `untracked`: [`listed`]); without git, every file under the folders.
+fn sources(root: &Path, git_lists: Option<(&str, &str)>) -> Vec<String> {
+    let mut files: Vec<String> = match git_lists {
+        Some((tracked, untracked)) => tracked.lines().chain(untracked.lines()).map(str::to_string).collect(),
         None => {
             let mut all = Vec::new();
             for d in SOURCES {
@@ -112,7 +112,8 @@ fn main() {
             root.display()
         );
     }
-    let files = sources(&root, with_git);
+    let lists = with_git.then(|| listed(&root, "-c").zip(listed(&root, "-o"))).flatten();
+    let files = sources(&root, lists.as_ref().map(|(t, u)| (t.as_str(), u.as_str())));
     let hash = source_hash(&root, &files);
     let mut commit = "none".to_string();
     if with_git {
@@ -125,11 +126,10 @@ fn main() {
             }
         }
         if let Some(full) = git(&root, &["rev-parse", "HEAD"]) {
-            let mut args = vec!["diff", "--quiet", "HEAD", "--"];
-            args.extend(SOURCES.iter().chain(&FILES));
-            let untracked =
-                git(&root, &[&["ls-files", "-o", "--exclude-per-directory=.gitignore", "--"][..], &args[4..]].concat());
-            let clean = git(&root, &args).is_some() && untracked.is_some_and(|s| s.is_empty());
+            let mut diff = vec!["diff", "--quiet", "HEAD", "--"];
+            diff.extend(SOURCES.iter().chain(&FILES));
+            let no_new_files = lists.as_ref().is_some_and(|(_, untracked)| untracked.is_empty());
+            let clean = no_new_files && git(&root, &diff).is_some();
             commit = format!("{}{}", &full[..full.len().min(12)], if clean { "" } else { ", modified" });
         }
     }

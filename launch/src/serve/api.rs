@@ -518,9 +518,14 @@ fn text_of(content: &serde_json::Value, i: usize) -> Result<String, ApiError> {
     }
 }
 
-/// Whether a message has a line containing only the separator (so it holds documents).
+/// Whether a line separates documents (it holds the separator alone).
+fn is_separator(line: &str) -> bool {
+    line.trim() == DOC_SEPARATOR
+}
+
+/// Whether a message has a separator line (so it holds documents).
 fn has_separator(message: &str) -> bool {
-    message.lines().any(|l| l.trim() == DOC_SEPARATOR)
+    message.lines().any(is_separator)
 }
 
 /// Splits a user message into documents and the question on lines of `---` (each trimmed; an
@@ -530,7 +535,7 @@ pub fn split_documents(message: &str) -> (Vec<String>, String) {
     let mut parts: Vec<String> = Vec::new();
     let mut cur = String::new();
     for line in message.lines() {
-        if line.trim() == DOC_SEPARATOR {
+        if is_separator(line) {
             parts.push(std::mem::take(&mut cur));
         } else {
             if !cur.is_empty() {
