@@ -11,11 +11,13 @@
 //! whose context is lost stays lost for the process's life).
 //!
 //! A plan fires once (so that a service can recover by rebuilding its ranks; `device-lost`
-//! keeps failing, as the driver does) and is shared by
-//! the engines of a world. Every engine starts with the process's plan from
-//! `FLOWPREFILL_FAULT=rank:R,phase:P,mode:M` ([`FaultPlan::from_env`]); tests set one directly.
+//! keeps failing, as the driver does), the first time the rank reaches the phase or, with
+//! `after:N`, the time after its first N (a fault in the third job of a run of many), and is
+//! shared by the engines of a world. Every engine starts with the process's plan from
+//! `FLOWPREFILL_FAULT=rank:R,phase:P,mode:M[,after:N]` ([`FaultPlan::from_env`]); tests set one
+//! directly.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,23 +50,33 @@ pub struct FaultPlan {
     pub phase: String,
     /// How.
     pub mode: FaultMode,
+    /// Times the rank reaches the phase unharmed before the fault.
+    pub after: usize,
+    reached: AtomicUsize,
     fired: AtomicBool,
 }
 
 impl FaultPlan {
     /// A plan: `rank` misbehaves as `mode` when it reaches `phase`.
     pub fn new(rank: usize, phase: &str, mode: FaultMode) -> Arc<Self> {
-        Arc::new(Self { rank, phase: phase.to_string(), mode, fired: AtomicBool::new(false) })
+        Self::after(rank, phase, mode, 0)
     }
 
-    /// Parses `rank:R,phase:P,mode:M` (`None` if malformed).
+    /// A plan that lets `rank` reach `phase` `after` times, then misbehaves as `mode` there.
+    pub fn after(rank: usize, phase: &str, mode: FaultMode, after: usize) -> Arc<Self> {
+        let (reached, fired) = (AtomicUsize::new(0), AtomicBool::new(false));
+        Arc::new(Self { rank, phase: phase.to_string(), mode, after, reached, fired })
+    }
+
+    /// Parses `rank:R,phase:P,mode:M[,after:N]` (`None` if malformed).
     pub fn parse(s: &str) -> Option<Arc<Self>> {
-        let (mut rank, mut phase, mut mode) = (None, None, None);
+        let (mut rank, mut phase, mut mode, mut after) = (None, None, None, 0);
         for part in s.split(',') {
             let (k, v) = part.split_once(':')?;
             let v = v.trim();
             match k.trim() {
                 "rank" => rank = Some(v.parse().ok()?),
+                "after" => after = v.parse().ok()?,
                 "phase" => phase = Some(v.to_string()),
                 "mode" => {
                     mode = Some(match v {
@@ -82,7 +94,7 @@ impl FaultPlan {
                 _ => return None,
             }
         }
-        Some(Self::new(rank?, &phase.filter(|p| !p.is_empty())?, mode?))
+        Some(Self::after(rank?, &phase.filter(|p| !p.is_empty())?, mode?, after))
     }
 
     /// The plan in `FLOWPREFILL_FAULT`, if any (a malformed value is reported and ignored):
@@ -94,7 +106,7 @@ impl FaultPlan {
             let s = std::env::var("FLOWPREFILL_FAULT").ok()?;
             let plan = Self::parse(&s);
             if plan.is_none() {
-                tracing::warn!(value = %s, "FLOWPREFILL_FAULT ignored: expected rank:R,phase:P,mode:exit|panic|hang|stall:MS|oom|device-lost");
+                tracing::warn!(value = %s, "FLOWPREFILL_FAULT ignored: expected rank:R,phase:P,mode:exit|panic|hang|stall:MS|oom|device-lost[,after:N]");
             }
             plan
         })
@@ -112,7 +124,10 @@ impl FaultPlan {
         if self.rank == rank && self.mode == FaultMode::DeviceLost && self.fired.load(Ordering::Relaxed) {
             return Err(lost());
         }
-        if self.rank != rank || self.phase != phase || self.fired.swap(true, Ordering::Relaxed) {
+        if self.rank != rank || self.phase != phase || self.fired.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        if self.reached.fetch_add(1, Ordering::Relaxed) < self.after || self.fired.swap(true, Ordering::Relaxed) {
             return Ok(());
         }
         tracing::warn!(rank, phase, mode = ?self.mode, "injected fault");
@@ -153,6 +168,13 @@ mod tests {
         let p = FaultPlan::parse("rank:1,phase:recompute,mode:oom").unwrap();
         assert!(p.point(1, "recompute").is_err_and(|e| e.to_string().contains("needs 1.00 GiB more on injected")));
         assert!(p.point(1, "recompute").is_ok(), "fires once");
+        // `after:N`: the first N arrivals pass, the next fails, and only it.
+        let p = FaultPlan::parse("rank:0,phase:recompute,mode:oom,after:2").unwrap();
+        assert_eq!(p.after, 2);
+        assert!(p.point(0, "recompute").is_ok() && p.point(0, "probe").is_ok() && p.point(0, "recompute").is_ok());
+        assert!(p.point(0, "recompute").is_err(), "the third arrival");
+        assert!(p.point(0, "recompute").is_ok(), "fires once");
+        assert!(FaultPlan::parse("rank:0,phase:probe,mode:oom,after:x").is_none());
         // A lost device stays lost: every later step of the rank fails, another rank's does not.
         let p = FaultPlan::parse("rank:1,phase:probe,mode:device-lost").unwrap();
         assert!(p.point(1, "chunk_prefill").is_ok(), "not before the planned phase");

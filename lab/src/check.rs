@@ -28,6 +28,10 @@ pub struct Report<'a> {
     pub model: &'a str,
     /// Settings that are not the defaults (scoring ablations, KV eviction), by name.
     pub settings: Vec<(&'static str, serde_json::Value)>,
+    /// The cases asked for (more than the table's when the run stopped early).
+    pub planned: usize,
+    /// Why the run stopped before its last case, if it did.
+    pub stopped: Option<String>,
 }
 
 /// What a run of [`run`] tells its caller.
@@ -52,6 +56,7 @@ pub struct Runs {
 }
 
 /// One method's results over the cases.
+#[derive(Default)]
 pub struct Row {
     /// The method.
     pub label: String,
@@ -82,71 +87,135 @@ pub fn dump(cases: &[QaCase], dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Runs every method of `table` on every case on `engine`; one row per method.
+/// Why a [`run`] ended before its last case.
+#[derive(Debug)]
+pub enum Stop {
+    /// Asked to stop (Ctrl-C): the case in progress finished first.
+    Asked,
+    /// A method failed on a case; the cases before it are in the rows.
+    Failed {
+        /// The case.
+        case: String,
+        /// The method.
+        method: String,
+        /// What failed.
+        error: crate::LabError,
+    },
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stop::Asked => f.write_str("interrupted"),
+            Stop::Failed { case, method, error } => write!(f, "{method} failed on case {case}: {error}"),
+        }
+    }
+}
+
+/// The rows of the cases that finished (every method answered), how many did, and why the
+/// run stopped early if it did: a failure or an interruption at case 20 of 30 keeps the
+/// first 19 cases' figures.
+pub struct Outcome {
+    /// One row per method, over the finished cases.
+    pub rows: Vec<Row>,
+    /// Cases every method answered.
+    pub done: usize,
+    /// Why the run ended before the last case.
+    pub stopped: Option<Stop>,
+}
+
+/// Runs every method of `table` on every case on `engine`; one row per method. Before each
+/// case `stop` is asked whether to go on; a case counts only once every method answered it.
 pub fn run(
     engine: &Engine<Device>,
     table: &[MethodSpec],
     cases: &[QaCase],
     how: Runs,
     tick: &mut dyn FnMut(Tick<'_>),
-) -> Result<Vec<Row>> {
-    let mut rows: Vec<Row> = table
-        .iter()
-        .map(|m| Row {
-            label: m.to_string(),
-            correct: 0,
-            ttft_ms: vec![],
-            selected: 0,
-            needle_cov: 0.0,
-            answer_cov: 0.0,
-        })
-        .collect();
+    stop: &dyn Fn() -> bool,
+) -> Outcome {
+    let mut rows: Vec<Row> = table.iter().map(|m| Row { label: m.to_string(), ..Row::default() }).collect();
+    let mut done = 0;
     for case in cases {
-        // `check` keeps its plain prompts (its figures in docs/results.md were made with them).
-        let req = case.request(PromptStyle::Plain);
-        let needle_rows = case.needle_rows(&engine.model().tokenizer);
-        for (row, spec) in rows.iter_mut().zip(table.iter()) {
-            if !how.warm {
-                engine.store().clear();
-            }
-            // An exact prefill (full, ring) has no chunk caches to warm; with eviction, full keeps
-            // its context's cache for the next job, which would then copy it instead of
-            // prefilling: its runs are fresh, so its TTFT (every speedup's baseline) is a prefill.
-            let exact = spec.method.info().recompute == flowprefill_coordinator::method::Recompute::Everything;
-            let opts = how.scoring.apply_where_used(RunOptions {
-                max_new_tokens: 32,
-                evict: how.evict,
-                fresh: exact && how.evict.is_some(),
-                ..spec.options(how.ratio)
-            });
-            if how.warm && !exact {
-                // Warm means this method's own chunk caches are in the store before the timed
-                // run (each prefix mode has its own): one untimed run makes them. Without it
-                // the first method to read caches (and `star`, whose anchor mode no other
-                // shares) was timed cold in a table labelled warm.
-                engine.run(&req, &opts, &mut |_| true)?;
-            }
-            let r = engine.run(&req, &opts, &mut |_| true)?;
-            if let Some((doc, needle, Some(answer))) = needle_rows.first() {
-                let sel = &r.selected_rows[*doc];
-                let cov = |rg: &std::ops::Range<usize>| {
-                    sel.iter().filter(|x| rg.contains(x)).count() as f64 / rg.len().max(1) as f64
-                };
-                row.needle_cov += cov(needle);
-                row.answer_cov += cov(answer);
-            }
-            row.correct += case.is_correct(&r.answer) as usize;
-            tick(Tick::Answer(&format!("  {:<18} {:>5} {:?}", row.label, case.is_correct(&r.answer), r.answer)));
-            row.ttft_ms.push(r.ttft.as_secs_f64() * 1e3);
-            row.selected += r.n_selected();
+        if stop() {
+            return Outcome { rows, done, stopped: Some(Stop::Asked) };
         }
+        let mut answered: Vec<Row> = rows.iter().map(|r| Row { label: r.label.clone(), ..Row::default() }).collect();
+        if let Err(failed) = run_case(engine, table, case, how, &mut answered, tick) {
+            engine.store().clear();
+            return Outcome { rows, done, stopped: Some(*failed) };
+        }
+        for (row, a) in rows.iter_mut().zip(answered) {
+            row.correct += a.correct;
+            row.ttft_ms.extend(a.ttft_ms);
+            row.selected += a.selected;
+            row.needle_cov += a.needle_cov;
+            row.answer_cov += a.answer_cov;
+        }
+        done += 1;
         engine.store().clear();
         tick(Tick::Case(&case.id));
     }
-    Ok(rows)
+    Outcome { rows, done, stopped: None }
 }
 
-/// The table (or with --json one object) of accuracy, TTFT and selection per method.
+/// Every method of `table` on one case, into `rows` (one per method); or the method that
+/// failed, and why ([`Stop::Failed`]).
+fn run_case(
+    engine: &Engine<Device>,
+    table: &[MethodSpec],
+    case: &QaCase,
+    how: Runs,
+    rows: &mut [Row],
+    tick: &mut dyn FnMut(Tick<'_>),
+) -> std::result::Result<(), Box<Stop>> {
+    // `check` keeps its plain prompts (its figures in docs/results.md were made with them).
+    let req = case.request(PromptStyle::Plain);
+    let needle_rows = case.needle_rows(&engine.model().tokenizer);
+    for (row, spec) in rows.iter_mut().zip(table.iter()) {
+        let failed = |e: flowprefill_coordinator::CoordError| {
+            Box::new(Stop::Failed { case: case.id.clone(), method: row.label.clone(), error: e.into() })
+        };
+        if !how.warm {
+            engine.store().clear();
+        }
+        // An exact prefill (full, ring) has no chunk caches to warm; with eviction, full keeps
+        // its context's cache for the next job, which would then copy it instead of
+        // prefilling: its runs are fresh, so its TTFT (every speedup's baseline) is a prefill.
+        let exact = spec.method.info().recompute == flowprefill_coordinator::method::Recompute::Everything;
+        let opts = how.scoring.apply_where_used(RunOptions {
+            max_new_tokens: 32,
+            evict: how.evict,
+            fresh: exact && how.evict.is_some(),
+            ..spec.options(how.ratio)
+        });
+        if how.warm && !exact {
+            // Warm means this method's own chunk caches are in the store before the timed
+            // run (each prefix mode has its own): one untimed run makes them. Without it
+            // the first method to read caches (and `star`, whose anchor mode no other
+            // shares) was timed cold in a table labelled warm.
+            engine.run(&req, &opts, &mut |_| true).map_err(failed)?;
+        }
+        let r = engine.run(&req, &opts, &mut |_| true).map_err(failed)?;
+        if let Some((doc, needle, Some(answer))) = needle_rows.first() {
+            let sel = &r.selected_rows[*doc];
+            let cov = |rg: &std::ops::Range<usize>| {
+                sel.iter().filter(|x| rg.contains(x)).count() as f64 / rg.len().max(1) as f64
+            };
+            row.needle_cov += cov(needle);
+            row.answer_cov += cov(answer);
+        }
+        row.correct += case.is_correct(&r.answer) as usize;
+        tick(Tick::Answer(&format!("  {:<18} {:>5} {:?}", row.label, case.is_correct(&r.answer), r.answer)));
+        row.ttft_ms.push(r.ttft.as_secs_f64() * 1e3);
+        row.selected += r.n_selected();
+    }
+    Ok(())
+}
+
+/// The table (or with --json one object) of accuracy, TTFT and selection per method, over the
+/// `cases` that finished (at least one; fewer than [`Report::planned`] when the run stopped
+/// early, which the table's first line and the object's `stopped` say).
 pub fn report(args: &Report<'_>, rows: &[Row], cases: usize) -> Result<String> {
     let (lengths, depths) = (args.lengths, args.depths);
     let n = cases as f64;
@@ -168,6 +237,7 @@ pub fn report(args: &Report<'_>, rows: &[Row], cases: usize) -> Result<String> {
         let mut all = serde_json::json!({
             "model": args.model, "ratio": args.ratio, "lengths": lengths, "depths": depths,
             "per_cell": args.per_cell, "seed": args.seed, "warm": args.warm, "results": out,
+            "cases": cases, "cases_planned": args.planned, "stopped": args.stopped,
         });
         for (k, v) in &args.settings {
             all[*k] = v.clone();
@@ -177,7 +247,11 @@ pub fn report(args: &Report<'_>, rows: &[Row], cases: usize) -> Result<String> {
             .map_err(|source| crate::LabError::Json { path: "(check results)".into(), source });
     }
     let settings: String = args.settings.iter().map(|(k, v)| format!(", {k} {v}")).collect();
-    let mut text = format!(
+    let mut text = match &args.stopped {
+        Some(why) => format!("PARTIAL: {cases} of {} cases finished ({why})\n", args.planned),
+        None => String::new(),
+    };
+    text += &format!(
         "needle in a haystack on {}: {} cases (lengths {:?}, depths {:?}, {} per cell, seed {}), ratio {}, {} chunk \
          caches{settings}\n",
         args.model,

@@ -35,6 +35,19 @@ pub fn usage(message: impl Into<String>) -> anyhow::Error {
     anyhow::Error::new(Usage(message.into()))
 }
 
+/// A command stopped by the user (Ctrl-C or SIGTERM) after keeping what it had done: exit
+/// code 6, as a cancelled job.
+#[derive(Debug)]
+pub struct Interrupted(pub String);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
 /// `anyhow::ensure!` for argument checks: fails with [`Usage`] (exit code 2).
 #[macro_export]
 macro_rules! ensure_usage {
@@ -106,6 +119,7 @@ pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
             .or_else(|| c.downcast_ref::<WorkerError>().map(WorkerError::class))
             .or_else(|| c.downcast_ref::<flowprefill_worker::InputError>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<Usage>().map(|_| ErrorClass::Caller))
+            .or_else(|| c.downcast_ref::<Interrupted>().map(|_| ErrorClass::Cancelled))
             .or_else(|| c.downcast_ref::<crate::serve::DeviceStopped>().map(|_| ErrorClass::Device))
             .or_else(|| c.downcast_ref::<flowprefill_lab::LabError>().and_then(flowprefill_lab::LabError::class))
             .or_else(|| c.downcast_ref::<flowprefill_lab::train::TrainError>().and_then(|e| e.class()))

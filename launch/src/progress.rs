@@ -72,6 +72,38 @@ impl Drop for Progress {
     }
 }
 
+/// A flag the first Ctrl-C (SIGINT) or SIGTERM sets, for a long command that stops after `step`
+/// (the one in progress) and keeps what it did (`check` prints the table of the finished cases); the second
+/// ends the process at once (exit code 130). Without signal handling (it could not be set
+/// up: said once) the flag stays down and the signals keep their default action.
+pub fn stop_on_signal(step: &'static str) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let flag = std::sync::Arc::new(AtomicBool::new(false));
+    let set = flag.clone();
+    let registered = tokio::runtime::Builder::new_current_thread().enable_all().build().and_then(|rt| {
+        use tokio::signal::unix::{signal, SignalKind};
+        let streams = rt.block_on(async {
+            Ok::<_, std::io::Error>((signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?))
+        })?;
+        Ok((rt, streams))
+    });
+    match registered {
+        Ok((rt, (mut int, mut term))) => {
+            std::thread::spawn(move || {
+                rt.block_on(async move {
+                    tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
+                    set.store(true, Ordering::Relaxed);
+                    crate::say!("stopping after {step} (Ctrl-C again stops at once)");
+                    tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
+                    std::process::exit(130);
+                })
+            });
+        }
+        Err(e) => crate::say!("warning: Ctrl-C will stop at once, losing the steps done ({e})"),
+    }
+    flag
+}
+
 /// `h:mm:ss`.
 pub fn hms(s: f64) -> String {
     let s = s as u64;

@@ -245,12 +245,36 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) {
     gguf_file::write(&mut file, &md_refs, &t_refs).expect("write gguf");
 }
 
-/// A fresh temporary directory under the target dir (removed by the caller if wanted).
-pub fn temp_dir(tag: &str) -> PathBuf {
+/// A fresh temporary directory in the system's temporary folder, removed with everything in it
+/// when the value is dropped (a test that fails removes it too, as it unwinds).
+pub fn temp_dir(tag: &str) -> TempDir {
     let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     let dir = std::env::temp_dir().join(format!("flowprefill-test-{tag}-{}-{nonce}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+    TempDir(dir)
+}
+
+/// A test's temporary directory (see [`temp_dir`]): a path that removes itself when dropped.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// A device-plane setup for a world of `ranks` thread ranks on a backend whose buffers are
@@ -281,7 +305,7 @@ pub fn tiny_pair(
     arch: &'static str,
     vocab: usize,
     seed: u64,
-) -> (flowprefill_worker::Model<Cpu>, flowprefill_lab::train::model::TrainModel, PathBuf) {
+) -> (flowprefill_worker::Model<Cpu>, flowprefill_lab::train::model::TrainModel, TempDir) {
     let dir = temp_dir(&format!("{tag}-{arch}"));
     let path = dir.join("tiny.gguf");
     write_tiny_gguf(&path, &TinySpec { vocab, layers: 2, seed, ..TinySpec::new(arch) });
@@ -292,7 +316,7 @@ pub fn tiny_pair(
 
 /// A tiny llama with the default model's tokenizer and chat template (fingerprint `tiny`),
 /// and its training twin.
-pub fn tiny_lm(tag: &str, seed: u64) -> (LoadedModel<Cpu>, flowprefill_lab::train::model::TrainModel, PathBuf) {
+pub fn tiny_lm(tag: &str, seed: u64) -> (LoadedModel<Cpu>, flowprefill_lab::train::model::TrainModel, TempDir) {
     let real = LoadedModel::load(&default_model_path(), Cpu).expect("default model");
     let (model, tm, dir) = tiny_pair(tag, "llama", real.model.config().vocab_size, seed);
     let lm = LoadedModel {

@@ -85,14 +85,39 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     crate::say!("{} cases x {} methods", cases.len(), table.len());
     let mut progress = crate::progress::Progress::new(cases.len(), "cases");
     let how = check::Runs { ratio: args.ratio, scoring, evict, warm: args.warm };
-    let rows = check::run(&engine, &table, &cases, how, &mut |t| match t {
-        Tick::Answer(line) if args.verbose => progress.println(line),
-        Tick::Answer(_) => {}
-        Tick::Case(id) => progress.inc(id),
-    })?;
+    let asked = crate::progress::stop_on_signal("the case in progress");
+    let outcome = check::run(
+        &engine,
+        &table,
+        &cases,
+        how,
+        &mut |t| match t {
+            Tick::Answer(line) if args.verbose => progress.println(line),
+            Tick::Answer(_) => {}
+            Tick::Case(id) => progress.inc(id),
+        },
+        &|| asked.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    drop(progress);
     let (lengths, depths) = (&lengths, &depths);
     let (ratio, per_cell, seed, warm, json) = (args.ratio, args.per_cell, args.seed, args.warm, args.json);
-    let report = Report { ratio, lengths, depths, per_cell, seed, warm, json, model: &model, settings };
-    print!("{}", check::report(&report, &rows, cases.len())?);
-    Ok(())
+    let (planned, done) = (cases.len(), outcome.done);
+    let stopped = outcome.stopped.as_ref().map(|s| s.to_string());
+    let report =
+        Report { ratio, lengths, depths, per_cell, seed, warm, json, model: &model, settings, planned, stopped };
+    // The cases that finished are printed whatever stopped the rest.
+    if done > 0 {
+        print!("{}", check::report(&report, &outcome.rows, done)?);
+    }
+    match outcome.stopped {
+        None => Ok(()),
+        Some(check::Stop::Asked) => Err(anyhow::Error::new(crate::exit::Interrupted(format!(
+            "interrupted after {done} of {planned} cases{}",
+            if done > 0 { " (their table is above)" } else { "" }
+        )))),
+        Some(check::Stop::Failed { case, method, error }) => Err(anyhow::Error::new(error).context(format!(
+            "{method} failed on case {case} ({done} of {planned} cases finished{})",
+            if done > 0 { "; their table is above" } else { "" }
+        ))),
+    }
 }

@@ -460,6 +460,7 @@ fn train_lookahead_then_evict_and_score_with_it() {
     assert!(!row.contains(" - |"), "the lookahead columns are measured: {row}");
     let _ = std::fs::remove_dir_all(dir);
     let _ = std::fs::remove_dir_all(docs_dir);
+    let _ = std::fs::remove_dir_all(mine[0].parent().expect("the adapters' folder"));
 }
 
 /// Two files standing for a user's adapters (the values of `FLOWPREFILL_ADAPTER` and
@@ -527,6 +528,7 @@ fn train_kvpacket_writes_only_into_its_own_outputs() {
     assert!(out.status.code() == Some(2) && err.contains("other settings"), "{err}");
     assert_eq!(std::fs::read(&baseline).unwrap(), before, "the baseline is not written over");
     let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(mine[0].parent().expect("the adapters' folder"));
 }
 
 /// The README's first command, shortened to four methods: both questions are asked, the

@@ -305,3 +305,71 @@ fn bench_ttft_and_stream_refuse_flags_and_ranks_they_cannot_use() {
     );
     refused(&["bench", "stream", "--queries", "1", "--ranks", "300"], &["--ranks 300", "at most 256"]);
 }
+
+/// `check` keeps the cases that finished: a method that fails at the second case (an injected
+/// out-of-memory error) prints the first case's table, marked partial, and exits with the
+/// failure's code; a Ctrl-C finishes the case in progress, prints the finished cases' table
+/// and exits with the cancelled code (6). Nothing the run measured is lost to either.
+#[test]
+fn check_keeps_the_finished_cases_when_a_method_fails_or_it_is_interrupted() {
+    use std::io::BufRead as _;
+    let cases = |depths: &str| {
+        ["check", "--lengths", "600", "--depths", depths, "--per-cell", "1", "--methods", "full,infoflow"]
+            .map(String::from)
+            .to_vec()
+    };
+    // The second recomputation of the run (infoflow on case 2) runs out of memory.
+    let out = bin()
+        .args(cases("0.3,0.7"))
+        .arg("--json")
+        .env("FLOWPREFILL_FAULT", "rank:0,phase:recompute,mode:oom,after:1")
+        .output()
+        .expect("check");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(75), "out of memory is a resource failure: {stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
+    assert_eq!((v["cases"].as_u64(), v["cases_planned"].as_u64()), (Some(1), Some(2)), "{v}");
+    let stopped = v["stopped"].as_str().unwrap_or_default();
+    assert!(stopped.starts_with("infoflow failed on case ") && stopped.contains("injected"), "{v}");
+    let rows = v["results"].as_array().expect("results");
+    assert!(rows.len() == 2 && rows.iter().all(|r| r["cases"] == 1 && r["median_ttft_ms"].as_f64() > Some(0.0)), "{v}");
+    assert!(
+        stderr.contains("infoflow failed on case") && stderr.contains("(1 of 2 cases finished; their table is above)"),
+        "{stderr}"
+    );
+
+    // Ctrl-C once the first case is done: the case in progress finishes, the rest do not run.
+    let mut child = bin()
+        .args(cases("0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("check");
+    let mut err_lines = std::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let mut seen = String::new();
+    for line in err_lines.by_ref() {
+        let line = line.expect("stderr line");
+        seen += &line;
+        seen.push('\n');
+        if line.starts_with("[1/9 cases]") {
+            let pid = child.id().to_string();
+            assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill").success());
+            break;
+        }
+    }
+    seen.extend(err_lines.map_while(Result::ok).map(|l| l + "\n"));
+    let out = child.wait_with_output().expect("check ends");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(6), "interrupted is cancelled: {seen}");
+    assert!(seen.contains("stopping after the case in progress (Ctrl-C again stops at once)"), "{seen}");
+    let first = stdout.lines().next().unwrap_or_default();
+    let done: usize = first
+        .strip_prefix("PARTIAL: ")
+        .and_then(|r| r.strip_suffix(" of 9 cases finished (interrupted)"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{stdout}\n{seen}"));
+    assert!((1..9).contains(&done), "{stdout}");
+    assert!(stdout.contains(&format!(": {done} cases (lengths [600]")), "the table is of the finished cases: {stdout}");
+    assert!(stdout.lines().any(|l| l.starts_with("infoflow ")), "{stdout}");
+    assert!(seen.contains(&format!("interrupted after {done} of 9 cases (their table is above)")), "{seen}");
+}

@@ -21,7 +21,7 @@ const LOGIT_TOL: f32 = 2e-4;
 const FD_REL_TOL: f32 = 0.03;
 const FD_STEP: f32 = 1e-2;
 
-fn tiny(arch: &'static str, vocab: usize) -> (Model<Cpu>, TrainModel, std::path::PathBuf) {
+fn tiny(arch: &'static str, vocab: usize) -> (Model<Cpu>, TrainModel, flowprefill_tests::TempDir) {
     flowprefill_tests::tiny_pair("kvpacket", arch, vocab, 11)
 }
 

@@ -32,7 +32,7 @@ const KL_TOL: f64 = 1e-5;
 /// The loss (an f32 graph) against the same KL in f64, relative.
 const LOSS_TOL: f64 = 1e-3;
 
-fn tiny(arch: &'static str, vocab: usize) -> (Model<Cpu>, TrainModel, std::path::PathBuf) {
+fn tiny(arch: &'static str, vocab: usize) -> (Model<Cpu>, TrainModel, flowprefill_tests::TempDir) {
     flowprefill_tests::tiny_pair("lookahead", arch, vocab, 13)
 }
 
