@@ -98,6 +98,18 @@ pub enum CommError {
         /// What was observed.
         detail: String,
     },
+    /// This rank's own device failed during a device exchange (its context is lost: a GPU
+    /// kernel fault); not a peer's fault, and the process cannot use the device again.
+    #[error(
+        "this rank's GPU failed during `{op}` ({detail}); its context is lost (every later call on it in this \
+         process fails): restart the process"
+    )]
+    Device {
+        /// The collective in progress.
+        op: String,
+        /// What failed.
+        detail: String,
+    },
     /// A peer did not answer in time.
     #[error(
         "{} did not answer within {secs:.0} s during `{op}` ({}); raise --comm-timeout \

@@ -343,6 +343,7 @@ impl WorkerError {
             | WorkerError::Io { .. } => ErrorClass::Model,
             WorkerError::Comm(flowprefill_comm::CommError::Aborted { class, .. }) => *class,
             WorkerError::Comm(flowprefill_comm::CommError::TooLarge { .. }) => ErrorClass::TooLarge,
+            WorkerError::Comm(flowprefill_comm::CommError::Device { .. }) => ErrorClass::Device,
             WorkerError::Comm(
                 flowprefill_comm::CommError::OutOfStep { .. } | flowprefill_comm::CommError::Misuse(_),
             ) => ErrorClass::Internal,

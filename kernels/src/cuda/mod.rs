@@ -48,13 +48,43 @@ fn fail(detail: impl Into<String>) -> KernelError {
 }
 
 /// A CUDA call `op` that failed with `e` (every module of the backend reports this way): a
-/// driver error that CUDA keeps for the context's life is [`KernelError::DeviceLost`].
+/// driver error that CUDA keeps for the context's life is [`KernelError::DeviceLost`]; so is a
+/// library's failure (cuBLAS's, NVRTC's: no driver result in it) when this thread's context,
+/// asked afterwards, answers with such an error ([`sticky_error`]).
 pub(crate) fn err(op: &str, e: impl std::fmt::Debug + 'static) -> KernelError {
     let driver = (&e as &dyn std::any::Any).downcast_ref::<cudarc::driver::DriverError>();
-    if driver.is_some_and(|d| context_lost(d.0)) {
-        return KernelError::DeviceLost { device: "the GPU".into(), detail: format!("{op}: {e:?}"), hung: false };
+    classify(format!("{op}: {e:?}"), driver.map(|d| d.0), sticky_error)
+}
+
+/// A failure described by `detail`: lost when the driver's own result (`driver`) is one CUDA
+/// keeps, or, for a failure that carries none, when `probe` (the context asked afterwards)
+/// returns one; a backend error of the call otherwise.
+fn classify(
+    detail: String,
+    driver: Option<cudarc::driver::sys::CUresult>,
+    probe: impl FnOnce() -> Option<cudarc::driver::sys::CUresult>,
+) -> KernelError {
+    let lost = |detail| KernelError::DeviceLost { device: "the GPU".into(), detail, hung: false };
+    match driver {
+        Some(r) if context_lost(r) => lost(detail),
+        Some(_) => fail(detail),
+        None => match probe().filter(|&r| context_lost(r)) {
+            Some(r) => lost(format!("{detail}; the context then answered {r:?}")),
+            None => fail(detail),
+        },
     }
-    fail(format!("{op}: {e:?}"))
+}
+
+/// The error CUDA keeps for this thread's current context, if it keeps one: the answer of a
+/// call that never waits for the GPU (its free memory). A library (cuBLAS, NCCL) reports a
+/// lost context in its own words (`CUBLAS_STATUS_EXECUTION_FAILED`, `ncclUnhandledCudaError`);
+/// the driver's answer afterwards says whether the GPU can still be used. `None` without a
+/// driver, without a current context, or when the context answers.
+pub(crate) fn sticky_error() -> Option<cudarc::driver::sys::CUresult> {
+    if !driver_present() {
+        return None;
+    }
+    cudarc::driver::result::mem_get_info().err().map(|e| e.0).filter(|&r| context_lost(r))
 }
 
 /// The driver's results that leave the context unusable ("sticky" errors: a kernel fault, an
@@ -193,8 +223,29 @@ mod tests {
         for r in [R::CUDA_ERROR_OUT_OF_MEMORY, R::CUDA_ERROR_INVALID_VALUE, R::CUDA_ERROR_NOT_READY, R::CUDA_SUCCESS] {
             assert!(!super::context_lost(r), "{r:?}");
         }
-        // Text, NVRTC's or cuBLAS's errors are not the driver's results.
+        // Text, NVRTC's or cuBLAS's errors are not the driver's results: the context asked
+        // afterwards decides (here, a machine without a driver or without a current context).
         assert!(matches!(super::err("load", "no such kernel"), crate::KernelError::Backend { .. }));
+        let gemm = || "cuBLAS gemm: CUBLAS_STATUS_EXECUTION_FAILED".to_string();
+        let lost = super::classify(gemm(), None, || Some(R::CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert!(
+            matches!(&lost, crate::KernelError::DeviceLost { detail, hung: false, .. }
+                if detail == "cuBLAS gemm: CUBLAS_STATUS_EXECUTION_FAILED; the context then answered CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "{lost:?}"
+        );
+        for answer in [None, Some(R::CUDA_ERROR_INVALID_CONTEXT), Some(R::CUDA_ERROR_OUT_OF_MEMORY)] {
+            assert!(
+                matches!(super::classify(gemm(), None, || answer), crate::KernelError::Backend { .. }),
+                "{answer:?}"
+            );
+        }
+        // The driver's own result decides without asking again.
+        let asked = std::cell::Cell::new(false);
+        let oom = super::classify("alloc".into(), Some(R::CUDA_ERROR_OUT_OF_MEMORY), || {
+            asked.set(true);
+            Some(R::CUDA_ERROR_ILLEGAL_ADDRESS)
+        });
+        assert!(matches!(oom, crate::KernelError::Backend { .. }) && !asked.get());
         let hung = crate::KernelError::DeviceLost {
             device: "cuda:3".into(),
             detail: "the self-check of Hopper(0) at d64 did not finish within 60 s".into(),

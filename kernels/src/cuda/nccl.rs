@@ -45,6 +45,19 @@ pub enum PlaneError {
         /// What failed.
         detail: String,
     },
+    /// This rank's own GPU failed during the exchange (its context answers with an error CUDA
+    /// keeps): not a peer's fault; the communicator is aborted and the process cannot use the
+    /// GPU again.
+    #[error(
+        "this rank's GPU failed during `{op}` ({detail}); its context is lost (every later call on it in this \
+         process fails): restart the process"
+    )]
+    DeviceLost {
+        /// The exchange.
+        op: String,
+        /// What failed, and the context's answer.
+        detail: String,
+    },
     /// The exchange did not finish before the deadline; the communicator is aborted.
     #[error(
         "rank {rank} did not answer within {secs:.0} s during `{op}` (lost or stuck); raise --comm-timeout \
@@ -61,6 +74,17 @@ pub enum PlaneError {
 }
 
 type PlaneResult<T> = std::result::Result<T, PlaneError>;
+
+/// An exchange with `peer` first that failed with `detail`: this GPU's failure when its
+/// context answered with an error CUDA keeps (`sticky`), else the peer's loss.
+fn plane_error(peer: usize, op: &str, detail: String, sticky: Option<cudarc::driver::sys::CUresult>) -> PlaneError {
+    match sticky {
+        Some(r) => {
+            PlaneError::DeviceLost { op: op.to_string(), detail: format!("{detail}; the context then answered {r:?}") }
+        }
+        None => PlaneError::Lost { rank: peer, op: op.to_string(), detail },
+    }
+}
 
 /// True when the NCCL library can be loaded.
 pub fn present() -> bool {
@@ -282,6 +306,13 @@ impl NcclPlane {
         Ok(Self { comm, compute, stream, pending: None, timeout, broken: None })
     }
 
+    /// The error of an exchange that failed with `detail`: this GPU's when its context is lost
+    /// (asked now: [`super::sticky_error`]), else the exchange's first peer's (`peer`).
+    fn lost(&self, peer: usize, op: &str, detail: String) -> PlaneError {
+        let sticky = self.compute.context().bind_to_thread().ok().and_then(|()| super::sticky_error());
+        plane_error(peer, op, detail, sticky)
+    }
+
     fn fail(&mut self, e: PlaneError) -> PlaneError {
         self.pending = None;
         self.comm.abort();
@@ -367,13 +398,13 @@ impl NcclPlane {
         let mut bufs = receives;
         let first_peer = bufs.first().map(|r| r.0).or(sends.first().map(|s| s.0)).unwrap_or(0);
         if let Err(detail) = self.issue_on_stream(sends, &mut bufs) {
-            let e = PlaneError::Lost { rank: first_peer, op: op.to_string(), detail };
+            let e = self.lost(first_peer, op, detail);
             return Err(self.fail(e));
         }
         let done = match self.stream.record_event(None) {
             Ok(ev) => ev,
             Err(e) => {
-                let e = PlaneError::Lost { rank: first_peer, op: op.to_string(), detail: format!("record: {e:?}") };
+                let e = self.lost(first_peer, op, format!("record: {e:?}"));
                 return Err(self.fail(e));
             }
         };
@@ -396,12 +427,12 @@ impl NcclPlane {
                 Ok(true) => break,
                 Ok(false) => {}
                 Err(e) => {
-                    let e = PlaneError::Lost { rank: peer, op: p.op.clone(), detail: format!("CUDA error: {e:?}") };
+                    let e = self.lost(peer, &p.op, format!("CUDA error: {e:?}"));
                     return Err(self.fail(e));
                 }
             }
             if let Some(detail) = self.comm.async_error() {
-                let e = PlaneError::Lost { rank: peer, op: p.op.clone(), detail };
+                let e = self.lost(peer, &p.op, detail);
                 return Err(self.fail(e));
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -413,7 +444,7 @@ impl NcclPlane {
         }
         // Later kernels on the compute stream read the received buffers.
         if let Err(e) = self.compute.wait(&p.done) {
-            let e = PlaneError::Lost { rank: peer, op: p.op.clone(), detail: format!("wait: {e:?}") };
+            let e = self.lost(peer, &p.op, format!("wait: {e:?}"));
             return Err(self.fail(e));
         }
         Ok(p.receives)
@@ -438,5 +469,34 @@ impl NcclPlane {
         if self.pending.is_some() {
             let _ = self.complete();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUresult as R;
+
+    /// A failed exchange blames its peer only while this GPU's context still answers: with an
+    /// error CUDA keeps there (a kernel fault of this rank's), the failure is this GPU's.
+    #[test]
+    fn an_exchange_on_a_lost_context_is_this_gpus_failure_not_the_peers() {
+        let e = plane_error(1, "ring.kv", "ncclGroupEnd: ncclUnhandledCudaError".into(), None);
+        assert_eq!(
+            e,
+            PlaneError::Lost { rank: 1, op: "ring.kv".into(), detail: "ncclGroupEnd: ncclUnhandledCudaError".into() }
+        );
+        let e = plane_error(
+            1,
+            "ring.kv",
+            "ncclGroupEnd: ncclUnhandledCudaError".into(),
+            Some(R::CUDA_ERROR_ILLEGAL_ADDRESS),
+        );
+        assert_eq!(
+            e.to_string(),
+            "this rank's GPU failed during `ring.kv` (ncclGroupEnd: ncclUnhandledCudaError; the context then answered \
+             CUDA_ERROR_ILLEGAL_ADDRESS); its context is lost (every later call on it in this process fails): restart \
+             the process"
+        );
     }
 }
