@@ -3,7 +3,7 @@
 
 use crate::error::io_plain;
 use crate::tasks::{PromptStyle, QaCase};
-use crate::Result;
+use crate::{Result, Stop};
 use flowprefill_coordinator::{Engine, MethodSpec, RunOptions};
 use flowprefill_kernels::Device;
 use std::path::Path;
@@ -87,31 +87,6 @@ pub fn dump(cases: &[QaCase], dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Why a [`run`] ended before its last case.
-#[derive(Debug)]
-pub enum Stop {
-    /// Asked to stop (Ctrl-C): the case in progress finished first.
-    Asked,
-    /// A method failed on a case; the cases before it are in the rows.
-    Failed {
-        /// The case.
-        case: String,
-        /// The method.
-        method: String,
-        /// What failed.
-        error: crate::LabError,
-    },
-}
-
-impl std::fmt::Display for Stop {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Stop::Asked => f.write_str("interrupted"),
-            Stop::Failed { case, method, error } => write!(f, "{method} failed on case {case}: {error}"),
-        }
-    }
-}
-
 /// The rows of the cases that finished (every method answered), how many did, and why the
 /// run stopped early if it did: a failure or an interruption at case 20 of 30 keeps the
 /// first 19 cases' figures.
@@ -143,7 +118,7 @@ pub fn run(
         let mut answered: Vec<Row> = rows.iter().map(|r| Row { label: r.label.clone(), ..Row::default() }).collect();
         if let Err(failed) = run_case(engine, table, case, how, &mut answered, tick) {
             engine.store().clear();
-            return Outcome { rows, done, stopped: Some(*failed) };
+            return Outcome { rows, done, stopped: Some(failed) };
         }
         for (row, a) in rows.iter_mut().zip(answered) {
             row.correct += a.correct;
@@ -168,13 +143,14 @@ fn run_case(
     how: Runs,
     rows: &mut [Row],
     tick: &mut dyn FnMut(Tick<'_>),
-) -> std::result::Result<(), Box<Stop>> {
+) -> std::result::Result<(), Stop> {
     // `check` keeps its plain prompts (its figures in docs/results.md were made with them).
     let req = case.request(PromptStyle::Plain);
     let needle_rows = case.needle_rows(&engine.model().tokenizer);
     for (row, spec) in rows.iter_mut().zip(table.iter()) {
-        let failed = |e: flowprefill_coordinator::CoordError| {
-            Box::new(Stop::Failed { case: case.id.clone(), method: row.label.clone(), error: e.into() })
+        let failed = |e: flowprefill_coordinator::CoordError| Stop::Failed {
+            at: format!("{} on case {}", row.label, case.id),
+            error: Box::new(e.into()),
         };
         if !how.warm {
             engine.store().clear();

@@ -146,3 +146,27 @@ pub(crate) fn io(what: impl Into<String>, path: impl Into<PathBuf>) -> impl FnOn
     let (what, path) = (what.into(), path.into());
     move |source| LabError::Io { what, path, source }
 }
+
+/// Why a measurement of many cases (`check`, `importance`) ended before its last case; what it
+/// measured before is kept, and its table is printed marked partial.
+#[derive(Debug)]
+pub enum Stop {
+    /// Asked to stop (Ctrl-C): the case in progress finished first.
+    Asked,
+    /// A step failed; the cases before it are kept.
+    Failed {
+        /// Where ("infoflow on case niah-600-d0.70-0").
+        at: String,
+        /// What failed.
+        error: Box<LabError>,
+    },
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stop::Asked => f.write_str("interrupted"),
+            Stop::Failed { at, error } => write!(f, "{at} failed: {error}"),
+        }
+    }
+}

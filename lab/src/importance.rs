@@ -5,7 +5,7 @@
 use crate::error::io_said;
 use crate::tasks::{generate, PromptStyle};
 use crate::train::lookahead::{agreement, agreement_of, case_importance, Agreement};
-use crate::{LabError, Result};
+use crate::{LabError, Result, Stop};
 use flowprefill_worker::{Cpu, LoadedModel};
 use std::path::Path;
 
@@ -51,24 +51,49 @@ pub struct Row {
     pub lookahead: Option<Agreement>,
 }
 
+/// The rows of the cases that finished, how many did, and why the run stopped early if it did.
+pub struct Outcome {
+    /// One per finished case and budget.
+    pub rows: Vec<Row>,
+    /// Cases finished.
+    pub done: usize,
+    /// Why the run ended before its last case.
+    pub stopped: Option<Stop>,
+}
+
 /// Every case of `plan` at every budget (`done` is told each case's `task|length|sample` and
-/// the rows so far, which a caller may write: a long run stopped part way keeps them).
+/// the rows so far, which a caller may write: a long run stopped part way keeps them). Before
+/// each case `stop` is asked whether to go on; a failure ends the run with the cases before it.
 pub fn measure(
     lm: &LoadedModel<Cpu>,
     plan: &Plan<'_>,
     done: &mut dyn FnMut(&str, &[Row]) -> Result<()>,
-) -> Result<Vec<Row>> {
+    stop: &dyn Fn() -> bool,
+) -> Outcome {
     let depths = crate::tasks::DEPTHS;
     let mut rows = Vec::new();
+    let mut finished = 0;
     for task in plan.tasks {
         for &len in plan.lengths {
             for sample in 0..plan.samples {
+                let at = format!("{task}|{len}|{sample}");
+                let failed = |e: LabError| Stop::Failed { at: format!("case {at}"), error: Box::new(e) };
+                if stop() {
+                    return Outcome { rows, done: finished, stopped: Some(Stop::Asked) };
+                }
                 let Some(case) = generate(task, &lm.tokenizer, plan.seed, len, sample, &depths) else {
-                    return Err(LabError::Failed(format!("task `{task}` makes no case of {len} tokens")));
+                    let e = LabError::Failed(format!("task `{task}` makes no case of {len} tokens"));
+                    return Outcome { rows, done: finished, stopped: Some(failed(e)) };
                 };
-                let imp = case_importance(lm, &case.request(PromptStyle::Ruler), plan.max_tokens)?;
+                let imp = match case_importance(lm, &case.request(PromptStyle::Ruler), plan.max_tokens) {
+                    Ok(imp) => imp,
+                    Err(e) => return Outcome { rows, done: finished, stopped: Some(failed(e.into())) },
+                };
+                finished += 1;
                 let Some(imp) = imp else {
-                    done(&format!("{task}|{len}|{sample}"), &rows)?;
+                    if let Err(e) = done(&at, &rows) {
+                        return Outcome { rows, done: finished, stopped: Some(failed(e)) };
+                    }
                     continue;
                 };
                 for &budget in plan.budgets {
@@ -83,11 +108,13 @@ pub fn measure(
                         lookahead: imp.lookahead.as_ref().map(|p| agreement_of(p, &imp.truth, budget)),
                     });
                 }
-                done(&format!("{task}|{len}|{sample}"), &rows)?;
+                if let Err(e) = done(&at, &rows) {
+                    return Outcome { rows, done: finished, stopped: Some(failed(e)) };
+                }
             }
         }
     }
-    Ok(rows)
+    Outcome { rows, done: finished, stopped: None }
 }
 
 /// Writes `importance.md` (the table `md`) and `importance.json` (the rows) into `dir`.

@@ -104,6 +104,22 @@ pub fn stop_on_signal(step: &'static str) -> std::sync::Arc<std::sync::atomic::A
     flag
 }
 
+/// The error of a command that stopped early (`stop`) after printing the table of its `done`
+/// of `planned` steps (`unit`: "cases"): the cancelled class (exit 6) after an interruption, the
+/// failure's own after a failure.
+pub fn stopped(stop: flowprefill_lab::Stop, done: usize, planned: usize, unit: &str) -> anyhow::Error {
+    match stop {
+        flowprefill_lab::Stop::Asked => anyhow::Error::new(crate::exit::Interrupted(format!(
+            "interrupted after {done} of {planned} {unit}{}",
+            if done > 0 { " (their table is above)" } else { "" }
+        ))),
+        flowprefill_lab::Stop::Failed { at, error } => anyhow::Error::new(*error).context(format!(
+            "{at} failed ({done} of {planned} {unit} finished{})",
+            if done > 0 { "; their table is above" } else { "" }
+        )),
+    }
+}
+
 /// `h:mm:ss`.
 pub fn hms(s: f64) -> String {
     let s = s as u64;

@@ -8,18 +8,23 @@ use flowprefill_worker::model::OpTimes;
 use flowprefill_worker::{Backend, LoadedModel};
 use std::time::Instant;
 
-/// Seconds of `runs` full prefills of `ids` (after one warm-up) and their mean op profile.
+/// Seconds of `runs` full prefills of `ids` (after one warm-up) and their mean op profile; fewer
+/// runs when `stop` says so before one (none when it does before the first).
 pub fn time_prefills<B: Backend>(
     lm: &LoadedModel<B>,
     ids: &[u32],
     runs: usize,
     piece: usize,
+    stop: &dyn Fn() -> bool,
 ) -> Result<(Vec<f64>, OpTimes)> {
     let model = &lm.model;
     let cfg = model.config();
     let mut times = Vec::with_capacity(runs);
     let mut prof = OpTimes::default();
     for run in 0..=runs {
+        if stop() {
+            break;
+        }
         let mut cache = KvCache::new(model.backend(), cfg.n_layers, cfg.kv_dim(), KeyForm::Rotated)?;
         model.profile().reset();
         let t = Instant::now();
@@ -31,12 +36,18 @@ pub fn time_prefills<B: Backend>(
         if run > 0 {
             times.push(dt);
             let p = model.op_times()?;
-            prof.matmul_s += p.matmul_s / runs as f64;
-            prof.attention_s += p.attention_s / runs as f64;
-            prof.norm_rope_s += p.norm_rope_s / runs as f64;
-            prof.elementwise_s += p.elementwise_s / runs as f64;
-            prof.logits_s += p.logits_s / runs as f64;
+            prof.matmul_s += p.matmul_s;
+            prof.attention_s += p.attention_s;
+            prof.norm_rope_s += p.norm_rope_s;
+            prof.elementwise_s += p.elementwise_s;
+            prof.logits_s += p.logits_s;
         }
+    }
+    let n = times.len().max(1) as f64;
+    for s in
+        [&mut prof.matmul_s, &mut prof.attention_s, &mut prof.norm_rope_s, &mut prof.elementwise_s, &mut prof.logits_s]
+    {
+        *s /= n;
     }
     Ok((times, prof))
 }

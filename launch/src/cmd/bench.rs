@@ -7,6 +7,7 @@ use crate::{rss, Common};
 use anyhow::Result;
 use flowprefill_lab::bench::{load as lab_load, prefill as lab_prefill};
 use flowprefill_lab::corpus;
+use flowprefill_lab::Stop;
 use flowprefill_worker::Backend;
 pub use ttft::TtftArgs;
 
@@ -159,18 +160,45 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
         println!("{}", lab_prefill::header());
     }
     let mut results = Vec::new();
+    // Ctrl-C ends the run in progress and keeps the lengths timed (a length cut short keeps its
+    // timed runs); a failure keeps the lengths before it.
+    let asked = crate::progress::stop_on_signal("the run in progress");
+    let stop = || asked.load(std::sync::atomic::Ordering::Relaxed);
+    let (mut stopped, mut done) = (None, 0);
+    // With --json nothing reaches stdout before the end: progress on stderr instead.
+    let mut progress = a.json.then(|| crate::progress::Progress::new(lengths.len(), "lengths"));
     for &n in &lengths {
         let reset_ok = rss::reset_peak();
-        let (times, prof) = lab_prefill::time_prefills(&lm, &all_ids[..n], a.runs, chunk)?;
-        let peak_mb = rss::peak_mb().unwrap_or(f64::NAN);
-        let row = lab_prefill::Row { tokens: n, runs: a.runs, times, prof, peak_mb, peak_since_start: !reset_ok };
-        if !a.json {
-            println!("{}", row.line());
+        let (times, prof) = match lab_prefill::time_prefills(&lm, &all_ids[..n], a.runs, chunk, &stop) {
+            Ok(timed) => timed,
+            Err(e) => {
+                stopped = Some(Stop::Failed { at: format!("the prefill of {n} tokens"), error: Box::new(e) });
+                break;
+            }
+        };
+        if !times.is_empty() {
+            let peak_mb = rss::peak_mb().unwrap_or(f64::NAN);
+            let runs = times.len();
+            done += usize::from(runs == a.runs);
+            let row = lab_prefill::Row { tokens: n, runs, times, prof, peak_mb, peak_since_start: !reset_ok };
+            if !a.json {
+                println!("{}", row.line());
+                if runs < a.runs {
+                    println!("  (the row above: {runs} of {} timed runs, stopped)", a.runs);
+                }
+            }
+            results.push(row.json());
+            if let Some(p) = &mut progress {
+                p.inc(&format!("{n} tokens"));
+            }
         }
-        results.push(row.json());
+        if stop() {
+            stopped = Some(Stop::Asked);
+            break;
+        }
     }
-    if a.json {
-        let obj = serde_json::json!({
+    if a.json && (!results.is_empty() || stopped.is_none()) {
+        let mut obj = serde_json::json!({
             "bench": "prefill",
             "build": crate::BUILD,
             "model": cfg.name,
@@ -181,9 +209,13 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
             "prefill_chunk": chunk,
             "results": results,
         });
+        if let Some(why) = &stopped {
+            obj["stopped"] = why.to_string().into();
+            obj["lengths_planned"] = lengths.len().into();
+        }
         println!("{}", serde_json::to_string_pretty(&obj)?);
     }
-    Ok(())
+    stopped.map_or(Ok(()), |s| Err(crate::progress::stopped(s, done, lengths.len(), "lengths")))
 }
 
 /// Job bodies of `bench load`: document sets of about --doc-tokens tokens each.

@@ -109,15 +109,5 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     if done > 0 {
         print!("{}", check::report(&report, &outcome.rows, done)?);
     }
-    match outcome.stopped {
-        None => Ok(()),
-        Some(check::Stop::Asked) => Err(anyhow::Error::new(crate::exit::Interrupted(format!(
-            "interrupted after {done} of {planned} cases{}",
-            if done > 0 { " (their table is above)" } else { "" }
-        )))),
-        Some(check::Stop::Failed { case, method, error }) => Err(anyhow::Error::new(error).context(format!(
-            "{method} failed on case {case} ({done} of {planned} cases finished{})",
-            if done > 0 { "; their table is above" } else { "" }
-        ))),
-    }
+    outcome.stopped.map_or(Ok(()), |s| Err(crate::progress::stopped(s, done, planned, "cases")))
 }

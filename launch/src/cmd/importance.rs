@@ -67,6 +67,7 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     super::check_case_lengths(common, "--lengths", &lengths)?;
     if let Some(dir) = &a.out {
         super::out_dir("--out", dir)?;
+        refuse_partial(dir)?;
     }
     let path = super::model_path(common)?;
     let mut lm = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
@@ -85,16 +86,49 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
         seed: a.seed,
         max_tokens: a.max_tokens,
     };
-    let mut progress = Progress::new(tasks.len() * lengths.len() * a.samples, "cases");
+    let planned = tasks.len() * lengths.len() * a.samples;
+    let mut progress = Progress::new(planned, "cases");
+    let asked = crate::progress::stop_on_signal("the case in progress");
     // The rows after every case: a long run stopped part way keeps what it measured.
-    let rows = measure(&lm, &plan, &mut |c, rows| {
-        progress.inc(c);
-        a.out.as_ref().map_or(Ok(()), |dir| flowprefill_lab::importance::write_rows(dir, rows))
-    })?;
-    let md = table(&rows, &tasks, &lengths, &budgets, &super::model_label(common)?);
-    println!("{md}");
-    if let Some(dir) = &a.out {
-        write(dir, &md, &rows)?;
+    let outcome = measure(
+        &lm,
+        &plan,
+        &mut |c, rows| {
+            progress.inc(c);
+            a.out.as_ref().map_or(Ok(()), |dir| flowprefill_lab::importance::write_rows(dir, rows))
+        },
+        &|| asked.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    drop(progress);
+    let (rows, done) = (&outcome.rows, outcome.done);
+    if done > 0 {
+        let mut md = table(rows, &tasks, &lengths, &budgets, &super::model_label(common)?);
+        if let Some(why) = &outcome.stopped {
+            md = format!("{PARTIAL}{done} of {planned} cases finished ({why})\n\n{md}");
+        }
+        println!("{md}");
+        if let Some(dir) = &a.out {
+            write(dir, &md, rows)?;
+        }
     }
+    outcome.stopped.map_or(Ok(()), |s| Err(crate::progress::stopped(s, done, planned, "cases")))
+}
+
+/// The first words of the table of a run that stopped before its last case.
+const PARTIAL: &str = "PARTIAL: ";
+
+/// Refuses an `--out` that holds the rows of a run that stopped before its end (its
+/// `importance.md` says so, or is missing beside `importance.json`): this run would write over
+/// them from its first case. A finished run's files are replaced, as every `--out` is.
+fn refuse_partial(dir: &std::path::Path) -> Result<()> {
+    let (json, md) = (dir.join("importance.json"), dir.join("importance.md"));
+    let stopped = json.is_file() && std::fs::read_to_string(&md).map_or(true, |text| text.starts_with(PARTIAL));
+    crate::ensure_usage!(
+        !stopped,
+        "--out {} holds the rows of a run that stopped before its end ({}): pass another --out, or move them away \
+         to measure there again",
+        dir.display(),
+        if md.is_file() { "importance.md says PARTIAL" } else { "importance.json without importance.md" }
+    );
     Ok(())
 }

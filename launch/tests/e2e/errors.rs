@@ -312,7 +312,6 @@ fn bench_ttft_and_stream_refuse_flags_and_ranks_they_cannot_use() {
 /// and exits with the cancelled code (6). Nothing the run measured is lost to either.
 #[test]
 fn check_keeps_the_finished_cases_when_a_method_fails_or_it_is_interrupted() {
-    use std::io::BufRead as _;
     let cases = |depths: &str| {
         ["check", "--lengths", "600", "--depths", depths, "--per-cell", "1", "--methods", "full,infoflow"]
             .map(String::from)
@@ -330,35 +329,16 @@ fn check_keeps_the_finished_cases_when_a_method_fails_or_it_is_interrupted() {
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
     assert_eq!((v["cases"].as_u64(), v["cases_planned"].as_u64()), (Some(1), Some(2)), "{v}");
     let stopped = v["stopped"].as_str().unwrap_or_default();
-    assert!(stopped.starts_with("infoflow failed on case ") && stopped.contains("injected"), "{v}");
+    assert!(stopped.starts_with("infoflow on case niah-600-d0.70-0 failed: ") && stopped.contains("injected"), "{v}");
     let rows = v["results"].as_array().expect("results");
     assert!(rows.len() == 2 && rows.iter().all(|r| r["cases"] == 1 && r["median_ttft_ms"].as_f64() > Some(0.0)), "{v}");
     assert!(
-        stderr.contains("infoflow failed on case") && stderr.contains("(1 of 2 cases finished; their table is above)"),
+        stderr.contains("infoflow on case niah-600-d0.70-0 failed (1 of 2 cases finished; their table is above)"),
         "{stderr}"
     );
 
     // Ctrl-C once the first case is done: the case in progress finishes, the rest do not run.
-    let mut child = bin()
-        .args(cases("0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9"))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("check");
-    let mut err_lines = std::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
-    let mut seen = String::new();
-    for line in err_lines.by_ref() {
-        let line = line.expect("stderr line");
-        seen += &line;
-        seen.push('\n');
-        if line.starts_with("[1/9 cases]") {
-            let pid = child.id().to_string();
-            assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill").success());
-            break;
-        }
-    }
-    seen.extend(err_lines.map_while(Result::ok).map(|l| l + "\n"));
-    let out = child.wait_with_output().expect("check ends");
+    let (out, seen) = interrupted_after_the_first(bin().args(cases("0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9")), 9, "cases");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(6), "interrupted is cancelled: {seen}");
     assert!(seen.contains("stopping after the case in progress (Ctrl-C again stops at once)"), "{seen}");
@@ -372,4 +352,79 @@ fn check_keeps_the_finished_cases_when_a_method_fails_or_it_is_interrupted() {
     assert!(stdout.contains(&format!(": {done} cases (lengths [600]")), "the table is of the finished cases: {stdout}");
     assert!(stdout.lines().any(|l| l.starts_with("infoflow ")), "{stdout}");
     assert!(seen.contains(&format!("interrupted after {done} of 9 cases (their table is above)")), "{seen}");
+}
+
+/// Runs `cmd` (a command of `n` steps called `unit`), sends it SIGINT once its progress says
+/// the first is done, and waits for it: its output, and its stderr.
+fn interrupted_after_the_first(
+    cmd: &mut std::process::Command,
+    n: usize,
+    unit: &str,
+) -> (std::process::Output, String) {
+    use std::io::BufRead as _;
+    let mut child =
+        cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("the command");
+    let mut err_lines = std::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let mut seen = String::new();
+    for line in err_lines.by_ref() {
+        let line = line.expect("stderr line");
+        seen += &line;
+        seen.push('\n');
+        if line.starts_with(&format!("[1/{n} {unit}]")) {
+            let pid = child.id().to_string();
+            assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill").success());
+            break;
+        }
+    }
+    seen.extend(err_lines.map_while(Result::ok).map(|l| l + "\n"));
+    (child.wait_with_output().expect("the command ends"), seen)
+}
+
+/// `importance` keeps the cases that finished: a Ctrl-C finishes the case in progress, prints
+/// the finished cases' table marked partial and writes it with their rows into `--out`; a
+/// second run into that folder is refused (it would write over those rows from its first case).
+#[test]
+fn importance_keeps_the_finished_cases_when_interrupted_and_a_second_run_leaves_them() {
+    let dir = std::env::temp_dir().join(format!("fp-importance-stop-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let args = ["importance", "--tasks", "niah_single", "--lengths", "300", "--samples", "3", "--budgets", "16,64"];
+    let (out, seen) = interrupted_after_the_first(bin().args(args).args(["--out", dir.to_str().unwrap()]), 3, "cases");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(6), "interrupted is cancelled: {seen}");
+    let done: usize = stdout
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("PARTIAL: "))
+        .and_then(|r| r.strip_suffix(" of 3 cases finished (interrupted)"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{stdout}\n{seen}"));
+    assert!((1..3).contains(&done), "{stdout}");
+    assert!(stdout.contains(&format!("| all | 300 | 64 | {done} |")), "the table is of the finished cases: {stdout}");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(dir.join("importance.json")).expect("importance.json")).expect("json");
+    assert_eq!(rows.len(), 2 * done, "two budgets per finished case");
+    let md = std::fs::read_to_string(dir.join("importance.md")).expect("importance.md");
+    assert!(md.starts_with(&format!("PARTIAL: {done} of 3 cases finished")), "{md}");
+    let (ok, _, err) = run(&[&args[..], &["--out", dir.to_str().unwrap()]].concat());
+    assert!(!ok && err.contains("holds the rows of a run that stopped before its end"), "{err}");
+    assert_eq!(std::fs::read_to_string(dir.join("importance.md")).expect("importance.md"), md, "left as it was");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// `bench prefill --json` keeps the lengths it timed: a Ctrl-C ends the run in progress and the
+/// object holds the lengths timed (the one cut short with its timed runs), `stopped` and
+/// `lengths_planned`; before, it printed nothing until its last length.
+#[test]
+fn bench_prefill_keeps_the_lengths_it_timed_when_interrupted() {
+    let args = ["bench", "prefill", "--tokens", "64,96,128,160,192,224,256", "--runs", "2", "--json"];
+    let (out, seen) = interrupted_after_the_first(bin().args(args), 7, "lengths");
+    assert_eq!(out.status.code(), Some(6), "interrupted is cancelled: {seen}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{seen}"));
+    assert_eq!((v["stopped"].as_str(), v["lengths_planned"].as_u64()), (Some("interrupted"), Some(7)), "{v}");
+    let rows = v["results"].as_array().expect("results");
+    assert!((1..7).contains(&rows.len()) && rows[0]["tokens"] == 64 && rows[0]["runs"] == 2, "{v}");
+    assert!(rows.iter().all(|r| r["runs"].as_u64().is_some_and(|n| (1..=2).contains(&n))), "{v}");
+    let full = rows.iter().filter(|r| r["runs"] == 2).count();
+    assert!(seen.contains(&format!("interrupted after {full} of 7 lengths")), "{seen}");
 }
