@@ -24,8 +24,12 @@ pub struct Driven {
     pub outcomes: Vec<Outcome>,
     /// Seconds from the first request to the last answer.
     pub wall: f64,
+    /// Seconds the clients issued jobs: the duration, or less when they were told to stop.
+    pub issuing: f64,
     /// The server's RSS over the run: (seconds, MB).
     pub rss: Vec<(f64, f64)>,
+    /// The server's peak RSS (VmHWM, MB) at the last sample.
+    pub peak: Option<f64>,
 }
 
 /// A line of `/proc/PID/status` (e.g. `VmRSS:`) in MB.
@@ -80,10 +84,17 @@ fn request(addr: &str, body: &[u8]) -> (Outcome, Option<f64>) {
     }
 }
 
-/// `d.clients` threads issuing the bodies in turn until the duration or the job bound, while
-/// the server's (`pid`) RSS is sampled every 0.5 s.
-pub fn drive(d: Drive, addr: &str, bodies: Vec<Vec<u8>>, pid: Option<u32>) -> Driven {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+/// `d.clients` threads issuing the bodies in turn until the duration, the job bound or `stop`
+/// (Ctrl-C: the jobs in flight finish, no new one starts), while the server's (`pid`) RSS is
+/// sampled every 0.5 s.
+pub fn drive(
+    d: Drive,
+    addr: &str,
+    bodies: Vec<Vec<u8>>,
+    pid: Option<u32>,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Driven {
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
     let bodies = Arc::new(bodies);
     let issued = Arc::new(AtomicUsize::new(0));
@@ -92,22 +103,34 @@ pub fn drive(d: Drive, addr: &str, bodies: Vec<Vec<u8>>, pid: Option<u32>) -> Dr
     let t0 = Instant::now();
     let stop_at = t0 + Duration::from_secs_f64(d.duration);
     let done = Arc::new(AtomicBool::new(false));
+    // The last VmHWM sampled, as f64 bits (NaN: none yet).
+    let hwm = Arc::new(AtomicU64::new(f64::NAN.to_bits()));
     let sampler = pid.map(|p| {
-        let (rss, done) = (rss.clone(), done.clone());
+        let (rss, done, hwm) = (rss.clone(), done.clone(), hwm.clone());
         std::thread::spawn(move || {
             while !done.load(Ordering::Relaxed) {
                 if let Some(mb) = status_mb(p, "VmRSS:") {
                     rss.lock().unwrap_or_else(|e| e.into_inner()).push((t0.elapsed().as_secs_f64(), mb));
                 }
+                if let Some(mb) = status_mb(p, "VmHWM:") {
+                    hwm.store(mb.to_bits(), Ordering::Relaxed);
+                }
                 std::thread::sleep(Duration::from_millis(500));
             }
         })
     });
+    // Milliseconds from the start to the first client that saw `stop`.
+    let stopped_ms = Arc::new(AtomicU64::new(u64::MAX));
     let clients: Vec<_> = (0..d.clients)
         .map(|c| {
             let (addr, bodies, issued, results) = (addr.to_string(), bodies.clone(), issued.clone(), results.clone());
+            let (stop, stopped_ms) = (stop.clone(), stopped_ms.clone());
             let max_jobs = d.max_jobs;
             std::thread::spawn(move || loop {
+                if stop.load(Ordering::Relaxed) {
+                    stopped_ms.fetch_min(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
+                    return;
+                }
                 let n = issued.fetch_add(1, Ordering::Relaxed);
                 if Instant::now() >= stop_at || n >= max_jobs {
                     return;
@@ -125,13 +148,18 @@ pub fn drive(d: Drive, addr: &str, bodies: Vec<Vec<u8>>, pid: Option<u32>) -> Dr
         let _ = c.join();
     }
     let wall = t0.elapsed().as_secs_f64();
+    let issuing = match stopped_ms.load(Ordering::Relaxed) {
+        u64::MAX => d.duration,
+        ms => d.duration.min(ms as f64 / 1e3),
+    };
     done.store(true, Ordering::Relaxed);
     if let Some(s) = sampler {
         let _ = s.join();
     }
     let outcomes = results.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let rss = rss.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    Driven { outcomes, wall, rss }
+    let peak = Some(f64::from_bits(hwm.load(Ordering::Relaxed))).filter(|mb| mb.is_finite());
+    Driven { outcomes, wall, issuing, rss, peak }
 }
 
 /// The `q` quantile of `v` (NaN when empty).
@@ -155,9 +183,14 @@ pub fn report(d: Drive, run: &Driven, peak: Option<f64>) -> (Vec<String>, usize)
     }
     let mut lines = vec![
         format!(
-            "load: {} clients, {:.0} s issuing + drain ({:.1} s wall), {} requests, {} ok",
+            "load: {} clients, {:.0} s issuing{} + drain ({:.1} s wall), {} requests, {} ok",
             d.clients,
-            d.duration,
+            run.issuing,
+            if run.issuing < d.duration {
+                format!(" (of --duration {:.0}: interrupted)", d.duration)
+            } else {
+                String::new()
+            },
             wall,
             results.len(),
             ok.len()

@@ -250,8 +250,17 @@ fn load(common: &Common, a: LoadArgs) -> Result<()> {
     let pid = child.as_ref().map(|c| c.id());
     let bodies = load_bodies(common, &a)?;
     let drive = lab_load::Drive { clients: a.clients, duration: a.duration, max_jobs: a.max_jobs };
-    let driven = lab_load::drive(drive, &addr, bodies, pid);
-    let peak = pid.and_then(|p| lab_load::status_mb(p, "VmHWM:"));
+    // Ctrl-C: no new job starts, those in flight finish (the server, told too, drains them), and
+    // the report is of the jobs so far.
+    let asked = crate::progress::stop_on_signal("the jobs in flight");
+    crate::say!(
+        "{} clients driving {addr} for {} s (Ctrl-C stops them and reports the jobs so far)",
+        a.clients,
+        a.duration
+    );
+    let driven = lab_load::drive(drive, &addr, bodies, pid, &asked);
+    // The server's own peak; once it has exited (a Ctrl-C reaches it too), the last one sampled.
+    let peak = pid.and_then(|p| lab_load::status_mb(p, "VmHWM:")).or(driven.peak);
     if let Some(c) = child {
         c.stop("-TERM", std::time::Duration::from_secs(60));
     }
@@ -265,5 +274,13 @@ fn load(common: &Common, a: LoadArgs) -> Result<()> {
         "no job of {} succeeded (outcomes above): is {addr} a flowprefill server (`flowprefill serve`)?",
         driven.outcomes.len()
     );
+    if asked.load(std::sync::atomic::Ordering::Relaxed) {
+        return Err(anyhow::Error::new(crate::exit::Interrupted(format!(
+            "interrupted after {:.0} s of --duration {} (the report above is of the {} jobs so far)",
+            driven.issuing,
+            a.duration,
+            driven.outcomes.len()
+        ))));
+    }
     Ok(())
 }

@@ -421,6 +421,43 @@ fn bench_load_drives_its_own_server() {
     assert!(out.contains("lost (no response at all): 0") && out.contains("latency of ok jobs: p50"), "{out}");
 }
 
+/// `bench load` stopped by a Ctrl-C at its terminal (the signal reaches the server it started
+/// too, which finishes the jobs it accepted): no job is lost, and the report of the jobs so far
+/// is printed before it exits with the cancelled code (6).
+#[test]
+fn bench_load_interrupted_reports_the_jobs_so_far() {
+    use std::io::BufRead as _;
+    use std::os::unix::process::CommandExt as _;
+    let mut child = bin()
+        .args(["bench", "load", "--clients", "2", "--duration", "120", "--doc-tokens", "100", "--max-tokens", "2"])
+        .process_group(0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("bench load");
+    let mut lines = std::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let mut seen = String::new();
+    for line in lines.by_ref().map_while(Result::ok) {
+        seen += &line;
+        seen.push('\n');
+        if line.contains("clients driving") {
+            break;
+        }
+    }
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let group = format!("-{}", child.id());
+    assert!(std::process::Command::new("kill").args(["-INT", "--", &group]).status().expect("kill").success());
+    seen.extend(lines.map_while(Result::ok).map(|l| l + "\n"));
+    let out = child.wait_with_output().expect("bench load ends");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(6), "{stdout}{seen}");
+    assert!(
+        stdout.contains("(of --duration 120: interrupted)") && stdout.contains("lost (no response at all): 0"),
+        "{stdout}"
+    );
+    assert!(seen.contains("interrupted after") && seen.contains("the report above is of the"), "{seen}");
+}
+
 /// `bench faults` runs a row of the fault matrix end to end; the row is the hung rank 0 of a
 /// thread world (docs/faults.md): answered 504 at the deadline + 2 s, the ranks rebuilt, the
 /// next job 200, a clean stop. Hung at the job's first step, so that the row's 10 s deadline
