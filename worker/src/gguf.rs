@@ -410,7 +410,7 @@ impl GgufFile {
                 h.update(&sample[..take]);
             }
         }
-        Ok(crate::fetch::hex(&h.finalize()[..16]))
+        Ok(crate::hex(&h.finalize()[..16]))
     }
 
     /// Reads a tensor as stored, with one positioned read (no seek: several threads may read

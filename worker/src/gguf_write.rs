@@ -190,9 +190,6 @@ fn config_metadata(cfg: &ModelConfig) -> Vec<(String, Value)> {
     meta
 }
 
-/// `general.name` of [`write_tokenizer`]'s files.
-pub const TOKENIZER_ONLY: &str = "flowprefill tokenizer only (no weights: for synthetic models' --tokenizer)";
-
 /// What [`write_synthetic`] or [`write_tokenizer`] wrote.
 #[derive(Clone, Copy, Debug)]
 pub struct Written {
@@ -265,7 +262,7 @@ fn write_to(
             let cfg = spec.config();
             (config_metadata(&cfg), plan(&cfg, format))
         }
-        None => (vec![("general.name".to_string(), Value::String(TOKENIZER_ONLY.into()))], Vec::new()),
+        None => (vec![("general.name".to_string(), Value::String(crate::config::TOKENIZER_ONLY.into()))], Vec::new()),
     };
     for k in keys {
         meta.push((k.clone(), tok.metadata()[k].clone()));

@@ -132,7 +132,7 @@ impl<B: Backend> LoadedModel<B> {
         let cache_identity = {
             use sha2::Digest;
             let d = sha2::Sha256::digest(format!("{:?}", spec.config()).as_bytes());
-            format!("{fingerprint}-{}", fetch::hex(&d[..16]))
+            format!("{fingerprint}-{}", hex(&d[..16]))
         };
         Ok(Self { model, tokenizer, template, synthetic: Some(spec), fingerprint, adapter: None, cache_identity })
     }
@@ -179,6 +179,11 @@ impl<B: Backend> LoadedModel<B> {
         }
         Ok(())
     }
+}
+
+/// Lower-case hex of `bytes` (digests, ids and file names across the crate).
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -139,7 +139,7 @@ fn values_hash(tensors: &[Vec<f32>]) -> String {
     for x in tensors.iter().flatten() {
         h.update(x.to_le_bytes());
     }
-    crate::fetch::hex(&h.finalize()[..8])
+    crate::hex(&h.finalize()[..8])
 }
 
 impl LookaheadAdapter {

@@ -450,7 +450,7 @@ pub struct FlashPlan {
 /// aims at two blocks per SM (`sm_count`), at least one key tile per split. `force_splits`
 /// (tests) sets the number of splits instead.
 pub fn flash_plan(dims: AttnDims, kernel: FlashKernel, sm_count: u32, force_splits: Option<u32>) -> FlashPlan {
-    flash_plan_aiming(dims, kernel, sm_count, super::tune::DEFAULT_BLOCKS_PER_SM, force_splits)
+    flash_plan_aiming(dims, kernel, sm_count, super::shapes::DEFAULT_BLOCKS_PER_SM, force_splits)
 }
 
 /// [`flash_plan`] aiming at `blocks_per_sm` blocks per SM (the autotuner's choice for

@@ -29,6 +29,8 @@ pub const ATTENTION_WARPS: u32 = 4;
 pub const ATTENTION_MAX_DIM: usize = 256;
 /// How far (log2 units) `flash2.cu` lets a row's maximum rise before it rescales O and l.
 pub const FA2_RESCALE_LOG2: u32 = 8;
+/// Blocks per SM the key splits aim at without the autotuner's decision.
+pub const DEFAULT_BLOCKS_PER_SM: u32 = 2;
 
 /// One configuration of `flash2.cu` at one head dimension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -98,8 +98,7 @@ pub fn kernel_of(config: u8) -> super::ops::FlashKernel {
     }
 }
 
-/// Blocks per SM the key splits aim at without a decision.
-pub const DEFAULT_BLOCKS_PER_SM: u32 = 2;
+pub use super::shapes::DEFAULT_BLOCKS_PER_SM;
 
 /// The decisions of one machine.
 #[derive(Clone, Debug, Default)]

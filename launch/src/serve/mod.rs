@@ -273,25 +273,12 @@ pub async fn serve(
     if st.shared.fatal.load(Ordering::Relaxed) {
         let why = st.shared.reason.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
         if st.shared.device_lost.load(Ordering::SeqCst) {
-            anyhow::bail!(DeviceStopped(why));
+            anyhow::bail!(crate::exit::DeviceStopped(why));
         }
         anyhow::bail!(flowprefill_coordinator::CoordError::WorldDown(why));
     }
     Ok(())
 }
-
-/// Why a service stopped on its own: a GPU of this process can run nothing more (a kernel
-/// fault, a kernel that never finished). Exit 69: only a new process has the GPU again.
-#[derive(Debug)]
-pub struct DeviceStopped(pub String);
-
-impl std::fmt::Display for DeviceStopped {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}; the service stopped: start it again", self.0)
-    }
-}
-
-impl std::error::Error for DeviceStopped {}
 
 fn is_loopback(addr: &SocketAddr) -> bool {
     addr.ip().is_loopback()

@@ -436,7 +436,7 @@ impl Core {
         h.update([dtype_code(self.scope.dtype)]);
         h.update(key.bytes());
         let d = h.finalize();
-        let hex = crate::fetch::hex(&d[..20]);
+        let hex = crate::hex(&d[..20]);
         format!("{hex}.{EXT}")
     }
 

@@ -46,7 +46,7 @@ pub struct Documents {
 /// The id of `text` (see the module docs).
 pub fn id_of(text: &str) -> String {
     let digest = Sha256::digest(text.trim().as_bytes());
-    crate::fetch::hex(&digest[..ID_LEN / 2])
+    crate::hex(&digest[..ID_LEN / 2])
 }
 
 /// Whether `id` has an id's form (16 lowercase hex digits).

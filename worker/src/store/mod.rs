@@ -70,7 +70,7 @@ impl ChunkKey {
 
     /// Short hex form for logs.
     pub fn short(&self) -> String {
-        crate::fetch::hex(&self.0[..6])
+        crate::hex(&self.0[..6])
     }
 }
 
