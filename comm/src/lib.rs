@@ -101,10 +101,12 @@ pub enum CommError {
     /// This rank's own device failed during a device exchange (its context is lost: a GPU
     /// kernel fault); not a peer's fault, and the process cannot use the device again.
     #[error(
-        "this rank's GPU failed during `{op}` ({detail}); its context is lost (every later call on it in this \
+        "rank {rank}'s GPU failed during `{op}` ({detail}); its context is lost (every later call on it in this \
          process fails): restart the process"
     )]
     Device {
+        /// This rank.
+        rank: usize,
         /// The collective in progress.
         op: String,
         /// What failed.
@@ -197,10 +199,29 @@ pub enum CommError {
 }
 
 impl CommError {
-    /// Whether the world of ranks is still usable after this error: only an abort leaves
-    /// every rank in step (the others mean a rank is lost, stuck or out of step).
+    /// Whether the world of ranks is still usable after this error: an abort leaves every rank
+    /// in step, and so does this rank's lost device (its control channel works: it tells the
+    /// others with an abort of class [`ErrorClass::Device`], and its process stops); the others
+    /// mean a rank is lost, stuck or out of step.
     pub fn world_intact(&self) -> bool {
-        matches!(self, CommError::Aborted { .. })
+        matches!(self, CommError::Aborted { .. } | CommError::Device { .. })
+    }
+
+    /// Whose fault the error is: a peer's abort carries its own class; a message too large is
+    /// the request's; this rank's lost device the device's; misuse and ranks out of step a bug;
+    /// a peer lost, stuck or garbled (and MPI's own failures) the peers'.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            CommError::Aborted { class, .. } => *class,
+            CommError::TooLarge { .. } => ErrorClass::TooLarge,
+            CommError::Device { .. } => ErrorClass::Device,
+            CommError::OutOfStep { .. } | CommError::Misuse(_) => ErrorClass::Internal,
+            CommError::RankLost { .. }
+            | CommError::Timeout { .. }
+            | CommError::Decode { .. }
+            | CommError::BadRank { .. }
+            | CommError::Mpi(_) => ErrorClass::Peer,
+        }
     }
 }
 
@@ -519,6 +540,22 @@ pub fn all_gather_value<T: Serialize + DeserializeOwned>(
 mod tests {
     use super::*;
     use crate::local::run_ranks;
+
+    /// Whose fault each error is, in one place: this rank's lost device is the device's and
+    /// leaves the ranks in step (it tells them with an abort); a lost peer breaks the world.
+    #[test]
+    fn classes_and_whether_the_world_goes_on() {
+        let device = CommError::Device { rank: 1, op: "ring.kv".into(), detail: "d".into() };
+        assert_eq!((device.class(), device.world_intact()), (ErrorClass::Device, true));
+        assert!(device.to_string().starts_with("rank 1's GPU failed during `ring.kv` (d)"), "{device}");
+        let lost = CommError::RankLost { rank: 2, op: "o".into(), detail: "d".into() };
+        assert_eq!((lost.class(), lost.world_intact()), (ErrorClass::Peer, false));
+        let abort = CommError::Aborted { rank: 1, op: "o".into(), class: ErrorClass::Device, reason: "r".into() };
+        assert_eq!((abort.class(), abort.world_intact()), (ErrorClass::Device, true));
+        assert_eq!(CommError::Misuse("m".into()).class(), ErrorClass::Internal);
+        let big = CommError::TooLarge { op: "o".into(), what: "w".into(), size: 2, limit: 1 };
+        assert_eq!(big.class(), ErrorClass::TooLarge);
+    }
 
     #[test]
     fn collectives_on_threads() {

@@ -224,7 +224,7 @@ pub fn report(args: &Report<'_>, rows: &[Row], cases: usize) -> Result<String> {
     }
     let settings: String = args.settings.iter().map(|(k, v)| format!(", {k} {v}")).collect();
     let mut text = match &args.stopped {
-        Some(why) => format!("PARTIAL: {cases} of {} cases finished ({why})\n", args.planned),
+        Some(why) => format!("{}{cases} of {} cases finished ({why})\n", crate::PARTIAL, args.planned),
         None => String::new(),
     };
     text += &format!(

@@ -95,7 +95,7 @@ impl LabError {
             LabError::Coord(e) | LabError::StudyRun { error: e, .. } => Some(e.class()),
             LabError::Worker(e) => Some(e.class()),
             LabError::Train(e) => e.class(),
-            LabError::Comm(_) => Some(ErrorClass::Peer),
+            LabError::Comm(e) => Some(e.class()),
             LabError::Kernel(e) => Some(match e {
                 flowprefill_kernels::KernelError::Shape { .. } => ErrorClass::Internal,
                 flowprefill_kernels::KernelError::OutOfMemory { .. } => ErrorClass::Resource,
@@ -146,6 +146,11 @@ pub(crate) fn io(what: impl Into<String>, path: impl Into<PathBuf>) -> impl FnOn
     let (what, path) = (what.into(), path.into());
     move |source| LabError::Io { what, path, source }
 }
+
+/// The first words of the table of a run that stopped before its last case (`PARTIAL: 2 of 5
+/// cases finished (interrupted)`): `check`'s and `importance`'s, and what a second `importance`
+/// run into the same folder looks for.
+pub const PARTIAL: &str = "PARTIAL: ";
 
 /// Why a measurement of many cases (`check`, `importance`) ended before its last case; what it
 /// measured before is kept, and its table is printed marked partial.

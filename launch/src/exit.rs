@@ -138,7 +138,7 @@ pub fn class_of(e: &anyhow::Error) -> Option<ErrorClass> {
             .or_else(|| c.downcast_ref::<flowprefill_lab::train::TrainError>().and_then(|e| e.class()))
             // A shape, device, link or profiles file the projection does not know: the caller's.
             .or_else(|| c.downcast_ref::<flowprefill_lab::project::ProjectError>().map(|_| ErrorClass::Caller))
-            .or_else(|| c.downcast_ref::<flowprefill_comm::CommError>().map(|_| ErrorClass::Peer))
+            .or_else(|| c.downcast_ref::<flowprefill_comm::CommError>().map(flowprefill_comm::CommError::class))
             .or_else(|| {
                 // A device that cannot be used (no driver, no GPU) is the machine's configuration.
                 c.downcast_ref::<flowprefill_kernels::KernelError>().map(|e| match e {

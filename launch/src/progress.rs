@@ -72,10 +72,21 @@ impl Drop for Progress {
     }
 }
 
+/// Processes a command started (`bench load`'s server) that a second signal ends with it: the
+/// process then exits at once, without the drops that would stop them.
+static CHILDREN: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// Has a second signal after [`stop_on_signal`]'s first send SIGTERM to `pid` before the
+/// process exits.
+pub fn end_with_me(pid: u32) {
+    CHILDREN.lock().unwrap_or_else(|p| p.into_inner()).push(pid);
+}
+
 /// A flag the first Ctrl-C (SIGINT) or SIGTERM sets, for a long command that stops after `step`
-/// (the one in progress) and keeps what it did (`check` prints the table of the finished cases); the second
-/// ends the process at once (exit code 130). Without signal handling (it could not be set
-/// up: said once) the flag stays down and the signals keep their default action.
+/// (the one in progress) and keeps what it did (`check` prints the table of the finished
+/// cases); the second ends the process at once (exit code 130 after SIGINT, 143 after SIGTERM),
+/// and the processes given to [`end_with_me`] with it. Without signal handling (it could not be
+/// set up: said once) the flag stays down and the signals keep their default action.
 pub fn stop_on_signal(step: &'static str) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
     use std::sync::atomic::{AtomicBool, Ordering};
     let flag = std::sync::Arc::new(AtomicBool::new(false));
@@ -94,8 +105,11 @@ pub fn stop_on_signal(step: &'static str) -> std::sync::Arc<std::sync::atomic::A
                     tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
                     set.store(true, Ordering::Relaxed);
                     crate::say!("stopping after {step} (Ctrl-C again stops at once)");
-                    tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
-                    std::process::exit(130);
+                    let code = tokio::select! { _ = int.recv() => 130, _ = term.recv() => 143 };
+                    for pid in CHILDREN.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                        let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+                    }
+                    std::process::exit(code);
                 })
             });
         }
@@ -104,18 +118,18 @@ pub fn stop_on_signal(step: &'static str) -> std::sync::Arc<std::sync::atomic::A
     flag
 }
 
-/// The error of a command that stopped early (`stop`) after printing the table of its `done`
-/// of `planned` steps (`unit`: "cases"): the cancelled class (exit 6) after an interruption, the
-/// failure's own after a failure.
-pub fn stopped(stop: flowprefill_lab::Stop, done: usize, planned: usize, unit: &str) -> anyhow::Error {
+/// The error of a command that stopped early (`stop`) after `done` of `planned` steps (`unit`:
+/// "cases"), whose table it printed if `shown`: the cancelled class (exit 6) after an
+/// interruption, the failure's own after a failure.
+pub fn stopped(stop: flowprefill_lab::Stop, done: usize, planned: usize, unit: &str, shown: bool) -> anyhow::Error {
     match stop {
         flowprefill_lab::Stop::Asked => anyhow::Error::new(crate::exit::Interrupted(format!(
             "interrupted after {done} of {planned} {unit}{}",
-            if done > 0 { " (their table is above)" } else { "" }
+            if shown { " (their table is above)" } else { "" }
         ))),
         flowprefill_lab::Stop::Failed { at, error } => anyhow::Error::new(*error).context(format!(
             "{at} failed ({done} of {planned} {unit} finished{})",
-            if done > 0 { "; their table is above" } else { "" }
+            if shown { "; their table is above" } else { "" }
         )),
     }
 }

@@ -341,13 +341,8 @@ impl WorkerError {
             | WorkerError::Fetch(_)
             | WorkerError::Adapter { .. }
             | WorkerError::Io { .. } => ErrorClass::Model,
-            WorkerError::Comm(flowprefill_comm::CommError::Aborted { class, .. }) => *class,
-            WorkerError::Comm(flowprefill_comm::CommError::TooLarge { .. }) => ErrorClass::TooLarge,
-            WorkerError::Comm(flowprefill_comm::CommError::Device { .. }) => ErrorClass::Device,
-            WorkerError::Comm(
-                flowprefill_comm::CommError::OutOfStep { .. } | flowprefill_comm::CommError::Misuse(_),
-            ) => ErrorClass::Internal,
-            WorkerError::Comm(_) | WorkerError::Protocol { .. } => ErrorClass::Peer,
+            WorkerError::Comm(e) => e.class(),
+            WorkerError::Protocol { .. } => ErrorClass::Peer,
             WorkerError::Kernel(KernelError::Backend { .. } | KernelError::HeadLayout { .. }) => ErrorClass::Model,
             WorkerError::Kernel(KernelError::OutOfMemory { .. }) => ErrorClass::Resource,
             WorkerError::Kernel(KernelError::DeviceLost { .. }) => ErrorClass::Device,

@@ -20,7 +20,7 @@ fn comm_error(e: PlaneError) -> CommError {
         PlaneError::Misuse(m) => CommError::Misuse(m),
         PlaneError::BadRank { rank, size } => CommError::BadRank { rank, size },
         PlaneError::Lost { rank, op, detail } => CommError::RankLost { rank, op, detail },
-        PlaneError::DeviceLost { op, detail } => CommError::Device { op, detail },
+        PlaneError::DeviceLost { rank, op, detail } => CommError::Device { rank, op, detail },
         PlaneError::Timeout { rank, op, secs } => CommError::Timeout { rank, op, secs, unsent: 0 },
     }
 }
@@ -117,7 +117,7 @@ mod tests {
             PlaneError::BadRank { rank: 5, size: 2 },
             PlaneError::Lost { rank: 1, op: "ring.kv".into(), detail: "ncclSend to rank 1: X".into() },
             PlaneError::Timeout { rank: 1, op: "ring.kv".into(), secs: 30.0 },
-            PlaneError::DeviceLost { op: "ring.kv".into(), detail: "wait: CUDA_ERROR_ILLEGAL_ADDRESS".into() },
+            PlaneError::DeviceLost { rank: 1, op: "ring.kv".into(), detail: "wait: CUDA_ERROR_ILLEGAL_ADDRESS".into() },
         ];
         for e in cases {
             let text = e.to_string();
@@ -132,10 +132,11 @@ mod tests {
             comm_error(PlaneError::Lost { rank: 2, op: "o".into(), detail: "d".into() }),
             CommError::RankLost { rank: 2, .. }
         ));
-        // This GPU's failure is the device's class (the process stops: exit 69, `device_failure`),
-        // and the world does not go on without it.
-        let own = comm_error(PlaneError::DeviceLost { op: "o".into(), detail: "d".into() });
-        assert!(matches!(own, CommError::Device { .. }) && !own.world_intact());
+        // This GPU's failure is the device's class (the process stops: exit 69, `device_failure`).
+        let own = comm_error(PlaneError::DeviceLost { rank: 0, op: "o".into(), detail: "d".into() });
+        // The control channel still works: the rank tells the others (an abort of this class)
+        // rather than the world being taken for broken, which would answer for a lost peer.
+        assert!(matches!(own, CommError::Device { .. }) && own.world_intact());
         assert_eq!(crate::WorkerError::Comm(own).class(), flowprefill_comm::ErrorClass::Device);
     }
 

@@ -49,10 +49,12 @@ pub enum PlaneError {
     /// keeps): not a peer's fault; the communicator is aborted and the process cannot use the
     /// GPU again.
     #[error(
-        "this rank's GPU failed during `{op}` ({detail}); its context is lost (every later call on it in this \
+        "rank {rank}'s GPU failed during `{op}` ({detail}); its context is lost (every later call on it in this \
          process fails): restart the process"
     )]
     DeviceLost {
+        /// This rank.
+        rank: usize,
         /// The exchange.
         op: String,
         /// What failed, and the context's answer.
@@ -75,13 +77,21 @@ pub enum PlaneError {
 
 type PlaneResult<T> = std::result::Result<T, PlaneError>;
 
-/// An exchange with `peer` first that failed with `detail`: this GPU's failure when its
+/// An exchange of rank `me` with `peer` first that failed with `detail`: this GPU's failure when its
 /// context answered with an error CUDA keeps (`sticky`), else the peer's loss.
-fn plane_error(peer: usize, op: &str, detail: String, sticky: Option<cudarc::driver::sys::CUresult>) -> PlaneError {
+fn plane_error(
+    me: usize,
+    peer: usize,
+    op: &str,
+    detail: String,
+    sticky: Option<cudarc::driver::sys::CUresult>,
+) -> PlaneError {
     match sticky {
-        Some(r) => {
-            PlaneError::DeviceLost { op: op.to_string(), detail: format!("{detail}; the context then answered {r:?}") }
-        }
+        Some(r) => PlaneError::DeviceLost {
+            rank: me,
+            op: op.to_string(),
+            detail: format!("{detail}; the context then answered {r:?}"),
+        },
         None => PlaneError::Lost { rank: peer, op: op.to_string(), detail },
     }
 }
@@ -310,7 +320,7 @@ impl NcclPlane {
     /// (asked now: [`super::sticky_error`]), else the exchange's first peer's (`peer`).
     fn lost(&self, peer: usize, op: &str, detail: String) -> PlaneError {
         let sticky = self.compute.context().bind_to_thread().ok().and_then(|()| super::sticky_error());
-        plane_error(peer, op, detail, sticky)
+        plane_error(self.comm.rank, peer, op, detail, sticky)
     }
 
     fn fail(&mut self, e: PlaneError) -> PlaneError {
@@ -481,12 +491,13 @@ mod tests {
     /// error CUDA keeps there (a kernel fault of this rank's), the failure is this GPU's.
     #[test]
     fn an_exchange_on_a_lost_context_is_this_gpus_failure_not_the_peers() {
-        let e = plane_error(1, "ring.kv", "ncclGroupEnd: ncclUnhandledCudaError".into(), None);
+        let e = plane_error(0, 1, "ring.kv", "ncclGroupEnd: ncclUnhandledCudaError".into(), None);
         assert_eq!(
             e,
             PlaneError::Lost { rank: 1, op: "ring.kv".into(), detail: "ncclGroupEnd: ncclUnhandledCudaError".into() }
         );
         let e = plane_error(
+            0,
             1,
             "ring.kv",
             "ncclGroupEnd: ncclUnhandledCudaError".into(),
@@ -494,7 +505,7 @@ mod tests {
         );
         assert_eq!(
             e.to_string(),
-            "this rank's GPU failed during `ring.kv` (ncclGroupEnd: ncclUnhandledCudaError; the context then answered \
+            "rank 0's GPU failed during `ring.kv` (ncclGroupEnd: ncclUnhandledCudaError; the context then answered \
              CUDA_ERROR_ILLEGAL_ADDRESS); its context is lost (every later call on it in this process fails): restart \
              the process"
         );

@@ -127,6 +127,9 @@ pub fn drive(
             let (stop, stopped_ms) = (stop.clone(), stopped_ms.clone());
             let max_jobs = d.max_jobs;
             std::thread::spawn(move || loop {
+                if Instant::now() >= stop_at || issued.load(Ordering::Relaxed) >= max_jobs {
+                    return;
+                }
                 if stop.load(Ordering::Relaxed) {
                     stopped_ms.fetch_min(t0.elapsed().as_millis() as u64, Ordering::Relaxed);
                     return;

@@ -109,5 +109,5 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
     if done > 0 {
         print!("{}", check::report(&report, &outcome.rows, done)?);
     }
-    outcome.stopped.map_or(Ok(()), |s| Err(crate::progress::stopped(s, done, planned, "cases")))
+    outcome.stopped.map_or(Ok(()), |s| Err(crate::progress::stopped(s, done, planned, "cases", done > 0)))
 }

@@ -7,6 +7,7 @@ use crate::Common;
 use anyhow::{Context as _, Result};
 use flowprefill_lab::importance::{measure, table, write, Plan};
 use flowprefill_lab::tasks::all_tasks;
+use flowprefill_lab::PARTIAL;
 use flowprefill_worker::{Cpu, LoadedModel};
 use std::path::PathBuf;
 
@@ -68,6 +69,16 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     if let Some(dir) = &a.out {
         super::out_dir("--out", dir)?;
         refuse_partial(dir)?;
+        // An earlier, finished run's table goes before this run's rows replace its own: a run
+        // that then ends without writing one (killed) leaves its rows alone, which the next
+        // run refuses to write over.
+        let md = dir.join("importance.md");
+        match std::fs::remove_file(&md) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(anyhow::Error::new(e).context(format!("removing {} of an earlier run", md.display())))
+            }
+            _ => {}
+        }
     }
     let path = super::model_path(common)?;
     let mut lm = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
@@ -111,11 +122,8 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
             write(dir, &md, rows)?;
         }
     }
-    outcome.stopped.map_or(Ok(()), |s| Err(crate::progress::stopped(s, done, planned, "cases")))
+    outcome.stopped.map_or(Ok(()), |s| Err(crate::progress::stopped(s, done, planned, "cases", done > 0)))
 }
-
-/// The first words of the table of a run that stopped before its last case.
-const PARTIAL: &str = "PARTIAL: ";
 
 /// Refuses an `--out` that holds the rows of a run that stopped before its end (its
 /// `importance.md` says so, or is missing beside `importance.json`): this run would write over
