@@ -361,6 +361,12 @@ fn interrupted_after_the_first(
     n: usize,
     unit: &str,
 ) -> (std::process::Output, String) {
+    interrupted_after(cmd, &|line| line.starts_with(&format!("[1/{n} {unit}]")))
+}
+
+/// Runs `cmd`, sends it SIGINT once a line of its stderr is `first`, and waits for it: its
+/// output, and its stderr.
+fn interrupted_after(cmd: &mut std::process::Command, first: &dyn Fn(&str) -> bool) -> (std::process::Output, String) {
     use std::io::BufRead as _;
     let mut child =
         cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("the command");
@@ -370,7 +376,7 @@ fn interrupted_after_the_first(
         let line = line.expect("stderr line");
         seen += &line;
         seen.push('\n');
-        if line.starts_with(&format!("[1/{n} {unit}]")) {
+        if first(&line) {
             let pid = child.id().to_string();
             assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().expect("kill").success());
             break;
@@ -427,4 +433,29 @@ fn bench_prefill_keeps_the_lengths_it_timed_when_interrupted() {
     assert!(rows.iter().all(|r| r["runs"].as_u64().is_some_and(|n| (1..=2).contains(&n))), "{v}");
     let full = rows.iter().filter(|r| r["runs"] == 2).count();
     assert!(seen.contains(&format!("interrupted after {full} of 7 lengths")), "{seen}");
+}
+
+/// `bench ttft` stopped by Ctrl-C after its first point: the point in progress finishes, and the
+/// table, the CSV and the chart of the points so far are made before it exits with the
+/// cancelled code (6).
+#[test]
+fn bench_ttft_interrupted_keeps_the_points_so_far() {
+    let dir = std::env::temp_dir().join(format!("fp-ttft-stop-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let args = ["bench", "ttft", "--lengths", "200,300,400,500", "--methods", "full,none", "--runs", "1"];
+    let (out, seen) = interrupted_after(bin().args(args).args(["--out", dir.to_str().unwrap()]), &|l| {
+        l.trim_start().starts_with("200 tokens  P=1")
+    });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(6), "interrupted is cancelled: {stdout}{seen}");
+    let points: usize = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("PARTIAL: ")?.strip_suffix(" points measured (interrupted)")?.parse().ok())
+        .unwrap_or_else(|| panic!("{stdout}\n{seen}"));
+    assert!((1..8).contains(&points), "{stdout}");
+    let csv = std::fs::read_to_string(dir.join("ttft.csv")).expect("ttft.csv");
+    assert!(csv.lines().count() > points, "a header and a row per timed run: {csv}");
+    assert!(dir.join("ttft.png").is_file(), "the chart of the points so far: {stdout}");
+    assert!(seen.contains(&format!("interrupted after {points} points")), "{seen}");
+    let _ = std::fs::remove_dir_all(dir);
 }

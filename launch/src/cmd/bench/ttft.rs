@@ -251,13 +251,27 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
         std::fs::remove_file(&stale_chart).with_context(|| format!("removing {}", stale_chart.display()))?;
         crate::say!("removed {} of an earlier study (drawn again at the end)", stale_chart.display());
     }
-    for (&len, (req, n_ctx)) in lengths.iter().zip(requests) {
+    // Ctrl-C ends the study after the point in progress, with the table and chart of the points
+    // so far (their CSV is written after each). Thread ranks only: under mpirun every process
+    // must leave the loop at the same point, and mpirun ends the job on a signal.
+    let asked = (!under_mpirun).then(|| crate::progress::stop_on_signal("the point in progress"));
+    let asked = || asked.as_ref().is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed));
+    let mut interrupted = false;
+    'study: for (&len, (req, n_ctx)) in lengths.iter().zip(requests) {
         for &p in &ranks {
+            if asked() {
+                interrupted = true;
+                break 'study;
+            }
             if !enter_block(common, &lm, &mut world, p)? {
                 continue;
             }
             for spec in methods.iter().filter(|s| lab_ttft::measured_at(s.method, p, ranks.len())) {
                 for &cache in &caches {
+                    if asked() {
+                        interrupted = true;
+                        break 'study;
+                    }
                     points.extend(m.point(&mut world, &req, spec, cache, len, n_ctx, p, &mut log)?);
                     // After every point: a long study stopped midway keeps what it measured.
                     if lead {
@@ -274,9 +288,21 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     if !lead {
         return Ok(());
     }
+    if interrupted {
+        println!("{}{} points measured (interrupted)", flowprefill_lab::PARTIAL, points.len());
+    }
+    if interrupted && points.is_empty() {
+        return Err(anyhow::Error::new(crate::exit::Interrupted("interrupted before the first point".into())));
+    }
     print!("{}", lab_ttft::table(&points));
     let describe = world.describe(rayon::current_num_threads());
     let written = lab_ttft::chart(&points, &ranks, &a.out, &describe, &csv_path)?;
     println!("wrote {}", written.join(" and "));
+    if interrupted {
+        return Err(anyhow::Error::new(crate::exit::Interrupted(format!(
+            "interrupted after {} points (the table above, the CSV and the chart are of those)",
+            points.len()
+        ))));
+    }
     Ok(())
 }
