@@ -7,7 +7,6 @@ use crate::Common;
 use anyhow::Result;
 use flowprefill_coordinator::{MethodSpec, RunOptions};
 use flowprefill_lab::bench::{bench_docs, stream as lab_stream};
-use std::io::Write;
 
 /// Arguments of `bench stream`.
 #[derive(clap::Args, Debug)]
@@ -90,8 +89,9 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
     let base =
         MethodSpec::merge(Some(a.method), None, None, None, RunOptions { max_new_tokens: 1, ..RunOptions::default() })?;
     let csv_path = a.out.join("stream.csv");
-    let mut csv = std::fs::File::create(&csv_path)?;
-    writeln!(csv, "{}", lab_stream::CSV_HEADER)?;
+    // Written whole after every configuration: an earlier study's file stays until this one has
+    // a row, and a study stopped part way keeps its rows.
+    let mut csv = format!("{}\n", lab_stream::CSV_HEADER);
     println!(
         "{} questions over {} documents of {} tokens ({} each, Zipf {}), method {}, thread ranks, chunk stores kept through the stream",
         a.queries, a.corpus, a.doc_tokens, a.docs_per_query, a.zipf, a.method
@@ -106,7 +106,8 @@ pub fn run(common: &Common, a: StreamArgs) -> Result<()> {
             let mut world = crate::cmd::thread_world(common, lm.clone(), p, std::time::Duration::from_secs(600))?;
             let row = lab_stream::run(&mut world, &corpus, &questions, &base, slack)?;
             println!("{}", row.line());
-            writeln!(csv, "{}", row.csv())?;
+            csv += &format!("{}\n", row.csv());
+            flowprefill_lab::eval::write_atomic(&csv_path, csv.as_bytes())?;
         }
     }
     println!("wrote {}", csv_path.display());
