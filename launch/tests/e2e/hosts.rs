@@ -198,4 +198,76 @@ fn two_hosts_answer_as_one_rank_and_a_lost_link_is_named() {
     );
     let _ = hosts_sh().args(["link", "fpt-h1", "up"]).status();
     let _ = std::fs::remove_dir_all(dir);
+    a_rank_killed_while_it_loads_ends_the_job(&hosts);
+}
+
+/// Rank 1's process (host 1) is killed while it loads its model (it never finishes: the fault
+/// hangs it there), rank 0 having loaded and waiting for it at the start's agreement, which
+/// waits up to 30 minutes for a slow load: the job ends within [`FAULT_END_LIMIT`], rank 1
+/// named, by rank 0 (its process went silent) or by Open MPI's launcher, whichever comes first.
+fn a_rank_killed_while_it_loads_ends_the_job(hosts: &Hosts) {
+    let (dir, doc_args) = docs("hosts-kill-load", 3, 5);
+    let marker = dir.to_string_lossy().into_owned();
+    let mut args: Vec<String> = vec!["--threads".into(), "1".into(), "run".into()];
+    args.extend(doc_args.iter().cloned());
+    args.extend(
+        ["--query", "What is the north gate code?", "--max-tokens", "4", "--comm-timeout", "10"].map(String::from),
+    );
+    let mut child = hosts
+        .mpirun()
+        .arg(bin())
+        .args(&args)
+        .env("FLOWPREFILL_STORE", "off")
+        .env("FLOWPREFILL_FAULT", "rank:1,phase:load,mode:hang")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel::<String>();
+    let err = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let victim = crate::mpi_support::started_rank(&marker, 1);
+    let mut text = String::new();
+    let t = Instant::now();
+    while !text.lines().any(|l| l.starts_with("loaded ")) {
+        let line = rx.recv_timeout(Duration::from_secs(120)).expect("rank 0 loads");
+        text.push_str(&line);
+        text.push('\n');
+        assert!(t.elapsed() < Duration::from_secs(120), "rank 0 did not load: {text}");
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap().success());
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if killed.elapsed() > FAULT_END_LIMIT {
+            let _ = child.kill();
+            panic!("the job did not end within {FAULT_END_LIMIT:?} of the kill: {text}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let ended = killed.elapsed();
+    let _ = reader.join();
+    text.extend(rx.try_iter().map(|l| l + "\n"));
+    assert!(!status.success(), "{text}");
+    let by_rank_0 = text.contains("rank 1 was lost during `setup.agree`");
+    let naming = |l: &&str| {
+        l.contains("rank 1 was lost during `setup.agree`")
+            || (l.contains("rank 1") && (l.contains("signal 9") || l.contains("Killed")))
+    };
+    let named = text.lines().find(naming).unwrap_or_else(|| panic!("rank 1 is named: {text}"));
+    assert!(crate::mpi_support::wait_gone(&marker, 0), "rank 0 ended: {text}");
+    eprintln!(
+        "rank 1 killed while loading on host 1: the job ended {:.1} s after the kill, rank 1 named by {}: {}",
+        ended.as_secs_f64(),
+        if by_rank_0 { "rank 0" } else { "Open MPI's launcher" },
+        named.trim()
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 /// Top first-token logits of an MPI run vs a one-rank run, absolute (logit range is ~40).
 const MPI_TOP_LOGIT_TOL: f64 = 1e-2;
 
-use crate::mpi_support::{assert_same_answer, docs, json, run_args};
+use crate::mpi_support::{assert_same_answer, docs, json, rank_pids, run_args, started_rank, wait_gone};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_flowprefill")
@@ -103,24 +103,6 @@ fn mpi_ranks_on_one_machine_count_their_jobs_against_its_memory_together() {
     // above one share alone (half of it).
     assert!(two > 0.8 * one, "2 processes need {two} GiB together, 1 needs {one} GiB");
     let _ = std::fs::remove_dir_all(dir);
-}
-
-/// PIDs of processes whose environment says they are MPI rank `rank` of a job started with
-/// `marker` in their command line.
-fn rank_pids(marker: &str, rank: usize) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if !String::from_utf8_lossy(&cmd).contains(marker) {
-            continue;
-        }
-        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-        if env.split(|&b| b == 0).any(|kv| kv == format!("OMPI_COMM_WORLD_RANK={rank}").as_bytes()) {
-            out.push(pid);
-        }
-    }
-    out
 }
 
 fn wait_with_deadline(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
@@ -344,30 +326,6 @@ impl Drop for KillOnDrop {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-/// The pid of rank `rank` of the job whose command line holds `marker`, once it exists.
-fn started_rank(marker: &str, rank: usize) -> u32 {
-    let t = Instant::now();
-    loop {
-        if let Some(&p) = rank_pids(marker, rank).first() {
-            return p;
-        }
-        assert!(t.elapsed() < Duration::from_secs(60), "rank {rank} never started");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// Whether rank `rank`'s process is gone within 10 s.
-fn wait_gone(marker: &str, rank: usize) -> bool {
-    let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(10) {
-        if rank_pids(marker, rank).is_empty() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    false
 }
 
 /// With `--device cuda` every rank drives its GPU and the ranks move K/V over NCCL; a killed

@@ -1,6 +1,7 @@
 //! Helpers shared by the tests that run `flowprefill` under `mpirun` (`mpi.rs`, `hosts.rs`).
 
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 /// `n_docs` documents of `sentences` sentences about towers and lanterns, one of them (the
 /// middle one, half way in) holding the access code 4729: the folder and the `--doc` arguments.
@@ -57,4 +58,46 @@ pub fn assert_same_answer(tag: &str, many: &serde_json::Value, one: &serde_json:
         let d = (x[1].as_f64().unwrap() - y[1].as_f64().unwrap()).abs();
         assert!(d <= tol, "{tag}: logit differs by {d}");
     }
+}
+
+/// PIDs of processes whose environment says they are MPI rank `rank` of a job started with
+/// `marker` in their command line.
+pub fn rank_pids(marker: &str, rank: usize) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&cmd).contains(marker) {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if env.split(|&b| b == 0).any(|kv| kv == format!("OMPI_COMM_WORLD_RANK={rank}").as_bytes()) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// The pid of rank `rank` of the job whose command line holds `marker`, once it exists.
+pub fn started_rank(marker: &str, rank: usize) -> u32 {
+    let t = Instant::now();
+    loop {
+        if let Some(&p) = rank_pids(marker, rank).first() {
+            return p;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "rank {rank} never started");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Whether rank `rank`'s process is gone within 10 s.
+pub fn wait_gone(marker: &str, rank: usize) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(10) {
+        if rank_pids(marker, rank).is_empty() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
 }
