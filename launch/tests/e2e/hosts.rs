@@ -73,6 +73,33 @@ impl Hosts {
         c
     }
 
+    /// `flowprefill ARGS` on both hosts with `fault` injected (`FLOWPREFILL_FAULT`): the
+    /// launcher, its stderr's lines as they come, and the thread that reads them.
+    fn run_with_fault(
+        &self,
+        args: &[String],
+        fault: &str,
+    ) -> (std::process::Child, mpsc::Receiver<String>, std::thread::JoinHandle<()>) {
+        let mut child = self
+            .mpirun()
+            .arg(bin())
+            .args(args)
+            .env("FLOWPREFILL_STORE", "off")
+            .env("FLOWPREFILL_FAULT", fault)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = mpsc::channel::<String>();
+        let err = child.stderr.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        (child, rx, reader)
+    }
+
     /// Bytes host 1 has sent over its link.
     fn host1_sent(&self) -> u64 {
         std::fs::read_to_string("/sys/class/net/fpt-v1/statistics/rx_bytes")
@@ -128,23 +155,7 @@ fn two_hosts_answer_as_one_rank_and_a_lost_link_is_named() {
             .map(String::from),
     );
     args.extend(["--comm-timeout".to_string(), FAULT_COMM_TIMEOUT_S.to_string()]);
-    let mut child = hosts
-        .mpirun()
-        .arg(bin())
-        .args(&args)
-        .env("FLOWPREFILL_STORE", "off")
-        .env("FLOWPREFILL_FAULT", "rank:1,phase:recompute,mode:stall:4000")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (tx, rx) = mpsc::channel::<String>();
-    let err = child.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(err).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let (mut child, rx, reader) = hosts.run_with_fault(&args, "rank:1,phase:recompute,mode:stall:4000");
     let mut text = String::new();
     let t = Instant::now();
     loop {
@@ -213,23 +224,7 @@ fn a_rank_killed_while_it_loads_ends_the_job(hosts: &Hosts) {
     args.extend(
         ["--query", "What is the north gate code?", "--max-tokens", "4", "--comm-timeout", "10"].map(String::from),
     );
-    let mut child = hosts
-        .mpirun()
-        .arg(bin())
-        .args(&args)
-        .env("FLOWPREFILL_STORE", "off")
-        .env("FLOWPREFILL_FAULT", "rank:1,phase:load,mode:hang")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (tx, rx) = mpsc::channel::<String>();
-    let err = child.stderr.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        for line in BufReader::new(err).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let (mut child, rx, reader) = hosts.run_with_fault(&args, "rank:1,phase:load,mode:hang");
     let victim = crate::mpi_support::started_rank(&marker, 1);
     let mut text = String::new();
     let t = Instant::now();
