@@ -123,6 +123,16 @@ pub fn write(dir: &Path, md: &str, rows: &[Row]) -> Result<()> {
     write_rows(dir, rows)
 }
 
+/// Removes `importance.md` from `dir` if it is there (an earlier run's table, before this run's
+/// rows replace that run's).
+pub fn forget_table(dir: &Path) -> Result<()> {
+    let md = dir.join("importance.md");
+    match std::fs::remove_file(&md) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io_said("removing", &md)(e)),
+        _ => Ok(()),
+    }
+}
+
 /// Writes `importance.json` (the rows so far) into `dir`.
 pub fn write_rows(dir: &Path, rows: &[Row]) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(io_said("creating", dir))?;

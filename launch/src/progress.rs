@@ -82,6 +82,11 @@ pub fn end_with_me(pid: u32) {
     CHILDREN.lock().unwrap_or_else(|p| p.into_inner()).push(pid);
 }
 
+/// `pid` has ended (stopped by the command): a second signal leaves its number alone.
+pub fn ended(pid: u32) {
+    CHILDREN.lock().unwrap_or_else(|p| p.into_inner()).retain(|&p| p != pid);
+}
+
 /// A flag the first Ctrl-C (SIGINT) or SIGTERM sets, for a long command that stops after `step`
 /// (the one in progress) and keeps what it did (`check` prints the table of the finished
 /// cases); the second ends the process at once (exit code 130 after SIGINT, 143 after SIGTERM),

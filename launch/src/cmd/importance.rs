@@ -69,16 +69,6 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     if let Some(dir) = &a.out {
         super::out_dir("--out", dir)?;
         refuse_partial(dir)?;
-        // An earlier, finished run's table goes before this run's rows replace its own: a run
-        // that then ends without writing one (killed) leaves its rows alone, which the next
-        // run refuses to write over.
-        let md = dir.join("importance.md");
-        match std::fs::remove_file(&md) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(anyhow::Error::new(e).context(format!("removing {} of an earlier run", md.display())))
-            }
-            _ => {}
-        }
     }
     let path = super::model_path(common)?;
     let mut lm = LoadedModel::load(&path, Cpu).with_context(|| format!("loading {}", path.display()))?;
@@ -100,13 +90,22 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
     let planned = tasks.len() * lengths.len() * a.samples;
     let mut progress = Progress::new(planned, "cases");
     let asked = crate::progress::stop_on_signal("the case in progress");
+    let mut replacing = false;
     // The rows after every case: a long run stopped part way keeps what it measured.
     let outcome = measure(
         &lm,
         &plan,
         &mut |c, rows| {
             progress.inc(c);
-            a.out.as_ref().map_or(Ok(()), |dir| flowprefill_lab::importance::write_rows(dir, rows))
+            let Some(dir) = &a.out else { return Ok(()) };
+            if !replacing {
+                // An earlier, finished run's table goes as this run's rows replace its own: a
+                // run then killed leaves its rows without a table, which the next run refuses
+                // to write over; one that ends before its first rows leaves the earlier files.
+                flowprefill_lab::importance::forget_table(dir)?;
+                replacing = true;
+            }
+            flowprefill_lab::importance::write_rows(dir, rows)
         },
         &|| asked.load(std::sync::atomic::Ordering::Relaxed),
     );

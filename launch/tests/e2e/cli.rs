@@ -383,6 +383,16 @@ fn importance_compares_snapkv_with_what_the_answer_reads() {
         }
     }
     assert!(dir.join("importance.md").exists());
+    // A run into the same folder that fails before its first case leaves the finished run's
+    // files as they were (and a later run may replace them).
+    let md = std::fs::read(dir.join("importance.md")).expect("importance.md");
+    let out = bin()
+        .args(["--model", "/nonexistent/model.gguf", "importance", "--tasks", "niah_single", "--lengths", "400"])
+        .args(["--out", dir.to_str().unwrap()])
+        .output()
+        .expect("importance");
+    assert!(!out.status.success());
+    assert_eq!(std::fs::read(dir.join("importance.md")).expect("importance.md"), md, "left as it was");
     let _ = std::fs::remove_dir_all(dir);
 }
 

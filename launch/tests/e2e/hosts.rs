@@ -229,7 +229,8 @@ fn a_rank_killed_while_it_loads_ends_the_job(hosts: &Hosts) {
     let mut text = String::new();
     let t = Instant::now();
     while !text.lines().any(|l| l.starts_with("loaded ")) {
-        let line = rx.recv_timeout(Duration::from_secs(120)).expect("rank 0 loads");
+        let line =
+            rx.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|e| panic!("rank 0 did not load ({e}): {text}"));
         text.push_str(&line);
         text.push('\n');
         assert!(t.elapsed() < Duration::from_secs(120), "rank 0 did not load: {text}");

@@ -215,7 +215,18 @@ pub(crate) fn wait_bufs<B: Backend>(
         Posted::Device { op, from, rows, lens, sent, t0 } => {
             let plane = comm.plane().ok_or_else(|| internal("the device plane went away"))?;
             let name = plane.name();
-            let mut got = typed::<B::Buf>(plane).and_then(|p| p.complete()).map_err(comm_err)?.into_iter();
+            let mut got = match typed::<B::Buf>(plane).and_then(|p| p.complete()) {
+                Ok(got) => got.into_iter(),
+                Err(e) => {
+                    // A peer that gave the job up (its own GPU lost, say) said why on the control
+                    // channel, which the device plane's wait does not read: its reason and class
+                    // are the job's, not this wait's timeout.
+                    if !matches!(e, flowprefill_comm::CommError::Device { .. }) {
+                        comm.poll_abort(&op).map_err(comm_err)?;
+                    }
+                    return Err(comm_err(e));
+                }
+            };
             let mut received = 0;
             let mut out = Vec::with_capacity(from.len());
             for (r, l) in rows.into_iter().zip(lens) {
