@@ -246,11 +246,9 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
         lengths.iter().map(|&len| lab_ttft::request(&lm, len, a.doc_tokens)).collect::<Result<Vec<_>, _>>()?;
     // The chart of an earlier study in this folder would stand beside this study's CSV until
     // the end (or for good, if this one stops): it goes as the first point replaces the CSV.
+    // A study stopped before its first point leaves the earlier study's files as they were.
     let stale_chart = a.out.join("ttft.png");
-    if lead && stale_chart.is_file() {
-        std::fs::remove_file(&stale_chart).with_context(|| format!("removing {}", stale_chart.display()))?;
-        crate::say!("removed {} of an earlier study (drawn again at the end)", stale_chart.display());
-    }
+    let mut stale = lead && stale_chart.is_file();
     // Ctrl-C ends the study after the point in progress, with the table and chart of the points
     // so far (their CSV is written after each). Thread ranks only: under mpirun every process
     // must leave the loop at the same point, and mpirun ends the job on a signal.
@@ -276,6 +274,11 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
                     // After every point: a long study stopped midway keeps what it measured.
                     if lead {
                         flowprefill_lab::eval::write_atomic(&csv_path, m.csv.as_bytes())?;
+                    }
+                    if std::mem::take(&mut stale) {
+                        std::fs::remove_file(&stale_chart)
+                            .with_context(|| format!("removing {}", stale_chart.display()))?;
+                        crate::say!("removed {} of an earlier study (drawn again at the end)", stale_chart.display());
                     }
                 }
             }
