@@ -31,7 +31,7 @@ pub struct Report<'a> {
     /// The cases asked for (more than the table's when the run stopped early).
     pub planned: usize,
     /// Why the run stopped before its last case, if it did.
-    pub stopped: Option<String>,
+    pub stopped: Option<&'a Stop>,
 }
 
 /// What a run of [`run`] tells its caller.
@@ -87,17 +87,9 @@ pub fn dump(cases: &[QaCase], dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The rows of the cases that finished (every method answered), how many did, and why the
-/// run stopped early if it did: a failure or an interruption at case 20 of 30 keeps the
-/// first 19 cases' figures.
-pub struct Outcome {
-    /// One row per method, over the finished cases.
-    pub rows: Vec<Row>,
-    /// Cases every method answered.
-    pub done: usize,
-    /// Why the run ended before the last case.
-    pub stopped: Option<Stop>,
-}
+/// One row per method over the cases every method answered ([`crate::Outcome`]): a failure or
+/// an interruption at case 20 of 30 keeps the first 19 cases' figures.
+pub type Outcome = crate::Outcome<Row>;
 
 /// Runs every method of `table` on every case on `engine`; one row per method. Before each
 /// case `stop` is asked whether to go on; a case counts only once every method answered it.
@@ -213,7 +205,7 @@ pub fn report(args: &Report<'_>, rows: &[Row], cases: usize) -> Result<String> {
         let mut all = serde_json::json!({
             "model": args.model, "ratio": args.ratio, "lengths": lengths, "depths": depths,
             "per_cell": args.per_cell, "seed": args.seed, "warm": args.warm, "results": out,
-            "cases": cases, "cases_planned": args.planned, "stopped": args.stopped,
+            "cases": cases, "cases_planned": args.planned, "stopped": args.stopped.map(Stop::to_string),
         });
         for (k, v) in &args.settings {
             all[*k] = v.clone();
@@ -224,7 +216,7 @@ pub fn report(args: &Report<'_>, rows: &[Row], cases: usize) -> Result<String> {
     }
     let settings: String = args.settings.iter().map(|(k, v)| format!(", {k} {v}")).collect();
     let mut text = match &args.stopped {
-        Some(why) => format!("{}{cases} of {} cases finished ({why})\n", crate::PARTIAL, args.planned),
+        Some(stop) => format!("{}\n", stop.headline(cases, args.planned)),
         None => String::new(),
     };
     text += &format!(

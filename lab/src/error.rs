@@ -167,6 +167,25 @@ pub enum Stop {
     },
 }
 
+/// What a measurement of many cases made: the rows of the cases that finished, how many
+/// finished, and why the run stopped before its last case if it did.
+pub struct Outcome<R> {
+    /// The finished cases' rows.
+    pub rows: Vec<R>,
+    /// Cases finished.
+    pub done: usize,
+    /// Why the run ended before its last case.
+    pub stopped: Option<Stop>,
+}
+
+impl Stop {
+    /// The first line of the table of the `done` of `planned` cases a run finished before it
+    /// stopped for this reason: `PARTIAL: 2 of 5 cases finished (interrupted)`.
+    pub fn headline(&self, done: usize, planned: usize) -> String {
+        format!("{PARTIAL}{done} of {planned} cases finished ({self})")
+    }
+}
+
 impl std::fmt::Display for Stop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

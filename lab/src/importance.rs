@@ -51,15 +51,8 @@ pub struct Row {
     pub lookahead: Option<Agreement>,
 }
 
-/// The rows of the cases that finished, how many did, and why the run stopped early if it did.
-pub struct Outcome {
-    /// One per finished case and budget.
-    pub rows: Vec<Row>,
-    /// Cases finished.
-    pub done: usize,
-    /// Why the run ended before its last case.
-    pub stopped: Option<Stop>,
-}
+/// One row per finished case and budget ([`crate::Outcome`]).
+pub type Outcome = crate::Outcome<Row>;
 
 /// Every case of `plan` at every budget (`done` is told each case's `task|length|sample` and
 /// the rows so far, which a caller may write: a long run stopped part way keeps them). Before

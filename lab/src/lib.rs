@@ -40,7 +40,7 @@ pub mod project;
 pub mod tasks;
 pub mod train;
 
-pub use error::{each_once, LabError, Result, Stop, PARTIAL};
+pub use error::{each_once, LabError, Outcome, Result, Stop, PARTIAL};
 
 /// The median of `v` (sorted in place; NaN when `v` is empty).
 pub fn median(v: &mut [f64]) -> f64 {

@@ -87,15 +87,34 @@ pub fn ended(pid: u32) {
     CHILDREN.lock().unwrap_or_else(|p| p.into_inner()).retain(|&p| p != pid);
 }
 
+/// Whether a long command was asked to stop ([`stop_on_signal`]'s first signal).
+pub struct Asked(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Asked {
+    /// Never asked: a command that cannot stop part way (ranks under mpirun must stop together).
+    pub fn never() -> Self {
+        Asked(Default::default())
+    }
+
+    /// Whether the first signal came.
+    pub fn is_set(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The flag itself, for threads that poll it (`bench load`'s clients).
+    pub fn flag(&self) -> &std::sync::Arc<std::sync::atomic::AtomicBool> {
+        &self.0
+    }
+}
+
 /// A flag the first Ctrl-C (SIGINT) or SIGTERM sets, for a long command that stops after `step`
 /// (the one in progress) and keeps what it did (`check` prints the table of the finished
 /// cases); the second ends the process at once (exit code 130 after SIGINT, 143 after SIGTERM),
 /// and the processes given to [`end_with_me`] with it. Without signal handling (it could not be
 /// set up: said once) the flag stays down and the signals keep their default action.
-pub fn stop_on_signal(step: &'static str) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let flag = std::sync::Arc::new(AtomicBool::new(false));
-    let set = flag.clone();
+pub fn stop_on_signal(step: &'static str) -> Asked {
+    let asked = Asked::never();
+    let set = asked.0.clone();
     let registered = tokio::runtime::Builder::new_current_thread().enable_all().build().and_then(|rt| {
         use tokio::signal::unix::{signal, SignalKind};
         let streams = rt.block_on(async {
@@ -108,7 +127,7 @@ pub fn stop_on_signal(step: &'static str) -> std::sync::Arc<std::sync::atomic::A
             std::thread::spawn(move || {
                 rt.block_on(async move {
                     tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }
-                    set.store(true, Ordering::Relaxed);
+                    set.store(true, std::sync::atomic::Ordering::Relaxed);
                     crate::say!("stopping after {step} (Ctrl-C again stops at once)");
                     let code = tokio::select! { _ = int.recv() => 130, _ = term.recv() => 143 };
                     for pid in CHILDREN.lock().unwrap_or_else(|p| p.into_inner()).iter() {
@@ -120,7 +139,7 @@ pub fn stop_on_signal(step: &'static str) -> std::sync::Arc<std::sync::atomic::A
         }
         Err(e) => crate::say!("warning: Ctrl-C will stop at once, losing the steps done ({e})"),
     }
-    flag
+    asked
 }
 
 /// The error of a command that stopped early (`stop`) after `done` of `planned` steps (`unit`:

@@ -49,17 +49,19 @@ fn lost(ordinal: usize, detail: String) -> KernelError {
 impl CudaBackend {
     /// `e`, a library call's failure on this GPU (cuBLAS's), or the device's loss behind it:
     /// after an asynchronous fault the first call to notice may be a library's, whose error
-    /// does not say so (it was classed as the model's); the driver's answer to a new event does.
+    /// does not say so (it was classed as the model's). [`super::err`] asks the thread's current
+    /// context; this asks this GPU's, made current first.
     pub(super) fn or_lost(&self, e: KernelError) -> KernelError {
         if !matches!(e, KernelError::Backend { .. }) {
             return e;
         }
-        match self.stream.record_event(None) {
-            Err(d) => match err(&e.to_string(), d) {
-                lost @ KernelError::DeviceLost { .. } => lost,
-                _ => e,
-            },
-            Ok(_) => e,
+        let probe = || match self.stream.context().bind_to_thread() {
+            Ok(()) => super::sticky_error(),
+            Err(d) => Some(d.0),
+        };
+        match super::classify(e.to_string(), None, probe) {
+            lost @ KernelError::DeviceLost { .. } => lost,
+            _ => e,
         }
     }
 

@@ -163,7 +163,7 @@ fn prefill(common: &Common, a: PrefillArgs) -> Result<()> {
     // Ctrl-C ends the run in progress and keeps the lengths timed (a length cut short keeps its
     // timed runs); a failure keeps the lengths before it.
     let asked = crate::progress::stop_on_signal("the run in progress");
-    let stop = || asked.load(std::sync::atomic::Ordering::Relaxed);
+    let stop = || asked.is_set();
     let (mut stopped, mut done) = (None, 0);
     // With --json nothing reaches stdout before the end: progress on stderr instead.
     let mut progress = a.json.then(|| crate::progress::Progress::new(lengths.len(), "lengths"));
@@ -264,7 +264,7 @@ fn load(common: &Common, a: LoadArgs) -> Result<()> {
         a.clients,
         a.duration
     );
-    let driven = lab_load::drive(drive, &addr, bodies, pid, &asked);
+    let driven = lab_load::drive(drive, &addr, bodies, pid, asked.flag());
     // The server's own peak; once it has exited (a Ctrl-C reaches it too), the last one sampled.
     let peak = pid.and_then(|p| lab_load::status_mb(p, "VmHWM:")).or(driven.peak);
     if let Some(c) = child {

@@ -96,13 +96,13 @@ pub fn run(common: &Common, args: Args) -> Result<()> {
             Tick::Answer(_) => {}
             Tick::Case(id) => progress.inc(id),
         },
-        &|| asked.load(std::sync::atomic::Ordering::Relaxed),
+        &|| asked.is_set(),
     );
     drop(progress);
     let (lengths, depths) = (&lengths, &depths);
     let (ratio, per_cell, seed, warm, json) = (args.ratio, args.per_cell, args.seed, args.warm, args.json);
     let (planned, done) = (cases.len(), outcome.done);
-    let stopped = outcome.stopped.as_ref().map(|s| s.to_string());
+    let stopped = outcome.stopped.as_ref();
     let report =
         Report { ratio, lengths, depths, per_cell, seed, warm, json, model: &model, settings, planned, stopped };
     // The cases that finished are printed whatever stopped the rest.

@@ -107,14 +107,14 @@ pub fn run(common: &Common, a: Args) -> Result<()> {
             }
             flowprefill_lab::importance::write_rows(dir, rows)
         },
-        &|| asked.load(std::sync::atomic::Ordering::Relaxed),
+        &|| asked.is_set(),
     );
     drop(progress);
     let (rows, done) = (&outcome.rows, outcome.done);
     if done > 0 {
         let mut md = table(rows, &tasks, &lengths, &budgets, &super::model_label(common)?);
-        if let Some(why) = &outcome.stopped {
-            md = format!("{PARTIAL}{done} of {planned} cases finished ({why})\n\n{md}");
+        if let Some(stop) = &outcome.stopped {
+            md = format!("{}\n\n{md}", stop.headline(done, planned));
         }
         println!("{md}");
         if let Some(dir) = &a.out {

@@ -171,7 +171,7 @@ fn two_hosts_answer_as_one_rank_and_a_lost_link_is_named() {
     let down = hosts_sh().args(["link", "fpt-h1", "down"]).status().unwrap();
     assert!(down.success());
     let mut named = None;
-    let status = loop {
+    let status = ends_within_the_limit(&mut child, cut, "the cut", &mut || {
         while let Ok(line) = rx.try_recv() {
             if named.is_none() && line.contains("rank 1 did not answer") {
                 named = Some(cut.elapsed());
@@ -179,15 +179,8 @@ fn two_hosts_answer_as_one_rank_and_a_lost_link_is_named() {
             text.push_str(&line);
             text.push('\n');
         }
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if cut.elapsed() > FAULT_END_LIMIT {
-            let _ = child.kill();
-            panic!("the job did not end within {FAULT_END_LIMIT:?} of the cut: {text}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+        text.clone()
+    });
     let ended = cut.elapsed();
     let _ = reader.join();
     while let Ok(line) = rx.try_recv() {
@@ -210,6 +203,28 @@ fn two_hosts_answer_as_one_rank_and_a_lost_link_is_named() {
     let _ = hosts_sh().args(["link", "fpt-h1", "up"]).status();
     let _ = std::fs::remove_dir_all(dir);
     a_rank_killed_while_it_loads_ends_the_job(&hosts);
+}
+
+/// Waits for the job (`child`) to end, calling `tick` at every look (it reads what the job
+/// printed, and returns it); [`FAULT_END_LIMIT`] after `from` (`what` happened then), the job
+/// is killed and the test fails with that text.
+fn ends_within_the_limit(
+    child: &mut std::process::Child,
+    from: Instant,
+    what: &str,
+    tick: &mut dyn FnMut() -> String,
+) -> std::process::ExitStatus {
+    loop {
+        let text = tick();
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if from.elapsed() > FAULT_END_LIMIT {
+            let _ = child.kill();
+            panic!("the job did not end within {FAULT_END_LIMIT:?} of {what}: {text}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Rank 1's process (host 1) is killed while it loads its model (it never finishes: the fault
@@ -238,16 +253,7 @@ fn a_rank_killed_while_it_loads_ends_the_job(hosts: &Hosts) {
     std::thread::sleep(Duration::from_secs(2));
     assert!(Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap().success());
     let killed = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if killed.elapsed() > FAULT_END_LIMIT {
-            let _ = child.kill();
-            panic!("the job did not end within {FAULT_END_LIMIT:?} of the kill: {text}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = ends_within_the_limit(&mut child, killed, "the kill", &mut || text.clone());
     let ended = killed.elapsed();
     let _ = reader.join();
     text.extend(rx.try_iter().map(|l| l + "\n"));

@@ -252,8 +252,11 @@ pub(super) fn run(common: &Common, a: TtftArgs) -> Result<()> {
     // Ctrl-C ends the study after the point in progress, with the table and chart of the points
     // so far (their CSV is written after each). Thread ranks only: under mpirun every process
     // must leave the loop at the same point, and mpirun ends the job on a signal.
-    let asked = (!under_mpirun).then(|| crate::progress::stop_on_signal("the point in progress"));
-    let asked = || asked.as_ref().is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed));
+    let asked = match under_mpirun {
+        true => crate::progress::Asked::never(),
+        false => crate::progress::stop_on_signal("the point in progress"),
+    };
+    let asked = || asked.is_set();
     let mut interrupted = false;
     'study: for (&len, (req, n_ctx)) in lengths.iter().zip(requests) {
         for &p in &ranks {
