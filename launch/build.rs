@@ -1,8 +1,11 @@
 //! The build's identity. `FP_BUILD_ID` is a hash of the sources the binary is built
-//! from (12 hex digits): two builds of the same sources have the same id, on any host and after
-//! any commit that changes no source (a docs commit leaves it alone), and every eval run records
-//! it, and the MPI ranks compare it at start. `FP_BUILD_COMMIT` says where the sources came
-//! from for people: the git commit, `, modified` when they differ from it (`none` without git).
+//! from and of how they were built (its cargo features and the profile's optimisation, in
+//! `FP_BUILD_CONFIG`): 12 hex digits. Two builds of the same sources with the same features and
+//! profile have the same id, on any host and after any commit that changes no source (a docs
+//! commit leaves it alone); a debug build, or one with CUDA, of the same sources has another
+//! (its timings differ). Every eval run records it, and the MPI ranks compare it at start.
+//! `FP_BUILD_COMMIT` says where the sources came from for people: the git commit, `, modified`
+//! when they differ from it (`none` without git).
 //! (Compile-time names, not `FLOWPREFILL_*`: nothing reads them at run time, and the README's
 //! table of environment variables lists what a user can set.)
 
@@ -95,6 +98,21 @@ fn source_hash(root: &Path, files: &[String]) -> u64 {
     h
 }
 
+/// How this build was made beyond its sources: the profile (`release`, `debug`), its
+/// optimisation level and this crate's cargo features, e.g. `release, opt-level 3, features
+/// cuda,mpi`. Cargo runs the build script again when any of them changes.
+fn configuration() -> String {
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| "unknown".to_string());
+    let mut features: Vec<String> = std::env::vars()
+        .filter_map(|(k, _)| k.strip_prefix("CARGO_FEATURE_").map(|f| f.to_lowercase().replace('_', "-")))
+        .filter(|f| f != "default")
+        .collect();
+    features.sort();
+    let features =
+        if features.is_empty() { "no features".to_string() } else { format!("features {}", features.join(",")) };
+    format!("{}, opt-level {}, {features}", var("PROFILE"), var("OPT_LEVEL"))
+}
+
 fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let root = root.canonicalize().unwrap_or(root);
@@ -114,7 +132,12 @@ fn main() {
     }
     let lists = with_git.then(|| listed(&root, "-c").zip(listed(&root, "-o"))).flatten();
     let files = sources(&root, lists.as_ref().map(|(t, u)| (t.as_str(), u.as_str())));
-    let hash = source_hash(&root, &files);
+    let config = configuration();
+    let mut hash = source_hash(&root, &files);
+    for &b in config.as_bytes() {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
     let mut commit = "none".to_string();
     if with_git {
         // A commit changes the commit shown (not the id): HEAD and its log move with every
@@ -135,4 +158,5 @@ fn main() {
     }
     println!("cargo:rustc-env=FP_BUILD_ID={:012x}", hash >> 16);
     println!("cargo:rustc-env=FP_BUILD_COMMIT={commit}");
+    println!("cargo:rustc-env=FP_BUILD_CONFIG={config}");
 }

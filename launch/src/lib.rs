@@ -2,15 +2,27 @@
 //! in-process: [`serve::Service`] and [`serve::serve`]), and the error classes mapped
 //! once to exit codes and HTTP statuses ([`exit`]).
 
-/// This build's identity: a hash of the sources it was built from (`build.rs`), the same for
-/// the same sources on any host and after a commit that changes none. Every eval run records
-/// it; the MPI ranks compare it at start.
+/// This build's identity: a hash of the sources it was built from and of [`BUILD_CONFIG`]
+/// (`build.rs`), the same for the same sources and configuration on any host and after a
+/// commit that changes no source. Every eval run records it; the MPI ranks compare it at start.
 pub const BUILD: &str = env!("FP_BUILD_ID");
 
-/// `flowprefill --version`: the crate's version, the build, and the git commit its sources
-/// came from (`, modified` when they differ from it).
-pub const VERSION: &str =
-    concat!(env!("CARGO_PKG_VERSION"), " (build ", env!("FP_BUILD_ID"), "; commit ", env!("FP_BUILD_COMMIT"), ")");
+/// How this build was made beyond its sources: profile, optimisation level and cargo features
+/// (`release, opt-level 3, features mpi`); part of [`BUILD`].
+pub const BUILD_CONFIG: &str = env!("FP_BUILD_CONFIG");
+
+/// `flowprefill --version`: the crate's version, the build, the git commit its sources came
+/// from (`, modified` when they differ from it) and the build's configuration.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (build ",
+    env!("FP_BUILD_ID"),
+    "; commit ",
+    env!("FP_BUILD_COMMIT"),
+    "; ",
+    env!("FP_BUILD_CONFIG"),
+    ")"
+);
 
 pub mod cmd;
 pub mod exit;

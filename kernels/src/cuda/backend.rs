@@ -101,6 +101,8 @@ pub struct CudaBackend {
     pub(super) part_lse: Scratch<f32>,
     /// Uploaded control data, by content.
     pub(super) control: ControlCache,
+    /// How long a kernel's first run may take ([`CudaBackend::finish_within`]).
+    pub(super) first_run_limit: std::time::Duration,
     /// The step being recorded, if any (`record`).
     pub(super) recorder: super::graph::Recorder,
     /// Page-locked memory for batched copies (`download_many`, `upload_many`).
@@ -129,7 +131,7 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("multiprocessor count", e))?
             .max(1) as u32;
-        let super::settings::Settings { fixed, gathered_keys, tune_off, pinned_control } =
+        let super::settings::Settings { fixed, gathered_keys, tune_off, pinned_control, first_run_limit } =
             super::settings::Settings::from_env()?;
         let driver = super::versions().driver.unwrap_or(0);
         // SAFETY: every op of this backend runs on `stream`, one stream, so cudarc's per-buffer
@@ -191,6 +193,7 @@ impl CudaBackend {
             part_out: Scratch::new(epoch.clone()),
             part_lse: Scratch::new(epoch.clone()),
             control: ControlCache::new(pinned_control),
+            first_run_limit,
             recorder: super::graph::Recorder::new(epoch),
             staging: Default::default(),
         };

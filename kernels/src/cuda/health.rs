@@ -16,8 +16,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How long a first run on this GPU may take before its kernel is taken for one that never
-/// finishes: the self-check's problems take milliseconds, the autotuner's one run of a call
-/// well under a second, even on a GPU time-sliced between processes.
+/// finishes, unless `FLOWPREFILL_GPU_FIRST_RUN_LIMIT` says otherwise: the self-check's problems
+/// take milliseconds, the autotuner's one run of a call well under a second, even on a GPU
+/// time-sliced between processes.
 pub(super) const FIRST_RUN_LIMIT: Duration = Duration::from_secs(60);
 
 /// Why a GPU of this process is held by a kernel that never finished, once one was seen, by
@@ -65,16 +66,22 @@ impl CudaBackend {
         }
     }
 
-    /// Waits until everything queued on the stream so far has run, at most `limit`: past it,
-    /// the backend is marked hung (every later launch fails) and the error says `what` did not
-    /// finish. The host polls an event rather than blocking in the driver, which would not
-    /// return.
-    pub(super) fn finish_within(&self, what: &str, limit: Duration) -> Result<()> {
+    /// Waits until everything queued on the stream so far has run, at most the backend's first
+    /// run limit: past it, the backend is marked hung (every later launch fails) and the error
+    /// says `what` did not finish, and how to allow longer. The host polls an event rather than
+    /// blocking in the driver, which would not return.
+    pub(super) fn finish_within(&self, what: &str) -> Result<()> {
+        let limit = self.first_run_limit;
         let event = self.stream.record_event(None).map_err(|e| err(what, e))?;
         let start = Instant::now();
         while !event.try_is_complete().map_err(|e| err(what, e))? {
             if start.elapsed() >= limit {
-                let why = format!("{what} did not finish within {} s", limit.as_secs());
+                let why = format!(
+                    "{what} did not finish within {} s (on a GPU shared with other work that is slow rather than \
+                     hung, {}=SECONDS allows longer)",
+                    limit.as_secs_f64(),
+                    super::settings::FIRST_RUN_ENV
+                );
                 mark_hung(self.ordinal(), &why);
                 return Err(lost(self.ordinal(), why));
             }

@@ -97,7 +97,7 @@ impl CudaBackend {
             let f = |p| Ptr::new(p, Elem::F32);
             self.run_built(ops::hopper_probe(swizzle, Ptr::new(pm, Elem::U64), b(pa), f(p1), f(p2), 0))?;
         }
-        self.finish_within("the Hopper probe (its first run on this GPU)", super::health::FIRST_RUN_LIMIT)?;
+        self.finish_within("the Hopper probe (its first run on this GPU)")?;
         let get = |d: &CudaSlice<f32>| s.clone_dtoh(d).map_err(|e| err("hopper probe download", e));
         Ok((get(&d1)?, get(&d2)?))
     }
@@ -258,7 +258,7 @@ impl CudaBackend {
                 let io = FlashIo { q: b(pq), qpos: u(pqp), k: b(pk), v: b(pv), meta: u(pm), out: f(po), lse: f(pl) };
                 self.with_partials(dims, &plan, |partial| self.run_flash(dims, &plan, io, partial, 0.125))?;
             }
-            self.finish_within(&format!("the self-check of {kernel:?} at d{d}"), super::health::FIRST_RUN_LIMIT)?;
+            self.finish_within(&format!("the self-check of {kernel:?} at d{d}"))?;
             let o = s.clone_dtoh(&out).map_err(|e| err("self-check download", e))?;
             let l = s.clone_dtoh(&lse).map_err(|e| err("self-check download", e))?;
             got.push((kernel, splits, sms, o, l));

@@ -16,6 +16,9 @@ pub(super) struct Settings {
     /// Control data copied through a page-locked ring (`FLOWPREFILL_PINNED_CONTROL`: `1`, the
     /// default, or `0` for the pageable copy).
     pub pinned_control: bool,
+    /// How long a kernel's first run on this GPU may take before the GPU is taken for hung
+    /// (`FLOWPREFILL_GPU_FIRST_RUN_LIMIT`, seconds; default [`super::health::FIRST_RUN_LIMIT`]).
+    pub first_run_limit: std::time::Duration,
 }
 
 /// `var`'s value `v` as one of `choices` (value, meaning), refused naming the variable and
@@ -25,6 +28,23 @@ fn one_of<T: Copy>(var: &str, v: &str, choices: &[(&str, T)]) -> Result<T> {
         backend: "cuda",
         detail: format!("{var}={v:?}: give {}", choices.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(" or ")),
     })
+}
+
+/// The variable that bounds a kernel's first run on a GPU ([`Settings::first_run_limit`]).
+pub(super) const FIRST_RUN_ENV: &str = "FLOWPREFILL_GPU_FIRST_RUN_LIMIT";
+
+/// `var`'s value `v` as a positive, finite number of seconds, refused naming the variable.
+fn seconds(var: &str, v: &str) -> Result<std::time::Duration> {
+    match v.trim().parse::<f64>() {
+        Ok(s) if s > 0.0 && s.is_finite() && s < 1e9 => Ok(std::time::Duration::from_secs_f64(s)),
+        _ => Err(KernelError::Backend {
+            backend: "cuda",
+            detail: format!(
+                "{var}={v:?}: give a number of seconds above 0 (default {})",
+                super::health::FIRST_RUN_LIMIT.as_secs()
+            ),
+        }),
+    }
 }
 
 impl Settings {
@@ -53,12 +73,27 @@ impl Settings {
             Some(v) => one_of("FLOWPREFILL_PINNED_CONTROL", &v, &[("1", true), ("0", false)])?,
             None => true,
         };
-        Ok(Self { fixed, gathered_keys, tune_off, pinned_control })
+        let first_run_limit = match var(FIRST_RUN_ENV) {
+            Some(v) => seconds(FIRST_RUN_ENV, &v)?,
+            None => super::health::FIRST_RUN_LIMIT,
+        };
+        Ok(Self { fixed, gathered_keys, tune_off, pinned_control, first_run_limit })
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_limit_is_a_positive_number_of_seconds() {
+        let var = super::FIRST_RUN_ENV;
+        assert_eq!(super::seconds(var, " 90 ").unwrap(), std::time::Duration::from_secs(90));
+        assert_eq!(super::seconds(var, "0.5").unwrap(), std::time::Duration::from_millis(500));
+        for bad in ["0", "-5", "inf", "NaN", "1e12", "60s", ""] {
+            let e = super::seconds(var, bad).expect_err(bad).to_string();
+            assert!(e.contains("FLOWPREFILL_GPU_FIRST_RUN_LIMIT=") && e.contains("above 0 (default 60)"), "{e}");
+        }
+    }
+
     #[test]
     fn a_switch_takes_its_documented_values_only() {
         let tune = [("auto", false), ("off", true)];

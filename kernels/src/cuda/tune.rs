@@ -272,7 +272,7 @@ impl CudaBackend {
             launch()?;
             let end = super::buffers::mark(s.context(), s)?;
             // Bounded: a configuration's first run on a call of this size.
-            self.finish_within("the autotuner's timing", super::health::FIRST_RUN_LIMIT)?;
+            self.finish_within("the autotuner's timing")?;
             let ms = start.0.elapsed_ms(&end.0).map_err(|e| err("tune", e))?;
             times.push(f64::from(ms) * 1e3);
         }

@@ -25,9 +25,10 @@ pub fn of<B: Backend>(lm: &LoadedModel<B>) -> Vec<(String, String)> {
     let backend = lm.model.backend();
     let none = || "none".to_string();
     [
-        // The build (its sources), not only the version: two builds of one version may differ
-        // on the wire. The commit is not compared: two commits of the same sources agree.
-        ("flowprefill", format!("{} (build {})", env!("CARGO_PKG_VERSION"), crate::BUILD)),
+        // The build (its sources, features and profile), not only the version: two builds of
+        // one version may differ on the wire, and a debug rank runs ~15x slower than its peers.
+        // The commit is not compared: two commits of the same sources agree.
+        ("flowprefill", format!("{} (build {}; {})", env!("CARGO_PKG_VERSION"), crate::BUILD, crate::BUILD_CONFIG)),
         ("model", format!("{} ({})", lm.model.config().name, lm.cache_identity)),
         ("device kind", backend.name().to_string()),
         ("KV dtype", backend.kv_dtype().to_string()),
