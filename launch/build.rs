@@ -103,8 +103,10 @@ fn source_hash(root: &Path, files: &[String]) -> u64 {
 /// cuda,mpi`. Cargo runs the build script again when any of them changes.
 fn configuration() -> String {
     let var = |k: &str| std::env::var(k).unwrap_or_else(|_| "unknown".to_string());
-    let mut features: Vec<String> = std::env::vars()
-        .filter_map(|(k, _)| k.strip_prefix("CARGO_FEATURE_").map(|f| f.to_lowercase().replace('_', "-")))
+    // `vars_os`: a variable of the environment that is not UTF-8 is not cargo's, and must not
+    // stop the build.
+    let mut features: Vec<String> = std::env::vars_os()
+        .filter_map(|(k, _)| k.to_str()?.strip_prefix("CARGO_FEATURE_").map(|f| f.to_lowercase().replace('_', "-")))
         .filter(|f| f != "default")
         .collect();
     features.sort();

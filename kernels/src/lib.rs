@@ -1,6 +1,7 @@
 //! Math kernels of flowprefill, on f32 slices.
 //!
-//! * [`matmul`]: `x · Wᵀ` through the `gemm` crate's packed micro-kernels;
+//! * [`matmul`]: `x · Wᵀ` through the `gemm` crate's packed micro-kernels, and for one row (a
+//!   decode step) a loop of dot products that streams each weight row once;
 //! * [`norm`], [`rope`], [`elementwise`]: RMSNorm, rotary embedding at explicit positions,
 //!   SiLU-gated product, residual add, embedding lookup;
 //! * [`attention`]: blocked online-softmax attention returning `(out, lse)`, with visibility

@@ -76,28 +76,52 @@ const PARALLEL_MIN_MACS: usize = 1 << 18;
 
 crate::multiversion! {
     /// `out[j] = x · rows[j]` for each row of `rows` (`out.len()` rows of `x.len()` values):
-    /// each weight row streamed once, summed in 16 lanes.
+    /// each weight row streamed once, four rows side by side (four streams from memory, one
+    /// load of `x` for all four), each summed in 16 lanes.
     fn dots(x: &[f32], rows: &[f32], out: &mut [f32]) {
         let k = x.len();
-        for (o, w) in out.iter_mut().zip(rows.chunks_exact(k)) {
-            let mut acc = [0f32; 16];
-            let (mut xs, mut ws) = (x.chunks_exact(16), w.chunks_exact(16));
-            for (a, b) in (&mut xs).zip(&mut ws) {
-                for i in 0..16 {
-                    acc[i] += a[i] * b[i];
+        let full = k / 16 * 16;
+        let mut quads = out.chunks_exact_mut(4);
+        let mut ws = rows.chunks_exact(4 * k);
+        for (o, w) in (&mut quads).zip(&mut ws) {
+            let (w0, rest) = w.split_at(k);
+            let (w1, rest) = rest.split_at(k);
+            let (w2, w3) = rest.split_at(k);
+            let mut acc = [[0f32; 16]; 4];
+            for l in (0..full).step_by(16) {
+                let xv = &x[l..l + 16];
+                let (a, b, c, d) = (&w0[l..l + 16], &w1[l..l + 16], &w2[l..l + 16], &w3[l..l + 16]);
+                for t in 0..16 {
+                    acc[0][t] += xv[t] * a[t];
+                    acc[1][t] += xv[t] * b[t];
+                    acc[2][t] += xv[t] * c[t];
+                    acc[3][t] += xv[t] * d[t];
                 }
             }
-            let tail: f32 = xs.remainder().iter().zip(ws.remainder()).map(|(a, b)| a * b).sum();
+            for (r, wr) in [w0, w1, w2, w3].into_iter().enumerate() {
+                let tail: f32 = x[full..].iter().zip(&wr[full..]).map(|(a, b)| a * b).sum();
+                o[r] = acc[r].iter().sum::<f32>() + tail;
+            }
+        }
+        for (o, w) in quads.into_remainder().iter_mut().zip(ws.remainder().chunks_exact(k)) {
+            let mut acc = [0f32; 16];
+            for l in (0..full).step_by(16) {
+                let (xv, wv) = (&x[l..l + 16], &w[l..l + 16]);
+                for t in 0..16 {
+                    acc[t] += xv[t] * wv[t];
+                }
+            }
+            let tail: f32 = x[full..].iter().zip(&w[full..]).map(|(a, b)| a * b).sum();
             *o = acc.iter().sum::<f32>() + tail;
         }
     }
 }
 
-/// `out[n] = x[k] · Wᵀ` for one input row (a decode step): bound by reading `W` once, which the
-/// packed GEMM, built for many rows, did at about half this machine's memory bandwidth (its
-/// one-row path: 69.5 ms per SmolLM2 token against 40.9 for this loop, medians of 3 paired
-/// runs, 537 MB of f32 weights, on a 2-core Xeon that reads 13 GB/s; 2026-11-30). The rows of
-/// `W` are split over the threads.
+/// `out[n] = x[k] · Wᵀ` for one input row (a decode step): bound by reading `W` once. The
+/// packed GEMM's one-row path reads it on the calling thread only; this loop splits the rows of
+/// `W` over the threads and reads four side by side (2026-11-30, SmolLM2's 537 MB of f32
+/// weights on a 2-core Xeon: 69.2 -> 38.5 ms per token on two threads, 63.6 -> 66.4 on one,
+/// the same with two processes at once; medians of paired runs, docs/results.md).
 fn one_row(x: &[f32], w: &Matrix, out: &mut [f32]) {
     use rayon::prelude::*;
     let (n, k) = (w.rows, w.cols);
@@ -221,8 +245,8 @@ mod tests {
                 matmul_t_ref(&x, 1, &w, &mut b).unwrap();
                 let err = crate::testing::max_abs_diff(&a, &b);
                 assert!(err <= MATMUL_TOL_PER_SQRT_K * (k as f32).sqrt(), "{level:?} 1x{k}x{n}: {err}");
-                // On the calling thread alone: the same values, bit for bit (each row's sum is
-                // one thread's whatever the split).
+                // On a pool of one thread: the same values, bit for bit (each row's sum is one
+                // thread's whatever the split).
                 let mut c = vec![f32::NAN; n];
                 rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| {
                     matmul_t(&x, 1, &w, &mut c).unwrap();

@@ -33,14 +33,15 @@ fn one_of<T: Copy>(var: &str, v: &str, choices: &[(&str, T)]) -> Result<T> {
 /// The variable that bounds a kernel's first run on a GPU ([`Settings::first_run_limit`]).
 pub(super) const FIRST_RUN_ENV: &str = "FLOWPREFILL_GPU_FIRST_RUN_LIMIT";
 
-/// `var`'s value `v` as a positive, finite number of seconds, refused naming the variable.
+/// `var`'s value `v` as a number of seconds from 0.1 (less would take a GPU for hung at its
+/// first poll, for the life of the process), refused naming the variable.
 fn seconds(var: &str, v: &str) -> Result<std::time::Duration> {
     match v.trim().parse::<f64>() {
-        Ok(s) if s > 0.0 && s.is_finite() && s < 1e9 => Ok(std::time::Duration::from_secs_f64(s)),
+        Ok(s) if (0.1..1e9).contains(&s) => Ok(std::time::Duration::from_secs_f64(s)),
         _ => Err(KernelError::Backend {
             backend: "cuda",
             detail: format!(
-                "{var}={v:?}: give a number of seconds above 0 (default {})",
+                "{var}={v:?}: give a number of seconds, at least 0.1 (default {})",
                 super::health::FIRST_RUN_LIMIT.as_secs()
             ),
         }),
@@ -88,9 +89,9 @@ mod tests {
         let var = super::FIRST_RUN_ENV;
         assert_eq!(super::seconds(var, " 90 ").unwrap(), std::time::Duration::from_secs(90));
         assert_eq!(super::seconds(var, "0.5").unwrap(), std::time::Duration::from_millis(500));
-        for bad in ["0", "-5", "inf", "NaN", "1e12", "60s", ""] {
+        for bad in ["0", "1e-9", "-5", "inf", "NaN", "1e12", "60s", ""] {
             let e = super::seconds(var, bad).expect_err(bad).to_string();
-            assert!(e.contains("FLOWPREFILL_GPU_FIRST_RUN_LIMIT=") && e.contains("above 0 (default 60)"), "{e}");
+            assert!(e.contains("FLOWPREFILL_GPU_FIRST_RUN_LIMIT=") && e.contains("at least 0.1 (default 60)"), "{e}");
         }
     }
 

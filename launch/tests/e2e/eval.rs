@@ -299,7 +299,8 @@ fn a_failed_run_keeps_the_runs_before_it_and_the_study_resumes_there() {
     assert!(build.len() == 12 && build.chars().all(|c| c.is_ascii_hexdigit()), "{version:?}");
     assert!(version.contains("; commit "), "where the sources came from: {version:?}");
     // And how they were built (part of the id: a debug build's timings are not a release's).
-    assert!(version.contains("; release, opt-level 3, ") && version.contains("features"), "{version:?}");
+    assert!(flowprefill::BUILD_CONFIG.contains(", opt-level "), "{}", flowprefill::BUILD_CONFIG);
+    assert!(version.contains(&format!("; {})", flowprefill::BUILD_CONFIG)), "{version:?}");
     let file = out.join("results.json");
     let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
     let records = v["records"].as_array_mut().unwrap();
