@@ -77,8 +77,9 @@ fn sources(root: &Path, git_lists: Option<(&str, &str)>) -> Vec<String> {
     files
 }
 
-/// FNV-1a over each source's path and bytes (stable across Rust versions and hosts).
-fn source_hash(root: &Path, files: &[String]) -> u64 {
+/// FNV-1a over the build's configuration ([`configuration`]) and each source's path and bytes
+/// (stable across Rust versions and hosts).
+fn build_hash(config: &str, root: &Path, files: &[String]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |bytes: &[u8]| {
         for &b in bytes {
@@ -86,6 +87,8 @@ fn source_hash(root: &Path, files: &[String]) -> u64 {
             h = h.wrapping_mul(0x0100_0000_01b3);
         }
     };
+    eat(config.as_bytes());
+    eat(&[0]);
     for f in files {
         eat(f.as_bytes());
         eat(&[0]);
@@ -135,11 +138,7 @@ fn main() {
     let lists = with_git.then(|| listed(&root, "-c").zip(listed(&root, "-o"))).flatten();
     let files = sources(&root, lists.as_ref().map(|(t, u)| (t.as_str(), u.as_str())));
     let config = configuration();
-    let mut hash = source_hash(&root, &files);
-    for &b in config.as_bytes() {
-        hash ^= u64::from(b);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
+    let hash = build_hash(&config, &root, &files);
     let mut commit = "none".to_string();
     if with_git {
         // A commit changes the commit shown (not the id): HEAD and its log move with every

@@ -74,6 +74,13 @@ impl Matrix {
 /// Below this many multiply-adds a product runs on the calling thread only.
 const PARALLEL_MIN_MACS: usize = 1 << 18;
 
+/// A row's dot product from its 16 lane sums and the values past the last full group of 16
+/// (`x` and `w` from there): one order of additions for every path of [`dots`].
+#[inline(always)]
+fn lanes_and_tail(acc: &[f32; 16], x: &[f32], w: &[f32]) -> f32 {
+    acc.iter().sum::<f32>() + x.iter().zip(w).map(|(a, b)| a * b).sum::<f32>()
+}
+
 crate::multiversion! {
     /// `out[j] = x · rows[j]` for each row of `rows` (`out.len()` rows of `x.len()` values):
     /// each weight row streamed once, four rows side by side (four streams from memory, one
@@ -99,8 +106,7 @@ crate::multiversion! {
                 }
             }
             for (r, wr) in [w0, w1, w2, w3].into_iter().enumerate() {
-                let tail: f32 = x[full..].iter().zip(&wr[full..]).map(|(a, b)| a * b).sum();
-                o[r] = acc[r].iter().sum::<f32>() + tail;
+                o[r] = lanes_and_tail(&acc[r], &x[full..], &wr[full..]);
             }
         }
         for (o, w) in quads.into_remainder().iter_mut().zip(ws.remainder().chunks_exact(k)) {
@@ -111,8 +117,7 @@ crate::multiversion! {
                     acc[t] += xv[t] * wv[t];
                 }
             }
-            let tail: f32 = x[full..].iter().zip(&w[full..]).map(|(a, b)| a * b).sum();
-            *o = acc.iter().sum::<f32>() + tail;
+            *o = lanes_and_tail(&acc, &x[full..], &w[full..]);
         }
     }
 }

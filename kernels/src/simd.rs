@@ -35,8 +35,9 @@ fn from_u8(v: u8) -> SimdLevel {
 /// The best level this CPU supports, optionally capped by `FLOWPREFILL_SIMD=scalar|avx2|avx512`
 /// (`none` is taken as `scalar`). The cap applies to this crate's [`multiversion!`] loops
 /// (softmax, norms, RoPE, SiLU, the attention's softmax, one-row matrix products); the matrix
-/// products of the `gemm` crate pick their own instructions and ignore it. Any other value is ignored, with one line
-/// on stderr naming the accepted ones (this function cannot return an error).
+/// products of the `gemm` crate pick their own instructions and ignore it. Any other value is
+/// ignored, with one line on stderr naming the accepted ones (this function cannot return an
+/// error).
 pub fn detected() -> SimdLevel {
     let v = DETECTED.load(Ordering::Relaxed);
     if v != 0 {
