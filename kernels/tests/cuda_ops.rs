@@ -381,7 +381,19 @@ fn every_attention_configuration_matches_the_cpu_and_tuning_decides() {
     }
     for (d, heads, kv) in [(64, 9, 3), (128, 32, 8)] {
         let entries = g.tune_synthetic(d, heads, kv, 2048).unwrap();
-        assert_eq!(entries.len(), 2, "a prefill and a decode decision");
+        // A prefill (unless 2048 tokens are narrow on this GPU), a narrow and a decode decision,
+        // each of the class of the shape it was timed on.
+        let classes: Vec<_> = entries.iter().map(|e| e.key.class).collect();
+        {
+            use flowprefill_kernels::gpu::tune::ShapeClass::{self, Decode, Narrow};
+            assert!(classes.contains(&Narrow) && classes.last() == Some(&Decode), "{classes:?}");
+            for e in &entries {
+                let (m, n) = e.timed_on;
+                let dims =
+                    flowprefill_kernels::gpu::ops::AttnDims { m, n, n_heads: heads, n_kv_heads: kv, head_dim: d };
+                assert_eq!(ShapeClass::of(dims, g.sm_count()), e.key.class, "{e:?}");
+            }
+        }
         for e in &entries {
             assert!(e.config < flowprefill_kernels::gpu::tune::CONFIGS, "flash2's or the Hopper kernel's");
             assert!(e.candidates.len() >= flowprefill_kernels::gpu::shapes::FA2_CONFIGS.len());

@@ -1,6 +1,7 @@
 //! The attention autotuner on the device: the first large enough attention of a (head
 //! dimension, shape class) on a GPU without a decision times every configuration of
-//! `flash2.cu` (and, for decode-like calls, the key split's blocks per SM) on that very call's
+//! `flash2.cu` and, on Hopper, `flash_hopper.cu` (and, for decode-like and narrow calls, the key
+//! split's blocks per SM) on that very call's
 //! inputs, with CUDA events, and keeps the fastest: in this process, and in the decisions file
 //! (`gpu::tune`) for every later process on the machine. `flowprefill tune` does the same on
 //! synthetic inputs ahead of time.
@@ -8,8 +9,9 @@
 //! Modes: `FLOWPREFILL_FLASH_KERNEL` names a kernel (no tuning, no decision read);
 //! `FLOWPREFILL_TUNE=off` uses decisions on file but never times; by default (`auto`) a missing
 //! decision is made on the first call large enough to time ([`TUNE_MIN_WORK`] query-key pairs
-//! for prefill-like calls, [`TUNE_MIN_KEYS`] keys for decode-like ones; smaller calls run the
-//! default configuration and leave the decision to a larger one). A tuning that
+//! for prefill calls, [`TUNE_MIN_NARROW_WORK`] for narrow ones, [`TUNE_MIN_KEYS`] keys for
+//! decode-like ones; smaller calls run the default configuration, a narrow one the prefill
+//! decision if there is one, and leave the decision to a larger one). A tuning that
 //! fails (a candidate that does not compile, a launch error) says so once and runs the default:
 //! tuning never fails a job.
 
@@ -26,6 +28,11 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 /// Query-key pairs (times the query heads of a KV group) a call needs to be timed for a
 /// decision: smaller calls are dominated by launch overhead and would decide on noise.
 pub const TUNE_MIN_WORK: u64 = 1 << 24;
+
+/// Query-key pairs (times the query heads of a KV group) a narrow call
+/// ([`ShapeClass::Narrow`]) needs to be timed: narrow calls are small by definition (SmolLM2's
+/// 2,048-token causal chunk is 2^23.6), and a 10 us kernel still times well with events.
+pub const TUNE_MIN_NARROW_WORK: u64 = 1 << 22;
 
 /// Keys a decode-like call needs to be timed for a decision.
 pub const TUNE_MIN_KEYS: u32 = 4096;
@@ -157,16 +164,16 @@ impl CudaBackend {
 
     /// The attention kernel and the key split's blocks per SM for a call of `dims`: the fixed
     /// kernel, this process's choice, the decision on file, a decision made now by timing the
-    /// candidates on `inputs` (auto mode, large call), or the default.
+    /// candidates on `inputs` (auto mode, large call), the decision of the class it falls back
+    /// to (a narrow call too small to decide on), or the default.
     pub(super) fn flash_choice(&self, dims: AttnDims, inputs: &Inputs) -> (FlashKernel, u32) {
         let mode = self.tuning.mode;
         if let Mode::Fixed(k) = mode {
             return (k, DEFAULT_BLOCKS_PER_SM);
         }
-        let class = ShapeClass::of(dims.m as u64 * dims.group() as u64);
-        let slot = (dims.head_dim, class);
-        let settled = self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).get(&slot).copied();
-        if let Some((c, b)) = settled {
+        let default = (FlashKernel::Fa2(0), DEFAULT_BLOCKS_PER_SM);
+        let class = ShapeClass::of(dims, self.sm_count);
+        if let Some((c, b)) = self.settled(dims.head_dim, class) {
             return (tune::kernel_of(c), b);
         }
         // Inside a decode step being recorded as a CUDA graph nothing may wait on the device (the
@@ -174,11 +181,10 @@ impl CudaBackend {
         // (graphs off for the process) and pinned configuration 0. This call takes the default,
         // not kept: the next call outside a recording settles the choice.
         if self.recording_here() {
-            return (FlashKernel::Fa2(0), DEFAULT_BLOCKS_PER_SM);
+            return default;
         }
         let key = self.tune_key(dims.head_dim, class);
-        let on_file = self.with_table(|t| t.get(&key).map(|e| (e.config, e.blocks_per_sm)));
-        let decided = match on_file {
+        let decided = match self.on_file(&key) {
             Some(d) => Some(d),
             None if mode == Mode::Auto && representative(dims, class) => match self.tune_attention(dims, inputs, key) {
                 Ok(e) => Some((e.config, e.blocks_per_sm)),
@@ -189,7 +195,38 @@ impl CudaBackend {
             },
             None => None,
         };
-        let Some((c, b)) = decided else { return (FlashKernel::Fa2(0), DEFAULT_BLOCKS_PER_SM) };
+        match decided {
+            Some(d) => {
+                let (c, b) = self.settle(dims.head_dim, class, d);
+                (tune::kernel_of(c), b)
+            }
+            // Not kept for this class: its first call large enough decides.
+            None => match class.fallback().and_then(|f| self.decision(dims.head_dim, f)) {
+                Some((c, _)) => (tune::kernel_of(c), DEFAULT_BLOCKS_PER_SM),
+                None => default,
+            },
+        }
+    }
+
+    /// What this process settled for (head dimension, class).
+    fn settled(&self, head_dim: u32, class: ShapeClass) -> Option<(u8, u32)> {
+        self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).get(&(head_dim, class)).copied()
+    }
+
+    /// The decision on file for `key`: (configuration, blocks per SM).
+    fn on_file(&self, key: &TuneKey) -> Option<(u8, u32)> {
+        self.with_table(|t| t.get(key).map(|e| (e.config, e.blocks_per_sm)))
+    }
+
+    /// The decision settled or on file for (head dimension, class), settled if it was on file.
+    fn decision(&self, head_dim: u32, class: ShapeClass) -> Option<(u8, u32)> {
+        self.settled(head_dim, class)
+            .or_else(|| self.on_file(&self.tune_key(head_dim, class)).map(|d| self.settle(head_dim, class, d)))
+    }
+
+    /// Keeps `(config, blocks)` as this process's choice for (head dimension, class), once
+    /// its kernel is ready (loaded, or the Hopper kernel verified); the default if it is not.
+    fn settle(&self, head_dim: u32, class: ShapeClass, (c, b): (u8, u32)) -> (u8, u32) {
         let (c, b) = match self.ready(tune::kernel_of(c)) {
             Ok(()) => (c, b),
             Err(e) => {
@@ -197,17 +234,14 @@ impl CudaBackend {
                 (0, DEFAULT_BLOCKS_PER_SM)
             }
         };
-        self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).insert(slot, (c, b));
-        (tune::kernel_of(c), b)
+        self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).insert((head_dim, class), (c, b));
+        (c, b)
     }
 
     /// Times every candidate on `inputs` (the call's own), records the winner under `key` in
     /// the decisions file, and returns the decision.
     pub(super) fn tune_attention(&self, dims: AttnDims, inputs: &Inputs, key: TuneKey) -> Result<TuneEntry> {
-        let blocks: &[u32] = match key.class {
-            ShapeClass::Prefill => &[DEFAULT_BLOCKS_PER_SM],
-            ShapeClass::Decode => &DECODE_BLOCKS,
-        };
+        let blocks: &[u32] = if key.class.splits_keys() { &DECODE_BLOCKS } else { &[DEFAULT_BLOCKS_PER_SM] };
         let s = &self.stream;
         let out_len = dims.m as usize * dims.n_heads as usize * dims.head_dim as usize;
         let lse_len = dims.m as usize * dims.n_heads as usize;
@@ -282,7 +316,8 @@ impl CudaBackend {
 
     /// `flowprefill tune`: makes the decisions for head dimension `head_dim` (64 or 128) with
     /// `heads` query heads over `kv_heads` KV heads on synthetic inputs: a causal prefill of
-    /// `tokens` tokens, and one decode step over them. Replaces decisions on file.
+    /// `tokens` tokens, a narrow one ([`ShapeClass::Narrow`]: as many blocks as SMs), and one
+    /// decode step over `tokens`. Replaces decisions on file.
     pub fn tune_synthetic(&self, head_dim: u32, heads: u32, kv_heads: u32, tokens: u32) -> Result<Vec<TuneEntry>> {
         if !ops::flash_supported(head_dim as usize) {
             return Err(err("tune", format!("head_dim {head_dim}: the tensor-core attention takes 64 or 128")));
@@ -306,20 +341,34 @@ impl CudaBackend {
         let qpos = self.upload_u32(&pos)?;
         let meta = self.upload_u32(&ops::key_meta(&pos))?;
         let last = self.upload_u32(&pos[n.saturating_sub(1)..])?;
+        // The narrow class's causal prefill: as many blocks of the default configuration as the
+        // GPU has SMs (half the class's bound), over its own keys (the first rows of q, k, v).
+        let group = heads / kv_heads.max(1);
+        let default_rows = FlashKernel::Fa2(0).rows(head_dim);
+        let narrow = (self.sm_count.max(1) * default_rows / heads.max(1))
+            .max((tune::DECODE_ROWS as u32).div_ceil(group.max(1)))
+            .min(tokens);
+        let narrow_meta = self.upload_u32(&ops::key_meta(&pos[..narrow as usize]))?;
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k.device_ptr(s);
         let (vp, _c) = v.device_ptr(s);
         let (pp, _d) = qpos.device_ptr(s);
         let (mp, _e) = meta.device_ptr(s);
         let (lp, _f) = last.device_ptr(s);
+        let (np, _g) = narrow_meta.device_ptr(s);
         let b = |p| Ptr::new(p, Elem::Bf16);
         let u = |p| Ptr::new(p, Elem::U32);
         let scale = 1.0 / (head_dim as f32).sqrt();
         let mut out = Vec::new();
-        for (m, qpos) in [(tokens, pp), (1, lp)] {
-            let dims = AttnDims { m, n: tokens, n_heads: heads, n_kv_heads: kv_heads, head_dim };
-            let class = ShapeClass::of(m as u64 * dims.group() as u64);
-            let inputs = Inputs { q: b(qp), qpos: u(qpos), k: b(kp), v: b(vp), meta: u(mp), scale };
+        // (query rows, keys, query positions, key metadata): the prefill, the narrow prefill, one
+        // decode step over every token.
+        for (m, keys, qpos, meta) in [(tokens, tokens, pp, mp), (narrow, narrow, pp, np), (1, tokens, lp, mp)] {
+            let dims = AttnDims { m, n: keys, n_heads: heads, n_kv_heads: kv_heads, head_dim };
+            let class = ShapeClass::of(dims, self.sm_count);
+            if out.iter().any(|e: &TuneEntry| e.key.class == class) {
+                continue; // `tokens` this small is narrow itself
+            }
+            let inputs = Inputs { q: b(qp), qpos: u(qpos), k: b(kp), v: b(vp), meta: u(meta), scale };
             let e = self.tune_attention(dims, &inputs, self.tune_key(head_dim, class))?;
             self.tuning
                 .chosen
@@ -332,12 +381,14 @@ impl CudaBackend {
     }
 }
 
-/// Whether a call is large enough to decide on: prefill-like calls of at least
-/// [`TUNE_MIN_WORK`] query-key pairs (times the query heads of a KV group), decode-like calls
-/// over at least [`TUNE_MIN_KEYS`] keys.
+/// Whether a call is large enough to decide on: prefill calls of at least [`TUNE_MIN_WORK`]
+/// query-key pairs (times the query heads of a KV group), narrow ones of at least
+/// [`TUNE_MIN_NARROW_WORK`], decode-like calls over at least [`TUNE_MIN_KEYS`] keys.
 fn representative(d: AttnDims, class: ShapeClass) -> bool {
+    let work = d.m as u64 * d.n as u64 * d.group() as u64;
     match class {
-        ShapeClass::Prefill => d.m as u64 * d.n as u64 * d.group() as u64 >= TUNE_MIN_WORK,
+        ShapeClass::Prefill => work >= TUNE_MIN_WORK,
+        ShapeClass::Narrow => work >= TUNE_MIN_NARROW_WORK,
         ShapeClass::Decode => d.n >= TUNE_MIN_KEYS,
     }
 }

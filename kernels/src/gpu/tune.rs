@@ -18,25 +18,57 @@ use std::path::{Path, PathBuf};
 pub enum ShapeClass {
     /// Many query rows (prefill, a chunk, a recomputation): blocks enough to fill the GPU.
     Prefill,
+    /// Prefill-like, but too few query rows to give every SM [`DEFAULT_BLOCKS_PER_SM`] blocks of
+    /// the default configuration (SmolLM2's 2,048-token chunk on an H100: 144 blocks on 132
+    /// SMs), so the keys are split as well: smaller blocks or another split may win here and
+    /// not at 8K (on the H200 of 2026-11-28, 2048 tokens at 9/3 heads and d64 ran at 100.8
+    /// TFLOP/s with one consumer warpgroup against 81.8 with the 8K decision). The decision
+    /// includes how many blocks per SM the split aims at.
+    Narrow,
     /// A few query rows over many keys (decode, a probe): the keys are split over blocks, and
     /// the decision includes how many blocks per SM the split aims at.
     Decode,
 }
 
+/// Packed query rows (queries x heads of a KV group) below which a call is decode-like.
+pub const DECODE_ROWS: u64 = 256;
+
 impl ShapeClass {
-    /// The class of a call with `packed_rows` query rows (queries x heads of a KV group):
-    /// fewer than 256 is decode-like.
-    pub fn of(packed_rows: u64) -> Self {
-        if packed_rows < 256 {
+    /// The class of an attention call of `dims` on a GPU of `sm_count` SMs: fewer than
+    /// [`DECODE_ROWS`] packed rows is decode-like; fewer blocks of the default configuration
+    /// than [`DEFAULT_BLOCKS_PER_SM`] per SM is narrow; the rest is prefill.
+    pub fn of(dims: super::ops::AttnDims, sm_count: u32) -> Self {
+        let packed = dims.m as u64 * dims.group() as u64;
+        let rows = super::ops::FlashKernel::Fa2(0).rows(dims.head_dim) as u64;
+        let blocks = packed.div_ceil(rows.max(1)) * dims.n_kv_heads.max(1) as u64;
+        if packed < DECODE_ROWS {
             ShapeClass::Decode
+        } else if blocks < DEFAULT_BLOCKS_PER_SM as u64 * sm_count.max(1) as u64 {
+            ShapeClass::Narrow
         } else {
             ShapeClass::Prefill
         }
     }
 
+    /// The class whose decision a call of this class runs while it has none of its own and is
+    /// too small to make one: a narrow call takes the prefill decision (before this class
+    /// existed, it was one), the others the default configuration.
+    pub fn fallback(self) -> Option<Self> {
+        match self {
+            ShapeClass::Narrow => Some(ShapeClass::Prefill),
+            ShapeClass::Prefill | ShapeClass::Decode => None,
+        }
+    }
+
+    /// Whether a decision of this class includes the key split's blocks per SM.
+    pub fn splits_keys(self) -> bool {
+        !matches!(self, ShapeClass::Prefill)
+    }
+
     fn name(self) -> &'static str {
         match self {
             ShapeClass::Prefill => "prefill",
+            ShapeClass::Narrow => "narrow",
             ShapeClass::Decode => "decode",
         }
     }
@@ -197,6 +229,7 @@ fn parse_line(line: &str) -> Option<TuneEntry> {
     };
     let class = match *class {
         "prefill" => ShapeClass::Prefill,
+        "narrow" => ShapeClass::Narrow,
         "decode" => ShapeClass::Decode,
         _ => return None,
     };
@@ -382,8 +415,40 @@ mod tests {
         assert_eq!(winner(&[(0, 1, 99.8), (0, 2, 100.0)]), Some((0, 2)));
         assert_eq!(winner(&[(0, 2, f64::NAN), (1, 2, f64::INFINITY)]), None, "nothing timed");
         assert_eq!(winner(&[]), None);
-        assert_eq!(ShapeClass::of(255), ShapeClass::Decode);
-        assert_eq!(ShapeClass::of(256), ShapeClass::Prefill);
+    }
+
+    #[test]
+    fn a_call_too_small_to_fill_the_gpu_is_narrow() {
+        use crate::gpu::ops::AttnDims;
+        let d =
+            |m: u32, n_heads: u32, n_kv_heads: u32, head_dim: u32| AttnDims { m, n: m, n_heads, n_kv_heads, head_dim };
+        let h100 = 132;
+        // The fifth run's shapes (docs/gpu.md): 2048 x 9/3 at d64 is 48 x 3 = 144 blocks of 128
+        // packed rows, under 2 x 132; the others fill the GPU twice.
+        assert_eq!(ShapeClass::of(d(2048, 9, 3, 64), h100), ShapeClass::Narrow);
+        assert_eq!(ShapeClass::of(d(4096, 14, 2, 64), h100), ShapeClass::Prefill);
+        assert_eq!(ShapeClass::of(d(2048, 32, 8, 128), h100), ShapeClass::Prefill);
+        assert_eq!(ShapeClass::of(d(8192, 32, 8, 128), h100), ShapeClass::Prefill);
+        // The bound on 132 SMs is 264 blocks: 33 x 8 KV heads is prefill, 32 x 8 narrow.
+        assert_eq!(ShapeClass::of(d(33 * 128, 8, 8, 64), h100), ShapeClass::Prefill);
+        assert_eq!(ShapeClass::of(d(33 * 128 - 1, 8, 8, 64), h100), ShapeClass::Prefill, "a partial block counts");
+        assert_eq!(ShapeClass::of(d(32 * 128, 8, 8, 64), h100), ShapeClass::Narrow);
+        // Packed rows (queries x group) under 256: decode-like, whatever the GPU.
+        assert_eq!(ShapeClass::of(d(85, 9, 3, 64), h100), ShapeClass::Decode);
+        assert_eq!(ShapeClass::of(d(86, 9, 3, 64), h100), ShapeClass::Narrow);
+        assert_eq!(ShapeClass::of(d(1, 32, 8, 128), 1), ShapeClass::Decode);
+        // A smaller GPU fills sooner.
+        assert_eq!(ShapeClass::of(d(2048, 9, 3, 64), 16), ShapeClass::Prefill);
+        assert_eq!(ShapeClass::Narrow.fallback(), Some(ShapeClass::Prefill));
+        assert_eq!(ShapeClass::Prefill.fallback(), None);
+        assert_eq!(ShapeClass::Decode.fallback(), None);
+        assert!(ShapeClass::Narrow.splits_keys() && ShapeClass::Decode.splits_keys());
+        assert!(!ShapeClass::Prefill.splits_keys());
+        // The class goes to the file and back.
+        let t = TuneTable { entries: vec![entry(12080, 64, ShapeClass::Narrow, 11)], skipped: 0 };
+        let back = TuneTable::parse(&t.render());
+        assert_eq!(back.entries, t.entries);
+        assert!(t.render().contains("\tnarrow\t11\t4\t"), "{}", t.render());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! `flowprefill tune`: the attention autotuner ahead of time. On the GPU `--device` names, every
-//! configuration of the tensor-core attention (and, for decode-like calls, the key split's
-//! blocks per SM) is timed with CUDA events on a causal prefill of `--tokens` tokens and on one
-//! decode step over them, per head dimension; the winners go to the decisions file
+//! configuration of the tensor-core attention (and, for decode-like and narrow calls, the key split's
+//! blocks per SM) is timed with CUDA events on a causal prefill of `--tokens` tokens, on a
+//! narrow one (as many blocks as the GPU has SMs) and on one decode step over `--tokens`, per
+//! head dimension; the winners go to the decisions file
 //! (`$FLOWPREFILL_HOME/tune/attention.tsv`), where every later process on this machine finds
 //! them (`flowprefill devices` lists them). Without this command the same happens on the first
 //! large attention of a job; `FLOWPREFILL_TUNE=off` turns that off, `FLOWPREFILL_FLASH_KERNEL`
