@@ -1,7 +1,7 @@
 //! The attention autotuner on the device: the first large enough attention of a (head
 //! dimension, shape class) on a GPU without a decision times every configuration of
-//! `flash2.cu` and, on Hopper, `flash_hopper.cu` (and, for decode-like and narrow calls, the key
-//! split's blocks per SM) on that very call's
+//! `flash2.cu` and, on Hopper, `flash_hopper.cu` (and, for decode-like calls, the key split's
+//! blocks per SM) on that very call's
 //! inputs, with CUDA events, and keeps the fastest: in this process, and in the decisions file
 //! (`gpu::tune`) for every later process on the machine. `flowprefill tune` does the same on
 //! synthetic inputs ahead of time.
@@ -69,7 +69,7 @@ impl CudaBackend {
     pub fn fix_attention(&mut self, kernel: FlashKernel) -> Result<()> {
         self.ready(kernel)?;
         self.tuning.mode = Mode::Fixed(kernel);
-        self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.tuning.forget_choices();
         Ok(())
     }
 
@@ -130,7 +130,7 @@ impl CudaBackend {
     /// Back to the autotuner's choices (decisions on file, or made on the first large call).
     pub fn auto_attention(&mut self) {
         self.tuning.mode = Mode::Auto;
-        self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.tuning.forget_choices();
     }
 
     fn tune_key(&self, head_dim: u32, class: ShapeClass) -> TuneKey {
@@ -165,7 +165,8 @@ impl CudaBackend {
     /// The attention kernel and the key split's blocks per SM for a call of `dims`: the fixed
     /// kernel, this process's choice, the decision on file, a decision made now by timing the
     /// candidates on `inputs` (auto mode, large call), the decision of the class it falls back
-    /// to (a narrow call too small to decide on), or the default.
+    /// to (a narrow call too small to decide on), or the default; these last two are kept as
+    /// the class's interim choice until a call large enough decides.
     pub(super) fn flash_choice(&self, dims: AttnDims, inputs: &Inputs) -> (FlashKernel, u32) {
         let mode = self.tuning.mode;
         if let Mode::Fixed(k) = mode {
@@ -174,6 +175,11 @@ impl CudaBackend {
         let default = (FlashKernel::Fa2(0), DEFAULT_BLOCKS_PER_SM);
         let class = ShapeClass::of(dims, self.sm_count);
         if let Some((c, b)) = self.settled(dims.head_dim, class) {
+            return (tune::kernel_of(c), b);
+        }
+        let slot = (dims.head_dim, class);
+        let interim = self.tuning.interim.lock().unwrap_or_else(|p| p.into_inner()).get(&slot).copied();
+        if let Some((c, b)) = interim.filter(|_| mode != Mode::Auto || !representative(dims, class)) {
             return (tune::kernel_of(c), b);
         }
         // Inside a decode step being recorded as a CUDA graph nothing may wait on the device (the
@@ -200,11 +206,15 @@ impl CudaBackend {
                 let (c, b) = self.settle(dims.head_dim, class, d);
                 (tune::kernel_of(c), b)
             }
-            // Not kept for this class: its first call large enough decides.
-            None => match class.fallback().and_then(|f| self.decision(dims.head_dim, f)) {
-                Some((c, _)) => (tune::kernel_of(c), DEFAULT_BLOCKS_PER_SM),
-                None => default,
-            },
+            // Not settled for this class: its first call large enough decides.
+            None => {
+                let (c, b) = match class.fallback().and_then(|f| self.decision(dims.head_dim, f)) {
+                    Some((c, _)) => (c, DEFAULT_BLOCKS_PER_SM),
+                    None => (0, DEFAULT_BLOCKS_PER_SM),
+                };
+                self.tuning.interim.lock().unwrap_or_else(|p| p.into_inner()).insert(slot, (c, b));
+                (tune::kernel_of(c), b)
+            }
         }
     }
 
@@ -235,13 +245,15 @@ impl CudaBackend {
             }
         };
         self.tuning.chosen.lock().unwrap_or_else(|p| p.into_inner()).insert((head_dim, class), (c, b));
+        // A class that ran another's decision meanwhile looks again.
+        self.tuning.interim.lock().unwrap_or_else(|p| p.into_inner()).clear();
         (c, b)
     }
 
     /// Times every candidate on `inputs` (the call's own), records the winner under `key` in
     /// the decisions file, and returns the decision.
     pub(super) fn tune_attention(&self, dims: AttnDims, inputs: &Inputs, key: TuneKey) -> Result<TuneEntry> {
-        let blocks: &[u32] = if key.class.splits_keys() { &DECODE_BLOCKS } else { &[DEFAULT_BLOCKS_PER_SM] };
+        let blocks: &[u32] = if key.class.tunes_split() { &DECODE_BLOCKS } else { &[DEFAULT_BLOCKS_PER_SM] };
         let s = &self.stream;
         let out_len = dims.m as usize * dims.n_heads as usize * dims.head_dim as usize;
         let lse_len = dims.m as usize * dims.n_heads as usize;
@@ -370,11 +382,7 @@ impl CudaBackend {
             }
             let inputs = Inputs { q: b(qp), qpos: u(qpos), k: b(kp), v: b(vp), meta: u(meta), scale };
             let e = self.tune_attention(dims, &inputs, self.tune_key(head_dim, class))?;
-            self.tuning
-                .chosen
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert((head_dim, class), (e.config, e.blocks_per_sm));
+            self.settle(head_dim, class, (e.config, e.blocks_per_sm));
             out.push(e);
         }
         Ok(out)

@@ -20,10 +20,12 @@ pub enum ShapeClass {
     Prefill,
     /// Prefill-like, but too few query rows to give every SM [`DEFAULT_BLOCKS_PER_SM`] blocks of
     /// the default configuration (SmolLM2's 2,048-token chunk on an H100: 144 blocks on 132
-    /// SMs), so the keys are split as well: smaller blocks or another split may win here and
-    /// not at 8K (on the H200 of 2026-11-28, 2048 tokens at 9/3 heads and d64 ran at 100.8
-    /// TFLOP/s with one consumer warpgroup against 81.8 with the 8K decision). The decision
-    /// includes how many blocks per SM the split aims at.
+    /// SMs), so the keys are split as well: smaller blocks may win here and not at 8K (on the
+    /// H200 of 2026-11-28, 2048 tokens at 9/3 heads and d64 ran at 100.8 TFLOP/s with the
+    /// Hopper kernel's configuration 3, one consumer warpgroup, against 81.8 with the 8K
+    /// decision). A probe's or a final prompt's hundred rows over a long context are narrow
+    /// too; the split keeps its default aim (the decision is the configuration only), so that
+    /// a decision made on one such call cannot give the others a split tuned for another shape.
     Narrow,
     /// A few query rows over many keys (decode, a probe): the keys are split over blocks, and
     /// the decision includes how many blocks per SM the split aims at.
@@ -61,8 +63,8 @@ impl ShapeClass {
     }
 
     /// Whether a decision of this class includes the key split's blocks per SM.
-    pub fn splits_keys(self) -> bool {
-        !matches!(self, ShapeClass::Prefill)
+    pub fn tunes_split(self) -> bool {
+        matches!(self, ShapeClass::Decode)
     }
 
     fn name(self) -> &'static str {
@@ -104,7 +106,8 @@ pub struct TuneEntry {
     /// The winner: an index of [`super::shapes::FA2_CONFIGS`], or [`HOPPER_CONFIG`] plus an
     /// index of [`super::shapes::HOPPER_CONFIGS`].
     pub config: u8,
-    /// Blocks per SM the key splits aim at (decode class; 2 elsewhere, the untuned default).
+    /// Blocks per SM the key splits aim at (tuned for the decode class; 2 elsewhere, the
+    /// untuned default).
     pub blocks_per_sm: u32,
     /// The shape timed: (query rows, keys).
     pub timed_on: (u32, u32),
@@ -442,8 +445,8 @@ mod tests {
         assert_eq!(ShapeClass::Narrow.fallback(), Some(ShapeClass::Prefill));
         assert_eq!(ShapeClass::Prefill.fallback(), None);
         assert_eq!(ShapeClass::Decode.fallback(), None);
-        assert!(ShapeClass::Narrow.splits_keys() && ShapeClass::Decode.splits_keys());
-        assert!(!ShapeClass::Prefill.splits_keys());
+        assert!(ShapeClass::Decode.tunes_split());
+        assert!(!ShapeClass::Prefill.tunes_split() && !ShapeClass::Narrow.tunes_split());
         // The class goes to the file and back.
         let t = TuneTable { entries: vec![entry(12080, 64, ShapeClass::Narrow, 11)], skipped: 0 };
         let back = TuneTable::parse(&t.render());

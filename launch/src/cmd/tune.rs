@@ -1,5 +1,5 @@
 //! `flowprefill tune`: the attention autotuner ahead of time. On the GPU `--device` names, every
-//! configuration of the tensor-core attention (and, for decode-like and narrow calls, the key split's
+//! configuration of the tensor-core attention (and, for decode-like calls, the key split's
 //! blocks per SM) is timed with CUDA events on a causal prefill of `--tokens` tokens, on a
 //! narrow one (as many blocks as the GPU has SMs) and on one decode step over `--tokens`, per
 //! head dimension; the winners go to the decisions file
