@@ -1,13 +1,18 @@
 // Runs flowprefill's CUDA kernels on the CPU, for the tests that compare them with the Rust
-// references on machines without a GPU. It maps the CUDA launch model onto threads:
+// references on machines without a GPU. It maps the CUDA launch model onto fibers:
 //
 //   launch(grid, block, dynamic shared bytes):  one launch at a time (like one stream); one
-//                         std::thread per thread of a block (blocks of 1 to 3 dimensions),
-//                         created once per launch; each runs every block of the grid in turn
-//                         (blockIdx set per block), with barriers between blocks, so
-//                         `__shared__` (a function-local static) and the dynamic shared memory
-//                         (one buffer per launch, refilled with 0xff bytes before every block:
-//                         a read before a write shows up as NaN) belong to one block at a time
+//                         fiber per thread of a block (blocks of 1 to 3 dimensions), all on
+//                         the calling thread, created once per launch; each runs every block of
+//                         the grid in turn (blockIdx set per block), with barriers between
+//                         blocks, so `__shared__` (a function-local static) and the dynamic
+//                         shared memory (one buffer per launch, refilled with 0xff bytes before
+//                         every block: a read before a write shows up as NaN) belong to one
+//                         block at a time. A fiber runs until it waits (a barrier, a shuffle,
+//                         an mma, an mbarrier), then the next one runs, round robin by thread
+//                         index: a wait costs a switch of stacks, not a wake-up of an OS thread
+//                         (the emulation ran one std::thread per CUDA thread before 2026-11-30,
+//                         about 5x slower on two cores)
 //   __syncthreads()       a barrier of the block's threads
 //   __syncwarp(), shuffles, __any_sync  a barrier of the warp's threads (32, or fewer in a
 //                         last, partial warp) and an exchange array per warp
@@ -19,11 +24,16 @@
 //                         when a wait_group retires the group, so a read without the wait sees
 //                         NaN or an impossible position; a group still in flight when a block
 //                         ends is reported as an error of the launch
+//   a barrier that never completes (a thread that left the kernel early, a missing arrival) is
+//                         reported once stalled (cpu_shim_hopper.h's rule) and released, never
+//                         a hang
 //
 // What it cannot show (the README lists it): races between blocks (blocks run one after the
 // other), memory-ordering and coherence bugs, the hardware's summation order inside mma,
-// shared-memory bank conflicts, the real warp scheduler (lanes of a warp are threads that meet
-// at barriers, not lock-step), occupancy and speed. Kernels must keep every lane of a warp in
+// shared-memory bank conflicts, the real warp scheduler (lanes of a warp are fibers that meet
+// at barriers, not lock-step; between two waits a thread runs alone, so a missing barrier shows
+// only where an earlier thread reads what a later one has not written yet, or overwrites what
+// a later one has not read), occupancy and speed. Kernels must keep every lane of a warp in
 // every shuffle, mma and ldmatrix.
 
 #pragma once
@@ -32,17 +42,21 @@
 
 #include <math.h>
 
+#include <sys/mman.h>
+#include <ucontext.h>
+
 #include <algorithm>
 #include <atomic>
-#include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 struct dim3 {
@@ -52,9 +66,129 @@ struct dim3 {
 
 namespace fp_shim {
 
+inline void fail(const std::string& what);
+inline bool failed();
+
+// ---- Fibers: the threads of a launch take turns on the calling thread. ----
+
+// One CUDA thread's fiber: its stack, where it stopped, whether its work is done.
+struct Fiber {
+    unsigned char* stack = nullptr;  // the lowest usable byte (a guard page below it)
+    size_t stack_bytes = 0;
+    void* sp = nullptr;  // its saved stack pointer while it does not run (x86-64)
+    ucontext_t ctx;      // the same, elsewhere
+    bool done = false;
+};
+
+// The running fiber (null outside a launch) and the scheduler's place while one runs. One
+// launch at a time (launch_lock), so one scheduler in the process.
+inline Fiber* fiber_now = nullptr;
+inline void* scheduler_sp = nullptr;
+inline ucontext_t scheduler_ctx;
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(FP_FIBER_UCONTEXT)
+#define FP_FIBER_ASM 1
+// Saves the callee-saved registers on this stack and its pointer in *save, then continues the
+// stack at `load` where its own call of this function saved them (or a fresh fiber's frame).
+// Nothing else needs saving across a call (System V AMD64 ABI); the floating-point control
+// words are the same for every fiber.
+__attribute__((naked, noinline)) static void fiber_switch(void** save, void* load) {
+    asm("pushq %rbp\n\t"
+        "pushq %rbx\n\t"
+        "pushq %r12\n\t"
+        "pushq %r13\n\t"
+        "pushq %r14\n\t"
+        "pushq %r15\n\t"
+        "movq %rsp, (%rdi)\n\t"
+        "movq %rsi, %rsp\n\t"
+        "popq %r15\n\t"
+        "popq %r14\n\t"
+        "popq %r13\n\t"
+        "popq %r12\n\t"
+        "popq %rbx\n\t"
+        "popq %rbp\n\t"
+        "ret\n\t");
+}
+#else
+// Elsewhere (or built with -DFP_FIBER_UCONTEXT) ucontext's swapcontext: a system call for
+// the signal mask per switch, slower.
+#define FP_FIBER_ASM 0
+#endif
+
+// The running fiber lets the next one run; returns when its turn comes again.
+inline void fiber_yield() {
+    Fiber* f = fiber_now;
+    if (f == nullptr) {
+        return;
+    }
+#if FP_FIBER_ASM
+    fiber_switch(&f->sp, scheduler_sp);
+#else
+    swapcontext(&f->ctx, &scheduler_ctx);
+#endif
+}
+
+// A wait that yields until something changes: stalled after 2 seconds in which the process
+// also ran 1 second of CPU time, or after 120 seconds whatever the CPU did (on a loaded
+// machine another process may hold the cores for seconds, which is not a deadlock); with
+// `failures`, at once when the launch has failed. The clock is read every 4096 turns (reading
+// the process's CPU time is a system call).
+struct Stall {
+    explicit Stall(bool failures) : failures(failures) {}
+    bool failures;
+    unsigned turns = 0;
+    bool started = false;
+    std::chrono::steady_clock::time_point wall0;
+    std::clock_t cpu0 = 0;
+    bool stalled() {
+        if (failures && failed()) {
+            return true;
+        }
+        if (++turns % 4096 != 0) {
+            return false;
+        }
+        if (!started) {
+            started = true;
+            wall0 = std::chrono::steady_clock::now();
+            cpu0 = std::clock();
+            return false;
+        }
+        const auto wall = std::chrono::steady_clock::now() - wall0;
+        const double cpu = double(std::clock() - cpu0) / CLOCKS_PER_SEC;
+        return (wall > std::chrono::seconds(2) && cpu >= 1.0) || wall > std::chrono::seconds(120);
+    }
+};
+
+// A barrier of `count` fibers: each arrival waits (yielding) until the last one arrives. One
+// that never completes is reported once stalled and released: never a hang.
+struct FiberBarrier {
+    explicit FiberBarrier(std::ptrdiff_t count) : count((unsigned)count) {}
+    unsigned count;
+    unsigned arrived = 0;
+    unsigned long long generation = 0;
+    void arrive_and_wait() {
+        const unsigned long long gen = generation;
+        if (++arrived == count) {
+            arrived = 0;
+            generation++;
+            return;
+        }
+        Stall stall(false);
+        while (generation == gen) {
+            fiber_yield();
+            if (generation == gen && stall.stalled()) {
+                fail("a barrier of " + std::to_string(count) + " threads never completed (" +
+                     std::to_string(arrived) + " arrived): a thread left early or skipped it");
+                arrived = 0;
+                generation++;
+            }
+        }
+    }
+};
+
 struct Warp {
     explicit Warp(std::ptrdiff_t lanes) : bar(lanes), lanes((unsigned)lanes) {}
-    std::barrier<> bar;
+    FiberBarrier bar;
     unsigned lanes;
     uint64_t slot[32] = {};
     // mma staging: A 16x16, B 16x8 (k x n), as floats (bf16 values are exact in f32).
@@ -77,7 +211,7 @@ struct WgmmaIssue {
 // operand of a register-sourced wgmma (64 x 16).
 struct WarpGroup {
     explicit WarpGroup(std::ptrdiff_t lanes) : bar(lanes), lanes((unsigned)lanes) {}
-    std::barrier<> bar;
+    FiberBarrier bar;
     unsigned lanes;
     WgmmaIssue issue[128];
     float a_stage[64][16] = {};
@@ -94,7 +228,7 @@ struct Block {
             groups.push_back(std::make_unique<WarpGroup>(lanes));
         }
     }
-    std::barrier<> bar;
+    FiberBarrier bar;
     std::vector<std::unique_ptr<Warp>> warps;
     std::vector<std::unique_ptr<WarpGroup>> groups;
 };
@@ -357,6 +491,128 @@ namespace fp_shim {
 // share them.
 inline std::mutex launch_lock;
 
+// What is a CUDA thread's own (its registers, so to speak): the shim keeps it in
+// `thread_local`s, which all fibers of the launching thread share, so each fiber's copy is
+// swapped in while it runs and out when it yields.
+struct ThreadState {
+    dim3 thread_idx;
+    unsigned thread_linear = 0;
+    dim3 block_idx;
+    std::vector<AsyncCopy> open_group;
+    std::deque<std::vector<AsyncCopy>> committed;
+    bool wgmma_fenced = false;
+    std::vector<WgmmaOp> wgmma_open;
+    std::deque<std::vector<WgmmaOp>> wgmma_committed;
+    std::map<float*, std::pair<std::vector<float>, int>> wgmma_acc;
+
+    void swap_with_running() {
+        std::swap(thread_idx, fp_shim::thread_idx);
+        std::swap(thread_linear, fp_shim::thread_linear);
+        std::swap(block_idx, fp_shim::block_idx);
+        open_group.swap(fp_shim::open_group);
+        committed.swap(fp_shim::committed);
+        std::swap(wgmma_fenced, fp_shim::wgmma_fenced);
+        wgmma_open.swap(fp_shim::wgmma_open);
+        wgmma_committed.swap(fp_shim::wgmma_committed);
+        wgmma_acc.swap(fp_shim::wgmma_acc);
+    }
+};
+
+// Stacks of fibers, kept for later launches (launches are serialised): 256 KiB each, with a
+// guard page below (an overflow faults rather than writing over a neighbour).
+constexpr size_t FIBER_STACK = 256 * 1024;
+inline std::vector<unsigned char*> fiber_stacks;
+inline std::function<void(unsigned)> fiber_body;
+inline Fiber* fiber_base = nullptr;  // the launch's fibers, by thread index
+
+inline unsigned char* fiber_stack(size_t i) {
+    while (fiber_stacks.size() <= i) {
+        const size_t page = 4096;
+        void* m = mmap(nullptr, FIBER_STACK + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) {
+            return nullptr;
+        }
+        mprotect(m, page, PROT_NONE);
+        fiber_stacks.push_back((unsigned char*)m + page);
+    }
+    return fiber_stacks[i];
+}
+
+// Where a fiber starts: runs its thread's body, marks it done, and goes back to the
+// scheduler for good.
+inline void fiber_main() {
+    Fiber* f = fiber_now;
+    fiber_body((unsigned)(f - fiber_base));
+    f->done = true;
+#if FP_FIBER_ASM
+    void* unused = nullptr;
+    fiber_switch(&unused, scheduler_sp);
+#else
+    swapcontext(&f->ctx, &scheduler_ctx);
+#endif
+    std::abort();  // a finished fiber is never resumed
+}
+
+// Runs `body(t)` for t in [0, n) as fibers, round robin, until every one has returned. Returns
+// false (and runs nothing) when stacks cannot be mapped.
+inline bool run_fibers(unsigned n, const std::function<void(unsigned)>& body) {
+    std::vector<Fiber> fibers(n);
+    std::vector<ThreadState> states(n);
+    for (unsigned t = 0; t < n; t++) {
+        Fiber& f = fibers[t];
+        f.stack = fiber_stack(t);
+        if (f.stack == nullptr) {
+            return false;
+        }
+        f.stack_bytes = FIBER_STACK;
+#if FP_FIBER_ASM
+        // A frame fiber_switch pops: six saved registers, then the return address fiber_main
+        // (entered with the stack 8 bytes off 16, as after a call), then a dummy return
+        // address of fiber_main's own.
+        uintptr_t top = ((uintptr_t)(f.stack + f.stack_bytes)) & ~(uintptr_t)15;
+        void** frame = (void**)(top - 64);
+        for (int r = 0; r < 6; r++) {
+            frame[r] = nullptr;
+        }
+        frame[6] = (void*)&fiber_main;
+        frame[7] = nullptr;
+        f.sp = frame;
+#else
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack;
+        f.ctx.uc_stack.ss_size = f.stack_bytes;
+        f.ctx.uc_link = nullptr;
+        makecontext(&f.ctx, (void (*)())&fiber_main, 0);
+#endif
+    }
+    fiber_body = body;
+    fiber_base = fibers.data();
+    unsigned live = n;
+    while (live > 0) {
+        for (unsigned t = 0; t < n; t++) {
+            Fiber& f = fibers[t];
+            if (f.done) {
+                continue;
+            }
+            states[t].swap_with_running();
+            fiber_now = &f;
+#if FP_FIBER_ASM
+            fiber_switch(&scheduler_sp, f.sp);
+#else
+            swapcontext(&scheduler_ctx, &f.ctx);
+#endif
+            fiber_now = nullptr;
+            states[t].swap_with_running();
+            if (f.done) {
+                live--;
+            }
+        }
+    }
+    fiber_body = nullptr;
+    fiber_base = nullptr;
+    return true;
+}
+
 // Runs `kernel(args...)` over `grid` x `block` with `shared_bytes` of dynamic shared memory.
 // Returns the first error a primitive reported (empty: none).
 template <typename... P, typename... A>
@@ -370,44 +626,40 @@ std::string launch(dim3 grid, dim3 block_shape, unsigned shared_bytes, void (*ke
     dynamic_bytes = shared_bytes;
     dynamic_shared.assign(shared_bytes + 16 + 1024, 0xff);
     Block shared_block(threads);
-    std::vector<std::thread> pool;
-    pool.reserve(threads);
-    for (unsigned t = 0; t < threads; t++) {
-        pool.emplace_back([&, t] {
-            thread_linear = t;
-            thread_idx = dim3(t % block_shape.x, (t / block_shape.x) % block_shape.y,
-                              t / (block_shape.x * block_shape.y));
-            block = &shared_block;
-            open_group.clear();
-            committed.clear();
-            for (unsigned z = 0; z < grid.z; z++) {
-                for (unsigned y = 0; y < grid.y; y++) {
-                    for (unsigned x = 0; x < grid.x; x++) {
-                        block_idx = dim3(x, y, z);
-                        if (t == 0) {
-                            std::fill(dynamic_shared.begin(), dynamic_shared.end(), 0xff);
-                            hopper_block_start();
-                        }
-                        hopper_thread_start();
-                        shared_block.bar.arrive_and_wait();
-                        kernel(args...);
-                        hopper_thread_end();
-                        if (!committed.empty() || !open_group.empty()) {
-                            fail("cp.async groups still in flight when a block ended (a missing wait_group)");
-                            open_group.clear();
-                            committed.clear();
-                        }
-                        shared_block.bar.arrive_and_wait();
-                        if (t == 0) {
-                            hopper_block_end();
-                        }
+    block = &shared_block;
+    const bool ran = run_fibers(threads, [&](unsigned t) {
+        thread_linear = t;
+        thread_idx = dim3(t % block_shape.x, (t / block_shape.x) % block_shape.y, t / (block_shape.x * block_shape.y));
+        open_group.clear();
+        committed.clear();
+        for (unsigned z = 0; z < grid.z; z++) {
+            for (unsigned y = 0; y < grid.y; y++) {
+                for (unsigned x = 0; x < grid.x; x++) {
+                    block_idx = dim3(x, y, z);
+                    if (t == 0) {
+                        std::fill(dynamic_shared.begin(), dynamic_shared.end(), 0xff);
+                        hopper_block_start();
+                    }
+                    hopper_thread_start();
+                    shared_block.bar.arrive_and_wait();
+                    kernel(args...);
+                    hopper_thread_end();
+                    if (!committed.empty() || !open_group.empty()) {
+                        fail("cp.async groups still in flight when a block ended (a missing wait_group)");
+                        open_group.clear();
+                        committed.clear();
+                    }
+                    shared_block.bar.arrive_and_wait();
+                    if (t == 0) {
+                        hopper_block_end();
                     }
                 }
             }
-        });
-    }
-    for (auto& th : pool) {
-        th.join();
+        }
+    });
+    block = nullptr;
+    if (!ran) {
+        fail("could not map the stacks of " + std::to_string(threads) + " fibers");
     }
     return launch_error;
 }

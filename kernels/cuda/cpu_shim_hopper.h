@@ -37,8 +37,9 @@
 //                         once stalled)
 //   stalled               a wait is given up after 2 seconds in which the process also ran
 //                         1 second of CPU time, or after 120 seconds whatever the CPU did: on
-//                         a loaded machine (a test run beside a benchmark) the block's other
-//                         threads may not be scheduled for seconds, which is not a deadlock
+//                         a loaded machine (a test run beside a benchmark) the process may not
+//                         be scheduled for seconds, which is not a deadlock (`Stall`,
+//                         cpu_shim.h); a waiting thread's fiber yields to the others meanwhile
 //   fences of proxies, tensor-map acquire, register fences, setmaxnreg: nothing (the emulation has one
 //                         proxy and no compiler reordering); what they order is not checked
 //
@@ -48,9 +49,6 @@
 
 #pragma once
 
-#include <chrono>
-#include <condition_variable>
-#include <ctime>
 #include <map>
 
 namespace fp_shim {
@@ -74,19 +72,6 @@ struct MBar {
 inline std::mutex mbar_lock;
 inline std::map<uint32_t, MBar> mbars;
 
-// Whether a wait that began at `wall0` (and process CPU time `cpu0`) is stalled: 2 seconds
-// in which the process ran at least 1 second of CPU (its threads were scheduled and made no
-// progress), or 120 seconds in any case.
-struct WaitClock {
-    std::chrono::steady_clock::time_point wall0 = std::chrono::steady_clock::now();
-    std::clock_t cpu0 = std::clock();
-    bool stalled() const {
-        const auto wall = std::chrono::steady_clock::now() - wall0;
-        const double cpu = double(std::clock() - cpu0) / CLOCKS_PER_SEC;
-        return (wall > std::chrono::seconds(2) && cpu >= 1.0) || wall > std::chrono::seconds(120) || failed();
-    }
-};
-
 // Named barriers of the block (bar.sync / bar.arrive with an id and a thread count).
 struct NamedBar {
     unsigned count = 0;
@@ -94,7 +79,6 @@ struct NamedBar {
     unsigned long long generation = 0;
 };
 inline std::mutex named_lock;
-inline std::condition_variable named_cv;
 inline std::map<unsigned, NamedBar> named_bars;
 
 // One thread's arrival at named barrier `id` of `count` threads; with `wait`, until the phase
@@ -114,17 +98,17 @@ inline void named_barrier(unsigned id, unsigned count, bool wait) {
     if (++b.arrived == count) {
         b.arrived = 0;
         b.generation++;
-        named_cv.notify_all();
         return;
     }
     if (!wait) {
         return;
     }
-    const WaitClock clock;
+    Stall stall(true);
     bool done = false;
-    while (!(done = named_cv.wait_for(g, std::chrono::milliseconds(100),
-                                      [&] { return named_bars[id].generation != gen; })) &&
-           !clock.stalled()) {
+    while (!(done = named_bars[id].generation != gen) && !stall.stalled()) {
+        g.unlock();
+        fiber_yield();
+        g.lock();
     }
     if (!done) {
         fail("named barrier " + std::to_string(id) + " never completed (" + std::to_string(b.arrived) + " of " +
@@ -249,16 +233,27 @@ inline void wgmma_retire(const WgmmaOp& op) {
     const unsigned tid = thread_linear % 128, w = tid / 32, g = (tid % 32) / 4, t = tid % 4;
     auto it = wgmma_acc.find(op.d);
     std::vector<float>& acc = it->second.first;
+    // This thread's two rows of A and, per 8 columns, its two columns of B, each read once.
+    float a[2][16], b[2][16];
+    for (unsigned half = 0; half < 2; half++) {
+        for (unsigned k = 0; k < 16; k++) {
+            a[half][k] = op.rs ? op.a[half][k] : gmma_elem(op.da, 16 * w + g + 8 * half, k, false);
+        }
+    }
     for (int i = 0; i < op.n / 8; i++) {
+        for (unsigned c = 0; c < 2; c++) {
+            for (unsigned k = 0; k < 16; k++) {
+                b[c][k] = gmma_elem(op.db, 8 * i + 2 * t + c, k, op.trans_b);
+            }
+        }
         for (int e = 0; e < 4; e++) {
-            const unsigned half = e >= 2 ? 1 : 0, row = 16 * w + g + 8 * half, col = 8 * i + 2 * t + (e & 1);
+            const unsigned half = e >= 2 ? 1 : 0, c = e & 1;
             float sum = 0.0f;
             for (unsigned k = 0; k < 16; k++) {
-                const float a = op.rs ? op.a[half][k] : gmma_elem(op.da, row, k, false);
-                sum += a * gmma_elem(op.db, col, k, op.trans_b);
+                sum += a[half][k] * b[c][k];
             }
-            float& c = acc[4 * i + e];
-            c = op.accumulate ? c + sum : sum;
+            float& d = acc[4 * i + e];
+            d = op.accumulate ? d + sum : sum;
         }
     }
     if (--it->second.second == 0) {
@@ -392,7 +387,7 @@ inline void fp_mbar_arrive(fp_sptr bar) { fp_shim::mbar_arrive(bar, 0); }
 inline void fp_mbar_wait(fp_sptr bar, unsigned parity) {
     using namespace fp_shim;
     const uint32_t addr = saddr(bar, "mbarrier.try_wait");
-    const WaitClock clock;
+    Stall stall(true);
     while (true) {
         {
             std::lock_guard<std::mutex> g(mbar_lock);
@@ -407,14 +402,14 @@ inline void fp_mbar_wait(fp_sptr bar, unsigned parity) {
             if ((m->completed & 1u) != (parity & 1u)) {
                 return;
             }
-            if (clock.stalled()) {
+            if (stall.stalled()) {
                 fail("mbarrier.try_wait: the phase of parity " + std::to_string(parity & 1u) +
                      " never completed (" + std::to_string(m->pending) + " arrivals and " + std::to_string(m->tx) +
                      " bytes missing): a phase off by one, a missing arrive, or bytes announced that no copy brings");
                 return;
             }
         }
-        std::this_thread::yield();
+        fiber_yield();
     }
 }
 
