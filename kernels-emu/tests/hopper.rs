@@ -88,6 +88,15 @@ fn the_emulation_catches_each_deliberate_mistake() {
         let (d_ss, d_rs) = run(probe_break::WAIT).unwrap_or_else(|e| panic!("{s:?}: {e}"));
         assert!(d_ss.iter().all(|x| x.is_nan()), "{s:?}: accumulators read before wgmma.wait_group");
         assert!(close(&d_rs, &o), "{s:?}: the product after the wait");
+
+        // Deadlocks: reported (as soon as no thread can move), never a hang. Without the
+        // arrival, every thread waits on a phase that cannot complete.
+        let e = run(probe_break::ARRIVE).expect_err("a missing arrive is reported");
+        assert!(e.contains("mbarrier.try_wait: the phase of parity 0 never completed (1 arrivals"), "{s:?}: {e}");
+        // Thread 0 past a `__syncthreads` the others wait at: it lands the copies, then waits
+        // for them at the warpgroup's first product.
+        let e = run(probe_break::SYNC).expect_err("a skipped __syncthreads is reported");
+        assert!(e.contains("threads can never complete"), "{s:?}: {e}");
     }
 }
 

@@ -24,9 +24,13 @@
 //                         when a wait_group retires the group, so a read without the wait sees
 //                         NaN or an impossible position; a group still in flight when a block
 //                         ends is reported as an error of the launch
-//   a barrier that never completes (a thread that left the kernel early, a missing arrival) is
-//                         reported once stalled (cpu_shim_hopper.h's rule) and released, never
-//                         a hang
+//   deadlocks             a barrier or a wait that can never complete (every live thread waits
+//                         on something no thread can change) is reported and released at
+//                         once, never a hang (`fiber_deadlock`). A thread that returns early
+//                         arrives at the block's end, the barrier `__syncthreads` also uses:
+//                         it completes one more `__syncthreads` of the others (as with the
+//                         threads before); the kernels return early only where the others no
+//                         longer use `__syncthreads` (flash_hopper.cu's idle producer warps)
 //
 // What it cannot show (the README lists it): races between blocks (blocks run one after the
 // other), memory-ordering and coherence bugs, the hardware's summation order inside mma,
@@ -47,11 +51,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <ctime>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -128,61 +130,42 @@ inline void fiber_yield() {
 #endif
 }
 
-// A wait that yields until something changes: stalled after 2 seconds in which the process
-// also ran 1 second of CPU time, or after 120 seconds whatever the CPU did (on a loaded
-// machine another process may hold the cores for seconds, which is not a deadlock); with
-// `failures`, at once when the launch has failed. The clock is read every 4096 turns (reading
-// the process's CPU time is a system call).
-struct Stall {
-    explicit Stall(bool failures) : failures(failures) {}
-    bool failures;
-    unsigned turns = 0;
-    bool started = false;
-    std::chrono::steady_clock::time_point wall0;
-    std::clock_t cpu0 = 0;
-    bool stalled() {
-        if (failures && failed()) {
-            return true;
-        }
-        if (++turns % 4096 != 0) {
-            return false;
-        }
-        if (!started) {
-            started = true;
-            wall0 = std::chrono::steady_clock::now();
-            cpu0 = std::clock();
-            return false;
-        }
-        const auto wall = std::chrono::steady_clock::now() - wall0;
-        const double cpu = double(std::clock() - cpu0) / CLOCKS_PER_SEC;
-        return (wall > std::chrono::seconds(2) && cpu >= 1.0) || wall > std::chrono::seconds(120);
-    }
-};
+// Deadlocks, found exactly: the launch's progress is a count bumped whenever a thread arrives
+// at a barrier, leaves a wait, changes an mbarrier or finishes (`moved`). A thread that runs
+// does one of these before it yields again; so two whole rounds of the scheduler without a
+// bump mean every live thread waits on something no thread can change any more. The
+// scheduler then sets `fiber_deadlock`, and every wait that sees it reports what it waited for
+// (`fail`) and gives up: never a hang, and never a timeout mistaken for one (a thread may wait
+// for the others' long work legitimately).
+inline unsigned long long fiber_progress = 0;
+inline bool fiber_deadlock = false;
+inline void moved() { fiber_progress++; }
 
 // A barrier of `count` fibers: each arrival waits (yielding) until the last one arrives. One
-// that never completes is reported once stalled and released: never a hang.
+// that can never complete is reported and released (`fiber_deadlock`).
 struct FiberBarrier {
     explicit FiberBarrier(std::ptrdiff_t count) : count((unsigned)count) {}
     unsigned count;
     unsigned arrived = 0;
     unsigned long long generation = 0;
     void arrive_and_wait() {
+        moved();
         const unsigned long long gen = generation;
         if (++arrived == count) {
             arrived = 0;
             generation++;
             return;
         }
-        Stall stall(false);
         while (generation == gen) {
             fiber_yield();
-            if (generation == gen && stall.stalled()) {
-                fail("a barrier of " + std::to_string(count) + " threads never completed (" +
-                     std::to_string(arrived) + " arrived): a thread left early or skipped it");
+            if (generation == gen && fiber_deadlock) {
+                fail("a barrier of " + std::to_string(count) + " threads can never complete (" +
+                     std::to_string(arrived) + " arrived, the others wait elsewhere or have finished)");
                 arrived = 0;
                 generation++;
             }
         }
+        moved();
     }
 };
 
@@ -266,8 +249,7 @@ inline void fail(const std::string& what) {
     }
 }
 
-// Whether this launch has failed (a wait then gives up at once: one stall is reported, not
-// one per later wait of every thread). Polled by every spinning wait: no lock.
+// Whether this launch has failed (launch_error is set): read without the lock.
 inline bool failed() { return launch_failed.load(std::memory_order_acquire); }
 
 template <typename T>
@@ -532,7 +514,10 @@ inline unsigned char* fiber_stack(size_t i) {
         if (m == MAP_FAILED) {
             return nullptr;
         }
-        mprotect(m, page, PROT_NONE);
+        if (mprotect(m, page, PROT_NONE) != 0) {
+            munmap(m, FIBER_STACK + page);
+            return nullptr;
+        }
         fiber_stacks.push_back((unsigned char*)m + page);
     }
     return fiber_stacks[i];
@@ -544,6 +529,7 @@ inline void fiber_main() {
     Fiber* f = fiber_now;
     fiber_body((unsigned)(f - fiber_base));
     f->done = true;
+    moved();
 #if FP_FIBER_ASM
     void* unused = nullptr;
     fiber_switch(&unused, scheduler_sp);
@@ -587,8 +573,10 @@ inline bool run_fibers(unsigned n, const std::function<void(unsigned)>& body) {
     }
     fiber_body = body;
     fiber_base = fibers.data();
-    unsigned live = n;
+    fiber_deadlock = false;
+    unsigned live = n, idle_rounds = 0;
     while (live > 0) {
+        const unsigned long long before = fiber_progress;
         for (unsigned t = 0; t < n; t++) {
             Fiber& f = fibers[t];
             if (f.done) {
@@ -607,7 +595,15 @@ inline bool run_fibers(unsigned n, const std::function<void(unsigned)>& body) {
                 live--;
             }
         }
+        // Two rounds in which no thread moved: every live one waits for good (see `moved`).
+        if (fiber_progress != before) {
+            idle_rounds = 0;
+            fiber_deadlock = false;
+        } else if (++idle_rounds >= 2) {
+            fiber_deadlock = true;
+        }
     }
+    fiber_deadlock = false;
     fiber_body = nullptr;
     fiber_base = nullptr;
     return true;

@@ -11,8 +11,8 @@
 //                         so a wait on the wrong parity, which returns at once, reads the
 //                         poison (0xff bytes: NaN) that the copy wrote at issue. A wait that
 //                         never completes (parity off the other way, a missing arrive, bytes
-//                         announced that no copy brings) is reported once it is stalled (below)
-//                         and released, never a hang; so are arrivals beyond the count, copies
+//                         announced that no copy brings) is reported once no thread can change
+//                         it any more (`fiber_deadlock`, cpu_shim.h) and released, never a hang; so are arrivals beyond the count, copies
 //                         beyond the announced bytes, and copies left unwaited at block end
 //   TMA (2-D tile load)   the tensor map is the backend's own 128 bytes in the emulation's
 //                         encoding (gpu::tma::TensorMap2d::emulated): the box at the given
@@ -33,13 +33,10 @@
 //                         every wait_group (stricter than the hardware, which asks only when
 //                         registers were touched since): a missing fence is reported
 //   bar.sync / bar.arrive with an id: counting barriers of the block by id (arrivals beyond a
-//                         phase start the next one; a sync that never completes is reported
-//                         once stalled)
-//   stalled               a wait is given up after 2 seconds in which the process also ran
-//                         1 second of CPU time, or after 120 seconds whatever the CPU did: on
-//                         a loaded machine (a test run beside a benchmark) the process may not
-//                         be scheduled for seconds, which is not a deadlock (`Stall`,
-//                         cpu_shim.h); a waiting thread's fiber yields to the others meanwhile
+//                         phase start the next one; a sync that can never complete is reported
+//                         the same way)
+//   waiting               a waiting thread's fiber yields to the others and looks again when
+//                         its turn comes
 //   fences of proxies, tensor-map acquire, register fences, setmaxnreg: nothing (the emulation has one
 //                         proxy and no compiler reordering); what they order is not checked
 //
@@ -82,7 +79,7 @@ inline std::mutex named_lock;
 inline std::map<unsigned, NamedBar> named_bars;
 
 // One thread's arrival at named barrier `id` of `count` threads; with `wait`, until the phase
-// completes (reported once stalled: a missing arrival, never a hang).
+// completes (a missing arrival is reported once no thread can make it: never a hang).
 inline void named_barrier(unsigned id, unsigned count, bool wait) {
     std::unique_lock<std::mutex> g(named_lock);
     if (id == 0 || id > 15 || count == 0 || count % 32 != 0) {
@@ -94,6 +91,7 @@ inline void named_barrier(unsigned id, unsigned count, bool wait) {
         fail("named barrier " + std::to_string(id) + ": arrivals with different thread counts");
     }
     b.count = count;
+    moved();
     const unsigned long long gen = b.generation;
     if (++b.arrived == count) {
         b.arrived = 0;
@@ -103,16 +101,20 @@ inline void named_barrier(unsigned id, unsigned count, bool wait) {
     if (!wait) {
         return;
     }
-    Stall stall(true);
     bool done = false;
-    while (!(done = named_bars[id].generation != gen) && !stall.stalled()) {
+    while (!(done = named_bars[id].generation != gen) && !fiber_deadlock) {
         g.unlock();
         fiber_yield();
         g.lock();
     }
-    if (!done) {
+    if (done) {
+        moved();
+    } else {
         fail("named barrier " + std::to_string(id) + " never completed (" + std::to_string(b.arrived) + " of " +
              std::to_string(count) + " threads): a missing bar.arrive");
+        // Its other waiters leave too, and its next phase starts clean.
+        b.arrived = 0;
+        b.generation++;
     }
 }
 
@@ -161,6 +163,7 @@ inline void mbar_progress(MBar& m) {
         return;
     }
     for (TmaLanding& l : m.queued) {
+        moved();
         std::memcpy(l.dst, l.image.data(), l.image.size());
         m.tx -= (long long)l.image.size();
     }
@@ -181,6 +184,7 @@ inline void mbar_arrive(unsigned char* bar, long long bytes) {
     if (!m) {
         return;
     }
+    moved();
     m->tx += bytes;
     if (m->pending == 0) {
         fail("mbarrier.arrive: more arrivals than the barrier's count in one phase");
@@ -387,7 +391,6 @@ inline void fp_mbar_arrive(fp_sptr bar) { fp_shim::mbar_arrive(bar, 0); }
 inline void fp_mbar_wait(fp_sptr bar, unsigned parity) {
     using namespace fp_shim;
     const uint32_t addr = saddr(bar, "mbarrier.try_wait");
-    Stall stall(true);
     while (true) {
         {
             std::lock_guard<std::mutex> g(mbar_lock);
@@ -396,13 +399,15 @@ inline void fp_mbar_wait(fp_sptr bar, unsigned parity) {
                 return;
             }
             if ((m->completed & 1u) != (parity & 1u)) {
+                moved();
                 return;  // the phase of this parity has completed
             }
             mbar_progress(*m);
             if ((m->completed & 1u) != (parity & 1u)) {
+                moved();
                 return;
             }
-            if (stall.stalled()) {
+            if (fiber_deadlock) {
                 fail("mbarrier.try_wait: the phase of parity " + std::to_string(parity & 1u) +
                      " never completed (" + std::to_string(m->pending) + " arrivals and " + std::to_string(m->tx) +
                      " bytes missing): a phase off by one, a missing arrive, or bytes announced that no copy brings");
@@ -451,6 +456,7 @@ inline void fp_tma_load_2d(fp_sptr dst, const void* map, fp_sptr bar, int c0, in
     std::lock_guard<std::mutex> g(mbar_lock);
     MBar* m = mbar_at(saddr(bar, "TMA barrier"), "TMA completion barrier");
     if (m) {
+        moved();
         m->queued.push_back(std::move(l));
     }
 }

@@ -18,6 +18,9 @@
 #define FP_PROBE_BREAK_SWIZZLE 2u  // descriptors of another swizzle width than the maps'
 #define FP_PROBE_BREAK_PHASE 4u    // the wait on the copies' barrier names the other parity
 #define FP_PROBE_BREAK_WAIT 8u     // the accumulators of d_ss read without wgmma.wait_group
+// The next two deadlock the block (on a GPU it would hang; only the emulation runs them):
+#define FP_PROBE_BREAK_ARRIVE 16u  // the copies issued without arrive.expect_tx: no phase completes
+#define FP_PROBE_BREAK_SYNC 32u    // thread 0 skips the __syncthreads after the barrier's init
 
 template <int W>
 __device__ __forceinline__ void fp_hopper_probe(const u64* maps, const bf16_t* a, float* d_ss, float* d_rs,
@@ -38,9 +41,13 @@ __device__ __forceinline__ void fp_hopper_probe(const u64* maps, const bf16_t* a
         fp_mbar_init(bar, 1);
         fp_mbar_init_fence();
     }
-    __syncthreads();
+    if (tid != 0 || !(breaks & FP_PROBE_BREAK_SYNC)) {
+        __syncthreads();
+    }
     if (tid == 0) {
-        fp_mbar_arrive_expect_tx(bar, A_BYTES + 2 * B_BYTES);
+        if (!(breaks & FP_PROBE_BREAK_ARRIVE)) {
+            fp_mbar_arrive_expect_tx(bar, A_BYTES + 2 * B_BYTES);
+        }
         for (u32 b = 0; b < 64 / E; b++) {
             fp_tma_load_2d(a_s + b * 64 * W, maps, bar, (int)(b * E), 0);
             fp_tma_load_2d(bnk_s + b * 128 * W, maps + 16, bar, (int)(b * E), 0);

@@ -25,6 +25,12 @@ pub mod probe_break {
     pub const PHASE: u32 = 4;
     /// Accumulators read without `wgmma.wait_group`.
     pub const WAIT: u32 = 8;
+    /// The copies issued without `arrive.expect_tx`: their barrier's phase never completes (a
+    /// deadlock: for the emulation only, a GPU would hang).
+    pub const ARRIVE: u32 = 16;
+    /// Thread 0 skips the `__syncthreads` after the barrier's init: the others can never pass
+    /// it (a deadlock: for the emulation only).
+    pub const SYNC: u32 = 32;
 }
 
 /// The self-check's kernel for a swizzle mode.
