@@ -132,6 +132,7 @@ pub fn decode_with(
             break StopReason::EndToken;
         }
         ids.push(next);
+        sampler.took_one();
         let text = tokenizer.decode(&ids)?;
         // Emit only complete characters (a multi-byte character may span tokens).
         if text.len() > shown && !text.ends_with('\u{FFFD}') {
@@ -247,6 +248,8 @@ mod tests {
     use super::*;
     use crate::gguf_write::testfile::TestGguf;
     use candle_core::quantized::gguf_file::Value;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
 
     /// Decodes with a step that chooses `script[i]` at its i-th call (then token 0) and an
     /// `on_text` that stops after `texts` pieces: the ids, why it stopped, the steps taken, the
@@ -258,10 +261,35 @@ mod tests {
         window: usize,
         texts: usize,
     ) -> (Vec<u32>, StopReason, usize, Vec<String>) {
+        let tally = Arc::new(AtomicU64::new(0));
+        let (out, calls, pieces) = decode_failing(tok, script, max, window, texts, usize::MAX, &tally);
+        let (ids, stop) = out.expect("decodes");
+        assert_eq!(tally.load(Ordering::Relaxed), ids.len() as u64, "the tally counts the answer's ids");
+        (ids, stop, calls, pieces)
+    }
+
+    /// What [`decode_with`] returned, the steps it called, the pieces it streamed.
+    type Decoded = (Result<(Vec<u32>, StopReason)>, usize, Vec<String>);
+
+    /// [`decode_script`] whose step number `fails` (from 0) fails, counting into `tally`.
+    fn decode_failing(
+        tok: &Tokenizer,
+        script: &[u32],
+        max: usize,
+        window: usize,
+        texts: usize,
+        fails: usize,
+        tally: &Arc<AtomicU64>,
+    ) -> Decoded {
         let cfg = SamplingConfig { temperature: 0.0, top_p: 1.0, seed: 1 };
         let mut sampler = Sampler::new(cfg).expect("a greedy sampler");
+        sampler.count_into(tally.clone());
         let mut calls = 0usize;
         let mut step = |_tok: u32, _pos: u32| -> Result<Vec<f32>> {
+            if calls == fails {
+                calls += 1;
+                return Err(crate::error::internal("an injected step failure"));
+            }
             let mut logits = vec![0.0f32; tok.vocab_size()];
             logits[script.get(calls).copied().unwrap_or(0) as usize] = 1.0;
             calls += 1;
@@ -272,8 +300,8 @@ mod tests {
             pieces.push(s.to_string());
             pieces.len() < texts
         };
-        let (ids, stop) = decode_with(tok, 1, &mut sampler, max, window, 5, &mut step, &mut on_text).expect("decodes");
-        (ids, stop, calls, pieces)
+        let out = decode_with(tok, 1, &mut sampler, max, window, 5, &mut step, &mut on_text);
+        (out, calls, pieces)
     }
 
     /// A byte-level tokenizer of the letters a..j (`j`, id 9, the end of sequence) and `extra`.
@@ -324,5 +352,21 @@ mod tests {
         }
         assert_eq!(decode_steps(0, StopReason::EndToken), 0);
         assert_eq!(decode_steps(0, StopReason::MaxTokens), 0);
+    }
+
+    /// A step that fails ends decoding with its error; the tally then holds every token taken
+    /// before it, each of which was streamed: the first, and one per step that succeeded.
+    #[test]
+    fn the_tally_counts_the_tokens_taken_before_a_step_fails() {
+        let tok = letters("decode-tally", &[]);
+        for fails in [0usize, 1, 3] {
+            let tally = Arc::new(AtomicU64::new(0));
+            let (out, calls, pieces) = decode_failing(&tok, &[2, 3, 4, 5, 6], 10, 64, usize::MAX, fails, &tally);
+            let e = out.expect_err("the step's error");
+            assert!(e.to_string().contains("an injected step failure"), "{e}");
+            assert_eq!(calls, fails + 1, "steps run");
+            assert_eq!(tally.load(Ordering::Relaxed), fails as u64 + 1, "tokens taken before step {fails} failed");
+            assert_eq!(pieces.len(), fails + 1, "each was streamed");
+        }
     }
 }

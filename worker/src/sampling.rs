@@ -3,6 +3,8 @@
 use crate::error::{Field, InputError, Result};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// How to pick the next token.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -26,6 +28,8 @@ impl Default for SamplingConfig {
 pub struct Sampler {
     cfg: SamplingConfig,
     rng: StdRng,
+    /// Where the decoding loop counts the answer's tokens as it takes them ([`Self::count_into`]).
+    tally: Option<Arc<AtomicU64>>,
 }
 
 /// Index of the largest logit (the first one on ties; NaN never wins).
@@ -55,7 +59,21 @@ impl Sampler {
             return Err(InputError::new(Field::TopP, format!("{} must be in (0, 1]", cfg.top_p)).into());
         }
         let rng = StdRng::seed_from_u64(cfg.seed);
-        Ok(Self { cfg, rng })
+        Ok(Self { cfg, rng, tally: None })
+    }
+
+    /// Counts into `tally` every token the decoding loop ([`crate::generate::decode_with`])
+    /// takes into the answer (not an end token), as it takes it: what a job that fails later
+    /// had produced (and streamed) by then, which its lost result cannot say.
+    pub fn count_into(&mut self, tally: Arc<AtomicU64>) {
+        self.tally = Some(tally);
+    }
+
+    /// One more token of the answer (see [`Self::count_into`]).
+    pub(crate) fn took_one(&self) {
+        if let Some(t) = &self.tally {
+            t.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Picks a token from logits. A NaN logit never wins, as in [`argmax`] (its probability is

@@ -80,7 +80,7 @@ use flowprefill_worker::steps::{ring_prefill, zigzag_pieces, LocalSegment};
 use flowprefill_worker::store::{ChunkKey, ChunkStore};
 use flowprefill_worker::{Field, InputError, LoadedModel};
 use pace::Next;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -132,6 +132,9 @@ pub struct Control<'a> {
     pub deadline: Option<Instant>,
     /// Called once on rank 0 when every rank has admitted the job.
     pub on_admitted: Option<Box<dyn FnMut() + Send + 'a>>,
+    /// Counts the answer's tokens as rank 0 takes them ([`Sampler::count_into`]): what a job
+    /// that fails later had produced and streamed, which its lost result cannot say.
+    pub answer_tokens: Option<Arc<AtomicU64>>,
 }
 
 /// A job as rank 0 broadcasts it, with the time it may still take.
@@ -147,6 +150,7 @@ struct Steer<'a, 'b> {
     watch: Watch,
     t0: Instant,
     on_admitted: Option<Box<dyn FnMut() + Send + 'a>>,
+    answer_tokens: Option<Arc<AtomicU64>>,
     on_text: &'b mut dyn FnMut(&str) -> bool,
 }
 
@@ -365,8 +369,13 @@ impl<B: Backend> Engine<B> {
         if comm.rank() != 0 {
             return Err(internal("only rank 0 leads"));
         }
-        let Control { cancel, deadline, on_admitted } = ctl;
-        let mut r = self.lead_one(comm, job, Control { cancel: cancel.clone(), deadline, on_admitted }, on_text)?;
+        let Control { cancel, deadline, on_admitted, answer_tokens } = ctl;
+        let mut r = self.lead_one(
+            comm,
+            job,
+            Control { cancel: cancel.clone(), deadline, on_admitted, answer_tokens },
+            on_text,
+        )?;
         if job.options.verify {
             // The exact twin, a job of its own for every rank; its answer is not streamed.
             // An exact answer kept from the job before (the same request) is not computed again.
@@ -377,7 +386,7 @@ impl<B: Backend> Engine<B> {
             let computed = match kept {
                 Some(e) => Ok(e),
                 None => self
-                    .lead_one(comm, &exact, Control { cancel, deadline, on_admitted: None }, &mut |_| true)
+                    .lead_one(comm, &exact, Control { cancel, deadline, ..Control::default() }, &mut |_| true)
                     .inspect(|e| key.into_iter().for_each(|k| self.exact_memo.put(k, e))),
             };
             match computed {
@@ -420,7 +429,7 @@ impl<B: Backend> Engine<B> {
             }
         };
         let watch = Watch::new(ctl.cancel, budget);
-        let steer = Steer { watch, t0, on_admitted: ctl.on_admitted, on_text };
+        let steer = Steer { watch, t0, on_admitted: ctl.on_admitted, answer_tokens: ctl.answer_tokens, on_text };
         let r = self.job_on_rank(comm, &env.job, steer)?;
         r.ok_or_else(|| internal("rank 0 produced no result"))
     }
@@ -494,7 +503,7 @@ impl<B: Backend> Engine<B> {
                 Next::Stop => return Ok(done),
             };
             let watch = Watch::new(None, env.budget_ms.map(Duration::from_millis));
-            let steer = Steer { watch, t0, on_admitted: None, on_text: &mut |_| true };
+            let steer = Steer { watch, t0, on_admitted: None, answer_tokens: None, on_text: &mut |_| true };
             match self.job_on_rank(comm, &env.job, steer) {
                 Err(e) if e.breaks_world() => return Err(e),
                 Err(e) => tracing::debug!(rank = comm.rank(), error = %e, "job failed"),
@@ -544,7 +553,7 @@ impl<B: Backend> Engine<B> {
 
     /// The pipeline of one job on this rank (see the module docs); `Some` on rank 0.
     fn run_job(&self, comm: &mut dyn Communicator, job: &Job, steer: Steer<'_, '_>) -> Result<Option<RunResult>> {
-        let Steer { watch, t0, on_admitted, on_text } = steer;
+        let Steer { watch, t0, on_admitted, answer_tokens, on_text } = steer;
         let (layout, held) = self.agree(comm, job)?;
         // A job already cancelled or late stops before any work (and before a service starts
         // streaming its answer).
@@ -572,7 +581,10 @@ impl<B: Backend> Engine<B> {
         if held_before.is_some() {
             be.reset_memory_peak();
         }
-        let sampler = Sampler::new(opts.sampling.clone())?;
+        let mut sampler = Sampler::new(opts.sampling.clone())?;
+        if let Some(tally) = answer_tokens {
+            sampler.count_into(tally);
+        }
         let chunk_tokens: Vec<usize> = layout.chunks.iter().map(Vec::len).collect();
         let plan = Pipeline::new(opts, &chunk_tokens, size, self.lm.model.config().n_layers).placed_by(&held);
         // On a GPU each phase ends when its work is done (the phase timers are host clocks).

@@ -74,7 +74,7 @@ pub const JOBS_IN_FLIGHT: &str = "flowprefill_jobs_in_flight";
 pub const JOB_PHASE: &str = "flowprefill_job_phase";
 /// When the job computing now started (Unix seconds; 0 when none is): `time() - ...` is its age.
 pub const JOB_START_TIME: &str = "flowprefill_job_start_time_seconds";
-/// Answer tokens generated, by method (cancelled jobs' too).
+/// Answer tokens generated, by method (cancelled jobs' too, and what failed jobs produced before they failed).
 pub const GENERATED_TOKENS: &str = "flowprefill_generated_tokens_total";
 /// `POST /v1/documents` requests waiting or prefilling (they share the device with the jobs).
 pub const INGESTIONS_IN_FLIGHT: &str = "flowprefill_ingestions_in_flight";
@@ -454,6 +454,14 @@ pub fn job_phase(left: Option<&'static str>, entered: Option<&'static str>) {
 /// Counts the answer tokens of a job (finished or cancelled).
 pub fn generated_tokens(r: &RunResult) {
     counter!(GENERATED_TOKENS, "method" => method_label(r.method, r.opts.reorder)).increment(r.tokens.len() as u64);
+}
+
+/// Counts `n` answer tokens of a failed job of `method` (its label, [`method_label`]), from
+/// the tally rank 0 kept as it took them; nothing when it failed before its first token.
+pub fn generated_token_count(method: &str, n: u64) {
+    if n > 0 {
+        counter!(GENERATED_TOKENS, "method" => method.to_string()).increment(n);
+    }
 }
 
 /// Moves [`INGESTIONS_IN_FLIGHT`] by `by` (one update: two concurrent ones cannot leave it

@@ -96,6 +96,8 @@ struct Running {
     /// Past this, rank 0 is considered stuck.
     hard_deadline: Instant,
     events: UnboundedSender<Event>,
+    /// The answer's tokens so far (counted by rank 0 as it takes them).
+    answer_tokens: Arc<AtomicU64>,
 }
 
 /// State shared between the executor, the watchdog and the handlers.
@@ -438,10 +440,12 @@ fn execute(world: &mut World, q: Queued, shared: &Arc<Shared>, generation: u64) 
             return;
         }
     }
+    let answer_tokens = Arc::new(AtomicU64::new(0));
     shared.set_running(Some(Running {
         method: method.clone(),
         hard_deadline: q.deadline + shared.hang_grace,
         events: q.events.clone(),
+        answer_tokens: answer_tokens.clone(),
     }));
     let (cancel, events) = (q.cancel.clone(), q.events.clone());
     let admitted = q.events.clone();
@@ -451,6 +455,7 @@ fn execute(world: &mut World, q: Queued, shared: &Arc<Shared>, generation: u64) 
         on_admitted: Some(Box::new(move || {
             let _ = admitted.send(Event::Admitted);
         })),
+        answer_tokens: Some(answer_tokens.clone()),
     };
     let mut on_text = |s: &str| !cancel.load(Ordering::Relaxed) && events.send(Event::Text(s.to_string())).is_ok();
     // The phase gauge follows rank 0's phases live (this thread leads the job), while the job is
@@ -496,6 +501,8 @@ fn execute(world: &mut World, q: Queued, shared: &Arc<Shared>, generation: u64) 
             let _ = q.events.send(Event::Done(Box::new(r)));
         }
         Err(e) => {
+            // What it produced before it failed was produced (and streamed) all the same.
+            metrics::generated_token_count(&method, answer_tokens.load(Ordering::Relaxed));
             let mut err = ApiError::from_coord(&e);
             if let Some(device) = e.out_of_memory_device() {
                 // Not the request's fault: the same job may fit once memory is free.
@@ -550,6 +557,7 @@ fn watchdog(
         );
         tracing::error!("{why}");
         metrics::job_outcome(&job.method, "error");
+        metrics::generated_token_count(&job.method, job.answer_tokens.load(Ordering::Relaxed));
         shared.set_ready(false, Some(why.clone()));
         let _ = job.events.send(Event::Failed(ApiError::new(503, "rank_failure", why.clone())));
         shared.finished_one();

@@ -585,6 +585,32 @@ fn out_of_memory_on_a_rank_gives_503_with_retry_after_and_the_next_job_runs() {
     assert_eq!(s.req("GET", "/readyz", &[], b"").status, 200);
 }
 
+/// The tokens a job produced before it failed are counted as generated: rank 1 runs out of
+/// memory (injected) as the second job's decoding starts, after rank 0 took (and streamed) the
+/// first token; the counter grows by exactly that one.
+#[test]
+fn tokens_a_failed_job_produced_are_counted() {
+    let s = Server::start(&["--ranks", "2"], &[("FLOWPREFILL_FAULT", "rank:1,phase:decode,mode:oom,after:1")]);
+    let generated = |m: &str| {
+        promlint::samples(m)
+            .into_iter()
+            .filter(|x| x.name == "flowprefill_generated_tokens_total")
+            .map(|x| x.value)
+            .sum::<f64>()
+    };
+    let d = docs(3, 6);
+    let r = s.post("/v1/jobs", &job(&d));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let first = generated(&s.metrics());
+    assert!(first >= 1.0, "the first job's answer: {first}");
+    let r = s.post("/v1/jobs", &job(&d));
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(json(&r)["error"]["kind"], "resource", "{}", r.text());
+    let m = s.metrics();
+    assert!(m.contains("flowprefill_jobs_total{method=\"infoflow\",outcome=\"error\"} 1"), "{m}");
+    assert_eq!(generated(&m), first + 1.0, "the failed job's one token counted: {m}");
+}
+
 /// A GPU lost mid-job (injected on rank 1: a kernel fault, which CUDA keeps for the process's
 /// life) stops the service: rebuilt ranks would meet the same GPU and every later job would
 /// fail while /readyz said ready. The job gets 503 `device_failure` naming it, and the process
