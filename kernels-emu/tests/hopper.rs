@@ -3,7 +3,8 @@
 //! mbarrier, wgmma.mma_async from shared-memory descriptors and from registers, K-major and
 //! transposed B) against a plain product in every swizzle mode, and each deliberate mistake
 //! the emulation must catch: a missing wgmma.fence, descriptors of the wrong swizzle, a wait on
-//! the wrong mbarrier phase, accumulators read without wgmma.wait_group.
+//! the wrong mbarrier phase, accumulators read without wgmma.wait_group, and two deadlocks (no
+//! arrival on the copies' barrier, a skipped `__syncthreads`), reported rather than hung.
 
 use flowprefill_kernels::gpu::ops::{probe_break, Swizzle};
 use flowprefill_kernels_emu as emu;

@@ -25,8 +25,8 @@
 //                         NaN or an impossible position; a group still in flight when a block
 //                         ends is reported as an error of the launch
 //   deadlocks             a barrier or a wait that can never complete (every live thread waits
-//                         on something no thread can change) is reported and released at
-//                         once, never a hang (`fiber_deadlock`). A thread that returns early
+//                         on something no thread can change) is reported and released within
+//                         two rounds of the fibers, never a hang (`fiber_deadlock`). A thread that returns early
 //                         arrives at the block's end, the barrier `__syncthreads` also uses:
 //                         it completes one more `__syncthreads` of the others (as with the
 //                         threads before); the kernels return early only where the others no
@@ -135,8 +135,10 @@ inline void fiber_yield() {
 // does one of these before it yields again; so two whole rounds of the scheduler without a
 // bump mean every live thread waits on something no thread can change any more. The
 // scheduler then sets `fiber_deadlock`, and every wait that sees it reports what it waited for
-// (`fail`) and gives up: never a hang, and never a timeout mistaken for one (a thread may wait
-// for the others' long work legitimately).
+// (`fail`, which keeps the first report as the launch's error) and gives up: never a hang, and
+// never a timeout mistaken for one (a thread may wait for the others' long work legitimately).
+// A wait gives up only after it has yielded, so one reached in the round that releases the
+// others is not failed at once.
 inline unsigned long long fiber_progress = 0;
 inline bool fiber_deadlock = false;
 inline void moved() { fiber_progress++; }
@@ -224,12 +226,15 @@ struct AsyncCopy {
     unsigned size;
 };
 
-inline thread_local dim3 thread_idx;
-inline thread_local unsigned thread_linear = 0;
-inline thread_local dim3 block_idx;
-inline thread_local Block* block = nullptr;
-inline thread_local std::vector<AsyncCopy> open_group;
-inline thread_local std::deque<std::vector<AsyncCopy>> committed;
+// The running CUDA thread's own state (and cpu_shim_hopper.h's wgmma state): plain globals,
+// since one launch runs at a time (`launch_lock`) and all of its threads are fibers of the
+// launching thread; `ThreadState` swaps each fiber's copy in while it runs.
+inline dim3 thread_idx;
+inline unsigned thread_linear = 0;
+inline dim3 block_idx;
+inline Block* block = nullptr;
+inline std::vector<AsyncCopy> open_group;
+inline std::deque<std::vector<AsyncCopy>> committed;
 inline dim3 block_dim;
 inline dim3 grid_dim;
 inline std::vector<unsigned char> dynamic_shared;
@@ -473,9 +478,9 @@ namespace fp_shim {
 // share them.
 inline std::mutex launch_lock;
 
-// What is a CUDA thread's own (its registers, so to speak): the shim keeps it in
-// `thread_local`s, which all fibers of the launching thread share, so each fiber's copy is
-// swapped in while it runs and out when it yields.
+// What is a CUDA thread's own (its registers, so to speak): the shim keeps the running one's in
+// globals, which all fibers share, so each fiber's copy is swapped in while it runs and out
+// when it yields.
 struct ThreadState {
     dim3 thread_idx;
     unsigned thread_linear = 0;

@@ -101,20 +101,25 @@ inline void named_barrier(unsigned id, unsigned count, bool wait) {
     if (!wait) {
         return;
     }
-    bool done = false;
-    while (!(done = named_bars[id].generation != gen) && !fiber_deadlock) {
+    // Looked up again after every yield (a released block's next start clears the table), and
+    // given up only after a yield: a deadlock found while this thread was waiting.
+    for (bool waited = false;; waited = true) {
+        NamedBar& now = named_bars[id];
+        if (now.generation != gen) {
+            moved();
+            return;
+        }
+        if (waited && fiber_deadlock) {
+            fail("named barrier " + std::to_string(id) + " never completed (" + std::to_string(now.arrived) +
+                 " of " + std::to_string(count) + " threads): a missing bar.arrive");
+            // Its other waiters leave too, and its next phase starts clean.
+            now.arrived = 0;
+            now.generation++;
+            return;
+        }
         g.unlock();
         fiber_yield();
         g.lock();
-    }
-    if (done) {
-        moved();
-    } else {
-        fail("named barrier " + std::to_string(id) + " never completed (" + std::to_string(b.arrived) + " of " +
-             std::to_string(count) + " threads): a missing bar.arrive");
-        // Its other waiters leave too, and its next phase starts clean.
-        b.arrived = 0;
-        b.generation++;
     }
 }
 
@@ -128,11 +133,11 @@ struct WgmmaOp {
     bool accumulate;
 };
 
-inline thread_local bool wgmma_fenced = false;
-inline thread_local std::vector<WgmmaOp> wgmma_open;
-inline thread_local std::deque<std::vector<WgmmaOp>> wgmma_committed;
+inline bool wgmma_fenced = false;
+inline std::vector<WgmmaOp> wgmma_open;
+inline std::deque<std::vector<WgmmaOp>> wgmma_committed;
 // Accumulators with products in flight: their values before the first, and how many.
-inline thread_local std::map<float*, std::pair<std::vector<float>, int>> wgmma_acc;
+inline std::map<float*, std::pair<std::vector<float>, int>> wgmma_acc;
 
 inline size_t dynamic_size() { return dynamic_bytes; }
 
@@ -203,51 +208,67 @@ inline uint32_t swizzled(uint32_t addr, uint32_t swizzle_bytes) {
     return addr ^ (((addr >> 7) & swizzle_mask(swizzle_bytes)) << 4);
 }
 
-// One bf16 operand element of a wgmma through its descriptor: element (mn, k) of a K-major
-// (k contiguous) or MN-major tile.
-inline float gmma_elem(uint64_t desc, uint32_t mn, uint32_t k, bool mn_major) {
-    const uint32_t start = (uint32_t)(desc & 0x3fff) << 4;
-    const uint32_t lbo = (uint32_t)((desc >> 16) & 0x3fff) << 4;
-    const uint32_t sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
-    const uint32_t base_offset = (uint32_t)((desc >> 49) & 7);
-    const uint32_t mode = (uint32_t)(desc >> 62);
-    if (base_offset != 0) {
-        fail("wgmma: a descriptor with a base offset (the kernels align every tile to its swizzle atom)");
+// A wgmma operand's shared-memory descriptor, read once per product: where its tile starts,
+// its two strides and its swizzle width.
+struct GmmaDesc {
+    uint32_t start, lbo, sbo, w;
+    explicit GmmaDesc(uint64_t desc)
+        : start((uint32_t)(desc & 0x3fff) << 4),
+          lbo((uint32_t)((desc >> 16) & 0x3fff) << 4),
+          sbo((uint32_t)((desc >> 32) & 0x3fff) << 4) {
+        const uint32_t base_offset = (uint32_t)((desc >> 49) & 7);
+        const uint32_t mode = (uint32_t)(desc >> 62);
+        if (base_offset != 0) {
+            fail("wgmma: a descriptor with a base offset (the kernels align every tile to its swizzle atom)");
+        }
+        w = mode == 1 ? 128 : mode == 2 ? 64 : mode == 3 ? 32 : 16;
     }
-    const uint32_t w = mode == 1 ? 128 : mode == 2 ? 64 : mode == 3 ? 32 : 16;
-    uint32_t off;
-    if (!mn_major) {
-        off = w == 16 ? (mn % 8) * 16 + (mn / 8) * sbo + (k % 8) * 2 + (k / 8) * lbo
-                      : (mn % 8) * w + (mn / 8) * sbo + k * 2;
-    } else {
-        off = w == 16 ? (mn % 8) * 2 + (mn / 8) * sbo + (k % 8) * 16 + (k / 8) * lbo
-                      : (mn % (w / 2)) * 2 + (mn / (w / 2)) * lbo + (k % 8) * w + (k / 8) * sbo;
+
+    // One bf16 element of the tile: (mn, k) of a K-major (k contiguous) or MN-major tile, in
+    // the launch's dynamic shared memory `smem` of `size` bytes.
+    float at(const unsigned char* smem, size_t size, uint32_t mn, uint32_t k, bool mn_major) const {
+        uint32_t off;
+        if (!mn_major) {
+            off = w == 16 ? (mn % 8) * 16 + (mn / 8) * sbo + (k % 8) * 2 + (k / 8) * lbo
+                          : (mn % 8) * w + (mn / 8) * sbo + k * 2;
+        } else {
+            off = w == 16 ? (mn % 8) * 2 + (mn / 8) * sbo + (k % 8) * 16 + (k / 8) * lbo
+                          : (mn % (w / 2)) * 2 + (mn / (w / 2)) * lbo + (k % 8) * w + (k / 8) * sbo;
+        }
+        const uint32_t addr = w == 16 ? start + off : swizzled(start + off, w);
+        if ((size_t)addr + 2 > size) {
+            fail("wgmma: a descriptor reaches past the dynamic shared memory");
+            return 0.0f;
+        }
+        unsigned short bits;
+        std::memcpy(&bits, smem + addr, 2);
+        return bf16_lo(bits);
     }
-    const uint32_t addr = w == 16 ? start + off : swizzled(start + off, w);
-    if ((size_t)addr + 2 > dynamic_size()) {
-        fail("wgmma: a descriptor reaches past the dynamic shared memory");
-        return 0.0f;
-    }
-    unsigned short bits;
-    std::memcpy(&bits, dynamic_smem() + addr, 2);
-    return bf16_lo(bits);
-}
+};
 
 inline void wgmma_retire(const WgmmaOp& op) {
     const unsigned tid = thread_linear % 128, w = tid / 32, g = (tid % 32) / 4, t = tid % 4;
     auto it = wgmma_acc.find(op.d);
     std::vector<float>& acc = it->second.first;
     // This thread's two rows of A and, per 8 columns, its two columns of B, each read once.
+    const unsigned char* smem = dynamic_smem();
+    const size_t size = dynamic_size();
     float a[2][16], b[2][16];
-    for (unsigned half = 0; half < 2; half++) {
-        for (unsigned k = 0; k < 16; k++) {
-            a[half][k] = op.rs ? op.a[half][k] : gmma_elem(op.da, 16 * w + g + 8 * half, k, false);
+    if (op.rs) {
+        std::memcpy(a, op.a, sizeof(a));
+    } else {
+        const GmmaDesc da(op.da);
+        for (unsigned half = 0; half < 2; half++) {
+            for (unsigned k = 0; k < 16; k++) {
+                a[half][k] = da.at(smem, size, 16 * w + g + 8 * half, k, false);
+            }
         }
     }
+    const GmmaDesc db(op.db);
     for (int i = 0; i < op.n / 8; i++) {
         for (unsigned c = 0; c < 2; c++) {
             for (unsigned k = 0; k < 16; k++) {
-                b[c][k] = gmma_elem(op.db, 8 * i + 2 * t + c, k, op.trans_b);
+                b[c][k] = db.at(smem, size, 8 * i + 2 * t + c, k, op.trans_b);
             }
         }
         for (int e = 0; e < 4; e++) {
@@ -391,7 +412,7 @@ inline void fp_mbar_arrive(fp_sptr bar) { fp_shim::mbar_arrive(bar, 0); }
 inline void fp_mbar_wait(fp_sptr bar, unsigned parity) {
     using namespace fp_shim;
     const uint32_t addr = saddr(bar, "mbarrier.try_wait");
-    while (true) {
+    for (bool waited = false;; waited = true) {
         {
             std::lock_guard<std::mutex> g(mbar_lock);
             MBar* m = mbar_at(addr, "mbarrier.try_wait");
@@ -407,7 +428,7 @@ inline void fp_mbar_wait(fp_sptr bar, unsigned parity) {
                 moved();
                 return;
             }
-            if (fiber_deadlock) {
+            if (waited && fiber_deadlock) {
                 fail("mbarrier.try_wait: the phase of parity " + std::to_string(parity & 1u) +
                      " never completed (" + std::to_string(m->pending) + " arrivals and " + std::to_string(m->tx) +
                      " bytes missing): a phase off by one, a missing arrive, or bytes announced that no copy brings");
