@@ -36,7 +36,7 @@ pub mod world;
 
 pub use admit::{admit, Admitted, Limits};
 pub use engine::{
-    Control, CoverageCut, DiskTier, Engine, Ingested, Quality, RankStats, RunResult, DEFAULT_STORE_BYTES,
+    Control, CoverageCut, DiskTier, Engine, Ingested, JobProgress, Quality, RankStats, RunResult, DEFAULT_STORE_BYTES,
 };
 pub use error::{CoordError, Result};
 pub use flowprefill_comm::ErrorClass;

@@ -132,9 +132,36 @@ pub struct Control<'a> {
     pub deadline: Option<Instant>,
     /// Called once on rank 0 when every rank has admitted the job.
     pub on_admitted: Option<Box<dyn FnMut() + Send + 'a>>,
-    /// Counts the answer's tokens as rank 0 takes them ([`Sampler::count_into`]): what a job
-    /// that fails later had produced and streamed, which its lost result cannot say.
-    pub answer_tokens: Option<Arc<AtomicU64>>,
+    /// Where rank 0 makes known what the job's lost result could not say if it fails: the
+    /// method `auto` chose and the answer's tokens so far.
+    pub progress: Option<Arc<JobProgress>>,
+}
+
+/// What rank 0 makes known of a job while it runs ([`Control::progress`]), for a caller whose
+/// job may fail after its choice or its first tokens (a service's metrics): the method `auto`
+/// chose, once it has, and the answer's tokens as rank 0 takes them
+/// ([`Sampler::count_into`]; streamed, but for a character still incomplete when a step fails).
+#[derive(Debug, Default)]
+pub struct JobProgress {
+    chosen: std::sync::Mutex<Option<(Method, bool)>>,
+    answer_tokens: Arc<AtomicU64>,
+}
+
+impl JobProgress {
+    /// The method `auto` chose for the job and whether it reorders; `None` before it chose,
+    /// and for a job that named its method.
+    pub fn chosen(&self) -> Option<(Method, bool)> {
+        *self.chosen.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The answer's tokens rank 0 has taken so far.
+    pub fn answer_tokens(&self) -> u64 {
+        self.answer_tokens.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn choose(&self, method: Method, reorder: bool) {
+        *self.chosen.lock().unwrap_or_else(|p| p.into_inner()) = Some((method, reorder));
+    }
 }
 
 /// A job as rank 0 broadcasts it, with the time it may still take.
@@ -150,7 +177,7 @@ struct Steer<'a, 'b> {
     watch: Watch,
     t0: Instant,
     on_admitted: Option<Box<dyn FnMut() + Send + 'a>>,
-    answer_tokens: Option<Arc<AtomicU64>>,
+    progress: Option<Arc<JobProgress>>,
     on_text: &'b mut dyn FnMut(&str) -> bool,
 }
 
@@ -369,13 +396,9 @@ impl<B: Backend> Engine<B> {
         if comm.rank() != 0 {
             return Err(internal("only rank 0 leads"));
         }
-        let Control { cancel, deadline, on_admitted, answer_tokens } = ctl;
-        let mut r = self.lead_one(
-            comm,
-            job,
-            Control { cancel: cancel.clone(), deadline, on_admitted, answer_tokens },
-            on_text,
-        )?;
+        let Control { cancel, deadline, on_admitted, progress } = ctl;
+        let mut r =
+            self.lead_one(comm, job, Control { cancel: cancel.clone(), deadline, on_admitted, progress }, on_text)?;
         if job.options.verify {
             // The exact twin, a job of its own for every rank; its answer is not streamed.
             // An exact answer kept from the job before (the same request) is not computed again.
@@ -429,7 +452,7 @@ impl<B: Backend> Engine<B> {
             }
         };
         let watch = Watch::new(ctl.cancel, budget);
-        let steer = Steer { watch, t0, on_admitted: ctl.on_admitted, answer_tokens: ctl.answer_tokens, on_text };
+        let steer = Steer { watch, t0, on_admitted: ctl.on_admitted, progress: ctl.progress, on_text };
         let r = self.job_on_rank(comm, &env.job, steer)?;
         r.ok_or_else(|| internal("rank 0 produced no result"))
     }
@@ -503,7 +526,7 @@ impl<B: Backend> Engine<B> {
                 Next::Stop => return Ok(done),
             };
             let watch = Watch::new(None, env.budget_ms.map(Duration::from_millis));
-            let steer = Steer { watch, t0, on_admitted: None, answer_tokens: None, on_text: &mut |_| true };
+            let steer = Steer { watch, t0, on_admitted: None, progress: None, on_text: &mut |_| true };
             match self.job_on_rank(comm, &env.job, steer) {
                 Err(e) if e.breaks_world() => return Err(e),
                 Err(e) => tracing::debug!(rank = comm.rank(), error = %e, "job failed"),
@@ -553,7 +576,7 @@ impl<B: Backend> Engine<B> {
 
     /// The pipeline of one job on this rank (see the module docs); `Some` on rank 0.
     fn run_job(&self, comm: &mut dyn Communicator, job: &Job, steer: Steer<'_, '_>) -> Result<Option<RunResult>> {
-        let Steer { watch, t0, on_admitted, answer_tokens, on_text } = steer;
+        let Steer { watch, t0, on_admitted, progress, on_text } = steer;
         let (layout, held) = self.agree(comm, job)?;
         // A job already cancelled or late stops before any work (and before a service starts
         // streaming its answer).
@@ -561,6 +584,9 @@ impl<B: Backend> Engine<B> {
         // `auto`: rank 0 chooses the method from what every rank holds; every rank runs it.
         let resolved = self.resolve_auto(comm, job, &layout, &held)?;
         if let Some((chosen, _)) = &resolved {
+            if let Some(p) = &progress {
+                p.choose(chosen.options.method, chosen.options.reorder);
+            }
             self.agree_memory(comm, &chosen.options, &layout)?;
         }
         let (job, choice) = match resolved {
@@ -582,8 +608,8 @@ impl<B: Backend> Engine<B> {
             be.reset_memory_peak();
         }
         let mut sampler = Sampler::new(opts.sampling.clone())?;
-        if let Some(tally) = answer_tokens {
-            sampler.count_into(tally);
+        if let Some(p) = &progress {
+            sampler.count_into(p.answer_tokens.clone());
         }
         let chunk_tokens: Vec<usize> = layout.chunks.iter().map(Vec::len).collect();
         let plan = Pipeline::new(opts, &chunk_tokens, size, self.lm.model.config().n_layers).placed_by(&held);

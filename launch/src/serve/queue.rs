@@ -20,7 +20,7 @@
 use super::api::ApiError;
 use super::metrics;
 use flowprefill_coordinator::world::panic_message;
-use flowprefill_coordinator::{Control, CoordError, ErrorClass, Job, RunResult};
+use flowprefill_coordinator::{Control, CoordError, ErrorClass, Job, JobProgress, RunResult};
 use flowprefill_kernels::Device;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -96,8 +96,20 @@ struct Running {
     /// Past this, rank 0 is considered stuck.
     hard_deadline: Instant,
     events: UnboundedSender<Event>,
-    /// The answer's tokens so far (counted by rank 0 as it takes them).
-    answer_tokens: Arc<AtomicU64>,
+    /// What rank 0 made known of the job (the method `auto` chose, the answer's tokens).
+    progress: Arc<JobProgress>,
+}
+
+impl Running {
+    /// The job's `method` label as it ran: the one `auto` chose, once it has.
+    fn label(&self) -> String {
+        label_of(&self.progress, &self.method)
+    }
+}
+
+/// `method` (the request's label) or, once `auto` has chosen, the chosen method's.
+fn label_of(progress: &JobProgress, method: &str) -> String {
+    progress.chosen().map_or_else(|| method.to_string(), |(m, reorder)| metrics::method_label(m, reorder))
 }
 
 /// State shared between the executor, the watchdog and the handlers.
@@ -440,12 +452,12 @@ fn execute(world: &mut World, q: Queued, shared: &Arc<Shared>, generation: u64) 
             return;
         }
     }
-    let answer_tokens = Arc::new(AtomicU64::new(0));
+    let progress = Arc::new(JobProgress::default());
     shared.set_running(Some(Running {
         method: method.clone(),
         hard_deadline: q.deadline + shared.hang_grace,
         events: q.events.clone(),
-        answer_tokens: answer_tokens.clone(),
+        progress: progress.clone(),
     }));
     let (cancel, events) = (q.cancel.clone(), q.events.clone());
     let admitted = q.events.clone();
@@ -455,7 +467,7 @@ fn execute(world: &mut World, q: Queued, shared: &Arc<Shared>, generation: u64) 
         on_admitted: Some(Box::new(move || {
             let _ = admitted.send(Event::Admitted);
         })),
-        answer_tokens: Some(answer_tokens.clone()),
+        progress: Some(progress.clone()),
     };
     let mut on_text = |s: &str| !cancel.load(Ordering::Relaxed) && events.send(Event::Text(s.to_string())).is_ok();
     // The phase gauge follows rank 0's phases live (this thread leads the job), while the job is
@@ -485,6 +497,8 @@ fn execute(world: &mut World, q: Queued, shared: &Arc<Shared>, generation: u64) 
     // From the request's arrival to the job's start on the ranks: what the client waited
     // before the engine's own clock started (reading the body, admission, the queue).
     let before = t.saturating_duration_since(q.arrived);
+    // The same label for every outcome: the method as the job ran it.
+    let method = label_of(&progress, &method);
     match out {
         Ok(r) if q.cancel.load(Ordering::Relaxed) => {
             metrics::job_outcome(&method, "cancelled");
@@ -502,7 +516,7 @@ fn execute(world: &mut World, q: Queued, shared: &Arc<Shared>, generation: u64) 
         }
         Err(e) => {
             // What it produced before it failed was produced (and streamed) all the same.
-            metrics::generated_token_count(&method, answer_tokens.load(Ordering::Relaxed));
+            metrics::generated_token_count(&method, progress.answer_tokens());
             let mut err = ApiError::from_coord(&e);
             if let Some(device) = e.out_of_memory_device() {
                 // Not the request's fault: the same job may fit once memory is free.
@@ -556,8 +570,9 @@ fn watchdog(
             shared.hang_grace.as_secs_f64()
         );
         tracing::error!("{why}");
-        metrics::job_outcome(&job.method, "error");
-        metrics::generated_token_count(&job.method, job.answer_tokens.load(Ordering::Relaxed));
+        let method = job.label();
+        metrics::job_outcome(&method, "error");
+        metrics::generated_token_count(&method, job.progress.answer_tokens());
         shared.set_ready(false, Some(why.clone()));
         let _ = job.events.send(Event::Failed(ApiError::new(503, "rank_failure", why.clone())));
         shared.finished_one();

@@ -64,6 +64,38 @@ fn one_chunk_and_a_cold_store_go_to_full_prefill_and_held_chunks_to_an_approxima
     assert!(none(&r) && a.chosen().is_some_and(|c| c.quality_from.starts_with("history")), "{a:?}");
 }
 
+/// A job that fails after `auto` chose still makes its choice known (a service labels its
+/// metrics by the method that ran), and the tally of the answer's tokens follows the answer.
+#[test]
+fn a_job_that_fails_after_the_choice_still_says_what_was_chosen() {
+    use flowprefill_coordinator::fault::{FaultMode, FaultPlan};
+    use flowprefill_coordinator::{Control, Job, JobProgress};
+    let c: Arc<dyn Chooser> = chooser();
+    // Full prefill's phase fails once (injected): one chunk makes `auto` choose full.
+    let e = Engine::new(shared_model(), 1 << 30).with_chooser(Some(c)).with_faults(Some(FaultPlan::new(
+        0,
+        "prefill",
+        FaultMode::OutOfMemory,
+    )));
+    let mut solo = flowprefill_comm::local::LocalComm::group(1).pop().expect("a world of one");
+    let job = |options| Job { request: request(vec![small_docs().join(" ")]), options };
+    let run = |solo: &mut flowprefill_comm::local::LocalComm, options| {
+        let progress = Arc::new(JobProgress::default());
+        let ctl = Control { progress: Some(progress.clone()), ..Control::default() };
+        (e.lead_with(solo, &job(options), ctl, &mut |_| true), progress)
+    };
+    let (out, progress) = run(&mut solo, auto(None));
+    let err = out.expect_err("the injected fault");
+    assert!(err.to_string().contains("injected"), "{err}");
+    assert_eq!(progress.chosen(), Some((Method::Full, false)), "chosen before the fault");
+    assert_eq!(progress.answer_tokens(), 0, "it failed before its first token");
+    // A job that names its method has no choice to tell; its tally is its answer's length.
+    let (out, progress) = run(&mut solo, RunOptions { method: Method::Full, ..auto(None) });
+    let r = out.expect("the fault fired once");
+    assert_eq!(progress.chosen(), None);
+    assert!(!r.tokens.is_empty() && progress.answer_tokens() == r.tokens.len() as u64, "{}", r.tokens.len());
+}
+
 #[test]
 fn auto_without_a_chooser_names_the_method_field() {
     let e = Engine::new(shared_model(), 1 << 30);
