@@ -35,9 +35,11 @@
 // What it cannot show (the README lists it): races between blocks (blocks run one after the
 // other), memory-ordering and coherence bugs, the hardware's summation order inside mma,
 // shared-memory bank conflicts, the real warp scheduler (lanes of a warp are fibers that meet
-// at barriers, not lock-step; between two waits a thread runs alone, so a missing barrier shows
-// only where an earlier thread reads what a later one has not written yet, or overwrites what
-// a later one has not read), occupancy and speed. Kernels must keep every lane of a warp in
+// at barriers, not lock-step; between two waits a thread runs alone, in a fixed order: the
+// last to arrive at a barrier goes on at once, the others in turn by thread index, forwards
+// and backwards in alternate rounds; so a missing barrier shows only where that order has a
+// thread read before its writer wrote or write before its reader read, where OS threads could
+// show any order, at random), occupancy and speed. Kernels must keep every lane of a warp in
 // every shuffle, mma and ldmatrix.
 
 #pragma once
@@ -580,9 +582,12 @@ inline bool run_fibers(unsigned n, const std::function<void(unsigned)>& body) {
     fiber_base = fibers.data();
     fiber_deadlock = false;
     unsigned live = n, idle_rounds = 0;
-    while (live > 0) {
+    for (unsigned long long round = 0; live > 0; round++) {
         const unsigned long long before = fiber_progress;
-        for (unsigned t = 0; t < n; t++) {
+        // Rounds alternate the order (by thread index, then back): a missing barrier shows
+        // whichever of two threads runs ahead, the reader or the writer.
+        for (unsigned k = 0; k < n; k++) {
+            const unsigned t = round % 2 == 0 ? k : n - 1 - k;
             Fiber& f = fibers[t];
             if (f.done) {
                 continue;
