@@ -52,7 +52,6 @@
 #include <ucontext.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -71,14 +70,12 @@ struct dim3 {
 namespace fp_shim {
 
 inline void fail(const std::string& what);
-inline bool failed();
 
 // ---- Fibers: the threads of a launch take turns on the calling thread. ----
 
 // One CUDA thread's fiber: its stack, where it stopped, whether its work is done.
 struct Fiber {
-    unsigned char* stack = nullptr;  // the lowest usable byte (a guard page below it)
-    size_t stack_bytes = 0;
+    unsigned char* stack = nullptr;  // the lowest usable byte of FIBER_STACK (a guard page below)
     void* sp = nullptr;  // its saved stack pointer while it does not run (x86-64)
     ucontext_t ctx;      // the same, elsewhere
     bool done = false;
@@ -243,7 +240,6 @@ inline std::vector<unsigned char> dynamic_shared;
 inline unsigned dynamic_bytes = 0;  // what the launch asked for
 inline std::mutex error_lock;
 inline std::string launch_error;
-inline std::atomic<bool> launch_failed{false};  // launch_error is set (read without the lock)
 
 inline unsigned lane() { return thread_linear % 32; }
 inline Warp& warp() { return *block->warps[thread_linear / 32]; }
@@ -252,12 +248,8 @@ inline void fail(const std::string& what) {
     std::lock_guard<std::mutex> g(error_lock);
     if (launch_error.empty()) {
         launch_error = what;
-        launch_failed.store(true, std::memory_order_release);
     }
 }
-
-// Whether this launch has failed (launch_error is set): read without the lock.
-inline bool failed() { return launch_failed.load(std::memory_order_acquire); }
 
 template <typename T>
 inline T exchange(T v, unsigned src_lane) {
@@ -557,12 +549,11 @@ inline bool run_fibers(unsigned n, const std::function<void(unsigned)>& body) {
         if (f.stack == nullptr) {
             return false;
         }
-        f.stack_bytes = FIBER_STACK;
 #if FP_FIBER_ASM
         // A frame fiber_switch pops: six saved registers, then the return address fiber_main
         // (entered with the stack 8 bytes off 16, as after a call), then a dummy return
         // address of fiber_main's own.
-        uintptr_t top = ((uintptr_t)(f.stack + f.stack_bytes)) & ~(uintptr_t)15;
+        uintptr_t top = ((uintptr_t)(f.stack + FIBER_STACK)) & ~(uintptr_t)15;
         void** frame = (void**)(top - 64);
         for (int r = 0; r < 6; r++) {
             frame[r] = nullptr;
@@ -573,7 +564,7 @@ inline bool run_fibers(unsigned n, const std::function<void(unsigned)>& body) {
 #else
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = f.stack;
-        f.ctx.uc_stack.ss_size = f.stack_bytes;
+        f.ctx.uc_stack.ss_size = FIBER_STACK;
         f.ctx.uc_link = nullptr;
         makecontext(&f.ctx, (void (*)())&fiber_main, 0);
 #endif
@@ -628,7 +619,6 @@ std::string launch(dim3 grid, dim3 block_shape, unsigned shared_bytes, void (*ke
     block_dim = block_shape;
     grid_dim = grid;
     launch_error.clear();
-    launch_failed.store(false);
     dynamic_bytes = shared_bytes;
     dynamic_shared.assign(shared_bytes + 16 + 1024, 0xff);
     Block shared_block(threads);

@@ -355,11 +355,7 @@ impl CudaBackend {
         let last = self.upload_u32(&pos[n.saturating_sub(1)..])?;
         // The narrow class's causal prefill: as many blocks of the default configuration as the
         // GPU has SMs (half the class's bound), over its own keys (the first rows of q, k, v).
-        let group = heads / kv_heads.max(1);
-        let default_rows = FlashKernel::Fa2(0).rows(head_dim);
-        let narrow = (self.sm_count.max(1) * default_rows / heads.max(1))
-            .max((tune::DECODE_ROWS as u32).div_ceil(group.max(1)))
-            .min(tokens);
+        let narrow = ShapeClass::narrow_rows(heads, kv_heads, head_dim, self.sm_count, tokens);
         let narrow_meta = self.upload_u32(&ops::key_meta(&pos[..narrow as usize]))?;
         let (qp, _a) = q.device_ptr(s);
         let (kp, _b) = k.device_ptr(s);

@@ -35,13 +35,18 @@ pub enum ShapeClass {
 /// Packed query rows (queries x heads of a KV group) below which a call is decode-like.
 pub const DECODE_ROWS: u64 = 256;
 
+/// Packed query rows per block of the default configuration, by which the classes count blocks.
+fn default_rows(head_dim: u32) -> u32 {
+    super::ops::FlashKernel::Fa2(0).rows(head_dim)
+}
+
 impl ShapeClass {
     /// The class of an attention call of `dims` on a GPU of `sm_count` SMs: fewer than
     /// [`DECODE_ROWS`] packed rows is decode-like; fewer blocks of the default configuration
     /// than [`DEFAULT_BLOCKS_PER_SM`] per SM is narrow; the rest is prefill.
     pub fn of(dims: super::ops::AttnDims, sm_count: u32) -> Self {
         let packed = dims.m as u64 * dims.group() as u64;
-        let rows = super::ops::FlashKernel::Fa2(0).rows(dims.head_dim) as u64;
+        let rows = default_rows(dims.head_dim) as u64;
         let blocks = packed.div_ceil(rows.max(1)) * dims.n_kv_heads.max(1) as u64;
         if packed < DECODE_ROWS {
             ShapeClass::Decode
@@ -50,6 +55,16 @@ impl ShapeClass {
         } else {
             ShapeClass::Prefill
         }
+    }
+
+    /// The query rows of the narrow prefill `flowprefill tune` times for `n_heads` query heads
+    /// over `n_kv_heads` at head dimension `head_dim` on `sm_count` SMs: as many default blocks
+    /// as SMs (half the class's bound), at least a narrow call's packed rows, at most `tokens`.
+    pub fn narrow_rows(n_heads: u32, n_kv_heads: u32, head_dim: u32, sm_count: u32, tokens: u32) -> u32 {
+        let group = n_heads / n_kv_heads.max(1);
+        (sm_count.max(1) * default_rows(head_dim) / n_heads.max(1))
+            .max((DECODE_ROWS as u32).div_ceil(group.max(1)))
+            .min(tokens)
     }
 
     /// The class whose decision a call of this class runs while it has none of its own and is
@@ -442,6 +457,15 @@ mod tests {
         assert_eq!(ShapeClass::of(d(1, 32, 8, 128), 1), ShapeClass::Decode);
         // A smaller GPU fills sooner.
         assert_eq!(ShapeClass::of(d(2048, 9, 3, 64), 16), ShapeClass::Prefill);
+        // What `flowprefill tune` times for the class (docs/gpu.md's figures), and it is narrow.
+        assert_eq!(ShapeClass::narrow_rows(9, 3, 64, h100, 8192), 1877);
+        assert_eq!(ShapeClass::narrow_rows(32, 8, 128, h100, 8192), 528);
+        assert_eq!(ShapeClass::narrow_rows(32, 8, 128, h100, 300), 300, "at most the tokens");
+        assert_eq!(ShapeClass::narrow_rows(32, 8, 128, 1, 8192), 64, "at least 256 packed rows");
+        for (h, kv, dim) in [(9, 3, 64), (32, 8, 128), (14, 2, 64)] {
+            let m = ShapeClass::narrow_rows(h, kv, dim, h100, 8192);
+            assert_eq!(ShapeClass::of(d(m, h, kv, dim), h100), ShapeClass::Narrow, "{h}/{kv} d{dim}: {m}");
+        }
         assert_eq!(ShapeClass::Narrow.fallback(), Some(ShapeClass::Prefill));
         assert_eq!(ShapeClass::Prefill.fallback(), None);
         assert_eq!(ShapeClass::Decode.fallback(), None);

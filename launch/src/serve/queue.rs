@@ -100,13 +100,6 @@ struct Running {
     progress: Arc<JobProgress>,
 }
 
-impl Running {
-    /// The job's `method` label as it ran: the one `auto` chose, once it has.
-    fn label(&self) -> String {
-        label_of(&self.progress, &self.method)
-    }
-}
-
 /// `method` (the request's label) or, once `auto` has chosen, the chosen method's.
 fn label_of(progress: &JobProgress, method: &str) -> String {
     progress.chosen().map_or_else(|| method.to_string(), |(m, reorder)| metrics::method_label(m, reorder))
@@ -570,7 +563,7 @@ fn watchdog(
             shared.hang_grace.as_secs_f64()
         );
         tracing::error!("{why}");
-        let method = job.label();
+        let method = label_of(&job.progress, &job.method);
         metrics::job_outcome(&method, "error");
         metrics::generated_token_count(&method, job.progress.answer_tokens());
         shared.set_ready(false, Some(why.clone()));
