@@ -196,15 +196,43 @@ pub enum CommError {
         /// The peer's error message.
         reason: String,
     },
+    /// A peer gave the job up without its side of a device exchange this rank had started
+    /// (it failed between the exchange's control rows and its transfers): this rank's transfers
+    /// can never complete, and on NCCL, whose unmatched transfers stay queued, the plane had
+    /// to be torn down. The job failed for the peer's reason; the world must be rebuilt.
+    #[error(
+        "rank {rank} gave the job up during `{op}` ({reason}) without its side of this device exchange, which \
+         can never complete: the device plane was torn down (thread ranks are rebuilt for the next job; under \
+         mpirun the job ends: start it again)"
+    )]
+    Stranded {
+        /// The rank that gave up.
+        rank: usize,
+        /// The device exchange.
+        op: String,
+        /// Whose fault the peer's error was.
+        class: ErrorClass,
+        /// The peer's error message.
+        reason: String,
+    },
 }
 
 impl CommError {
     /// Whether the world of ranks is still usable after this error: an abort leaves every rank
     /// in step, and so does this rank's lost device (its control channel works: it tells the
     /// others with an abort of class [`ErrorClass::Device`], and its process stops); the others
-    /// mean a rank is lost, stuck or out of step.
+    /// mean a rank is lost, stuck or out of step, or a device plane was torn down.
     pub fn world_intact(&self) -> bool {
         matches!(self, CommError::Aborted { .. } | CommError::Device { .. })
+    }
+
+    /// A peer's abort that left a device exchange of this rank unfinished: the same rank,
+    /// operation, class and reason as [`CommError::Stranded`] (any other error unchanged).
+    pub fn stranded(self) -> Self {
+        match self {
+            CommError::Aborted { rank, op, class, reason } => CommError::Stranded { rank, op, class, reason },
+            e => e,
+        }
     }
 
     /// Whose fault the error is: a peer's abort carries its own class; a message too large is
@@ -212,7 +240,7 @@ impl CommError {
     /// a peer lost, stuck or garbled (and MPI's own failures) the peers'.
     pub fn class(&self) -> ErrorClass {
         match self {
-            CommError::Aborted { class, .. } => *class,
+            CommError::Aborted { class, .. } | CommError::Stranded { class, .. } => *class,
             CommError::TooLarge { .. } => ErrorClass::TooLarge,
             CommError::Device { .. } => ErrorClass::Device,
             CommError::OutOfStep { .. } | CommError::Misuse(_) => ErrorClass::Internal,
@@ -417,6 +445,10 @@ pub trait Communicator: Send {
     /// collectives move buffers over it and only control data through the communicator. The
     /// plane follows the communicator's deadline, jobs and departure.
     fn set_plane(&mut self, plane: Box<dyn plane::Plane>);
+    /// Takes the device plane out (`set_plane` puts it back): a device wait holds the plane
+    /// and this communicator apart, to look for a peer's abort while its transfers run (see
+    /// [`plane::Watch`]).
+    fn take_plane(&mut self) -> Option<Box<dyn plane::Plane>>;
 }
 
 /// A communicator over the processes of a launched world (`mpirun`) that can narrow its jobs

@@ -217,6 +217,10 @@ impl Communicator for LocalComm {
         plane.set_timeout(self.timeout);
         self.plane = Some(plane);
     }
+
+    fn take_plane(&mut self) -> Option<Box<dyn crate::plane::Plane>> {
+        self.plane.take()
+    }
 }
 
 /// Runs `f` on `n` thread ranks and returns each rank's result in rank order. A rank that

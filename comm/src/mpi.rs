@@ -750,6 +750,10 @@ impl Communicator for MpiComm {
         plane.set_timeout(self.timeout);
         self.plane = Some(plane);
     }
+
+    fn take_plane(&mut self) -> Option<Box<dyn crate::plane::Plane>> {
+        self.plane.take()
+    }
 }
 
 impl Drop for MpiComm {

@@ -17,10 +17,96 @@
 //! [`CommError::Timeout`] naming a peer and the operation instead of waiting for ever, and
 //! after a timeout or a transport error the plane is torn down (NCCL: `ncclCommAbort`); every
 //! later call fails at once with the first error.
+//!
+//! A peer's abort travels on the control channel, which the device transfers never read: a
+//! rank that fails between an exchange's control rows and its transfers (out of memory for its
+//! receive buffers, its GPU lost) leaves its peers' transfers without a partner. So
+//! `complete` looks at the control channel while it waits ([`Watch`], every [`LOOK_EVERY`]):
+//!
+//! ```text
+//!   transfers done ─────────────────────────────> the buffers (or the abort seen meanwhile)
+//!   a peer's abort seen ── grace (GRACE) ─┬─ done ─> CommError::Aborted: the job is over, the plane is fine
+//!                                         └─ not ──> CommError::Stranded: the plane is torn down
+//! ```
+//! within milliseconds of the abort instead of at the deadline. The grace lets transfers the
+//! peer issued before it gave up finish, so that the plane survives aborts that leave every
+//! transfer matched (a cancellation, a peer's failure in its own compute).
 
 use crate::{CommError, Result};
 use std::any::Any;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// How often a device wait looks at the control channel for a peer's abort.
+pub const LOOK_EVERY: Duration = Duration::from_millis(20);
+
+/// How long a device exchange may still finish after a peer's abort was seen (at most the
+/// deadline): the transfers the peer issued before it gave up run at link speed.
+pub const GRACE: Duration = Duration::from_secs(2);
+
+/// What a device wait calls to look for a peer's abort: the communicator's
+/// [`poll_abort`](crate::Communicator::poll_abort) for the exchange.
+pub type Look<'a> = &'a mut dyn FnMut() -> Result<()>;
+
+/// A device wait's view of the control channel (see the module docs): the plane calls
+/// [`Watch::check`] while its transfers are not done, and [`Watch::finish`] once they are.
+pub struct Watch<'a> {
+    look: Look<'a>,
+    next: Instant,
+    grace: Duration,
+    /// A peer's abort seen while waiting, and the end of its grace.
+    seen: Option<(CommError, Instant)>,
+    /// False once a look failed for another reason (the control channel busy with another
+    /// exchange): the wait keeps its deadline alone, as without a watch.
+    looking: bool,
+}
+
+impl<'a> Watch<'a> {
+    /// A watch for a wait with the plane's deadline `timeout`: the first look comes
+    /// [`LOOK_EVERY`] after now (a quick exchange never looks).
+    pub fn new(look: Look<'a>, timeout: Duration) -> Self {
+        let next = Instant::now() + LOOK_EVERY;
+        Self { look, next, grace: GRACE.min(timeout), seen: None, looking: true }
+    }
+
+    /// Called while the transfers are not done (as often as the plane likes: it looks at most
+    /// every [`LOOK_EVERY`]). An error means: give the exchange up and tear the plane down
+    /// (a peer's abort whose grace ran out, as [`CommError::Stranded`]; a peer lost).
+    pub fn check(&mut self) -> Result<()> {
+        let now = Instant::now();
+        if let Some((_, until)) = &self.seen {
+            if now < *until {
+                return Ok(());
+            }
+            return self.seen.take().map_or(Ok(()), |(e, _)| Err(e.stranded()));
+        }
+        if !self.looking || now < self.next {
+            return Ok(());
+        }
+        self.next = now + LOOK_EVERY;
+        match (self.look)() {
+            Ok(()) => Ok(()),
+            Err(e @ CommError::Aborted { .. }) => {
+                self.seen = Some((e, now + self.grace));
+                Ok(())
+            }
+            Err(CommError::Misuse(_)) => {
+                self.looking = false;
+                Ok(())
+            }
+            // The control channel says a peer is lost: so is the exchange.
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The transfers finished: the peer's abort seen meanwhile, if any (the job is over, and
+    /// the poll took the abort off the channel: this is where the rank learns of it).
+    pub fn finish(self) -> Result<()> {
+        match self.seen {
+            Some((e, _)) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
 
 /// The part of a device plane that does not depend on the buffer type.
 pub trait Plane: Send {
@@ -48,7 +134,8 @@ pub trait BufPlane<Buf>: Send {
     /// transfers run while the caller computes. Fails if an exchange is already pending.
     fn issue(&mut self, op: &str, sends: &[(usize, &Buf)], receives: Vec<(usize, Buf)>) -> Result<()>;
     /// Waits for the pending exchange: the received buffers in the order of `receives`.
-    fn complete(&mut self) -> Result<Vec<Buf>>;
+    /// Meanwhile it looks for a peer's abort with `look` (through a [`Watch`]).
+    fn complete(&mut self, look: Look<'_>) -> Result<Vec<Buf>>;
     /// See [`Plane::abort`].
     fn abort(&mut self, reason: &str);
     /// See [`Plane::set_timeout`].
@@ -179,20 +266,27 @@ pub mod threads {
             Ok(())
         }
 
-        fn complete(&mut self) -> Result<Vec<Buf>> {
+        fn complete(&mut self, look: Look<'_>) -> Result<Vec<Buf>> {
             let (op, receives) =
                 self.pending.take().ok_or_else(|| CommError::Misuse("device complete without issue".into()))?;
             let deadline = crate::deadline_after(self.timeout);
+            let mut watch = Watch::new(look, self.timeout);
             let mut out = Vec::with_capacity(receives.len());
             for (peer, want) in receives {
                 let rx =
                     self.from[peer].as_ref().ok_or_else(|| CommError::Misuse(format!("`{op}`: receive from self")))?;
                 let (got_op, b) = loop {
                     let left = crate::time_left(deadline);
-                    match rx.recv_timeout(left) {
+                    match rx.recv_timeout(left.min(LOOK_EVERY)) {
                         // Left over from a job that ended early: dropped.
                         Ok((epoch, _, _)) if epoch < self.epoch => continue,
                         Ok((_, o, b)) => break (o, b),
+                        Err(RecvTimeoutError::Timeout) if !left.is_zero() => {
+                            if let Err(e) = watch.check() {
+                                self.abort(&e.to_string());
+                                return Err(e);
+                            }
+                        }
                         Err(RecvTimeoutError::Timeout) => {
                             let e = CommError::Timeout {
                                 rank: peer,
@@ -223,6 +317,7 @@ pub mod threads {
                 }
                 out.push(b);
             }
+            watch.finish()?;
             Ok(out)
         }
 
@@ -260,6 +355,11 @@ mod tests {
         (from, vec![0.0; len])
     }
 
+    /// A wait that never looks at a control channel.
+    fn no_look() -> Result<()> {
+        Ok(())
+    }
+
     #[test]
     fn grouped_transfers_arrive_in_order_with_their_lengths() {
         let mut p = planes(3);
@@ -267,9 +367,9 @@ mod tests {
         p[0].issue("x", &[(1, &a), (1, &b), (2, &a)], vec![]).unwrap();
         p[1].issue("x", &[], vec![recv(0, 2), recv(0, 1)]).unwrap();
         p[2].issue("x", &[], vec![recv(0, 2)]).unwrap();
-        assert_eq!(p[1].complete().unwrap(), vec![a.clone(), b]);
-        assert_eq!(p[2].complete().unwrap(), vec![a]);
-        assert!(p[0].complete().unwrap().is_empty());
+        assert_eq!(p[1].complete(&mut no_look).unwrap(), vec![a.clone(), b]);
+        assert_eq!(p[2].complete(&mut no_look).unwrap(), vec![a]);
+        assert!(p[0].complete(&mut no_look).unwrap().is_empty());
     }
 
     #[test]
@@ -277,7 +377,7 @@ mod tests {
         let mut p = planes(2);
         p[1].set_timeout(Duration::from_millis(50));
         p[1].issue("ring.kv", &[], vec![recv(0, 4)]).unwrap();
-        match p[1].complete() {
+        match p[1].complete(&mut no_look) {
             Err(CommError::Timeout { rank: 0, op, .. }) => assert_eq!(op, "ring.kv"),
             other => panic!("{other:?}"),
         }
@@ -291,14 +391,14 @@ mod tests {
         let v = vec![0.5; 3];
         p[0].issue("a", &[(1, &v)], vec![]).unwrap();
         p[1].issue("a", &[], vec![recv(0, 2)]).unwrap();
-        let e = p[1].complete().unwrap_err().to_string();
+        let e = p[1].complete(&mut no_look).unwrap_err().to_string();
         assert!(e.contains("3 values, expected a buffer of 2"), "{e}");
         p[1].end_job();
         p[0].end_job();
         p[0].abort("rank 0 failed");
         p[1].issue("b", &[], vec![recv(0, 1)]).unwrap();
         let t = std::time::Instant::now();
-        assert!(matches!(p[1].complete(), Err(CommError::RankLost { rank: 0, .. })));
+        assert!(matches!(p[1].complete(&mut no_look), Err(CommError::RankLost { rank: 0, .. })));
         assert!(t.elapsed() < Duration::from_secs(5), "lost at once, not after the deadline");
     }
 
@@ -308,12 +408,12 @@ mod tests {
         let (old, new) = (vec![1.0], vec![2.0]);
         // Rank 0 sends in job 0; rank 1 gave the job up before receiving it.
         p[0].issue("ring.kv", &[(1, &old)], vec![]).unwrap();
-        p[0].complete().unwrap();
+        p[0].complete(&mut no_look).unwrap();
         p[0].end_job();
         p[1].end_job();
         p[0].issue("ring.kv", &[(1, &new)], vec![]).unwrap();
         p[1].issue("ring.kv", &[], vec![recv(0, 1)]).unwrap();
-        assert_eq!(p[1].complete().unwrap(), vec![new]);
+        assert_eq!(p[1].complete(&mut no_look).unwrap(), vec![new]);
     }
 
     #[test]
@@ -325,8 +425,112 @@ mod tests {
             let v = vec![7.0];
             p[0].issue("x", &[(1, &v)], vec![]).unwrap();
             p[1].issue("x", &[], vec![recv(0, 1)]).unwrap();
-            assert_eq!(p[1].complete().unwrap(), vec![v]);
+            assert_eq!(p[1].complete(&mut no_look).unwrap(), vec![v]);
         }
+    }
+
+    /// Two thread ranks with communicators and planes; rank 1 runs `peer` on its own thread
+    /// while rank 0 issues `ring.kv` (4 values from rank 1) and completes it looking at its
+    /// communicator: rank 0's result, how long it waited, how often it looked, and its ends
+    /// for a next job.
+    #[allow(clippy::type_complexity)]
+    fn device_wait(
+        timeout: Duration,
+        peer: impl FnOnce(&mut crate::local::LocalComm, &mut threads::ThreadPlane<Vec<f32>>) + Send,
+    ) -> (Result<Vec<Vec<f32>>>, Duration, usize, crate::local::LocalComm, threads::ThreadPlane<Vec<f32>>) {
+        use crate::Communicator;
+        let mut comms = crate::local::LocalComm::group(2);
+        let mut p = planes(2);
+        let (mut c1, mut p1) = (comms.pop().unwrap(), p.pop().unwrap());
+        let (mut c0, mut p0) = (comms.pop().unwrap(), p.pop().unwrap());
+        c0.set_timeout(timeout);
+        p0.set_timeout(timeout);
+        std::thread::scope(|s| {
+            s.spawn(|| peer(&mut c1, &mut p1));
+            p0.issue("ring.kv", &[], vec![recv(1, 4)]).unwrap();
+            let t = std::time::Instant::now();
+            let mut looks = 0;
+            let got = p0.complete(&mut || {
+                looks += 1;
+                c0.poll_abort("ring.kv")
+            });
+            (got, t.elapsed(), looks, c0, p0)
+        })
+    }
+
+    #[test]
+    fn a_peer_that_gives_up_before_its_transfers_strands_the_wait_within_the_grace_not_the_deadline() {
+        use crate::{Communicator, ErrorClass};
+        let (got, waited, _, _, mut p0) = device_wait(Duration::from_secs(60), |c1, _| {
+            // Out of memory for its receive buffers: it never issues its side.
+            c1.abort(ErrorClass::Resource, "out of memory on cuda:1");
+        });
+        let e = got.unwrap_err();
+        assert!(
+            matches!(&e, CommError::Stranded { rank: 1, class: ErrorClass::Resource, op, .. } if op == "ring.kv"),
+            "{e:?}"
+        );
+        assert!(!e.world_intact() && e.to_string().contains("out of memory on cuda:1"), "{e}");
+        assert!(
+            waited >= GRACE && waited < GRACE + Duration::from_secs(20),
+            "waited {waited:?}, not the 60 s deadline"
+        );
+        // Torn down, as NCCL's unmatched transfers leave no other way.
+        let e = p0.issue("next", &[], vec![recv(1, 1)]).unwrap_err().to_string();
+        assert!(e.contains("torn down") && e.contains("out of memory on cuda:1"), "{e}");
+    }
+
+    #[test]
+    fn a_peer_that_gives_up_after_its_transfers_ends_the_job_and_the_plane_lives_on() {
+        use crate::{Communicator, ErrorClass};
+        let v = vec![1.0, 2.0, 3.0, 4.0];
+        let (got, waited, _, mut c0, mut p0) = device_wait(Duration::from_secs(60), |c1, p1| {
+            // Cancelled while its transfers were about to leave: the abort comes first, the
+            // transfers within the grace.
+            c1.abort(ErrorClass::Cancelled, "the client went away");
+            std::thread::sleep(LOOK_EVERY * 10);
+            p1.issue("ring.kv", &[(0, &v)], vec![]).unwrap();
+            p1.complete(&mut no_look).unwrap();
+            c1.end_job();
+            p1.end_job();
+            p1.issue("next", &[(0, &v)], vec![]).unwrap();
+        });
+        let e = got.unwrap_err();
+        assert!(matches!(&e, CommError::Aborted { rank: 1, class: ErrorClass::Cancelled, .. }), "{e:?}");
+        assert!(e.world_intact() && waited < GRACE, "waited {waited:?}");
+        c0.end_job();
+        p0.end_job();
+        p0.issue("next", &[], vec![recv(1, 4)]).unwrap();
+        assert_eq!(p0.complete(&mut no_look).unwrap(), vec![v]);
+    }
+
+    #[test]
+    fn a_slow_peer_without_an_abort_is_waited_for_and_looked_at() {
+        let v = vec![0.25; 4];
+        let (got, waited, looks, _, _) = device_wait(Duration::from_secs(60), |_, p1| {
+            std::thread::sleep(LOOK_EVERY * 8);
+            p1.issue("ring.kv", &[(0, &v)], vec![]).unwrap();
+        });
+        assert_eq!(got.unwrap(), vec![v.clone()]);
+        assert!(waited >= LOOK_EVERY * 8);
+        let most = (waited.as_millis() / LOOK_EVERY.as_millis()) as usize;
+        assert!(looks >= 2 && looks <= most, "{looks} looks in {waited:?}: at most one every {LOOK_EVERY:?}");
+    }
+
+    #[test]
+    fn a_lost_peer_ends_the_wait_at_once_and_a_busy_channel_leaves_the_deadline() {
+        let mut p = planes(2);
+        p[1].issue("x", &[], vec![recv(0, 1)]).unwrap();
+        let t = std::time::Instant::now();
+        let mut lost = || Err(CommError::RankLost { rank: 0, op: "x".into(), detail: "its thread has ended".into() });
+        assert!(matches!(p[1].complete(&mut lost), Err(CommError::RankLost { rank: 0, .. })));
+        assert!(t.elapsed() < Duration::from_secs(10));
+        // A look refused (another exchange pending on the channel): the deadline decides.
+        let mut p = planes(2);
+        p[1].set_timeout(LOOK_EVERY * 5);
+        p[1].issue("x", &[], vec![recv(0, 1)]).unwrap();
+        let mut busy = || Err(CommError::Misuse("poll during `y` (wait first)".into()));
+        assert!(matches!(p[1].complete(&mut busy), Err(CommError::Timeout { rank: 0, .. })));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! run-time device buffer [`DevBuf`]. It lives here, where the device and the communicator
 //! meet, so that `kernels` knows nothing of `comm`.
 
-use flowprefill_comm::plane::{BufPlane, Typed};
+use flowprefill_comm::plane::{BufPlane, Look, Typed, Watch};
 use flowprefill_comm::{broadcast_bytes, CommError, Communicator};
 use flowprefill_kernels::cuda::nccl::{self, NcclPlane, PlaneError};
 use flowprefill_kernels::device::{DevBuf, Device};
@@ -59,8 +59,23 @@ impl BufPlane<DevBuf> for NcclDevicePlane {
         }
         self.0.issue(op, &on_gpu, into).map_err(comm_error)
     }
-    fn complete(&mut self) -> flowprefill_comm::Result<Vec<DevBuf>> {
-        Ok(self.0.complete().map_err(comm_error)?.into_iter().map(DevBuf::Cuda).collect())
+    fn complete(&mut self, look: Look<'_>) -> flowprefill_comm::Result<Vec<DevBuf>> {
+        let mut watch = Watch::new(look, self.0.timeout());
+        // The watch's error (a peer's abort past its grace, a lost peer) is the one to report.
+        let mut why = None;
+        let got = self.0.complete_until(&mut || {
+            let e = watch.check().err()?;
+            let text = e.to_string();
+            why = Some(e);
+            Some(text)
+        });
+        match got {
+            Ok(bufs) => {
+                watch.finish()?;
+                Ok(bufs.into_iter().map(DevBuf::Cuda).collect())
+            }
+            Err(e) => Err(why.unwrap_or_else(|| comm_error(e))),
+        }
     }
     fn abort(&mut self, reason: &str) {
         self.0.abort(reason)

@@ -427,6 +427,14 @@ impl NcclPlane {
     /// Waits for the pending exchange (polling the event and NCCL's asynchronous error until
     /// the deadline): the received buffers in the order of `receives`.
     pub fn complete(&mut self) -> PlaneResult<Vec<DeviceBuf>> {
+        self.complete_until(&mut || None)
+    }
+
+    /// [`NcclPlane::complete`] that also asks `give_up` while the transfers run (the worker
+    /// looks at its control channel for a peer's abort there): `Some(why)` aborts the
+    /// communicator, whose unmatched transfers would otherwise stay queued, and fails the
+    /// exchange as [`PlaneError::Lost`] with `why`.
+    pub fn complete_until(&mut self, give_up: &mut dyn FnMut() -> Option<String>) -> PlaneResult<Vec<DeviceBuf>> {
         let p = self.pending.take().ok_or_else(|| PlaneError::Misuse("device complete without issue".into()))?;
         let peer = p.peers.first().copied().unwrap_or(0);
         // No deadline where `now + timeout` is past what an Instant holds (a huge --comm-timeout).
@@ -449,6 +457,9 @@ impl NcclPlane {
                 let e = PlaneError::Timeout { rank: peer, op: p.op.clone(), secs: self.timeout.as_secs_f64() };
                 return Err(self.fail(e));
             }
+            if let Some(why) = give_up() {
+                return Err(self.fail(PlaneError::Lost { rank: peer, op: p.op.clone(), detail: why }));
+            }
             std::thread::sleep(nap);
             nap = (nap * 2).min(Duration::from_millis(1));
         }
@@ -470,6 +481,11 @@ impl NcclPlane {
     /// Changes the deadline of [`NcclPlane::complete`].
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+    }
+
+    /// The deadline of [`NcclPlane::complete`].
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// The job ended: a pending exchange is finished (or aborted on its deadline) and dropped.

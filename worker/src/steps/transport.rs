@@ -21,7 +21,7 @@
 use super::{comm_err, protocol};
 use crate::error::{internal, Result, WorkerError};
 use flowprefill_comm::plane::typed;
-use flowprefill_comm::{Communicator, Packet, Unpack};
+use flowprefill_comm::{CommError, Communicator, Packet, Unpack};
 use flowprefill_kernels::{Backend, DType, HostBuf};
 use std::time::Instant;
 
@@ -213,16 +213,24 @@ pub(crate) fn wait_bufs<B: Backend>(
             Ok(out)
         }
         Posted::Device { op, from, rows, lens, sent, t0 } => {
-            let plane = comm.plane().ok_or_else(|| internal("the device plane went away"))?;
+            // The plane waits apart from the communicator, which it asks for a peer's abort
+            // meanwhile (a peer that gave up before its side of the exchange: see `plane::Watch`).
+            let mut plane = comm.take_plane().ok_or_else(|| internal("the device plane went away"))?;
             let name = plane.name();
-            let mut got = match typed::<B::Buf>(plane).and_then(|p| p.complete()) {
+            let done = typed::<B::Buf>(plane.as_mut()).and_then(|p| p.complete(&mut || comm.poll_abort(&op)));
+            comm.set_plane(plane);
+            let mut got = match done {
                 Ok(got) => got.into_iter(),
                 Err(e) => {
-                    // A peer that gave the job up (its own GPU lost, say) said why on the control
-                    // channel, which the device plane's wait does not read: its reason and class
-                    // are the job's, not this wait's timeout.
-                    if !matches!(e, flowprefill_comm::CommError::Device { .. }) {
-                        comm.poll_abort(&op).map_err(comm_err)?;
+                    // A peer that gave the job up between two looks (its own GPU lost, say) said
+                    // why on the control channel: its reason and class are the job's, not this
+                    // wait's timeout. A timeout or a lost transfer tore the plane down: such a
+                    // peer stranded the exchange, and the world must be rebuilt.
+                    let torn = matches!(e, CommError::Timeout { .. } | CommError::RankLost { .. });
+                    if !matches!(e, CommError::Device { .. } | CommError::Aborted { .. } | CommError::Stranded { .. }) {
+                        if let Err(found) = comm.poll_abort(&op) {
+                            return Err(comm_err(if torn { found.stranded() } else { found }));
+                        }
                     }
                     return Err(comm_err(e));
                 }
@@ -280,4 +288,79 @@ pub(crate) fn all_gather_bufs<B: Backend>(
 /// `lens` of messages whose rows each carry one row of every width in `widths`.
 pub(crate) fn per_row<const N: usize>(widths: [usize; N]) -> impl Fn(&[u32]) -> Vec<usize> {
     move |rows: &[u32]| widths.iter().map(|w| rows.len() * w).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flowprefill_comm::local::LocalComm;
+    use flowprefill_comm::plane::{threads, Typed, GRACE};
+    use flowprefill_comm::ErrorClass;
+    use flowprefill_kernels::Cpu;
+    use std::time::Duration;
+
+    /// Two thread ranks with a device plane of host buffers (NCCL's contract).
+    fn world() -> Vec<LocalComm> {
+        let describe = |b: &HostBuf| format!("a {} buffer of {} values", b.dtype(), b.len());
+        let ends = threads::group::<HostBuf>(2, HostBuf::clone, describe);
+        let mut comms = LocalComm::group(2);
+        for (c, end) in comms.iter_mut().zip(ends) {
+            c.set_plane(Box::new(Typed::<HostBuf>(Box::new(end))));
+        }
+        comms
+    }
+
+    /// Rank 0 sends rank 1 two rows of 3 values each way; rank 1 runs `peer`.
+    fn exchange_with(peer: impl FnOnce(&mut LocalComm) + Send) -> (Result<Vec<Parcel<Cpu>>>, Duration, LocalComm) {
+        let mut comms = world();
+        let mut c1 = comms.pop().expect("rank 1");
+        let mut c0 = comms.pop().expect("rank 0");
+        let be = Cpu::default();
+        let buf = be.stage_in(&HostBuf::F32(vec![1.0; 6])).expect("buffer");
+        std::thread::scope(|s| {
+            s.spawn(|| peer(&mut c1));
+            let t = Instant::now();
+            let lens = per_row([3]);
+            let got = exchange_bufs(&mut c0, &be, "ring.kv", vec![(1, vec![0, 1], vec![&buf])], vec![1], &lens);
+            (got, t.elapsed(), c0)
+        })
+    }
+
+    #[test]
+    fn a_peer_that_fails_between_the_control_rows_and_its_transfers_is_seen_within_the_grace() {
+        let (got, waited, mut c0) = exchange_with(|c1| {
+            // Its control rows go out, then its receive buffers do not fit: no transfers.
+            let control = Packet::new().u32s(&[0, 1]).u32s(&[DType::F32.code()]).into_bytes().expect("control");
+            c1.post("ring.kv", vec![(0, control)], vec![0]).expect("post");
+            c1.wait().expect("control rows");
+            c1.abort(ErrorClass::Resource, "out of memory on cuda:1 for 6 values");
+        });
+        match got {
+            Err(WorkerError::Comm(CommError::Stranded { rank: 1, class: ErrorClass::Resource, reason, .. })) => {
+                assert!(reason.contains("out of memory on cuda:1"), "{reason}")
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("the exchange cannot complete"),
+        }
+        // Within the grace, not at the communicator's 60 s deadline.
+        assert!(waited >= GRACE && waited < GRACE + Duration::from_secs(20), "{waited:?}");
+        // The plane went back to the communicator (torn down: the world is rebuilt).
+        assert!(c0.plane().is_some());
+    }
+
+    #[test]
+    fn an_exchange_over_the_plane_puts_the_plane_back() {
+        let (got, _, mut c0) = exchange_with(|c1| {
+            let be = Cpu::default();
+            let buf = be.stage_in(&HostBuf::F32(vec![2.0; 6])).expect("buffer");
+            let lens = per_row([3]);
+            exchange_bufs(c1, &be, "ring.kv", vec![(0, vec![4, 5], vec![&buf])], vec![0], &lens).expect("rank 1");
+        });
+        let got = got.expect("rank 0");
+        let be = Cpu::default();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].0, vec![4, 5]);
+        assert_eq!(be.stage_out(&got[0].1[0]).expect("out"), HostBuf::F32(vec![2.0; 6]));
+        assert!(c0.plane().is_some(), "the plane is back on the communicator");
+    }
 }
