@@ -108,16 +108,13 @@ pub fn admit<B: Backend>(lm: &LoadedModel<B>, job: &Job, limits: &Limits) -> Res
             ),
         ));
     }
-    // A chat's turns before the context are prefilled in front of every chunk: they count as
-    // context (documents pasted into an earlier turn are not a way around the limit).
-    let mut earlier = 0;
-    if limits.max_context_tokens < usize::MAX {
-        for t in &req.conversation.before {
-            earlier += lm.tokenizer.encode_text(&t.text)?.len();
-        }
-    }
+    // The system prompt and a chat's turns before the context are prefilled in front of every
+    // chunk: they count as context (documents pasted into an earlier turn are not a way around
+    // the limit). The layout tokenized them once already.
+    let earlier = layout.head_text;
     if layout.n_context() + earlier > limits.max_context_tokens {
-        let turns = if earlier > 0 { format!(" and the turns before it {earlier}") } else { String::new() };
+        let turns =
+            if earlier > 0 { format!(" and the system prompt and turns before it {earlier}") } else { String::new() };
         return Err(bad(
             Field::Documents,
             format!(

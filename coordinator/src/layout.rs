@@ -24,8 +24,11 @@ pub const DOC_SEPARATOR: &str = "\n\n";
 /// Tokenized request.
 #[derive(Clone, Debug)]
 pub struct Layout {
-    /// Template tokens before the context (system turn, user header).
+    /// Template tokens before the context (system turn, earlier turns, user header).
     pub head: Vec<u32>,
+    /// Tokens of `head` that are the caller's text (the system prompt and the turns before the
+    /// context; the rest is the template's): what admission counts beside the context.
+    pub head_text: usize,
     /// Context chunks in request order.
     pub chunks: Vec<Vec<u32>>,
     /// Tokens after the context: the question and the template's closing part.
@@ -56,7 +59,9 @@ impl Layout {
             .into());
         };
         let none = |_| Ok(Vec::new());
-        let head = tokenize_pieces(&lm.tokenizer, &pieces[..slot_at], none)?.ids;
+        let head = tokenize_pieces(&lm.tokenizer, &pieces[..slot_at], none)?;
+        let head_text = head.texts.iter().map(ExactSizeIterator::len).sum();
+        let head = head.ids;
         let mut prompt = tokenize_pieces(&lm.tokenizer, &pieces[slot_at + 1..], none)?.ids;
         // The answer prefix opens the assistant's turn, after the template's generation prompt.
         if let Some(p) = req.answer_prefix.as_deref().filter(|p| !p.trim().is_empty()) {
@@ -69,7 +74,7 @@ impl Layout {
                 ids.chunks(*chunk_tokens).map(<[u32]>::to_vec).collect()
             }
         };
-        Ok(Self { head, chunks, prompt })
+        Ok(Self { head, head_text, chunks, prompt })
     }
 
     /// The layout `method` computes with: as [`Layout::build`], and for a method whose adapter

@@ -154,7 +154,20 @@ fn admission_checks_the_cost_bounds_and_the_model() {
     let mut pasted = job(1, RunOptions::default());
     let turn = flowprefill_coordinator::Turn { role: flowprefill_coordinator::Role::User, text: doc.repeat(2) };
     pasted.request.conversation.before = vec![turn];
-    assert!(refused(pasted).contains("and the turns before it"));
+    assert!(refused(pasted.clone()).contains("and the system prompt and turns before it"));
+    // So does a system prompt; the template's own tokens do not.
+    let mut system = job(1, RunOptions::default());
+    system.request.system = Some(doc.repeat(2));
+    assert!(refused(system).contains("and the system prompt and turns before it"));
+    let count = |j: &Job| flowprefill_coordinator::layout::Layout::build(lm, &j.request).expect("layout").head_text;
+    let short = Job {
+        request: Request { system: Some("Be brief.".into()), ..pasted.request.clone() },
+        ..job(1, RunOptions::default())
+    };
+    let plain = job(1, RunOptions::default());
+    assert_eq!(count(&plain), 0, "a head of template tokens only");
+    let turn_tokens = lm.tokenizer.encode_text(&doc.repeat(2)).expect("tokens").len();
+    assert!(count(&short) >= turn_tokens + 3 && count(&short) <= turn_tokens + 8, "{}", count(&short));
     let text = Job {
         request: Request {
             conversation: Default::default(),

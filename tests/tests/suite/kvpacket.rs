@@ -103,6 +103,7 @@ fn soft_ids_read_the_adapter_rows() {
 fn tiny_sample(vocab: usize) -> Sample {
     let layout = Layout {
         head: vec![1, 2, 3],
+        head_text: 0,
         chunks: vec![(4..13).collect(), (13..20).collect(), (20..31).collect()],
         prompt: (31..37).collect(),
     };
