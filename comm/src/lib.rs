@@ -215,6 +215,18 @@ pub enum CommError {
         /// The peer's error message.
         reason: String,
     },
+    /// This rank's device plane was torn down by an earlier failure (a timeout, a stranded
+    /// exchange, a job that ended with its transfers unmatched): no exchange runs on it again.
+    #[error(
+        "`{op}`: the device plane was torn down earlier ({why}); the ranks must be rebuilt (thread ranks are, \
+         for the next job; under mpirun, start the job again)"
+    )]
+    PlaneDown {
+        /// The exchange refused.
+        op: String,
+        /// The first failure.
+        why: String,
+    },
 }
 
 impl CommError {
@@ -248,6 +260,7 @@ impl CommError {
             | CommError::Timeout { .. }
             | CommError::Decode { .. }
             | CommError::BadRank { .. }
+            | CommError::PlaneDown { .. }
             | CommError::Mpi(_) => ErrorClass::Peer,
         }
     }

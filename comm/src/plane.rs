@@ -39,9 +39,20 @@ use std::time::{Duration, Instant};
 /// How often a device wait looks at the control channel for a peer's abort.
 pub const LOOK_EVERY: Duration = Duration::from_millis(20);
 
-/// How long a device exchange may still finish after a peer's abort was seen (at most the
-/// deadline): the transfers the peer issued before it gave up run at link speed.
+/// How long a device exchange may still finish after a peer's abort was seen, beyond the time
+/// its bytes take at [`SLOWEST_LINK`] (see [`grace_for`]): the transfers the peer issued before
+/// it gave up run at link speed.
 pub const GRACE: Duration = Duration::from_secs(2);
+
+/// Bytes per second that the grace after a peer's abort allows for an exchange's transfers
+/// (a 1 Gb/s link between hosts), so that a large exchange the peer did issue is not taken
+/// for a stranded one.
+pub const SLOWEST_LINK: f64 = 100e6;
+
+/// The grace of an exchange of `bytes` (sent and received) under the deadline `timeout`.
+pub fn grace_for(bytes: u64, timeout: Duration) -> Duration {
+    (GRACE + Duration::from_secs_f64(bytes as f64 / SLOWEST_LINK)).min(timeout)
+}
 
 /// What a device wait calls to look for a peer's abort: the communicator's
 /// [`poll_abort`](crate::Communicator::poll_abort) for the exchange.
@@ -61,11 +72,11 @@ pub struct Watch<'a> {
 }
 
 impl<'a> Watch<'a> {
-    /// A watch for a wait with the plane's deadline `timeout`: the first look comes
-    /// [`LOOK_EVERY`] after now (a quick exchange never looks).
-    pub fn new(look: Look<'a>, timeout: Duration) -> Self {
+    /// A watch for a wait of `grace` after a peer's abort ([`grace_for`] the exchange): the
+    /// first look comes [`LOOK_EVERY`] after now (a quick exchange never looks).
+    pub fn new(look: Look<'a>, grace: Duration) -> Self {
         let next = Instant::now() + LOOK_EVERY;
-        Self { look, next, grace: GRACE.min(timeout), seen: None, looking: true }
+        Self { look, next, grace, seen: None, looking: true }
     }
 
     /// Called while the transfers are not done (as often as the plane likes: it looks at most
@@ -104,6 +115,17 @@ impl<'a> Watch<'a> {
         match self.seen {
             Some((e, _)) => Err(e),
             None => Ok(()),
+        }
+    }
+
+    /// The wait failed with `e` before the grace ran out: where a peer's abort was seen, it is
+    /// the job's error (the poll took it off the channel), as [`CommError::Stranded`] when `e`
+    /// tore the plane down (a deadline, a lost transfer); this rank's own lost device stays.
+    pub fn fail(self, e: CommError) -> CommError {
+        match (self.seen, e) {
+            (Some((abort, _)), CommError::Timeout { .. } | CommError::RankLost { .. }) => abort.stranded(),
+            (Some((abort, _)), CommError::Decode { .. } | CommError::OutOfStep { .. }) => abort,
+            (_, e) => e,
         }
     }
 }
@@ -242,7 +264,7 @@ pub mod threads {
 
         fn issue(&mut self, op: &str, sends: &[(usize, &Buf)], receives: Vec<(usize, Buf)>) -> Result<()> {
             if let Some(why) = &self.broken {
-                return Err(CommError::Misuse(format!("the device plane was torn down: {why}")));
+                return Err(CommError::PlaneDown { op: op.to_string(), why: why.clone() });
             }
             if self.pending.is_some() {
                 return Err(CommError::Misuse(format!("`{op}` issued while another device exchange is pending")));
@@ -270,7 +292,8 @@ pub mod threads {
             let (op, receives) =
                 self.pending.take().ok_or_else(|| CommError::Misuse("device complete without issue".into()))?;
             let deadline = crate::deadline_after(self.timeout);
-            let mut watch = Watch::new(look, self.timeout);
+            // Buffers of any type: the grace has no byte count (GRACE alone).
+            let mut watch = Watch::new(look, grace_for(0, self.timeout));
             let mut out = Vec::with_capacity(receives.len());
             for (peer, want) in receives {
                 let rx =
@@ -295,7 +318,7 @@ pub mod threads {
                                 unsent: 0,
                             };
                             self.broken = Some(e.to_string());
-                            return Err(e);
+                            return Err(watch.fail(e));
                         }
                         Err(RecvTimeoutError::Disconnected) => {
                             let e = CommError::RankLost {
@@ -304,16 +327,17 @@ pub mod threads {
                                 detail: "its end of the device plane is gone".into(),
                             };
                             self.broken = Some(e.to_string());
-                            return Err(e);
+                            return Err(watch.fail(e));
                         }
                     }
                 };
                 if got_op != op {
-                    return Err(CommError::OutOfStep { rank: peer, op });
+                    return Err(watch.fail(CommError::OutOfStep { rank: peer, op }));
                 }
                 let (got, expected) = ((self.describe)(&b), (self.describe)(&want));
                 if got != expected {
-                    return Err(CommError::Decode { rank: peer, op, detail: format!("{got}, expected {expected}") });
+                    let e = CommError::Decode { rank: peer, op, detail: format!("{got}, expected {expected}") };
+                    return Err(watch.fail(e));
                 }
                 out.push(b);
             }
@@ -335,6 +359,14 @@ pub mod threads {
         }
 
         fn end_job(&mut self) {
+            // NCCL's drain: a pending exchange finishes within the grace, or the plane is torn
+            // down (NCCL's unmatched transfers would stay queued in front of the next job's).
+            if self.pending.is_some() {
+                let saved = self.timeout;
+                self.timeout = grace_for(0, saved);
+                let _ = self.complete(&mut || Ok(()));
+                self.timeout = saved;
+            }
             // Whatever this job sent and nobody received is dropped on arrival (its epoch).
             self.pending = None;
             self.epoch += 1;
@@ -346,6 +378,7 @@ pub mod threads {
 mod tests {
     use super::threads::group;
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn planes(n: usize) -> Vec<threads::ThreadPlane<Vec<f32>>> {
         group::<Vec<f32>>(n, Vec::clone, |v| format!("a buffer of {} values", v.len()))
@@ -430,13 +463,13 @@ mod tests {
     }
 
     /// Two thread ranks with communicators and planes; rank 1 runs `peer` on its own thread
-    /// while rank 0 issues `ring.kv` (4 values from rank 1) and completes it looking at its
-    /// communicator: rank 0's result, how long it waited, how often it looked, and its ends
-    /// for a next job.
+    /// (given the count of rank 0's looks so far) while rank 0 issues `ring.kv` (4 values from
+    /// rank 1) and completes it looking at its communicator: rank 0's result, how long it
+    /// waited, how often it looked, and its ends for a next job.
     #[allow(clippy::type_complexity)]
     fn device_wait(
         timeout: Duration,
-        peer: impl FnOnce(&mut crate::local::LocalComm, &mut threads::ThreadPlane<Vec<f32>>) + Send,
+        peer: impl FnOnce(&mut crate::local::LocalComm, &mut threads::ThreadPlane<Vec<f32>>, &AtomicUsize) + Send,
     ) -> (Result<Vec<Vec<f32>>>, Duration, usize, crate::local::LocalComm, threads::ThreadPlane<Vec<f32>>) {
         use crate::Communicator;
         let mut comms = crate::local::LocalComm::group(2);
@@ -445,23 +478,31 @@ mod tests {
         let (mut c0, mut p0) = (comms.pop().unwrap(), p.pop().unwrap());
         c0.set_timeout(timeout);
         p0.set_timeout(timeout);
+        let looks = AtomicUsize::new(0);
         std::thread::scope(|s| {
-            s.spawn(|| peer(&mut c1, &mut p1));
+            s.spawn(|| peer(&mut c1, &mut p1, &looks));
             p0.issue("ring.kv", &[], vec![recv(1, 4)]).unwrap();
             let t = std::time::Instant::now();
-            let mut looks = 0;
             let got = p0.complete(&mut || {
-                looks += 1;
+                looks.fetch_add(1, Ordering::SeqCst);
                 c0.poll_abort("ring.kv")
             });
-            (got, t.elapsed(), looks, c0, p0)
+            (got, t.elapsed(), looks.load(Ordering::SeqCst), c0, p0)
         })
+    }
+
+    /// Until rank 0 has looked again since `since` looks (at most 30 s).
+    fn until_looked_past(looks: &AtomicUsize, since: usize) {
+        let t = std::time::Instant::now();
+        while looks.load(Ordering::SeqCst) <= since && t.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     #[test]
     fn a_peer_that_gives_up_before_its_transfers_strands_the_wait_within_the_grace_not_the_deadline() {
         use crate::{Communicator, ErrorClass};
-        let (got, waited, _, _, mut p0) = device_wait(Duration::from_secs(60), |c1, _| {
+        let (got, waited, _, _, mut p0) = device_wait(Duration::from_secs(60), |c1, _, _| {
             // Out of memory for its receive buffers: it never issues its side.
             c1.abort(ErrorClass::Resource, "out of memory on cuda:1");
         });
@@ -484,11 +525,12 @@ mod tests {
     fn a_peer_that_gives_up_after_its_transfers_ends_the_job_and_the_plane_lives_on() {
         use crate::{Communicator, ErrorClass};
         let v = vec![1.0, 2.0, 3.0, 4.0];
-        let (got, waited, _, mut c0, mut p0) = device_wait(Duration::from_secs(60), |c1, p1| {
-            // Cancelled while its transfers were about to leave: the abort comes first, the
-            // transfers within the grace.
+        let (got, waited, _, mut c0, mut p0) = device_wait(Duration::from_secs(60), |c1, p1, looks| {
+            // Cancelled while its transfers were about to leave: the abort comes first (rank 0
+            // sees it), the transfers within the grace.
+            let before = looks.load(Ordering::SeqCst);
             c1.abort(ErrorClass::Cancelled, "the client went away");
-            std::thread::sleep(LOOK_EVERY * 10);
+            until_looked_past(looks, before);
             p1.issue("ring.kv", &[(0, &v)], vec![]).unwrap();
             p1.complete(&mut no_look).unwrap();
             c1.end_job();
@@ -507,7 +549,7 @@ mod tests {
     #[test]
     fn a_slow_peer_without_an_abort_is_waited_for_and_looked_at() {
         let v = vec![0.25; 4];
-        let (got, waited, looks, _, _) = device_wait(Duration::from_secs(60), |_, p1| {
+        let (got, waited, looks, _, _) = device_wait(Duration::from_secs(60), |_, p1, _| {
             std::thread::sleep(LOOK_EVERY * 8);
             p1.issue("ring.kv", &[(0, &v)], vec![]).unwrap();
         });
@@ -515,6 +557,51 @@ mod tests {
         assert!(waited >= LOOK_EVERY * 8);
         let most = (waited.as_millis() / LOOK_EVERY.as_millis()) as usize;
         assert!(looks >= 2 && looks <= most, "{looks} looks in {waited:?}: at most one every {LOOK_EVERY:?}");
+    }
+
+    #[test]
+    fn a_deadline_before_the_grace_ends_still_reports_the_peers_abort() {
+        use crate::{Communicator, ErrorClass};
+        // The abort comes 0.3 s before the 0.5 s deadline: the deadline ends the wait within
+        // the grace, and the error is the peer's, not a bare timeout.
+        let (got, waited, _, _, _) = device_wait(Duration::from_millis(500), |c1, _, _| {
+            std::thread::sleep(Duration::from_millis(200));
+            c1.abort(ErrorClass::Resource, "out of memory on cuda:1");
+        });
+        let e = got.unwrap_err();
+        assert!(matches!(&e, CommError::Stranded { rank: 1, class: ErrorClass::Resource, .. }), "{e:?}");
+        assert!(waited < Duration::from_secs(10), "{waited:?}");
+    }
+
+    #[test]
+    fn a_job_that_ends_with_an_unmatched_exchange_tears_the_plane_down_and_a_matched_one_does_not() {
+        // Unmatched: the peer never sends; the drain waits the grace, then the next job's
+        // exchange is refused with an error that breaks the world.
+        let mut p = planes(2);
+        p[1].issue("ring.kv", &[], vec![recv(0, 2)]).unwrap();
+        let t = std::time::Instant::now();
+        p[1].end_job();
+        assert!(t.elapsed() >= GRACE && t.elapsed() < GRACE + Duration::from_secs(20), "{:?}", t.elapsed());
+        let e = p[1].issue("next", &[], vec![recv(0, 1)]).unwrap_err();
+        assert!(matches!(&e, CommError::PlaneDown { op, .. } if op == "next") && !e.world_intact(), "{e:?}");
+        // Matched: the transfers came; the drain takes them and the next job runs.
+        let mut p = planes(2);
+        let v = vec![3.0, 4.0];
+        p[1].issue("ring.kv", &[], vec![recv(0, 2)]).unwrap();
+        p[0].issue("ring.kv", &[(1, &v)], vec![]).unwrap();
+        p[1].end_job();
+        p[0].end_job();
+        p[0].issue("next", &[(1, &v)], vec![]).unwrap();
+        p[1].issue("next", &[], vec![recv(0, 2)]).unwrap();
+        assert_eq!(p[1].complete(&mut no_look).unwrap(), vec![v]);
+    }
+
+    #[test]
+    fn the_grace_allows_for_the_bytes_at_the_slowest_link_within_the_deadline() {
+        assert_eq!(grace_for(0, Duration::from_secs(60)), GRACE);
+        assert_eq!(grace_for(1_000_000_000, Duration::from_secs(60)), GRACE + Duration::from_secs(10));
+        assert_eq!(grace_for(u64::MAX, Duration::from_secs(60)), Duration::from_secs(60));
+        assert_eq!(grace_for(0, Duration::from_millis(50)), Duration::from_millis(50));
     }
 
     #[test]

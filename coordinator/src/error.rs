@@ -235,4 +235,29 @@ mod tests {
         assert_eq!(super::sizes(3 << 30, 1 << 30), ("3.00 GiB".to_string(), "1.00 GiB".to_string()));
         assert_eq!(super::sizes(1_000_001, 1_000_000), ("1000001 bytes".to_string(), "1000000 bytes".to_string()));
     }
+
+    #[test]
+    fn a_stranded_device_exchange_breaks_the_world_with_the_peers_class() {
+        use flowprefill_comm::{CommError, ErrorClass};
+        let stranded = |class, reason: &str| {
+            super::CoordError::Worker(flowprefill_worker::WorkerError::Comm(CommError::Stranded {
+                rank: 1,
+                op: "ring.kv".into(),
+                class,
+                reason: reason.into(),
+            }))
+        };
+        // Out of memory for the receive buffers: retried as the peer's resource error.
+        let oom = stranded(ErrorClass::Resource, "needs 1.00 GiB more on cuda:1 (0 bytes free)");
+        assert!(oom.breaks_world() && !oom.from_peer_abort());
+        assert_eq!((oom.class(), oom.out_of_memory_device().as_deref()), (ErrorClass::Resource, Some("cuda:1")));
+        // The peer's GPU lost: the device's class, which stops the service.
+        let lost = stranded(ErrorClass::Device, "rank 1's GPU failed");
+        assert_eq!(lost.class(), ErrorClass::Device);
+        let down = super::CoordError::Worker(flowprefill_worker::WorkerError::Comm(CommError::PlaneDown {
+            op: "ring.kv".into(),
+            why: "stranded".into(),
+        }));
+        assert!(down.breaks_world() && down.class() == ErrorClass::Peer);
+    }
 }

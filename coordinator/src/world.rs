@@ -301,7 +301,12 @@ impl<B: Backend> ThreadRanks<B> {
             Err(e) if e.breaks_world() => {
                 self.mark_broken(&e);
                 match e {
-                    CoordError::Panicked { .. } => Err(e),
+                    // A stranded device exchange keeps the peer's class (its lost GPU stops
+                    // the service; its out-of-memory error is retried).
+                    CoordError::Panicked { .. }
+                    | CoordError::Worker(flowprefill_worker::WorkerError::Comm(
+                        flowprefill_comm::CommError::Stranded { .. },
+                    )) => Err(e),
                     _ => Err(CoordError::WorldDown(self.broken.clone().unwrap_or_default())),
                 }
             }

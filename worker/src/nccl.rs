@@ -3,7 +3,7 @@
 //! run-time device buffer [`DevBuf`]. It lives here, where the device and the communicator
 //! meet, so that `kernels` knows nothing of `comm`.
 
-use flowprefill_comm::plane::{BufPlane, Look, Typed, Watch};
+use flowprefill_comm::plane::{grace_for, BufPlane, Look, Typed, Watch};
 use flowprefill_comm::{broadcast_bytes, CommError, Communicator};
 use flowprefill_kernels::cuda::nccl::{self, NcclPlane, PlaneError};
 use flowprefill_kernels::device::{DevBuf, Device};
@@ -22,6 +22,7 @@ fn comm_error(e: PlaneError) -> CommError {
         PlaneError::Lost { rank, op, detail } => CommError::RankLost { rank, op, detail },
         PlaneError::DeviceLost { rank, op, detail } => CommError::Device { rank, op, detail },
         PlaneError::Timeout { rank, op, secs } => CommError::Timeout { rank, op, secs, unsent: 0 },
+        PlaneError::Down { op, why } => CommError::PlaneDown { op, why },
     }
 }
 
@@ -60,7 +61,7 @@ impl BufPlane<DevBuf> for NcclDevicePlane {
         self.0.issue(op, &on_gpu, into).map_err(comm_error)
     }
     fn complete(&mut self, look: Look<'_>) -> flowprefill_comm::Result<Vec<DevBuf>> {
-        let mut watch = Watch::new(look, self.0.timeout());
+        let mut watch = Watch::new(look, grace_for(self.0.pending_bytes(), self.0.timeout()));
         // The watch's error (a peer's abort past its grace, a lost peer) is the one to report.
         let mut why = None;
         let got = self.0.complete_until(&mut || {
@@ -69,12 +70,13 @@ impl BufPlane<DevBuf> for NcclDevicePlane {
             why = Some(e);
             Some(text)
         });
-        match got {
-            Ok(bufs) => {
+        match (got, why) {
+            (Ok(bufs), _) => {
                 watch.finish()?;
                 Ok(bufs.into_iter().map(DevBuf::Cuda).collect())
             }
-            Err(e) => Err(why.unwrap_or_else(|| comm_error(e))),
+            (Err(_), Some(e)) => Err(e),
+            (Err(e), None) => Err(watch.fail(comm_error(e))),
         }
     }
     fn abort(&mut self, reason: &str) {
@@ -84,7 +86,8 @@ impl BufPlane<DevBuf> for NcclDevicePlane {
         self.0.set_timeout(timeout)
     }
     fn end_job(&mut self) {
-        self.0.end_job()
+        let grace = grace_for(self.0.pending_bytes(), self.0.timeout());
+        self.0.end_job_within(grace)
     }
 }
 
@@ -133,6 +136,7 @@ mod tests {
             PlaneError::Lost { rank: 1, op: "ring.kv".into(), detail: "ncclSend to rank 1: X".into() },
             PlaneError::Timeout { rank: 1, op: "ring.kv".into(), secs: 30.0 },
             PlaneError::DeviceLost { rank: 1, op: "ring.kv".into(), detail: "wait: CUDA_ERROR_ILLEGAL_ADDRESS".into() },
+            PlaneError::Down { op: "ring.kv".into(), why: "rank 1 did not answer within 60 s".into() },
         ];
         for e in cases {
             let text = e.to_string();

@@ -23,8 +23,8 @@ pub const ID_BYTES: usize = 128;
 /// text whichever plane failed).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlaneError {
-    /// Used out of order: an exchange issued while another is pending, after an abort, or a
-    /// `complete` without an `issue`.
+    /// Used out of order: an exchange issued while another is pending, or a `complete`
+    /// without an `issue`.
     #[error("communicator misuse: {0}")]
     Misuse(String),
     /// A peer rank outside the communicator's world.
@@ -59,6 +59,17 @@ pub enum PlaneError {
         op: String,
         /// What failed, and the context's answer.
         detail: String,
+    },
+    /// The communicator was aborted by an earlier failure (`why`): no exchange runs on it again.
+    #[error(
+        "`{op}`: the device plane was torn down earlier ({why}); the ranks must be rebuilt (thread ranks are, \
+         for the next job; under mpirun, start the job again)"
+    )]
+    Down {
+        /// The exchange refused.
+        op: String,
+        /// The first failure.
+        why: String,
     },
     /// The exchange did not finish before the deadline; the communicator is aborted.
     #[error(
@@ -274,6 +285,8 @@ struct Pending {
     receives: Vec<DeviceBuf>,
     peers: Vec<usize>,
     done: CudaEvent,
+    /// Bytes sent and received.
+    bytes: u64,
 }
 
 /// The device plane of one GPU rank (the worker puts it behind its communicator): grouped `ncclSend` /
@@ -396,7 +409,7 @@ impl NcclPlane {
         receives: Vec<(usize, DeviceBuf)>,
     ) -> PlaneResult<()> {
         if let Some(why) = &self.broken {
-            return Err(PlaneError::Misuse(format!("`{op}`: the NCCL communicator was aborted earlier: {why}")));
+            return Err(PlaneError::Down { op: op.to_string(), why: why.clone() });
         }
         if self.pending.is_some() {
             return Err(PlaneError::Misuse(format!("`{op}` issued while another device exchange is pending")));
@@ -419,8 +432,14 @@ impl NcclPlane {
             }
         };
         let peers = bufs.iter().map(|b| b.0).chain(sends.iter().map(|s| s.0)).collect();
-        self.pending =
-            Some(Pending { op: op.to_string(), receives: bufs.into_iter().map(|b| b.1).collect(), peers, done });
+        let bytes = bufs
+            .iter()
+            .map(|b| &b.1)
+            .chain(sends.iter().map(|s| s.1))
+            .map(|b| b.len() * b.dtype().size())
+            .sum::<usize>();
+        let receives = bufs.into_iter().map(|b| b.1).collect();
+        self.pending = Some(Pending { op: op.to_string(), receives, peers, done, bytes: bytes as u64 });
         Ok(())
     }
 
@@ -488,12 +507,23 @@ impl NcclPlane {
         self.timeout
     }
 
-    /// The job ended: a pending exchange is finished (or aborted on its deadline) and dropped.
-    pub fn end_job(&mut self) {
-        // Matching operations were issued on every rank (each device exchange follows a
-        // control exchange): let the pending one finish, or abort on its deadline.
+    /// Bytes the pending exchange sends and receives (0 without one).
+    pub fn pending_bytes(&self) -> u64 {
+        self.pending.as_ref().map_or(0, |p| p.bytes)
+    }
+
+    /// The job ended: a pending exchange is finished within `limit` and dropped, or, where a
+    /// peer gave the job up before its side of it, the communicator is aborted (unmatched
+    /// transfers would stay queued in front of the next job's) and every later exchange
+    /// fails with that.
+    pub fn end_job_within(&mut self, limit: Duration) {
         if self.pending.is_some() {
-            let _ = self.complete();
+            let until = Instant::now().checked_add(limit);
+            let _ = self.complete_until(&mut || {
+                until
+                    .is_some_and(|u| Instant::now() >= u)
+                    .then(|| format!("the job ended with this exchange unfinished after {:.1} s", limit.as_secs_f64()))
+            });
         }
     }
 }
