@@ -25,8 +25,8 @@
 //!
 //! ```text
 //!   transfers done ─────────────────────────────> the buffers (or the abort seen meanwhile)
-//!   a peer's abort seen ── grace (GRACE) ─┬─ done ─> CommError::Aborted: the job is over, the plane is fine
-//!                                         └─ not ──> CommError::Stranded: the plane is torn down
+//!   a peer's abort seen ── grace_for ───┬─ done ─> CommError::Aborted: the job is over, the plane is fine
+//!                                       └─ not ──> CommError::Stranded: the plane is torn down
 //! ```
 //! within milliseconds of the abort instead of at the deadline. The grace lets transfers the
 //! peer issued before it gave up finish, so that the plane survives aborts that leave every
