@@ -8,11 +8,16 @@
 //! counted beside the communicator's (`<op>@threads`), and only control rows stay on the
 //! communicator.
 
-use flowprefill_coordinator::{Job, Method, Request, RunOptions, RunResult, Scope, ThreadRanks};
+use flowprefill_comm::plane::{threads, BufPlane, Look, Typed};
+use flowprefill_comm::{CommError, Communicator, ErrorClass, Result as CommResult};
+use flowprefill_coordinator::{
+    CoordError, Job, Method, PlaneSetup, Request, RunOptions, RunResult, Scope, ThreadRanks,
+};
+use flowprefill_kernels::HostBuf;
 use flowprefill_tests::{gate_request, rel_diff, thread_planes, RANKS_LOGIT_TOL};
-use flowprefill_worker::{Cpu, LoadedModel};
-use std::sync::Arc;
-use std::time::Duration;
+use flowprefill_worker::{Cpu, LoadedModel, WorkerError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 fn lm() -> Arc<LoadedModel<Cpu>> {
     flowprefill_tests::shared_model()
@@ -88,4 +93,82 @@ fn every_method_over_a_device_plane_equals_staging_bit_for_bit_and_one_rank() {
         assert!(dev_host < st_host, "{tag}: only control rows stay on the communicator ({dev_host} vs {st_host})");
         eprintln!("{tag}: plane {dev_plane} B + control {dev_host} B, staged {st_host} B");
     }
+}
+
+/// Rank 1's device plane, which fails the first issue of `ring.kv` as a GPU lost between the
+/// exchange's control rows and its transfers would: rank 1 gives the job up before its side.
+struct LostBeforeTransfers {
+    inner: threads::ThreadPlane<HostBuf>,
+    fail: bool,
+}
+
+impl BufPlane<HostBuf> for LostBeforeTransfers {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn issue(&mut self, op: &str, sends: &[(usize, &HostBuf)], receives: Vec<(usize, HostBuf)>) -> CommResult<()> {
+        if self.fail && op == "ring.kv" {
+            self.fail = false;
+            return Err(CommError::Device { rank: 1, op: op.into(), detail: "injected: the GPU was lost".into() });
+        }
+        self.inner.issue(op, sends, receives)
+    }
+    fn complete(&mut self, look: Look<'_>) -> CommResult<Vec<HostBuf>> {
+        self.inner.complete(look)
+    }
+    fn abort(&mut self, reason: &str) {
+        self.inner.abort(reason)
+    }
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.inner.set_timeout(timeout)
+    }
+    fn end_job(&mut self) {
+        self.inner.end_job()
+    }
+}
+
+#[test]
+fn a_rank_lost_before_its_transfers_fails_the_job_in_seconds_with_its_class_and_the_rebuilt_world_runs_the_next() {
+    // Each build of the world takes a new group of planes; rank 1's first one fails.
+    type Ends = (usize, Vec<Option<threads::ThreadPlane<HostBuf>>>);
+    let ends: Arc<Mutex<Ends>> = Arc::new(Mutex::new((0, Vec::new())));
+    let setup: PlaneSetup<Cpu> = Arc::new(move |comm: &mut dyn Communicator, _: &Cpu| {
+        let rank = comm.rank();
+        let mut held = ends.lock().map_err(|_| "poisoned".to_string())?;
+        if held.1.get(rank).is_none_or(Option::is_none) {
+            let describe = |b: &HostBuf| format!("a {} buffer of {} values", b.dtype(), b.len());
+            *held =
+                (held.0 + 1, threads::group::<HostBuf>(2, HostBuf::clone, describe).into_iter().map(Some).collect());
+        }
+        let end = held.1[rank].take().ok_or("taken")?;
+        let fail = rank == 1 && held.0 == 1;
+        comm.set_plane(Box::new(Typed::<HostBuf>(Box::new(LostBeforeTransfers { inner: end, fail }))));
+        Ok(())
+    });
+    let mut world =
+        ThreadRanks::new(lm(), 2, 1 << 30, Duration::from_secs(60)).and_then(|w| w.with_plane(setup)).expect("ranks");
+    let job = Job {
+        request: gate_request(),
+        options: RunOptions { method: Method::Ring, max_new_tokens: 4, ..Default::default() },
+    };
+    let t = Instant::now();
+    let e = world.run(&job, &mut |_| true).expect_err("rank 1 never sent its block");
+    let waited = t.elapsed();
+    // Rank 0's wait for rank 1's block saw rank 1's abort: stranded after the grace, not at the
+    // 60 s deadline, with rank 1's class (a lost GPU stops a service) and reason.
+    assert!(
+        matches!(
+            &e,
+            CoordError::Worker(WorkerError::Comm(CommError::Stranded { rank: 1, class: ErrorClass::Device, reason, .. }))
+                if reason.contains("injected: the GPU was lost")
+        ),
+        "{e:?}"
+    );
+    assert_eq!(e.class(), ErrorClass::Device);
+    assert!(waited < Duration::from_secs(30), "{waited:?}");
+    assert!(world.broken().is_some(), "the plane was torn down: the world must be rebuilt");
+    world.rebuild().expect("rebuilt");
+    let again = world.run(&job, &mut |_| true).expect("the rebuilt world runs the job");
+    let fresh = run(2, true, &job.request, job.options.clone());
+    assert_eq!(again.tokens, fresh.tokens, "the same answer as a world that never failed");
 }
