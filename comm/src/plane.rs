@@ -54,6 +54,16 @@ pub fn grace_for(bytes: u64, timeout: Duration) -> Duration {
     (GRACE + Duration::from_secs_f64(bytes as f64 / SLOWEST_LINK)).min(timeout)
 }
 
+/// Why a plane was torn down when a job ended with its exchange `op` unfinished after the
+/// drain's `grace` (`e`: what the drain saw).
+pub fn unfinished(op: &str, grace: Duration, e: &dyn std::fmt::Display) -> String {
+    format!(
+        "the job ended with its exchange `{op}` unfinished {:.1} s later ({e}): a peer gave the job up before \
+         its side of it",
+        grace.as_secs_f64()
+    )
+}
+
 /// What a device wait calls to look for a peer's abort: the communicator's
 /// [`poll_abort`](crate::Communicator::poll_abort) for the exchange.
 pub type Look<'a> = &'a mut dyn FnMut() -> Result<()>;
@@ -118,13 +128,13 @@ impl<'a> Watch<'a> {
         }
     }
 
-    /// The wait failed with `e` before the grace ran out: where a peer's abort was seen, it is
-    /// the job's error (the poll took it off the channel), as [`CommError::Stranded`] when `e`
-    /// tore the plane down (a deadline, a lost transfer); this rank's own lost device stays.
+    /// The wait failed with `e` before the grace ran out: where a peer's abort was seen and `e`
+    /// tore the plane down (a deadline, a lost transfer), the job's error is that abort (the
+    /// poll took it off the channel) as [`CommError::Stranded`]; any other error (this rank's
+    /// own lost device, ranks out of step) stays what it is.
     pub fn fail(self, e: CommError) -> CommError {
         match (self.seen, e) {
             (Some((abort, _)), CommError::Timeout { .. } | CommError::RankLost { .. }) => abort.stranded(),
-            (Some((abort, _)), CommError::Decode { .. } | CommError::OutOfStep { .. }) => abort,
             (_, e) => e,
         }
     }
@@ -142,6 +152,9 @@ pub trait Plane: Send {
     /// The job ended (see [`Communicator::end_job`](crate::Communicator::end_job)): a pending
     /// exchange is finished and dropped, and nothing of this job reaches the next one.
     fn end_job(&mut self);
+    /// Why the plane was torn down, once it was (every later exchange fails with
+    /// [`CommError::PlaneDown`]); `None` while it works.
+    fn down(&self) -> Option<String>;
     /// For the typed part: `self` as [`Any`] (a [`Typed`] holder).
     fn as_any(&mut self) -> &mut dyn Any;
 }
@@ -164,6 +177,8 @@ pub trait BufPlane<Buf>: Send {
     fn set_timeout(&mut self, timeout: Duration);
     /// See [`Plane::end_job`].
     fn end_job(&mut self);
+    /// See [`Plane::down`].
+    fn down(&self) -> Option<String>;
 }
 
 /// A [`BufPlane`] behind the type-free [`Plane`] a communicator holds; the worker, which knows
@@ -182,6 +197,9 @@ impl<Buf: 'static> Plane for Typed<Buf> {
     }
     fn end_job(&mut self) {
         self.0.end_job()
+    }
+    fn down(&self) -> Option<String> {
+        self.0.down()
     }
     fn as_any(&mut self) -> &mut dyn Any {
         self
@@ -361,15 +379,27 @@ pub mod threads {
         fn end_job(&mut self) {
             // NCCL's drain: a pending exchange finishes within the grace, or the plane is torn
             // down (NCCL's unmatched transfers would stay queued in front of the next job's).
-            if self.pending.is_some() {
-                let saved = self.timeout;
+            // Only this job's messages can arrive meanwhile: every job starts with an agreement
+            // of all ranks before any device exchange.
+            if let Some((op, _)) = &self.pending {
+                let (op, saved) = (op.clone(), self.timeout);
                 self.timeout = grace_for(0, saved);
-                let _ = self.complete(&mut || Ok(()));
+                match self.complete(&mut || Ok(())) {
+                    Err(CommError::Timeout { .. }) => {
+                        self.broken = Some(unfinished(&op, self.timeout, &"its transfers never arrived"))
+                    }
+                    Err(e @ CommError::RankLost { .. }) => self.broken = Some(unfinished(&op, self.timeout, &e)),
+                    _ => {}
+                }
                 self.timeout = saved;
             }
             // Whatever this job sent and nobody received is dropped on arrival (its epoch).
             self.pending = None;
             self.epoch += 1;
+        }
+
+        fn down(&self) -> Option<String> {
+            self.broken.clone()
         }
     }
 }
@@ -378,7 +408,7 @@ pub mod threads {
 mod tests {
     use super::threads::group;
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     fn planes(n: usize) -> Vec<threads::ThreadPlane<Vec<f32>>> {
         group::<Vec<f32>>(n, Vec::clone, |v| format!("a buffer of {} values", v.len()))
@@ -463,13 +493,13 @@ mod tests {
     }
 
     /// Two thread ranks with communicators and planes; rank 1 runs `peer` on its own thread
-    /// (given the count of rank 0's looks so far) while rank 0 issues `ring.kv` (4 values from
-    /// rank 1) and completes it looking at its communicator: rank 0's result, how long it
-    /// waited, how often it looked, and its ends for a next job.
+    /// (given a flag rank 0 raises once a look has found an abort) while rank 0 issues
+    /// `ring.kv` (4 values from rank 1) and completes it looking at its communicator: rank 0's
+    /// result, how long it waited, how often it looked, and its ends for a next job.
     #[allow(clippy::type_complexity)]
     fn device_wait(
         timeout: Duration,
-        peer: impl FnOnce(&mut crate::local::LocalComm, &mut threads::ThreadPlane<Vec<f32>>, &AtomicUsize) + Send,
+        peer: impl FnOnce(&mut crate::local::LocalComm, &mut threads::ThreadPlane<Vec<f32>>, &AtomicBool) + Send,
     ) -> (Result<Vec<Vec<f32>>>, Duration, usize, crate::local::LocalComm, threads::ThreadPlane<Vec<f32>>) {
         use crate::Communicator;
         let mut comms = crate::local::LocalComm::group(2);
@@ -478,23 +508,28 @@ mod tests {
         let (mut c0, mut p0) = (comms.pop().unwrap(), p.pop().unwrap());
         c0.set_timeout(timeout);
         p0.set_timeout(timeout);
-        let looks = AtomicUsize::new(0);
+        let found = AtomicBool::new(false);
         std::thread::scope(|s| {
-            s.spawn(|| peer(&mut c1, &mut p1, &looks));
+            s.spawn(|| peer(&mut c1, &mut p1, &found));
             p0.issue("ring.kv", &[], vec![recv(1, 4)]).unwrap();
             let t = std::time::Instant::now();
+            let mut looks = 0;
             let got = p0.complete(&mut || {
-                looks.fetch_add(1, Ordering::SeqCst);
-                c0.poll_abort("ring.kv")
+                looks += 1;
+                let seen = c0.poll_abort("ring.kv");
+                if seen.is_err() {
+                    found.store(true, Ordering::SeqCst);
+                }
+                seen
             });
-            (got, t.elapsed(), looks.load(Ordering::SeqCst), c0, p0)
+            (got, t.elapsed(), looks, c0, p0)
         })
     }
 
-    /// Until rank 0 has looked again since `since` looks (at most 30 s).
-    fn until_looked_past(looks: &AtomicUsize, since: usize) {
+    /// Until rank 0 has found the abort (at most 30 s).
+    fn until_found(found: &AtomicBool) {
         let t = std::time::Instant::now();
-        while looks.load(Ordering::SeqCst) <= since && t.elapsed() < Duration::from_secs(30) {
+        while !found.load(Ordering::SeqCst) && t.elapsed() < Duration::from_secs(30) {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
@@ -525,12 +560,11 @@ mod tests {
     fn a_peer_that_gives_up_after_its_transfers_ends_the_job_and_the_plane_lives_on() {
         use crate::{Communicator, ErrorClass};
         let v = vec![1.0, 2.0, 3.0, 4.0];
-        let (got, waited, _, mut c0, mut p0) = device_wait(Duration::from_secs(60), |c1, p1, looks| {
+        let (got, waited, _, mut c0, mut p0) = device_wait(Duration::from_secs(60), |c1, p1, found| {
             // Cancelled while its transfers were about to leave: the abort comes first (rank 0
-            // sees it), the transfers within the grace.
-            let before = looks.load(Ordering::SeqCst);
+            // finds it), the transfers within the grace.
             c1.abort(ErrorClass::Cancelled, "the client went away");
-            until_looked_past(looks, before);
+            until_found(found);
             p1.issue("ring.kv", &[(0, &v)], vec![]).unwrap();
             p1.complete(&mut no_look).unwrap();
             c1.end_job();
@@ -562,9 +596,9 @@ mod tests {
     #[test]
     fn a_deadline_before_the_grace_ends_still_reports_the_peers_abort() {
         use crate::{Communicator, ErrorClass};
-        // The abort comes 0.3 s before the 0.5 s deadline: the deadline ends the wait within
+        // The abort comes 1.3 s before the 1.5 s deadline: the deadline ends the wait within
         // the grace, and the error is the peer's, not a bare timeout.
-        let (got, waited, _, _, _) = device_wait(Duration::from_millis(500), |c1, _, _| {
+        let (got, waited, _, _, _) = device_wait(Duration::from_millis(1500), |c1, _, _| {
             std::thread::sleep(Duration::from_millis(200));
             c1.abort(ErrorClass::Resource, "out of memory on cuda:1");
         });
@@ -582,6 +616,11 @@ mod tests {
         let t = std::time::Instant::now();
         p[1].end_job();
         assert!(t.elapsed() >= GRACE && t.elapsed() < GRACE + Duration::from_secs(20), "{:?}", t.elapsed());
+        let why = p[1].down().expect("torn down");
+        assert!(
+            why.contains("ended with its exchange `ring.kv` unfinished") && !why.contains("--comm-timeout"),
+            "{why}"
+        );
         let e = p[1].issue("next", &[], vec![recv(0, 1)]).unwrap_err();
         assert!(matches!(&e, CommError::PlaneDown { op, .. } if op == "next") && !e.world_intact(), "{e:?}");
         // Matched: the transfers came; the drain takes them and the next job runs.
@@ -591,6 +630,7 @@ mod tests {
         p[0].issue("ring.kv", &[(1, &v)], vec![]).unwrap();
         p[1].end_job();
         p[0].end_job();
+        assert!(p[1].down().is_none());
         p[0].issue("next", &[(1, &v)], vec![]).unwrap();
         p[1].issue("next", &[], vec![recv(0, 2)]).unwrap();
         assert_eq!(p[1].complete(&mut no_look).unwrap(), vec![v]);

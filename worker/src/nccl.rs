@@ -3,7 +3,7 @@
 //! run-time device buffer [`DevBuf`]. It lives here, where the device and the communicator
 //! meet, so that `kernels` knows nothing of `comm`.
 
-use flowprefill_comm::plane::{grace_for, BufPlane, Look, Typed, Watch};
+use flowprefill_comm::plane::{grace_for, unfinished, BufPlane, Look, Typed, Watch};
 use flowprefill_comm::{broadcast_bytes, CommError, Communicator};
 use flowprefill_kernels::cuda::nccl::{self, NcclPlane, PlaneError};
 use flowprefill_kernels::device::{DevBuf, Device};
@@ -87,7 +87,10 @@ impl BufPlane<DevBuf> for NcclDevicePlane {
     }
     fn end_job(&mut self) {
         let grace = grace_for(self.0.pending_bytes(), self.0.timeout());
-        self.0.end_job_within(grace)
+        self.0.end_job_within(grace, &|op, limit| unfinished(op, limit, &"its transfers never completed"))
+    }
+    fn down(&self) -> Option<String> {
+        self.0.down()
     }
 }
 

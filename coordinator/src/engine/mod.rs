@@ -78,7 +78,7 @@ use flowprefill_worker::kv::KvCache;
 use flowprefill_worker::sampling::Sampler;
 use flowprefill_worker::steps::{ring_prefill, zigzag_pieces, LocalSegment};
 use flowprefill_worker::store::{ChunkKey, ChunkStore};
-use flowprefill_worker::{Field, InputError, LoadedModel};
+use flowprefill_worker::{Field, InputError, LoadedModel, WorkerError};
 use pace::Next;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
@@ -559,8 +559,19 @@ impl<B: Backend> Engine<B> {
                 comm.abort(e.class(), &e.to_string());
             }
         }
+        let plane_was_up = comm.plane().is_some_and(|p| p.down().is_none());
         comm.end_job();
-        r
+        // A failed job whose exchange could not be drained at its end tore the device plane
+        // down: no later job can run on this world, so this one's error breaks it.
+        match (r, comm.plane().and_then(|p| p.down()).filter(|_| plane_was_up)) {
+            (Err(e), Some(why)) if !e.breaks_world() => {
+                Err(CoordError::Worker(WorkerError::Comm(flowprefill_comm::CommError::PlaneDown {
+                    op: format!("the end of a job that failed ({e})"),
+                    why,
+                })))
+            }
+            (r, _) => r,
+        }
     }
 
     /// What would make room when work that `spreads` over the ranks (or not: `full`, one

@@ -516,15 +516,24 @@ impl NcclPlane {
     /// peer gave the job up before its side of it, the communicator is aborted (unmatched
     /// transfers would stay queued in front of the next job's) and every later exchange
     /// fails with that.
-    pub fn end_job_within(&mut self, limit: Duration) {
-        if self.pending.is_some() {
-            let until = Instant::now().checked_add(limit);
-            let _ = self.complete_until(&mut || {
-                until
-                    .is_some_and(|u| Instant::now() >= u)
-                    .then(|| format!("the job ended with this exchange unfinished after {:.1} s", limit.as_secs_f64()))
-            });
+    /// `unfinished(op, limit)` is the reason kept when the drain gives up.
+    pub fn end_job_within(&mut self, limit: Duration, unfinished: &dyn Fn(&str, Duration) -> String) {
+        let Some(op) = self.pending.as_ref().map(|p| p.op.clone()) else { return };
+        let until = Instant::now().checked_add(limit);
+        let mut gave_up = false;
+        let drained = self.complete_until(&mut || {
+            gave_up = until.is_some_and(|u| Instant::now() >= u);
+            gave_up.then(|| unfinished(&op, limit))
+        });
+        if drained.is_err() && gave_up {
+            // Not "rank N was lost": the peer is alive; it never issued its side.
+            self.broken = Some(unfinished(&op, limit));
         }
+    }
+
+    /// Why the communicator was aborted, once it was.
+    pub fn down(&self) -> Option<String> {
+        self.broken.clone()
     }
 }
 

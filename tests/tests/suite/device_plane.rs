@@ -125,6 +125,9 @@ impl BufPlane<HostBuf> for LostBeforeTransfers {
     fn end_job(&mut self) {
         self.inner.end_job()
     }
+    fn down(&self) -> Option<String> {
+        self.inner.down()
+    }
 }
 
 #[test]
