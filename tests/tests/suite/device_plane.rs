@@ -130,12 +130,15 @@ impl BufPlane<HostBuf> for LostBeforeTransfers {
     }
 }
 
-#[test]
-fn a_rank_lost_before_its_transfers_fails_the_job_in_seconds_with_its_class_and_the_rebuilt_world_runs_the_next() {
-    // Each build of the world takes a new group of planes; rank 1's first one fails.
+/// Device planes for a world of two thread ranks, a new group at each build of the world
+/// (its rebuilds too); in the first build rank 1's fails its first `ring.kv` issue.
+fn rank_1_lost_at_its_first_ring_step<B>() -> PlaneSetup<B>
+where
+    B: flowprefill_kernels::Backend<Buf = HostBuf>,
+{
     type Ends = (usize, Vec<Option<threads::ThreadPlane<HostBuf>>>);
     let ends: Arc<Mutex<Ends>> = Arc::new(Mutex::new((0, Vec::new())));
-    let setup: PlaneSetup<Cpu> = Arc::new(move |comm: &mut dyn Communicator, _: &Cpu| {
+    Arc::new(move |comm: &mut dyn Communicator, _: &B| {
         let rank = comm.rank();
         let mut held = ends.lock().map_err(|_| "poisoned".to_string())?;
         if held.1.get(rank).is_none_or(Option::is_none) {
@@ -147,7 +150,12 @@ fn a_rank_lost_before_its_transfers_fails_the_job_in_seconds_with_its_class_and_
         let fail = rank == 1 && held.0 == 1;
         comm.set_plane(Box::new(Typed::<HostBuf>(Box::new(LostBeforeTransfers { inner: end, fail }))));
         Ok(())
-    });
+    })
+}
+
+#[test]
+fn a_rank_lost_before_its_transfers_fails_the_job_in_seconds_with_its_class_and_the_rebuilt_world_runs_the_next() {
+    let setup = rank_1_lost_at_its_first_ring_step::<Cpu>();
     let mut world =
         ThreadRanks::new(lm(), 2, 1 << 30, Duration::from_secs(60)).and_then(|w| w.with_plane(setup)).expect("ranks");
     let job = Job {
@@ -170,6 +178,91 @@ fn a_rank_lost_before_its_transfers_fails_the_job_in_seconds_with_its_class_and_
     assert_eq!(e.class(), ErrorClass::Device);
     assert!(waited < Duration::from_secs(30), "{waited:?}");
     assert!(world.broken().is_some(), "the plane was torn down: the world must be rebuilt");
+    world.rebuild().expect("rebuilt");
+    let again = world.run(&job, &mut |_| true).expect("the rebuilt world runs the job");
+    let fresh = run(2, true, &job.request, job.options.clone());
+    assert_eq!(again.tokens, fresh.tokens, "the same answer as a world that never failed");
+}
+
+/// The CPU, except that the first attention call on one thread (rank 0's: the caller of
+/// `ThreadRanks::run`) fails for want of memory, once armed.
+struct OomOnce {
+    cpu: Cpu,
+    on: Mutex<Option<std::thread::ThreadId>>,
+}
+
+impl flowprefill_kernels::Wrapper for OomOnce {
+    type Inner = Cpu;
+    fn inner(&self) -> &Cpu {
+        &self.cpu
+    }
+    fn buf(buf: &HostBuf) -> &HostBuf {
+        buf
+    }
+    fn buf_mut(buf: &mut HostBuf) -> &mut HostBuf {
+        buf
+    }
+    fn adopt(&self, buf: HostBuf) -> flowprefill_kernels::Result<HostBuf> {
+        Ok(buf)
+    }
+}
+
+flowprefill_kernels::forward_backend! {
+    impl Backend for OomOnce {
+        type Buf = HostBuf;
+        fn attention(
+            &self,
+            shape: &flowprefill_kernels::attention::AttnShape,
+            q: &HostBuf,
+            qpos: &[u32],
+            k: &HostBuf,
+            v: &HostBuf,
+            kpos: &[u32],
+            out: &mut HostBuf,
+            lse: &mut HostBuf,
+        ) -> flowprefill_kernels::Result<()> {
+            let mut on = self.on.lock().unwrap_or_else(|p| p.into_inner());
+            if *on == Some(std::thread::current().id()) {
+                *on = None;
+                return Err(flowprefill_kernels::KernelError::OutOfMemory {
+                    device: "injected".into(),
+                    requested: 1 << 30,
+                    free: Some(0),
+                    advice: Default::default(),
+                });
+            }
+            drop(on);
+            self.cpu.attention(shape, q, qpos, k, v, kpos, out, lse)
+        }
+    }
+}
+
+#[test]
+fn a_job_that_fails_with_an_exchange_its_peer_never_joined_breaks_the_world_at_its_end() {
+    // Rank 1 gives the job up before its side of the first ring step (its plane fails the
+    // issue); rank 0 issued its side and then fails in the step's attention, before its wait:
+    // the job ends on rank 0 with the exchange pending, which the drain cannot finish.
+    let setup = rank_1_lost_at_its_first_ring_step::<OomOnce>();
+    let be = OomOnce { cpu: Cpu, on: Mutex::new(None) };
+    let lm = Arc::new(LoadedModel::load(&flowprefill_tests::default_model_path(), be).expect("model"));
+    let mut world = ThreadRanks::new(lm.clone(), 2, 1 << 30, Duration::from_secs(60))
+        .and_then(|w| w.with_plane(setup))
+        .expect("ranks");
+    let job = Job {
+        request: gate_request(),
+        options: RunOptions { method: Method::Ring, max_new_tokens: 4, ..Default::default() },
+    };
+    *lm.model.backend().on.lock().unwrap() = Some(std::thread::current().id());
+    let t = Instant::now();
+    let e = world.run(&job, &mut |_| true).expect_err("both ranks failed");
+    let waited = t.elapsed();
+    assert!(lm.model.backend().on.lock().unwrap().is_none(), "rank 0's attention failed as planned");
+    // Without the upgrade the job failed with rank 0's own out-of-memory error, which leaves
+    // the world standing over a torn-down plane (the next job failed on it).
+    assert!(e.breaks_world(), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("unfinished") && msg.contains("ring.kv"), "{msg}");
+    assert!(waited < Duration::from_secs(30), "{waited:?}");
     world.rebuild().expect("rebuilt");
     let again = world.run(&job, &mut |_| true).expect("the rebuilt world runs the job");
     let fresh = run(2, true, &job.request, job.options.clone());
