@@ -22,7 +22,6 @@ fn comm_error(e: PlaneError) -> CommError {
         PlaneError::Lost { rank, op, detail } => CommError::RankLost { rank, op, detail },
         PlaneError::DeviceLost { rank, op, detail } => CommError::Device { rank, op, detail },
         PlaneError::Timeout { rank, op, secs } => CommError::Timeout { rank, op, secs, unsent: 0 },
-        PlaneError::Down { op, why } => CommError::PlaneDown { op, why },
     }
 }
 
@@ -36,6 +35,9 @@ impl BufPlane<DevBuf> for NcclDevicePlane {
         sends: &[(usize, &DevBuf)],
         receives: Vec<(usize, DevBuf)>,
     ) -> flowprefill_comm::Result<()> {
+        if let Some(why) = self.0.down() {
+            return Err(CommError::PlaneDown { op: op.to_string(), why });
+        }
         let mut on_gpu = Vec::with_capacity(sends.len());
         for &(peer, b) in sends {
             match b {
@@ -139,7 +141,6 @@ mod tests {
             PlaneError::Lost { rank: 1, op: "ring.kv".into(), detail: "ncclSend to rank 1: X".into() },
             PlaneError::Timeout { rank: 1, op: "ring.kv".into(), secs: 30.0 },
             PlaneError::DeviceLost { rank: 1, op: "ring.kv".into(), detail: "wait: CUDA_ERROR_ILLEGAL_ADDRESS".into() },
-            PlaneError::Down { op: "ring.kv".into(), why: "rank 1 did not answer within 60 s".into() },
         ];
         for e in cases {
             let text = e.to_string();

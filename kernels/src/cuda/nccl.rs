@@ -23,7 +23,8 @@ pub const ID_BYTES: usize = 128;
 /// text whichever plane failed).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PlaneError {
-    /// Used out of order: an exchange issued while another is pending, or a `complete`
+    /// Used out of order: an exchange issued while another is pending, after an abort (the
+    /// worker's plane refuses that one first, see [`NcclPlane::down`]), or a `complete`
     /// without an `issue`.
     #[error("communicator misuse: {0}")]
     Misuse(String),
@@ -59,17 +60,6 @@ pub enum PlaneError {
         op: String,
         /// What failed, and the context's answer.
         detail: String,
-    },
-    /// The communicator was aborted by an earlier failure (`why`): no exchange runs on it again.
-    #[error(
-        "`{op}`: the device plane was torn down earlier ({why}); the ranks must be rebuilt (thread ranks are, \
-         for the next job; under mpirun, start the job again)"
-    )]
-    Down {
-        /// The exchange refused.
-        op: String,
-        /// The first failure.
-        why: String,
     },
     /// The exchange did not finish before the deadline; the communicator is aborted.
     #[error(
@@ -409,7 +399,7 @@ impl NcclPlane {
         receives: Vec<(usize, DeviceBuf)>,
     ) -> PlaneResult<()> {
         if let Some(why) = &self.broken {
-            return Err(PlaneError::Down { op: op.to_string(), why: why.clone() });
+            return Err(PlaneError::Misuse(format!("`{op}`: the NCCL communicator was aborted earlier: {why}")));
         }
         if self.pending.is_some() {
             return Err(PlaneError::Misuse(format!("`{op}` issued while another device exchange is pending")));
